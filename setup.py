@@ -1,0 +1,31 @@
+"""Install semoe: the packages storage, mpress, semoe, inference, tools and the `semoe` command."""
+
+from setuptools import setup
+
+setup(
+    name="semoe",
+    version="0.1.0",
+    description="Train and serve Mixture-of-Experts GPT models larger than GPU memory",
+    python_requires=">=3.10",
+    packages=["storage", "mpress", "semoe", "inference", "tools"],
+    install_requires=[
+        # torch is installed first, pinned, by tools/run.sh; a looser range here keeps pip from
+        # replacing it with a multi-GB CUDA build.
+        "torch>=2.4",
+        "numpy>=1.24",
+        "tensorstore>=0.1.60",
+        "safetensors>=0.4",
+        "crc32c>=2.4",
+        "tqdm>=4.60",
+        "nvidia-ml-py>=12.0",
+        "aiofiles>=23.0",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=8.0",
+            "transformers>=4.45",
+            "zarr>=3.0",
+        ],
+    },
+    entry_points={"console_scripts": ["semoe=tools.cli:main"]},
+)

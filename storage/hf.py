@@ -1,0 +1,325 @@
+"""HuggingFace safetensors checkpoints into a store and back, streaming tensor by tensor.
+
+Expert tensors are recognised by name: Mixtral (`block_sparse_moe.experts.N.w1|w2|w3`), Qwen2-MoE,
+Qwen3-MoE, OLMoE and DeepSeek-V2/V3 (`mlp.experts.N.*`), and fused 3-D tensors holding every
+expert of a layer (`experts.gate_up_proj`, `experts.down_proj`, ...), which are split into one
+slice per expert. Everything else (shared experts included) is dense.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from storage.dtypes import cast_dtype, dtype_name, torch_dtype
+from storage.errors import BadInputError
+from storage.manifest import TensorEntry
+from storage.safetensors_io import OutTensor, TensorRef, read_header, write_file
+from storage.store import ExpertTensor, Store, chunk_layout
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "semoe_gpt")
+_EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
+_FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.([A-Za-z0-9_]+)$")
+_NUM_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+Progress = Callable[[int], None]
+
+
+@dataclass(kw_only=True)
+class ExpertPart:
+    """One tensor of one expert: a whole per-expert tensor, or slice `expert` of a fused one."""
+
+    ref: TensorRef
+    stacked: bool
+
+    def slice_shape(self) -> tuple[int, ...]:
+        return self.ref.shape[1:] if self.stacked else self.ref.shape
+
+    def slice_bytes(self) -> int:
+        return self.ref.nbytes // self.ref.shape[0] if self.stacked else self.ref.nbytes
+
+
+@dataclass(kw_only=True)
+class Checkpoint:
+    """A checked HuggingFace checkpoint directory: its config, tensors and side files."""
+
+    path: str
+    config: dict
+    tensors: dict[str, TensorRef]
+    file_metadata: dict[str, dict[str, str]]
+    side_files: list[str]
+    dense: list[str] = field(default_factory=list)
+    experts: dict[int, dict[int, list[ExpertPart]]] = field(default_factory=dict)  # layer -> expert -> parts
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config.get("model_type", ""))
+
+
+def open_checkpoint(path: str) -> Checkpoint:
+    """Read and check a checkpoint directory's headers; no tensor data is read."""
+    if not os.path.isdir(path):
+        raise BadInputError(f"{path}: not a directory")
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.isfile(cfg_path):
+        raise BadInputError(f"{cfg_path}: missing (a HuggingFace checkpoint needs its config.json)")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            config = json.load(f)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise BadInputError(f"{cfg_path}: not valid JSON ({e})") from None
+    model_type = config.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise BadInputError(f"{cfg_path}: unknown architecture model_type={model_type!r}; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    files = _weight_files(path)
+    tensors: dict[str, TensorRef] = {}
+    metadata: dict[str, dict[str, str]] = {}
+    for name in files:
+        refs, meta = read_header(os.path.join(path, name))
+        metadata[name] = meta
+        for k, ref in refs.items():
+            if k in tensors:
+                raise BadInputError(f"{ref.path}: tensor {k} also appears in {tensors[k].path}")
+            tensors[k] = ref
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            weight_map = json.load(f).get("weight_map", {})
+        for k, fname in weight_map.items():
+            if k not in tensors or os.path.basename(tensors[k].path) != fname:
+                raise BadInputError(f"{os.path.join(path, fname)}: tensor {k} listed in {INDEX_FILE} is missing")
+    weights = set(files) | {INDEX_FILE}
+    side = sorted(n for n in os.listdir(path)
+                  if n not in weights and not n.startswith(".") and os.path.isfile(os.path.join(path, n))
+                  and not n.endswith((".bin", ".pt", ".pth", ".safetensors")))
+    ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side)
+    _classify(ck)
+    return ck
+
+
+def _weight_files(path: str) -> list[str]:
+    index = os.path.join(path, INDEX_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise BadInputError(f"{index}: not a valid safetensors index (needs a weight_map)") from None
+        return sorted(set(weight_map.values()))
+    files = sorted(n for n in os.listdir(path) if n.endswith(".safetensors"))
+    if not files:
+        raise BadInputError(f"{path}: no *.safetensors weights (only safetensors checkpoints are supported)")
+    return files
+
+
+def _classify(ck: Checkpoint) -> None:
+    experts: dict[int, dict[int, list[ExpertPart]]] = defaultdict(lambda: defaultdict(list))
+    for name, ref in ck.tensors.items():
+        m = _EXPERT_RE.match(name)
+        if m:
+            experts[int(m.group(1))][int(m.group(2))].append(ExpertPart(ref=ref, stacked=False))
+            continue
+        m = _FUSED_RE.match(name)
+        if m and len(ref.shape) >= 2:
+            for e in range(ref.shape[0]):
+                experts[int(m.group(1))][e].append(ExpertPart(ref=ref, stacked=True))
+            continue
+        ck.dense.append(name)
+    want = next((int(ck.config[k]) for k in _NUM_EXPERT_KEYS if isinstance(ck.config.get(k), int)), None)
+    for layer, by_expert in experts.items():
+        n = max(by_expert) + 1
+        if want is not None and n != want:
+            raise BadInputError(f"{ck.path}: layer {layer} has {n} experts, config.json says {want}")
+        first = _signature(by_expert[min(by_expert)])
+        for e in range(n):
+            if e not in by_expert:
+                raise BadInputError(f"{ck.path}: expert {e} of layer {layer} has no tensors")
+            if _signature(by_expert[e]) != first:
+                raise BadInputError(f"{ck.path}: expert {e} of layer {layer} has tensors of other shapes or dtypes "
+                                    f"than expert {min(by_expert)}")
+            by_expert[e].sort(key=lambda p: _role(p.ref.name))
+    ck.experts = {layer: dict(sorted(v.items())) for layer, v in sorted(experts.items())}
+
+
+def _role(name: str) -> str:
+    m = _EXPERT_RE.match(name)
+    return m.group(3) if m else name.rsplit(".", 1)[-1]
+
+
+def _signature(parts: list[ExpertPart]) -> list[tuple]:
+    return sorted((_role(p.ref.name), p.ref.dtype, p.slice_shape()) for p in parts)
+
+
+def _cast(data: np.ndarray, ref_dtype: str, shape: tuple[int, ...], to: torch.dtype | None) -> tuple[np.ndarray, str]:
+    """Cast floating tensors to `to` (None keeps bytes as they are)."""
+    src = torch_dtype(ref_dtype)
+    if to is None or not src.is_floating_point or src == to:
+        return data, ref_dtype
+    t = torch.from_numpy(data).view(src).view(shape).to(to)
+    return t.reshape(-1).view(torch.uint8).numpy(), dtype_name(to)
+
+
+def import_checkpoint(src: str, dst: str, *, dtype: str = "keep", progress: Progress | None = None) -> Store:
+    """Import a HuggingFace checkpoint into a new store at `dst` (absent or empty).
+
+    On any failure the target is removed again, so nothing half-written is left behind.
+    """
+    to = cast_dtype(dtype)
+    ck = open_checkpoint(src)
+    created = not os.path.exists(dst)
+    store = Store.create(dst)
+    try:
+        with store.writer() as w:
+            for name in ck.side_files:
+                with open(os.path.join(src, name), "rb") as f:
+                    w.put_file(name, f.read())
+            for name in ck.dense:
+                ref = ck.tensors[name]
+                data, dt = _cast(ref.read(), ref.dtype, ref.shape, to)
+                t = torch.from_numpy(data).view(torch_dtype(dt)).view(ref.shape)
+                w.put_dense(name, t, hf_file=os.path.basename(ref.path))
+                if progress:
+                    progress(ref.nbytes)
+            for layer, by_expert in ck.experts.items():
+                for e, parts in by_expert.items():
+                    _import_expert(w, layer, e, parts, len(by_expert), to)
+                    if progress:
+                        progress(sum(p.slice_bytes() for p in parts))
+            w.set_model(_model_info(ck))
+            w.commit()
+    except BaseException:
+        if created:
+            shutil.rmtree(dst, ignore_errors=True)
+        else:  # it was an empty directory: leave it empty
+            for n in os.listdir(dst):
+                p = os.path.join(dst, n)
+                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+        raise
+    return store
+
+
+def _import_expert(w, layer: int, e: int, parts: list[ExpertPart], n: int, to: torch.dtype | None) -> None:
+    metas = []
+    for p in parts:
+        src_dt = torch_dtype(p.ref.dtype)
+        dt = to if to is not None and src_dt.is_floating_point else src_dt
+        metas.append((dt, p.slice_shape()))
+    offsets, size = chunk_layout(metas)
+    buf = np.zeros(size, dtype=np.uint8)
+    tensors = []
+    for p, off, (dt, shape) in zip(parts, offsets, metas):
+        nbytes = p.slice_bytes()
+        start = e * nbytes if p.stacked else 0
+        if dt == torch_dtype(p.ref.dtype):  # read straight into the chunk: no extra copy
+            p.ref.read_into(memoryview(buf)[off:off + nbytes], offset=start, nbytes=nbytes)
+        else:
+            raw = np.empty(nbytes, dtype=np.uint8)
+            p.ref.read_into(memoryview(raw), offset=start, nbytes=nbytes)
+            data, _ = _cast(raw, p.ref.dtype, shape, dt)
+            buf[off:off + data.nbytes] = data
+        view = torch.from_numpy(buf[off:off + dt.itemsize * int(np.prod(shape, dtype=np.int64))]).view(dt).view(shape)
+        tensors.append(ExpertTensor(name=p.ref.name, tensor=view, stacked=p.stacked,
+                                    hf_file=os.path.basename(p.ref.path)))
+    w.put_expert_chunk(layer, e, tensors, buf, offsets, num_experts=n)
+
+
+def _model_info(ck: Checkpoint) -> dict:
+    order: dict[str, list[str]] = defaultdict(list)
+    for name, ref in ck.tensors.items():
+        order[os.path.basename(ref.path)].append(name)
+    for names in order.values():
+        names.sort(key=lambda k: ck.tensors[k].start)
+    index_meta = {}
+    index = os.path.join(ck.path, INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index, encoding="utf-8") as f:
+            index_meta = json.load(f).get("metadata", {}) or {}
+    arch = ck.config.get("architectures") or [None]
+    return {
+        "source": "huggingface",
+        "architecture": arch[0],
+        "model_type": ck.model_type,
+        "num_layers": ck.config.get("num_hidden_layers"),
+        "config": ck.config,
+        "hf": {
+            "sharded": os.path.isfile(index),
+            "index_metadata": index_meta,
+            "files": {f: {"metadata": ck.file_metadata.get(f, {}), "tensors": order[f]} for f in sorted(order)},
+        },
+    }
+
+
+def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None = None) -> None:
+    """Write the store's weights back as a HuggingFace directory (absent or empty `out_dir`).
+
+    The files are built in a temporary sibling directory and renamed into place at the end.
+    """
+    if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
+        raise BadInputError(f"{out_dir}: target directory is not empty")
+    m = store.manifest
+    if not m.has_file("config.json"):
+        raise BadInputError(f"{store.root}: store has no config.json to export (not imported from HuggingFace)")
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    tmp = tempfile.mkdtemp(prefix=".export-", dir=parent)
+    try:
+        for f in m.files:
+            with open(os.path.join(tmp, f.name), "wb") as fh:
+                fh.write(store.read_file(f.name))
+        by_name: dict[str, list[TensorEntry]] = defaultdict(list)
+        for t in m.tensors:
+            if t.kind == "weight":
+                by_name[t.name].append(t)
+        hf = m.model.get("hf", {})
+        files = {f: info["tensors"] for f, info in hf.get("files", {}).items()}
+        placed = {n for names in files.values() for n in names}
+        rest = [n for n in by_name if n not in placed]
+        if rest:  # tensors the store gained after import (or a store made here): one more file
+            files[f"model-extra-{m.version:08d}.safetensors" if files else "model.safetensors"] = rest
+        weight_map = {}
+        total = 0
+        for fname, names in files.items():
+            outs = [_out_tensor(store, n, by_name[n], progress) for n in names if n in by_name]
+            total += write_file(os.path.join(tmp, fname), outs,
+                                hf.get("files", {}).get(fname, {}).get("metadata") or {"format": "pt"})
+            weight_map.update({o.name: fname for o in outs})
+        if hf.get("sharded") or len(files) > 1:
+            index = {"metadata": {**hf.get("index_metadata", {}), "total_size": sum(
+                t.bytes for ts in by_name.values() for t in ts)}, "weight_map": dict(sorted(weight_map.items()))}
+            with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as fh:
+                json.dump(index, fh, indent=2)
+        if os.path.isdir(out_dir):
+            os.rmdir(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _out_tensor(store: Store, name: str, entries: list[TensorEntry], progress: Progress | None) -> OutTensor:
+    entries = sorted(entries, key=lambda t: t.expert if t.stacked else 0)
+    first = entries[0]
+    shape = (len(entries), *first.shape) if first.stacked else tuple(first.shape)
+
+    def data() -> np.ndarray:
+        parts = [store.read_tensor(name, "weight", stack_index=t.expert if t.stacked else None)
+                 for t in entries]
+        out = torch.stack(parts) if first.stacked else parts[0]
+        if progress:
+            progress(sum(t.bytes for t in entries))
+        return out.contiguous().reshape(-1).view(torch.uint8).numpy()
+
+    return OutTensor(name=name, dtype=first.dtype, shape=shape, nbytes=sum(t.bytes for t in entries), data=data)

@@ -1,0 +1,589 @@
+"""The tensor store on SSD: zarr v3 arrays plus a manifest, with atomic commits.
+
+Layout of a store directory:
+
+    manifest.json              the committed version (replaced by rename, never edited)
+    history/v00000007.json     manifests of recent versions, for `gc --keep`
+    arrays/v00000007/...       arrays written by the commit that made version 7
+    files/v00000007/...        side files (config.json, tokenizer files) of that commit
+    .lock                      held (flock) by the one writer
+
+A commit writes only new files, under the new version's folders, fsyncs them, then replaces
+`manifest.json` by rename and fsyncs the directory. A reader holds one manifest and so only ever
+sees a committed version; files are removed only by `gc`, which keeps every file a retained
+version references.
+"""
+
+from __future__ import annotations
+
+import datetime
+import fcntl
+import logging
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Callable, Iterable
+
+import crc32c as _crc32c
+import numpy as np
+import torch
+
+from storage import zarrio
+from storage.dtypes import dtype_name, torch_dtype
+from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StorageError, StoreLockedError
+from storage.fileio import ALIGN, ReadMode, _read_range
+from storage.manifest import KINDS, ChunkEntry, FileEntry, Manifest, TensorEntry
+
+log = logging.getLogger(__name__)
+
+MANIFEST = "manifest.json"
+LOCK = ".lock"
+TENSOR_ALIGN = 256  # offset of each tensor inside a chunk: aligned for any dtype and for GPU loads
+
+
+def crc32c(data: bytes | memoryview | np.ndarray) -> int:
+    """crc32c of a buffer (hardware-accelerated where the CPU has it)."""
+    return _crc32c.crc32c(memoryview(data).cast("B") if not isinstance(data, bytes) else data)
+
+
+def _vdir(version: int) -> str:
+    return f"v{version:08d}"
+
+
+def _fsync_path(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _fsync_tree(top: str) -> None:
+    """fsync every file and directory below `top` (directories after their contents), then top."""
+    for dirpath, _dirs, files in os.walk(top, topdown=False):
+        for f in files:
+            _fsync_path(os.path.join(dirpath, f))
+        _fsync_path(dirpath)
+
+
+def write_atomic(path: str, data: bytes) -> None:
+    """Write a file so that readers see either the old or the new content, durably."""
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_path(os.path.dirname(path) or ".")
+
+
+def chunk_layout(tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[int], int]:
+    """Offsets of tensors packed in a chunk and the chunk's size, padded for O_DIRECT."""
+    offsets, pos = [], 0
+    for dtype, shape in tensors:
+        pos = -(-pos // TENSOR_ALIGN) * TENSOR_ALIGN
+        offsets.append(pos)
+        pos += dtype.itemsize * int(np.prod(shape, dtype=np.int64))
+    return offsets, max(ALIGN, -(-pos // ALIGN) * ALIGN)
+
+
+def tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int = 0) -> torch.Tensor:
+    """A typed view of one tensor's bytes inside a uint8 buffer holding its file from `base`."""
+    start = entry.offset - base
+    raw = buf[start:start + entry.bytes]
+    return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
+
+
+@dataclass(kw_only=True)
+class Problem:
+    """One thing `verify` found wrong."""
+
+    tensor: str
+    file: str
+    what: str
+
+    def __str__(self) -> str:
+        return f"{self.tensor}: {self.what} ({self.file})"
+
+
+@dataclass(kw_only=True)
+class GcResult:
+    """What `gc` removed."""
+
+    files: int = 0
+    bytes: int = 0
+    versions_dropped: list[int] = field(default_factory=list)
+
+
+class Store:
+    """A store opened at one committed version; reads never see later commits until `refresh`."""
+
+    def __init__(self, root: str, manifest: Manifest) -> None:
+        self.root = os.path.abspath(root)
+        self.manifest = manifest
+
+    # -- opening ------------------------------------------------------------------------------
+    @classmethod
+    def open(cls, root: str) -> "Store":
+        """Open the committed version of an existing store."""
+        return cls(root, cls._load(root))
+
+    @staticmethod
+    def _load(root: str) -> Manifest:
+        path = os.path.join(root, MANIFEST)
+        if not os.path.isdir(root):
+            raise NotAStoreError(f"{root}: no such directory")
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except FileNotFoundError:
+            raise NotAStoreError(f"{root}: not a semoe store (no {MANIFEST})") from None
+        return Manifest.from_json(text, source=path)
+
+    @classmethod
+    def create(cls, root: str) -> "Store":
+        """Make a new, empty store (version 0) in a directory that is absent or empty."""
+        if os.path.exists(root):
+            if not os.path.isdir(root):
+                raise BadInputError(f"{root}: exists and is not a directory")
+            if os.listdir(root):
+                raise BadInputError(f"{root}: target directory is not empty")
+        os.makedirs(root, exist_ok=True)
+        m = Manifest(version=0, created=_now())
+        write_atomic(os.path.join(root, MANIFEST), m.to_json().encode())
+        return cls(root, m)
+
+    def refresh(self) -> None:
+        """Move to the latest committed version."""
+        self.manifest = self._load(self.root)
+
+    @property
+    def version(self) -> int:
+        """The committed version this handle reads."""
+        return self.manifest.version
+
+    def path(self, rel: str) -> str:
+        """Absolute path of a store-relative file."""
+        return os.path.join(self.root, rel)
+
+    # -- reads --------------------------------------------------------------------------------
+    def read_tensor(self, name: str, kind: str = "weight", *, stack_index: int | None = None,
+                    verify: bool = True, mode: ReadMode = ReadMode.DROP) -> torch.Tensor:
+        """Read one tensor straight from its file into a new CPU tensor."""
+        e = self.manifest.tensor(name, kind, stack_index)
+        buf = torch.empty(e.bytes, dtype=torch.uint8)
+        if e.bytes:
+            _read_range(self.path(e.file), memoryview(buf.numpy()), e.offset, e.bytes, mode)
+        if verify:
+            check_crc(e, buf.numpy(), self.path(e.file))
+        return buf.view(torch_dtype(e.dtype)).view(e.shape)
+
+    def check_chunk(self, chunk: ChunkEntry, buf: torch.Tensor) -> None:
+        """Check every tensor of a chunk read into `buf`; CorruptTensorError names the first bad one."""
+        raw = buf.numpy()
+        for e in self.manifest.chunk_tensors(chunk):
+            check_crc(e, raw[e.offset:e.offset + e.bytes], self.path(e.file))
+
+    def chunk_views(self, chunk: ChunkEntry, buf: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Typed views of a chunk's tensors in a buffer holding the chunk file.
+
+        Keys are tensor names; a slice of a fused (stacked) tensor keeps its name too, since a
+        chunk holds one expert.
+        """
+        return {e.name: tensor_view(buf, e) for e in self.manifest.chunk_tensors(chunk)}
+
+    def read_expert(self, layer: int, expert: int, kind: str = "weight", *, verify: bool = True,
+                    mode: ReadMode = ReadMode.DROP) -> dict[str, torch.Tensor]:
+        """Read one expert's tensors (one contiguous read of its chunk file)."""
+        c = self.manifest.chunk(layer, expert, kind)
+        buf = torch.empty(c.bytes, dtype=torch.uint8)
+        _read_range(self.path(c.file), memoryview(buf.numpy()), 0, c.bytes, mode)
+        if verify:
+            self.check_chunk(c, buf)
+        return self.chunk_views(c, buf)
+
+    def read_tensor_ts(self, entry: TensorEntry) -> torch.Tensor:
+        """Read a tensor through tensorstore (the checked, slower path used by export and verify)."""
+        raw = torch.from_numpy(self._ts_bytes(entry, {}).copy()) if entry.bytes else torch.empty(0, dtype=torch.uint8)
+        return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
+
+    def _ts_bytes(self, entry: TensorEntry, handles: dict) -> np.ndarray:
+        if entry.bytes == 0:  # an empty array has no chunk file at all
+            return np.empty(0, dtype=np.uint8)
+        array_path, index = array_of_chunk(self.path(entry.file))
+        arr = handles.get(array_path)
+        if arr is None:
+            arr = handles[array_path] = zarrio.open_array(array_path)
+        if entry.group == "dense":
+            data = arr.read().result()
+            return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
+        row = arr[index[0]].read().result()
+        return row[entry.offset:entry.offset + entry.bytes]
+
+    def read_file(self, name: str) -> bytes:
+        """A side file's bytes, checked."""
+        f = self.manifest.file(name)
+        with open(self.path(f.file), "rb") as fh:
+            data = fh.read()
+        if crc32c(data) != f.crc32c or len(data) != f.bytes:
+            raise CorruptTensorError(f"{self.path(f.file)}: side file {name} fails its checksum", path=f.file)
+        return data
+
+    # -- writing ------------------------------------------------------------------------------
+    def writer(self) -> "StoreWriter":
+        """Start a transaction; at most one per store at a time (others get StoreLockedError)."""
+        return StoreWriter(self)
+
+    # -- maintenance --------------------------------------------------------------------------
+    def verify(self, progress: Callable[[int], None] | None = None) -> list[Problem]:
+        """Check every file's presence and size and every tensor's crc32c, reading via tensorstore."""
+        problems: list[Problem] = []
+        handles: dict = {}
+        for c in self.manifest.chunks:
+            p = self._check_size(c.file, c.bytes, f"expert {c.expert} of layer {c.layer} ({c.kind})")
+            if p:
+                problems.append(p)
+        bad_files = {p.file for p in problems}
+        for e in self.manifest.tensors:
+            if e.file in bad_files or e.bytes == 0:
+                continue
+            p = self._check_size(e.file, e.offset + e.bytes, e.name, exact=e.group == "dense")
+            if p is None:
+                try:
+                    data = self._ts_bytes(e, handles)
+                    if crc32c(np.ascontiguousarray(data)) != e.crc32c:
+                        p = Problem(tensor=e.name, file=e.file, what="checksum mismatch")
+                except Exception as ex:  # tensorstore raises ValueError for broken metadata
+                    p = Problem(tensor=e.name, file=e.file, what=f"unreadable: {str(ex).splitlines()[0]}")
+            if p:
+                problems.append(p)
+            if progress:
+                progress(e.bytes)
+        for f in self.manifest.files:
+            try:
+                self.read_file(f.name)
+            except (OSError, CorruptTensorError):
+                problems.append(Problem(tensor=f.name, file=f.file, what="missing or checksum mismatch"))
+        return problems
+
+    def _check_size(self, rel: str, size: int, what: str, exact: bool = True) -> Problem | None:
+        try:
+            actual = os.path.getsize(self.path(rel))
+        except FileNotFoundError:
+            return Problem(tensor=what, file=rel, what="file is missing")
+        if actual != size if exact else actual < size:
+            return Problem(tensor=what, file=rel, what=f"file has {actual} bytes, expected {size}")
+        return None
+
+    def gc(self, keep: int = 1) -> GcResult:
+        """Remove files no retained version references (the newest `keep` versions are retained)."""
+        if keep < 1:
+            raise BadInputError(f"--keep must be >= 1, got {keep}")
+        with _WriteLock(self.root):
+            current = self._load(self.root)
+            self.manifest = current
+            result = GcResult()
+            hist_dir = os.path.join(self.root, "history")
+            retained = [current]
+            for name in sorted(os.listdir(hist_dir)) if os.path.isdir(hist_dir) else []:
+                v = _version_of(name)
+                path = os.path.join(hist_dir, name)
+                if v is not None and current.version - keep < v < current.version:
+                    with open(path, encoding="utf-8") as f:
+                        retained.append(Manifest.from_json(f.read(), source=path))
+                elif v != current.version:
+                    result.versions_dropped.append(v if v is not None else -1)
+                    _remove(path, result)
+            referenced: set[str] = set()
+            for m in retained:
+                referenced |= m.referenced_files()
+            for top in ("arrays", "files"):
+                self._gc_tree(os.path.join(self.root, top), referenced, result)
+            for name in os.listdir(self.root):
+                if ".tmp-" in name:
+                    _remove(os.path.join(self.root, name), result)
+            return result
+
+    def _gc_tree(self, top: str, referenced: set[str], result: GcResult) -> None:
+        if not os.path.isdir(top):
+            return
+        # an array's zarr.json stays while any chunk of that array is referenced
+        live_arrays = {array_of_chunk(self.path(r))[0] for r in referenced}
+        for dirpath, _dirs, files in os.walk(top, topdown=False):
+            for f in files:
+                full = os.path.join(dirpath, f)
+                rel = os.path.relpath(full, self.root)
+                if rel in referenced or (f == "zarr.json" and dirpath in live_arrays):
+                    continue
+                _remove(full, result)
+            if dirpath != top and not os.listdir(dirpath):
+                os.rmdir(dirpath)
+        _fsync_path(top)
+
+    def describe(self) -> dict:
+        """Summary used by `semoe store info`."""
+        m = self.manifest
+        layers = m.expert_layers()
+        dense = sum(t.bytes for t in m.tensors if t.group == "dense")
+        experts = sum(t.bytes for t in m.tensors if t.group == "expert")
+        return {
+            "path": self.root,
+            "version": m.version,
+            "created": m.created,
+            "architecture": m.model.get("architecture"),
+            "model_type": m.model.get("model_type"),
+            "layers": m.model.get("num_layers"),
+            "moe_layers": len(layers),
+            "experts_per_layer": {str(k): v for k, v in layers.items()},
+            "tensors": len(m.tensors),
+            "dense_bytes": dense,
+            "expert_bytes": experts,
+            "dtypes": sorted({t.dtype for t in m.tensors}),
+            "kinds": sorted({t.kind for t in m.tensors}),
+            "side_files": [f.name for f in m.files],
+        }
+
+
+def check_crc(entry: TensorEntry, data: np.ndarray, path: str) -> None:
+    """Raise CorruptTensorError naming the tensor when its bytes fail the recorded crc32c."""
+    if len(data) != entry.bytes:
+        raise CorruptTensorError(
+            f"tensor {entry.name} ({entry.kind}): {path} holds {len(data)} bytes, expected {entry.bytes}",
+            tensor=entry.name, path=path)
+    got = crc32c(np.ascontiguousarray(data))
+    if got != entry.crc32c:
+        raise CorruptTensorError(
+            f"tensor {entry.name} ({entry.kind}) is corrupt: crc32c {got:08x} != recorded "
+            f"{entry.crc32c:08x} in {path}", tensor=entry.name, path=path)
+
+
+def array_of_chunk(chunk_path: str) -> tuple[str, tuple[int, ...]]:
+    """Split a chunk file path into its array directory and chunk index."""
+    parts = chunk_path.split(os.sep)
+    i = len(parts) - 1
+    while i >= 0 and parts[i] != "c":
+        i -= 1
+    if i < 0:
+        return os.path.dirname(chunk_path), ()
+    return os.sep.join(parts[:i]), tuple(int(p) for p in parts[i + 1:])
+
+
+def _version_of(name: str) -> int | None:
+    if name.startswith("v") and name.endswith(".json") and name[1:-5].isdigit():
+        return int(name[1:-5])
+    return None
+
+
+def _remove(path: str, result: GcResult) -> None:
+    try:
+        size = os.path.getsize(path)
+        os.remove(path)
+    except FileNotFoundError:
+        return
+    result.files += 1
+    result.bytes += size
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class _WriteLock:
+    """An exclusive flock on the store's lock file, released on close or process death."""
+
+    def __init__(self, root: str) -> None:
+        self.fd = os.open(os.path.join(root, LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise StoreLockedError(f"{root}: another process is writing this store") from None
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> "_WriteLock":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+@dataclass(kw_only=True)
+class ExpertTensor:
+    """One tensor of an expert chunk to write; `stacked` marks a slice of a fused (E, ...) tensor."""
+
+    name: str
+    tensor: torch.Tensor
+    stacked: bool = False
+    hf_file: str | None = None
+
+
+class StoreWriter:
+    """One transaction: stage tensors and side files in new files, then `commit` them atomically.
+
+    Leaving the `with` block without commit (or on an exception) removes what was staged.
+    """
+
+    def __init__(self, store: Store) -> None:
+        self.store = store
+        self._lock = _WriteLock(store.root)
+        try:
+            base = Store._load(store.root)
+            self.manifest = Manifest.from_json(base.to_json(), source="(copy)")
+            self.version = base.version + 1
+            self._vd = _vdir(self.version)
+            # leftovers of a writer that died before committing this version number
+            for top in ("arrays", "files"):
+                shutil.rmtree(os.path.join(store.root, top, self._vd), ignore_errors=True)
+        except BaseException:
+            self._lock.close()
+            raise
+        self._expert_arrays: dict[tuple[int, str], tuple[object, str, list]] = {}
+        self._staged = False
+        self._done = False
+
+    def __enter__(self) -> "StoreWriter":
+        return self
+
+    def __exit__(self, exc_type: object, *exc: object) -> None:
+        if not self._done:
+            self.abort()
+
+    def _rel(self, *parts: str) -> str:
+        return os.path.join(*parts)
+
+    @staticmethod
+    def _check_name(name: str) -> None:
+        if not name or "/" in name or "\\" in name or name in (".", "..") or name.startswith("."):
+            raise BadInputError(f"tensor or file name {name!r} cannot be stored (no slashes, no leading dot)")
+
+    def set_model(self, model: dict) -> None:
+        """Replace the model description (architecture, config, layer counts)."""
+        self.manifest.model = dict(model)
+
+    def put_file(self, name: str, data: bytes) -> None:
+        """Keep a side file verbatim."""
+        self._check_name(name)
+        rel = self._rel("files", self._vd, name)
+        full = self.store.path(rel)
+        os.makedirs(os.path.dirname(full), exist_ok=True)
+        with open(full, "wb") as f:
+            f.write(data)
+        self._staged = True
+        self.manifest.upsert(files=[FileEntry(name=name, file=rel, bytes=len(data), crc32c=crc32c(data),
+                                              version=self.version)])
+
+    def put_dense(self, name: str, tensor: torch.Tensor, *, kind: str = "weight",
+                  hf_file: str | None = None) -> None:
+        """Write a dense tensor as a typed one-chunk array."""
+        self._check_name(name)
+        if kind not in KINDS:
+            raise BadInputError(f"kind must be one of {KINDS}, got {kind!r}")
+        t = tensor.detach().contiguous().cpu()
+        rel_array = self._rel("arrays", self._vd, "dense", f"{name}.{kind}")
+        chunk = zarrio.write_dense(self.store.path(rel_array), t, {"semoe": {"name": name, "kind": kind}})
+        self._staged = True
+        raw = zarrio.tensor_bytes(t)
+        self.manifest.upsert(tensors=[TensorEntry(
+            name=name, group="dense", kind=kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
+            file=os.path.relpath(chunk, self.store.root), offset=0, bytes=raw.nbytes, crc32c=crc32c(raw),
+            version=self.version, hf_file=hf_file)])
+
+    def expert_chunk_buffer(self, layer: int, kind: str, tensors: list[tuple[torch.dtype, tuple[int, ...]]]
+                            ) -> tuple[np.ndarray, list[int]]:
+        """A zeroed buffer for one expert chunk and the offsets of its tensors (for zero-copy fills)."""
+        offsets, size = chunk_layout(tensors)
+        return np.zeros(size, dtype=np.uint8), offsets
+
+    def put_expert(self, layer: int, expert: int, tensors: list[ExpertTensor], *, num_experts: int,
+                   kind: str = "weight") -> None:
+        """Write one expert's tensors of one kind as one chunk file."""
+        if kind not in KINDS:
+            raise BadInputError(f"kind must be one of {KINDS}, got {kind!r}")
+        if not 0 <= expert < num_experts:
+            raise BadInputError(f"expert index {expert} out of range for {num_experts} experts (layer {layer})")
+        ts_list = [t.tensor.detach().contiguous().cpu() for t in tensors]
+        for t in tensors:
+            self._check_name(t.name)
+        shapes = [(t.dtype, tuple(t.shape)) for t in ts_list]
+        offsets, size = chunk_layout(shapes)
+        buf = np.zeros(size, dtype=np.uint8)
+        for off, t in zip(offsets, ts_list):
+            raw = zarrio.tensor_bytes(t)
+            buf[off:off + raw.nbytes] = raw
+        self.put_expert_chunk(layer, expert, tensors, buf, offsets, num_experts=num_experts, kind=kind)
+
+    def put_expert_chunk(self, layer: int, expert: int, tensors: list[ExpertTensor], buf: np.ndarray,
+                         offsets: list[int], *, num_experts: int, kind: str = "weight") -> None:
+        """Write an already packed chunk (`buf` laid out by `chunk_layout`); `tensors` give metadata."""
+        layout = [{"name": t.name, "dtype": dtype_name(t.tensor.dtype), "shape": list(t.tensor.shape),
+                   "offset": o, "stacked": t.stacked} for t, o in zip(tensors, offsets)]
+        key = (layer, kind)
+        if key not in self._expert_arrays:
+            rel = self._rel("arrays", self._vd, "experts", f"L{layer:04d}.{kind}")
+            attrs = {"semoe": {"layer": layer, "kind": kind, "layout": _role_layout(layout)}}
+            arr = zarrio.create_expert_array(self.store.path(rel), num_experts, buf.nbytes, attrs)
+            self._expert_arrays[key] = (arr, rel, [buf.nbytes, num_experts])
+        arr, rel, (chunk_bytes, n) = self._expert_arrays[key]
+        if buf.nbytes != chunk_bytes or n != num_experts:
+            raise BadInputError(
+                f"layer {layer} expert {expert} ({kind}): chunk of {buf.nbytes} bytes / {num_experts} experts "
+                f"differs from the layer's other experts ({chunk_bytes} bytes / {n} experts)")
+        zarrio.write_expert_chunk(arr, expert, buf)
+        self._staged = True
+        file = os.path.join(rel, "c", str(expert), "0")
+        entries = []
+        for t, item in zip(tensors, layout):
+            nbytes = t.tensor.numel() * t.tensor.element_size()
+            entries.append(TensorEntry(
+                name=t.name, group="expert", kind=kind, dtype=item["dtype"], shape=item["shape"], file=file,
+                offset=item["offset"], bytes=nbytes, crc32c=crc32c(buf[item["offset"]:item["offset"] + nbytes]),
+                version=self.version, layer=layer, expert=expert, stacked=t.stacked, hf_file=t.hf_file))
+        chunk = ChunkEntry(layer=layer, expert=expert, kind=kind, file=file, bytes=buf.nbytes, crc32c=crc32c(buf),
+                           version=self.version, tensors=[(e.name, e.expert if e.stacked else None) for e in entries])
+        self.manifest.upsert(tensors=entries, chunks=[chunk])
+
+    def commit(self) -> int:
+        """Make everything staged durable and visible as the next version; returns it."""
+        if self._done:
+            raise StorageError("transaction already finished")
+        root = self.store.root
+        for top in ("arrays", "files"):
+            staged = os.path.join(root, top, self._vd)
+            if os.path.isdir(staged):
+                _fsync_tree(staged)
+                _fsync_path(os.path.join(root, top))
+        self.manifest.version = self.version
+        self.manifest.created = _now()
+        text = self.manifest.to_json().encode()
+        os.makedirs(os.path.join(root, "history"), exist_ok=True)
+        write_atomic(os.path.join(root, "history", f"{self._vd}.json"), text)
+        write_atomic(os.path.join(root, MANIFEST), text)  # the commit point
+        self._done = True
+        self._lock.close()
+        self.store.manifest = Manifest.from_json(text.decode(), source=os.path.join(root, MANIFEST))
+        log.info("%s: committed version %d", root, self.version)
+        return self.version
+
+    def abort(self) -> None:
+        """Drop what was staged; the committed version is untouched."""
+        if self._done:
+            return
+        for top in ("arrays", "files"):
+            shutil.rmtree(os.path.join(self.store.root, top, self._vd), ignore_errors=True)
+        self._done = True
+        self._lock.close()
+
+
+def _role_layout(layout: list[dict]) -> list[dict]:
+    """The per-chunk layout recorded in the array's attributes, so zarr readers can decode chunks."""
+    return [{k: v for k, v in item.items()} for item in layout]
+
+
+def iter_expert_chunks(m: Manifest, kind: str = "weight") -> Iterable[ChunkEntry]:
+    """Chunks of one kind, by layer then expert."""
+    return sorted((c for c in m.chunks if c.kind == kind), key=lambda c: (c.layer, c.expert))

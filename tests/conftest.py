@@ -1,0 +1,31 @@
+"""Shared fixtures: tiny HuggingFace MoE checkpoints written by transformers itself."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+from helpers.hf_models import make_hf_checkpoint  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def hf_mixtral_sharded_bf16(tmp_path_factory):
+    """A Mixtral checkpoint in bfloat16, sharded into several files with an index."""
+    return make_hf_checkpoint("mixtral", tmp_path_factory.mktemp("hf") / "mixtral", dtype="bfloat16",
+                              max_shard_size="40KB")
+
+
+@pytest.fixture(scope="session")
+def hf_qwen2_moe(tmp_path_factory):
+    """A Qwen2-MoE checkpoint (shared expert with its gate) in float32, one file."""
+    return make_hf_checkpoint("qwen2_moe", tmp_path_factory.mktemp("hf") / "qwen2_moe")
+
+
+@pytest.fixture(scope="session")
+def hf_olmoe(tmp_path_factory):
+    """An OLMoE checkpoint in float32, one file."""
+    return make_hf_checkpoint("olmoe", tmp_path_factory.mktemp("hf") / "olmoe")

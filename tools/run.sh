@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Set up (once) and run semoe from a fresh clone.
+#   bash tools/run.sh demo [ARGS]   the main job on its embedded default
+#   bash tools/run.sh test [ARGS]   the test suite (pytest ARGS)
+#   bash tools/run.sh semoe ARGS    any semoe command
+# The virtual environment lives in .venv (override with SEMOE_VENV); it is rebuilt when
+# setup.py changes.
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${SEMOE_VENV:-$root/.venv}"
+py="${PYTHON:-python3}"
+
+if [ ! -x "$venv/bin/python" ]; then
+  echo "semoe: creating virtual environment in $venv" >&2
+  "$py" -m venv "$venv"
+fi
+stamp="$venv/.semoe-setup-$(sha256sum "$root/setup.py" | cut -c1-16)"
+if [ ! -f "$stamp" ]; then
+  echo "semoe: installing torch==2.13.0 and the package (first run only)" >&2
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$root[test]"
+  rm -f "$venv"/.semoe-setup-*
+  touch "$stamp"
+fi
+
+cmd="${1:-}"
+[ $# -gt 0 ] && shift
+case "$cmd" in
+  demo) exec "$venv/bin/semoe" demo "$@" ;;
+  test) cd "$root" && exec "$venv/bin/python" -m pytest "$@" ;;
+  semoe) exec "$venv/bin/semoe" "$@" ;;
+  *) echo "usage: bash tools/run.sh demo|test|semoe [ARGS]" >&2; exit 2 ;;
+esac
