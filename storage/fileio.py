@@ -17,7 +17,7 @@ from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
+import crc32c as _crc32c
 
 from storage.errors import CorruptTensorError, StorageError
 
@@ -39,28 +39,43 @@ class ChunkReaderConfig:
     """Settings of the hot read path."""
 
     mode: ReadMode | str = ReadMode.DIRECT
-    threads: int = 4  # concurrent preadv calls; NVMe wants a queue depth of several
-    piece_bytes: int = 8 << 20  # a larger file is read as pieces of this size in parallel
+    # concurrent reads; None picks by mode: direct reads wait on the device and want a queue depth
+    # of several, buffered reads of cached data are memory copies and want one thread per core
+    threads: int | None = None
+    piece_bytes: int = 8 << 20  # an unchecked read is split into tasks of this size, run in parallel
+    io_bytes: int = 1 << 20  # bytes per preadv: small enough that a piece is checksummed from cache
 
     def __post_init__(self) -> None:
         try:
             self.mode = ReadMode(self.mode)
         except ValueError:
             raise ValueError(f"mode must be one of {[m.value for m in ReadMode]}, got {self.mode!r}") from None
+        if self.threads is None:
+            cores = os.cpu_count() or 2
+            self.threads = max(4, cores) if self.mode is ReadMode.DIRECT else max(2, cores)
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.piece_bytes < ALIGN or self.piece_bytes % ALIGN:
             raise ValueError(f"piece_bytes must be a positive multiple of {ALIGN}, got {self.piece_bytes}")
+        if self.io_bytes < ALIGN or self.io_bytes % ALIGN:
+            raise ValueError(f"io_bytes must be a positive multiple of {ALIGN}, got {self.io_bytes}")
 
 
 @dataclass(kw_only=True)
 class ReadRequest:
-    """Read `nbytes` from `path` at `offset` into `buf` (a writable memoryview of at least nbytes)."""
+    """Read `nbytes` from `path` at `offset` into `buf` (a writable memoryview of at least nbytes).
+
+    `checks` lists (start, length) ranges of the request, in order and not overlapping, whose
+    crc32c is computed while reading: each range is read by one thread in small pieces and each
+    piece is checksummed while it is still in the CPU cache, so verification costs no second pass
+    over memory.
+    """
 
     path: str
     buf: memoryview
     nbytes: int
     offset: int = 0
+    checks: Sequence[tuple[int, int]] = ()
 
 
 _direct_ok: dict[int, bool] = {}
@@ -98,22 +113,28 @@ def _aligned(buf: memoryview, offset: int, nbytes: int) -> bool:
     return addr % ALIGN == 0 and offset % ALIGN == 0 and nbytes % ALIGN == 0
 
 
-def _read_range(path: str, buf: memoryview, offset: int, nbytes: int, mode: ReadMode) -> None:
+def _read_range(path: str, buf: memoryview, offset: int, nbytes: int, mode: ReadMode,
+                crc_bytes: int = 0, io_bytes: int = 1 << 20) -> int:
+    """Read `nbytes` at `offset` into `buf` in pieces of `io_bytes`; crc32c of the first `crc_bytes`."""
     direct = mode is ReadMode.DIRECT and _aligned(buf, offset, nbytes)
     fd, is_direct = _open(path, direct)
+    crc = 0
     try:
         done = 0
         while done < nbytes:
-            n = os.preadv(fd, [buf[done:nbytes]], offset + done)
+            n = os.preadv(fd, [buf[done:min(nbytes, done + io_bytes)]], offset + done)
             if n == 0:
                 raise CorruptTensorError(
                     f"{path}: file is shorter than recorded ({offset + done} bytes, expected at least "
                     f"{offset + nbytes})", path=path)
+            if done < crc_bytes:
+                crc = _crc32c.crc32c(buf[done:min(done + n, crc_bytes)], crc)
             done += n
         if not is_direct and mode is not ReadMode.CACHED:
             os.posix_fadvise(fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+    return crc
 
 
 class ChunkReader:
@@ -130,31 +151,45 @@ class ChunkReader:
         """Total bytes read since construction."""
         return self._bytes_read
 
-    def _pieces(self, req: ReadRequest) -> list[tuple[int, int]]:
-        step = self.config.piece_bytes
-        return [(s, min(step, req.nbytes - s)) for s in range(0, req.nbytes, step)] or [(0, 0)]
+    def _segments(self, req: ReadRequest) -> list[tuple[int, int, int]]:
+        """(start, length, crc_bytes) tasks covering the request: one per checked range, else pieces."""
+        if not req.checks:
+            step = self.config.piece_bytes
+            return [(s, min(step, req.nbytes - s), 0) for s in range(0, req.nbytes, step)]
+        starts = [s for s, _ in req.checks]
+        if starts[0] != 0:  # leading bytes no range covers
+            starts.insert(0, 0)
+            lengths = {0: 0}
+        else:
+            lengths = {}
+        lengths.update(dict(req.checks))
+        ends = starts[1:] + [req.nbytes]
+        return [(s, e - s, lengths[s]) for s, e in zip(starts, ends) if e > s]
 
-    def submit_many(self, requests: Sequence[ReadRequest]) -> list[Future]:
-        """Start every request, each split into pieces; one future per piece, in request order."""
-        futures = []
-        mode = self.config.mode
+    def submit_many(self, requests: Sequence[ReadRequest]) -> list[list[Future]]:
+        """Start every request; per request, one future per task, in order (a checked range's
+        future returns its crc32c)."""
+        out = []
+        mode, io = self.config.mode, self.config.io_bytes
         for req in requests:
             if len(req.buf) < req.nbytes:
                 raise ValueError(f"{req.path}: buffer of {len(req.buf)} bytes is smaller than {req.nbytes}")
-            for start, n in self._pieces(req):
-                if n:
-                    futures.append(self._pool.submit(
-                        _read_range, req.path, req.buf[start:start + n], req.offset + start, n, mode))
+            out.append([self._pool.submit(_read_range, req.path, req.buf[s:s + n], req.offset + s, n, mode, c, io)
+                        for s, n, c in self._segments(req)])
         with self._lock:
             self._bytes_read += sum(r.nbytes for r in requests)
-        return futures
+        return out
 
-    def read_many(self, requests: Sequence[ReadRequest]) -> None:
-        """Read every request, all in flight together; raises the first error."""
+    def read_many(self, requests: Sequence[ReadRequest]) -> list[list[int]]:
+        """Read every request, all in flight together; returns each request's crc32c per checked
+        range. Raises the first error once all reads have settled."""
         futures = self.submit_many(requests)
-        wait(futures)
-        for f in futures:
-            f.result()
+        wait([f for fs in futures for f in fs])
+        crcs = []
+        for req, fs in zip(requests, futures):
+            values = [f.result() for f in fs]
+            crcs.append(values[-len(req.checks):] if req.checks else [])
+        return crcs
 
     def read(self, path: str, buf: memoryview, nbytes: int, offset: int = 0) -> None:
         """Read one range, split into parallel pieces when large."""
@@ -169,14 +204,6 @@ class ChunkReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def aligned_empty(nbytes: int, *, pin: bool = False) -> torch.Tensor:
-    """A uint8 tensor of `nbytes` (rounded up to ALIGN) whose address is ALIGN-aligned, for O_DIRECT."""
-    size = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
-    base = torch.empty(size + ALIGN, dtype=torch.uint8, pin_memory=pin)
-    skip = (-base.data_ptr()) % ALIGN
-    return base[skip:skip + size]  # the view keeps `base` alive
 
 
 def drop_from_page_cache(path: str) -> None:

@@ -144,10 +144,16 @@ def _classify(ck: Checkpoint) -> None:
         n = max(by_expert) + 1
         if want is not None and n != want:
             raise BadInputError(f"{ck.path}: layer {layer} has {n} experts, config.json says {want}")
-        first = _signature(by_expert[min(by_expert)])
+        e0 = min(by_expert)
+        first = _signature(by_expert[e0])
         for e in range(n):
             if e not in by_expert:
                 raise BadInputError(f"{ck.path}: expert {e} of layer {layer} has no tensors")
+            have = {_role(p.ref.name) for p in by_expert[e]}
+            for p in by_expert[e0]:
+                if _role(p.ref.name) not in have:
+                    name = p.ref.name.replace(f".experts.{e0}.", f".experts.{e}.")
+                    raise BadInputError(f"{ck.path}: tensor {name} is missing (expert {e} of layer {layer})")
             if _signature(by_expert[e]) != first:
                 raise BadInputError(f"{ck.path}: expert {e} of layer {layer} has tensors of other shapes or dtypes "
                                     f"than expert {min(by_expert)}")

@@ -31,14 +31,15 @@ import torch
 from storage import zarrio
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StorageError, StoreLockedError
-from storage.fileio import ALIGN, ReadMode, _read_range
+from storage.fileio import ALIGN, ReadMode, ReadRequest, _read_range
 from storage.manifest import KINDS, ChunkEntry, FileEntry, Manifest, TensorEntry
 
 log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
-TENSOR_ALIGN = 256  # offset of each tensor inside a chunk: aligned for any dtype and for GPU loads
+TENSOR_ALIGN = ALIGN  # tensors in a chunk start on block boundaries: each can be read (O_DIRECT) and
+# checksummed by its own thread
 
 
 def crc32c(data: bytes | memoryview | np.ndarray) -> int:
@@ -183,6 +184,20 @@ class Store:
         raw = buf.numpy()
         for e in self.manifest.chunk_tensors(chunk):
             check_crc(e, raw[e.offset:e.offset + e.bytes], self.path(e.file))
+
+    def chunk_request(self, chunk: ChunkEntry, buf: memoryview) -> ReadRequest:
+        """A hot-path read of a whole chunk file that checksums each tensor as it arrives."""
+        return ReadRequest(path=self.path(chunk.file), buf=buf, nbytes=chunk.bytes,
+                           checks=[(e.offset, e.bytes) for e in self.manifest.chunk_tensors(chunk)])
+
+    def check_crcs(self, chunk: ChunkEntry, crcs: list[int]) -> None:
+        """Compare checksums computed during a `chunk_request` read with the manifest."""
+        for e, got in zip(self.manifest.chunk_tensors(chunk), crcs):
+            if got != e.crc32c:
+                path = self.path(e.file)
+                raise CorruptTensorError(
+                    f"tensor {e.name} ({e.kind}) is corrupt: crc32c {got:08x} != recorded {e.crc32c:08x} in {path}",
+                    tensor=e.name, path=path)
 
     def chunk_views(self, chunk: ChunkEntry, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of a chunk's tensors in a buffer holding the chunk file.

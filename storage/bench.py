@@ -1,0 +1,143 @@
+"""Side-by-side read throughput of a store: the hot path vs a plain read vs tensorstore, one run.
+
+Used by `semoe store bench` and `bench/bench_store.py`. Each pass reads every expert chunk of one
+kind; with `cold`, the files are dropped from the page cache before every pass.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+import torch
+
+from storage import zarrio
+from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode, ReadRequest, drop_from_page_cache
+from storage.pool import aligned_empty
+from storage.store import Store, array_of_chunk, iter_expert_chunks
+
+
+@dataclass(kw_only=True)
+class BenchResult:
+    """GB/s of each reader over the same bytes (medians of `repeats` passes).
+
+    ratio = hot path / plain sequential read. The hot path checks every tensor's crc32c, so
+    `tensorstore_gbps` times tensorstore's read plus the same check (the same guarantee), and
+    `tensorstore_unchecked_gbps` its read alone.
+    """
+
+    store_gbps: float
+    raw_gbps: float
+    ratio: float
+    tensorstore_gbps: float | None
+    vs_tensorstore: float | None
+    tensorstore_unchecked_gbps: float | None
+    vs_tensorstore_unchecked: float | None
+    bytes: int
+    files: int
+    cold: bool
+    mode: str
+    verified: bool
+    repeats: int
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def run_bench(store: Store, *, cold: bool = False, repeats: int = 3, kind: str = "weight", threads: int | None = None,
+              inflight: int = 8, mode: str | None = None, verify: bool = True, with_tensorstore: bool = True,
+              progress: Callable[[str], None] | None = None) -> BenchResult:
+    """Time every reader `repeats` times over all expert chunks of `kind`; report medians."""
+    chunks = list(iter_expert_chunks(store.manifest, kind))
+    if not chunks:
+        raise ValueError(f"{store.root}: store has no expert chunks of kind {kind!r} to read")
+    paths = [store.path(c.file) for c in chunks]
+    total = sum(c.bytes for c in chunks)
+    read_mode = ReadMode(mode or (ReadMode.DIRECT if cold else ReadMode.CACHED))
+    biggest = max(c.bytes for c in chunks)
+    bufs = [aligned_empty(biggest, alignment=ALIGN, pin=False)[1] for _ in range(inflight)]
+    reader = ChunkReader(ChunkReaderConfig(mode=read_mode, threads=threads))
+
+    def prepare() -> None:
+        if cold:
+            for p in paths:
+                drop_from_page_cache(p)
+
+    def hot() -> float:
+        prepare()
+        t0 = time.perf_counter()
+        for i in range(0, len(chunks), inflight):
+            group = chunks[i:i + inflight]
+            if verify:
+                reqs = [store.chunk_request(c, memoryview(b.numpy())) for c, b in zip(group, bufs)]
+                for c, crcs in zip(group, reader.read_many(reqs)):
+                    store.check_crcs(c, crcs)
+            else:
+                reader.read_many([ReadRequest(path=store.path(c.file), buf=memoryview(b.numpy()), nbytes=c.bytes)
+                                  for c, b in zip(group, bufs)])
+        return time.perf_counter() - t0
+
+    raw_buf = aligned_empty(biggest, alignment=ALIGN, pin=False)[1]
+
+    def raw() -> float:
+        prepare()
+        mv = memoryview(raw_buf.numpy())
+        t0 = time.perf_counter()
+        for p, c in zip(paths, chunks):
+            with open(p, "rb", buffering=0) as f:
+                n = 0
+                while n < c.bytes:
+                    got = f.readinto(mv[n:c.bytes])
+                    if not got:
+                        break
+                    n += got
+        return time.perf_counter() - t0
+
+    handles: dict = {}
+
+    def tstore() -> tuple[float, float]:
+        """(seconds reading, seconds checking): tensorstore reads, then the same crc32c checks."""
+        prepare()
+        reading = checking = 0.0
+        for c in chunks:
+            t0 = time.perf_counter()
+            array_path, index = array_of_chunk(store.path(c.file))
+            arr = handles.get(array_path) or handles.setdefault(array_path, zarrio.open_array(array_path))
+            row = np.asarray(arr[index[0]].read().result())
+            t1 = time.perf_counter()
+            if verify:
+                store.check_chunk(c, torch.from_numpy(row))
+            reading += t1 - t0
+            checking += time.perf_counter() - t1
+        return reading, checking
+
+    times: dict[str, list[float]] = {"hot": [], "raw": [], "ts": [], "ts_read": []}
+    try:
+        for r in range(repeats):
+            for name, fn in (("raw", raw), ("hot", hot)) + ((("ts", tstore),) if with_tensorstore else ()):
+                if progress:
+                    progress(f"pass {r + 1}/{repeats}: {name}")
+                t = fn()
+                if name == "ts":
+                    times["ts_read"].append(t[0])
+                    t = t[0] + t[1]
+                times[name].append(t)
+    finally:
+        reader.close()
+    hot = _gbps(total, statistics.median(times["hot"]))
+    raw_gbps = _gbps(total, statistics.median(times["raw"]))
+    ts_gbps = _gbps(total, statistics.median(times["ts"])) if times["ts"] else None
+    ts_read = _gbps(total, statistics.median(times["ts_read"])) if times["ts"] else None
+
+    return BenchResult(store_gbps=hot, raw_gbps=raw_gbps, ratio=hot / raw_gbps, tensorstore_gbps=ts_gbps,
+                       vs_tensorstore=ts_gbps and hot / ts_gbps, tensorstore_unchecked_gbps=ts_read,
+                       vs_tensorstore_unchecked=ts_read and hot / ts_read, bytes=total, files=len(chunks),
+                       cold=cold, mode=read_mode.value, verified=verify, repeats=repeats)

@@ -1,0 +1,272 @@
+"""Eviction policies for the CPU expert cache.
+
+A policy only ranks keys: it never sees payloads, sizes or pins. The cache reports every reference
+(`on_insert`, `on_access`) and every removal (`on_remove`), and when it needs room it asks
+`victim(candidates)` to pick one key among those it may evict (READY and unpinned). Policies are
+not thread-safe on their own; the cache calls them under its lock.
+
+Complexity (n = keys tracked, p = tracked keys that rank below the victim but are not candidates,
+typically the few pinned experts of the current and next layer):
+
+    policy      reference        victim
+    lru         O(1)             O(p + 1)
+    lfu         O(log n) amort.  O((p + 1) log n) amortised
+    lfu-aging   as lfu, plus an O(n) halving every `aging_interval` references
+    belady      O(log n) amort.  O((p + 1) log n) amortised; O(len(future)) to build
+"""
+
+from __future__ import annotations
+
+import heapq
+import logging
+from abc import ABC, abstractmethod
+from collections import OrderedDict
+from collections.abc import Callable, Hashable, Iterable, Sequence
+from collections.abc import Set as AbstractSet
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+Key = Hashable
+
+DEFAULT_AGING_INTERVAL = 1024  # references between two halvings of every LFU count
+
+
+def _require_positive_int(field: str, value: object) -> int:
+    """Return `value` if it is an int > 0 (bools excluded), else raise ValueError naming `field`."""
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ValueError(f"{field} must be a positive integer, got {value!r}")
+    return value
+
+
+def _as_set(candidates: Iterable[Key]) -> AbstractSet[Key]:
+    # The cache passes its live set of evictable keys; only a bare iterable needs copying.
+    return candidates if isinstance(candidates, AbstractSet) else frozenset(candidates)
+
+
+class EvictionPolicy(ABC):
+    """Ranks cached keys and picks which one to evict; the cache drives it through these hooks."""
+
+    name: str = ""
+
+    def on_insert(self, key: Key) -> None:
+        """Record that `key` entered the cache; by default an insertion counts as a use."""
+        self.on_access(key)
+
+    @abstractmethod
+    def on_access(self, key: Key) -> None:
+        """Record a use (a cache hit) of `key`."""
+
+    @abstractmethod
+    def on_remove(self, key: Key) -> None:
+        """Forget `key` (evicted or failed); removing an unknown key is a no-op."""
+
+    @abstractmethod
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        """Pick the key to evict among `candidates` (non-empty; a set gives O(1) membership)."""
+
+
+class _LazyMinHeap:
+    """Min-heap of (rank, key) in which only the rank last set for a key is live.
+
+    Updating a key pushes a new item and leaves the old one in place; stale items are dropped when
+    they reach the top, and the heap is rebuilt once stale items outnumber live ones, so every
+    operation stays O(log n) amortised. Ranks must end in a component unique per key (a reference
+    tick) so that two live items never tie and keys, which need not be orderable, are never
+    compared.
+    """
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[tuple[int, ...], Key]] = []
+        self._rank: dict[Key, tuple[int, ...]] = {}
+
+    def get(self, key: Key) -> tuple[int, ...] | None:
+        return self._rank.get(key)
+
+    def set(self, key: Key, rank: tuple[int, ...]) -> None:
+        self._rank[key] = rank
+        heapq.heappush(self._heap, (rank, key))
+        if len(self._heap) > 2 * len(self._rank) + 64:
+            self._rebuild()
+
+    def discard(self, key: Key) -> None:
+        self._rank.pop(key, None)
+
+    def remap(self, fn: Callable[[tuple[int, ...]], tuple[int, ...]]) -> None:
+        """Apply `fn` to every live rank (O(n))."""
+        self._rank = {key: fn(rank) for key, rank in self._rank.items()}
+        self._rebuild()
+
+    def min_among(self, candidates: AbstractSet[Key]) -> Key:
+        """Return the live key of least rank that is in `candidates`."""
+        heap = self._heap
+        set_aside = []
+        try:
+            while heap:
+                rank, key = heap[0]
+                if self._rank.get(key) != rank:
+                    heapq.heappop(heap)  # stale
+                elif key in candidates:
+                    return key
+                else:
+                    set_aside.append(heapq.heappop(heap))
+        finally:
+            for item in set_aside:
+                heapq.heappush(heap, item)
+        raise ValueError(f"none of the {len(candidates)} candidates is tracked by the policy")
+
+    def _rebuild(self) -> None:
+        self._heap = [(rank, key) for key, rank in self._rank.items()]
+        heapq.heapify(self._heap)
+
+
+def _check_candidates(candidates: Iterable[Key]) -> AbstractSet[Key]:
+    pool = _as_set(candidates)
+    if not pool:
+        raise ValueError("victim() needs at least one candidate")
+    return pool
+
+
+class LRUPolicy(EvictionPolicy):
+    """Least recently used; an insertion counts as a use."""
+
+    name = "lru"
+
+    def __init__(self) -> None:
+        self._order: OrderedDict[Key, None] = OrderedDict()  # least recent first
+
+    def on_access(self, key: Key) -> None:
+        self._order[key] = None
+        self._order.move_to_end(key)
+
+    def on_remove(self, key: Key) -> None:
+        self._order.pop(key, None)
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        pool = _check_candidates(candidates)
+        for key in self._order:
+            if key in pool:
+                return key
+        raise ValueError(f"none of the {len(pool)} candidates is tracked by the policy")
+
+
+class LFUPolicy(EvictionPolicy):
+    """Least frequently used. Ties go to the least recently used key.
+
+    An insertion counts as a use (count 1). Counts are dropped when a key is removed, so a key
+    that comes back starts again from 1.
+    """
+
+    name = "lfu"
+
+    def __init__(self) -> None:
+        self._ranks = _LazyMinHeap()  # key -> (count, tick of last use)
+        self._tick = 0  # references seen so far; orders last uses
+        self._aging_interval: int | None = None
+
+    def on_access(self, key: Key) -> None:
+        self._tick += 1
+        rank = self._ranks.get(key)
+        count = 0 if rank is None else rank[0]
+        self._ranks.set(key, (count + 1, self._tick))
+        if self._aging_interval is not None and self._tick % self._aging_interval == 0:
+            self._ranks.remap(lambda rank: (rank[0] // 2, rank[1]))
+
+    def on_remove(self, key: Key) -> None:
+        self._ranks.discard(key)
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        return self._ranks.min_among(_check_candidates(candidates))
+
+    def count(self, key: Key) -> int:
+        """Current (possibly aged) use count of `key`; 0 when it is not tracked."""
+        rank = self._ranks.get(key)
+        return 0 if rank is None else rank[0]
+
+
+class LFUAgingPolicy(LFUPolicy):
+    """LFU whose counts decay, so experts that were hot long ago become evictable.
+
+    After every `aging_interval`-th reference (insertions and hits alike, the current one
+    included) every count is halved with floor division. Ties go to the least recently used key;
+    counts are dropped on removal (no history of evicted keys is kept).
+    """
+
+    name = "lfu-aging"
+
+    def __init__(self, *, aging_interval: int = DEFAULT_AGING_INTERVAL) -> None:
+        super().__init__()
+        self._aging_interval = _require_positive_int("aging_interval", aging_interval)
+
+
+class BeladyPolicy(EvictionPolicy):
+    """Offline optimal MIN: evicts the candidate whose next use lies farthest in the future.
+
+    Contract: `future` is the exact sequence of references the cache will report. Each
+    `on_insert` or `on_access` consumes the next position and must name the key stored there
+    (ValueError otherwise: a replay out of step would silently stop being optimal). Keys never used
+    again are infinitely far; among those the least recently referenced goes first. Finite next
+    uses are distinct positions, so no other tie can occur.
+    """
+
+    name = "belady"
+
+    def __init__(self, future: Sequence[Key]) -> None:
+        self._future = list(future)
+        never = len(self._future)
+        self._next_use = [never] * never  # position -> position of the next use of the same key
+        last_seen: dict[Key, int] = {}
+        for pos in range(never - 1, -1, -1):
+            key = self._future[pos]
+            self._next_use[pos] = last_seen.get(key, never)
+            last_seen[key] = pos
+        self._position = 0
+        self._ranks = _LazyMinHeap()  # key -> (-next use, position of last use)
+
+    @property
+    def position(self) -> int:
+        """Number of references consumed so far (the index of the next expected one)."""
+        return self._position
+
+    def on_access(self, key: Key) -> None:
+        pos = self._position
+        if pos >= len(self._future):
+            raise ValueError(
+                f"reference to {key!r} at position {pos} is past the end of the future "
+                f"({len(self._future)} references)"
+            )
+        if self._future[pos] != key:
+            raise ValueError(
+                f"reference at position {pos} is to {key!r} but the future has "
+                f"{self._future[pos]!r} there; the replay is out of step"
+            )
+        self._position = pos + 1
+        self._ranks.set(key, (-self._next_use[pos], pos))
+
+    def on_remove(self, key: Key) -> None:
+        self._ranks.discard(key)
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        return self._ranks.min_among(_check_candidates(candidates))
+
+
+_REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {
+    LFUAgingPolicy.name: LFUAgingPolicy,
+    LFUPolicy.name: LFUPolicy,
+    LRUPolicy.name: LRUPolicy,
+    BeladyPolicy.name: BeladyPolicy,
+}
+
+POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)  # ("lfu-aging", "lfu", "lru", "belady")
+
+
+def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
+    """Build the policy registered as `name`; `kwargs` go to its constructor.
+
+    `lfu-aging` takes `aging_interval`, `belady` requires `future`; the others take nothing.
+    """
+    factory = _REGISTRY.get(name)
+    if factory is None:
+        raise ValueError(f"unknown eviction policy {name!r}; allowed: {', '.join(POLICY_NAMES)}")
+    logger.debug("eviction policy %s %s", name, sorted(kwargs))
+    return factory(**kwargs)

@@ -1,0 +1,236 @@
+"""Experts of a store behind the CPU cache: SSD -> host buffers, fetched on demand or ahead of use.
+
+`TieredExpertStore` composes the pieces and owns none of their logic: the `ExpertCache` decides
+what stays resident and what is evicted, the `PrefetchQueue` orders reads by urgency, the
+`ChunkReader` moves bytes (checksumming each tensor as it arrives) and the `HostBufferPool` holds
+them. A caller gets an `ExpertHandle` whose tensors are views into a pooled host buffer; the
+expert stays pinned (never evicted) until the handle is released.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from concurrent.futures import CancelledError
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from storage.cache import CacheFullError, EntryState, ExpertCache, ExpertCacheConfig
+from storage.fileio import ChunkReader, ChunkReaderConfig, ReadMode
+from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig
+from storage.prefetch import PrefetchQueue, PrefetchQueueConfig
+from storage.store import Store
+
+log = logging.getLogger(__name__)
+
+Key = tuple[int, int, str]  # (layer, expert, kind)
+URGENT = -math.inf  # queue priority of a read someone is waiting for
+
+
+@dataclass(kw_only=True)
+class TieredStoreConfig:
+    """Budgets and knobs of the SSD -> CPU tier."""
+
+    cpu_cache_bytes: int
+    policy: str = "lfu-aging"
+    read_mode: str = "direct"  # direct | drop | cached (see storage.fileio.ReadMode)
+    io_threads: int | None = None
+    prefetch_workers: int = 2  # reads in flight at once, each split over the io threads
+    pin_memory: bool | None = None  # None: pinned when CUDA is available
+
+    def __post_init__(self) -> None:
+        if self.cpu_cache_bytes < 1:
+            raise ValueError(f"cpu_cache_bytes must be >= 1, got {self.cpu_cache_bytes}")
+        if self.prefetch_workers < 1:
+            raise ValueError(f"prefetch_workers must be >= 1, got {self.prefetch_workers}")
+        ReadMode(self.read_mode)
+
+
+@dataclass(kw_only=True)
+class ExpertPayload:
+    """What a cache entry holds: the host buffer and typed views of the expert's tensors in it."""
+
+    buffer: HostBuffer
+    tensors: dict[str, torch.Tensor]
+
+
+class ExpertHandle:
+    """A pinned expert: use `tensors` until `release()` (or the end of a `with` block)."""
+
+    def __init__(self, owner: "TieredExpertStore", key: Key, tensors: dict[str, torch.Tensor]) -> None:
+        self.key = key
+        self.tensors = tensors
+        self._owner = owner
+        self._released = False
+
+    def release(self) -> None:
+        """Unpin; the cache may evict the expert afterwards."""
+        if not self._released:
+            self._released = True
+            self._owner.cache.unpin(self.key)
+
+    def __enter__(self) -> "ExpertHandle":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@dataclass(kw_only=True)
+class TierStats:
+    """Counters of the SSD -> CPU tier."""
+
+    hits: int
+    misses: int
+    inflight_hits: int
+    hit_rate: float
+    evictions: int
+    ssd_bytes: int
+    ssd_reads: int
+    ssd_read_s: float  # summed over reads; reads overlap, so this is not wall time
+    prefetch_issued: int
+    prefetch_dropped: int  # not issued: the cache was full of pinned experts
+
+    def to_json(self) -> dict:
+        return dict(self.__dict__)
+
+
+class TieredExpertStore:
+    """SSD-resident experts served through a byte-bounded CPU cache with prefetch."""
+
+    def __init__(self, store: Store, config: TieredStoreConfig) -> None:
+        self.store = store
+        self.config = config
+        chunks = store.manifest.chunks
+        biggest = max((c.bytes for c in chunks), default=4096)
+        if biggest > config.cpu_cache_bytes:
+            raise ValueError(f"cpu_cache_bytes={config.cpu_cache_bytes} cannot hold one expert chunk "
+                             f"({biggest} bytes)")
+        self.cache = ExpertCache(ExpertCacheConfig(capacity_bytes=config.cpu_cache_bytes, policy=config.policy),
+                                 on_evict=self._on_evict)
+        # The cache bounds the bytes in use; the slack covers size-class fragmentation in the pool.
+        self.pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=config.cpu_cache_bytes + 2 * biggest,
+                                                        pin=config.pin_memory, slab_bytes=biggest))
+        self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.io_threads))
+        self.queue = PrefetchQueue(PrefetchQueueConfig(workers=config.prefetch_workers))
+        self._lock = threading.Lock()
+        self._ssd_bytes = self._ssd_reads = self._issued = self._dropped = 0
+        self._ssd_s = 0.0
+
+    # -- the data path ------------------------------------------------------------------------
+    def _load(self, key: Key) -> None:
+        """Read one chunk into a pooled buffer and publish it; the entry was reserved by the caller."""
+        chunk = self.store.manifest.chunk(*key)
+        buf: HostBuffer | None = None
+        try:
+            buf = self.pool.acquire(chunk.bytes, timeout=60.0)
+            t0 = time.perf_counter()
+            crcs = self.reader.read_many([self.store.chunk_request(chunk, buf.memoryview())])[0]
+            self.store.check_crcs(chunk, crcs)
+            with self._lock:
+                self._ssd_s += time.perf_counter() - t0
+                self._ssd_bytes += chunk.bytes
+                self._ssd_reads += 1
+        except BaseException as e:
+            if buf is not None:
+                buf.release()
+            self.cache.fail(key, e)
+            raise
+        self.cache.complete(key, ExpertPayload(buffer=buf, tensors=self.store.chunk_views(chunk, buf.tensor)))
+
+    def _on_evict(self, key: Key, payload: ExpertPayload) -> None:
+        payload.buffer.release()
+
+    def _prefetch_job(self, key: Key) -> None:
+        self._load(key)  # on failure the entry and its pins are gone already
+        self.cache.unpin(key)  # the reservation's pin: the expert may now be evicted
+
+    def get(self, layer: int, expert: int, kind: str = "weight") -> ExpertHandle:
+        """The expert's tensors, pinned: from the cache, from a read in flight, or read now."""
+        key = (layer, expert, kind)
+        nbytes = self.store.manifest.chunk(*key).bytes
+        while True:
+            entry, must_load = self.cache.lookup_or_reserve(key, nbytes)  # pinned for us either way
+            if must_load:
+                self._load(key)
+                return ExpertHandle(self, key, self._payload(key).tensors)
+            if entry.state is EntryState.LOADING:
+                self.queue.reprioritize(key, URGENT)
+            try:
+                entry = self.cache.wait_ready(key)
+            except (CancelledError, KeyError):
+                continue  # the prefetch was cancelled or failed after we looked: load it ourselves
+            return ExpertHandle(self, key, entry.payload.tensors)
+
+    def _payload(self, key: Key) -> ExpertPayload:
+        return self.cache.wait_ready(key).payload
+
+    def prefetch(self, keys: Iterable[tuple[int, int]] | Iterable[Key], *, priority: float = 0.0,
+                 kind: str = "weight") -> int:
+        """Start reads of experts not yet cached, lower priority first; returns how many started.
+
+        A hint: when the cache is full of pinned experts the rest are skipped, not waited for.
+        """
+        started = 0
+        for k in keys:
+            key: Key = (k[0], k[1], k[2] if len(k) > 2 else kind)  # type: ignore[misc]
+            if key in self.cache:
+                continue
+            try:
+                self.cache.reserve(key, self.store.manifest.chunk(*key).bytes)
+            except CacheFullError:
+                with self._lock:
+                    self._dropped += 1
+                continue
+            except ValueError:  # reserved by someone else meanwhile
+                continue
+            self.queue.submit(key, lambda key=key: self._prefetch_job(key), priority=priority)
+            started += 1
+        with self._lock:
+            self._issued += started
+        return started
+
+    def cancel_prefetch(self, keys: Iterable[Key]) -> int:
+        """Drop queued reads that are no longer wanted; returns how many were cancelled."""
+        n = 0
+        for key in keys:
+            if self.queue.cancel(key):
+                self.cache.fail(key, CancelledError(f"prefetch of {key} cancelled"))
+                n += 1
+        return n
+
+    def cached(self, layer: int, expert: int, kind: str = "weight") -> bool:
+        """Whether the expert is resident or being read (no hit or miss is counted)."""
+        return (layer, expert, kind) in self.cache
+
+    # -- reporting and shutdown ---------------------------------------------------------------
+    def stats(self) -> TierStats:
+        """Counters since construction or `reset_stats`."""
+        s = self.cache.stats()
+        with self._lock:
+            return TierStats(hits=s.hits, misses=s.misses, inflight_hits=s.inflight_hits, hit_rate=s.hit_rate,
+                             evictions=s.evictions, ssd_bytes=self._ssd_bytes, ssd_reads=self._ssd_reads,
+                             ssd_read_s=self._ssd_s, prefetch_issued=self._issued, prefetch_dropped=self._dropped)
+
+    def reset_stats(self) -> None:
+        """Zero every counter."""
+        self.cache.reset_stats()
+        with self._lock:
+            self._ssd_bytes = self._ssd_reads = self._issued = self._dropped = 0
+            self._ssd_s = 0.0
+
+    def close(self) -> None:
+        """Finish reads in flight, drop queued ones, stop the threads."""
+        self.queue.close(wait=True)
+        self.reader.close()
+
+    def __enter__(self) -> "TieredExpertStore":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+

@@ -1,0 +1,169 @@
+"""Eviction policies on hand-made reference sequences with exact victims."""
+
+from __future__ import annotations
+
+import pytest
+
+from storage.policies import (
+    POLICY_NAMES,
+    BeladyPolicy,
+    EvictionPolicy,
+    LFUAgingPolicy,
+    LFUPolicy,
+    LRUPolicy,
+    make_policy,
+)
+
+
+def _insert(policy: EvictionPolicy, *keys: str) -> None:
+    for key in keys:
+        policy.on_insert(key)
+
+
+def test_lru_evicts_least_recent_and_insert_counts_as_use():
+    # A B C A D with room for 3: D's arrival evicts B.
+    policy = LRUPolicy()
+    _insert(policy, "A", "B", "C")
+    policy.on_access("A")
+    assert policy.victim({"A", "B", "C"}) == "B"
+    policy.on_remove("B")
+    policy.on_insert("D")
+    assert policy.victim({"A", "C", "D"}) == "C"
+
+
+def test_victim_only_among_candidates():
+    policy = LRUPolicy()
+    _insert(policy, "A", "B", "C")
+    assert policy.victim({"B", "C"}) == "B"
+    assert policy.victim(["C"]) == "C"  # any iterable is accepted
+
+
+@pytest.mark.parametrize("name", ["lru", "lfu", "lfu-aging"])
+def test_victim_needs_a_candidate(name):
+    policy = make_policy(name)
+    policy.on_insert("A")
+    with pytest.raises(ValueError, match="at least one candidate"):
+        policy.victim(set())
+
+
+def test_lfu_and_lru_disagree_on_a_frequent_old_key():
+    # A used twice long ago, B and C once each since: LRU drops A, LFU keeps it.
+    lru, lfu = LRUPolicy(), LFUPolicy()
+    for policy in (lru, lfu):
+        policy.on_insert("A")
+        policy.on_access("A")
+        _insert(policy, "B", "C")
+    assert lru.victim({"A", "B", "C"}) == "A"
+    assert lfu.victim({"A", "B", "C"}) == "B"
+
+
+def test_lfu_ties_go_to_least_recently_used():
+    policy = LFUPolicy()
+    _insert(policy, "A", "B", "C")
+    policy.on_access("A")
+    assert policy.victim({"A", "B", "C"}) == "B"  # B and C at 1; B used earlier
+    policy.on_access("B")
+    assert policy.victim({"A", "B", "C"}) == "C"
+    assert policy.victim({"A", "B"}) == "A"  # both at 2; A's last use came first
+
+
+def test_lfu_drops_counts_on_removal():
+    policy = LFUPolicy()
+    policy.on_insert("A")
+    for _ in range(3):
+        policy.on_access("A")
+    policy.on_remove("A")
+    policy.on_insert("A")
+    policy.on_insert("B")
+    policy.on_access("B")
+    assert policy.count("A") == 1
+    assert policy.victim({"A", "B"}) == "A"
+
+
+@pytest.mark.parametrize(
+    ("policy", "expected"), [(LFUPolicy(), "B"), (LFUAgingPolicy(aging_interval=4), "A")]
+)
+def test_aging_makes_an_old_hot_key_evictable(policy, expected):
+    # References 1-4 make A hot; the 4th and 8th halve every count under aging_interval=4:
+    # after C's insertion A=1, B=1, C=0 (aged) versus A=4, B=3, C=1 (plain LFU).
+    policy.on_insert("A")
+    for _ in range(3):
+        policy.on_access("A")
+    policy.on_insert("B")
+    policy.on_access("B")
+    policy.on_access("B")
+    policy.on_insert("C")
+    assert policy.victim({"A", "B"}) == expected
+    assert policy.victim({"A", "B", "C"}) == "C"
+
+
+def test_aging_halves_with_floor_division():
+    policy = LFUAgingPolicy(aging_interval=3)
+    policy.on_insert("A")
+    policy.on_access("A")
+    assert policy.count("A") == 2
+    policy.on_access("A")  # third reference: 3 // 2
+    assert policy.count("A") == 1
+
+
+def test_aging_interval_validated():
+    with pytest.raises(ValueError, match=r"^aging_interval must be a positive integer, got 0$"):
+        LFUAgingPolicy(aging_interval=0)
+
+
+def test_belady_evicts_the_farthest_next_use():
+    future = ["A", "B", "C", "D", "A", "B", "C"]
+    policy = BeladyPolicy(future)
+    _insert(policy, "A", "B", "C")
+    assert policy.victim({"A", "B", "C"}) == "C"  # next uses: A at 4, B at 5, C at 6
+    policy.on_remove("C")
+    policy.on_insert("D")
+    policy.on_access("A")
+    policy.on_access("B")
+    # A, B and D are never used again: the least recently referenced, D, goes first.
+    assert policy.victim({"A", "B", "D"}) == "D"
+    assert policy.victim({"A", "B"}) == "A"
+    assert policy.position == 6
+
+
+def test_belady_rejects_a_replay_out_of_step():
+    policy = BeladyPolicy(["A", "B"])
+    with pytest.raises(ValueError) as info:
+        policy.on_insert("B")
+    assert str(info.value) == (
+        "reference at position 0 is to 'B' but the future has 'A' there; the replay is out of step"
+    )
+    policy.on_insert("A")
+    policy.on_insert("B")
+    with pytest.raises(ValueError, match="past the end of the future"):
+        policy.on_access("A")
+
+
+def test_make_policy_builds_each_registered_policy():
+    assert POLICY_NAMES == ("lfu-aging", "lfu", "lru", "belady")
+    assert type(make_policy("lfu-aging", aging_interval=8)) is LFUAgingPolicy
+    assert type(make_policy("lfu")) is LFUPolicy
+    assert type(make_policy("lru")) is LRUPolicy
+    assert type(make_policy("belady", future=[1, 2])) is BeladyPolicy
+    for name in POLICY_NAMES:
+        kwargs = {"future": []} if name == "belady" else {}
+        assert make_policy(name, **kwargs).name == name
+
+
+def test_make_policy_unknown_name():
+    with pytest.raises(ValueError) as info:
+        make_policy("fifo")
+    assert str(info.value) == "unknown eviction policy 'fifo'; allowed: lfu-aging, lfu, lru, belady"
+
+
+@pytest.mark.parametrize("name", ["lfu", "lfu-aging"])
+def test_frequency_heap_stays_correct_through_compaction(name):
+    # Many updates to few keys force the lazy heap to rebuild; the victim must stay exact.
+    policy = make_policy(name, **({"aging_interval": 1000} if name == "lfu-aging" else {}))
+    _insert(policy, "A", "B", "C")
+    for _ in range(500):
+        policy.on_access("A")
+        policy.on_access("B")
+    policy.on_access("C")
+    assert policy.victim({"A", "B", "C"}) == "C"
+    assert policy.victim({"A", "B"}) == "A"

@@ -1,0 +1,311 @@
+"""PrefetchQueue: priority order, FIFO ties, dedup, cancel, failures, close, and overlap."""
+
+import os
+import threading
+import time
+from concurrent.futures import CancelledError, Future
+
+import pytest
+import torch
+
+from storage.pool import HostBufferPool, HostBufferPoolConfig
+from storage.prefetch import (
+    PrefetchQueue,
+    PrefetchQueueConfig,
+    QueueClosedError,
+    QueueFullError,
+)
+
+TIMEOUT_S = 30  # only ever reached if something is broken
+
+
+class Gate:
+    """A job that holds a worker busy until opened, so jobs queue up behind it."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.opened = threading.Event()
+
+    def __call__(self) -> str:
+        self.started.set()
+        if not self.opened.wait(TIMEOUT_S):
+            raise TimeoutError("gate never opened")
+        return "gate"
+
+    def hold(self, queue: PrefetchQueue) -> Future:
+        future = queue.submit("gate", self, priority=float("-inf"))
+        if not self.started.wait(TIMEOUT_S):
+            raise TimeoutError("gate job never started")
+        return future
+
+
+def recorder(order: list, key):
+    return lambda: order.append(key) or key
+
+
+@pytest.fixture
+def single():
+    queue = PrefetchQueue(PrefetchQueueConfig(workers=1))
+    yield queue
+    queue.close()
+
+
+def run_gated(queue: PrefetchQueue, submissions: list[tuple[str, float]], then=None) -> list:
+    """Queue ``submissions`` behind a gate, optionally act on the queue, then run them all."""
+    order: list = []
+    gate = Gate()
+    gate.hold(queue)
+    futures = [queue.submit(key, recorder(order, key), priority=p) for key, p in submissions]
+    if then is not None:
+        then(queue)
+    gate.opened.set()
+    for future in futures:
+        if not future.cancelled():
+            future.result(TIMEOUT_S)
+    return order
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"workers": 0}, "workers"), ({"max_queued": 0}, "max_queued"), ({"workers": 1.5}, "workers")],
+)
+def test_config_errors_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=f"{field}="):
+        PrefetchQueueConfig(**kwargs)
+
+
+def test_lower_priority_value_runs_first(single):
+    order = run_gated(single, [("a", 3.0), ("b", 1.0), ("c", 2.0), ("d", 0.5)])
+    assert order == ["d", "b", "c", "a"]
+
+
+def test_equal_priorities_run_in_submission_order(single):
+    keys = [f"k{i}" for i in range(8)]
+    order = run_gated(single, [(k, 1.0) for k in keys] + [("urgent", 0.0)])
+    assert order == ["urgent"] + keys
+
+
+def test_duplicate_key_returns_the_same_future(single):
+    gate = Gate()
+    gate_future = gate.hold(single)
+    calls = []
+    first = single.submit("x", lambda: calls.append(1) or "x", priority=1)
+    assert single.submit("x", lambda: calls.append(2) or "y", priority=5) is first
+    # A running key deduplicates too.
+    assert single.submit("gate", lambda: None, priority=0) is gate_future
+    gate.opened.set()
+    assert first.result(TIMEOUT_S) == "x"
+    assert calls == [1]
+    assert single.stats.deduplicated == 2
+    assert single.stats.submitted == 2  # the gate and "x"
+
+
+def test_finished_key_runs_again():
+    with PrefetchQueue(PrefetchQueueConfig(workers=1)) as queue:
+        assert queue.submit("k", lambda: 1, priority=0).result(TIMEOUT_S) == 1
+        assert queue.submit("k", lambda: 2, priority=0).result(TIMEOUT_S) == 2
+
+
+def test_resubmitting_with_more_urgent_priority_reorders(single):
+    def bump(queue):
+        queue.submit("late", lambda: None, priority=0.5)  # more urgent: moves up
+        queue.submit("early", lambda: None, priority=9.0)  # less urgent: ignored
+
+    order = run_gated(single, [("early", 1.0), ("mid", 2.0), ("late", 3.0)], then=bump)
+    assert order == ["late", "early", "mid"]
+
+
+def test_reprioritize_moves_either_way(single):
+    def move(queue):
+        assert queue.reprioritize("a", 10.0)
+        assert queue.reprioritize("c", -1.0)
+        assert not queue.reprioritize("missing", 0.0)
+
+    order = run_gated(single, [("a", 1.0), ("b", 2.0), ("c", 3.0)], then=move)
+    assert order == ["c", "b", "a"]
+
+
+def test_many_reprioritisations_keep_the_order_and_the_heap_small(single):
+    def churn(queue):
+        for round_ in range(200):
+            for key in "abc":
+                queue.reprioritize(key, float(round_ + ord(key)))
+        queue.reprioritize("b", -1.0)
+        assert len(queue._heap) <= 2 * 3 + 64
+
+    order = run_gated(single, [("a", 1.0), ("b", 2.0), ("c", 3.0)], then=churn)
+    assert order == ["b", "a", "c"]
+
+
+def test_cancel_a_queued_job(single):
+    futures = {}
+
+    def cancel(queue):
+        futures["b"] = queue.submit("b", lambda: None, priority=2.0)  # dedup: its future
+        assert queue.cancel("b")
+        assert not queue.cancel("b")
+        assert not queue.cancel("gate")  # running: cannot be cancelled
+
+    order = run_gated(single, [("a", 1.0), ("b", 2.0), ("c", 3.0)], then=cancel)
+    assert order == ["a", "c"]
+    assert futures["b"].cancelled()
+    with pytest.raises(CancelledError):
+        futures["b"].result()
+    assert single.stats.cancelled == 1
+
+
+def test_cancel_all(single):
+    gate = Gate()
+    gate.hold(single)
+    futures = [single.submit(i, lambda: None, priority=i) for i in range(5)]
+    assert single.cancel_all() == 5
+    gate.opened.set()
+    assert all(f.cancelled() for f in futures)
+    assert single.queued() == 0
+
+
+def test_future_cancelled_directly_is_skipped_and_key_can_be_resubmitted(single):
+    order: list = []
+    gate = Gate()
+    gate.hold(single)
+    stale = single.submit("a", recorder(order, "a1"), priority=1)
+    assert stale.cancel()
+    fresh = single.submit("a", recorder(order, "a2"), priority=1)
+    assert fresh is not stale
+    gate.opened.set()
+    assert fresh.result(TIMEOUT_S) == "a2"
+    assert order == ["a2"]
+
+
+def test_failed_job_reaches_its_future_and_the_worker_survives(single):
+    def boom():
+        raise OSError("disk on fire")
+
+    failed = single.submit("bad", boom, priority=0)
+    with pytest.raises(OSError, match="disk on fire"):
+        failed.result(TIMEOUT_S)
+    assert single.submit("good", lambda: 42, priority=0).result(TIMEOUT_S) == 42
+    stats = single.stats
+    assert (stats.failed, stats.completed) == (1, 1)
+
+
+def test_max_queued_rejects_new_keys_but_not_duplicates():
+    with PrefetchQueue(PrefetchQueueConfig(workers=1, max_queued=2)) as queue:
+        gate = Gate()
+        gate.hold(queue)
+        a = queue.submit("a", lambda: None, priority=0)
+        queue.submit("b", lambda: None, priority=0)
+        with pytest.raises(QueueFullError, match="max_queued=2"):
+            queue.submit("c", lambda: None, priority=0)
+        assert queue.submit("a", lambda: None, priority=0) is a
+        assert queue.stats.max_queue_depth == 2
+        gate.opened.set()
+
+
+def test_priority_must_be_a_number(single):
+    with pytest.raises(ValueError, match="priority=nan"):
+        single.submit("k", lambda: None, priority=float("nan"))
+
+
+def test_close_cancels_queued_finishes_running_and_refuses_new_jobs():
+    queue = PrefetchQueue(PrefetchQueueConfig(workers=1))
+    gate = Gate()
+    running = gate.hold(queue)
+    queued = queue.submit("q", lambda: None, priority=0)
+    queue.close(wait=False)
+    assert queued.cancelled()
+    assert not running.done()
+    gate.opened.set()
+    queue.close()  # joins the worker, which first finishes the running job
+    assert running.result(0) == "gate"
+    with pytest.raises(QueueClosedError):
+        queue.submit("late", lambda: None, priority=0)
+
+
+def test_close_without_cancelling_drains_the_queue():
+    queue = PrefetchQueue(PrefetchQueueConfig(workers=2))
+    gate = Gate()
+    gate.hold(queue)
+    futures = [queue.submit(i, lambda i=i: i, priority=i) for i in range(4)]
+    gate.opened.set()
+    queue.close(wait=True, cancel_queued=False)
+    assert [f.result(0) for f in futures] == [0, 1, 2, 3]
+
+
+def test_workers_run_jobs_concurrently():
+    workers = 3
+    barrier = threading.Barrier(workers, timeout=TIMEOUT_S)
+    with PrefetchQueue(PrefetchQueueConfig(workers=workers)) as queue:
+        # Each job waits for all the others: only possible if they all run at once.
+        futures = [queue.submit(i, barrier.wait, priority=0) for i in range(workers)]
+        assert sorted(f.result(TIMEOUT_S) for f in futures) == list(range(workers))
+
+
+# Overlap of reads with compute: a layer loop that reads layer i+1's chunk file while it
+# "computes" layer i, checked by the order of recorded events against a sequential run.
+
+N_LAYERS = 6
+LAYER_BYTES = 64 * 1024 + 100
+COMPUTE_S = 0.05
+
+
+def write_layers(tmp_path) -> list[tuple[str, bytes]]:
+    layers = []
+    for i in range(N_LAYERS):
+        data = torch.full((LAYER_BYTES,), i + 1, dtype=torch.uint8).numpy().tobytes()
+        path = tmp_path / f"layer{i}.bin"
+        path.write_bytes(data)
+        layers.append((str(path), data))
+    return layers
+
+
+def run_layers(layers, queue: PrefetchQueue, pool: HostBufferPool, *, overlap: bool):
+    """Returns per layer the read interval and the compute interval (perf_counter seconds)."""
+    reads: dict[int, tuple[float, float]] = {}
+    computes: dict[int, tuple[float, float]] = {}
+
+    def read(i: int):
+        start = time.perf_counter()
+        buf = pool.acquire(LAYER_BYTES, timeout=TIMEOUT_S)
+        fd = os.open(layers[i][0], os.O_RDONLY)
+        try:
+            n = os.preadv(fd, [buf.memoryview()], 0)
+        finally:
+            os.close(fd)
+        reads[i] = (start, time.perf_counter())
+        if n != LAYER_BYTES:
+            raise OSError(f"short read of {layers[i][0]}: {n} of {LAYER_BYTES} bytes")
+        return buf
+
+    def submit(i: int):
+        return queue.submit(("layer", i), lambda: read(i), priority=i)
+
+    futures = {0: submit(0)}
+    for i in range(N_LAYERS):
+        has_next = i + 1 < N_LAYERS
+        if overlap and has_next:
+            futures[i + 1] = submit(i + 1)  # before compute of layer i starts
+        buf = futures.pop(i).result(TIMEOUT_S)
+        start = time.perf_counter()
+        time.sleep(COMPUTE_S)  # compute of layer i
+        computes[i] = (start, time.perf_counter())
+        assert buf.payload.numpy().tobytes() == layers[i][1]
+        buf.release()
+        if not overlap and has_next:
+            futures[i + 1] = submit(i + 1)
+    return reads, computes
+
+
+def test_reads_overlap_compute(tmp_path):
+    layers = write_layers(tmp_path)
+    pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=4 * 2**20, pin=False))
+    with PrefetchQueue(PrefetchQueueConfig(workers=2)) as queue:
+        reads, computes = run_layers(layers, queue, pool, overlap=True)
+        seq_reads, seq_computes = run_layers(layers, queue, pool, overlap=False)
+    for i in range(N_LAYERS - 1):
+        # Pipelined: layer i+1 is being read while layer i computes.
+        assert reads[i + 1][0] < computes[i][1], f"read of layer {i + 1} did not overlap"
+        # Reference: the read of layer i+1 only starts once layer i is done.
+        assert seq_reads[i + 1][0] >= seq_computes[i][1]
+    assert pool.in_use_bytes == 0
+    assert queue.stats.completed == 2 * N_LAYERS

@@ -1,0 +1,176 @@
+"""Copy streams: the CPU thread stream is tested here; the CUDA stream where a GPU exists."""
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from storage.streams import (
+    CopyStreamClosedError,
+    CudaCopyStream,
+    ThreadCopyStream,
+    make_copy_stream,
+)
+
+TIMEOUT_S = 30  # only ever reached if something is broken
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+class HookedTensor(torch.Tensor):
+    """A destination tensor whose ``copy_`` first calls ``self.hook()``: to record the order of
+    copies, hold one back, or make it fail."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.copy_:
+            args[0].hook()
+        return super().__torch_function__(func, types, args, kwargs or {})
+
+
+def hooked(shape, hook) -> HookedTensor:
+    dst = torch.empty(shape).as_subclass(HookedTensor)
+    dst.hook = hook
+    return dst
+
+
+@pytest.fixture
+def stream():
+    with ThreadCopyStream() as s:
+        yield s
+
+
+def test_copies_are_correct_and_run_in_issue_order(stream):
+    order = []
+    srcs = [torch.arange(10.0) + 100 * i for i in range(6)]
+    handles = []
+    for i, src in enumerate(srcs):
+        dst = hooked(src.shape, lambda i=i: order.append(i)) if i % 2 else None
+        handles.append(stream.copy_to_device(src, dst))
+    for src, handle in zip(srcs, handles):
+        assert torch.equal(handle.wait(), src)
+        assert handle.tensor.data_ptr() != src.data_ptr()
+    assert order == [1, 3, 5]
+
+
+def test_wait_waits_for_that_copy_only(stream):
+    gate = threading.Event()
+    early = stream.copy_to_device(torch.ones(4))
+    late = stream.copy_to_device(torch.full((4,), 7.0), hooked((4,), lambda: gate.wait(TIMEOUT_S)))
+    assert torch.equal(early.wait(), torch.ones(4))
+    assert early.done()
+    assert not late.done()  # held back by the gate
+    gate.set()
+    assert torch.equal(late.wait(), torch.full((4,), 7.0))
+    assert late.done()
+
+
+def test_exception_in_a_copy_reaches_wait_and_the_stream_keeps_going(stream):
+    def fail():
+        raise RuntimeError("device fell off the bus")
+
+    bad = stream.copy_to_device(torch.ones(3), hooked((3,), fail))
+    with pytest.raises(RuntimeError, match="fell off the bus"):
+        bad.wait()
+    assert bad.done()
+    assert torch.equal(stream.copy_to_device(torch.ones(3)).wait(), torch.ones(3))
+
+
+def test_in_place_ok_returns_the_source_without_copying(stream):
+    src = torch.arange(8)
+    handle = stream.copy_to_device(src, in_place_ok=True)
+    assert handle.done()
+    assert handle.wait() is src
+    copied = stream.copy_to_device(src).wait()
+    assert copied.untyped_storage().data_ptr() != src.untyped_storage().data_ptr()
+    src += 1
+    assert torch.equal(copied, torch.arange(8))
+
+
+def test_bad_requests_raise_when_issued(stream):
+    with pytest.raises(ValueError, match=r"dst \(3,\) torch.float32 does not match src \(4,\)"):
+        stream.copy_to_device(torch.ones(4), torch.empty(3))
+    with pytest.raises(ValueError, match="dtype|does not match"):
+        stream.copy_to_device(torch.ones(4), torch.empty(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="device=meta"):
+        stream.copy_to_device(torch.ones(4), device="meta")
+    with pytest.raises(TypeError, match="src must be a torch.Tensor"):
+        stream.copy_to_device([1, 2, 3])
+    assert stream.copy_to_device(torch.ones(2), device="cpu").wait().sum() == 2
+
+
+def test_close_finishes_issued_copies_then_refuses_new_ones():
+    stream = ThreadCopyStream()
+    gate = threading.Event()
+    held = stream.copy_to_device(torch.ones(2), hooked((2,), lambda: gate.wait(TIMEOUT_S)))
+    closer = threading.Thread(target=stream.close)
+    closer.start()
+    gate.set()
+    closer.join(TIMEOUT_S)
+    assert held.done() and torch.equal(held.wait(), torch.ones(2))
+    with pytest.raises(CopyStreamClosedError):
+        stream.copy_to_device(torch.ones(2))
+    stream.close()  # closing twice is harmless
+
+
+def test_make_copy_stream_picks_the_thread_stream_for_cpu():
+    for device in ("cpu", torch.device("cpu")):
+        with make_copy_stream(device) as stream:
+            assert isinstance(stream, ThreadCopyStream)
+            assert stream.device == torch.device("cpu")
+
+
+def test_thread_stream_refuses_cuda():
+    with pytest.raises(ValueError, match="CudaCopyStream"):
+        ThreadCopyStream("cuda:0")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_stream_without_cuda_is_an_error():
+    with pytest.raises(RuntimeError, match="needs CUDA"):
+        CudaCopyStream("cuda")
+
+
+@needs_cuda
+def test_cuda_copies_equal_the_source():
+    with make_copy_stream("cuda") as stream:
+        assert isinstance(stream, CudaCopyStream)
+        srcs = [torch.randn(256, 64).pin_memory() for _ in range(4)]
+        handles = [stream.copy_to_device(src) for src in srcs]
+        dst = torch.empty(256, 64, device="cuda")
+        handles.append(stream.copy_to_device(srcs[0], dst))
+        for src, handle in zip(srcs + srcs[:1], handles):
+            # wait() orders the compute stream after the copy; the product runs on it.
+            doubled = handle.wait() * 2
+            assert torch.equal(doubled.cpu(), src * 2)
+        assert handles[-1].tensor is dst
+
+
+@needs_cuda
+def test_cuda_wait_is_an_event_on_the_compute_stream():
+    with CudaCopyStream("cuda") as stream:
+        src = torch.arange(1 << 20, dtype=torch.int64).pin_memory()
+        handle = stream.copy_to_device(src)
+        assert handle.tensor.is_cuda
+        handle.wait()
+        # The compute stream now waits for the copy, so work queued on it sees the data.
+        total = handle.tensor.sum()
+        torch.cuda.current_stream().synchronize()
+        assert handle.done()
+        assert total.item() == src.sum().item()
+        handle.synchronize()  # the source may now be reused
+
+
+@needs_cuda
+def test_cuda_unpinned_source_warns_once(caplog):
+    with CudaCopyStream("cuda") as stream, caplog.at_level(logging.WARNING, "storage.streams"):
+        for _ in range(3):
+            stream.copy_to_device(torch.ones(16)).synchronize()
+    assert sum("not pinned" in r.message for r in caplog.records) == 1
+
+
+@needs_cuda
+def test_cuda_in_place_ok_returns_a_device_source():
+    with CudaCopyStream("cuda") as stream:
+        src = torch.ones(4, device="cuda")
+        assert stream.copy_to_device(src, in_place_ok=True).wait() is src

@@ -1,0 +1,129 @@
+"""`semoe store ...` run as a real subprocess: outputs, JSON, exit codes and one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from helpers.hf_models import assert_bit_exact, load_safetensors_dir
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def semoe(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": ROOT}
+    res = subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, env=env,
+                         cwd=ROOT)
+    if check and res.returncode != 0:
+        raise AssertionError(f"semoe {' '.join(args)} exited {res.returncode}: {res.stderr}")
+    return res
+
+
+@pytest.fixture(scope="module")
+def store(hf_mixtral_sharded_bf16, tmp_path_factory):
+    path = tmp_path_factory.mktemp("cli") / "store"
+    res = semoe("store", "import", str(hf_mixtral_sharded_bf16), str(path), "--json")
+    info = json.loads(res.stdout)
+    assert info["version"] == 1 and info["experts_per_layer"] == {"0": 4, "1": 4}
+    return path
+
+
+def test_import_export_round_trip(store, hf_mixtral_sharded_bf16, tmp_path):
+    semoe("store", "export", str(store), str(tmp_path / "out"))
+    assert_bit_exact(load_safetensors_dir(hf_mixtral_sharded_bf16), load_safetensors_dir(tmp_path / "out"))
+
+
+def test_info_and_ls(store):
+    info = json.loads(semoe("store", "info", str(store), "--json").stdout)
+    assert info["architecture"] == "MixtralForCausalLM" and info["layers"] == 2 and info["moe_layers"] == 2
+    assert info["dtypes"] == ["BF16"] and info["expert_bytes"] > 0 and info["dense_bytes"] > 0
+    listing = json.loads(semoe("store", "ls", str(store), "--json").stdout)
+    experts = [t for t in listing["tensors"] if t["group"] == "expert"]
+    assert len(experts) == 2 * 4 * 3
+    assert {(t["layer"], t["expert"]) for t in experts} == {(l, e) for l in range(2) for e in range(4)}
+    text = semoe("store", "info", str(store)).stdout
+    assert "MixtralForCausalLM" in text and "version       1" in text
+
+
+def test_verify_ok_then_names_the_bad_tensor(store, tmp_path):
+    import shutil
+
+    copy = tmp_path / "copy"
+    shutil.copytree(store, copy)
+    res = semoe("store", "verify", str(copy), "--json")
+    assert json.loads(res.stdout)["ok"] is True
+    listing = json.loads(semoe("store", "ls", str(copy), "--json").stdout)["tensors"]
+    victim = next(t for t in listing if t["name"].endswith("layers.1.block_sparse_moe.experts.2.w3.weight"))
+    entry_offset = next(t for t in json.loads((copy / "manifest.json").read_text())["tensors"]
+                        if t["name"] == victim["name"])["offset"]
+    with open(copy / victim["file"], "r+b") as f:
+        f.seek(entry_offset + 3)
+        b = f.read(1)
+        f.seek(entry_offset + 3)
+        f.write(bytes([b[0] ^ 1]))
+    res = semoe("store", "verify", str(copy), "--json", check=False)
+    assert res.returncode == 1
+    out = json.loads(res.stdout)
+    assert out["ok"] is False and [p["tensor"] for p in out["problems"]] == [victim["name"]]
+    res = semoe("store", "verify", str(copy), check=False)
+    assert res.returncode == 1 and f"BAD {victim['name']}: checksum mismatch" in res.stderr
+
+
+def test_gc_after_import_removes_nothing_needed(store):
+    res = json.loads(semoe("store", "gc", str(store), "--json").stdout)
+    assert res["version"] == 1
+    assert json.loads(semoe("store", "verify", str(store), "--json").stdout)["ok"] is True
+
+
+def test_bench_reports_side_by_side_ratio(store):
+    for extra in ([], ["--cold"]):
+        out = json.loads(semoe("store", "bench", str(store), "--json", "--repeats", "1", *extra).stdout)
+        assert out["store_gbps"] > 0 and out["raw_gbps"] > 0 and out["tensorstore_gbps"] > 0
+        assert out["ratio"] == pytest.approx(out["store_gbps"] / out["raw_gbps"], rel=0.01)
+        assert out["cold"] is bool(extra) and out["files"] == 8 and out["verified"] is True
+
+
+def test_cache_sim(tmp_path):
+    trace = tmp_path / "trace.jsonl"
+    rows = [{"layer": 0, "experts": e} for e in ([0, 1], [2, 0], [1, 3], [0, 2], [0, 1], [3, 2])]
+    trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = json.loads(semoe("store", "cache-sim", "--trace", str(trace), "--capacity", "3", "--json").stdout)
+    assert sorted(out) == ["belady", "lfu", "lfu-aging", "lru"]
+    for r in out.values():
+        assert r["hits"] + r["misses"] == 12 and r["hit_rate"] == pytest.approx(r["hits"] / 12)
+    assert out["belady"]["hits"] >= max(r["hits"] for r in out.values())
+    one = json.loads(semoe("store", "cache-sim", "--trace", str(trace), "--capacity", "3", "--policy", "lru",
+                           "--json").stdout)
+    assert list(one) == ["lru"] and one["lru"] == out["lru"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["store", "info", "{tmp}"], "not a semoe store (no manifest.json)"),
+    (["store", "import", "{tmp}", "{tmp}/s"], "config.json: missing"),
+    (["store", "cache-sim", "--trace", "{tmp}/nope.jsonl", "--capacity", "2"], "nope.jsonl"),
+    (["store", "cache-sim", "--trace", "{tmp}/t.jsonl", "--capacity", "2", "--policy", "fifo"], "--policy must be"),
+])
+def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
+    (tmp_path / "t.jsonl").write_text('{"layer": 0, "experts": [1]}\n')
+    res = semoe(*[a.format(tmp=tmp_path) for a in args], check=False)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("semoe: error: ") and message in lines[0], res.stderr
+    assert res.stdout == ""
+
+
+def test_import_into_non_empty_target_is_refused(hf_olmoe, tmp_path):
+    (tmp_path / "s").mkdir()
+    (tmp_path / "s" / "mine.txt").write_text("x")
+    res = semoe("store", "import", str(hf_olmoe), str(tmp_path / "s"), check=False)
+    assert res.returncode == 2 and "target directory is not empty" in res.stderr
+    assert os.listdir(tmp_path / "s") == ["mine.txt"]
+
+
+def test_help_explains_every_subcommand():
+    for sub in ("import", "export", "ls", "info", "verify", "gc", "bench", "cache-sim"):
+        res = semoe("store", sub, "--help")
+        assert "usage: semoe store " + sub in res.stdout
