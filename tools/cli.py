@@ -6,29 +6,19 @@ Exit codes: 0 success, 1 a check failed (e.g. `store verify` found damage), 2 ba
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from typing import Callable, Sequence
 
 from storage.errors import StorageError
+from tools.common import UsageError
 
 Handler = Callable[[argparse.Namespace], int]
 
 
-class UsageError(Exception):
-    """A flag or argument that the parser could not catch (exit 2)."""
-
-
-def emit_json(obj: object) -> None:
-    """One JSON object on stdout."""
-    sys.stdout.write(json.dumps(obj, sort_keys=True) + "\n")
-    sys.stdout.flush()
-
-
 def build_parser() -> argparse.ArgumentParser:
     """The whole command tree; each subcommand module adds its own parsers."""
-    from tools import demo_cmd, store_cmd
+    from tools import demo_cmd, generate_cmd, store_cmd
 
     parser = argparse.ArgumentParser(
         prog="semoe",
@@ -38,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
     store_cmd.add_parser(sub)
+    generate_cmd.add_parser(sub)
     demo_cmd.add_parser(sub)
     return parser
 

@@ -18,7 +18,7 @@ import time
 
 import torch
 
-from tools.cli import emit_json
+from tools.common import emit_json
 from tools.progress import byte_bar
 
 

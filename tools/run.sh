@@ -20,6 +20,8 @@ if [ ! -f "$stamp" ]; then
   echo "semoe: installing torch==2.13.0 and the package (first run only)" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
   "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$root[test]"
+  # fairscale is unmaintained: a test reference for gating only, installed without its dependencies
+  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "fairscale==0.4.13"
   rm -f "$venv"/.semoe-setup-*
   touch "$stamp"
 fi

@@ -7,7 +7,7 @@ import os
 import sys
 
 from storage.dtypes import CAST_CHOICES
-from tools.cli import emit_json
+from tools.common import emit_json
 from tools.progress import byte_bar
 
 

@@ -1,0 +1,245 @@
+"""Checkpoint interop: HuggingFace directories and stores into a `MoEGPT`, and a model into a store.
+
+Tensors keep their HuggingFace names everywhere outside the model (in stores too), so a store
+imported from a HuggingFace checkpoint and one saved from a model trained here read the same way.
+One table of renaming rules maps between those names and the model's parameter names.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from semoe.config import MoEConfig, from_hf_config
+from semoe.model import MoEGPT, ResidentExperts
+from storage.errors import BadInputError
+from storage.hf import open_checkpoint
+from storage.store import ExpertTensor, Store
+
+SEMOE_MODEL_TYPE = "semoe_gpt"
+_EXPERT_PARTS = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down; the others use *_proj names
+_DEFAULT_PARTS = ("gate_proj", "up_proj", "down_proj")
+
+
+def _moe_prefix(config: MoEConfig) -> str:
+    return "block_sparse_moe" if config.arch == "mixtral" else "mlp"
+
+
+def hf_name(config: MoEConfig, param: str) -> str:
+    """The HuggingFace name of a non-expert model parameter."""
+    m = re.match(r"^layers\.(\d+)\.(.+)$", param)
+    if not m:
+        return {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
+    layer, rest = m.group(1), m.group(2)
+    p = f"model.layers.{layer}."
+    moe = _moe_prefix(config)
+    rules = [
+        (r"^attn_norm\.", "input_layernorm."), (r"^ffn_norm\.", "post_attention_layernorm."),
+        (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.gate."), (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."),
+        (r"^ffn\.shared\.", "mlp.shared_expert."), (r"^ffn\.", "mlp."),
+    ]
+    for pattern, repl in rules:
+        if re.match(pattern, rest):
+            return p + re.sub(pattern, repl, rest)
+    raise KeyError(param)
+
+
+def hf_expert_names(config: MoEConfig, layer: int, expert: int) -> tuple[str, str, str]:
+    """HuggingFace names of one expert's gate, up and down weights."""
+    parts = _EXPERT_PARTS.get(config.arch, _DEFAULT_PARTS)
+    p = f"model.layers.{layer}.{_moe_prefix(config)}.experts.{expert}."
+    return tuple(f"{p}{w}.weight" for w in parts)  # type: ignore[return-value]
+
+
+def hf_config(config: MoEConfig) -> dict:
+    """A config.json for the model: the source config for imported models, semoe's own otherwise."""
+    if config.arch != "gpt_moe" and config.extra:
+        return dict(config.extra)
+    fields = {k: v for k, v in config.__dict__.items() if k != "extra"}
+    fields["moe_layers"] = list(config.moe_layers) if config.moe_layers is not None else None
+    return {"model_type": SEMOE_MODEL_TYPE, "architectures": ["SemoeGPTForCausalLM"], "semoe": fields}
+
+
+def config_from_json(cfg: dict) -> MoEConfig:
+    """MoEConfig of a config.json written by transformers or by `hf_config`."""
+    if cfg.get("model_type") == SEMOE_MODEL_TYPE:
+        return MoEConfig(**cfg["semoe"])
+    return from_hf_config(cfg)
+
+
+def _dense_params(model: MoEGPT) -> Iterator[tuple[str, nn.Parameter]]:
+    tied = model.config.tie_embeddings
+    for name, p in model.named_parameters():
+        if ".experts." in name or (tied and name == "lm_head.weight"):
+            continue
+        yield name, p
+
+
+def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
+          expert: Callable[[int, int], dict[str, torch.Tensor]], source: str) -> None:
+    """Fill every parameter from `dense(hf_name)` and `expert(layer, index)`; check shapes and dtypes."""
+    c = model.config
+    with torch.no_grad():
+        for name, p in _dense_params(model):
+            key = hf_name(c, name)
+            t = dense(key)
+            if tuple(t.shape) != tuple(p.shape):
+                raise BadInputError(f"{source}: tensor {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            p.copy_(t)
+        for ffn in model.moe_layers():
+            experts = ffn.experts
+            if not isinstance(experts, ResidentExperts):
+                continue
+            for e in range(c.num_experts):
+                tensors = expert(ffn.layer, e)
+                for key, dst in zip(hf_expert_names(c, ffn.layer, e), (experts.w_gate, experts.w_up, experts.w_down)):
+                    if key not in tensors:
+                        raise BadInputError(f"{source}: tensor {key} is missing")
+                    t = tensors[key]
+                    if tuple(t.shape) != tuple(dst.shape[1:]):
+                        raise BadInputError(f"{source}: tensor {key} has shape {tuple(t.shape)}, "
+                                            f"expected {tuple(dst.shape[1:])}")
+                    dst[e].copy_(t)
+
+
+def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dtype) -> MoEGPT:
+    """A model with uninitialised storage (no time spent on random init of weights about to be loaded)."""
+    with torch.device("meta"):
+        model = MoEGPT(config)
+    model = model.to_empty(device=device).to(dtype)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    return model
+
+
+def load_hf(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> MoEGPT:
+    """A model from a HuggingFace directory (config.json + safetensors, sharded or not)."""
+    ck = open_checkpoint(path)
+    try:
+        config = config_from_json(ck.config)
+    except ValueError as e:
+        raise BadInputError(f"{os.path.join(path, 'config.json')}: {e}") from None
+    model = _empty_model(config, device, dtype)
+
+    def dense(key: str) -> torch.Tensor:
+        ref = ck.tensors.get(key)
+        if ref is None:
+            raise BadInputError(f"{path}: tensor {key} is missing")
+        return _ref_tensor(ref)
+
+    def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
+        return {k: _ref_tensor(ck.tensors[k]) for k in hf_expert_names(config, layer, e) if k in ck.tensors}
+
+    _load(model, dense, expert, path)
+    return model.eval()
+
+
+def _ref_tensor(ref) -> torch.Tensor:
+    from storage.dtypes import torch_dtype
+
+    return torch.from_numpy(ref.read()).view(torch_dtype(ref.dtype)).view(ref.shape)
+
+
+def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               with_experts: bool = True) -> MoEGPT:
+    """A model from a store; `with_experts=False` leaves experts to a provider (offload engine)."""
+    store = Store.open(path)
+    if not store.manifest.has_file("config.json"):
+        raise BadInputError(f"{path}: store has no config.json (not a model store)")
+    config = config_from_json(json.loads(store.read_file("config.json")))
+    model = _empty_model(config, device, dtype)
+
+    def dense(key: str) -> torch.Tensor:
+        if not store.manifest.has_tensor(key):
+            raise BadInputError(f"{path}: tensor {key} is missing")
+        return store.read_tensor(key)
+
+    def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
+        if not with_experts:
+            return {}
+        if not store.manifest.has_chunk(layer, e):
+            raise BadInputError(f"{path}: expert {e} of layer {layer} is missing")
+        return store.read_expert(layer, e)
+
+    if not with_experts:
+        for ffn in model.moe_layers():
+            ffn.experts = _NoExperts()
+    _load(model, dense, expert, path)
+    return model.eval()
+
+
+class _NoExperts:
+    """Placeholder provider until the caller installs its own."""
+
+    def acquire(self, layer: int, experts: list[int]):
+        raise RuntimeError(f"layer {layer}: no expert provider installed")
+
+    def release(self, layer: int, experts: list[int]) -> None:
+        pass
+
+
+def save_store(model: MoEGPT, path: str, *, side_files: dict[str, bytes] | None = None) -> Store:
+    """Write a model (dense tensors and one chunk per expert) into a new store at `path`."""
+    c = model.config
+    store = Store.create(path)
+    with store.writer() as w:
+        w.put_file("config.json", json.dumps(hf_config(c), indent=2).encode())
+        for name, data in (side_files or {}).items():
+            w.put_file(name, data)
+        for name, p in _dense_params(model):
+            w.put_dense(hf_name(c, name), p.detach())
+        for ffn in model.moe_layers():
+            ex = ffn.experts
+            if not isinstance(ex, ResidentExperts):
+                raise ValueError(f"layer {ffn.layer}: experts are not resident; save them through their provider")
+            for e in range(c.num_experts):
+                names = hf_expert_names(c, ffn.layer, e)
+                w.put_expert(ffn.layer, e, [ExpertTensor(name=n, tensor=t[e].detach()) for n, t in
+                                            zip(names, (ex.w_gate, ex.w_up, ex.w_down))], num_experts=c.num_experts)
+        w.set_model({"source": "semoe", "architecture": hf_config(c)["architectures"][0], "model_type": c.arch,
+                     "num_layers": c.num_layers, "config": hf_config(c)})
+        w.commit()
+    return store
+
+
+def is_store(path: str) -> bool:
+    """Whether `path` is a store (else it is taken for a HuggingFace directory)."""
+    return os.path.isfile(os.path.join(path, "manifest.json"))
+
+
+def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> MoEGPT:
+    """A model, everything resident, from a HuggingFace directory or a store."""
+    if not os.path.isdir(path):
+        raise BadInputError(f"{path}: no such directory (expected a HuggingFace checkpoint or a store)")
+    return load_store(path, device=device, dtype=dtype) if is_store(path) else load_hf(path, device=device, dtype=dtype)
+
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
+
+
+def load_model_tokenizer(path: str, config: MoEConfig):
+    """The model's tokenizer: its tokenizer.json (from the directory or the store's side files), the
+    byte tokenizer for models trained here, or None when a checkpoint has neither."""
+    import tempfile
+
+    from semoe.tokenizer import ByteTokenizer, load_tokenizer
+
+    if is_store(path):
+        store = Store.open(path)
+        if store.manifest.has_file("tokenizer.json"):
+            with tempfile.TemporaryDirectory(prefix="semoe-tok-") as tmp:
+                for name in TOKENIZER_FILES:
+                    if store.manifest.has_file(name):
+                        with open(os.path.join(tmp, name), "wb") as f:
+                            f.write(store.read_file(name))
+                return load_tokenizer(tmp, vocab_size=config.vocab_size)
+    elif os.path.isfile(os.path.join(path, "tokenizer.json")):
+        return load_tokenizer(path, vocab_size=config.vocab_size)
+    tok = ByteTokenizer()
+    return tok if config.vocab_size == tok.vocab_size and config.arch == "gpt_moe" else None

@@ -1,0 +1,200 @@
+"""Gating for MoE layers: top-k routing, expert capacity, token dropping and router losses.
+
+Every function here is a pure function of router logits (or of what `route_topk` derived from
+them), so the same code runs on CPU and CUDA tensors and is tested without a model. The MoE layer
+composes them: `route_topk` -> `capacity_keep_mask` (training with a capacity factor) ->
+`dispatch_order` to gather tokens expert by expert; the losses are added by the training step.
+
+Shape legend:
+    T  tokens (batch and sequence flattened)
+    E  experts
+    K  experts chosen per token (top-k)
+    C  capacity: the most (token, choice) assignments one expert accepts
+    N  (token, choice) assignments kept after dropping, N <= T * K
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = [
+    "Routing",
+    "route_topk",
+    "expert_capacity",
+    "capacity_keep_mask",
+    "load_balancing_loss",
+    "router_z_loss",
+    "dispatch_order",
+]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Result of top-k routing for T tokens over E experts.
+
+    `weights_TK` and `probs_TE` are float32 (float64 when the logits are float64, so that
+    gradients can be checked numerically); `ids_TK` is int64, best expert first.
+    """
+
+    weights_TK: Tensor  # gate weight of each chosen expert
+    ids_TK: Tensor  # chosen experts, in decreasing probability
+    probs_TE: Tensor  # softmax over all experts
+    logits_TE: Tensor  # the router logits, as given
+
+
+def _router_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Softmax in bf16/fp16 loses the ordering of close experts, so routing always runs in at least
+    # float32 (as HuggingFace does); float64 is kept for numerical gradient checks.
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _check_logits(logits_TE: Tensor, name: str = "logits_TE") -> None:
+    if logits_TE.dim() != 2:
+        raise ValueError(f"{name} must be 2-D (tokens, experts), got shape {tuple(logits_TE.shape)}")
+    if not logits_TE.is_floating_point():
+        raise TypeError(f"{name} must be a floating-point tensor, got {logits_TE.dtype}")
+    if logits_TE.shape[1] < 1:
+        raise ValueError(f"{name} must have at least one expert, got shape {tuple(logits_TE.shape)}")
+
+
+def _check_ids(ids_TK: Tensor, num_experts: int) -> None:
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if ids_TK.dim() != 2:
+        raise ValueError(f"ids_TK must be 2-D (tokens, top_k), got shape {tuple(ids_TK.shape)}")
+    if ids_TK.shape[1] < 1:
+        raise ValueError(f"ids_TK must hold at least one choice per token, got shape {tuple(ids_TK.shape)}")
+    if ids_TK.is_floating_point() or ids_TK.is_complex() or ids_TK.dtype == torch.bool:
+        raise TypeError(f"ids_TK must be an integer tensor, got {ids_TK.dtype}")
+    # Expert ids are not range-checked here: that would cost a device-to-host sync per layer.
+    # One-hot encoding below rejects out-of-range ids on CPU.
+
+
+def route_topk(logits_TE: Tensor, top_k: int, *, normalize: bool) -> Routing:
+    """Pick the `top_k` most probable experts per token from router logits.
+
+    Softmax runs in float32, then `torch.topk` of the probabilities; with `normalize` the chosen
+    probabilities are rescaled to sum to 1 per token. This reproduces HuggingFace's Mixtral router
+    (`normalize=True`) and Qwen2-MoE / OLMoE routers (`normalize=config.norm_topk_prob`) exactly.
+    """
+    _check_logits(logits_TE)
+    num_experts = logits_TE.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
+    probs_TE = torch.softmax(logits_TE.to(_router_dtype(logits_TE.dtype)), dim=-1)
+    weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
+    if normalize:
+        weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
+
+
+def expert_capacity(num_tokens: int, num_experts: int, top_k: int, capacity_factor: float) -> int:
+    """Most (token, choice) assignments one expert accepts: `ceil(factor * T * K / E)`, at least 1.
+
+    This is the GShard / Switch Transformer rule: a factor of 1.0 gives each expert exactly its
+    share under perfectly balanced routing. The floor of 1 keeps an expert usable for tiny batches
+    (e.g. one decoding token over many experts). The product is taken in floating point, as the
+    reference implementations do, so a factor such as 1.1 may round up one more slot.
+    """
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    if num_experts < 1:
+        raise ValueError(f"num_experts must be >= 1, got {num_experts}")
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
+    if not capacity_factor > 0 or math.isinf(capacity_factor):
+        raise ValueError(f"capacity_factor must be a finite number > 0, got {capacity_factor}")
+    return max(1, math.ceil(capacity_factor * num_tokens * top_k / num_experts))
+
+
+def capacity_keep_mask(ids_TK: Tensor, num_experts: int, capacity: int) -> Tensor:
+    """Which (token, choice) assignments fit within each expert's `capacity`, as a bool `keep_TK`.
+
+    Priority follows GShard: every token's first choice in token order, then every second choice
+    in token order, and so on; an expert keeps the first `capacity` assignments it receives.
+    """
+    _check_ids(ids_TK, num_experts)
+    if capacity < 0:
+        raise ValueError(f"capacity must be >= 0, got {capacity}")
+    num_tokens, top_k = ids_TK.shape
+    # Choice-major order puts all first choices ahead of any second choice, so one cumulative
+    # count over that order is each assignment's position in its expert's queue.
+    onehot_KTE = F.one_hot(ids_TK.t().long(), num_experts)
+    position_KTE = onehot_KTE.reshape(top_k * num_tokens, num_experts).cumsum(dim=0).reshape_as(onehot_KTE) - 1
+    position_KT = position_KTE.gather(-1, ids_TK.t().long().unsqueeze(-1)).squeeze(-1)
+    return (position_KT < capacity).t().contiguous()
+
+
+def load_balancing_loss(probs_TE: Tensor, ids_TK: Tensor, num_experts: int) -> Tensor:
+    """Switch / GShard auxiliary load-balancing loss `E * sum_e f_e * P_e`, a scalar.
+
+    `f_e` is the fraction of all T * K routed assignments (every choice, counted before capacity
+    dropping) that went to expert e, so `sum_e f_e = 1`; `P_e` is the mean router probability of e
+    over tokens. Perfectly uniform routing gives 1.0 for any K; total collapse onto one expert
+    gives up to E. HuggingFace's `load_balancing_loss_func` divides counts by T instead of T * K,
+    so for one layer without an attention mask it equals `top_k` times this loss. Gradients flow
+    through `P_e` only, since `f_e` counts discrete choices.
+    """
+    _check_logits(probs_TE, "probs_TE")
+    _check_ids(ids_TK, num_experts)
+    if probs_TE.shape[1] != num_experts:
+        raise ValueError(f"probs_TE has {probs_TE.shape[1]} experts but num_experts is {num_experts}")
+    if probs_TE.shape[0] != ids_TK.shape[0]:
+        raise ValueError(
+            f"probs_TE has {probs_TE.shape[0]} tokens but ids_TK has {ids_TK.shape[0]}"
+        )
+    if probs_TE.shape[0] == 0:
+        raise ValueError("load_balancing_loss needs at least one token, got 0")
+    flat_ids = ids_TK.reshape(-1).long()
+    # Integer counts via scatter_add are exact and deterministic on every device, and unlike
+    # bincount need no device-to-host sync to size the output.
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_TK.device).scatter_add_(
+        0, flat_ids, torch.ones_like(flat_ids)
+    )
+    dtype = _router_dtype(probs_TE.dtype)
+    fraction_E = counts_E.to(dtype) / flat_ids.numel()
+    mean_prob_E = probs_TE.to(dtype).mean(dim=0)
+    return num_experts * torch.sum(fraction_E * mean_prob_E)
+
+
+def router_z_loss(logits_TE: Tensor) -> Tensor:
+    """ST-MoE router z-loss: mean over tokens of `logsumexp(logits)^2`, in float32, a scalar.
+
+    It keeps router logits small, which keeps the float32 softmax well conditioned.
+    """
+    _check_logits(logits_TE)
+    if logits_TE.shape[0] == 0:
+        raise ValueError("router_z_loss needs at least one token, got 0")
+    lse_T = torch.logsumexp(logits_TE.to(_router_dtype(logits_TE.dtype)), dim=-1)
+    return torch.mean(lse_T.square())
+
+
+def dispatch_order(ids_TK: Tensor, keep_TK: Tensor, num_experts: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Kept assignments grouped by expert: `(token_idx_N, choice_idx_N, counts_E)`, all int64.
+
+    Assignments are sorted by expert id, stably, so within one expert they stay in token order
+    (then choice order); `counts_E[e]` is how many rows expert e receives, so an MoE layer can
+    `x_TD[token_idx_N].split(counts_E.tolist())`. The number of kept assignments is data dependent,
+    so this synchronises with the device once.
+    """
+    _check_ids(ids_TK, num_experts)
+    if keep_TK.shape != ids_TK.shape:
+        raise ValueError(
+            f"keep_TK has shape {tuple(keep_TK.shape)} but ids_TK has shape {tuple(ids_TK.shape)}"
+        )
+    if keep_TK.dtype != torch.bool:
+        raise TypeError(f"keep_TK must be a bool tensor, got {keep_TK.dtype}")
+    top_k = ids_TK.shape[1]
+    kept_flat_N = keep_TK.reshape(-1).nonzero().squeeze(-1)
+    kept_ids_N = ids_TK.reshape(-1).long()[kept_flat_N]
+    by_expert_N = torch.argsort(kept_ids_N, stable=True)
+    flat_N = kept_flat_N[by_expert_N]
+    counts_E = torch.zeros(num_experts, dtype=torch.int64, device=ids_TK.device).scatter_add_(
+        0, kept_ids_N, torch.ones_like(kept_ids_N)
+    )
+    return flat_N // top_k, flat_N % top_k, counts_E

@@ -1,0 +1,122 @@
+"""Text generation as small free functions: prefill, decode one token, sample.
+
+Legend: B batch, T prompt tokens, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from semoe.model import KVCache, MoEGPT
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """How the next token is chosen."""
+
+    max_new_tokens: int
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()  # generation ends after emitting one of these
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.stop_ids = tuple(self.stop_ids)
+
+
+@dataclass(kw_only=True)
+class GenerationResult:
+    """Generated tokens, each one's log-probability under the model, and timings."""
+
+    tokens: list[int]
+    logprobs: list[float]  # log softmax of the model's logits (before temperature and top-p)
+    prompt_tokens: int
+    ttft_s: float  # prompt in -> first token out
+    decode_tok_s: float  # tokens per second after the first
+    stats: dict = field(default_factory=dict)
+
+
+def logits_to_probs(logits_BV: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """Sampling distribution: temperature, then nucleus (top-p) truncation, renormalised."""
+    probs = torch.softmax(logits_BV.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, idx = probs.sort(dim=-1, descending=True)
+        # keep the smallest prefix whose mass reaches top_p (always at least the top token)
+        drop = sorted_p.cumsum(-1) - sorted_p >= top_p
+        sorted_p = sorted_p.masked_fill(drop, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Next token ids (B,): argmax when greedy, else a draw from `logits_to_probs`."""
+    if cfg.greedy:
+        return logits_BV.argmax(dim=-1)
+    probs = logits_to_probs(logits_BV, cfg.temperature, cfg.top_p)
+    return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits_BV.device)
+
+
+@torch.no_grad()
+def prefill(model: MoEGPT, ids_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """Run the prompt through the model, filling the cache; logits of the last position (B, V)."""
+    return model(ids_BT, cache).logits[:, -1]
+
+
+@torch.no_grad()
+def decode_one_token(model: MoEGPT, ids_B1: torch.Tensor, cache: KVCache) -> torch.Tensor:
+    """One decoding step: logits (B, V) of the next position."""
+    return model(ids_B1, cache).logits[:, -1]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig) -> GenerationResult:
+    """Generate up to `cfg.max_new_tokens` tokens after `prompt` (one sequence)."""
+    if not prompt:
+        raise ValueError("the prompt is empty: give at least one token")
+    vocab = model.config.vocab_size
+    bad = [t for t in prompt if not 0 <= t < vocab]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
+    device = model.embed.weight.device
+    total = len(prompt) + cfg.max_new_tokens
+    if total > model.config.max_position:
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
+                         f"max_position {model.config.max_position}")
+    cache = KVCache.empty(model.config, 1, total, device=device, dtype=model.embed.weight.dtype)
+    gen = torch.Generator().manual_seed(cfg.seed)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    t0 = time.perf_counter()
+    logits = prefill(model, torch.tensor([prompt], device=device), cache)
+    t_first = None
+    while True:
+        nxt = sample(logits, cfg, gen)
+        lp = torch.log_softmax(logits.float(), dim=-1)[0, nxt[0]]
+        tokens.append(int(nxt[0]))
+        logprobs.append(float(lp))
+        if t_first is None:
+            _sync(device)
+            t_first = time.perf_counter()
+        if len(tokens) == cfg.max_new_tokens or tokens[-1] in cfg.stop_ids:
+            break
+        logits = decode_one_token(model, nxt[:, None], cache)
+    _sync(device)
+    t_end = time.perf_counter()
+    decode_s = t_end - t_first
+    return GenerationResult(tokens=tokens, logprobs=logprobs, prompt_tokens=len(prompt), ttft_s=t_first - t0,
+                            decode_tok_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0)
