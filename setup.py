@@ -19,6 +19,10 @@ setup(
         "tqdm>=4.60",
         "nvidia-ml-py>=12.0",
         "aiofiles>=23.0",
+        "fastapi>=0.110",
+        "uvicorn>=0.29",
+        "prometheus_client>=0.20",
+        "jinja2>=3.1",
     ],
     extras_require={
         "test": [

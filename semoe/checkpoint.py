@@ -107,10 +107,15 @@ def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
                     dst[e].copy_(t)
 
 
-def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dtype) -> MoEGPT:
-    """A model with uninitialised storage (no time spent on random init of weights about to be loaded)."""
+def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dtype, *,
+                 with_experts: bool = True) -> MoEGPT:
+    """A model with uninitialised storage (no time spent on random init of weights about to be loaded);
+    without experts, no memory is taken for them either."""
     with torch.device("meta"):
         model = MoEGPT(config)
+    if not with_experts:
+        for ffn in model.moe_layers():
+            ffn.use_experts(_NoExperts())
     model = model.to_empty(device=device).to(dtype)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
@@ -152,7 +157,7 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     if not store.manifest.has_file("config.json"):
         raise BadInputError(f"{path}: store has no config.json (not a model store)")
     config = config_from_json(json.loads(store.read_file("config.json")))
-    model = _empty_model(config, device, dtype)
+    model = _empty_model(config, device, dtype, with_experts=with_experts)
 
     def dense(key: str) -> torch.Tensor:
         if not store.manifest.has_tensor(key):
@@ -166,9 +171,6 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
             raise BadInputError(f"{path}: expert {e} of layer {layer} is missing")
         return store.read_expert(layer, e)
 
-    if not with_experts:
-        for ffn in model.moe_layers():
-            ffn.experts = _NoExperts()
     _load(model, dense, expert, path)
     return model.eval()
 
@@ -176,11 +178,8 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
 class _NoExperts:
     """Placeholder provider until the caller installs its own."""
 
-    def acquire(self, layer: int, experts: list[int]):
+    def stream(self, layer: int, experts: list[int], x_ND=None):
         raise RuntimeError(f"layer {layer}: no expert provider installed")
-
-    def release(self, layer: int, experts: list[int]) -> None:
-        pass
 
 
 def save_store(model: MoEGPT, path: str, *, side_files: dict[str, bytes] | None = None) -> Store:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -84,8 +85,10 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig) -> GenerationResult:
-    """Generate up to `cfg.max_new_tokens` tokens after `prompt` (one sequence)."""
+def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
+             on_token: Callable[[int, float], None] | None = None) -> GenerationResult:
+    """Generate up to `cfg.max_new_tokens` tokens after `prompt` (one sequence); `on_token(id,
+    logprob)` is called as each token is chosen (for streaming)."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     vocab = model.config.vocab_size
@@ -109,6 +112,8 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig) -> Generatio
         lp = torch.log_softmax(logits.float(), dim=-1)[0, nxt[0]]
         tokens.append(int(nxt[0]))
         logprobs.append(float(lp))
+        if on_token is not None:
+            on_token(tokens[-1], logprobs[-1])
         if t_first is None:
             _sync(device)
             t_first = time.perf_counter()

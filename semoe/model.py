@@ -13,7 +13,7 @@ V vocabulary, N tokens flattened (B*T).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -163,12 +163,10 @@ class ExpertWeights:
 class ExpertProvider(Protocol):
     """Where a MoE layer's expert weights come from (the seam offload and training plug into)."""
 
-    def acquire(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
-        """Weights of the given experts, usable until `release` with the same arguments."""
-        ...
-
-    def release(self, layer: int, experts: list[int]) -> None:
-        """The layer is done with these experts."""
+    def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
+        """Yield each of `experts` once, in any order, with its weights; weights are valid until the
+        next item is requested. `x_ND` is the layer's routed input, which an offloading provider
+        may use to predict and prefetch later layers' experts."""
         ...
 
 
@@ -183,11 +181,9 @@ class ResidentExperts(nn.Module):
         for w in (self.w_gate, self.w_up, self.w_down):
             nn.init.normal_(w, std=0.02)
 
-    def acquire(self, layer: int, experts: list[int]) -> dict[int, ExpertWeights]:
-        return {e: ExpertWeights(self.w_gate[e], self.w_up[e], self.w_down[e]) for e in experts}
-
-    def release(self, layer: int, experts: list[int]) -> None:
-        pass
+    def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
+        for e in experts:
+            yield e, ExpertWeights(self.w_gate[e], self.w_up[e], self.w_down[e])
 
 
 @dataclass
@@ -213,6 +209,15 @@ class MoEFeedForward(nn.Module):
             self.shared = DenseFFN(config.hidden_size, config.shared_expert_size)
             self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
+    def use_experts(self, provider: ExpertProvider) -> None:
+        """Take expert weights from `provider` from now on (offload engines, SSD-backed training)."""
+        if "experts" in self._modules:
+            del self._modules["experts"]
+        if isinstance(provider, nn.Module):
+            self.add_module("experts", provider)
+        else:
+            object.__setattr__(self, "experts", provider)
+
     def route(self, x_ND: torch.Tensor) -> Routing:
         """Top-k routing of flattened tokens (the same function the offload engine uses to predict)."""
         return route_topk(self.router(x_ND), self.config.top_k, normalize=self.config.norm_topk_prob)
@@ -227,22 +232,18 @@ class MoEFeedForward(nn.Module):
             cap = expert_capacity(x_ND.shape[0], c.num_experts, c.top_k, c.capacity_factor)
             keep_NK = capacity_keep_mask(r.ids_TK, c.num_experts, cap)
         token_idx, choice_idx, counts_E = dispatch_order(r.ids_TK, keep_NK, c.num_experts)
-        out_ND = torch.zeros_like(x_ND)
-        used = [e for e, n in enumerate(counts_E.tolist()) if n]
-        weights = self.experts.acquire(self.layer, used)
-        try:
-            start = 0
-            for e, n in enumerate(counts_E.tolist()):
-                if not n:
-                    continue
-                tok, ch = token_idx[start:start + n], choice_idx[start:start + n]
-                start += n
-                w = weights[e]
-                y = swiglu(x_ND[tok], w.gate, w.up, w.down)
-                y = y * r.weights_TK[tok, ch, None].to(y.dtype)
-                out_ND.index_add_(0, tok, y.to(out_ND.dtype))
-        finally:
-            self.experts.release(self.layer, used)
+        counts = counts_E.tolist()
+        starts = [0]
+        for n in counts:
+            starts.append(starts[-1] + n)
+        # Each (token, choice) gets its own row and the rows are summed over choices at the end, so
+        # the result does not depend on the order in which the provider hands out experts.
+        y_NKD = x_ND.new_zeros(x_ND.shape[0], c.top_k, D)
+        for e, w in self.experts.stream(self.layer, [e for e, n in enumerate(counts) if n], x_ND):
+            tok, ch = token_idx[starts[e]:starts[e + 1]], choice_idx[starts[e]:starts[e + 1]]
+            y = swiglu(x_ND[tok], w.gate, w.up, w.down) * r.weights_TK[tok, ch, None].to(x_ND.dtype)
+            y_NKD.index_put_((tok, ch), y)
+        out_ND = y_NKD.sum(dim=1)
         if c.shared_expert_size:
             out_ND = out_ND + torch.sigmoid(self.shared_gate(x_ND)) * self.shared(x_ND)
         if self.training:

@@ -1,0 +1,126 @@
+"""The inference engine: a model, its tokenizer and (when offloaded) its expert tiers behind one API.
+
+`Engine.generate` is what `semoe generate` and `semoe serve` call. With no budgets the model is
+fully resident; with budgets the experts stay in the store and flow SSD -> CPU cache -> device
+ring (see `inference.ring`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import shutil
+import tempfile
+import threading
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
+from semoe.generate import GenerationResult, SamplingConfig, generate
+from semoe.model import MoEGPT
+
+log = logging.getLogger(__name__)
+
+TokenCallback = Callable[[int, float], None]  # (token id, log-probability), called as each token is chosen
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """Where the model runs and, for offload, the memory budgets of each tier."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    # Offload budgets: any of them set keeps the experts in the store. Bytes.
+    cpu_cache_bytes: int | None = None
+    device_memory_bytes: int | None = None  # expert ring in device memory (GPU); sets ring_slots
+    ring_slots: int | None = None
+    prefetch: bool = True  # routing-aware prefetch of the next layer's experts
+    read_mode: str = "direct"  # how the store is read: direct (O_DIRECT) | drop | cached
+
+    def __post_init__(self) -> None:
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        for name in ("cpu_cache_bytes", "device_memory_bytes", "ring_slots"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+
+    @property
+    def offloaded(self) -> bool:
+        """Whether experts stay in the store (any budget given)."""
+        return any(v is not None for v in (self.cpu_cache_bytes, self.device_memory_bytes, self.ring_slots))
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size of this process so far."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class Engine:
+    """One model serving generation requests, one at a time (callers serialise on `lock`)."""
+
+    def __init__(self, model: MoEGPT, tokenizer, *, name: str, config: EngineConfig, offload=None,
+                 cleanup: str | None = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.name = name
+        self.config = config
+        self.offload = offload  # inference.ring.OffloadedExperts when offloaded
+        self.lock = threading.Lock()
+        self._cleanup = cleanup
+
+    @classmethod
+    def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
+        """Load a HuggingFace directory or a store; offloading needs a store (a directory is imported
+        into a temporary one first)."""
+        config = config or EngineConfig()
+        dtype = getattr(torch, config.dtype)
+        name = os.path.basename(os.path.normpath(path))
+        if not config.offloaded:
+            model = load_model(path, device=config.device, dtype=dtype)
+            return cls(model, load_model_tokenizer(path, model.config), name=name, config=config)
+        from inference.ring import OffloadedExperts
+
+        cleanup = None
+        store_path = path
+        if not is_store(path):
+            from storage.hf import import_checkpoint
+
+            cleanup = tempfile.mkdtemp(prefix="semoe-store-")
+            store_path = os.path.join(cleanup, "store")
+            log.warning("%s is not a store: importing it into %s for offloading", path, store_path)
+            import_checkpoint(path, store_path)
+        model = load_store(store_path, device=config.device, dtype=dtype, with_experts=False)
+        offload = OffloadedExperts.attach(model, store_path, config)
+        return cls(model, load_model_tokenizer(store_path, model.config), name=name, config=config,
+                   offload=offload, cleanup=cleanup)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """Token ids that end generation by default (the model's EOS)."""
+        eos = self.model.config.eos_token_id
+        if eos is None and self.tokenizer is not None:
+            eos = self.tokenizer.eos_id
+        ids = eos if isinstance(eos, (list, tuple)) else [eos]
+        return tuple(int(i) for i in ids if i is not None)
+
+    def generate(self, prompt: list[int], sampling: SamplingConfig, *, on_token: TokenCallback | None = None
+                 ) -> GenerationResult:
+        """Generate after `prompt`; `result.stats` carries the offload counters of this request."""
+        with self.lock:
+            if self.offload is not None:
+                self.offload.begin_request()
+            res = generate(self.model, prompt, sampling, on_token=on_token)
+            if self.offload is not None:
+                res.stats = self.offload.request_stats(tokens=len(res.tokens) + len(prompt))
+            res.stats["peak_rss_bytes"] = peak_rss_bytes()
+            return res
+
+    def close(self) -> None:
+        """Stop I/O threads and remove a temporary store."""
+        if self.offload is not None:
+            self.offload.close()
+        if self._cleanup:
+            shutil.rmtree(self._cleanup, ignore_errors=True)
