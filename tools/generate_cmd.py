@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from tools.common import UsageError, emit_json
+from tools.engine_args import add_budget_flags, engine_config_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +28,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="compute dtype (default float32)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--json", action="store_true",
-                   help='print {"tokens", "text", "logprobs", "ttft_s", "decode_tok_s"} on stdout')
+                   help='print {"tokens", "text", "logprobs", "ttft_s", "decode_tok_s"} on stdout, and "stats" '
+                        "when offloaded")
+    add_budget_flags(p)
     p.set_defaults(handler=run)
 
 
@@ -42,56 +45,40 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
-def resolve_device(name: str) -> "torch.device":  # noqa: F821
-    """`auto` is cuda when available, else cpu; an unavailable cuda is a usage error."""
-    import torch
-
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(name)
-    except RuntimeError:
-        raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine")
-    return dev
-
-
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from semoe.checkpoint import is_store, load_model, load_model_tokenizer
-    from semoe.generate import SamplingConfig, generate
+    from inference.engine import Engine
+    from semoe.generate import SamplingConfig
 
     sampling = args.temperature is not None or args.top_p is not None
     if args.greedy and sampling:
         raise UsageError("--greedy cannot be combined with --temperature/--top-p")
-    device = resolve_device(args.device)
-    model = load_model(args.model, device=device, dtype=getattr(torch, args.dtype))
-    tok = load_model_tokenizer(args.model, model.config)
-    if args.prompt_ids is not None:
-        prompt = parse_prompt_ids(args.prompt_ids)
-    elif tok is None:
-        raise UsageError(f"--prompt: {args.model} has no tokenizer (tokenizer.json); give --prompt-ids instead")
-    else:
-        prompt = tok.encode(args.prompt, add_bos=tok.add_bos_default)
-    stops = () if args.ignore_eos else tuple(i for i in _ids(model.config.eos_token_id) if i is not None)
-    cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=not sampling,
-                         temperature=args.temperature if args.temperature is not None else 1.0,
-                         top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed, stop_ids=stops)
-    res = generate(model, prompt, cfg)
+    config = engine_config_from_args(args)
+    engine = Engine.load(args.model, config)
+    try:
+        tok = engine.tokenizer
+        if args.prompt_ids is not None:
+            prompt = parse_prompt_ids(args.prompt_ids)
+        elif tok is None:
+            raise UsageError(f"--prompt: {args.model} has no tokenizer (tokenizer.json); give --prompt-ids instead")
+        else:
+            prompt = tok.encode(args.prompt, add_bos=tok.add_bos_default)
+        cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=not sampling,
+                             temperature=args.temperature if args.temperature is not None else 1.0,
+                             top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
+                             stop_ids=() if args.ignore_eos else engine.stop_ids())
+        res = engine.generate(prompt, cfg)
+    finally:
+        engine.close()
     text = tok.decode(res.tokens) if tok is not None else ""
     if args.json:
-        emit_json({"tokens": res.tokens, "text": text, "logprobs": res.logprobs, "ttft_s": res.ttft_s,
-                   "decode_tok_s": res.decode_tok_s})
+        out = {"tokens": res.tokens, "text": text, "logprobs": res.logprobs, "ttft_s": res.ttft_s,
+               "decode_tok_s": res.decode_tok_s}
+        if config.offloaded:
+            out["stats"] = res.stats
+        emit_json(out)
     else:
         print(text)
-        print(f"[{len(res.tokens)} tokens, ttft {res.ttft_s * 1e3:.1f} ms, {res.decode_tok_s:.1f} tok/s, "
-              f"{'store' if is_store(args.model) else 'huggingface'} model on {device}]", file=sys.stderr)
+        where = "offloaded" if config.offloaded else "resident"
+        print(f"[{len(res.tokens)} tokens, ttft {res.ttft_s * 1e3:.1f} ms, {res.decode_tok_s:.1f} tok/s, {where} "
+              f"on {config.device}, peak RSS {res.stats.get('peak_rss_bytes', 0) / 2**20:.0f} MiB]", file=sys.stderr)
     return 0
-
-
-def _ids(x) -> list:
-    if x is None:
-        return []
-    return list(x) if isinstance(x, (list, tuple)) else [x]

@@ -89,3 +89,30 @@ def test_corrupt_expert_fails_the_request_and_names_the_tensor(tmp_path):
     finally:
         engine.close()
     torch.manual_seed(0)
+
+
+def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    hf = make_hf_checkpoint("olmoe", tmp_path / "hf", seed=2)
+    store = import_checkpoint(str(hf), str(tmp_path / "store"))
+
+    def run(*flags):
+        res = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "--model", store.root, "--prompt-ids",
+                              "4,8,15,16,23,42", "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu", "--json",
+                              *flags], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, cwd=root)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)
+
+    resident = run()
+    assert "stats" not in resident
+    for flags in (["--cpu-cache", "25%"], ["--cpu-cache", "50%", "--ring-slots", "2"], ["--device-memory", "1MiB"]):
+        out = run(*flags)
+        assert out["tokens"] == resident["tokens"] and out["logprobs"] == resident["logprobs"]
+        assert sorted(out["stats"]) == sorted(["gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token",
+                                               "device_copy_bytes_per_token", "ideal_bytes_per_token",
+                                               "prefetch_precision", "prefetch_recall", "peak_rss_bytes"])

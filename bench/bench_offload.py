@@ -1,0 +1,226 @@
+"""Offloaded inference vs transformers in RAM vs accelerate's disk offload, side by side in one run.
+
+A Mixtral-shaped float32 checkpoint of about 3 GB (hidden 1024, ffn 3584, 8 layers, 8 experts,
+top-2) is made with transformers once (kept in --workdir) and imported into a store. Each
+configuration then runs in its own process (so peak RSS is its own) on the same prompt:
+
+    transformers      the whole model in RAM
+    accelerate        accelerate.disk_offload (weights memory-mapped from disk)
+    ours-100|50|25    semoe's engine with the CPU cache at that share of expert bytes, store cold
+
+and the raw disk bandwidth and our compute time per token (all experts cached) are measured in the
+same run, giving the bound max(compute/token, SSD bytes/token / disk bandwidth).
+
+    python bench/bench_offload.py --workdir /path/with/4GB/free [--new-tokens 32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=8, num_attention_heads=8,
+             num_key_value_heads=2, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096)
+
+
+def prompt_ids(n: int) -> list[int]:
+    import random
+
+    rng = random.Random(0)
+    return [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(n)]
+
+
+def make_checkpoint(workdir: str) -> tuple[str, str]:
+    """The HuggingFace checkpoint and its store (made once)."""
+    import torch
+    import transformers
+
+    from storage.hf import import_checkpoint
+
+    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        print("making a Mixtral-shaped float32 checkpoint with transformers ...", file=sys.stderr)
+        torch.manual_seed(0)
+        cfg = transformers.MixtralConfig(**SHAPE)
+        model = transformers.MixtralForCausalLM(cfg).to(torch.float32)
+        model.save_pretrained(hf, max_shard_size="1GB")
+        del model
+    if not os.path.exists(os.path.join(store, "manifest.json")):
+        print("importing it into a store ...", file=sys.stderr)
+        import_checkpoint(hf, store)
+    return hf, store
+
+
+def drop_cache(path: str) -> None:
+    from storage.fileio import drop_from_page_cache
+
+    for dirpath, _, files in os.walk(path):
+        for f in files:
+            drop_from_page_cache(os.path.join(dirpath, f))
+
+
+class TimingStreamer:
+    """Records when transformers emits each token (its first put() is the prompt)."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def run_transformers(hf: str, prompt: list[int], new_tokens: int, accelerate_dir: str | None) -> dict:
+    import torch
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    if accelerate_dir is not None:
+        from accelerate import disk_offload
+
+        disk_offload(model, offload_dir=accelerate_dir, execution_device="cpu")
+    ids = torch.tensor([prompt])
+    streamer = TimingStreamer()
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                             streamer=streamer, pad_token_id=0)
+    times = streamer.times[1:]  # the first put() is the prompt
+    tokens = out[0, len(prompt):].tolist()
+    return {"tokens": tokens, "ttft_s": times[0] - t0,
+            "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]), "ssd_bytes_per_token": None}
+
+
+def run_ours(store: str, prompt: list[int], new_tokens: int, cache_fraction: float) -> dict:
+    from inference.engine import Engine, EngineConfig
+    from semoe.generate import SamplingConfig
+    from storage.store import Store
+
+    chunks = Store.open(store).manifest.chunks
+    budget = int(sum(c.bytes for c in chunks) * cache_fraction) + (max(c.bytes for c in chunks)
+                                                                  if cache_fraction >= 1 else 0)
+    drop_cache(store)
+    engine = Engine.load(store, EngineConfig(cpu_cache_bytes=budget, read_mode="direct"))
+    try:
+        res = engine.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
+        out = {"tokens": res.tokens, "ttft_s": res.ttft_s, "decode_tok_s": res.decode_tok_s, **res.stats}
+        if cache_fraction >= 1:  # everything is cached now: decode speed here is compute alone
+            warm = engine.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
+            out["warm_decode_tok_s"] = warm.decode_tok_s
+        return out
+    finally:
+        engine.close()
+
+
+def raw_disk_gbps(store: str) -> float:
+    """A plain sequential read of the expert chunk files, cold."""
+    from storage.bench import run_bench
+    from storage.store import Store
+
+    return run_bench(Store.open(store), cold=True, repeats=1, with_tensorstore=False).raw_gbps
+
+
+def child(args: argparse.Namespace) -> None:
+    from inference.engine import peak_rss_bytes
+
+    prompt = prompt_ids(args.prompt_tokens)
+    hf, store = os.path.join(args.workdir, "hf"), os.path.join(args.workdir, "store")
+    if args.only == "transformers":
+        r = run_transformers(hf, prompt, args.new_tokens, None)
+    elif args.only == "accelerate":
+        off = os.path.join(args.workdir, "accelerate-offload")
+        r = run_transformers(hf, prompt, args.new_tokens, off)
+    elif args.only == "disk":
+        r = {"raw_gbps": raw_disk_gbps(store)}
+    else:
+        r = run_ours(store, prompt, args.new_tokens, int(args.only.split("-")[1]) / 100)
+    r["peak_rss_bytes"] = peak_rss_bytes()
+    print(json.dumps(r))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True, help="where the checkpoint, store and offload folders live")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--prompt-tokens", type=int, default=32)
+    ap.add_argument("--configs", default="disk,transformers,accelerate,ours-100,ours-50,ours-25")
+    ap.add_argument("--only", help=argparse.SUPPRESS)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if args.only:
+        child(args)
+        return 0
+    os.makedirs(args.workdir, exist_ok=True)
+    make_checkpoint(args.workdir)
+    results = {}
+    for name in args.configs.split(","):
+        print(f"running {name} ...", file=sys.stderr)
+        cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--only", name,
+               "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+        res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+        if res.returncode != 0:
+            print(res.stderr, file=sys.stderr)
+            raise SystemExit(f"{name} failed")
+        results[name] = json.loads(res.stdout.strip().splitlines()[-1])
+    report(results, args.json)
+    return 0
+
+
+def report(results: dict, as_json: bool) -> None:
+    raw = results.get("disk", {}).get("raw_gbps")
+    hf = results.get("transformers")
+    acc = results.get("accelerate")
+    full = results.get("ours-100")
+    compute_s = 1 / full["warm_decode_tok_s"] if full and full.get("warm_decode_tok_s") else None
+    summary = {}
+    for name, r in results.items():
+        if name == "disk":
+            continue
+        row = {k: r.get(k) for k in ("decode_tok_s", "ttft_s", "ssd_bytes_per_token", "ideal_bytes_per_token",
+                                     "gpu_hit_rate", "cpu_hit_rate", "prefetch_precision", "prefetch_recall",
+                                     "peak_rss_bytes")}
+        if hf and r.get("tokens") is not None:
+            row["same_tokens_as_transformers"] = r["tokens"] == hf["tokens"]
+        if name.startswith("ours") and raw and compute_s:
+            bound = max(compute_s, r["ssd_bytes_per_token"] / (raw * 1e9))
+            row["bound_s_per_token"] = bound
+            row["vs_bound"] = (1 / r["decode_tok_s"]) / bound
+            if r.get("ideal_bytes_per_token"):
+                row["ssd_vs_ideal"] = r["ssd_bytes_per_token"] / r["ideal_bytes_per_token"]
+        if hf and name != "transformers":
+            row["vs_transformers"] = r["decode_tok_s"] / hf["decode_tok_s"]
+        if acc and name != "accelerate":
+            row["vs_accelerate"] = r["decode_tok_s"] / acc["decode_tok_s"]
+        summary[name] = row
+    out = {"raw_disk_gbps": raw, "compute_s_per_token": compute_s, "configs": summary}
+    if as_json:
+        print(json.dumps(out, indent=1))
+        return
+    print(f"raw disk read {raw:.2f} GB/s; our compute per token (all experts cached) "
+          f"{compute_s * 1e3:.1f} ms" if raw and compute_s else "")
+    for name, row in summary.items():
+        parts = [f"{name:13} decode {row['decode_tok_s']:6.2f} tok/s", f"TTFT {row['ttft_s']:6.2f} s"]
+        if row.get("ssd_bytes_per_token") is not None:
+            parts.append(f"SSD {row['ssd_bytes_per_token'] / 2**20:7.1f} MiB/tok (ideal "
+                         f"{row['ideal_bytes_per_token'] / 2**20:.1f})")
+        for key, label in (("vs_transformers", "x transformers"), ("vs_accelerate", "x accelerate"),
+                           ("vs_bound", "x bound"), ("ssd_vs_ideal", "x ideal bytes")):
+            if row.get(key) is not None:
+                parts.append(f"{row[key]:.2f}{label}")
+        parts.append(f"peak RSS {row['peak_rss_bytes'] / 2**30:.2f} GiB")
+        if "same_tokens_as_transformers" in row:
+            parts.append("same tokens" if row["same_tokens_as_transformers"] else "DIFFERENT tokens")
+        print(" | ".join(parts))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,597 @@
+"""The OpenAI-compatible server, run as a real uvicorn server on 127.0.0.1 and spoken to over HTTP."""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import uvicorn
+from helpers.hf_models import make_hf_checkpoint
+from prometheus_client.parser import text_string_to_metric_families
+
+from inference.chat import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
+from inference.engine import Engine, EngineConfig
+from inference.server import TextAssembler, bind_socket, create_app
+from semoe.generate import SamplingConfig
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MAX_POSITION = 128  # of the tiny checkpoints
+CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {{ eos_token }} "
+                 "{% endfor %}{% if add_generation_prompt %}assistant{% endif %}")
+
+
+def add_word_tokenizer(path, *, chat_template: str | None = None) -> None:
+    """A word-level tokenizer.json covering all 96 ids, with <s> and </s> as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = ("the cat sat on a mat and dog ran to big red blue one two three four five six seven user "
+             "assistant system").split()
+    words += [f"w{i}" for i in range(96 - 3 - len(words))]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))
+
+
+class LiveServer:
+    """A uvicorn server on a free loopback port, in a background thread."""
+
+    def __init__(self, app) -> None:
+        self.sock = bind_socket("127.0.0.1", 0)
+        self.port = self.sock.getsockname()[1]
+        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.thread.start()
+        deadline = time.monotonic() + 10
+        while not self.server.started:
+            if time.monotonic() > deadline or not self.thread.is_alive():
+                raise RuntimeError("the test server did not start")
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.sock.close()
+
+
+class ScriptedEngine:
+    """The real engine behind a gate, with a per-token delay, one failing prompt, no tokenizer and no
+    stop ids (so that generation always runs to max_tokens)."""
+
+    FAIL_TOKEN = 7  # prompts starting with this id raise inside generate
+    FAIL_LATE_TOKEN = 8  # prompts starting with this id raise after two tokens
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self.model = engine.model
+        self.tokenizer = None
+        self.name = "scripted"
+        self.gate = threading.Event()
+        self.gate.set()
+        self.started = threading.Event()
+        self.token_delay_s = 0.0
+
+    def stop_ids(self) -> tuple[int, ...]:
+        return ()
+
+    def generate(self, prompt, sampling, *, on_token=None):
+        self.started.set()
+        if not self.gate.wait(20):
+            raise TimeoutError("gate never opened")
+        if prompt[0] == self.FAIL_TOKEN:
+            raise RuntimeError("scripted failure")
+
+        produced = 0
+
+        def slow(token_id: int, logprob: float) -> None:
+            nonlocal produced
+            if prompt[0] == self.FAIL_LATE_TOKEN and produced == 2:
+                raise RuntimeError("scripted failure mid-stream")
+            produced += 1
+            time.sleep(self.token_delay_s)
+            on_token(token_id, logprob)
+
+        return self._engine.generate(prompt, sampling, on_token=slow if on_token else None)
+
+
+# -- HTTP helpers --------------------------------------------------------------------------------
+
+def request(port: int, method: str, path: str, body: object = None, *, raw: bytes | None = None,
+            timeout: float = 30) -> tuple[int, object]:
+    """Status and parsed JSON (or text) of one request."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        conn.request(method, path, body=data, headers={"Content-Type": "application/json"} if data else {})
+        resp = conn.getresponse()
+        text = resp.read().decode()
+        is_json = resp.getheader("Content-Type", "").startswith("application/json")
+        return resp.status, json.loads(text) if is_json else text
+    finally:
+        conn.close()
+
+
+def post(port: int, path: str, body: object, **kw) -> tuple[int, object]:
+    return request(port, "POST", path, body, **kw)
+
+
+def stream(port: int, path: str, body: dict) -> list:
+    """The server-sent events of a streamed request, read line by line: JSON objects, then "[DONE]"."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, body=json.dumps({**body, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200, resp.read()
+        assert resp.getheader("Content-Type").startswith("text/event-stream")
+        events = []
+        while True:
+            line = resp.readline()
+            if not line:
+                break
+            line = line.decode().rstrip("\r\n")
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            payload = line[len("data: "):]
+            events.append(payload if payload == "[DONE]" else json.loads(payload))
+        return events
+    finally:
+        conn.close()
+
+
+def metrics(port: int) -> dict[tuple[str, tuple], float]:
+    """Samples of /metrics as {(name, sorted labels): value}."""
+    status, text = request(port, "GET", "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def requests_total(m: dict, endpoint: str, status: int) -> float:
+    return m.get(("semoe_requests_total", (("endpoint", endpoint), ("status", str(status)))), 0.0)
+
+
+def wait_for(predicate, what: str, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+# -- fixtures ------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = make_hf_checkpoint("mixtral", tmp_path_factory.mktemp("serve") / "tiny", seed=5)
+    add_word_tokenizer(path, chat_template=CHAT_TEMPLATE)
+    return path
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    eng = Engine.load(str(model_dir), EngineConfig())
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def reference(model_dir):
+    """A second engine on the same checkpoint: expected outputs never touch the served instance."""
+    eng = Engine.load(str(model_dir), EngineConfig())
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def served(engine, model_dir):
+    server = LiveServer(create_app(engine, chat_template=load_chat_template(str(model_dir))))
+    yield server
+    server.close()
+
+
+@pytest.fixture(scope="module")
+def scripted(engine):
+    """A server over ScriptedEngine that admits one waiting request."""
+    eng = ScriptedEngine(engine)
+    server = LiveServer(create_app(eng, max_queue=1))
+    server.engine = eng
+    yield server
+    eng.gate.set()
+    server.close()
+
+
+def direct(engine: Engine, ids: list[int], max_tokens: int):
+    return engine.generate(ids, SamplingConfig(max_new_tokens=max_tokens, stop_ids=engine.stop_ids()))
+
+
+# -- tests ---------------------------------------------------------------------------------------
+
+def test_concurrent_clients_match_direct_generation(served, reference):
+    tok = reference.tokenizer
+    chat_a = [{"role": "user", "content": "the cat sat"}]
+    chat_b = [{"role": "system", "content": "one two"}, {"role": "user", "content": "big red dog"}]
+    cases = {  # name -> (path, body, prompt ids the server must have used)
+        "text": ("/v1/completions", {"prompt": "the cat sat on a mat", "max_tokens": 12},
+                 tok.encode("the cat sat on a mat", add_bos=tok.add_bos_default)),
+        "ids": ("/v1/completions", {"prompt": [1, 5, 9, 14], "max_tokens": 10}, [1, 5, 9, 14]),
+        "chat_a": ("/v1/chat/completions", {"messages": chat_a, "max_tokens": 9},
+                   tok.encode("<s>user the cat sat </s> assistant")),
+        "chat_b": ("/v1/chat/completions", {"messages": chat_b, "max_tokens": 11},
+                   tok.encode("<s>system one two </s> user big red dog </s> assistant")),
+    }
+    want = {name: direct(reference, ids, body["max_tokens"]) for name, (_, body, ids) in cases.items()}
+    results: dict[tuple[str, bool], object] = {}
+    errors: list[BaseException] = []
+
+    def client(name: str, streamed: bool) -> None:
+        path, body, _ = cases[name]
+        try:
+            results[name, streamed] = stream(served.port, path, body) if streamed else post(served.port, path, body)
+        except BaseException as e:  # noqa: BLE001 - reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=client, args=(name, s)) for name in cases for s in (False, True)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not errors, errors
+    for name, (path, body, ids) in cases.items():
+        chat = "chat" in path
+        status, full = results[name, False]
+        assert status == 200, full
+        choice = full["choices"][0]
+        assert full["object"] == ("chat.completion" if chat else "text_completion")
+        assert full["id"] and full["model"] == reference.name and isinstance(full["created"], int)
+        assert choice["token_ids"] == want[name].tokens
+        text = choice["message"]["content"] if chat else choice["text"]
+        assert text == tok.decode(want[name].tokens)
+        if chat:
+            assert choice["message"]["role"] == "assistant"
+        assert choice["finish_reason"] == ("stop" if want[name].tokens[-1] in reference.stop_ids() else "length")
+        assert full["usage"] == {"prompt_tokens": len(ids), "completion_tokens": len(want[name].tokens),
+                                 "total_tokens": len(ids) + len(want[name].tokens)}
+        events = results[name, True]
+        assert events[-1] == "[DONE]" and all(isinstance(e, dict) for e in events[:-1])
+        chunks = events[:-1]
+        assert {c["object"] for c in chunks} == {"chat.completion.chunk" if chat else "text_completion"}
+        assert len({c["id"] for c in chunks}) == 1
+        pieces = [c["choices"][0]["delta"].get("content", "") if chat else c["choices"][0]["text"] for c in chunks]
+        assert "".join(pieces) == text
+        assert [i for c in chunks for i in c["choices"][0]["token_ids"]] == want[name].tokens
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == choice["finish_reason"]
+        if chat:
+            assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def _stop_case(reference) -> tuple[list[int], str, str]:
+    """A prompt whose greedy text has a word after its first; that word is the stop string."""
+    for first in range(3, 40):
+        ids = [first, 4, 5]
+        text = reference.tokenizer.decode(direct(reference, ids, 12).tokens)
+        words = text.split()
+        if len(words) >= 3 and words[1] != words[0]:
+            return ids, words[1], text[:text.index(words[1])]
+    raise AssertionError("no prompt of the tiny model generates three words")
+
+
+def test_stop_strings_and_logprobs(served, reference):
+    ids, stop, want_text = _stop_case(reference)
+    body = {"prompt": ids, "max_tokens": 12, "stop": [stop, "no such words"], "logprobs": 0}
+    status, full = post(served.port, "/v1/completions", body)
+    assert status == 200, full
+    choice = full["choices"][0]
+    assert choice["text"] == want_text and choice["finish_reason"] == "stop"
+    ref = direct(reference, ids, 12)
+    n = len(choice["token_ids"])
+    assert choice["token_ids"] == ref.tokens[:n] and n < len(ref.tokens)
+    lp = choice["logprobs"]
+    assert lp["tokens"] == [reference.tokenizer.decode([t]) for t in ref.tokens[:n]]
+    assert lp["token_logprobs"] == pytest.approx(ref.logprobs[:n], abs=1e-6)
+    events = stream(served.port, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    assert "".join(e["choices"][0]["text"] for e in events[:-2]) == want_text
+    assert [o for e in events[:-2] for o in (e["choices"][0]["logprobs"] or {}).get("text_offset", [])] == \
+        lp["text_offset"]
+    assert events[-2]["choices"] == [] and events[-2]["usage"] == full["usage"] and events[-1] == "[DONE]"
+    status, chat = post(served.port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 5, "logprobs": True})
+    assert status == 200
+    content = chat["choices"][0]["logprobs"]["content"]
+    assert [c["logprob"] for c in content] == pytest.approx(
+        direct(reference, reference.tokenizer.encode("<s>user the cat </s> assistant"), 5).logprobs, abs=1e-6)
+
+
+def test_sampling_is_seeded(served):
+    body = {"prompt": [3, 4, 5], "max_tokens": 8, "temperature": 1.5, "top_p": 0.9, "seed": 11}
+    a, b = post(served.port, "/v1/completions", body), post(served.port, "/v1/completions", body)
+    assert a[0] == b[0] == 200 and a[1]["choices"][0]["token_ids"] == b[1]["choices"][0]["token_ids"]
+
+
+BAD_REQUESTS = [  # (path, body or raw bytes, param the error must name, message fragment)
+    ("/v1/completions", b"{not json", None, "not valid JSON"),
+    ("/v1/completions", b"[1, 2]", None, "JSON object"),
+    ("/v1/completions", {"max_tokens": 4}, "prompt", "prompt is required"),
+    ("/v1/completions", {"prompt": 5}, "prompt", "string or a list of token ids"),
+    ("/v1/completions", {"prompt": [1, "a"]}, "prompt", "string or a list of token ids"),
+    ("/v1/completions", {"prompt": []}, "prompt", "empty"),
+    ("/v1/completions", {"prompt": [1, 96]}, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": [1, -1]}, "prompt", "outside the vocabulary"),
+    ("/v1/completions", {"prompt": "the", "max_tokens": "5"}, "max_tokens", "must be a integer"),
+    ("/v1/completions", {"prompt": "the", "max_tokens": 0}, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "the", "max_tokens": -3}, "max_tokens", ">= 1"),
+    ("/v1/completions", {"prompt": "the", "max_tokens": 1.5}, "max_tokens", "must be a integer"),
+    ("/v1/completions", {"prompt": [1, 2, 3], "max_tokens": MAX_POSITION - 2}, "max_tokens", "exceeds"),
+    ("/v1/completions", {"prompt": [1] * MAX_POSITION}, "prompt", "no room"),
+    ("/v1/completions", {"prompt": "the", "temperature": -0.5}, "temperature", ">= 0"),
+    ("/v1/completions", {"prompt": "the", "temperature": "hot"}, "temperature", "must be a number"),
+    ("/v1/completions", {"prompt": "the", "top_p": 0}, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "the", "top_p": 1.5}, "top_p", "(0, 1]"),
+    ("/v1/completions", {"prompt": "the", "n": 2}, "n", "n must be 1"),
+    ("/v1/completions", {"prompt": "the", "stream": "yes"}, "stream", "must be a boolean"),
+    ("/v1/completions", {"prompt": "the", "stop": 3}, "stop", "stop must be"),
+    ("/v1/completions", {"prompt": "the", "stop": [""]}, "stop", "stop must be"),
+    ("/v1/completions", {"prompt": "the", "seed": -1}, "seed", "seed must be"),
+    ("/v1/completions", {"prompt": "the", "logprobs": 9}, "logprobs", "logprobs must be"),
+    ("/v1/chat/completions", {"max_tokens": 4}, "messages", "messages is required"),
+    ("/v1/chat/completions", {"messages": []}, "messages", "non-empty list"),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, "messages[0].role", "wizard"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": 3}]}, "messages[0].content", "string"),
+    ("/v1/chat/completions", {"messages": ["hi"]}, "messages[0]", "object"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "temperature": -1}, "temperature",
+     ">= 0"),
+]
+
+
+def test_malformed_requests_get_400_naming_the_param(served):
+    for path, body, param, fragment in BAD_REQUESTS:
+        raw = body if isinstance(body, bytes) else None
+        status, out = post(served.port, path, None if raw else body, raw=raw)
+        assert status == 400, (body, out)
+        err = out["error"]
+        assert err["type"] == "invalid_request_error" and err["param"] == param, (body, err)
+        assert fragment in err["message"], (body, err)
+    status, out = request(served.port, "GET", "/v1/nothing")
+    assert status == 404 and "error" in out
+    status, out = post(served.port, "/v1/completions", {"prompt": "the cat", "max_tokens": 2})
+    assert status == 200 and len(out["choices"][0]["token_ids"]) >= 1
+
+
+def test_no_tokenizer_rejects_text(scripted):
+    for path, body, param in (("/v1/completions", {"prompt": "the cat"}, "prompt"),
+                              ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "messages"),
+                              ("/v1/completions", {"prompt": [3], "stop": "x"}, "stop")):
+        status, out = post(scripted.port, path, body)
+        assert status == 400 and out["error"]["param"] == param and "no tokenizer" in out["error"]["message"]
+
+
+def test_health_models_and_metrics(served, engine):
+    status, health = request(served.port, "GET", "/health")
+    assert status == 200 and health["status"] == "ok"
+    status, models = request(served.port, "GET", "/v1/models")
+    assert status == 200 and models["object"] == "list" and [m["id"] for m in models["data"]] == [engine.name]
+    before = metrics(served.port)
+    status, out = post(served.port, "/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 6})
+    assert status == 200
+    assert post(served.port, "/v1/completions", {"prompt": [3], "top_p": 7})[0] == 400
+    after = metrics(served.port)
+    assert requests_total(after, "/v1/completions", 200) == requests_total(before, "/v1/completions", 200) + 1
+    assert requests_total(after, "/v1/completions", 400) == requests_total(before, "/v1/completions", 400) + 1
+    assert requests_total(after, "/metrics", 200) == requests_total(before, "/metrics", 200) + 1
+    n = out["usage"]["completion_tokens"]
+    assert after["semoe_generated_tokens_total", ()] == before["semoe_generated_tokens_total", ()] + n
+    assert after["semoe_prompt_tokens_total", ()] == before["semoe_prompt_tokens_total", ()] + 3
+    assert after["semoe_queue_depth", ()] == 0
+    assert after["semoe_tokens_per_second", ()] > 0 and after["semoe_last_request_ttft_seconds", ()] > 0
+    assert after["semoe_peak_rss_bytes", ()] > 0
+    assert ("semoe_offload_gpu_hit_rate", ()) in after  # exported; stays 0 for a resident engine
+
+
+def test_queue_full_gets_503(scripted):
+    eng = scripted.engine
+    eng.gate.clear()
+    eng.started.clear()
+    results: dict[str, tuple] = {}
+    body = {"prompt": [3, 4], "max_tokens": 3}
+
+    def client(name: str) -> None:
+        results[name] = post(scripted.port, "/v1/completions", body)
+
+    running = threading.Thread(target=client, args=("running",))
+    running.start()
+    assert eng.started.wait(10)  # the first request is inside generate, the worker is busy
+    waiting = threading.Thread(target=client, args=("waiting",))
+    waiting.start()
+    wait_for(lambda: request(scripted.port, "GET", "/health")[1]["queue_depth"] == 1, "the second request to queue")
+    status, out = post(scripted.port, "/v1/completions", body)
+    assert status == 503 and "queue is full" in out["error"]["message"]
+    status, _ = post(scripted.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
+    assert status == 400  # checked before queueing
+    eng.gate.set()
+    running.join(20)
+    waiting.join(20)
+    assert results["running"][0] == results["waiting"][0] == 200
+    assert results["running"][1]["choices"][0]["token_ids"] == results["waiting"][1]["choices"][0]["token_ids"]
+    assert requests_total(metrics(scripted.port), "/v1/completions", 503) == 1
+
+
+def test_generation_error_is_500_for_that_request_only(scripted):
+    fail = [ScriptedEngine.FAIL_TOKEN, 3]
+    status, out = post(scripted.port, "/v1/completions", {"prompt": fail, "max_tokens": 2})
+    assert status == 500 and "scripted failure" in out["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", scripted.port, timeout=10)
+    conn.request("POST", "/v1/completions", body=json.dumps({"prompt": fail, "stream": True}),
+                 headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    assert resp.status == 500 and "scripted failure" in json.loads(resp.read())["error"]["message"]
+    conn.close()
+    events = stream(scripted.port, "/v1/completions", {"prompt": [ScriptedEngine.FAIL_LATE_TOKEN], "max_tokens": 5})
+    assert [len(e["choices"][0]["token_ids"]) for e in events[:2]] == [1, 1]
+    assert "mid-stream" in events[2]["error"]["message"] and events[3:] == ["[DONE]"]
+    status, out = post(scripted.port, "/v1/completions", {"prompt": [3, 4], "max_tokens": 2})
+    assert status == 200 and len(out["choices"][0]["token_ids"]) == 2
+
+
+def test_client_disconnect_mid_stream_does_not_wedge(scripted):
+    eng = scripted.engine
+    cancelled = metrics(scripted.port).get(("semoe_cancelled_requests_total", ()), 0.0)
+    eng.token_delay_s = 0.02  # 100 tokens would take 2 s
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", scripted.port, timeout=10)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [3, 4], "max_tokens": 100, "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200
+        assert resp.readline().startswith(b"data: ")
+        conn.sock.close()  # leave mid-stream
+        conn.close()
+        wait_for(lambda: metrics(scripted.port).get(("semoe_cancelled_requests_total", ()), 0.0) == cancelled + 1,
+                 "the abandoned generation to stop", timeout_s=5)
+    finally:
+        eng.token_delay_s = 0.0
+    events = stream(scripted.port, "/v1/completions", {"prompt": [3, 4], "max_tokens": 4})
+    assert events[-1] == "[DONE]" and len([e for e in events[:-1] if e["choices"][0]["token_ids"]]) == 4
+    assert request(scripted.port, "GET", "/health")[0] == 200
+
+
+def test_client_leaving_while_queued_is_skipped(scripted):
+    eng = scripted.engine
+    eng.gate.clear()
+    eng.started.clear()
+    cancelled = metrics(scripted.port).get(("semoe_cancelled_requests_total", ()), 0.0)
+    results = []
+    running = threading.Thread(target=lambda: results.append(
+        post(scripted.port, "/v1/completions", {"prompt": [3], "max_tokens": 2})))
+    running.start()
+    assert eng.started.wait(10)
+    for streamed in (False, True):  # a non-streamed and a streamed client, each leaving while queued
+        conn = http.client.HTTPConnection("127.0.0.1", scripted.port, timeout=10)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [4], "max_tokens": 2, "stream": streamed}),
+                     headers={"Content-Type": "application/json"})
+        wait_for(lambda: request(scripted.port, "GET", "/health")[1]["queue_depth"] == 1, "the request to queue")
+        conn.sock.close()
+        conn.close()
+        # the server polls every 0.5 s and then withdraws the request from the queue
+        wait_for(lambda: request(scripted.port, "GET", "/health")[1]["queue_depth"] == 0, "the server to notice",
+                 timeout_s=3)
+    eng.gate.set()
+    running.join(20)
+    assert results[0][0] == 200
+    assert metrics(scripted.port)[("semoe_cancelled_requests_total", ())] == cancelled + 2
+
+
+# -- pieces ------------------------------------------------------------------------------------
+
+def test_text_assembler_holds_back_partial_stops():
+    pieces = {1: "the", 2: " ca", 3: "t", 4: " sat", 5: "\ufffd", 6: "é"}
+
+    def decode(ids):  # a byte-level tokenizer's view: 5 then 6 completes one character
+        text = "".join(pieces[i] for i in ids)
+        return text.replace("\ufffdé", "é")
+
+    a = TextAssembler(decode, ["cat s"])
+    assert [a.add(1), a.add(2), a.add(3)] == ["the", " ", ""]  # "ca", "cat" could begin "cat s"
+    assert a.add(4) == "" and a.stopped and a.text == "the "
+    b = TextAssembler(decode, ["zz"])
+    assert [b.add(1), b.add(5), b.add(6), b.finish()] == ["the", "", "é", ""]
+    c = TextAssembler(decode, ["cat s"])
+    assert [c.add(1), c.add(2), c.finish()] == ["the", " ", "ca"]  # generation ended: release what was held
+    assert c.text == "the ca"
+
+
+def test_chat_templates(model_dir, tmp_path):
+    from storage.hf import import_checkpoint
+
+    messages = [{"role": "user", "content": "the cat"}]
+    assert load_chat_template(str(model_dir)).render(messages) == "<s>user the cat </s> assistant"
+    store = import_checkpoint(str(model_dir), str(tmp_path / "store"))
+    assert load_chat_template(store.root).render(messages) == "<s>user the cat </s> assistant"
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    fallback = load_chat_template(str(plain))
+    assert fallback.fallback and fallback.source == FALLBACK_TEMPLATE
+    assert fallback.render(messages + [{"role": "assistant", "content": "a mat"}]) == \
+        "user: the cat\nassistant: a mat\nassistant:"
+    strict = ChatTemplate("{% if messages[0]['role'] != 'system' %}{{ raise_exception('system first') }}{% endif %}")
+    with pytest.raises(ChatTemplateError, match="system first"):
+        strict.render(messages)
+    with pytest.raises(ChatTemplateError, match="failed"):  # the sandbox refuses attribute games
+        ChatTemplate("{{ messages.__class__.__mro__ }}").render(messages)
+    with pytest.raises(ChatTemplateError, match="does not compile"):
+        ChatTemplate("{% for %}")
+
+
+def test_engine_config_from_budget_flags(model_dir):
+    from storage.hf import open_checkpoint
+    from tools.common import UsageError
+    from tools.engine_args import engine_config_from_args, expert_bytes
+    from tools.serve_cmd import add_parser
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    ck = open_checkpoint(str(model_dir))
+    total = sum(t.nbytes for name, t in ck.tensors.items() if ".experts." in name)
+    assert expert_bytes(str(model_dir)) == total
+    args = parser.parse_args(["serve", "--model", str(model_dir), "--device", "cpu", "--cpu-cache", "50%",
+                              "--device-memory", "2KiB", "--ring-slots", "3"])
+    cfg = engine_config_from_args(args)
+    assert (cfg.device, cfg.dtype, cfg.cpu_cache_bytes, cfg.device_memory_bytes, cfg.ring_slots) == \
+        ("cpu", "float32", total // 2, 2048, 3) and cfg.offloaded
+    assert not engine_config_from_args(parser.parse_args(["serve", "--model", str(model_dir), "--device", "cpu"])
+                                       ).offloaded
+    for flags, message in ((["--cpu-cache", "lots"], "--cpu-cache"), (["--device-memory", "150%"], "--device-memory"),
+                           (["--ring-slots", "0"], "--ring-slots")):
+        with pytest.raises(UsageError, match=message):
+            engine_config_from_args(parser.parse_args(["serve", "--model", str(model_dir), *flags]))
+
+
+# `semoe serve` without tools/cli.py: the subcommand's own parser and handler in a child process.
+_SERVE = ("import argparse, sys; from tools import serve_cmd; p = argparse.ArgumentParser(); "
+          "serve_cmd.add_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))")
+
+
+def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, tmp_path):
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = {**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp)}
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--model", str(model_dir), "--port", "0",
+                             "--device", "cpu", "--cpu-cache", "50%", "--ring-slots", "2"],
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        lines = []
+        while not lines or "serving" not in lines[-1]:
+            line = proc.stderr.readline()
+            assert line, f"semoe serve exited {proc.wait()}: {''.join(lines)}"
+            lines.append(line)
+        assert "offloaded on cpu" in lines[-1]
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", lines[-1]).group(1))
+        assert any(tmp.glob("semoe-store-*"))  # the directory was imported into a temporary store
+        status, out = post(port, "/v1/completions", {"prompt": [1, 5, 9, 14], "max_tokens": 10})
+        assert status == 200 and out["choices"][0]["token_ids"] == direct(reference, [1, 5, 9, 14], 10).tokens
+        m = metrics(port)
+        assert 0 <= m["semoe_offload_cpu_hit_rate", ()] <= 1 and m["semoe_offload_ssd_bytes_per_token", ()] > 0
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(20) == 0
+        assert "stopped" in proc.stderr.read()
+        assert not any(tmp.glob("semoe-store-*"))  # engine.close() ran
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()

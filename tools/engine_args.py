@@ -1,0 +1,68 @@
+"""Flags shared by `semoe generate` and `semoe serve`: device, dtype and the offload budgets."""
+
+from __future__ import annotations
+
+import argparse
+
+from tools.common import UsageError
+from tools.sizes import parse_size
+
+
+def resolve_device(name: str) -> "torch.device":  # noqa: F821
+    """`auto` is cuda when available, else cpu; an unavailable cuda is a usage error."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError:
+        raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    return dev
+
+
+def add_budget_flags(p: argparse.ArgumentParser) -> None:
+    """The offload budget flags; any of them keeps the experts in the store."""
+    g = p.add_argument_group("offload budgets",
+                             "Sizes are bytes with a unit (512MiB, 2GiB) or a percentage of the model's expert "
+                             "bytes (25%%). Any of these flags offloads the experts: SSD -> CPU cache -> device.")
+    g.add_argument("--cpu-cache", metavar="SIZE", help="CPU cache for expert weights")
+    g.add_argument("--device-memory", metavar="SIZE", help="device memory for the expert ring (sets its slots)")
+    g.add_argument("--ring-slots", type=int, metavar="K", help="expert slots in the device ring")
+
+
+def expert_bytes(path: str) -> int:
+    """Bytes of the model's expert weights as stored: a store's expert chunk files, or the sum of a
+    HuggingFace checkpoint's expert tensors (headers only)."""
+    from semoe.checkpoint import is_store
+
+    if is_store(path):
+        from storage.store import Store
+
+        # what the experts take in memory: chunk files, each tensor padded to a block
+        return sum(c.bytes for c in Store.open(path).manifest.chunks if c.kind == "weight")
+    from storage.hf import open_checkpoint
+
+    ck = open_checkpoint(path)
+    return sum(part.slice_bytes() for by_expert in ck.experts.values() for parts in by_expert.values()
+               for part in parts)
+
+
+def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":  # noqa: F821
+    """EngineConfig from `--device`, `--dtype` and the budget flags; percentages are of the expert bytes
+    of `--model`."""
+    from inference.engine import EngineConfig
+
+    sizes = {"--cpu-cache": args.cpu_cache, "--device-memory": args.device_memory}
+    total = None
+    if any(v is not None and v.strip().endswith("%") for v in sizes.values()):
+        total = expert_bytes(args.model)
+        if total == 0:
+            raise UsageError(f"--model {args.model}: the model has no expert weights to take a percentage of")
+    cpu, dev = (parse_size(v, flag=flag, percent_of=total) if v is not None else None for flag, v in sizes.items())
+    if args.ring_slots is not None and args.ring_slots < 1:
+        raise UsageError(f"--ring-slots must be >= 1, got {args.ring_slots}")
+    return EngineConfig(device=str(resolve_device(args.device)), dtype=args.dtype, cpu_cache_bytes=cpu,
+                        device_memory_bytes=dev, ring_slots=args.ring_slots)

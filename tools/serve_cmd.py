@@ -1,0 +1,63 @@
+"""`semoe serve`: an OpenAI-compatible HTTP server for one model, resident or offloaded.
+
+The device, dtype and budget flags are shared with `semoe generate` (tools/engine_args.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from tools.common import UsageError
+from tools.engine_args import add_budget_flags, engine_config_from_args
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    """Register `semoe serve`."""
+    p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
+                       description="Serve a HuggingFace MoE checkpoint directory or a store on /v1/completions, "
+                                   "/v1/chat/completions, /v1/models, /health and /metrics. Requests run one at "
+                                   "a time, in arrival order. Any offload budget keeps the experts in the store.")
+    p.add_argument("--model", required=True, metavar="PATH", help="HuggingFace directory or store")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default auto: cuda when available)")
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default float32)")
+    p.add_argument("--max-queue", type=int, default=64, metavar="N",
+                   help="requests that may wait while one generates; more get HTTP 503 (default 64)")
+    add_budget_flags(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from inference.chat import load_chat_template
+    from inference.engine import Engine
+    from inference.server import serve
+
+    if not 0 <= args.port <= 65535:
+        raise UsageError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    config = engine_config_from_args(args)
+    template = load_chat_template(args.model)
+    engine = Engine.load(args.model, config)
+    # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
+    # exception too, so that engine.close() still removes a temporary store.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        mode = "offloaded" if config.offloaded else "resident"
+        serve(engine, args.host, args.port, max_queue=args.max_queue, chat_template=template,
+              on_ready=lambda url: print(f"serving {engine.name} ({mode} on {config.device}) at {url}/v1 "
+                                         f"(Ctrl-C to stop)", file=sys.stderr, flush=True))
+    except KeyboardInterrupt:
+        print("semoe serve: stopped", file=sys.stderr)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        engine.close()
+    return 0
+
+
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
