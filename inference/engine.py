@@ -38,6 +38,9 @@ class EngineConfig:
     device_memory_bytes: int | None = None  # expert ring in device memory (GPU); sets ring_slots
     ring_slots: int | None = None
     prefetch: bool = True  # routing-aware prefetch of the next layer's experts
+    # read predicted experts from SSD ahead of use only while at least this share of guesses is
+    # right (0: always; above 1: never); wrong guesses cost the SSD bandwidth the model waits on
+    speculate_min_precision: float = 0.8
     read_mode: str = "direct"  # how the store is read: direct (O_DIRECT) | drop | cached
 
     def __post_init__(self) -> None:

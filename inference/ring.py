@@ -79,7 +79,7 @@ class OffloadedExperts:
 
     def __init__(self, model: MoEGPT, store: Store, *, device: torch.device, dtype: torch.dtype,
                  cpu_cache_bytes: int, ring_slots: int, prefetch: bool = True, read_mode: str = "direct",
-                 workers: int = 4) -> None:
+                 workers: int = 4, min_precision: float = 0.8) -> None:
         self.config = model.config
         self.device = device
         self.dtype = dtype
@@ -113,6 +113,11 @@ class OffloadedExperts:
         self.queue = PrefetchQueue(PrefetchQueueConfig(workers=workers))
         self.counters = RingCounters()
         self._closed = False
+        self.min_precision = min_precision
+        self._read_ahead: set[Key] = set()  # read before any use asked for it (warm-up, guesses)
+        self.precision: float | None = None  # running precision of next-layer guesses, once judged
+        self._precision_ema = 0.0
+        self._visits = 0
 
     @classmethod
     def attach(cls, model: MoEGPT, store_path: str, config) -> "OffloadedExperts":
@@ -136,7 +141,8 @@ class OffloadedExperts:
             # in place, ring slots are CPU-cache entries: the cache must hold the ring and room to spare
             cpu = max(cpu, (slots + top_k) * biggest)
         self = cls(model, store, device=device, dtype=getattr(torch, config.dtype), cpu_cache_bytes=cpu,
-                   ring_slots=slots, prefetch=config.prefetch, read_mode=config.read_mode)
+                   ring_slots=slots, prefetch=config.prefetch, read_mode=config.read_mode,
+                   min_precision=config.speculate_min_precision)
         for ffn in model.moe_layers():
             ffn.use_experts(self)
         log.info("offload: %d ring slots, CPU cache %d bytes, %s", slots, cpu,
@@ -194,7 +200,8 @@ class OffloadedExperts:
         if slot is None:
             return
         try:
-            host = self.tier.get(key[0], key[1])
+            # a fill that may wait is for the current layer; the others are predictions
+            host = self.tier.get(key[0], key[1], speculative=not wait)
             slot.weights, copied = self._place(host, slot)
             if copied:
                 host.release()
@@ -268,6 +275,7 @@ class OffloadedExperts:
                 e = min(ready)
                 slot = self._slots[(layer, e)]
                 slot.pins += 1
+                self.tier.promote(layer, e)  # a speculative read turned out right: keep it as used
                 slot.prefetched = False
                 self._needed.discard((layer, e))
                 self._clock += 1
@@ -291,15 +299,24 @@ class OffloadedExperts:
         counts = torch.bincount(r.ids_TK.flatten(), minlength=self.config.num_experts).tolist()
         picked = sorted((e for e, n in enumerate(counts) if n), key=lambda e: -counts[e])
         with self._cond:
-            self.counters.predictions[nxt] = {e: self.tier.cached(nxt, e) for e in picked}
+            cached = {e: self.tier.cached(nxt, e) for e in picked}
+            self.counters.predictions[nxt] = cached
             self.counters.predicted += len(picked)
+            # Reading a guess from SSD competes with the reads the model is waiting for; worth it
+            # only while guesses are mostly right. Guesses already in the CPU cache cost no SSD
+            # bandwidth and are always staged (on a GPU that is the host-to-device copy).
+            speculate = self.precision is not None and self.precision >= self.min_precision
         for rank, e in enumerate(picked[:self.ring_slots]):
-            if (nxt, e) not in self._slots:
-                self._request((nxt, e), SOON + rank / 1000, wait=False)
+            if (nxt, e) in self._slots or not (speculate or (cached[e] and not self.in_place)):
+                continue
+            if not cached[e]:
                 with self._cond:
-                    s = self._slots.get((nxt, e))
-                    if s is not None:
-                        s.prefetched = True
+                    self._read_ahead.add((nxt, e))
+            self._request((nxt, e), SOON + rank / 1000, wait=False)
+            with self._cond:
+                s = self._slots.get((nxt, e))
+                if s is not None:
+                    s.prefetched = True
 
     def _account(self, layer: int, experts: list[int]) -> None:
         """Counters for one layer visit (caller holds the lock)."""
@@ -310,19 +327,46 @@ class OffloadedExperts:
             c.uses += 1
             if key in self._slots:
                 c.ring_hits += 1
-            # it had to come from SSD unless it was in the CPU cache before anything was prefetched for it
+            # An oracle reads each expert once per stay in the cache: this use needed an SSD read
+            # unless an earlier use left the expert cached (a guess read ahead of this use counts).
             was_cached = predicted[e] if predicted is not None and e in predicted else self.tier.cached(*key, "weight")
-            if not was_cached:
+            if not was_cached or key in self._read_ahead:
                 c.ssd_ideal_bytes += self.chunk_bytes[key]
+            self._read_ahead.discard(key)
         if predicted is not None:
             used = sum(1 for e in experts if e in predicted)
             c.predicted_used += used
             c.routed += len(experts)
             c.routed_predicted += used
+            if predicted:
+                p = used / len(predicted)
+                self._visits += 1
+                self._precision_ema = p if self._visits == 1 else 0.9 * self._precision_ema + 0.1 * p
+                if self._visits >= 8:  # enough guesses to judge
+                    self.precision = self._precision_ema
 
     # -- reporting --------------------------------------------------------------------------------
+    def warm_idle(self) -> int:
+        """Read experts not yet cached into the CPU cache's free room, at the lowest priority.
+
+        Only what fits without evicting anything: with a cache as large as the experts, the whole
+        model ends up resident; with a small one, nothing is read speculatively.
+        """
+        free = self.tier.cache.capacity_bytes - self.tier.cache.used_bytes
+        keys = []
+        for layer in self.moe_layers:
+            for e in range(self.config.num_experts):
+                nbytes = self.chunk_bytes[(layer, e)]
+                if nbytes <= free and not self.tier.cached(layer, e):
+                    keys.append((layer, e))
+                    free -= nbytes
+        with self._cond:
+            self._read_ahead.update(keys)
+        return self.tier.prefetch(keys, priority=LATER) if keys else 0
+
     def begin_request(self) -> None:
-        """Start counting for one request."""
+        """Start counting for one request, and fill idle cache room."""
+        self.warm_idle()
         s = self.tier.stats()
         with self._cond:
             self.counters = RingCounters(ssd_bytes_at_start=s.ssd_bytes, cpu_hits_at_start=s.hits + s.inflight_hits,

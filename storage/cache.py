@@ -153,6 +153,9 @@ class ExpertCache:
         self._cond = threading.Condition()
         self._entries: dict[Key, CacheEntry] = {}
         self._evictable: set[Key] = set()  # keys of entries with entry.evictable, kept in sync
+        # speculative entries not yet used, oldest first: evicted before anything the policy ranks,
+        # so a wrong guess costs one slot instead of pushing out the working set
+        self._probation: dict[Key, None] = {}
         self._used_bytes = 0
         self._evictable_bytes = 0
         self._stats = CacheStats()
@@ -209,26 +212,39 @@ class ExpertCache:
             self._touch_locked(entry, pin=pin)
             return entry
 
-    def lookup_or_reserve(self, key: Key, nbytes: int) -> tuple[CacheEntry, bool]:
-        """Atomic lookup(pin=True), else reserve(); returns (pinned entry, caller must load it)."""
+    def lookup_or_reserve(self, key: Key, nbytes: int, *, probation: bool = False) -> tuple[CacheEntry, bool]:
+        """Atomic lookup(pin=True), else reserve(); returns (pinned entry, caller must load it).
+
+        `probation=True` marks a new entry speculative: until a lookup uses it (or `promote`), it
+        is evicted before every entry the policy ranks.
+        """
         with self._cond:
             entry = self._entries.get(key)
             if entry is not None:
-                self._touch_locked(entry, pin=True)
+                if probation:  # a speculative request is not a use
+                    self._pin_locked(entry)
+                else:
+                    self._touch_locked(entry, pin=True)
                 return entry, False
             self._stats.misses += 1
-            entry, evicted = self._reserve_locked(key, nbytes)
+            entry, evicted = self._reserve_locked(key, nbytes, probation)
         self._notify_evicted(evicted)
         return entry, True
 
-    def reserve(self, key: Key, nbytes: int) -> CacheEntry:
+    def promote(self, key: Key) -> None:
+        """A speculative entry was used after all: rank it like any other (counts no hit)."""
+        with self._cond:
+            if self._probation.pop(key, "absent") is None:
+                self._policy.on_access(key)
+
+    def reserve(self, key: Key, nbytes: int, *, probation: bool = False) -> CacheEntry:
         """Create a LOADING entry for `key`, pinned once for the caller; evicts by policy for room.
 
         Raises ValueError if `key` is already cached or `nbytes` exceeds the whole capacity, and
         CacheFullError if pinned and loading entries leave no room (nothing is evicted then).
         """
         with self._cond:
-            entry, evicted = self._reserve_locked(key, nbytes)
+            entry, evicted = self._reserve_locked(key, nbytes, probation)
         self._notify_evicted(evicted)
         return entry
 
@@ -336,6 +352,7 @@ class ExpertCache:
     # ---- internals (callers hold the lock) -------------------------------------------------
 
     def _touch_locked(self, entry: CacheEntry, *, pin: bool) -> None:
+        self._probation.pop(entry.key, None)
         if entry.state is EntryState.READY:
             self._stats.hits += 1
         else:
@@ -344,7 +361,8 @@ class ExpertCache:
         if pin:
             self._pin_locked(entry)
 
-    def _reserve_locked(self, key: Key, nbytes: int) -> tuple[CacheEntry, list[tuple[Key, Any]]]:
+    def _reserve_locked(self, key: Key, nbytes: int, probation: bool = False
+                        ) -> tuple[CacheEntry, list[tuple[Key, Any]]]:
         _require_positive_int("nbytes", nbytes)
         existing = self._entries.get(key)
         if existing is not None:
@@ -359,6 +377,8 @@ class ExpertCache:
         self._entries[key] = entry
         self._used_bytes += nbytes
         self._policy.on_insert(key)
+        if probation:
+            self._probation[key] = None
         return entry, evicted
 
     def _make_room_locked(self, key: Key, nbytes: int) -> list[tuple[Key, Any]]:
@@ -374,7 +394,9 @@ class ExpertCache:
             )
         evicted = []
         while self._used_bytes + nbytes > self.capacity_bytes:
-            victim_key = self._policy.victim(self._evictable)
+            victim_key = next((k for k in self._probation if k in self._evictable), None)
+            if victim_key is None:
+                victim_key = self._policy.victim(self._evictable)
             victim = self._entries.get(victim_key)
             if victim is None or not victim.evictable:
                 raise RuntimeError(
@@ -385,6 +407,7 @@ class ExpertCache:
 
     def _remove_locked(self, entry: CacheEntry, state: EntryState) -> tuple[Key, Any]:
         del self._entries[entry.key]
+        self._probation.pop(entry.key, None)
         self._policy.on_remove(entry.key)
         entry.state = state
         self._sync_evictable(entry)

@@ -37,6 +37,9 @@ class TieredStoreConfig:
 
     cpu_cache_bytes: int
     policy: str = "lfu-aging"
+    # LFU counts halve every this many references; None: once per cache-full of references (the
+    # capacity in experts), which keeps LFU from pinning yesterday's favourites when routing drifts
+    aging_interval: int | None = None
     read_mode: str = "direct"  # direct | drop | cached (see storage.fileio.ReadMode)
     io_threads: int | None = None
     prefetch_workers: int = 2  # reads in flight at once, each split over the io threads
@@ -110,8 +113,9 @@ class TieredExpertStore:
         if biggest > config.cpu_cache_bytes:
             raise ValueError(f"cpu_cache_bytes={config.cpu_cache_bytes} cannot hold one expert chunk "
                              f"({biggest} bytes)")
-        self.cache = ExpertCache(ExpertCacheConfig(capacity_bytes=config.cpu_cache_bytes, policy=config.policy),
-                                 on_evict=self._on_evict)
+        aging = config.aging_interval or max(8, config.cpu_cache_bytes // biggest)
+        self.cache = ExpertCache(ExpertCacheConfig(capacity_bytes=config.cpu_cache_bytes, policy=config.policy,
+                                                   aging_interval=aging), on_evict=self._on_evict)
         # The cache bounds the bytes in use; the slack covers size-class fragmentation in the pool.
         self.pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=config.cpu_cache_bytes + 2 * biggest,
                                                         pin=config.pin_memory, slab_bytes=biggest))
@@ -149,12 +153,15 @@ class TieredExpertStore:
         self._load(key)  # on failure the entry and its pins are gone already
         self.cache.unpin(key)  # the reservation's pin: the expert may now be evicted
 
-    def get(self, layer: int, expert: int, kind: str = "weight") -> ExpertHandle:
-        """The expert's tensors, pinned: from the cache, from a read in flight, or read now."""
+    def get(self, layer: int, expert: int, kind: str = "weight", *, speculative: bool = False) -> ExpertHandle:
+        """The expert's tensors, pinned: from the cache, from a read in flight, or read now.
+
+        `speculative`: a guess, not a use; a new entry is evicted first unless it is used later
+        (`promote`)."""
         key = (layer, expert, kind)
         nbytes = self.store.manifest.chunk(*key).bytes
         while True:
-            entry, must_load = self.cache.lookup_or_reserve(key, nbytes)  # pinned for us either way
+            entry, must_load = self.cache.lookup_or_reserve(key, nbytes, probation=speculative)
             if must_load:
                 self._load(key)
                 return ExpertHandle(self, key, self._payload(key).tensors)
@@ -169,8 +176,12 @@ class TieredExpertStore:
     def _payload(self, key: Key) -> ExpertPayload:
         return self.cache.wait_ready(key).payload
 
+    def promote(self, layer: int, expert: int, kind: str = "weight") -> None:
+        """A speculatively read expert is being used: keep it like any other."""
+        self.cache.promote((layer, expert, kind))
+
     def prefetch(self, keys: Iterable[tuple[int, int]] | Iterable[Key], *, priority: float = 0.0,
-                 kind: str = "weight") -> int:
+                 kind: str = "weight", speculative: bool = False) -> int:
         """Start reads of experts not yet cached, lower priority first; returns how many started.
 
         A hint: when the cache is full of pinned experts the rest are skipped, not waited for.
@@ -181,7 +192,7 @@ class TieredExpertStore:
             if key in self.cache:
                 continue
             try:
-                self.cache.reserve(key, self.store.manifest.chunk(*key).bytes)
+                self.cache.reserve(key, self.store.manifest.chunk(*key).bytes, probation=speculative)
             except CacheFullError:
                 with self._lock:
                     self._dropped += 1

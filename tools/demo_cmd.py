@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
                         checksum += float((x @ w[0].float().T).sum())  # touch the bytes like a layer would
             stats = tier.stats()
         wall = time.perf_counter() - t1
-        sim = simulate_all(trace, capacity_experts)
+        sim = simulate_all(trace, capacity_experts, aging_interval=max(8, capacity_experts))
         result = {
             "workdir": work, "store_version": info["version"], "expert_bytes": info["expert_bytes"],
             "dense_bytes": info["dense_bytes"], "cache_experts": capacity_experts, "cache_bytes": capacity_experts * chunk,

@@ -116,3 +116,22 @@ def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
         assert sorted(out["stats"]) == sorted(["gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token",
                                                "device_copy_bytes_per_token", "ideal_bytes_per_token",
                                                "prefetch_precision", "prefetch_recall", "peak_rss_bytes"])
+
+
+def test_speculative_reads_follow_the_precision_threshold(model_store):
+    arch, store, expert_bytes, biggest, want = model_store
+    read = {}
+    for name, threshold in (("never", 2.0), ("always", 0.0)):
+        engine = Engine.load(store.root, EngineConfig(cpu_cache_bytes=expert_bytes // 4,
+                                                      speculate_min_precision=threshold))
+        try:
+            res = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+            assert res.tokens == want.tokens and res.logprobs == want.logprobs
+            read[name] = res.stats
+        finally:
+            engine.close()
+    for s in read.values():
+        assert s["ssd_bytes_per_token"] >= s["ideal_bytes_per_token"] > 0
+    # guesses read ahead are found in the ring, and cost extra SSD reads
+    assert read["always"]["gpu_hit_rate"] > read["never"]["gpu_hit_rate"]
+    assert read["always"]["ssd_bytes_per_token"] >= read["never"]["ssd_bytes_per_token"]

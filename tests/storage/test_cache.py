@@ -453,3 +453,25 @@ def test_threads_smoke():
     resident = len(cache)
     assert cache.clear() == resident  # nothing was left pinned or loading
     assert cache.used_bytes == 0
+
+
+def test_speculative_entries_are_evicted_first_until_promoted():
+    cache = ExpertCache(ExpertCacheConfig(capacity_bytes=3, policy="lru"))
+    for key in ("a", "b"):
+        cache.reserve(key, 1)
+        cache.complete(key, key)
+        cache.unpin(key)
+    cache.reserve("guess", 1, probation=True)
+    cache.complete("guess", "guess")
+    cache.unpin("guess")
+    cache.reserve("c", 1)  # LRU alone would evict "a"; the unused guess goes first
+    assert "guess" not in cache and "a" in cache
+    cache.complete("c", "c")
+    cache.unpin("c")
+    entry, must_load = cache.lookup_or_reserve("guess2", 1, probation=True)
+    assert must_load
+    cache.complete("guess2", "g")
+    cache.unpin("guess2")
+    cache.promote("guess2")  # used after all: now ranked by the policy like the rest
+    cache.reserve("d", 1)
+    assert "guess2" in cache and "a" not in cache
