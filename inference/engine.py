@@ -42,6 +42,9 @@ class EngineConfig:
     # right (0: always; above 1: never); wrong guesses cost the SSD bandwidth the model waits on
     speculate_min_precision: float = 0.8
     read_mode: str = "direct"  # how the store is read: direct (O_DIRECT) | drop | cached
+    # fill the CPU cache with experts, in layer order, up to its budget while loading (as a
+    # resident model reads all its weights before its first request); False: fill it lazily
+    preload: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
@@ -98,6 +101,9 @@ class Engine:
             import_checkpoint(path, store_path)
         model = load_store(store_path, device=config.device, dtype=dtype, with_experts=False)
         offload = OffloadedExperts.attach(model, store_path, config)
+        if config.preload:
+            offload.warm_idle(in_request=False)
+            offload.tier.drain()
         return cls(model, load_model_tokenizer(store_path, model.config), name=name, config=config,
                    offload=offload, cleanup=cleanup)
 

@@ -346,7 +346,7 @@ class OffloadedExperts:
                     self.precision = self._precision_ema
 
     # -- reporting --------------------------------------------------------------------------------
-    def warm_idle(self) -> int:
+    def warm_idle(self, *, in_request: bool = True) -> int:
         """Read experts not yet cached into the CPU cache's free room, at the lowest priority.
 
         Only what fits without evicting anything: with a cache as large as the experts, the whole
@@ -360,8 +360,9 @@ class OffloadedExperts:
                 if nbytes <= free and not self.tier.cached(layer, e):
                     keys.append((layer, e))
                     free -= nbytes
-        with self._cond:
-            self._read_ahead.update(keys)
+        if in_request:  # reads while loading belong to the load, not to a request's traffic
+            with self._cond:
+                self._read_ahead.update(keys)
         return self.tier.prefetch(keys, priority=LATER) if keys else 0
 
     def begin_request(self) -> None:

@@ -5,9 +5,8 @@ Requests are checked on the event loop, then queued for one worker thread that r
 `engine.generate` (the engine is one model: one request computes at a time). Tokens cross back to
 the event loop through `loop.call_soon_threadsafe` into the request's asyncio.Queue.
 
-Extensions to the OpenAI format: each choice (and each streamed chunk) carries `token_ids`, the ids
-generated; `logprobs` hold the chosen tokens' log-probabilities only (`top_logprobs` is null/empty:
-alternatives are not computed). Sampling is greedy unless `temperature` > 0.
+The OpenAI wire format (checking request bodies, building answers and stream chunks) lives in
+`inference.openai_protocol`; this module is the HTTP app, the worker and the metrics.
 """
 
 from __future__ import annotations
@@ -20,10 +19,8 @@ import logging
 import socket
 import threading
 import time
-import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -32,252 +29,17 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from inference.chat import ROLES, ChatTemplate, ChatTemplateError
-from semoe.generate import SamplingConfig
+from inference.chat import ChatTemplate
+from inference.openai_protocol import APIError, GenRequest, Reply, parse_chat, parse_completion, sse
+from inference.text_stream import TextAssembler
 
 log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5  # how often a request waiting for the engine checks whether its client left
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
-_MAX_STOPS = 4  # as OpenAI
-_MAX_SEED = 2**63
 # Engine offload stats exported as gauges `semoe_offload_<key>` (absent for resident engines).
 OFFLOAD_STATS = ("gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token", "device_copy_bytes_per_token",
                  "ideal_bytes_per_token", "prefetch_precision", "prefetch_recall")
-
-
-# -- errors and request parsing ---------------------------------------------------------------
-
-class APIError(Exception):
-    """A request that fails, answered as OpenAI does: `{"error": {message, type, param}}`."""
-
-    def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.message, self.status, self.param, self.type = message, status, param, type
-
-    def response(self) -> JSONResponse:
-        """The JSON error response."""
-        return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": None}}, status_code=self.status)
-
-
-@dataclass(kw_only=True)
-class GenRequest:
-    """A checked request: what to generate and how to answer."""
-
-    chat: bool
-    prompt_ids: list[int]
-    sampling: SamplingConfig
-    stops: tuple[str, ...] = ()  # stop strings: the text is cut before the first one produced
-    logprobs: bool = False
-    stream: bool = False
-    include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
-
-
-_JSON_TYPES: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "boolean": (bool,),
-                                            "string": (str,), "array": (list,), "object": (dict,)}
-
-
-def _field(body: dict, name: str, kind: str, default: Any = None) -> Any:
-    """`body[name]` checked against a JSON type; absent or null gives `default`."""
-    value = body.get(name)
-    if value is None:
-        return default
-    # bool is an int subclass in Python, but `true` is not a number in JSON
-    if not isinstance(value, _JSON_TYPES[kind]) or (isinstance(value, bool) and kind != "boolean"):
-        raise APIError(f"{name} must be a {kind}, got {json.dumps(value)}", param=name)
-    return value
-
-
-def _prompt_ids(value: Any, engine, *, param: str) -> list[int]:
-    """Token ids of a prompt given as text or as ids, checked against the vocabulary."""
-    tok = engine.tokenizer
-    if isinstance(value, str):
-        if tok is None:
-            raise APIError(f"{param}: this model has no tokenizer; give the prompt as a list of token ids",
-                           param=param)
-        ids = tok.encode(value, add_bos=tok.add_bos_default)
-    elif isinstance(value, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in value):
-        ids = list(value)
-    else:
-        raise APIError(f"{param} must be a string or a list of token ids (one prompt per request)", param=param)
-    if not ids:
-        raise APIError(f"{param} is empty: give at least one token", param=param)
-    vocab = engine.model.config.vocab_size
-    bad = [i for i in ids if not 0 <= i < vocab]
-    if bad:
-        raise APIError(f"{param}: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param=param)
-    return ids
-
-
-def _stops(body: dict, engine) -> tuple[str, ...]:
-    value = body.get("stop")
-    if value is None:
-        return ()
-    stops = [value] if isinstance(value, str) else value
-    if not (isinstance(stops, list) and stops and all(isinstance(s, str) and s for s in stops)):
-        raise APIError("stop must be a non-empty string or a list of non-empty strings", param="stop")
-    if len(stops) > _MAX_STOPS:
-        raise APIError(f"stop: at most {_MAX_STOPS} strings, got {len(stops)}", param="stop")
-    if engine.tokenizer is None:
-        raise APIError("stop: this model has no tokenizer, so its output has no text to match", param="stop")
-    return tuple(stops)
-
-
-def _sampling(body: dict, engine, prompt: list[int], *, prompt_param: str, max_tokens: int | None
-              ) -> SamplingConfig:
-    """Sampling fields shared by both endpoints; `max_tokens` None means the rest of the context."""
-    if _field(body, "n", "integer", 1) != 1:
-        raise APIError("n must be 1: one completion per request", param="n")
-    max_position = engine.model.config.max_position
-    room = max_position - len(prompt)
-    if room < 1:
-        raise APIError(f"{prompt_param}: {len(prompt)} tokens leave no room in the model's context of "
-                       f"{max_position}", param=prompt_param)
-    if max_tokens is None:
-        max_tokens = room
-    elif max_tokens < 1:
-        raise APIError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
-    elif max_tokens > room:
-        raise APIError(f"prompt ({len(prompt)} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
-                       f"of {max_position} tokens", param="max_tokens")
-    temperature = _field(body, "temperature", "number", 0.0)
-    if not temperature >= 0:  # written so that NaN fails too
-        raise APIError(f"temperature must be >= 0, got {temperature}", param="temperature")
-    top_p = _field(body, "top_p", "number", 1.0)
-    if not 0 < top_p <= 1:
-        raise APIError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    seed = _field(body, "seed", "integer", 0)
-    if not 0 <= seed < _MAX_SEED:
-        raise APIError(f"seed must be in [0, 2**63), got {seed}", param="seed")
-    return SamplingConfig(max_new_tokens=max_tokens, greedy=temperature == 0,
-                          temperature=temperature if temperature > 0 else 1.0, top_p=top_p, seed=seed,
-                          stop_ids=engine.stop_ids())
-
-
-def _stream_fields(body: dict) -> tuple[bool, bool]:
-    stream = _field(body, "stream", "boolean", False)
-    options = _field(body, "stream_options", "object", {})
-    include_usage = options.get("include_usage", False)
-    if not isinstance(include_usage, bool):
-        raise APIError("stream_options.include_usage must be a boolean", param="stream_options")
-    return stream, include_usage
-
-
-def parse_completion(body: dict, engine) -> GenRequest:
-    """A /v1/completions body, checked; APIError names the first bad field."""
-    if "prompt" not in body:
-        raise APIError("prompt is required", param="prompt")
-    if body.get("echo") not in (None, False):
-        raise APIError("echo is not supported", param="echo")
-    if body.get("suffix") not in (None, ""):
-        raise APIError("suffix is not supported", param="suffix")
-    if _field(body, "best_of", "integer", 1) != 1:
-        raise APIError("best_of must be 1", param="best_of")
-    prompt = _prompt_ids(body["prompt"], engine, param="prompt")
-    logprobs = _field(body, "logprobs", "integer")
-    if logprobs is not None and not 0 <= logprobs <= 5:
-        raise APIError(f"logprobs must be in [0, 5], got {logprobs}", param="logprobs")
-    stream, include_usage = _stream_fields(body)
-    sampling = _sampling(body, engine, prompt, prompt_param="prompt",
-                         max_tokens=_field(body, "max_tokens", "integer", 16))
-    return GenRequest(chat=False, prompt_ids=prompt, sampling=sampling, stops=_stops(body, engine),
-                      logprobs=logprobs is not None, stream=stream, include_usage=include_usage)
-
-
-def _messages(value: Any) -> list[dict[str, str]]:
-    """Messages as {role, content} with text content; content parts of type "text" are joined."""
-    if not isinstance(value, list) or not value:
-        raise APIError("messages must be a non-empty list of {role, content} objects", param="messages")
-    out = []
-    for i, m in enumerate(value):
-        where = f"messages[{i}]"
-        if not isinstance(m, dict):
-            raise APIError(f"{where} must be an object with role and content", param=where)
-        role, content = m.get("role"), m.get("content")
-        if role not in ROLES:
-            raise APIError(f"{where}.role must be one of {', '.join(ROLES)}, got {json.dumps(role)}",
-                           param=f"{where}.role")
-        if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
-                                             and isinstance(p.get("text"), str) for p in content):
-            content = "".join(p["text"] for p in content)
-        elif content is None and role == "assistant":
-            content = ""
-        if not isinstance(content, str):
-            raise APIError(f"{where}.content must be a string or a list of text parts", param=f"{where}.content")
-        out.append({"role": role, "content": content})
-    return out
-
-
-def parse_chat(body: dict, engine, template: ChatTemplate) -> GenRequest:
-    """A /v1/chat/completions body, checked and rendered with the chat template."""
-    if "messages" not in body:
-        raise APIError("messages is required", param="messages")
-    messages = _messages(body["messages"])
-    if engine.tokenizer is None:
-        raise APIError("this model has no tokenizer, so it cannot take chat messages; use /v1/completions "
-                       "with token ids", param="messages")
-    try:
-        ids = template.encode(engine.tokenizer, messages)
-    except ChatTemplateError as e:
-        raise APIError(str(e), param="messages") from e
-    prompt = _prompt_ids(ids, engine, param="messages")
-    if _field(body, "top_logprobs", "integer", 0) < 0:
-        raise APIError("top_logprobs must be >= 0", param="top_logprobs")
-    stream, include_usage = _stream_fields(body)
-    max_tokens = _field(body, "max_completion_tokens", "integer", _field(body, "max_tokens", "integer"))
-    sampling = _sampling(body, engine, prompt, prompt_param="messages", max_tokens=max_tokens)
-    return GenRequest(chat=True, prompt_ids=prompt, sampling=sampling, stops=_stops(body, engine),
-                      logprobs=_field(body, "logprobs", "boolean", False), stream=stream,
-                      include_usage=include_usage)
-
-
-# -- text as it is generated --------------------------------------------------------------------
-
-class TextAssembler:
-    """Detokenises a growing list of ids, cuts at the first stop string, and says which new text is
-    safe to stream: text that could still turn into a stop string, or an incomplete UTF-8 character
-    (U+FFFD at the end), is held back until the next token settles it."""
-
-    def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
-        self._decode = decode
-        self._stops = tuple(stops)
-        self._ids: list[int] = []
-        self.text = ""  # all text so far (cut at the stop string once one is found)
-        self.sent = 0  # characters of `text` already handed out
-        self.stopped = False
-
-    def add(self, token_id: int) -> str:
-        """Take one token; returns the text that may be streamed now. Sets `stopped` at a stop string."""
-        self._ids.append(token_id)
-        self.text = self._decode(self._ids)
-        hits = [i for i in (self.text.find(s) for s in self._stops) if i >= 0]
-        if hits:
-            self.text, self.stopped = self.text[:min(hits)], True
-            return self._take(len(self.text))
-        return self._take(len(self.text) - self._held())
-
-    def finish(self) -> str:
-        """Whatever was held back, once generation has ended."""
-        return self._take(len(self.text))
-
-    def _held(self) -> int:
-        """Characters at the end of `text` that must wait."""
-        if self.text.endswith("\ufffd"):
-            return len(self.text) - len(self.text.rstrip("\ufffd"))
-        held = 0
-        for s in self._stops:
-            for k in range(min(len(s) - 1, len(self.text)), held, -1):
-                if self.text.endswith(s[:k]):
-                    held = k
-                    break
-        return held
-
-    def _take(self, upto: int) -> str:
-        out = self.text[self.sent:upto] if upto > self.sent else ""
-        self.sent = max(self.sent, upto)
-        return out
 
 
 # -- metrics ---------------------------------------------------------------------------------
@@ -509,76 +271,6 @@ class GenerationWorker:
         job.post(DoneEvent(tokens=tokens, logprobs=logprobs, text=text.text, tail=tail, finish_reason=finish))
 
 
-# -- response bodies --------------------------------------------------------------------------
-
-def _usage(prompt: int, completion: int) -> dict:
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-
-class _Reply:
-    """Builds the JSON objects of one request's answer, completion or chat."""
-
-    def __init__(self, req: GenRequest, model: str, token_text: Callable[[int], str]) -> None:
-        self.req = req
-        self.model = model
-        self.token_text = token_text
-        self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-        self._offset = 0  # characters of token text before the next logprobs entry (text_offset)
-
-    def _head(self, obj: str) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
-
-    def _logprobs(self, tokens: list[int], logprobs: list[float]) -> dict | None:
-        if not self.req.logprobs:
-            return None
-        strs = [self.token_text(t) for t in tokens]
-        if self.req.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, lp in zip(strs, logprobs)]}
-        offsets = []
-        for s in strs:
-            offsets.append(self._offset)
-            self._offset += len(s)
-        return {"tokens": strs, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
-
-    def full(self, done: DoneEvent) -> dict:
-        """The non-streamed answer."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "token_ids": done.tokens,
-                                  "logprobs": self._logprobs(done.tokens, done.logprobs)}
-        if self.req.chat:
-            choice["message"] = {"role": "assistant", "content": done.text}
-        else:
-            choice["text"] = done.text
-        return {**self._head("chat.completion" if self.req.chat else "text_completion"), "choices": [choice],
-                "usage": _usage(len(self.req.prompt_ids), len(done.tokens))}
-
-    def chunk(self, *, text: str | None = None, token_ids: tuple[int, ...] = (), logprobs: tuple[float, ...] = (),
-              finish_reason: str | None = None, role: bool = False) -> dict:
-        """One streamed chunk."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": list(token_ids),
-                                  "logprobs": self._logprobs(list(token_ids), list(logprobs)) if token_ids else None}
-        if self.req.chat:
-            delta: dict[str, str] = {"role": "assistant"} if role else {}
-            if text is not None:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text or ""
-        out = {**self._head("chat.completion.chunk" if self.req.chat else "text_completion"), "choices": [choice]}
-        if self.req.include_usage:
-            out["usage"] = None
-        return out
-
-    def usage_chunk(self, done: DoneEvent) -> dict:
-        """The last chunk when stream_options.include_usage: no choices, the usage."""
-        return {**self._head("chat.completion.chunk" if self.req.chat else "text_completion"), "choices": [],
-                "usage": _usage(len(self.req.prompt_ids), len(done.tokens))}
-
-
-def _sse(obj: dict | str) -> str:
-    return f"data: {obj if isinstance(obj, str) else json.dumps(obj)}\n\n"
-
 
 # -- the application --------------------------------------------------------------------------
 
@@ -676,7 +368,7 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
             worker.submit(job)
         except QueueFullError as e:
             raise APIError(str(e), status=503, type="server_overloaded") from None
-        reply = _Reply(req, engine.name, lambda t: tok.decode([t]) if tok is not None else "")
+        reply = Reply(req, engine.name, lambda t: tok.decode([t]) if tok is not None else "")
         event = await _next_event(job, request, worker)
         if event is None:
             return Response(status_code=499)  # nobody reads it; the status only reaches the metrics
@@ -712,30 +404,30 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
     return app
 
 
-async def _stream(job: Job, first: TokenEvent | DoneEvent | ErrorEvent, reply: _Reply,
+async def _stream(job: Job, first: TokenEvent | DoneEvent | ErrorEvent, reply: Reply,
                   worker: GenerationWorker) -> AsyncIterator[str]:
     """Server-sent events of one request, ending with `data: [DONE]`. Leaving early (the client
     disconnected) cancels the generation."""
     try:
         if reply.req.chat:
-            yield _sse(reply.chunk(text="", role=True))
+            yield sse(reply.chunk(text="", role=True))
         event = first
         while True:
             if isinstance(event, TokenEvent):
-                yield _sse(reply.chunk(text=event.text, token_ids=(event.token_id,), logprobs=(event.logprob,)))
+                yield sse(reply.chunk(text=event.text, token_ids=(event.token_id,), logprobs=(event.logprob,)))
             elif isinstance(event, DoneEvent):
                 if event.tail:
-                    yield _sse(reply.chunk(text=event.tail))
-                yield _sse(reply.chunk(text=None if reply.req.chat else "", finish_reason=event.finish_reason))
+                    yield sse(reply.chunk(text=event.tail))
+                yield sse(reply.chunk(text=None if reply.req.chat else "", finish_reason=event.finish_reason))
                 if reply.req.include_usage:
-                    yield _sse(reply.usage_chunk(event))
+                    yield sse(reply.usage_chunk(event))
                 break
             else:  # the status line has gone out already: report in the stream, as OpenAI does
-                yield _sse({"error": {"message": event.message, "type": "server_error", "param": None,
+                yield sse({"error": {"message": event.message, "type": "server_error", "param": None,
                                       "code": None}})
                 break
             event = await job.events.get()
-        yield _sse("[DONE]")
+        yield sse("[DONE]")
     finally:
         worker.cancel(job)  # a no-op once the generation has ended
 

@@ -205,6 +205,11 @@ class TieredExpertStore:
             self._issued += started
         return started
 
+    def drain(self, poll_s: float = 0.01) -> None:
+        """Wait until every queued and running read has finished."""
+        while self.queue.queued() or self.queue.running():
+            time.sleep(poll_s)
+
     def cancel_prefetch(self, keys: Iterable[Key]) -> int:
         """Drop queued reads that are no longer wanted; returns how many were cancelled."""
         n = 0

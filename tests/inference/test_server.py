@@ -20,7 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inference.chat import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
 from inference.engine import Engine, EngineConfig
-from inference.server import TextAssembler, bind_socket, create_app
+from inference.server import bind_socket, create_app
+from inference.text_stream import TextAssembler
 from semoe.generate import SamplingConfig
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
