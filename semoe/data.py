@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from semoe.tokenizer import ByteTokenizer, Tokenizer
+from storage.durable import fsync_path
 from storage.errors import BadInputError
 
 log = logging.getLogger(__name__)
@@ -204,14 +205,6 @@ def _encode(tokenizer: Tokenizer, text: str) -> np.ndarray:
     return np.asarray(tokenizer.encode(text), dtype=np.int64)
 
 
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _check_target(out_dir: str) -> None:
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise BadInputError(f"{out_dir}: expected an absent or empty directory to write shards into")
@@ -229,7 +222,7 @@ def _staged(out_dir: str) -> Iterator[str]:
         yield tmp
         _check_target(out_dir)  # refuse to replace what someone wrote meanwhile
         os.replace(tmp, out_dir)  # POSIX rename replaces an empty directory atomically
-        _fsync_path(parent)
+        fsync_path(parent)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -271,7 +264,7 @@ def _write_set(sources: Sequence[_Source], directory: str, tokenizer: Tokenizer,
         json.dump(meta, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
-    _fsync_path(directory)
+    fsync_path(directory)
     log.info("%s: %d tokens in %d shard(s) from %d document(s)", source or directory, meta["num_tokens"],
              len(writer.shards), len(sources))
 
@@ -529,7 +522,7 @@ def prepare_data(spec: str | None, out_dir: str, tokenizer: Tokenizer, *, val_fr
             os.mkdir(os.path.join(tmp, part))
             _write_set(sources, os.path.join(tmp, part), tokenizer, shard_tokens=shard_tokens, dtype=None,
                        meter=meter, source=source)
-        _fsync_path(tmp)
+        fsync_path(tmp)
     pair = _open_pair(out_dir)
     if pair is None:  # cannot happen unless out_dir was removed right after the rename
         raise BadInputError(f"{out_dir}: shards vanished after being written")

@@ -31,6 +31,7 @@ import torch
 from storage import zarrio
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StorageError, StoreLockedError
+from storage.durable import fsync_path, fsync_tree, write_atomic
 from storage.fileio import ALIGN, ReadMode, ReadRequest, _read_range
 from storage.manifest import KINDS, ChunkEntry, FileEntry, Manifest, TensorEntry
 
@@ -49,33 +50,6 @@ def crc32c(data: bytes | memoryview | np.ndarray) -> int:
 
 def _vdir(version: int) -> str:
     return f"v{version:08d}"
-
-
-def _fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(top: str) -> None:
-    """fsync every file and directory below `top` (directories after their contents), then top."""
-    for dirpath, _dirs, files in os.walk(top, topdown=False):
-        for f in files:
-            _fsync_path(os.path.join(dirpath, f))
-        _fsync_path(dirpath)
-
-
-def write_atomic(path: str, data: bytes) -> None:
-    """Write a file so that readers see either the old or the new content, durably."""
-    tmp = f"{path}.tmp-{os.getpid()}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_path(os.path.dirname(path) or ".")
 
 
 def chunk_layout(tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[int], int]:
@@ -333,7 +307,7 @@ class Store:
                 _remove(full, result)
             if dirpath != top and not os.listdir(dirpath):
                 os.rmdir(dirpath)
-        _fsync_path(top)
+        fsync_path(top)
 
     def describe(self) -> dict:
         """Summary used by `semoe store info`."""
@@ -508,12 +482,6 @@ class StoreWriter:
             file=os.path.relpath(chunk, self.store.root), offset=0, bytes=raw.nbytes, crc32c=crc32c(raw),
             version=self.version, hf_file=hf_file)])
 
-    def expert_chunk_buffer(self, layer: int, kind: str, tensors: list[tuple[torch.dtype, tuple[int, ...]]]
-                            ) -> tuple[np.ndarray, list[int]]:
-        """A zeroed buffer for one expert chunk and the offsets of its tensors (for zero-copy fills)."""
-        offsets, size = chunk_layout(tensors)
-        return np.zeros(size, dtype=np.uint8), offsets
-
     def put_expert(self, layer: int, expert: int, tensors: list[ExpertTensor], *, num_experts: int,
                    kind: str = "weight") -> None:
         """Write one expert's tensors of one kind as one chunk file."""
@@ -540,7 +508,7 @@ class StoreWriter:
         key = (layer, kind)
         if key not in self._expert_arrays:
             rel = self._rel("arrays", self._vd, "experts", f"L{layer:04d}.{kind}")
-            attrs = {"semoe": {"layer": layer, "kind": kind, "layout": _role_layout(layout)}}
+            attrs = {"semoe": {"layer": layer, "kind": kind, "layout": layout}}
             arr = zarrio.create_expert_array(self.store.path(rel), num_experts, buf.nbytes, attrs)
             self._expert_arrays[key] = (arr, rel, [buf.nbytes, num_experts])
         arr, rel, (chunk_bytes, n) = self._expert_arrays[key]
@@ -570,8 +538,8 @@ class StoreWriter:
         for top in ("arrays", "files"):
             staged = os.path.join(root, top, self._vd)
             if os.path.isdir(staged):
-                _fsync_tree(staged)
-                _fsync_path(os.path.join(root, top))
+                fsync_tree(staged)
+                fsync_path(os.path.join(root, top))
         self.manifest.version = self.version
         self.manifest.created = _now()
         text = self.manifest.to_json().encode()
@@ -592,11 +560,6 @@ class StoreWriter:
             shutil.rmtree(os.path.join(self.store.root, top, self._vd), ignore_errors=True)
         self._done = True
         self._lock.close()
-
-
-def _role_layout(layout: list[dict]) -> list[dict]:
-    """The per-chunk layout recorded in the array's attributes, so zarr readers can decode chunks."""
-    return [{k: v for k, v in item.items()} for item in layout]
 
 
 def iter_expert_chunks(m: Manifest, kind: str = "weight") -> Iterable[ChunkEntry]:
