@@ -360,10 +360,11 @@ class OffloadedExperts:
                 if nbytes <= free and not self.tier.cached(layer, e):
                     keys.append((layer, e))
                     free -= nbytes
+        started = self.tier.prefetch(keys, priority=LATER) if keys else []
         if in_request:  # reads while loading belong to the load, not to a request's traffic
             with self._cond:
-                self._read_ahead.update(keys)
-        return self.tier.prefetch(keys, priority=LATER) if keys else 0
+                self._read_ahead.update((layer, e) for layer, e, _ in started)
+        return len(started)
 
     def begin_request(self) -> None:
         """Start counting for one request, and fill idle cache room."""

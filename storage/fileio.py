@@ -19,6 +19,7 @@ from typing import Sequence
 
 import crc32c as _crc32c
 
+from storage.crc import crc32c_combine
 from storage.errors import CorruptTensorError, StorageError
 
 log = logging.getLogger(__name__)
@@ -42,7 +43,7 @@ class ChunkReaderConfig:
     # concurrent reads; None picks by mode: direct reads wait on the device and want a queue depth
     # of several, buffered reads of cached data are memory copies and want one thread per core
     threads: int | None = None
-    piece_bytes: int = 8 << 20  # an unchecked read is split into tasks of this size, run in parallel
+    piece_bytes: int = 4 << 20  # reads are split into pieces of this size, run in parallel (queue depth)
     io_bytes: int = 1 << 20  # bytes per preadv: small enough that a piece is checksummed from cache
 
     def __post_init__(self) -> None:
@@ -66,9 +67,9 @@ class ReadRequest:
     """Read `nbytes` from `path` at `offset` into `buf` (a writable memoryview of at least nbytes).
 
     `checks` lists (start, length) ranges of the request, in order and not overlapping, whose
-    crc32c is computed while reading: each range is read by one thread in small pieces and each
-    piece is checksummed while it is still in the CPU cache, so verification costs no second pass
-    over memory.
+    crc32c is computed while reading: each range is read as pieces in parallel, each piece is
+    checksummed in small steps while they are still in the CPU cache (no second pass over memory),
+    and the pieces' crcs are combined into the range's.
     """
 
     path: str
@@ -151,31 +152,31 @@ class ChunkReader:
         """Total bytes read since construction."""
         return self._bytes_read
 
-    def _segments(self, req: ReadRequest) -> list[tuple[int, int, int]]:
-        """(start, length, crc_bytes) tasks covering the request: one per checked range, else pieces."""
+    def _segments(self, req: ReadRequest) -> list[tuple[int, int, int, int]]:
+        """(start, length, crc_bytes, check index) tasks covering the request in pieces of at most
+        `piece_bytes`; a checked range spans several pieces whose crcs are combined in order."""
+        step = self.config.piece_bytes
         if not req.checks:
-            step = self.config.piece_bytes
-            return [(s, min(step, req.nbytes - s), 0) for s in range(0, req.nbytes, step)]
+            return [(s, min(step, req.nbytes - s), 0, -1) for s in range(0, req.nbytes, step)]
         starts = [s for s, _ in req.checks]
-        if starts[0] != 0:  # leading bytes no range covers
-            starts.insert(0, 0)
-            lengths = {0: 0}
-        else:
-            lengths = {}
-        lengths.update(dict(req.checks))
-        ends = starts[1:] + [req.nbytes]
-        return [(s, e - s, lengths[s]) for s, e in zip(starts, ends) if e > s]
+        ends = starts[1:] + [req.nbytes]  # each range owns the padding after it
+        tasks = [(s, n, 0, -1) for s, n in ([(0, starts[0])] if starts[0] else [])]
+        for i, ((s, n), end) in enumerate(zip(req.checks, ends)):
+            for p in range(s, max(end, s + 1), step):
+                length = min(step, end - p)
+                tasks.append((p, length, max(0, min(p + length, s + n) - p), i))
+        return tasks
 
-    def submit_many(self, requests: Sequence[ReadRequest]) -> list[list[Future]]:
-        """Start every request; per request, one future per task, in order (a checked range's
-        future returns its crc32c)."""
+    def submit_many(self, requests: Sequence[ReadRequest]) -> list[list[tuple[Future, int, int]]]:
+        """Start every request; per request, its pieces as (future of the piece's crc32c, crc bytes,
+        check index)."""
         out = []
         mode, io = self.config.mode, self.config.io_bytes
         for req in requests:
             if len(req.buf) < req.nbytes:
                 raise ValueError(f"{req.path}: buffer of {len(req.buf)} bytes is smaller than {req.nbytes}")
-            out.append([self._pool.submit(_read_range, req.path, req.buf[s:s + n], req.offset + s, n, mode, c, io)
-                        for s, n, c in self._segments(req)])
+            out.append([(self._pool.submit(_read_range, req.path, req.buf[s:s + n], req.offset + s, n, mode, c, io),
+                         c, i) for s, n, c, i in self._segments(req) if n])
         with self._lock:
             self._bytes_read += sum(r.nbytes for r in requests)
         return out
@@ -184,11 +185,15 @@ class ChunkReader:
         """Read every request, all in flight together; returns each request's crc32c per checked
         range. Raises the first error once all reads have settled."""
         futures = self.submit_many(requests)
-        wait([f for fs in futures for f in fs])
+        wait([f for fs in futures for f, _, _ in fs])
         crcs = []
-        for req, fs in zip(requests, futures):
-            values = [f.result() for f in fs]
-            crcs.append(values[-len(req.checks):] if req.checks else [])
+        for req, pieces in zip(requests, futures):
+            out = [0] * len(req.checks)
+            for f, nbytes, index in pieces:
+                piece_crc = f.result()
+                if index >= 0:
+                    out[index] = crc32c_combine(out[index], piece_crc, nbytes)
+            crcs.append(out)
         return crcs
 
     def read(self, path: str, buf: memoryview, nbytes: int, offset: int = 0) -> None:

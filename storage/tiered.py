@@ -182,11 +182,11 @@ class TieredExpertStore:
 
     def prefetch(self, keys: Iterable[tuple[int, int]] | Iterable[Key], *, priority: float = 0.0,
                  kind: str = "weight", speculative: bool = False) -> int:
-        """Start reads of experts not yet cached, lower priority first; returns how many started.
+        """Start reads of experts not yet cached, lower priority first; returns the keys started.
 
         A hint: when the cache is full of pinned experts the rest are skipped, not waited for.
         """
-        started = 0
+        started: list[Key] = []
         for k in keys:
             key: Key = (k[0], k[1], k[2] if len(k) > 2 else kind)  # type: ignore[misc]
             if key in self.cache:
@@ -200,9 +200,9 @@ class TieredExpertStore:
             except ValueError:  # reserved by someone else meanwhile
                 continue
             self.queue.submit(key, lambda key=key: self._prefetch_job(key), priority=priority)
-            started += 1
+            started.append(key)
         with self._lock:
-            self._issued += started
+            self._issued += len(started)
         return started
 
     def drain(self, poll_s: float = 0.01) -> None:

@@ -69,7 +69,7 @@ def test_pinned_experts_are_never_evicted_or_overwritten(store):
             h.release()
         # with everything pinned, a prefetch is dropped rather than waited for
         pins = [tier.get(1, 0), tier.get(1, 1), tier.get(1, 2)]
-        assert tier.prefetch([(2, 5)]) == 0 and tier.stats().prefetch_dropped == 1
+        assert tier.prefetch([(2, 5)]) == [] and tier.stats().prefetch_dropped == 1
         for h in pins:
             h.release()
 
@@ -77,8 +77,8 @@ def test_pinned_experts_are_never_evicted_or_overwritten(store):
 def test_prefetch_reads_each_expert_once(store):
     with _tier(store, 12) as tier:
         wanted = [(1, e) for e in range(EXPERTS)]
-        assert tier.prefetch(wanted) == EXPERTS
-        assert tier.prefetch(wanted) == 0  # already cached or in flight
+        assert tier.prefetch(wanted) == [(layer, e, "weight") for layer, e in wanted]
+        assert tier.prefetch(wanted) == []  # already cached or in flight
         for layer, e in wanted:
             with tier.get(layer, e) as h:
                 assert _same(h.tensors, store.read_expert(layer, e))
@@ -109,7 +109,7 @@ def test_corrupt_chunk_raises_naming_the_tensor_and_leaves_no_entry(store):
         with pytest.raises(CorruptTensorError, match=r"tensor l2\.e3\.w2 \(weight\) is corrupt"):
             tier.get(2, 3)
         assert not tier.cached(2, 3)
-        assert tier.prefetch([(2, 3)]) == 1
+        assert len(tier.prefetch([(2, 3)])) == 1
         with pytest.raises(CorruptTensorError):
             tier.get(2, 3)
         with tier.get(2, 2) as h:

@@ -1,0 +1,51 @@
+"""The hot read path: pieces read in parallel, checksums combined, corruption caught in any piece."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from storage.errors import CorruptTensorError
+from storage.fileio import ChunkReader, ChunkReaderConfig
+from storage.pool import aligned_empty
+from storage.store import ExpertTensor, Store
+
+
+@pytest.fixture()
+def store(tmp_path):
+    gen = torch.Generator().manual_seed(0)
+    s = Store.create(str(tmp_path / "s"))
+    with s.writer() as w:  # tensors of 9, 2 and 5 pages: several pieces each at a 2-page piece size
+        w.put_expert(0, 0, [ExpertTensor(name="a", tensor=torch.randn(9 * 1024, generator=gen)),
+                            ExpertTensor(name="b", tensor=torch.randn(2 * 1024, generator=gen)),
+                            ExpertTensor(name="c", tensor=torch.randn(5 * 1024 - 7, generator=gen))], num_experts=1)
+        w.commit()
+    return s
+
+
+@pytest.mark.parametrize("mode", ["direct", "drop", "cached"])
+@pytest.mark.parametrize("piece_pages", [1, 2, 3, 64])
+def test_pieces_combine_to_the_recorded_checksums(store, mode, piece_pages):
+    chunk = store.manifest.chunk(0, 0)
+    _, buf = aligned_empty(chunk.bytes, alignment=4096, pin=False)
+    with ChunkReader(ChunkReaderConfig(mode=mode, piece_bytes=piece_pages * 4096, io_bytes=4096)) as reader:
+        crcs = reader.read_many([store.chunk_request(chunk, memoryview(buf.numpy()))])[0]
+    assert crcs == [e.crc32c for e in store.manifest.chunk_tensors(chunk)]
+    store.check_crcs(chunk, crcs)
+    assert torch.equal(store.chunk_views(chunk, buf)["c"], store.read_expert(0, 0)["c"])
+
+
+@pytest.mark.parametrize("tensor,page", [("a", 7), ("c", 4)])
+def test_a_flipped_byte_in_a_later_piece_is_caught(store, tensor, page):
+    chunk = store.manifest.chunk(0, 0)
+    entry = store.manifest.tensor(tensor)
+    with open(store.path(chunk.file), "r+b") as f:
+        f.seek(entry.offset + page * 4096 + 11)
+        b = f.read(1)
+        f.seek(entry.offset + page * 4096 + 11)
+        f.write(bytes([b[0] ^ 0x08]))
+    _, buf = aligned_empty(chunk.bytes, alignment=4096, pin=False)
+    with ChunkReader(ChunkReaderConfig(piece_bytes=2 * 4096)) as reader:
+        crcs = reader.read_many([store.chunk_request(chunk, memoryview(buf.numpy()))])[0]
+    with pytest.raises(CorruptTensorError, match=rf"tensor {tensor} \(weight\) is corrupt"):
+        store.check_crcs(chunk, crcs)
