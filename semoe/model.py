@@ -222,15 +222,35 @@ class MoEFeedForward(nn.Module):
         """Top-k routing of flattened tokens (the same function the offload engine uses to predict)."""
         return route_topk(self.router(x_ND), self.config.top_k, normalize=self.config.norm_topk_prob)
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+    def route_and_keep(self, x_ND: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+        """Routing and, in training with a capacity factor, which (token, choice) pairs are kept."""
         c = self.config
-        B, T, D = x_BTD.shape
-        x_ND = x_BTD.reshape(-1, D)
         r = self.route(x_ND)
         keep_NK = torch.ones_like(r.ids_TK, dtype=torch.bool)
         if self.training and c.capacity_factor is not None:
             cap = expert_capacity(x_ND.shape[0], c.num_experts, c.top_k, c.capacity_factor)
             keep_NK = capacity_keep_mask(r.ids_TK, c.num_experts, cap)
+        return r, keep_NK
+
+    def combine(self, x_ND: torch.Tensor, y_NKD: torch.Tensor, r: Routing, keep_NK: torch.Tensor
+                ) -> tuple[torch.Tensor, RouterStats]:
+        """Sum the weighted expert rows over choices (a fixed order, whatever order the experts ran
+        in), add the shared expert, and the router's losses and stats."""
+        c = self.config
+        out_ND = y_NKD.sum(dim=1)
+        if c.shared_expert_size:
+            out_ND = out_ND + torch.sigmoid(self.shared_gate(x_ND)) * self.shared(x_ND)
+        if self.training:
+            aux, z = load_balancing_loss(r.probs_TE, r.ids_TK, c.num_experts), router_z_loss(r.logits_TE)
+        else:  # inference needs the routing, not the losses
+            aux = z = x_ND.new_zeros((), dtype=torch.float32)
+        return out_ND, RouterStats(aux_loss=aux, z_loss=z, ids_NK=r.ids_TK, dropped=int((~keep_NK).sum()))
+
+    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        c = self.config
+        B, T, D = x_BTD.shape
+        x_ND = x_BTD.reshape(-1, D)
+        r, keep_NK = self.route_and_keep(x_ND)
         token_idx, choice_idx, counts_E = dispatch_order(r.ids_TK, keep_NK, c.num_experts)
         counts = counts_E.tolist()
         starts = [0]
@@ -243,14 +263,7 @@ class MoEFeedForward(nn.Module):
             tok, ch = token_idx[starts[e]:starts[e + 1]], choice_idx[starts[e]:starts[e + 1]]
             y = swiglu(x_ND[tok], w.gate, w.up, w.down) * r.weights_TK[tok, ch, None].to(x_ND.dtype)
             y_NKD.index_put_((tok, ch), y)
-        out_ND = y_NKD.sum(dim=1)
-        if c.shared_expert_size:
-            out_ND = out_ND + torch.sigmoid(self.shared_gate(x_ND)) * self.shared(x_ND)
-        if self.training:
-            aux, z = load_balancing_loss(r.probs_TE, r.ids_TK, c.num_experts), router_z_loss(r.logits_TE)
-        else:  # inference needs the routing, not the losses
-            aux = z = x_ND.new_zeros((), dtype=torch.float32)
-        stats = RouterStats(aux_loss=aux, z_loss=z, ids_NK=r.ids_TK, dropped=int((~keep_NK).sum()))
+        out_ND, stats = self.combine(x_ND, y_NKD, r, keep_NK)
         return out_ND.view(B, T, D), stats
 
 
