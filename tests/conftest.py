@@ -8,6 +8,9 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+# spawned ranks import test modules as `tests.<package>.<module>`: the repository root must be on
+# the path they inherit, whichever way pytest was started
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helpers.hf_models import make_hf_checkpoint  # noqa: E402
 

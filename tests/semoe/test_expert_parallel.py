@@ -14,25 +14,20 @@ failure (with its traceback) in the test; the process group's timeout turns a ha
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import sys
-from datetime import timedelta
-from pathlib import Path
 from typing import Callable
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+
+from helpers.dist import WORLD, run_ranks
 
 from semoe.config import named_config
 from semoe.expert_parallel import ExpertParallelMoE, all_to_all_rows, expert_major_order, local_expert_ids, \
     shard_experts
 from semoe.model import MoEFeedForward, MoEGPT
 
-WORLD = 2
 OUT_TOL = dict(atol=1e-6, rtol=1e-6)
 GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
 
@@ -40,38 +35,10 @@ GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
 # -- process plumbing ---------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank: int, worker: Callable[..., None], port: int, args: tuple) -> None:
-    # The tests exchange CPU tensors, so gloo; a CUDA run would pick nccl for the same code.
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD,
-                            timeout=timedelta(seconds=20))
-    torch.set_num_threads(1)  # two ranks share the machine with other test processes
-    worker(rank, *args)
-    dist.destroy_process_group()
-    # A gloo worker thread can still be freeing a finished all-to-all's tensors, which needs the GIL,
-    # when the interpreter finalises; torch then aborts the process although every check passed.
-    # A failing worker raises before this point, and spawn records its traceback for the parent.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 @pytest.fixture
-def spawn(monkeypatch: pytest.MonkeyPatch) -> Callable[..., None]:
+def spawn() -> Callable[..., None]:
     """`spawn(worker, *args)` runs `worker(rank, *args)` on 2 ranks; a failing rank's exception is raised here."""
-    # Children find `worker` by importing this module under the name pytest gave it, which only
-    # `python -m pytest` from the repository root makes importable; the children inherit sys.path.
-    monkeypatch.syspath_prepend(str(Path(__file__).parents[len(__name__.split(".")) - 1]))
-
-    def run(worker: Callable[..., None], *args) -> None:
-        mp.spawn(_entry, args=(worker, _free_port(), args), nprocs=WORLD, join=True)
-
-    return run
+    return run_ranks
 
 
 def _tokens(rank: int, shape: tuple[int, ...]) -> torch.Tensor:

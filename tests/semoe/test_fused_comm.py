@@ -9,16 +9,11 @@ check fails the test. Collectives time out after a few seconds, so a deadlock fa
 from __future__ import annotations
 
 import copy
-import os
-import socket
-import sys
-from collections.abc import Callable
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from helpers.dist import WORLD, run_ranks
 from torch import nn
 
 from semoe.fused_comm import (
@@ -31,8 +26,7 @@ from semoe.fused_comm import (
     fused_reduce_scatter,
 )
 
-WORLD_SIZE = 2
-COLLECTIVE_TIMEOUT = timedelta(seconds=10)
+WORLD_SIZE = WORLD
 SHAPES = [(3, 4), (5,), (), (0,), (2, 3, 2), (1,), (17,)]
 
 
@@ -148,29 +142,6 @@ def test_bucket_config_rejects_bad_values(field, value):
 # Two gloo processes
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _child(rank: int, port: int, fn: Callable[[int], None]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if sys.platform == "linux":
-        # gloo otherwise binds to whatever the hostname resolves to; keep it on loopback.
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    torch.set_num_threads(1)  # two ranks share the test machine's cores
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD_SIZE, timeout=COLLECTIVE_TIMEOUT)
-    try:
-        fn(rank)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawn(fn: Callable[[int], None]) -> None:
-    mp.start_processes(_child, args=(_free_port(), fn), nprocs=WORLD_SIZE, start_method="spawn", join=True)
-
-
 class _CountAllReduce:
     """Stands in for dist.all_reduce in a child, counting calls and passing them on."""
 
@@ -217,7 +188,7 @@ def _all_reduce_child(rank: int) -> None:
 
 
 def test_fused_all_reduce_matches_per_tensor_all_reduce():
-    _spawn(_all_reduce_child)
+    run_ranks(_all_reduce_child)
 
 
 def _gather_scatter_child(rank: int) -> None:
@@ -245,7 +216,7 @@ def _gather_scatter_child(rank: int) -> None:
 
 
 def test_fused_all_gather_and_reduce_scatter():
-    _spawn(_gather_scatter_child)
+    run_ranks(_gather_scatter_child)
 
 
 class _Net(nn.Module):
@@ -336,7 +307,7 @@ def _reducer_child(rank: int) -> None:
 
 
 def test_grad_bucket_reducer_averages_grads_and_tolerates_unused_parameters():
-    _spawn(_reducer_child)
+    run_ranks(_reducer_child)
 
 
 def test_grad_bucket_reducer_rejects_bad_input():
