@@ -6,7 +6,6 @@ kind; with `cold`, the files are dropped from the page cache before every pass.
 
 from __future__ import annotations
 
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
