@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from semoe.gating import dispatch_order
-from semoe.model import MoEFeedForward, MoEGPT, ResidentExperts, RouterStats, swiglu
+from semoe.model import ExpertProvider, MoEFeedForward, MoEGPT, ResidentExperts, RouterStats
 
 __all__ = ["ExpertParallelMoE", "all_to_all_rows", "expert_major_order", "local_expert_ids", "shard_experts"]
 
@@ -100,17 +100,19 @@ class ExpertParallelMoE(MoEFeedForward):
     Built from a full single-device layer: it reuses that layer's router and shared expert (the same
     modules, replicated on every rank) and copies the slice of experts this rank owns into
     `experts.w_gate`/`w_up` (L, F, D) and `experts.w_down` (L, D, F). A provider installed later
-    with `use_experts` is asked for local indices 0..L-1. It subclasses `MoEFeedForward` so that the
+    with `use_experts` (or passed as `experts`, leaving the layer's resident experts untouched, as a
+    trainer with its own expert states does) is asked for local indices 0..L-1. It subclasses `MoEFeedForward` so that the
     model's blocks and `MoEGPT.moe_layers` treat it as the layer it replaces.
     """
 
-    def __init__(self, moe: MoEFeedForward, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, moe: MoEFeedForward, group: dist.ProcessGroup | None = None, *,
+                 experts: ExpertProvider | None = None) -> None:
         if isinstance(moe, ExpertParallelMoE):
             raise TypeError(f"layer {moe.layer} is already expert-parallel")
         if not isinstance(moe, MoEFeedForward):
             raise TypeError(f"ExpertParallelMoE wraps a MoEFeedForward, got {type(moe).__name__}")
         source = moe.experts
-        if not isinstance(source, ResidentExperts):
+        if experts is None and not isinstance(source, ResidentExperts):
             raise TypeError(f"layer {moe.layer}: ExpertParallelMoE slices resident expert weights, but the "
                             f"layer's experts come from a {type(source).__name__}")
         if not dist.is_initialized():
@@ -128,6 +130,10 @@ class ExpertParallelMoE(MoEFeedForward):
         if moe.config.shared_expert_size:
             self.shared = moe.shared
             self.shared_gate = moe.shared_gate
+        self.train(moe.training)
+        if experts is not None:  # the caller's provider serves local indices 0..L-1
+            self.use_experts(experts)
+            return
         lo, hi = self.expert_ids.start, self.expert_ids.stop
         # Built on the meta device so that initialising weights that are overwritten at once costs no
         # memory and draws no random numbers (which would shift the caller's RNG stream).
@@ -137,7 +143,6 @@ class ExpertParallelMoE(MoEFeedForward):
             full = getattr(source, name)
             setattr(local, name, nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad))
         self.experts = local
-        self.train(moe.training)
 
     def extra_repr(self) -> str:
         return (f"layer={self.layer}, experts={self.expert_ids.start}..{self.expert_ids.stop - 1} "
@@ -187,7 +192,7 @@ class ExpertParallelMoE(MoEFeedForward):
         active = [e for e, n in enumerate(per_expert) if n] or [0]
         y_by_expert: dict[int, torch.Tensor] = {}
         for e, w in self.experts.stream(self.layer, active, x_by_expert_MD):
-            y_by_expert[e] = swiglu(x_by_expert_MD[starts[e]:starts[e + 1]], w.gate, w.up, w.down)
+            y_by_expert[e] = w.apply(x_by_expert_MD[starts[e]:starts[e + 1]])
         y_by_expert_MD = torch.cat([y_by_expert[e] for e in active])
         return y_by_expert_MD[torch.argsort(order_M)]
 

@@ -159,6 +159,10 @@ class ExpertWeights:
     up: torch.Tensor
     down: torch.Tensor
 
+    def apply(self, x_MD: torch.Tensor) -> torch.Tensor:
+        """The expert on its rows (a trainer's subclass routes gradients to its own state store)."""
+        return swiglu(x_MD, self.gate, self.up, self.down)
+
 
 class ExpertProvider(Protocol):
     """Where a MoE layer's expert weights come from (the seam offload and training plug into)."""
@@ -261,7 +265,7 @@ class MoEFeedForward(nn.Module):
         y_NKD = x_ND.new_zeros(x_ND.shape[0], c.top_k, D)
         for e, w in self.experts.stream(self.layer, [e for e, n in enumerate(counts) if n], x_ND):
             tok, ch = token_idx[starts[e]:starts[e + 1]], choice_idx[starts[e]:starts[e + 1]]
-            y = swiglu(x_ND[tok], w.gate, w.up, w.down) * r.weights_TK[tok, ch, None].to(x_ND.dtype)
+            y = w.apply(x_ND[tok]) * r.weights_TK[tok, ch, None].to(x_ND.dtype)
             y_NKD.index_put_((tok, ch), y)
         out_ND, stats = self.combine(x_ND, y_NKD, r, keep_NK)
         return out_ND.view(B, T, D), stats

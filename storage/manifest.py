@@ -170,22 +170,22 @@ class Manifest:
     # -- updates (used by the writer on a private copy) --------------------------------------
     def upsert(self, tensors: Iterable[TensorEntry] = (), chunks: Iterable[ChunkEntry] = (),
                files: Iterable[FileEntry] = ()) -> None:
-        """Insert or replace entries by key, keeping first-insertion order."""
-        for t in tensors:
-            if t.key not in self._tensors:
-                self.tensors.append(t)
-            self._tensors[t.key] = t
-        for c in chunks:
-            if c.key not in self._chunks:
-                self.chunks.append(c)
-            self._chunks[c.key] = c
-        for f in files:
-            if f.name not in self._files:
-                self.files.append(f)
-            self._files[f.name] = f
-        self.tensors = [self._tensors[t.key] for t in self.tensors]
-        self.chunks = [self._chunks[c.key] for c in self.chunks]
-        self.files = [self._files[f.name] for f in self.files]
+        """Insert or replace entries by key, keeping first-insertion order (constant time per entry)."""
+        if not hasattr(self, "_pos"):
+            self._pos = ({t.key: i for i, t in enumerate(self.tensors)},
+                         {c.key: i for i, c in enumerate(self.chunks)},
+                         {f.name: i for i, f in enumerate(self.files)})
+        for items, seq, index, pos in ((tensors, self.tensors, self._tensors, self._pos[0]),
+                                       (chunks, self.chunks, self._chunks, self._pos[1]),
+                                       (files, self.files, self._files, self._pos[2])):
+            for item in items:
+                k = item.name if isinstance(item, FileEntry) else item.key
+                if k in pos:
+                    seq[pos[k]] = item
+                else:
+                    pos[k] = len(seq)
+                    seq.append(item)
+                index[k] = item
 
     # -- JSON ---------------------------------------------------------------------------------
     def to_json(self) -> str:

@@ -503,32 +503,40 @@ class StoreWriter:
     def put_expert_chunk(self, layer: int, expert: int, tensors: list[ExpertTensor], buf: np.ndarray,
                          offsets: list[int], *, num_experts: int, kind: str = "weight") -> None:
         """Write an already packed chunk (`buf` laid out by `chunk_layout`); `tensors` give metadata."""
-        layout = [{"name": t.name, "dtype": dtype_name(t.tensor.dtype), "shape": list(t.tensor.shape),
-                   "offset": o, "stacked": t.stacked} for t, o in zip(tensors, offsets)]
+        rel = self.expert_array(layer, kind, num_experts=num_experts, chunk_bytes=buf.nbytes,
+                                layout=chunk_meta(tensors, offsets))
+        entries, chunk = write_expert_chunk(self.store.root, rel, self.version, layer, expert, kind, tensors, buf,
+                                            offsets)
+        self._staged = True
+        self.manifest.upsert(tensors=entries, chunks=[chunk])
+
+    def expert_array(self, layer: int, kind: str, *, num_experts: int, chunk_bytes: int, layout: list[dict]) -> str:
+        """The staged (experts, chunk_bytes) array of one layer and kind, created on first use; returns
+        its store-relative path. Chunk files under it may be written by other processes too
+        (`write_expert_chunk`) and their entries `adopt`ed."""
+        if kind not in KINDS:
+            raise BadInputError(f"kind must be one of {KINDS}, got {kind!r}")
         key = (layer, kind)
         if key not in self._expert_arrays:
             rel = self._rel("arrays", self._vd, "experts", f"L{layer:04d}.{kind}")
             attrs = {"semoe": {"layer": layer, "kind": kind, "layout": layout}}
-            arr = zarrio.create_expert_array(self.store.path(rel), num_experts, buf.nbytes, attrs)
-            self._expert_arrays[key] = (arr, rel, [buf.nbytes, num_experts])
-        arr, rel, (chunk_bytes, n) = self._expert_arrays[key]
-        if buf.nbytes != chunk_bytes or n != num_experts:
+            zarrio.create_expert_array(self.store.path(rel), num_experts, chunk_bytes, attrs)
+            self._expert_arrays[key] = (None, rel, [chunk_bytes, num_experts])
+            self._staged = True
+        _, rel, (have_bytes, n) = self._expert_arrays[key]
+        if chunk_bytes != have_bytes or n != num_experts:
             raise BadInputError(
-                f"layer {layer} expert {expert} ({kind}): chunk of {buf.nbytes} bytes / {num_experts} experts "
-                f"differs from the layer's other experts ({chunk_bytes} bytes / {n} experts)")
-        zarrio.write_expert_chunk(arr, expert, buf)
+                f"layer {layer} ({kind}): chunk of {chunk_bytes} bytes / {num_experts} experts "
+                f"differs from the layer's other experts ({have_bytes} bytes / {n} experts)")
+        return rel
+
+    def adopt(self, tensors: list[TensorEntry], chunks: list[ChunkEntry]) -> None:
+        """Take entries of chunk files that another process wrote under this transaction's arrays."""
+        for c in chunks:
+            if c.version != self.version or not c.file.startswith(self._rel("arrays", self._vd, "")):
+                raise StorageError(f"chunk {c.key} was not written for version {self.version} ({c.file})")
         self._staged = True
-        file = os.path.join(rel, "c", str(expert), "0")
-        entries = []
-        for t, item in zip(tensors, layout):
-            nbytes = t.tensor.numel() * t.tensor.element_size()
-            entries.append(TensorEntry(
-                name=t.name, group="expert", kind=kind, dtype=item["dtype"], shape=item["shape"], file=file,
-                offset=item["offset"], bytes=nbytes, crc32c=crc32c(buf[item["offset"]:item["offset"] + nbytes]),
-                version=self.version, layer=layer, expert=expert, stacked=t.stacked, hf_file=t.hf_file))
-        chunk = ChunkEntry(layer=layer, expert=expert, kind=kind, file=file, bytes=buf.nbytes, crc32c=crc32c(buf),
-                           version=self.version, tensors=[(e.name, e.expert if e.stacked else None) for e in entries])
-        self.manifest.upsert(tensors=entries, chunks=[chunk])
+        self.manifest.upsert(tensors=tensors, chunks=chunks)
 
     def commit(self) -> int:
         """Make everything staged durable and visible as the next version; returns it."""
@@ -560,6 +568,43 @@ class StoreWriter:
             shutil.rmtree(os.path.join(self.store.root, top, self._vd), ignore_errors=True)
         self._done = True
         self._lock.close()
+
+
+def chunk_meta(tensors: list[ExpertTensor], offsets: list[int]) -> list[dict]:
+    """The layout of a chunk as kept in its array's attributes."""
+    return [{"name": t.name, "dtype": dtype_name(t.tensor.dtype), "shape": list(t.tensor.shape),
+             "offset": o, "stacked": t.stacked} for t, o in zip(tensors, offsets)]
+
+
+def write_expert_chunk(root: str, rel_array: str, version: int, layer: int, expert: int, kind: str,
+                       tensors: list[ExpertTensor], buf: np.ndarray, offsets: list[int]
+                       ) -> tuple[list[TensorEntry], ChunkEntry]:
+    """Write one packed chunk file of a staged expert array and return its manifest entries.
+
+    The file is the zarr v3 chunk (plain `bytes` codec: the raw bytes), written directly rather than
+    through tensorstore; the commit fsyncs it. Rewriting a chunk of the same staged version replaces it.
+    """
+    rel = os.path.join(rel_array, "c", str(expert), "0")
+    full = os.path.join(root, rel)
+    os.makedirs(os.path.dirname(full), exist_ok=True)
+    fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        view = memoryview(buf).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(fd, view[done:])
+    finally:
+        os.close(fd)
+    entries = []
+    for t, item in zip(tensors, chunk_meta(tensors, offsets)):
+        nbytes = t.tensor.numel() * t.tensor.element_size()
+        entries.append(TensorEntry(
+            name=t.name, group="expert", kind=kind, dtype=item["dtype"], shape=item["shape"], file=rel,
+            offset=item["offset"], bytes=nbytes, crc32c=crc32c(buf[item["offset"]:item["offset"] + nbytes]),
+            version=version, layer=layer, expert=expert, stacked=t.stacked, hf_file=t.hf_file))
+    chunk = ChunkEntry(layer=layer, expert=expert, kind=kind, file=rel, bytes=buf.nbytes, crc32c=crc32c(buf),
+                       version=version, tensors=[(e.name, e.expert if e.stacked else None) for e in entries])
+    return entries, chunk
 
 
 def iter_expert_chunks(m: Manifest, kind: str = "weight") -> Iterable[ChunkEntry]:

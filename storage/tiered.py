@@ -64,9 +64,10 @@ class ExpertPayload:
 class ExpertHandle:
     """A pinned expert: use `tensors` until `release()` (or the end of a `with` block)."""
 
-    def __init__(self, owner: "TieredExpertStore", key: Key, tensors: dict[str, torch.Tensor]) -> None:
+    def __init__(self, owner: "TieredExpertStore", key: Key, payload: ExpertPayload) -> None:
         self.key = key
-        self.tensors = tensors
+        self.tensors = payload.tensors
+        self.raw = payload.buffer.payload  # the chunk file's bytes; the tensors are views into it
         self._owner = owner
         self._released = False
 
@@ -164,14 +165,14 @@ class TieredExpertStore:
             entry, must_load = self.cache.lookup_or_reserve(key, nbytes, probation=speculative)
             if must_load:
                 self._load(key)
-                return ExpertHandle(self, key, self._payload(key).tensors)
+                return ExpertHandle(self, key, self._payload(key))
             if entry.state is EntryState.LOADING:
                 self.queue.reprioritize(key, URGENT)
             try:
                 entry = self.cache.wait_ready(key)
             except (CancelledError, KeyError):
                 continue  # the prefetch was cancelled or failed after we looked: load it ourselves
-            return ExpertHandle(self, key, entry.payload.tensors)
+            return ExpertHandle(self, key, entry.payload)
 
     def _payload(self, key: Key) -> ExpertPayload:
         return self.cache.wait_ready(key).payload

@@ -1,0 +1,285 @@
+"""Expert training states (weight, gradient, Adam moments) kept outside the autograd graph.
+
+SE-MoE's hierarchical storage for training: dense parameters stay ordinary `nn.Parameter`s on the
+device, while every expert's states live in an `ExpertStates` backend and flow through the model
+only while they are used:
+
+    forward    the layer asks for an expert's weights (`fetch`), runs it, keeps its input and
+               pre-activations but not the weights
+    backward   the same expert is fetched again, its input gradient returned to autograd and its
+               weight gradient handed to the backend (`add_grad`)
+    step       the backend updates every expert that received a gradient with AdamW, tile by tile
+
+Backends: `ResidentExpertStates` holds everything in memory (`--expert-states device`, or `cpu` to
+keep states in host memory and compute on the device); `SSDExpertStates` (in `semoe.ssd_states`)
+keeps them in the store behind the LFU CPU cache. Both run the same math in the same order, so
+they give bit-identical results.
+
+Experts are updated only when routed to (sparse AdamW, as SE-MoE): an expert without tokens in a
+step keeps its weights and moments, and its own step count drives the bias correction.
+
+Shape legend: M rows routed to one expert, D hidden size, F expert FFN size.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from semoe.config import MoEConfig
+from semoe.model import ExpertWeights
+
+Key = tuple[int, int]  # (layer, global expert id)
+NAMES = ("gate", "up", "down")
+
+
+@dataclass(kw_only=True)
+class AdamWConfig:
+    """Hyper-parameters of the expert optimizer (the learning rate comes per step)."""
+
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+
+
+def adamw_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int, lr: float,
+           cfg: AdamWConfig) -> None:
+    """One AdamW update in place, the same arithmetic as `torch.optim.AdamW` (single-tensor path)."""
+    b1, b2 = cfg.betas
+    w.mul_(1 - lr * cfg.weight_decay)
+    m.lerp_(g, 1 - b1)
+    v.mul_(b2).addcmul_(g, g, value=1 - b2)
+    bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
+    denom = (v.sqrt() / math.sqrt(bias2)).add_(cfg.eps)
+    w.addcdiv_(m, denom, value=-lr / bias1)
+
+
+def init_expert(config: MoEConfig, seed: int, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
+    """An expert's initial (gate (F, D), up (F, D), down (D, F)), from its own seeded generator, so it
+    does not depend on how many ranks share the experts or in which order they are built."""
+    g = torch.Generator().manual_seed((seed * 1_000_003 + layer * 65_537 + expert) % (1 << 63))
+    D, Fh = config.hidden_size, config.moe_ffn_size
+    return tuple(torch.empty(shape).normal_(0.0, 0.02, generator=g) for shape in ((Fh, D), (Fh, D), (D, Fh)))
+
+
+class ExpertStates(ABC):
+    """The states of the experts this rank owns: `experts` (global ids) of every MoE layer."""
+
+    def __init__(self, config: MoEConfig, experts: range, device: torch.device) -> None:
+        self.config = config
+        self.layers = config.moe_layer_ids
+        self.experts = experts
+        self.device = device
+        self.adam_steps: dict[Key, int] = {}  # updates each expert has had
+        self.grad_scale = 1.0  # applied to every gradient handed in (1/world for data-parallel means)
+        self._used: dict[int, list[int]] = {}  # layer -> experts fetched in this step's forward
+        self._backward_seen: set[int] = set()
+
+    # -- the data path the autograd function uses -------------------------------------------
+    @abstractmethod
+    def fetch(self, layer: int, expert: int) -> "Held":
+        """The expert's weights on the compute device, valid until `Held.release()`."""
+
+    @abstractmethod
+    def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
+        """Accumulate a weight gradient (gate, up, down) for this step."""
+
+    def prefetch(self, layer: int, experts: list[int]) -> None:
+        """A hint: these experts' weights will be fetched soon."""
+
+    def begin_forward_layer(self, layer: int, experts: list[int]) -> None:
+        """Called as a layer's forward starts with the experts it will run; prefetches the next layer."""
+        self._used[layer] = list(experts)
+        nxt = [l for l in self.layers if l > layer]
+        if nxt:
+            self.prefetch(nxt[0], list(self.experts))
+
+    def begin_backward_layer(self, layer: int) -> None:
+        """Called once per layer as its backward starts; prefetches the previous layer's experts."""
+        if layer in self._backward_seen:
+            return
+        self._backward_seen.add(layer)
+        prev = [l for l in self.layers if l < layer]
+        if prev and prev[-1] in self._used:
+            self.prefetch(prev[-1], self._used[prev[-1]])
+
+    def end_backward(self) -> None:
+        """Called after each backward pass (one per micro-batch)."""
+        self._backward_seen.clear()
+
+    # -- the optimizer ------------------------------------------------------------------------
+    @abstractmethod
+    def touched(self) -> list[Key]:
+        """Experts that received a gradient this step, in update order."""
+
+    @abstractmethod
+    def grad_sq_norm(self) -> float:
+        """Sum of squares of every expert gradient of this step (after `grad_scale`)."""
+
+    @abstractmethod
+    def step(self, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:
+        """AdamW on every touched expert with gradients times `clip_coef`; clears the gradients."""
+
+    def next_adam_step(self, key: Key) -> int:
+        n = self.adam_steps.get(key, 0) + 1
+        self.adam_steps[key] = n
+        return n
+
+    # -- lifetime -----------------------------------------------------------------------------
+    def end_step(self) -> None:
+        self._used.clear()
+        self._backward_seen.clear()
+
+    def stats(self) -> dict:
+        """Counters for the step log: cpu_hit_rate, ssd bytes read and written, seconds of I/O."""
+        return {}
+
+    def close(self) -> None:
+        """Stop background work."""
+
+
+class Held:
+    """Weights on loan from a backend; `release()` gives them back."""
+
+    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, release=None) -> None:
+        self.gate, self.up, self.down = gate, up, down
+        self._release = release
+
+    def release(self) -> None:
+        if self._release is not None:
+            self._release()
+            self._release = None
+
+    def __enter__(self) -> "Held":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+class _ExpertFFN(torch.autograd.Function):
+    """SwiGLU of one expert whose weights are fetched from the backend in forward and again in
+    backward, and whose weight gradient goes to the backend instead of a `.grad`."""
+
+    @staticmethod
+    def forward(ctx, x_MD: torch.Tensor, gate_FD: torch.Tensor, up_FD: torch.Tensor, down_DF: torch.Tensor,
+                states: ExpertStates, layer: int, expert: int) -> torch.Tensor:
+        g_MF, u_MF = F.linear(x_MD, gate_FD), F.linear(x_MD, up_FD)
+        ctx.save_for_backward(x_MD, g_MF, u_MF)
+        ctx.key = (states, layer, expert)
+        return F.linear(F.silu(g_MF) * u_MF, down_DF)
+
+    @staticmethod
+    def backward(ctx, dy_MD: torch.Tensor):
+        x_MD, g_MF, u_MF = ctx.saved_tensors
+        states, layer, expert = ctx.key
+        states.begin_backward_layer(layer)
+        s_MF = torch.sigmoid(g_MF)
+        a_MF = g_MF * s_MF  # silu(g)
+        h_MF = a_MF * u_MF
+        with states.fetch(layer, expert) as w:
+            dh_MF = dy_MD @ w.down
+            dg_MF = dh_MF * u_MF * (s_MF * (1 + g_MF * (1 - s_MF)))
+            du_MF = dh_MF * a_MF
+            dx_MD = dg_MF @ w.gate + du_MF @ w.up
+        if x_MD.shape[0]:  # an expert run on no rows (expert parallelism keeps graphs alike) learns nothing
+            states.add_grad(layer, expert, (dg_MF.t() @ x_MD, du_MF.t() @ x_MD, dy_MD.t() @ h_MF))
+        return dx_MD, None, None, None, None, None, None
+
+
+@dataclass(frozen=True)
+class _TrainedExpert(ExpertWeights):
+    states: ExpertStates
+    layer: int
+    expert: int
+
+    def apply(self, x_MD: torch.Tensor) -> torch.Tensor:
+        if not torch.is_grad_enabled():
+            return super().apply(x_MD)
+        return _ExpertFFN.apply(x_MD, self.gate, self.up, self.down, self.states, self.layer, self.expert)
+
+
+class TrainingExperts:
+    """The `ExpertProvider` of one MoE layer in training: local expert index -> backend states."""
+
+    def __init__(self, states: ExpertStates, layer: int, first: int = 0) -> None:
+        self.states = states
+        self.layer = layer
+        self.first = first  # global id of local index 0 (expert parallelism)
+
+    def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
+        ids = [self.first + e for e in experts]
+        self.states.begin_forward_layer(layer, ids)
+        for e, gid in zip(experts, ids):
+            held = self.states.fetch(layer, gid)
+            try:
+                yield e, _TrainedExpert(held.gate, held.up, held.down, states=self.states, layer=layer, expert=gid)
+            finally:
+                held.release()
+
+
+class ResidentExpertStates(ExpertStates):
+    """All local experts' states in memory on `storage_device`; computed on `device`."""
+
+    def __init__(self, config: MoEConfig, experts: range, device: torch.device,
+                 storage_device: torch.device | None = None) -> None:
+        super().__init__(config, experts, device)
+        self.storage_device = storage_device or device
+        self.w: dict[Key, list[torch.Tensor]] = {}
+        self.m: dict[Key, list[torch.Tensor]] = {}
+        self.v: dict[Key, list[torch.Tensor]] = {}
+        self.g: dict[Key, list[torch.Tensor]] = {}
+        self.dirty: set[Key] = set()  # updated since the last checkpoint
+
+    def load(self, key: Key, w: tuple[torch.Tensor, ...], m: tuple[torch.Tensor, ...] | None = None,
+             v: tuple[torch.Tensor, ...] | None = None) -> None:
+        """Set one expert's states (moments default to zeros)."""
+        dev = self.storage_device
+        self.w[key] = [t.to(dev, torch.float32, copy=True) for t in w]
+        self.m[key] = [t.to(dev, torch.float32, copy=True) for t in m] if m else [torch.zeros_like(t) for t in
+                                                                                   self.w[key]]
+        self.v[key] = [t.to(dev, torch.float32, copy=True) for t in v] if v else [torch.zeros_like(t) for t in
+                                                                                   self.w[key]]
+
+    def fetch(self, layer: int, expert: int) -> Held:
+        ws = self.w[(layer, expert)]
+        if self.storage_device != self.device:
+            ws = [t.to(self.device, non_blocking=True) for t in ws]
+        return Held(*ws)
+
+    def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
+        key = (layer, expert)
+        grads = [g.to(self.storage_device) * self.grad_scale if self.grad_scale != 1.0 else
+                 g.to(self.storage_device) for g in grads]
+        if key in self.g:
+            for acc, g in zip(self.g[key], grads):
+                acc.add_(g)
+        else:
+            self.g[key] = grads
+
+    def touched(self) -> list[Key]:
+        return sorted(self.g)
+
+    def grad_sq_norm(self) -> float:
+        return float(sum(float(g.double().pow(2).sum()) for key in self.touched() for g in self.g[key]))
+
+    @torch.no_grad()
+    def step(self, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:
+        for key in self.touched():
+            self.dirty.add(key)
+            n = self.next_adam_step(key)
+            for w, g, m, v in zip(self.w[key], self.g[key], self.m[key], self.v[key]):
+                if clip_coef != 1.0:
+                    g.mul_(clip_coef)
+                adamw_(w, g, m, v, step=n, lr=lr, cfg=cfg)
+        self.g.clear()
+
+    def states_of(self, key: Key) -> dict[str, list[torch.Tensor]]:
+        """weight / adam_m / adam_v tensors of one expert (for checkpoints), on the CPU."""
+        return {"weight": [t.cpu() for t in self.w[key]], "adam_m": [t.cpu() for t in self.m[key]],
+                "adam_v": [t.cpu() for t in self.v[key]]}

@@ -1,0 +1,571 @@
+"""Training the MoE GPT with SE-MoE's hierarchical states, on one rank or many.
+
+A run lives in one directory:
+
+    RUN/store     a semoe store: the model (config.json, dense weights, expert chunks of kinds
+                  weight, adam_m, adam_v) plus the trainer's state (trainer.json, optimizer.pt);
+                  every checkpoint is one atomic commit of it, and `semoe generate --model
+                  RUN/store` serves it directly
+    RUN/data      token shards built from `--data` (or the embedded corpus)
+    RUN/spill     expert gradients that did not fit the host budget (transient)
+
+Each step: every rank takes its slice of the global batch (split further into micro-batches),
+runs forward and backward (experts dispatched to their owner ranks with all-to-all, dense
+gradients averaged in buckets while backward runs), checks the loss, clips by the global gradient
+norm, steps AdamW on the dense parameters and streams the expert optimizer step through the
+expert-state backend. Checkpoints commit everything (dense weights and optimizer, expert states,
+data position, per-expert Adam step counts, RNG) in one store version; resuming continues bit-
+exactly where that version left off. Batches are a pure function of (seed, step), so no data
+position needs more than the step number.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import math
+import os
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
+from semoe.config import MoEConfig, named_config
+from semoe.data import BatchSampler, prepare_data
+from semoe.expert_parallel import ExpertParallelMoE, local_expert_ids
+from semoe.expert_states import AdamWConfig, ExpertStates, ResidentExpertStates, TrainingExperts, init_expert
+from semoe.fused_comm import GradBucketReducer, fused_all_reduce
+from semoe.model import MoEGPT, RMSNorm
+from semoe.ssd_states import STATE_KINDS, ChunkFormat, SSDExpertStates
+from semoe.tokenizer import ByteTokenizer
+from storage.errors import BadInputError, StorageError
+from storage.store import Store, StoreWriter, chunk_meta
+
+log = logging.getLogger(__name__)
+
+TRAINER_FILE = "trainer.json"
+OPTIMIZER_FILE = "optimizer.pt"
+EXPERT_STATES = ("ssd", "cpu", "device")
+
+
+class TrainingError(StorageError):
+    """Training cannot go on (non-finite loss, a store that does not fit the run); one line."""
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything a run needs besides the model config; saved with each checkpoint."""
+
+    out: str
+    data: str | None = None
+    steps: int = 200
+    seed: int = 0
+    batch_size: int = 8  # sequences per step, over all ranks
+    seq_len: int = 128
+    micro_batches: int = 1  # per rank; gradients accumulate over them
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0: no clipping
+    expert_states: str = "ssd"
+    cpu_cache_bytes: int | None = None  # ssd: CPU cache for expert states; None: 25% of their bytes
+    grad_budget_bytes: int | None = None  # ssd: expert gradients kept in memory; None: as the cache
+    device: str = "cpu"
+    checkpoint_every: int = 50
+    log_json: str | None = None
+    read_mode: str = "direct"
+    verify: bool = True  # check every checksum of the store before resuming
+
+    def __post_init__(self) -> None:
+        if self.expert_states not in EXPERT_STATES:
+            raise BadInputError(f"--expert-states must be one of {', '.join(EXPERT_STATES)}, got {self.expert_states!r}")
+        for name in ("steps", "batch_size", "seq_len", "micro_batches", "checkpoint_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise BadInputError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if not self.lr > 0:
+            raise BadInputError(f"--lr must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise BadInputError(f"--grad-clip must be >= 0, got {self.grad_clip}")
+        self.betas = tuple(self.betas)
+
+    @property
+    def store(self) -> str:
+        return os.path.join(self.out, "store")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to `min_lr_ratio * lr` at `steps`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        t = min(1.0, (step - self.warmup_steps) / span)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@dataclass
+class StepLog:
+    """One line of `--log-json`."""
+
+    step: int
+    loss: float
+    aux_loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_s: float
+    cpu_hit_rate: float | None
+    ssd_read_gbps: float
+    ssd_write_gbps: float
+    peak_rss_bytes: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def expert_state_bytes(config: MoEConfig) -> int:
+    """Bytes of every expert's weight and both Adam moments as stored (chunk files)."""
+    return 3 * ChunkFormat(config).nbytes * config.num_experts * len(config.moe_layer_ids)
+
+
+# -- building the model ---------------------------------------------------------------------
+
+
+@torch.no_grad()
+def init_dense(model: MoEGPT, seed: int) -> None:
+    """Initialise every dense parameter from one seeded generator, in module order (experts are
+    initialised per expert by `init_expert`, so neither depends on the other)."""
+    g = torch.Generator().manual_seed(seed)
+    for m in model.modules():
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            w = torch.empty(m.weight.shape).normal_(0.0, 0.02, generator=g)
+            m.weight.copy_(w)
+            if getattr(m, "bias", None) is not None:
+                m.bias.zero_()
+        elif isinstance(m, RMSNorm):
+            m.weight.fill_(1.0)
+
+
+def build_model(config: MoEConfig, states: ExpertStates, device: torch.device, world: int,
+                group: dist.ProcessGroup | None = None) -> MoEGPT:
+    """A model whose MoE layers take their experts from `states` (no expert parameters at all)."""
+    with torch.device("meta"):
+        model = MoEGPT(config)
+    for block in model.layers:
+        ffn = block.ffn
+        if hasattr(ffn, "router"):
+            ffn.use_experts(TrainingExperts(states, ffn.layer))
+    model = model.to_empty(device=device)
+    if config.tie_embeddings:
+        model.lm_head.weight = model.embed.weight
+    if world > 1:
+        for block in model.layers:
+            ffn = block.ffn
+            if hasattr(ffn, "router"):
+                first = states.experts.start
+                block.ffn = ExpertParallelMoE(ffn, group, experts=TrainingExperts(states, ffn.layer, first))
+    return model
+
+
+# -- the trainer ----------------------------------------------------------------------------
+
+
+class Trainer:
+    """One rank of a training run (rank 0 of 1 when not distributed)."""
+
+    def __init__(self, cfg: TrainConfig, model_config: MoEConfig | None = None, *,
+                 on_step: Callable[[StepLog], None] | None = None) -> None:
+        self.cfg = cfg
+        self.on_step = on_step
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+        self.device = torch.device(cfg.device)
+        if cfg.batch_size % (self.world * cfg.micro_batches):
+            raise BadInputError(f"--batch-size {cfg.batch_size} must divide by ranks x micro-batches "
+                                f"({self.world} x {cfg.micro_batches})")
+        self.writer: StoreWriter | None = None
+        self.version: int | None = None
+        resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
+        if resuming:
+            self.config, self.trainer_state = self._open_existing(model_config)
+        else:
+            if model_config is None:
+                raise BadInputError("a new run needs a model config")
+            self.config, self.trainer_state = model_config, None
+        self.experts = local_expert_ids(self.config.num_experts, self.rank, self.world)
+        self._barrier()  # rank 0 has checked the store before any rank opens it
+        self.states = self._make_states()
+        self.states.grad_scale = 1.0 / self.world
+        self.model = build_model(self.config, self.states, self.device, self.world).train()
+        self.dense = [p for _, p in _dense_params(self.model)]
+        self.opt = torch.optim.AdamW(self.dense, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                     weight_decay=cfg.weight_decay, foreach=False)
+        self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.reducer = (GradBucketReducer(self.dense) if self.world > 1 and cfg.micro_batches == 1 else None)
+        if resuming:
+            self._load_checkpoint()
+        else:
+            self.step = 0
+            init_dense(self.model, cfg.seed)
+            self._init_experts()
+            self._open_version()
+        self._prepare_data()
+
+    # -- collectives (no-ops on one rank) ---------------------------------------------------
+    def _barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def _broadcast(self, obj: Any) -> Any:
+        if not self.distributed:
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def _gather(self, obj: Any) -> list[Any]:
+        if not self.distributed:
+            return [obj]
+        out = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=0)
+        return out or []
+
+    def _sum(self, values: list[float]) -> list[float]:
+        if not self.distributed:
+            return values
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t)
+        return t.tolist()
+
+    # -- setting up -------------------------------------------------------------------------
+    def _open_existing(self, model_config: MoEConfig | None) -> tuple[MoEConfig, dict]:
+        store = Store.open(self.cfg.store)
+        m = store.manifest
+        if not m.has_file(TRAINER_FILE) or not m.has_file("config.json"):
+            raise TrainingError(f"{self.cfg.store}: a store without {TRAINER_FILE} is not a training run")
+        if self.rank == 0 and self.cfg.verify:
+            problems = store.verify()
+            if problems:
+                raise TrainingError(f"{self.cfg.store}: store is damaged, refusing to train: {problems[0]} "
+                                    f"({len(problems)} problem(s); `semoe store verify` lists them)")
+        config = config_from_json(json.loads(store.read_file("config.json")))
+        if model_config is not None and hf_config(model_config) != hf_config(config):
+            raise BadInputError(f"{self.cfg.store}: the run's model config differs from the one given; "
+                                "drop the model flags to resume")
+        return config, json.loads(store.read_file(TRAINER_FILE))
+
+    def _make_states(self) -> ExpertStates:
+        cfg = self.cfg
+        if cfg.expert_states == "ssd":
+            if self.rank == 0 and self.trainer_state is None:
+                Store.create(cfg.store)
+            self._barrier()
+            total = expert_state_bytes(self.config) // self.world
+            least = SSDExpertStates.min_cache_bytes(self.config)
+            cache = cfg.cpu_cache_bytes if cfg.cpu_cache_bytes is not None else max(least, total // 4)
+            if cache < least:
+                raise BadInputError(f"--cpu-cache {cache} bytes is too small for expert states of "
+                                    f"{ChunkFormat(self.config).nbytes} bytes each; give at least {least} bytes")
+            return SSDExpertStates(self.config, self.experts, self.device, root=cfg.store, cpu_cache_bytes=cache,
+                                   grad_budget_bytes=cfg.grad_budget_bytes,
+                                   spill_dir=os.path.join(cfg.out, "spill", f"rank{self.rank}"),
+                                   read_mode=cfg.read_mode)
+        if self.rank == 0 and self.trainer_state is None:
+            Store.create(cfg.store)
+        storage = torch.device("cpu") if cfg.expert_states == "cpu" else self.device
+        return ResidentExpertStates(self.config, self.experts, self.device, storage)
+
+    def _prepare_data(self) -> None:
+        tok = ByteTokenizer()
+        if self.config.vocab_size < tok.vocab_size:
+            raise BadInputError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}, "
+                                f"the model has {self.config.vocab_size}")
+        data_dir = os.path.join(self.cfg.out, "data")
+        if self.rank == 0:
+            prepare_data(self.cfg.data, data_dir, tok, seed=self.cfg.seed)
+        self._barrier()
+        self.train_set, self.val_set = prepare_data(self.cfg.data, data_dir, tok, seed=self.cfg.seed)
+        self.sampler = BatchSampler(self.train_set, self.cfg.batch_size, self.cfg.seq_len, seed=self.cfg.seed)
+
+    def _open_version(self) -> None:
+        """Rank 0 opens the next store transaction; every rank writes its expert chunks into it."""
+        if self.rank == 0:
+            self.writer = Store.open(self.cfg.store).writer()
+            fmt = ChunkFormat(self.config)
+            for layer in self.config.moe_layer_ids:
+                for kind in STATE_KINDS:
+                    self.writer.expert_array(layer, kind, num_experts=self.config.num_experts,
+                                             chunk_bytes=fmt.nbytes,
+                                             layout=chunk_meta(fmt.meta(layer, 0), fmt.offsets))
+            version = self.writer.version
+        else:
+            version = None
+        self.version = self._broadcast(version)
+        if isinstance(self.states, SSDExpertStates):
+            self.states.begin_version(self.version)
+
+    def _init_experts(self) -> None:
+        """Fresh experts: each rank initialises (and, for ssd, writes) its own; then checkpoint 0."""
+        self._open_version()
+        fmt = ChunkFormat(self.config)
+        for layer in self.config.moe_layer_ids:
+            for e in self.experts:
+                w = init_expert(self.config, self.cfg.seed, layer, e)
+                if isinstance(self.states, ResidentExpertStates):
+                    self.states.load((layer, e), w)
+                    self.states.dirty.add((layer, e))
+                else:
+                    entries, chunk = fmt.write(self.cfg.store, self.version, layer, e, "weight", fmt.pack(list(w)))
+                    self.states.overlay.upsert(tensors=entries, chunks=[chunk])
+                    self.states.written[(layer, e, "weight")] = (entries, chunk)
+        self.checkpoint()
+
+    def _load_checkpoint(self) -> None:
+        store = Store.open(self.cfg.store)
+        st = self.trainer_state
+        self.step = int(st["step"])
+        with torch.no_grad():
+            for name, p in _dense_params(self.model):
+                p.copy_(store.read_tensor(hf_name(self.config, name)))
+        blob = torch.load(io.BytesIO(store.read_file(OPTIMIZER_FILE)), map_location=self.device, weights_only=False)
+        self.opt.load_state_dict(blob["dense_optimizer"])
+        torch.set_rng_state(blob["rng"])
+        self.states.adam_steps = {(l, e): n for l, e, n in st["adam_steps"] if e in self.experts}
+        if isinstance(self.states, ResidentExpertStates):
+            m = store.manifest
+            for layer in self.config.moe_layer_ids:
+                for e in self.experts:
+                    kinds = {}
+                    for kind in STATE_KINDS:
+                        if m.has_chunk(layer, e, kind):
+                            t = store.read_expert(layer, e, kind)
+                            kinds[kind] = [t[n] for n in ChunkFormat(self.config).names(layer, e)]
+                    if "weight" not in kinds:
+                        raise TrainingError(f"{self.cfg.store}: expert {e} of layer {layer} is missing")
+                    self.states.load((layer, e), kinds["weight"], kinds.get("adam_m"), kinds.get("adam_v"))
+        self._open_version()
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def checkpoint(self) -> int:
+        """Commit the model, optimizers and position as one store version; returns it."""
+        fmt = ChunkFormat(self.config)
+        if isinstance(self.states, ResidentExpertStates):
+            written = ([], [])
+            for key in sorted(self.states.dirty):
+                for kind, ts in self.states.states_of(key).items():
+                    if kind != "weight" and self.states.adam_steps.get(key, 0) == 0:
+                        continue  # moments of a never-updated expert are zeros: not written
+                    entries, chunk = fmt.write(self.cfg.store, self.version, key[0], key[1], kind, fmt.pack(ts))
+                    written[0].extend(entries)
+                    written[1].append(chunk)
+            self.states.dirty.clear()
+        else:
+            written = self.states.written_entries()
+        steps = [[l, e, n] for (l, e), n in sorted(self.states.adam_steps.items())]
+        parts = self._gather((written, steps))
+        version = None
+        if self.rank == 0:
+            version = self._commit(parts)
+        version = self._broadcast(version)
+        if self.rank == 0:
+            Store.open(self.cfg.store).gc(keep=1)
+        self._barrier()
+        return version
+
+    def _commit(self, parts: list) -> int:
+        w = self.writer
+        for (tensors, chunks), _ in parts:
+            w.adopt(tensors, chunks)
+        c = self.config
+        w.put_file("config.json", json.dumps(hf_config(c), indent=2).encode())
+        for name, p in _dense_params(self.model):
+            w.put_dense(hf_name(c, name), p.detach().cpu())
+        buf = io.BytesIO()
+        torch.save({"dense_optimizer": self.opt.state_dict(), "rng": torch.get_rng_state()}, buf)
+        w.put_file(OPTIMIZER_FILE, buf.getvalue())
+        steps = sorted(x for _, s in parts for x in s)
+        train_cfg = {k: v for k, v in asdict(self.cfg).items() if k not in ("out", "log_json")}
+        w.put_file(TRAINER_FILE, json.dumps({"step": self.step, "world": self.world, "train_config": train_cfg,
+                                             "adam_steps": steps}, indent=1).encode())
+        w.set_model({"source": "semoe-train", "architecture": hf_config(c)["architectures"][0],
+                     "model_type": c.arch, "num_layers": c.num_layers, "config": hf_config(c)})
+        version = w.commit()
+        self.writer = None
+        log.info("checkpoint: step %d is store version %d", self.step, version)
+        return version
+
+    def abort(self) -> None:
+        """Drop what was staged since the last checkpoint (which stays intact)."""
+        if self.writer is not None:
+            self.writer.abort()
+            self.writer = None
+        self.states.close()
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.abort()  # the empty transaction opened after the last checkpoint
+            self.writer = None
+        self.states.close()
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _rank_batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, tgt = self.sampler.batch(self.step)
+        per = self.cfg.batch_size // self.world
+        lo = self.rank * per
+        return ids[lo:lo + per].to(self.device), tgt[lo:lo + per].to(self.device)
+
+    def train_step(self) -> StepLog:
+        cfg, c = self.cfg, self.config
+        t0 = time.perf_counter()
+        before = self.states.stats()
+        lr = cfg.lr_at(self.step)
+        for p in self.dense:
+            p.grad = None
+        ids, tgt = self._rank_batch()
+        ce_sum = aux_sum = 0.0
+        for mb_ids, mb_tgt in zip(ids.chunk(cfg.micro_batches), tgt.chunk(cfg.micro_batches)):
+            out = self.model(mb_ids)
+            ce = F.cross_entropy(out.logits.reshape(-1, c.vocab_size).float(), mb_tgt.reshape(-1))
+            loss = ce + c.aux_loss_coef * out.aux_loss + c.z_loss_coef * out.z_loss
+            (loss / cfg.micro_batches).backward()
+            self.states.end_backward()
+            ce_sum += float(ce.detach())
+            aux_sum += float(out.aux_loss.detach())
+        if self.world > 1:
+            if self.reducer is not None:
+                self.reducer.finish()
+            else:
+                for p in self.dense:
+                    if p.grad is None:
+                        p.grad = torch.zeros_like(p)
+                fused_all_reduce([p.grad for p in self.dense])
+                for p in self.dense:
+                    p.grad.div_(self.world)
+        ce_mean, aux_mean = (x / (cfg.micro_batches * self.world) for x in self._sum([ce_sum, aux_sum]))
+        if not math.isfinite(ce_mean) or not math.isfinite(aux_mean):
+            raise TrainingError(f"step {self.step}: loss is {ce_mean} (aux {aux_mean}); stopping. The last "
+                                f"checkpoint in {cfg.store} is intact; lower --lr or check the data")
+        dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.dense if p.grad is not None)
+        grad_norm = math.sqrt(dense_sq + self._sum([self.states.grad_sq_norm()])[0])
+        coef = 1.0
+        if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
+            coef = cfg.grad_clip / (grad_norm + 1e-6)
+            for p in self.dense:
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.states.step(lr, self.adam, coef)
+        self.states.end_step()
+        self.step += 1
+        dt = time.perf_counter() - t0
+        after = self.states.stats()
+        read, written, hits, misses = self._sum([
+            after.get("ssd_read_bytes", 0) - before.get("ssd_read_bytes", 0),
+            after.get("ssd_written_bytes", 0) - before.get("ssd_written_bytes", 0),
+            after.get("cpu_hits", 0) - before.get("cpu_hits", 0),
+            after.get("cpu_misses", 0) - before.get("cpu_misses", 0)])
+        hit_rate = hits / (hits + misses) if hits + misses else None
+        return StepLog(step=self.step, loss=ce_mean, aux_loss=aux_mean, lr=lr, grad_norm=grad_norm,
+                       tokens_per_s=cfg.batch_size * cfg.seq_len / dt, step_s=dt, cpu_hit_rate=hit_rate,
+                       ssd_read_gbps=read / dt / 1e9, ssd_write_gbps=written / dt / 1e9,
+                       peak_rss_bytes=int(self._sum([float(peak_rss_bytes())])[0]))
+
+    @torch.no_grad()
+    def evaluate(self, batches: int = 4) -> float:
+        """Mean cross-entropy on validation windows (fixed: the same every call)."""
+        if self.val_set.num_tokens < self.cfg.seq_len + 1:
+            return float("nan")
+        sampler = BatchSampler(self.val_set, self.cfg.batch_size, self.cfg.seq_len, seed=self.cfg.seed + 1)
+        self.model.eval()
+        try:
+            total = 0.0
+            for i in range(batches):
+                ids, tgt = sampler.batch(i)
+                per = self.cfg.batch_size // self.world
+                ids, tgt = ids[self.rank * per:(self.rank + 1) * per], tgt[self.rank * per:(self.rank + 1) * per]
+                logits = self.model(ids.to(self.device)).logits
+                total += float(F.cross_entropy(logits.reshape(-1, self.config.vocab_size).float(),
+                                               tgt.to(self.device).reshape(-1)))
+            return self._sum([total])[0] / (batches * self.world)
+        finally:
+            self.model.train()
+
+    def run(self) -> list[StepLog]:
+        """Train up to `cfg.steps`, checkpointing every `checkpoint_every` steps and at the end."""
+        logs: list[StepLog] = []
+        try:
+            while self.step < self.cfg.steps:
+                entry = self.train_step()
+                logs.append(entry)
+                if self.on_step is not None:
+                    self.on_step(entry)
+                if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
+                    self.checkpoint()
+                    if self.step < self.cfg.steps:
+                        self._open_version()
+        except BaseException:
+            self.abort()
+            raise
+        self.close()
+        return logs
+
+
+def json_line(entry: StepLog) -> str:
+    return json.dumps(entry.to_json(), sort_keys=True)
+
+
+def progress_line(entry: StepLog, total: int) -> str:
+    hit = "-" if entry.cpu_hit_rate is None else f"{entry.cpu_hit_rate:.2f}"
+    return (f"step {entry.step}/{total}  loss {entry.loss:.4f}  aux {entry.aux_loss:.4f}  lr {entry.lr:.2e}  "
+            f"{entry.tokens_per_s:,.0f} tok/s  cpu hit {hit}  ssd read {entry.ssd_read_gbps:.2f} GB/s  "
+            f"write {entry.ssd_write_gbps:.2f} GB/s")
+
+
+def default_model_config(name: str = "gpt-moe-small", **overrides: Any) -> MoEConfig:
+    """A named config for training; capacity-free routing unless asked (matches across rank counts)."""
+    return named_config(name, **overrides)
+
+
+def run_rank(cfg: TrainConfig, model_config: MoEConfig | None, *, quiet: bool = False) -> list[StepLog]:
+    """One rank's whole run with logging: the JSON log and the progress line from rank 0."""
+    log_file = None
+    trainer: Trainer | None = None
+
+    def on_step(entry: StepLog) -> None:
+        if trainer is None or trainer.rank != 0:
+            return
+        if log_file is not None:
+            log_file.write(json_line(entry) + "\n")
+            log_file.flush()
+        if not quiet:
+            print(progress_line(entry, cfg.steps), file=sys.stderr, flush=True)
+
+    trainer = Trainer(cfg, model_config, on_step=on_step)
+    if trainer.rank == 0 and cfg.log_json:
+        log_file = open(cfg.log_json, "a", encoding="utf-8")
+    try:
+        return trainer.run()
+    finally:
+        if log_file is not None:
+            log_file.close()

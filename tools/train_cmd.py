@@ -1,0 +1,215 @@
+"""`semoe train`: train the MoE GPT with expert states on SSD, in CPU memory or on the device."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import socket
+import sys
+
+from tools.common import UsageError, emit_json
+from tools.sizes import parse_size
+
+# TrainConfig fields settable by flag (flag default None: "not given", so a resumed run keeps its own)
+_TRAIN_FLAGS = ("data", "steps", "seed", "batch_size", "seq_len", "micro_batches", "lr", "warmup_steps",
+                "weight_decay", "grad_clip", "expert_states", "device", "checkpoint_every", "read_mode")
+_MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
+                "ffn": "ffn_size", "expert_ffn": "moe_ffn_size", "experts": "num_experts", "top_k": "top_k",
+                "capacity_factor": "capacity_factor"}
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "train", help="train a MoE GPT (expert states on SSD behind an LFU CPU cache)",
+        description="Train a MoE GPT from scratch on text, or continue a run with --resume. Every checkpoint "
+                    "is one atomic commit of OUT/store, which `semoe generate --model OUT/store` serves. "
+                    "With --expert-states ssd (the default) every expert's weight and Adam moments live in "
+                    "the store; only the --cpu-cache budget of them is held in memory.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--out", required=True, metavar="DIR", help="run directory (store, token shards, spill)")
+    p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="spawn N ranks on this machine (gloo on CPU, nccl on GPU); under torchrun leave it out")
+    p.add_argument("--config", metavar="NAME|FILE",
+                   help="named model config (tiny, gpt-moe-small) or a JSON file {\"model\": {...}, \"train\": {...}} "
+                        "[default: gpt-moe-small]")
+    m = p.add_argument_group("model shape (override the config)", "--capacity-factor 0 turns token dropping off")
+    for flag, kind in (("layers", int), ("hidden", int), ("heads", int), ("kv-heads", int), ("ffn", int),
+                       ("expert-ffn", int), ("experts", int), ("top-k", int), ("capacity-factor", float)):
+        m.add_argument(f"--{flag}", type=kind, default=None)
+    t = p.add_argument_group("training")
+    t.add_argument("--data", default=None, metavar="PATH",
+                   help="text file, directory of text files, or token shards [default: the embedded corpus]")
+    t.add_argument("--steps", type=int, default=None, help="train until this step [200]")
+    t.add_argument("--seed", type=int, default=None, help="seed of data order and initial weights [0]")
+    t.add_argument("--batch-size", type=int, default=None, help="sequences per step over all ranks [8]")
+    t.add_argument("--seq-len", type=int, default=None, help="tokens per sequence [128]")
+    t.add_argument("--micro-batches", type=int, default=None, help="per rank, gradients accumulated [1]")
+    t.add_argument("--lr", type=float, default=None, help="peak learning rate [2e-3]")
+    t.add_argument("--warmup-steps", type=int, default=None, help="linear warm-up steps [10]")
+    t.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay [0.1]")
+    t.add_argument("--grad-clip", type=float, default=None, help="clip the global gradient norm; 0: off [1.0]")
+    t.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints [50]")
+    s = p.add_argument_group("memory")
+    s.add_argument("--expert-states", choices=("ssd", "cpu", "device"), default=None,
+                   help="where expert weights and Adam moments live [ssd]")
+    s.add_argument("--cpu-cache", metavar="SIZE", default=None,
+                   help="ssd: CPU cache for expert states per rank, bytes (2GiB) or a percentage of the "
+                        "rank's expert-state bytes (25%%) [25%%]")
+    s.add_argument("--device", default=None, help="cpu, cuda or cuda:N [cpu]")
+    s.add_argument("--read-mode", choices=("direct", "drop", "cached"), default=None,
+                   help="how expert reads treat the page cache (direct: bypass it) [direct]")
+    s.add_argument("--no-verify", action="store_true", help="resume without checking every checksum first")
+    o = p.add_argument_group("output")
+    o.add_argument("--log-json", metavar="FILE", help="append one JSON object per step to FILE")
+    o.add_argument("--json", action="store_true", help="print a summary JSON object on stdout at the end")
+    o.add_argument("-q", "--quiet", action="store_true", help="no progress line on stderr")
+    p.set_defaults(handler=run)
+
+
+def _model_config(args: argparse.Namespace, file_cfg: dict):
+    from semoe.config import MoEConfig, named_config
+
+    overrides = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items() if getattr(args, flag) is not None}
+    if overrides.get("capacity_factor") == 0:
+        overrides["capacity_factor"] = None  # no token dropping
+    spec = file_cfg.get("model")
+    if isinstance(spec, dict) and "name" not in spec:
+        return MoEConfig(**{**spec, **overrides})
+    name = (spec or {}).get("name", "gpt-moe-small") if isinstance(spec, dict) else "gpt-moe-small"
+    if args.config and not args.config.endswith(".json"):
+        name = args.config
+    base = dict(spec or {}) if isinstance(spec, dict) else {}
+    base.pop("name", None)
+    return named_config(name, **{**base, **overrides})
+
+
+def build_configs(args: argparse.Namespace):
+    """(TrainConfig, MoEConfig or None when resuming without model flags)."""
+    from semoe.train import TRAINER_FILE, TrainConfig, expert_state_bytes
+    from storage.store import Store
+
+    file_cfg: dict = {}
+    if args.config and args.config.endswith(".json"):
+        try:
+            with open(args.config, encoding="utf-8") as f:
+                file_cfg = json.load(f)
+        except json.JSONDecodeError as e:
+            raise UsageError(f"--config {args.config}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        if not isinstance(file_cfg, dict):
+            raise UsageError(f"--config {args.config}: expected a JSON object with \"model\" and \"train\"")
+    store = os.path.join(args.out, "store")
+    exists = os.path.isfile(os.path.join(store, "manifest.json"))
+    if exists and not args.resume:
+        raise UsageError(f"--out {args.out}: holds a run already; pass --resume to continue it or choose a new --out")
+    if args.resume and not exists:
+        raise UsageError(f"--resume: {store} has no checkpoint to resume from")
+    train = dict(file_cfg.get("train", {}))
+    model_cfg = None
+    if args.resume:
+        st = Store.open(store)
+        if st.manifest.has_file(TRAINER_FILE):
+            train = {**json.loads(st.read_file(TRAINER_FILE))["train_config"], **train}
+        if any(getattr(args, f) is not None for f in _MODEL_FLAGS) or args.config:
+            model_cfg = _model_config(args, file_cfg)
+    else:
+        model_cfg = _model_config(args, file_cfg)
+    train.update({k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k, None) is not None})
+    train["out"], train["log_json"] = args.out, args.log_json
+    train["verify"] = not args.no_verify
+    if args.cpu_cache is not None:
+        percent_of = None
+        if args.cpu_cache.strip().endswith("%"):
+            from semoe.checkpoint import config_from_json
+
+            cfg = model_cfg or config_from_json(json.loads(Store.open(store).read_file("config.json")))
+            percent_of = expert_state_bytes(cfg) // (args.nproc or 1)
+        train["cpu_cache_bytes"] = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=percent_of)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = sorted(set(train) - known)
+    if unknown:
+        raise UsageError(f"--config: unknown training settings {', '.join(unknown)}")
+    if "betas" in train:
+        train["betas"] = tuple(train["betas"])
+    return TrainConfig(**train), model_cfg
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _summary(logs, cfg) -> dict:
+    return {"store": cfg.store, "steps": logs[-1].step if logs else None,
+            "first_loss": logs[0].loss if logs else None, "final_loss": logs[-1].loss if logs else None,
+            "tokens_per_s": sum(x.tokens_per_s for x in logs) / len(logs) if logs else None,
+            "cpu_hit_rate": logs[-1].cpu_hit_rate if logs else None,
+            "peak_rss_bytes": max((x.peak_rss_bytes for x in logs), default=None)}
+
+
+def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbose: int) -> None:
+    import logging
+
+    import torch
+    import torch.distributed as dist
+
+    from semoe.train import run_rank
+    from storage.errors import StorageError
+
+    logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), stream=sys.stderr,
+                        format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+        cfg = dataclasses.replace(cfg, device=f"cuda:{rank % torch.cuda.device_count()}")
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    code = 0
+    try:
+        logs = run_rank(cfg, model_cfg, quiet=quiet)
+        if rank == 0:
+            from storage.durable import write_atomic
+
+            write_atomic(os.path.join(cfg.out, "last_run.json"), json.dumps(_summary(logs, cfg)).encode())
+    except (StorageError, UsageError, ValueError) as e:
+        print(f"semoe: error: rank {rank}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
+        code = 2
+    except OSError as e:
+        print(f"semoe: error: rank {rank}: {e.filename + ': ' if e.filename else ''}{e.strerror or e}",
+              file=sys.stderr, flush=True)
+        code = 1
+    if code:
+        os._exit(code)  # the other ranks are stuck in a collective: the launcher tears them down
+    dist.destroy_process_group()
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, model_cfg = build_configs(args)
+    if args.nproc is not None and args.nproc < 1:
+        raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
+    os.makedirs(args.out, exist_ok=True)
+    if args.nproc and args.nproc > 1:
+        import torch.multiprocessing as mp
+
+        try:
+            mp.start_processes(_worker, args=(args.nproc, _free_port(), cfg, model_cfg, args.quiet, args.verbose),
+                               nprocs=args.nproc, join=True, start_method="spawn")
+        except mp.ProcessExitedException as e:
+            return e.exit_code if e.exit_code and e.exit_code > 0 else 1
+        if args.json:
+            with open(os.path.join(args.out, "last_run.json"), encoding="utf-8") as f:
+                emit_json(json.load(f))
+        return 0
+    if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # under torchrun
+        import torch.distributed as dist
+
+        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+    from semoe.train import run_rank
+
+    logs = run_rank(cfg, model_cfg, quiet=args.quiet)
+    if args.json:
+        emit_json(_summary(logs, cfg))
+    return 0
