@@ -89,24 +89,30 @@ class ExpertStates(ABC):
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
         """Accumulate a weight gradient (gate, up, down) for this step."""
 
-    def prefetch(self, layer: int, experts: list[int]) -> None:
-        """A hint: these experts' weights will be fetched soon."""
+    def prefetch(self, layer: int, experts: list[int], priority: float = 0.0) -> None:
+        """A hint: these experts' weights will be fetched soon (lower priority first)."""
 
     def begin_forward_layer(self, layer: int, experts: list[int]) -> None:
-        """Called as a layer's forward starts with the experts it will run; prefetches the next layer."""
+        """Called as a layer's forward starts, with the experts it will run: reads them ahead, in order."""
         self._used[layer] = list(experts)
+        self.prefetch(layer, list(experts), 0.0)
+
+    def end_forward_layer(self, layer: int) -> None:
+        """Called when a layer's experts have run: the next layer's are read while attention computes."""
         nxt = [l for l in self.layers if l > layer]
         if nxt:
-            self.prefetch(nxt[0], list(self.experts))
+            self.prefetch(nxt[0], list(self.experts), 1.0)
 
     def begin_backward_layer(self, layer: int) -> None:
-        """Called once per layer as its backward starts; prefetches the previous layer's experts."""
+        """Called once per layer as its backward starts: this layer's experts first, then the previous
+        layer's (2D prefetch: while this layer computes, the next one in backward order is staged)."""
         if layer in self._backward_seen:
             return
         self._backward_seen.add(layer)
+        self.prefetch(layer, self._used.get(layer, []), 0.0)
         prev = [l for l in self.layers if l < layer]
         if prev and prev[-1] in self._used:
-            self.prefetch(prev[-1], self._used[prev[-1]])
+            self.prefetch(prev[-1], self._used[prev[-1]], 1.0)
 
     def end_backward(self) -> None:
         """Called after each backward pass (one per micro-batch)."""
@@ -124,6 +130,9 @@ class ExpertStates(ABC):
     @abstractmethod
     def step(self, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:
         """AdamW on every touched expert with gradients times `clip_coef`; clears the gradients."""
+
+    def wait_idle(self) -> None:
+        """Wait for background work of the last `step` (an asynchronous backend's updates and writes)."""
 
     def next_adam_step(self, key: Key) -> int:
         n = self.adam_steps.get(key, 0) + 1
@@ -221,6 +230,7 @@ class TrainingExperts:
                 yield e, _TrainedExpert(held.gate, held.up, held.down, states=self.states, layer=layer, expert=gid)
             finally:
                 held.release()
+        self.states.end_forward_layer(layer)
 
 
 class ResidentExpertStates(ExpertStates):

@@ -32,6 +32,8 @@ from semoe.checkpoint import hf_expert_names
 from semoe.config import MoEConfig
 from semoe.expert_states import AdamWConfig, ExpertStates, Held, Key, adamw_
 from storage.errors import CacheFullError
+from storage.fileio import ALIGN
+from storage.pool import aligned_empty
 from storage.manifest import ChunkEntry, Manifest, TensorEntry
 from storage.store import ExpertTensor, Store, chunk_layout, write_expert_chunk
 from storage.tiered import ExpertHandle, TieredExpertStore, TieredStoreConfig
@@ -87,20 +89,32 @@ class SSDExpertStates(ExpertStates):
     """Local experts' states in the store at `root`, behind a CPU cache of `cpu_cache_bytes`."""
 
     @staticmethod
-    def min_cache_bytes(config: MoEConfig, write_threads: int = 2) -> int:
-        """The smallest CPU cache that works: the tile being updated, the tiles being written, one more."""
-        return (3 * (write_threads + 1) + 1) * ChunkFormat(config).nbytes
+    def transient_bytes(config: MoEConfig, prefetch_depth: int = 1, write_threads: int = 1) -> int:
+        """Moment buffers in flight: the tiles read ahead, the one updated, the ones being written."""
+        return (prefetch_depth + 1 + write_threads) * 2 * ChunkFormat(config).nbytes
+
+    @staticmethod
+    def min_cache_bytes(config: MoEConfig, prefetch_depth: int = 1, write_threads: int = 1) -> int:
+        """The smallest budget that works: the moments in flight, plus weights for the tiles being
+        updated and written and one more."""
+        return (SSDExpertStates.transient_bytes(config, prefetch_depth, write_threads)
+                + (write_threads + 2) * ChunkFormat(config).nbytes)
 
     def __init__(self, config: MoEConfig, experts: range, device: torch.device, *, root: str,
                  cpu_cache_bytes: int, spill_dir: str, grad_budget_bytes: int | None = None,
-                 read_mode: str = "direct", prefetch_depth: int = 2, write_threads: int = 2) -> None:
+                 read_mode: str = "direct", prefetch_depth: int = 1, write_threads: int = 1) -> None:
         super().__init__(config, experts, device)
         self.root = root
         self.format = ChunkFormat(config)
         committed = Store.open(root).manifest
         self.overlay = Manifest.from_json(committed.to_json(), source=f"{root} (overlay)")
         self.view = Store(root, self.overlay)
-        self.tier = TieredExpertStore(self.view, TieredStoreConfig(cpu_cache_bytes=cpu_cache_bytes,
+        # moments stream past the cache: the tiles read ahead and those being written come off the budget
+        transient = self.transient_bytes(config, prefetch_depth, write_threads)
+        if cpu_cache_bytes - transient < (write_threads + 2) * self.format.nbytes:
+            raise ValueError(f"cpu_cache_bytes={cpu_cache_bytes} is below the minimum of "
+                             f"{self.min_cache_bytes(config, prefetch_depth, write_threads)} for these experts")
+        self.tier = TieredExpertStore(self.view, TieredStoreConfig(cpu_cache_bytes=cpu_cache_bytes - transient,
                                                                    read_mode=read_mode))
         self.spill_dir = spill_dir
         self.grad_budget = cpu_cache_bytes if grad_budget_bytes is None else grad_budget_bytes
@@ -113,8 +127,14 @@ class SSDExpertStates(ExpertStates):
         self.grad_bytes = 0
         self._lock = threading.Lock()
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="semoe-expert-write")
-        self._bytes_written = 0
+        self._readers = ThreadPoolExecutor(2, thread_name_prefix="semoe-moment-read")
+        self._bytes_written = self._moment_bytes = 0
         self._write_s = 0.0
+        self._cond = threading.Condition()
+        self._pending: set[Key] = set()  # experts whose update is in flight
+        self._worker: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._gen = 0  # optimizer steps started: names the spill folder
 
     # -- versions -----------------------------------------------------------------------------
     def begin_version(self, version: int) -> None:
@@ -124,6 +144,7 @@ class SSDExpertStates(ExpertStates):
 
     def written_entries(self) -> tuple[list[TensorEntry], list[ChunkEntry]]:
         """Entries of every chunk written into the staged version, for the checkpoint to adopt."""
+        self.wait_idle()
         tensors = [t for entries, _ in self.written.values() for t in entries]
         return tensors, [c for _, c in self.written.values()]
 
@@ -140,6 +161,7 @@ class SSDExpertStates(ExpertStates):
                              f"expert states; give --cpu-cache more room")
 
     def fetch(self, layer: int, expert: int) -> Held:
+        self._wait_updated((layer, expert))
         h = self._get(layer, expert, "weight")
         ws = self.format.views(h.raw)
         if self.device.type != "cpu":  # staged to the device; the host copy may be evicted now
@@ -150,8 +172,8 @@ class SSDExpertStates(ExpertStates):
             return Held(*ws)
         return Held(*ws, release=h.release)
 
-    def prefetch(self, layer: int, experts: list[int]) -> None:
-        self.tier.prefetch([(layer, e, "weight") for e in experts if e in self.experts])
+    def prefetch(self, layer: int, experts: list[int], priority: float = 0.0) -> None:
+        self.tier.prefetch([(layer, e, "weight") for e in experts if e in self.experts], priority=priority)
 
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
         key = (layer, expert)
@@ -174,17 +196,19 @@ class SSDExpertStates(ExpertStates):
             self.g[key] = grads
             self.grad_bytes += size
 
-    def _spill_path(self, key: Key) -> str:
-        return os.path.join(self.spill_dir, f"L{key[0]:04d}.E{key[1]:05d}.grad")
+    def _spill_path(self, key: Key, gen: int | None = None) -> str:
+        gen = self._gen if gen is None else gen
+        return os.path.join(self.spill_dir, f"step{gen % 2}", f"L{key[0]:04d}.E{key[1]:05d}.grad")
 
     def _write_spill(self, key: Key, grads: list[torch.Tensor]) -> None:
-        os.makedirs(self.spill_dir, exist_ok=True)
+        path = self._spill_path(key)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
         buf = self.format.pack(grads)
-        with open(self._spill_path(key), "wb") as f:
+        with open(path, "wb") as f:
             f.write(memoryview(buf))
 
-    def _read_spill(self, key: Key) -> list[torch.Tensor]:
-        with open(self._spill_path(key), "rb") as f:
+    def _read_spill(self, key: Key, gen: int | None = None) -> list[torch.Tensor]:
+        with open(self._spill_path(key, gen), "rb") as f:
             raw = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
         return [t.clone() for t in self.format.views(raw)]
 
@@ -198,44 +222,97 @@ class SSDExpertStates(ExpertStates):
     def grad_sq_norm(self) -> float:
         return float(sum(float(g.double().pow(2).sum()) for key in self.touched() for g in self._grads(key)))
 
-    def _state(self, key: Key, kind: str) -> tuple[ExpertHandle | None, torch.Tensor]:
-        """A state's chunk bytes: pinned in the cache, or new zeros for a moment never written."""
-        if self.overlay.has_chunk(key[0], key[1], kind):
-            h = self._get(key[0], key[1], kind)
-            return h, h.raw
-        return None, torch.zeros(self.format.nbytes, dtype=torch.uint8)
+    def _read_moment(self, key: Key, kind: str) -> torch.Tensor:
+        """A moment's chunk bytes, read past the cache (a moment is used once a step, so caching it
+        would only push weights out), or zeros for one never written."""
+        if not self.overlay.has_chunk(key[0], key[1], kind):
+            return torch.zeros(self.format.nbytes, dtype=torch.uint8)
+        chunk = self.overlay.chunk(key[0], key[1], kind)
+        _, buf = aligned_empty(chunk.bytes, alignment=ALIGN, pin=False)  # the view keeps its base alive
+        crcs = self.tier.reader.read_many([self.view.chunk_request(chunk, memoryview(buf.numpy()))])[0]
+        self.view.check_crcs(chunk, crcs)
+        with self._lock:
+            self._moment_bytes += chunk.bytes
+        return buf
 
-    def _prefetch_tile(self, key: Key) -> None:
-        self.tier.prefetch([(key[0], key[1], k) for k in STATE_KINDS if self.overlay.has_chunk(key[0], key[1], k)])
+    def _read_moments(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._read_moment(key, "adam_m"), self._read_moment(key, "adam_v")
 
-    @torch.no_grad()
     def step(self, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:
+        """Start the expert optimizer step in the background and return.
+
+        Experts are updated in layer order, so the next step's forward, which waits in `fetch` only
+        for the experts it needs, overlaps with the updates of later layers and with every write."""
+        self.wait_idle()
         if self.version is None:
             raise RuntimeError("SSDExpertStates.step before begin_version: no staged version to write into")
         keys = self.touched()
-        pending: deque[Future] = deque()
-        for i, key in enumerate(keys):
-            for ahead in keys[i + 1:i + 1 + self.prefetch_depth]:  # read the next tiles meanwhile
-                self._prefetch_tile(ahead)
-            n = self.next_adam_step(key)
-            grads = self._grads(key)
-            held = [self._state(key, kind) for kind in STATE_KINDS]
-            (_, w_raw), (_, m_raw), (_, v_raw) = held
-            for w, g, m, v in zip(self.format.views(w_raw), grads, self.format.views(m_raw),
-                                  self.format.views(v_raw)):
-                if clip_coef != 1.0:
-                    g.mul_(clip_coef)
-                adamw_(w, g, m, v, step=n, lr=lr, cfg=cfg)
-            pending.append(self._writers.submit(self._write_tile, key, held))
-            while len(pending) > self.write_depth:  # bounded: tiles being written stay pinned
-                pending.popleft().result()
-        while pending:
-            pending.popleft().result()
-        self.g.clear()
-        for key in self.spilled:
-            os.unlink(self._spill_path(key))
-        self.spilled.clear()
-        self.grad_bytes = 0
+        grads, spilled, gen = self.g, self.spilled, self._gen
+        self.g, self.spilled, self.grad_bytes = {}, set(), 0
+        self._gen += 1  # the next step spills into its own folder
+        with self._cond:
+            self._pending = set(keys)
+        self._worker = threading.Thread(target=self._update_all, name="semoe-expert-adam", daemon=True,
+                                        args=(keys, grads, spilled, gen, lr, cfg, clip_coef))
+        self._worker.start()
+
+    @torch.no_grad()
+    def _update_all(self, keys: list[Key], grads: dict[Key, list[torch.Tensor]], spilled: set[Key], gen: int,
+                    lr: float, cfg: AdamWConfig, clip_coef: float) -> None:
+        try:
+            moments: dict[Key, Future] = {}
+            writes: deque[Future] = deque()
+            for i, key in enumerate(keys):
+                for ahead in keys[i:i + 1 + self.prefetch_depth]:  # read the next tiles meanwhile
+                    if ahead not in moments:
+                        moments[ahead] = self._readers.submit(self._read_moments, ahead)
+                        self.tier.prefetch([(ahead[0], ahead[1], "weight")])
+                m_raw, v_raw = moments.pop(key).result()
+                h = self._get(key[0], key[1], "weight")
+                try:
+                    g = grads.pop(key) if key in grads else self._read_spill(key, gen)
+                    n = self.next_adam_step(key)
+                    for w, gt, m, v in zip(self.format.views(h.raw), g, self.format.views(m_raw),
+                                           self.format.views(v_raw)):
+                        if clip_coef != 1.0:
+                            gt.mul_(clip_coef)
+                        adamw_(w, gt, m, v, step=n, lr=lr, cfg=cfg)
+                except BaseException:
+                    h.release()
+                    raise
+                with self._cond:  # usable now; the write below reads the same bytes
+                    self._pending.discard(key)
+                    self._cond.notify_all()
+                writes.append(self._writers.submit(self._write_tile, key, [(h, h.raw), (None, m_raw), (None, v_raw)]))
+                while len(writes) > self.write_depth:  # bounded: tiles being written stay pinned
+                    writes.popleft().result()
+            while writes:
+                writes.popleft().result()
+            for key in spilled:
+                os.unlink(self._spill_path(key, gen))
+        except BaseException as e:  # surfaced by the next fetch, step or checkpoint
+            log.debug("expert optimizer step failed", exc_info=True)
+            with self._cond:
+                self._error = e
+                self._pending.clear()
+                self._cond.notify_all()
+
+    def wait_idle(self) -> None:
+        """Wait for the optimizer step in flight (updates and writes); raise what it raised."""
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _wait_updated(self, key: Key) -> None:
+        with self._cond:
+            while key in self._pending and self._error is None:
+                self._cond.wait()
+        self._raise_error()
 
     def _write_tile(self, key: Key, held: list[tuple[ExpertHandle | None, torch.Tensor]]) -> None:
         """Write one expert's updated states into the staged version, then unpin them."""
@@ -259,9 +336,14 @@ class SSDExpertStates(ExpertStates):
     def stats(self) -> dict:
         s = self.tier.stats()
         with self._lock:
-            return {"cpu_hit_rate": s.hit_rate, "ssd_read_bytes": s.ssd_bytes, "ssd_written_bytes": self._bytes_written,
+            return {"cpu_hit_rate": s.hit_rate, "ssd_read_bytes": s.ssd_bytes + self._moment_bytes,
+                    "ssd_written_bytes": self._bytes_written,
                     "cpu_hits": s.hits, "cpu_misses": s.misses}
 
     def close(self) -> None:
+        if self._worker is not None:
+            self._worker.join()
+            self._worker = None
+        self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
         self.tier.close()

@@ -367,6 +367,7 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------
     def checkpoint(self) -> int:
         """Commit the model, optimizers and position as one store version; returns it."""
+        self.states.wait_idle()
         fmt = ChunkFormat(self.config)
         if isinstance(self.states, ResidentExpertStates):
             written = ([], [])
@@ -415,10 +416,12 @@ class Trainer:
 
     def abort(self) -> None:
         """Drop what was staged since the last checkpoint (which stays intact)."""
-        if self.writer is not None:
-            self.writer.abort()
-            self.writer = None
-        self.states.close()
+        try:
+            self.states.close()  # background writes finish before their folder goes
+        finally:
+            if self.writer is not None:
+                self.writer.abort()
+                self.writer = None
 
     def close(self) -> None:
         if self.writer is not None:
