@@ -21,12 +21,14 @@ position needs more than the step number.
 
 from __future__ import annotations
 
+import errno
 import io
 import json
 import logging
 import math
 import os
 import resource
+import shutil
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -51,6 +53,7 @@ from storage.store import Store, StoreWriter, chunk_meta
 
 log = logging.getLogger(__name__)
 
+_NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
 EXPERT_STATES = ("ssd", "cpu", "device")
@@ -223,10 +226,18 @@ class Trainer:
         self.reducer = (GradBucketReducer(self.dense) if self.world > 1 and cfg.micro_batches == 1 else None)
         if resuming:
             self._load_checkpoint()
+            self.last_checkpoint = self.step
         else:
             self.step = 0
-            init_dense(self.model, cfg.seed)
-            self._init_experts()
+            self.last_checkpoint = 0
+            try:
+                init_dense(self.model, cfg.seed)
+                self._init_experts()
+            except BaseException:  # nothing was committed: leave no half-made store behind
+                self.abort()
+                if self.rank == 0:
+                    shutil.rmtree(cfg.store, ignore_errors=True)
+                raise
             self._open_version()
         self._prepare_data()
 
@@ -385,7 +396,14 @@ class Trainer:
         parts = self._gather((written, steps))
         version = None
         if self.rank == 0:
-            version = self._commit(parts)
+            try:
+                version = self._commit(parts)
+            except (OSError, ValueError, RuntimeError) as e:
+                detail = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else \
+                    (str(e).splitlines() or [type(e).__name__])[0]
+                raise TrainingError(f"checkpoint of step {self.step} failed ({detail}); nothing of it was kept "
+                                    f"and the last checkpoint (step {getattr(self, 'last_checkpoint', 0)}) in "
+                                    f"{self.cfg.store} is intact") from e
         version = self._broadcast(version)
         if self.rank == 0:
             Store.open(self.cfg.store).gc(keep=1)
@@ -525,10 +543,18 @@ class Trainer:
                     self.on_step(entry)
                 if self.step % self.cfg.checkpoint_every == 0 or self.step == self.cfg.steps:
                     self.checkpoint()
+                    self.last_checkpoint = self.step
                     if self.step < self.cfg.steps:
                         self._open_version()
-        except BaseException:
-            self.abort()
+        except BaseException as e:
+            try:
+                self.abort()
+            except BaseException:
+                log.debug("cleanup after a failed step failed too", exc_info=True)
+            if isinstance(e, OSError) and e.errno in _NO_SPACE:
+                raise TrainingError(f"{e.filename or self.cfg.store}: {e.strerror} while writing step {self.step}; "
+                                    f"stopped. The last checkpoint (step {self.last_checkpoint}) in {self.cfg.store} "
+                                    f"is intact; free space and run again with --resume") from e
             raise
         self.close()
         return logs

@@ -162,6 +162,8 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), stream=sys.stderr,
                         format=f"%(levelname)s rank{rank} %(name)s: %(message)s")
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    if sys.platform == "linux":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one machine talk over loopback
     backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -181,9 +183,14 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
         print(f"semoe: error: rank {rank}: {e.filename + ': ' if e.filename else ''}{e.strerror or e}",
               file=sys.stderr, flush=True)
         code = 1
-    if code:
-        os._exit(code)  # the other ranks are stuck in a collective: the launcher tears them down
-    dist.destroy_process_group()
+    if not code:
+        dist.destroy_process_group()
+    # A failing rank's peers are stuck in a collective: the launcher tears them down. A finished
+    # one exits without the interpreter's finaliser, during which a gloo thread still freeing a
+    # collective's tensors can abort the process.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def run(args: argparse.Namespace) -> int:

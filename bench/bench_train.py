@@ -1,0 +1,223 @@
+"""Training step time with expert states on SSD vs all in memory, side by side in one run.
+
+Each configuration is its own `semoe train` process with its own fresh --out under --workdir,
+on the same model and batch, run one after the other and alternated (device, ssd, device, ssd
+with --repeats 2) so drift on a noisy machine hits both:
+
+    device   --expert-states device: every expert weight, gradient and Adam moment in memory
+    ssd      --expert-states ssd --cpu-cache 25%: the states in the store, a quarter cached
+
+The first --warmup-steps-skip steps of each run are dropped; a row is the median step_s of the
+rest (pooled over repeats). The ratio ssd/device is the cost of keeping expert states on SSD:
+1.0 means free, the target is <= 1.3. The same ratio at a small batch (--small-batch, on by
+default) shows how it depends on the compute per step: less compute hides less SSD traffic.
+
+--largest instead trains, with states on SSD, a model whose expert states are at least
+--ram-factor times this machine's RAM (tens of GB written under --workdir) and reports s/step,
+loss per step (it must fall) and peak RSS vs RAM. It refuses (exit 2) if the model is too small
+or the disk too full.
+
+    python bench/bench_train.py --workdir DIR [--steps 8] [--repeats 2] [--no-small-batch] [--json]
+    python bench/bench_train.py --workdir DIR --largest [--ram-factor 1.5] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "expert_ffn", "experts", "top_k")
+COMPARE = dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=768, expert_ffn=512, experts=8, top_k=2,
+               batch_size=16, seq_len=512, steps=8, cpu_cache="25%")
+LARGEST = dict(layers=8, hidden=1024, heads=16, kv_heads=4, ffn=4096, expert_ffn=4096, experts=32, top_k=2,
+               batch_size=4, seq_len=128, steps=3, cpu_cache="4GiB")
+TARGET_RATIO = 1.3
+GIB = 2**30
+
+
+def model_config(args: argparse.Namespace):
+    from semoe.config import named_config
+
+    return named_config("gpt-moe-small", num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
+                        num_kv_heads=args.kv_heads, ffn_size=args.ffn, moe_ffn_size=args.expert_ffn,
+                        num_experts=args.experts, top_k=args.top_k)
+
+
+def ram_bytes() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    raise SystemExit("no MemTotal in /proc/meminfo")
+
+
+def train(args: argparse.Namespace, name: str, batch: int, seq: int, extra: list[str]) -> list[dict]:
+    """One `semoe train` run into a fresh --out; its --log-json lines."""
+    out = os.path.join(args.workdir, name)
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    log = os.path.join(out, "steps.jsonl")
+    cmd = [sys.executable, "-m", "tools.cli", "train", "--out", os.path.join(out, "run"), "--log-json", log, "-q",
+           "--steps", str(args.steps), "--checkpoint-every", str(max(1000, args.steps + 1)),
+           "--batch-size", str(batch), "--seq-len", str(seq), *extra]
+    for flag in SHAPE_FLAGS:
+        cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    if res.returncode != 0:
+        print(res.stderr[-4000:], file=sys.stderr)
+        raise SystemExit(f"{name} failed (exit {res.returncode}); its run directory is {out}")
+    with open(log, encoding="utf-8") as f:
+        steps = [json.loads(line) for line in f if line.strip()]
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
+    return steps
+
+
+def summarize(runs: list[list[dict]], skip: int, tokens_per_step: int) -> dict:
+    """Median over the steps after warm-up, pooled over the repeats."""
+    kept = [s for steps in runs for s in steps[skip:]]
+    med = statistics.median(s["step_s"] for s in kept)
+    hits = [s["cpu_hit_rate"] for s in kept if s["cpu_hit_rate"] is not None]
+    return {"median_step_s": med, "tokens_per_s": tokens_per_step / med,
+            "per_run_median_step_s": [statistics.median(s["step_s"] for s in steps[skip:]) for steps in runs],
+            "cpu_hit_rate": statistics.mean(hits) if hits else None,
+            "ssd_read_gbps": statistics.median(s["ssd_read_gbps"] for s in kept),
+            "ssd_write_gbps": statistics.median(s["ssd_write_gbps"] for s in kept),
+            "peak_rss_bytes": max(s["peak_rss_bytes"] for steps in runs for s in steps)}
+
+
+def compare(args: argparse.Namespace, label: str, batch: int, seq: int) -> dict:
+    """device vs ssd at one batch shape, alternated --repeats times."""
+    modes = {"device": ["--expert-states", "device"], "ssd": ["--expert-states", "ssd", "--cpu-cache", args.cpu_cache]}
+    runs: dict[str, list] = {m: [] for m in modes}
+    for rep in range(args.repeats):
+        for mode, extra in modes.items():
+            runs[mode].append(train(args, f"{label}-{mode}-{rep}", batch, seq, extra))
+    rows = {m: summarize(r, args.warmup_steps_skip, batch * seq) for m, r in runs.items()}
+    return {"batch_size": batch, "seq_len": seq, "rows": rows,
+            "ssd_vs_device": rows["ssd"]["median_step_s"] / rows["device"]["median_step_s"]}
+
+
+def expert_ram(args: argparse.Namespace) -> dict:
+    """Memory the expert states take in each mode."""
+    from semoe.train import expert_state_bytes
+    from tools.sizes import parse_size
+
+    cfg = model_config(args)
+    params = cfg.num_parameters()["experts"]
+    cache = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=expert_state_bytes(cfg))
+    return {"expert_params": params, "device_bytes": 16 * params, "ssd_cache_bytes": cache}
+
+
+def print_compare(res: dict, ram: dict) -> None:
+    print(f"{'config':22} {'s/step':>8} {'tokens/s':>9} {'cpu hit':>7} {'read GB/s':>9} {'write GB/s':>10} "
+          f"{'peak RSS':>9}")
+    for r in res.values():
+        for mode, row in r["rows"].items():
+            hit = f"{row['cpu_hit_rate']:.2f}" if row["cpu_hit_rate"] is not None else "-"
+            name = f"{mode} batch {r['batch_size']}x{r['seq_len']}"
+            print(f"{name:22} {row['median_step_s']:8.3f} "
+                  f"{row['tokens_per_s']:9,.0f} {hit:>7} {row['ssd_read_gbps']:9.2f} {row['ssd_write_gbps']:10.2f} "
+                  f"{row['peak_rss_bytes'] / GIB:7.2f}Gi")
+    for label, r in res.items():
+        verdict = "meets" if r["ssd_vs_device"] <= TARGET_RATIO else "misses"
+        print(f"ssd/device median step time, {label} batch {r['batch_size']}x{r['seq_len']}: "
+              f"{r['ssd_vs_device']:.2f} ({verdict} the target <= {TARGET_RATIO})")
+    print(f"RAM for expert states ({ram['expert_params']:,} expert params): device {ram['device_bytes'] / GIB:.3f} GiB "
+          f"(16 B/param: weight, grad, 2 Adam moments) vs ssd {ram['ssd_cache_bytes'] / GIB:.3f} GiB of CPU cache "
+          f"({ram['device_bytes'] / ram['ssd_cache_bytes']:.1f}x less)")
+
+
+def largest(args: argparse.Namespace) -> dict:
+    from semoe.train import expert_state_bytes
+
+    cfg = model_config(args)
+    n = cfg.num_parameters()
+    # 3 kinds (weight, 2 Adam moments) * layers * experts * float32 expert
+    state = expert_state_bytes(cfg)
+    ram, free = ram_bytes(), shutil.disk_usage(args.workdir).free
+    if state < args.ram_factor * ram:
+        print(f"refusing: expert states of {state / GIB:.1f} GiB are below {args.ram_factor} x RAM "
+              f"({ram / GIB:.1f} GiB); raise --experts or --expert-ffn", file=sys.stderr)
+        raise SystemExit(2)
+    if free < 1.4 * state:
+        print(f"refusing: {free / GIB:.1f} GiB free under {args.workdir}, need 1.4 x {state / GIB:.1f} GiB "
+              f"= {1.4 * state / GIB:.1f} GiB", file=sys.stderr)
+        raise SystemExit(2)
+    extra = ["--expert-states", "ssd", "--cpu-cache", args.cpu_cache]
+    helptext = subprocess.run([sys.executable, "-m", "tools.cli", "train", "--help"], cwd=ROOT, capture_output=True,
+                              text=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout
+    if "--grad-memory" in helptext:
+        extra += ["--grad-memory", args.grad_memory]
+    steps = train(args, "largest", args.batch_size, args.seq_len, extra)
+    losses = [s["loss"] for s in steps]
+    peak = max(s["peak_rss_bytes"] for s in steps)
+    return {"dense_params": n["dense"], "expert_params": n["experts"], "total_params": n["dense"] + n["experts"],
+            "expert_state_bytes": state, "ram_bytes": ram, "state_vs_ram": state / ram,
+            "step_s": [s["step_s"] for s in steps], "loss": losses, "loss_fell": losses[-1] < losses[0],
+            "cpu_hit_rate": [s["cpu_hit_rate"] for s in steps], "peak_rss_bytes": peak, "peak_rss_vs_ram": peak / ram}
+
+
+def print_largest(r: dict) -> None:
+    print(f"model: {r['total_params'] / 1e9:.2f} B params ({r['dense_params'] / 1e6:.1f} M dense, "
+          f"{r['expert_params'] / 1e9:.2f} B in experts)")
+    print(f"expert states {r['expert_state_bytes'] / GIB:.1f} GiB = {r['state_vs_ram']:.2f} x RAM "
+          f"({r['ram_bytes'] / GIB:.1f} GiB)")
+    for i, (dt, loss) in enumerate(zip(r["step_s"], r["loss"]), 1):
+        print(f"step {i}: {dt:8.2f} s/step  loss {loss:.4f}")
+    print(f"loss {'fell' if r['loss_fell'] else 'did NOT fall'}: {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f}")
+    print(f"peak RSS {r['peak_rss_bytes'] / GIB:.2f} GiB = {r['peak_rss_vs_ram']:.2f} x RAM")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True, help="where the run directories go (on the SSD to measure)")
+    ap.add_argument("--largest", action="store_true", help="train a model with expert states > RAM instead")
+    shape = ap.add_argument_group("model and batch (defaults differ with --largest)")
+    for flag in (*SHAPE_FLAGS, "batch_size", "seq_len", "steps"):
+        shape.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
+    shape.add_argument("--cpu-cache", default=None, help="ssd: CPU cache [25%%; --largest: 4GiB]")
+    ap.add_argument("--repeats", type=int, default=2, help="alternated device/ssd pairs per batch shape")
+    ap.add_argument("--warmup-steps-skip", type=int, default=2, help="steps dropped from each run")
+    ap.add_argument("--small-batch", action=argparse.BooleanOptionalAction, default=True,
+                    help="also compare at --small-batch-size x --small-seq-len")
+    ap.add_argument("--small-batch-size", type=int, default=4)
+    ap.add_argument("--small-seq-len", type=int, default=128)
+    ap.add_argument("--ram-factor", type=float, default=1.5, help="--largest: expert states >= this x RAM")
+    ap.add_argument("--grad-memory", default="2GiB", help="--largest: passed on if `semoe train` has the flag")
+    ap.add_argument("--keep", action="store_true", help="keep the run directories")
+    ap.add_argument("--json", action="store_true", help="print one JSON object with all numbers")
+    args = ap.parse_args()
+    for key, value in (LARGEST if args.largest else COMPARE).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    if not args.largest and args.steps <= args.warmup_steps_skip:
+        ap.error(f"--steps ({args.steps}) must exceed --warmup-steps-skip ({args.warmup_steps_skip})")
+    os.makedirs(args.workdir, exist_ok=True)
+    if args.largest:
+        out = {"largest": largest(args)}
+        if not args.json:
+            print_largest(out["largest"])
+    else:
+        res = {"default": compare(args, "default", args.batch_size, args.seq_len)}
+        if args.small_batch:
+            res["small"] = compare(args, "small", args.small_batch_size, args.small_seq_len)
+        out = {"target_ratio": TARGET_RATIO, "expert_ram": expert_ram(args), "compare": res}
+        if not args.json:
+            print_compare(res, out["expert_ram"])
+    if args.json:
+        print(json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,260 @@
+"""Training: expert states on SSD give exactly the numbers of states in memory, which match a plain
+PyTorch loop; two ranks match one; a run killed with SIGKILL and resumed ends bit-identical."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from semoe.config import named_config
+from semoe.expert_states import AdamWConfig, _ExpertFFN, adamw_, init_expert
+from semoe.model import MoEGPT, ResidentExperts, swiglu
+from semoe.train import TrainConfig, Trainer, init_dense
+from storage.store import Store
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHAPE = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_size=128, moe_ffn_size=96,
+             num_experts=4, max_position=256)
+SHAPE_FLAGS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+               "--expert-ffn", "96", "--experts", "4"]
+
+
+def tiny_config(**kw):
+    return named_config("gpt-moe-small", **{**SHAPE, **kw})
+
+
+@pytest.fixture(scope="module")
+def text_file(tmp_path_factory) -> str:
+    """A small varied text corpus (some of the standard library's source)."""
+    import argparse as a
+    import dataclasses as d
+    import json as j
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    with open(path, "w", encoding="utf-8") as out:
+        for mod in (a, d, j.decoder, j.encoder):
+            with open(mod.__file__, encoding="utf-8") as f:
+                out.write(f.read())
+    return str(path)
+
+
+def store_tensors(path: str) -> dict[tuple, torch.Tensor]:
+    """Every tensor of a store's committed version, dense and expert, by (name, kind)."""
+    store = Store.open(path)
+    out = {}
+    for t in store.manifest.dense():
+        out[(t.name, "weight")] = store.read_tensor(t.name)
+    for c in store.manifest.chunks:
+        for name, t in store.read_expert(c.layer, c.expert, c.kind).items():
+            out[(name, c.kind)] = t
+    return out
+
+
+def optimizer_state(path: str) -> dict:
+    import io
+    store = Store.open(path)
+    return torch.load(io.BytesIO(store.read_file("optimizer.pt")), weights_only=False)["dense_optimizer"]
+
+
+# -- pieces -------------------------------------------------------------------------------------
+
+
+def test_adamw_is_torch_adamw_bit_for_bit():
+    torch.manual_seed(0)
+    cfg = AdamWConfig(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+    p = torch.nn.Parameter(torch.randn(7, 5))
+    w, m, v = p.detach().clone(), torch.zeros(7, 5), torch.zeros(7, 5)
+    opt = torch.optim.AdamW([p], lr=1e-2, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
+    for step in range(1, 6):
+        g = torch.randn(7, 5)
+        p.grad = g.clone()
+        opt.step()
+        adamw_(w, g.clone(), m, v, step=step, lr=1e-2, cfg=cfg)
+        assert torch.equal(w, p.detach()), f"step {step}"
+
+
+class _Recorder:
+    def __init__(self, w):
+        self.w, self.grads = w, {}
+
+    def begin_backward_layer(self, layer):
+        pass
+
+    def fetch(self, layer, expert):
+        from semoe.expert_states import Held
+        return Held(*self.w)
+
+    def add_grad(self, layer, expert, grads):
+        self.grads[(layer, expert)] = grads
+
+
+def test_expert_function_gradients_match_autograd():
+    torch.manual_seed(1)
+    w = [torch.randn(12, 8) * 0.3, torch.randn(12, 8) * 0.3, torch.randn(8, 12) * 0.3]
+    x = torch.randn(5, 8, requires_grad=True)
+    rec = _Recorder(w)
+    y = _ExpertFFN.apply(x, *w, rec, 0, 3)
+    dy = torch.randn_like(y)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    leaves = [t.clone().requires_grad_() for t in w]
+    x2 = x.detach().clone().requires_grad_()
+    y2 = swiglu(x2, *leaves)
+    ref = torch.autograd.grad(y2, [x2, *leaves], dy)
+    torch.testing.assert_close(y, y2, rtol=0, atol=1e-6)
+    torch.testing.assert_close(dx, ref[0], rtol=1e-5, atol=1e-6)
+    for got, want in zip(rec.grads[(0, 3)], ref[1:]):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+# -- whole runs, in process ---------------------------------------------------------------------
+
+
+def _run(tmp_path, name, text_file, **kw):
+    cfg = TrainConfig(out=str(tmp_path / name), data=text_file, steps=kw.pop("steps", 5), batch_size=4, seq_len=32,
+                      warmup_steps=2, checkpoint_every=kw.pop("checkpoint_every", 2), **kw)
+    trainer = Trainer(cfg, tiny_config())
+    logs = trainer.run()
+    return cfg, [(x.loss, x.aux_loss, x.grad_norm) for x in logs], trainer
+
+
+def test_ssd_states_equal_device_states_bit_for_bit(tmp_path, text_file):
+    """Same seed, float32: identical losses every step and identical stores, even with a cache that
+    holds a fraction of the experts and gradients that spill to disk."""
+    from semoe.ssd_states import SSDExpertStates
+    small = SSDExpertStates.min_cache_bytes(tiny_config())
+    dev_cfg, dev, _ = _run(tmp_path, "device", text_file, expert_states="device")
+    ssd_cfg, ssd, trainer = _run(tmp_path, "ssd", text_file, expert_states="ssd", cpu_cache_bytes=small,
+                                 grad_budget_bytes=3 * 96 * 64 * 4)
+    assert dev == ssd
+    a, b = store_tensors(dev_cfg.store), store_tensors(ssd_cfg.store)
+    assert a.keys() == b.keys() and any(k[1] == "adam_v" for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    stats = trainer.states.stats()
+    assert stats["cpu_misses"] > 0 and stats["ssd_written_bytes"] > 0  # the cache really was too small
+    assert Store.open(ssd_cfg.store).verify() == []
+
+
+def test_matches_a_plain_pytorch_loop(tmp_path, text_file):
+    """The expert function, sparse AdamW and clipping against nn.Parameters, autograd and
+    torch.optim.AdamW (every expert gets tokens every step, so sparse and dense Adam agree)."""
+    cfg, ours, trainer = _run(tmp_path, "ours", text_file, expert_states="device", steps=4, grad_clip=0.5)
+    assert all(n == 4 for n in trainer.states.adam_steps.values()) and len(trainer.states.adam_steps) == 8
+    config = tiny_config()
+    torch.manual_seed(123)
+    model = MoEGPT(config)
+    init_dense(model, cfg.seed)
+    with torch.no_grad():
+        for ffn in model.moe_layers():
+            assert isinstance(ffn.experts, ResidentExperts)
+            for e in range(config.num_experts):
+                for dst, src in zip((ffn.experts.w_gate, ffn.experts.w_up, ffn.experts.w_down),
+                                    init_expert(config, cfg.seed, ffn.layer, e)):
+                    dst[e].copy_(src)
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                            weight_decay=cfg.weight_decay, foreach=False)
+    ref = []
+    for step in range(4):
+        ids, tgt = trainer.sampler.batch(step)
+        out = model(ids)
+        ce = F.cross_entropy(out.logits.reshape(-1, config.vocab_size), tgt.reshape(-1))
+        loss = ce + config.aux_loss_coef * out.aux_loss + config.z_loss_coef * out.z_loss
+        opt.zero_grad()
+        loss.backward()
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        for g in opt.param_groups:
+            g["lr"] = cfg.lr_at(step)
+        opt.step()
+        ref.append((float(ce), float(out.aux_loss), float(norm)))
+    for (l1, a1, n1), (l2, a2, n2) in zip(ours, ref):
+        assert l1 == pytest.approx(l2, rel=1e-5) and a1 == pytest.approx(a2, rel=1e-5)
+        assert n1 == pytest.approx(n2, rel=1e-4)
+
+
+# -- the command line: two ranks, SIGKILL and resume, generation ---------------------------------
+
+
+def cli(*args, check=True, **kw) -> subprocess.CompletedProcess:
+    p = subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, **kw)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def log_losses(path: str) -> list[float]:
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["loss"] for line in f]
+
+
+def test_two_ranks_match_one_rank_and_loss_falls(tmp_path, text_file):
+    """2 ranks of expert parallelism (all-to-all, bucketed all-reduce) == 1 rank accumulating the
+    same two halves of each batch, within float32 reduction tolerance."""
+    common = ["train", *SHAPE_FLAGS, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "12",
+              "--checkpoint-every", "6", "--lr", "3e-3", "-q"]
+    cli(*common, "--out", str(tmp_path / "one"), "--micro-batches", "2", "--log-json", str(tmp_path / "one.log"))
+    cli(*common, "--out", str(tmp_path / "two"), "--nproc", "2", "--log-json", str(tmp_path / "two.log"))
+    one, two = log_losses(str(tmp_path / "one.log")), log_losses(str(tmp_path / "two.log"))
+    assert len(one) == len(two) == 12
+    assert one == pytest.approx(two, rel=1e-4)
+    assert sum(two[-3:]) / 3 < two[0] - 0.5, two  # loss falls with 2 ranks
+    a, b = store_tensors(str(tmp_path / "one" / "store")), store_tensors(str(tmp_path / "two" / "store"))
+    assert a.keys() == b.keys()
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=lambda m: f"{k}: {m}")
+
+
+def _trainer_step(store: str) -> int:
+    try:
+        return json.loads(Store.open(store).read_file("trainer.json"))["step"]
+    except Exception:  # not created yet
+        return -1
+
+
+@pytest.mark.parametrize("states", ["ssd", "device"])
+def test_sigkill_then_resume_is_bit_exact(tmp_path, text_file, states):
+    common = ["train", *SHAPE_FLAGS, "--data", text_file, "--batch-size", "4", "--seq-len", "32", "--steps", "14",
+              "--checkpoint-every", "3", "--expert-states", states, "--cpu-cache", "1MiB", "-q"]
+    straight = tmp_path / "straight"
+    cli(*common, "--out", str(straight))
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *common, "--out", str(killed)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while _trainer_step(str(killed / "store")) < 6 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    stopped_at = _trainer_step(str(killed / "store"))
+    assert 6 <= stopped_at < 14, f"the run was not killed mid-way (checkpoint at step {stopped_at})"
+    assert Store.open(str(killed / "store")).verify() == []
+    cli(*common, "--out", str(killed), "--resume")
+    assert _trainer_step(str(killed / "store")) == 14
+    a, b = store_tensors(str(straight / "store")), store_tensors(str(killed / "store"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    oa, ob = optimizer_state(str(straight / "store")), optimizer_state(str(killed / "store"))
+    for i, s in oa["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(s[name], ob["state"][i][name]), (i, name)
+
+
+def test_generate_from_a_trained_store_offloaded_equals_resident(tmp_path, text_file):
+    out = tmp_path / "run"
+    cli("train", *SHAPE_FLAGS, "--data", text_file, "--batch-size", "4", "--seq-len", "32", "--steps", "4",
+        "--out", str(out), "-q")
+    args = ["generate", "--model", str(out / "store"), "--prompt", "def main(", "--max-new-tokens", "12", "--json"]
+    resident = json.loads(cli(*args).stdout)
+    offloaded = json.loads(cli(*args, "--cpu-cache", "50%").stdout)
+    assert resident["tokens"] == offloaded["tokens"] and len(resident["tokens"]) == 12
+    assert resident["logprobs"] == offloaded["logprobs"]
+    assert offloaded["stats"]["cpu_hit_rate"] is not None
