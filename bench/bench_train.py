@@ -35,10 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "expert_ffn", "experts", "top_k")
-COMPARE = dict(layers=4, hidden=256, heads=8, kv_heads=4, ffn=768, expert_ffn=512, experts=8, top_k=2,
-               batch_size=16, seq_len=512, steps=8, cpu_cache="25%")
-LARGEST = dict(layers=8, hidden=1024, heads=16, kv_heads=4, ffn=4096, expert_ffn=4096, experts=32, top_k=2,
-               batch_size=4, seq_len=128, steps=3, cpu_cache="4GiB")
+COMPARE = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "ffn": 768, "expert_ffn": 512, "experts": 8,
+           "top_k": 2, "batch_size": 16, "seq_len": 512, "steps": 8, "cpu_cache": "25%"}
+LARGEST = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn": 4096, "expert_ffn": 4096, "experts": 32,
+           "top_k": 2, "batch_size": 4, "seq_len": 128, "steps": 3, "cpu_cache": "4GiB"}
 TARGET_RATIO = 1.3
 GIB = 2**30
 
@@ -71,7 +71,8 @@ def train(args: argparse.Namespace, name: str, batch: int, seq: int, extra: list
     for flag in SHAPE_FLAGS:
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     print(f"running {name} ...", file=sys.stderr, flush=True)
-    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False,
+                         env={**os.environ, "PYTHONPATH": ROOT})
     if res.returncode != 0:
         print(res.stderr[-4000:], file=sys.stderr)
         raise SystemExit(f"{name} failed (exit {res.returncode}); its run directory is {out}")
@@ -155,7 +156,7 @@ def largest(args: argparse.Namespace) -> dict:
         raise SystemExit(2)
     extra = ["--expert-states", "ssd", "--cpu-cache", args.cpu_cache]
     helptext = subprocess.run([sys.executable, "-m", "tools.cli", "train", "--help"], cwd=ROOT, capture_output=True,
-                              text=True, env={**os.environ, "PYTHONPATH": ROOT}).stdout
+                              text=True, check=False, env={**os.environ, "PYTHONPATH": ROOT}).stdout
     if "--grad-memory" in helptext:
         extra += ["--grad-memory", args.grad_memory]
     steps = train(args, "largest", args.batch_size, args.seq_len, extra)

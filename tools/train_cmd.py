@@ -58,6 +58,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--cpu-cache", metavar="SIZE", default=None,
                    help="ssd: CPU cache for expert states per rank, bytes (2GiB) or a percentage of the "
                         "rank's expert-state bytes (25%%) [25%%]")
+    s.add_argument("--grad-memory", metavar="SIZE", default=None,
+                   help="ssd: host memory for expert gradients during a step, bytes or a percentage of the "
+                        "rank's expert-state bytes; the rest spill to OUT/spill [same as --cpu-cache]")
     s.add_argument("--device", default=None, help="cpu, cuda or cuda:N [cpu]")
     s.add_argument("--read-mode", choices=("direct", "drop", "cached"), default=None,
                    help="how expert reads treat the page cache (direct: bypass it) [direct]")
@@ -119,14 +122,17 @@ def build_configs(args: argparse.Namespace):
     train.update({k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k, None) is not None})
     train["out"], train["log_json"] = args.out, args.log_json
     train["verify"] = not args.no_verify
-    if args.cpu_cache is not None:
+    for flag, value, key in (("--cpu-cache", args.cpu_cache, "cpu_cache_bytes"),
+                             ("--grad-memory", args.grad_memory, "grad_budget_bytes")):
+        if value is None:
+            continue
         percent_of = None
-        if args.cpu_cache.strip().endswith("%"):
+        if value.strip().endswith("%"):
             from semoe.checkpoint import config_from_json
 
             cfg = model_cfg or config_from_json(json.loads(Store.open(store).read_file("config.json")))
             percent_of = expert_state_bytes(cfg) // (args.nproc or 1)
-        train["cpu_cache_bytes"] = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=percent_of)
+        train[key] = parse_size(value, flag=flag, percent_of=percent_of)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(train) - known)
     if unknown:
