@@ -89,6 +89,7 @@ class TrainConfig:
     log_json: str | None = None
     read_mode: str = "direct"
     verify: bool = True  # check every checksum of the store before resuming
+    init_from: str | None = None  # a model store (imported or trained) to start from instead of random weights
 
     def __post_init__(self) -> None:
         if self.expert_states not in EXPERT_STATES:
@@ -210,6 +211,12 @@ class Trainer:
         resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
         if resuming:
             self.config, self.trainer_state = self._open_existing(model_config)
+        elif cfg.init_from is not None:
+            self.source = Store.open(cfg.init_from)
+            if not self.source.manifest.has_file("config.json"):
+                raise BadInputError(f"--init-from {cfg.init_from}: the store holds no model (no config.json)")
+            self.config = config_from_json(json.loads(self.source.read_file("config.json")))
+            self.trainer_state = None
         else:
             if model_config is None:
                 raise BadInputError("a new run needs a model config")
@@ -231,7 +238,10 @@ class Trainer:
             self.step = 0
             self.last_checkpoint = 0
             try:
-                init_dense(self.model, cfg.seed)
+                if cfg.init_from is None:
+                    init_dense(self.model, cfg.seed)
+                else:
+                    self._load_dense(self.source, cfg.init_from)
                 self._init_experts()
             except BaseException:  # nothing was committed: leave no half-made store behind
                 self.abort()
@@ -305,11 +315,21 @@ class Trainer:
         storage = torch.device("cpu") if cfg.expert_states == "cpu" else self.device
         return ResidentExpertStates(self.config, self.experts, self.device, storage)
 
+    def _tokenizer(self):
+        """The model's own tokenizer (kept in the store) or, for models trained here, the byte tokenizer."""
+        from semoe.checkpoint import load_model_tokenizer
+
+        tok = load_model_tokenizer(self.cfg.store if self.trainer_state is not None else
+                                   (self.cfg.init_from or self.cfg.store), self.config)
+        if tok is None:
+            tok = ByteTokenizer()
+            if self.config.vocab_size < tok.vocab_size:
+                raise BadInputError(f"the model has no tokenizer.json and the byte tokenizer needs vocab_size >= "
+                                    f"{tok.vocab_size}, the model has {self.config.vocab_size}")
+        return tok
+
     def _prepare_data(self) -> None:
-        tok = ByteTokenizer()
-        if self.config.vocab_size < tok.vocab_size:
-            raise BadInputError(f"the byte tokenizer needs vocab_size >= {tok.vocab_size}, "
-                                f"the model has {self.config.vocab_size}")
+        tok = self._tokenizer()
         data_dir = os.path.join(self.cfg.out, "data")
         if self.rank == 0:
             prepare_data(self.cfg.data, data_dir, tok, seed=self.cfg.seed)
@@ -340,7 +360,7 @@ class Trainer:
         fmt = ChunkFormat(self.config)
         for layer in self.config.moe_layer_ids:
             for e in self.experts:
-                w = init_expert(self.config, self.cfg.seed, layer, e)
+                w = self._initial_expert(layer, e)
                 if isinstance(self.states, ResidentExpertStates):
                     self.states.load((layer, e), w)
                     self.states.dirty.add((layer, e))
@@ -350,13 +370,30 @@ class Trainer:
                     self.states.written[(layer, e, "weight")] = (entries, chunk)
         self.checkpoint()
 
+    @torch.no_grad()
+    def _load_dense(self, store: Store, source: str) -> None:
+        for name, p in _dense_params(self.model):
+            key = hf_name(self.config, name)
+            if not store.manifest.has_tensor(key):
+                raise BadInputError(f"{source}: tensor {key} is missing")
+            t = store.read_tensor(key)
+            if tuple(t.shape) != tuple(p.shape):
+                raise BadInputError(f"{source}: tensor {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
+            p.copy_(t)
+
+    def _initial_expert(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
+        if self.cfg.init_from is None:
+            return init_expert(self.config, self.cfg.seed, layer, e)
+        if not self.source.manifest.has_chunk(layer, e):
+            raise BadInputError(f"{self.cfg.init_from}: expert {e} of layer {layer} is missing")
+        ts = self.source.read_expert(layer, e)
+        return tuple(ts[n].float() for n in ChunkFormat(self.config).names(layer, e))
+
     def _load_checkpoint(self) -> None:
         store = Store.open(self.cfg.store)
         st = self.trainer_state
         self.step = int(st["step"])
-        with torch.no_grad():
-            for name, p in _dense_params(self.model):
-                p.copy_(store.read_tensor(hf_name(self.config, name)))
+        self._load_dense(store, self.cfg.store)
         blob = torch.load(io.BytesIO(store.read_file(OPTIMIZER_FILE)), map_location=self.device, weights_only=False)
         self.opt.load_state_dict(blob["dense_optimizer"])
         torch.set_rng_state(blob["rng"])
@@ -416,6 +453,11 @@ class Trainer:
             w.adopt(tensors, chunks)
         c = self.config
         w.put_file("config.json", json.dumps(hf_config(c), indent=2).encode())
+        source = getattr(self, "source", None)
+        if source is not None and not w.manifest.has_file("tokenizer.json"):  # keep the model's tokenizer
+            for f in source.manifest.files:
+                if f.name != "config.json":
+                    w.put_file(f.name, source.read_file(f.name))
         for name, p in _dense_params(self.model):
             w.put_dense(hf_name(c, name), p.detach().cpu())
         buf = io.BytesIO()

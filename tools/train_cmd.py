@@ -32,6 +32,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="spawn N ranks on this machine (gloo on CPU, nccl on GPU); under torchrun leave it out")
+    p.add_argument("--init-from", metavar="STORE", default=None,
+                   help="start from the weights of a model store (`semoe store import` of a HuggingFace model, or "
+                        "another run's store) instead of random weights; its config and tokenizer are used")
     p.add_argument("--config", metavar="NAME|FILE",
                    help="named model config (tiny, gpt-moe-small) or a JSON file {\"model\": {...}, \"train\": {...}} "
                         "[default: gpt-moe-small]")
@@ -111,7 +114,16 @@ def build_configs(args: argparse.Namespace):
         raise UsageError(f"--resume: {store} has no checkpoint to resume from")
     train = dict(file_cfg.get("train", {}))
     model_cfg = None
-    if args.resume:
+    if args.init_from is not None:
+        if args.resume:
+            raise UsageError("--init-from starts a new run; --resume continues one: give one of them")
+        if any(getattr(args, f) is not None for f in _MODEL_FLAGS) or args.config:
+            raise UsageError("--init-from takes the model's config from the store; drop the model flags and --config")
+        if not os.path.isfile(os.path.join(args.init_from, "manifest.json")):
+            raise UsageError(f"--init-from {args.init_from}: not a store (run `semoe store import` on a "
+                             "HuggingFace directory first)")
+        train["init_from"] = args.init_from
+    elif args.resume:
         st = Store.open(store)
         if st.manifest.has_file(TRAINER_FILE):
             train = {**json.loads(st.read_file(TRAINER_FILE))["train_config"], **train}
@@ -130,7 +142,8 @@ def build_configs(args: argparse.Namespace):
         if value.strip().endswith("%"):
             from semoe.checkpoint import config_from_json
 
-            cfg = model_cfg or config_from_json(json.loads(Store.open(store).read_file("config.json")))
+            src = args.init_from or store
+            cfg = model_cfg or config_from_json(json.loads(Store.open(src).read_file("config.json")))
             percent_of = expert_state_bytes(cfg) // (args.nproc or 1)
         train[key] = parse_size(value, flag=flag, percent_of=percent_of)
     known = {f.name for f in dataclasses.fields(TrainConfig)}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
 
 import torch
@@ -53,3 +54,22 @@ def assert_bit_exact(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> 
     for k in a:
         assert a[k].dtype == b[k].dtype and a[k].shape == b[k].shape, k
         assert torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)), k
+
+
+def add_word_tokenizer(path, *, chat_template: str | None = None) -> None:
+    """A word-level tokenizer.json covering all 96 ids, with <s> and </s> as special tokens."""
+    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
+
+    words = ("the cat sat on a mat and dog ran to big red blue one two three four five six seven user "
+             "assistant system").split()
+    words += [f"w{i}" for i in range(96 - 3 - len(words))]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
+    tok.save(str(path / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+              "unk_token": "<unk>"}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (path / "tokenizer_config.json").write_text(json.dumps(config))

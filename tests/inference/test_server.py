@@ -15,7 +15,7 @@ import time
 
 import pytest
 import uvicorn
-from helpers.hf_models import make_hf_checkpoint
+from helpers.hf_models import add_word_tokenizer, make_hf_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference.chat import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
@@ -28,25 +28,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAX_POSITION = 128  # of the tiny checkpoints
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {{ eos_token }} "
                  "{% endfor %}{% if add_generation_prompt %}assistant{% endif %}")
-
-
-def add_word_tokenizer(path, *, chat_template: str | None = None) -> None:
-    """A word-level tokenizer.json covering all 96 ids, with <s> and </s> as special tokens."""
-    from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-
-    words = ("the cat sat on a mat and dog ran to big red blue one two three four five six seven user "
-             "assistant system").split()
-    words += [f"w{i}" for i in range(96 - 3 - len(words))]
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{w: i + 3 for i, w in enumerate(words)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    tok.add_special_tokens([AddedToken("<s>", special=True), AddedToken("</s>", special=True)])
-    tok.save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
-              "unk_token": "<unk>"}
-    if chat_template is not None:
-        config["chat_template"] = chat_template
-    (path / "tokenizer_config.json").write_text(json.dumps(config))
 
 
 class LiveServer:

@@ -258,3 +258,36 @@ def test_generate_from_a_trained_store_offloaded_equals_resident(tmp_path, text_
     assert resident["tokens"] == offloaded["tokens"] and len(resident["tokens"]) == 12
     assert resident["logprobs"] == offloaded["logprobs"]
     assert offloaded["stats"]["cpu_hit_rate"] is not None
+
+
+def test_init_from_an_imported_huggingface_model(tmp_path, hf_qwen2_moe):
+    """Fine-tuning a model imported from transformers: the first step's loss is transformers' own
+    cross-entropy on the same batch, and the trained store keeps the model's tokenizer."""
+    import shutil
+
+    from helpers.hf_models import add_word_tokenizer
+    from transformers import AutoModelForCausalLM
+
+    from semoe.data import BatchSampler, ShardSet
+    hf = tmp_path / "hf"
+    shutil.copytree(hf_qwen2_moe, hf)
+    add_word_tokenizer(hf)
+    words = "the cat sat on a mat and dog ran to big red blue one two three four five six seven".split()
+    text = tmp_path / "words.txt"
+    text.write_text("\n".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(400)))
+    cli("store", "import", str(hf), str(tmp_path / "src"))
+    out = tmp_path / "run"
+    cli("train", "--init-from", str(tmp_path / "src"), "--data", str(text), "--out", str(out), "--steps", "2",
+        "--batch-size", "2", "--seq-len", "16", "--lr", "1e-4", "--log-json", str(tmp_path / "log"), "-q")
+    first = log_losses(str(tmp_path / "log"))[0]
+    ids, tgt = BatchSampler(ShardSet.open(str(out / "data" / "train")), 2, 16, seed=0).batch(0)
+    model = AutoModelForCausalLM.from_pretrained(str(hf), torch_dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+    want = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1)))
+    assert first == pytest.approx(want, rel=1e-5, abs=0)
+    store = Store.open(str(out / "store"))
+    assert store.manifest.has_file("tokenizer.json")
+    gen = json.loads(cli("generate", "--model", str(out / "store"), "--prompt", "the cat", "--max-new-tokens", "4",
+                         "--json").stdout)
+    assert len(gen["tokens"]) == 4 and isinstance(gen["text"], str)
