@@ -154,7 +154,8 @@ def largest(args: argparse.Namespace) -> dict:
         print(f"refusing: {free / GIB:.1f} GiB free under {args.workdir}, need 1.4 x {state / GIB:.1f} GiB "
               f"= {1.4 * state / GIB:.1f} GiB", file=sys.stderr)
         raise SystemExit(2)
-    extra = ["--expert-states", "ssd", "--cpu-cache", args.cpu_cache]
+    # a model this wide needs a gentler step than the small default's peak rate, from the first step
+    extra = ["--expert-states", "ssd", "--cpu-cache", args.cpu_cache, "--lr", str(args.lr), "--warmup-steps", "1"]
     helptext = subprocess.run([sys.executable, "-m", "tools.cli", "train", "--help"], cwd=ROOT, capture_output=True,
                               text=True, check=False, env={**os.environ, "PYTHONPATH": ROOT}).stdout
     if "--grad-memory" in helptext:
@@ -164,7 +165,8 @@ def largest(args: argparse.Namespace) -> dict:
     peak = max(s["peak_rss_bytes"] for s in steps)
     return {"dense_params": n["dense"], "expert_params": n["experts"], "total_params": n["dense"] + n["experts"],
             "expert_state_bytes": state, "ram_bytes": ram, "state_vs_ram": state / ram,
-            "step_s": [s["step_s"] for s in steps], "loss": losses, "loss_fell": losses[-1] < losses[0],
+            "step_s": [s["step_s"] for s in steps], "loss": losses,
+            "loss_fell": all(b < a for a, b in zip(losses, losses[1:])),
             "cpu_hit_rate": [s["cpu_hit_rate"] for s in steps], "peak_rss_bytes": peak, "peak_rss_vs_ram": peak / ram}
 
 
@@ -194,6 +196,7 @@ def main() -> int:
     ap.add_argument("--small-batch-size", type=int, default=4)
     ap.add_argument("--small-seq-len", type=int, default=128)
     ap.add_argument("--ram-factor", type=float, default=1.5, help="--largest: expert states >= this x RAM")
+    ap.add_argument("--lr", type=float, default=1e-4, help="--largest: peak learning rate")
     ap.add_argument("--grad-memory", default="2GiB", help="--largest: passed on if `semoe train` has the flag")
     ap.add_argument("--keep", action="store_true", help="keep the run directories")
     ap.add_argument("--json", action="store_true", help="print one JSON object with all numbers")

@@ -60,7 +60,9 @@ EXPERT_STATES = ("ssd", "cpu", "device")
 
 
 class TrainingError(StorageError):
-    """Training cannot go on (non-finite loss, a store that does not fit the run); one line."""
+    """Training cannot go on (non-finite loss, a damaged store, a full disk); one line, exit code 1."""
+
+    exit_code = 1
 
 
 @dataclass(kw_only=True)
@@ -140,6 +142,26 @@ class StepLog:
         return d
 
 
+def return_large_frees_to_the_os(threshold: int = 4 << 20) -> None:
+    """Have glibc serve allocations of `threshold` bytes and more with mmap, always.
+
+    By default glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB),
+    after which expert-sized tensors come from heap arenas that the main thread and the optimizer
+    thread fragment between them; RSS then drifts gigabytes above the budget. A fixed threshold
+    returns every expert-sized tensor to the OS when it is freed.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, int(threshold))  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raising)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
 def peak_rss_bytes() -> int:
     """This process's peak resident set size."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -199,6 +221,7 @@ class Trainer:
                  on_step: Callable[[StepLog], None] | None = None) -> None:
         self.cfg = cfg
         self.on_step = on_step
+        return_large_frees_to_the_os()
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
@@ -222,6 +245,7 @@ class Trainer:
                 raise BadInputError("a new run needs a model config")
             self.config, self.trainer_state = model_config, None
         self.experts = local_expert_ids(self.config.num_experts, self.rank, self.world)
+        self._prepare_data()  # bad data is found before anything is written
         self._barrier()  # rank 0 has checked the store before any rank opens it
         self.states = self._make_states()
         self.states.grad_scale = 1.0 / self.world
@@ -249,7 +273,6 @@ class Trainer:
                     shutil.rmtree(cfg.store, ignore_errors=True)
                 raise
             self._open_version()
-        self._prepare_data()
 
     # -- collectives (no-ops on one rank) ---------------------------------------------------
     def _barrier(self) -> None:
@@ -297,15 +320,15 @@ class Trainer:
     def _make_states(self) -> ExpertStates:
         cfg = self.cfg
         if cfg.expert_states == "ssd":
-            if self.rank == 0 and self.trainer_state is None:
-                Store.create(cfg.store)
-            self._barrier()
             total = expert_state_bytes(self.config) // self.world
             least = SSDExpertStates.min_cache_bytes(self.config)
             cache = cfg.cpu_cache_bytes if cfg.cpu_cache_bytes is not None else max(least, total // 4)
             if cache < least:
                 raise BadInputError(f"--cpu-cache {cache} bytes is too small for expert states of "
                                     f"{ChunkFormat(self.config).nbytes} bytes each; give at least {least} bytes")
+            if self.rank == 0 and self.trainer_state is None:
+                Store.create(cfg.store)
+            self._barrier()
             return SSDExpertStates(self.config, self.experts, self.device, root=cfg.store, cpu_cache_bytes=cache,
                                    grad_budget_bytes=cfg.grad_budget_bytes,
                                    spill_dir=os.path.join(cfg.out, "spill", f"rank{self.rank}"),
@@ -436,8 +459,10 @@ class Trainer:
             try:
                 version = self._commit(parts)
             except (OSError, ValueError, RuntimeError) as e:
-                detail = f"{e.filename}: {e.strerror}" if isinstance(e, OSError) and e.strerror else \
-                    (str(e).splitlines() or [type(e).__name__])[0]
+                if isinstance(e, OSError) and e.strerror:
+                    detail = f"{e.filename + ': ' if e.filename else ''}{e.strerror}"
+                else:
+                    detail = (str(e).splitlines() or [type(e).__name__])[0]
                 raise TrainingError(f"checkpoint of step {self.step} failed ({detail}); nothing of it was kept "
                                     f"and the last checkpoint (step {getattr(self, 'last_checkpoint', 0)}) in "
                                     f"{self.cfg.store} is intact") from e
@@ -525,7 +550,7 @@ class Trainer:
                     p.grad.div_(self.world)
         ce_mean, aux_mean = (x / (cfg.micro_batches * self.world) for x in self._sum([ce_sum, aux_sum]))
         if not math.isfinite(ce_mean) or not math.isfinite(aux_mean):
-            raise TrainingError(f"step {self.step}: loss is {ce_mean} (aux {aux_mean}); stopping. The last "
+            raise TrainingError(f"step {self.step + 1}: loss is {ce_mean} (aux {aux_mean}); stopping. The last "
                                 f"checkpoint in {cfg.store} is intact; lower --lr or check the data")
         dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.dense if p.grad is not None)
         grad_norm = math.sqrt(dense_sq + self._sum([self.states.grad_sq_norm()])[0])

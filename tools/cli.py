@@ -47,7 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # one line naming the file, tensor or flag; details with -v
         logging.getLogger("semoe").debug("error", exc_info=True)
         print(f"semoe: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-        return 2
+        return getattr(e, "exit_code", 2)  # 2: bad input; 1: a check failed or the machine gave out
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         print(f"semoe: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2

@@ -104,6 +104,8 @@ def build_configs(args: argparse.Namespace):
                 file_cfg = json.load(f)
         except json.JSONDecodeError as e:
             raise UsageError(f"--config {args.config}: not valid JSON ({e.msg} at line {e.lineno})") from None
+        except OSError as e:
+            raise UsageError(f"--config {args.config}: {e.strerror}") from None
         if not isinstance(file_cfg, dict):
             raise UsageError(f"--config {args.config}: expected a JSON object with \"model\" and \"train\"")
     store = os.path.join(args.out, "store")
