@@ -173,7 +173,7 @@ def test_matches_a_plain_pytorch_loop(tmp_path, text_file):
         for g in opt.param_groups:
             g["lr"] = cfg.lr_at(step)
         opt.step()
-        ref.append((float(ce), float(out.aux_loss), float(norm)))
+        ref.append((float(ce.detach()), float(out.aux_loss.detach()), float(norm)))
     for (l1, a1, n1), (l2, a2, n2) in zip(ours, ref):
         assert l1 == pytest.approx(l2, rel=1e-5) and a1 == pytest.approx(a2, rel=1e-5)
         assert n1 == pytest.approx(n2, rel=1e-4)
