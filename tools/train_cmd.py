@@ -146,7 +146,7 @@ def build_configs(args: argparse.Namespace):
 
             src = args.init_from or store
             cfg = model_cfg or config_from_json(json.loads(Store.open(src).read_file("config.json")))
-            percent_of = expert_state_bytes(cfg) // (args.nproc or 1)
+            percent_of = expert_state_bytes(cfg) // (args.nproc or int(os.environ.get("WORLD_SIZE", "1")))
         train[key] = parse_size(value, flag=flag, percent_of=percent_of)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(train) - known)
@@ -238,6 +238,6 @@ def run(args: argparse.Namespace) -> int:
     from semoe.train import run_rank
 
     logs = run_rank(cfg, model_cfg, quiet=args.quiet)
-    if args.json:
+    if args.json and int(os.environ.get("RANK", "0")) == 0:
         emit_json(_summary(logs, cfg))
     return 0
