@@ -1,0 +1,147 @@
+"""What MPress knows about a pipeline-parallel training step: the plain-data contract between the
+profiler (measured) or the analytic model (`semoe plan`), the planner, the simulator and the executor.
+
+Legend: a *stage* is one pipeline stage (one rank, one device); a *layer* is one transformer block
+(or the embedding / head, which count as layers of the first / last stage); a *saved tensor* is an
+activation autograd keeps from a layer's forward until that layer's backward, once per micro-batch.
+Times are seconds, sizes bytes, bandwidths bytes per second.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+SCHEDULES = ("gpipe", "1f1b")
+TECHNIQUES = ("keep", "recompute", "host", "d2d")
+
+
+@dataclass(kw_only=True)
+class SavedTensor:
+    """One activation saved for backward by one layer (per micro-batch)."""
+
+    name: str  # unique within its layer, e.g. "attn.qkv" or "saved3"
+    bytes: int
+    producer: str = ""  # the op that made it (profiled: autograd node name)
+    consumer: str = ""  # the backward op that reads it
+
+
+@dataclass(kw_only=True)
+class LayerProfile:
+    """One layer of one stage: compute times per micro-batch and what it saves for backward."""
+
+    index: int  # global layer index, 0 = first layer of stage 0
+    name: str
+    forward_s: float
+    backward_s: float
+    saved: list[SavedTensor] = field(default_factory=list)
+    param_bytes: int = 0  # parameters + gradients + optimizer states resident on the device
+    output_bytes: int = 0  # the layer's output (the input of the next), per micro-batch
+
+    @property
+    def saved_bytes(self) -> int:
+        return sum(t.bytes for t in self.saved)
+
+
+@dataclass(kw_only=True)
+class StageProfile:
+    """The layers one pipeline stage runs."""
+
+    stage: int
+    layers: list[LayerProfile]
+
+    @property
+    def static_bytes(self) -> int:
+        """Parameters, gradients and optimizer states: held all step long."""
+        return sum(layer.param_bytes for layer in self.layers)
+
+    @property
+    def forward_s(self) -> float:
+        return sum(layer.forward_s for layer in self.layers)
+
+    @property
+    def backward_s(self) -> float:
+        return sum(layer.backward_s for layer in self.layers)
+
+
+@dataclass(kw_only=True)
+class PipelineProfile:
+    """A whole step: stages in pipeline order, the schedule and its micro-batches."""
+
+    stages: list[StageProfile]
+    micro_batches: int
+    schedule: str = "1f1b"
+    boundary_bytes: int = 0  # activation sent from one stage to the next per micro-batch (and its grad back)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.micro_batches < 1:
+            raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
+        if not self.stages:
+            raise ValueError("a pipeline needs at least one stage")
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "PipelineProfile":
+        d = json.loads(text)
+        stages = [StageProfile(stage=s["stage"], layers=[
+            LayerProfile(**{**lp, "saved": [SavedTensor(**t) for t in lp["saved"]]}) for lp in s["layers"]])
+            for s in d["stages"]]
+        return cls(stages=stages, micro_batches=d["micro_batches"], schedule=d["schedule"],
+                   boundary_bytes=d.get("boundary_bytes", 0))
+
+
+@dataclass(kw_only=True)
+class Stripe:
+    """A piece of a D2D-swapped tensor kept on a peer device."""
+
+    device: int
+    bytes: int
+
+
+@dataclass(kw_only=True)
+class Decision:
+    """What happens to one layer's saved tensors in one stage between its forward and its backward.
+
+    The unit is the layer: recomputation replays a layer's forward (a checkpointed segment), and
+    swapping moves all of a layer's saved tensors together. `stripes` (d2d only) say how many bytes
+    of each micro-batch's tensors go to which peer device.
+    """
+
+    stage: int
+    layer: int  # global layer index
+    technique: str = "keep"
+    stripes: list[Stripe] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if self.technique not in TECHNIQUES:
+            raise ValueError(f"technique must be one of {TECHNIQUES}, got {self.technique!r}")
+
+
+@dataclass(kw_only=True)
+class Plan:
+    """Decisions for every (stage, layer) that is not kept, and the stage -> device mapping."""
+
+    decisions: list[Decision] = field(default_factory=list)
+    mapping: list[int] = field(default_factory=list)  # mapping[stage] = device; empty: identity
+
+    def decision(self, stage: int, layer: int) -> Decision:
+        for d in self.decisions:
+            if d.stage == stage and d.layer == layer:
+                return d
+        return Decision(stage=stage, layer=layer)
+
+    def device_of(self, stage: int) -> int:
+        return self.mapping[stage] if self.mapping else stage
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        d = json.loads(text)
+        return cls(decisions=[Decision(**{**x, "stripes": [Stripe(**s) for s in x["stripes"]]})
+                              for x in d["decisions"]], mapping=list(d.get("mapping", [])))
