@@ -70,9 +70,10 @@ def init_expert(config: MoEConfig, seed: int, layer: int, expert: int) -> tuple[
 class ExpertStates(ABC):
     """The states of the experts this rank owns: `experts` (global ids) of every MoE layer."""
 
-    def __init__(self, config: MoEConfig, experts: range, device: torch.device) -> None:
+    def __init__(self, config: MoEConfig, experts: range, device: torch.device,
+                 layers: list[int] | None = None) -> None:
         self.config = config
-        self.layers = config.moe_layer_ids
+        self.layers = list(config.moe_layer_ids if layers is None else layers)  # a pipeline stage has a few
         self.experts = experts
         self.device = device
         self.adam_steps: dict[Key, int] = {}  # updates each expert has had
@@ -237,8 +238,8 @@ class ResidentExpertStates(ExpertStates):
     """All local experts' states in memory on `storage_device`; computed on `device`."""
 
     def __init__(self, config: MoEConfig, experts: range, device: torch.device,
-                 storage_device: torch.device | None = None) -> None:
-        super().__init__(config, experts, device)
+                 storage_device: torch.device | None = None, layers: list[int] | None = None) -> None:
+        super().__init__(config, experts, device, layers)
         self.storage_device = storage_device or device
         self.w: dict[Key, list[torch.Tensor]] = {}
         self.m: dict[Key, list[torch.Tensor]] = {}

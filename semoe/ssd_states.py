@@ -102,8 +102,9 @@ class SSDExpertStates(ExpertStates):
 
     def __init__(self, config: MoEConfig, experts: range, device: torch.device, *, root: str,
                  cpu_cache_bytes: int, spill_dir: str, grad_budget_bytes: int | None = None,
-                 read_mode: str = "direct", prefetch_depth: int = 1, write_threads: int = 1) -> None:
-        super().__init__(config, experts, device)
+                 read_mode: str = "direct", prefetch_depth: int = 1, write_threads: int = 1,
+                 layers: list[int] | None = None) -> None:
+        super().__init__(config, experts, device, layers)
         self.root = root
         self.format = ChunkFormat(config)
         committed = Store.open(root).manifest
