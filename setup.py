@@ -23,6 +23,7 @@ setup(
         "uvicorn>=0.29",
         "prometheus_client>=0.20",
         "jinja2>=3.1",
+        "matplotlib>=3.7",  # the planner's memory-timeline plot
     ],
     extras_require={
         "test": [

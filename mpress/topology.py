@@ -3,11 +3,81 @@
 `Topology.link_bw[i][j]` is the bandwidth (bytes/s) of the direct link from device i to device j
 (0: none; such a pair's traffic crosses PCIe through the host at `pcie_peer_bw`), `host_bw[i]`
 the device <-> host bandwidth (bytes/s, each direction) used by host swap.
+
+Where a topology comes from: `builtin` (DGX-1, NVSwitch and PCIe-only machines from published
+figures), `from_nvml` (this machine's GPUs, as NVML reports them) or `measure_cpu` (CPU ranks on
+this machine, measured). All bandwidths are per direction.
 """
 
 from __future__ import annotations
 
+import logging
+import math
+import time
 from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+GiB = 1 << 30
+MiB = 1 << 20
+NVLINK2_BW = 25e9  # bytes/s per NVLink2 link per direction (V100)
+
+# DGX-1 with V100 (hybrid cube-mesh): NVLinks between each pair of GPUs, as `nvidia-smi topo -m`
+# reports it on DGX-1V machines ("NV2" = two links bonded, 50 GB/s; "-" = none, PCIe/QPI).
+# Each V100 has six NVLink ports and all of them are used; rows sum to 6.
+#
+#          GPU0 GPU1 GPU2 GPU3 GPU4 GPU5 GPU6 GPU7
+#   GPU0    X   NV1  NV1  NV2  NV2   -    -    -
+#   GPU1   NV1   X   NV2  NV1   -   NV2   -    -
+#   GPU2   NV1  NV2   X   NV2   -    -   NV1   -
+#   GPU3   NV2  NV1  NV2   X    -    -    -   NV1
+#   GPU4   NV2   -    -    -    X   NV1  NV1  NV2
+#   GPU5    -   NV2   -    -   NV1   X   NV2  NV1
+#   GPU6    -    -   NV1   -   NV1  NV2   X   NV2
+#   GPU7    -    -    -   NV1  NV2  NV1  NV2   X
+#
+# GPUs 0-3 and 4-7 are two fully connected quads; the cross links pair GPU i with GPU i + 4.
+_DGX1_NVLINKS = (
+    (0, 1, 1, 2, 2, 0, 0, 0),
+    (1, 0, 2, 1, 0, 2, 0, 0),
+    (1, 2, 0, 2, 0, 0, 1, 0),
+    (2, 1, 2, 0, 0, 0, 0, 1),
+    (2, 0, 0, 0, 0, 1, 1, 2),
+    (0, 2, 0, 0, 1, 0, 2, 1),
+    (0, 0, 1, 0, 1, 2, 0, 2),
+    (0, 0, 0, 1, 2, 1, 2, 0),
+)
+
+# Sustained flop/s of one GPU for the analytic model: fp16/bf16 tensor-core peak times the
+# fraction large-model training reaches in practice.
+V100_FLOPS = 125e12 * 0.4
+A100_FLOPS = 312e12 * 0.45
+H100_FLOPS = 989e12 * 0.45
+PCIE_GPU_FLOPS = 65e12 * 0.4  # T4 / V100-PCIe class
+
+# kind -> (GPU <-> NVSwitch fabric bandwidth per direction, host link, memory, flop/s).
+# A100: 12 NVLink3 links x 25 GB/s, PCIe4 x16; H100 SXM: 18 NVLink4 links x 25 GB/s, PCIe5 x16.
+_NVSWITCH = {
+    "a100": (300e9, 25e9, 80 * GiB, A100_FLOPS),
+    "h100": (450e9, 50e9, 80 * GiB, H100_FLOPS),
+}
+
+BUILTIN = ("dgx1", "nvswitch", "nvswitch-a100", "nvswitch-h100", "pcie")
+
+# NVML's nvmlNvlinkVersion_t -> bytes/s per link per direction. NVLink 1.0 (P100) signals at
+# 20 GB/s; 2.x (V100), 3.x (A100) and 4.0 (H100) at 25 GB/s (A100 and H100 reach 300 / 450 GB/s
+# with more links, not faster ones); 5.0 (B200) at 50 GB/s.
+_NVLINK_BW = {1: 20e9, 2: 25e9, 3: 25e9, 4: 25e9, 5: 25e9, 6: 25e9, 7: 50e9}
+
+# PCIe generation -> bytes/s per lane per direction after line coding (8b/10b up to gen 2,
+# 128b/130b from gen 3); packet overheads leave about 80% of that to a device, which is why a
+# PCIe3 x16 GPU sees ~12 GB/s of its 15.75.
+_PCIE_LANE_BW = {1: 0.25e9, 2: 0.5e9, 3: 0.985e9, 4: 1.969e9, 5: 3.938e9, 6: 7.563e9}
+_PCIE_EFFICIENCY = 0.8
+
+# Substrings of NVML device names -> sustained flop/s (first match wins).
+_GPU_FLOPS = (("H200", H100_FLOPS), ("H100", H100_FLOPS), ("H800", H100_FLOPS),
+              ("A100", A100_FLOPS), ("A800", A100_FLOPS), ("V100", V100_FLOPS), ("T4", PCIE_GPU_FLOPS))
 
 
 @dataclass(kw_only=True)
@@ -37,3 +107,220 @@ class Topology:
     def peer_bw(self, i: int, j: int) -> float:
         """Bandwidth for a D2D copy from i to j: the direct link, else PCIe through the host."""
         return self.link_bw[i][j] or self.pcie_peer_bw
+
+    def subset(self, devices: list[int]) -> Topology:
+        """The same machine restricted to `devices`, renumbered 0.. in the order given."""
+        if not devices or len(set(devices)) != len(devices):
+            raise ValueError(f"topology {self.name}: subset needs distinct devices, got {devices}")
+        bad = [d for d in devices if not 0 <= d < self.devices]
+        if bad:
+            raise ValueError(f"topology {self.name}: devices {bad} outside 0..{self.devices - 1}")
+        return Topology(name=self.name, link_bw=[[self.link_bw[i][j] for j in devices] for i in devices],
+                        host_bw=[self.host_bw[i] for i in devices],
+                        device_memory_bytes=[self.device_memory_bytes[i] for i in devices],
+                        flops=self.flops, pcie_peer_bw=self.pcie_peer_bw)
+
+
+def _check_positive(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ValueError(f"{name} must be > 0, got {value!r}")
+
+
+def _check_count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+
+
+def _uniform(name: str, devices: int, *, link_bw: float, host_bw: float, memory_bytes: int,
+             flops: float, pcie_peer_bw: float) -> Topology:
+    """`devices` identical devices, every pair joined by a `link_bw` link (0: no direct links)."""
+    _check_count("gpus", devices)
+    _check_positive("gpu_memory_bytes", memory_bytes)
+    return Topology(name=name,
+                    link_bw=[[0.0 if i == j else link_bw for j in range(devices)] for i in range(devices)],
+                    host_bw=[host_bw] * devices, device_memory_bytes=[int(memory_bytes)] * devices,
+                    flops=flops, pcie_peer_bw=pcie_peer_bw)
+
+
+def dgx1(gpu_memory_bytes: int = 32 * GiB) -> Topology:
+    """NVIDIA DGX-1 with eight V100s on the hybrid cube-mesh NVLink2 topology (table above)."""
+    _check_positive("gpu_memory_bytes", gpu_memory_bytes)
+    return Topology(name="dgx1", link_bw=[[links * NVLINK2_BW for links in row] for row in _DGX1_NVLINKS],
+                    host_bw=[12e9] * 8, device_memory_bytes=[int(gpu_memory_bytes)] * 8,
+                    flops=V100_FLOPS, pcie_peer_bw=10e9)
+
+
+def nvswitch(gpus: int = 8, kind: str = "a100", gpu_memory_bytes: int | None = None) -> Topology:
+    """`gpus` A100s or H100s behind NVSwitches: every pair gets a GPU's full NVLink bandwidth."""
+    if kind not in _NVSWITCH:
+        raise ValueError(f"kind must be one of {tuple(_NVSWITCH)}, got {kind!r}")
+    link, host, memory, flops = _NVSWITCH[kind]
+    return _uniform(f"nvswitch-{kind}", gpus, link_bw=link, host_bw=host,
+                    memory_bytes=memory if gpu_memory_bytes is None else gpu_memory_bytes,
+                    flops=flops, pcie_peer_bw=host)
+
+
+def pcie(gpus: int = 8, gpu_memory_bytes: int = 16 * GiB) -> Topology:
+    """`gpus` PCIe3 GPUs (T4 / V100-PCIe class) with no direct links: peers copy over PCIe."""
+    return _uniform("pcie", gpus, link_bw=0.0, host_bw=12e9, memory_bytes=gpu_memory_bytes,
+                    flops=PCIE_GPU_FLOPS, pcie_peer_bw=12e9)
+
+
+def builtin(name: str, gpus: int, gpu_memory_bytes: int | None = None) -> Topology:
+    """A named machine with `gpus` GPUs: "dgx1" (its first `gpus` GPUs, at most 8), "nvswitch"
+    (= "nvswitch-a100"), "nvswitch-h100" or "pcie"; `gpu_memory_bytes` None keeps the default."""
+    if isinstance(gpus, bool) or not isinstance(gpus, int) or gpus < 1:
+        raise ValueError(f"topology {name!r}: gpus must be an integer >= 1, got {gpus!r}")
+    memory = {} if gpu_memory_bytes is None else {"gpu_memory_bytes": gpu_memory_bytes}
+    if name == "dgx1":
+        if gpus > 8:
+            raise ValueError(f"topology 'dgx1' has 8 GPUs, got gpus={gpus}")
+        return dgx1(**memory).subset(list(range(gpus)))
+    if name in ("nvswitch", "nvswitch-a100", "nvswitch-h100"):
+        return nvswitch(gpus, "h100" if name == "nvswitch-h100" else "a100", gpu_memory_bytes)
+    if name == "pcie":
+        return pcie(gpus, **memory)
+    raise ValueError(f"unknown topology {name!r}; built in: {', '.join(BUILTIN)}")
+
+
+def _at_or_below(table: dict[int, float], key: int) -> float:
+    """table[key], else the entry of the nearest known key below it (or the smallest key)."""
+    known = [k for k in table if k <= key]
+    if key not in table:
+        logger.warning("no figure for version/generation %s; using %s's", key, max(known, default=min(table)))
+    return table[max(known, default=min(table))]
+
+
+def _bus_key(pci_info) -> tuple[int, int, int, int]:
+    """(domain, bus, device, function) of an nvmlPciInfo_t: NVML writes bus ids with 4- or
+    8-digit domains ("0000:06:00.0" / "00000000:06:00.0"), so compare numbers, not text."""
+    bus_id = pci_info.busId
+    if isinstance(bus_id, bytes):
+        bus_id = bus_id.decode()
+    domain, bus, rest = bus_id.strip().lower().split(":")
+    device, function = rest.split(".")
+    return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+
+
+def _text(value) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def from_nvml() -> Topology:
+    """This machine's GPUs as NVML reports them: NVLinks counted per pair (links into NVSwitches
+    give every pair of switch-attached GPUs the smaller of their switch bandwidths), memory, PCIe
+    host bandwidth and, for known GPU names, sustained flop/s (0 otherwise)."""
+    try:
+        import pynvml
+    except ImportError as e:
+        raise RuntimeError("from_nvml needs NVML's Python bindings (pip install nvidia-ml-py)") from e
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        raise RuntimeError(f"NVML is unavailable (no NVIDIA driver on this machine?): {e}") from e
+    try:
+        return _read_nvml(pynvml)
+    except pynvml.NVMLError as e:
+        raise RuntimeError(f"NVML query failed: {e}") from e
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def _read_nvml(nvml) -> Topology:
+    n = nvml.nvmlDeviceGetCount()
+    if n < 1:
+        raise RuntimeError("NVML reports no GPUs on this machine")
+    handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
+    index_of = {_bus_key(nvml.nvmlDeviceGetPciInfo(h)): i for i, h in enumerate(handles)}
+    link_bw = [[0.0] * n for _ in range(n)]
+    switch_bw = [0.0] * n
+    for i, h in enumerate(handles):
+        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
+                    continue
+                bw = _at_or_below(_NVLINK_BW, nvml.nvmlDeviceGetNvLinkVersion(h, link))
+                remote = _bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link))
+            except nvml.NVMLError:
+                continue  # a link number past the device's last, or a GPU without NVLink
+            j = index_of.get(remote)
+            if j is not None:
+                if j != i:
+                    link_bw[i][j] += bw
+            elif _remote_is_switch(nvml, h, link):
+                switch_bw[i] += bw
+    for i in range(n):
+        for j in range(n):
+            if i != j and switch_bw[i] and switch_bw[j]:
+                link_bw[i][j] += min(switch_bw[i], switch_bw[j])
+    host_bw = [_pcie_bw(nvml, h) for h in handles]
+    memory = [int(nvml.nvmlDeviceGetMemoryInfo(h).total) for h in handles]
+    name = _text(nvml.nvmlDeviceGetName(handles[0]))
+    flops = next((f for key, f in _GPU_FLOPS if key in name), 0.0)
+    if not flops:
+        logger.warning("no sustained flop/s figure for %r; the topology's flops is 0", name)
+    return Topology(name="nvml", link_bw=link_bw, host_bw=host_bw, device_memory_bytes=memory,
+                    flops=flops, pcie_peer_bw=min(host_bw))
+
+
+def _remote_is_switch(nvml, handle, link: int) -> bool:
+    """Whether an NVLink whose far end is not one of our GPUs ends in an NVSwitch (not a CPU).
+    Drivers that cannot tell are taken to mean a switch: NVLink to CPUs is rare (POWER9 only)."""
+    try:
+        return nvml.nvmlDeviceGetNvLinkRemoteDeviceType(handle, link) == nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH
+    except (AttributeError, nvml.NVMLError):
+        return True
+
+
+def _pcie_bw(nvml, handle) -> float:
+    """Device <-> host bytes/s from the PCIe link. The maximum generation and width the device
+    and its slot support, not the current ones: idle GPUs drop their link to gen 1 to save power."""
+    try:
+        gen = nvml.nvmlDeviceGetMaxPcieLinkGeneration(handle)
+        width = nvml.nvmlDeviceGetMaxPcieLinkWidth(handle)
+    except nvml.NVMLError:
+        gen = nvml.nvmlDeviceGetCurrPcieLinkGeneration(handle)
+        width = nvml.nvmlDeviceGetCurrPcieLinkWidth(handle)
+    return _at_or_below(_PCIE_LANE_BW, gen) * width * _PCIE_EFFICIENCY
+
+
+def measure_cpu(devices: int, device_memory_bytes: int, nbytes: int = 64 * MiB, repeats: int = 3,
+                *, flops_seconds: float = 0.2) -> Topology:
+    """CPU ranks on this machine, measured: the best of `repeats` copies of `nbytes` between two
+    shared-memory buffers gives every pair's bandwidth and host_bw (device and host memory are the
+    same RAM here); float32 512 x 512 matmuls for `flops_seconds` give flops."""
+    for name, value in (("devices", devices), ("nbytes", nbytes), ("repeats", repeats)):
+        _check_count(name, value)
+    _check_positive("device_memory_bytes", device_memory_bytes)
+    _check_positive("flops_seconds", flops_seconds)
+    bw = _copy_bw(nbytes, repeats)
+    return _uniform("cpu", devices, link_bw=bw, host_bw=bw, memory_bytes=device_memory_bytes,
+                    flops=_matmul_flops(flops_seconds), pcie_peer_bw=bw)
+
+
+def _copy_bw(nbytes: int, repeats: int) -> float:
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8).share_memory_()
+    dst = torch.zeros(nbytes, dtype=torch.uint8).share_memory_()
+    dst.copy_(src)  # fault every page in before timing
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / max(best, 1e-9)
+
+
+def _matmul_flops(seconds: float, n: int = 512) -> float:
+    import torch
+
+    a_NN, b_NN = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a_NN, b_NN)  # warm-up: thread pool, allocator
+    count, start = 0, time.perf_counter()
+    while True:
+        torch.mm(a_NN, b_NN)
+        count += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= seconds:
+            return 2 * n**3 * count / elapsed

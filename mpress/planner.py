@@ -1,0 +1,405 @@
+"""Choose, per (stage, layer), keep / recompute / host swap / D2D swap, and a stage -> device mapping,
+so that every device fits its memory budget at the least step time (MPress, HPCA 2023).
+
+The steps, each scored or checked in the simulator:
+
+(a) lifetimes: simulate keep-all; each layer's idle time is the shortest gap, over micro-batches,
+    between the end of its forward and the start of its backward. If everything fits, keep all.
+(b) host swap for layers whose idle time hides a swap-out plus a swap-in over `host_bw`, largest
+    saved bytes first, while the device's host copies per micro-batch fit in its compute time.
+(c) recompute or (exposed) host swap for the rest, whichever costs less added time per byte of peak
+    removed; costs within 10% count as equal and then later layers (the shortest idle times) go
+    first, so recomputation forms a run of consecutive layers at the end of the stage. (b) and (c)
+    stop once the estimate fits; the simulator then says what is still over and more of the same
+    queue is taken.
+(d) the costliest choices (exposed host swaps by their measured wait, recomputes by M x forward_s)
+    become D2D swaps striped over peers with free memory (budget minus simulated peak) in proportion
+    to link bandwidth; a batch of them is kept when the simulated step fits and is faster (else the
+    batch is halved), and the search stops once a kept batch gains less than `min_gain`.
+(e) without a given mapping, a local search over stage -> device permutations, scored by an estimate
+    of the transfer time the mapping forces, puts pressured stages next to light devices over fast
+    links; the best mapping found and the identity are both compacted and the faster one kept.
+
+Peak estimates: recomputing a layer removes its saved bytes times the stage's micro-batches in flight
+k; swapping removes k - 2 times them, since one micro-batch is being produced (not yet copied out)
+and one is prefetched for the next backward while the peak builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from dataclasses import dataclass
+from numbers import Integral
+
+from mpress.profile import Decision, LayerProfile, PipelineProfile, Plan, Stripe
+from mpress.schedule import in_flight_peak
+from mpress.simulator import SimResult, simulate
+from mpress.topology import Topology
+
+log = logging.getLogger(__name__)
+
+MAX_FIX_ROUNDS = 32  # simulate / add-more rounds after the first estimate (each adds >= 1 choice)
+
+
+@dataclass(kw_only=True)
+class PlanResult:
+    """A plan, its simulated step, whether it fits the budget (and why not) and how long planning took."""
+
+    plan: Plan
+    sim: SimResult
+    fits: bool
+    reason: str
+    planning_s: float
+
+
+def idle_times(profile: PipelineProfile, sim: SimResult) -> dict[tuple[int, int], float]:
+    """(stage, layer) -> shortest gap over micro-batches between the layer's forward end and its
+    backward start, read off `sim` (a simulation of the keep-all plan)."""
+    idle: dict[tuple[int, int], float] = {}
+    for s, st in enumerate(profile.stages):
+        f_start = {o.micro_batch: o.start_s for o in sim.ops[s] if o.kind == "F"}
+        gap = min(o.start_s - f_start[o.micro_batch] for o in sim.ops[s] if o.kind == "B")
+        fwd_end, bwd_after = 0.0, st.backward_s
+        for layer in st.layers:
+            fwd_end += layer.forward_s
+            bwd_after -= layer.backward_s
+            idle[(s, layer.index)] = gap - fwd_end + bwd_after
+    return idle
+
+
+def stripes(nbytes: int, device: int, peers: list[int], topology: Topology) -> list[Stripe]:
+    """Split `nbytes` over `peers` in proportion to the link bandwidth from `device` to each; the
+    rounding remainder goes to the fastest peer."""
+    bw = [topology.peer_bw(device, p) for p in peers]
+    total = sum(bw)
+    if not peers or total <= 0:
+        raise ValueError(f"device {device} has no link to any of peers {peers}")
+    parts = [int(nbytes * b // total) for b in bw]
+    parts[bw.index(max(bw))] += nbytes - sum(parts)
+    return [Stripe(device=p, bytes=n) for p, n in zip(peers, parts) if n]
+
+
+def _budgets(budget_bytes: int | list[int] | None, topology: Topology) -> list[int]:
+    n = topology.devices
+    if budget_bytes is None:
+        return list(topology.device_memory_bytes)
+    budgets = [int(budget_bytes)] * n if isinstance(budget_bytes, Integral) else [int(b) for b in budget_bytes]
+    if len(budgets) != n:
+        raise ValueError(f"budget_bytes has {len(budgets)} entries for {n} devices")
+    if min(budgets) < 0:
+        raise ValueError(f"budget_bytes must be >= 0, got {budget_bytes}")
+    return budgets
+
+
+def _cost_bucket(cost: float) -> float:
+    """Costs within 10% of each other sort as equal, so that among near-uniform layers the later
+    ones win and recomputation forms one run at the end of the stage."""
+    return -math.inf if cost <= 0 else math.floor(math.log(cost, 1.1))
+
+
+class _Compactor:
+    """Steps (a)-(d) for one stage -> device mapping."""
+
+    def __init__(self, profile: PipelineProfile, topology: Topology, budgets: list[int],
+                 mapping: list[int], host_memory_bytes: int | None = None) -> None:
+        self.profile, self.topology, self.budgets, self.mapping = profile, topology, budgets, mapping
+        # host memory left for swapped activations: a layer swapped out holds k micro-batches there
+        self.host_room = math.inf if host_memory_bytes is None else host_memory_bytes
+        S, M = len(profile.stages), profile.micro_batches
+        self.M = M
+        self.k = [in_flight_peak(profile.schedule, s, S, M) for s in range(S)]
+        self.stage_on = {d: s for s, d in enumerate(mapping)}
+        self.layer: dict[int, tuple[int, LayerProfile]] = {
+            lp.index: (s, lp) for s, st in enumerate(profile.stages) for lp in st.layers}
+        self.choice: dict[int, tuple[str, list[Stripe]]] = {}  # layer -> (technique, stripes)
+        self.queue: list[list[tuple[int, str]]] = []  # per stage: (layer, technique) still to take
+
+    def to_plan(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None) -> Plan:
+        choice = self.choice if choice is None else choice
+        return Plan(decisions=[Decision(stage=self.layer[i][0], layer=i, technique=t, stripes=list(x))
+                               for i, (t, x) in sorted(choice.items())], mapping=list(self.mapping))
+
+    def simulate(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None) -> SimResult:
+        return simulate(self.profile, self.to_plan(choice), self.topology)
+
+    def reduction(self, layer: int, technique: str) -> int:
+        s, lp = self.layer[layer]
+        k = self.k[s]
+        return lp.saved_bytes * (k if technique == "recompute" else max(k - 2, 0))
+
+    # (b) and (c): an ordered queue of choices per stage
+    def build_queues(self, idle: dict[tuple[int, int], float]) -> None:
+        for s, st in enumerate(self.profile.stages):
+            host_bw, k, M = self.topology.host_bw[self.mapping[s]], self.k[s], self.M
+            period = st.forward_s + st.backward_s
+            hidden, load = [], 0.0
+            can_swap = host_bw > 0 and k > 2
+            layers = [lp for lp in st.layers if lp.saved_bytes]
+            if can_swap:
+                for lp in sorted(layers, key=lambda lp: (-lp.saved_bytes, lp.index)):
+                    swap_s = 2 * lp.saved_bytes / host_bw
+                    held = lp.saved_bytes * k
+                    if idle[(s, lp.index)] >= swap_s and load + swap_s <= period and held <= self.host_room:
+                        hidden.append((lp.index, "host"))
+                        load += swap_s
+                        self.host_room -= held
+            taken = {i for i, _ in hidden}
+            rest = []
+            for lp in layers:
+                if lp.index in taken:
+                    continue
+                per_byte = {"recompute": M * lp.forward_s / self.reduction(lp.index, "recompute")}
+                if can_swap and lp.saved_bytes * k <= self.host_room:
+                    swap_s = 2 * lp.saved_bytes / host_bw
+                    exposed = max(swap_s - idle[(s, lp.index)], load + swap_s - period, 0.0)
+                    per_byte["host"] = M * exposed / self.reduction(lp.index, "host")
+                tech = min(per_byte, key=lambda t: (per_byte[t], t != "recompute"))
+                if tech == "host":
+                    self.host_room -= lp.saved_bytes * k
+                rest.append((_cost_bucket(per_byte[tech]), -lp.index, tech))
+            rest.sort()
+            self.queue.append(hidden + [(-neg, tech) for _, neg, tech in rest])
+
+    def shed(self, s: int, excess: int) -> bool:
+        """Take choices off stage s's queue until their estimated reduction covers `excess`; with the
+        queue empty, turn host swaps into recomputes. False when nothing is left to do."""
+        changed = False
+        queue = self.queue[s]
+        while excess > 0 and queue:
+            layer, tech = queue.pop(0)
+            self.choice[layer] = (tech, [])
+            excess -= self.reduction(layer, tech)
+            changed = True
+        if excess > 0 and not queue:
+            swapped = sorted((i for i, (t, _) in self.choice.items()
+                              if t != "recompute" and self.layer[i][0] == s),
+                             key=lambda i: (-self.layer[i][1].saved_bytes, i))
+            for layer in swapped:
+                if excess <= 0:
+                    break
+                excess -= self.reduction(layer, "recompute") - self.reduction(layer, self.choice[layer][0])
+                self.choice[layer] = ("recompute", [])
+                changed = True
+        return changed
+
+    def fit(self, base: SimResult) -> SimResult:
+        """(b), (c) and the simulate / add-more rounds until every device fits or nothing is left."""
+        for s, d in enumerate(self.mapping):
+            if base.peak_bytes[d] > self.budgets[d]:
+                self.shed(s, base.peak_bytes[d] - self.budgets[d])
+        sim = self.simulate()
+        for _ in range(MAX_FIX_ROUNDS):
+            over = [(self.stage_on[d], x) for d, x in sim.overflow(self.budgets) if d in self.stage_on]
+            shed = [self.shed(s, x) for s, x in over]  # every stage over budget, not the first only
+            if not any(shed):
+                break
+            sim = self.simulate()
+        return sim
+
+    # (d): D2D swap to peers with free memory
+    def _peer_stripes(self, s: int, nbytes: int, room: list[int]) -> list[Stripe]:
+        dev, hold = self.mapping[s], max(self.k[s] - 1, 1)
+        peers = [p for p in range(self.topology.devices)
+                 if p != dev and room[p] > 0 and self.topology.peer_bw(dev, p) > 0
+                 and self.topology.peer_bw(p, dev) > 0]
+        while peers:
+            split = stripes(nbytes, dev, peers, self.topology)
+            short = {x.device for x in split if x.bytes * hold > room[x.device]}
+            if not short:
+                for x in split:
+                    room[x.device] -= x.bytes * hold
+                return split
+            peers = [p for p in peers if p not in short]
+        return []
+
+    def _d2d_trial(self, costly: list[tuple[float, int]],
+                   sim: SimResult) -> tuple[dict[int, tuple[str, list[Stripe]]], SimResult] | None:
+        """Convert `costly` layers to D2D, paying back the device memory a converted recompute
+        needs (2 micro-batches of its bytes) by moving kept layers of its stage to D2D too."""
+        room = [b - p for b, p in zip(self.budgets, sim.peak_bytes)]
+        choice = dict(self.choice)
+        kept = {s: sorted((lp for lp in st.layers if lp.saved_bytes and lp.index not in choice),
+                          key=lambda lp: (-lp.saved_bytes, lp.index))
+                for s, st in enumerate(self.profile.stages)}
+        converted = 0
+        for _, layer in costly:
+            s, lp = self.layer[layer]
+            dev = self.mapping[s]
+            need = 0  # device bytes the conversion costs at the peak
+            if choice[layer][0] == "recompute":
+                need = self.reduction(layer, "recompute") - self.reduction(layer, "d2d")
+            trial_room = list(room)
+            split = self._peer_stripes(s, lp.saved_bytes, trial_room)
+            if not split:
+                continue
+            moves, j = [(layer, split)], 0
+            while need > trial_room[dev] and j < len(kept[s]) and self.reduction(kept[s][j].index, "d2d"):
+                extra_split = self._peer_stripes(s, kept[s][j].saved_bytes, trial_room)
+                if not extra_split:
+                    break
+                moves.append((kept[s][j].index, extra_split))
+                trial_room[dev] += self.reduction(kept[s][j].index, "d2d")
+                j += 1
+            if need > trial_room[dev]:
+                continue
+            trial_room[dev] -= need
+            del kept[s][:j]
+            room = trial_room
+            for i, split in moves:
+                choice[i] = ("d2d", split)
+            converted += 1
+        return (choice, self.simulate(choice)) if converted else None
+
+    def d2d(self, sim: SimResult, min_gain: float) -> SimResult:
+        """(d): the costliest choices first, halving the batch until a trial fits and is faster."""
+        while True:
+            costly = []
+            for layer, (tech, _) in self.choice.items():
+                s, lp = self.layer[layer]
+                cost = self.M * lp.forward_s if tech == "recompute" else \
+                    sim.swap_wait_s.get((s, layer), 0.0) if tech == "host" else 0.0
+                if cost > 0:
+                    costly.append((cost, layer))
+            costly.sort(key=lambda c: (-c[0], c[1]))
+            n, accepted = len(costly), None
+            while n and accepted is None:
+                trial = self._d2d_trial(costly[:n], sim)
+                if trial is None:  # no peer can take any of them; fewer will not help
+                    break
+                if not trial[1].overflow(self.budgets) and \
+                        trial[1].step_time_s < sim.step_time_s:
+                    accepted = trial
+                n //= 2
+            if accepted is None:
+                return sim
+            gain = (sim.step_time_s - accepted[1].step_time_s) / sim.step_time_s
+            self.choice, sim = accepted
+            if gain < min_gain:
+                return sim
+
+
+def _result(plan_: Plan, sim: SimResult, budgets: list[int], t0: float, stage_on: dict[int, int],
+            note: str) -> PlanResult:
+    sim = dataclasses.replace(sim, budget_bytes=list(budgets))
+    over = sim.overflow()
+    if over:
+        d, x = max(over, key=lambda o: (o[1], -o[0]))
+        where = f"device {d}" + (f" (stage {stage_on[d]})" if d in stage_on else "")
+        reason = (f"{where} needs {sim.peak_bytes[d]} bytes at its peak, {x} over its budget of "
+                  f"{budgets[d]} bytes{note}")
+    else:
+        counts = {}
+        for dec in plan_.decisions:
+            counts[dec.technique] = counts.get(dec.technique, 0) + 1
+        reason = "fits " + (", ".join(f"{n} {t}" for t, n in sorted(counts.items())) or "keeping all")
+    return PlanResult(plan=plan_, sim=sim, fits=not over, reason=reason,
+                      planning_s=time.perf_counter() - t0)
+
+
+def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], mapping: list[int],
+             min_gain: float, base: SimResult | None, t0: float, host_memory_bytes: int | None = None
+             ) -> PlanResult:
+    c = _Compactor(profile, topology, budgets, mapping, host_memory_bytes)
+    base = base or c.simulate()
+    if not base.overflow(budgets):
+        return _result(c.to_plan(), base, budgets, t0, c.stage_on, "")
+    for s, st in enumerate(profile.stages):
+        d = mapping[s]
+        if st.static_bytes > budgets[d]:
+            return PlanResult(plan=c.to_plan(), sim=dataclasses.replace(base, budget_bytes=list(budgets)),
+                              fits=False, planning_s=time.perf_counter() - t0,
+                              reason=f"device {d} (stage {s}): parameters and optimizer states alone take "
+                                     f"{st.static_bytes} bytes, {st.static_bytes - budgets[d]} over its "
+                                     f"budget of {budgets[d]} bytes")
+    c.build_queues(idle_times(profile, base))
+    sim = c.fit(base)
+    if not sim.overflow(budgets):
+        sim = c.d2d(sim, min_gain)
+    return _result(c.to_plan(), sim, budgets, t0, c.stage_on,
+                   " with every layer compacted" if sim.overflow(budgets) else "")
+
+
+def _mapping_cost(mapping: list[int], demand: list[int], budgets: list[int], profile: PipelineProfile,
+                  topology: Topology, k: list[int]) -> float:
+    """Transfer seconds per step a mapping forces: each stage's excess over its device's budget
+    moved out and back over the host link plus the links to devices with free memory, and the
+    pipeline boundary traffic."""
+    M, n = profile.micro_batches, topology.devices
+    holder = {d: s for s, d in enumerate(mapping)}
+    free = [budgets[d] - (demand[holder[d]] if d in holder else 0) for d in range(n)]
+    cost = 0.0
+    for s, d in enumerate(mapping):
+        excess = demand[s] - budgets[d]
+        if excess > 0:
+            bw = topology.host_bw[d] + sum(topology.peer_bw(d, p) * min(1.0, free[p] / excess)
+                                           for p in range(n) if p != d and free[p] > 0)
+            cost += 2 * M * excess / k[s] / bw if bw > 0 else float("inf")
+    if profile.boundary_bytes:
+        for s in range(len(mapping) - 1):
+            bw = topology.peer_bw(mapping[s], mapping[s + 1])
+            cost += 2 * M * profile.boundary_bytes / bw if bw > 0 else float("inf")
+    return cost
+
+
+def search_stage_mapping(profile: PipelineProfile, topology: Topology, budgets: list[int],
+                         base: SimResult) -> list[int]:
+    """Best-improvement local search from the identity over stage swaps and moves to unused devices,
+    scored by `_mapping_cost`; `base` is the keep-all simulation that gives each stage's demand."""
+    S = len(profile.stages)
+    demand = [base.peak_bytes[d] for d in base.mapping]
+    k = [in_flight_peak(profile.schedule, s, S, profile.micro_batches) for s in range(S)]
+    current = list(base.mapping)
+    cost = _mapping_cost(current, demand, budgets, profile, topology, k)
+    while True:
+        unused = [d for d in range(topology.devices) if d not in current]
+        neighbours = []
+        for a in range(S):
+            for b in range(a + 1, S):
+                m = list(current)
+                m[a], m[b] = m[b], m[a]
+                neighbours.append(m)
+            for d in unused:
+                m = list(current)
+                m[a] = d
+                neighbours.append(m)
+        best = min(neighbours, key=lambda m: _mapping_cost(m, demand, budgets, profile, topology, k),
+                   default=current)
+        best_cost = _mapping_cost(best, demand, budgets, profile, topology, k)
+        if not best_cost < cost * (1 - 1e-9):
+            return current
+        current, cost = best, best_cost
+
+
+def plan(profile: PipelineProfile, topology: Topology, *, budget_bytes: int | list[int] | None = None,
+         mapping: list[int] | None = None, search_mapping: bool = True,
+         min_gain: float = 0.01, host_memory_bytes: int | None = None) -> PlanResult:
+    """Compaction plan for `profile` on `topology` within `budget_bytes` per device (default: each
+    device's memory) and `host_memory_bytes` of host memory for swapped activations (default: no
+    limit). A given `mapping` is kept as is; without one the identity is the start and, with
+    `search_mapping`, a searched mapping competes with it."""
+    t0 = time.perf_counter()
+    budgets = _budgets(budget_bytes, topology)
+    S = len(profile.stages)
+    if S > topology.devices:
+        raise ValueError(f"{S} stages need {S} devices, topology {topology.name} has {topology.devices}")
+    if not 0 <= min_gain < 1:
+        raise ValueError(f"min_gain must be in [0, 1), got {min_gain}")
+    start = list(mapping) if mapping else list(range(S))
+    base = simulate(profile, Plan(mapping=start), topology)
+    candidates = [start]
+    if mapping is None and search_mapping and base.overflow(budgets):
+        found = search_stage_mapping(profile, topology, budgets, base)
+        if found != start:
+            candidates.append(found)
+    results = [_compact(profile, topology, budgets, m, min_gain, base if m == start else None, t0,
+                        host_memory_bytes) for m in candidates]
+    best = min(results, key=lambda r: (not r.fits, r.sim.step_time_s if r.fits else
+                                       sum(x for _, x in r.sim.overflow())))
+    best.planning_s = time.perf_counter() - t0
+    log.info("planned %d stages in %.3f s: %s, step %.4f s", S, best.planning_s, best.reason,
+             best.sim.step_time_s)
+    return best
+

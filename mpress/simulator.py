@@ -1,0 +1,395 @@
+"""Play one training step of a compaction plan over the pipeline schedule: step time, memory per device.
+
+Model, per device (one pipeline stage per device, `Plan.device_of`):
+
+- three streams: `compute` runs the stage's ops in schedule order (`stage_ops`), `host` copies saved
+  tensors to and from host memory at the device's own `host_bw` (host links are not shared between
+  devices), `d2d` copies them to and from peer devices. A copy stream runs one copy at a time, first
+  in, first out; a D2D copy sends its stripes concurrently, each over its own link.
+- links: every directed device pair is a resource that carries one transfer at a time (pipeline
+  boundary activations and gradients, D2D stripes). A transfer takes the first idle window on the
+  link at or after its issue time that is long enough for it; it is never split or preempted. Ops
+  are played in order of start time, so this is first come, first served up to transfers issued by
+  ops that overlap in time.
+- dependencies: F(m) of stage s starts when the compute stream is free and F(m) of stage s - 1 has
+  finished and its output has crossed the link; B(m) likewise after B(m) of stage s + 1 (the last
+  stage's after its own F(m)).
+- techniques per layer: `keep` holds the layer's saved bytes from the start of its forward to the end
+  of its backward; `recompute` holds nothing and its backward first replays its forward; `host` and
+  `d2d` hold the bytes from the start of the forward until the swap-out copy finishes, and again from
+  the start of the swap-in copy until the end of the backward, which waits for the copy. Swap-ins
+  for a backward are issued when the stage's previous op starts (after that op's own swap-outs when
+  they swap out the same micro-batch); a D2D stripe occupies its peer's memory from the start of its
+  swap-out to the end of its swap-in.
+- memory: static bytes are always resident; at equal times frees count before allocations. Runs of
+  consecutive kept or recomputed layers are charged as one block, so the model costs O(ops x
+  segments), not O(ops x layers).
+"""
+
+from __future__ import annotations
+
+import heapq
+from bisect import bisect_right
+from dataclasses import dataclass, field
+from itertools import accumulate
+
+from mpress.profile import TECHNIQUES, Decision, PipelineProfile, Plan
+from mpress.schedule import Op, stage_ops
+from mpress.topology import Topology
+
+RUN, HOST, D2D = 0, 1, 2  # segment kinds
+STREAMS = ("compute", "host", "d2d", "p2p")
+
+
+@dataclass(frozen=True)
+class TraceEvent:
+    """One interval on one stream of one device."""
+
+    name: str
+    device: int
+    stream: str  # one of STREAMS
+    start_s: float
+    dur_s: float
+
+
+@dataclass(frozen=True)
+class OpSpan:
+    """When one op of one stage ran (including waits for swap-ins)."""
+
+    kind: str
+    micro_batch: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(kw_only=True)
+class SimResult:
+    """What one simulated step costs: time, memory per device and traffic per technique."""
+
+    step_time_s: float
+    peak_bytes: list[int]  # per device of the topology
+    memory: list[list[tuple[float, int]]]  # per device: (time_s, bytes resident from then on)
+    budget_bytes: list[int]  # per device: the memory the peaks are compared against
+    mapping: list[int]  # mapping[stage] = device
+    ops: list[list[OpSpan]]  # per stage, in schedule order
+    saved_bytes: dict[str, int]  # per technique: saved-tensor bytes it handled this step
+    moved_bytes: dict[str, int]  # per technique: bytes it copied over links this step
+    recompute_s: float  # forward time replayed by recomputation, summed over stages
+    swap_wait_s: dict[tuple[int, int], float]  # (stage, layer): time backwards waited for its swap-ins
+    events: list[TraceEvent] = field(default_factory=list)  # only when simulated with record=True
+
+    @property
+    def recompute_bytes(self) -> int:
+        return self.saved_bytes["recompute"]
+
+    @property
+    def host_swap_bytes(self) -> int:
+        return self.saved_bytes["host"]
+
+    @property
+    def d2d_swap_bytes(self) -> int:
+        return self.saved_bytes["d2d"]
+
+    def overflow(self, budget_bytes: list[int] | None = None) -> list[tuple[int, int]]:
+        """(device, bytes over) for every device whose peak exceeds its budget."""
+        budget = self.budget_bytes if budget_bytes is None else budget_bytes
+        return [(d, p - b) for d, (p, b) in enumerate(zip(self.peak_bytes, budget)) if p > b]
+
+
+@dataclass(slots=True)
+class _Segment:
+    """A run of kept / recomputed layers, or one swapped layer, played as a unit."""
+
+    kind: int
+    first: int  # global layer indices
+    last: int
+    forward_s: float
+    backward_s: float  # recomputed forwards included
+    bytes: int  # kept bytes of a run; swapped bytes of a swapped layer
+    stripes: tuple[tuple[int, int, float], ...] = ()  # d2d: (peer, bytes, bytes/s)
+
+    @property
+    def label(self) -> str:
+        return f"L{self.first}" if self.first == self.last else f"L{self.first}-{self.last}"
+
+
+def _mapping(plan: Plan, stages: int, topology: Topology) -> list[int]:
+    mapping = list(plan.mapping) if plan.mapping else list(range(stages))
+    if len(mapping) != stages:
+        raise ValueError(f"plan.mapping has {len(mapping)} entries for {stages} stages")
+    if len(set(mapping)) != stages or not all(0 <= d < topology.devices for d in mapping):
+        raise ValueError(f"plan.mapping must place each stage on its own device in "
+                         f"0..{topology.devices - 1}, got {mapping}")
+    return mapping
+
+
+def _segments(profile: PipelineProfile, plan: Plan, topology: Topology,
+              mapping: list[int]) -> list[list[_Segment]]:
+    """Each stage's layers grouped into segments, after checking the plan against the profile."""
+    owner = {layer.index: s for s, st in enumerate(profile.stages) for layer in st.layers}
+    chosen: dict[int, Decision] = {}
+    for d in plan.decisions:
+        if owner.get(d.layer) != d.stage:
+            raise ValueError(f"plan decision for stage {d.stage}, layer {d.layer}: the profile has no "
+                             f"such layer in that stage")
+        if d.technique not in TECHNIQUES:
+            raise ValueError(f"technique must be one of {TECHNIQUES}, got {d.technique!r}")
+        chosen[d.layer] = d
+    stages: list[list[_Segment]] = []
+    for s, st in enumerate(profile.stages):
+        dev, segs = mapping[s], []
+        for layer in st.layers:
+            d = chosen.get(layer.index)
+            tech = d.technique if d else "keep"
+            nbytes = layer.saved_bytes
+            if tech in ("host", "d2d") and nbytes:
+                stripes = _check_swap(d, nbytes, dev, topology)
+                segs.append(_Segment(HOST if tech == "host" else D2D, layer.index, layer.index,
+                                     layer.forward_s, layer.backward_s, nbytes, stripes))
+                continue
+            extra = layer.forward_s if tech == "recompute" else 0.0
+            held = nbytes if tech != "recompute" else 0
+            if segs and segs[-1].kind == RUN:
+                run = segs[-1]
+                run.last, run.forward_s = layer.index, run.forward_s + layer.forward_s
+                run.backward_s += layer.backward_s + extra
+                run.bytes += held
+            else:
+                segs.append(_Segment(RUN, layer.index, layer.index, layer.forward_s,
+                                     layer.backward_s + extra, held))
+        stages.append(segs)
+    return stages
+
+
+def _check_swap(d: Decision, nbytes: int, dev: int, topology: Topology) -> tuple:
+    where = f"plan decision for stage {d.stage}, layer {d.layer}"
+    if d.technique == "host":
+        if topology.host_bw[dev] <= 0:
+            raise ValueError(f"{where}: host swap needs host_bw > 0 on device {dev}")
+        return ()
+    if not d.stripes:
+        raise ValueError(f"{where}: d2d needs at least one stripe")
+    if sum(x.bytes for x in d.stripes) != nbytes:
+        raise ValueError(f"{where}: stripes carry {sum(x.bytes for x in d.stripes)} bytes, the layer "
+                         f"saves {nbytes}")
+    stripes = []
+    for x in d.stripes:
+        if not 0 <= x.device < topology.devices or x.device == dev:
+            raise ValueError(f"{where}: stripe device {x.device} must be a peer of device {dev}")
+        bw = min(topology.peer_bw(dev, x.device), topology.peer_bw(x.device, dev))
+        if bw <= 0:
+            raise ValueError(f"{where}: no path between device {dev} and device {x.device}")
+        if x.bytes:
+            stripes.append((x.device, x.bytes, bw))
+    return tuple(stripes)
+
+
+class _Links:
+    """Directed links as resources holding sorted, disjoint busy intervals."""
+
+    def __init__(self) -> None:
+        self._busy: dict[tuple[int, int], tuple[list[float], list[float]]] = {}
+
+    def reserve(self, src: int, dst: int, t: float, dur: float) -> float:
+        """Book the first idle window of length `dur` at or after `t`; return its start."""
+        starts, ends = self._busy.setdefault((src, dst), ([], []))
+        k = bisect_right(ends, t)
+        while k < len(starts) and starts[k] < t + dur:
+            t = max(t, ends[k])
+            k += 1
+        starts.insert(k, t)
+        ends.insert(k, t + dur)
+        return t
+
+
+class _Step:
+    """The mutable state of one simulated step; `play` runs it."""
+
+    def __init__(self, profile: PipelineProfile, topology: Topology, mapping: list[int],
+                 segs: list[list[_Segment]], record: bool) -> None:
+        self.profile, self.topology, self.mapping, self.record = profile, topology, mapping, record
+        self.segs = segs
+        self.swaps_back = [[g for g in reversed(ss) if g.kind != RUN] for ss in segs]  # backward order
+        self.links = _Links()
+        n = topology.devices
+        self.mem: list[list[tuple[float, int]]] = [[] for _ in range(n)]  # (time, +/- bytes)
+        self.stream_free = {"host": [0.0] * n, "d2d": [0.0] * n}
+        self.events: list[TraceEvent] = []
+        self.wait: dict[tuple[int, int], float] = {}
+
+    def _event(self, name: str, dev: int, stream: str, start: float, end: float) -> None:
+        self.events.append(TraceEvent(name, dev, stream, start, end - start))
+
+    def _copy(self, s: int, m: int, g: _Segment, issue: float, out: bool) -> float:
+        """One swap copy of `g` for micro-batch m; returns when it ends."""
+        dev = self.mapping[s]
+        mem = self.mem[dev]
+        stream = "host" if g.kind == HOST else "d2d"
+        free = self.stream_free[stream]
+        start = end = max(issue, free[dev])
+        if g.kind == HOST:
+            end = start + g.bytes / self.topology.host_bw[dev]
+        else:
+            for peer, nbytes, bw in g.stripes:
+                dur = nbytes / bw
+                a = self.links.reserve(dev, peer, start, dur) if out else \
+                    self.links.reserve(peer, dev, start, dur)
+                self.mem[peer].append((a, nbytes) if out else (a + dur, -nbytes))
+                end = max(end, a + dur)
+        free[dev] = end
+        mem.append((end, -g.bytes) if out else (start, g.bytes))
+        if self.record:
+            self._event(f"{'out' if out else 'in'} {g.label} m{m}", dev, stream, start, end)
+        return end
+
+    def _prefetch(self, s: int, m: int, issue: float) -> list[float]:
+        return [self._copy(s, m, g, issue, out=False) for g in self.swaps_back[s]]
+
+    def _forward(self, s: int, m: int, t: float) -> float:
+        dev, record = self.mapping[s], self.record
+        mem = self.mem[dev]
+        for g in self.segs[s]:
+            if g.bytes:
+                mem.append((t, g.bytes))
+            if record:
+                self._event(f"F{m} {g.label}", dev, "compute", t, t + g.forward_s)
+            t += g.forward_s
+            if g.kind != RUN:
+                self._copy(s, m, g, t, out=True)
+        return t
+
+    def _backward(self, s: int, m: int, t: float, ready: list[float]) -> float:
+        dev, record = self.mapping[s], self.record
+        mem, j = self.mem[dev], 0
+        for g in reversed(self.segs[s]):
+            if g.kind != RUN:
+                r = ready[j]
+                j += 1
+                if r > t:
+                    key = (s, g.first)
+                    self.wait[key] = self.wait.get(key, 0.0) + (r - t)
+                    t = r
+            if record:
+                self._event(f"B{m} {g.label}", dev, "compute", t, t + g.backward_s)
+            t += g.backward_s
+            if g.bytes:
+                mem.append((t, -g.bytes))
+        return t
+
+    def _send(self, s: int, to: int, t: float, what: str) -> float:
+        """Boundary activation (or its gradient) from stage s to stage `to`; returns arrival."""
+        nbytes = self.profile.boundary_bytes
+        if not nbytes:
+            return t
+        src, dst = self.mapping[s], self.mapping[to]
+        bw = self.topology.peer_bw(src, dst)
+        if bw <= 0:
+            raise ValueError(f"no path between device {src} and device {dst} for stages {s} -> {to}")
+        dur = nbytes / bw
+        start = self.links.reserve(src, dst, t, dur)
+        if self.record:
+            self._event(what, src, "p2p", start, start + dur)
+        return start + dur
+
+    def play(self) -> tuple[float, list[list[OpSpan]]]:
+        p = self.profile
+        S, M = len(p.stages), p.micro_batches
+        ops: list[list[Op]] = [stage_ops(p.schedule, s, S, M) for s in range(S)]
+        arrive = {"F": [[None] * M for _ in range(S)], "B": [[None] * M for _ in range(S)]}
+        arrive["F"][0] = [0.0] * M
+        nxt, busy_until, queued = [0] * S, [0.0] * S, [False] * S
+        ready_in: list[list[float]] = [[] for _ in range(S)]  # swap-in ends for the stage's next B
+        spans: list[list[OpSpan]] = [[] for _ in range(S)]
+        heap: list[tuple[float, int]] = []
+
+        def push(s: int) -> None:
+            if queued[s] or nxt[s] == len(ops[s]):
+                return
+            op = ops[s][nxt[s]]
+            a = arrive[op.kind][s][op.micro_batch]
+            if a is not None:
+                queued[s] = True
+                heapq.heappush(heap, (max(a, busy_until[s]), s))
+
+        push(0)
+        while heap:
+            start, s = heapq.heappop(heap)
+            queued[s] = False
+            i = nxt[s]
+            op, follow = ops[s][i], ops[s][i + 1] if i + 1 < len(ops[s]) else None
+            m = op.micro_batch
+            prefetch = follow is not None and follow.kind == "B" and bool(self.swaps_back[s])
+            if op.kind == "F":
+                same = prefetch and follow.micro_batch == m  # B(m) right after F(m): wait for its swap-outs
+                pending = self._prefetch(s, follow.micro_batch, start) if prefetch and not same else []
+                end = self._forward(s, m, start)
+                if same:
+                    pending = self._prefetch(s, m, start)
+            else:
+                pending = self._prefetch(s, follow.micro_batch, start) if prefetch else []
+                end = self._backward(s, m, start, ready_in[s])
+            ready_in[s] = pending
+            spans[s].append(OpSpan(op.kind, m, start, end))
+            busy_until[s], nxt[s] = end, i + 1
+            if op.kind == "F":
+                if s + 1 < S:
+                    arrive["F"][s + 1][m] = self._send(s, s + 1, end, f"act m{m} -> s{s + 1}")
+                    push(s + 1)
+                else:
+                    arrive["B"][s][m] = end
+            elif s > 0:
+                arrive["B"][s - 1][m] = self._send(s, s - 1, end, f"grad m{m} -> s{s - 1}")
+                push(s - 1)
+            push(s)
+        if any(nxt[s] != len(ops[s]) for s in range(S)):
+            raise RuntimeError(f"schedule {p.schedule!r} deadlocked at ops {nxt}")  # a schedule bug
+        return max(busy_until), spans
+
+
+def _timeline(static: int, deltas: list[tuple[float, int]], end: float) -> tuple[int, list[tuple[float, int]]]:
+    """Peak and (time, bytes) steps from allocation deltas; frees first at equal times."""
+    deltas.sort()
+    levels = list(accumulate((d for _, d in deltas), initial=static))
+    times = [t for t, _ in deltas]
+    # within a group of equal times frees come first, so no level inside a group tops its last one
+    points = [(0.0, static)] + [(t, lv) for t, t_next, lv in zip(times, times[1:] + [None], levels[1:])
+                                 if t != t_next]
+    if points[-1][0] < end:
+        points.append((end, levels[-1]))
+    return max(levels), points
+
+
+def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
+             record: bool = False) -> SimResult:
+    """Play one training step of `plan` on `topology`; `record` keeps every interval for a trace."""
+    mapping = _mapping(plan, len(profile.stages), topology)
+    segs = _segments(profile, plan, topology, mapping)
+    step = _Step(profile, topology, mapping, segs, record)
+    step_time, spans = step.play()
+
+    M = profile.micro_batches
+    saved = dict.fromkeys(TECHNIQUES, 0)
+    moved = dict.fromkeys(TECHNIQUES, 0)
+    recompute_s = 0.0
+    decided = {d.layer: d.technique for d in plan.decisions}
+    for st in profile.stages:
+        for layer in st.layers:
+            tech = decided.get(layer.index, "keep")
+            saved[tech] += layer.saved_bytes * M
+            if tech in ("host", "d2d"):
+                moved[tech] += 2 * layer.saved_bytes * M
+            elif tech == "recompute":
+                recompute_s += layer.forward_s * M
+
+    static = [0] * topology.devices
+    for s, st in enumerate(profile.stages):
+        static[mapping[s]] += st.static_bytes
+    peaks, memory = [], []
+    for dev in range(topology.devices):
+        peak, points = _timeline(static[dev], step.mem[dev], step_time)
+        peaks.append(peak)
+        memory.append(points)
+    return SimResult(step_time_s=step_time, peak_bytes=peaks, memory=memory,
+                     budget_bytes=list(topology.device_memory_bytes), mapping=mapping, ops=spans,
+                     saved_bytes=saved, moved_bytes=moved, recompute_s=recompute_s,
+                     swap_wait_s=step.wait, events=step.events)
