@@ -1,0 +1,209 @@
+"""Measures the layers of one stage: what each saves for backward, and how long its forward and
+backward take. The result is the `LayerProfile` list the planner and the simulator read.
+
+Saved tensors are found with `torch.autograd.graph.saved_tensors_hooks`: the pack hook sees every
+tensor autograd saves. Parameters (and views of them, such as the `weight.t()` a Linear saves)
+are held all step anyway, so they are recognised by their storage and left out. A tensor's
+producer is the autograd node that made it (its `grad_fn`), or "input" for a leaf. Its consumer
+is the backward node that saved it: after the forward, the layer's autograd graph is walked and
+each node's `_saved_*` attributes (or `saved_tensors`, for custom Functions) are read, which runs
+the unpack hook on the very object the pack hook returned (a tensor no node is found for gets
+the layer's name as its consumer).
+
+Backward time per layer comes from tensor hooks on the boundaries between layers: the hook on a
+layer's output fires when its backward can start, the hook on its input when the next layer down
+can start. The first layer's backward ends when `backward()` returns.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from mpress.profile import LayerProfile, SavedTensor
+
+
+def param_storages(module: nn.Module) -> set[int]:
+    """Addresses of the storages of `module`'s parameters and buffers."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return {t.untyped_storage().data_ptr() for t in tensors}
+
+
+def is_parameter(tensor: torch.Tensor, storages: set[int]) -> bool:
+    """True when `tensor` is (a view of) one of the parameters whose `param_storages` are given."""
+    return tensor.untyped_storage().data_ptr() in storages
+
+
+def producer_of(tensor: torch.Tensor) -> str:
+    """The autograd node that made `tensor`, or "input" for a leaf."""
+    return tensor.grad_fn.name() if tensor.grad_fn is not None else "input"
+
+
+def stage_peak_bytes(layers: list[LayerProfile], *, in_flight: int = 1) -> int:
+    """Parameters, gradients and optimizer states of the stage, plus every layer's saved tensors
+    for `in_flight` micro-batches (a 1F1B stage s of S holds S - s; GPipe holds all)."""
+    if in_flight < 0:
+        raise ValueError(f"stage_peak_bytes: in_flight={in_flight} must be >= 0")
+    return sum(layer.param_bytes + in_flight * layer.saved_bytes for layer in layers)
+
+
+@dataclass
+class _Saved:
+    """A saved tensor seen by the pack hook, until its consumer is known."""
+
+    tensor: torch.Tensor
+    producer: str
+    consumer: str = ""
+    attr: str = ""
+
+
+def _as_tuple(x) -> tuple:
+    return x if isinstance(x, tuple) else (x,)
+
+
+def _sync(tensors: tuple) -> None:
+    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
+        torch.cuda.synchronize()
+
+
+@dataclass
+class _Probe:
+    """The graph node (and attribute) being read while consumers are looked up."""
+
+    node: object = None
+    attr: str = ""
+
+
+def _find_consumers(outputs: tuple, inputs: tuple, probe: _Probe) -> None:
+    """Walk the layer's graph from its outputs down to its inputs, reading every saved tensor so
+    that the unpack hook can name the node that saved it."""
+    stop = {id(t.grad_fn) for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    seen: set[int] = set()
+    while todo:
+        node = todo.pop()
+        if node is None or id(node) in seen or id(node) in stop:
+            continue
+        seen.add(id(node))
+        attrs = [a for a in dir(node) if a.startswith("_saved_")]
+        if hasattr(type(node), "saved_tensors"):  # a custom autograd.Function
+            attrs.append("saved_tensors")
+        for attr in attrs:
+            probe.node, probe.attr = node, attr.removeprefix("_saved_")
+            try:
+                getattr(node, attr)
+            except RuntimeError:  # freed already, or not readable outside backward
+                pass
+        todo.extend(fn for fn, _ in node.next_functions)
+    probe.node = None
+
+
+def _record_saved(name: str, module: nn.Module, inputs: tuple) -> tuple[tuple, list[SavedTensor]]:
+    """Run `module` once, returning its outputs and the activations it saved."""
+    storages = param_storages(module)
+    seen: list[_Saved] = []
+    probe = _Probe()
+
+    def pack(t: torch.Tensor):
+        if is_parameter(t, storages):
+            return t
+        seen.append(_Saved(t.detach(), producer_of(t)))  # no history: no cycle through grad_fn
+        return seen[-1]
+
+    def unpack(x):
+        if not isinstance(x, _Saved):
+            return x
+        if probe.node is not None and not x.consumer:
+            x.consumer, x.attr = probe.node.name(), probe.attr
+        return x.tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        outputs = _as_tuple(module(*inputs))
+    _find_consumers(outputs, inputs, probe)
+    saved = [SavedTensor(name=f"saved{k}" + (f".{s.attr}" if s.attr else ""),
+                         bytes=s.tensor.numel() * s.tensor.element_size(), producer=s.producer,
+                         consumer=s.consumer or name)
+             for k, s in enumerate(seen)]
+    return outputs, saved
+
+
+def _timed_step(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> tuple[list[float], list[float]]:
+    """One forward and backward through all layers: per-layer forward and backward seconds."""
+    n = len(layers)
+    forward_s = []
+    boundary_t = [0.0] * (n + 1)  # boundary i: the input of layer i (n: the last output)
+    inputs: tuple = (x,)
+    for i, (_, module) in enumerate(layers):
+        _sync(inputs)
+        start = time.perf_counter()
+        outputs = _as_tuple(module(*inputs))
+        _sync(outputs)
+        forward_s.append(time.perf_counter() - start)
+        for t in outputs:
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                def stamp(grad, i=i + 1):
+                    _sync((grad,))
+                    boundary_t[i] = max(boundary_t[i], time.perf_counter())
+                t.register_hook(stamp)
+        inputs = outputs
+    tensors = [t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not tensors:
+        raise ValueError("profile_layers: the last layer's output does not require grad")
+    _sync(inputs)
+    boundary_t[n] = time.perf_counter()
+    torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
+    _sync(inputs)
+    boundary_t[0] = time.perf_counter()
+    # A layer whose output needed no grad has no backward: its boundary inherits the time above.
+    for i in range(n - 1, 0, -1):
+        boundary_t[i] = boundary_t[i] or boundary_t[i + 1]
+    backward_s = [max(boundary_t[i] - boundary_t[i + 1], 0.0) for i in range(1, n)]
+    backward_s.insert(0, max(boundary_t[0] - boundary_t[1], 0.0))
+    return forward_s, backward_s
+
+
+def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Tensor, *,
+                   repeats: int = 3, optimizer_states: int = 2) -> list[LayerProfile]:
+    """Profile `layers` run in sequence on `example_input` (one micro-batch): saved activations,
+    output sizes, median forward / backward seconds over `repeats` steps, and the bytes of
+    parameters + gradients + `optimizer_states` states per parameter (2 for Adam), all in the
+    parameter's dtype. Gradients the parameters held before are restored afterwards."""
+    if repeats < 1:
+        raise ValueError(f"profile_layers: repeats={repeats} must be >= 1")
+    if not layers:
+        raise ValueError("profile_layers: no layers given")
+    params = [p for _, m in layers for p in m.parameters()]
+    grads_before = [p.grad for p in params]
+    try:
+        recorded = []
+        inputs: tuple = (example_input,)
+        for name, module in layers:
+            inputs, saved = _record_saved(name, module, inputs)
+            recorded.append((saved, sum(t.numel() * t.element_size()
+                                        for t in inputs if isinstance(t, torch.Tensor))))
+        del inputs
+        times = []
+        for _ in range(1 + repeats):  # the first is a warm-up of the backward
+            for p in params:
+                p.grad = None  # as after zero_grad(): the backward allocates, and leaves the caller's alone
+            times.append(_timed_step(layers, example_input))
+        del times[0]
+    finally:
+        for p, g in zip(params, grads_before):
+            p.grad = g
+    return [
+        LayerProfile(
+            index=i, name=name,
+            forward_s=statistics.median(fwd[i] for fwd, _ in times),
+            backward_s=statistics.median(bwd[i] for _, bwd in times),
+            saved=saved,
+            param_bytes=sum(p.numel() * p.element_size() for p in module.parameters())
+            * (2 + optimizer_states),
+            output_bytes=output_bytes,
+        )
+        for i, ((name, module), (saved, output_bytes)) in enumerate(zip(layers, recorded))
+    ]

@@ -1,0 +1,462 @@
+"""Executor: every technique and a mixed plan reproduce the no-plan loss and gradients bit for bit
+(swapping is a copy; recomputation replays the same float32 ops with the same RNG state on CPU),
+the accounting is the profile's, a budget holds, and D2D stripes really live in a peer's memory:
+in this process (InProcessPeers) and across 2 gloo ranks (SharedMemoryPeers in /dev/shm).
+
+Legend: T tokens per micro-batch, D model width, H hidden width.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+
+import pytest
+import torch
+import torch.distributed as dist
+from helpers.dist import run_ranks
+from torch import nn
+
+from mpress.executor import (
+    MIN_SWAP_BYTES,
+    BudgetExceededError,
+    Executor,
+    State,
+    SwapSpaceError,
+    byte_view,
+    split_bytes,
+)
+from mpress.peer_memory import (
+    InProcessPeers,
+    PeerMemoryFullError,
+    SharedMemoryPeers,
+    SliceAllocator,
+    segment_path,
+)
+from mpress.profile import Decision, Plan, Stripe
+from mpress.profiler import is_parameter, param_storages, profile_layers
+from storage.pool import HostBufferPool, HostBufferPoolConfig
+
+T, D, H = 32, 64, 128
+LAYERS = 4
+PEER_BYTES = 1 << 22
+
+
+class Block(nn.Module):
+    """A pre-norm MLP block with a residual: saves 8 KiB inputs and 16 KiB hidden activations."""
+
+    def __init__(self, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(D)
+        self.up = nn.Linear(D, H)
+        self.down = nn.Linear(H, D)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return x_TD + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x_TD)))))
+
+
+def make_layers(dropout: float = 0.0) -> list[nn.Module]:
+    torch.manual_seed(0)
+    return [Block(dropout) for _ in range(LAYERS)]
+
+
+def make_input(micro_batch: int = 0) -> torch.Tensor:
+    return torch.randn(T, D, generator=torch.Generator().manual_seed(10 + micro_batch))
+
+
+def forward(layers, x_TD: torch.Tensor) -> torch.Tensor:
+    torch.manual_seed(1234)  # dropout masks: the same in every run
+    for layer in layers:
+        x_TD = layer(x_TD)
+    return x_TD.square().mean()
+
+
+def step(layers, params, micro_batches: int = 1):
+    """Loss per micro-batch and the accumulated gradients (forwards first, then backwards: GPipe)."""
+    for p in params:
+        p.grad = None
+    losses = [forward(layers, make_input(m)) for m in range(micro_batches)]
+    for loss in losses:
+        loss.backward()
+    return [loss.detach() for loss in losses], [p.grad.clone() for p in params]
+
+
+def assert_identical(got, want) -> None:
+    (got_losses, got_grads), (want_losses, want_grads) = got, want
+    for g, w in zip(got_losses, want_losses):
+        assert torch.equal(g, w), f"loss {g.item()!r} != {w.item()!r}"
+    for i, (g, w) in enumerate(zip(got_grads, want_grads)):
+        assert torch.equal(g, w), f"gradient {i} differs by up to {(g - w).abs().max().item()}"
+
+
+STRIPES_3_1 = (Stripe(device=1, bytes=3), Stripe(device=2, bytes=1))  # 3/4 to rank 1, 1/4 to rank 2
+
+
+def plan_of(*techniques: str, stripes=STRIPES_3_1) -> Plan:
+    return Plan(decisions=[Decision(stage=0, layer=i, technique=t, stripes=list(stripes) if t == "d2d" else [])
+                           for i, t in enumerate(techniques)])
+
+
+def planned(plan: Plan, layers, **kwargs):
+    ex = Executor(plan, 0, device="cpu", **kwargs)
+    return ex, [ex.wrap(i, layer) for i, layer in enumerate(layers)]
+
+
+@pytest.fixture
+def layers():
+    return make_layers()
+
+
+@pytest.fixture
+def params(layers):
+    return [p for layer in layers for p in layer.parameters()]
+
+
+@pytest.fixture
+def reference(layers, params):
+    return step(layers, params)
+
+
+@pytest.fixture
+def peers():
+    return InProcessPeers.group(3, PEER_BYTES)
+
+
+# -- pure pieces --------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("nbytes, weights", [(4096, [3, 1]), (1001, [1, 1, 1]), (7, [5, 0, 2]), (0, [1, 2])])
+def test_split_bytes_follows_the_weights(nbytes, weights):
+    pieces = split_bytes(nbytes, weights)
+    assert sum(pieces) == nbytes
+    for piece, w in zip(pieces, weights):
+        assert abs(piece - nbytes * w / sum(weights)) < 1
+
+
+def test_split_bytes_rejects_weights_without_bytes():
+    with pytest.raises(ValueError, match="weights"):
+        split_bytes(10, [0, 0])
+
+
+def test_byte_view_keeps_a_permuted_layout():
+    x = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).permute(2, 0, 1)
+    assert byte_view(x).numel() == 24 * 4
+    back = torch.empty_strided(x.shape, x.stride())
+    byte_view(back).copy_(byte_view(x))
+    assert torch.equal(back, x) and back.stride() == x.stride()
+
+
+def test_slice_allocator_first_fit_aligned_and_full():
+    a = SliceAllocator(1024, alignment=64)
+    assert [a.alloc(100), a.alloc(64), a.alloc(1)] == [0, 128, 192]
+    a.free(128)
+    assert a.alloc(10) == 128  # the freed gap is reused first
+    assert a.used_bytes == 128 + 64 + 64
+    with pytest.raises(PeerMemoryFullError, match="no gap of 832 bytes in a slice of 1024 bytes"):
+        a.alloc(800)
+    assert a.alloc(768) == 256
+    with pytest.raises(ValueError, match="no block allocated at offset 5"):
+        a.free(5)
+
+
+def test_peer_memory_views_are_disjoint_slices(peers):
+    data = torch.arange(100, dtype=torch.uint8)
+    off = peers[0].alloc(1, 100)
+    peers[0].put(1, off, data)
+    assert torch.equal(peers[0].get(1, off, 100), data)
+    start, _ = peers[0].slice_range(0)
+    assert torch.equal(peers[1].segment(1)[start + off:start + off + 100], data)  # in rank 1's segment
+    assert peers[2].segment(1)[peers[2].slice_range(2)[0]:].count_nonzero() == 0  # not in another's slice
+    with pytest.raises(ValueError, match="cannot use itself as a peer"):
+        peers[0].alloc(0, 10)
+    with pytest.raises(ValueError, match="outside the slice"):
+        peers[0].view(1, peers[0].slice_bytes - 10, 20)
+
+
+# -- every technique reproduces the reference ---------------------------------------------------
+
+
+@pytest.mark.parametrize("techniques", [
+    ("keep",) * LAYERS, ("recompute",) * LAYERS, ("host",) * LAYERS, ("d2d",) * LAYERS,
+    ("host", "recompute", "d2d", "keep"),
+], ids=["keep", "recompute", "host", "d2d", "mixed"])
+def test_gradients_equal_the_reference(techniques, layers, params, reference, peers):
+    ex, wrapped = planned(plan_of(*techniques), layers, peers=peers[0])
+    with ex:
+        assert_identical(step(wrapped, params, micro_batches=2), step(layers, params, micro_batches=2))
+        assert_identical(step(wrapped, params), reference)
+        stats = ex.stats()
+    assert ex.table == {} and stats.resident_bytes == 0  # every saved tensor freed after backward
+    assert peers[0].used_bytes(1) == peers[0].used_bytes(2) == 0
+    assert (stats.host_bytes > 0) == ("host" in techniques)
+    assert (stats.peer_bytes > 0) == ("d2d" in techniques)
+    assert stats.recomputed == 3 * techniques.count("recompute")  # one replay per forward
+
+
+def test_recompute_replays_dropout_with_the_same_masks():
+    layers = make_layers(dropout=0.5)
+    params = [p for layer in layers for p in layer.parameters()]
+    ex, wrapped = planned(plan_of(*("recompute",) * LAYERS), layers)
+    with ex:
+        assert_identical(step(wrapped, params), step(layers, params))
+
+
+def test_swapped_tensors_really_come_from_host_and_peers(layers, params, reference, peers):
+    """Corrupting the swapped copies after the forward changes the gradients: the backward reads
+    them, not tensors kept on the side."""
+    for technique in ("host", "d2d"):
+        ex, wrapped = planned(plan_of(technique, "keep", "keep", "keep"), layers, peers=peers[0])
+        with ex:
+            for p in params:
+                p.grad = None
+            loss = forward(wrapped, make_input())
+            ex.synchronize()
+            swapped = [r for r in ex.table.values() if r.technique == technique]
+            assert swapped and all(r.state is State.OUT for r in swapped)
+            for r in swapped:
+                if technique == "host":
+                    r.host.payload.fill_(0)
+                for c in r.chunks:
+                    peers[0].view(c.peer, c.offset, c.nbytes).fill_(0)
+            loss.backward()
+            assert not all(torch.equal(p.grad, g) for p, g in zip(params, reference[1]))
+
+
+# -- accounting and budget ----------------------------------------------------------------------
+
+
+def test_keep_all_peak_is_the_profiled_saved_bytes(layers):
+    profiled = profile_layers([(f"block{i}", layer) for i, layer in enumerate(layers)], make_input(), repeats=1)
+    ex, wrapped = planned(plan_of(*("keep",) * LAYERS), layers)
+    with ex:
+        loss = forward(wrapped, make_input())
+        assert ex.stats().resident_bytes == ex.peak_bytes == sum(lp.saved_bytes for lp in profiled)
+        loss.backward()
+
+
+def test_recompute_holds_only_the_layer_inputs(layers):
+    ex, wrapped = planned(plan_of(*("recompute",) * LAYERS), layers)
+    with ex:
+        loss = forward(wrapped, make_input())
+        assert ex.peak_bytes == LAYERS * T * D * 4
+        loss.backward()
+
+
+@pytest.mark.parametrize("techniques", [
+    ("recompute",) * LAYERS, ("host",) * LAYERS, ("d2d",) * LAYERS, ("host", "recompute", "d2d", "keep"),
+], ids=["recompute", "host", "d2d", "mixed"])
+def test_a_plan_fits_a_budget_that_keep_all_exceeds(techniques, layers, params, reference, peers):
+    keep_ex, keep_wrapped = planned(plan_of(*("keep",) * LAYERS), layers)
+    with keep_ex:
+        step(keep_wrapped, params)
+    budget = keep_ex.peak_bytes // 2
+
+    ex, wrapped = planned(plan_of(*techniques), layers, peers=peers[0], budget_bytes=budget)
+    with ex:
+        assert_identical(step(wrapped, params), reference)
+    assert 0 < ex.peak_bytes <= budget < keep_ex.peak_bytes
+
+    over, over_wrapped = planned(plan_of(*("keep",) * LAYERS), layers, budget_bytes=budget)
+    with over, pytest.raises(BudgetExceededError, match=rf"stage 0, layer 2: .* over budget_bytes={budget}"):
+        forward(over_wrapped, make_input())
+
+
+def test_a_dropped_graph_frees_its_records(layers, peers):
+    host_pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=1 << 22))
+    ex, wrapped = planned(plan_of("host", "d2d", "keep", "keep"), layers, peers=peers[0], host_pool=host_pool)
+    with ex:
+        loss = forward(wrapped, make_input())
+        ex.synchronize()
+        assert ex.table and host_pool.in_use_bytes > 0 and peers[0].used_bytes(1) > 0
+        del loss
+        assert ex.table == {} and ex.stats().resident_bytes == 0
+        assert host_pool.in_use_bytes == 0 and peers[0].used_bytes(1) == peers[0].used_bytes(2) == 0
+
+
+@pytest.mark.parametrize("technique", ["keep", "host"])
+def test_a_dropped_graph_with_saved_outputs_frees_its_records(technique):
+    # ReLU saves its output, whose grad_fn holds the ticket of that very tensor
+    layer = nn.Sequential(nn.Linear(D, H), nn.ReLU())
+    ex, (wrapped,) = planned(plan_of(technique), [layer])
+    with ex:
+        loss = wrapped(make_input()).sum()
+        assert any(r.nbytes == T * H * 4 for r in ex.table.values())
+        del loss
+        assert ex.table == {} and ex.stats().resident_bytes == 0
+
+
+# -- prefetch and d2d metadata ------------------------------------------------------------------
+
+
+def test_prefetch_swaps_in_the_oldest_forward_first(layers, params):
+    reference = step(layers, params, micro_batches=2)
+    ex, wrapped = planned(plan_of(*("host",) * LAYERS), layers)
+    with ex:
+        for p in params:
+            p.grad = None
+        losses = [forward(wrapped, make_input(m)) for m in range(2)]
+        ex.synchronize()
+        last = sorted((r for r in ex.table.values() if r.layer == LAYERS - 1 and r.technique == "host"),
+                      key=lambda r: r.id)
+        first_mb, second_mb = last[:len(last) // 2], last[len(last) // 2:]
+        assert ex.prefetch(LAYERS - 1) == sum(r.nbytes for r in first_mb)
+        assert all(r.state in (State.SWAPPING_IN, State.RESIDENT) for r in first_mb)
+        assert all(r.state is State.OUT for r in second_mb)
+        assert ex.stats().resident_bytes >= sum(r.nbytes for r in first_mb)
+        for loss in losses:
+            loss.backward()
+        assert ex.prefetch(LAYERS - 1) == 0  # the second forward's tensors are gone
+        assert_identical(([loss.detach() for loss in losses], [p.grad.clone() for p in params]), reference)
+
+
+@pytest.mark.parametrize("technique", ["host", "d2d"])
+def test_prefetch_right_after_the_forward(technique, layers, params, reference, peers):
+    """Swap-outs may still be in flight: prefetch waits for them, then swaps in."""
+    ex, wrapped = planned(plan_of(*(technique,) * LAYERS), layers, peers=peers[0])
+    with ex:
+        for p in params:
+            p.grad = None
+        loss = forward(wrapped, make_input())
+        for layer in reversed(range(LAYERS)):
+            assert ex.prefetch(layer) > 0
+        assert all(r.state in (State.SWAPPING_IN, State.RESIDENT) for r in ex.table.values())
+        loss.backward()
+        assert_identical(([loss.detach()], [p.grad.clone() for p in params]), reference)
+
+
+def test_d2d_stripes_split_bytes_in_the_decision_proportions(layers, peers):
+    ex, wrapped = planned(plan_of("d2d", "keep", "keep", "keep"), layers, peers=peers[0])
+    with ex:
+        loss = forward(wrapped, make_input())
+        records = [r for r in ex.table.values() if r.technique == "d2d"]
+        assert {r.nbytes for r in records} == {T * D * 4, T * H * 4}
+        for r in records:
+            assert [c.peer for c in r.chunks] == [1, 2]
+            assert [c.nbytes for c in r.chunks] == [r.nbytes * 3 // 4, r.nbytes // 4]
+            assert r.dtype == torch.float32 and r.nbytes == r.shape.numel() * 4
+        assert peers[0].used_bytes(1) == sum(r.chunks[0].nbytes for r in records)
+        loss.backward()
+
+
+def test_small_tensors_and_parameters_are_not_swapped(layers, peers):
+    ex, wrapped = planned(plan_of(*("d2d",) * LAYERS), layers, peers=peers[0])
+    with ex:
+        loss = forward(wrapped, make_input())
+        storages = set().union(*(param_storages(layer) for layer in layers))
+        for r in ex.table.values():
+            assert (r.technique == "d2d") == (r.nbytes >= MIN_SWAP_BYTES)
+            assert r.tensor is None or not is_parameter(r.tensor, storages)
+        loss.backward()
+
+
+# -- bad plans and full swap space --------------------------------------------------------------
+
+
+def test_bad_d2d_decisions_are_refused(peers):
+    with pytest.raises(ValueError, match="stage 0, layer 0 .* needs peers"):
+        Executor(plan_of("d2d"), 0, device="cpu")
+    with pytest.raises(ValueError, match="peers.rank=1 must be the stage"):
+        Executor(plan_of("d2d"), 0, device="cpu", peers=peers[1])
+    with pytest.raises(ValueError, match="stripe device 0 is rank 0, not a peer of rank 0"):
+        Executor(plan_of("d2d", stripes=[Stripe(device=0, bytes=1)]), 0, device="cpu", peers=peers[0])
+    mapped = Plan(decisions=plan_of("d2d", stripes=[Stripe(device=7, bytes=1)]).decisions, mapping=[5, 6, 4])
+    with pytest.raises(ValueError, match="no stage runs on stripe device 7"):
+        Executor(mapped, 0, device="cpu", peers=peers[0])
+
+
+def test_stripe_device_maps_to_the_stage_that_runs_on_it(layers, peers):
+    # stage 0 on device 5, stage 1 on device 4, stage 2 on device 6: device 4 is rank 1
+    mapped = Plan(decisions=plan_of("d2d", stripes=[Stripe(device=4, bytes=1)]).decisions, mapping=[5, 4, 6])
+    ex = Executor(mapped, 0, device="cpu", peers=peers[0])
+    with ex:
+        loss = ex.wrap(0, layers[0])(make_input()).sum()
+        assert {c.peer for r in ex.table.values() for c in r.chunks} == {1}
+        loss.backward()
+
+
+def test_full_peer_slice_names_the_stage_and_layer(layers):
+    small = InProcessPeers.group(3, 3 * 8192)
+    ex, wrapped = planned(plan_of("keep", "d2d", "keep", "keep"), layers, peers=small[0])
+    with ex, pytest.raises(SwapSpaceError, match="stage 0, layer 1: rank 0's slice of peer 1's segment is full"):
+        forward(wrapped, make_input())
+    assert small[0].used_bytes(1) == small[0].used_bytes(2) == 0  # nothing leaked by the failed pack
+
+
+# -- across 2 gloo ranks through /dev/shm -------------------------------------------------------
+
+
+def saved_activations(layer: nn.Module, x_TD: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """`layer`'s output and what it saves that the executor would swap, in pack order."""
+    storages, saved = param_storages(layer), []
+
+    def pack(t):
+        if not is_parameter(t, storages) and t.numel() * t.element_size() >= MIN_SWAP_BYTES:
+            saved.append(t)
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        return layer(x_TD), saved
+
+
+def d2d_worker(rank: int, name: str) -> None:
+    world = dist.get_world_size()
+    peers = SharedMemoryPeers(rank, world, PEER_BYTES, name)
+    try:
+        if rank == 0:
+            d2d_stage0(peers)
+        else:
+            dist.barrier()  # rank 0 has run its forward
+            start, stop = peers.slice_range(0)
+            dist.send(peers.segment(1)[start:stop].clone(), dst=0)  # what rank 0 wrote into our memory
+            dist.barrier()  # rank 0 has run its backward
+    finally:
+        peers.close()
+
+
+def d2d_stage0(peers: SharedMemoryPeers) -> None:
+    layers = make_layers()
+    params = [p for layer in layers for p in layer.parameters()]
+    reference = step(layers, params)
+    _, expected = saved_activations(layers[1], layers[0](make_input()))
+    # layer 1 (one stripe) and layer 2 (two stripes, 1:3) go to rank 1's memory
+    plan = Plan(decisions=[Decision(stage=0, layer=1, technique="d2d", stripes=[Stripe(device=1, bytes=1)]),
+                           Decision(stage=0, layer=2, technique="d2d",
+                                    stripes=[Stripe(device=1, bytes=1), Stripe(device=1, bytes=3)])])
+    ex, wrapped = planned(plan, layers, peers=peers)
+    with ex:
+        for p in params:
+            p.grad = None
+        loss = forward(wrapped, make_input())
+        ex.synchronize()
+        dist.barrier()
+        slice_on_rank1 = torch.empty(peers.slice_bytes, dtype=torch.uint8)
+        dist.recv(slice_on_rank1, src=1)
+
+        records = sorted((r for r in ex.table.values() if r.technique == "d2d"), key=lambda r: r.id)
+        layer1 = [r for r in records if r.layer == 1]
+        assert len(layer1) == len(expected) and all(r.state is State.OUT for r in records)
+        for r, want in zip(layer1, expected):  # rank 1's own mapping holds layer 1's saved bytes
+            (c,) = r.chunks
+            assert c.peer == 1 and c.nbytes == r.nbytes
+            assert torch.equal(slice_on_rank1[c.offset:c.offset + c.nbytes], byte_view(want.contiguous()))
+        for r in (r for r in records if r.layer == 2):
+            assert [c.nbytes for c in r.chunks] == split_bytes(r.nbytes, [1, 3])
+            assert torch.equal(torch.cat([slice_on_rank1[c.offset:c.offset + c.nbytes] for c in r.chunks]),
+                               torch.cat([peers.get(1, c.offset, c.nbytes) for c in r.chunks]))
+
+        assert ex.prefetch(1) == sum(r.nbytes for r in layer1)
+        for r, want in zip(layer1, expected):
+            assert torch.equal(r.tensor, want) and r.tensor.stride() == want.stride()  # back identical
+        loss.backward()
+        assert_identical(([loss.detach()], [p.grad.clone() for p in params]), reference)
+        assert ex.table == {} and peers.used_bytes(1) == 0
+    dist.barrier()
+
+
+def test_d2d_across_two_gloo_ranks_through_shared_memory():
+    name = f"test-executor-{uuid.uuid4().hex[:12]}"
+    run_ranks(d2d_worker, name)
+    assert not os.path.exists(segment_path(name, 0)) and not os.path.exists(segment_path(name, 1))
+    shm = os.path.dirname(segment_path(name, 0))
+    assert [f for f in os.listdir(shm) if name in f] == []
