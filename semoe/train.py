@@ -317,26 +317,28 @@ class Trainer:
                                 "drop the model flags to resume")
         return config, json.loads(store.read_file(TRAINER_FILE))
 
-    def _make_states(self) -> ExpertStates:
+    def _make_states(self, layers: list[int] | None = None) -> ExpertStates:
+        """The expert-state backend of this rank's experts of `layers` (default: every MoE layer);
+        a new run's store is created here, after the budget is checked."""
         cfg = self.cfg
+        layers = self.config.moe_layer_ids if layers is None else layers
         if cfg.expert_states == "ssd":
-            total = expert_state_bytes(self.config) // self.world
+            total = 3 * ChunkFormat(self.config).nbytes * len(self.experts) * len(layers)
             least = SSDExpertStates.min_cache_bytes(self.config)
             cache = cfg.cpu_cache_bytes if cfg.cpu_cache_bytes is not None else max(least, total // 4)
             if cache < least:
                 raise BadInputError(f"--cpu-cache {cache} bytes is too small for expert states of "
                                     f"{ChunkFormat(self.config).nbytes} bytes each; give at least {least} bytes")
-            if self.rank == 0 and self.trainer_state is None:
-                Store.create(cfg.store)
-            self._barrier()
+        if self.rank == 0 and self.trainer_state is None:
+            Store.create(cfg.store)
+        self._barrier()
+        if cfg.expert_states == "ssd":
             return SSDExpertStates(self.config, self.experts, self.device, root=cfg.store, cpu_cache_bytes=cache,
                                    grad_budget_bytes=cfg.grad_budget_bytes,
                                    spill_dir=os.path.join(cfg.out, "spill", f"rank{self.rank}"),
-                                   read_mode=cfg.read_mode)
-        if self.rank == 0 and self.trainer_state is None:
-            Store.create(cfg.store)
+                                   read_mode=cfg.read_mode, layers=layers)
         storage = torch.device("cpu") if cfg.expert_states == "cpu" else self.device
-        return ResidentExpertStates(self.config, self.experts, self.device, storage)
+        return ResidentExpertStates(self.config, self.experts, self.device, storage, layers=layers)
 
     def _tokenizer(self):
         """The model's own tokenizer (kept in the store) or, for models trained here, the byte tokenizer."""
@@ -381,7 +383,7 @@ class Trainer:
         """Fresh experts: each rank initialises (and, for ssd, writes) its own; then checkpoint 0."""
         self._open_version()
         fmt = ChunkFormat(self.config)
-        for layer in self.config.moe_layer_ids:
+        for layer in self.states.layers:
             for e in self.experts:
                 w = self._initial_expert(layer, e)
                 if isinstance(self.states, ResidentExpertStates):
@@ -483,21 +485,30 @@ class Trainer:
             for f in source.manifest.files:
                 if f.name != "config.json":
                     w.put_file(f.name, source.read_file(f.name))
-        for name, p in _dense_params(self.model):
-            w.put_dense(hf_name(c, name), p.detach().cpu())
-        buf = io.BytesIO()
-        torch.save({"dense_optimizer": self.opt.state_dict(), "rng": torch.get_rng_state()}, buf)
-        w.put_file(OPTIMIZER_FILE, buf.getvalue())
+        for name, t in self._dense_tensors():
+            w.put_dense(name, t)
         steps = sorted(x for _, s in parts for x in s)
-        train_cfg = {k: v for k, v in asdict(self.cfg).items() if k not in ("out", "log_json")}
-        w.put_file(TRAINER_FILE, json.dumps({"step": self.step, "world": self.world, "train_config": train_cfg,
-                                             "adam_steps": steps}, indent=1).encode())
+        for name, data in self._run_files(steps).items():
+            w.put_file(name, data)
         w.set_model({"source": "semoe-train", "architecture": hf_config(c)["architectures"][0],
                      "model_type": c.arch, "num_layers": c.num_layers, "config": hf_config(c)})
         version = w.commit()
         self.writer = None
         log.info("checkpoint: step %d is store version %d", self.step, version)
         return version
+
+    def _dense_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        """(store name, tensor) of every dense parameter a checkpoint holds."""
+        return [(hf_name(self.config, name), p.detach().cpu()) for name, p in _dense_params(self.model)]
+
+    def _run_files(self, adam_steps: list[list[int]]) -> dict[str, bytes]:
+        """The side files that let a run resume: dense optimizer and RNG, step, settings, Adam counts."""
+        buf = io.BytesIO()
+        torch.save({"dense_optimizer": self.opt.state_dict(), "rng": torch.get_rng_state()}, buf)
+        train_cfg = {k: v for k, v in asdict(self.cfg).items() if k not in ("out", "log_json")}
+        return {OPTIMIZER_FILE: buf.getvalue(),
+                TRAINER_FILE: json.dumps({"step": self.step, "world": self.world, "train_config": train_cfg,
+                                          "adam_steps": adam_steps}, indent=1).encode()}
 
     def abort(self) -> None:
         """Drop what was staged since the last checkpoint (which stays intact)."""
@@ -549,11 +560,19 @@ class Trainer:
                 for p in self.dense:
                     p.grad.div_(self.world)
         ce_mean, aux_mean = (x / (cfg.micro_batches * self.world) for x in self._sum([ce_sum, aux_sum]))
+        dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.dense if p.grad is not None)
+        # dense gradients are replicated (already averaged): only the experts' squares add up over ranks
+        return self._finish_step(t0, before, lr, ce_mean, aux_mean,
+                                 dense_sq + self._sum([self.states.grad_sq_norm()])[0])
+
+    def _finish_step(self, t0: float, before: dict, lr: float, ce_mean: float, aux_mean: float, grad_sq: float,
+                     extra: dict | None = None) -> StepLog:
+        """After backward: check the loss, clip by the global norm, step both optimizers, log."""
+        cfg = self.cfg
         if not math.isfinite(ce_mean) or not math.isfinite(aux_mean):
             raise TrainingError(f"step {self.step + 1}: loss is {ce_mean} (aux {aux_mean}); stopping. The last "
                                 f"checkpoint in {cfg.store} is intact; lower --lr or check the data")
-        dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.dense if p.grad is not None)
-        grad_norm = math.sqrt(dense_sq + self._sum([self.states.grad_sq_norm()])[0])
+        grad_norm = math.sqrt(grad_sq)
         coef = 1.0
         if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
             coef = cfg.grad_clip / (grad_norm + 1e-6)
@@ -568,16 +587,16 @@ class Trainer:
         self.step += 1
         dt = time.perf_counter() - t0
         after = self.states.stats()
-        read, written, hits, misses = self._sum([
+        read, written, hits, misses, rss = self._sum([
             after.get("ssd_read_bytes", 0) - before.get("ssd_read_bytes", 0),
             after.get("ssd_written_bytes", 0) - before.get("ssd_written_bytes", 0),
             after.get("cpu_hits", 0) - before.get("cpu_hits", 0),
-            after.get("cpu_misses", 0) - before.get("cpu_misses", 0)])
+            after.get("cpu_misses", 0) - before.get("cpu_misses", 0), float(peak_rss_bytes())])
         hit_rate = hits / (hits + misses) if hits + misses else None
         return StepLog(step=self.step, loss=ce_mean, aux_loss=aux_mean, lr=lr, grad_norm=grad_norm,
                        tokens_per_s=cfg.batch_size * cfg.seq_len / dt, step_s=dt, cpu_hit_rate=hit_rate,
-                       ssd_read_gbps=read / dt / 1e9, ssd_write_gbps=written / dt / 1e9,
-                       peak_rss_bytes=int(self._sum([float(peak_rss_bytes())])[0]))
+                       ssd_read_gbps=read / dt / 1e9, ssd_write_gbps=written / dt / 1e9, peak_rss_bytes=int(rss),
+                       extra=extra or {})
 
     @torch.no_grad()
     def evaluate(self, batches: int = 4) -> float:
@@ -643,8 +662,10 @@ def default_model_config(name: str = "gpt-moe-small", **overrides: Any) -> MoECo
     return named_config(name, **overrides)
 
 
-def run_rank(cfg: TrainConfig, model_config: MoEConfig | None, *, quiet: bool = False) -> list[StepLog]:
-    """One rank's whole run with logging: the JSON log and the progress line from rank 0."""
+def run_rank(cfg: TrainConfig, model_config: MoEConfig | None, *, quiet: bool = False,
+             factory: Callable[..., Trainer] | None = None) -> list[StepLog]:
+    """One rank's whole run with logging: the JSON log and the progress line from rank 0.
+    `factory(cfg, model_config, on_step=...)` builds the trainer (default: `Trainer`)."""
     log_file = None
     trainer: Trainer | None = None
 
@@ -657,7 +678,7 @@ def run_rank(cfg: TrainConfig, model_config: MoEConfig | None, *, quiet: bool = 
         if not quiet:
             print(progress_line(entry, cfg.steps), file=sys.stderr, flush=True)
 
-    trainer = Trainer(cfg, model_config, on_step=on_step)
+    trainer = (factory or Trainer)(cfg, model_config, on_step=on_step)
     if trainer.rank == 0 and cfg.log_json:
         log_file = open(cfg.log_json, "a", encoding="utf-8")
     try:

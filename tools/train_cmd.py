@@ -32,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="spawn N ranks on this machine (gloo on CPU, nccl on GPU); under torchrun leave it out")
+    p.add_argument("--pipeline", type=int, default=None, metavar="N",
+                   help="pipeline parallelism: spawn N ranks, each running one stage (a contiguous run of "
+                        "layers) and owning every expert of its layers; not combined with --nproc")
+    p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
+                   help="with --pipeline: the micro-batch schedule [1f1b]")
     p.add_argument("--init-from", metavar="STORE", default=None,
                    help="start from the weights of a model store (`semoe store import` of a HuggingFace model, or "
                         "another run's store) instead of random weights; its config and tokenizer are used")
@@ -146,7 +151,8 @@ def build_configs(args: argparse.Namespace):
 
             src = args.init_from or store
             cfg = model_cfg or config_from_json(json.loads(Store.open(src).read_file("config.json")))
-            percent_of = expert_state_bytes(cfg) // (args.nproc or int(os.environ.get("WORLD_SIZE", "1")))
+            percent_of = expert_state_bytes(cfg) // (args.pipeline or args.nproc or
+                                                     int(os.environ.get("WORLD_SIZE", "1")))
         train[key] = parse_size(value, flag=flag, percent_of=percent_of)
     known = {f.name for f in dataclasses.fields(TrainConfig)}
     unknown = sorted(set(train) - known)
@@ -171,7 +177,7 @@ def _summary(logs, cfg) -> dict:
             "peak_rss_bytes": max((x.peak_rss_bytes for x in logs), default=None)}
 
 
-def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbose: int) -> None:
+def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbose: int, pipeline=None) -> None:
     import logging
 
     import torch
@@ -192,7 +198,12 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     code = 0
     try:
-        logs = run_rank(cfg, model_cfg, quiet=quiet)
+        if pipeline is not None:
+            from semoe.pipeline import run_pipeline_rank
+
+            logs = run_pipeline_rank(cfg, model_cfg, pipeline, quiet=quiet)
+        else:
+            logs = run_rank(cfg, model_cfg, quiet=quiet)
         if rank == 0:
             from storage.durable import write_atomic
 
@@ -214,17 +225,45 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
     os._exit(code)
 
 
+def _pipeline_config(args: argparse.Namespace):
+    """The PipelineConfig of `--pipeline N --schedule S`, or None without --pipeline."""
+    if args.pipeline is None:
+        if args.schedule is not None:
+            raise UsageError("--schedule applies to pipeline runs only: add --pipeline N")
+        return None
+    if args.pipeline < 1:
+        raise UsageError(f"--pipeline must be >= 1, got {args.pipeline}")
+    if args.nproc is not None and args.nproc > 1:
+        raise UsageError("--pipeline and --nproc > 1 cannot be combined (expert parallelism and pipeline "
+                         "parallelism are not used together): give one of them")
+    if args.resume:
+        raise UsageError("--resume is not supported with --pipeline: pipeline runs do not resume")
+    from semoe.pipeline import PipelineConfig
+
+    return PipelineConfig(schedule=args.schedule or "1f1b")
+
+
 def run(args: argparse.Namespace) -> int:
+    pipeline = _pipeline_config(args)
     cfg, model_cfg = build_configs(args)
+    if pipeline is not None:  # checked here, before N ranks start and each reports it
+        from semoe.checkpoint import config_from_json
+        from semoe.pipeline import check_pipeline
+        from storage.store import Store
+
+        model = model_cfg or config_from_json(json.loads(Store.open(args.init_from).read_file("config.json")))
+        check_pipeline(model, args.pipeline, cfg, pipeline)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     os.makedirs(args.out, exist_ok=True)
-    if args.nproc and args.nproc > 1:
+    nproc = args.pipeline if pipeline is not None else args.nproc
+    if pipeline is not None or (nproc and nproc > 1):
         import torch.multiprocessing as mp
 
         try:
-            mp.start_processes(_worker, args=(args.nproc, _free_port(), cfg, model_cfg, args.quiet, args.verbose),
-                               nprocs=args.nproc, join=True, start_method="spawn")
+            mp.start_processes(_worker, args=(nproc, _free_port(), cfg, model_cfg, args.quiet, args.verbose,
+                                              pipeline),
+                               nprocs=nproc, join=True, start_method="spawn")
         except mp.ProcessExitedException as e:
             return e.exit_code if e.exit_code and e.exit_code > 0 else 1
         if args.json:

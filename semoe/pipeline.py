@@ -1,0 +1,365 @@
+"""Pipeline-parallel training of the MoE GPT: one rank per stage, micro-batches in GPipe or 1F1B order.
+
+The model is cut into contiguous runs of blocks (`split_stages`); stage 0 also holds the embedding
+and the last stage the final norm and LM head. Each rank builds only its stage (`StageModule`) and
+an expert-state backend holding only its stage's MoE layers (all experts of those layers), and
+`torch.distributed.pipelining` moves activations forward and their gradients back.
+
+Router losses: a stage's load-balancing and z losses cannot travel through the pipeline API,
+which carries one activation. Each stage therefore ties its router loss to its output with an
+identity whose backward also starts the router loss's backward, with gradient 1 / micro_batches
+(Megatron's aux-loss auto-scaler): the router sees exactly the gradient of the non-pipelined
+`(ce + aux_coef * aux + z_coef * z) / micro_batches`.
+
+Gradient scaling: the last stage's loss is `ce / micro_batches` and the schedule does not rescale
+afterwards (`scale_grads=False`). Expert gradients bypass `.grad` (they go to the expert-state
+backend), so the schedule's own rescaling of `.grad` would miss them; scaling the loss instead
+puts dense, expert and router gradients on the same path as the single-rank trainer's.
+
+The store: every rank shares RUN/store as in `Trainer`. Rank 0 holds the transaction; each rank
+writes its experts' chunk files into the staged version; at a checkpoint the other ranks' chunk
+entries and their stages' dense tensors are gathered to rank 0, which writes the dense tensors and
+commits. Pipeline runs do not resume: besides the model (and the experts' Adam moments) the store
+holds only `pipeline.json` (step, stages, schedule, per-expert Adam step counts), no dense
+optimizer state or RNG.
+
+Shape legend: B batch (of one micro-batch), T tokens, D hidden size, V vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from semoe.checkpoint import _dense_params, config_from_json, hf_name
+from semoe.config import MoEConfig
+from semoe.expert_states import AdamWConfig, ExpertStates
+from semoe.model import MoEGPT, rope_cos_sin
+from semoe.train import StepLog, TrainConfig, Trainer, build_model, init_dense, return_large_frees_to_the_os, \
+    run_rank
+from storage.errors import BadInputError
+from storage.store import Store
+
+log = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b")
+PIPELINE_FILE = "pipeline.json"
+
+
+@dataclass(kw_only=True)
+class PipelineConfig:
+    """How the pipeline runs: its schedule and, optionally, an mpress plan of per-layer memory
+    techniques (recompute, host swap, device-to-device swap)."""
+
+    schedule: str = "1f1b"
+    plan: Any = None  # an mpress Plan; None: blocks run as they are
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise BadInputError(f"--schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
+
+
+def check_pipeline(config: MoEConfig, stages: int, cfg: TrainConfig, pipeline: PipelineConfig) -> None:
+    """Raise BadInputError, naming the flag, when this model and run cannot be pipelined this way."""
+    split_stages(config, stages)
+    if config.tie_embeddings:
+        raise BadInputError("--pipeline needs untied embeddings (the embedding and the LM head live on "
+                            "different stages); this model ties them")
+    M = cfg.micro_batches
+    if cfg.batch_size % M:
+        raise BadInputError(f"--batch-size {cfg.batch_size} must divide by --micro-batches {M}")
+    if pipeline.schedule == "1f1b" and M < stages:
+        raise BadInputError(f"--schedule 1f1b needs --micro-batches >= the {stages} stages, got {M}")
+
+
+def split_stages(config: MoEConfig, stages: int) -> list[range]:
+    """Contiguous block ranges, one per stage; earlier stages take the extra blocks."""
+    n = config.num_layers
+    if not isinstance(stages, int) or not 1 <= stages <= n:
+        raise BadInputError(f"--pipeline must be in 1..{n} (the model's layers), got {stages!r}")
+    base, extra = divmod(n, stages)
+    out, start = [], 0
+    for s in range(stages):
+        size = base + (1 if s < extra else 0)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+# -- router losses across stages ------------------------------------------------------------
+
+
+class RouterLossMeter:
+    """Sums of the router losses a stage's forwards produced since the last `take` (for the log).
+
+    The pipeline API returns nothing but the activation from a stage, so the stage reports its
+    router losses here, a sink its owner hands it."""
+
+    def __init__(self) -> None:
+        self._aux: list[torch.Tensor] = []
+        self._z: list[torch.Tensor] = []
+
+    def add(self, aux: torch.Tensor, z: torch.Tensor) -> None:
+        self._aux.append(aux.detach())
+        self._z.append(z.detach())
+
+    def take(self) -> tuple[float, float]:
+        """(sum of aux losses, sum of z losses) recorded since the last call; clears them."""
+        aux, z = sum(float(a) for a in self._aux), sum(float(b) for b in self._z)
+        self._aux, self._z = [], []
+        return aux, z
+
+
+class _AttachLoss(torch.autograd.Function):
+    """Returns `x` unchanged; in backward passes x's gradient through and gives `loss` the
+    gradient `scale`, so the loss is trained as if added to the final loss times `scale`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+        ctx.save_for_backward(loss)
+        ctx.scale = scale
+        return x
+
+    @staticmethod
+    def backward(ctx, grad_x: torch.Tensor):
+        (loss,) = ctx.saved_tensors
+        return grad_x, torch.full_like(loss, ctx.scale), None
+
+
+def attach_loss(x: torch.Tensor, loss: torch.Tensor, scale: float) -> torch.Tensor:
+    """`x`, carrying `loss` into backward with gradient `scale` (Megatron's aux-loss auto-scaler)."""
+    return _AttachLoss.apply(x, loss, scale)
+
+
+# -- one stage ------------------------------------------------------------------------------
+
+Wrap = Callable[[int, nn.Module], nn.Module]  # (global layer index, block) -> the module to run
+
+
+class StageModule(nn.Module):
+    """The blocks `layers` of a model, with the embedding on stage 0 and the final norm and LM head on
+    the last stage; forward(ids or hidden) -> hidden (B, T, D), or logits (B, T, V) on the last stage.
+
+    Parameter names are the model's own (`layers.3.attn.q_proj.weight`), so the store's tensor names
+    do not depend on the split. `wrap` (an mpress executor) replaces how each block runs, not
+    what it holds."""
+
+    def __init__(self, model: MoEGPT, layers: range, *, first: bool, last: bool, loss_scale: float = 1.0,
+                 meter: RouterLossMeter | None = None, wrap: Wrap | None = None,
+                 on_backward: Callable[[], None] | None = None) -> None:
+        super().__init__()
+        if model.config.tie_embeddings:
+            raise BadInputError("pipeline parallelism needs untied embeddings (the embedding and the LM head "
+                                "live on different stages); this model ties them")
+        self.config = model.config
+        self.first, self.last = first, last
+        self.loss_scale = loss_scale  # gradient of this stage's router loss: 1 / micro_batches
+        self.meter = meter
+        self.on_backward = on_backward
+        self.embed = model.embed if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in layers})
+        self.runs = nn.ModuleDict({k: wrap(int(k), b) for k, b in self.layers.items()}) if wrap else self.layers
+        self.norm = model.norm if last else None
+        self.lm_head = model.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        c = self.config
+        x_BTD = self.embed(x) if self.first else x
+        B, T, _ = x_BTD.shape
+        positions_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
+        cos, sin = rope_cos_sin(positions_BT, c.head_dim, c.rope_theta, x_BTD.dtype)
+        aux, z = [], []
+        for block in self.runs.values():
+            x_BTD, stats = block(x_BTD, cos, sin, None)
+            if stats is not None:
+                aux.append(stats.aux_loss)
+                z.append(stats.z_loss)
+        out = self.lm_head(self.norm(x_BTD)) if self.last else x_BTD
+        if aux and self.training and torch.is_grad_enabled():
+            # This stage's share of the model's mean-over-MoE-layers losses, summed as MoEGPT sums them.
+            n = len(c.moe_layer_ids)
+            zero = out.new_zeros(())
+            aux_mean, z_mean = sum(aux, zero) / n, sum(z, zero) / n
+            if self.meter is not None:
+                self.meter.add(aux_mean, z_mean)
+            out = attach_loss(out, c.aux_loss_coef * aux_mean + c.z_loss_coef * z_mean, self.loss_scale)
+        if self.on_backward is not None and out.requires_grad:
+            out.register_hook(self._backward_starts)
+        return out
+
+    def _backward_starts(self, grad: torch.Tensor) -> torch.Tensor:
+        self.on_backward()
+        return grad
+
+
+def mpress_executor(plan: Any, stage: int, device: torch.device) -> Any:
+    """The mpress executor of one stage (imported here: without a plan, mpress is not needed)."""
+    from mpress.executor import Executor
+
+    return Executor(plan, stage, device=device)
+
+
+# -- the trainer ----------------------------------------------------------------------------
+
+
+class PipelineTrainer(Trainer):
+    """One stage of a pipeline-parallel run (rank r runs stage r of world-size stages).
+
+    Reuses `Trainer`'s data, store transactions, checkpoint gathering and loop; replaces how the
+    model is built (one stage), how expert states are made (the stage's MoE layers), the step
+    (a pipeline schedule) and what a checkpoint commits (every stage's dense tensors, no optimizer)."""
+
+    def __init__(self, cfg: TrainConfig, model_config: MoEConfig | None = None,
+                 pipeline: PipelineConfig | None = None, *,
+                 executor_factory: Callable[[Any, int, torch.device], Any] | None = None,
+                 on_step: Callable[[StepLog], None] | None = None) -> None:
+        self.cfg = cfg
+        self.pipeline = pipeline or PipelineConfig()
+        self.on_step = on_step
+        return_large_frees_to_the_os()
+        if not dist.is_initialized():
+            raise BadInputError("pipeline training runs one process per stage: start it with "
+                                "`semoe train --pipeline N` (torch.distributed is not initialised)")
+        self.distributed = True
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.device = torch.device(cfg.device)
+        self.writer = None
+        self.version = None
+        if os.path.isfile(os.path.join(cfg.store, "manifest.json")):
+            raise BadInputError(f"{cfg.store}: pipeline runs do not resume; choose a new --out")
+        self.trainer_state = None
+        if cfg.init_from is not None:
+            self.source = Store.open(cfg.init_from)
+            if not self.source.manifest.has_file("config.json"):
+                raise BadInputError(f"--init-from {cfg.init_from}: the store holds no model (no config.json)")
+            self.config = config_from_json(json.loads(self.source.read_file("config.json")))
+        elif model_config is None:
+            raise BadInputError("a new run needs a model config")
+        else:
+            self.config = model_config
+        check_pipeline(self.config, self.world, cfg, self.pipeline)
+        self.stages = split_stages(self.config, self.world)
+        self.layers = self.stages[self.rank]
+        self.first, self.last = self.rank == 0, self.rank == self.world - 1
+        self.experts = range(self.config.num_experts)  # a stage owns every expert of its layers
+        self._prepare_data()
+        self._barrier()
+        self.states = self._make_states()
+        self.meter = RouterLossMeter()
+        self._stage_dense: list = []  # at a checkpoint, on rank 0: every stage's dense tensors
+        self.step = 0
+        self.last_checkpoint = 0
+        try:
+            self.model = self._build_stage(executor_factory)
+            self.dense = [p for _, p in _dense_params(self.model)]
+            self._init_experts()
+        except BaseException:  # nothing was committed: leave no half-made store behind
+            self.abort()
+            if self.rank == 0:
+                shutil.rmtree(cfg.store, ignore_errors=True)
+            raise
+        self._open_version()
+        self.opt = torch.optim.AdamW(self.dense, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                     weight_decay=cfg.weight_decay, foreach=False)
+        self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        self.schedule = self._make_schedule()
+
+    def _build_stage(self, executor_factory: Callable[[Any, int, torch.device], Any] | None) -> StageModule:
+        """This rank's stage. The whole model's dense part is built and initialised as the single-rank
+        trainer does it (one generator, in module order), so every stage starts from the same numbers;
+        the stage keeps its part, the rest is dropped."""
+        self.model = build_model(self.config, self.states, torch.device("cpu"), world=1).train()
+        if self.cfg.init_from is None:
+            init_dense(self.model, self.cfg.seed)
+        else:
+            self._load_dense(self.source, self.cfg.init_from)  # fills self.model
+        wrap = None
+        if self.pipeline.plan is not None:
+            wrap = (executor_factory or mpress_executor)(self.pipeline.plan, self.rank, self.device).wrap
+        stage = StageModule(self.model, self.layers, first=self.first, last=self.last,
+                            loss_scale=1.0 / self.cfg.micro_batches, meter=self.meter, wrap=wrap,
+                            on_backward=self.states.end_backward)
+        return stage.to(self.device).train()
+
+    def _make_schedule(self) -> Any:
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+        cfg, c, M = self.cfg, self.config, self.cfg.micro_batches
+        # Shapes are given up front: without them the stage would infer them by running forward and
+        # backward on empty tensors, which would hand garbage gradients to the expert states.
+        mb, T = cfg.batch_size // M, cfg.seq_len
+        inp = (torch.empty(mb, T, dtype=torch.long, device=self.device) if self.first else
+               torch.empty(mb, T, c.hidden_size, device=self.device, requires_grad=True))
+        out = torch.empty(mb, T, c.vocab_size if self.last else c.hidden_size, device=self.device,
+                          requires_grad=True)
+        stage = PipelineStage(self.model, self.rank, self.world, self.device, input_args=inp, output_args=out)
+        schedule = ScheduleGPipe if self.pipeline.schedule == "gpipe" else Schedule1F1B
+        # The loss is ce / M and the schedule leaves .grad alone: see the module docstring.
+        return schedule(stage, n_microbatches=M, loss_fn=self._loss, scale_grads=False)
+
+    def _loss(self, logits_BTV: torch.Tensor, tgt_BT: torch.Tensor) -> torch.Tensor:
+        ce = F.cross_entropy(logits_BTV.reshape(-1, self.config.vocab_size).float(), tgt_BT.reshape(-1))
+        return ce / self.cfg.micro_batches
+
+    # -- setting up -------------------------------------------------------------------------
+    def _make_states(self, layers: list[int] | None = None) -> ExpertStates:
+        return super()._make_states([l for l in self.layers if self.config.is_moe_layer(l)])
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def checkpoint(self) -> int:
+        """Commit every stage's dense tensors and experts as one store version; returns it."""
+        dense = [(hf_name(self.config, name), p.detach().cpu()) for name, p in _dense_params(self.model)]
+        self._stage_dense = self._gather(dense)
+        try:
+            return super().checkpoint()
+        finally:
+            self._stage_dense = []
+
+    def _dense_tensors(self) -> list[tuple[str, torch.Tensor]]:
+        return [t for stage_dense in self._stage_dense for t in stage_dense]
+
+    def _run_files(self, adam_steps: list[list[int]]) -> dict[str, bytes]:
+        train_cfg = {k: v for k, v in asdict(self.cfg).items() if k not in ("out", "log_json")}
+        return {PIPELINE_FILE: json.dumps({
+            "step": self.step, "stages": [[r.start, r.stop] for r in self.stages], "schedule": self.pipeline.schedule,
+            "train_config": train_cfg, "adam_steps": adam_steps}, indent=1).encode()}
+
+    # -- the step -----------------------------------------------------------------------------
+    def train_step(self) -> StepLog:
+        cfg, M = self.cfg, self.cfg.micro_batches
+        t0 = time.perf_counter()
+        before = self.states.stats()
+        lr = cfg.lr_at(self.step)
+        for p in self.dense:
+            p.grad = None
+        ids, tgt = self.sampler.batch(self.step)
+        losses: list[torch.Tensor] = []
+        args = (ids.to(self.device),) if self.first else ()
+        self.schedule.step(*args, target=tgt.to(self.device) if self.last else None,
+                           losses=losses if self.last else None, return_outputs=False)
+        ce_sum = sum(float(x.detach()) for x in losses)  # each is ce / M already
+        aux_sum, z_sum = self.meter.take()
+        dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.dense if p.grad is not None)
+        ce_mean, aux_sum, z_sum, sq = self._sum([ce_sum, aux_sum, z_sum, dense_sq + self.states.grad_sq_norm()])
+        return self._finish_step(t0, before, lr, ce_mean, aux_sum / M, sq,
+                                 extra={"z_loss": z_sum / M, "stages": self.world, "schedule": self.pipeline.schedule})
+
+    def evaluate(self, batches: int = 4) -> float:
+        raise NotImplementedError("evaluation is not run through the pipeline")
+
+
+def run_pipeline_rank(cfg: TrainConfig, model_config: MoEConfig | None, pipeline: PipelineConfig, *,
+                      quiet: bool = False) -> list[StepLog]:
+    """One stage's whole run with logging: the JSON log and the progress line from rank 0."""
+    return run_rank(cfg, model_config, quiet=quiet,
+                    factory=lambda c, m, on_step: PipelineTrainer(c, m, pipeline, on_step=on_step))
