@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -257,18 +256,12 @@ class PipelineTrainer(Trainer):
         self.states = self._make_states()
         self.meter = RouterLossMeter()
         self._stage_dense: list = []  # at a checkpoint, on rank 0: every stage's dense tensors
-        self.step = 0
-        self.last_checkpoint = 0
-        try:
+
+        def build() -> None:
             self.model = self._build_stage(executor_factory)
             self.dense = [p for _, p in _dense_params(self.model)]
-            self._init_experts()
-        except BaseException:  # nothing was committed: leave no half-made store behind
-            self.abort()
-            if self.rank == 0:
-                shutil.rmtree(cfg.store, ignore_errors=True)
-            raise
-        self._open_version()
+
+        self._start_fresh(build)
         self.opt = torch.optim.AdamW(self.dense, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                      weight_decay=cfg.weight_decay, foreach=False)
         self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)

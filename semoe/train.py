@@ -259,20 +259,22 @@ class Trainer:
             self._load_checkpoint()
             self.last_checkpoint = self.step
         else:
-            self.step = 0
-            self.last_checkpoint = 0
-            try:
-                if cfg.init_from is None:
-                    init_dense(self.model, cfg.seed)
-                else:
-                    self._load_dense(self.source, cfg.init_from)
-                self._init_experts()
-            except BaseException:  # nothing was committed: leave no half-made store behind
-                self.abort()
-                if self.rank == 0:
-                    shutil.rmtree(cfg.store, ignore_errors=True)
-                raise
-            self._open_version()
+            self._start_fresh(lambda: init_dense(self.model, cfg.seed) if cfg.init_from is None else
+                              self._load_dense(self.source, cfg.init_from))
+
+    def _start_fresh(self, init_dense_states: Callable[[], None]) -> None:
+        """A new run: initialise, commit checkpoint 0, open the next version. On failure nothing was
+        committed, so no half-made store is left behind."""
+        self.step = self.last_checkpoint = 0
+        try:
+            init_dense_states()
+            self._init_experts()
+        except BaseException:
+            self.abort()
+            if self.rank == 0:
+                shutil.rmtree(self.cfg.store, ignore_errors=True)
+            raise
+        self._open_version()
 
     # -- collectives (no-ops on one rank) ---------------------------------------------------
     def _barrier(self) -> None:
