@@ -36,7 +36,7 @@ from numbers import Integral
 
 from mpress.profile import Decision, LayerProfile, PipelineProfile, Plan, Stripe
 from mpress.schedule import in_flight_peak
-from mpress.simulator import SimResult, simulate
+from mpress.simulator import SimResult, recompute_held, simulate
 from mpress.topology import Topology
 
 log = logging.getLogger(__name__)
@@ -116,6 +116,7 @@ class _Compactor:
             lp.index: (s, lp) for s, st in enumerate(profile.stages) for lp in st.layers}
         self.choice: dict[int, tuple[str, list[Stripe]]] = {}  # layer -> (technique, stripes)
         self.queue: list[list[tuple[int, str]]] = []  # per stage: (layer, technique) still to take
+        self.kept_input = recompute_held(profile)
 
     def to_plan(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None) -> Plan:
         choice = self.choice if choice is None else choice
@@ -128,7 +129,9 @@ class _Compactor:
     def reduction(self, layer: int, technique: str) -> int:
         s, lp = self.layer[layer]
         k = self.k[s]
-        return lp.saved_bytes * (k if technique == "recompute" else max(k - 2, 0))
+        if technique == "recompute":  # the layer's input stays to replay it
+            return max(lp.saved_bytes - self.kept_input[layer], 0) * k
+        return lp.saved_bytes * max(k - 2, 0)
 
     # (b) and (c): an ordered queue of choices per stage
     def build_queues(self, idle: dict[tuple[int, int], float]) -> None:
@@ -151,7 +154,8 @@ class _Compactor:
             for lp in layers:
                 if lp.index in taken:
                     continue
-                per_byte = {"recompute": M * lp.forward_s / self.reduction(lp.index, "recompute")}
+                gain = self.reduction(lp.index, "recompute")
+                per_byte = {"recompute": M * lp.forward_s / gain if gain else math.inf}
                 if can_swap and lp.saved_bytes * k <= self.host_room:
                     swap_s = 2 * lp.saved_bytes / host_bw
                     exposed = max(swap_s - idle[(s, lp.index)], load + swap_s - period, 0.0)

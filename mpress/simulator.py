@@ -15,7 +15,7 @@ Model, per device (one pipeline stage per device, `Plan.device_of`):
   finished and its output has crossed the link; B(m) likewise after B(m) of stage s + 1 (the last
   stage's after its own F(m)).
 - techniques per layer: `keep` holds the layer's saved bytes from the start of its forward to the end
-  of its backward; `recompute` holds nothing and its backward first replays its forward; `host` and
+  of its backward; `recompute` holds only its input and its backward first replays its forward; `host` and
   `d2d` hold the bytes from the start of the forward until the swap-out copy finishes, and again from
   the start of the swap-in copy until the end of the backward, which waits for the copy. Swap-ins
   for a backward are issued when the stage's previous op starts (after that op's own swap-outs when
@@ -136,6 +136,7 @@ def _segments(profile: PipelineProfile, plan: Plan, topology: Topology,
             raise ValueError(f"technique must be one of {TECHNIQUES}, got {d.technique!r}")
         chosen[d.layer] = d
     stages: list[list[_Segment]] = []
+    kept_input = recompute_held(profile)
     for s, st in enumerate(profile.stages):
         dev, segs = mapping[s], []
         for layer in st.layers:
@@ -148,7 +149,7 @@ def _segments(profile: PipelineProfile, plan: Plan, topology: Topology,
                                      layer.forward_s, layer.backward_s, nbytes, stripes))
                 continue
             extra = layer.forward_s if tech == "recompute" else 0.0
-            held = nbytes if tech != "recompute" else 0
+            held = nbytes if tech != "recompute" else kept_input[layer.index]
             if segs and segs[-1].kind == RUN:
                 run = segs[-1]
                 run.last, run.forward_s = layer.index, run.forward_s + layer.forward_s
@@ -159,6 +160,19 @@ def _segments(profile: PipelineProfile, plan: Plan, topology: Topology,
                                      layer.backward_s + extra, held))
         stages.append(segs)
     return stages
+
+
+def recompute_held(profile: PipelineProfile) -> dict[int, int]:
+    """Bytes a recomputed layer still holds per micro-batch: its input, kept to replay the forward
+    (the previous layer's output; the stage's input, `boundary_bytes`, for its first layer), never
+    more than the layer would save anyway."""
+    out = {}
+    for st in profile.stages:
+        prev = profile.boundary_bytes
+        for layer in st.layers:
+            out[layer.index] = min(layer.saved_bytes, prev)
+            prev = layer.output_bytes
+    return out
 
 
 def _check_swap(d: Decision, nbytes: int, dev: int, topology: Topology) -> tuple:

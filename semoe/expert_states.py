@@ -145,6 +145,10 @@ class ExpertStates(ABC):
         self._used.clear()
         self._backward_seen.clear()
 
+    def discard_grads(self) -> None:
+        """Forget this step's expert gradients (a profiling pass's, which must not train anything)."""
+        self.end_step()
+
     def stats(self) -> dict:
         """Counters for the step log: cpu_hit_rate, ssd bytes read and written, seconds of I/O."""
         return {}
@@ -275,6 +279,10 @@ class ResidentExpertStates(ExpertStates):
 
     def touched(self) -> list[Key]:
         return sorted(self.g)
+
+    def discard_grads(self) -> None:
+        super().discard_grads()
+        self.g.clear()
 
     def grad_sq_norm(self) -> float:
         return float(sum(float(g.double().pow(2).sum()) for key in self.touched() for g in self.g[key]))

@@ -31,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable
@@ -62,6 +63,7 @@ class PipelineConfig:
 
     schedule: str = "1f1b"
     plan: Any = None  # an mpress Plan; None: blocks run as they are
+    stage_memory_bytes: int | None = None  # plan (profile, mpress planner) for this budget per stage
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -201,13 +203,6 @@ class StageModule(nn.Module):
         return grad
 
 
-def mpress_executor(plan: Any, stage: int, device: torch.device) -> Any:
-    """The mpress executor of one stage (imported here: without a plan, mpress is not needed)."""
-    from mpress.executor import Executor
-
-    return Executor(plan, stage, device=device)
-
-
 # -- the trainer ----------------------------------------------------------------------------
 
 
@@ -266,6 +261,21 @@ class PipelineTrainer(Trainer):
                                      weight_decay=cfg.weight_decay, foreach=False)
         self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.schedule = self._make_schedule()
+        self.executor = self.peers = None
+        try:
+            if self.pipeline.plan is not None and executor_factory is None:
+                from semoe.pipeline_memory import install
+
+                install(self, self.pipeline.plan)
+            elif self.pipeline.stage_memory_bytes is not None:
+                from semoe.pipeline_memory import compact
+
+                compact(self, self.pipeline.stage_memory_bytes)
+        except BaseException:  # a pipeline run cannot resume: leave no store that blocks the next try
+            self.abort()
+            if self.rank == 0:
+                shutil.rmtree(cfg.store, ignore_errors=True)
+            raise
 
     def _build_stage(self, executor_factory: Callable[[Any, int, torch.device], Any] | None) -> StageModule:
         """This rank's stage. The whole model's dense part is built and initialised as the single-rank
@@ -277,8 +287,8 @@ class PipelineTrainer(Trainer):
         else:
             self._load_dense(self.source, self.cfg.init_from)  # fills self.model
         wrap = None
-        if self.pipeline.plan is not None:
-            wrap = (executor_factory or mpress_executor)(self.pipeline.plan, self.rank, self.device).wrap
+        if self.pipeline.plan is not None and executor_factory is not None:  # else installed after the schedule
+            wrap = executor_factory(self.pipeline.plan, self.rank, self.device).wrap
         stage = StageModule(self.model, self.layers, first=self.first, last=self.last,
                             loss_scale=1.0 / self.cfg.micro_batches, meter=self.meter, wrap=wrap,
                             on_backward=self.states.end_backward)
@@ -346,6 +356,24 @@ class PipelineTrainer(Trainer):
         ce_mean, aux_sum, z_sum, sq = self._sum([ce_sum, aux_sum, z_sum, dense_sq + self.states.grad_sq_norm()])
         return self._finish_step(t0, before, lr, ce_mean, aux_sum / M, sq,
                                  extra={"z_loss": z_sum / M, "stages": self.world, "schedule": self.pipeline.schedule})
+
+    def close(self) -> None:
+        try:
+            super().close()
+        finally:
+            self._close_memory()
+
+    def abort(self) -> None:
+        try:
+            super().abort()
+        finally:
+            self._close_memory()
+
+    def _close_memory(self) -> None:
+        for part in (getattr(self, "executor", None), getattr(self, "peers", None)):
+            if part is not None:
+                part.close()
+        self.executor = self.peers = None
 
     def evaluate(self, batches: int = 4) -> float:
         raise NotImplementedError("evaluation is not run through the pipeline")

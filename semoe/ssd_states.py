@@ -220,6 +220,12 @@ class SSDExpertStates(ExpertStates):
     def touched(self) -> list[Key]:
         return sorted(set(self.g) | self.spilled)
 
+    def discard_grads(self) -> None:
+        super().discard_grads()
+        for key in self.spilled:
+            os.unlink(self._spill_path(key))
+        self.g, self.spilled, self.grad_bytes = {}, set(), 0
+
     def grad_sq_norm(self) -> float:
         return float(sum(float(g.double().pow(2).sum()) for key in self.touched() for g in self._grads(key)))
 

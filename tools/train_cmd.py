@@ -37,6 +37,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "layers) and owning every expert of its layers; not combined with --nproc")
     p.add_argument("--schedule", choices=("gpipe", "1f1b"), default=None,
                    help="with --pipeline: the micro-batch schedule [1f1b]")
+    p.add_argument("--stage-memory", metavar="SIZE", default=None,
+                   help="with --pipeline: memory per stage for its blocks' dense states and saved activations; "
+                        "each stage is profiled, MPress plans recompute / host swap / D2D swap to fit, and the "
+                        "plan runs (same losses and gradients as without it)")
     p.add_argument("--init-from", metavar="STORE", default=None,
                    help="start from the weights of a model store (`semoe store import` of a HuggingFace model, or "
                         "another run's store) instead of random weights; its config and tokenizer are used")
@@ -215,6 +219,12 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
         print(f"semoe: error: rank {rank}: {e.filename + ': ' if e.filename else ''}{e.strerror or e}",
               file=sys.stderr, flush=True)
         code = 1
+    except Exception as e:  # anything else still ends as one line; -v shows the traceback
+        logging.getLogger("semoe").debug("rank %d failed", rank, exc_info=True)
+        cause = e.__cause__ or e
+        print(f"semoe: error: rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}",
+              file=sys.stderr, flush=True)
+        code = 1
     if not code:
         dist.destroy_process_group()
     # A failing rank's peers are stuck in a collective: the launcher tears them down. A finished
@@ -225,11 +235,31 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
     os._exit(code)
 
 
+def _drop_unstarted_pipeline_store(store: str) -> None:
+    """A pipeline run that failed before its first step leaves only its step-0 checkpoint, which
+    cannot be resumed and would block the next attempt: remove it (a later checkpoint is kept)."""
+    import shutil
+
+    from semoe.pipeline import PIPELINE_FILE
+    from storage.store import Store
+
+    if not os.path.isfile(os.path.join(store, "manifest.json")):
+        shutil.rmtree(store, ignore_errors=True)  # not even created completely
+        return
+    try:
+        st = Store.open(store)
+        step = json.loads(st.read_file(PIPELINE_FILE))["step"] if st.manifest.has_file(PIPELINE_FILE) else 0
+    except Exception:  # unreadable: keep it for the user to look at
+        return
+    if step == 0:
+        shutil.rmtree(store, ignore_errors=True)
+
+
 def _pipeline_config(args: argparse.Namespace):
     """The PipelineConfig of `--pipeline N --schedule S`, or None without --pipeline."""
     if args.pipeline is None:
-        if args.schedule is not None:
-            raise UsageError("--schedule applies to pipeline runs only: add --pipeline N")
+        if args.schedule is not None or args.stage_memory is not None:
+            raise UsageError("--schedule and --stage-memory apply to pipeline runs only: add --pipeline N")
         return None
     if args.pipeline < 1:
         raise UsageError(f"--pipeline must be >= 1, got {args.pipeline}")
@@ -240,7 +270,8 @@ def _pipeline_config(args: argparse.Namespace):
         raise UsageError("--resume is not supported with --pipeline: pipeline runs do not resume")
     from semoe.pipeline import PipelineConfig
 
-    return PipelineConfig(schedule=args.schedule or "1f1b")
+    stage_memory = parse_size(args.stage_memory, flag="--stage-memory") if args.stage_memory else None
+    return PipelineConfig(schedule=args.schedule or "1f1b", stage_memory_bytes=stage_memory)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -265,6 +296,8 @@ def run(args: argparse.Namespace) -> int:
                                               pipeline),
                                nprocs=nproc, join=True, start_method="spawn")
         except mp.ProcessExitedException as e:
+            if pipeline is not None:
+                _drop_unstarted_pipeline_store(cfg.store)
             return e.exit_code if e.exit_code and e.exit_code > 0 else 1
         if args.json:
             with open(os.path.join(args.out, "last_run.json"), encoding="utf-8") as f:
