@@ -221,7 +221,7 @@ def test_two_stages_match_one_rank(tmp_path, text_file, single_rank, schedule, M
 @pytest.mark.parametrize("flags, message", [
     (["--pipeline", "2", "--nproc", "2"], "--pipeline and --nproc > 1 cannot be combined"),
     (["--pipeline", "2", "--resume"], "--resume is not supported with --pipeline"),
-    (["--schedule", "gpipe"], "--schedule applies to pipeline runs only"),
+    (["--schedule", "gpipe"], "--schedule and --stage-memory apply to pipeline runs only"),
     (["--pipeline", "5"], r"--pipeline must be in 1\.\.4"),
     (["--pipeline", "2", "--micro-batches", "1"], "--schedule 1f1b needs --micro-batches >= the 2 stages, got 1"),
     (["--pipeline", "2", "--micro-batches", "3", "--schedule", "gpipe"], "--batch-size 8 must divide by"),
