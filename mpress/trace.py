@@ -15,21 +15,34 @@ def _stage_of(sim: SimResult) -> dict[int, int]:
 
 
 def trace_events(sim: SimResult) -> list[dict]:
-    """Chrome trace events: one process per device, one thread per stream, memory as counters."""
+    """Chrome trace events: one process per device, one thread per stream, memory as counters.
+
+    Slices on one thread must nest (Perfetto drops the rest): where a stream's transfers overlap
+    (several links at once), the overlapping ones go to extra lanes ("p2p 2", ...) of that stream."""
     stage_of = _stage_of(sim)
     events: list[dict] = []
+    lanes: dict[tuple[int, str], list[float]] = {}  # (device, stream) -> end time of each lane
+    tids: dict[tuple[int, str, int], int] = {}
+    slices = []
+    for e in sorted(sim.events, key=lambda e: (e.device, e.stream, e.start_s)):
+        ends = lanes.setdefault((e.device, e.stream), [])
+        lane = next((i for i, end in enumerate(ends) if end <= e.start_s + 1e-12), len(ends))
+        if lane == len(ends):
+            ends.append(0.0)
+        ends[lane] = e.start_s + e.dur_s
+        tid = tids.setdefault((e.device, e.stream, lane), len(STREAMS) * lane + STREAMS.index(e.stream))
+        slices.append({"ph": "X", "name": e.name, "cat": e.stream, "pid": e.device, "tid": tid,
+                       "ts": e.start_s * 1e6, "dur": e.dur_s * 1e6})
     for dev in range(len(sim.peak_bytes)):
         name = f"device {dev}" + (f" (stage {stage_of[dev]})" if dev in stage_of else "")
         events.append({"ph": "M", "name": "process_name", "pid": dev, "tid": 0, "args": {"name": name}})
         events.append({"ph": "M", "name": "process_sort_index", "pid": dev, "tid": 0,
                        "args": {"sort_index": dev}})
-        for tid, stream in enumerate(STREAMS):
-            events.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": tid,
-                           "args": {"name": stream}})
-    tid_of = {stream: tid for tid, stream in enumerate(STREAMS)}
-    for e in sim.events:
-        events.append({"ph": "X", "name": e.name, "cat": e.stream, "pid": e.device,
-                       "tid": tid_of[e.stream], "ts": e.start_s * 1e6, "dur": e.dur_s * 1e6})
+        names = {STREAMS.index(stream): stream for stream in STREAMS}
+        names.update({tid: f"{stream} {lane + 1}" for (d, stream, lane), tid in tids.items() if d == dev and lane})
+        for tid, thread in sorted(names.items()):
+            events.append({"ph": "M", "name": "thread_name", "pid": dev, "tid": tid, "args": {"name": thread}})
+    events += slices
     for dev, points in enumerate(sim.memory):
         for t, nbytes in points:
             events.append({"ph": "C", "name": "memory", "pid": dev, "tid": 0, "ts": t * 1e6,

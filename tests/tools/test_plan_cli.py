@@ -52,3 +52,19 @@ def test_bad_flags_are_one_line_errors():
                                                                       "--top-k")):
         p = plan(*GPT, *args)
         assert p.returncode == 2 and flag in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+def test_trace_slices_on_one_thread_never_partly_overlap(tmp_path):
+    """Perfetto keeps only slices that nest on a thread: overlapping transfers get lanes of their own."""
+    trace = tmp_path / "t.json"
+    p = plan(*GPT, "--gpu-memory", "24GiB", "--json", "--trace", str(trace))
+    assert p.returncode in (0, 1), p.stderr
+    by_thread: dict = {}
+    for e in json.loads(trace.read_text())["traceEvents"]:
+        if e["ph"] == "X":
+            by_thread.setdefault((e["pid"], e["tid"]), []).append((e["ts"], e["ts"] + e["dur"]))
+    assert by_thread
+    for spans in by_thread.values():
+        spans.sort()
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            assert start >= end - 1e-3
