@@ -110,7 +110,7 @@ def compare(args: argparse.Namespace, label: str, batch: int, seq: int) -> dict:
 
 def expert_ram(args: argparse.Namespace) -> dict:
     """Memory the expert states take in each mode."""
-    from semoe.train import expert_state_bytes
+    from semoe.train_config import expert_state_bytes
     from tools.sizes import parse_size
 
     cfg = model_config(args)
@@ -139,7 +139,7 @@ def print_compare(res: dict, ram: dict) -> None:
 
 
 def largest(args: argparse.Namespace) -> dict:
-    from semoe.train import expert_state_bytes
+    from semoe.train_config import expert_state_bytes
 
     cfg = model_config(args)
     n = cfg.num_parameters()

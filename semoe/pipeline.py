@@ -45,8 +45,8 @@ from semoe.checkpoint import _dense_params, config_from_json, hf_name
 from semoe.config import MoEConfig
 from semoe.expert_states import AdamWConfig, ExpertStates
 from semoe.model import MoEGPT, rope_cos_sin
-from semoe.train import StepLog, TrainConfig, Trainer, build_model, init_dense, return_large_frees_to_the_os, \
-    run_rank
+from semoe.train import Trainer, build_model, init_dense, run_rank
+from semoe.train_config import StepLog, TrainConfig, return_large_frees_to_the_os
 from storage.errors import BadInputError
 from storage.store import Store
 

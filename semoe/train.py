@@ -27,11 +27,10 @@ import json
 import logging
 import math
 import os
-import resource
 import shutil
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any, Callable
 
 import torch
@@ -40,7 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
-from semoe.config import MoEConfig, named_config
+from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
 from semoe.expert_parallel import ExpertParallelMoE, local_expert_ids
 from semoe.expert_states import AdamWConfig, ExpertStates, ResidentExpertStates, TrainingExperts, init_expert
@@ -48,7 +47,9 @@ from semoe.fused_comm import GradBucketReducer, fused_all_reduce
 from semoe.model import MoEGPT, RMSNorm
 from semoe.ssd_states import STATE_KINDS, ChunkFormat, SSDExpertStates
 from semoe.tokenizer import ByteTokenizer
-from storage.errors import BadInputError, StorageError
+from semoe.train_config import (StepLog, TrainConfig, TrainingError, json_line, peak_rss_bytes,
+                                progress_line, return_large_frees_to_the_os)
+from storage.errors import BadInputError
 from storage.store import Store, StoreWriter, chunk_meta
 
 log = logging.getLogger(__name__)
@@ -56,120 +57,6 @@ log = logging.getLogger(__name__)
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
 TRAINER_FILE = "trainer.json"
 OPTIMIZER_FILE = "optimizer.pt"
-EXPERT_STATES = ("ssd", "cpu", "device")
-
-
-class TrainingError(StorageError):
-    """Training cannot go on (non-finite loss, a damaged store, a full disk); one line, exit code 1."""
-
-    exit_code = 1
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Everything a run needs besides the model config; saved with each checkpoint."""
-
-    out: str
-    data: str | None = None
-    steps: int = 200
-    seed: int = 0
-    batch_size: int = 8  # sequences per step, over all ranks
-    seq_len: int = 128
-    micro_batches: int = 1  # per rank; gradients accumulate over them
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup_steps: int = 10
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0  # 0: no clipping
-    expert_states: str = "ssd"
-    cpu_cache_bytes: int | None = None  # ssd: CPU cache for expert states; None: 25% of their bytes
-    grad_budget_bytes: int | None = None  # ssd: expert gradients kept in memory; None: as the cache
-    device: str = "cpu"
-    checkpoint_every: int = 50
-    log_json: str | None = None
-    read_mode: str = "direct"
-    verify: bool = True  # check every checksum of the store before resuming
-    init_from: str | None = None  # a model store (imported or trained) to start from instead of random weights
-
-    def __post_init__(self) -> None:
-        if self.expert_states not in EXPERT_STATES:
-            raise BadInputError(f"--expert-states must be one of {', '.join(EXPERT_STATES)}, got {self.expert_states!r}")
-        for name in ("steps", "batch_size", "seq_len", "micro_batches", "checkpoint_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or v < 1:
-                raise BadInputError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
-        if not self.lr > 0:
-            raise BadInputError(f"--lr must be > 0, got {self.lr}")
-        if self.grad_clip < 0:
-            raise BadInputError(f"--grad-clip must be >= 0, got {self.grad_clip}")
-        self.betas = tuple(self.betas)
-
-    @property
-    def store(self) -> str:
-        return os.path.join(self.out, "store")
-
-    def lr_at(self, step: int) -> float:
-        """Linear warm-up, then cosine decay to `min_lr_ratio * lr` at `steps`."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        span = max(1, self.steps - self.warmup_steps)
-        t = min(1.0, (step - self.warmup_steps) / span)
-        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
-@dataclass
-class StepLog:
-    """One line of `--log-json`."""
-
-    step: int
-    loss: float
-    aux_loss: float
-    lr: float
-    grad_norm: float
-    tokens_per_s: float
-    step_s: float
-    cpu_hit_rate: float | None
-    ssd_read_gbps: float
-    ssd_write_gbps: float
-    peak_rss_bytes: int
-    extra: dict[str, Any] = field(default_factory=dict)
-
-    def to_json(self) -> dict:
-        d = asdict(self)
-        d.update(d.pop("extra"))
-        return d
-
-
-def return_large_frees_to_the_os(threshold: int = 4 << 20) -> None:
-    """Have glibc serve allocations of `threshold` bytes and more with mmap, always.
-
-    By default glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB),
-    after which expert-sized tensors come from heap arenas that the main thread and the optimizer
-    thread fragment between them; RSS then drifts gigabytes above the budget. A fixed threshold
-    returns every expert-sized tensor to the OS when it is freed.
-    """
-    if sys.platform != "linux":
-        return
-    import ctypes
-    import ctypes.util
-
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.mallopt(-3, int(threshold))  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raising)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-
-def expert_state_bytes(config: MoEConfig) -> int:
-    """Bytes of every expert's weight and both Adam moments as stored (chunk files)."""
-    return 3 * ChunkFormat(config).nbytes * config.num_experts * len(config.moe_layer_ids)
 
 
 # -- building the model ---------------------------------------------------------------------
@@ -646,22 +533,6 @@ class Trainer:
             raise
         self.close()
         return logs
-
-
-def json_line(entry: StepLog) -> str:
-    return json.dumps(entry.to_json(), sort_keys=True)
-
-
-def progress_line(entry: StepLog, total: int) -> str:
-    hit = "-" if entry.cpu_hit_rate is None else f"{entry.cpu_hit_rate:.2f}"
-    return (f"step {entry.step}/{total}  loss {entry.loss:.4f}  aux {entry.aux_loss:.4f}  lr {entry.lr:.2e}  "
-            f"{entry.tokens_per_s:,.0f} tok/s  cpu hit {hit}  ssd read {entry.ssd_read_gbps:.2f} GB/s  "
-            f"write {entry.ssd_write_gbps:.2f} GB/s")
-
-
-def default_model_config(name: str = "gpt-moe-small", **overrides: Any) -> MoEConfig:
-    """A named config for training; capacity-free routing unless asked (matches across rank counts)."""
-    return named_config(name, **overrides)
 
 
 def run_rank(cfg: TrainConfig, model_config: MoEConfig | None, *, quiet: bool = False,

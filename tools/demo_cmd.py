@@ -41,7 +41,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from inference.engine import Engine, EngineConfig
     from semoe.generate import SamplingConfig
-    from semoe.train import Trainer, TrainConfig, default_model_config, expert_state_bytes, progress_line
+    from semoe.config import named_config
+    from semoe.train import Trainer
+    from semoe.train_config import TrainConfig, expert_state_bytes, progress_line
     from storage.store import Store
 
     if not 0 < args.cpu_cache <= 1:
@@ -53,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--workdir {args.workdir}: directory is not empty")
     work = args.workdir or tempfile.mkdtemp(prefix="semoe-demo-")
     say = (lambda *a: print(*a, file=sys.stderr, flush=True)) if args.json else (lambda *a: print(*a, flush=True))
-    model_config = default_model_config("gpt-moe-small")
+    model_config = named_config("gpt-moe-small")
     states = expert_state_bytes(model_config)
     cfg = TrainConfig(out=work, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, seed=args.seed,
                       expert_states="ssd", cpu_cache_bytes=int(states * args.cpu_cache),

@@ -103,7 +103,8 @@ def _model_config(args: argparse.Namespace, file_cfg: dict):
 
 def build_configs(args: argparse.Namespace):
     """(TrainConfig, MoEConfig or None when resuming without model flags)."""
-    from semoe.train import TRAINER_FILE, TrainConfig, expert_state_bytes
+    from semoe.train import TRAINER_FILE
+    from semoe.train_config import TrainConfig, expert_state_bytes
     from storage.store import Store
 
     file_cfg: dict = {}

@@ -22,7 +22,8 @@ from semoe.expert_states import init_expert
 from semoe.model import MoEGPT
 from semoe.pipeline import PipelineConfig, PipelineTrainer, RouterLossMeter, StageModule, attach_loss, \
     split_stages
-from semoe.train import TrainConfig, Trainer, init_dense
+from semoe.train import Trainer, init_dense
+from semoe.train_config import TrainConfig
 from storage.errors import BadInputError
 from tests.semoe.test_train import SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors, text_file  # noqa: F401
 

@@ -21,7 +21,7 @@ STEPS = 3
 
 def _worker(rank: int, out: str, data: str, plan_json: str | None) -> None:
     from semoe.pipeline import PipelineConfig, PipelineTrainer
-    from semoe.train import TrainConfig
+    from semoe.train_config import TrainConfig
 
     cfg = TrainConfig(out=out, data=data, steps=STEPS, batch_size=8, seq_len=32, micro_batches=4, warmup_steps=1)
     plan = Plan.from_json(plan_json) if plan_json else None

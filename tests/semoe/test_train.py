@@ -17,7 +17,8 @@ import torch.nn.functional as F
 from semoe.config import named_config
 from semoe.expert_states import AdamWConfig, _ExpertFFN, adamw_, init_expert
 from semoe.model import MoEGPT, ResidentExperts, swiglu
-from semoe.train import TrainConfig, Trainer, init_dense
+from semoe.train import Trainer, init_dense
+from semoe.train_config import TrainConfig
 from storage.store import Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

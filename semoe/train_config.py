@@ -1,0 +1,143 @@
+"""What a training run is given and what it reports: its settings (`TrainConfig`), one line of its
+log (`StepLog`), its one-line failure (`TrainingError`), and the sizes and memory figures both
+depend on."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from semoe.config import MoEConfig
+from semoe.ssd_states import ChunkFormat
+from storage.errors import BadInputError, StorageError
+
+EXPERT_STATES = ("ssd", "cpu", "device")
+
+
+class TrainingError(StorageError):
+    """Training cannot go on (non-finite loss, a damaged store, a full disk); one line, exit code 1."""
+
+    exit_code = 1
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything a run needs besides the model config; saved with each checkpoint."""
+
+    out: str
+    data: str | None = None
+    steps: int = 200
+    seed: int = 0
+    batch_size: int = 8  # sequences per step, over all ranks
+    seq_len: int = 128
+    micro_batches: int = 1  # per rank; gradients accumulate over them
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 10
+    betas: tuple[float, float] = (0.9, 0.95)
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0  # 0: no clipping
+    expert_states: str = "ssd"
+    cpu_cache_bytes: int | None = None  # ssd: CPU cache for expert states; None: 25% of their bytes
+    grad_budget_bytes: int | None = None  # ssd: expert gradients kept in memory; None: as the cache
+    device: str = "cpu"
+    checkpoint_every: int = 50
+    log_json: str | None = None
+    read_mode: str = "direct"
+    verify: bool = True  # check every checksum of the store before resuming
+    init_from: str | None = None  # a model store (imported or trained) to start from instead of random weights
+
+    def __post_init__(self) -> None:
+        if self.expert_states not in EXPERT_STATES:
+            raise BadInputError(f"--expert-states must be one of {', '.join(EXPERT_STATES)}, got {self.expert_states!r}")
+        for name in ("steps", "batch_size", "seq_len", "micro_batches", "checkpoint_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise BadInputError(f"--{name.replace('_', '-')} must be a positive integer, got {v!r}")
+        if not self.lr > 0:
+            raise BadInputError(f"--lr must be > 0, got {self.lr}")
+        if self.grad_clip < 0:
+            raise BadInputError(f"--grad-clip must be >= 0, got {self.grad_clip}")
+        self.betas = tuple(self.betas)
+
+    @property
+    def store(self) -> str:
+        return os.path.join(self.out, "store")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to `min_lr_ratio * lr` at `steps`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, self.steps - self.warmup_steps)
+        t = min(1.0, (step - self.warmup_steps) / span)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@dataclass
+class StepLog:
+    """One line of `--log-json`."""
+
+    step: int
+    loss: float
+    aux_loss: float
+    lr: float
+    grad_norm: float
+    tokens_per_s: float
+    step_s: float
+    cpu_hit_rate: float | None
+    ssd_read_gbps: float
+    ssd_write_gbps: float
+    peak_rss_bytes: int
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        d = asdict(self)
+        d.update(d.pop("extra"))
+        return d
+
+
+def json_line(entry: StepLog) -> str:
+    return json.dumps(entry.to_json(), sort_keys=True)
+
+
+def progress_line(entry: StepLog, total: int) -> str:
+    hit = "-" if entry.cpu_hit_rate is None else f"{entry.cpu_hit_rate:.2f}"
+    return (f"step {entry.step}/{total}  loss {entry.loss:.4f}  aux {entry.aux_loss:.4f}  lr {entry.lr:.2e}  "
+            f"{entry.tokens_per_s:,.0f} tok/s  cpu hit {hit}  ssd read {entry.ssd_read_gbps:.2f} GB/s  "
+            f"write {entry.ssd_write_gbps:.2f} GB/s")
+
+
+def expert_state_bytes(config: MoEConfig) -> int:
+    """Bytes of every expert's weight and both Adam moments as stored (chunk files)."""
+    return 3 * ChunkFormat(config).nbytes * config.num_experts * len(config.moe_layer_ids)
+
+
+def return_large_frees_to_the_os(threshold: int = 4 << 20) -> None:
+    """Have glibc serve allocations of `threshold` bytes and more with mmap, always.
+
+    By default glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB),
+    after which expert-sized tensors come from heap arenas that the main thread and the optimizer
+    thread fragment between them; RSS then drifts gigabytes above the budget. A fixed threshold
+    returns every expert-sized tensor to the OS when it is freed.
+    """
+    if sys.platform != "linux":
+        return
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.mallopt(-3, int(threshold))  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raising)
+    except (OSError, AttributeError):  # not glibc: nothing to tune
+        pass
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
