@@ -41,14 +41,13 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from semoe.checkpoint import _dense_params, config_from_json, hf_name
+from semoe.checkpoint import _dense_params, hf_name
 from semoe.config import MoEConfig
 from semoe.expert_states import AdamWConfig, ExpertStates
 from semoe.model import MoEGPT, rope_cos_sin
 from semoe.train import Trainer, build_model, init_dense, run_rank
 from semoe.train_config import StepLog, TrainConfig, return_large_frees_to_the_os
 from storage.errors import BadInputError
-from storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -232,15 +231,7 @@ class PipelineTrainer(Trainer):
         if os.path.isfile(os.path.join(cfg.store, "manifest.json")):
             raise BadInputError(f"{cfg.store}: pipeline runs do not resume; choose a new --out")
         self.trainer_state = None
-        if cfg.init_from is not None:
-            self.source = Store.open(cfg.init_from)
-            if not self.source.manifest.has_file("config.json"):
-                raise BadInputError(f"--init-from {cfg.init_from}: the store holds no model (no config.json)")
-            self.config = config_from_json(json.loads(self.source.read_file("config.json")))
-        elif model_config is None:
-            raise BadInputError("a new run needs a model config")
-        else:
-            self.config = model_config
+        self.config = self._new_run_config(model_config)
         check_pipeline(self.config, self.world, cfg, self.pipeline)
         self.stages = split_stages(self.config, self.world)
         self.layers = self.stages[self.rank]

@@ -130,7 +130,6 @@ class SSDExpertStates(ExpertStates):
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="semoe-expert-write")
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="semoe-moment-read")
         self._bytes_written = self._moment_bytes = 0
-        self._write_s = 0.0
         self._cond = threading.Condition()
         self._pending: set[Key] = set()  # experts whose update is in flight
         self._worker: threading.Thread | None = None
@@ -324,7 +323,6 @@ class SSDExpertStates(ExpertStates):
     def _write_tile(self, key: Key, held: list[tuple[ExpertHandle | None, torch.Tensor]]) -> None:
         """Write one expert's updated states into the staged version, then unpin them."""
         try:
-            t0 = time.perf_counter()
             for kind, (_, raw) in zip(STATE_KINDS, held):
                 buf = raw.numpy()
                 entries, chunk = self.format.write(self.root, self.version, key[0], key[1], kind, buf)
@@ -332,8 +330,6 @@ class SSDExpertStates(ExpertStates):
                     self.overlay.upsert(tensors=entries, chunks=[chunk])
                     self.written[(key[0], key[1], kind)] = (entries, chunk)
                     self._bytes_written += buf.nbytes
-            with self._lock:
-                self._write_s += time.perf_counter() - t0
         finally:
             for h, _ in held:
                 if h is not None:

@@ -121,16 +121,8 @@ class Trainer:
         resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
         if resuming:
             self.config, self.trainer_state = self._open_existing(model_config)
-        elif cfg.init_from is not None:
-            self.source = Store.open(cfg.init_from)
-            if not self.source.manifest.has_file("config.json"):
-                raise BadInputError(f"--init-from {cfg.init_from}: the store holds no model (no config.json)")
-            self.config = config_from_json(json.loads(self.source.read_file("config.json")))
-            self.trainer_state = None
         else:
-            if model_config is None:
-                raise BadInputError("a new run needs a model config")
-            self.config, self.trainer_state = model_config, None
+            self.config, self.trainer_state = self._new_run_config(model_config), None
         self.experts = local_expert_ids(self.config.num_experts, self.rank, self.world)
         self._prepare_data()  # bad data is found before anything is written
         self._barrier()  # rank 0 has checked the store before any rank opens it
@@ -162,6 +154,18 @@ class Trainer:
                 shutil.rmtree(self.cfg.store, ignore_errors=True)
             raise
         self._open_version()
+
+    def _new_run_config(self, model_config: MoEConfig | None) -> MoEConfig:
+        """A new run's model: the `--init-from` store's (kept open as `self.source`), else the one given."""
+        cfg = self.cfg
+        if cfg.init_from is None:
+            if model_config is None:
+                raise BadInputError("a new run needs a model config")
+            return model_config
+        self.source = Store.open(cfg.init_from)
+        if not self.source.manifest.has_file("config.json"):
+            raise BadInputError(f"--init-from {cfg.init_from}: the store holds no model (no config.json)")
+        return config_from_json(json.loads(self.source.read_file("config.json")))
 
     # -- collectives (no-ops on one rank) ---------------------------------------------------
     def _barrier(self) -> None:
