@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import os
-import resource
 import shutil
 import tempfile
 import threading
@@ -21,6 +20,7 @@ import torch
 from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import MoEGPT
+from storage.pool import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,9 @@ class EngineConfig:
     ring_slots: int | None = None
     prefetch: bool = True  # routing-aware prefetch of the next layer's experts
     # read predicted experts from SSD ahead of use only while at least this share of guesses is
-    # right (0: always; above 1: never); wrong guesses cost the SSD bandwidth the model waits on
+    # right (0: always; above 1: never). Guesses read only while the disk is otherwise idle and
+    # stop when proved wrong, but each one takes CPU-cache room from an expert that may be needed
+    # again: with a small cache, mostly wrong guesses cost more hits than they save reads.
     speculate_min_precision: float = 0.8
     read_mode: str = "direct"  # how the store is read: direct (O_DIRECT) | drop | cached
     # fill the CPU cache with experts, in layer order, up to its budget while loading (as a
@@ -58,11 +60,6 @@ class EngineConfig:
     def offloaded(self) -> bool:
         """Whether experts stay in the store (any budget given)."""
         return any(v is not None for v in (self.cpu_cache_bytes, self.device_memory_bytes, self.ring_slots))
-
-
-def peak_rss_bytes() -> int:
-    """Peak resident set size of this process so far."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class Engine:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+from concurrent.futures import CancelledError
 from dataclasses import dataclass, field
 from typing import Iterator
 
@@ -212,13 +213,18 @@ class OffloadedExperts:
                 self.counters.device_copy_bytes += self.chunk_bytes[key] if copied else 0
                 self._cond.notify_all()
         except BaseException as e:
+            # a wrong guess abandoned by `stream`: nothing waits for it, nothing failed
+            abandoned = not wait and isinstance(e, CancelledError)
             with self._cond:
-                slot.error = e
-                self._errors[key] = e
+                if not abandoned:
+                    slot.error = e
+                    self._errors[key] = e
                 self._slots.pop(key, None)
                 self._free.append(slot.index)
+                self._read_ahead.discard(key)
                 self._cond.notify_all()
-            raise
+            if not abandoned:
+                raise
 
     def _place(self, host, slot: Slot) -> tuple[ExpertWeights, bool]:
         """Expert weights usable on the device: the host tensors themselves, or copies."""
@@ -249,11 +255,18 @@ class OffloadedExperts:
         """Hand out the layer's experts as they become ready; predict and prefetch the next layer."""
         with self._cond:
             self._current_layer = layer
+            guessed = self.counters.predictions.get(layer, {})
             self._account(layer, experts)
             self._needed = {(layer, e) for e in experts}
             for e in experts:
                 self._errors.pop((layer, e), None)
+        # the routing is known: guesses still being read are either needed now or wasted bandwidth
+        wrong = [(layer, e) for e in guessed if e not in experts]
+        for key in wrong:
+            self.queue.cancel(("fill", key))
+        self.tier.cancel_guesses(wrong)
         for e in experts:
+            self.tier.hurry(layer, e)
             self._request((layer, e), URGENT, wait=True)
         if self.prefetch_enabled:
             self._predict(layer, x_ND)
@@ -302,10 +315,14 @@ class OffloadedExperts:
             cached = {e: self.tier.cached(nxt, e) for e in picked}
             self.counters.predictions[nxt] = cached
             self.counters.predicted += len(picked)
-            # Reading a guess from SSD competes with the reads the model is waiting for; worth it
-            # only while guesses are mostly right. Guesses already in the CPU cache cost no SSD
-            # bandwidth and are always staged (on a GPU that is the host-to-device copy).
-            speculate = self.precision is not None and self.precision >= self.min_precision
+            # A guess read from SSD uses only the disk's idle time (the tier pauses it while a
+            # needed read is in flight) and is abandoned once the layer's routing proves it wrong,
+            # so a wrong guess costs the bytes read in that idle time. `min_precision` can still
+            # switch guessing off for a model whose guesses are mostly wrong. Guesses already in
+            # the CPU cache cost no SSD bandwidth and are always staged (on a GPU that is the
+            # host-to-device copy).
+            speculate = self.min_precision <= 0 or (self.precision is not None and
+                                                    self.precision >= self.min_precision)
         for rank, e in enumerate(picked[:self.ring_slots]):
             if (nxt, e) in self._slots or not (speculate or (cached[e] and not self.in_place)):
                 continue
@@ -390,6 +407,13 @@ class OffloadedExperts:
             "prefetch_precision": c.predicted_used / c.predicted if c.predicted else 0.0,
             "prefetch_recall": c.routed_predicted / c.routed if c.routed else 0.0,
         }
+
+    def traffic(self) -> tuple[int, int]:
+        """(bytes read from SSD so far, ideal bytes of the current request so far): two snapshots split a
+        request into phases."""
+        with self._cond:
+            ideal = self.counters.ssd_ideal_bytes
+        return self.tier.stats().ssd_bytes, ideal
 
     def queue_drain(self) -> None:
         """Cancel speculative fills still queued (a finished request does not need them)."""

@@ -47,9 +47,10 @@ from semoe.fused_comm import GradBucketReducer, fused_all_reduce
 from semoe.model import MoEGPT, RMSNorm
 from semoe.ssd_states import STATE_KINDS, ChunkFormat, SSDExpertStates
 from semoe.tokenizer import ByteTokenizer
-from semoe.train_config import (StepLog, TrainConfig, TrainingError, json_line, peak_rss_bytes,
-                                progress_line, return_large_frees_to_the_os)
+from semoe.train_config import (StepLog, TrainConfig, TrainingError, json_line, progress_line,
+                                return_large_frees_to_the_os)
 from storage.errors import BadInputError
+from storage.pool import peak_rss_bytes
 from storage.store import Store, StoreWriter, chunk_meta
 
 log = logging.getLogger(__name__)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import resource
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -136,8 +135,3 @@ def return_large_frees_to_the_os(threshold: int = 4 << 20) -> None:
         libc.mallopt(-3, int(threshold))  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raising)
     except (OSError, AttributeError):  # not glibc: nothing to tune
         pass
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

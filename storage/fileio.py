@@ -15,7 +15,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 import crc32c as _crc32c
 
@@ -77,6 +77,17 @@ class ReadRequest:
     nbytes: int
     offset: int = 0
     checks: Sequence[tuple[int, int]] = ()
+    # called before every preadv of the request: it may block (a speculative read waiting for the
+    # disk to be idle) and returns False to abandon the read, which then raises ReadCancelled
+    gate: Callable[[], bool] | None = None
+
+
+class ReadCancelled(StorageError):
+    """A read abandoned by its gate; `nbytes` were read before it stopped (bandwidth spent)."""
+
+    def __init__(self, path: str, nbytes: int) -> None:
+        super().__init__(f"{path}: read cancelled after {nbytes} bytes")
+        self.nbytes = nbytes
 
 
 _direct_ok: dict[int, bool] = {}
@@ -115,14 +126,18 @@ def _aligned(buf: memoryview, offset: int, nbytes: int) -> bool:
 
 
 def _read_range(path: str, buf: memoryview, offset: int, nbytes: int, mode: ReadMode,
-                crc_bytes: int = 0, io_bytes: int = 1 << 20) -> int:
+                crc_bytes: int = 0, io_bytes: int = 1 << 20, gate: Callable[[], bool] | None = None) -> int:
     """Read `nbytes` at `offset` into `buf` in pieces of `io_bytes`; crc32c of the first `crc_bytes`."""
+    if gate is not None and not gate():
+        raise ReadCancelled(path, 0)
     direct = mode is ReadMode.DIRECT and _aligned(buf, offset, nbytes)
     fd, is_direct = _open(path, direct)
     crc = 0
     try:
         done = 0
         while done < nbytes:
+            if done and gate is not None and not gate():
+                raise ReadCancelled(path, done)
             n = os.preadv(fd, [buf[done:min(nbytes, done + io_bytes)]], offset + done)
             if n == 0:
                 raise CorruptTensorError(
@@ -167,29 +182,34 @@ class ChunkReader:
                 tasks.append((p, length, max(0, min(p + length, s + n) - p), i))
         return tasks
 
-    def submit_many(self, requests: Sequence[ReadRequest]) -> list[list[tuple[Future, int, int]]]:
+    def submit_many(self, requests: Sequence[ReadRequest]) -> list[list[tuple[Future, int, int, int]]]:
         """Start every request; per request, its pieces as (future of the piece's crc32c, crc bytes,
-        check index)."""
+        check index, piece bytes)."""
         out = []
         mode, io = self.config.mode, self.config.io_bytes
         for req in requests:
             if len(req.buf) < req.nbytes:
                 raise ValueError(f"{req.path}: buffer of {len(req.buf)} bytes is smaller than {req.nbytes}")
-            out.append([(self._pool.submit(_read_range, req.path, req.buf[s:s + n], req.offset + s, n, mode, c, io),
-                         c, i) for s, n, c, i in self._segments(req) if n])
+            out.append([(self._pool.submit(_read_range, req.path, req.buf[s:s + n], req.offset + s, n, mode, c, io,
+                                           req.gate), c, i, n) for s, n, c, i in self._segments(req) if n])
         with self._lock:
             self._bytes_read += sum(r.nbytes for r in requests)
         return out
 
     def read_many(self, requests: Sequence[ReadRequest]) -> list[list[int]]:
         """Read every request, all in flight together; returns each request's crc32c per checked
-        range. Raises the first error once all reads have settled."""
+        range. Raises the first error once all reads have settled; when a gate abandoned pieces,
+        that is one ReadCancelled counting every byte read by every piece."""
         futures = self.submit_many(requests)
-        wait([f for fs in futures for f, _, _ in fs])
+        pieces = [p for fs in futures for p in fs]
+        wait([f for f, _, _, _ in pieces])
+        if any(isinstance(f.exception(), ReadCancelled) for f, _, _, _ in pieces):
+            read = sum(n if f.exception() is None else getattr(f.exception(), "nbytes", 0) for f, _, _, n in pieces)
+            raise ReadCancelled(requests[0].path, read)
         crcs = []
         for req, pieces in zip(requests, futures):
             out = [0] * len(req.checks)
-            for f, nbytes, index in pieces:
+            for f, nbytes, index, _ in pieces:
                 piece_crc = f.result()
                 if index >= 0:
                     out[index] = crc32c_combine(out[index], piece_crc, nbytes)

@@ -13,6 +13,7 @@ buffers are free, so a slab is kept small relative to the capacity.
 from __future__ import annotations
 
 import logging
+import resource
 import threading
 import time
 from dataclasses import dataclass, field
@@ -25,6 +26,23 @@ logger = logging.getLogger(__name__)
 
 _MIN_ALIGNMENT = 512
 _MAX_SLAB_FRACTION = 16
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size.
+
+    Read from /proc/self/status (VmHWM), which belongs to the process's own address space:
+    getrusage's ru_maxrss also counts the parent's memory at fork when a process is started by
+    fork + exec, so a small child of a large parent would report the parent's peak.
+    """
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class PoolError(StorageError, RuntimeError):

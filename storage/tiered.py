@@ -20,7 +20,7 @@ from typing import Iterable
 import torch
 
 from storage.cache import CacheFullError, EntryState, ExpertCache, ExpertCacheConfig
-from storage.fileio import ChunkReader, ChunkReaderConfig, ReadMode
+from storage.fileio import ChunkReader, ChunkReaderConfig, ReadCancelled, ReadMode
 from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig
 from storage.store import Store
@@ -98,13 +98,30 @@ class TierStats:
     ssd_read_s: float  # summed over reads; reads overlap, so this is not wall time
     prefetch_issued: int
     prefetch_dropped: int  # not issued: the cache was full of pinned experts
+    guesses_cancelled: int = 0  # speculative reads abandoned (the guess was wrong)
+    guess_wasted_bytes: int = 0  # what they had read by then (included in ssd_bytes)
 
     def to_json(self) -> dict:
         return dict(self.__dict__)
 
 
+@dataclass
+class _Guess:
+    """A speculative read in flight: it yields the disk to reads someone waits for until it is
+    used (`hurried`) or found wrong (`cancelled`)."""
+
+    hurried: bool = False
+    cancelled: bool = False
+
+
 class TieredExpertStore:
-    """SSD-resident experts served through a byte-bounded CPU cache with prefetch."""
+    """SSD-resident experts served through a byte-bounded CPU cache with prefetch.
+
+    Speculative reads (`get(..., speculative=True)`) run on threads of their own and read only
+    while no read that someone waits for is in flight, one I/O step at a time: a guess fills the
+    disk's idle time and never delays a needed expert. `hurry` makes a guess that turned out right
+    a read like any other; `cancel_guesses` abandons wrong ones after the step in progress.
+    """
 
     def __init__(self, store: Store, config: TieredStoreConfig) -> None:
         self.store = store
@@ -121,20 +138,41 @@ class TieredExpertStore:
         self.pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=config.cpu_cache_bytes + 2 * biggest,
                                                         pin=config.pin_memory, slab_bytes=biggest))
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.io_threads))
+        # guesses wait inside their reads for the disk to be idle: on the demand reader's threads
+        # they would hold up the very reads they wait for
+        self._guess_reader: ChunkReader | None = None
         self.queue = PrefetchQueue(PrefetchQueueConfig(workers=config.prefetch_workers))
         self._lock = threading.Lock()
         self._ssd_bytes = self._ssd_reads = self._issued = self._dropped = 0
         self._ssd_s = 0.0
+        self._disk = threading.Condition()  # guards the two below
+        self._demand = 0  # reads in flight that someone waits for
+        self._guesses: dict[Key, _Guess] = {}
+        self._cancelled = self._wasted = 0
 
     # -- the data path ------------------------------------------------------------------------
-    def _load(self, key: Key) -> None:
-        """Read one chunk into a pooled buffer and publish it; the entry was reserved by the caller."""
+    def _load(self, key: Key, *, guess: bool = False) -> None:
+        """Read one chunk into a pooled buffer and publish it; the entry was reserved by the caller.
+
+        A `guess` reads only while the disk is otherwise idle and raises CancelledError when
+        `cancel_guesses` abandons it."""
         chunk = self.store.manifest.chunk(*key)
         buf: HostBuffer | None = None
+        spec = _Guess() if guess else None
+        with self._disk:
+            if spec is None:
+                self._demand += 1
+            else:
+                self._guesses[key] = spec
         try:
             buf = self.pool.acquire(chunk.bytes, timeout=60.0)
             t0 = time.perf_counter()
-            crcs = self.reader.read_many([self.store.chunk_request(chunk, buf.memoryview())])[0]
+            request = self.store.chunk_request(chunk, buf.memoryview())
+            reader = self.reader
+            if spec is not None:
+                request.gate = lambda: self._gate(spec)
+                reader = self._guesses_reader()
+            crcs = reader.read_many([request])[0]
             self.store.check_crcs(chunk, crcs)
             with self._lock:
                 self._ssd_s += time.perf_counter() - t0
@@ -143,9 +181,58 @@ class TieredExpertStore:
         except BaseException as e:
             if buf is not None:
                 buf.release()
+            if isinstance(e, ReadCancelled):
+                with self._lock:
+                    self._ssd_bytes += e.nbytes
+                    self._wasted += e.nbytes
+                    self._cancelled += 1
+                e = CancelledError(f"speculative read of {key} cancelled")
             self.cache.fail(key, e)
-            raise
+            raise e from None
+        finally:
+            with self._disk:
+                if spec is None:
+                    self._demand -= 1
+                    self._disk.notify_all()
+                else:
+                    self._guesses.pop(key, None)
         self.cache.complete(key, ExpertPayload(buffer=buf, tensors=self.store.chunk_views(chunk, buf.tensor)))
+
+    def _guesses_reader(self) -> ChunkReader:
+        with self._disk:
+            if self._guess_reader is None:
+                self._guess_reader = ChunkReader(ChunkReaderConfig(mode=self.config.read_mode,
+                                                                   threads=self.config.io_threads))
+            return self._guess_reader
+
+    def _gate(self, spec: _Guess) -> bool:
+        """Before each step of a guess's read: wait while needed reads are in flight; False once
+        the guess is cancelled."""
+        with self._disk:
+            while self._demand and not spec.hurried and not spec.cancelled:
+                self._disk.wait(0.05)
+            return not spec.cancelled
+
+    def hurry(self, layer: int, expert: int, kind: str = "weight") -> None:
+        """A guess being read is needed now: read it like any other read."""
+        with self._disk:
+            spec = self._guesses.get((layer, expert, kind))
+            if spec is not None:
+                spec.hurried = True
+                self._disk.notify_all()
+
+    def cancel_guesses(self, keys: Iterable[tuple[int, int]], kind: str = "weight") -> int:
+        """Abandon speculative reads found wrong (not those already hurried); returns how many."""
+        n = 0
+        with self._disk:
+            for layer, expert in keys:
+                spec = self._guesses.get((layer, expert, kind))
+                if spec is not None and not spec.hurried and not spec.cancelled:
+                    spec.cancelled = True
+                    n += 1
+            if n:
+                self._disk.notify_all()
+        return n
 
     def _on_evict(self, key: Key, payload: ExpertPayload) -> None:
         payload.buffer.release()
@@ -164,10 +251,11 @@ class TieredExpertStore:
         while True:
             entry, must_load = self.cache.lookup_or_reserve(key, nbytes, probation=speculative)
             if must_load:
-                self._load(key)
+                self._load(key, guess=speculative)
                 return ExpertHandle(self, key, self._payload(key))
-            if entry.state is EntryState.LOADING:
+            if entry.state is EntryState.LOADING and not speculative:
                 self.queue.reprioritize(key, URGENT)
+                self.hurry(layer, expert, kind)
             try:
                 entry = self.cache.wait_ready(key)
             except (CancelledError, KeyError):
@@ -231,19 +319,23 @@ class TieredExpertStore:
         with self._lock:
             return TierStats(hits=s.hits, misses=s.misses, inflight_hits=s.inflight_hits, hit_rate=s.hit_rate,
                              evictions=s.evictions, ssd_bytes=self._ssd_bytes, ssd_reads=self._ssd_reads,
-                             ssd_read_s=self._ssd_s, prefetch_issued=self._issued, prefetch_dropped=self._dropped)
+                             ssd_read_s=self._ssd_s, prefetch_issued=self._issued, prefetch_dropped=self._dropped,
+                             guesses_cancelled=self._cancelled, guess_wasted_bytes=self._wasted)
 
     def reset_stats(self) -> None:
         """Zero every counter."""
         self.cache.reset_stats()
         with self._lock:
             self._ssd_bytes = self._ssd_reads = self._issued = self._dropped = 0
+            self._cancelled = self._wasted = 0
             self._ssd_s = 0.0
 
     def close(self) -> None:
         """Finish reads in flight, drop queued ones, stop the threads."""
         self.queue.close(wait=True)
         self.reader.close()
+        if self._guess_reader is not None:
+            self._guess_reader.close()
 
     def __enter__(self) -> "TieredExpertStore":
         return self

@@ -49,3 +49,28 @@ def test_a_flipped_byte_in_a_later_piece_is_caught(store, tensor, page):
         crcs = reader.read_many([store.chunk_request(chunk, memoryview(buf.numpy()))])[0]
     with pytest.raises(CorruptTensorError, match=rf"tensor {tensor} \(weight\) is corrupt"):
         store.check_crcs(chunk, crcs)
+
+
+def test_a_gate_that_refuses_abandons_the_read_and_counts_what_was_read(store):
+    from storage.fileio import ReadCancelled
+
+    chunk = store.manifest.chunk(0, 0)
+    _, buf = aligned_empty(chunk.bytes, alignment=4096, pin=False)
+    calls = []
+
+    def gate():  # threads=1 reads the first piece first: before opening it, before pages 2 and 3, then refuse
+        calls.append(1)
+        return len(calls) <= 3
+
+    with ChunkReader(ChunkReaderConfig(piece_bytes=64 * 4096, io_bytes=4096, threads=1)) as reader:
+        req = store.chunk_request(chunk, memoryview(buf.numpy()))
+        req.gate = gate
+        with pytest.raises(ReadCancelled) as info:
+            reader.read_many([req])
+    assert info.value.nbytes == 3 * 4096  # pages 1 to 3 were read before the fourth call refused
+
+    with ChunkReader(ChunkReaderConfig(piece_bytes=2 * 4096, io_bytes=4096)) as reader:  # a gate that lets all through
+        req = store.chunk_request(chunk, memoryview(buf.numpy()))
+        req.gate = lambda: True
+        crcs = reader.read_many([req])[0]
+    store.check_crcs(chunk, crcs)

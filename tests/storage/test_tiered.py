@@ -120,3 +120,101 @@ def test_corrupt_chunk_raises_naming_the_tensor_and_leaves_no_entry(store):
 def test_budget_smaller_than_one_expert_is_refused(store):
     with pytest.raises(ValueError, match="cannot hold one expert chunk"):
         TieredExpertStore(store, TieredStoreConfig(cpu_cache_bytes=100))
+
+
+def _slow_demand(tier, seconds: float):
+    """Make demand reads (not guesses) take `seconds` longer, so a guess can be seen waiting."""
+    import time
+
+    real = tier.reader.read_many
+
+    def slow(requests):
+        time.sleep(seconds)
+        return real(requests)
+
+    tier.reader.read_many = slow
+
+
+def test_a_guess_waits_for_needed_reads_and_a_wrong_one_is_abandoned(store):
+    import threading
+    import time
+    from concurrent.futures import CancelledError
+
+    chunk = store.manifest.chunk(0, 0).bytes
+    with _tier(store, 6, io_threads=1) as tier:
+        _slow_demand(tier, 0.5)
+        demand = threading.Thread(target=lambda: tier.get(0, 0).release())
+        demand.start()
+        time.sleep(0.1)  # the demand read is in flight: guesses must not touch the disk
+        outcome = {}
+
+        def guess():
+            try:
+                tier.get(1, 1, speculative=True).release()
+                outcome["done"] = True
+            except CancelledError:
+                outcome["cancelled"] = True
+
+        g = threading.Thread(target=guess)
+        g.start()
+        time.sleep(0.2)
+        assert tier.stats().guess_wasted_bytes == 0 and g.is_alive()  # still waiting for the disk
+        assert tier.cancel_guesses([(1, 1)]) == 1
+        g.join(5)
+        demand.join(5)
+        assert outcome == {"cancelled": True}
+        s = tier.stats()
+        assert s.guesses_cancelled == 1 and s.guess_wasted_bytes == 0  # gave up before reading a byte
+        assert s.ssd_bytes == chunk and not tier.cached(1, 1)
+        with tier.get(1, 1) as h:  # the abandoned guess left nothing half-read behind
+            assert _same(h.tensors, store.read_expert(1, 1))
+
+
+def test_a_guess_that_is_needed_is_hurried_and_used(store):
+    import threading
+    import time
+
+    with _tier(store, 6, io_threads=1) as tier:
+        _slow_demand(tier, 1.0)
+        demand = threading.Thread(target=lambda: tier.get(0, 0).release())
+        demand.start()
+        time.sleep(0.1)
+        got = {}
+        g = threading.Thread(target=lambda: got.setdefault("h", tier.get(2, 3, speculative=True)))
+        g.start()
+        time.sleep(0.1)
+        assert g.is_alive()  # paused behind the demand read
+        t0 = time.perf_counter()
+        with tier.get(2, 3) as h:  # now needed: it reads at once instead of after the slow demand read
+            assert _same(h.tensors, store.read_expert(2, 3))
+        assert time.perf_counter() - t0 < 0.6
+        g.join(5)
+        got["h"].release()
+        demand.join(5)
+        s = tier.stats()
+        assert s.guesses_cancelled == 0 and s.ssd_reads == 2
+
+
+def test_cancelling_a_guess_mid_read_counts_the_bytes_it_read(store):
+    from concurrent.futures import CancelledError
+
+    from storage.fileio import ChunkReaderConfig
+
+    with _tier(store, 6, io_threads=1) as tier:
+        reader = tier._guesses_reader()
+        reader.config = ChunkReaderConfig(mode="drop", threads=1, piece_bytes=1 << 20, io_bytes=4096)
+        steps = []
+        real_gate = tier._gate
+
+        def gate(spec):  # the guess is found wrong after its third page (gate calls: open, pages 2, 3, 4)
+            steps.append(1)
+            if len(steps) == 4:
+                tier.cancel_guesses([(0, 5)])
+            return real_gate(spec)
+
+        tier._gate = gate
+        with pytest.raises(CancelledError):
+            tier.get(0, 5, speculative=True)
+        s = tier.stats()
+        assert s.guesses_cancelled == 1 and s.guess_wasted_bytes == 3 * 4096 == s.ssd_bytes
+        assert not tier.cached(0, 5)
