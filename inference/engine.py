@@ -44,6 +44,9 @@ class EngineConfig:
     # again: with a small cache, mostly wrong guesses cost more hits than they save reads.
     speculate_min_precision: float = 0.8
     read_mode: str = "direct"  # how the store is read: direct (O_DIRECT) | drop | cached
+    # which expert the CPU cache evicts; next-use knows that layers run in a cycle, where LRU and
+    # LFU's LRU tie-break evict the next layer's experts (see storage.policies.NextUsePolicy)
+    cache_policy: str = "next-use"
     # fill the CPU cache with experts, in layer order, up to its budget while loading (as a
     # resident model reads all its weights before its first request); False: fill it lazily
     preload: bool = True
@@ -51,6 +54,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.cache_policy == "belady":
+            raise ValueError("cache_policy belady needs the future accesses: it is for simulation only")
         for name in ("cpu_cache_bytes", "device_memory_bytes", "ring_slots"):
             v = getattr(self, name)
             if v is not None and v < 1:

@@ -80,7 +80,7 @@ class OffloadedExperts:
 
     def __init__(self, model: MoEGPT, store: Store, *, device: torch.device, dtype: torch.dtype,
                  cpu_cache_bytes: int, ring_slots: int, prefetch: bool = True, read_mode: str = "direct",
-                 workers: int = 4, min_precision: float = 0.8) -> None:
+                 workers: int = 4, min_precision: float = 0.8, cache_policy: str = "next-use") -> None:
         self.config = model.config
         self.device = device
         self.dtype = dtype
@@ -92,7 +92,7 @@ class OffloadedExperts:
         chunks = store.manifest.chunks
         self.chunk_bytes = {(c.layer, c.expert): c.bytes for c in chunks if c.kind == "weight"}
         self.tier = TieredExpertStore(store, TieredStoreConfig(cpu_cache_bytes=cpu_cache_bytes, read_mode=read_mode,
-                                                               prefetch_workers=2))
+                                                               prefetch_workers=2, policy=cache_policy))
         if ring_slots < 2:
             raise ValueError(f"ring_slots must be >= 2 (one computing, one loading), got {ring_slots}")
         self.ring_slots = ring_slots
@@ -143,7 +143,7 @@ class OffloadedExperts:
             cpu = max(cpu, (slots + top_k) * biggest)
         self = cls(model, store, device=device, dtype=getattr(torch, config.dtype), cpu_cache_bytes=cpu,
                    ring_slots=slots, prefetch=config.prefetch, read_mode=config.read_mode,
-                   min_precision=config.speculate_min_precision)
+                   min_precision=config.speculate_min_precision, cache_policy=config.cache_policy)
         for ffn in model.moe_layers():
             ffn.use_experts(self)
         log.info("offload: %d ring slots, CPU cache %d bytes, %s", slots, cpu,

@@ -13,10 +13,12 @@ typically the few pinned experts of the current and next layer):
     lfu         O(log n) amort.  O((p + 1) log n) amortised
     lfu-aging   as lfu, plus an O(n) halving every `aging_interval` references
     belady      O(log n) amort.  O((p + 1) log n) amortised; O(len(future)) to build
+    next-use    O(1) amortised   O(candidates)
 """
 
 from __future__ import annotations
 
+import bisect
 import heapq
 import logging
 from abc import ABC, abstractmethod
@@ -250,20 +252,116 @@ class BeladyPolicy(EvictionPolicy):
         return self._ranks.min_among(_check_candidates(candidates))
 
 
+class NextUsePolicy(EvictionPolicy):
+    """For experts used layer after layer: evicts the one whose next use is expected furthest away.
+
+    A model's layers run in a cycle, so recency misleads: the least recently used experts belong
+    to the layer that runs next, and LRU, like LFU with its LRU tie-break, evicts exactly those. A
+    cache smaller than one token's experts then gets no hit at all. This policy ranks by expected
+    distance instead, counted in layer visits:
+
+        next use of expert e of layer l  ~  d(l) + L * (1 - p) / p
+
+    where L is the number of layers seen, d(l) how many layer visits until l runs again (L for the
+    layer running now), and p the share of l's visits that used e: a moving average decaying by
+    `decay` per visit of l (the aging), kept after eviction so an expert that comes back keeps its
+    history. Ties go to the least recently used key.
+
+    Keys are tuples whose first item is the layer, e.g. (layer, expert) or (layer, expert, kind);
+    other keys all count as layer 0. A visit of a layer starts with an access naming a layer other
+    than the previous access's.
+    """
+
+    name = "next-use"
+
+    def __init__(self, *, decay: float = 0.8, min_rate: float = 1e-3) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"decay must be in (0, 1), got {decay!r}")
+        self._decay = decay
+        self._min_rate = min_rate
+        self._layers: list[Any] = []  # distinct layers seen, sorted
+        self._position: dict[Any, int] = {}  # layer -> index in _layers
+        self._current: Any = None
+        self._visits: dict[Any, int] = {}  # layer -> visits so far
+        self._uses: dict[Key, tuple[float, int]] = {}  # key -> (decayed uses, visit count they date from)
+        self._tracked: dict[Key, int] = {}  # cached keys -> tick of last use
+        self._tick = 0
+
+    @staticmethod
+    def _layer(key: Key) -> Any:
+        return key[0] if isinstance(key, tuple) and key else 0
+
+    def _see_layer(self, layer: Any) -> None:
+        if layer not in self._position:
+            bisect.insort(self._layers, layer)
+            self._position = {lay: i for i, lay in enumerate(self._layers)}
+            self._visits.setdefault(layer, 0)
+
+    def _uses_now(self, key: Key, layer: Any) -> float:
+        uses, since = self._uses.get(key, (0.0, 0))
+        return uses * self._decay ** (self._visits[layer] - since)
+
+    def rate(self, key: Key) -> float:
+        """The share of its layer's visits that used `key` (aged); 0 for a key never used."""
+        layer = self._layer(key)
+        if layer not in self._position or not self._visits[layer]:
+            return 0.0
+        visits = (1 - self._decay ** self._visits[layer]) / (1 - self._decay)  # sum of decay**k
+        return min(self._uses_now(key, layer) / visits, 1.0)
+
+    def on_access(self, key: Key) -> None:
+        layer = self._layer(key)
+        self._see_layer(layer)
+        if layer != self._current:
+            self._current = layer
+            self._visits[layer] += 1
+        self._uses[key] = (self._uses_now(key, layer) + 1.0, self._visits[layer])
+        self._tick += 1
+        self._tracked[key] = self._tick
+
+    def on_remove(self, key: Key) -> None:
+        self._tracked.pop(key, None)  # the use history stays
+
+    def expected_distance(self, key: Key) -> float:
+        """Layer visits until `key` is expected to be used again."""
+        layer = self._layer(key)
+        n = len(self._layers)
+        here = self._position.get(self._current, 0)
+        d = (self._position.get(layer, 0) - here) % n if n else 0
+        p = max(self.rate(key), self._min_rate)
+        return (d or n) + n * (1 - p) / p
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        pool = _check_candidates(candidates)
+        best, best_rank = None, None
+        for key in pool:
+            tick = self._tracked.get(key)
+            if tick is None:
+                continue
+            rank = (self.expected_distance(key), -tick)
+            if best_rank is None or rank > best_rank:
+                best, best_rank = key, rank
+        if best is None:
+            raise ValueError(f"none of the {len(pool)} candidates is tracked by the policy")
+        return best
+
+
 _REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {
     LFUAgingPolicy.name: LFUAgingPolicy,
     LFUPolicy.name: LFUPolicy,
     LRUPolicy.name: LRUPolicy,
     BeladyPolicy.name: BeladyPolicy,
+    NextUsePolicy.name: NextUsePolicy,
 }
 
-POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)  # ("lfu-aging", "lfu", "lru", "belady")
+POLICY_NAMES: tuple[str, ...] = tuple(_REGISTRY)  # ("lfu-aging", "lfu", "lru", "belady", "next-use")
 
 
 def make_policy(name: str, **kwargs: Any) -> EvictionPolicy:
     """Build the policy registered as `name`; `kwargs` go to its constructor.
 
-    `lfu-aging` takes `aging_interval`, `belady` requires `future`; the others take nothing.
+    `lfu-aging` takes `aging_interval`, `belady` requires `future`, `next-use` takes `decay`; the
+    others take nothing.
     """
     factory = _REGISTRY.get(name)
     if factory is None:

@@ -31,6 +31,10 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--cpu-cache", metavar="SIZE", help="CPU cache for expert weights")
     g.add_argument("--device-memory", metavar="SIZE", help="device memory for the expert ring (sets its slots)")
     g.add_argument("--ring-slots", type=int, metavar="K", help="expert slots in the device ring")
+    g.add_argument("--cache-policy", default="next-use", metavar="NAME",
+                   help="which expert the CPU cache evicts: next-use (default: the one whose next use is "
+                        "expected furthest away, from its layer's place in the cycle and its aged use "
+                        "rate), lfu-aging, lfu or lru")
 
 
 def expert_bytes(path: str) -> int:
@@ -64,5 +68,10 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":  # noqa
     cpu, dev = (parse_size(v, flag=flag, percent_of=total) if v is not None else None for flag, v in sizes.items())
     if args.ring_slots is not None and args.ring_slots < 1:
         raise UsageError(f"--ring-slots must be >= 1, got {args.ring_slots}")
+    if args.cache_policy not in ONLINE_POLICIES:
+        raise UsageError(f"--cache-policy must be one of {', '.join(ONLINE_POLICIES)}, got {args.cache_policy!r}")
     return EngineConfig(device=str(resolve_device(args.device)), dtype=args.dtype, cpu_cache_bytes=cpu,
-                        device_memory_bytes=dev, ring_slots=args.ring_slots)
+                        device_memory_bytes=dev, ring_slots=args.ring_slots, cache_policy=args.cache_policy)
+
+
+ONLINE_POLICIES = ("next-use", "lfu-aging", "lfu", "lru")  # belady needs the future: simulation only

@@ -87,7 +87,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   "in experts.")
     q.add_argument("--trace", required=True, metavar="FILE")
     q.add_argument("--capacity", required=True, type=int, metavar="N", help="cache capacity in experts")
-    q.add_argument("--policy", default="all", help="lfu-aging|lfu|lru|belady|all (default all)")
+    q.add_argument("--policy", default="all", help="lfu-aging|lfu|lru|belady|next-use|all (default all)")
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=cmd_cache_sim)
 

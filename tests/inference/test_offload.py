@@ -31,6 +31,7 @@ BUDGETS = {
     "cache-100%-default-ring": lambda eb, big: dict(cpu_cache_bytes=eb + big),
     "cache-50%": lambda eb, big: dict(cpu_cache_bytes=eb // 2),
     "cache-25%-ring-2": lambda eb, big: dict(cpu_cache_bytes=eb // 4, ring_slots=2),
+    "cache-25%-lfu-aging": lambda eb, big: dict(cpu_cache_bytes=eb // 4, cache_policy="lfu-aging"),
     "ring-3-no-prefetch": lambda eb, big: dict(ring_slots=3, prefetch=False),
     "buffered-reads": lambda eb, big: dict(cpu_cache_bytes=eb // 2, read_mode="drop"),
 }

@@ -163,7 +163,9 @@ def test_generate_cli_bad_flags(tmp_path):
     for args, message in ((["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),
                           (["--prompt", "hello"], "has no tokenizer"),
                           (["--prompt-ids", "1,500"], "outside the vocabulary"),
-                          (["--prompt-ids", "1", "--greedy", "--temperature", "0.5"], "--greedy cannot be combined")):
+                          (["--prompt-ids", "1", "--greedy", "--temperature", "0.5"], "--greedy cannot be combined"),
+                          (["--prompt-ids", "1", "--cpu-cache", "50%", "--cache-policy", "belady"],
+                           "--cache-policy must be one of next-use, lfu-aging, lfu, lru")):
         res = _semoe("generate", "--model", str(path), *args)
         assert res.returncode == 2 and res.stderr.count("\n") == 1 and message in res.stderr, res.stderr
 

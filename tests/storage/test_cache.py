@@ -289,7 +289,7 @@ def test_complete_and_fail_need_a_loading_entry():
     ("field", "value", "message"),
     [
         ("capacity_bytes", 0, "capacity_bytes must be a positive integer, got 0"),
-        ("policy", "fifo", "policy must be one of lfu-aging, lfu, lru, belady, got 'fifo'"),
+        ("policy", "fifo", "policy must be one of lfu-aging, lfu, lru, belady, next-use, got 'fifo'"),
         ("aging_interval", -1, "aging_interval must be a positive integer, got -1"),
     ],
 )

@@ -11,6 +11,7 @@ from storage.policies import (
     LFUAgingPolicy,
     LFUPolicy,
     LRUPolicy,
+    NextUsePolicy,
     make_policy,
 )
 
@@ -140,11 +141,12 @@ def test_belady_rejects_a_replay_out_of_step():
 
 
 def test_make_policy_builds_each_registered_policy():
-    assert POLICY_NAMES == ("lfu-aging", "lfu", "lru", "belady")
+    assert POLICY_NAMES == ("lfu-aging", "lfu", "lru", "belady", "next-use")
     assert type(make_policy("lfu-aging", aging_interval=8)) is LFUAgingPolicy
     assert type(make_policy("lfu")) is LFUPolicy
     assert type(make_policy("lru")) is LRUPolicy
     assert type(make_policy("belady", future=[1, 2])) is BeladyPolicy
+    assert type(make_policy("next-use", decay=0.5)) is NextUsePolicy
     for name in POLICY_NAMES:
         kwargs = {"future": []} if name == "belady" else {}
         assert make_policy(name, **kwargs).name == name
@@ -153,7 +155,7 @@ def test_make_policy_builds_each_registered_policy():
 def test_make_policy_unknown_name():
     with pytest.raises(ValueError) as info:
         make_policy("fifo")
-    assert str(info.value) == "unknown eviction policy 'fifo'; allowed: lfu-aging, lfu, lru, belady"
+    assert str(info.value) == "unknown eviction policy 'fifo'; allowed: lfu-aging, lfu, lru, belady, next-use"
 
 
 @pytest.mark.parametrize("name", ["lfu", "lfu-aging"])
@@ -167,3 +169,49 @@ def test_frequency_heap_stays_correct_through_compaction(name):
     policy.on_access("C")
     assert policy.victim({"A", "B", "C"}) == "C"
     assert policy.victim({"A", "B"}) == "A"
+
+
+def test_next_use_is_optimal_on_a_strict_layer_cycle_where_lru_and_lfu_get_nothing():
+    from storage.cache_sim import simulate
+
+    # every token uses experts 0 and 1 of each of 4 layers: 8 experts, room for 6; a record is one
+    # layer's experts, pinned together as a layer's experts are
+    trace = [(layer, [0, 1]) for _ in range(20) for layer in range(4)]
+    got = {name: simulate(trace, 6, name) for name in ("next-use", "lru", "lfu-aging", "lfu", "belady")}
+    assert got["lru"].hits == got["lfu-aging"].hits == got["lfu"].hits == 0  # they evict the next layer's
+    assert got["next-use"].hits == got["belady"].hits > 0  # every expert is certain: its distance is exact
+
+
+def test_next_use_weighs_distance_against_use_rate():
+    policy = NextUsePolicy(decay=0.5)
+    # layers 0..3; expert 0 of each layer is used every token, expert 1 of layer 1 only once
+    for t in range(6):
+        for layer in range(4):
+            policy.on_access((layer, 0))
+            if layer == 1 and t == 0:
+                policy.on_access((1, 1))
+    # now at layer 3: layer 0 runs next, layer 3 (current) is furthest
+    assert policy.rate((0, 0)) == pytest.approx(1.0)
+    assert policy.rate((1, 1)) == pytest.approx(0.5 ** 5 / sum(0.5 ** k for k in range(6)))
+    assert policy.expected_distance((0, 0)) == pytest.approx(1)
+    assert policy.expected_distance((3, 0)) == pytest.approx(4)
+    # a rare expert of a near layer is further away than a certain one of the furthest layer
+    assert policy.expected_distance((1, 1)) > policy.expected_distance((3, 0))
+    assert policy.victim({(0, 0), (1, 1), (3, 0)}) == (1, 1)
+    assert policy.victim({(0, 0), (2, 0), (3, 0)}) == (3, 0)
+
+
+def test_next_use_keeps_history_after_eviction_and_breaks_ties_by_recency():
+    policy = NextUsePolicy()
+    for _ in range(3):
+        for layer in range(2):
+            for e in (0, 1):
+                policy.on_access((layer, e))
+    policy.on_remove((0, 0))
+    assert policy.rate((0, 0)) == pytest.approx(policy.rate((0, 1)))  # the history stayed
+    with pytest.raises(ValueError, match="none of the 1 candidates"):
+        policy.victim({(0, 0)})  # not cached any more
+    policy.on_insert((0, 0))
+    assert policy.victim({(0, 0), (0, 1)}) == (0, 1)  # same distance and rate: the less recent goes
+    with pytest.raises(ValueError, match="decay"):
+        NextUsePolicy(decay=1.0)

@@ -91,7 +91,7 @@ def test_cache_sim(tmp_path):
     rows = [{"layer": 0, "experts": e} for e in ([0, 1], [2, 0], [1, 3], [0, 2], [0, 1], [3, 2])]
     trace.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = json.loads(semoe("store", "cache-sim", "--trace", str(trace), "--capacity", "3", "--json").stdout)
-    assert sorted(out) == ["belady", "lfu", "lfu-aging", "lru"]
+    assert sorted(out) == ["belady", "lfu", "lfu-aging", "lru", "next-use"]
     for r in out.values():
         assert r["hits"] + r["misses"] == 12 and r["hit_rate"] == pytest.approx(r["hits"] / 12)
     assert out["belady"]["hits"] >= max(r["hits"] for r in out.values())
