@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import logging
 import os
 import socket
 import sys
@@ -182,7 +183,31 @@ def _summary(logs, cfg) -> dict:
             "peak_rss_bytes": max((x.peak_rss_bytes for x in logs), default=None)}
 
 
-def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbose: int, pipeline=None) -> None:
+def _report(rank: int, message: str, report_dir: str | None) -> None:
+    """A rank's one error line: to stderr (under torchrun), or to the launcher, which prints each
+    distinct message once however many ranks hit it."""
+    if report_dir is None:
+        print(f"semoe: error: rank {rank}: {message}", file=sys.stderr, flush=True)
+        return
+    from storage.durable import write_atomic
+
+    write_atomic(os.path.join(report_dir, f"rank{rank}"), message.encode())
+
+
+def _print_reports(report_dir: str) -> None:
+    """The ranks' error lines, one per distinct message, naming the ranks that reported it."""
+    by_message: dict[str, list[int]] = {}
+    for name in sorted(os.listdir(report_dir), key=lambda n: int(n[4:]) if n[4:].isdigit() else -1):
+        if name.startswith("rank") and name[4:].isdigit():
+            with open(os.path.join(report_dir, name), encoding="utf-8", errors="replace") as f:
+                by_message.setdefault(f.read(), []).append(int(name[4:]))
+    for message, ranks in by_message.items():
+        who = f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+        print(f"semoe: error: {who}: {message}", file=sys.stderr, flush=True)
+
+
+def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbose: int, pipeline=None,
+            report_dir: str | None = None) -> None:
     import logging
 
     import torch
@@ -214,17 +239,15 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
 
             write_atomic(os.path.join(cfg.out, "last_run.json"), json.dumps(_summary(logs, cfg)).encode())
     except (StorageError, UsageError, ValueError) as e:
-        print(f"semoe: error: rank {rank}: {str(e).splitlines()[0]}", file=sys.stderr, flush=True)
-        code = 2
+        _report(rank, str(e).splitlines()[0], report_dir)
+        code = getattr(e, "exit_code", 2)  # as a single-process run exits: 2 bad input, 1 a failed run
     except OSError as e:
-        print(f"semoe: error: rank {rank}: {e.filename + ': ' if e.filename else ''}{e.strerror or e}",
-              file=sys.stderr, flush=True)
+        _report(rank, f"{e.filename + ': ' if e.filename else ''}{e.strerror or e}", report_dir)
         code = 1
     except Exception as e:  # anything else still ends as one line; -v shows the traceback
         logging.getLogger("semoe").debug("rank %d failed", rank, exc_info=True)
         cause = e.__cause__ or e
-        print(f"semoe: error: rank {rank}: {type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}",
-              file=sys.stderr, flush=True)
+        _report(rank, f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}", report_dir)
         code = 1
     if not code:
         dist.destroy_process_group()
@@ -290,16 +313,27 @@ def run(args: argparse.Namespace) -> int:
     os.makedirs(args.out, exist_ok=True)
     nproc = args.pipeline if pipeline is not None else args.nproc
     if pipeline is not None or (nproc and nproc > 1):
+        import shutil
+        import tempfile
+
         import torch.multiprocessing as mp
 
+        report_dir = tempfile.mkdtemp(prefix="semoe-train-errors-")
+        # tearing down the peers of a failed rank is expected here, not worth a warning of its own
+        logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
         try:
-            mp.start_processes(_worker, args=(nproc, _free_port(), cfg, model_cfg, args.quiet, args.verbose,
-                                              pipeline),
-                               nprocs=nproc, join=True, start_method="spawn")
+            ctx = mp.start_processes(_worker, args=(nproc, _free_port(), cfg, model_cfg, args.quiet, args.verbose,
+                                                    pipeline, report_dir),
+                                     nprocs=nproc, join=False, start_method="spawn")
+            while not ctx.join(grace_period=5):  # ranks failing together get to report before teardown
+                pass
         except mp.ProcessExitedException as e:
+            _print_reports(report_dir)
             if pipeline is not None:
                 _drop_unstarted_pipeline_store(cfg.store)
             return e.exit_code if e.exit_code and e.exit_code > 0 else 1
+        finally:
+            shutil.rmtree(report_dir, ignore_errors=True)
         if args.json:
             with open(os.path.join(args.out, "last_run.json"), encoding="utf-8") as f:
                 emit_json(json.load(f))

@@ -187,6 +187,16 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(shards, tmp_path):
     assert Store.open(str(store)).version == st.version
 
 
+def test_ranks_failing_alike_print_one_line(shards, tmp_path):
+    out = tmp_path / "run"
+    res = semoe("train", "--out", str(out), "--data", shards, *TINY, "--steps", "10", "--checkpoint-every", "2",
+                "--lr", "1e6", "--grad-clip", "0", "--warmup-steps", "1", "--nproc", "2", "-q", check=False)
+    assert res.returncode == 1, res.stderr
+    line = one_error_line(res)  # both ranks see the same loss: one line, naming the ranks that reported
+    assert re.match(r"semoe: error: ranks? [01](, 1)?: .*loss is", line), line
+    assert Store.open(str(out / "store")).verify() == []
+
+
 def test_corrupt_store_refuses_to_resume_and_names_the_tensor(run_copy):
     store = run_copy / "store"
     st = Store.open(str(store))
