@@ -19,15 +19,17 @@ puts dense, expert and router gradients on the same path as the single-rank trai
 The store: every rank shares RUN/store as in `Trainer`. Rank 0 holds the transaction; each rank
 writes its experts' chunk files into the staged version; at a checkpoint the other ranks' chunk
 entries and their stages' dense tensors are gathered to rank 0, which writes the dense tensors and
-commits. Pipeline runs do not resume: besides the model (and the experts' Adam moments) the store
-holds only `pipeline.json` (step, stages, schedule, per-expert Adam step counts), no dense
-optimizer state or RNG.
+commits. Besides the model and the experts' Adam moments, a checkpoint holds `pipeline.json`
+(step, stages, schedule, settings, per-expert Adam step counts) and `pipeline_optimizer.pt` (each
+stage's dense AdamW state and RNG state), so a run resumes with the same number of stages, bit
+for bit.
 
 Shape legend: B batch (of one micro-batch), T tokens, D hidden size, V vocabulary.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import logging
 import os
@@ -48,11 +50,13 @@ from semoe.model import MoEGPT, rope_cos_sin
 from semoe.train import Trainer, build_model, init_dense, run_rank
 from semoe.train_config import StepLog, TrainConfig, return_large_frees_to_the_os
 from storage.errors import BadInputError
+from storage.store import Store
 
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("gpipe", "1f1b")
 PIPELINE_FILE = "pipeline.json"
+PIPELINE_OPTIMIZER_FILE = "pipeline_optimizer.pt"
 
 
 @dataclass(kw_only=True)
@@ -210,7 +214,10 @@ class PipelineTrainer(Trainer):
 
     Reuses `Trainer`'s data, store transactions, checkpoint gathering and loop; replaces how the
     model is built (one stage), how expert states are made (the stage's MoE layers), the step
-    (a pipeline schedule) and what a checkpoint commits (every stage's dense tensors, no optimizer)."""
+    (a pipeline schedule) and what a checkpoint commits (every stage's dense tensors, optimizer
+    and RNG states)."""
+
+    RUN_FILE = PIPELINE_FILE
 
     def __init__(self, cfg: TrainConfig, model_config: MoEConfig | None = None,
                  pipeline: PipelineConfig | None = None, *,
@@ -228,12 +235,17 @@ class PipelineTrainer(Trainer):
         self.device = torch.device(cfg.device)
         self.writer = None
         self.version = None
-        if os.path.isfile(os.path.join(cfg.store, "manifest.json")):
-            raise BadInputError(f"{cfg.store}: pipeline runs do not resume; choose a new --out")
-        self.trainer_state = None
-        self.config = self._new_run_config(model_config)
+        resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
+        if resuming:
+            self.config, self.trainer_state = self._open_existing(model_config)
+        else:
+            self.trainer_state = None
+            self.config = self._new_run_config(model_config)
         check_pipeline(self.config, self.world, cfg, self.pipeline)
         self.stages = split_stages(self.config, self.world)
+        if resuming and self.trainer_state["stages"] != [[r.start, r.stop] for r in self.stages]:
+            raise BadInputError(f"{cfg.store}: the run was trained with --pipeline {len(self.trainer_state['stages'])}; "
+                                "resume it with that many stages")
         self.layers = self.stages[self.rank]
         self.first, self.last = self.rank == 0, self.rank == self.world - 1
         self.experts = range(self.config.num_experts)  # a stage owns every expert of its layers
@@ -243,14 +255,20 @@ class PipelineTrainer(Trainer):
         self.meter = RouterLossMeter()
         self._stage_dense: list = []  # at a checkpoint, on rank 0: every stage's dense tensors
 
-        def build() -> None:
+        def build() -> None:  # the optimizer too: checkpoint 0 of a new run saves its state
             self.model = self._build_stage(executor_factory)
             self.dense = [p for _, p in _dense_params(self.model)]
+            self.opt = torch.optim.AdamW(self.dense, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                         weight_decay=cfg.weight_decay, foreach=False)
 
-        self._start_fresh(build)
-        self.opt = torch.optim.AdamW(self.dense, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                     weight_decay=cfg.weight_decay, foreach=False)
+        if resuming:
+            build()
+        else:
+            self._start_fresh(build)
         self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        if resuming:
+            self._load_checkpoint()  # the stage's dense weights were loaded by build()
+            self.last_checkpoint = self.step
         self.schedule = self._make_schedule()
         self.executor = self.peers = None
         try:
@@ -262,9 +280,9 @@ class PipelineTrainer(Trainer):
                 from semoe.pipeline_memory import compact
 
                 compact(self, self.pipeline.stage_memory_bytes)
-        except BaseException:  # a pipeline run cannot resume: leave no store that blocks the next try
+        except BaseException:  # a new run: leave no store that blocks the next try; a resumed one keeps it
             self.abort()
-            if self.rank == 0:
+            if self.rank == 0 and not resuming:
                 shutil.rmtree(cfg.store, ignore_errors=True)
             raise
 
@@ -273,7 +291,9 @@ class PipelineTrainer(Trainer):
         trainer does it (one generator, in module order), so every stage starts from the same numbers;
         the stage keeps its part, the rest is dropped."""
         self.model = build_model(self.config, self.states, torch.device("cpu"), world=1).train()
-        if self.cfg.init_from is None:
+        if self.trainer_state is not None:  # resuming: the last checkpoint's weights
+            self._load_dense(Store.open(self.cfg.store), self.cfg.store)
+        elif self.cfg.init_from is None:
             init_dense(self.model, self.cfg.seed)
         else:
             self._load_dense(self.source, self.cfg.init_from)  # fills self.model
@@ -309,22 +329,37 @@ class PipelineTrainer(Trainer):
     def _make_states(self, layers: list[int] | None = None) -> ExpertStates:
         return super()._make_states([l for l in self.layers if self.config.is_moe_layer(l)])
 
+    def _load_dense(self, store: Store, source: str) -> None:
+        if isinstance(self.model, StageModule):  # the stage's weights are loaded while it is built
+            return
+        super()._load_dense(store, source)
+
+    def _saved_optimizer(self, store: Store) -> tuple[dict, torch.Tensor]:
+        blob = torch.load(io.BytesIO(store.read_file(PIPELINE_OPTIMIZER_FILE)), map_location=self.device,
+                          weights_only=False)
+        return blob["stages"][self.rank], blob["rng"][self.rank]
+
     # -- checkpoints --------------------------------------------------------------------------
     def checkpoint(self) -> int:
-        """Commit every stage's dense tensors and experts as one store version; returns it."""
+        """Commit every stage's dense tensors, optimizer and RNG states and experts as one store
+        version; returns it."""
         dense = [(hf_name(self.config, name), p.detach().cpu()) for name, p in _dense_params(self.model)]
-        self._stage_dense = self._gather(dense)
+        opt = _to_cpu(self.opt.state_dict())
+        self._stage_dense = self._gather((dense, opt, torch.get_rng_state()))
         try:
             return super().checkpoint()
         finally:
             self._stage_dense = []
 
     def _dense_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        return [t for stage_dense in self._stage_dense for t in stage_dense]
+        return [t for stage_dense, _, _ in self._stage_dense for t in stage_dense]
 
     def _run_files(self, adam_steps: list[list[int]]) -> dict[str, bytes]:
         train_cfg = {k: v for k, v in asdict(self.cfg).items() if k not in ("out", "log_json")}
-        return {PIPELINE_FILE: json.dumps({
+        buf = io.BytesIO()
+        torch.save({"stages": [opt for _, opt, _ in self._stage_dense],
+                    "rng": [rng for _, _, rng in self._stage_dense]}, buf)
+        return {PIPELINE_OPTIMIZER_FILE: buf.getvalue(), PIPELINE_FILE: json.dumps({
             "step": self.step, "stages": [[r.start, r.stop] for r in self.stages], "schedule": self.pipeline.schedule,
             "train_config": train_cfg, "adam_steps": adam_steps}, indent=1).encode()}
 
@@ -368,6 +403,17 @@ class PipelineTrainer(Trainer):
 
     def evaluate(self, batches: int = 4) -> float:
         raise NotImplementedError("evaluation is not run through the pipeline")
+
+
+def _to_cpu(obj: Any) -> Any:
+    """A state dict with every tensor on the CPU (to gather it to rank 0 and save it)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: _to_cpu(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_to_cpu(v) for v in obj)
+    return obj
 
 
 def run_pipeline_rank(cfg: TrainConfig, model_config: MoEConfig | None, pipeline: PipelineConfig, *,

@@ -195,11 +195,18 @@ class Trainer:
         return t.tolist()
 
     # -- setting up -------------------------------------------------------------------------
+    RUN_FILE = TRAINER_FILE  # the side file that makes a store a run of this trainer
+
     def _open_existing(self, model_config: MoEConfig | None) -> tuple[MoEConfig, dict]:
+        """The model config and run file of the run being resumed, after checking the store."""
         store = Store.open(self.cfg.store)
         m = store.manifest
-        if not m.has_file(TRAINER_FILE) or not m.has_file("config.json"):
-            raise TrainingError(f"{self.cfg.store}: a store without {TRAINER_FILE} is not a training run")
+        if not m.has_file(self.RUN_FILE) or not m.has_file("config.json"):
+            if m.has_file("pipeline.json") and self.RUN_FILE == TRAINER_FILE:
+                raise BadInputError(f"{self.cfg.store}: a pipeline run; resume it with --pipeline N")
+            if m.has_file(TRAINER_FILE):
+                raise BadInputError(f"{self.cfg.store}: not a pipeline run; resume it without --pipeline")
+            raise TrainingError(f"{self.cfg.store}: a store without {self.RUN_FILE} is not a training run")
         if self.rank == 0 and self.cfg.verify:
             problems = store.verify()
             if problems:
@@ -209,7 +216,7 @@ class Trainer:
         if model_config is not None and hf_config(model_config) != hf_config(config):
             raise BadInputError(f"{self.cfg.store}: the run's model config differs from the one given; "
                                 "drop the model flags to resume")
-        return config, json.loads(store.read_file(TRAINER_FILE))
+        return config, json.loads(store.read_file(self.RUN_FILE))
 
     def _make_states(self, layers: list[int] | None = None) -> ExpertStates:
         """The expert-state backend of this rank's experts of `layers` (default: every MoE layer);
@@ -313,13 +320,14 @@ class Trainer:
         st = self.trainer_state
         self.step = int(st["step"])
         self._load_dense(store, self.cfg.store)
-        blob = torch.load(io.BytesIO(store.read_file(OPTIMIZER_FILE)), map_location=self.device, weights_only=False)
-        self.opt.load_state_dict(blob["dense_optimizer"])
-        torch.set_rng_state(blob["rng"])
-        self.states.adam_steps = {(l, e): n for l, e, n in st["adam_steps"] if e in self.experts}
+        opt_state, rng = self._saved_optimizer(store)
+        self.opt.load_state_dict(opt_state)
+        torch.set_rng_state(rng)
+        self.states.adam_steps = {(l, e): n for l, e, n in st["adam_steps"]
+                                  if e in self.experts and l in self.states.layers}
         if isinstance(self.states, ResidentExpertStates):
             m = store.manifest
-            for layer in self.config.moe_layer_ids:
+            for layer in self.states.layers:
                 for e in self.experts:
                     kinds = {}
                     for kind in STATE_KINDS:
@@ -330,6 +338,11 @@ class Trainer:
                         raise TrainingError(f"{self.cfg.store}: expert {e} of layer {layer} is missing")
                     self.states.load((layer, e), kinds["weight"], kinds.get("adam_m"), kinds.get("adam_v"))
         self._open_version()
+
+    def _saved_optimizer(self, store: Store) -> tuple[dict, torch.Tensor]:
+        """(dense optimizer state, RNG state) of this rank in the last checkpoint."""
+        blob = torch.load(io.BytesIO(store.read_file(OPTIMIZER_FILE)), map_location=self.device, weights_only=False)
+        return blob["dense_optimizer"], blob["rng"]
 
     # -- checkpoints --------------------------------------------------------------------------
     def checkpoint(self) -> int:

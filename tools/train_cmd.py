@@ -137,9 +137,12 @@ def build_configs(args: argparse.Namespace):
                              "HuggingFace directory first)")
         train["init_from"] = args.init_from
     elif args.resume:
+        from semoe.pipeline import PIPELINE_FILE
+
         st = Store.open(store)
-        if st.manifest.has_file(TRAINER_FILE):
-            train = {**json.loads(st.read_file(TRAINER_FILE))["train_config"], **train}
+        run_file = PIPELINE_FILE if args.pipeline is not None else TRAINER_FILE
+        if st.manifest.has_file(run_file):
+            train = {**json.loads(st.read_file(run_file))["train_config"], **train}
         if any(getattr(args, f) is not None for f in _MODEL_FLAGS) or args.config:
             model_cfg = _model_config(args, file_cfg)
     else:
@@ -290,12 +293,18 @@ def _pipeline_config(args: argparse.Namespace):
     if args.nproc is not None and args.nproc > 1:
         raise UsageError("--pipeline and --nproc > 1 cannot be combined (expert parallelism and pipeline "
                          "parallelism are not used together): give one of them")
-    if args.resume:
-        raise UsageError("--resume is not supported with --pipeline: pipeline runs do not resume")
-    from semoe.pipeline import PipelineConfig
+    from semoe.pipeline import PIPELINE_FILE, PipelineConfig
 
+    schedule = args.schedule
+    store = os.path.join(args.out, "store")
+    if schedule is None and args.resume and os.path.isfile(os.path.join(store, "manifest.json")):
+        from storage.store import Store
+
+        st = Store.open(store)
+        if st.manifest.has_file(PIPELINE_FILE):  # a resumed run keeps its schedule unless told otherwise
+            schedule = json.loads(st.read_file(PIPELINE_FILE))["schedule"]
     stage_memory = parse_size(args.stage_memory, flag="--stage-memory") if args.stage_memory else None
-    return PipelineConfig(schedule=args.schedule or "1f1b", stage_memory_bytes=stage_memory)
+    return PipelineConfig(schedule=schedule or "1f1b", stage_memory_bytes=stage_memory)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -306,7 +315,8 @@ def run(args: argparse.Namespace) -> int:
         from semoe.pipeline import check_pipeline
         from storage.store import Store
 
-        model = model_cfg or config_from_json(json.loads(Store.open(args.init_from).read_file("config.json")))
+        source = args.init_from or cfg.store  # a new run from a store, or the run being resumed
+        model = model_cfg or config_from_json(json.loads(Store.open(source).read_file("config.json")))
         check_pipeline(model, args.pipeline, cfg, pipeline)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")

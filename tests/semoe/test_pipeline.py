@@ -25,6 +25,7 @@ from semoe.pipeline import PipelineConfig, PipelineTrainer, RouterLossMeter, Sta
 from semoe.train import Trainer, init_dense
 from semoe.train_config import TrainConfig
 from storage.errors import BadInputError
+from storage.store import Store
 from tests.semoe.test_train import SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors, text_file  # noqa: F401
 
 SHAPE4 = {**SHAPE, "num_layers": 4}
@@ -219,9 +220,67 @@ def test_two_stages_match_one_rank(tmp_path, text_file, single_rank, schedule, M
     assert len(gen["tokens"]) == 8 and gen["tokens"] == want["tokens"]
 
 
+def _pipeline_step(store) -> int:
+    try:
+        return json.loads(Store.open(str(store)).read_file("pipeline.json"))["step"]
+    except Exception:  # not created yet
+        return -1
+
+
+def _optimizer_states(store) -> dict:
+    import io
+
+    return torch.load(io.BytesIO(Store.open(str(store)).read_file("pipeline_optimizer.pt")), weights_only=False)
+
+
+@pytest.mark.parametrize("states", ["ssd", "device"])
+def test_sigkill_then_resume_a_pipeline_run_is_bit_exact(tmp_path, text_file, states):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.semoe.test_train import ROOT
+
+    common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "12",
+              "--checkpoint-every", "2", "--lr", "3e-3", "-q", "--pipeline", "2", "--schedule", "gpipe",
+              "--micro-batches", "2", "--expert-states", states]
+    straight = tmp_path / "straight"
+    cli(*common, "--out", str(straight))
+    killed = tmp_path / "killed"
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *common, "--out", str(killed)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + 240
+    while _pipeline_step(killed / "store") < 4 and time.time() < deadline and proc.poll() is None:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both stages
+    proc.wait()
+    stopped_at = _pipeline_step(killed / "store")
+    assert 4 <= stopped_at < 12, f"the run was not killed mid-way (checkpoint at step {stopped_at})"
+    assert Store.open(str(killed / "store")).verify() == []
+    cli("train", "--out", str(killed), "--resume", "--pipeline", "2", "-q")  # the run's own settings
+    assert _pipeline_step(killed / "store") == 12
+    a, b = store_tensors(str(straight / "store")), store_tensors(str(killed / "store"))
+    assert a.keys() == b.keys() and any(k[1] == "adam_v" for k in a)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    oa, ob = _optimizer_states(straight / "store"), _optimizer_states(killed / "store")
+    for sa, sb in zip(oa["stages"], ob["stages"]):
+        for i, s in sa["state"].items():
+            for name in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(s[name], sb["state"][i][name]), (i, name)
+    # resuming with another number of stages, or without --pipeline, is refused in one line
+    for flags, message in ((["--pipeline", "3"], "trained with --pipeline 2"),
+                           ([], "a pipeline run; resume it with --pipeline N")):
+        p = cli("train", "--out", str(killed), "--resume", "--steps", "14", *flags, check=False)
+        assert p.returncode == 2 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert _pipeline_step(killed / "store") == 12
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--pipeline", "2", "--nproc", "2"], "--pipeline and --nproc > 1 cannot be combined"),
-    (["--pipeline", "2", "--resume"], "--resume is not supported with --pipeline"),
+    (["--pipeline", "2", "--resume"], r"--resume: .* has no checkpoint to resume from"),
     (["--schedule", "gpipe"], "--schedule and --stage-memory apply to pipeline runs only"),
     (["--pipeline", "5"], r"--pipeline must be in 1\.\.4"),
     (["--pipeline", "2", "--micro-batches", "1"], "--schedule 1f1b needs --micro-batches >= the 2 stages, got 1"),
