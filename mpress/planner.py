@@ -315,9 +315,10 @@ def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], m
         if st.static_bytes > budgets[d]:
             return PlanResult(plan=c.to_plan(), sim=dataclasses.replace(base, budget_bytes=list(budgets)),
                               fits=False, planning_s=time.perf_counter() - t0,
-                              reason=f"device {d} (stage {s}): parameters and optimizer states alone take "
-                                     f"{st.static_bytes} bytes, {st.static_bytes - budgets[d]} over its "
-                                     f"budget of {budgets[d]} bytes")
+                              reason=f"device {d} (stage {s}): parameters and optimizer states"
+                                     f"{' (with the embedding or head and their activations)' if st.fixed_bytes else ''}"
+                                     f" alone take {st.static_bytes} bytes, {st.static_bytes - budgets[d]} over "
+                                     f"its budget of {budgets[d]} bytes")
     c.build_queues(idle_times(profile, base))
     sim = c.fit(base)
     if not sim.overflow(budgets):

@@ -49,11 +49,15 @@ class StageProfile:
 
     stage: int
     layers: list[LayerProfile]
+    # memory of the stage outside its planned layers, counted as held all step: the embedding's or
+    # the LM head's parameters, gradients and optimizer states, and what their backward keeps for
+    # every micro-batch in flight (the logits of the loss, the inputs of the head)
+    fixed_bytes: int = 0
 
     @property
     def static_bytes(self) -> int:
-        """Parameters, gradients and optimizer states: held all step long."""
-        return sum(layer.param_bytes for layer in self.layers)
+        """Parameters, gradients and optimizer states, and the fixed part: held all step long."""
+        return self.fixed_bytes + sum(layer.param_bytes for layer in self.layers)
 
     @property
     def forward_s(self) -> float:

@@ -6,7 +6,9 @@ and run each stage's blocks under the plan.
      and backward time, parameter bytes), and throws away the expert gradients that pass produced;
   2. rank 0 gathers the stage profiles, measures the machine (a CPU topology here, NVML on GPUs),
      plans with mpress.planner for `stage_memory_bytes` per stage (parameters, gradients and dense
-     optimizer states of the blocks plus their saved activations) and sends the plan to every rank;
+     optimizer states of the blocks plus their saved activations, and the fixed part outside the
+     blocks: the embedding or head with their states, and the logits the loss keeps) and sends the
+     plan to every rank;
   3. each rank wraps its blocks in an mpress Executor holding the activations to the budget left
      after its static bytes, with peer memory for D2D swap when the plan uses it, and starts the
      swap-ins of a stage's swapped layers as the stage's backward begins.
@@ -62,7 +64,32 @@ def profile_stage(trainer: "PipelineTrainer", repeats: int = 2) -> Any:
     for lp, (k, _) in zip(profiled, blocks):
         lp.index, lp.name = int(k), f"layer{k}"
     trainer.states.discard_grads()  # profiling must not train the experts
-    return StageProfile(stage=trainer.rank, layers=profiled)
+    return StageProfile(stage=trainer.rank, layers=profiled, fixed_bytes=_fixed_bytes(trainer, x_BTD.detach()))
+
+
+def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:
+    """What the stage holds outside its blocks: the embedding's (first stage) or the final norm's
+    and LM head's (last stage) parameters, gradients and two AdamW moments, plus, on the last
+    stage, the tensors the head and the loss keep for backward, once per micro-batch in flight
+    (all of them under GPipe; under 1F1B the last stage finishes each before the next)."""
+    stage, cfg = trainer.model, trainer.cfg
+    params = [p for m in (stage.embed, stage.norm, stage.lm_head) if m is not None for p in m.parameters()]
+    fixed = 4 * sum(p.numel() * p.element_size() for p in params)  # weight, grad, exp_avg, exp_avg_sq
+    if stage.last:
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            storage = t.untyped_storage()
+            seen[storage.data_ptr()] = storage.nbytes()
+            return t
+
+        tgt = torch.zeros(x_BTD.shape[:2], dtype=torch.long, device=x_BTD.device)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            logits = stage.lm_head(stage.norm(x_BTD.requires_grad_()))
+            trainer._loss(logits, tgt)
+        in_flight = cfg.micro_batches if trainer.pipeline.schedule == "gpipe" else 1
+        fixed += in_flight * sum(seen.values())
+    return fixed
 
 
 def _topology(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:

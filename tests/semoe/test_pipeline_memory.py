@@ -66,7 +66,7 @@ def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
               "--pipeline", "2", "--micro-batches", "4", "--schedule", "gpipe", "-q"]
     cli(*common, "--out", str(tmp_path / "free"), "--log-json", str(tmp_path / "free.log"))
     p = cli("-v", *common, "--out", str(tmp_path / "tight"), "--log-json", str(tmp_path / "tight.log"),
-            "--stage-memory", "700KiB")
+            "--stage-memory", "1700KiB")  # the head's logits of 4 micro-batches take most of the last stage's
     assert "plan ['recompute']" in p.stderr or "plan ['host'" in p.stderr or "plan ['d2d'" in p.stderr, p.stderr
     free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
     assert free == tight and tight[-1] < tight[0] - 0.3
@@ -87,3 +87,36 @@ def test_a_budget_no_plan_fits_is_one_line_and_leaves_no_store(tmp_path, text_fi
 def test_stage_memory_needs_a_pipeline(tmp_path, text_file, flags):
     p = cli("train", *FLAGS4, "--data", text_file, *flags, "--out", str(tmp_path / "r"), check=False)
     assert p.returncode == 2 and "--stage-memory" in p.stderr
+
+
+@pytest.mark.parametrize("schedule, in_flight", [("gpipe", 4), ("1f1b", 1)])
+def test_the_budget_counts_the_embedding_and_the_head(schedule, in_flight):
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    from semoe.model import MoEGPT
+    from semoe.pipeline import StageModule
+    from semoe.pipeline_memory import _fixed_bytes
+    from semoe.train_config import TrainConfig
+
+    config = named_config("gpt-moe-small", **SHAPE4)
+    model = MoEGPT(config)
+    cfg = TrainConfig(out="unused", data="unused", batch_size=8, seq_len=32, micro_batches=4)
+    B, T, V = 2, 32, config.vocab_size
+    x = torch.randn(B, T, config.hidden_size)
+
+    def trainer(first: bool, last: bool):
+        stage = StageModule(model, range(0, 2) if first else range(2, 4), first=first, last=last)
+        loss = lambda logits, tgt: F.cross_entropy(logits.reshape(-1, V).float(), tgt.reshape(-1)) / 4  # noqa: E731
+        return types.SimpleNamespace(model=stage, cfg=cfg, pipeline=types.SimpleNamespace(schedule=schedule),
+                                     _loss=loss)
+
+    embed = model.embed.weight
+    assert _fixed_bytes(trainer(True, False), x) == 4 * embed.numel() * 4  # weight, grad and two moments
+    head = sum(p.numel() * 4 for p in (*model.norm.parameters(), *model.lm_head.parameters()))
+    last = _fixed_bytes(trainer(False, True), x)
+    logits = B * T * V * 4  # the loss keeps log-softmax of the logits, as large as the logits
+    assert last >= 4 * head + in_flight * logits
+    assert last <= 4 * head + in_flight * (3 * logits + 2 * B * T * config.hidden_size * 4)
