@@ -131,8 +131,7 @@ class Trainer:
         self.states.grad_scale = 1.0 / self.world
         self.model = build_model(self.config, self.states, self.device, self.world).train()
         self.dense = [p for _, p in _dense_params(self.model)]
-        self.opt = torch.optim.AdamW(self.dense, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                     weight_decay=cfg.weight_decay, foreach=False)
+        self.opt = self._dense_optimizer()
         self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.reducer = (GradBucketReducer(self.dense) if self.world > 1 and cfg.micro_batches == 1 else None)
         if resuming:
@@ -141,6 +140,18 @@ class Trainer:
         else:
             self._start_fresh(lambda: init_dense(self.model, cfg.seed) if cfg.init_from is None else
                               self._load_dense(self.source, cfg.init_from))
+
+    def _dense_optimizer(self) -> torch.optim.Optimizer:
+        """AdamW over the dense parameters; with several ranks and `dense_optimizer=sharded`, torch's
+        ZeroRedundancyOptimizer: each rank steps (and keeps the moments of) its share of the
+        parameters and broadcasts the result, which gives the replicated optimizer's numbers."""
+        cfg = self.cfg
+        kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
+        if self.world > 1 and cfg.dense_optimizer == "sharded":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+
+            return ZeroRedundancyOptimizer(self.dense, optimizer_class=torch.optim.AdamW, **kw)
+        return torch.optim.AdamW(self.dense, **kw)
 
     def _start_fresh(self, init_dense_states: Callable[[], None]) -> None:
         """A new run: initialise, commit checkpoint 0, open the next version. On failure nothing was
@@ -348,6 +359,8 @@ class Trainer:
     def checkpoint(self) -> int:
         """Commit the model, optimizers and position as one store version; returns it."""
         self.states.wait_idle()
+        if hasattr(self.opt, "consolidate_state_dict"):  # sharded: rank 0 collects every rank's moments
+            self.opt.consolidate_state_dict(to=0)
         fmt = ChunkFormat(self.config)
         if isinstance(self.states, ResidentExpertStates):
             written = ([], [])

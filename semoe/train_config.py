@@ -49,6 +49,9 @@ class TrainConfig:
     checkpoint_every: int = 50
     log_json: str | None = None
     read_mode: str = "direct"
+    # with several ranks, each keeps the AdamW moments of its share of the dense parameters only
+    # (ZeRO stage 1) and sends its updated share to the others; replicated: every rank keeps all
+    dense_optimizer: str = "sharded"
     verify: bool = True  # check every checksum of the store before resuming
     init_from: str | None = None  # a model store (imported or trained) to start from instead of random weights
 
@@ -63,6 +66,8 @@ class TrainConfig:
             raise BadInputError(f"--lr must be > 0, got {self.lr}")
         if self.grad_clip < 0:
             raise BadInputError(f"--grad-clip must be >= 0, got {self.grad_clip}")
+        if self.dense_optimizer not in ("sharded", "replicated"):
+            raise BadInputError(f"--dense-optimizer must be sharded or replicated, got {self.dense_optimizer!r}")
         self.betas = tuple(self.betas)
 
     @property

@@ -15,7 +15,8 @@ from tools.sizes import parse_size
 
 # TrainConfig fields settable by flag (flag default None: "not given", so a resumed run keeps its own)
 _TRAIN_FLAGS = ("data", "steps", "seed", "batch_size", "seq_len", "micro_batches", "lr", "warmup_steps",
-                "weight_decay", "grad_clip", "expert_states", "device", "checkpoint_every", "read_mode")
+                "weight_decay", "grad_clip", "expert_states", "device", "checkpoint_every", "read_mode",
+                "dense_optimizer")
 _MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
                 "ffn": "ffn_size", "expert_ffn": "moe_ffn_size", "experts": "num_experts", "top_k": "top_k",
                 "capacity_factor": "capacity_factor"}
@@ -74,6 +75,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--grad-memory", metavar="SIZE", default=None,
                    help="ssd: host memory for expert gradients during a step, bytes or a percentage of the "
                         "rank's expert-state bytes; the rest spill to OUT/spill [same as --cpu-cache]")
+    s.add_argument("--dense-optimizer", choices=("sharded", "replicated"), default=None,
+                   help="with --nproc > 1: each rank keeps the AdamW moments of its share of the dense "
+                        "parameters (ZeRO stage 1, the same numbers) or of all of them [sharded]")
     s.add_argument("--device", default=None, help="cpu, cuda or cuda:N [cpu]")
     s.add_argument("--read-mode", choices=("direct", "drop", "cached"), default=None,
                    help="how expert reads treat the page cache (direct: bypass it) [direct]")

@@ -213,6 +213,31 @@ def test_two_ranks_match_one_rank_and_loss_falls(tmp_path, text_file):
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
+def test_sharded_dense_optimizer_gives_the_replicated_numbers(tmp_path, text_file):
+    """ZeRO stage 1 over 2 ranks: each rank keeps half of the dense AdamW moments, and the run's
+    losses, store and saved optimizer are those of the replicated optimizer, bit for bit; the
+    consolidated optimizer state resumes."""
+    common = ["train", *SHAPE_FLAGS, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "6",
+              "--checkpoint-every", "3", "--lr", "3e-3", "-q", "--nproc", "2"]
+    for mode in ("sharded", "replicated"):
+        cli(*common, "--out", str(tmp_path / mode), "--dense-optimizer", mode, "--log-json", str(tmp_path / mode) + ".log")
+    assert log_losses(str(tmp_path / "sharded.log")) == log_losses(str(tmp_path / "replicated.log"))
+    a, b = store_tensors(str(tmp_path / "sharded" / "store")), store_tensors(str(tmp_path / "replicated" / "store"))
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    oa, ob = optimizer_state(str(tmp_path / "sharded" / "store")), optimizer_state(str(tmp_path / "replicated" / "store"))
+    assert oa["state"].keys() == ob["state"].keys() and len(oa["state"]) > 0
+    for i, st in oa["state"].items():
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(st[name], ob["state"][i][name]), (i, name)
+    for mode in ("sharded", "replicated"):  # both continue from the checkpoint to the same numbers
+        cli("train", "--out", str(tmp_path / mode), "--resume", "--steps", "9", "--nproc", "2", "-q")
+    a, b = store_tensors(str(tmp_path / "sharded" / "store")), store_tensors(str(tmp_path / "replicated" / "store"))
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
 def _trainer_step(store: str) -> int:
     try:
         return json.loads(Store.open(store).read_file("trainer.json"))["step"]
