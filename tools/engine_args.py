@@ -27,7 +27,7 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     """The offload budget flags; any of them keeps the experts in the store."""
     g = p.add_argument_group("offload budgets",
                              "Sizes are bytes with a unit (512MiB, 2GiB) or a percentage of the model's expert "
-                             "bytes (25%%). Any of these flags offloads the experts: SSD -> CPU cache -> device.")
+                             "bytes (25%). Any of these flags offloads the experts: SSD -> CPU cache -> device.")
     g.add_argument("--cpu-cache", metavar="SIZE", help="CPU cache for expert weights")
     g.add_argument("--device-memory", metavar="SIZE", help="device memory for the expert ring (sets its slots)")
     g.add_argument("--ring-slots", type=int, metavar="K", help="expert slots in the device ring")
