@@ -13,7 +13,7 @@ typically the few pinned experts of the current and next layer):
     lfu         O(log n) amort.  O((p + 1) log n) amortised
     lfu-aging   as lfu, plus an O(n) halving every `aging_interval` references
     belady      O(log n) amort.  O((p + 1) log n) amortised; O(len(future)) to build
-    next-use    O(1) amortised   O(candidates)
+    next-use    O(log n) amort.  O(layers x (p + 1) log n) amortised
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import bisect
 import heapq
 import logging
+import math
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -270,21 +271,26 @@ class NextUsePolicy(EvictionPolicy):
     Keys are tuples whose first item is the layer, e.g. (layer, expert) or (layer, expert, kind);
     other keys all count as layer 0. A visit of a layer starts with an access naming a layer other
     than the previous access's.
+
+    Within a layer every key ages by the same factor per visit, so their order by p changes only
+    when one is used: each layer keeps its cached keys in a heap ordered by p (as a logarithm
+    relative to a fixed visit, which never overflows), and `victim` compares the least used
+    candidate of each layer: O(layers x log n), not a scan of the whole cache.
     """
 
     name = "next-use"
 
-    def __init__(self, *, decay: float = 0.8, min_rate: float = 1e-3) -> None:
+    def __init__(self, *, decay: float = 0.8) -> None:
         if not 0 < decay < 1:
             raise ValueError(f"decay must be in (0, 1), got {decay!r}")
         self._decay = decay
-        self._min_rate = min_rate
+        self._log_decay = math.log(decay)
         self._layers: list[Any] = []  # distinct layers seen, sorted
         self._position: dict[Any, int] = {}  # layer -> index in _layers
         self._current: Any = None
         self._visits: dict[Any, int] = {}  # layer -> visits so far
         self._uses: dict[Key, tuple[float, int]] = {}  # key -> (decayed uses, visit count they date from)
-        self._tracked: dict[Key, int] = {}  # cached keys -> tick of last use
+        self._heaps: dict[Any, _LazyMinHeap] = {}  # layer -> its cached keys by (log uses at visit 0, tick)
         self._tick = 0
 
     @staticmethod
@@ -296,6 +302,7 @@ class NextUsePolicy(EvictionPolicy):
             bisect.insort(self._layers, layer)
             self._position = {lay: i for i, lay in enumerate(self._layers)}
             self._visits.setdefault(layer, 0)
+            self._heaps[layer] = _LazyMinHeap()
 
     def _uses_now(self, key: Key, layer: Any) -> float:
         uses, since = self._uses.get(key, (0.0, 0))
@@ -307,7 +314,7 @@ class NextUsePolicy(EvictionPolicy):
         if layer not in self._position or not self._visits[layer]:
             return 0.0
         visits = (1 - self._decay ** self._visits[layer]) / (1 - self._decay)  # sum of decay**k
-        return min(self._uses_now(key, layer) / visits, 1.0)
+        return self._uses_now(key, layer) / visits
 
     def on_access(self, key: Key) -> None:
         layer = self._layer(key)
@@ -315,12 +322,17 @@ class NextUsePolicy(EvictionPolicy):
         if layer != self._current:
             self._current = layer
             self._visits[layer] += 1
-        self._uses[key] = (self._uses_now(key, layer) + 1.0, self._visits[layer])
+        uses = self._uses_now(key, layer) + 1.0
+        since = self._visits[layer]
+        self._uses[key] = (uses, since)
         self._tick += 1
-        self._tracked[key] = self._tick
+        # uses * decay**(v - since) for every later v: order by log(uses) - since * log(decay)
+        self._heaps[layer].set(key, (math.log(uses) - since * self._log_decay, self._tick))
 
     def on_remove(self, key: Key) -> None:
-        self._tracked.pop(key, None)  # the use history stays
+        heap = self._heaps.get(self._layer(key))
+        if heap is not None:
+            heap.discard(key)  # the use history stays
 
     def expected_distance(self, key: Key) -> float:
         """Layer visits until `key` is expected to be used again."""
@@ -328,17 +340,18 @@ class NextUsePolicy(EvictionPolicy):
         n = len(self._layers)
         here = self._position.get(self._current, 0)
         d = (self._position.get(layer, 0) - here) % n if n else 0
-        p = max(self.rate(key), self._min_rate)
+        p = max(self.rate(key), 1e-12)
         return (d or n) + n * (1 - p) / p
 
     def victim(self, candidates: Iterable[Key]) -> Key:
         pool = _check_candidates(candidates)
         best, best_rank = None, None
-        for key in pool:
-            tick = self._tracked.get(key)
-            if tick is None:
+        for layer, heap in self._heaps.items():
+            try:
+                key = heap.min_among(pool)  # the layer's least used candidate (least recent on ties)
+            except ValueError:
                 continue
-            rank = (self.expected_distance(key), -tick)
+            rank = (self.expected_distance(key), -heap.get(key)[1])
             if best_rank is None or rank > best_rank:
                 best, best_rank = key, rank
         if best is None:

@@ -215,3 +215,30 @@ def test_next_use_keeps_history_after_eviction_and_breaks_ties_by_recency():
     assert policy.victim({(0, 0), (0, 1)}) == (0, 1)  # same distance and rate: the less recent goes
     with pytest.raises(ValueError, match="decay"):
         NextUsePolicy(decay=1.0)
+
+
+def test_next_use_victim_equals_a_scan_of_every_candidate():
+    """The per-layer heaps pick what scoring every candidate would: the largest expected distance,
+    the least recently used on ties."""
+    import random
+
+    rng = random.Random(3)
+    policy = NextUsePolicy()
+    last: dict = {}
+    cached: set = set()
+    tick = 0
+    for token in range(60):
+        for layer in range(6):
+            for e in rng.sample(range(12), 2) + ([rng.randrange(12)] if rng.random() < 0.2 else []):
+                key = (layer, e)
+                policy.on_access(key)
+                tick += 1
+                last[key] = tick
+                cached.add(key)
+            if len(cached) > 20:
+                pool = {k for k in cached if rng.random() < 0.8 and k[0] != layer} or set(cached)
+                want = max(pool, key=lambda k: (policy.expected_distance(k), -last[k]))
+                got = policy.victim(pool)
+                assert got == want, (token, layer)
+                policy.on_remove(got)
+                cached.discard(got)
