@@ -258,8 +258,7 @@ class PipelineTrainer(Trainer):
         def build() -> None:  # the optimizer too: checkpoint 0 of a new run saves its state
             self.model = self._build_stage(executor_factory)
             self.dense = [p for _, p in _dense_params(self.model)]
-            self.opt = torch.optim.AdamW(self.dense, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                                         weight_decay=cfg.weight_decay, foreach=False)
+            self.opt = self._dense_optimizer(shardable=False)  # each stage has parameters of its own
 
         if resuming:
             build()

@@ -141,13 +141,14 @@ class Trainer:
             self._start_fresh(lambda: init_dense(self.model, cfg.seed) if cfg.init_from is None else
                               self._load_dense(self.source, cfg.init_from))
 
-    def _dense_optimizer(self) -> torch.optim.Optimizer:
-        """AdamW over the dense parameters; with several ranks and `dense_optimizer=sharded`, torch's
-        ZeroRedundancyOptimizer: each rank steps (and keeps the moments of) its share of the
-        parameters and broadcasts the result, which gives the replicated optimizer's numbers."""
+    def _dense_optimizer(self, *, shardable: bool = True) -> torch.optim.Optimizer:
+        """AdamW over the dense parameters; with several ranks holding the same parameters
+        (`shardable`) and `dense_optimizer=sharded`, torch's ZeroRedundancyOptimizer: each rank
+        steps (and keeps the moments of) its share and broadcasts the result, which gives the
+        replicated optimizer's numbers."""
         cfg = self.cfg
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
-        if self.world > 1 and cfg.dense_optimizer == "sharded":
+        if shardable and self.world > 1 and cfg.dense_optimizer == "sharded":
             from torch.distributed.optim import ZeroRedundancyOptimizer
 
             return ZeroRedundancyOptimizer(self.dense, optimizer_class=torch.optim.AdamW, **kw)
