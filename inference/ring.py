@@ -51,6 +51,7 @@ class Slot:
     state: SlotState = SlotState.LOADING
     pins: int = 0  # users right now (the layer computing with it)
     prefetched: bool = False  # brought in by a prediction, not yet used
+    counted: bool = False  # the CPU cache saw the next use already (a demand `get` filled the slot)
     weights: ExpertWeights | None = None
     host: object | None = None  # the CPU-cache handle the slot holds (in place) or copies from
     error: BaseException | None = None
@@ -203,6 +204,7 @@ class OffloadedExperts:
         try:
             # a fill that may wait is for the current layer; the others are predictions
             host = self.tier.get(key[0], key[1], speculative=not wait)
+            slot.counted = wait
             slot.weights, copied = self._place(host, slot)
             if copied:
                 host.release()
@@ -288,8 +290,9 @@ class OffloadedExperts:
                 e = min(ready)
                 slot = self._slots[(layer, e)]
                 slot.pins += 1
-                self.tier.promote(layer, e)  # a speculative read turned out right: keep it as used
-                slot.prefetched = False
+                if not slot.counted:  # a ring hit or a right guess: the CPU cache's policy must see the use
+                    self.tier.record_use(layer, e)
+                slot.counted = slot.prefetched = False
                 self._needed.discard((layer, e))
                 self._clock += 1
                 slot.last_use = self._clock

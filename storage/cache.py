@@ -215,7 +215,7 @@ class ExpertCache:
     def lookup_or_reserve(self, key: Key, nbytes: int, *, probation: bool = False) -> tuple[CacheEntry, bool]:
         """Atomic lookup(pin=True), else reserve(); returns (pinned entry, caller must load it).
 
-        `probation=True` marks a new entry speculative: until a lookup uses it (or `promote`), it
+        `probation=True` marks a new entry speculative: until a lookup uses it (or `record_use`), it
         is evicted before every entry the policy ranks.
         """
         with self._cond:
@@ -227,24 +227,30 @@ class ExpertCache:
                     self._touch_locked(entry, pin=True)
                 return entry, False
             self._stats.misses += 1
-            entry, evicted = self._reserve_locked(key, nbytes, probation)
+            entry, evicted = self._reserve_locked(key, nbytes, probation, use=not probation)
         self._notify_evicted(evicted)
         return entry, True
 
-    def promote(self, key: Key) -> None:
-        """A speculative entry was used after all: rank it like any other (counts no hit)."""
+    def record_use(self, key: Key) -> None:
+        """A use of a cached entry that no lookup saw: an upper tier (a device ring) still held it,
+        or a speculative read turned out right. The policy ranks it as used and it leaves
+        probation; no hit is counted. Unknown keys are ignored (the entry may be gone already)."""
         with self._cond:
-            if self._probation.pop(key, "absent") is None:
+            if key in self._entries:
+                self._probation.pop(key, None)
                 self._policy.on_access(key)
 
-    def reserve(self, key: Key, nbytes: int, *, probation: bool = False) -> CacheEntry:
+    def reserve(self, key: Key, nbytes: int, *, probation: bool = False, use: bool = False) -> CacheEntry:
         """Create a LOADING entry for `key`, pinned once for the caller; evicts by policy for room.
+
+        A reservation reads ahead of use (a prefetch) unless `use` says it is for a use now (a
+        miss being served): the policy then counts the insertion as that use.
 
         Raises ValueError if `key` is already cached or `nbytes` exceeds the whole capacity, and
         CacheFullError if pinned and loading entries leave no room (nothing is evicted then).
         """
         with self._cond:
-            entry, evicted = self._reserve_locked(key, nbytes, probation)
+            entry, evicted = self._reserve_locked(key, nbytes, probation, use=use)
         self._notify_evicted(evicted)
         return entry
 
@@ -361,7 +367,7 @@ class ExpertCache:
         if pin:
             self._pin_locked(entry)
 
-    def _reserve_locked(self, key: Key, nbytes: int, probation: bool = False
+    def _reserve_locked(self, key: Key, nbytes: int, probation: bool = False, use: bool = False
                         ) -> tuple[CacheEntry, list[tuple[Key, Any]]]:
         _require_positive_int("nbytes", nbytes)
         existing = self._entries.get(key)
@@ -376,7 +382,10 @@ class ExpertCache:
         entry = CacheEntry(key=key, nbytes=nbytes, pin_count=1)
         self._entries[key] = entry
         self._used_bytes += nbytes
-        self._policy.on_insert(key)
+        if use:  # a miss: the entry is read for a use
+            self._policy.on_insert(key)
+        else:  # read ahead of any use; `lookup`, `lookup_or_reserve` or `record_use` report the use
+            self._policy.on_admit(key)
         if probation:
             self._probation[key] = None
         return entry, evicted

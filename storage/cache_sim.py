@@ -106,7 +106,7 @@ def _replay_record(cache: ExpertCache, keys: list[tuple[int, int]]) -> None:
             cache.pin(key)
     for key in keys:
         if cache.lookup(key) is None:
-            cache.reserve(key, 1)  # pinned by reserve, like the residents above
+            cache.reserve(key, 1, use=True)  # a miss served; pinned by reserve, like the residents above
             cache.complete(key, None)
     for key in keys:
         cache.unpin(key)

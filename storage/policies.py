@@ -56,6 +56,11 @@ class EvictionPolicy(ABC):
         """Record that `key` entered the cache; by default an insertion counts as a use."""
         self.on_access(key)
 
+    def on_admit(self, key: Key) -> None:
+        """Record that `key` entered the cache read ahead of any use (a prefetch or a guess); its
+        use, if it comes, is reported by `on_access`. By default this is an insertion."""
+        self.on_insert(key)
+
     @abstractmethod
     def on_access(self, key: Key) -> None:
         """Record a use (a cache hit) of `key`."""
@@ -328,6 +333,16 @@ class NextUsePolicy(EvictionPolicy):
         self._tick += 1
         # uses * decay**(v - since) for every later v: order by log(uses) - since * log(decay)
         self._heaps[layer].set(key, (math.log(uses) - since * self._log_decay, self._tick))
+
+    def on_admit(self, key: Key) -> None:
+        """Track a key read ahead, ranked by its use history alone: a read-ahead is not a use,
+        and must not start a visit of its layer (it is read while another layer runs)."""
+        layer = self._layer(key)
+        self._see_layer(layer)
+        uses, since = self._uses.get(key, (0.0, self._visits[layer]))
+        self._tick += 1
+        rank = math.log(uses) - since * self._log_decay if uses > 0 else -math.inf
+        self._heaps[layer].set(key, (rank, self._tick))
 
     def on_remove(self, key: Key) -> None:
         heap = self._heaps.get(self._layer(key))

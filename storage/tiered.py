@@ -245,7 +245,7 @@ class TieredExpertStore:
         """The expert's tensors, pinned: from the cache, from a read in flight, or read now.
 
         `speculative`: a guess, not a use; a new entry is evicted first unless it is used later
-        (`promote`)."""
+        (`record_use`)."""
         key = (layer, expert, kind)
         nbytes = self.store.manifest.chunk(*key).bytes
         while True:
@@ -265,9 +265,10 @@ class TieredExpertStore:
     def _payload(self, key: Key) -> ExpertPayload:
         return self.cache.wait_ready(key).payload
 
-    def promote(self, layer: int, expert: int, kind: str = "weight") -> None:
-        """A speculatively read expert is being used: keep it like any other."""
-        self.cache.promote((layer, expert, kind))
+    def record_use(self, layer: int, expert: int, kind: str = "weight") -> None:
+        """The expert is used without a `get`: it was held above this tier, or read as a guess that
+        turned out right. The cache's policy must see every use, or it evicts what is in use."""
+        self.cache.record_use((layer, expert, kind))
 
     def prefetch(self, keys: Iterable[tuple[int, int]] | Iterable[Key], *, priority: float = 0.0,
                  kind: str = "weight", speculative: bool = False) -> int:

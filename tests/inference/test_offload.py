@@ -146,3 +146,25 @@ def test_preload_fills_the_cache_up_to_its_budget(model_store):
         assert res.tokens == want.tokens and res.stats["ssd_bytes_per_token"] == 0
     finally:
         engine.close()
+
+
+@pytest.mark.parametrize("threshold", [2.0, 0.0], ids=["no-guesses", "guesses"])
+def test_cache_policy_sees_every_use_once(model_store, threshold):
+    """Uses served from a ring slot (kept across tokens, or filled by a right guess) never pass a
+    CPU-cache lookup; the cache's policy must still count them, or it ranks the experts in use as
+    unused and evicts them. A use counted twice would skew it the other way."""
+    arch, store, expert_bytes, biggest, want = model_store
+    engine = Engine.load(store.root, EngineConfig(cpu_cache_bytes=expert_bytes // 4, preload=False,
+                                                  speculate_min_precision=threshold))
+    try:
+        policy = engine.offload.tier.cache.policy
+        seen = []
+        original = policy.on_access
+        policy.on_access = lambda key: (seen.append(key[:2]), original(key))[1]
+        res = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+        assert res.tokens == want.tokens
+        counters = engine.offload.counters
+        assert counters.ring_hits > 0  # the case this is about happened
+        assert len(seen) == counters.uses
+    finally:
+        engine.close()

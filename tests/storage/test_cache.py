@@ -455,7 +455,7 @@ def test_threads_smoke():
     assert cache.used_bytes == 0
 
 
-def test_speculative_entries_are_evicted_first_until_promoted():
+def test_speculative_entries_are_evicted_first_until_used():
     cache = ExpertCache(ExpertCacheConfig(capacity_bytes=3, policy="lru"))
     for key in ("a", "b"):
         cache.reserve(key, 1)
@@ -472,6 +472,6 @@ def test_speculative_entries_are_evicted_first_until_promoted():
     assert must_load
     cache.complete("guess2", "g")
     cache.unpin("guess2")
-    cache.promote("guess2")  # used after all: now ranked by the policy like the rest
+    cache.record_use("guess2")  # used after all: now ranked by the policy like the rest
     cache.reserve("d", 1)
     assert "guess2" in cache and "a" not in cache

@@ -242,3 +242,18 @@ def test_next_use_victim_equals_a_scan_of_every_candidate():
                 assert got == want, (token, layer)
                 policy.on_remove(got)
                 cached.discard(got)
+
+
+def test_next_use_read_ahead_is_not_a_use_and_starts_no_visit():
+    policy = NextUsePolicy()
+    policy.on_access((0, "a"))
+    policy.on_access((1, "b"))
+    policy.on_access((0, "a"))
+    policy.on_admit((1, "guess"))  # read for layer 1 while layer 0 runs
+    policy.on_access((0, "a2"))  # still the same visit of layer 0
+    assert policy.rate((0, "a")) == pytest.approx(1.0)  # used in both visits of layer 0
+    assert policy.rate((1, "guess")) == 0.0
+    # never used: it goes before a used expert of its layer, and before layer 0's used experts
+    assert policy.victim({(1, "guess"), (1, "b"), (0, "a")}) == (1, "guess")
+    policy.on_access((1, "guess"))  # the guess was right
+    assert policy.rate((1, "guess")) > 0
