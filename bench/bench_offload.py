@@ -7,6 +7,9 @@ configuration then runs in its own process (so peak RSS is its own) on the same 
     transformers      the whole model in RAM
     accelerate        accelerate.disk_offload (weights memory-mapped from disk)
     ours-100|50|25    semoe's engine with the CPU cache at that share of expert bytes, store cold
+    ours-25-replay    the same at 25%, predicting the next layer's experts from a recorded run of
+                      the same request instead of the router: the ceiling of any predictor
+                      (a diagnostic, not in the default list)
 
 and the raw disk bandwidth and our compute time per token (all experts cached) are measured in the
 same run, giving the bound max(compute/token, SSD bytes/token / disk bandwidth). Decode speed is
@@ -102,16 +105,42 @@ def run_transformers(hf: str, prompt: list[int], new_tokens: int, accelerate_dir
             "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]), "ssd_bytes_per_token": None}
 
 
-def run_ours(store: str, prompt: list[int], new_tokens: int, cache_fraction: float) -> dict:
-    from inference.engine import Engine, EngineConfig
-    from semoe.generate import SamplingConfig
+def _engine_config(store: str, cache_fraction: float):
+    from inference.engine import EngineConfig
     from storage.store import Store
 
     chunks = Store.open(store).manifest.chunks
     budget = int(sum(c.bytes for c in chunks) * cache_fraction) + (max(c.bytes for c in chunks)
                                                                   if cache_fraction >= 1 else 0)
+    return EngineConfig(cpu_cache_bytes=budget, read_mode="direct")
+
+
+def record_routing(store: str, prompt: list[int], new_tokens: int) -> dict:
+    """The layer visits of the request and their experts (for ours-N-replay; run in its own process
+    so that its memory is not counted in the measured run's peak RSS)."""
+    from inference.engine import Engine
+    from inference.ring import RoutingReplay
+    from semoe.generate import SamplingConfig
+
+    engine = Engine.load(store, _engine_config(store, 0.25))
+    try:
+        engine.offload.replay = RoutingReplay()
+        engine.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
+        return {"visits": engine.offload.replay.visits}
+    finally:
+        engine.close()
+
+
+def run_ours(store: str, prompt: list[int], new_tokens: int, cache_fraction: float,
+             recorded: list | None = None) -> dict:
+    from inference.engine import Engine
+    from inference.ring import RoutingReplay
+    from semoe.generate import SamplingConfig
+
     drop_cache(store)
-    engine = Engine.load(store, EngineConfig(cpu_cache_bytes=budget, read_mode="direct"))
+    engine = Engine.load(store, _engine_config(store, cache_fraction))
+    if recorded is not None:
+        engine.offload.replay = RoutingReplay(recorded)
     try:
         # Decode speed is timed from the first token on, so its bytes must be too: the prompt's
         # reads belong to TTFT. Snapshot the traffic when the first token comes out.
@@ -123,6 +152,8 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cache_fraction: flo
         out = {"tokens": res.tokens, "ttft_s": res.ttft_s, "decode_tok_s": res.decode_tok_s, **res.stats,
                "decode_ssd_bytes_per_token": (ssd1 - ssd0) / decode_tokens,
                "decode_ideal_bytes_per_token": (ideal1 - ideal0) / decode_tokens}
+        if recorded is not None and engine.offload.replay.diverged:
+            raise SystemExit("the replayed request routed differently from its record")
         if cache_fraction >= 1:  # everything is cached now: decode speed here is compute alone
             warm = engine.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
             out["warm_decode_tok_s"] = warm.decode_tok_s
@@ -154,8 +185,14 @@ def child(args: argparse.Namespace) -> None:
         r = run_transformers(hf, prompt, args.new_tokens, off)
     elif args.only == "disk":
         r = raw_disk_gbps(store)
+    elif args.only == "record":
+        print(json.dumps(record_routing(store, prompt, args.new_tokens)))
+        return
     else:
-        r = run_ours(store, prompt, args.new_tokens, int(args.only.split("-")[1]) / 100)
+        recorded = None
+        if args.only.endswith("-replay"):  # the request's routing, recorded by another process
+            recorded = json.loads(_child(args, "record").stdout.strip().splitlines()[-1])["visits"]
+        r = run_ours(store, prompt, args.new_tokens, int(args.only.split("-")[1]) / 100, recorded)
     r["peak_rss_bytes"] = peak_rss_bytes()
     print(json.dumps(r))
 
@@ -186,16 +223,22 @@ def main() -> int:
             # accelerate writes its 3 GB offload folder: flush it now, or its writeback would run
             # during the next configuration and slow it down
             os.sync()
-            cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--only", name,
-                   "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
-            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
-            if res.returncode != 0:
-                print(res.stderr, file=sys.stderr)
-                raise SystemExit(f"{name} failed")
+            res = _child(args, name)
             runs.setdefault(name, []).append(json.loads(res.stdout.strip().splitlines()[-1]))
     results = {name: _median_run(rs) for name, rs in runs.items()}
     report(results, args.json)
     return 0
+
+
+def _child(args: argparse.Namespace, name: str) -> subprocess.CompletedProcess:
+    """Run one configuration in a process of its own (so its peak RSS is its own)."""
+    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--only", name,
+           "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    if res.returncode != 0:
+        print(res.stderr, file=sys.stderr)
+        raise SystemExit(f"{name} failed")
+    return res
 
 
 def _median_run(rs: list[dict]) -> dict:

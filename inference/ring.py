@@ -76,6 +76,42 @@ class RingCounters:
     predictions: dict = field(default_factory=dict)  # layer -> {expert: was cached in CPU when predicted}
 
 
+class RoutingReplay:
+    """A perfect next-layer predictor, for benchmarks: the routing of an earlier run of the same
+    request, replayed. Offloaded generation is deterministic, so the layer visits repeat exactly;
+    the replay shows how fast the engine is when the next layer's experts are known one layer
+    ahead, the ceiling of any predictor. Record with `RoutingReplay()` installed as
+    `OffloadedExperts.replay`, then install `RoutingReplay(recorded.visits)` on a fresh engine. A
+    replay stops predicting at the first visit that differs from the record."""
+
+    def __init__(self, visits: list[tuple[int, list[int]]] | None = None) -> None:
+        self.recording = visits is None
+        self.visits: list[tuple[int, list[int]]] = [] if visits is None else [(v[0], list(v[1])) for v in visits]
+        self._cursor = 0
+        self.diverged = False
+
+    def seen(self, layer: int, experts: list[int]) -> None:
+        """A layer visit with its routed experts (called as the visit starts)."""
+        if self.recording:
+            self.visits.append((layer, list(experts)))
+            return
+        if self.diverged or self._cursor >= len(self.visits):
+            return
+        if self.visits[self._cursor] != (layer, list(experts)):
+            log.warning("routing replay: visit %d differs from the record (layer %d, experts %s); "
+                        "no more predictions", self._cursor, layer, experts)
+            self.diverged = True
+            return
+        self._cursor += 1
+
+    def upcoming(self, layer: int) -> list[int]:
+        """The experts the next visit uses, if it is a visit of `layer`; else none."""
+        if self.recording or self.diverged or self._cursor >= len(self.visits):
+            return []
+        nxt, experts = self.visits[self._cursor]
+        return list(experts) if nxt == layer else []
+
+
 class OffloadedExperts:
     """The expert provider of an offloaded model (one instance serves every MoE layer)."""
 
@@ -120,6 +156,7 @@ class OffloadedExperts:
         self.precision: float | None = None  # running precision of next-layer guesses, once judged
         self._precision_ema = 0.0
         self._visits = 0
+        self.replay: RoutingReplay | None = None  # benchmarks: predict from a recorded run
 
     @classmethod
     def attach(cls, model: MoEGPT, store_path: str, config) -> "OffloadedExperts":
@@ -262,6 +299,8 @@ class OffloadedExperts:
             self._needed = {(layer, e) for e in experts}
             for e in experts:
                 self._errors.pop((layer, e), None)
+        if self.replay is not None:
+            self.replay.seen(layer, experts)
         # the routing is known: guesses still being read are either needed now or wasted bandwidth
         wrong = [(layer, e) for e in guessed if e not in experts]
         for key in wrong:
@@ -309,11 +348,15 @@ class OffloadedExperts:
         nxt = self._next_layer.get(layer)
         if nxt is None:
             return
-        with torch.no_grad():
-            r = route_topk(self._routers[nxt].router(x_ND), self.config.top_k, normalize=False)
-        # most-picked first: with a long prompt the union may exceed the ring
-        counts = torch.bincount(r.ids_TK.flatten(), minlength=self.config.num_experts).tolist()
-        picked = sorted((e for e, n in enumerate(counts) if n), key=lambda e: -counts[e])
+        known = self.replay is not None and not self.replay.recording
+        if known:
+            picked = self.replay.upcoming(nxt)
+        else:
+            with torch.no_grad():
+                r = route_topk(self._routers[nxt].router(x_ND), self.config.top_k, normalize=False)
+            # most-picked first: with a long prompt the union may exceed the ring
+            counts = torch.bincount(r.ids_TK.flatten(), minlength=self.config.num_experts).tolist()
+            picked = sorted((e for e, n in enumerate(counts) if n), key=lambda e: -counts[e])
         with self._cond:
             cached = {e: self.tier.cached(nxt, e) for e in picked}
             self.counters.predictions[nxt] = cached
@@ -324,8 +367,8 @@ class OffloadedExperts:
             # switch guessing off for a model whose guesses are mostly wrong. Guesses already in
             # the CPU cache cost no SSD bandwidth and are always staged (on a GPU that is the
             # host-to-device copy).
-            speculate = self.min_precision <= 0 or (self.precision is not None and
-                                                    self.precision >= self.min_precision)
+            speculate = known or self.min_precision <= 0 or (self.precision is not None and
+                                                             self.precision >= self.min_precision)
         for rank, e in enumerate(picked[:self.ring_slots]):
             if (nxt, e) in self._slots or not (speculate or (cached[e] and not self.in_place)):
                 continue

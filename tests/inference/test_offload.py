@@ -168,3 +168,33 @@ def test_cache_policy_sees_every_use_once(model_store, threshold):
         assert len(seen) == counters.uses
     finally:
         engine.close()
+
+
+def test_routing_replay_predicts_every_expert_and_changes_no_number(model_store):
+    """A replay of the request's recorded routing is a perfect next-layer predictor (the ceiling the
+    benchmark reports); the tokens stay the resident model's. A record that does not match stops
+    the predictions instead of steering reads wrongly for the rest of the request."""
+    from inference.ring import RoutingReplay
+
+    arch, store, expert_bytes, biggest, want = model_store
+    config = EngineConfig(cpu_cache_bytes=expert_bytes // 4, preload=False)
+    engine = Engine.load(store.root, config)
+    try:
+        engine.offload.replay = RoutingReplay()
+        engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+        visits = engine.offload.replay.visits
+    finally:
+        engine.close()
+    moe_layers = len(engine.model.moe_layers())
+    assert len(visits) == 24 * moe_layers  # the prompt's pass, then one per generated token but the last
+    for record, diverges in ((visits, False), (visits[:5] + [(visits[5][0], [])] + visits[6:], True)):
+        engine = Engine.load(store.root, config)
+        try:
+            engine.offload.replay = RoutingReplay(record)
+            res = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+            assert res.tokens == want.tokens and res.logprobs == want.logprobs
+            assert engine.offload.replay.diverged == diverges
+            if not diverges:
+                assert res.stats["prefetch_precision"] == 1.0 and res.stats["prefetch_recall"] == 1.0
+        finally:
+            engine.close()
