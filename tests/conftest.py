@@ -15,6 +15,20 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from helpers.hf_models import make_hf_checkpoint  # noqa: E402
 
 
+def pytest_collection_modifyitems(config, items):
+    """Skip tests marked `cuda` on a machine without a CUDA device (torch is imported only then)."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device (torch.cuda.is_available() is False)")
+    for item in marked:
+        item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def hf_mixtral_sharded_bf16(tmp_path_factory):
     """A Mixtral checkpoint in bfloat16, sharded into several files with an index."""
