@@ -32,7 +32,7 @@ class EngineConfig:
     """Where the model runs and, for offload, the memory budgets of each tier."""
 
     device: str = "cpu"
-    dtype: str = "float32"
+    dtype: str | None = None  # None: bfloat16 on CUDA (tensor-core rate), float32 on CPU
     # Offload budgets: any of them set keeps the experts in the store. Bytes.
     cpu_cache_bytes: int | None = None
     device_memory_bytes: int | None = None  # expert ring in device memory (GPU); sets ring_slots
@@ -52,6 +52,8 @@ class EngineConfig:
     preload: bool = True
 
     def __post_init__(self) -> None:
+        if self.dtype is None:
+            self.dtype = "bfloat16" if torch.device(self.device).type == "cuda" else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
         if self.cache_policy == "belady":

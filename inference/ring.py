@@ -6,118 +6,124 @@ are still being read, and it predicts the next MoE layer's experts by applying t
 to the current hidden state, so their reads and copies overlap this layer's compute. Ring slots
 keep experts across tokens; a slot is never taken from an expert the current layer still needs.
 
-On a GPU, slots are device buffers refilled by `CudaCopyStream` from pinned CPU-cache buffers. Where
-the device is the CPU, a slot holds the CPU-cache entry itself (pinned): nothing is copied that can
-be used in place. Either way the same bookkeeping runs.
+What to do is decided by `inference.ring_book` (slots, victims, guesses, counters); this module
+carries it out. A copying ring gives each slot its own buffer in device memory, filled by the
+copy stream from the CPU-cache buffer (cast to the compute dtype on the way when the store's
+differs); the copy into a slot waits only for the event recorded after the slot's last reader,
+and compute waits only for that copy's event. On a GPU that is the only mode; on CPU it runs when
+the device memory is budgeted (`--device-memory`) or the dtypes differ, through the same calls
+(the copy stream is a worker thread). Otherwise, on CPU, a slot holds the CPU-cache entry itself
+and nothing is copied: the same bookkeeping, without the copies.
 """
 
 from __future__ import annotations
 
-import enum
 import logging
 import threading
 from concurrent.futures import CancelledError
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
+from inference.ring_book import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
 from semoe.gating import route_topk
 from semoe.model import ExpertWeights, MoEGPT
-from storage.prefetch import PrefetchQueue, PrefetchQueueConfig
+from storage.dtypes import dtype_name, torch_dtype
+from storage.keys import ExpertKey
+from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
-from storage.streams import make_copy_stream
-from storage.tiered import TieredExpertStore, TieredStoreConfig
+from storage.streams import COMPLETE, CopyHandle, CopyStream, StreamEvent, make_copy_stream
+from storage.tiered import ExpertHandle, TieredExpertStore, TieredStoreConfig
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int]  # (layer, expert)
-URGENT, SOON, LATER = 0.0, 1.0, 2.0  # queue priorities: needed now, next layer, speculative
+__all__ = ["OffloadedExperts", "RoutingReplay", "expert_layouts", "TensorSlice"]
 
 
-class SlotState(enum.Enum):
-    """Where a ring slot is in its lifecycle."""
+@dataclass(frozen=True)
+class TensorSlice:
+    """Where one tensor lies in an expert's chunk: byte offset, size, dtype, shape."""
 
-    LOADING = "loading"
-    READY = "ready"
+    offset: int
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    def view(self, raw: torch.Tensor) -> torch.Tensor:
+        """The tensor, as a view of a uint8 buffer holding the chunk."""
+        return raw[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
+
+    @property
+    def numel(self) -> int:
+        return self.nbytes // self.dtype.itemsize
+
+
+ExpertLayout = tuple[TensorSlice, TensorSlice, TensorSlice]  # gate, up, down
+
+
+def expert_layouts(store: Store, model: MoEGPT) -> dict[ExpertKey, ExpertLayout]:
+    """Gate, up and down of every expert's weight chunk, found once by their checkpoint names."""
+    from semoe.checkpoint import hf_expert_names
+
+    layouts = {}
+    for chunk in store.manifest.chunks:
+        if chunk.kind != "weight":
+            continue
+        by_name = {e.name: e for e in store.manifest.chunk_tensors(chunk)}
+        names = hf_expert_names(model.config, chunk.layer, chunk.expert)
+        missing = [n for n in names if n not in by_name]
+        if missing:
+            raise KeyError(f"store {store.root}: expert chunk {chunk.file} lacks {', '.join(missing)}")
+        layouts[ExpertKey(chunk.layer, chunk.expert)] = tuple(
+            TensorSlice(by_name[n].offset, by_name[n].bytes, torch_dtype(by_name[n].dtype), tuple(by_name[n].shape))
+            for n in names)
+    return layouts
+
+
+class _SlotMemory:
+    """Moves an expert into a slot: per-slot buffers, the copy stream, and each slot's last-reader event.
+
+    A buffer of its own per slot, in the compute dtype: a copy into one never touches another, and
+    a store in another dtype is cast on the copy stream, inside the ring's budget."""
+
+    def __init__(self, copier: CopyStream, slots: int, numel: int, dtype: torch.dtype) -> None:
+        self.copier = copier
+        self.dtype = dtype
+        self.buffers = [torch.empty(numel, dtype=dtype, device=copier.device) for _ in range(slots)]
+        self.last_reader: list[StreamEvent] = [COMPLETE] * slots
+
+    def fill(self, index: int, raw: torch.Tensor, layout: ExpertLayout) -> list[CopyHandle]:
+        """Issue the copies of one expert into slot `index`, after the slot's last reader."""
+        handles, start, after = [], 0, self.last_reader[index]
+        for part in layout:
+            dst = self.buffers[index][start:start + part.numel].view(part.shape)
+            handles.append(self.copier.copy(part.view(raw), dst, cast=True, after=after))
+            start += part.numel
+        return handles
+
+    def read_done(self, index: int) -> None:
+        """The compute that reads slot `index` is queued: later copies into it wait for this point."""
+        self.last_reader[index] = self.copier.record_compute()
 
 
 @dataclass(eq=False)
-class Slot:
-    """One expert in the ring."""
+class _Loaded:
+    """What the mover keeps per slot: the weights compute uses, the copies to wait on, the CPU-cache
+    handle (held while a slot uses it in place, or until its copy is done)."""
 
-    key: Key
-    index: int  # which device buffer (GPU); unused in place
-    state: SlotState = SlotState.LOADING
-    pins: int = 0  # users right now (the layer computing with it)
-    prefetched: bool = False  # brought in by a prediction, not yet used
-    counted: bool = False  # the CPU cache saw the next use already (a demand `get` filled the slot)
-    weights: ExpertWeights | None = None
-    host: object | None = None  # the CPU-cache handle the slot holds (in place) or copies from
-    error: BaseException | None = None
-    last_use: int = 0
-
-
-@dataclass(kw_only=True)
-class RingCounters:
-    """Per-request counters; turned into the reported stats by `OffloadedExperts.request_stats`."""
-
-    uses: int = 0  # (layer, expert) uses
-    ring_hits: int = 0  # found in the ring (ready or already loading)
-    ssd_ideal_bytes: int = 0  # bytes of used experts that had to come from SSD
-    device_copy_bytes: int = 0
-    predicted: int = 0
-    predicted_used: int = 0
-    routed: int = 0
-    routed_predicted: int = 0
-    ssd_bytes_at_start: int = 0
-    cpu_hits_at_start: int = 0
-    cpu_lookups_at_start: int = 0
-    predictions: dict = field(default_factory=dict)  # layer -> {expert: was cached in CPU when predicted}
-
-
-class RoutingReplay:
-    """A perfect next-layer predictor, for benchmarks: the routing of an earlier run of the same
-    request, replayed. Offloaded generation is deterministic, so the layer visits repeat exactly;
-    the replay shows how fast the engine is when the next layer's experts are known one layer
-    ahead, the ceiling of any predictor. Record with `RoutingReplay()` installed as
-    `OffloadedExperts.replay`, then install `RoutingReplay(recorded.visits)` on a fresh engine. A
-    replay stops predicting at the first visit that differs from the record."""
-
-    def __init__(self, visits: list[tuple[int, list[int]]] | None = None) -> None:
-        self.recording = visits is None
-        self.visits: list[tuple[int, list[int]]] = [] if visits is None else [(v[0], list(v[1])) for v in visits]
-        self._cursor = 0
-        self.diverged = False
-
-    def seen(self, layer: int, experts: list[int]) -> None:
-        """A layer visit with its routed experts (called as the visit starts)."""
-        if self.recording:
-            self.visits.append((layer, list(experts)))
-            return
-        if self.diverged or self._cursor >= len(self.visits):
-            return
-        if self.visits[self._cursor] != (layer, list(experts)):
-            log.warning("routing replay: visit %d differs from the record (layer %d, experts %s); "
-                        "no more predictions", self._cursor, layer, experts)
-            self.diverged = True
-            return
-        self._cursor += 1
-
-    def upcoming(self, layer: int) -> list[int]:
-        """The experts the next visit uses, if it is a visit of `layer`; else none."""
-        if self.recording or self.diverged or self._cursor >= len(self.visits):
-            return []
-        nxt, experts = self.visits[self._cursor]
-        return list(experts) if nxt == layer else []
+    weights: ExpertWeights
+    copies: list[CopyHandle]
+    host: ExpertHandle | None
 
 
 class OffloadedExperts:
     """The expert provider of an offloaded model (one instance serves every MoE layer)."""
 
     def __init__(self, model: MoEGPT, store: Store, *, device: torch.device, dtype: torch.dtype,
-                 cpu_cache_bytes: int, ring_slots: int, prefetch: bool = True, read_mode: str = "direct",
-                 workers: int = 4, min_precision: float = 0.8, cache_policy: str = "next-use") -> None:
+                 cpu_cache_bytes: int, ring_slots: int, copies: bool | None = None, prefetch: bool = True,
+                 read_mode: str = "direct", workers: int = 4, min_precision: float = 0.8,
+                 cache_policy: str = "next-use") -> None:
         self.config = model.config
         self.device = device
         self.dtype = dtype
@@ -126,222 +132,214 @@ class OffloadedExperts:
         self.moe_layers = model.config.moe_layer_ids
         self._next_layer = {a: b for a, b in zip(self.moe_layers, self.moe_layers[1:])}
         self._routers = {f.layer: f for f in model.moe_layers()}
-        chunks = store.manifest.chunks
-        self.chunk_bytes = {(c.layer, c.expert): c.bytes for c in chunks if c.kind == "weight"}
-        self.tier = TieredExpertStore(store, TieredStoreConfig(cpu_cache_bytes=cpu_cache_bytes, read_mode=read_mode,
-                                                               prefetch_workers=2, policy=cache_policy))
-        if ring_slots < 2:
-            raise ValueError(f"ring_slots must be >= 2 (one computing, one loading), got {ring_slots}")
+        self.layouts = expert_layouts(store, model)
+        self.chunk_bytes = {k: store.manifest.chunk(*k).bytes for k in self.layouts}
+        self.tier = TieredExpertStore(store, TieredStoreConfig(
+            cpu_cache_bytes=cpu_cache_bytes, read_mode=read_mode, prefetch_workers=2, policy=cache_policy,
+            pin_memory=device.type == "cuda"))
+        self.book = RingBook(ring_slots, self.moe_layers)
         self.ring_slots = ring_slots
-        first = store.manifest.chunk(*next(iter(self.chunk_bytes)))
-        self._store_dtype = store.manifest.chunk_tensors(first)[0].dtype
-        self.in_place = device.type == "cpu" and str(self._store_dtype) == _manifest_dtype(dtype)
-        self._copier = None if self.in_place else make_copy_stream(device)
-        self._buffers: list[torch.Tensor] = []
-        if device.type == "cuda":
-            biggest = max(self.chunk_bytes.values())
-            self._buffers = [torch.empty(biggest, dtype=torch.uint8, device=device) for _ in range(ring_slots)]
-        self._slots: dict[Key, Slot] = {}
-        self._needed: set[Key] = set()  # the current layer's experts not yet handed out: never evicted
-        self._errors: dict[Key, BaseException] = {}  # failed loads, raised to the layer that needs them
-        self._free = list(range(ring_slots))
+        store_dtypes = {p.dtype for layout in self.layouts.values() for p in layout}
+        self.copies = (device.type != "cpu" or store_dtypes != {dtype}) if copies is None else copies
+        if not self.copies and (device.type != "cpu" or store_dtypes != {dtype}):
+            raise ValueError(f"an in-place ring needs a CPU device and a {dtype} store, got {device} "
+                             f"and {sorted(map(str, store_dtypes))}")
+        self.in_place = not self.copies
+        self.memory: _SlotMemory | None = None
+        if self.copies:
+            numel = max(sum(p.numel for p in layout) for layout in self.layouts.values())
+            self.memory = _SlotMemory(make_copy_stream(device), ring_slots, numel, dtype)
+        self._loaded: dict[int, _Loaded] = {}  # slot index -> what is in it
+        self._errors: dict[ExpertKey, BaseException] = {}  # failed loads, raised to the layer that needs them
         self._cond = threading.Condition()
-        self._clock = 0
-        self._current_layer = self.moe_layers[0] if self.moe_layers else 0
         self.queue = PrefetchQueue(PrefetchQueueConfig(workers=workers))
-        self.counters = RingCounters()
+        self.guesses = GuessTracker(min_precision)
         self._closed = False
-        self.min_precision = min_precision
-        self._read_ahead: set[Key] = set()  # read before any use asked for it (warm-up, guesses)
-        self.precision: float | None = None  # running precision of next-layer guesses, once judged
-        self._precision_ema = 0.0
-        self._visits = 0
         self.replay: RoutingReplay | None = None  # benchmarks: predict from a recorded run
+
+    @property
+    def counters(self) -> RingCounters:
+        """The current request's counters."""
+        return self.guesses.counters
+
+    @property
+    def precision(self) -> float | None:
+        """Running precision of next-layer guesses, once judged."""
+        return self.guesses.precision
+
+    @staticmethod
+    def slot_bytes(store: Store, dtype: torch.dtype) -> int:
+        """Device bytes of one slot of a copying ring: the largest expert in the compute dtype."""
+        per = {}
+        for chunk in store.manifest.chunks:
+            if chunk.kind == "weight":
+                n = sum(e.bytes // torch_dtype(e.dtype).itemsize for e in store.manifest.chunk_tensors(chunk))
+                per[(chunk.layer, chunk.expert)] = n * dtype.itemsize
+        return max(per.values())
 
     @classmethod
     def attach(cls, model: MoEGPT, store_path: str, config) -> "OffloadedExperts":
         """Build from an EngineConfig and install as the provider of every MoE layer of `model`."""
         store = Store.open(store_path)
         device = torch.device(config.device)
+        dtype = getattr(torch, config.dtype)
         expert_bytes = sum(c.bytes for c in store.manifest.chunks if c.kind == "weight")
         biggest = max(c.bytes for c in store.manifest.chunks if c.kind == "weight")
         top_k = model.config.top_k
         if config.ring_slots is not None:
             slots = config.ring_slots
-        elif config.device_memory_bytes is not None and device.type == "cuda":
-            slots = config.device_memory_bytes // biggest
+        elif config.device_memory_bytes is not None:
+            slot = cls.slot_bytes(store, dtype)
+            slots = config.device_memory_bytes // slot
             if slots < 2:
                 raise ValueError(f"--device-memory {config.device_memory_bytes} bytes holds {slots} expert(s) of "
-                                 f"{biggest} bytes; at least 2 are needed")
+                                 f"{slot} bytes; at least 2 are needed")
         else:  # the current layer's experts plus the next layer's predicted ones
             slots = 2 * top_k
+        store_dtypes = {t.dtype for c in store.manifest.chunks if c.kind == "weight"
+                        for t in store.manifest.chunk_tensors(c)}
+        # a budget of device memory is a ring in memory of its own, on CPU too
+        copies = (device.type != "cpu" or config.device_memory_bytes is not None
+                  or store_dtypes != {dtype_name(dtype)})
         cpu = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else expert_bytes
-        if device.type == "cpu":
+        if not copies:
             # in place, ring slots are CPU-cache entries: the cache must hold the ring and room to spare
             cpu = max(cpu, (slots + top_k) * biggest)
-        self = cls(model, store, device=device, dtype=getattr(torch, config.dtype), cpu_cache_bytes=cpu,
-                   ring_slots=slots, prefetch=config.prefetch, read_mode=config.read_mode,
+        self = cls(model, store, device=device, dtype=dtype, cpu_cache_bytes=cpu, ring_slots=slots,
+                   copies=copies, prefetch=config.prefetch, read_mode=config.read_mode,
                    min_precision=config.speculate_min_precision, cache_policy=config.cache_policy)
         for ffn in model.moe_layers():
             ffn.use_experts(self)
         log.info("offload: %d ring slots, CPU cache %d bytes, %s", slots, cpu,
-                 "in place" if self.in_place else f"copies to {device}")
+                 "in place" if self.in_place else f"copies to {device} in {dtype}")
         return self
 
-    # -- bookkeeping (plain Python, under the lock) ----------------------------------------------
-    def _distance(self, layer: int) -> int:
-        """How many MoE layers until `layer` runs again, counting from the current one."""
-        n = len(self.moe_layers)
-        return (self.moe_layers.index(layer) - self.moe_layers.index(self._current_layer)) % n
-
-    def _victim(self) -> Slot | None:
-        """The ready, unpinned, unneeded slot used furthest in the future (ties: least recently used)."""
-        best = None
-        for s in self._slots.values():
-            if s.state is not SlotState.READY or s.pins or s.key in self._needed:
-                continue
-            rank = (s.prefetched and self._distance(s.key[0]) == 1, -self._distance(s.key[0]), s.last_use)
-            if best is None or rank < best[0]:
-                best = (rank, s)
-        return best[1] if best else None
-
-    def _take_slot(self, key: Key, *, wait: bool) -> Slot | None:
-        """A slot for `key` (LOADING); evicts a victim; waits for one only if `wait`."""
+    # -- data movement (on the queue's worker threads) -------------------------------------------
+    def _fill(self, key: ExpertKey, demand: bool) -> None:
+        """Bring `key` into a slot. `demand`: the current layer needs it (the read may wait for a
+        slot, and is a use the CPU tier counts); otherwise a guess for the next layer."""
         with self._cond:
             while True:
-                if key in self._slots:
-                    return None  # someone else is loading or holds it
-                if self._free:
-                    index = self._free.pop()
+                taken = self.book.take(key)
+                if taken is not None or key in self.book or not demand or self._closed:
                     break
-                victim = self._victim()
-                if victim is not None:
-                    self._evict_locked(victim)
-                    index = self._free.pop()
-                    break
-                if not wait or self._closed:
-                    return None
                 self._cond.wait()
-            slot = Slot(key=key, index=index)
-            self._slots[key] = slot
-            return slot
-
-    def _evict_locked(self, slot: Slot) -> None:
-        del self._slots[slot.key]
-        self._free.append(slot.index)
-        if slot.host is not None:
-            slot.host.release()
-            slot.host = None
-
-    # -- data movement (on the queue's worker threads) -------------------------------------------
-    def _fill(self, key: Key, wait: bool) -> None:
-        slot = self._take_slot(key, wait=wait)
-        if slot is None:
-            return
+            if taken is None:
+                return
+            record, evicted = taken
+            if evicted is not None:
+                self._vacate(evicted)
         try:
-            # a fill that may wait is for the current layer; the others are predictions
-            host = self.tier.get(key[0], key[1], speculative=not wait)
-            slot.counted = wait
-            slot.weights, copied = self._place(host, slot)
-            if copied:
-                host.release()
+            host = self.tier.get(*key, speculative=not demand)
+            record.use_seen = demand
+            if self.memory is None:  # in place: the slot holds the CPU-cache entry
+                layout = self.layouts[key]
+                weights = ExpertWeights(*(p.view(host.raw) for p in layout))
+                loaded = _Loaded(weights=weights, copies=[], host=host)
             else:
-                slot.host = host
+                copies = self.memory.fill(record.index, host.raw, self.layouts[key])
+                weights = ExpertWeights(*(h.tensor for h in copies))
+                loaded = _Loaded(weights=weights, copies=copies, host=host)
             with self._cond:
-                slot.state = SlotState.READY
-                self.counters.device_copy_bytes += self.chunk_bytes[key] if copied else 0
+                self._loaded[record.index] = loaded
+                if self.memory is None:
+                    self.book.landed(key)
+                else:
+                    self.book.issued(key)
+                    self.counters.device_copy_bytes += sum(p.nbytes for p in self.layouts[key])
                 self._cond.notify_all()
+            if self.memory is not None:
+                # This worker, not compute, waits for the copy: then the source goes back to the
+                # CPU cache and the slot may be chosen as a victim (never two copies into one slot).
+                for h in copies:
+                    h.synchronize()
+                host.release()
+                loaded.host = None
+                with self._cond:
+                    self.book.landed(key)
+                    self._cond.notify_all()
         except BaseException as e:
             # a wrong guess abandoned by `stream`: nothing waits for it, nothing failed
-            abandoned = not wait and isinstance(e, CancelledError)
+            abandoned = not demand and isinstance(e, CancelledError)
             with self._cond:
                 if not abandoned:
-                    slot.error = e
                     self._errors[key] = e
-                self._slots.pop(key, None)
-                self._free.append(slot.index)
-                self._read_ahead.discard(key)
+                if self.book.get(key) is record:
+                    self.book.drop(key)
+                    self._loaded.pop(record.index, None)
+                self.guesses.read_ahead.discard(key)
                 self._cond.notify_all()
             if not abandoned:
                 raise
 
-    def _place(self, host, slot: Slot) -> tuple[ExpertWeights, bool]:
-        """Expert weights usable on the device: the host tensors themselves, or copies."""
-        gate, up, down = (host.tensors[n] for n in self._names(slot.key))
-        if self.in_place:
-            return ExpertWeights(gate, up, down), False
-        if self._buffers:  # GPU: raw bytes into the slot's buffer on the copy stream, then views
-            chunk = self.store.manifest.chunk(*slot.key)
-            buf = self._buffers[slot.index]
-            self._copier.copy_to_device(host.buffer.tensor[:chunk.bytes], buf[:chunk.bytes]).synchronize()
-            views = self.store.chunk_views(chunk, buf)
-            gate, up, down = (views[n].to(self.dtype) for n in self._names(slot.key))
-            return ExpertWeights(gate, up, down), True
-        return ExpertWeights(*(t.to(self.device, self.dtype) for t in (gate, up, down))), True
+    def _vacate(self, record: SlotRecord) -> None:
+        """Forget an evicted slot's contents (caller holds the lock)."""
+        loaded = self._loaded.pop(record.index, None)
+        if loaded is not None and loaded.host is not None:
+            loaded.host.release()
 
-    def _names(self, key: Key) -> tuple[str, str, str]:
-        from semoe.checkpoint import hf_expert_names
-
-        return hf_expert_names(self.config, key[0], key[1])
-
-    def _request(self, key: Key, priority: float, *, wait: bool) -> None:
+    def _request(self, key: ExpertKey, priority: float, *, demand: bool) -> None:
         """Queue a fill (deduplicated by key; a more urgent request moves a queued one forward)."""
-        if key not in self._slots:
-            self.queue.submit(("fill", key), lambda: self._fill(key, wait), priority=priority)
+        if key not in self.book:
+            self.queue.submit(key, lambda: self._fill(key, demand), priority=priority)
 
     # -- the provider ---------------------------------------------------------------------------
     def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
-        """Hand out the layer's experts as they become ready; predict and prefetch the next layer."""
+        """Hand out the layer's experts as they become usable; predict and prefetch the next layer."""
+        keys = [ExpertKey(layer, e) for e in experts]
         with self._cond:
-            self._current_layer = layer
-            guessed = self.counters.predictions.get(layer, {})
-            self._account(layer, experts)
-            self._needed = {(layer, e) for e in experts}
-            for e in experts:
-                self._errors.pop((layer, e), None)
+            guessed = self.guesses.guesses(layer)
+            self.guesses.account(layer, experts, in_ring={k.expert for k in keys if k in self.book},
+                                 cached={e: self.tier.cached(layer, e) for e in experts},
+                                 nbytes={k.expert: self.chunk_bytes[k] for k in keys})
+            self.book.begin_layer(layer, keys)
+            for k in keys:
+                self._errors.pop(k, None)
         if self.replay is not None:
             self.replay.seen(layer, experts)
         # the routing is known: guesses still being read are either needed now or wasted bandwidth
-        wrong = [(layer, e) for e in guessed if e not in experts]
+        wrong = [ExpertKey(layer, e) for e in guessed if e not in experts]
         for key in wrong:
-            self.queue.cancel(("fill", key))
+            self.queue.cancel(key)
         self.tier.cancel_guesses(wrong)
-        for e in experts:
-            self.tier.hurry(layer, e)
-            self._request((layer, e), URGENT, wait=True)
+        for key in keys:
+            self.tier.hurry(*key)
+            self._request(key, Priority.NOW, demand=True)
         if self.prefetch_enabled:
             self._predict(layer, x_ND)
-        pending = set(experts)
+        pending = set(keys)
         while pending:
-            with self._cond:
-                while True:
-                    ready = [e for e in pending if (s := self._slots.get((layer, e))) is not None
-                             and s.state is SlotState.READY]
-                    if ready:
-                        break
-                    for e in pending:
-                        err = self._errors.pop((layer, e), None)
-                        if err is not None:
-                            raise err
-                        if (layer, e) not in self._slots:  # its fill has not started or was dropped
-                            self._request((layer, e), URGENT, wait=True)
-                    self._cond.wait(timeout=0.05)
-                e = min(ready)
-                slot = self._slots[(layer, e)]
-                slot.pins += 1
-                if not slot.counted:  # a ring hit or a right guess: the CPU cache's policy must see the use
-                    self.tier.record_use(layer, e)
-                slot.counted = slot.prefetched = False
-                self._needed.discard((layer, e))
-                self._clock += 1
-                slot.last_use = self._clock
+            key, loaded = self._next_usable(pending)
             try:
-                yield e, slot.weights
+                # compute waits for this expert's copies only (on CPU: the host waits)
+                weights = loaded.weights if not loaded.copies else ExpertWeights(*(h.wait() for h in loaded.copies))
+                yield key.expert, weights
             finally:
                 with self._cond:
-                    slot.pins -= 1
-                    pending.discard(e)
+                    self.book.give_back(key)
+                    if self.memory is not None:
+                        self.memory.read_done(self.book.get(key).index)
+                    pending.discard(key)
                     self._cond.notify_all()
+
+    def _next_usable(self, pending: set[ExpertKey]) -> tuple[ExpertKey, _Loaded]:
+        """Pin the next of `pending` whose slot is usable, waiting for one; raise a failed load's error."""
+        with self._cond:
+            while True:
+                usable = [k for k in pending if (r := self.book.get(k)) is not None and r.usable]
+                if usable:
+                    break
+                for k in pending:
+                    err = self._errors.pop(k, None)
+                    if err is not None:
+                        raise err
+                    if k not in self.book:  # its fill has not started or was dropped
+                        self._request(k, Priority.NOW, demand=True)
+                self._cond.wait(timeout=0.05)
+            key = min(usable)
+            if self.book.hand_out(key):  # a ring hit or a right guess: the CPU cache's policy must see the use
+                self.tier.record_use(*key)
+            return key, self._loaded[self.book.get(key).index]
 
     def _predict(self, layer: int, x_ND: torch.Tensor) -> None:
         """Apply the next MoE layer's router to this layer's input; prefetch the experts it picks."""
@@ -354,61 +352,34 @@ class OffloadedExperts:
         else:
             with torch.no_grad():
                 r = route_topk(self._routers[nxt].router(x_ND), self.config.top_k, normalize=False)
-            # most-picked first: with a long prompt the union may exceed the ring
+            # most-picked first: with a long prompt the union may exceed the ring. The one host
+            # read of the prediction: the layer's own dispatch has just synchronised, so it waits
+            # only for the router's small matmul.
             counts = torch.bincount(r.ids_TK.flatten(), minlength=self.config.num_experts).tolist()
             picked = sorted((e for e, n in enumerate(counts) if n), key=lambda e: -counts[e])
         with self._cond:
             cached = {e: self.tier.cached(nxt, e) for e in picked}
-            self.counters.predictions[nxt] = cached
-            self.counters.predicted += len(picked)
+            self.guesses.predicted(nxt, cached)
             # A guess read from SSD uses only the disk's idle time (the tier pauses it while a
             # needed read is in flight) and is abandoned once the layer's routing proves it wrong,
             # so a wrong guess costs the bytes read in that idle time. `min_precision` can still
             # switch guessing off for a model whose guesses are mostly wrong. Guesses already in
-            # the CPU cache cost no SSD bandwidth and are always staged (on a GPU that is the
-            # host-to-device copy).
-            speculate = known or self.min_precision <= 0 or (self.precision is not None and
-                                                             self.precision >= self.min_precision)
+            # the CPU cache cost no SSD bandwidth and are always staged when the ring copies.
+            speculate = self.guesses.speculate(known)
         for rank, e in enumerate(picked[:self.ring_slots]):
-            if (nxt, e) in self._slots or not (speculate or (cached[e] and not self.in_place)):
+            key = ExpertKey(nxt, e)
+            if key in self.book or not (speculate or (cached[e] and self.copies)):
                 continue
             if not cached[e]:
                 with self._cond:
-                    self._read_ahead.add((nxt, e))
-            self._request((nxt, e), SOON + rank / 1000, wait=False)
+                    self.guesses.read_ahead.add(key)
+            self._request(key, Priority.NEXT + rank / 1000, demand=False)
             with self._cond:
-                s = self._slots.get((nxt, e))
-                if s is not None:
-                    s.prefetched = True
+                r = self.book.get(key)
+                if r is not None:
+                    r.prefetched = True
 
-    def _account(self, layer: int, experts: list[int]) -> None:
-        """Counters for one layer visit (caller holds the lock)."""
-        c = self.counters
-        predicted = c.predictions.pop(layer, None)
-        for e in experts:
-            key = (layer, e)
-            c.uses += 1
-            if key in self._slots:
-                c.ring_hits += 1
-            # An oracle reads each expert once per stay in the cache: this use needed an SSD read
-            # unless an earlier use left the expert cached (a guess read ahead of this use counts).
-            was_cached = predicted[e] if predicted is not None and e in predicted else self.tier.cached(*key, "weight")
-            if not was_cached or key in self._read_ahead:
-                c.ssd_ideal_bytes += self.chunk_bytes[key]
-            self._read_ahead.discard(key)
-        if predicted is not None:
-            used = sum(1 for e in experts if e in predicted)
-            c.predicted_used += used
-            c.routed += len(experts)
-            c.routed_predicted += used
-            if predicted:
-                p = used / len(predicted)
-                self._visits += 1
-                self._precision_ema = p if self._visits == 1 else 0.9 * self._precision_ema + 0.1 * p
-                if self._visits >= 8:  # enough guesses to judge
-                    self.precision = self._precision_ema
-
-    # -- reporting --------------------------------------------------------------------------------
+    # -- requests and reporting -------------------------------------------------------------------
     def warm_idle(self, *, in_request: bool = True) -> int:
         """Read experts not yet cached into the CPU cache's free room, at the lowest priority.
 
@@ -419,14 +390,14 @@ class OffloadedExperts:
         keys = []
         for layer in self.moe_layers:
             for e in range(self.config.num_experts):
-                nbytes = self.chunk_bytes[(layer, e)]
+                nbytes = self.chunk_bytes[ExpertKey(layer, e)]
                 if nbytes <= free and not self.tier.cached(layer, e):
-                    keys.append((layer, e))
+                    keys.append(ExpertKey(layer, e))
                     free -= nbytes
-        started = self.tier.prefetch(keys, priority=LATER) if keys else []
+        started = self.tier.prefetch(keys, priority=Priority.IDLE) if keys else []
         if in_request:  # reads while loading belong to the load, not to a request's traffic
             with self._cond:
-                self._read_ahead.update((layer, e) for layer, e, _ in started)
+                self.guesses.read_ahead.update(ExpertKey(k[0], k[1]) for k in started)
         return len(started)
 
     def begin_request(self) -> None:
@@ -434,8 +405,9 @@ class OffloadedExperts:
         self.warm_idle()
         s = self.tier.stats()
         with self._cond:
-            self.counters = RingCounters(ssd_bytes_at_start=s.ssd_bytes, cpu_hits_at_start=s.hits + s.inflight_hits,
-                                         cpu_lookups_at_start=s.hits + s.inflight_hits + s.misses)
+            self.guesses.reset(RingCounters(ssd_bytes_at_start=s.ssd_bytes,
+                                            cpu_hits_at_start=s.hits + s.inflight_hits,
+                                            cpu_lookups_at_start=s.hits + s.inflight_hits + s.misses))
 
     def request_stats(self, *, tokens: int) -> dict:
         """The counters of the request since `begin_request`, per generated token where it says so."""
@@ -466,20 +438,15 @@ class OffloadedExperts:
         self.queue.cancel_all()
 
     def close(self) -> None:
-        """Stop the threads and release every slot."""
+        """Stop the threads, release every slot, close the copy stream."""
         with self._cond:
             self._closed = True
             self._cond.notify_all()
         self.queue.close(wait=True)
         with self._cond:
-            for s in list(self._slots.values()):
-                if s.state is SlotState.READY:
-                    self._evict_locked(s)
+            for r in self.book.evict_all_idle():
+                self._vacate(r)
+        if self.memory is not None:
+            self.memory.copier.close()
         self.tier.close()
-
-
-def _manifest_dtype(dtype: torch.dtype) -> str:
-    from storage.dtypes import dtype_name
-
-    return dtype_name(dtype)
 

@@ -86,6 +86,15 @@ class _Job:
     state: _State = _State.QUEUED
 
 
+class Priority:
+    """The one priority scale of every queue here (lower runs first): a read someone waits for,
+    a read for the next layer (plus a fraction for its rank among guesses), idle-time warm-up."""
+
+    NOW = 0.0
+    NEXT = 1.0
+    IDLE = 2.0
+
+
 def _check_priority(priority: float) -> float:
     if isinstance(priority, bool) or not isinstance(priority, (int, float)) or math.isnan(priority):
         raise ValueError(f"PrefetchQueue: priority={priority!r} must be a number, not NaN")

@@ -24,6 +24,7 @@ still read. All three run the same calling code.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import heapq
 import itertools
@@ -390,8 +391,10 @@ def _poison(t: torch.Tensor) -> None:
     t.fill_(float("nan") if t.dtype.is_floating_point else (0xA5 if t.dtype == torch.uint8 else -1))
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    return t.untyped_storage().data_ptr()
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The bytes a (contiguous) tensor covers: [start, end)."""
+    start = t.data_ptr()
+    return start, start + t.numel() * t.element_size()
 
 
 class FakeCudaCopyStream(ThreadCopyStream):
@@ -405,7 +408,8 @@ class FakeCudaCopyStream(ThreadCopyStream):
       completed compute event has covered since is a violation: queued compute may still read it.
     - The source is checksummed at issue and again when the copy runs: a changed source (a pinned
       buffer reused before its copy ran) is a violation.
-    - ``host_syncs`` counts ``synchronize()`` calls.
+    - ``host_syncs`` counts ``synchronize()`` calls, ``syncs_by_thread`` by the calling thread's
+      name (a copy worker may wait; the thread that issues compute should not).
 
     Violations are collected in ``violations`` and raised to whoever waits for the copy.
     """
@@ -418,13 +422,14 @@ class FakeCudaCopyStream(ThreadCopyStream):
         self.compute_lag_s = compute_lag_s
         self.violations: list[str] = []
         self.host_syncs = 0
+        self.syncs_by_thread: collections.Counter[str] = collections.Counter()
         self.copies = 0
         self._cond = threading.Condition()
         self._closed = False
         self._heap: list[tuple[float, int, _FakeHandle, torch.Tensor, StreamEvent | None, int]] = []
         self._order = itertools.count()
-        # storage -> the event that covers compute handed that storage; None: handed out, no event yet
-        self._readers: dict[int, StreamEvent | None] = {}
+        # memory handed to compute -> the event that covers that compute; None: no event recorded yet
+        self._readers: dict[tuple[int, int], StreamEvent | None] = {}
         self._workers = [threading.Thread(target=self._work, name=f"fake-copy-{i}", daemon=True)
                          for i in range(workers)]
         for w in self._workers:
@@ -433,6 +438,7 @@ class FakeCudaCopyStream(ThreadCopyStream):
     def _count_sync(self) -> None:
         with self._cond:
             self.host_syncs += 1
+            self.syncs_by_thread[threading.current_thread().name] += 1
 
     def record_compute(self) -> StreamEvent:
         with self._cond:
@@ -444,7 +450,7 @@ class FakeCudaCopyStream(ThreadCopyStream):
 
     def _reading(self, t: torch.Tensor) -> None:
         with self._cond:
-            self._readers[_storage_key(t)] = None
+            self._readers[_span(t)] = None
 
     def _issue(self, src: torch.Tensor, dst: torch.Tensor | None, after: StreamEvent | None) -> CopyHandle:
         if dst is None:
@@ -486,13 +492,14 @@ class FakeCudaCopyStream(ThreadCopyStream):
 
     def _check(self, dst: torch.Tensor, src: torch.Tensor, crc: int) -> str | None:
         with self._cond:
-            key = _storage_key(dst)
-            if key in self._readers:
-                reader = self._readers[key]
+            start, end = _span(dst)
+            for span, reader in list(self._readers.items()):
+                if span[0] >= end or start >= span[1]:
+                    continue
                 if reader is None or not reader.done():
                     return (f"copy into {tuple(dst.shape)} {dst.dtype} while queued compute may still read it "
                             "(the copy did not wait for the memory's last reader)")
-                del self._readers[key]
+                del self._readers[span]
         if _checksum(src) != crc:
             return f"source {tuple(src.shape)} {src.dtype} changed between issue and copy (reused too early)"
         return None

@@ -10,7 +10,6 @@ expert stays pinned (never evicted) until the handle is released.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from concurrent.futures import CancelledError
@@ -21,14 +20,14 @@ import torch
 
 from storage.cache import CacheFullError, EntryState, ExpertCache, ExpertCacheConfig
 from storage.fileio import ChunkReader, ChunkReaderConfig, ReadCancelled, ReadMode
+from storage.keys import ExpertKey
 from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig
-from storage.prefetch import PrefetchQueue, PrefetchQueueConfig
+from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
 
 log = logging.getLogger(__name__)
 
-Key = tuple[int, int, str]  # (layer, expert, kind)
-URGENT = -math.inf  # queue priority of a read someone is waiting for
+Key = ExpertKey
 
 
 @dataclass(kw_only=True)
@@ -43,7 +42,8 @@ class TieredStoreConfig:
     read_mode: str = "direct"  # direct | drop | cached (see storage.fileio.ReadMode)
     io_threads: int | None = None
     prefetch_workers: int = 2  # reads in flight at once, each split over the io threads
-    pin_memory: bool | None = None  # None: pinned when CUDA is available
+    # pinned host buffers: for experts copied to a CUDA device (a CPU run on a GPU host pins nothing)
+    pin_memory: bool = False
 
     def __post_init__(self) -> None:
         if self.cpu_cache_bytes < 1:
@@ -221,12 +221,12 @@ class TieredExpertStore:
                 spec.hurried = True
                 self._disk.notify_all()
 
-    def cancel_guesses(self, keys: Iterable[tuple[int, int]], kind: str = "weight") -> int:
+    def cancel_guesses(self, keys: Iterable[ExpertKey]) -> int:
         """Abandon speculative reads found wrong (not those already hurried); returns how many."""
         n = 0
         with self._disk:
-            for layer, expert in keys:
-                spec = self._guesses.get((layer, expert, kind))
+            for key in keys:
+                spec = self._guesses.get(key)
                 if spec is not None and not spec.hurried and not spec.cancelled:
                     spec.cancelled = True
                     n += 1
@@ -254,7 +254,7 @@ class TieredExpertStore:
                 self._load(key, guess=speculative)
                 return ExpertHandle(self, key, self._payload(key))
             if entry.state is EntryState.LOADING and not speculative:
-                self.queue.reprioritize(key, URGENT)
+                self.queue.reprioritize(key, Priority.NOW)
                 self.hurry(layer, expert, kind)
             try:
                 entry = self.cache.wait_ready(key)
@@ -270,7 +270,7 @@ class TieredExpertStore:
         turned out right. The cache's policy must see every use, or it evicts what is in use."""
         self.cache.record_use((layer, expert, kind))
 
-    def prefetch(self, keys: Iterable[tuple[int, int]] | Iterable[Key], *, priority: float = 0.0,
+    def prefetch(self, keys: Iterable[tuple[int, int]] | Iterable[Key], *, priority: float = Priority.NEXT,
                  kind: str = "weight", speculative: bool = False) -> int:
         """Start reads of experts not yet cached, lower priority first; returns the keys started.
 

@@ -23,8 +23,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default auto: cuda when available)")
-    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
-                   help="compute dtype (default float32)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait while one generates; more get HTTP 503 (default 64)")
     add_budget_flags(p)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from helpers.hf_models import make_hf_checkpoint
@@ -198,3 +200,97 @@ def test_routing_replay_predicts_every_expert_and_changes_no_number(model_store)
                 assert res.stats["prefetch_precision"] == 1.0 and res.stats["prefetch_recall"] == 1.0
         finally:
             engine.close()
+
+
+# -- the copying ring: the GPU's path, run on CPU ------------------------------------------------
+
+LOGPROB_ATOL = 1e-6  # the ring casts bfloat16 to float32 exactly, so this is equality up to noise
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def bf16_store(request, tmp_path_factory):
+    """A bfloat16 store and what the resident model, loaded from it in float32, generates."""
+    root = tmp_path_factory.mktemp("offload-bf16")
+    hf = make_hf_checkpoint(request.param, root / "hf", seed=7)
+    store = import_checkpoint(str(hf), str(root / "store"), dtype="bfloat16")
+    resident = Engine.load(store.root, EngineConfig(dtype="float32"))
+    try:
+        want = resident.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+    finally:
+        resident.close()
+    return request.param, store, want
+
+
+def _slot_bytes(store) -> int:
+    from inference.ring import OffloadedExperts
+
+    return OffloadedExperts.slot_bytes(store, torch.float32)
+
+
+def _assert_same(got, want) -> None:
+    assert got.tokens == want.tokens
+    assert got.logprobs == pytest.approx(want.logprobs, abs=LOGPROB_ATOL, rel=0)
+
+
+@pytest.mark.parametrize("slots", [2, 3, 6])
+def test_copying_ring_serves_a_bfloat16_store_in_float32_like_the_resident_model(bf16_store, slots):
+    arch, store, want = bf16_store
+    config = EngineConfig(dtype="float32", device_memory_bytes=slots * _slot_bytes(store),
+                          cpu_cache_bytes=sum(c.bytes for c in store.manifest.chunks) // 2)
+    engine = Engine.load(store.root, config)
+    try:
+        assert engine.offload.copies and engine.offload.ring_slots == slots
+        got = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+        _assert_same(got, want)
+        assert got.stats["device_copy_bytes_per_token"] > 0
+    finally:
+        engine.close()
+
+
+def test_fake_cuda_stream_finds_no_hazard_and_compute_never_waits_on_the_host(bf16_store):
+    """Copies delayed and reordered at random, destinations poisoned at issue, sources checked
+    twice, queued compute modelled by late events: the tokens stay the resident model's, no copy
+    broke the stream contract, and only the copy workers ever block on a copy."""
+    from storage.streams import FakeCudaCopyStream, copy_stream_factory
+
+    arch, store, want = bf16_store
+    config = EngineConfig(dtype="float32", device_memory_bytes=3 * _slot_bytes(store),
+                          cpu_cache_bytes=sum(c.bytes for c in store.manifest.chunks) // 2)
+    with copy_stream_factory(lambda device: FakeCudaCopyStream(device, seed=3)) as made:
+        engine = Engine.load(store.root, config)
+        try:
+            got = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+        finally:
+            engine.close()
+    (stream,) = made
+    _assert_same(got, want)
+    assert stream.violations == []
+    assert stream.copies > 0
+    assert stream.syncs_by_thread[threading.main_thread().name] == 0
+
+
+def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_layer(bf16_store):
+    """The ring adds one host read per MoE layer (the next layer's predicted experts, read right
+    after the layer's own dispatch has synchronised); the copies add none."""
+    from storage.syncs import HostSyncCounter
+
+    arch, store, want = bf16_store
+    new_tokens = 8
+    counts = {}
+    for name, config in (("resident", EngineConfig(dtype="float32")),
+                         ("ring", EngineConfig(dtype="float32", device_memory_bytes=3 * _slot_bytes(store),
+                                               prefetch=True)),
+                         ("ring-no-prefetch", EngineConfig(dtype="float32", device_memory_bytes=3 * _slot_bytes(store),
+                                                           prefetch=False))):
+        engine = Engine.load(store.root, config)
+        try:
+            with HostSyncCounter() as syncs:
+                engine.generate(PROMPT, SamplingConfig(max_new_tokens=new_tokens))
+            counts[name] = syncs.total
+        finally:
+            engine.close()
+    moe_layers = len(engine.model.moe_layers())
+    forwards = new_tokens  # the prompt's pass, then one per generated token but the last
+    predicting = moe_layers - 1  # the last MoE layer has no next layer to predict
+    assert counts["ring-no-prefetch"] == counts["resident"]
+    assert counts["ring"] - counts["resident"] == forwards * predicting

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from storage.errors import CorruptTensorError
+from storage.keys import ExpertKey
 from storage.store import ExpertTensor, Store
 from storage.tiered import TieredExpertStore, TieredStoreConfig
 
@@ -159,7 +160,7 @@ def test_a_guess_waits_for_needed_reads_and_a_wrong_one_is_abandoned(store):
         g.start()
         time.sleep(0.2)
         assert tier.stats().guess_wasted_bytes == 0 and g.is_alive()  # still waiting for the disk
-        assert tier.cancel_guesses([(1, 1)]) == 1
+        assert tier.cancel_guesses([ExpertKey(1, 1)]) == 1
         g.join(5)
         demand.join(5)
         assert outcome == {"cancelled": True}
@@ -209,7 +210,7 @@ def test_cancelling_a_guess_mid_read_counts_the_bytes_it_read(store):
         def gate(spec):  # the guess is found wrong after its third page (gate calls: open, pages 2, 3, 4)
             steps.append(1)
             if len(steps) == 4:
-                tier.cancel_guesses([(0, 5)])
+                tier.cancel_guesses([ExpertKey(0, 5)])
             return real_gate(spec)
 
         tier._gate = gate
