@@ -174,3 +174,80 @@ def test_cuda_in_place_ok_returns_a_device_source():
     with CudaCopyStream("cuda") as stream:
         src = torch.ones(4, device="cuda")
         assert stream.copy_to_device(src, in_place_ok=True).wait() is src
+
+
+# -- the fake CUDA stream: each hazard it models is reported ---------------------------------------
+
+from storage.streams import COMPLETE, CopyOrderError, FakeCudaCopyStream, copy_stream_factory  # noqa: E402
+
+
+@pytest.fixture
+def fake():
+    with FakeCudaCopyStream(seed=1, max_delay_s=0.002, compute_lag_s=0.05) as s:
+        yield s
+
+
+def test_fake_poisons_the_destination_until_the_copy_ran(fake):
+    dst = torch.zeros(64)
+    handle = fake.copy(torch.ones(64), dst)
+    assert torch.isnan(dst).all() or torch.equal(dst, torch.ones(64))  # poisoned at issue, or already copied
+    assert torch.equal(handle.wait(), torch.ones(64))
+    assert fake.violations == []
+
+
+def test_fake_reports_a_source_changed_before_its_copy_ran():
+    with FakeCudaCopyStream(seed=1, max_delay_s=0.05) as fake:
+        src = torch.ones(16)
+        handle = fake.copy(src, torch.empty(16))
+        src.fill_(2.0)  # the buffer reused before the copy ran
+        with pytest.raises(CopyOrderError, match="changed between issue and copy"):
+            handle.wait()
+        assert len(fake.violations) == 1
+
+
+def test_fake_reports_a_copy_into_memory_queued_compute_still_reads(fake):
+    slot = torch.empty(32)
+    fake.copy(torch.ones(32), slot).wait()  # compute is handed the slot...
+    fake.record_compute()  # ...and its reading is queued, finishing up to 50 ms later (seeded: not before the refill)
+    bad = fake.copy(torch.full((32,), 2.0), slot)  # a refill that forgot to wait for the reader
+    with pytest.raises(CopyOrderError, match="queued compute may still read it"):
+        bad.wait()
+    good = fake.copy(torch.full((32,), 3.0), torch.empty(32))
+    assert torch.equal(good.wait(), torch.full((32,), 3.0))
+
+
+def test_fake_refill_after_the_readers_event_is_clean(fake):
+    slot = torch.empty(32)
+    fake.copy(torch.ones(32), slot).wait()
+    reader = fake.record_compute()
+    assert torch.equal(fake.copy(torch.full((32,), 2.0), slot, after=reader).wait(), torch.full((32,), 2.0))
+    assert fake.violations == [] and fake.host_syncs == 0
+
+
+def test_fake_reorders_copies_and_counts_host_syncs_by_thread():
+    with FakeCudaCopyStream(seed=4, max_delay_s=0.02, workers=2) as fake:
+        order = []
+        dsts = [hooked((4,), lambda i=i: order.append(i)) for i in range(12)]
+        handles = [fake.copy(torch.full((4,), float(i)), dsts[i]) for i in range(12)]
+        handles[0].synchronize()
+        for i, h in enumerate(handles):
+            assert torch.equal(h.wait(), torch.full((4,), float(i)))
+    assert order != sorted(order)  # issue order is not promised
+    assert fake.host_syncs == 1 and fake.syncs_by_thread[threading.current_thread().name] == 1
+
+
+def test_copy_casts_when_asked_and_refuses_a_silent_dtype_change(stream):
+    src = torch.arange(6, dtype=torch.bfloat16)
+    assert torch.equal(stream.copy(src, torch.empty(6), cast=True).wait(), src.float())
+    with pytest.raises(ValueError, match="does not match"):
+        stream.copy(src, torch.empty(6))
+    assert stream.record_compute() is COMPLETE  # host compute has already run
+
+
+def test_copy_stream_factory_builds_and_collects_cpu_streams():
+    with copy_stream_factory(lambda device: FakeCudaCopyStream(device)) as made:
+        s = make_copy_stream("cpu")
+        assert isinstance(s, FakeCudaCopyStream) and made == [s]
+        s.close()
+    with make_copy_stream("cpu") as plain:
+        assert type(plain) is ThreadCopyStream
