@@ -110,12 +110,58 @@ def aligned_empty(nbytes: int, *, alignment: int, pin: bool) -> tuple[torch.Tens
     return base, base[offset : offset + nbytes]
 
 
+class HostPinner:
+    """Page-locks host memory in place, exactly the bytes asked for.
+
+    torch's pinned allocator rounds every allocation up to a power of two and keeps freed blocks
+    cached, so a pool of pinned slabs would pin up to twice its budget, unaccounted. Registering
+    pageable memory with ``cudaHostRegister`` pins what the pool counts and no more. This class
+    keeps the account; the CUDA calls are in `_register` / `_unregister`, which a test replaces.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pinned: dict[int, int] = {}  # address -> bytes
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes page-locked by this pinner right now."""
+        with self._lock:
+            return sum(self._pinned.values())
+
+    def pin(self, t: torch.Tensor) -> None:
+        """Page-lock ``t``'s bytes (contiguous, page-aligned)."""
+        ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
+        self._register(ptr, nbytes)
+        with self._lock:
+            self._pinned[ptr] = nbytes
+
+    def unpin(self, t: torch.Tensor) -> None:
+        """Undo `pin`."""
+        with self._lock:
+            if self._pinned.pop(t.data_ptr(), None) is None:
+                return
+        self._unregister(t.data_ptr())
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        if int(err) != 0:
+            raise PoolError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error {int(err)} "
+                            "(is the locked-memory limit, ulimit -l, too low?)")
+
+    def _unregister(self, ptr: int) -> None:
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if int(err) != 0:
+            logger.warning("cudaHostUnregister failed: CUDA error %d", int(err))
+
+
 @dataclass(eq=False)
 class _Slab:
     """One allocation holding ``len(buffers)`` buffers of ``size`` bytes each."""
 
     size: int
     base: torch.Tensor
+    flat: torch.Tensor  # the aligned bytes the buffers are carved from (what is pinned)
     buffers: list[torch.Tensor]
     free: list[int]
 
@@ -168,11 +214,12 @@ class HostBufferPool:
     otherwise blocks until another thread releases a buffer.
     """
 
-    def __init__(self, config: HostBufferPoolConfig) -> None:
+    def __init__(self, config: HostBufferPoolConfig, *, pinner: HostPinner | None = None) -> None:
         self.config = config
         self.pin = torch.cuda.is_available() if config.pin is None else config.pin
-        if self.pin and not torch.cuda.is_available():
+        if self.pin and pinner is None and not torch.cuda.is_available():
             raise ValueError("HostBufferPoolConfig.pin=True: pinned memory needs CUDA, none found")
+        self.pinner = (pinner or HostPinner()) if self.pin else None
         self._cond = threading.Condition()
         self._slabs: dict[int, list[_Slab]] = {}
         # Bytes of slabs that exist or are being allocated right now (reserved outside the lock).
@@ -320,6 +367,8 @@ class HostBufferPool:
                 if slab.fully_free and (need is None or freed < need):
                     freed += slab.nbytes
                     self._allocated_bytes -= slab.nbytes
+                    if self.pinner is not None:
+                        self.pinner.unpin(slab.flat)
                 else:
                     kept.append(slab)
             if kept:
@@ -340,7 +389,15 @@ class HostBufferPool:
         return max(1, min(slab_bytes // size, unallocated // size))
 
     def _new_slab(self, size: int, count: int) -> _Slab:
-        base, flat = aligned_empty(size * count, alignment=self.config.alignment, pin=self.pin)
+        # pageable and aligned, then page-locked in place: exactly the slab's bytes are pinned
+        base, flat = aligned_empty(size * count, alignment=max(self.config.alignment, 4096), pin=False)
+        if self.pinner is not None:
+            self.pinner.pin(flat)
         buffers = [flat[i * size : (i + 1) * size] for i in range(count)]
         logger.debug("HostBufferPool: new slab of %d x %d bytes (pinned=%s)", count, size, self.pin)
-        return _Slab(size=size, base=base, buffers=buffers, free=list(range(count)))
+        return _Slab(size=size, base=base, flat=flat, buffers=buffers, free=list(range(count)))
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of host memory this pool has page-locked (its slabs', nothing rounded up)."""
+        return self.pinner.pinned_bytes if self.pinner is not None else 0

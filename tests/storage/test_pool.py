@@ -10,9 +10,11 @@ import torch
 from storage.pool import (
     BufferStateError,
     HostBufferPool,
+    HostPinner,
     HostBufferPoolConfig,
     OversizeRequestError,
     PoolExhaustedError,
+    round_up,
 )
 
 KiB = 1024
@@ -228,3 +230,47 @@ def test_preadv_with_o_direct(tmp_path):
             assert buf.payload.numpy().tobytes() == data
     finally:
         os.close(fd)
+
+
+class RecordingPinner(HostPinner):
+    """The pool's pinning bookkeeping with the CUDA calls replaced by a record of what they got."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, int, int]] = []
+
+    def _register(self, ptr: int, nbytes: int) -> None:
+        self.calls.append(("register", ptr, nbytes))
+
+    def _unregister(self, ptr: int) -> None:
+        self.calls.append(("unregister", ptr, 0))
+
+
+def test_a_pinned_pool_pins_exactly_its_slabs_and_unpins_them_when_dropped():
+    """A 17 MB chunk once pinned 32 MiB through torch's power-of-two pinned allocator: the pool now
+    pins the slab's own bytes, page-aligned, and gives them back with the slab."""
+    pinner = RecordingPinner()
+    chunk = 17 * 10**6
+    pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=4 * chunk + 2**20, pin=True, slab_bytes=chunk),
+                          pinner=pinner)
+    bufs = [pool.acquire(chunk) for _ in range(3)]
+    assert pool.pinned_bytes == pool.allocated_bytes == 3 * round_up(chunk, 4096)
+    for kind, ptr, nbytes in pinner.calls:
+        assert kind == "register" and ptr % 4096 == 0 and nbytes == round_up(chunk, 4096)
+    assert {b.tensor.data_ptr() for b in bufs} == {ptr for _, ptr, _ in pinner.calls}
+    for b in bufs:
+        b.release()
+    pool.close()
+    assert pool.pinned_bytes == 0
+    assert sorted(p for k, p, _ in pinner.calls if k == "unregister") == sorted(b.tensor.data_ptr() for b in bufs)
+
+
+@pytest.mark.cuda
+def test_cuda_pinned_pool_buffers_are_page_locked_and_counted():
+    pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=64 * 2**20, pin=True, slab_bytes=2**20))
+    buf = pool.acquire(3 * 10**6)
+    assert buf.tensor.is_pinned()
+    assert pool.pinned_bytes == pool.allocated_bytes
+    buf.release()
+    pool.close()
+    assert pool.pinned_bytes == 0
