@@ -294,3 +294,8 @@ def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_lay
     predicting = moe_layers - 1  # the last MoE layer has no next layer to predict
     assert counts["ring-no-prefetch"] == counts["resident"]
     assert counts["ring"] - counts["resident"] == forwards * predicting
+
+
+def test_default_compute_dtype_on_cuda_is_bfloat16():
+    assert EngineConfig(device="cuda").dtype == "bfloat16"
+    assert EngineConfig(device="cpu").dtype == "float32"
