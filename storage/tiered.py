@@ -246,7 +246,7 @@ class TieredExpertStore:
 
         `speculative`: a guess, not a use; a new entry is evicted first unless it is used later
         (`record_use`)."""
-        key = (layer, expert, kind)
+        key = ExpertKey(layer, expert, kind)
         nbytes = self.store.manifest.chunk(*key).bytes
         while True:
             entry, must_load = self.cache.lookup_or_reserve(key, nbytes, probation=speculative)
@@ -337,6 +337,8 @@ class TieredExpertStore:
         self.reader.close()
         if self._guess_reader is not None:
             self._guess_reader.close()
+        self.cache.clear()  # cached experts give their buffers back; ones still held by a handle stay valid
+        self.pool.close()  # free slabs (and their pinned pages) go now, the rest as their handles release
 
     def __enter__(self) -> "TieredExpertStore":
         return self

@@ -219,3 +219,13 @@ def test_cancelling_a_guess_mid_read_counts_the_bytes_it_read(store):
         s = tier.stats()
         assert s.guesses_cancelled == 1 and s.guess_wasted_bytes == 3 * 4096 == s.ssd_bytes
         assert not tier.cached(0, 5)
+
+
+
+def test_close_gives_the_host_pool_back(store):
+    tier = _tier(store, experts_in_cache=3)
+    with tier.get(0, 1):
+        pass
+    assert tier.pool.allocated_bytes > 0
+    tier.close()
+    assert tier.pool.allocated_bytes == 0  # evicted or not, no slab outlives the tier
