@@ -48,17 +48,19 @@ def local_expert_ids(num_experts: int, rank: int, world: int) -> range:
     return range(rank * per_rank, (rank + 1) * per_rank)
 
 
-def expert_major_order(counts_WL: torch.Tensor) -> torch.Tensor:
+def expert_major_order(counts_WL: torch.Tensor, rows: int | None = None) -> torch.Tensor:
     """Indices that regroup received rows from source-rank-major to local-expert-major order.
 
     Rows arrive as one block per source rank, each block sorted by local expert (`counts_WL[w, l]`
     rows from rank w for expert l); indexing with the result puts all of expert 0's rows first
-    (source rank 0's, then rank 1's, ...), then expert 1's, and so on.
+    (source rank 0's, then rank 1's, ...), then expert 1's, and so on. `rows`, the total of
+    `counts_WL` when the caller knows it, spares the device a host sync to size the result.
     """
     if counts_WL.dim() != 2:
         raise ValueError(f"counts_WL must be 2-D (ranks, local experts), got shape {tuple(counts_WL.shape)}")
     W, L = counts_WL.shape
-    segment_M = torch.arange(W * L, device=counts_WL.device).repeat_interleave(counts_WL.reshape(-1))
+    segment_M = torch.arange(W * L, device=counts_WL.device).repeat_interleave(counts_WL.reshape(-1),
+                                                                               output_size=rows)
     # Segment w*L + l sorts by expert first, then by source rank; stability keeps the row order inside it.
     key_M = (segment_M % L) * W + segment_M // L
     return torch.argsort(key_M, stable=True)
@@ -159,10 +161,16 @@ class ExpertParallelMoE(MoEFeedForward):
         # rows bound for one rank are already contiguous and in the order its experts expect.
         token_idx_R, choice_idx_R, counts_E = dispatch_order(r.ids_TK, keep_NK, c.num_experts)
         counts_WL = self._exchange_counts(counts_E)
-        send_splits = counts_E.view(self.world, -1).sum(dim=1).tolist()
-        recv_splits = counts_WL.sum(dim=1).tolist()
+        # The splits and each expert's rows are sizes the host needs: read in one go, this and
+        # dispatch_order's nonzero are the layer's only host syncs.
+        W, L = counts_WL.shape
+        host = torch.cat([counts_E, counts_WL.reshape(-1)]).tolist()
+        sent_E, received_WL = host[:W * L], [host[W * L + w * L:W * L + (w + 1) * L] for w in range(W)]
+        send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
+        recv_splits = [sum(row) for row in received_WL]
+        per_expert = [sum(row[l] for row in received_WL) for l in range(L)]
         x_MD = all_to_all_rows(x_ND[token_idx_R], send_splits, recv_splits, self.group)
-        y_MD = self._run_local_experts(x_MD, counts_WL)
+        y_MD = self._run_local_experts(x_MD, counts_WL, per_expert)
         y_RD = all_to_all_rows(y_MD, recv_splits, send_splits, self.group)
         # One row per (token, choice), summed over choices by the same code as MoEFeedForward, so
         # the result matches the single-device layer.
@@ -178,11 +186,12 @@ class ExpertParallelMoE(MoEFeedForward):
         dist.all_to_all_single(counts_WL, counts_E.contiguous(), group=self.group)
         return counts_WL.view(self.world, -1)
 
-    def _run_local_experts(self, x_MD: torch.Tensor, counts_WL: torch.Tensor) -> torch.Tensor:
-        """Each local expert on its received rows; the result keeps the rows' arrival order."""
-        order_M = expert_major_order(counts_WL)
+    def _run_local_experts(self, x_MD: torch.Tensor, counts_WL: torch.Tensor, per_expert: list[int]
+                           ) -> torch.Tensor:
+        """Each local expert on its received rows (`per_expert[l]` of them, the column sums of
+        `counts_WL`); the result keeps the rows' arrival order."""
+        order_M = expert_major_order(counts_WL, rows=x_MD.shape[0])
         x_by_expert_MD = x_MD[order_M]
-        per_expert = counts_WL.sum(dim=0).tolist()
         starts = [0]
         for n in per_expert:
             starts.append(starts[-1] + n)

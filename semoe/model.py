@@ -138,12 +138,13 @@ class Attention(nn.Module):
             cache.k[layer][:, :, start:start + T] = k_BGTDh
             cache.v[layer][:, :, start:start + T] = v_BGTDh
             k_BGTDh, v_BGTDh = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
-        if T == 1:  # one new token sees every cached position: no mask needed
-            mask = None
-        else:  # query i (at position start+i) sees keys 0..start+i
-            S = start + T
-            mask = torch.ones(T, S, dtype=torch.bool, device=x_BTD.device).tril(diagonal=start)
-        out_BHTDh = F.scaled_dot_product_attention(q_BHTDh, k_BGTDh, v_BGTDh, attn_mask=mask,
+        mask, causal = None, False
+        if T > 1 and start == 0:  # training and a first prefill: square causal, which flash kernels take
+            causal = True
+        elif T > 1:  # query i (at position start+i) sees keys 0..start+i; is_causal would align top-left
+            mask = torch.ones(T, start + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=start)
+        # T == 1: one new token sees every cached position, no mask needed
+        out_BHTDh = F.scaled_dot_product_attention(q_BHTDh, k_BGTDh, v_BGTDh, attn_mask=mask, is_causal=causal,
                                                    enable_gqa=c.num_kv_heads != c.num_heads)
         return self.o_proj(out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
 
@@ -197,7 +198,8 @@ class RouterStats:
     aux_loss: torch.Tensor
     z_loss: torch.Tensor
     ids_NK: torch.Tensor
-    dropped: int = 0
+    # (token, choice) pairs over capacity: a device scalar, since reading it would stall every layer
+    dropped: torch.Tensor | int = 0
 
 
 class MoEFeedForward(nn.Module):
@@ -248,7 +250,7 @@ class MoEFeedForward(nn.Module):
             aux, z = load_balancing_loss(r.probs_TE, r.ids_TK, c.num_experts), router_z_loss(r.logits_TE)
         else:  # inference needs the routing, not the losses
             aux = z = x_ND.new_zeros((), dtype=torch.float32)
-        return out_ND, RouterStats(aux_loss=aux, z_loss=z, ids_NK=r.ids_TK, dropped=int((~keep_NK).sum()))
+        return out_ND, RouterStats(aux_loss=aux, z_loss=z, ids_NK=r.ids_TK, dropped=(~keep_NK).sum())
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         c = self.config
@@ -256,6 +258,8 @@ class MoEFeedForward(nn.Module):
         x_ND = x_BTD.reshape(-1, D)
         r, keep_NK = self.route_and_keep(x_ND)
         token_idx, choice_idx, counts_E = dispatch_order(r.ids_TK, keep_NK, c.num_experts)
+        # The host needs the counts to slice each expert's rows: with dispatch_order's nonzero, the
+        # layer's only host syncs (both data-dependent sizes).
         counts = counts_E.tolist()
         starts = [0]
         for n in counts:

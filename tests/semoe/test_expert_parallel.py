@@ -236,3 +236,30 @@ def _model_worker(rank: int) -> None:
 
 def test_sharded_model_matches_single_device_model(spawn):
     spawn(_model_worker)
+
+
+def test_expert_major_order_with_the_row_count_needs_no_host_sync():
+    from storage.syncs import HostSyncCounter
+
+    counts = torch.tensor([[1, 2], [3, 0]])
+    with HostSyncCounter() as c:
+        order = expert_major_order(counts, rows=6)
+    assert order.tolist() == expert_major_order(counts).tolist() == [0, 3, 4, 5, 1, 2]
+    assert c.total == 0
+
+
+def _sync_worker(rank: int) -> None:
+    from storage.syncs import HostSyncCounter
+
+    # Training with token dropping: routing's nonzero and one read of the exchanged counts are the
+    # layer's only host syncs (the splits and each expert's rows are sizes the host must know).
+    ep = ExpertParallelMoE(_full_layer(capacity_factor=0.75).train())
+    x = _tokens(rank, (2, 9, 64))
+    with HostSyncCounter() as c:
+        _, stats = ep(x)
+    assert dict(c.counts) == {"nonzero": 1, "tolist": 1}, (rank, dict(c.counts))
+    assert isinstance(stats.dropped, torch.Tensor)
+
+
+def test_forward_syncs_with_the_host_once_for_the_counts(spawn):
+    spawn(_sync_worker)

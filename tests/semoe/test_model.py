@@ -113,3 +113,61 @@ def test_qwen2_moe_dense_layers_follow_decoder_sparse_step():
                           "moe_intermediate_size": 4, "intermediate_size": 8, "decoder_sparse_step": 2,
                           "mlp_only_layers": [3]})
     assert cfg.moe_layer_ids == [1] and isinstance(cfg, MoEConfig)
+
+
+# -- what a layer asks of the host, and which attention kernel it can get -----------------------
+
+
+def test_moe_layer_syncs_with_the_host_only_for_its_data_dependent_sizes():
+    """Training with token dropping: the routing's nonzero and the per-expert counts are the layer's
+    only host syncs (inherent: the host slices rows by them); the dropped count stays a tensor."""
+    from storage.syncs import HostSyncCounter
+
+    torch.manual_seed(1)
+    ffn = MoEFeedForward(named_config("tiny", capacity_factor=0.5), 0).train()
+    x = torch.randn(2, 9, ffn.config.hidden_size)
+    with HostSyncCounter() as c:
+        _, stats = ffn(x)
+    assert dict(c.counts) == {"nonzero": 1, "tolist": 1}
+    assert isinstance(stats.dropped, torch.Tensor) and int(stats.dropped) > 0
+
+
+def _record_sdpa(monkeypatch) -> list[dict]:
+    import torch.nn.functional as F
+
+    calls: list[dict] = []
+    real = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, is_causal=False, **kw):
+        calls.append({"T": q.shape[-2], "S": k.shape[-2], "mask": attn_mask is not None, "is_causal": is_causal})
+        return real(q, k, v, attn_mask=attn_mask, is_causal=is_causal, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    return calls
+
+
+def test_attention_asks_for_the_causal_kernel_unless_the_cache_is_offset(monkeypatch):
+    """No cache offset (training, first prefill): is_causal and no mask, which flash attention
+    takes; a chunk after cached positions needs the explicit offset mask; one token needs neither.
+    The three give the full forward's logits (float32, atol 1e-5)."""
+    from semoe.model import KVCache
+
+    torch.manual_seed(0)
+    cfg = named_config("tiny")
+    model = MoEGPT(cfg).eval()
+    ids = torch.randint(0, cfg.vocab_size, (2, 12))
+    calls = _record_sdpa(monkeypatch)
+    with torch.no_grad():
+        full = model(ids).logits
+        assert calls and all(c == {"T": 12, "S": 12, "mask": False, "is_causal": True} for c in calls)
+        calls.clear()
+        cache = KVCache.empty(cfg, 2, 16)
+        first = model(ids[:, :8], cache).logits
+        assert all(c["is_causal"] and not c["mask"] for c in calls)
+        calls.clear()
+        second = model(ids[:, 8:11], cache).logits
+        assert all(c == {"T": 3, "S": 11, "mask": True, "is_causal": False} for c in calls)
+        calls.clear()
+        last = model(ids[:, 11:], cache).logits
+        assert all(c == {"T": 1, "S": 12, "mask": False, "is_causal": False} for c in calls)
+    torch.testing.assert_close(torch.cat([first, second, last], dim=1), full, atol=1e-5, rtol=1e-5)
