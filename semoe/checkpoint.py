@@ -110,13 +110,14 @@ def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
 def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dtype, *,
                  with_experts: bool = True) -> MoEGPT:
     """A model with uninitialised storage (no time spent on random init of weights about to be loaded);
-    without experts, no memory is taken for them either."""
+    without experts, no memory is taken for them either. The dtype is set while the model is still
+    on the meta device, so its storage is allocated once, at that dtype: never float32 first."""
     with torch.device("meta"):
         model = MoEGPT(config)
     if not with_experts:
         for ffn in model.moe_layers():
             ffn.use_experts(_NoExperts())
-    model = model.to_empty(device=device).to(dtype)
+    model = model.to(dtype).to_empty(device=device)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model

@@ -1,0 +1,46 @@
+"""Loading a model at a narrower dtype allocates its storage once, at that dtype."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from semoe.checkpoint import _empty_model, load_store, save_store
+from semoe.config import named_config
+from semoe.model import MoEGPT
+
+
+class _Allocations(TorchDispatchMode):
+    """The dtype and element count of every tensor an op returns off the meta device."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.made: list[tuple[torch.dtype, int]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in out if isinstance(out, (list, tuple)) else (out,):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self.made.append((t.dtype, t.numel()))
+        return out
+
+
+def test_an_empty_bf16_model_never_allocates_float32_weights():
+    """Before the cast moved onto the meta device, every weight was first materialised in float32
+    (twice the bf16 bytes: an OOM on a GPU holding more than half the model)."""
+    config = named_config("tiny")
+    with _Allocations() as rec:
+        model = _empty_model(config, "cpu", torch.bfloat16)
+    assert all(p.dtype == torch.bfloat16 and p.device.type == "cpu" for p in model.parameters())
+    assert not [m for m in rec.made if m[0] == torch.float32], rec.made[:5]
+    params = sum(p.numel() for p in model.parameters())
+    assert sum(n for d, n in rec.made if d == torch.bfloat16) == params  # each weight allocated once
+
+
+def test_load_store_as_bf16_matches_the_float32_weights_cast(tmp_path):
+    torch.manual_seed(0)
+    model = MoEGPT(named_config("tiny")).eval()
+    save_store(model, str(tmp_path / "m"))
+    loaded = load_store(str(tmp_path / "m"), dtype=torch.bfloat16)
+    for (name, p), (_, q) in zip(model.named_parameters(), loaded.named_parameters()):
+        assert q.dtype == torch.bfloat16 and torch.equal(q, p.detach().to(torch.bfloat16)), name
