@@ -13,7 +13,12 @@ only while they are used:
 Backends: `ResidentExpertStates` holds everything in memory (`--expert-states device`, or `cpu` to
 keep states in host memory and compute on the device); `SSDExpertStates` (in `semoe.ssd_states`)
 keeps them in the store behind the LFU CPU cache. Both run the same math in the same order, so
-they give bit-identical results.
+on CPU they give bit-identical results. On CUDA, `device` steps AdamW on the GPU while `cpu` and
+`ssd` step it on the host: the same arithmetic, rounded by different kernels, so the modes agree
+within float32 rounding there.
+
+Precision: states and gradients are float32. Under autocast the expert runs in the autocast dtype
+(bf16) and its backward in the dtype its forward used; weight gradients reach the backend as float32.
 
 Experts are updated only when routed to (sparse AdamW, as SE-MoE): an expert without tokens in a
 step keeps its weights and moments, and its own step count drives the bias correction.
@@ -26,7 +31,7 @@ from __future__ import annotations
 import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -57,6 +62,21 @@ def adamw_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *
     bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
     denom = (v.sqrt() / math.sqrt(bias2)).add_(cfg.eps)
     w.addcdiv_(m, denom, value=-lr / bias1)
+
+
+def sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """Sum of the squares of every element of `tensors`, a float64 scalar on `device`.
+
+    One fused norm kernel per (device, dtype) group and no host read: reading a norm per tensor
+    would make the host wait for the device once per parameter."""
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+    for t in tensors:
+        groups.setdefault((t.device, t.dtype), []).append(t)
+    for (dev, _), ts in groups.items():
+        sq = torch.stack(torch._foreach_norm(ts)).double().square().sum()
+        total += sq if dev == device else sq.to(device)
+    return total
 
 
 def init_expert(config: MoEConfig, seed: int, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
@@ -124,9 +144,18 @@ class ExpertStates(ABC):
     def touched(self) -> list[Key]:
         """Experts that received a gradient this step, in update order."""
 
-    @abstractmethod
+    def _grads(self, key: Key) -> list[torch.Tensor]:
+        """This step's (gate, up, down) gradient of a touched expert."""
+        raise NotImplementedError
+
+    def grad_sq_sum(self) -> torch.Tensor:
+        """Sum of squares of every expert gradient of this step (after `grad_scale`), a float64
+        scalar on `device`: the caller reads it together with its own numbers, in one host sync."""
+        return sum_of_squares([g for key in self.touched() for g in self._grads(key)], self.device)
+
     def grad_sq_norm(self) -> float:
-        """Sum of squares of every expert gradient of this step (after `grad_scale`)."""
+        """`grad_sq_sum` as a number."""
+        return float(self.grad_sq_sum())
 
     @abstractmethod
     def step(self, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:
@@ -193,17 +222,22 @@ class _ExpertFFN(torch.autograd.Function):
         x_MD, g_MF, u_MF = ctx.saved_tensors
         states, layer, expert = ctx.key
         states.begin_backward_layer(layer)
+        # Backward runs in the dtype forward computed in (bf16 under autocast, which backward does
+        # not see); in float32 every cast below is a no-op.
+        dt = g_MF.dtype
+        dy_MD, xc_MD = dy_MD.to(dt), x_MD.to(dt)
         s_MF = torch.sigmoid(g_MF)
         a_MF = g_MF * s_MF  # silu(g)
         h_MF = a_MF * u_MF
         with states.fetch(layer, expert) as w:
-            dh_MF = dy_MD @ w.down
+            dh_MF = dy_MD @ w.down.to(dt)
             dg_MF = dh_MF * u_MF * (s_MF * (1 + g_MF * (1 - s_MF)))
             du_MF = dh_MF * a_MF
-            dx_MD = dg_MF @ w.gate + du_MF @ w.up
+            dx_MD = dg_MF @ w.gate.to(dt) + du_MF @ w.up.to(dt)
         if x_MD.shape[0]:  # an expert run on no rows (expert parallelism keeps graphs alike) learns nothing
-            states.add_grad(layer, expert, (dg_MF.t() @ x_MD, du_MF.t() @ x_MD, dy_MD.t() @ h_MF))
-        return dx_MD, None, None, None, None, None, None
+            states.add_grad(layer, expert, ((dg_MF.t() @ xc_MD).float(), (du_MF.t() @ xc_MD).float(),
+                                            (dy_MD.t() @ h_MF).float()))
+        return dx_MD.to(x_MD.dtype), None, None, None, None, None, None
 
 
 @dataclass(frozen=True)
@@ -269,8 +303,8 @@ class ResidentExpertStates(ExpertStates):
 
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
         key = (layer, expert)
-        grads = [g.to(self.storage_device) * self.grad_scale if self.grad_scale != 1.0 else
-                 g.to(self.storage_device) for g in grads]
+        grads = [g.to(self.storage_device, torch.float32) * self.grad_scale if self.grad_scale != 1.0 else
+                 g.to(self.storage_device, torch.float32) for g in grads]
         if key in self.g:
             for acc, g in zip(self.g[key], grads):
                 acc.add_(g)
@@ -284,8 +318,8 @@ class ResidentExpertStates(ExpertStates):
         super().discard_grads()
         self.g.clear()
 
-    def grad_sq_norm(self) -> float:
-        return float(sum(float(g.double().pow(2).sum()) for key in self.touched() for g in self.g[key]))
+    def _grads(self, key: Key) -> list[torch.Tensor]:
+        return self.g[key]
 
     @torch.no_grad()
     def step(self, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:

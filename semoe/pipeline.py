@@ -22,7 +22,8 @@ entries and their stages' dense tensors are gathered to rank 0, which writes the
 commits. Besides the model and the experts' Adam moments, a checkpoint holds `pipeline.json`
 (step, stages, schedule, settings, per-expert Adam step counts) and `pipeline_optimizer.pt` (each
 stage's dense AdamW state and RNG state), so a run resumes with the same number of stages, bit
-for bit.
+for bit (on CUDA, as far as the kernels are deterministic: see `semoe.train`). The gathering
+runs on the trainer's object group (gloo, host memory), never through NCCL.
 
 Shape legend: B batch (of one micro-batch), T tokens, D hidden size, V vocabulary.
 """
@@ -45,9 +46,9 @@ from torch import nn
 
 from semoe.checkpoint import _dense_params, hf_name
 from semoe.config import MoEConfig
-from semoe.expert_states import AdamWConfig, ExpertStates
+from semoe.expert_states import AdamWConfig, ExpertStates, sum_of_squares
 from semoe.model import MoEGPT, rope_cos_sin
-from semoe.train import Trainer, build_model, init_dense, run_rank
+from semoe.train import Trainer, build_model, init_dense, run_rank, to_device
 from semoe.train_config import StepLog, TrainConfig, return_large_frees_to_the_os
 from storage.errors import BadInputError
 from storage.store import Store
@@ -117,9 +118,12 @@ class RouterLossMeter:
         self._aux.append(aux.detach())
         self._z.append(z.detach())
 
-    def take(self) -> tuple[float, float]:
-        """(sum of aux losses, sum of z losses) recorded since the last call; clears them."""
-        aux, z = sum(float(a) for a in self._aux), sum(float(b) for b in self._z)
+    def take(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(sum of aux losses, sum of z losses) recorded since the last call, float64 scalars
+        left on their device (0.0 on the CPU when none were recorded); clears them."""
+        zero = torch.zeros((), dtype=torch.float64)
+        aux = torch.stack(self._aux).double().sum() if self._aux else zero
+        z = torch.stack(self._z).double().sum() if self._z else zero
         self._aux, self._z = [], []
         return aux, z
 
@@ -188,7 +192,8 @@ class StageModule(nn.Module):
             if stats is not None:
                 aux.append(stats.aux_loss)
                 z.append(stats.z_loss)
-        out = self.lm_head(self.norm(x_BTD)) if self.last else x_BTD
+        # float32 logits whatever autocast did: the schedule checks them against the declared output
+        out = self.lm_head(self.norm(x_BTD)).float() if self.last else x_BTD
         if aux and self.training and torch.is_grad_enabled():
             # This stage's share of the model's mean-over-MoE-layers losses, summed as MoEGPT sums them.
             n = len(c.moe_layer_ids)
@@ -232,7 +237,7 @@ class PipelineTrainer(Trainer):
                                 "`semoe train --pipeline N` (torch.distributed is not initialised)")
         self.distributed = True
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self.device = torch.device(cfg.device)
+        self._place(cfg)
         self.writer = None
         self.version = None
         resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
@@ -334,7 +339,8 @@ class PipelineTrainer(Trainer):
         super()._load_dense(store, source)
 
     def _saved_optimizer(self, store: Store) -> tuple[dict, torch.Tensor]:
-        blob = torch.load(io.BytesIO(store.read_file(PIPELINE_OPTIMIZER_FILE)), map_location=self.device,
+        # to the CPU, as Trainer._saved_optimizer explains
+        blob = torch.load(io.BytesIO(store.read_file(PIPELINE_OPTIMIZER_FILE)), map_location="cpu",
                           weights_only=False)
         return blob["stages"][self.rank], blob["rng"][self.rank]
 
@@ -372,13 +378,20 @@ class PipelineTrainer(Trainer):
             p.grad = None
         ids, tgt = self.sampler.batch(self.step)
         losses: list[torch.Tensor] = []
-        args = (ids.to(self.device),) if self.first else ()
-        self.schedule.step(*args, target=tgt.to(self.device) if self.last else None,
-                           losses=losses if self.last else None, return_outputs=False)
-        ce_sum = sum(float(x.detach()) for x in losses)  # each is ce / M already
+        args = (to_device(ids, self.device),) if self.first else ()
+        with self.precision.autocast(self.device.type):
+            self.schedule.step(*args, target=to_device(tgt, self.device) if self.last else None,
+                               losses=losses if self.last else None, return_outputs=False)
+        # Every number stays on the device until the one host read of the step.
+        dev = self.device
+        ce_sum = (torch.stack([x.detach() for x in losses]).double().sum() if losses else
+                  torch.zeros((), dtype=torch.float64, device=dev))
         aux_sum, z_sum = self.meter.take()
-        dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.dense if p.grad is not None)
-        ce_mean, aux_sum, z_sum, sq = self._sum([ce_sum, aux_sum, z_sum, dense_sq + self.states.grad_sq_norm()])
+        sq = (sum_of_squares([p.grad for p in self.dense if p.grad is not None], dev)  # each stage its own
+              + self.states.grad_sq_sum())
+        # ce is ce / M already; each stage's router losses and squares are its own: all add up over stages
+        summed = self._sum_on_device(torch.stack([ce_sum, to_device(aux_sum, dev), to_device(z_sum, dev), sq]))
+        ce_mean, aux_sum, z_sum, sq = summed.tolist()
         return self._finish_step(t0, before, lr, ce_mean, aux_sum / M, sq,
                                  extra={"z_loss": z_sum / M, "stages": self.world, "schedule": self.pipeline.schedule})
 

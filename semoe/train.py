@@ -17,6 +17,21 @@ expert-state backend. Checkpoints commit everything (dense weights and optimizer
 data position, per-expert Adam step counts, RNG) in one store version; resuming continues bit-
 exactly where that version left off. Batches are a pure function of (seed, step), so no data
 position needs more than the step number.
+
+Precision: weights, gradients and optimizer states are float32 everywhere. On CUDA the forward
+runs under bf16 autocast with TF32 matmuls by default (`TrainConfig.precision`); on CPU it is
+float32 throughout.
+
+Reproducibility: on CPU a run is a pure function of its settings, the expert-state modes (ssd,
+cpu, device) give bit-identical numbers, and a resumed run ends bit-identical to an uninterrupted
+one. On CUDA a resumed run repeats its steps only as far as the kernels are deterministic: the
+backward of token gathers (`x_ND[tok]`) accumulates with atomics, so gradients vary in the last
+bits from run to run unless `torch.use_deterministic_algorithms(True)` is set; and `--expert-states
+device` steps expert AdamW on the GPU while `cpu` and `ssd` step it on the CPU, whose kernels round
+differently, so the modes agree within float32 rounding, not bit for bit.
+
+Host syncs per step: one read of the losses and the gradient norm (`_finish_step`), and per MoE
+layer the routing's data-dependent sizes (see `semoe.model`); everything else stays queued.
 """
 
 from __future__ import annotations
@@ -42,13 +57,14 @@ from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
 from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
 from semoe.expert_parallel import ExpertParallelMoE, local_expert_ids
-from semoe.expert_states import AdamWConfig, ExpertStates, ResidentExpertStates, TrainingExperts, init_expert
+from semoe.expert_states import (AdamWConfig, ExpertStates, ResidentExpertStates, TrainingExperts, init_expert,
+                                 sum_of_squares)
 from semoe.fused_comm import GradBucketReducer, fused_all_reduce
 from semoe.model import MoEGPT, RMSNorm
 from semoe.ssd_states import STATE_KINDS, ChunkFormat, SSDExpertStates
 from semoe.tokenizer import ByteTokenizer
-from semoe.train_config import (StepLog, TrainConfig, TrainingError, json_line, progress_line,
-                                return_large_frees_to_the_os)
+from semoe.train_config import (Precision, StepLog, TrainConfig, TrainingError, json_line, progress_line,
+                                return_large_frees_to_the_os, training_precision)
 from storage.errors import BadInputError
 from storage.pool import peak_rss_bytes
 from storage.store import Store, StoreWriter, chunk_meta
@@ -99,6 +115,33 @@ def build_model(config: MoEConfig, states: ExpertStates, device: torch.device, w
     return model
 
 
+def object_group() -> dist.ProcessGroup | None:
+    """The group for object collectives (pickles in host memory), barriers and host counters: the
+    default group when it has a CPU backend (gloo, or `cpu:gloo,cuda:nccl`), else a gloo group over
+    the same ranks. Through plain NCCL every pickle would travel as a CUDA tensor, and a gather
+    would allocate world x the largest on rank 0's GPU."""
+    if "gloo" in dist.get_backend_config():
+        return None
+    return dist.new_group(backend="gloo")
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`t` on `device`; a host tensor goes to a GPU through pinned memory, so the host does not
+    wait for the work already queued there."""
+    if t.device == device:
+        return t
+    if device.type == "cuda" and t.device.type == "cpu":
+        return t.pin_memory().to(device, non_blocking=True)
+    return t.to(device)
+
+
+def use_precision(precision: Precision) -> None:
+    """Apply the process-wide part of a precision: TF32 for float32 matmuls and convolutions."""
+    if precision.tf32:
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+
+
 # -- the trainer ----------------------------------------------------------------------------
 
 
@@ -113,7 +156,7 @@ class Trainer:
         self.distributed = dist.is_initialized()
         self.rank = dist.get_rank() if self.distributed else 0
         self.world = dist.get_world_size() if self.distributed else 1
-        self.device = torch.device(cfg.device)
+        self._place(cfg)
         if cfg.batch_size % (self.world * cfg.micro_batches):
             raise BadInputError(f"--batch-size {cfg.batch_size} must divide by ranks x micro-batches "
                                 f"({self.world} x {cfg.micro_batches})")
@@ -140,6 +183,13 @@ class Trainer:
         else:
             self._start_fresh(lambda: init_dense(self.model, cfg.seed) if cfg.init_from is None else
                               self._load_dense(self.source, cfg.init_from))
+
+    def _place(self, cfg: TrainConfig) -> None:
+        """The device, precision and object group of this rank (before any collective)."""
+        self.device = torch.device(cfg.device)
+        self.precision = training_precision(cfg.precision, cfg.device)
+        use_precision(self.precision)
+        self.object_group = object_group() if self.distributed else None
 
     def _dense_optimizer(self, *, shardable: bool = True) -> torch.optim.Optimizer:
         """AdamW over the dense parameters; with several ranks holding the same parameters
@@ -181,30 +231,40 @@ class Trainer:
         return config_from_json(json.loads(self.source.read_file("config.json")))
 
     # -- collectives (no-ops on one rank) ---------------------------------------------------
+    # Objects and host numbers go through `object_group` (gloo, host memory); device tensors
+    # through the default group (NCCL on CUDA), so each collective's tensors sit where its backend
+    # expects them.
     def _barrier(self) -> None:
         if self.distributed:
-            dist.barrier()
+            dist.barrier(group=self.object_group)
 
     def _broadcast(self, obj: Any) -> Any:
         if not self.distributed:
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src=0)
+        dist.broadcast_object_list(box, src=0, group=self.object_group)
         return box[0]
 
     def _gather(self, obj: Any) -> list[Any]:
         if not self.distributed:
             return [obj]
         out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0)
+        dist.gather_object(obj, out, dst=0, group=self.object_group)
         return out or []
 
     def _sum(self, values: list[float]) -> list[float]:
+        """Host numbers summed over ranks."""
         if not self.distributed:
             return values
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
+        dist.all_reduce(t, group=self.object_group)
         return t.tolist()
+
+    def _sum_on_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A tensor on the trainer's device summed over ranks, in place (no host round trip)."""
+        if self.distributed:
+            dist.all_reduce(t)
+        return t
 
     # -- setting up -------------------------------------------------------------------------
     RUN_FILE = TRAINER_FILE  # the side file that makes a store a run of this trainer
@@ -352,8 +412,12 @@ class Trainer:
         self._open_version()
 
     def _saved_optimizer(self, store: Store) -> tuple[dict, torch.Tensor]:
-        """(dense optimizer state, RNG state) of this rank in the last checkpoint."""
-        blob = torch.load(io.BytesIO(store.read_file(OPTIMIZER_FILE)), map_location=self.device, weights_only=False)
+        """(dense optimizer state, RNG state) of this rank in the last checkpoint.
+
+        Loaded to the CPU: `torch.set_rng_state` takes a CPU ByteTensor only, and AdamW keeps its
+        step counters on the CPU (on the GPU each read of one would be a host sync);
+        `load_state_dict` moves the moments to their parameters' device itself."""
+        blob = torch.load(io.BytesIO(store.read_file(OPTIMIZER_FILE)), map_location="cpu", weights_only=False)
         return blob["dense_optimizer"], blob["rng"]
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -451,7 +515,7 @@ class Trainer:
         ids, tgt = self.sampler.batch(self.step)
         per = self.cfg.batch_size // self.world
         lo = self.rank * per
-        return ids[lo:lo + per].to(self.device), tgt[lo:lo + per].to(self.device)
+        return to_device(ids[lo:lo + per], self.device), to_device(tgt[lo:lo + per], self.device)
 
     def train_step(self) -> StepLog:
         cfg, c = self.cfg, self.config
@@ -461,15 +525,18 @@ class Trainer:
         for p in self.dense:
             p.grad = None
         ids, tgt = self._rank_batch()
-        ce_sum = aux_sum = 0.0
+        # Loss sums stay on the device (float64, as exact as summing Python floats) until the one
+        # host read of the step.
+        ce_sum = aux_sum = torch.zeros((), dtype=torch.float64, device=self.device)
         for mb_ids, mb_tgt in zip(ids.chunk(cfg.micro_batches), tgt.chunk(cfg.micro_batches)):
-            out = self.model(mb_ids)
+            with self.precision.autocast(self.device.type):
+                out = self.model(mb_ids)
             ce = F.cross_entropy(out.logits.reshape(-1, c.vocab_size).float(), mb_tgt.reshape(-1))
             loss = ce + c.aux_loss_coef * out.aux_loss + c.z_loss_coef * out.z_loss
             (loss / cfg.micro_batches).backward()
             self.states.end_backward()
-            ce_sum += float(ce.detach())
-            aux_sum += float(out.aux_loss.detach())
+            ce_sum = ce_sum + ce.detach()
+            aux_sum = aux_sum + out.aux_loss.detach()
         if self.world > 1:
             if self.reducer is not None:
                 self.reducer.finish()
@@ -477,14 +544,14 @@ class Trainer:
                 for p in self.dense:
                     if p.grad is None:
                         p.grad = torch.zeros_like(p)
-                fused_all_reduce([p.grad for p in self.dense])
-                for p in self.dense:
-                    p.grad.div_(self.world)
-        ce_mean, aux_mean = (x / (cfg.micro_batches * self.world) for x in self._sum([ce_sum, aux_sum]))
-        dense_sq = sum(float(p.grad.double().pow(2).sum()) for p in self.dense if p.grad is not None)
-        # dense gradients are replicated (already averaged): only the experts' squares add up over ranks
-        return self._finish_step(t0, before, lr, ce_mean, aux_mean,
-                                 dense_sq + self._sum([self.states.grad_sq_norm()])[0])
+                fused_all_reduce([p.grad for p in self.dense])  # averages over ranks
+        # Losses and the experts' squares add up over ranks; dense gradients are replicated
+        # (already averaged), so their squares are counted once.
+        summed = self._sum_on_device(torch.stack([ce_sum, aux_sum, self.states.grad_sq_sum()]))
+        dense_sq = sum_of_squares([p.grad for p in self.dense if p.grad is not None], self.device)
+        n = cfg.micro_batches * self.world
+        ce_mean, aux_mean, grad_sq = torch.stack([summed[0] / n, summed[1] / n, summed[2] + dense_sq]).tolist()
+        return self._finish_step(t0, before, lr, ce_mean, aux_mean, grad_sq)
 
     def _finish_step(self, t0: float, before: dict, lr: float, ce_mean: float, aux_mean: float, grad_sq: float,
                      extra: dict | None = None) -> StepLog:
@@ -527,15 +594,16 @@ class Trainer:
         sampler = BatchSampler(self.val_set, self.cfg.batch_size, self.cfg.seq_len, seed=self.cfg.seed + 1)
         self.model.eval()
         try:
-            total = 0.0
+            total = torch.zeros((), dtype=torch.float64, device=self.device)
             for i in range(batches):
                 ids, tgt = sampler.batch(i)
                 per = self.cfg.batch_size // self.world
                 ids, tgt = ids[self.rank * per:(self.rank + 1) * per], tgt[self.rank * per:(self.rank + 1) * per]
-                logits = self.model(ids.to(self.device)).logits
-                total += float(F.cross_entropy(logits.reshape(-1, self.config.vocab_size).float(),
-                                               tgt.to(self.device).reshape(-1)))
-            return self._sum([total])[0] / (batches * self.world)
+                with self.precision.autocast(self.device.type):
+                    logits = self.model(to_device(ids, self.device)).logits
+                total = total + F.cross_entropy(logits.reshape(-1, self.config.vocab_size).float(),
+                                                to_device(tgt, self.device).reshape(-1))
+            return self._sum_on_device(total).item() / (batches * self.world)
         finally:
             self.model.train()
 

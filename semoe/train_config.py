@@ -4,18 +4,22 @@ depend on."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, ContextManager
+
+import torch
 
 from semoe.config import MoEConfig
 from semoe.ssd_states import ChunkFormat
 from storage.errors import BadInputError, StorageError
 
 EXPERT_STATES = ("ssd", "cpu", "device")
+PRECISIONS = ("auto", "bf16", "fp32")
 
 
 class TrainingError(StorageError):
@@ -45,7 +49,9 @@ class TrainConfig:
     expert_states: str = "ssd"
     cpu_cache_bytes: int | None = None  # ssd: CPU cache for expert states; None: 25% of their bytes
     grad_budget_bytes: int | None = None  # ssd: expert gradients kept in memory; None: as the cache
-    device: str = "cpu"
+    device: str = "cpu"  # cpu, cuda or cuda:N
+    # auto: bf16 autocast on CUDA (float32 weights, gradients and optimizer states), float32 on CPU
+    precision: str = "auto"
     checkpoint_every: int = 50
     log_json: str | None = None
     read_mode: str = "direct"
@@ -68,6 +74,9 @@ class TrainConfig:
             raise BadInputError(f"--grad-clip must be >= 0, got {self.grad_clip}")
         if self.dense_optimizer not in ("sharded", "replicated"):
             raise BadInputError(f"--dense-optimizer must be sharded or replicated, got {self.dense_optimizer!r}")
+        if self.precision not in PRECISIONS:
+            raise BadInputError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        parse_device(self.device)
         self.betas = tuple(self.betas)
 
     @property
@@ -81,6 +90,46 @@ class TrainConfig:
         span = max(1, self.steps - self.warmup_steps)
         t = min(1.0, (step - self.warmup_steps) / span)
         return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def parse_device(name: str) -> torch.device:
+    """`name` as a training device (cpu, cuda or cuda:N); BadInputError naming --device otherwise.
+    Whether the GPU exists is checked where the ranks are placed (`tools.train_cmd`)."""
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda") or (dev.type == "cpu" and dev.index not in (None, 0)):
+        raise BadInputError(f"--device must be cpu, cuda or cuda:N, got {name!r}")
+    return dev
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a step computes: `autocast_dtype` None runs float32 throughout; bfloat16 runs matmuls
+    and attention in bf16 under autocast while weights, gradients and optimizer states stay
+    float32 (the master copy). `tf32` lets the remaining float32 matmuls use TF32 tensor cores."""
+
+    autocast_dtype: torch.dtype | None
+    tf32: bool
+
+    def autocast(self, device_type: str) -> ContextManager:
+        """The context a forward pass runs in."""
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=device_type, dtype=self.autocast_dtype)
+
+
+def training_precision(precision: str, device: str) -> Precision:
+    """The `Precision` of `--precision` on `device`: auto is bf16 with TF32 on CUDA (an H100 runs
+    float32 at a fraction of its bf16 rate) and exact float32 on CPU, whose tests pin bit-identical
+    results."""
+    cuda = parse_device(device).type == "cuda"
+    if precision not in PRECISIONS:
+        raise BadInputError(f"--precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if precision == "fp32" or (precision == "auto" and not cuda):
+        return Precision(autocast_dtype=None, tf32=False)
+    return Precision(autocast_dtype=torch.bfloat16, tf32=cuda)
 
 
 @dataclass

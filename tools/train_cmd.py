@@ -16,7 +16,7 @@ from tools.sizes import parse_size
 # TrainConfig fields settable by flag (flag default None: "not given", so a resumed run keeps its own)
 _TRAIN_FLAGS = ("data", "steps", "seed", "batch_size", "seq_len", "micro_batches", "lr", "warmup_steps",
                 "weight_decay", "grad_clip", "expert_states", "device", "checkpoint_every", "read_mode",
-                "dense_optimizer")
+                "dense_optimizer", "precision")
 _MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
                 "ffn": "ffn_size", "expert_ffn": "moe_ffn_size", "experts": "num_experts", "top_k": "top_k",
                 "capacity_factor": "capacity_factor"}
@@ -33,7 +33,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, metavar="DIR", help="run directory (store, token shards, spill)")
     p.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     p.add_argument("--nproc", type=int, default=None, metavar="N",
-                   help="spawn N ranks on this machine (gloo on CPU, nccl on GPU); under torchrun leave it out")
+                   help="spawn N ranks on this machine (gloo on CPU; on GPU nccl, one GPU per rank); under "
+                        "torchrun leave it out")
     p.add_argument("--pipeline", type=int, default=None, metavar="N",
                    help="pipeline parallelism: spawn N ranks, each running one stage (a contiguous run of "
                         "layers) and owning every expert of its layers; not combined with --nproc")
@@ -66,6 +67,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--weight-decay", type=float, default=None, help="AdamW weight decay [0.1]")
     t.add_argument("--grad-clip", type=float, default=None, help="clip the global gradient norm; 0: off [1.0]")
     t.add_argument("--checkpoint-every", type=int, default=None, help="steps between checkpoints [50]")
+    t.add_argument("--precision", choices=("auto", "bf16", "fp32"), default=None,
+                   help="auto: on CUDA bf16 autocast with TF32 matmuls (weights, gradients and AdamW states stay "
+                        "float32), on CPU float32; fp32: float32 throughout [auto]")
     s = p.add_argument_group("memory")
     s.add_argument("--expert-states", choices=("ssd", "cpu", "device"), default=None,
                    help="where expert weights and Adam moments live [ssd]")
@@ -78,7 +82,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--dense-optimizer", choices=("sharded", "replicated"), default=None,
                    help="with --nproc > 1: each rank keeps the AdamW moments of its share of the dense "
                         "parameters (ZeRO stage 1, the same numbers) or of all of them [sharded]")
-    s.add_argument("--device", default=None, help="cpu, cuda or cuda:N [cpu]")
+    s.add_argument("--device", default=None,
+                   help="cpu, cuda or cuda:N; with several ranks on CUDA, rank r runs on cuda:r [cpu]")
     s.add_argument("--read-mode", choices=("direct", "drop", "cached"), default=None,
                    help="how expert reads treat the page cache (direct: bypass it) [direct]")
     s.add_argument("--no-verify", action="store_true", help="resume without checking every checksum first")
@@ -176,6 +181,48 @@ def build_configs(args: argparse.Namespace):
     return TrainConfig(**train), model_cfg
 
 
+def process_group_backend(device: str) -> str:
+    """The ranks' process-group backend: on CUDA, NCCL for device tensors with gloo beside it for
+    host ones (pickled objects, counters); on CPU gloo alone."""
+    return "cpu:gloo,cuda:nccl" if device.startswith("cuda") else "gloo"
+
+
+def rank_device(device: str, local_rank: int, local_ranks: int, *, flag: str = "--nproc") -> str:
+    """The device of rank `local_rank` of the `local_ranks` ranks on this machine: cpu as given; on
+    CUDA one GPU per rank (rank r on cuda:r, the index of `device` ignored), a lone rank on the GPU
+    named. UsageError, naming `flag` or --device, when the GPUs are not there."""
+    import torch
+
+    from semoe.train_config import parse_device
+
+    dev = parse_device(device)
+    if dev.type == "cpu":
+        return "cpu"
+    if not torch.cuda.is_available():
+        raise UsageError(f"--device {device}: CUDA is not available on this machine")
+    count = torch.cuda.device_count()
+    if local_ranks > 1:
+        if local_ranks > count:
+            raise UsageError(f"{flag} {local_ranks} needs one GPU per rank, but this machine has {count}; "
+                             f"give {flag} {count} or less, or --device cpu")
+        return f"cuda:{local_rank}"
+    index = dev.index or 0
+    if index >= count:
+        raise UsageError(f"--device {device}: this machine has {count} GPU(s), cuda:0 to cuda:{count - 1}")
+    return f"cuda:{index}"
+
+
+def claim_rank_device(device: str, local_rank: int, local_ranks: int, *, flag: str = "--nproc") -> str:
+    """`rank_device`, made this process's current CUDA device (NCCL, and every tensor made for
+    plain `cuda`, use the current one)."""
+    chosen = rank_device(device, local_rank, local_ranks, flag=flag)
+    if chosen != "cpu":
+        import torch
+
+        torch.cuda.set_device(torch.device(chosen))
+    return chosen
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -228,11 +275,10 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
     if sys.platform == "linux":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # the ranks of one machine talk over loopback
-    backend = "nccl" if cfg.device.startswith("cuda") else "gloo"
-    if backend == "nccl":
-        torch.cuda.set_device(rank % torch.cuda.device_count())
-        cfg = dataclasses.replace(cfg, device=f"cuda:{rank % torch.cuda.device_count()}")
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    # the launcher has checked that there is a GPU per rank
+    cfg = dataclasses.replace(cfg, device=claim_rank_device(cfg.device, rank, world))
+    dist.init_process_group(process_group_backend(cfg.device), init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
     code = 0
     try:
         if pipeline is not None:
@@ -324,9 +370,12 @@ def run(args: argparse.Namespace) -> int:
         check_pipeline(model, args.pipeline, cfg, pipeline)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
-    os.makedirs(args.out, exist_ok=True)
     nproc = args.pipeline if pipeline is not None else args.nproc
-    if pipeline is not None or (nproc and nproc > 1):
+    spawn = pipeline is not None or bool(nproc and nproc > 1)
+    if spawn:  # checked before N ranks start and each reports it
+        rank_device(cfg.device, 0, nproc, flag="--pipeline" if pipeline is not None else "--nproc")
+    os.makedirs(args.out, exist_ok=True)
+    if spawn:
         import shutil
         import tempfile
 
@@ -355,7 +404,12 @@ def run(args: argparse.Namespace) -> int:
     if "WORLD_SIZE" in os.environ and int(os.environ["WORLD_SIZE"]) > 1:  # under torchrun
         import torch.distributed as dist
 
-        dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+        local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        cfg = dataclasses.replace(cfg, device=claim_rank_device(cfg.device, int(os.environ.get("LOCAL_RANK", "0")),
+                                                                local_ranks, flag="torchrun --nproc-per-node"))
+        dist.init_process_group(process_group_backend(cfg.device))
+    else:
+        cfg = dataclasses.replace(cfg, device=claim_rank_device(cfg.device, 0, 1))
     from semoe.train import run_rank
 
     logs = run_rank(cfg, model_cfg, quiet=args.quiet)
