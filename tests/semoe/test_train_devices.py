@@ -203,3 +203,39 @@ def test_bf16_training_on_cpu_follows_float32(tmp_path, text_file):
             trainer.close()
     assert runs["bf16"] == pytest.approx(runs["fp32"], rel=2e-2)
     assert runs["bf16"] != runs["fp32"]  # the bf16 path really ran
+
+
+# -- object collectives ---------------------------------------------------------------------------
+
+
+def test_objects_get_a_gloo_group_when_the_default_group_has_no_cpu_backend(monkeypatch):
+    import torch.distributed as dist
+
+    from semoe.train import object_group
+
+    made = []
+    monkeypatch.setattr(dist, "new_group", lambda backend=None, **kw: made.append(backend) or "gloo group")
+    for config, want in (("cpu:gloo,cuda:nccl", None), ("gloo", None), ("cuda:nccl", "gloo group")):
+        monkeypatch.setattr(dist, "get_backend_config", lambda group=None, _c=config: _c)
+        assert object_group() == want, config
+    assert made == ["gloo"]
+
+
+def test_checkpoint_gathering_and_barriers_use_the_object_group(monkeypatch):
+    """Under NCCL, gather_object would pickle every stage's weights and optimizer into CUDA tensors
+    (rank 0 allocating world x the largest); they go through the gloo object group instead."""
+    import torch.distributed as dist
+
+    calls = []
+    monkeypatch.setattr(dist, "gather_object", lambda obj, out, dst=0, group=None: calls.append(("gather", group)))
+    monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src=0, group=None: calls.append(("broadcast", group)))
+    monkeypatch.setattr(dist, "barrier", lambda group=None, **kw: calls.append(("barrier", group)))
+    monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, **kw: calls.append(("all_reduce", group, t.device.type)))
+    trainer = Trainer.__new__(Trainer)
+    trainer.distributed, trainer.rank, trainer.world = True, 0, 2
+    trainer.object_group = group = object()
+    trainer._gather({"x": 1})
+    trainer._broadcast(3)
+    trainer._barrier()
+    trainer._sum([1.0, 2.0])
+    assert calls == [("gather", group), ("broadcast", group), ("barrier", group), ("all_reduce", group, "cpu")]
