@@ -52,6 +52,12 @@ def _vdir(version: int) -> str:
     return f"v{version:08d}"
 
 
+def expert_array_rel(version: int, layer: int, kind: str) -> str:
+    """Store-relative path of one layer's (experts, chunk_bytes) array of one kind in a version: the
+    one naming scheme of expert arrays, for writers in this process and in others."""
+    return os.path.join("arrays", _vdir(version), "experts", f"L{layer:04d}.{kind}")
+
+
 def chunk_layout(tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[int], int]:
     """Offsets of tensors packed in a chunk and the chunk's size, padded for O_DIRECT."""
     offsets, pos = [], 0
@@ -518,7 +524,7 @@ class StoreWriter:
             raise BadInputError(f"kind must be one of {KINDS}, got {kind!r}")
         key = (layer, kind)
         if key not in self._expert_arrays:
-            rel = self._rel("arrays", self._vd, "experts", f"L{layer:04d}.{kind}")
+            rel = expert_array_rel(self.version, layer, kind)
             attrs = {"semoe": {"layer": layer, "kind": kind, "layout": layout}}
             zarrio.create_expert_array(self.store.path(rel), num_experts, chunk_bytes, attrs)
             self._expert_arrays[key] = (None, rel, [chunk_bytes, num_experts])
