@@ -2,15 +2,27 @@
 
 Every expert has up to three chunk files in the store (`weight`, `adam_m`, `adam_v`; a missing
 moment is zeros). Weights are read through `TieredExpertStore` (its CPU cache, prefetch queue and
-checked direct reads), so forward and backward pay SSD reads only for cache misses. Gradients
-accumulate in host memory up to `grad_budget_bytes`; beyond that they spill to files in
-`spill_dir` and are read back by the optimizer.
+checked direct reads), so forward and backward pay SSD reads only for cache misses.
 
-The optimizer step streams experts tile by tile (a tile is one expert's three states): the tiles
-ahead are being read by the prefetch queue while this one is updated in place in its cache buffer,
-and the tiles behind are being written by a writer pool. Writes go into the staged version of the
-store (`begin_version`), never over a committed file, so a crash at any moment leaves the last
-checkpoint intact; the trainer's checkpoint adopts the written entries and commits them.
+Between host and device everything goes through the copy stream (`storage.streams`), on CPU as on
+CUDA, and nothing in forward or backward blocks the host:
+
+    fetch      cache entry ──copy──▶ device slot; compute waits on that copy only (`wait()`); the
+               entry stays pinned until the copy is done (polled), the slot is refilled only after
+               the compute that read it (its last reader's event)
+    add_grad   device gradient ──copy after the compute that made it──▶ host staging buffer (pinned
+               on a GPU, from a pool); summed once the copy is done (polled, in issue order), in host
+               memory up to `grad_budget_bytes` and in spill files of `spill_dir` beyond it
+
+The step boundary (the gradient norm, the optimizer thread) waits for the copies still in flight.
+On CPU the expert can also be used in place, without copies (`copy_on_cpu=False`): the same
+records, with copies that are complete at issue.
+
+The optimizer step streams experts tile by tile (a tile is one expert's three states), in layer
+order: the tiles ahead are being read while this one is updated in place in its cache buffer, and
+the tiles behind are being written by a writer pool. Writes go into the staged version of the store
+(`begin_version`), never over a committed file, so a crash at any moment leaves the last checkpoint
+intact; the trainer's checkpoint adopts the written entries and commits them.
 
 The overlay manifest: this rank's private copy of the committed manifest, updated as chunks are
 written, so reads always find the newest file of each expert.
@@ -24,6 +36,8 @@ import threading
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Callable
 
 import numpy as np
 import torch
@@ -31,21 +45,20 @@ import torch
 from semoe.checkpoint import hf_expert_names
 from semoe.config import MoEConfig
 from semoe.expert_states import AdamWConfig, ExpertStates, Held, Key, adamw_
-from storage.errors import CacheFullError
+from storage.errors import CacheFullError, StorageError
 from storage.fileio import ALIGN
-from storage.pool import aligned_empty
 from storage.manifest import ChunkEntry, Manifest, TensorEntry
-from storage.store import ExpertTensor, Store, chunk_layout, write_expert_chunk
+from storage.pool import (HostBuffer, HostBufferPool, HostBufferPoolConfig, PoolExhaustedError, aligned_empty,
+                          round_up)
+from storage.store import ExpertTensor, Store, chunk_layout, expert_array_rel, write_expert_chunk
+from storage.streams import COMPLETE, CopyHandle, StreamEvent, make_copy_stream
 from storage.tiered import ExpertHandle, TieredExpertStore, TieredStoreConfig
 
 log = logging.getLogger(__name__)
 
 STATE_KINDS = ("weight", "adam_m", "adam_v")
-
-
-def expert_array_rel(version: int, layer: int, kind: str) -> str:
-    """Store-relative path of a version's expert array (as `StoreWriter.expert_array` names it)."""
-    return os.path.join("arrays", f"v{version:08d}", "experts", f"L{layer:04d}.{kind}")
+DEVICE_SLOTS = 2  # expert weights on the device: one being computed with while the next is copied
+GRAD_COPIES_IN_FLIGHT = 8  # staging buffers beyond the budgeted sums; past them backward waits for a copy
 
 
 class ChunkFormat:
@@ -85,8 +98,151 @@ class ChunkFormat:
                                   self.meta(layer, expert), buf, self.offsets)
 
 
+# -- bookkeeping: plain Python, no streams ----------------------------------------------------------
+
+
+def read_ahead(keys: list[Key], depth: int) -> list[list[Key]]:
+    """For each tile in update order, the tiles whose moment reads start just before it is updated:
+    the first tile starts itself and the `depth` after it, each later one the next not yet started."""
+    plan, started = [], 0
+    for i in range(len(keys)):
+        end = min(len(keys), i + 1 + depth)
+        plan.append(keys[started:end])
+        started = max(started, end)
+    return plan
+
+
+class GradAccumulator:
+    """One step's expert gradients, summed in the order they arrive: in host memory while they fit
+    in `budget_bytes`, beyond that in one spill file per expert under `folder`."""
+
+    def __init__(self, fmt: ChunkFormat, budget_bytes: int, folder: str) -> None:
+        self.format = fmt
+        self.budget_bytes = budget_bytes
+        self.folder = folder
+        self.held: dict[Key, list[torch.Tensor]] = {}
+        self.spilled: set[Key] = set()
+        self.nbytes = 0  # of `held`
+        self._releases: list[Callable[[], None]] = []  # of the memory the held sums live in
+
+    def add(self, key: Key, grads: list[torch.Tensor], release: Callable[[], None] | None = None) -> None:
+        """Add one gradient (host float32). A first one that fits is kept as the sum itself, and
+        `release` (which frees the memory of `grads`) is called by `discard`; otherwise at once."""
+        kept = False
+        if key in self.held:
+            for acc, g in zip(self.held[key], grads):
+                acc.add_(g)
+        elif key in self.spilled:
+            self._write(key, [a + g for a, g in zip(self._read(key), grads)])
+        else:
+            size = sum(g.numel() * g.element_size() for g in grads)
+            if self.nbytes + size > self.budget_bytes:
+                self._write(key, grads)
+                self.spilled.add(key)
+            else:
+                self.held[key] = list(grads)
+                self.nbytes += size
+                kept = True
+        if release is not None and kept:
+            self._releases.append(release)
+        elif release is not None:
+            release()
+
+    def keys(self) -> list[Key]:
+        """Every expert with a gradient, in update order (layer, then expert)."""
+        return sorted(set(self.held) | self.spilled)
+
+    def grads(self, key: Key) -> list[torch.Tensor]:
+        """The summed gradient of `key` (read back if spilled)."""
+        return self.held[key] if key in self.held else self._read(key)
+
+    def path(self, key: Key) -> str:
+        return os.path.join(self.folder, f"L{key[0]:04d}.E{key[1]:05d}.grad")
+
+    def discard(self) -> None:
+        """Forget every gradient and remove the spill files."""
+        for key in self.spilled:
+            os.unlink(self.path(key))
+        for release in self._releases:
+            release()
+        self.held, self.spilled, self.nbytes, self._releases = {}, set(), 0, []
+
+    def _write(self, key: Key, grads: list[torch.Tensor]) -> None:
+        os.makedirs(self.folder, exist_ok=True)
+        with open(self.path(key), "wb") as f:
+            f.write(memoryview(self.format.pack(grads)))
+
+    def _read(self, key: Key) -> list[torch.Tensor]:
+        with open(self.path(key), "rb") as f:
+            raw = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
+        return [t.clone() for t in self.format.views(raw)]
+
+
+@dataclass(eq=False)
+class _Slot:
+    """Device memory for one expert's weights; refilled only after `last_reader` (the compute that
+    used it last) has run."""
+
+    raw: torch.Tensor
+    last_reader: StreamEvent = COMPLETE
+
+
+@dataclass(eq=False)
+class _Loan:
+    """One fetch: the cache entry a copy reads, pinned until that copy is done. Without a `slot`
+    the entry is used in place and stays pinned until `Held.release()` too."""
+
+    entry: ExpertHandle
+    copy: CopyHandle
+    slot: _Slot | None
+    returned: bool = False
+
+    def source_free(self) -> bool:
+        return (self.slot is not None or self.returned) and self.copy.done()
+
+
+@dataclass(eq=False)
+class _GradCopy:
+    """One gradient on its way to host memory: summed once every copy is done."""
+
+    key: Key
+    copies: list[CopyHandle]
+    scale: float
+    staging: HostBuffer | None  # None: the gradient is used in place
+
+
+def _arrive(pending: deque[_GradCopy], into: GradAccumulator, *, block: bool) -> None:
+    """Sum the gradients whose copies are done, strictly in issue order (float sums depend on the
+    order); `block` waits for the rest (a host sync: only at the step boundary)."""
+    while pending:
+        first = pending[0]
+        if not all(c.done() for c in first.copies):
+            if not block:
+                return
+            for c in first.copies:
+                if not c.done():
+                    c.synchronize()
+        pending.popleft()
+        # The host reads the staging memory itself, after the copies are done: no compute is
+        # ordered after them, so no wait(). (A failed copy raises at issue on CUDA.)
+        grads = [c.tensor for c in first.copies]
+        staging = first.staging
+        if first.scale != 1.0:
+            grads = [g * first.scale for g in grads]
+            if staging is not None:
+                staging.release()
+                staging = None
+        into.add(first.key, grads, None if staging is None else staging.release)
+
+
+# -- the backend ------------------------------------------------------------------------------------
+
+
 class SSDExpertStates(ExpertStates):
-    """Local experts' states in the store at `root`, behind a CPU cache of `cpu_cache_bytes`."""
+    """Local experts' states in the store at `root`, behind a CPU cache of `cpu_cache_bytes`.
+
+    `copy_on_cpu`: on a CPU device, copy weights and gradients through the copy stream as on a GPU
+    (the tests run the GPU's path this way) instead of using host memory in place."""
 
     @staticmethod
     def transient_bytes(config: MoEConfig, prefetch_depth: int = 1, write_threads: int = 1) -> int:
@@ -103,7 +259,7 @@ class SSDExpertStates(ExpertStates):
     def __init__(self, config: MoEConfig, experts: range, device: torch.device, *, root: str,
                  cpu_cache_bytes: int, spill_dir: str, grad_budget_bytes: int | None = None,
                  read_mode: str = "direct", prefetch_depth: int = 1, write_threads: int = 1,
-                 layers: list[int] | None = None) -> None:
+                 layers: list[int] | None = None, copy_on_cpu: bool = False) -> None:
         super().__init__(config, experts, device, layers)
         self.root = root
         self.format = ChunkFormat(config)
@@ -115,17 +271,32 @@ class SSDExpertStates(ExpertStates):
         if cpu_cache_bytes - transient < (write_threads + 2) * self.format.nbytes:
             raise ValueError(f"cpu_cache_bytes={cpu_cache_bytes} is below the minimum of "
                              f"{self.min_cache_bytes(config, prefetch_depth, write_threads)} for these experts")
+        # host memory a GPU copies from or into is pinned; on a CPU device pinning buys nothing
+        self._pin = torch.device(device).type == "cuda"
         self.tier = TieredExpertStore(self.view, TieredStoreConfig(cpu_cache_bytes=cpu_cache_bytes - transient,
-                                                                   read_mode=read_mode))
+                                                                   read_mode=read_mode, pin_memory=self._pin))
+        self.stream = make_copy_stream(device)
+        self.in_place = torch.device(device).type == "cpu" and not copy_on_cpu
         self.spill_dir = spill_dir
         self.grad_budget = cpu_cache_bytes if grad_budget_bytes is None else grad_budget_bytes
         self.prefetch_depth = prefetch_depth
         self.write_depth = write_threads
         self.version: int | None = None  # the staged version writes go to
         self.written: dict[tuple[int, int, str], tuple[list[TensorEntry], ChunkEntry]] = {}
-        self.g: dict[Key, list[torch.Tensor]] = {}
-        self.spilled: set[Key] = set()
-        self.grad_bytes = 0
+        self._gen = 0  # optimizer steps started: names the spill folder
+        self.gradients = self._new_accumulator()
+        self._grad_copies: deque[_GradCopy] = deque()
+        # Pinned on a GPU and reused step after step. A sum kept in memory stays in the staging
+        # buffer its first gradient arrived in; two steps' sums coexist while the optimizer thread
+        # updates the last step's experts and backward fills the next step's.
+        held = self.grad_budget // sum(4 * a * b for a, b in self.format.shapes)
+        self._staging = HostBufferPool(HostBufferPoolConfig(
+            capacity_bytes=(2 * held + GRAD_COPIES_IN_FLIGHT) * round_up(self.format.nbytes, ALIGN), pin=self._pin,
+            alignment=ALIGN))
+        self._loans: list[_Loan] = []
+        self._loan_lock = threading.Lock()  # fetches and the optimizer thread both free loans
+        self._free_slots: deque[_Slot] = deque()  # least recently released first
+        self._slots_made = 0
         self._lock = threading.Lock()
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="semoe-expert-write")
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="semoe-moment-read")
@@ -134,7 +305,11 @@ class SSDExpertStates(ExpertStates):
         self._pending: set[Key] = set()  # experts whose update is in flight
         self._worker: threading.Thread | None = None
         self._error: BaseException | None = None
-        self._gen = 0  # optimizer steps started: names the spill folder
+
+    def _new_accumulator(self) -> GradAccumulator:
+        # two folders taking turns: the optimizer thread reads the last step's spills while this
+        # step's backward writes its own
+        return GradAccumulator(self.format, self.grad_budget, os.path.join(self.spill_dir, f"step{self._gen % 2}"))
 
     # -- versions -----------------------------------------------------------------------------
     def begin_version(self, version: int) -> None:
@@ -150,83 +325,121 @@ class SSDExpertStates(ExpertStates):
 
     # -- forward and backward -----------------------------------------------------------------
     def _get(self, layer: int, expert: int, kind: str) -> ExpertHandle:
-        """Pin a state in the cache; when prefetches in flight hold all the room, wait for them."""
+        """Pin a state in the cache; when pinned entries fill it, wait for copies or prefetches."""
         for _ in range(1000):
             try:
                 return self.tier.get(layer, expert, kind)
             except CacheFullError:
-                self.tier.drain()  # finished prefetches are unpinned and can be evicted
-                time.sleep(0.001)
+                if not self._free_a_source():
+                    self.tier.drain()  # finished prefetches are unpinned and can be evicted
+                    time.sleep(0.001)
         raise CacheFullError(f"CPU cache of {self.tier.config.cpu_cache_bytes} bytes stays full of pinned "
                              f"expert states; give --cpu-cache more room")
 
+    def _reap_loans(self) -> int:
+        """Unpin the cache entries whose copies are done; returns how many."""
+        with self._loan_lock:
+            free, kept = [], []
+            for loan in self._loans:
+                (free if loan.source_free() else kept).append(loan)
+            self._loans = kept
+        for loan in free:
+            loan.entry.release()
+        return len(free)
+
+    def _free_a_source(self) -> bool:
+        """The cache is full of pinned entries: unpin those whose copies ran or, failing that, wait
+        for the oldest copy in flight (a host sync, only when the cache is this tight). False when
+        no copy holds an entry."""
+        if self._reap_loans():
+            return True
+        with self._loan_lock:
+            oldest = next((loan for loan in self._loans if loan.slot is not None), None)
+        if oldest is None:
+            return False
+        oldest.copy.synchronize()
+        return self._reap_loans() > 0
+
+    def _take_slot(self) -> _Slot:
+        if self._slots_made < DEVICE_SLOTS or not self._free_slots:
+            self._slots_made += 1
+            return _Slot(torch.empty(self.format.nbytes, dtype=torch.uint8, device=self.device))
+        return self._free_slots.popleft()
+
+    def _return(self, loan: _Loan) -> None:
+        """`Held.release()`: the compute issued so far is the slot's last reader."""
+        loan.returned = True
+        if loan.slot is not None:
+            loan.slot.last_reader = self.stream.record_compute()
+            self._free_slots.append(loan.slot)
+        self._reap_loans()
+
     def fetch(self, layer: int, expert: int) -> Held:
         self._wait_updated((layer, expert))
-        h = self._get(layer, expert, "weight")
-        ws = self.format.views(h.raw)
-        if self.device.type != "cpu":  # staged to the device; the host copy may be evicted now
-            ws = [w.to(self.device, non_blocking=True) for w in ws]
-            if self.device.type == "cuda":
-                torch.cuda.current_stream(self.device).synchronize()
-            h.release()
-            return Held(*ws)
-        return Held(*ws, release=h.release)
+        self._reap_loans()
+        entry = self._get(layer, expert, "weight")
+        src = entry.raw
+        if src.numel() != self.format.nbytes:
+            entry.release()
+            raise StorageError(f"{self.root}: expert {expert} of layer {layer} has a weight chunk of "
+                               f"{src.numel()} bytes, expected {self.format.nbytes} (float32 gate, up, down)")
+        if self.in_place:
+            slot, copy = None, self.stream.copy_to_device(src, in_place_ok=True)
+        else:
+            slot = self._take_slot()
+            copy = self.stream.copy(src, slot.raw, after=slot.last_reader)
+        loan = _Loan(entry, copy, slot)
+        with self._loan_lock:
+            self._loans.append(loan)
+        return Held(*self.format.views(copy.wait()), release=lambda: self._return(loan))
 
     def prefetch(self, layer: int, experts: list[int], priority: float = 0.0) -> None:
         self.tier.prefetch([(layer, e, "weight") for e in experts if e in self.experts], priority=priority)
 
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
-        key = (layer, expert)
-        grads = [g.detach().to("cpu", torch.float32) for g in grads]
-        if self.grad_scale != 1.0:
-            grads = [g * self.grad_scale for g in grads]
-        if key in self.g:
-            for acc, g in zip(self.g[key], grads):
-                acc.add_(g)
-            return
-        if key in self.spilled:
-            old = self._read_spill(key)
-            self._write_spill(key, [a + g for a, g in zip(old, grads)])
-            return
-        size = sum(g.numel() * 4 for g in grads)
-        if self.grad_bytes + size > self.grad_budget:
-            self._write_spill(key, grads)
-            self.spilled.add(key)
+        grads = [g.detach() for g in grads]
+        staging = None
+        if self.in_place and all(g.dtype == torch.float32 for g in grads):
+            copies = [self.stream.copy_to_device(g, in_place_ok=True) for g in grads]
         else:
-            self.g[key] = grads
-            self.grad_bytes += size
+            staging = self._take_staging()
+            after = self.stream.record_compute()  # the gradient is being made by queued compute
+            copies = [self.stream.copy(g, dst, cast=True, after=after)
+                      for g, dst in zip(grads, self.format.views(staging.payload))]
+        self._grad_copies.append(_GradCopy((layer, expert), copies, self.grad_scale, staging))
+        _arrive(self._grad_copies, self.gradients, block=False)
 
-    def _spill_path(self, key: Key, gen: int | None = None) -> str:
-        gen = self._gen if gen is None else gen
-        return os.path.join(self.spill_dir, f"step{gen % 2}", f"L{key[0]:04d}.E{key[1]:05d}.grad")
+    def _take_staging(self) -> HostBuffer:
+        """A staging buffer; when all are taken by copies in flight, wait for the oldest (a host
+        sync, only when backward runs that far ahead of the copies)."""
+        while True:
+            _arrive(self._grad_copies, self.gradients, block=False)
+            try:
+                return self._staging.acquire(self.format.nbytes, timeout=0)
+            except PoolExhaustedError:
+                if not self._grad_copies:
+                    raise
+                for c in self._grad_copies[0].copies:
+                    if not c.done():
+                        c.synchronize()
 
-    def _write_spill(self, key: Key, grads: list[torch.Tensor]) -> None:
-        path = self._spill_path(key)
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        buf = self.format.pack(grads)
-        with open(path, "wb") as f:
-            f.write(memoryview(buf))
-
-    def _read_spill(self, key: Key, gen: int | None = None) -> list[torch.Tensor]:
-        with open(self._spill_path(key, gen), "rb") as f:
-            raw = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
-        return [t.clone() for t in self.format.views(raw)]
-
-    def _grads(self, key: Key) -> list[torch.Tensor]:
-        return self.g[key] if key in self.g else self._read_spill(key)
+    def end_backward(self) -> None:
+        super().end_backward()
+        _arrive(self._grad_copies, self.gradients, block=False)
+        self._reap_loans()
 
     # -- the optimizer ------------------------------------------------------------------------
     def touched(self) -> list[Key]:
-        return sorted(set(self.g) | self.spilled)
+        _arrive(self._grad_copies, self.gradients, block=True)
+        return self.gradients.keys()
+
+    def _grads(self, key: Key) -> list[torch.Tensor]:
+        return self.gradients.grads(key)
 
     def discard_grads(self) -> None:
         super().discard_grads()
-        for key in self.spilled:
-            os.unlink(self._spill_path(key))
-        self.g, self.spilled, self.grad_bytes = {}, set(), 0
-
-    def grad_sq_norm(self) -> float:
-        return float(sum(float(g.double().pow(2).sum()) for key in self.touched() for g in self._grads(key)))
+        _arrive(self._grad_copies, self.gradients, block=True)
+        self.gradients.discard()
 
     def _read_moment(self, key: Key, kind: str) -> torch.Tensor:
         """A moment's chunk bytes, read past the cache (a moment is used once a step, so caching it
@@ -248,35 +461,43 @@ class SSDExpertStates(ExpertStates):
         """Start the expert optimizer step in the background and return.
 
         Experts are updated in layer order, so the next step's forward, which waits in `fetch` only
-        for the experts it needs, overlaps with the updates of later layers and with every write."""
+        for the experts it needs, overlaps with the updates of later layers and with every write.
+        The copies still in flight are finished by the optimizer thread, not here."""
         self.wait_idle()
         if self.version is None:
             raise RuntimeError("SSDExpertStates.step before begin_version: no staged version to write into")
-        keys = self.touched()
-        grads, spilled, gen = self.g, self.spilled, self._gen
-        self.g, self.spilled, self.grad_bytes = {}, set(), 0
+        grads, copies = self.gradients, self._grad_copies
+        keys = sorted(set(grads.keys()) | {c.key for c in copies})
+        with self._loan_lock:  # the updates rewrite cache buffers: copies reading them must finish first
+            loans = [loan for loan in self._loans if loan.slot is not None or loan.returned]
+            self._loans = [loan for loan in self._loans if not (loan.slot is not None or loan.returned)]
         self._gen += 1  # the next step spills into its own folder
+        self.gradients, self._grad_copies = self._new_accumulator(), deque()
         with self._cond:
             self._pending = set(keys)
         self._worker = threading.Thread(target=self._update_all, name="semoe-expert-adam", daemon=True,
-                                        args=(keys, grads, spilled, gen, lr, cfg, clip_coef))
+                                        args=(keys, grads, copies, loans, lr, cfg, clip_coef))
         self._worker.start()
 
     @torch.no_grad()
-    def _update_all(self, keys: list[Key], grads: dict[Key, list[torch.Tensor]], spilled: set[Key], gen: int,
+    def _update_all(self, keys: list[Key], grads: GradAccumulator, copies: deque[_GradCopy], loans: list[_Loan],
                     lr: float, cfg: AdamWConfig, clip_coef: float) -> None:
         try:
+            for loan in loans:
+                if not loan.copy.done():
+                    loan.copy.synchronize()
+                loan.entry.release()
+            _arrive(copies, grads, block=True)
             moments: dict[Key, Future] = {}
             writes: deque[Future] = deque()
-            for i, key in enumerate(keys):
-                for ahead in keys[i:i + 1 + self.prefetch_depth]:  # read the next tiles meanwhile
-                    if ahead not in moments:
-                        moments[ahead] = self._readers.submit(self._read_moments, ahead)
-                        self.tier.prefetch([(ahead[0], ahead[1], "weight")])
+            for key, ahead in zip(keys, read_ahead(keys, self.prefetch_depth)):
+                for k in ahead:  # the next tiles are read while this one is updated
+                    moments[k] = self._readers.submit(self._read_moments, k)
+                    self.tier.prefetch([(k[0], k[1], "weight")])
                 m_raw, v_raw = moments.pop(key).result()
                 h = self._get(key[0], key[1], "weight")
                 try:
-                    g = grads.pop(key) if key in grads else self._read_spill(key, gen)
+                    g = grads.grads(key)
                     n = self.next_adam_step(key)
                     for w, gt, m, v in zip(self.format.views(h.raw), g, self.format.views(m_raw),
                                            self.format.views(v_raw)):
@@ -294,8 +515,7 @@ class SSDExpertStates(ExpertStates):
                     writes.popleft().result()
             while writes:
                 writes.popleft().result()
-            for key in spilled:
-                os.unlink(self._spill_path(key, gen))
+            grads.discard()
         except BaseException as e:  # surfaced by the next fetch, step or checkpoint
             log.debug("expert optimizer step failed", exc_info=True)
             with self._cond:
@@ -340,13 +560,16 @@ class SSDExpertStates(ExpertStates):
         s = self.tier.stats()
         with self._lock:
             return {"cpu_hit_rate": s.hit_rate, "ssd_read_bytes": s.ssd_bytes + self._moment_bytes,
-                    "ssd_written_bytes": self._bytes_written,
-                    "cpu_hits": s.hits, "cpu_misses": s.misses}
+                    "ssd_written_bytes": self._bytes_written, "moment_read_bytes": self._moment_bytes,
+                    "grad_staging_bytes": self._staging.in_use_bytes, "cpu_hits": s.hits, "cpu_misses": s.misses}
 
     def close(self) -> None:
         if self._worker is not None:
             self._worker.join()
             self._worker = None
+        self.stream.close()  # finishes the copies in flight: their sources can go
+        self._reap_loans()
         self._readers.shutdown(wait=True)
         self._writers.shutdown(wait=True)
         self.tier.close()
+        self._staging.close()
