@@ -191,25 +191,61 @@ def _at_or_below(table: dict[int, float], key: int) -> float:
     return table[max(known, default=min(table))]
 
 
-def _bus_key(pci_info) -> tuple[int, int, int, int]:
-    """(domain, bus, device, function) of an nvmlPciInfo_t: NVML writes bus ids with 4- or
-    8-digit domains ("0000:06:00.0" / "00000000:06:00.0"), so compare numbers, not text."""
-    bus_id = pci_info.busId
+PciAddress = tuple[int, int, int]  # (domain, bus, device) of a GPU: the same in every process
+
+
+def parse_pci(bus_id: str | bytes) -> PciAddress:
+    """(domain, bus, device) of a PCI bus id: NVML writes them with 4- or 8-digit domains
+    ("0000:06:00.0" / "00000000:06:00.0"), so compare numbers, not text."""
     if isinstance(bus_id, bytes):
         bus_id = bus_id.decode()
-    domain, bus, rest = bus_id.strip().lower().split(":")
-    device, function = rest.split(".")
-    return int(domain, 16), int(bus, 16), int(device, 16), int(function, 16)
+    try:
+        domain, bus, rest = bus_id.strip().lower().split(":")
+        return int(domain, 16), int(bus, 16), int(rest.split(".")[0], 16)
+    except ValueError:
+        raise ValueError(f"not a PCI bus id: {bus_id!r} (want domain:bus:device.function)") from None
+
+
+def format_pci(address: PciAddress) -> str:
+    """The bus id `nvidia-smi` prints for a GPU (function 0)."""
+    return "{:08X}:{:02X}:{:02X}.0".format(*address)
+
+
+def _bus_key(pci_info) -> PciAddress:
+    return parse_pci(pci_info.busId)
+
+
+def cuda_pci_address(device) -> PciAddress:
+    """The PCI address of a CUDA device given by this process's ordinal (or torch.device)."""
+    import torch
+
+    props = torch.cuda.get_device_properties(device)
+    return props.pci_domain_id, props.pci_bus_id, props.pci_device_id
+
+
+def nvml_indices(devices: list[PciAddress], nvml_devices: list[PciAddress]) -> list[int]:
+    """NVML's index of each of `devices`, in the order given. NVML numbers every GPU of the
+    machine in PCI order; a process's CUDA ordinals follow CUDA_VISIBLE_DEVICES (and
+    CUDA_DEVICE_ORDER), so ranks must be matched to NVML by PCI address, never by number."""
+    where = {address: i for i, address in enumerate(nvml_devices)}
+    missing = [format_pci(d) for d in devices if d not in where]
+    if missing:
+        raise ValueError(f"GPUs {missing} are not among the {[format_pci(d) for d in nvml_devices]} NVML reports")
+    shared = sorted({format_pci(d) for d in devices if devices.count(d) > 1})
+    if shared:
+        raise ValueError(f"GPUs {shared} each run more than one rank: a topology needs one GPU per rank")
+    return [where[d] for d in devices]
 
 
 def _text(value) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def from_nvml() -> Topology:
+def from_nvml(devices: list[PciAddress] | None = None) -> Topology:
     """This machine's GPUs as NVML reports them: NVLinks counted per pair (links into NVSwitches
     give every pair of switch-attached GPUs the smaller of their switch bandwidths), memory, PCIe
-    host bandwidth and, for known GPU names, sustained flop/s (0 otherwise)."""
+    host bandwidth and, for known GPU names, sustained flop/s (0 otherwise). With `devices` (PCI
+    addresses, e.g. each rank's `cuda_pci_address`), only those GPUs, numbered 0.. in that order."""
     try:
         import pynvml
     except ImportError as e:
@@ -219,19 +255,21 @@ def from_nvml() -> Topology:
     except pynvml.NVMLError as e:
         raise RuntimeError(f"NVML is unavailable (no NVIDIA driver on this machine?): {e}") from e
     try:
-        return _read_nvml(pynvml)
+        topology, addresses = _read_nvml(pynvml)
     except pynvml.NVMLError as e:
         raise RuntimeError(f"NVML query failed: {e}") from e
     finally:
         pynvml.nvmlShutdown()
+    return topology if devices is None else topology.subset(nvml_indices(devices, addresses))
 
 
-def _read_nvml(nvml) -> Topology:
+def _read_nvml(nvml) -> tuple[Topology, list[PciAddress]]:
     n = nvml.nvmlDeviceGetCount()
     if n < 1:
         raise RuntimeError("NVML reports no GPUs on this machine")
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-    index_of = {_bus_key(nvml.nvmlDeviceGetPciInfo(h)): i for i, h in enumerate(handles)}
+    addresses = [_bus_key(nvml.nvmlDeviceGetPciInfo(h)) for h in handles]
+    index_of = {address: i for i, address in enumerate(addresses)}
     link_bw = [[0.0] * n for _ in range(n)]
     switch_bw = [0.0] * n
     for i, h in enumerate(handles):
@@ -260,7 +298,7 @@ def _read_nvml(nvml) -> Topology:
     if not flops:
         logger.warning("no sustained flop/s figure for %r; the topology's flops is 0", name)
     return Topology(name="nvml", link_bw=link_bw, host_bw=host_bw, device_memory_bytes=memory,
-                    flops=flops, pcie_peer_bw=min(host_bw))
+                    flops=flops, pcie_peer_bw=min(host_bw)), addresses
 
 
 def _remote_is_switch(nvml, handle, link: int) -> bool:

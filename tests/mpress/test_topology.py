@@ -9,8 +9,8 @@ import types
 
 import pytest
 
-from mpress.topology import (A100_FLOPS, GiB, NVLINK2_BW, Topology, builtin, dgx1, from_nvml, measure_cpu,
-                             nvswitch, pcie)
+from mpress.topology import (A100_FLOPS, GiB, NVLINK2_BW, Topology, builtin, cuda_pci_address, dgx1, format_pci,
+                             from_nvml, measure_cpu, nvml_indices, nvswitch, parse_pci, pcie)
 
 
 def is_symmetric(matrix: list[list[float]]) -> bool:
@@ -202,6 +202,54 @@ def test_from_nvml_errors_are_runtime_errors(monkeypatch):
     with pytest.raises(RuntimeError, match="no GPUs"):
         from_nvml()
     assert nvml.calls == ["init", "shutdown"]
+
+
+# --- ranks to NVML GPUs by PCI address ------------------------------------------------------------------
+
+NVML_BUSES = [parse_pci(gpu_bus(i)) for i in range(4)]  # NVML numbers the GPUs in PCI order
+
+
+def test_pci_bus_ids_compare_as_numbers():
+    assert parse_pci("00000000:41:00.0") == parse_pci(b"0000:41:00.0") == (0, 0x41, 0)
+    assert format_pci((0, 0x41, 0)) == "00000000:41:00.0"
+    with pytest.raises(ValueError, match="not a PCI bus id: 'GPU-1234'"):
+        parse_pci("GPU-1234")
+
+
+@pytest.mark.parametrize("visible, order", [
+    ("0,1,2,3", [0, 1, 2, 3]),  # ranks 0..3 on CUDA ordinals 0..3, which are NVML's
+    ("2,0", [2, 0]),  # CUDA_VISIBLE_DEVICES=2,0: rank 0's cuda:0 is NVML's GPU 2
+    ("3,1,2", [3, 1, 2]),
+])
+def test_ranks_are_matched_to_nvml_gpus_by_pci_address(visible, order):
+    # what each rank's cuda_pci_address reports under that CUDA_VISIBLE_DEVICES
+    rank_buses = [NVML_BUSES[int(i)] for i in visible.split(",")]
+    assert nvml_indices(rank_buses, NVML_BUSES) == order
+
+
+def test_unmatched_or_shared_gpus_are_one_clear_error():
+    with pytest.raises(ValueError, match=r"GPUs \['00000000:99:00.0'\] are not among"):
+        nvml_indices([(0, 0x99, 0)], NVML_BUSES)
+    with pytest.raises(ValueError, match=r"GPUs \['00000000:20:00.0'\] each run more than one rank"):
+        nvml_indices([NVML_BUSES[1], NVML_BUSES[1]], NVML_BUSES)
+
+
+def test_from_nvml_keeps_the_ranks_gpus_in_rank_order(monkeypatch):
+    # GPU0 =2= GPU1 only; GPU2 and GPU3 have no NVLink
+    links = [[(peer(1), 1), (peer(1), 1)], [(peer(0), 1), (peer(0), 1)], [], []]
+    monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml(links, version=2))
+    topo = from_nvml([NVML_BUSES[2], NVML_BUSES[1], NVML_BUSES[0]])  # CUDA_VISIBLE_DEVICES=2,1,0
+    assert topo.devices == 3
+    assert topo.link_bw == [[0, 0, 0], [0, 0, 50e9], [0, 50e9, 0]]  # ranks 1 and 2 hold the linked pair
+
+
+def test_a_cuda_ordinal_is_named_by_its_pci_address(monkeypatch):
+    import torch
+
+    props = {0: types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x41, pci_device_id=0),
+             1: types.SimpleNamespace(pci_domain_id=0, pci_bus_id=0x0A, pci_device_id=0)}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", props.__getitem__)
+    assert cuda_pci_address(0) == (0, 0x41, 0) and cuda_pci_address(1) == (0, 0x0A, 0)
 
 
 # --- CPU -------------------------------------------------------------------------------------------------
