@@ -7,12 +7,14 @@ allocator over its own slices, and no owner ever touches the data lent out. The 
 of its own segment stays unused (swapping to oneself saves nothing).
 
 Two implementations: `SharedMemoryPeers` (CPU ranks on one host: segments are shared-memory files)
-and `CudaIpcPeers` (GPU ranks on one node: segments are device buffers opened through CUDA IPC).
-`InProcessPeers` plays every rank of a group inside one process, for tests.
+and `CudaIpcPeers` (GPU ranks on one node: segments are device buffers opened through CUDA IPC);
+`peer_memory_class` picks one for a device. `InProcessPeers` plays every rank of a group inside one
+process, for tests.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 import socket
@@ -20,10 +22,12 @@ import tempfile
 from abc import ABC, abstractmethod
 from bisect import insort
 from dataclasses import dataclass
-from typing import Self
+from typing import Callable, Self
 
 import torch
 import torch.distributed as dist
+
+from mpress.topology import PciAddress, cuda_pci_address, format_pci
 
 ALIGNMENT = 64  # bytes; every allocation starts on a multiple of this
 
@@ -169,6 +173,12 @@ class PeerMemory(ABC):
     def device(self) -> torch.device:
         """The device this rank computes on (where `get` returns data)."""
 
+    @property
+    def device_bytes(self) -> int:
+        """Memory this peer memory takes on `device`, outside any budget of saved activations
+        (0 where segments live in host memory)."""
+        return 0
+
     @abstractmethod
     def segment(self, owner: int) -> torch.Tensor:
         """The whole uint8 segment owned by rank `owner`, as mapped in this process."""
@@ -225,13 +235,35 @@ def segment_path(name: str, rank: int, directory: str | None = None) -> str:
     return os.path.join(directory or _shm_dir(), f"mpress-{name}-{rank}")
 
 
+def shm_free_bytes(directory: str) -> int:
+    """Bytes an unprivileged process may still write into the filesystem holding `directory`."""
+    st = os.statvfs(directory)
+    return st.f_bavail * st.f_frsize
+
+
+class SharedMemorySpaceError(PeerMemoryError):
+    """The shared-memory filesystem cannot hold every rank's segment: touching one would SIGBUS."""
+
+    def __init__(self, directory: str, free_bytes: int, need_bytes: int) -> None:
+        self.directory, self.free_bytes, self.need_bytes = directory, free_bytes, need_bytes
+        super().__init__(self.line("lower the peer memory (capacity_bytes)"))
+
+    def line(self, remedy: str) -> str:
+        """The one-line explanation, ending in `remedy` (what the caller's user can lower)."""
+        return (f"{self.directory} has {self.free_bytes} bytes free, D2D swap needs {self.need_bytes}; "
+                f"enlarge it (docker --shm-size) or {remedy}")
+
+
 class SharedMemoryPeers(PeerMemory):
     """CPU ranks on one host: each rank's segment is a shared-memory file every rank maps.
 
     Collective: every rank of the (default or given) torch.distributed group constructs it with
-    the same `name` and `capacity_bytes`. The owner creates its file, all ranks map all files
-    between two barriers, then each owner unlinks its file at once: the mappings stay valid and
-    nothing is left in /dev/shm even if a rank dies later. `close` unmaps.
+    the same `name` and `capacity_bytes`. The ranks first agree that the filesystem has room for
+    all `world` segments (the files are sparse, and a page that cannot be backed when it is first
+    written kills the process with SIGBUS); raises SharedMemorySpaceError on every rank otherwise.
+    The owner creates its file, all ranks map all files between two barriers, then each owner
+    unlinks its file at once: the mappings stay valid and nothing is left in /dev/shm even if a
+    rank dies later. `close` unmaps.
     """
 
     def __init__(self, rank: int, world: int, capacity_bytes: int, name: str, *,
@@ -248,6 +280,7 @@ class SharedMemoryPeers(PeerMemory):
         self.name = name
         self._paths = [segment_path(name, r, directory) for r in range(world)]
         self._segments: list[torch.Tensor] = []
+        self._check_room(os.path.dirname(self._paths[rank]), group)
         self._create(self._paths[rank])
         try:
             dist.barrier(group)  # every owner has created its file
@@ -270,6 +303,14 @@ class SharedMemoryPeers(PeerMemory):
         self._unlink()
         self._segments = []
 
+    def _check_room(self, directory: str, group: dist.ProcessGroup | None) -> None:
+        # Every rank decides on the least free space any rank saw, so that all raise or none does.
+        seen: list = [None] * self.world
+        dist.all_gather_object(seen, shm_free_bytes(directory), group=group)
+        need = self.world * self.capacity_bytes
+        if min(seen) < need:
+            raise SharedMemorySpaceError(directory, min(seen), need)
+
     def _create(self, path: str) -> None:
         try:
             fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -289,38 +330,138 @@ class SharedMemoryPeers(PeerMemory):
             pass
 
 
+# -- CUDA IPC -------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class IpcSegment:
+    """What a rank publishes about its segment: its host, its GPU's PCI address (the one name
+    of a GPU all processes share, whatever their CUDA_VISIBLE_DEVICES), and how to open it."""
+
+    host: str
+    pci: PciAddress
+    rebuild: Callable[..., torch.Tensor]
+    args: tuple
+
+
+def open_ordinals(segments: list[IpcSegment], rank: int, visible: list[PciAddress]) -> list[int | None]:
+    """The CUDA ordinal, in this process's numbering (`visible[i]` is ordinal i's PCI address),
+    that each rank's segment is opened on; None for `rank`'s own. CUDA IPC opens a peer's memory
+    on the peer's GPU, so that GPU must be visible here."""
+    hosts = sorted({s.host for s in segments})
+    if len(hosts) > 1:
+        raise NotImplementedError(f"CudaIpcPeers: CUDA IPC maps memory within one node; ranks span {hosts}")
+    ordinals: list[int | None] = []
+    for r, seg in enumerate(segments):
+        if r == rank:
+            ordinals.append(None)
+        elif seg.pci in visible:
+            ordinals.append(visible.index(seg.pci))
+        else:
+            raise PeerMemoryError(
+                f"CudaIpcPeers: rank {r}'s GPU {format_pci(seg.pci)} is not visible to rank {rank}, which sees "
+                f"{[format_pci(v) for v in visible]} (CUDA_VISIBLE_DEVICES="
+                f"{os.environ.get('CUDA_VISIBLE_DEVICES')!r}); every rank must see every rank's GPU: give them "
+                f"all the same CUDA_VISIBLE_DEVICES and pick each rank's GPU by its local rank")
+    return ordinals
+
+
+def rebuild_args_on(rebuild: Callable[..., torch.Tensor], args: tuple, ordinal: int) -> tuple:
+    """`args` of torch's CUDA tensor rebuild with the storage's device replaced by `ordinal`: the
+    exporter's ordinal is in its own CUDA_VISIBLE_DEVICES numbering, which may differ from ours."""
+    names = list(inspect.signature(rebuild).parameters)
+    if "storage_device" not in names:
+        raise PeerMemoryError(f"CudaIpcPeers: {getattr(rebuild, '__name__', rebuild)!r} takes no storage_device; "
+                              f"this torch's CUDA IPC is not supported")
+    out = list(args)
+    out[names.index("storage_device")] = ordinal
+    return tuple(out)
+
+
+class CudaOps:
+    """The CUDA calls CudaIpcPeers makes, behind one seam (tests pass CPU stand-ins)."""
+
+    def __init__(self) -> None:
+        if not torch.cuda.is_available():
+            raise PeerMemoryError("CudaIpcPeers needs CUDA, none is available")
+
+    def visible(self) -> list[PciAddress]:
+        """PCI addresses of this process's CUDA devices, by ordinal."""
+        return [cuda_pci_address(i) for i in range(torch.cuda.device_count())]
+
+    def allocate(self, nbytes: int, device: torch.device) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+    def export(self, tensor: torch.Tensor) -> tuple[Callable[..., torch.Tensor], tuple]:
+        from torch.multiprocessing.reductions import reduce_tensor
+
+        return reduce_tensor(tensor)
+
+    def open(self, rebuild: Callable[..., torch.Tensor], args: tuple, ordinal: int) -> torch.Tensor:
+        # Opening on the exporter's GPU makes this process a CUDA context there.
+        return rebuild(*rebuild_args_on(rebuild, args, ordinal))
+
+    def free_bytes(self, device: torch.device) -> int:
+        """Free memory on `device` as the driver reports it (every process's use counts)."""
+        torch.cuda.synchronize(device)
+        return torch.cuda.mem_get_info(device)[0]
+
+
+def _cuda_device(device: torch.device | str) -> torch.device:
+    """`device` with its ordinal (a bare "cuda" is the current device)."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError(f"CudaIpcPeers: device={device} is not a CUDA device")
+    return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+
+
 class CudaIpcPeers(PeerMemory):
     """GPU ranks on one node: each rank's segment is a device buffer that the other ranks open
     through CUDA IPC, so `put` / `get` are device-to-device copies over NVLink or PCIe.
 
-    Collective over the (default or given) process group. The IPC handles travel through
-    `all_gather_object`; torch's multiprocessing reductions pack and open them. Ranks on another
-    node cannot be mapped and raise NotImplementedError. Needs CUDA; not run by the CPU tests.
+    Collective over the (default or given) process group; the current CUDA device must be this
+    rank's (`torch.cuda.set_device`), as object collectives over NCCL need. Each rank publishes its
+    segment's IPC handle with its GPU's PCI address; a peer opens it on the ordinal that address
+    has in its own process, so ranks may number GPUs differently (CUDA_VISIBLE_DEVICES orders), as
+    long as each sees all of them. Opening a segment makes the opening process a CUDA context on
+    the owner's GPU: every rank measures what the other ranks' contexts took on its GPU
+    (`foreign_context_bytes`), and `device_bytes` counts it with the segment.
     """
 
     def __init__(self, rank: int, world: int, capacity_bytes: int, *, device: torch.device | str,
-                 group: dist.ProcessGroup | None = None) -> None:
-        if not torch.cuda.is_available():
-            raise PeerMemoryError(f"CudaIpcPeers: device={device!s} needs CUDA, none is available")
+                 group: dist.ProcessGroup | None = None, ops: CudaOps | None = None) -> None:
+        ops = CudaOps() if ops is None else ops
         super().__init__(rank, world, capacity_bytes)
-        from torch.multiprocessing.reductions import reduce_tensor
-
-        self._device = torch.device(device)
+        self._device = _cuda_device(device)
         # Owned for the group's lifetime: peers map this memory, and it must outlive their use.
-        self._own = torch.empty(capacity_bytes, dtype=torch.uint8, device=self._device)
-        rebuild, args = reduce_tensor(self._own)
+        self._own: torch.Tensor | None = ops.allocate(capacity_bytes, self._device)
+        rebuild, args = ops.export(self._own)
+        mine = IpcSegment(host=socket.gethostname(), pci=ops.visible()[self._device.index], rebuild=rebuild, args=args)
         shared: list = [None] * world
-        dist.all_gather_object(shared, (socket.gethostname(), rebuild, args), group=group)
-        hosts = {host for host, _, _ in shared}
-        if len(hosts) > 1:
-            raise NotImplementedError(
-                f"CudaIpcPeers: CUDA IPC maps memory within one node; ranks span {sorted(hosts)}")
-        self._segments = [self._own if r == rank else fn(*a) for r, (_, fn, a) in enumerate(shared)]
-        dist.barrier(group)
+        dist.all_gather_object(shared, mine, group=group)
+        ordinals, problem = None, None
+        try:
+            ordinals = open_ordinals(shared, rank, ops.visible())
+        except PeerMemoryError as exc:  # each rank sees its own devices: raise on all or none
+            problem = str(exc)
+        problems: list = [None] * world
+        dist.all_gather_object(problems, problem, group=group)
+        if any(problems):
+            raise PeerMemoryError(next(p for p in problems if p))
+        free_before = ops.free_bytes(self._device)
+        dist.barrier(group)  # every rank has measured its GPU before any peer opens a segment on it
+        self._segments = [self._own if o is None else ops.open(s.rebuild, s.args, o)
+                          for s, o in zip(shared, ordinals)]
+        dist.barrier(group)  # every peer's context exists on every GPU
+        self.foreign_context_bytes = max(0, free_before - ops.free_bytes(self._device))
 
     @property
     def device(self) -> torch.device:
         return self._device
+
+    @property
+    def device_bytes(self) -> int:
+        return self.capacity_bytes + self.foreign_context_bytes
 
     def segment(self, owner: int) -> torch.Tensor:
         if not self._segments:
@@ -332,3 +473,9 @@ class CudaIpcPeers(PeerMemory):
         # the caching allocator once no peer holds it (torch's IPC reference counting).
         self._segments = []
         self._own = None
+
+
+def peer_memory_class(device: torch.device | str) -> type[PeerMemory]:
+    """The PeerMemory for ranks computing on `device`: CUDA IPC between GPUs (copies stay on the
+    devices), shared-memory files between CPU ranks."""
+    return CudaIpcPeers if torch.device(device).type == "cuda" else SharedMemoryPeers
