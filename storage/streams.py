@@ -428,6 +428,7 @@ class FakeCudaCopyStream(ThreadCopyStream):
         self._closed = False
         self._heap: list[tuple[float, int, _FakeHandle, torch.Tensor, StreamEvent | None, int]] = []
         self._order = itertools.count()
+        self._last_due = 0.0
         # memory handed to compute -> the event that covers that compute; None: no event recorded yet
         self._readers: dict[tuple[int, int], StreamEvent | None] = {}
         self._workers = [threading.Thread(target=self._work, name=f"fake-copy-{i}", daemon=True)
@@ -442,7 +443,10 @@ class FakeCudaCopyStream(ThreadCopyStream):
 
     def record_compute(self) -> StreamEvent:
         with self._cond:
-            event = _LateEvent(time.monotonic() + self._rng.uniform(0, self.compute_lag_s), self._count_sync)
+            # one compute stream: its events complete in the order they were recorded
+            due = max(self._last_due, time.monotonic() + self._rng.uniform(0, self.compute_lag_s))
+            self._last_due = due
+            event = _LateEvent(due, self._count_sync)
             for key, ev in self._readers.items():
                 if ev is None:
                     self._readers[key] = event
