@@ -8,11 +8,21 @@ freeing the saved tensor after the layer's backward, or the graph being dropped)
 Parameters (and views of them) are held all step anyway and pass through untouched; tensors under
 `min_swap_bytes` are kept rather than swapped.
 
-Where bytes go. host: one buffer from a HostBufferPool (pinned when the device is a GPU), copied
-out on a side stream and back on the copy stream. d2d: the tensor's bytes are cut into stripes in
-proportion to the Decision's `Stripe.bytes`, each written into the segment of the peer rank that
-runs on `Stripe.device` (the stage s with `plan.device_of(s) == Stripe.device`; PeerMemory ranks
-are pipeline stages, so with the identity mapping the device index is the rank).
+Where bytes go. host: one buffer from a HostBufferPool (pinned when the device is a GPU) sized
+from the plan (`host_pool_bytes_for`). d2d: the tensor's bytes are cut into stripes in proportion
+to the Decision's `Stripe.bytes`, each written into the segment of the peer rank that runs on
+`Stripe.device` (the stage s with `plan.device_of(s) == Stripe.device`; PeerMemory ranks are
+pipeline stages, so with the identity mapping the device index is the rank); every rank's segment
+is sized from the plan too (`peer_capacity_bytes_for`).
+
+Copies. Both directions run on one storage CopyStream with CUDA's contract on every device: a
+swap-out waits for the compute that wrote the tensor (`after=record_compute()`), a swap-in for
+the compute that may still read the memory it fills, and compute waits for a swap-in's copies
+(`wait()`) before it reads the tensor. Nothing in the forward or backward blocks the host unless
+the budget or the swap space runs short. A host buffer or a peer stripe goes back to its pool only
+once the copies that read or write it have finished (`done()`); until then it is set aside and
+freed by a later, non-blocking pass. A tensor asked back before its swap-out finished is still on
+the device and is used as it is.
 
 Accounting. The executor counts the bytes of saved activations resident on this device: kept
 tensors, swapped ones until their swap-out completes and again from their swap-in until they are
@@ -24,6 +34,7 @@ swap-outs in flight, then raises BudgetExceededError naming the stage and layer.
 
 from __future__ import annotations
 
+import collections
 import enum
 import itertools
 import logging
@@ -37,22 +48,28 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from mpress.peer_memory import ALIGNMENT as PEER_ALIGNMENT
 from mpress.peer_memory import PeerMemory, PeerMemoryFullError
-from mpress.profile import Plan
+from mpress.profile import LayerProfile, PipelineProfile, Plan
 from mpress.profiler import is_parameter, param_storages
-from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig, PoolError
-from storage.streams import (
-    CopyHandle,
-    CopyStream,
-    ThreadCopyStream,
-    make_copy_stream,
-    normalize_device,
+from mpress.schedule import in_flight_peak
+from storage.pool import (
+    HostBuffer,
+    HostBufferPool,
+    HostBufferPoolConfig,
+    OversizeRequestError,
+    PoolExhaustedError,
+    round_up,
 )
+from storage.streams import CopyHandle, CopyStream, make_copy_stream, normalize_device
 
 logger = logging.getLogger(__name__)
 
 MIN_SWAP_BYTES = 4096
-HOST_POOL_BYTES = 4 * 2**30  # capacity of the host pool made when none is given; an upper bound only
+HOST_ALIGNMENT = 4096  # bytes; every host buffer is rounded up to this
+# Pools and segments hold what the profile says the plan swaps, plus a quarter: an MoE layer's
+# saved tensors change size with the routing of each micro-batch.
+SLACK_FRACTION = 4
 
 
 class BudgetExceededError(RuntimeError):
@@ -60,7 +77,8 @@ class BudgetExceededError(RuntimeError):
 
 
 class SwapSpaceError(RuntimeError):
-    """The host pool or a peer's segment has no room for a swapped tensor."""
+    """The host pool or a peer's segment has no room for a swapped tensor, or a plan needs more
+    host memory than allowed."""
 
 
 class State(enum.Enum):
@@ -94,10 +112,23 @@ class SavedRecord:
     nbytes: int
     state: State = State.RESIDENT
     chunks: list[Chunk] = field(default_factory=list)  # d2d stripes, in byte order
-    tensor: torch.Tensor | None = None  # on the device while RESIDENT or SWAPPING_IN
+    tensor: torch.Tensor | None = None  # on the device unless OUT
     host: HostBuffer | None = None
-    copies: list[CopyHandle] = field(default_factory=list)  # copies in flight
+    # the last copies that used `host` / `chunks`: the swap-out's, then the swap-in's
+    copies: list[CopyHandle] = field(default_factory=list)
     group: list[int] | None = None  # ids saved by the same forward, for prefetch
+
+
+@dataclass(eq=False)
+class _Space:
+    """A host buffer and peer stripes to give back once `copies` have finished."""
+
+    copies: list[CopyHandle]
+    host: HostBuffer | None
+    chunks: list[Chunk]
+
+    def ready(self) -> bool:
+        return all(h.done() for h in self.copies)
 
 
 @dataclass(kw_only=True)
@@ -137,6 +168,77 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return t.as_strided((t.numel(),), (1,), t.storage_offset()).view(torch.uint8)
 
 
+# -- swap space a plan needs (pure: profile and plan in, bytes out) ------------------------------
+
+
+def _planned_layer(profile: PipelineProfile, stage: int, layer: int) -> LayerProfile:
+    stages = [s for s in profile.stages if s.stage == stage]
+    found = [lp for s in stages for lp in s.layers if lp.index == layer]
+    if not found:
+        raise ValueError(f"the plan swaps layer {layer} of stage {stage}, which the profile does not have")
+    return found[0]
+
+
+def _swapped(layer: LayerProfile, min_swap_bytes: int) -> list[int]:
+    """Bytes of each tensor of `layer` the executor swaps (smaller ones are kept)."""
+    return [t.bytes for t in layer.saved if t.bytes >= min_swap_bytes]
+
+
+def _in_flight(profile: PipelineProfile, stage: int) -> int:
+    return in_flight_peak(profile.schedule, stage, len(profile.stages), profile.micro_batches)
+
+
+def host_swap_bytes(profile: PipelineProfile, plan: Plan, stage: int, *,
+                    min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
+    """Host memory `stage`'s host swaps hold at its peak: each swapped tensor of its host layers,
+    rounded to the pool's alignment, once per micro-batch in flight (a buffer is held from the
+    forward until the layer's backward)."""
+    per_micro_batch = sum(round_up(b, HOST_ALIGNMENT)
+                          for d in plan.decisions if d.stage == stage and d.technique == "host"
+                          for b in _swapped(_planned_layer(profile, stage, d.layer), min_swap_bytes))
+    return _in_flight(profile, stage) * per_micro_batch
+
+
+def host_pool_bytes_for(profile: PipelineProfile, plan: Plan, stage: int, *, limit_bytes: int | None = None,
+                        min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
+    """Capacity of `stage`'s host pool: what its host swaps hold at the peak plus slack, at most
+    `limit_bytes`. Raises SwapSpaceError when the peak alone exceeds `limit_bytes`."""
+    need = host_swap_bytes(profile, plan, stage, min_swap_bytes=min_swap_bytes)
+    if limit_bytes is not None and need > limit_bytes:
+        layers = sorted(d.layer for d in plan.decisions if d.stage == stage and d.technique == "host")
+        raise SwapSpaceError(
+            f"stage {stage}: the plan swaps layers {layers} to host memory, {need} bytes at the peak, more "
+            f"than the {limit_bytes} bytes of host memory allowed")
+    capacity = need + need // SLACK_FRACTION
+    return capacity if limit_bytes is None else min(capacity, limit_bytes)
+
+
+def peer_capacity_bytes_for(profile: PipelineProfile, plan: Plan, *, min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
+    """`capacity_bytes` every rank's PeerMemory needs for `plan` (0: no D2D swap). A segment has one
+    equal slice per writer, so each slice must hold the most any stage writes into any one peer at
+    its peak (every micro-batch in flight), stripes rounded to the peer alignment, plus slack."""
+    most = 0
+    for st in profile.stages:
+        s = st.stage
+        per_peer: collections.Counter[int] = collections.Counter()
+        for d in plan.decisions:
+            if d.stage != s or d.technique != "d2d":
+                continue
+            peers = [stage_on_device(plan, x.device) for x in d.stripes]
+            if None in peers or not d.stripes:
+                raise ValueError(f"stage {s}, layer {d.layer} (d2d): stripes {d.stripes} name a device "
+                                 f"no stage runs on")
+            weights = [x.bytes for x in d.stripes]
+            for nbytes in _swapped(_planned_layer(profile, s, d.layer), min_swap_bytes):
+                for peer, piece in zip(peers, split_bytes(nbytes, weights)):
+                    if piece:
+                        per_peer[peer] += round_up(piece, PEER_ALIGNMENT)
+        most = max(most, _in_flight(profile, s) * max(per_peer.values(), default=0))
+    if not most:
+        return 0
+    return len(profile.stages) * round_up(most + most // SLACK_FRACTION, PEER_ALIGNMENT)
+
+
 class _Meter:
     """Resident bytes against an optional budget (bookkeeping only)."""
 
@@ -162,53 +264,6 @@ class _Meter:
         self.resident -= nbytes
 
 
-class _EventHandle(CopyHandle):
-    def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event, device: torch.device) -> None:
-        self.tensor = tensor
-        self._event = event
-        self._device = device
-
-    def wait(self) -> torch.Tensor:
-        torch.cuda.current_stream(self._device).wait_event(self._event)
-        return self.tensor
-
-    def synchronize(self) -> None:
-        self._event.synchronize()
-
-    def done(self) -> bool:
-        return self._event.query()
-
-
-class _SwapOutStream:
-    """Copies off the device (to host or to a peer) without holding up compute: a CUDA side
-    stream, or on CPU a copy thread (storage's CopyStream copies only towards its device)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        if device.type == "cuda":
-            self._stream = torch.cuda.Stream(device=device)
-        else:
-            self._thread = ThreadCopyStream(device)
-
-    def copy(self, src: torch.Tensor, dst: torch.Tensor) -> CopyHandle:
-        if self.device.type != "cuda":
-            return self._thread.copy_to_device(src, dst)
-        # The copy reads what compute wrote; the allocator must not recycle src before it ran.
-        self._stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(self._stream):
-            dst.copy_(src, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        src.record_stream(self._stream)
-        return _EventHandle(dst, event, self.device)
-
-    def close(self) -> None:
-        if self.device.type == "cuda":
-            self._stream.synchronize()
-        else:
-            self._thread.close()
-
-
 class _Ticket:
     """What autograd holds for a saved activation; its death frees the record."""
 
@@ -218,21 +273,31 @@ class _Ticket:
         self.id = record_id
 
 
+def _raise_if_failed(handles: list[CopyHandle]) -> None:
+    """Raise the error of a finished copy that failed: a CPU stream reports it on the handle (a
+    CUDA stream raised it at issue). `wait()` on a finished copy returns at once."""
+    for handle in handles:
+        handle.wait()
+
+
 class Executor:
     """Runs one pipeline stage's layers under a Plan's decisions; see the module docstring.
 
-    `copy_stream` carries swap-ins to `device` (default: storage's stream for the device);
-    `host_pool` holds host-swapped tensors (default: a pool of HOST_POOL_BYTES, pinned on GPU).
+    `copy_stream` carries swaps in both directions (default: storage's stream for the device).
+    A stage with host swaps needs `host_pool`, or `host_pool_bytes` (`host_pool_bytes_for`) for
+    the pool it makes (pinned on GPU); a stage with D2D swaps needs `peers`.
     """
 
     def __init__(self, plan: Plan, stage: int, *, device: torch.device | str,
                  peers: PeerMemory | None = None, budget_bytes: int | None = None,
                  copy_stream: CopyStream | None = None, host_pool: HostBufferPool | None = None,
-                 min_swap_bytes: int = MIN_SWAP_BYTES) -> None:
+                 host_pool_bytes: int | None = None, min_swap_bytes: int = MIN_SWAP_BYTES) -> None:
         if budget_bytes is not None and budget_bytes < 0:
             raise ValueError(f"Executor: budget_bytes={budget_bytes} must be >= 0 or None")
         if min_swap_bytes < 0:
             raise ValueError(f"Executor: min_swap_bytes={min_swap_bytes} must be >= 0")
+        if host_pool_bytes is not None and host_pool_bytes < 0:
+            raise ValueError(f"Executor: host_pool_bytes={host_pool_bytes} must be >= 0 or None")
         self.plan = plan
         self.stage = stage
         self.device = normalize_device(device)
@@ -241,15 +306,26 @@ class Executor:
         self.table: dict[int, SavedRecord] = {}  # live records by id; read-only outside
         self._stripes = {d.layer: self._stripe_peers(d) for d in plan.decisions
                          if d.stage == stage and d.technique == "d2d"}
+        host_layers = sorted(d.layer for d in plan.decisions if d.stage == stage and d.technique == "host")
+        if host_layers and host_pool is None and host_pool_bytes is None:
+            raise ValueError(f"Executor: stage {stage} swaps layers {host_layers} to host memory: pass "
+                             f"host_pool_bytes (see host_pool_bytes_for) or host_pool")
         self._meter = _Meter(budget_bytes, stage)
         self._stats = ExecutorStats()
         self._lock = threading.RLock()
         self._ids = itertools.count()
         self._pending_out: deque[int] = deque()
         self._groups: dict[int, deque[list[int]]] = {}  # layer -> ids per forward, oldest first
+        self._unfreed: list[_Space] = []  # space of freed records whose copies still run
         self._owned: list = []
-        self._copy_in = self._own(make_copy_stream(self.device)) if copy_stream is None else copy_stream
-        self._copy_out = self._own(_SwapOutStream(self.device))
+        self._stream = self._own(make_copy_stream(self.device)) if copy_stream is None else copy_stream
+        if host_layers and host_pool is None:
+            # One buffer per slab: capacity is then exactly the buffers' aligned bytes, and a slab
+            # of one size class never strands room another size class needs.
+            config = HostBufferPoolConfig(capacity_bytes=max(host_pool_bytes, HOST_ALIGNMENT),
+                                          pin=self.device.type == "cuda", alignment=HOST_ALIGNMENT,
+                                          slab_bytes=HOST_ALIGNMENT)
+            host_pool = self._own(HostBufferPool(config))
         self._host_pool = host_pool
 
     def _own(self, closable):
@@ -288,10 +364,11 @@ class Executor:
                             self.plan.decision(self.stage, layer_index).technique)
 
     def prefetch(self, layer_index: int) -> int:
-        """Start swapping in the saved tensors of the oldest forward of `layer_index` not yet
+        """Bring back the saved tensors of the oldest forward of `layer_index` not yet
         prefetched: the next backward of that layer in GPipe and 1F1B order. The runtime calls it
         one layer (or more) ahead of the backward; a tensor not prefetched is swapped in when the
-        backward needs it. Returns the bytes whose swap-in started."""
+        backward needs it. Returns the bytes brought back (swap-ins started, and tensors whose
+        swap-out had not finished, kept on the device)."""
         with self._lock:
             groups = self._groups.get(layer_index)
             while groups and not groups[0]:
@@ -315,9 +392,11 @@ class Executor:
                                  resident_bytes=self._meter.resident, peak_bytes=self._meter.peak)
 
     def synchronize(self) -> None:
-        """Wait until every swap-out in flight has finished (its bytes have left the device)."""
+        """Wait until every copy in flight has finished: swap-outs have left the device, and the
+        space of freed tensors is back in its pool (a host synchronisation)."""
         with self._lock:
             self._drain()
+            self._settle()
 
     @property
     def peak_bytes(self) -> int:
@@ -325,7 +404,7 @@ class Executor:
         return self._meter.peak
 
     def close(self) -> None:
-        """Finish copies in flight and close the streams and pool this executor made."""
+        """Finish copies in flight and close the stream and pool this executor made."""
         self.synchronize()
         for closable in reversed(self._owned):
             closable.close()
@@ -389,10 +468,10 @@ class Executor:
             record = self.table[ticket.id]
             if record.technique != "keep":
                 self._swap_in(record)
-                for handle in record.copies:
-                    handle.wait()
-                record.copies = []
-                record.state = State.RESIDENT
+                if record.state == State.SWAPPING_IN:
+                    for handle in record.copies:  # compute reads the tensor after its copies only
+                        handle.wait()
+                    record.state = State.RESIDENT
             return record.tensor
 
     def _count_recompute(self) -> None:
@@ -407,30 +486,56 @@ class Executor:
         src = byte_view(t)
         if record.technique == "host":
             record.host = self._acquire_host(record)
-            record.copies = [self._copy_out.copy(src, record.host.payload)]
-            self._stats.host_bytes += record.nbytes
         else:
             record.chunks = self._alloc_chunks(record)
+        after = self._stream.record_compute()  # the copy reads what queued compute writes
+        if record.technique == "host":
+            record.copies = [self._stream.copy(src, record.host.payload, after=after)]
+            self._stats.host_bytes += record.nbytes
+        else:
             start = 0
             for c in record.chunks:
                 view = self.peers.view(c.peer, c.offset, c.nbytes)
-                record.copies.append(self._copy_out.copy(src[start:start + c.nbytes], view))
+                record.copies.append(self._stream.copy(src[start:start + c.nbytes], view, after=after))
                 start += c.nbytes
             self._stats.peer_bytes += record.nbytes
+        record.tensor = t  # kept until the swap-out finishes: asked back before that, it is used as is
         record.state = State.SWAPPING_OUT
         self._pending_out.append(record.id)
 
     def _acquire_host(self, record: SavedRecord) -> HostBuffer:
-        if self._host_pool is None:
-            config = HostBufferPoolConfig(capacity_bytes=HOST_POOL_BYTES, pin=self.device.type == "cuda")
-            self._host_pool = self._own(HostBufferPool(config))
+        buf = self._try_acquire(record)
+        if buf is None and self._unfreed:
+            self._settle()  # buffers of freed tensors whose copies still run: wait for them
+            buf = self._try_acquire(record)
+        if buf is None:
+            raise SwapSpaceError(
+                f"stage {self.stage}, layer {record.layer}: no host buffer for {record.nbytes} bytes in a "
+                f"pool of {self._host_pool.capacity_bytes} bytes ({self._host_pool.in_use_bytes} in use): "
+                f"the profile the pool was sized from underestimated the plan's host swaps")
+        return buf
+
+    def _try_acquire(self, record: SavedRecord) -> HostBuffer | None:
         try:
             return self._host_pool.acquire(record.nbytes, timeout=0)
-        except PoolError as exc:
-            raise SwapSpaceError(f"stage {self.stage}, layer {record.layer}: no host buffer for "
-                                 f"{record.nbytes} bytes: {exc}") from exc
+        except PoolExhaustedError:
+            return None
+        except OversizeRequestError as exc:
+            raise SwapSpaceError(f"stage {self.stage}, layer {record.layer}: {exc}") from exc
 
     def _alloc_chunks(self, record: SavedRecord) -> list[Chunk]:
+        chunks = self._try_alloc_chunks(record)
+        if isinstance(chunks, str) and self._unfreed:
+            self._settle()  # stripes of freed tensors whose copies still run: wait for them
+            chunks = self._try_alloc_chunks(record)
+        if isinstance(chunks, str):
+            raise SwapSpaceError(f"stage {self.stage}, layer {record.layer}: {chunks}")
+        return chunks
+
+    def _try_alloc_chunks(self, record: SavedRecord) -> list[Chunk] | str:
+        """The record's stripes, or why the first that did not fit failed (nothing held then).
+        A message, not the exception: a caller's frame holding an exception raised below it is a
+        reference cycle that would keep a failed forward's graph alive until garbage collection."""
         stripes = self._stripes[record.layer]
         chunks: list[Chunk] = []
         try:
@@ -440,38 +545,53 @@ class Executor:
         except PeerMemoryFullError as exc:
             for c in chunks:
                 self.peers.free(c.peer, c.offset)
-            raise SwapSpaceError(f"stage {self.stage}, layer {record.layer}: {exc}") from exc
+            return str(exc)
         return chunks
 
     def _swap_in(self, record: SavedRecord) -> None:
         if record.state == State.SWAPPING_OUT:
-            self._retire(record)
+            # Still on the device: keep it, and free its swap space once the copy out is done.
+            self._free_space(record)
+            record.state = State.RESIDENT
+            return
         if record.state != State.OUT:
             return
+        _raise_if_failed(record.copies)  # the swap-out's: its bytes are what comes back
         self._reserve(record.nbytes, record.layer, "swapping a saved tensor back in")
         out = torch.empty_strided(record.shape, record.stride, dtype=record.dtype, device=self.device)
         dst = byte_view(out)
+        # `out` may reuse memory freed while queued compute still reads it
+        after = self._stream.record_compute()
         if record.technique == "host":
-            record.copies = [self._copy_in.copy_to_device(record.host.payload, dst)]
-            record.state = State.SWAPPING_IN
+            record.copies = [self._stream.copy(record.host.payload, dst, after=after)]
         else:
-            start = 0
-            for c in record.chunks:  # ordered on the current stream on GPU, a memcpy on CPU
-                dst[start:start + c.nbytes].copy_(self.peers.view(c.peer, c.offset, c.nbytes))
+            record.copies, start = [], 0
+            for c in record.chunks:
+                view = self.peers.view(c.peer, c.offset, c.nbytes)
+                record.copies.append(self._stream.copy(view, dst[start:start + c.nbytes], after=after))
                 start += c.nbytes
-            record.state = State.RESIDENT
+        record.state = State.SWAPPING_IN
         record.tensor = out
 
     # Bookkeeping; callers hold self._lock.
 
     def _free_space(self, record: SavedRecord) -> None:
-        """Give back the host buffer or the peers' blocks a record holds."""
-        if record.host is not None:
-            record.host.release()
-            record.host = None
-        for c in record.chunks:
+        """Give back the host buffer and the peers' blocks a record holds, at once if no copy
+        still uses them, else once those copies have finished (see `_reap`)."""
+        space = _Space(record.copies, record.host, record.chunks)
+        record.copies, record.host, record.chunks = [], None, []
+        if space.host is None and not space.chunks:
+            return
+        if space.ready():
+            self._give_back(space)
+        else:
+            self._unfreed.append(space)
+
+    def _give_back(self, space: _Space) -> None:
+        if space.host is not None:
+            space.host.release()
+        for c in space.chunks:
             self.peers.free(c.peer, c.offset)
-        record.chunks = []
 
     def _reserve(self, nbytes: int, layer: int, what: str) -> None:
         self._reap()
@@ -480,31 +600,50 @@ class Executor:
         self._meter.add(nbytes, layer, what)
 
     def _reap(self) -> None:
-        """Retire the swap-outs that have finished, oldest first."""
+        """Without blocking: retire the swap-outs that have finished, oldest first, and give
+        back the space whose copies have finished."""
         while self._pending_out:
             record = self.table.get(self._pending_out[0])
             if record is not None and record.state == State.SWAPPING_OUT:
                 if not all(h.done() for h in record.copies):
-                    return
+                    break
                 self._retire(record)
             self._pending_out.popleft()
+        if self._unfreed:
+            waiting = []
+            for space in self._unfreed:
+                if space.ready():
+                    self._give_back(space)
+                else:
+                    waiting.append(space)
+            self._unfreed = waiting
 
     def _retire(self, record: SavedRecord) -> None:
-        """A swap-out has finished (or is waited for here): its bytes leave the device."""
-        for handle in record.copies:
-            handle.synchronize()  # raises a failed copy's error
-        record.copies = []
+        """A swap-out has finished: its bytes leave the device. Its handles stay with the record,
+        to raise a failed copy's error at the swap-in."""
         record.state = State.OUT
+        record.tensor = None
         self._meter.sub(record.nbytes)
 
     def _drain(self) -> None:
-        """Wait for every swap-out in flight."""
+        """Wait for every swap-out in flight (a host synchronisation)."""
         for rid in self._pending_out:
             record = self.table.get(rid)
             if record is not None and record.state == State.SWAPPING_OUT:
                 for handle in record.copies:
-                    handle.synchronize()
+                    handle.synchronize()  # raises a failed copy's error
         self._reap()
+
+    def _settle(self) -> None:
+        """Wait for the copies of freed tensors and give their space back (a host synchronisation)."""
+        for space in self._unfreed:
+            for handle in space.copies:
+                try:
+                    handle.synchronize()
+                except Exception:  # the tensor is gone; its space is free all the same
+                    logger.exception("stage %d: a copy of a freed tensor failed", self.stage)
+            self._give_back(space)
+        self._unfreed = []
 
     def _release(self, record_id: int) -> None:
         """Autograd freed a saved tensor: free its record, buffer and stripes."""
@@ -512,16 +651,11 @@ class Executor:
             record = self.table.pop(record_id, None)
             if record is None:
                 return
-            try:
-                for handle in record.copies:  # a copy may still use the buffer or the stripes
-                    handle.synchronize()
-            except Exception:
-                logger.exception("stage %d, layer %d: a copy of a freed tensor failed",
-                                 self.stage, record.layer)
             if record.state != State.OUT:
                 self._meter.sub(record.nbytes)
+            record.tensor = None
             self._free_space(record)
-            if record.group is not None:
+            if record.group is not None and record_id in record.group:
                 record.group.remove(record_id)
 
 

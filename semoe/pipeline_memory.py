@@ -4,14 +4,17 @@ and run each stage's blocks under the plan.
 `compact(trainer, stage_memory_bytes)` runs once, before the first step:
   1. each rank profiles its blocks on one micro-batch (mpress.profiler: saved activations, forward
      and backward time, parameter bytes), and throws away the expert gradients that pass produced;
-  2. rank 0 gathers the stage profiles, measures the machine (a CPU topology here, NVML on GPUs),
-     plans with mpress.planner for `stage_memory_bytes` per stage (parameters, gradients and dense
-     optimizer states of the blocks plus their saved activations, and the fixed part outside the
-     blocks: the embedding or head with their states, and the logits the loss keeps) and sends the
-     plan to every rank;
+  2. rank 0 gathers the stage profiles, measures the machine (a CPU topology here, NVML on GPUs,
+     each rank's GPU found by its PCI address), plans with mpress.planner for `stage_memory_bytes`
+     per stage (parameters, gradients and dense optimizer states of the blocks plus their saved
+     activations, and the fixed part outside the blocks: the embedding or head with their states,
+     and the logits the loss keeps) and a share of the host's available RAM for host swaps, and
+     sends the plan to every rank;
   3. each rank wraps its blocks in an mpress Executor holding the activations to the budget left
-     after its static bytes, with peer memory for D2D swap when the plan uses it, and starts the
-     swap-ins of a stage's swapped layers as the stage's backward begins.
+     after its static bytes, with a host pool and peer memory sized from the profile when the plan
+     swaps (CUDA IPC between GPUs, shared memory between CPU ranks; what peer memory takes on a
+     GPU comes off the budget), and starts the swap-ins of a stage's swapped layers as the stage's
+     backward begins.
 The plan changes where activations live, never the arithmetic: losses and gradients are those of
 the run without a budget.
 """
@@ -34,6 +37,8 @@ if TYPE_CHECKING:
     from semoe.pipeline import PipelineTrainer
 
 log = logging.getLogger(__name__)
+
+HOST_SWAP_SHARE = 2  # host swaps may fill 1/HOST_SWAP_SHARE of the RAM available as training starts
 
 
 class _BlockOnHidden(nn.Module):
@@ -92,63 +97,150 @@ def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:
     return fixed
 
 
-def _topology(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
+def gather_profile(trainer: "PipelineTrainer") -> Any:
+    """Every stage's profile, on every rank (collective)."""
+    from mpress.profile import PipelineProfile
+
+    cfg, c = trainer.cfg, trainer.config
+    gathered = [None] * trainer.world
+    dist.all_gather_object(gathered, profile_stage(trainer))
+    return PipelineProfile(stages=sorted(gathered, key=lambda s: s.stage), micro_batches=cfg.micro_batches,
+                           schedule=trainer.pipeline.schedule,
+                           boundary_bytes=cfg.batch_size // cfg.micro_batches * cfg.seq_len * c.hidden_size * 4)
+
+
+def available_host_bytes() -> int:
+    """RAM the kernel can hand out without swapping (MemAvailable; free pages without /proc)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def host_swap_limit_bytes() -> int:
+    """Host memory the plan may fill with swapped activations, all stages together: a share of
+    what is available as training starts (the rest: the CPU expert cache, data, the processes)."""
+    return available_host_bytes() // HOST_SWAP_SHARE
+
+
+def _pci_addresses(trainer: "PipelineTrainer") -> list | None:
+    """Each rank's GPU by PCI address, in rank order (collective on CUDA); None on CPU."""
+    if trainer.device.type != "cuda":
+        return None
+    from mpress.topology import cuda_pci_address
+
+    gathered: list = [None] * trainer.world
+    dist.all_gather_object(gathered, cuda_pci_address(trainer.device))
+    return gathered
+
+
+def _topology(trainer: "PipelineTrainer", stage_memory_bytes: int, pci: list | None) -> Any:
     from mpress.topology import from_nvml, measure_cpu
 
-    if trainer.device.type == "cuda":
-        topo = from_nvml()
-        return topo.subset(list(range(trainer.world)))
+    if pci is not None:  # by PCI address: NVML's numbering is not the ranks' CUDA ordinals
+        return from_nvml(pci)
     return measure_cpu(trainer.world, stage_memory_bytes, nbytes=16 * 2**20)
 
 
 def compact(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
     """Profile, plan and install the plan on every rank; returns the plan."""
     from mpress.planner import plan
-    from mpress.profile import PipelineProfile
 
-    cfg, c = trainer.cfg, trainer.config
-    mine = profile_stage(trainer)
-    gathered = [None] * trainer.world
-    dist.all_gather_object(gathered, mine)
-    profile = PipelineProfile(stages=sorted(gathered, key=lambda s: s.stage), micro_batches=cfg.micro_batches,
-                              schedule=trainer.pipeline.schedule,
-                              boundary_bytes=cfg.batch_size // cfg.micro_batches * cfg.seq_len * c.hidden_size * 4)
+    profile = gather_profile(trainer)
+    pci = _pci_addresses(trainer)
     box: list[Any] = [None]
     if trainer.rank == 0:
-        res = plan(profile, _topology(trainer, stage_memory_bytes), budget_bytes=stage_memory_bytes,
-                   search_mapping=False)  # CPU ranks are interchangeable; GPU mapping is the launcher's
+        host_limit = host_swap_limit_bytes()
+        res = plan(profile, _topology(trainer, stage_memory_bytes, pci), budget_bytes=stage_memory_bytes,
+                   search_mapping=False,  # CPU ranks are interchangeable; GPU mapping is the launcher's
+                   host_memory_bytes=host_limit)
         box[0] = (res.plan, res.fits, res.reason, res.sim.step_time_s, res.planning_s,
-                  f"semoe-{os.getpid()}-{time.time_ns()}")
+                  f"semoe-{os.getpid()}-{time.time_ns()}", host_limit)
     dist.broadcast_object_list(box, src=0)
-    the_plan, fits, reason, step_s, planning_s, name = box[0]
+    the_plan, fits, reason, step_s, planning_s, name, host_limit = box[0]
     if not fits:
         raise BadInputError(f"--stage-memory {stage_memory_bytes} bytes: no plan fits: {reason}")
     log.info("stage %d: plan %s, simulated step %.3f s, planned in %.3f s", trainer.rank,
              sorted({d.technique for d in the_plan.decisions}), step_s, planning_s)
     static = profile.stages[trainer.rank].static_bytes
-    install(trainer, the_plan, activation_budget_bytes=max(1, stage_memory_bytes - static), name=name,
-            peer_bytes=stage_memory_bytes)
+    install(trainer, the_plan, profile=profile, activation_budget_bytes=max(1, stage_memory_bytes - static),
+            name=name, host_limit_bytes=host_limit)
     return the_plan
 
 
-def install(trainer: "PipelineTrainer", plan: Any, *, activation_budget_bytes: int | None = None,
-            name: str | None = None, peer_bytes: int = 64 * 2**20) -> None:
+def make_peers(trainer: "PipelineTrainer", capacity_bytes: int, name: str) -> Any:
+    """Peer memory of `capacity_bytes` per rank for D2D swap: CUDA IPC between GPUs, shared
+    memory between CPU ranks (collective)."""
+    from mpress.peer_memory import CudaIpcPeers, SharedMemoryPeers, SharedMemorySpaceError, peer_memory_class
+
+    if peer_memory_class(trainer.device) is CudaIpcPeers:
+        with torch.cuda.device(trainer.device):  # object collectives over NCCL use the current device
+            return CudaIpcPeers(trainer.rank, trainer.world, capacity_bytes, device=trainer.device)
+    try:
+        return SharedMemoryPeers(trainer.rank, trainer.world, capacity_bytes, name)
+    except SharedMemorySpaceError as exc:
+        raise BadInputError(exc.line("raise --stage-memory (less is then swapped to peers)")) from None
+
+
+def budget_after_peers(activation_budget_bytes: int | None, peers: Any, stage: int) -> int | None:
+    """What is left of a stage's activation budget once its peer memory takes its share of the
+    device (a GPU's segment and the CUDA contexts other ranks opened on it to reach it)."""
+    if activation_budget_bytes is None or peers is None or not peers.device_bytes:
+        return activation_budget_bytes
+    left = activation_budget_bytes - peers.device_bytes
+    if left <= 0:
+        raise BadInputError(
+            f"stage {stage}: peer memory for D2D swap takes {peers.device_bytes} bytes of the device (its segment "
+            f"and the other ranks' CUDA contexts), more than the {activation_budget_bytes} bytes left for "
+            f"activations; raise --stage-memory")
+    return left
+
+
+def install(trainer: "PipelineTrainer", plan: Any, *, profile: Any = None, activation_budget_bytes: int | None = None,
+            name: str | None = None, host_limit_bytes: int | None = None) -> None:
     """Run this rank's blocks under `plan`: an Executor per stage (holding saved activations to
-    `activation_budget_bytes`), peer memory of `peer_bytes` per rank when the plan swaps D2D, and
-    the swap-ins of the stage's swapped layers started as its backward begins."""
-    from mpress.executor import Executor
+    `activation_budget_bytes`, less what peer memory takes on the device), a host pool and peer
+    memory sized from `profile` (gathered here when None and the plan swaps) when the plan swaps,
+    and the swap-ins of the stage's swapped layers started as its backward begins. Raises
+    BadInputError when the plan's host swaps exceed `host_limit_bytes` (default: rank 0's
+    `host_swap_limit_bytes`)."""
+    from mpress.executor import Executor, host_pool_bytes_for, host_swap_bytes, peer_capacity_bytes_for
 
+    swaps = {d.technique for d in plan.decisions} & {"host", "d2d"}
+    if swaps and profile is None:
+        profile = gather_profile(trainer)
+    host_pool_bytes = None
+    if "host" in swaps:
+        if host_limit_bytes is None:
+            box: list[Any] = [host_swap_limit_bytes() if trainer.rank == 0 else None]
+            dist.broadcast_object_list(box, src=0)  # one figure, so that every rank decides alike
+            host_limit_bytes = box[0]
+        need = [host_swap_bytes(profile, plan, s) for s in range(trainer.world)]
+        if sum(need) > host_limit_bytes:
+            raise BadInputError(
+                f"the plan swaps {sum(need)} bytes of activations to host memory at the peak (per stage: {need}), "
+                f"more than the {host_limit_bytes} bytes allowed (1/{HOST_SWAP_SHARE} of the RAM available)")
+        host_pool_bytes = host_pool_bytes_for(profile, plan, trainer.rank, limit_bytes=host_limit_bytes)
     peers = None
-    if any(d.technique == "d2d" for d in plan.decisions):
-        from mpress.peer_memory import SharedMemoryPeers
-
+    if "d2d" in swaps:
         if name is None:
             box = [f"semoe-{os.getpid()}-{time.time_ns()}"]
             dist.broadcast_object_list(box, src=0)
             name = box[0]
-        peers = SharedMemoryPeers(trainer.rank, trainer.world, peer_bytes, name)
-    executor = Executor(plan, trainer.rank, device=trainer.device, peers=peers,
-                        budget_bytes=activation_budget_bytes)
+        peers = make_peers(trainer, peer_capacity_bytes_for(profile, plan), name)
+    try:
+        budget = budget_after_peers(activation_budget_bytes, peers, trainer.rank)
+    except BadInputError:
+        peers.close()
+        raise
+    log.info("stage %d: host pool %s bytes, peer segment %s bytes, %s bytes of it on the device", trainer.rank,
+             host_pool_bytes, peers.capacity_bytes if peers else 0, peers.device_bytes if peers else 0)
+    executor = Executor(plan, trainer.rank, device=trainer.device, peers=peers, budget_bytes=budget,
+                        host_pool_bytes=host_pool_bytes)
     stage = trainer.model
     stage.runs = nn.ModuleDict({k: executor.wrap(int(k), b) for k, b in stage.layers.items()})
     swapped = [d.layer for d in plan.decisions if d.stage == trainer.rank and d.technique in ("host", "d2d")]

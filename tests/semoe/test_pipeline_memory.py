@@ -120,3 +120,70 @@ def test_the_budget_counts_the_embedding_and_the_head(schedule, in_flight):
     logits = B * T * V * 4  # the loss keeps log-softmax of the logits, as large as the logits
     assert last >= 4 * head + in_flight * logits
     assert last <= 4 * head + in_flight * (3 * logits + 2 * B * T * config.hidden_size * 4)
+
+
+# -- wiring: peer memory, budgets and the GPU topology, without training ----------------------------
+
+
+def shm_worker(rank: int, name: str, out: str) -> None:
+    import types
+
+    import torch
+
+    import mpress.peer_memory
+    from semoe.pipeline_memory import make_peers
+    from storage.errors import BadInputError
+
+    mpress.peer_memory.shm_free_bytes = lambda directory: 64 << 20  # Docker's default /dev/shm
+    trainer = types.SimpleNamespace(device=torch.device("cpu"), rank=rank, world=2)
+    try:
+        make_peers(trainer, 1 << 30, name)
+        message = None
+    except BadInputError as exc:
+        message = str(exc)
+    with open(os.path.join(out, f"rank{rank}.txt"), "w") as f:
+        f.write(repr(message))
+
+
+def test_a_small_dev_shm_is_one_line_naming_the_remedy(tmp_path):
+    import uuid
+
+    from mpress.peer_memory import segment_path
+
+    name = f"test-pm-{uuid.uuid4().hex[:12]}"
+    run_ranks(shm_worker, name, str(tmp_path))
+    shm = os.path.dirname(segment_path(name, 0))
+    want = (f"{shm} has 67108864 bytes free, D2D swap needs 2147483648; enlarge it (docker --shm-size) or raise "
+            f"--stage-memory (less is then swapped to peers)")
+    assert [open(tmp_path / f"rank{r}.txt").read() for r in range(2)] == [repr(want)] * 2
+    assert not any(name in f for f in os.listdir(shm))
+
+
+def test_peer_memory_on_the_device_comes_off_the_activation_budget():
+    import types
+
+    from semoe.pipeline_memory import budget_after_peers
+    from storage.errors import BadInputError
+
+    on_gpu = types.SimpleNamespace(device_bytes=(64 << 20) + (500 << 20))  # segment + one peer's context
+    assert budget_after_peers(2 << 30, on_gpu, 0) == (2 << 30) - (564 << 20)
+    assert budget_after_peers(2 << 30, types.SimpleNamespace(device_bytes=0), 0) == 2 << 30  # /dev/shm
+    assert budget_after_peers(2 << 30, None, 0) == 2 << 30 and budget_after_peers(None, on_gpu, 0) is None
+    with pytest.raises(BadInputError, match=r"^stage 1: peer memory for D2D swap takes 591396864 bytes of the "
+                                            r"device .* more than the 1000 bytes left for activations"):
+        budget_after_peers(1000, on_gpu, 1)
+
+
+def test_gpu_ranks_are_planned_on_their_own_gpus(monkeypatch):
+    import types
+
+    import torch
+
+    import mpress.topology
+    from semoe.pipeline_memory import _topology
+
+    asked = []
+    monkeypatch.setattr(mpress.topology, "from_nvml", lambda devices=None: asked.append(devices) or "nvml")
+    trainer = types.SimpleNamespace(device=torch.device("cuda", 0), world=2)
+    pci = [(0, 0x41, 0), (0, 0x0A, 0)]  # each rank's cuda:0, under different CUDA_VISIBLE_DEVICES
+    assert _topology(trainer, 1 << 30, pci) == "nvml" and asked == [pci]
