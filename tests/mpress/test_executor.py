@@ -123,23 +123,6 @@ def planned(plan: Plan, layers, **kwargs):
     return ex, [ex.wrap(i, layer) for i, layer in enumerate(layers)]
 
 
-class InOrderFakeStream(FakeCudaCopyStream):
-    """The CUDA-hazard stream with compute events that complete in the order they were recorded,
-    as events on one CUDA stream do. FakeCudaCopyStream draws each event's lag on its own, so a
-    later event can complete first, and a copy that waited for it is then reported as racing the
-    compute an earlier event covers."""
-
-    def __init__(self, device, **kwargs) -> None:
-        super().__init__(device, **kwargs)
-        self._last_due = 0.0
-
-    def record_compute(self):
-        with self._cond:
-            event = super().record_compute()
-            event.due = self._last_due = max(event.due, self._last_due)
-            return event
-
-
 @pytest.fixture(params=["thread", "fake-cuda"])
 def streams(request):
     """The copy streams the test's executors make: worker threads (None), or the CUDA-hazard fake
@@ -147,7 +130,7 @@ def streams(request):
     if request.param == "thread":
         yield None
         return
-    with copy_stream_factory(lambda device: InOrderFakeStream(device)) as made:
+    with copy_stream_factory(FakeCudaCopyStream) as made:
         yield made
 
 
@@ -432,7 +415,7 @@ def test_peers_sized_from_the_profile_hold_a_gpipe_step(layers, params):
 def test_forward_and_backward_never_block_the_host(layers, params, reference, peers):
     """With room to spare, a swapped step (prefetch included) makes no host synchronisation: copies
     wait on events, compute waits on copies, and finished copies are noticed by polling."""
-    with copy_stream_factory(InOrderFakeStream) as made:
+    with copy_stream_factory(FakeCudaCopyStream) as made:
         ex, wrapped = planned(plan_of("host", "d2d", "host", "keep"), layers, peers=peers[0])
         with ex:
             for p in params:
