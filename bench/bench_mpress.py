@@ -32,7 +32,7 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpress.analytic import analytic_profile  # noqa: E402
-from mpress.executor import Executor  # noqa: E402
+from mpress.executor import Executor, host_pool_bytes_for  # noqa: E402
 from mpress.planner import plan  # noqa: E402
 from mpress.profile import PipelineProfile, Plan, StageProfile  # noqa: E402
 from mpress.profiler import profile_layers  # noqa: E402
@@ -138,7 +138,8 @@ def main() -> int:
 
     baseline = measure(layers, xs, lambda i, m, h: m(h), args.repeats)
     ckpt = measure(layers, xs, lambda i, m, h: checkpoint(m, h, use_reentrant=False), args.repeats)
-    with Executor(res.plan, 0, device="cpu", budget_bytes=budget - static) as ex:
+    with Executor(res.plan, 0, device="cpu", budget_bytes=budget - static,
+                  host_pool_bytes=host_pool_bytes_for(prof, res.plan, 0)) as ex:
         wrapped = [ex.wrap(i, m) for i, (_, m) in enumerate(layers)]
         planned = measure(layers, xs, lambda i, m, h: wrapped[i](h), args.repeats)
         accounted = ex.stats().peak_bytes

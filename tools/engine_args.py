@@ -20,6 +20,9 @@ def resolve_device(name: str) -> "torch.device":  # noqa: F821
         raise UsageError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}") from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        n = torch.cuda.device_count()
+        raise UsageError(f"--device {name}: this machine has {n} GPU(s), cuda:0 to cuda:{n - 1}")
     return dev
 
 
