@@ -265,23 +265,23 @@ class _CudaHandle(CopyHandle):
     def __init__(self, tensor: torch.Tensor, event: torch.cuda.Event, stream: torch.cuda.Stream,
                  allocated: bool) -> None:
         self.tensor = tensor
-        self._event = event
+        self.event = event
         self._stream = stream
         self._allocated = allocated
 
     def wait(self) -> torch.Tensor:
         compute = torch.cuda.current_stream(self._stream.device)
-        compute.wait_event(self._event)
+        compute.wait_event(self.event)
         if self._allocated:
             # allocated on the copy stream: freeing it must wait for this stream's use too
             self.tensor.record_stream(compute)
         return self.tensor
 
     def synchronize(self) -> None:
-        self._event.synchronize()
+        self.event.synchronize()
 
     def done(self) -> bool:
-        return self._event.query()
+        return self.event.query()
 
 
 class CudaCopyStream(CopyStream):
@@ -315,7 +315,7 @@ class CudaCopyStream(CopyStream):
                 logger.warning("CudaCopyStream: host tensor %s is not pinned; its copy blocks the host",
                                tuple(t.shape))
         if after is not None and not after.done():
-            if isinstance(after, _CudaEvent):
+            if isinstance(after, (_CudaEvent, _CudaHandle)):
                 self.stream.wait_event(after.event)
             else:  # an event of another kind (a host-side one): wait for it on the host
                 after.synchronize()
@@ -459,6 +459,10 @@ class FakeCudaCopyStream(ThreadCopyStream):
     def _issue(self, src: torch.Tensor, dst: torch.Tensor | None, after: StreamEvent | None) -> CopyHandle:
         if dst is None:
             dst = torch.empty_like(src, device=self.device)
+            with self._cond:  # fresh memory: readers of what lay here before are not its readers
+                start, end = _span(dst)
+                for span in [sp for sp in self._readers if sp[0] < end and start < sp[1]]:
+                    del self._readers[span]
         _poison(dst)
         handle = _FakeHandle(dst, self)
         with self._cond:

@@ -251,3 +251,15 @@ def test_copy_stream_factory_builds_and_collects_cpu_streams():
         s.close()
     with make_copy_stream("cpu") as plain:
         assert type(plain) is ThreadCopyStream
+
+
+def test_fake_fresh_allocation_forgets_the_readers_of_freed_memory(fake):
+    slot = torch.empty(32)
+    fake.copy(torch.ones(32), slot).wait()  # handed to compute, no reader event yet
+    span = (slot.data_ptr(), slot.data_ptr() + 32 * 4)
+    del slot  # freed: the allocator may hand the same bytes out again
+    fresh = fake.copy(torch.full((32,), 5.0))
+    if (fresh.tensor.data_ptr(), fresh.tensor.data_ptr() + 128) == span:
+        assert span not in fake._readers
+    assert torch.equal(fresh.wait(), torch.full((32,), 5.0))
+    assert fake.violations == []
