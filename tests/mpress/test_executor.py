@@ -629,6 +629,9 @@ def d2d_stage0(peers: SharedMemoryPeers) -> None:
                                torch.cat([peers.get(1, c.offset, c.nbytes) for c in r.chunks]))
 
         assert ex.prefetch(1) == sum(r.nbytes for r in layer1)
+        for r in layer1:  # the swap-ins run on the copy stream: read them only once they landed
+            for h in r.copies:
+                h.wait()
         for r, want in zip(layer1, expected):
             assert torch.equal(r.tensor, want) and r.tensor.stride() == want.stride()  # back identical
         loss.backward()
