@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Set up (once) and run semoe from a fresh clone.
 #   bash tools/run.sh demo [ARGS]   the main job on its embedded default
-#   bash tools/run.sh test [ARGS]   the test suite (pytest ARGS); under CI=true, then the slow tests
-#                                   too, within SEMOE_SLOW_BUDGET_S seconds
+#   bash tools/run.sh test [ARGS]   the test suite (pytest ARGS); under CI=true the slow tests first,
+#                                   which fail the run if they fail or outlast SEMOE_SLOW_BUDGET_S seconds
 #   bash tools/run.sh semoe ARGS    any semoe command
 # The virtual environment lives in .venv (override with SEMOE_VENV); it is rebuilt when
 # setup.py changes.
@@ -38,10 +38,10 @@ case "$cmd" in
     # CI: the slow-marked runs within a time budget, then the default suite (whose summary
     # closes the log)
     slow=0
-    timeout "${SEMOE_SLOW_BUDGET_S:-3000}" "$venv/bin/python" -m pytest -m slow || slow=$?
+    timeout "${SEMOE_SLOW_BUDGET_S:-3600}" "$venv/bin/python" -m pytest -m slow || slow=$?
     case $slow in
       0|5) slow=0 ;;  # 5: no slow tests collected
-      124) echo "semoe: slow tests stopped at the time budget" >&2; slow=0 ;;
+      124) echo "semoe: slow tests did not finish within ${SEMOE_SLOW_BUDGET_S:-3600} s: a failure" >&2 ;;
     esac
     "$venv/bin/python" -m pytest
     exit $slow

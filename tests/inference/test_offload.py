@@ -93,6 +93,7 @@ def test_corrupt_expert_fails_the_request_and_names_the_tensor(tmp_path):
     torch.manual_seed(0)
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
     import json
     import os

@@ -130,6 +130,7 @@ def _add_word_tokenizer(path) -> None:
 
 
 @pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_generate_cli_json_from_hf_and_store(arch, tmp_path):
     import transformers
 
@@ -158,6 +159,7 @@ def test_generate_cli_json_from_hf_and_store(arch, tmp_path):
         assert json.loads(res.stdout)["tokens"] == want_text.tokens
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_generate_cli_bad_flags(tmp_path):
     path = make_hf_checkpoint("olmoe", tmp_path / "ck")
     for args, message in ((["--prompt-ids", "1,x"], "--prompt-ids must be comma-separated integers"),

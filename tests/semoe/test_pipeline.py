@@ -195,6 +195,7 @@ def single_rank(tmp_path_factory, text_file):
 
 
 @pytest.mark.parametrize("schedule, M, states", [("gpipe", 2, "ssd"), ("1f1b", 4, "ssd"), ("1f1b", 2, "device")])
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_two_stages_match_one_rank(tmp_path, text_file, single_rank, schedule, M, states):
     """Same seed, float32: the per-step losses of the single-rank trainer with the same micro-batches,
     a store holding the same tensors (dense from both stages, experts of all layers with their
@@ -234,6 +235,7 @@ def _optimizer_states(store) -> dict:
 
 
 @pytest.mark.parametrize("states", ["ssd", "device"])
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_sigkill_then_resume_a_pipeline_run_is_bit_exact(tmp_path, text_file, states):
     import os
     import signal

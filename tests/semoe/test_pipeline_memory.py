@@ -45,6 +45,7 @@ def _run(tmp_path, name: str, text_file: str, plan: Plan | None) -> list[dict]:
     return [json.load(open(os.path.join(out, f"rank{r}.json"))) for r in range(2)]
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_every_technique_in_a_two_stage_pipeline_keeps_the_numbers(tmp_path, text_file):
     plan = Plan(decisions=[
         Decision(stage=0, layer=0, technique="host"),
@@ -61,6 +62,7 @@ def test_every_technique_in_a_two_stage_pipeline_keeps_the_numbers(tmp_path, tex
     assert s1["recomputed"] > 0 and s1["peer_bytes"] > 0
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "8",
               "--pipeline", "2", "--micro-batches", "4", "--schedule", "gpipe", "-q"]
@@ -72,6 +74,7 @@ def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     assert free == tight and tight[-1] < tight[0] - 0.3
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_a_budget_no_plan_fits_is_one_line_and_leaves_no_store(tmp_path, text_file):
     out = tmp_path / "run"
     p = cli("train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "2",

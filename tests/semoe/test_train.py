@@ -196,6 +196,7 @@ def log_losses(path: str) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_two_ranks_match_one_rank_and_loss_falls(tmp_path, text_file):
     """2 ranks of expert parallelism (all-to-all, bucketed all-reduce) == 1 rank accumulating the
     same two halves of each batch, within float32 reduction tolerance."""
@@ -213,6 +214,7 @@ def test_two_ranks_match_one_rank_and_loss_falls(tmp_path, text_file):
         torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=lambda m: f"{k}: {m}")
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_sharded_dense_optimizer_gives_the_replicated_numbers(tmp_path, text_file):
     """ZeRO stage 1 over 2 ranks: each rank keeps half of the dense AdamW moments, and the run's
     losses, store and saved optimizer are those of the replicated optimizer, bit for bit; the
@@ -246,6 +248,7 @@ def _trainer_step(store: str) -> int:
 
 
 @pytest.mark.parametrize("states", ["ssd", "device"])
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_sigkill_then_resume_is_bit_exact(tmp_path, text_file, states):
     common = ["train", *SHAPE_FLAGS, "--data", text_file, "--batch-size", "4", "--seq-len", "32", "--steps", "14",
               "--checkpoint-every", "3", "--expert-states", states, "--cpu-cache", "1MiB", "-q"]
@@ -274,6 +277,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, text_file, states):
             assert torch.equal(s[name], ob["state"][i][name]), (i, name)
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_generate_from_a_trained_store_offloaded_equals_resident(tmp_path, text_file):
     out = tmp_path / "run"
     cli("train", *SHAPE_FLAGS, "--data", text_file, "--batch-size", "4", "--seq-len", "32", "--steps", "4",
@@ -286,6 +290,7 @@ def test_generate_from_a_trained_store_offloaded_equals_resident(tmp_path, text_
     assert offloaded["stats"]["cpu_hit_rate"] is not None
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_init_from_an_imported_huggingface_model(tmp_path, hf_qwen2_moe):
     """Fine-tuning a model imported from transformers: the first step's loss is transformers' own
     cross-entropy on the same batch, and the trained store keeps the model's tokenizer."""

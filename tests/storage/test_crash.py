@@ -9,6 +9,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 import torch
 
 from storage.store import Store
@@ -34,6 +35,7 @@ def _check_store(root: str) -> int:
     return v
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_sigkill_during_commits_loses_no_committed_version(tmp_path):
     root = str(tmp_path / "store")
     rng = random.Random(1234)

@@ -48,6 +48,7 @@ def test_info_and_ls(store):
     assert "MixtralForCausalLM" in text and "version       1" in text
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_verify_ok_then_names_the_bad_tensor(store, tmp_path):
     import shutil
 
@@ -123,6 +124,7 @@ def test_import_into_non_empty_target_is_refused(hf_olmoe, tmp_path):
     assert os.listdir(tmp_path / "s") == ["mine.txt"]
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_help_explains_every_subcommand():
     for sub in ("import", "export", "ls", "info", "verify", "gc", "bench", "cache-sim"):
         res = semoe("store", sub, "--help")

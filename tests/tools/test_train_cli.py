@@ -163,6 +163,7 @@ def test_out_holding_a_run_needs_resume(run_copy, shards):
 # -- failures while training keep the last checkpoint ----------------------------------------------
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_non_finite_loss_stops_and_keeps_last_checkpoint(shards, tmp_path):
     out = tmp_path / "run"
     res = semoe("train", "--out", str(out), "--data", shards, *TINY, "--steps", "10", "--checkpoint-every", "2",
@@ -187,6 +188,7 @@ def test_non_finite_loss_stops_and_keeps_last_checkpoint(shards, tmp_path):
     assert Store.open(str(store)).version == st.version
 
 
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_ranks_failing_alike_print_one_line(shards, tmp_path):
     out = tmp_path / "run"
     res = semoe("train", "--out", str(out), "--data", shards, *TINY, "--steps", "10", "--checkpoint-every", "2",
@@ -225,6 +227,7 @@ def _file_size_limit(limit: int):
 
 
 @pytest.mark.parametrize("limit", [50_000, 200_000], ids=["expert-write-fails", "checkpoint-commit-fails"])
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_full_disk_keeps_the_last_checkpoint(run_copy, limit):
     # 50 kB: smaller than an expert chunk (72 KiB), so writing back the first updated expert fails;
     # 200 kB: chunks fit, the checkpoint's optimizer file (~480 kB) does not
