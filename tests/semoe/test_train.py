@@ -14,6 +14,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.expert_states import RecordingStates
+
 from semoe.config import named_config
 from semoe.expert_states import AdamWConfig, _ExpertFFN, adamw_, init_expert
 from semoe.model import MoEGPT, ResidentExperts, swiglu
@@ -81,26 +83,11 @@ def test_adamw_is_torch_adamw_bit_for_bit():
         assert torch.equal(w, p.detach()), f"step {step}"
 
 
-class _Recorder:
-    def __init__(self, w):
-        self.w, self.grads = w, {}
-
-    def begin_backward_layer(self, layer):
-        pass
-
-    def fetch(self, layer, expert):
-        from semoe.expert_states import Held
-        return Held(*self.w)
-
-    def add_grad(self, layer, expert, grads):
-        self.grads[(layer, expert)] = grads
-
-
 def test_expert_function_gradients_match_autograd():
     torch.manual_seed(1)
     w = [torch.randn(12, 8) * 0.3, torch.randn(12, 8) * 0.3, torch.randn(8, 12) * 0.3]
     x = torch.randn(5, 8, requires_grad=True)
-    rec = _Recorder(w)
+    rec = RecordingStates(w)
     y = _ExpertFFN.apply(x, *w, rec, 0, 3)
     dy = torch.randn_like(y)
     (dx,) = torch.autograd.grad(y, x, dy)

@@ -8,8 +8,10 @@ import io
 import pytest
 import torch
 
+from helpers.expert_states import RecordingStates
+
 from semoe.config import named_config
-from semoe.expert_states import Held, _ExpertFFN, sum_of_squares
+from semoe.expert_states import _ExpertFFN, sum_of_squares
 from semoe.model import swiglu
 from semoe.train import Trainer
 from semoe.train_config import Precision, TrainConfig, training_precision
@@ -24,21 +26,8 @@ def tiny_config():
     return named_config("gpt-moe-small", **SHAPE)
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> str:
-    import argparse
-    import dataclasses
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    with open(path, "w", encoding="utf-8") as out:
-        for mod in (argparse, dataclasses):
-            with open(mod.__file__, encoding="utf-8") as f:
-                out.write(f.read())
-    return str(path)
-
-
-def _trainer(tmp_path, text_file, name: str, **kw) -> Trainer:
-    cfg = TrainConfig(out=str(tmp_path / name), data=text_file, steps=kw.pop("steps", 4), batch_size=4, seq_len=32,
+def _trainer(tmp_path, small_corpus, name: str, **kw) -> Trainer:
+    cfg = TrainConfig(out=str(tmp_path / name), data=small_corpus, steps=kw.pop("steps", 4), batch_size=4, seq_len=32,
                       warmup_steps=2, checkpoint_every=100, **kw)
     return Trainer(cfg, tiny_config())
 
@@ -111,7 +100,7 @@ def test_resume_loads_rng_and_optimizer_state_to_the_cpu():
 
 
 @pytest.mark.parametrize("states", ["device", "ssd"])
-def test_a_training_step_reads_the_device_once_besides_routing(tmp_path, text_file, states):
+def test_a_training_step_reads_the_device_once_besides_routing(tmp_path, small_corpus, states):
     """The budget of host syncs in one step (forward and optimizer; a TorchFunctionMode does not see
     backward, whose expert function reads nothing on the host):
       nonzero, tolist  per MoE layer and micro-batch: routing's data-dependent sizes, inherent
@@ -122,7 +111,7 @@ def test_a_training_step_reads_the_device_once_besides_routing(tmp_path, text_fi
       numpy            host buffers of the expert store (`.numpy()` refuses device tensors)
     Gradient norms once read a float per tensor: hundreds of syncs per step."""
     M = 2
-    trainer = _trainer(tmp_path, text_file, states, expert_states=states, micro_batches=M)
+    trainer = _trainer(tmp_path, small_corpus, states, expert_states=states, micro_batches=M)
     try:
         trainer.train_step()  # the optimizers' states exist from here on
         with HostSyncCounter() as c:
@@ -148,20 +137,6 @@ def test_sum_of_squares_is_the_float64_sum_over_devices_and_dtypes():
 # -- bf16 autocast --------------------------------------------------------------------------------
 
 
-class _Recorder:
-    def __init__(self, w):
-        self.w, self.grads = w, {}
-
-    def begin_backward_layer(self, layer):
-        pass
-
-    def fetch(self, layer, expert):
-        return Held(*self.w)
-
-    def add_grad(self, layer, expert, grads):
-        self.grads[(layer, expert)] = grads
-
-
 def test_expert_function_under_bf16_autocast_matches_autograd():
     """Forward under autocast runs in bf16; backward (which autocast does not reach) must run in
     the dtype forward used and hand float32 weight gradients to the states. Reference: autograd
@@ -169,7 +144,7 @@ def test_expert_function_under_bf16_autocast_matches_autograd():
     torch.manual_seed(1)
     w = [torch.randn(12, 8) * 0.3, torch.randn(12, 8) * 0.3, torch.randn(8, 12) * 0.3]
     x = torch.randn(5, 8, requires_grad=True)
-    rec = _Recorder(w)
+    rec = RecordingStates(w)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = _ExpertFFN.apply(x, *w, rec, 0, 3)
     assert y.dtype == torch.bfloat16
@@ -189,12 +164,12 @@ def test_expert_function_under_bf16_autocast_matches_autograd():
         torch.testing.assert_close(got, want.float(), **tol)
 
 
-def test_bf16_training_on_cpu_follows_float32(tmp_path, text_file):
+def test_bf16_training_on_cpu_follows_float32(tmp_path, small_corpus):
     """--precision bf16 runs the autocast path (the CUDA default) on CPU: float32 weights and
     states, and losses within 2% of the float32 run's over 4 steps."""
     runs = {}
     for precision in ("fp32", "bf16"):
-        trainer = _trainer(tmp_path, text_file, precision, expert_states="device", precision=precision, lr=3e-3)
+        trainer = _trainer(tmp_path, small_corpus, precision, expert_states="device", precision=precision, lr=3e-3)
         try:
             runs[precision] = [trainer.train_step().loss for _ in range(4)]
             assert all(p.dtype == torch.float32 for p in trainer.model.parameters())

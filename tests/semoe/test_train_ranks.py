@@ -27,21 +27,8 @@ GLOBAL_BATCH = 8
 REL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> str:
-    import argparse
-    import dataclasses
-
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    with open(path, "w", encoding="utf-8") as out:
-        for mod in (argparse, dataclasses):
-            with open(mod.__file__, encoding="utf-8") as f:
-                out.write(f.read())
-    return str(path)
-
-
-def _config(out: str, text_file: str, micro_batches: int) -> TrainConfig:
-    return TrainConfig(out=out, data=text_file, steps=STEPS, batch_size=GLOBAL_BATCH, seq_len=32, warmup_steps=2,
+def _config(out: str, small_corpus: str, micro_batches: int) -> TrainConfig:
+    return TrainConfig(out=out, data=small_corpus, steps=STEPS, batch_size=GLOBAL_BATCH, seq_len=32, warmup_steps=2,
                        lr=3e-3, micro_batches=micro_batches, checkpoint_every=100, expert_states="device")
 
 
@@ -68,8 +55,8 @@ def _guard_collectives(device: torch.device, seen: list[str]) -> None:
         setattr(dist, name, functools.wraps(real)(checked))
 
 
-def _rank_worker(rank: int, out: str, text_file: str, log_path: str) -> None:
-    cfg = _config(out, text_file, micro_batches=2)
+def _rank_worker(rank: int, out: str, small_corpus: str, log_path: str) -> None:
+    cfg = _config(out, small_corpus, micro_batches=2)
     seen: list[str] = []
     _guard_collectives(torch.device(cfg.device), seen)
     trainer = Trainer(cfg, named_config("gpt-moe-small", **SHAPE))
@@ -81,15 +68,15 @@ def _rank_worker(rank: int, out: str, text_file: str, log_path: str) -> None:
 
 
 @pytest.mark.slow  # two spawned ranks and a third run: about 20 s on two cores
-def test_two_ranks_of_two_micro_batches_equal_one_rank_of_four(tmp_path, text_file):
+def test_two_ranks_of_two_micro_batches_equal_one_rank_of_four(tmp_path, small_corpus):
     """The same global batch of 8: 2 ranks x 2 micro-batches x 2 sequences against 1 rank x 4 x 2.
     Dense gradients averaged over ranks must not be divided again (they were, by the world size,
     whenever micro-batches > 1, which shrank the gradient norm by half here)."""
     log_path = str(tmp_path / "two.json")
-    run_ranks(_rank_worker, str(tmp_path / "two"), text_file, log_path)
+    run_ranks(_rank_worker, str(tmp_path / "two"), small_corpus, log_path)
     with open(log_path, encoding="utf-8") as f:
         two = json.load(f)
-    trainer = Trainer(_config(str(tmp_path / "one"), text_file, micro_batches=4), named_config("gpt-moe-small", **SHAPE))
+    trainer = Trainer(_config(str(tmp_path / "one"), small_corpus, micro_batches=4), named_config("gpt-moe-small", **SHAPE))
     one = [[x.loss, x.grad_norm] for x in trainer.run()]
     assert len(one) == len(two) == STEPS
     for step, ((loss1, norm1), (loss2, norm2)) in enumerate(zip(one, two), 1):
