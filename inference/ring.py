@@ -139,11 +139,11 @@ class OffloadedExperts:
             pin_memory=device.type == "cuda"))
         self.book = RingBook(ring_slots, self.moe_layers)
         self.ring_slots = ring_slots
-        store_dtypes = {p.dtype for layout in self.layouts.values() for p in layout}
-        self.copies = (device.type != "cpu" or store_dtypes != {dtype}) if copies is None else copies
-        if not self.copies and (device.type != "cpu" or store_dtypes != {dtype}):
+        must_copy = self.must_copy(store, device, dtype)
+        self.copies = must_copy if copies is None else copies
+        if must_copy and not self.copies:
             raise ValueError(f"an in-place ring needs a CPU device and a {dtype} store, got {device} "
-                             f"and {sorted(map(str, store_dtypes))}")
+                             f"and a store of another dtype or device")
         self.in_place = not self.copies
         self.memory: _SlotMemory | None = None
         if self.copies:
@@ -166,6 +166,13 @@ class OffloadedExperts:
     def precision(self) -> float | None:
         """Running precision of next-layer guesses, once judged."""
         return self.guesses.precision
+
+    @staticmethod
+    def must_copy(store: Store, device: torch.device, dtype: torch.dtype) -> bool:
+        """Whether experts must be copied into the ring: the device is not the host, or the store's
+        dtype is not the compute dtype."""
+        stored = {t.dtype for c in store.manifest.chunks if c.kind == "weight" for t in store.manifest.chunk_tensors(c)}
+        return device.type != "cpu" or stored != {dtype_name(dtype)}
 
     @staticmethod
     def slot_bytes(store: Store, dtype: torch.dtype) -> int:
@@ -196,11 +203,8 @@ class OffloadedExperts:
                                  f"{slot} bytes; at least 2 are needed")
         else:  # the current layer's experts plus the next layer's predicted ones
             slots = 2 * top_k
-        store_dtypes = {t.dtype for c in store.manifest.chunks if c.kind == "weight"
-                        for t in store.manifest.chunk_tensors(c)}
         # a budget of device memory is a ring in memory of its own, on CPU too
-        copies = (device.type != "cpu" or config.device_memory_bytes is not None
-                  or store_dtypes != {dtype_name(dtype)})
+        copies = config.device_memory_bytes is not None or cls.must_copy(store, device, dtype)
         cpu = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else expert_bytes
         if not copies:
             # in place, ring slots are CPU-cache entries: the cache must hold the ring and room to spare
