@@ -1,9 +1,15 @@
 """HuggingFace safetensors checkpoints into a store and back, streaming tensor by tensor.
 
 Expert tensors are recognised by name: Mixtral (`block_sparse_moe.experts.N.w1|w2|w3`), Qwen2-MoE,
-Qwen3-MoE, OLMoE and DeepSeek-V2/V3 (`mlp.experts.N.*`), and fused 3-D tensors holding every
-expert of a layer (`experts.gate_up_proj`, `experts.down_proj`, ...), which are split into one
-slice per expert. Everything else (shared experts included) is dense.
+Qwen3-MoE, OLMoE, DeepSeek-V2/V3 and GLM-4.5 (`mlp.experts.N.*`), and fused 3-D tensors holding every
+expert of a layer (gpt-oss's `experts.gate_up_proj`, `experts.down_proj`, ...), which are split into
+one slice per expert. Everything else (shared experts included) is dense.
+
+Quantized checkpoints (DeepSeek-V3's FP8 block-scale, gpt-oss's MXFP4) are dequantized at import, to
+bfloat16 or `--dtype`: compact storage of quantized experts is not kept yet. The store then holds the
+tensors an unquantized checkpoint of the model has, and its config.json has no quantization_config.
+Multi-token-prediction layers (DeepSeek-V3, GLM-4.5: layers past `num_hidden_layers`) are not part of
+the causal LM and are skipped.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from storage.dequant import DequantizedRef, pair_quantized, quant_scheme
 from storage.dtypes import cast_dtype, dtype_name, torch_dtype
 from storage.errors import BadInputError
 from storage.manifest import TensorEntry
@@ -30,19 +37,27 @@ from storage.store import ExpertTensor, Store, chunk_layout
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "semoe_gpt")
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+                         "gpt_oss", "semoe_gpt")
+# model types that are another one under a new name: (architecture they must declare, the type they are)
+_ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
+_MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config")
+_INDEXER_KEYS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek sparse attention's indexer
+_LAYER_RE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.")  # the first layers.N of a name
+MTP_REASON = "multi-token prediction layers"
 _EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
 _FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.([A-Za-z0-9_]+)$")
 _NUM_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 
 Progress = Callable[[int], None]
+Ref = TensorRef | DequantizedRef  # a tensor as it is read: straight from a file, or dequantized
 
 
 @dataclass(kw_only=True)
 class ExpertPart:
     """One tensor of one expert: a whole per-expert tensor, or slice `expert` of a fused one."""
 
-    ref: TensorRef
+    ref: Ref
     stacked: bool
 
     def slice_shape(self) -> tuple[int, ...]:
@@ -54,23 +69,66 @@ class ExpertPart:
 
 @dataclass(kw_only=True)
 class Checkpoint:
-    """A checked HuggingFace checkpoint directory: its config, tensors and side files."""
+    """A checked HuggingFace checkpoint directory: its config, the tensors to import and side files.
+
+    `config` is the config.json to keep: without quantization_config when `dequantized` is set.
+    """
 
     path: str
     config: dict
-    tensors: dict[str, TensorRef]
+    tensors: dict[str, Ref]
     file_metadata: dict[str, dict[str, str]]
     side_files: list[str]
     dense: list[str] = field(default_factory=list)
     experts: dict[int, dict[int, list[ExpertPart]]] = field(default_factory=dict)  # layer -> expert -> parts
+    dequantized: dict | None = None  # {"format", "to", "tensors"} when quantized tensors are read dequantized
+    skipped: dict | None = None  # {"reason", "layers", "tensors", "bytes"} for layers left out
 
     @property
     def model_type(self) -> str:
-        return str(self.config.get("model_type", ""))
+        return model_type_of(self.config)
 
 
-def open_checkpoint(path: str) -> Checkpoint:
-    """Read and check a checkpoint directory's headers; no tensor data is read."""
+def model_type_of(config: dict) -> str:
+    """The supported model type a config stands for (an alias such as kimi_k2 gives the type it is)."""
+    model_type = str(config.get("model_type", ""))
+    alias = _ALIASES.get(model_type)
+    if alias and alias[0] in (config.get("architectures") or []):
+        return alias[1]
+    return model_type
+
+
+def check_supported(config: dict, source: str) -> None:
+    """Refuse, in one line naming `source`, a config whose model the store and the models here cannot hold."""
+    if not isinstance(config, dict):
+        raise BadInputError(f"{source}: not a JSON object")
+    model_type = config.get("model_type")
+    archs = [str(a) for a in config.get("architectures") or []]
+    why = next((k for k in _MULTIMODAL_KEYS if k in config), None) or next(
+        (f"architecture {a}" for a in archs if "ForConditionalGeneration" in a), None)
+    if why:
+        raise BadInputError(f"{source}: multimodal checkpoint ({why}) is not supported: multimodal towers are not "
+                            f"implemented")
+    if model_type == "qwen3_next":
+        raise BadInputError(f"{source}: model_type='qwen3_next' is not supported: hybrid linear attention (Gated "
+                            f"DeltaNet layers) is not implemented")
+    why = next((f"{k}={config[k]!r}" for k in _INDEXER_KEYS if k in config), None)
+    if model_type == "deepseek_v32" or why:
+        raise BadInputError(f"{source}: sparse-attention indexer ({why or f'model_type={model_type!r}'}) is not "
+                            f"supported: DeepSeek sparse attention is not implemented")
+    if model_type_of(config) not in SUPPORTED_MODEL_TYPES:
+        alias = _ALIASES.get(model_type)
+        hint = f" ({model_type} is supported with architectures {[alias[0]]})" if alias else ""
+        raise BadInputError(f"{source}: unknown architecture model_type={model_type!r}{hint}; supported: "
+                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    quant_scheme(config, source)
+
+
+def open_checkpoint(path: str, *, dtype: str = "keep") -> Checkpoint:
+    """Read and check a checkpoint directory's headers; no tensor data is read.
+
+    Quantized tensors are read dequantized to `dtype` (a --dtype choice; "keep" gives bfloat16).
+    """
     if not os.path.isdir(path):
         raise BadInputError(f"{path}: not a directory")
     cfg_path = os.path.join(path, "config.json")
@@ -81,10 +139,7 @@ def open_checkpoint(path: str) -> Checkpoint:
             config = json.load(f)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise BadInputError(f"{cfg_path}: not valid JSON ({e})") from None
-    model_type = config.get("model_type")
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise BadInputError(f"{cfg_path}: unknown architecture model_type={model_type!r}; supported: "
-                            f"{', '.join(SUPPORTED_MODEL_TYPES)}")
+    check_supported(config, cfg_path)
     files = _weight_files(path)
     tensors: dict[str, TensorRef] = {}
     metadata: dict[str, dict[str, str]] = {}
@@ -106,9 +161,46 @@ def open_checkpoint(path: str) -> Checkpoint:
     side = sorted(n for n in os.listdir(path)
                   if n not in weights and not n.startswith(".") and os.path.isfile(os.path.join(path, n))
                   and not n.endswith((".bin", ".pt", ".pth", ".safetensors")))
-    ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side)
+    tensors, skipped = _skip_extra_layers(tensors, config, cfg_path)
+    ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side,
+                    skipped=skipped)
+    scheme = quant_scheme(config, cfg_path)
+    if scheme is not None:
+        to = cast_dtype(dtype) or torch.bfloat16
+        ck.tensors = pair_quantized(tensors, scheme, to)
+        ck.config = {k: v for k, v in config.items() if k != "quantization_config"}
+        ck.dequantized = {"format": scheme.name, "to": str(to).removeprefix("torch."),
+                          "tensors": sum(isinstance(r, DequantizedRef) for r in ck.tensors.values())}
     _classify(ck)
     return ck
+
+
+def _skip_extra_layers(tensors: dict[str, TensorRef], config: dict,
+                       source: str) -> tuple[dict[str, TensorRef], dict | None]:
+    """Leave out the multi-token-prediction layers past `num_hidden_layers`; any other layer past it is an error."""
+    n = config.get("num_hidden_layers")
+    if not isinstance(n, int):
+        return tensors, None
+    mtp = config.get("num_nextn_predict_layers") or 0
+    kept: dict[str, TensorRef] = {}
+    layers: set[int] = set()
+    count = nbytes = 0
+    for name, ref in tensors.items():
+        m = _LAYER_RE.match(name)
+        layer = int(m.group(1)) if m else -1
+        if layer < n:
+            kept[name] = ref
+            continue
+        if layer >= n + mtp:
+            raise BadInputError(f"{ref.path}: tensor {name} is in layer {layer}, but {source} has "
+                                f"num_hidden_layers={n} and num_nextn_predict_layers={mtp}")
+        layers.add(layer)
+        count += 1
+        nbytes += ref.nbytes
+    if not layers:
+        return tensors, None
+    log.info("skipping %d tensors of %s %s", count, MTP_REASON, sorted(layers))
+    return kept, {"reason": MTP_REASON, "layers": sorted(layers), "tensors": count, "bytes": nbytes}
 
 
 def _weight_files(path: str) -> list[str]:
@@ -185,12 +277,15 @@ def import_checkpoint(src: str, dst: str, *, dtype: str = "keep", progress: Prog
     On any failure the target is removed again, so nothing half-written is left behind.
     """
     to = cast_dtype(dtype)
-    ck = open_checkpoint(src)
+    ck = open_checkpoint(src, dtype=dtype)
     created = not os.path.exists(dst)
     store = Store.create(dst)
     try:
         with store.writer() as w:
             for name in ck.side_files:
+                if name == "config.json" and ck.dequantized:  # the stored weights are no longer quantized
+                    w.put_file(name, (json.dumps(ck.config, indent=2) + "\n").encode())
+                    continue
                 with open(os.path.join(src, name), "rb") as f:
                     w.put_file(name, f.read())
             for name in ck.dense:
@@ -255,7 +350,7 @@ def _model_info(ck: Checkpoint) -> dict:
         with open(index, encoding="utf-8") as f:
             index_meta = json.load(f).get("metadata", {}) or {}
     arch = ck.config.get("architectures") or [None]
-    return {
+    info = {
         "source": "huggingface",
         "architecture": arch[0],
         "model_type": ck.model_type,
@@ -264,9 +359,15 @@ def _model_info(ck: Checkpoint) -> dict:
         "hf": {
             "sharded": os.path.isfile(index),
             "index_metadata": index_meta,
+            # files left with no tensor (those of skipped layers only) are not written back by export
             "files": {f: {"metadata": ck.file_metadata.get(f, {}), "tensors": order[f]} for f in sorted(order)},
         },
     }
+    if ck.dequantized:
+        info["dequantized"] = ck.dequantized
+    if ck.skipped:
+        info["skipped"] = ck.skipped
+    return info
 
 
 def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None = None) -> None:

@@ -336,6 +336,9 @@ class Store:
             "dtypes": sorted({t.dtype for t in m.tensors}),
             "kinds": sorted({t.kind for t in m.tensors}),
             "side_files": [f.name for f in m.files],
+            # what import changed: {"format", "to", "tensors"}; {"reason", "layers", "tensors", "bytes"}
+            "dequantized": m.model.get("dequantized"),
+            "skipped": m.model.get("skipped"),
         }
 
 

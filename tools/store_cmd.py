@@ -21,9 +21,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q = ss.add_parser("import", help="import a HuggingFace safetensors checkpoint into a new store",
                       description="Import a HuggingFace checkpoint (safetensors, single file or sharded with "
                                   "model.safetensors.index.json, plus config.json and tokenizer files) into a new "
-                                  "store. Expert tensors (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, fused 3-D "
-                                  "experts) get one chunk file per expert; the rest is dense. Streams tensor by "
-                                  "tensor; on failure nothing is left behind.")
+                                  "store. Expert tensors (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5, "
+                                  "fused 3-D experts as in gpt-oss) get one chunk file per expert; the rest is "
+                                  "dense. FP8 block-scale (DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints are "
+                                  "dequantized to bfloat16 (or --dtype); multi-token-prediction layers are skipped. "
+                                  "Streams tensor by tensor; on failure nothing is left behind.")
     q.add_argument("hf_dir", metavar="HF_DIR", help="HuggingFace checkpoint directory")
     q.add_argument("store", metavar="STORE", help="new store directory (must be absent or empty)")
     q.add_argument("--dtype", choices=CAST_CHOICES, default="keep",
@@ -95,7 +97,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def cmd_import(args: argparse.Namespace) -> int:
     from storage.hf import import_checkpoint, open_checkpoint
 
-    ck = open_checkpoint(args.hf_dir)
+    ck = open_checkpoint(args.hf_dir, dtype=args.dtype)
     total = sum(r.nbytes for r in ck.tensors.values())
     with byte_bar(total, "import") as bar:
         store = import_checkpoint(args.hf_dir, args.store, dtype=args.dtype, progress=bar.update)
@@ -106,6 +108,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"imported {args.hf_dir} -> {store.root}: version {info['version']}, {info['tensors']} tensors, "
               f"{len(info['experts_per_layer'])} MoE layers, {_size(info['expert_bytes'])} experts, "
               f"{_size(info['dense_bytes'])} dense")
+        for label, text in _import_notes(info):
+            print(f"{label}: {text}")
     return 0
 
 
@@ -155,7 +159,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"layers        {info['layers']}, of which MoE {info['moe_layers']}, experts per layer {per_layer}")
     print(f"bytes         dense {_size(info['dense_bytes'])}, experts {_size(info['expert_bytes'])}")
     print(f"dtypes        {', '.join(info['dtypes'])}; kinds {', '.join(info['kinds'])}")
+    for label, text in _import_notes(info):
+        print(f"{label:13} {text}")
     return 0
+
+
+def _import_notes(info: dict) -> list[tuple[str, str]]:
+    """What the import changed from the checkpoint (dequantized weights, skipped layers), as (label, text)."""
+    notes = []
+    if d := info.get("dequantized"):
+        notes.append(("dequantized", f"at import from {d['format']} to {d['to']} ({d['tensors']} tensors)"))
+    if s := info.get("skipped"):
+        notes.append(("skipped", f"{s['reason']} {s['layers']} at import ({s['tensors']} tensors, "
+                                 f"{_size(s['bytes'])})"))
+    return notes
 
 
 def cmd_verify(args: argparse.Namespace) -> int:

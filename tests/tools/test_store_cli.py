@@ -116,6 +116,17 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
     assert res.stdout == ""
 
 
+def test_import_refuses_an_unsupported_architecture_in_one_line(tmp_path):
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
+    res = semoe("store", "import", str(tmp_path / "ck"), str(tmp_path / "s"), check=False)
+    assert res.returncode == 2 and res.stdout == ""
+    assert res.stderr.splitlines() == [f"semoe: error: {tmp_path / 'ck' / 'config.json'}: model_type='qwen3_next' "
+                                       "is not supported: hybrid linear attention (Gated DeltaNet layers) is not "
+                                       "implemented"]
+    assert not (tmp_path / "s").exists()
+
+
 def test_import_into_non_empty_target_is_refused(hf_olmoe, tmp_path):
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "mine.txt").write_text("x")

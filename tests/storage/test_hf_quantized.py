@@ -1,0 +1,396 @@
+"""Quantized HuggingFace checkpoints (DeepSeek-V3's FP8 block-scale, gpt-oss's MXFP4) imported dequantized,
+multi-token-prediction layers skipped, and unsupported checkpoints refused in one line.
+
+The checkpoints are tiny transformers models saved in float32, quantized here into the published layouts
+and written with the safetensors library; the expected tensors are dequantized independently in the test.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from helpers.hf_models import load_safetensors_dir
+from safetensors.torch import save_file
+
+from storage.errors import BadInputError
+from storage.hf import INDEX_FILE, SUPPORTED_MODEL_TYPES, check_supported, export_checkpoint, import_checkpoint
+from storage.store import Store
+
+FP8_MAX = 448.0
+# DeepSeek-V3 quantizes every linear of its decoder layers (attention, dense MLP, shared and routed
+# experts); embeddings, norms, the router and lm_head stay in high precision
+FP8_QUANTIZED = re.compile(r"^model\.layers\.\d+\..*_proj(_with_mqa)?\.weight$")
+FP4_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0])
+
+
+# -- checkpoints ----------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def dsv3_f32(tmp_path_factory):
+    """A tiny DeepSeek-V3 (layer 0 dense, layer 1 MoE with 4 experts) saved by transformers in float32."""
+    import transformers
+
+    cfg = transformers.DeepseekV3Config(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=128, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, n_group=1, topk_group=1, num_nextn_predict_layers=1)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf") / "dsv3_f32"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def gpt_oss_f32(tmp_path_factory):
+    """A tiny gpt-oss (fused experts with biases) saved by transformers in float32; gate_up_proj is square
+    (hidden 64, 2 * intermediate 64) so that an orientation mistake cannot hide behind a shape check."""
+    import transformers
+
+    cfg = transformers.GptOssConfig(vocab_size=96, hidden_size=64, intermediate_size=32, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+                                    num_experts_per_tok=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("hf") / "gpt_oss_f32"
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(path))
+    return path
+
+
+def quantize_fp8(w_OI: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block absmax float8_e4m3fn quantization, as DeepSeek-V3 ships it: (weight, weight_scale_inv)."""
+    (rows, cols), (b0, b1) = w_OI.shape, block
+    padded = torch.zeros(math.ceil(rows / b0) * b0, math.ceil(cols / b1) * b1)
+    padded[:rows, :cols] = w_OI
+    amax = padded.unflatten(0, (-1, b0)).unflatten(2, (-1, b1)).abs().amax(dim=(1, 3))
+    scale_inv = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    q = (w_OI / expand_blocks(scale_inv, block, w_OI.shape)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q, scale_inv
+
+
+def expand_blocks(scale: torch.Tensor, block: tuple[int, int], shape: torch.Size) -> torch.Tensor:
+    return scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)[:shape[0], :shape[1]]
+
+
+def dequantize_fp8_reference(q: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
+                             dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    return (q.to(torch.float32) * expand_blocks(scale_inv, block, q.shape)).to(dtype)
+
+
+def write_fp8_checkpoint(src, dst, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's published layout: FP8 weights with float32 `weight_scale_inv`, sharded, and a
+    multi-token-prediction layer (layer 2 of 2) spread over both shards. Returns what was written."""
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
+                                  "activation_scheme": "dynamic"}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    plain = load_safetensors_dir(src)
+    mtp = {k.replace("layers.1.", "layers.2."): v for k, v in plain.items() if k.startswith("model.layers.1.")}
+    mtp.update({f"model.layers.2.{k}": torch.ones(32) for k in ("enorm.weight", "hnorm.weight",
+                                                               "shared_head.norm.weight")})
+    mtp["model.layers.2.eh_proj.weight"] = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    mtp["model.layers.2.embed_tokens.weight"] = plain["model.embed_tokens.weight"]
+    mtp["model.layers.2.shared_head.head.weight"] = plain["lm_head.weight"]
+    shards: list[dict[str, torch.Tensor]] = [{}, {}]
+    for i, tensors in enumerate((plain, mtp)):
+        for name, t in tensors.items():
+            if FP8_QUANTIZED.match(name):
+                shards[i][name], shards[i][name + "_scale_inv"] = quantize_fp8(t, block)
+            else:
+                shards[i][name] = t
+    shards[0]["model.layers.2.enorm.weight"] = shards[1].pop("model.layers.2.enorm.weight")
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-00002.safetensors"
+        save_file(shard, str(dst / fname), metadata={"format": "pt"})
+        weight_map.update({k: fname for k in shard})
+    (dst / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return {k: v for shard in shards for k, v in shard.items()}
+
+
+def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss's published layout of a fused (E, in, out) expert weight: blocks (E, out, in/32, 16) packing
+    two e2m1 codes per byte (low nibble first), and e8m0 scales (E, out, in/32) biased by 127."""
+    groups = w.transpose(1, 2).unflatten(-1, (-1, 32))  # (E, out, G, 32)
+    amax = groups.abs().amax(-1)
+    exp = torch.where(amax > 0, torch.ceil(torch.log2(amax / 6.0)), torch.zeros_like(amax))
+    scaled = groups / torch.exp2(exp).unsqueeze(-1)
+    codes = (scaled.abs().unsqueeze(-1) - FP4_E2M1[:8]).abs().argmin(-1) + 8 * (scaled < 0)  # nearest, sign bit
+    blocks = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)
+
+
+def write_mxfp4_checkpoint(src, dst) -> dict[str, torch.Tensor]:
+    dst.mkdir()
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": [
+        "model.layers.*.self_attn", "model.layers.*.mlp.router", "model.embed_tokens", "lm_head"]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    tensors = {}
+    for name, t in load_safetensors_dir(src).items():
+        if name.endswith(("experts.gate_up_proj", "experts.down_proj")):
+            tensors[name + "_blocks"], tensors[name + "_scales"] = quantize_mxfp4(t)
+        else:
+            tensors[name] = t.to(torch.bfloat16)  # gpt-oss ships the rest in bfloat16
+    save_file(tensors, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return tensors
+
+
+def stored(store: Store) -> dict[str, torch.Tensor]:
+    """Every weight of a store by checkpoint name; fused expert tensors restacked."""
+    out = {t.name: store.read_tensor(t.name) for t in store.manifest.tensors if t.group == "dense"}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for layer, n in store.manifest.expert_layers().items():
+        for e in range(n):
+            for name, t in store.read_expert(layer, e).items():
+                experts.setdefault(name, {})[e] = t
+    for name, by_expert in experts.items():
+        entry = next(t for t in store.manifest.tensors if t.name == name)
+        out[name] = torch.stack([by_expert[e] for e in sorted(by_expert)]) if entry.stacked else \
+            next(iter(by_expert.values()))
+    return out
+
+
+def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
+    assert a.dtype == b.dtype and a.shape == b.shape, (name, a.dtype, b.dtype, a.shape, b.shape)
+    assert torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)), name
+
+
+# -- FP8 ------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 16)])
+def test_fp8_import_dequantizes_every_weight_and_skips_the_mtp_layer(dsv3_f32, tmp_path, block):
+    written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", block)
+    if block == (16, 16):  # edge blocks are exercised: some dimension is not a multiple of the block
+        assert any(t.shape[0] % 16 or t.shape[1] % 16 for k, t in written.items() if FP8_QUANTIZED.match(k))
+    store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
+    got = stored(store)
+    # the expected store: no scales, nothing of layer 2, every FP8 weight dequantized to bfloat16. Exact
+    # equality holds: both sides compute each element as one float32 product (float8 -> float32 is exact)
+    # rounded once to bfloat16, with no reduction whose order could differ
+    want = {}
+    for name, t in written.items():
+        if name.endswith("_scale_inv") or name.startswith("model.layers.2."):
+            continue
+        want[name] = dequantize_fp8_reference(t, written[name + "_scale_inv"], block) \
+            if t.dtype == torch.float8_e4m3fn else t
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], name)
+    n_quantized = sum(1 for t in want.values() if t.dtype == torch.bfloat16)
+    mtp = {k: t for k, t in written.items() if k.startswith("model.layers.2.")}
+    info = store.describe()
+    assert info["dequantized"] == {"format": f"fp8-e4m3-block{block[0]}x{block[1]}", "to": "bfloat16",
+                                   "tensors": n_quantized}
+    assert info["skipped"] == {"reason": "multi-token prediction layers", "layers": [2], "tensors": len(mtp),
+                               "bytes": sum(t.nbytes for t in mtp.values())}
+    assert info["experts_per_layer"] == {"1": 4}
+    # the routed experts landed in the expert chunks, their scales consumed
+    chunk = store.manifest.chunk(1, 3)
+    assert sorted(e.name for e in store.manifest.chunk_tensors(chunk)) == [
+        f"model.layers.1.mlp.experts.3.{w}_proj.weight" for w in ("down", "gate", "up")]
+    config = json.loads(store.read_file("config.json"))
+    assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 1
+
+
+def test_fp8_import_to_float32_skips_the_bfloat16_rounding(dsv3_f32, tmp_path):
+    written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (16, 16))
+    store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"), dtype="float32")
+    assert store.describe()["dequantized"]["to"] == "float32" and store.describe()["dtypes"] == ["F32"]
+    for name in ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.experts.2.down_proj.weight"):
+        want = dequantize_fp8_reference(written[name], written[name + "_scale_inv"], (16, 16), torch.float32)
+        layer_expert = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.", name)
+        got = store.read_expert(*map(int, layer_expert.groups()))[name] if layer_expert else store.read_tensor(name)
+        assert_bitwise_equal(got, want, name)
+
+
+def test_fp8_export_loads_as_a_plain_model_equal_to_transformers_dequantization(dsv3_f32, tmp_path):
+    """The independent oracle is transformers' own FP8 dequantization (`Fp8Dequantize`; loading with
+    FineGrainedFP8Config(dequantize=True) needs accelerate, which is not installed). It derives the block
+    from the scale grid, so it is only right where blocks divide the shape: with 128x128 blocks every tiny
+    weight is one block."""
+    import transformers
+    from transformers.integrations.finegrained_fp8 import Fp8Dequantize
+
+    written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (128, 128))
+    store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
+    export_checkpoint(store, str(tmp_path / "out"))
+    # the shard holding only multi-token-prediction tensors is not written back
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model-00001-of-00002.safetensors"]
+    index = json.loads((tmp_path / "out" / INDEX_FILE).read_text())
+    assert not [k for k in index["weight_map"] if "scale_inv" in k or k.startswith("model.layers.2.")]
+    oracle = {k: Fp8Dequantize(None)._dequantize_one(t, written[k + "_scale_inv"], output_dtype=torch.bfloat16)
+              if t.dtype == torch.float8_e4m3fn else t
+              for k, t in written.items() if not k.endswith("_scale_inv") and not k.startswith("model.layers.2.")}
+    got = load_safetensors_dir(tmp_path / "out")
+    assert sorted(got) == sorted(oracle)
+    for name in oracle:
+        assert_bitwise_equal(got[name], oracle[name], name)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
+    assert getattr(plain.config, "quantization_config", None) is None
+    w = plain.model.layers[1].self_attn.kv_a_proj_with_mqa.weight
+    assert torch.equal(w, oracle["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].float())
+
+
+# -- MXFP4 ----------------------------------------------------------------------------------------
+
+def test_mxfp4_import_gives_the_fused_experts_of_an_unquantized_checkpoint(gpt_oss_f32, tmp_path):
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    written = write_mxfp4_checkpoint(gpt_oss_f32, tmp_path / "mxfp4")
+    store = import_checkpoint(str(tmp_path / "mxfp4"), str(tmp_path / "store"))
+    got = stored(store)
+    plain = load_safetensors_dir(gpt_oss_f32)
+    # the names and shapes a plain gpt-oss checkpoint has, with fused experts split per expert
+    assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in plain.items()}
+    assert store.describe()["experts_per_layer"] == {"0": 4, "1": 4}
+    assert store.manifest.tensor("model.layers.0.mlp.experts.gate_up_proj", stack_index=2).stacked
+    n = 0
+    for name, t in got.items():
+        if name + "_blocks" in written:  # the oracle: transformers' own dequantization
+            want = convert_moe_packed_tensors(written[name + "_blocks"], written[name + "_scales"],
+                                              dtype=torch.bfloat16)
+            n += 1
+            # and the orientation is the model's: near the float32 weights it was quantized from (4-bit
+            # rounding errs by ~12% in norm here; the transposed weights would differ by ~140%)
+            err = torch.linalg.vector_norm(want.float() - plain[name]) / torch.linalg.vector_norm(plain[name])
+            assert err < 0.2, (name, err)
+            if want.shape[1] == want.shape[2]:
+                transposed = torch.linalg.vector_norm(want.float().transpose(1, 2) - plain[name])
+                assert transposed > torch.linalg.vector_norm(plain[name]), name
+        else:
+            want = written[name]
+        assert_bitwise_equal(t, want, name)
+    assert n == 4
+    info = store.describe()
+    assert info["dequantized"] == {"format": "mxfp4", "to": "bfloat16", "tensors": 4} and info["skipped"] is None
+    assert "quantization_config" not in json.loads(store.read_file("config.json"))
+
+
+def test_mxfp4_export_loads_as_a_plain_model_equal_to_transformers_dequantization(gpt_oss_f32, tmp_path):
+    import transformers
+
+    write_mxfp4_checkpoint(gpt_oss_f32, tmp_path / "mxfp4")
+    export_checkpoint(import_checkpoint(str(tmp_path / "mxfp4"), str(tmp_path / "store")), str(tmp_path / "out"))
+    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.bfloat16)
+    assert getattr(plain.config, "quantization_config", None) is None
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "mxfp4"), dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True))
+    a, b = plain.state_dict(), oracle.state_dict()
+    assert sorted(a) == sorted(b)
+    for name in a:
+        assert_bitwise_equal(a[name], b[name], name)
+
+
+# -- store info -----------------------------------------------------------------------------------
+
+def test_store_info_says_what_import_changed(dsv3_f32, tmp_path, capsys):
+    from tools.cli import main
+
+    written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (16, 16))
+    n_fp8 = sum(1 for k, t in written.items() if t.dtype == torch.float8_e4m3fn and ".layers.2." not in k)
+    mtp = [t.nbytes for k, t in written.items() if k.startswith("model.layers.2.")]
+    assert n_fp8 == 28 and len(mtp) == 53 and sum(mtp) == 44136  # so that the lines below can be read
+    assert main(["store", "import", str(tmp_path / "fp8"), str(tmp_path / "store")]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "dequantized: at import from fp8-e4m3-block16x16 to bfloat16 (28 tensors)",
+        "skipped: multi-token prediction layers [2] at import (53 tensors, 43.1 KiB)"]
+    assert main(["store", "info", str(tmp_path / "store")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2:] == [
+        "dequantized   at import from fp8-e4m3-block16x16 to bfloat16 (28 tensors)",
+        "skipped       multi-token prediction layers [2] at import (53 tensors, 43.1 KiB)"]
+    assert main(["store", "info", str(tmp_path / "store"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["dequantized"]["format"] == "fp8-e4m3-block16x16" and info["skipped"]["layers"] == [2]
+
+
+# -- refusals -------------------------------------------------------------------------------------
+
+REFUSALS = [
+    ({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},
+     "hybrid linear attention (Gated DeltaNet layers) is not implemented"),
+    ({"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"]},
+     "sparse-attention indexer (model_type='deepseek_v32') is not supported: DeepSeek sparse attention is not "
+     "implemented"),
+    ({"model_type": "deepseek_v3", "index_topk": 2048},
+     "sparse-attention indexer (index_topk=2048) is not supported: DeepSeek sparse attention is not implemented"),
+    ({"model_type": "qwen3_moe", "vision_config": {}},
+     "multimodal checkpoint (vision_config) is not supported: multimodal towers are not implemented"),
+    ({"model_type": "gpt_oss", "architectures": ["GptOssForConditionalGeneration"]},
+     "(architecture GptOssForConditionalGeneration) is not supported: multimodal towers are not implemented"),
+    ({"model_type": "mixtral", "quantization_config": {"quant_method": "awq", "bits": 4}},
+     "quantization_config.quant_method='awq' is not supported; supported: fp8 (block-scale, e4m3), mxfp4"),
+    ({"model_type": "deepseek_v3", "quantization_config": {"quant_method": "fp8", "weight_block_size": None}},
+     "quantization_config.weight_block_size=None is not supported"),
+    ({"model_type": "llama"},
+     f"unknown architecture model_type='llama'; supported: {', '.join(SUPPORTED_MODEL_TYPES)}"),
+    ({"model_type": "kimi_k2", "architectures": ["KimiForCausalLM"]},
+     "model_type='kimi_k2' (kimi_k2 is supported with architectures ['DeepseekV3ForCausalLM'])"),
+]
+
+
+@pytest.mark.parametrize("config, message", REFUSALS, ids=[c["model_type"] + str(i) for i, (c, _) in
+                                                            enumerate(REFUSALS)])
+def test_unsupported_checkpoints_are_refused_in_one_line(dsv3_f32, tmp_path, capsys, config, message):
+    from tools.cli import main
+
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text(json.dumps(config))
+    (ck / "model.safetensors").write_bytes((dsv3_f32 / "model.safetensors").read_bytes())
+    with pytest.raises(BadInputError) as e:
+        check_supported(config, str(ck / "config.json"))
+    assert str(e.value) == f"{ck / 'config.json'}: " + str(e.value).split(": ", 1)[1]
+    assert message in str(e.value) and "\n" not in str(e.value)
+    assert main(["store", "import", str(ck), str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err == [f"semoe: error: {e.value}"]
+    assert not (tmp_path / "store").exists()
+
+
+def test_kimi_k2_with_deepseek_v3_architecture_is_deepseek_v3(dsv3_f32, tmp_path):
+    ck = tmp_path / "kimi"
+    ck.mkdir()
+    cfg = json.loads((dsv3_f32 / "config.json").read_text())
+    (ck / "config.json").write_text(json.dumps({**cfg, "model_type": "kimi_k2"}))
+    (ck / "model.safetensors").write_bytes((dsv3_f32 / "model.safetensors").read_bytes())
+    store = import_checkpoint(str(ck), str(tmp_path / "store"))
+    assert store.describe()["model_type"] == "deepseek_v3" and store.describe()["experts_per_layer"] == {"1": 4}
+    assert json.loads(store.read_file("config.json"))["model_type"] == "kimi_k2"  # kept as the checkpoint has it
+
+
+def test_layers_past_the_mtp_layers_are_an_error(dsv3_f32, tmp_path):
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    (ck / "config.json").write_text((dsv3_f32 / "config.json").read_text())
+    tensors = load_safetensors_dir(dsv3_f32)
+    tensors["model.layers.3.input_layernorm.weight"] = torch.ones(32)
+    save_file(tensors, str(ck / "model.safetensors"))
+    with pytest.raises(BadInputError, match=r"model\.safetensors: tensor model\.layers\.3\.input_layernorm\.weight "
+                                            r"is in layer 3, but .*config\.json has num_hidden_layers=2 and "
+                                            r"num_nextn_predict_layers=1"):
+        import_checkpoint(str(ck), str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
+
+
+def test_fp8_weight_without_its_scale_is_refused(dsv3_f32, tmp_path):
+    from safetensors.torch import load_file
+
+    write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (16, 16))
+    path = tmp_path / "fp8" / "model-00001-of-00002.safetensors"
+    victim = "model.layers.1.mlp.experts.0.up_proj.weight"
+    shard = load_file(str(path))
+    del shard[victim + "_scale_inv"]
+    save_file(shard, str(path))
+    index = json.loads((tmp_path / "fp8" / INDEX_FILE).read_text())
+    del index["weight_map"][victim + "_scale_inv"]
+    (tmp_path / "fp8" / INDEX_FILE).write_text(json.dumps(index))
+    with pytest.raises(BadInputError, match=rf"{path.name}: tensor {re.escape(victim)} is float8 but "
+                                            rf"{re.escape(victim)}_scale_inv is missing"):
+        import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
+    assert not (tmp_path / "store").exists()
