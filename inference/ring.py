@@ -27,8 +27,8 @@ from typing import Iterator
 import torch
 
 from inference.ring_book import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
-from semoe.gating import route_topk
-from semoe.model import ExpertWeights, MoEGPT
+from semoe.experts import ExpertWeights, expert_mlp
+from semoe.model import MoEGPT
 from storage.dtypes import dtype_name, torch_dtype
 from storage.keys import ExpertKey
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
@@ -59,11 +59,11 @@ class TensorSlice:
         return self.nbytes // self.dtype.itemsize
 
 
-ExpertLayout = tuple[TensorSlice, TensorSlice, TensorSlice]  # gate, up, down
+ExpertLayout = tuple[TensorSlice, ...]  # an expert's tensors, in its MLP variant's order
 
 
 def expert_layouts(store: Store, model: MoEGPT) -> dict[ExpertKey, ExpertLayout]:
-    """Gate, up and down of every expert's weight chunk, found once by their checkpoint names."""
+    """Every expert's tensors in its weight chunk (gate, up, down for SwiGLU), found once by name."""
     from semoe.checkpoint import hf_expert_names
 
     layouts = {}
@@ -125,6 +125,7 @@ class OffloadedExperts:
                  read_mode: str = "direct", workers: int = 4, min_precision: float = 0.8,
                  cache_policy: str = "next-use") -> None:
         self.config = model.config
+        self.mlp = expert_mlp(model.config)
         self.device = device
         self.dtype = dtype
         self.store = store
@@ -238,11 +239,11 @@ class OffloadedExperts:
             record.use_seen = demand
             if self.memory is None:  # in place: the slot holds the CPU-cache entry
                 layout = self.layouts[key]
-                weights = ExpertWeights(*(p.view(host.raw) for p in layout))
+                weights = ExpertWeights(tuple(p.view(host.raw) for p in layout), self.mlp)
                 loaded = _Loaded(weights=weights, copies=[], host=host)
             else:
                 copies = self.memory.fill(record.index, host.raw, self.layouts[key])
-                weights = ExpertWeights(*(h.tensor for h in copies))
+                weights = ExpertWeights(tuple(h.tensor for h in copies), self.mlp)
                 loaded = _Loaded(weights=weights, copies=copies, host=host)
             with self._cond:
                 self._loaded[record.index] = loaded
@@ -316,7 +317,8 @@ class OffloadedExperts:
             key, loaded = self._next_usable(pending)
             try:
                 # compute waits for this expert's copies only (on CPU: the host waits)
-                weights = loaded.weights if not loaded.copies else ExpertWeights(*(h.wait() for h in loaded.copies))
+                weights = (loaded.weights if not loaded.copies
+                           else ExpertWeights(tuple(h.wait() for h in loaded.copies), self.mlp))
                 yield key.expert, weights
             finally:
                 with self._cond:
@@ -355,7 +357,7 @@ class OffloadedExperts:
             picked = self.replay.upcoming(nxt)
         else:
             with torch.no_grad():
-                r = route_topk(self._routers[nxt].router(x_ND), self.config.top_k, normalize=False)
+                r = self._routers[nxt].route(x_ND)
             # most-picked first: with a long prompt the union may exceed the ring. The one host
             # read of the prediction: the layer's own dispatch has just synchronised, so it waits
             # only for the router's small matmul.

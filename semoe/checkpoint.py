@@ -12,18 +12,20 @@ import os
 import re
 from typing import Callable, Iterator
 
+import numpy as np
 import torch
 from torch import nn
 
-from semoe.config import MoEConfig, from_hf_config
+from semoe.config import MoEConfig
+from semoe.hf_config import from_hf_config
+from semoe.experts import expert_mlp
 from semoe.model import MoEGPT, ResidentExperts
 from storage.errors import BadInputError
-from storage.hf import open_checkpoint
+from storage.dtypes import torch_dtype
+from storage.hf import ExpertPart, open_checkpoint
 from storage.store import ExpertTensor, Store
 
 SEMOE_MODEL_TYPE = "semoe_gpt"
-_EXPERT_PARTS = {"mixtral": ("w1", "w3", "w2")}  # gate, up, down; the others use *_proj names
-_DEFAULT_PARTS = ("gate_proj", "up_proj", "down_proj")
 
 
 def _moe_prefix(config: MoEConfig) -> str:
@@ -38,10 +40,12 @@ def hf_name(config: MoEConfig, param: str) -> str:
     layer, rest = m.group(1), m.group(2)
     p = f"model.layers.{layer}."
     moe = _moe_prefix(config)
+    router = "router" if config.arch == "gpt_oss" else "gate"
+    shared = "shared_experts" if not config.shared_expert_gate else "shared_expert"
     rules = [
         (r"^attn_norm\.", "input_layernorm."), (r"^ffn_norm\.", "post_attention_layernorm."),
-        (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.gate."), (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."),
-        (r"^ffn\.shared\.", "mlp.shared_expert."), (r"^ffn\.", "mlp."),
+        (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.{router}."),
+        (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."), (r"^ffn\.shared\.", f"mlp.{shared}."), (r"^ffn\.", "mlp."),
     ]
     for pattern, repl in rules:
         if re.match(pattern, rest):
@@ -49,11 +53,12 @@ def hf_name(config: MoEConfig, param: str) -> str:
     raise KeyError(param)
 
 
-def hf_expert_names(config: MoEConfig, layer: int, expert: int) -> tuple[str, str, str]:
-    """HuggingFace names of one expert's gate, up and down weights."""
-    parts = _EXPERT_PARTS.get(config.arch, _DEFAULT_PARTS)
-    p = f"model.layers.{layer}.{_moe_prefix(config)}.experts.{expert}."
-    return tuple(f"{p}{w}.weight" for w in parts)  # type: ignore[return-value]
+def hf_expert_names(config: MoEConfig, layer: int, expert: int) -> tuple[str, ...]:
+    """HuggingFace names of one expert's tensors, in its MLP variant's order (for a fused
+    checkpoint layout, the names of the (E, ...) tensors that hold every expert of the layer)."""
+    mlp = expert_mlp(config)
+    prefix = f"model.layers.{layer}.{_moe_prefix(config)}.experts." + ("" if mlp.stacked else f"{expert}.")
+    return mlp.names(config, prefix)
 
 
 def hf_config(config: MoEConfig) -> dict:
@@ -97,7 +102,7 @@ def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
                 continue
             for e in range(c.num_experts):
                 tensors = expert(ffn.layer, e)
-                for key, dst in zip(hf_expert_names(c, ffn.layer, e), (experts.w_gate, experts.w_up, experts.w_down)):
+                for key, dst in zip(hf_expert_names(c, ffn.layer, e), experts.tensors()):
                     if key not in tensors:
                         raise BadInputError(f"{source}: tensor {key} is missing")
                     t = tensors[key]
@@ -139,16 +144,25 @@ def load_hf(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype
         return _ref_tensor(ref)
 
     def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
-        return {k: _ref_tensor(ck.tensors[k]) for k in hf_expert_names(config, layer, e) if k in ck.tensors}
+        parts = ck.experts.get(layer, {}).get(e, [])
+        return {p.ref.name: _part_tensor(p, e) for p in parts}
 
     _load(model, dense, expert, path)
     return model.eval()
 
 
 def _ref_tensor(ref) -> torch.Tensor:
-    from storage.dtypes import torch_dtype
-
     return torch.from_numpy(ref.read()).view(torch_dtype(ref.dtype)).view(ref.shape)
+
+
+def _part_tensor(part: ExpertPart, expert: int) -> torch.Tensor:
+    """One expert's tensor: the whole tensor, or its slice of a fused (E, ...) one (only that slice is read)."""
+    if not part.stacked:
+        return _ref_tensor(part.ref)
+    n = part.slice_bytes()
+    buf = np.empty(n, dtype=np.uint8)
+    part.ref.read_into(memoryview(buf), offset=expert * n, nbytes=n)
+    return torch.from_numpy(buf).view(torch_dtype(part.ref.dtype)).view(part.slice_shape())
 
 
 def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
@@ -199,8 +213,8 @@ def save_store(model: MoEGPT, path: str, *, side_files: dict[str, bytes] | None 
                 raise ValueError(f"layer {ffn.layer}: experts are not resident; save them through their provider")
             for e in range(c.num_experts):
                 names = hf_expert_names(c, ffn.layer, e)
-                w.put_expert(ffn.layer, e, [ExpertTensor(name=n, tensor=t[e].detach()) for n, t in
-                                            zip(names, (ex.w_gate, ex.w_up, ex.w_down))], num_experts=c.num_experts)
+                w.put_expert(ffn.layer, e, [ExpertTensor(name=n, tensor=t[e].detach(), stacked=ex.mlp.stacked)
+                                            for n, t in zip(names, ex.tensors())], num_experts=c.num_experts)
         w.set_model({"source": "semoe", "architecture": hf_config(c)["architectures"][0], "model_type": c.arch,
                      "num_layers": c.num_layers, "config": hf_config(c)})
         w.commit()

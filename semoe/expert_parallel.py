@@ -101,7 +101,7 @@ class ExpertParallelMoE(MoEFeedForward):
 
     Built from a full single-device layer: it reuses that layer's router and shared expert (the same
     modules, replicated on every rank) and copies the slice of experts this rank owns into
-    `experts.w_gate`/`w_up` (L, F, D) and `experts.w_down` (L, D, F). A provider installed later
+    its own `ResidentExperts` (L, ...) parameters. A provider installed later
     with `use_experts` (or passed as `experts`, leaving the layer's resident experts untouched, as a
     trainer with its own expert states does) is asked for local indices 0..L-1. It subclasses `MoEFeedForward` so that the
     model's blocks and `MoEGPT.moe_layers` treat it as the layer it replaces.
@@ -131,7 +131,8 @@ class ExpertParallelMoE(MoEFeedForward):
         self.router = moe.router
         if moe.config.shared_expert_size:
             self.shared = moe.shared
-            self.shared_gate = moe.shared_gate
+            if moe.config.shared_expert_gate:
+                self.shared_gate = moe.shared_gate
         self.train(moe.training)
         if experts is not None:  # the caller's provider serves local indices 0..L-1
             self.use_experts(experts)
@@ -140,8 +141,8 @@ class ExpertParallelMoE(MoEFeedForward):
         # Built on the meta device so that initialising weights that are overwritten at once costs no
         # memory and draws no random numbers (which would shift the caller's RNG stream).
         with torch.device("meta"):
-            local = ResidentExperts(len(self.expert_ids), moe.config.hidden_size, moe.config.moe_ffn_size)
-        for name in ("w_gate", "w_up", "w_down"):
+            local = ResidentExperts(moe.config, len(self.expert_ids))
+        for name in local.param_names:
             full = getattr(source, name)
             setattr(local, name, nn.Parameter(full.detach()[lo:hi].clone(), requires_grad=full.requires_grad))
         self.experts = local

@@ -25,6 +25,8 @@ from torch import Tensor
 __all__ = [
     "Routing",
     "route_topk",
+    "route_topk_softmax",
+    "route_grouped",
     "expert_capacity",
     "capacity_keep_mask",
     "load_balancing_loss",
@@ -42,7 +44,7 @@ class Routing:
     """
 
     weights_TK: Tensor  # gate weight of each chosen expert
-    ids_TK: Tensor  # chosen experts, in decreasing probability
+    ids_TK: Tensor  # chosen experts (in decreasing probability from route_topk)
     probs_TE: Tensor  # softmax over all experts
     logits_TE: Tensor  # the router logits, as given
 
@@ -90,6 +92,66 @@ def route_topk(logits_TE: Tensor, top_k: int, *, normalize: bool) -> Routing:
     weights_TK, ids_TK = torch.topk(probs_TE, top_k, dim=-1)
     if normalize:
         weights_TK = weights_TK / weights_TK.sum(dim=-1, keepdim=True)
+    return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
+
+
+def route_topk_softmax(logits_TE: Tensor, top_k: int) -> Routing:
+    """gpt-oss's router: the `top_k` largest logits, then a softmax over those alone.
+
+    The logits already carry the router's bias. `probs_TE` (for the load-balancing loss) is the
+    softmax over all experts.
+    """
+    _check_logits(logits_TE)
+    num_experts = logits_TE.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
+    top_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
+    weights_TK = torch.softmax(top_TK.to(_router_dtype(logits_TE.dtype)), dim=-1)
+    probs_TE = torch.softmax(logits_TE.to(_router_dtype(logits_TE.dtype)), dim=-1)
+    return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
+
+
+def route_grouped(logits_TE: Tensor, top_k: int, *, scores: str, correction_bias_E: Tensor | None = None,
+                  n_group: int = 1, topk_group: int = 1, group_score: str = "max", normalize: bool,
+                  scale: float = 1.0) -> Routing:
+    """DeepSeek's group-limited top-k (also GLM-4.5's; with one group, plain top-k).
+
+    Scores are the softmax (DeepSeek-V2) or the sigmoid (V3) of the float32 logits. Experts are
+    chosen on `scores + correction_bias_E` (V3's load-balancing bias, which never enters the
+    weights), among the `topk_group` best of `n_group` equal groups: a group's score is its best
+    expert's (`"max"`) or its best two summed (`"top2"`). The weights are the chosen experts'
+    scores, renormalised with `normalize`, times `scale` (`routed_scaling_factor`). Ties go as
+    `torch.topk` breaks them, as in the reference implementations. `probs_TE` is the scores
+    normalised to sum to 1 per token.
+    """
+    _check_logits(logits_TE)
+    num_tokens, num_experts = logits_TE.shape
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
+    if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
+        raise ValueError(f"n_group ({n_group}) must divide the {num_experts} experts and topk_group ({topk_group}) "
+                         "be in 1..n_group")
+    if scores not in ("softmax", "sigmoid") or group_score not in ("max", "top2"):
+        raise ValueError(f"scores must be softmax or sigmoid and group_score max or top2, got {scores!r}, "
+                         f"{group_score!r}")
+    x_TE = logits_TE.to(_router_dtype(logits_TE.dtype))
+    scores_TE = torch.softmax(x_TE, dim=-1) if scores == "softmax" else torch.sigmoid(x_TE)
+    choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.to(x_TE.dtype)
+    if n_group > 1:
+        grouped_TGe = choice_TE.view(num_tokens, n_group, num_experts // n_group)
+        group_TG = (grouped_TGe.max(dim=-1).values if group_score == "max"
+                    else grouped_TGe.topk(min(2, grouped_TGe.shape[-1]), dim=-1)[0].sum(dim=-1))
+        group_idx_TK = torch.topk(group_TG, k=topk_group, dim=-1, sorted=False)[1]
+        keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, group_idx_TK, True)
+        keep_TE = keep_TG.unsqueeze(-1).expand_as(grouped_TGe).reshape(num_tokens, num_experts)
+        # softmax scores are >= 0, so 0 ranks masked experts last as -inf does for biased sigmoid ones
+        choice_TE = choice_TE.masked_fill(~keep_TE, 0.0 if correction_bias_E is None else float("-inf"))
+    ids_TK = torch.topk(choice_TE, k=top_k, dim=-1, sorted=False)[1]
+    weights_TK = scores_TE.gather(1, ids_TK)
+    if normalize:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    weights_TK = weights_TK * scale
+    probs_TE = scores_TE / scores_TE.sum(dim=-1, keepdim=True)
     return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
 
 

@@ -1,67 +1,32 @@
 """The MoE GPT: a decoder-only transformer whose feed-forward layers are mixtures of experts.
 
-Single-device and plain PyTorch. Parallelism, offload and memory compaction are applied from
-outside through two seams: each MoE layer reaches its expert weights through an `ExpertProvider`
-(resident parameters by default; the offload engine and the SSD-backed trainer bring their own),
-and activations can be redirected with saved-tensor hooks.
+Single-device and plain PyTorch. The architectures it runs differ in small config-driven pieces,
+each in one place: the attention variant and rotary embeddings (`semoe.attention`), the router
+variant (pure functions in `semoe.gating`, picked by `Router`), and the expert MLP variant
+(`semoe.experts`). Parallelism, offload and memory compaction are applied from outside through two
+seams: each MoE layer reaches its expert weights through an `ExpertProvider` (resident parameters
+by default; the offload engine and the SSD-backed trainer bring their own), and activations can be
+redirected with saved-tensor hooks.
 
-Shape legend: B batch, T tokens in this call, S cached + new positions, D hidden size,
-H query heads, G key/value heads, Dh head dim, E experts, K experts per token, F expert FFN size,
+Shape legend: B batch, T tokens in this call, D hidden size, E experts, K experts per token,
 V vocabulary, N tokens flattened (B*T).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Iterator, Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from semoe.attention import KVCache, RMSNorm, make_attention, rope_tables
 from semoe.config import MoEConfig
+from semoe.experts import ExpertProvider, ExpertWeights, ResidentExperts, swiglu
 from semoe.gating import Routing, capacity_keep_mask, dispatch_order, expert_capacity, load_balancing_loss, \
-    route_topk, router_z_loss
+    route_grouped, route_topk, route_topk_softmax, router_z_loss
 
-# -- small pieces -------------------------------------------------------------------------------
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like the reference implementations."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-def rope_cos_sin(positions_BT: torch.Tensor, head_dim: int, theta: float, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin of rotary embeddings, (B, T, Dh), for integer positions."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=positions_BT.device)
-                                / head_dim))
-    freqs_BTd = positions_BT.float()[..., None] * inv_freq
-    emb = torch.cat((freqs_BTd, freqs_BTd), dim=-1)
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
-def apply_rope(x_BHTDh: torch.Tensor, cos_BTDh: torch.Tensor, sin_BTDh: torch.Tensor) -> torch.Tensor:
-    """Rotate pairs (i, i + Dh/2) of each head by the position's angle."""
-    cos, sin = cos_BTDh[:, None], sin_BTDh[:, None]
-    half = x_BHTDh.shape[-1] // 2
-    rotated = torch.cat((-x_BHTDh[..., half:], x_BHTDh[..., :half]), dim=-1)
-    return x_BHTDh * cos + rotated * sin
-
-
-def swiglu(x_ND: torch.Tensor, w_gate_FD: torch.Tensor, w_up_FD: torch.Tensor, w_down_DF: torch.Tensor
-           ) -> torch.Tensor:
-    """The SwiGLU feed-forward every expert and dense layer uses: down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x_ND, w_gate_FD)) * F.linear(x_ND, w_up_FD), w_down_DF)
+__all__ = ["MoEGPT", "MoEFeedForward", "Router", "DenseFFN", "Block", "ModelOutput", "RouterStats", "KVCache",
+           "RMSNorm", "ExpertProvider", "ExpertWeights", "ResidentExperts", "rope_tables", "swiglu"]
 
 
 class DenseFFN(nn.Module):
@@ -77,118 +42,34 @@ class DenseFFN(nn.Module):
         return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
-# -- attention with a KV cache ------------------------------------------------------------------
+# -- routing ------------------------------------------------------------------------------------
 
 
-@dataclass
-class KVCache:
-    """Preallocated keys and values of every layer, (B, G, S_max, Dh) each, filled up to `length`."""
-
-    k: list[torch.Tensor]
-    v: list[torch.Tensor]
-    length: int = 0
-
-    @classmethod
-    def empty(cls, config: MoEConfig, batch: int, max_len: int, *, device: torch.device | str = "cpu",
-              dtype: torch.dtype = torch.float32) -> "KVCache":
-        """A cache for `max_len` positions."""
-        if max_len > config.max_position:
-            raise ValueError(f"max_len {max_len} exceeds the model's max_position {config.max_position}")
-        shape = (batch, config.num_kv_heads, max_len, config.head_dim)
-        return cls(k=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)],
-                   v=[torch.zeros(shape, device=device, dtype=dtype) for _ in range(config.num_layers)])
-
-    @property
-    def capacity(self) -> int:
-        return self.k[0].shape[2]
-
-
-class Attention(nn.Module):
-    """Grouped-query attention with rotary embeddings, optional q/k norm and qkv clipping."""
+class Router(nn.Module):
+    """A MoE layer's router: its parameters, and the routing function `config.router` names."""
 
     def __init__(self, config: MoEConfig) -> None:
         super().__init__()
-        c, d = config, config.head_dim
         self.config = config
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=False)
-        if c.qk_norm == "full":
-            self.q_norm = RMSNorm(c.num_heads * d, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.num_kv_heads * d, c.rms_norm_eps)
+        self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
+        nn.init.normal_(self.weight, std=0.02)
+        self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
+        if config.score_correction_bias:
+            # DeepSeek-V3 adjusts it from expert loads, not by gradient: a frozen parameter here
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: int,
-                cache: KVCache | None) -> torch.Tensor:
+    def forward(self, x_ND: torch.Tensor) -> Routing:
         c = self.config
-        B, T, _ = x_BTD.shape
-        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
-        if c.qk_norm == "full":
-            q, k = self.q_norm(q), self.k_norm(k)
-        if c.clip_qkv is not None:
-            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        q_BHTDh = apply_rope(q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2), cos, sin)
-        k_BGTDh = apply_rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin)
-        v_BGTDh = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        start = 0
-        if cache is not None:
-            start = cache.length
-            if start + T > cache.capacity:
-                raise ValueError(f"KV cache of {cache.capacity} positions cannot take {start + T}")
-            cache.k[layer][:, :, start:start + T] = k_BGTDh
-            cache.v[layer][:, :, start:start + T] = v_BGTDh
-            k_BGTDh, v_BGTDh = cache.k[layer][:, :, :start + T], cache.v[layer][:, :, :start + T]
-        mask, causal = None, False
-        if T > 1 and start == 0:  # training and a first prefill: square causal, which flash kernels take
-            causal = True
-        elif T > 1:  # query i (at position start+i) sees keys 0..start+i; is_causal would align top-left
-            mask = torch.ones(T, start + T, dtype=torch.bool, device=x_BTD.device).tril(diagonal=start)
-        # T == 1: one new token sees every cached position, no mask needed
-        out_BHTDh = F.scaled_dot_product_attention(q_BHTDh, k_BGTDh, v_BGTDh, attn_mask=mask, is_causal=causal,
-                                                   enable_gqa=c.num_kv_heads != c.num_heads)
-        return self.o_proj(out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
-
-
-# -- experts ------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ExpertWeights:
-    """One expert's SwiGLU weights: gate (F, D), up (F, D), down (D, F)."""
-
-    gate: torch.Tensor
-    up: torch.Tensor
-    down: torch.Tensor
-
-    def apply(self, x_MD: torch.Tensor) -> torch.Tensor:
-        """The expert on its rows (a trainer's subclass routes gradients to its own state store)."""
-        return swiglu(x_MD, self.gate, self.up, self.down)
-
-
-class ExpertProvider(Protocol):
-    """Where a MoE layer's expert weights come from (the seam offload and training plug into)."""
-
-    def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
-        """Yield each of `experts` once, in any order, with its weights; weights are valid until the
-        next item is requested. `x_ND` is the layer's routed input, which an offloading provider
-        may use to predict and prefetch later layers' experts."""
-        ...
-
-
-class ResidentExperts(nn.Module):
-    """All experts of one layer as parameters on the module's device: w_gate/w_up (E, F, D), w_down (E, D, F)."""
-
-    def __init__(self, num_experts: int, dim: int, hidden: int) -> None:
-        super().__init__()
-        self.w_gate = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        self.w_up = nn.Parameter(torch.empty(num_experts, hidden, dim))
-        self.w_down = nn.Parameter(torch.empty(num_experts, dim, hidden))
-        for w in (self.w_gate, self.w_up, self.w_down):
-            nn.init.normal_(w, std=0.02)
-
-    def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
-        for e in experts:
-            yield e, ExpertWeights(self.w_gate[e], self.w_up[e], self.w_down[e])
+        if c.router == "softmax_topk":
+            return route_topk(nn.functional.linear(x_ND, self.weight), c.top_k, normalize=c.norm_topk_prob)
+        if c.router == "topk_softmax":
+            return route_topk_softmax(nn.functional.linear(x_ND, self.weight, self.bias), c.top_k)
+        # DeepSeek computes these logits in float32 whatever the model's dtype
+        logits = nn.functional.linear(x_ND.float(), self.weight.float())
+        return route_grouped(logits, c.top_k, scores=c.router_scores,
+                             correction_bias_E=self.e_score_correction_bias if c.score_correction_bias else None,
+                             n_group=c.n_group, topk_group=c.topk_group, group_score=c.group_score,
+                             normalize=c.norm_topk_prob, scale=c.routed_scaling_factor)
 
 
 @dataclass
@@ -209,11 +90,12 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.config = config
         self.layer = layer
-        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.experts: ExpertProvider = ResidentExperts(config.num_experts, config.hidden_size, config.moe_ffn_size)
+        self.router = Router(config)
+        self.experts: ExpertProvider = ResidentExperts(config)
         if config.shared_expert_size:
             self.shared = DenseFFN(config.hidden_size, config.shared_expert_size)
-            self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            if config.shared_expert_gate:
+                self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def use_experts(self, provider: ExpertProvider) -> None:
         """Take expert weights from `provider` from now on (offload engines, SSD-backed training)."""
@@ -225,8 +107,8 @@ class MoEFeedForward(nn.Module):
             object.__setattr__(self, "experts", provider)
 
     def route(self, x_ND: torch.Tensor) -> Routing:
-        """Top-k routing of flattened tokens (the same function the offload engine uses to predict)."""
-        return route_topk(self.router(x_ND), self.config.top_k, normalize=self.config.norm_topk_prob)
+        """Routing of flattened tokens (the same function the offload engine uses to predict)."""
+        return self.router(x_ND)
 
     def route_and_keep(self, x_ND: torch.Tensor) -> tuple[Routing, torch.Tensor]:
         """Routing and, in training with a capacity factor, which (token, choice) pairs are kept."""
@@ -245,7 +127,8 @@ class MoEFeedForward(nn.Module):
         c = self.config
         out_ND = y_NKD.sum(dim=1)
         if c.shared_expert_size:
-            out_ND = out_ND + torch.sigmoid(self.shared_gate(x_ND)) * self.shared(x_ND)
+            shared_ND = self.shared(x_ND)
+            out_ND = out_ND + (torch.sigmoid(self.shared_gate(x_ND)) * shared_ND if c.shared_expert_gate else shared_ND)
         if self.training:
             aux, z = load_balancing_loss(r.probs_TE, r.ids_TK, c.num_experts), router_z_loss(r.logits_TE)
         else:  # inference needs the routing, not the losses
@@ -285,14 +168,14 @@ class Block(nn.Module):
         super().__init__()
         self.layer = layer
         self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = Attention(config)
+        self.attn = make_attention(config, layer)
         self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.ffn: nn.Module = (MoEFeedForward(config, layer) if config.is_moe_layer(layer)
                                else DenseFFN(config.hidden_size, config.ffn_size))
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
                 ) -> tuple[torch.Tensor, RouterStats | None]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, self.layer, cache)
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, cache)
         h = self.ffn_norm(x_BTD)
         if isinstance(self.ffn, MoEFeedForward):
             y, stats = self.ffn(h)
@@ -343,7 +226,7 @@ class MoEGPT(nn.Module):
             raise ValueError(f"sequence of {start + T} positions exceeds max_position {self.config.max_position}")
         x_BTD = self.embed(ids_BT)
         positions_BT = torch.arange(start, start + T, device=ids_BT.device).expand(B, T)
-        cos, sin = rope_cos_sin(positions_BT, self.config.head_dim, self.config.rope_theta, x_BTD.dtype)
+        cos, sin = rope_tables(self.config, positions_BT, x_BTD.dtype)
         router: dict[int, RouterStats] = {}
         for block in self.layers:
             x_BTD, stats = block(x_BTD, cos, sin, cache)

@@ -47,7 +47,7 @@ from torch import nn
 from semoe.checkpoint import _dense_params, hf_name
 from semoe.config import MoEConfig
 from semoe.expert_states import AdamWConfig, ExpertStates, sum_of_squares
-from semoe.model import MoEGPT, rope_cos_sin
+from semoe.model import MoEGPT, rope_tables
 from semoe.train import Trainer, build_model, init_dense, run_rank, to_device
 from semoe.train_config import StepLog, TrainConfig, return_large_frees_to_the_os
 from storage.errors import BadInputError
@@ -185,7 +185,7 @@ class StageModule(nn.Module):
         x_BTD = self.embed(x) if self.first else x
         B, T, _ = x_BTD.shape
         positions_BT = torch.arange(T, device=x_BTD.device).expand(B, T)
-        cos, sin = rope_cos_sin(positions_BT, c.head_dim, c.rope_theta, x_BTD.dtype)
+        cos, sin = rope_tables(c, positions_BT, x_BTD.dtype)
         aux, z = [], []
         for block in self.runs.values():
             x_BTD, stats = block(x_BTD, cos, sin, None)

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from semoe.model import rope_cos_sin
+from semoe.model import rope_tables
 from storage.errors import BadInputError
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def profile_stage(trainer: "PipelineTrainer", repeats: int = 2) -> Any:
     g = torch.Generator().manual_seed(cfg.seed)
     x_BTD = torch.randn(B, T, c.hidden_size, generator=g).mul_(0.02).to(trainer.device).requires_grad_()
     positions_BT = torch.arange(T, device=trainer.device).expand(B, T)
-    cos, sin = rope_cos_sin(positions_BT, c.head_dim, c.rope_theta, x_BTD.dtype)
+    cos, sin = rope_tables(c, positions_BT, x_BTD.dtype)
     blocks = list(stage.layers.items())
     profiled = profile_layers([(f"layer{k}", _BlockOnHidden(b, cos, sin)) for k, b in blocks], x_BTD,
                               repeats=repeats)

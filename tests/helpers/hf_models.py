@@ -23,7 +23,40 @@ def tiny_config(arch: str):
     if arch == "olmoe":
         return transformers.OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
                                         eos_token_id=1, bos_token_id=None)
+    if arch == "qwen3_moe":
+        return transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                           head_dim=16, norm_topk_prob=True, decoder_sparse_step=1,
+                                           mlp_only_layers=[0])
+    deepseek = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+                    first_k_dense_replace=1, n_group=4, topk_group=2, kv_lora_rank=16, qk_rope_head_dim=8,
+                    qk_nope_head_dim=8, v_head_dim=12, routed_scaling_factor=2.5)
+    if arch == "deepseek_v2":
+        return transformers.DeepseekV2Config(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, **deepseek, q_lora_rank=None,
+                                             topk_method="group_limited_greedy")
+    if arch == "deepseek_v3":
+        # YaRN as DeepSeek-V3 ships it (factor 40, mscale 1.0 on both), scaled down to 128 positions
+        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+        return transformers.DeepseekV3Config(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, **deepseek, q_lora_rank=24,
+                                             rope_parameters=yarn)
+    if arch == "glm4_moe":
+        return transformers.Glm4MoeConfig(**{**TINY, "num_hidden_layers": 3}, n_routed_experts=8,
+                                          num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
+                                          first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16,
+                                          partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                                          routed_scaling_factor=1.5)
+    if arch == "gpt_oss":
+        # gpt-oss's own YaRN (factor 32) and alternating windows, scaled down
+        yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
+        return transformers.GptOssConfig(**{**TINY, "num_hidden_layers": 3}, num_local_experts=4,
+                                         num_experts_per_tok=2, head_dim=16, sliding_window=6, rope_parameters=yarn)
     raise ValueError(arch)
+
+
+# Parameters that transformers initialises to zeros (or not at all); random here so that a model
+# ignoring them cannot pass a parity test.
+_PERTURB = {"e_score_correction_bias": 0.05, "sinks": 0.5, "router.bias": 0.5, "_bias": 0.05, ".bias": 0.02}
 
 
 def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
@@ -33,7 +66,14 @@ def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32",
 
     cfg = tiny_config(arch)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg).to(getattr(torch, dtype))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    g = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            std = next((v for k, v in _PERTURB.items() if name.endswith(k)), None)
+            if std is not None:
+                t.copy_(torch.randn(t.shape, generator=g) * std)
+    model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
     return path
 

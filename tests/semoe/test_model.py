@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from semoe.checkpoint import load_store, save_store
-from semoe.config import MoEConfig, from_hf_config, named_config
+from semoe.config import MoEConfig, named_config
+from semoe.hf_config import from_hf_config
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT, swiglu
 
 

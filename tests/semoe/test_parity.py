@@ -1,4 +1,4 @@
-"""The model against transformers, for tiny random Mixtral, Qwen2-MoE and OLMoE checkpoints.
+"""The model against transformers, for tiny random checkpoints of every supported architecture.
 
 Tolerance: float32 logits within 1e-4 absolute (the implementations differ in matmul blocking
 only); greedy tokens must be identical.
@@ -23,12 +23,15 @@ from storage.errors import BadInputError
 from storage.hf import import_checkpoint
 
 ATOL = 1e-4
-ARCHS = ["mixtral", "qwen2_moe", "olmoe"]
+ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]
 PROMPTS = [[1, 5, 9, 2], [7], list(range(3, 40, 3)), [11, 12, 13, 14, 15, 16, 17, 18]]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture(scope="module", params=[(a, s) for a in ARCHS for s in (False, True)],
+SHARDED = ("mixtral", "qwen2_moe", "olmoe", "gpt_oss")  # also from a sharded directory (gpt-oss: fused experts)
+
+
+@pytest.fixture(scope="module", params=[(a, s) for a in ARCHS for s in (False, True) if a in SHARDED or not s],
                 ids=lambda p: f"{p[0]}-{'sharded' if p[1] else 'single'}")
 def checkpoint(request, tmp_path_factory):
     arch, sharded = request.param
@@ -86,6 +89,17 @@ def test_kv_cache_decode_matches_full_recomputation(checkpoint):
         for t in seq[5:]:
             steps.append(model(torch.tensor([[t]]), cache).logits[0])
     torch.testing.assert_close(torch.cat(steps), full, atol=1e-5, rtol=0)
+
+
+def test_latent_attention_caches_the_latent_not_keys_and_values(tmp_path):
+    """DeepSeek's cache: per position one kv_lora_rank latent and one rotary key, shared by all heads."""
+    path = make_hf_checkpoint("deepseek_v3", tmp_path / "ck", seed=3)
+    c = load_hf(str(path)).config
+    cache = KVCache.empty(c, 2, 10)
+    assert [tuple(t.shape) for t in (cache.k[0], cache.v[0])] == [(2, 1, 10, c.kv_lora_rank),
+                                                                  (2, 1, 10, c.qk_rope_head_dim)]
+    per_position = c.kv_lora_rank + c.qk_rope_head_dim
+    assert per_position < c.num_heads * (c.qk_nope_head_dim + c.qk_rope_head_dim + c.v_head_dim)
 
 
 def test_store_gives_the_same_logits_and_tokens(checkpoint, tmp_path):

@@ -1,0 +1,299 @@
+"""Attention variants with a KV cache, and rotary embeddings.
+
+- `Attention`: grouped-query attention with optional q/k norm (over all heads or per head), qkv
+  clipping, biases, partial rotary dims, a sliding window, and attention sinks (gpt-oss: a learnt
+  per-head logit in each softmax's denominator).
+- `LatentAttention`: DeepSeek's multi-head latent attention. K and V come from a small latent per
+  position (`kv_lora_rank`) plus one shared rotary key (`qk_rope_head_dim`); the cache holds those
+  two, not the per-head K and V.
+
+Rotary embeddings are plain RoPE or YaRN, rotating halves or interleaved pairs (DeepSeek).
+
+Shape legend: B batch, T tokens in this call, S cached + new positions, D hidden size, H query
+heads, G key/value heads, Dh head dim, R rotary dims, L latent (kv_lora_rank), Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from semoe.config import MoEConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference implementations."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+# -- rotary embeddings --------------------------------------------------------------------------
+
+
+def _yarn(config: MoEConfig, base: float, dim: int, device: torch.device | None) -> tuple[torch.Tensor, float]:
+    """YaRN's inverse frequencies and cos/sin scale (Peng et al. 2023, as transformers computes them)."""
+    s = config.rope_scaling or {}
+    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = s.get("attention_factor")
+    if attention_factor is None:
+        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
+        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
+    if s.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
+    extrapolation = 1 - ramp
+    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv_freq, float(attention_factor)
+
+
+def rope_inv_freq(config: MoEConfig, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (R/2,) of the rotary dims, made on `device`, and the scale of cos and sin."""
+    dim = config.rope_dim
+    if config.rope_scaling is not None:
+        return _yarn(config, config.rope_theta, dim, device)
+    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)), 1.0
+
+
+def rope_tables(config: MoEConfig, positions_BT: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (B, T, R) each, for integer positions."""
+    inv_freq, scale = rope_inv_freq(config, positions_BT.device)
+    freqs_BTr = positions_BT.float()[..., None] * inv_freq
+    emb = torch.cat((freqs_BTr, freqs_BTr), dim=-1)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rope(x_BHTDh: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, *,
+               interleave: bool = False) -> torch.Tensor:
+    """Rotate the first R dims of each head, by halves (i, i + R/2) or interleaved pairs (2i, 2i + 1);
+    the other dims pass through. Interleaved pairs come out as halves (the same permutation for
+    queries and keys, so their dot products are unchanged)."""
+    rot = cos_BTR.shape[-1]
+    x, rest = (x_BHTDh, None) if rot == x_BHTDh.shape[-1] else (x_BHTDh[..., :rot], x_BHTDh[..., rot:])
+    cos, sin = cos_BTR[:, None], sin_BTR[:, None]
+    if interleave:
+        cos, sin = cos[..., :rot // 2], sin[..., :rot // 2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        half = rot // 2
+        out = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+# -- the KV cache and masks ---------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """Preallocated cache of every layer, filled up to `length`: keys and values (B, G, S_max, Dh)
+    for grouped-query attention; for latent attention the latent (B, 1, S_max, L) in `k` and the
+    rotary key (B, 1, S_max, R) in `v`."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+
+    @classmethod
+    def empty(cls, config: MoEConfig, batch: int, max_len: int, *, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> "KVCache":
+        """A cache for `max_len` positions."""
+        if max_len > config.max_position:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_position {config.max_position}")
+        if config.attention == "mla":
+            k_shape = (batch, 1, max_len, config.kv_lora_rank)
+            v_shape = (batch, 1, max_len, config.qk_rope_head_dim)
+        else:
+            k_shape = v_shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+        return cls(k=[torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(config.num_layers)],
+                   v=[torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(config.num_layers)])
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this call's T positions after `length`; returns the layer's k and v so far."""
+        start, T = self.length, k.shape[2]
+        if start + T > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot take {start + T}")
+        self.k[layer][:, :, start:start + T] = k
+        self.v[layer][:, :, start:start + T] = v
+        return self.k[layer][:, :, :start + T], self.v[layer][:, :, :start + T]
+
+
+def attention_mask(T: int, start: int, window: int | None, device: torch.device
+                   ) -> tuple[torch.Tensor | None, bool]:
+    """(bool mask (T, start + T) or None, is_causal) for T queries after `start` cached positions.
+
+    Query i (position start + i) sees keys j <= start + i, and with a window only start + i - j < window.
+    A square causal mask without a window is left to the kernel (`is_causal`), which flash kernels take."""
+    S = start + T
+    if window is None or window >= S:
+        if T > 1 and start == 0:
+            return None, True
+        if T == 1:  # one new token sees every cached position
+            return None, False
+        return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=start), False
+    q_T1 = torch.arange(start, S, device=device)[:, None]
+    k_1S = torch.arange(S, device=device)[None, :]
+    return (k_1S <= q_T1) & (q_T1 - k_1S < window), False
+
+
+def attend(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask: torch.Tensor | None,
+           causal: bool, *, scale: float | None = None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention, (B, H, T, Dv). With sinks, each head's softmax denominator also holds
+    exp(sink): computed explicitly (no fused kernel takes sinks), in float32 like the reference."""
+    H, G = q_BHTD.shape[1], k_BGSD.shape[1]
+    if sinks_H is None:
+        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=G != H)
+    k_BHSD, v_BHSD = k_BGSD.repeat_interleave(H // G, dim=1), v_BGSD.repeat_interleave(H // G, dim=1)
+    scale = q_BHTD.shape[-1] ** -0.5 if scale is None else scale
+    scores_BHTS = (q_BHTD @ k_BHSD.transpose(-1, -2)).float() * scale
+    T, S = scores_BHTS.shape[-2:]
+    if causal:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q_BHTD.device).tril()
+    if mask is not None:
+        scores_BHTS = scores_BHTS.masked_fill(~mask, float("-inf"))
+    sink_BHT1 = sinks_H.float().view(1, H, 1, 1).expand(scores_BHTS.shape[0], H, T, 1)
+    logits = torch.cat((scores_BHTS, sink_BHT1), dim=-1)
+    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return probs.to(v_BHSD.dtype) @ v_BHSD
+
+
+# -- the variants -------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings and the options listed in the module docstring."""
+
+    def __init__(self, config: MoEConfig, layer: int) -> None:
+        super().__init__()
+        c, d = config, config.head_dim
+        self.config = config
+        self.layer = layer
+        self.window = config.window(layer)
+        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=c.attention_bias)
+        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
+        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
+        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=c.o_proj_bias)
+        if c.qk_norm == "full":
+            self.q_norm = RMSNorm(c.num_heads * d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.num_kv_heads * d, c.rms_norm_eps)
+        elif c.qk_norm == "head":
+            self.q_norm = RMSNorm(d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps)
+        if c.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(c.num_heads))
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
+                ) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x_BTD.shape
+        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if c.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        q_BTHDh, k_BTGDh = q.view(B, T, c.num_heads, c.head_dim), k.view(B, T, c.num_kv_heads, c.head_dim)
+        if c.qk_norm == "head":
+            q_BTHDh, k_BTGDh = self.q_norm(q_BTHDh), self.k_norm(k_BTGDh)
+        q_BHTDh = apply_rope(q_BTHDh.transpose(1, 2), cos, sin, interleave=c.rope_interleave)
+        k_BGTDh = apply_rope(k_BTGDh.transpose(1, 2), cos, sin, interleave=c.rope_interleave)
+        v_BGTDh = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        start = 0
+        if cache is not None:
+            start = cache.length
+            k_BGTDh, v_BGTDh = cache.append(self.layer, k_BGTDh, v_BGTDh)
+        mask, causal = attention_mask(T, start, self.window, x_BTD.device)
+        out_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask, causal,
+                           sinks_H=self.sinks if c.attention_sinks else None)
+        return self.o_proj(out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+
+
+def softmax_scale(config: MoEConfig) -> float:
+    """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 in latent attention."""
+    scale = config.head_dim ** -0.5
+    s = config.rope_scaling
+    if config.attention == "mla" and s and s.get("mscale_all_dim") and float(s["factor"]) > 1:
+        m = 0.1 * float(s["mscale_all_dim"]) * math.log(float(s["factor"])) + 1.0
+        scale *= m * m
+    return scale
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention; the cache holds the normed latent and the rotary key."""
+
+    def __init__(self, config: MoEConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.config = config
+        self.layer = layer
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = nn.Linear(c.hidden_size, c.num_heads * qk, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                                            bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.o_proj_bias)
+        self.scale = softmax_scale(config)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
+                ) -> torch.Tensor:
+        c = self.config
+        B, T, _ = x_BTD.shape
+        H, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+        q = self.q_proj(x_BTD) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_BHTd = q.view(B, T, H, nope + rope).transpose(1, 2)
+        q_rot = apply_rope(q_BHTd[..., nope:], cos, sin, interleave=c.rope_interleave)
+        latent_BTL, k_rot_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, rope], dim=-1)
+        latent_B1TL = self.kv_a_layernorm(latent_BTL)[:, None]
+        k_rot_B1TR = apply_rope(k_rot_BTR[:, None], cos, sin, interleave=c.rope_interleave)
+        start = 0
+        if cache is not None:
+            start = cache.length
+            latent_B1TL, k_rot_B1TR = cache.append(self.layer, latent_B1TL, k_rot_B1TR)
+        S = latent_B1TL.shape[2]
+        kv_BHSd = self.kv_b_proj(latent_B1TL[:, 0]).view(B, S, H, nope + c.v_head_dim).transpose(1, 2)
+        k_nope_BHSd, v_BHSDv = kv_BHSd.split([nope, c.v_head_dim], dim=-1)
+        k_BHSd = torch.cat((k_nope_BHSd, k_rot_B1TR.expand(B, H, S, rope)), dim=-1)
+        q_BHTd = torch.cat((q_BHTd[..., :nope], q_rot), dim=-1)
+        mask, causal = attention_mask(T, start, None, x_BTD.device)
+        out_BHTDv = attend(q_BHTd, k_BHSd, v_BHSDv, mask, causal, scale=self.scale)
+        return self.o_proj(out_BHTDv.transpose(1, 2).reshape(B, T, H * c.v_head_dim))
+
+
+def make_attention(config: MoEConfig, layer: int) -> nn.Module:
+    """The attention variant `config` names, for `layer`."""
+    return LatentAttention(config, layer) if config.attention == "mla" else Attention(config, layer)
