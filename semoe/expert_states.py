@@ -37,10 +37,9 @@ import torch
 import torch.nn.functional as F
 
 from semoe.config import MoEConfig
-from semoe.model import ExpertWeights
+from semoe.experts import ExpertMLP, ExpertWeights, SwiGLU, expert_mlp
 
 Key = tuple[int, int]  # (layer, global expert id)
-NAMES = ("gate", "up", "down")
 
 
 @dataclass(kw_only=True)
@@ -80,11 +79,12 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
 
 
 def init_expert(config: MoEConfig, seed: int, layer: int, expert: int) -> tuple[torch.Tensor, ...]:
-    """An expert's initial (gate (F, D), up (F, D), down (D, F)), from its own seeded generator, so it
-    does not depend on how many ranks share the experts or in which order they are built."""
+    """An expert's initial tensors (SwiGLU: gate (F, D), up (F, D), down (D, F); biases zero), from its
+    own seeded generator, so it does not depend on how many ranks share the experts or in which
+    order they are built."""
     g = torch.Generator().manual_seed((seed * 1_000_003 + layer * 65_537 + expert) % (1 << 63))
-    D, Fh = config.hidden_size, config.moe_ffn_size
-    return tuple(torch.empty(shape).normal_(0.0, 0.02, generator=g) for shape in ((Fh, D), (Fh, D), (D, Fh)))
+    return tuple(torch.zeros(shape) if len(shape) == 1 else torch.empty(shape).normal_(0.0, 0.02, generator=g)
+                 for shape in expert_mlp(config).shapes(config))
 
 
 class ExpertStates(ABC):
@@ -189,8 +189,8 @@ class ExpertStates(ABC):
 class Held:
     """Weights on loan from a backend; `release()` gives them back."""
 
-    def __init__(self, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, release=None) -> None:
-        self.gate, self.up, self.down = gate, up, down
+    def __init__(self, *parts: torch.Tensor, release=None) -> None:
+        self.parts = parts  # in the expert MLP variant's order
         self._release = release
 
     def release(self) -> None:
@@ -230,14 +230,41 @@ class _ExpertFFN(torch.autograd.Function):
         a_MF = g_MF * s_MF  # silu(g)
         h_MF = a_MF * u_MF
         with states.fetch(layer, expert) as w:
-            dh_MF = dy_MD @ w.down.to(dt)
+            gate_FD, up_FD, down_DF = w.parts
+            dh_MF = dy_MD @ down_DF.to(dt)
             dg_MF = dh_MF * u_MF * (s_MF * (1 + g_MF * (1 - s_MF)))
             du_MF = dh_MF * a_MF
-            dx_MD = dg_MF @ w.gate.to(dt) + du_MF @ w.up.to(dt)
+            dx_MD = dg_MF @ gate_FD.to(dt) + du_MF @ up_FD.to(dt)
         if x_MD.shape[0]:  # an expert run on no rows (expert parallelism keeps graphs alike) learns nothing
             states.add_grad(layer, expert, ((dg_MF.t() @ xc_MD).float(), (du_MF.t() @ xc_MD).float(),
                                             (dy_MD.t() @ h_MF).float()))
         return dx_MD.to(x_MD.dtype), None, None, None, None, None, None
+
+
+class _RecomputedExpert(torch.autograd.Function):
+    """Any expert MLP variant, its weights fetched again in backward and its forward recomputed
+    there under autograd; weight gradients go to the backend. (SwiGLU has the hand-derived
+    `_ExpertFFN`, which keeps its pre-activations instead of recomputing; this is its reference.)"""
+
+    @staticmethod
+    def forward(ctx, x_MD: torch.Tensor, mlp: ExpertMLP, states: ExpertStates, layer: int, expert: int,
+                *parts: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x_MD)
+        ctx.key = (mlp, states, layer, expert)
+        return mlp.apply(x_MD, parts)
+
+    @staticmethod
+    def backward(ctx, dy_MD: torch.Tensor):
+        (x_MD,) = ctx.saved_tensors
+        mlp, states, layer, expert = ctx.key
+        states.begin_backward_layer(layer)
+        with states.fetch(layer, expert) as w, torch.enable_grad():
+            x = x_MD.detach().requires_grad_()
+            leaves = [p.detach().to(x.dtype).requires_grad_() for p in w.parts]
+            grads = torch.autograd.grad(mlp.apply(x, tuple(leaves)), [x, *leaves], dy_MD.to(x.dtype))
+        if x_MD.shape[0]:
+            states.add_grad(layer, expert, tuple(g.float() for g in grads[1:]))
+        return (grads[0].to(x_MD.dtype), None, None, None, None, *(None for _ in leaves))
 
 
 @dataclass(frozen=True)
@@ -249,7 +276,9 @@ class _TrainedExpert(ExpertWeights):
     def apply(self, x_MD: torch.Tensor) -> torch.Tensor:
         if not torch.is_grad_enabled():
             return super().apply(x_MD)
-        return _ExpertFFN.apply(x_MD, self.gate, self.up, self.down, self.states, self.layer, self.expert)
+        if isinstance(self.mlp, SwiGLU):
+            return _ExpertFFN.apply(x_MD, *self.parts, self.states, self.layer, self.expert)
+        return _RecomputedExpert.apply(x_MD, self.mlp, self.states, self.layer, self.expert, *self.parts)
 
 
 class TrainingExperts:
@@ -257,6 +286,7 @@ class TrainingExperts:
 
     def __init__(self, states: ExpertStates, layer: int, first: int = 0) -> None:
         self.states = states
+        self.mlp = expert_mlp(states.config)
         self.layer = layer
         self.first = first  # global id of local index 0 (expert parallelism)
 
@@ -266,7 +296,7 @@ class TrainingExperts:
         for e, gid in zip(experts, ids):
             held = self.states.fetch(layer, gid)
             try:
-                yield e, _TrainedExpert(held.gate, held.up, held.down, states=self.states, layer=layer, expert=gid)
+                yield e, _TrainedExpert(held.parts, self.mlp, states=self.states, layer=layer, expert=gid)
             finally:
                 held.release()
         self.states.end_forward_layer(layer)

@@ -31,6 +31,7 @@ written, so reads always find the newest file of each expert.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import threading
 import time
@@ -45,6 +46,7 @@ import torch
 from semoe.checkpoint import hf_expert_names
 from semoe.config import MoEConfig
 from semoe.expert_states import AdamWConfig, ExpertStates, Held, Key, adamw_
+from semoe.experts import expert_mlp
 from storage.errors import CacheFullError, StorageError
 from storage.fileio import ALIGN
 from storage.manifest import ChunkEntry, Manifest, TensorEntry
@@ -62,22 +64,22 @@ GRAD_COPIES_IN_FLIGHT = 8  # staging buffers beyond the budgeted sums; past them
 
 
 class ChunkFormat:
-    """How one expert's three float32 tensors are packed in a chunk file."""
+    """How one expert's float32 tensors (its MLP variant's, in order) are packed in a chunk file."""
 
     def __init__(self, config: MoEConfig) -> None:
-        D, Fh = config.hidden_size, config.moe_ffn_size
         self.config = config
-        self.shapes = [(Fh, D), (Fh, D), (D, Fh)]
+        self.mlp = expert_mlp(config)
+        self.shapes = list(self.mlp.shapes(config))
         self.offsets, self.nbytes = chunk_layout([(torch.float32, s) for s in self.shapes])
 
-    def names(self, layer: int, expert: int) -> tuple[str, str, str]:
+    def names(self, layer: int, expert: int) -> tuple[str, ...]:
         return hf_expert_names(self.config, layer, expert)
 
     def views(self, raw: torch.Tensor) -> list[torch.Tensor]:
-        """Typed views of the three tensors in a chunk's bytes (uint8, at least `nbytes`)."""
+        """Typed views of the tensors in a chunk's bytes (uint8, at least `nbytes`)."""
         out = []
         for off, shape in zip(self.offsets, self.shapes):
-            n = 4 * shape[0] * shape[1]
+            n = 4 * math.prod(shape)
             out.append(raw[off:off + n].view(torch.float32).view(shape))
         return out
 
@@ -88,7 +90,7 @@ class ChunkFormat:
         return buf
 
     def meta(self, layer: int, expert: int) -> list[ExpertTensor]:
-        return [ExpertTensor(name=n, tensor=torch.empty(s, device="meta")) for n, s in
+        return [ExpertTensor(name=n, tensor=torch.empty(s, device="meta"), stacked=self.mlp.stacked) for n, s in
                 zip(self.names(layer, expert), self.shapes)]
 
     def write(self, root: str, version: int, layer: int, expert: int, kind: str, buf: np.ndarray
@@ -289,7 +291,7 @@ class SSDExpertStates(ExpertStates):
         # Pinned on a GPU and reused step after step. A sum kept in memory stays in the staging
         # buffer its first gradient arrived in; two steps' sums coexist while the optimizer thread
         # updates the last step's experts and backward fills the next step's.
-        held = self.grad_budget // sum(4 * a * b for a, b in self.format.shapes)
+        held = self.grad_budget // sum(4 * math.prod(s) for s in self.format.shapes)
         self._staging = HostBufferPool(HostBufferPoolConfig(
             capacity_bytes=(2 * held + GRAD_COPIES_IN_FLIGHT) * round_up(self.format.nbytes, ALIGN), pin=self._pin,
             alignment=ALIGN))
@@ -382,7 +384,7 @@ class SSDExpertStates(ExpertStates):
         if src.numel() != self.format.nbytes:
             entry.release()
             raise StorageError(f"{self.root}: expert {expert} of layer {layer} has a weight chunk of "
-                               f"{src.numel()} bytes, expected {self.format.nbytes} (float32 gate, up, down)")
+                               f"{src.numel()} bytes, expected {self.format.nbytes} (its float32 tensors)")
         if self.in_place:
             slot, copy = None, self.stream.copy_to_device(src, in_place_ok=True)
         else:

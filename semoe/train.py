@@ -60,7 +60,8 @@ from semoe.expert_parallel import ExpertParallelMoE, local_expert_ids
 from semoe.expert_states import (AdamWConfig, ExpertStates, ResidentExpertStates, TrainingExperts, init_expert,
                                  sum_of_squares)
 from semoe.fused_comm import GradBucketReducer, fused_all_reduce
-from semoe.model import MoEGPT, RMSNorm
+from semoe.attention import Attention
+from semoe.model import MoEGPT, RMSNorm, Router
 from semoe.ssd_states import STATE_KINDS, ChunkFormat, SSDExpertStates
 from semoe.tokenizer import ByteTokenizer
 from semoe.train_config import (Precision, StepLog, TrainConfig, TrainingError, json_line, progress_line,
@@ -85,13 +86,15 @@ def init_dense(model: MoEGPT, seed: int) -> None:
     initialised per expert by `init_expert`, so neither depends on the other)."""
     g = torch.Generator().manual_seed(seed)
     for m in model.modules():
-        if isinstance(m, (nn.Linear, nn.Embedding)):
+        if isinstance(m, (nn.Linear, nn.Embedding, Router)):
             w = torch.empty(m.weight.shape).normal_(0.0, 0.02, generator=g)
             m.weight.copy_(w)
             if getattr(m, "bias", None) is not None:
                 m.bias.zero_()
         elif isinstance(m, RMSNorm):
             m.weight.fill_(1.0)
+        elif isinstance(m, Attention) and m.config.attention_sinks:
+            m.sinks.zero_()
 
 
 def build_model(config: MoEConfig, states: ExpertStates, device: torch.device, world: int,
@@ -173,7 +176,7 @@ class Trainer:
         self.states = self._make_states()
         self.states.grad_scale = 1.0 / self.world
         self.model = build_model(self.config, self.states, self.device, self.world).train()
-        self.dense = [p for _, p in _dense_params(self.model)]
+        self.dense = [p for _, p in _dense_params(self.model) if p.requires_grad]
         self.opt = self._dense_optimizer()
         self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         self.reducer = (GradBucketReducer(self.dense) if self.world > 1 and cfg.micro_batches == 1 else None)

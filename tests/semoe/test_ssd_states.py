@@ -224,7 +224,7 @@ def test_sources_stay_pinned_until_copied_and_gradients_copy_after_their_compute
     states.end_backward()
     assert entry.pin_count == 1
     stream.run()
-    assert torch.equal(first.gate, gate)
+    assert torch.equal(first.parts[0], gate)
     states.end_backward()  # any later call unpins the sources of finished copies
     assert entry.pin_count == 0
 
