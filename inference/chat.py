@@ -11,6 +11,7 @@ files. It is rendered in a sandboxed jinja environment with `messages`, `add_gen
 
 from __future__ import annotations
 
+import datetime
 import json
 import logging
 import os
@@ -48,6 +49,7 @@ def _environment() -> jinja2.sandbox.ImmutableSandboxedEnvironment:
                                                        extensions=[jinja2.ext.loopcontrols])
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)  # templates that date the system prompt
     return env
 
 

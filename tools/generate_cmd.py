@@ -18,6 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
+    p.add_argument("--chat", action="store_true",
+                   help="send --prompt as a user message through the model's own chat template "
+                        "(chat_template.jinja or tokenizer_config.json; a plain 'role: text' one if it ships none)")
+    p.add_argument("--system", metavar="TEXT", help="with --chat: a system message before the user's")
     p.add_argument("--max-new-tokens", type=int, default=32, metavar="N")
     p.add_argument("--greedy", action="store_true", help="pick the most likely token (the default)")
     p.add_argument("--temperature", type=float, help="sample with this temperature")
@@ -50,6 +54,10 @@ def run(args: argparse.Namespace) -> int:
     from semoe.generate import SamplingConfig
 
     sampling = args.temperature is not None or args.top_p is not None
+    if (args.chat or args.system is not None) and args.prompt is None:
+        raise UsageError("--chat and --system need --prompt (text), not --prompt-ids")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system needs --chat")
     if args.greedy and sampling:
         raise UsageError("--greedy cannot be combined with --temperature/--top-p")
     config = engine_config_from_args(args)
@@ -60,6 +68,11 @@ def run(args: argparse.Namespace) -> int:
             prompt = parse_prompt_ids(args.prompt_ids)
         elif tok is None:
             raise UsageError(f"--prompt: {args.model} has no tokenizer (tokenizer.json); give --prompt-ids instead")
+        elif args.chat:
+            from inference.chat import load_chat_template
+
+            messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+            prompt = load_chat_template(args.model).encode(tok, [*messages, {"role": "user", "content": args.prompt}])
         else:
             prompt = tok.encode(args.prompt, add_bos=tok.add_bos_default)
         cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=not sampling,
