@@ -109,8 +109,9 @@ def test_store_gives_the_same_logits_and_tokens(checkpoint, tmp_path):
     ids = torch.tensor([PROMPTS[2]])
     with torch.no_grad():
         assert torch.equal(from_store(ids).logits, from_hf(ids).logits)
-    cfg = SamplingConfig(max_new_tokens=16)
-    assert generate(from_store, PROMPTS[0], cfg).tokens == generate(from_hf, PROMPTS[0], cfg).tokens
+    cfg = SamplingConfig(max_new_tokens=32)
+    got, want = generate(from_store, PROMPTS[0], cfg), generate(from_hf, PROMPTS[0], cfg)
+    assert got.tokens == want.tokens and len(got.tokens) == 32
 
 
 def test_sampling_is_reproducible_and_respects_top_p(checkpoint):
