@@ -394,3 +394,20 @@ def test_fp8_weight_without_its_scale_is_refused(dsv3_f32, tmp_path):
                                             rf"{re.escape(victim)}_scale_inv is missing"):
         import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
     assert not (tmp_path / "store").exists()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_the_model_runs_a_quantized_directory_as_its_imported_store(dsv3_f32, gpt_oss_f32, tmp_path, fmt):
+    """`semoe generate --model DIR` on a quantized directory reads the tensors dequantized as import
+    stores them (gpt-oss's fused experts one expert slice at a time): identical logits."""
+    from semoe.checkpoint import load_hf, load_store
+
+    q = tmp_path / fmt
+    if fmt == "fp8":
+        write_fp8_checkpoint(dsv3_f32, q, (16, 16))
+    else:
+        write_mxfp4_checkpoint(gpt_oss_f32, q)
+    store = import_checkpoint(str(q), str(tmp_path / "store"))
+    ids = torch.tensor([[1, 5, 9, 2, 7, 30, 4]])
+    with torch.no_grad():
+        assert torch.equal(load_hf(str(q))(ids).logits, load_store(store.root)(ids).logits)
