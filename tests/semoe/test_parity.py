@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -17,10 +18,11 @@ import torch
 from helpers.hf_models import make_hf_checkpoint
 
 from semoe.checkpoint import load_hf, load_model, load_store
+from semoe.config import ARCHITECTURES
 from semoe.generate import SamplingConfig, generate
 from semoe.model import KVCache
 from storage.errors import BadInputError
-from storage.hf import import_checkpoint
+from storage.hf import SUPPORTED_MODEL_TYPES, import_checkpoint
 
 ATOL = 1e-4
 ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]
@@ -227,6 +229,16 @@ def test_unsupported_architecture_is_named(tmp_path):
     with pytest.raises(BadInputError, match=r"config\.json: config\.json: hidden_act 'gelu' is not supported|"
                                             r"hidden_act 'gelu' is not supported"):
         load_model(str(path))
+    for change, message in (({"model_type": "qwen3_next"}, "hybrid linear attention"),
+                            ({"model_type": "deepseek_v32"}, "DeepSeek sparse attention is not implemented"),
+                            ({"vision_config": {}}, "multimodal towers are not implemented"),
+                            ({"model_type": "llama"}, "supported: " + ", ".join(SUPPORTED_MODEL_TYPES))):
+        (path / "config.json").write_text(json.dumps({**cfg, "hidden_act": "silu", **change}))
+        with pytest.raises(BadInputError, match=re.escape(message)) as e:
+            load_model(str(path))
+        assert "\n" not in str(e.value) and "config.json" in str(e.value)
+    # one list: what the model builds is what store import accepts
+    assert set(ARCHITECTURES) - {"gpt_moe"} == set(SUPPORTED_MODEL_TYPES) - {"semoe_gpt"}
     shutil.rmtree(path)
     with pytest.raises(BadInputError, match="no such directory"):
         load_model(str(path))
