@@ -17,7 +17,9 @@ from semoe.gating import (
     dispatch_order,
     expert_capacity,
     load_balancing_loss,
+    route_grouped,
     route_topk,
+    route_topk_softmax,
     router_z_loss,
 )
 
@@ -481,3 +483,134 @@ def test_matches_fairscale_top2gating_without_drops(fairscale_top2gating):
     assert capacity_keep_mask(routing.ids_TK, num_experts, capacity).all()
     expected_TE = _scatter_TE(routing.weights_TK, routing.ids_TK, num_experts)
     torch.testing.assert_close(combine_TEC.sum(-1), expected_TE, rtol=0, atol=1e-6)
+
+
+# -- the newer routers against transformers' own ------------------------------------------------
+# Compared as sets per token (transformers picks with sorted=False): the chosen ids exactly, and each
+# chosen expert's weight within 1e-6 (float32; the same elementwise arithmetic, so only summation
+# order in the renormalisation can differ).
+
+
+def _hf_router(kind: str, E: int, D: int, K: int, **kw):
+    import transformers
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
+    from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeTopkRouter
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssTopKRouter
+
+    base = dict(hidden_size=D, num_experts_per_tok=K, num_attention_heads=4, num_hidden_layers=1)
+    if kind == "v2":
+        return DeepseekV2TopkRouter(transformers.DeepseekV2Config(**base, n_routed_experts=E, **kw))
+    if kind == "v3":
+        return DeepseekV3TopkRouter(transformers.DeepseekV3Config(**base, n_routed_experts=E, **kw))
+    if kind == "glm":
+        return Glm4MoeTopkRouter(transformers.Glm4MoeConfig(**base, n_routed_experts=E, **kw))
+    return GptOssTopKRouter(transformers.GptOssConfig(**base, num_local_experts=E, **kw))
+
+
+def _by_expert(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> list[dict[int, float]]:
+    return [dict(zip(i.tolist(), w.tolist())) for i, w in zip(ids_TK, weights_TK)]
+
+
+def _assert_same_choice(ours, hf_ids, hf_weights) -> None:
+    got, want = _by_expert(ours.ids_TK, ours.weights_TK), _by_expert(hf_ids, hf_weights)
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert sorted(g) == sorted(w), f"token {t}: experts {sorted(g)} != {sorted(w)}"
+        for e in g:
+            assert g[e] == pytest.approx(w[e], abs=1e-6), f"token {t} expert {e}"
+
+
+def _ours(kind: str, router, x_TD: torch.Tensor, K: int, **kw):
+    logits = torch.nn.functional.linear(x_TD.float(), router.weight.float(),
+                                        router.bias if kind == "oss" else None)
+    if kind == "oss":
+        return route_topk_softmax(logits, K)
+    if kind == "v2":
+        return route_grouped(logits, K, scores="softmax", n_group=kw["n_group"], topk_group=kw["topk_group"],
+                             group_score="max", normalize=False, scale=kw["routed_scaling_factor"])
+    return route_grouped(logits, K, scores="sigmoid", correction_bias_E=router.e_score_correction_bias,
+                         n_group=kw["n_group"], topk_group=kw["topk_group"], group_score="top2",
+                         normalize=kw["norm_topk_prob"], scale=kw["routed_scaling_factor"])
+
+
+GROUPED = dict(n_group=4, topk_group=2, routed_scaling_factor=2.5)
+
+
+@pytest.mark.parametrize("kind, kw", [
+    ("v2", dict(GROUPED, topk_method="group_limited_greedy")),
+    ("v3", dict(GROUPED, norm_topk_prob=True)), ("v3", dict(GROUPED, norm_topk_prob=False)),
+    ("glm", dict(GROUPED, norm_topk_prob=True)), ("oss", {}),
+], ids=["v2", "v3-norm", "v3-raw", "glm", "gpt-oss"])
+@pytest.mark.parametrize("K", [2, 4])
+def test_newer_routers_match_transformers(kind, kw, K):
+    E, D, T = 16, 24, 64
+    for seed in range(3):
+        g = torch.Generator().manual_seed(seed)
+        router = _hf_router(kind, E, D, K, **kw)
+        with torch.no_grad():
+            router.weight.copy_(torch.randn(E, D, generator=g))
+            if kind == "oss":
+                router.bias.copy_(torch.randn(E, generator=g))
+            if kind in ("v3", "glm"):
+                router.e_score_correction_bias.copy_(torch.randn(E, generator=g) * 0.3)
+            x = torch.randn(T, D, generator=g)
+            _, hf_w, hf_ids = router(x)
+        ours = _ours(kind, router, x, K, **kw)
+        _assert_same_choice(ours, hf_ids, hf_w)
+        assert (ours.weights_TK >= 0).all() and torch.isfinite(ours.weights_TK).all()
+        assert all(len(set(r)) == K for r in ours.ids_TK.tolist())
+        if kind == "oss":
+            torch.testing.assert_close(ours.weights_TK.sum(-1), torch.ones(T), rtol=0, atol=1e-6)
+
+
+def test_group_limits_and_correction_bias_change_the_choice_as_transformers_does():
+    """The best single expert sits in a group whose second best is poor: top2 group scoring drops
+    that group, so plain top-k would differ. The bias moves the choice; the weights stay the
+    unbiased sigmoid scores."""
+    E, D, K = 8, 8, 2
+    kw = dict(n_group=4, topk_group=2, routed_scaling_factor=1.0, norm_topk_prob=False)
+    router = _hf_router("v3", E, D, K, **kw)
+    logits = torch.tensor([[6.0, -6.0, 1.0, 1.0, 0.5, 0.5, -1.0, -1.0]])  # group 0: one star, one dud
+    with torch.no_grad():
+        router.weight.copy_(torch.eye(E))
+        _, hf_w, hf_ids = router(logits)
+    ours = _ours("v3", router, logits, K, **kw)
+    _assert_same_choice(ours, hf_ids, hf_w)
+    assert 0 not in ours.ids_TK[0].tolist()  # the global best expert lost with its group
+    assert set(route_topk(logits, K, normalize=False).ids_TK[0].tolist()) != set(ours.ids_TK[0].tolist())
+    bias = torch.tensor([0.0, 0.0, 0.0, 0.0, 0.9, 0.0, 0.0, 0.0])
+    with torch.no_grad():
+        router.e_score_correction_bias.copy_(bias)
+        _, hf_w, hf_ids = router(logits)
+    biased = _ours("v3", router, logits, K, **kw)
+    _assert_same_choice(biased, hf_ids, hf_w)
+    assert 4 in biased.ids_TK[0].tolist()  # chosen because of its bias...
+    torch.testing.assert_close(biased.weights_TK, torch.sigmoid(logits)[0, biased.ids_TK[0]][None], rtol=0,
+                               atol=0)  # ...weighted by its own score
+
+
+@pytest.mark.parametrize("kind", ["v2", "v3", "oss"])
+def test_ties_break_as_in_transformers(kind):
+    """All-equal logits, and values duplicated across groups: the same ids as transformers."""
+    E, D, K = 8, 8, 2
+    kw = dict(n_group=4, topk_group=2, routed_scaling_factor=1.0)
+    kw = {**kw, "topk_method": "group_limited_greedy"} if kind == "v2" else \
+        ({**kw, "norm_topk_prob": True} if kind == "v3" else {})
+    router = _hf_router(kind, E, D, K, **kw)
+    for logits in (torch.zeros(3, E), torch.tensor([[1.0, 0.0] * 4, [0.5, 0.5, 2.0, 2.0, 0.5, 0.5, 2.0, 2.0]])):
+        with torch.no_grad():
+            router.weight.copy_(torch.eye(E))
+            if kind == "oss":
+                router.bias.zero_()
+            _, hf_w, hf_ids = router(logits)
+        _assert_same_choice(_ours(kind, router, logits, K, **kw), hf_ids, hf_w)
+
+
+def test_grouped_router_rejects_bad_groups():
+    logits = torch.randn(4, 8)
+    with pytest.raises(ValueError, match="n_group"):
+        route_grouped(logits, 2, scores="sigmoid", n_group=3, topk_group=1, normalize=True)
+    with pytest.raises(ValueError, match="topk_group"):
+        route_grouped(logits, 2, scores="sigmoid", n_group=4, topk_group=5, normalize=True)
+    with pytest.raises(ValueError, match="scores must be softmax or sigmoid"):
+        route_grouped(logits, 2, scores="tanh", normalize=True)
