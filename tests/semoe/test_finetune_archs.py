@@ -46,6 +46,7 @@ def _train(out, store: str, words: str, steps: int, **kw) -> tuple[TrainConfig, 
     return cfg, [log.loss for log in trainer.run()]
 
 
+@pytest.mark.slow  # a long run (20 steps per architecture): CI runs it with -m slow
 def test_twenty_steps_lower_the_loss_from_transformers_first_loss(imported, words, tmp_path):
     from transformers import AutoModelForCausalLM
 
