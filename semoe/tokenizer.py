@@ -115,6 +115,10 @@ class HFTokenizer(Tokenizer):
         self.bos_id = self._special_id(token_cfg, model_cfg, "bos")
         self.eos_id = self._special_id(token_cfg, model_cfg, "eos")
         self.pad_id = self._special_id(token_cfg, model_cfg, "pad")
+        # transformers skips every token its config names (bos, eos, pad, unk) when decoding, even
+        # one that tokenizer.json does not mark special
+        self._skipped = {i for i in (self.bos_id, self.eos_id, self.pad_id,
+                                     self._special_id(token_cfg, {}, "unk")) if i is not None}
         self.add_bos_default, self.add_eos_default = self._post_processor_adds()
 
     def _special_id(self, token_cfg: dict[str, Any], model_cfg: dict[str, Any], which: str) -> int | None:
@@ -148,7 +152,7 @@ class HFTokenizer(Tokenizer):
 
     def decode(self, ids: Sequence[int]) -> str:
         """Text of `ids`, special tokens skipped, as transformers' `decode(..., skip_special_tokens=True)`."""
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=True)
+        return self._tok.decode([int(i) for i in ids if int(i) not in self._skipped], skip_special_tokens=True)
 
     @property
     def fingerprint(self) -> str:

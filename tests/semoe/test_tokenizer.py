@@ -135,3 +135,19 @@ def test_load_tokenizer_bad_input(tmp_path):
     (bad / "tokenizer_config.json").write_text("[1, 2]")
     with pytest.raises(BadInputError, match="tokenizer_config.json: expected a JSON object, got list"):
         load_tokenizer(str(bad))
+
+
+def test_decode_skips_the_tokens_the_config_names_as_transformers_does(tmp_path):
+    """A tokenizer.json that does not mark <s>, </s>, <unk> special (word-level ones often do not):
+    transformers still leaves them out of decode(skip_special_tokens=True), since its config names them."""
+    from transformers import AutoTokenizer
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, "two": 3, "cat": 4}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>"}))
+    ids = [2, 3, 2, 0, 4, 1]
+    want = AutoTokenizer.from_pretrained(str(tmp_path)).decode(ids, skip_special_tokens=True)
+    assert HFTokenizer(str(tmp_path)).decode(ids) == want == "two cat"
