@@ -211,7 +211,7 @@ def format_pci(address: PciAddress) -> str:
     return "{:08X}:{:02X}:{:02X}.0".format(*address)
 
 
-def _bus_key(pci_info) -> PciAddress:
+def pci_bus_key(pci_info) -> PciAddress:
     return parse_pci(pci_info.busId)
 
 
@@ -268,7 +268,7 @@ def _read_nvml(nvml) -> tuple[Topology, list[PciAddress]]:
     if n < 1:
         raise RuntimeError("NVML reports no GPUs on this machine")
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
-    addresses = [_bus_key(nvml.nvmlDeviceGetPciInfo(h)) for h in handles]
+    addresses = [pci_bus_key(nvml.nvmlDeviceGetPciInfo(h)) for h in handles]
     index_of = {address: i for i, address in enumerate(addresses)}
     link_bw = [[0.0] * n for _ in range(n)]
     switch_bw = [0.0] * n
@@ -278,14 +278,14 @@ def _read_nvml(nvml) -> tuple[Topology, list[PciAddress]]:
                 if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
                     continue
                 bw = _at_or_below(_NVLINK_BW, nvml.nvmlDeviceGetNvLinkVersion(h, link))
-                remote = _bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link))
+                remote = pci_bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link))
             except nvml.NVMLError:
                 continue  # a link number past the device's last, or a GPU without NVLink
             j = index_of.get(remote)
             if j is not None:
                 if j != i:
                     link_bw[i][j] += bw
-            elif _remote_is_switch(nvml, h, link):
+            elif remote_is_switch(nvml, h, link):
                 switch_bw[i] += bw
     for i in range(n):
         for j in range(n):
@@ -301,7 +301,7 @@ def _read_nvml(nvml) -> tuple[Topology, list[PciAddress]]:
                     flops=flops, pcie_peer_bw=min(host_bw)), addresses
 
 
-def _remote_is_switch(nvml, handle, link: int) -> bool:
+def remote_is_switch(nvml, handle, link: int) -> bool:
     """Whether an NVLink whose far end is not one of our GPUs ends in an NVSwitch (not a CPU).
     Drivers that cannot tell are taken to mean a switch: NVLink to CPUs is rare (POWER9 only)."""
     try:

@@ -159,13 +159,6 @@ class ChunkReader:
     def __init__(self, config: ChunkReaderConfig | None = None) -> None:
         self.config = config or ChunkReaderConfig()
         self._pool = ThreadPoolExecutor(self.config.threads, thread_name_prefix="semoe-read")
-        self._bytes_read = 0
-        self._lock = threading.Lock()
-
-    @property
-    def bytes_read(self) -> int:
-        """Total bytes read since construction."""
-        return self._bytes_read
 
     def _segments(self, req: ReadRequest) -> list[tuple[int, int, int, int]]:
         """(start, length, crc_bytes, check index) tasks covering the request in pieces of at most
@@ -192,8 +185,6 @@ class ChunkReader:
                 raise ValueError(f"{req.path}: buffer of {len(req.buf)} bytes is smaller than {req.nbytes}")
             out.append([(self._pool.submit(_read_range, req.path, req.buf[s:s + n], req.offset + s, n, mode, c, io,
                                            req.gate), c, i, n) for s, n, c, i in self._segments(req) if n])
-        with self._lock:
-            self._bytes_read += sum(r.nbytes for r in requests)
         return out
 
     def read_many(self, requests: Sequence[ReadRequest]) -> list[list[int]]:

@@ -134,10 +134,6 @@ class Store:
         write_atomic(os.path.join(root, MANIFEST), m.to_json().encode())
         return cls(root, m)
 
-    def refresh(self) -> None:
-        """Move to the latest committed version."""
-        self.manifest = self._load(self.root)
-
     @property
     def version(self) -> int:
         """The committed version this handle reads."""

@@ -98,7 +98,3 @@ def open_array(path: str) -> ts.TensorStore:
     return ts.open({"driver": "zarr3", "kvstore": {"driver": "file", "path": path}, "open": True},
                    read=True, context=context()).result()
 
-
-def read_array(path: str) -> np.ndarray:
-    """Read a whole array with tensorstore."""
-    return open_array(path).read().result()

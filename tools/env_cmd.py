@@ -16,8 +16,7 @@ import platform
 import sys
 
 from tools.common import UsageError, emit_json
-from tools.sizes import parse_size
-from tools.store_cmd import _size
+from tools.sizes import format_size, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -224,24 +223,24 @@ class NvLinks:
 def read_nvlinks(nvml, handles: list) -> NvLinks:
     """Count every GPU's active NVLinks by where they end: another GPU, or an NVSwitch (which
     joins every pair of switch-attached GPUs with the fewer of their switch links)."""
-    from mpress.topology import _bus_key, _remote_is_switch
+    from mpress.topology import pci_bus_key, remote_is_switch
 
     n = len(handles)
     out, to_switch = NvLinks(n), [0] * n
-    index_of = {_bus_key(nvml.nvmlDeviceGetPciInfo(h)): i for i, h in enumerate(handles)}
+    index_of = {pci_bus_key(nvml.nvmlDeviceGetPciInfo(h)): i for i, h in enumerate(handles)}
     for i, h in enumerate(handles):
         for link in range(nvml.NVML_NVLINK_MAX_LINKS):
             try:
                 if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
                     continue
-                remote = _bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link))
+                remote = pci_bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link))
             except nvml.NVMLError:
                 continue  # past the device's last link, or a GPU without NVLink
             out.active[i] += 1
             j = index_of.get(remote)
             if j is not None:
                 out.pairs[i][j] += j != i
-            elif _remote_is_switch(nvml, h, link):
+            elif remote_is_switch(nvml, h, link):
                 to_switch[i] += 1
     for i in range(n):
         for j in range(n):
@@ -284,7 +283,7 @@ def _yes(value: bool | None, reason: str | None, *, untried: str = "not tried") 
 
 
 def _bytes(n: int | None) -> str:
-    return "?" if n is None else _size(n)
+    return "?" if n is None else format_size(n)
 
 
 def format_report(info: dict) -> str:

@@ -28,3 +28,12 @@ def parse_size(text: str, *, flag: str, percent_of: int | None = None) -> int:
     if n < 1:
         raise UsageError(f"{flag}: size must be at least 1 byte, got {text!r}")
     return n
+
+
+def format_size(n: int) -> str:
+    """A byte count for people: 512 B, 1.5 KiB, 3.2 GiB."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
+        n /= 1024
+    return f"{n} B"

@@ -8,6 +8,7 @@ import sys
 
 from storage.dtypes import CAST_CHOICES
 from tools.common import emit_json
+from tools.sizes import format_size
 from tools.progress import byte_bar
 
 
@@ -106,8 +107,8 @@ def cmd_import(args: argparse.Namespace) -> int:
         emit_json(info)
     else:
         print(f"imported {args.hf_dir} -> {store.root}: version {info['version']}, {info['tensors']} tensors, "
-              f"{len(info['experts_per_layer'])} MoE layers, {_size(info['expert_bytes'])} experts, "
-              f"{_size(info['dense_bytes'])} dense")
+              f"{len(info['experts_per_layer'])} MoE layers, {format_size(info['expert_bytes'])} experts, "
+              f"{format_size(info['dense_bytes'])} dense")
         for label, text in _import_notes(info):
             print(f"{label}: {text}")
     return 0
@@ -157,7 +158,7 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"version       {info['version']} ({info['created']})")
     print(f"architecture  {info['architecture']} ({info['model_type']})")
     print(f"layers        {info['layers']}, of which MoE {info['moe_layers']}, experts per layer {per_layer}")
-    print(f"bytes         dense {_size(info['dense_bytes'])}, experts {_size(info['expert_bytes'])}")
+    print(f"bytes         dense {format_size(info['dense_bytes'])}, experts {format_size(info['expert_bytes'])}")
     print(f"dtypes        {', '.join(info['dtypes'])}; kinds {', '.join(info['kinds'])}")
     for label, text in _import_notes(info):
         print(f"{label:13} {text}")
@@ -171,7 +172,7 @@ def _import_notes(info: dict) -> list[tuple[str, str]]:
         notes.append(("dequantized", f"at import from {d['format']} to {d['to']} ({d['tensors']} tensors)"))
     if s := info.get("skipped"):
         notes.append(("skipped", f"{s['reason']} {s['layers']} at import ({s['tensors']} tensors, "
-                                 f"{_size(s['bytes'])})"))
+                                 f"{format_size(s['bytes'])})"))
     return notes
 
 
@@ -203,7 +204,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
         emit_json({"store": store.root, "version": store.version, "removed_files": r.files,
                    "removed_bytes": r.bytes, "versions_dropped": r.versions_dropped})
     else:
-        print(f"{store.root}: removed {r.files} files ({_size(r.bytes)}); kept the newest {args.keep} version(s)")
+        print(f"{store.root}: removed {r.files} files ({format_size(r.bytes)}); kept the newest {args.keep} version(s)")
     return 0
 
 
@@ -221,7 +222,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         emit_json(r.to_json())
     else:
         ts = f", tensorstore {r.tensorstore_gbps:.2f} GB/s (x{r.vs_tensorstore:.2f})" if r.tensorstore_gbps else ""
-        print(f"{'cold' if r.cold else 'warm'} read of {_size(r.bytes)} in {r.files} chunk files: hot path "
+        print(f"{'cold' if r.cold else 'warm'} read of {format_size(r.bytes)} in {r.files} chunk files: hot path "
               f"{r.store_gbps:.2f} GB/s, plain read {r.raw_gbps:.2f} GB/s, ratio {r.ratio:.2f}{ts}")
     return 0
 
@@ -243,10 +244,3 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
             print(f"{name:10} hits {r.hits:>9} misses {r.misses:>9} hit rate {r.hit_rate:.4f}")
     return 0
 
-
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{n} B"
-        n /= 1024
-    return f"{n} B"
