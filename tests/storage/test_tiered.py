@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import threading
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from storage.store import ExpertTensor, Store
 from storage.tiered import TieredExpertStore, TieredStoreConfig
 
 LAYERS, EXPERTS = 3, 6
+TIMEOUT_S = 30  # only ever reached if something is broken
 
 
 @pytest.fixture()
@@ -38,6 +40,31 @@ def _tier(store, experts_in_cache: int, **kw) -> TieredExpertStore:
 
 def _same(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+class HeldReads:
+    """Demand reads of the tier wait inside its reader until `release()`; `entered` is set once
+    the first one is in flight."""
+
+    def __init__(self, tier: TieredExpertStore) -> None:
+        self.entered = threading.Event()
+        self.released = threading.Event()
+        real = tier.reader.read_many
+
+        def held(requests):
+            self.entered.set()
+            if not self.released.wait(TIMEOUT_S):
+                raise TimeoutError("held read never released")
+            return real(requests)
+
+        tier.reader.read_many = held
+
+    def wait_entered(self) -> None:
+        if not self.entered.wait(TIMEOUT_S):
+            raise TimeoutError("no read entered the reader")
+
+    def release(self) -> None:
+        self.released.set()
 
 
 @pytest.mark.parametrize("policy", ["lfu-aging", "lfu", "lru"])
@@ -89,14 +116,21 @@ def test_prefetch_reads_each_expert_once(store):
 
 
 def test_cancelled_prefetch_is_loaded_on_demand(store):
+    """One worker, held inside the first read: the other five reads are still queued, so exactly
+    those five are cancelled; the running one finishes and is used."""
     with _tier(store, 12, prefetch_workers=1) as tier:
+        reads = HeldReads(tier)
         tier.prefetch([(0, e) for e in range(EXPERTS)], priority=5.0)
-        cancelled = tier.cancel_prefetch([(0, e, "weight") for e in range(EXPERTS)])
+        reads.wait_entered()  # (0, 0): equal priorities run in submission order
+        assert tier.cancel_prefetch([(0, e, "weight") for e in range(EXPERTS)]) == EXPERTS - 1
+        assert tier.cached(0, 0) and not any(tier.cached(0, e) for e in range(1, EXPERTS))
+        reads.release()
         for e in range(EXPERTS):
             with tier.get(0, e) as h:
                 assert _same(h.tensors, store.read_expert(0, e))
-        assert tier.stats().ssd_reads == EXPERTS
-        assert 0 <= cancelled <= EXPERTS and tier.stats().prefetch_issued == EXPERTS
+        s = tier.stats()
+        assert s.ssd_reads == EXPERTS and s.prefetch_issued == EXPERTS
+        assert s.misses == EXPERTS - 1 and s.hits + s.inflight_hits == 1
 
 
 def test_corrupt_chunk_raises_naming_the_tensor_and_leaves_no_entry(store):
@@ -219,7 +253,6 @@ def test_cancelling_a_guess_mid_read_counts_the_bytes_it_read(store):
         s = tier.stats()
         assert s.guesses_cancelled == 1 and s.guess_wasted_bytes == 3 * 4096 == s.ssd_bytes
         assert not tier.cached(0, 5)
-
 
 
 def test_close_gives_the_host_pool_back(store):
