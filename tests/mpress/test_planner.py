@@ -1,8 +1,7 @@
-"""The MPress planner on pipelines whose best plan is known, and at the size it must stay fast for."""
+"""The MPress planner on pipelines whose best plan is known, and at the size it must stay fast for
+(its speed there is measured by bench/bench_mpress.py; here, the simulations it costs are counted)."""
 
 from __future__ import annotations
-
-import time
 
 import pytest
 
@@ -94,17 +93,22 @@ def dgx1_like() -> Topology:
     return make_topology(8, links, host_bw=12 * GB, memory=80 * GB, pcie_peer_bw=10 * GB)
 
 
+# Planning costs the step simulations it runs (about 0.1 s each at 32 micro-batches, see
+# bench/bench_mpress.py); this many keep it within its second at this scale. It runs 8 today.
+MAX_SIMULATIONS = 10
+
+
 @pytest.mark.parametrize("micro_batches", [8, 32])
-def test_eight_stages_of_sixty_four_layers_plan_within_a_second(micro_batches):
+def test_eight_stages_of_sixty_four_layers_plan_in_a_few_simulations(micro_batches, monkeypatch):
+    import mpress.planner
+
     p, topo = analytic_like(micro_batches=micro_batches), dgx1_like()
     base = simulate(p, Plan(), topo)
     assert base.overflow()  # keeping all does not fit
-    t0 = time.perf_counter()
+    runs = []
+    monkeypatch.setattr(mpress.planner, "simulate", lambda *a, **kw: runs.append(1) or simulate(*a, **kw))
     result = plan(p, topo)
-    elapsed = time.perf_counter() - t0
-    print(f"8 stages x 64 layers, {micro_batches} micro-batches: planned in {elapsed:.3f} s, "
-          f"{result.reason}; step {result.sim.step_time_s:.3f} s (keep-all {base.step_time_s:.3f} s)")
-    assert elapsed < 1.0
+    assert 1 < len(runs) <= MAX_SIMULATIONS
     assert result.fits
     # the plan fits when simulated afresh, not only in the planner's own record
     again = simulate(p, result.plan, topo)

@@ -1,9 +1,14 @@
-"""SSD -> CPU tier: cached reads equal plain reads, pins hold, prefetch avoids duplicate reads."""
+"""SSD -> CPU tier: cached reads equal plain reads, pins hold, prefetch avoids duplicate reads.
+
+Concurrency is arranged with events, never with sleeps: a demand read is held inside the reader
+until the test lets it go, so "still waiting" and "did not wait" are facts, not timings.
+"""
 
 from __future__ import annotations
 
 import random
 import threading
+from concurrent.futures import CancelledError
 
 import pytest
 import torch
@@ -44,7 +49,7 @@ def _same(a: dict, b: dict) -> bool:
 
 class HeldReads:
     """Demand reads of the tier wait inside its reader until `release()`; `entered` is set once
-    the first one is in flight."""
+    the first one is in flight. Guesses use a reader of their own and are not held."""
 
     def __init__(self, tier: TieredExpertStore) -> None:
         self.entered = threading.Event()
@@ -65,6 +70,24 @@ class HeldReads:
 
     def release(self) -> None:
         self.released.set()
+
+
+def _gate_entered(tier: TieredExpertStore) -> threading.Event:
+    """An event set when a guess first asks the disk gate whether it may read."""
+    event = threading.Event()
+    real_gate = tier._gate
+
+    def gate(spec):
+        event.set()
+        return real_gate(spec)
+
+    tier._gate = gate
+    return event
+
+
+def _wait(event: threading.Event) -> None:
+    if not event.wait(TIMEOUT_S):
+        raise TimeoutError("event never set")
 
 
 @pytest.mark.parametrize("policy", ["lfu-aging", "lfu", "lru"])
@@ -157,30 +180,13 @@ def test_budget_smaller_than_one_expert_is_refused(store):
         TieredExpertStore(store, TieredStoreConfig(cpu_cache_bytes=100))
 
 
-def _slow_demand(tier, seconds: float):
-    """Make demand reads (not guesses) take `seconds` longer, so a guess can be seen waiting."""
-    import time
-
-    real = tier.reader.read_many
-
-    def slow(requests):
-        time.sleep(seconds)
-        return real(requests)
-
-    tier.reader.read_many = slow
-
-
 def test_a_guess_waits_for_needed_reads_and_a_wrong_one_is_abandoned(store):
-    import threading
-    import time
-    from concurrent.futures import CancelledError
-
     chunk = store.manifest.chunk(0, 0).bytes
     with _tier(store, 6, io_threads=1) as tier:
-        _slow_demand(tier, 0.5)
+        reads, asked = HeldReads(tier), _gate_entered(tier)
         demand = threading.Thread(target=lambda: tier.get(0, 0).release())
         demand.start()
-        time.sleep(0.1)  # the demand read is in flight: guesses must not touch the disk
+        reads.wait_entered()  # the demand read is in flight (and held): guesses must not touch the disk
         outcome = {}
 
         def guess():
@@ -192,12 +198,13 @@ def test_a_guess_waits_for_needed_reads_and_a_wrong_one_is_abandoned(store):
 
         g = threading.Thread(target=guess)
         g.start()
-        time.sleep(0.2)
-        assert tier.stats().guess_wasted_bytes == 0 and g.is_alive()  # still waiting for the disk
+        _wait(asked)  # the guess asked to read; the gate holds it while the demand read is in flight
+        assert tier.stats().ssd_bytes == 0 and g.is_alive()
         assert tier.cancel_guesses([ExpertKey(1, 1)]) == 1
-        g.join(5)
-        demand.join(5)
-        assert outcome == {"cancelled": True}
+        g.join(TIMEOUT_S)
+        assert not g.is_alive() and outcome == {"cancelled": True}  # gave up with the demand read still held
+        reads.release()
+        demand.join(TIMEOUT_S)
         s = tier.stats()
         assert s.guesses_cancelled == 1 and s.guess_wasted_bytes == 0  # gave up before reading a byte
         assert s.ssd_bytes == chunk and not tier.cached(1, 1)
@@ -206,33 +213,33 @@ def test_a_guess_waits_for_needed_reads_and_a_wrong_one_is_abandoned(store):
 
 
 def test_a_guess_that_is_needed_is_hurried_and_used(store):
-    import threading
-    import time
-
     with _tier(store, 6, io_threads=1) as tier:
-        _slow_demand(tier, 1.0)
+        reads, asked = HeldReads(tier), _gate_entered(tier)
         demand = threading.Thread(target=lambda: tier.get(0, 0).release())
         demand.start()
-        time.sleep(0.1)
+        reads.wait_entered()
         got = {}
         g = threading.Thread(target=lambda: got.setdefault("h", tier.get(2, 3, speculative=True)))
         g.start()
-        time.sleep(0.1)
-        assert g.is_alive()  # paused behind the demand read
-        t0 = time.perf_counter()
-        with tier.get(2, 3) as h:  # now needed: it reads at once instead of after the slow demand read
+        _wait(asked)
+        assert g.is_alive()  # paused behind the held demand read
+        needed = threading.Thread(target=lambda: got.setdefault("needed", tier.get(2, 3)))
+        needed.start()
+        needed.join(TIMEOUT_S)
+        # now needed, the guess read at once: the demand read it used to wait for is still held
+        assert not needed.is_alive() and not reads.released.is_set()
+        g.join(TIMEOUT_S)
+        assert not g.is_alive()
+        for h in (got["needed"], got["h"]):
             assert _same(h.tensors, store.read_expert(2, 3))
-        assert time.perf_counter() - t0 < 0.6
-        g.join(5)
-        got["h"].release()
-        demand.join(5)
+            h.release()
+        reads.release()
+        demand.join(TIMEOUT_S)
         s = tier.stats()
         assert s.guesses_cancelled == 0 and s.ssd_reads == 2
 
 
 def test_cancelling_a_guess_mid_read_counts_the_bytes_it_read(store):
-    from concurrent.futures import CancelledError
-
     from storage.fileio import ChunkReaderConfig
 
     with _tier(store, 6, io_threads=1) as tier:
