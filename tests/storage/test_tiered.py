@@ -1,7 +1,10 @@
-"""SSD -> CPU tier: cached reads equal plain reads, pins hold, prefetch avoids duplicate reads.
+"""SSD -> CPU tier: cached reads equal what was written, pins hold, prefetch avoids duplicate reads.
 
-Concurrency is arranged with events, never with sleeps: a demand read is held inside the reader
-until the test lets it go, so "still waiting" and "did not wait" are facts, not timings.
+Reads are checked against the tensors the fixture wrote (regenerated from their seed), and a tier's
+raw bytes against a plain `open()` + `read()` of the chunk file: neither reference shares the
+store's read path. Concurrency is arranged with events, never with sleeps: a demand read is held
+inside the reader until the test lets it go, so "still waiting" and "did not wait" are facts, not
+timings.
 """
 
 from __future__ import annotations
@@ -22,17 +25,21 @@ LAYERS, EXPERTS = 3, 6
 TIMEOUT_S = 30  # only ever reached if something is broken
 
 
+def written(layer: int, e: int) -> dict[str, torch.Tensor]:
+    """The tensors the fixture stores for one expert (seeded per expert, so tests can rebuild them)."""
+    gen = torch.Generator().manual_seed(1000 * layer + e)
+    return {f"l{layer}.e{e}.w1": torch.randn(64, 48, generator=gen),
+            f"l{layer}.e{e}.w2": torch.randn(48, 64, generator=gen).bfloat16()}
+
+
 @pytest.fixture()
 def store(tmp_path):
-    gen = torch.Generator().manual_seed(0)
     s = Store.create(str(tmp_path / "s"))
     with s.writer() as w:
         for layer in range(LAYERS):
             for e in range(EXPERTS):
-                w.put_expert(layer, e, [
-                    ExpertTensor(name=f"l{layer}.e{e}.w1", tensor=torch.randn(64, 48, generator=gen)),
-                    ExpertTensor(name=f"l{layer}.e{e}.w2", tensor=torch.randn(48, 64, generator=gen).bfloat16()),
-                ], num_experts=EXPERTS)
+                w.put_expert(layer, e, [ExpertTensor(name=n, tensor=t) for n, t in written(layer, e).items()],
+                             num_experts=EXPERTS)
         w.commit()
     return s
 
@@ -44,7 +51,13 @@ def _tier(store, experts_in_cache: int, **kw) -> TieredExpertStore:
 
 
 def _same(a: dict, b: dict) -> bool:
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]) for k in a)
+
+
+def _file_bytes(store, layer: int, e: int) -> bytes:
+    """The chunk file read with plain Python I/O, not the store's reader."""
+    with open(store.path(store.manifest.chunk(layer, e).file), "rb") as f:
+        return f.read()
 
 
 class HeldReads:
@@ -91,14 +104,14 @@ def _wait(event: threading.Event) -> None:
 
 
 @pytest.mark.parametrize("policy", ["lfu-aging", "lfu", "lru"])
-def test_cached_reads_equal_plain_reads_under_eviction(store, policy):
+def test_cached_reads_equal_written_tensors_under_eviction(store, policy):
     rng = random.Random(1)
     chunk = store.manifest.chunk(0, 0).bytes
     with _tier(store, 5, policy=policy) as tier:
         for _ in range(200):
             layer, e = rng.randrange(LAYERS), min(rng.randrange(EXPERTS), rng.randrange(EXPERTS))
             with tier.get(layer, e) as h:
-                assert _same(h.tensors, store.read_expert(layer, e))
+                assert _same(h.tensors, written(layer, e))
             assert tier.cache.used_bytes <= 5 * chunk
         s = tier.stats()
         assert s.hits + s.misses + s.inflight_hits == 200
@@ -106,17 +119,23 @@ def test_cached_reads_equal_plain_reads_under_eviction(store, policy):
         assert s.ssd_bytes == s.ssd_reads * chunk
 
 
+def test_raw_bytes_equal_a_plain_read_of_the_chunk_file(store):
+    with _tier(store, 4) as tier:
+        for layer, e in [(0, 0), (2, 5), (1, 3)]:
+            with tier.get(layer, e) as h:
+                assert h.raw.numpy().tobytes() == _file_bytes(store, layer, e)
+
+
 def test_pinned_experts_are_never_evicted_or_overwritten(store):
     with _tier(store, 3) as tier:
         held = [tier.get(0, 0), tier.get(0, 1)]
-        snapshot = [{k: v.clone() for k, v in h.tensors.items()} for h in held]
         for layer in range(LAYERS):
             for e in range(2, EXPERTS):
                 with tier.get(layer, e):
                     pass
         assert tier.cached(0, 0) and tier.cached(0, 1)
-        for h, snap in zip(held, snapshot):
-            assert _same(h.tensors, snap)  # the buffers were not reused for other experts
+        for h, e in zip(held, (0, 1)):
+            assert _same(h.tensors, written(0, e))  # the buffers were not reused for other experts
             h.release()
         # with everything pinned, a prefetch is dropped rather than waited for
         pins = [tier.get(1, 0), tier.get(1, 1), tier.get(1, 2)]
@@ -132,7 +151,7 @@ def test_prefetch_reads_each_expert_once(store):
         assert tier.prefetch(wanted) == []  # already cached or in flight
         for layer, e in wanted:
             with tier.get(layer, e) as h:
-                assert _same(h.tensors, store.read_expert(layer, e))
+                assert _same(h.tensors, written(layer, e))
         s = tier.stats()
         assert s.ssd_reads == EXPERTS and s.misses == 0 and s.prefetch_issued == EXPERTS
         assert s.hits + s.inflight_hits == EXPERTS
@@ -150,7 +169,7 @@ def test_cancelled_prefetch_is_loaded_on_demand(store):
         reads.release()
         for e in range(EXPERTS):
             with tier.get(0, e) as h:
-                assert _same(h.tensors, store.read_expert(0, e))
+                assert _same(h.tensors, written(0, e))
         s = tier.stats()
         assert s.ssd_reads == EXPERTS and s.prefetch_issued == EXPERTS
         assert s.misses == EXPERTS - 1 and s.hits + s.inflight_hits == 1
@@ -171,7 +190,7 @@ def test_corrupt_chunk_raises_naming_the_tensor_and_leaves_no_entry(store):
         with pytest.raises(CorruptTensorError):
             tier.get(2, 3)
         with tier.get(2, 2) as h:
-            assert _same(h.tensors, store.read_expert(2, 2))
+            assert _same(h.tensors, written(2, 2))
         assert tier.cache.used_bytes <= tier.cache.capacity_bytes
 
 
@@ -209,7 +228,7 @@ def test_a_guess_waits_for_needed_reads_and_a_wrong_one_is_abandoned(store):
         assert s.guesses_cancelled == 1 and s.guess_wasted_bytes == 0  # gave up before reading a byte
         assert s.ssd_bytes == chunk and not tier.cached(1, 1)
         with tier.get(1, 1) as h:  # the abandoned guess left nothing half-read behind
-            assert _same(h.tensors, store.read_expert(1, 1))
+            assert _same(h.tensors, written(1, 1))
 
 
 def test_a_guess_that_is_needed_is_hurried_and_used(store):
@@ -231,7 +250,7 @@ def test_a_guess_that_is_needed_is_hurried_and_used(store):
         g.join(TIMEOUT_S)
         assert not g.is_alive()
         for h in (got["needed"], got["h"]):
-            assert _same(h.tensors, store.read_expert(2, 3))
+            assert _same(h.tensors, written(2, 3))
             h.release()
         reads.release()
         demand.join(TIMEOUT_S)
