@@ -1,14 +1,11 @@
-"""PrefetchQueue: priority order, FIFO ties, dedup, cancel, failures, close, and overlap."""
+"""PrefetchQueue: priority order, FIFO ties, dedup, cancel, failures, close, concurrency. (Reads
+overlapping the caller's compute are tested through the tier that uses the queue, in test_tiered.)"""
 
-import os
 import threading
-import time
 from concurrent.futures import CancelledError, Future
 
 import pytest
-import torch
 
-from storage.pool import HostBufferPool, HostBufferPoolConfig
 from storage.prefetch import (
     PrefetchQueue,
     PrefetchQueueConfig,
@@ -239,73 +236,3 @@ def test_workers_run_jobs_concurrently():
         # Each job waits for all the others: only possible if they all run at once.
         futures = [queue.submit(i, barrier.wait, priority=0) for i in range(workers)]
         assert sorted(f.result(TIMEOUT_S) for f in futures) == list(range(workers))
-
-
-# Overlap of reads with compute: a layer loop that reads layer i+1's chunk file while it
-# "computes" layer i, checked by the order of recorded events against a sequential run.
-
-N_LAYERS = 6
-LAYER_BYTES = 64 * 1024 + 100
-COMPUTE_S = 0.05
-
-
-def write_layers(tmp_path) -> list[tuple[str, bytes]]:
-    layers = []
-    for i in range(N_LAYERS):
-        data = torch.full((LAYER_BYTES,), i + 1, dtype=torch.uint8).numpy().tobytes()
-        path = tmp_path / f"layer{i}.bin"
-        path.write_bytes(data)
-        layers.append((str(path), data))
-    return layers
-
-
-def run_layers(layers, queue: PrefetchQueue, pool: HostBufferPool, *, overlap: bool):
-    """Returns per layer the read interval and the compute interval (perf_counter seconds)."""
-    reads: dict[int, tuple[float, float]] = {}
-    computes: dict[int, tuple[float, float]] = {}
-
-    def read(i: int):
-        start = time.perf_counter()
-        buf = pool.acquire(LAYER_BYTES, timeout=TIMEOUT_S)
-        fd = os.open(layers[i][0], os.O_RDONLY)
-        try:
-            n = os.preadv(fd, [buf.memoryview()], 0)
-        finally:
-            os.close(fd)
-        reads[i] = (start, time.perf_counter())
-        if n != LAYER_BYTES:
-            raise OSError(f"short read of {layers[i][0]}: {n} of {LAYER_BYTES} bytes")
-        return buf
-
-    def submit(i: int):
-        return queue.submit(("layer", i), lambda: read(i), priority=i)
-
-    futures = {0: submit(0)}
-    for i in range(N_LAYERS):
-        has_next = i + 1 < N_LAYERS
-        if overlap and has_next:
-            futures[i + 1] = submit(i + 1)  # before compute of layer i starts
-        buf = futures.pop(i).result(TIMEOUT_S)
-        start = time.perf_counter()
-        time.sleep(COMPUTE_S)  # compute of layer i
-        computes[i] = (start, time.perf_counter())
-        assert buf.payload.numpy().tobytes() == layers[i][1]
-        buf.release()
-        if not overlap and has_next:
-            futures[i + 1] = submit(i + 1)
-    return reads, computes
-
-
-def test_reads_overlap_compute(tmp_path):
-    layers = write_layers(tmp_path)
-    pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=4 * 2**20, pin=False))
-    with PrefetchQueue(PrefetchQueueConfig(workers=2)) as queue:
-        reads, computes = run_layers(layers, queue, pool, overlap=True)
-        seq_reads, seq_computes = run_layers(layers, queue, pool, overlap=False)
-    for i in range(N_LAYERS - 1):
-        # Pipelined: layer i+1 is being read while layer i computes.
-        assert reads[i + 1][0] < computes[i][1], f"read of layer {i + 1} did not overlap"
-        # Reference: the read of layer i+1 only starts once layer i is done.
-        assert seq_reads[i + 1][0] >= seq_computes[i][1]
-    assert pool.in_use_bytes == 0
-    assert queue.stats.completed == 2 * N_LAYERS

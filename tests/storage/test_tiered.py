@@ -157,6 +157,39 @@ def test_prefetch_reads_each_expert_once(store):
         assert s.hits + s.inflight_hits == EXPERTS
 
 
+def test_prefetched_reads_overlap_the_callers_compute(store):
+    """A layer loop as the engines run one: prefetch layer i + 1, then compute layer i. The read of
+    layer i + 1 (inside the reader the tier calls) and the compute of layer i meet at a barrier that
+    only two things running at once can pass: a tier reading in the caller's thread, or only when
+    asked by `get`, breaks it. Layer 0, never prefetched, is read on demand in the caller's thread."""
+    meet = threading.Barrier(2, timeout=TIMEOUT_S)
+    layer_of = {store.path(store.manifest.chunk(layer, 0).file): layer for layer in range(LAYERS)}
+    reads = []
+    caller = threading.get_ident()
+    with _tier(store, LAYERS) as tier:
+        real = tier.reader.read_many
+
+        def read_many(requests):
+            (request,) = requests  # the tier reads one chunk per call
+            layer = layer_of[request.path]
+            reads.append((layer, threading.get_ident() == caller))
+            if layer > 0:
+                meet.wait()  # the caller is computing layer - 1 at this moment
+            return real(requests)
+
+        tier.reader.read_many = read_many
+        for layer in range(LAYERS):
+            if layer + 1 < LAYERS:
+                assert tier.prefetch([(layer + 1, 0)]) == [(layer + 1, 0, "weight")]
+            with tier.get(layer, 0) as h:
+                if layer + 1 < LAYERS:
+                    meet.wait()  # compute of this layer, while the next one is read
+                assert _same(h.tensors, written(layer, 0))
+        assert sorted(reads) == [(0, True)] + [(layer, False) for layer in range(1, LAYERS)]
+        s = tier.stats()
+        assert s.ssd_reads == LAYERS and s.misses == 1 and s.prefetch_issued == LAYERS - 1
+
+
 def test_cancelled_prefetch_is_loaded_on_demand(store):
     """One worker, held inside the first read: the other five reads are still queued, so exactly
     those five are cancelled; the running one finishes and is used."""

@@ -79,12 +79,18 @@ def test_gc_after_import_removes_nothing_needed(store):
     assert json.loads(semoe("store", "verify", str(store), "--json").stdout)["ok"] is True
 
 
-def test_bench_reports_side_by_side_ratio(store):
+def test_bench_reads_every_expert_file_once_per_reader(store):
+    """The throughputs are timings (bench/bench_store.py's business); what can be checked is that
+    the bench read exactly the expert chunk files on disk: their count and their sizes."""
+    listing = json.loads(semoe("store", "ls", str(store), "--json").stdout)["tensors"]
+    files = {t["file"] for t in listing if t["group"] == "expert"}
+    on_disk = sum(os.path.getsize(store / f) for f in files)
     for extra in ([], ["--cold"]):
         out = json.loads(semoe("store", "bench", str(store), "--json", "--repeats", "1", *extra).stdout)
+        assert out["files"] == len(files) == 8 and out["bytes"] == on_disk
         assert out["store_gbps"] > 0 and out["raw_gbps"] > 0 and out["tensorstore_gbps"] > 0
-        assert out["ratio"] == pytest.approx(out["store_gbps"] / out["raw_gbps"], rel=0.01)
-        assert out["cold"] is bool(extra) and out["files"] == 8 and out["verified"] is True
+        assert out["cold"] is bool(extra) and out["mode"] == ("direct" if extra else "cached")
+        assert out["verified"] is True and out["repeats"] == 1
 
 
 def test_cache_sim(tmp_path):
