@@ -6,7 +6,7 @@ profile's, a budget holds, swap space is sized from the plan and given back only
 ran, and D2D stripes really live in a peer's memory: in this process (InProcessPeers) and across 2
 gloo ranks (SharedMemoryPeers in /dev/shm).
 
-Legend: T tokens per micro-batch, D model width, H hidden width.
+The model is helpers.mlp_blocks' (legend: T tokens per micro-batch, D model width, H hidden width).
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.dist import run_ranks
+from helpers.mlp_blocks import D, H, LAYERS, T, cuda_step, make_input, make_layers
 from torch import nn
 
 from mpress.executor import (
@@ -46,32 +47,7 @@ from mpress.profiler import is_parameter, param_storages, profile_layers
 from storage.pool import HostBufferPool, HostBufferPoolConfig, round_up
 from storage.streams import FakeCudaCopyStream, ThreadCopyStream, copy_stream_factory
 
-T, D, H = 32, 64, 128
-LAYERS = 4
 PEER_BYTES = 1 << 22
-
-
-class Block(nn.Module):
-    """A pre-norm MLP block with a residual: saves 8 KiB inputs and 16 KiB hidden activations."""
-
-    def __init__(self, dropout: float = 0.0) -> None:
-        super().__init__()
-        self.norm = nn.LayerNorm(D)
-        self.up = nn.Linear(D, H)
-        self.down = nn.Linear(H, D)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        return x_TD + self.drop(self.down(torch.nn.functional.gelu(self.up(self.norm(x_TD)))))
-
-
-def make_layers(dropout: float = 0.0) -> list[nn.Module]:
-    torch.manual_seed(0)
-    return [Block(dropout) for _ in range(LAYERS)]
-
-
-def make_input(micro_batch: int = 0) -> torch.Tensor:
-    return torch.randn(T, D, generator=torch.Generator().manual_seed(10 + micro_batch))
 
 
 def forward(layers, x_TD: torch.Tensor) -> torch.Tensor:
@@ -649,23 +625,6 @@ def test_d2d_across_two_gloo_ranks_through_shared_memory():
 
 
 # -- on a GPU: pinned host pool, the CUDA copy stream, its events ------------------------------------
-
-
-def cuda_step(layers, params, micro_batches: int = 2):
-    """`step` on the GPU the layers are on."""
-    for p in params:
-        p.grad = None
-    device = params[0].device
-    torch.manual_seed(1234)
-    losses = []
-    for m in range(micro_batches):
-        x_TD = make_input(m).to(device)
-        for layer in layers:
-            x_TD = layer(x_TD)
-        losses.append(x_TD.square().mean())
-    for loss in losses:
-        loss.backward()
-    return [loss.detach() for loss in losses], [p.grad.clone() for p in params]
 
 
 @pytest.mark.cuda

@@ -214,7 +214,7 @@ def cuda_ipc_worker(rank: int) -> None:
     if rank == 0:  # the executor stripes layer 1's activations into GPU 1 and reads them back
         from mpress.executor import Executor
         from mpress.profile import Decision, Plan, Stripe
-        from tests.mpress.test_executor import cuda_step, make_layers
+        from helpers.mlp_blocks import cuda_step, make_layers
 
         layers = [layer.cuda() for layer in make_layers()]
         params = [p for layer in layers for p in layer.parameters()]

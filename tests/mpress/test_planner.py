@@ -4,12 +4,12 @@
 from __future__ import annotations
 
 import pytest
+from helpers.pipelines import GB, make_profile, make_topology
 
 from mpress.planner import idle_times, plan
 from mpress.profile import Plan
 from mpress.simulator import simulate
 from mpress.topology import Topology
-from tests.mpress.test_simulator import GB, make_profile, make_topology
 
 FILL = [(2.0, 4.0, 0)]  # a stage with no saved activations: F = 2, B = 4 per micro-batch
 

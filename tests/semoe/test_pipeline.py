@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.training import ROOT, SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -26,7 +27,6 @@ from semoe.train import Trainer, init_dense
 from semoe.train_config import TrainConfig
 from storage.errors import BadInputError
 from storage.store import Store
-from tests.semoe.test_train import SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors, text_file  # noqa: F401
 
 SHAPE4 = {**SHAPE, "num_layers": 4}
 FLAGS4 = [*SHAPE_FLAGS, "--layers", "4"]  # the last --layers wins
@@ -242,8 +242,6 @@ def test_sigkill_then_resume_a_pipeline_run_is_bit_exact(tmp_path, text_file, st
     import subprocess
     import sys
     import time
-
-    from tests.semoe.test_train import ROOT
 
     common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "12",
               "--checkpoint-every", "2", "--lr", "3e-3", "-q", "--pipeline", "2", "--schedule", "gpipe",

@@ -8,10 +8,10 @@ import os
 
 import pytest
 from helpers.dist import run_ranks
+from helpers.training import SHAPE, SHAPE_FLAGS, cli, log_losses
 
 from mpress.profile import Decision, Plan, Stripe
 from semoe.config import named_config
-from tests.semoe.test_train import SHAPE, SHAPE_FLAGS, cli, log_losses, text_file  # noqa: F401
 
 SHAPE4 = {**SHAPE, "num_layers": 4}
 FLAGS4 = [*SHAPE_FLAGS[:SHAPE_FLAGS.index("--layers")], "--layers", "4",

@@ -8,6 +8,7 @@ import os
 
 import pytest
 import torch
+from helpers.training import store_tensors, tiny_config
 
 import semoe.train
 from semoe.expert_states import AdamWConfig, adamw_, init_expert
@@ -18,7 +19,6 @@ from storage.store import Store, chunk_meta
 from storage.streams import (COMPLETE, CopyHandle, CopyStream, FakeCudaCopyStream, StreamEvent, ThreadCopyStream,
                              copy_stream_factory)
 from storage.syncs import HostSyncCounter
-from tests.semoe.test_train import store_tensors, text_file, tiny_config  # noqa: F401
 
 CONFIG = tiny_config()
 FMT = ChunkFormat(CONFIG)

@@ -4,7 +4,6 @@ PyTorch loop; two ranks match one; a run killed with SIGKILL and resumed ends bi
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -15,55 +14,13 @@ import torch
 import torch.nn.functional as F
 
 from helpers.expert_states import RecordingStates
+from helpers.training import ROOT, SHAPE_FLAGS, cli, log_losses, optimizer_state, store_tensors, tiny_config
 
-from semoe.config import named_config
 from semoe.expert_states import AdamWConfig, _ExpertFFN, adamw_, init_expert
 from semoe.model import MoEGPT, ResidentExperts, swiglu
 from semoe.train import Trainer, init_dense
 from semoe.train_config import TrainConfig
 from storage.store import Store
-
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-SHAPE = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_size=128, moe_ffn_size=96,
-             num_experts=4, max_position=256)
-SHAPE_FLAGS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
-               "--expert-ffn", "96", "--experts", "4"]
-
-
-def tiny_config(**kw):
-    return named_config("gpt-moe-small", **{**SHAPE, **kw})
-
-
-@pytest.fixture(scope="module")
-def text_file(tmp_path_factory) -> str:
-    """A small varied text corpus (some of the standard library's source)."""
-    import argparse as a
-    import dataclasses as d
-    import json as j
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    with open(path, "w", encoding="utf-8") as out:
-        for mod in (a, d, j.decoder, j.encoder):
-            with open(mod.__file__, encoding="utf-8") as f:
-                out.write(f.read())
-    return str(path)
-
-
-def store_tensors(path: str) -> dict[tuple, torch.Tensor]:
-    """Every tensor of a store's committed version, dense and expert, by (name, kind)."""
-    store = Store.open(path)
-    out = {}
-    for t in store.manifest.dense():
-        out[(t.name, "weight")] = store.read_tensor(t.name)
-    for c in store.manifest.chunks:
-        for name, t in store.read_expert(c.layer, c.expert, c.kind).items():
-            out[(name, c.kind)] = t
-    return out
-
-
-def optimizer_state(path: str) -> dict:
-    import io
-    store = Store.open(path)
-    return torch.load(io.BytesIO(store.read_file("optimizer.pt")), weights_only=False)["dense_optimizer"]
 
 
 # -- pieces -------------------------------------------------------------------------------------
@@ -168,19 +125,6 @@ def test_matches_a_plain_pytorch_loop(tmp_path, text_file):
 
 
 # -- the command line: two ranks, SIGKILL and resume, generation ---------------------------------
-
-
-def cli(*args, check=True, **kw) -> subprocess.CompletedProcess:
-    p = subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=ROOT, capture_output=True, text=True,
-                       timeout=600, **kw)
-    if check:
-        assert p.returncode == 0, p.stderr[-3000:]
-    return p
-
-
-def log_losses(path: str) -> list[float]:
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line)["loss"] for line in f]
 
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow

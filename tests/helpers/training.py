@@ -1,0 +1,59 @@
+"""Shared by the trainer's tests: the tiny model shape, its CLI flags, running `semoe`, and reading
+back what a run wrote (logged losses, every tensor of its store)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import sys
+
+import torch
+
+from semoe.config import named_config
+from storage.store import Store
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+SHAPE = dict(num_layers=2, hidden_size=64, num_heads=4, num_kv_heads=2, ffn_size=128, moe_ffn_size=96,
+             num_experts=4, max_position=256)
+SHAPE_FLAGS = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128",
+               "--expert-ffn", "96", "--experts", "4"]
+
+
+def tiny_config(**kw):
+    """The small MoE GPT of SHAPE, with `kw` overriding any field."""
+    return named_config("gpt-moe-small", **{**SHAPE, **kw})
+
+
+def store_tensors(path: str) -> dict[tuple, torch.Tensor]:
+    """Every tensor of a store's committed version, dense and expert, by (name, kind)."""
+    store = Store.open(path)
+    out = {}
+    for t in store.manifest.dense():
+        out[(t.name, "weight")] = store.read_tensor(t.name)
+    for c in store.manifest.chunks:
+        for name, t in store.read_expert(c.layer, c.expert, c.kind).items():
+            out[(name, c.kind)] = t
+    return out
+
+
+def optimizer_state(path: str) -> dict:
+    """The dense optimizer's state a trainer saved in its store."""
+    store = Store.open(path)
+    return torch.load(io.BytesIO(store.read_file("optimizer.pt")), weights_only=False)["dense_optimizer"]
+
+
+def cli(*args, check=True, **kw) -> subprocess.CompletedProcess:
+    """`semoe ARGS` in a subprocess from the repository root; with `check`, exit 0 is asserted."""
+    p = subprocess.run([sys.executable, "-m", "tools.cli", *args], cwd=ROOT, capture_output=True, text=True,
+                       timeout=600, **kw)
+    if check:
+        assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
+def log_losses(path: str) -> list[float]:
+    """The per-step losses of a `--log-json` file."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line)["loss"] for line in f]
