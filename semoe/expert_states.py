@@ -33,13 +33,19 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
+from semoe.checkpoint import hf_expert_names
 from semoe.config import MoEConfig
 from semoe.experts import ExpertMLP, ExpertWeights, SwiGLU, expert_mlp
+from storage.errors import StorageError
+from storage.manifest import ChunkEntry, TensorEntry
+from storage.store import ExpertTensor, Store, chunk_layout, expert_array_rel, write_expert_chunk
 
 Key = tuple[int, int]  # (layer, global expert id)
+STATE_KINDS = ("weight", "adam_m", "adam_v")  # an expert's chunks in a checkpoint
 
 
 @dataclass(kw_only=True)
@@ -87,6 +93,43 @@ def init_expert(config: MoEConfig, seed: int, layer: int, expert: int) -> tuple[
                  for shape in expert_mlp(config).shapes(config))
 
 
+class ChunkFormat:
+    """How one expert's float32 tensors (its MLP variant's, in order) are packed in a chunk file."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        self.config = config
+        self.mlp = expert_mlp(config)
+        self.shapes = list(self.mlp.shapes(config))
+        self.offsets, self.nbytes = chunk_layout([(torch.float32, s) for s in self.shapes])
+
+    def names(self, layer: int, expert: int) -> tuple[str, ...]:
+        return hf_expert_names(self.config, layer, expert)
+
+    def views(self, raw: torch.Tensor) -> list[torch.Tensor]:
+        """Typed views of the tensors in a chunk's bytes (uint8, at least `nbytes`)."""
+        out = []
+        for off, shape in zip(self.offsets, self.shapes):
+            n = 4 * math.prod(shape)
+            out.append(raw[off:off + n].view(torch.float32).view(shape))
+        return out
+
+    def pack(self, tensors: list[torch.Tensor]) -> np.ndarray:
+        buf = np.zeros(self.nbytes, dtype=np.uint8)
+        for view, t in zip(self.views(torch.from_numpy(buf)), tensors):
+            view.copy_(t)
+        return buf
+
+    def meta(self, layer: int, expert: int) -> list[ExpertTensor]:
+        return [ExpertTensor(name=n, tensor=torch.empty(s, device="meta"), stacked=self.mlp.stacked) for n, s in
+                zip(self.names(layer, expert), self.shapes)]
+
+    def write(self, root: str, version: int, layer: int, expert: int, kind: str, buf: np.ndarray
+              ) -> tuple[list[TensorEntry], ChunkEntry]:
+        """Write one chunk file into a staged version; returns its manifest entries."""
+        return write_expert_chunk(root, expert_array_rel(version, layer, kind), version, layer, expert, kind,
+                                  self.meta(layer, expert), buf, self.offsets)
+
+
 class ExpertStates(ABC):
     """The states of the experts this rank owns: `experts` (global ids) of every MoE layer."""
 
@@ -100,6 +143,25 @@ class ExpertStates(ABC):
         self.grad_scale = 1.0  # applied to every gradient handed in (1/world for data-parallel means)
         self._used: dict[int, list[int]] = {}  # layer -> experts fetched in this step's forward
         self._backward_seen: set[int] = set()
+        self.version: int | None = None  # the staged store version checkpoint writes go to
+
+    # -- checkpoints: each backend writes and restores its own states --------------------------
+    def begin_version(self, version: int) -> None:
+        """Write from now on into staged `version` (whose expert arrays the trainer has created)."""
+        self.version = version
+
+    @abstractmethod
+    def put_initial(self, key: Key, weights: tuple[torch.Tensor, ...]) -> None:
+        """A new run's expert weights (moments zero); part of the next checkpoint."""
+
+    def restore(self, store: Store) -> None:
+        """Take the expert states of `store`'s committed version (a resumed run); by default the
+        backend reads them from the store when they are used."""
+
+    @abstractmethod
+    def checkpoint_entries(self) -> tuple[list[TensorEntry], list[ChunkEntry]]:
+        """Write what changed since the last checkpoint into the staged version; the entries of
+        every chunk written there, for the checkpoint to adopt."""
 
     # -- the data path the autograd function uses -------------------------------------------
     @abstractmethod
@@ -306,8 +368,11 @@ class ResidentExpertStates(ExpertStates):
     """All local experts' states in memory on `storage_device`; computed on `device`."""
 
     def __init__(self, config: MoEConfig, experts: range, device: torch.device,
-                 storage_device: torch.device | None = None, layers: list[int] | None = None) -> None:
+                 storage_device: torch.device | None = None, layers: list[int] | None = None, *,
+                 root: str | None = None) -> None:
         super().__init__(config, experts, device, layers)
+        self.root = root  # the store checkpoints are written to
+        self.format = ChunkFormat(config)
         self.storage_device = storage_device or device
         self.w: dict[Key, list[torch.Tensor]] = {}
         self.m: dict[Key, list[torch.Tensor]] = {}
@@ -361,6 +426,35 @@ class ResidentExpertStates(ExpertStates):
                     g.mul_(clip_coef)
                 adamw_(w, g, m, v, step=n, lr=lr, cfg=cfg)
         self.g.clear()
+
+    def put_initial(self, key: Key, weights: tuple[torch.Tensor, ...]) -> None:
+        self.load(key, weights)
+        self.dirty.add(key)
+
+    def restore(self, store: Store) -> None:
+        m = store.manifest
+        for layer in self.layers:
+            for e in self.experts:
+                kinds = {kind: [store.read_expert(layer, e, kind)[n] for n in self.format.names(layer, e)]
+                         for kind in STATE_KINDS if m.has_chunk(layer, e, kind)}
+                if "weight" not in kinds:
+                    raise StorageError(f"{store.root}: expert {e} of layer {layer} is missing")
+                self.load((layer, e), kinds["weight"], kinds.get("adam_m"), kinds.get("adam_v"))
+
+    def checkpoint_entries(self) -> tuple[list[TensorEntry], list[ChunkEntry]]:
+        if self.root is None:
+            raise ValueError("ResidentExpertStates was built without a store root: it cannot checkpoint")
+        tensors, chunks = [], []
+        for key in sorted(self.dirty):
+            for kind, ts in self.states_of(key).items():
+                if kind != "weight" and self.adam_steps.get(key, 0) == 0:
+                    continue  # moments of a never-updated expert are zeros: not written
+                entries, chunk = self.format.write(self.root, self.version, key[0], key[1], kind,
+                                                   self.format.pack(ts))
+                tensors.extend(entries)
+                chunks.append(chunk)
+        self.dirty.clear()
+        return tensors, chunks
 
     def states_of(self, key: Key) -> dict[str, list[torch.Tensor]]:
         """weight / adam_m / adam_v tensors of one expert (for checkpoints), on the CPU."""

@@ -40,64 +40,23 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Callable
 
-import numpy as np
 import torch
 
-from semoe.checkpoint import hf_expert_names
 from semoe.config import MoEConfig
-from semoe.expert_states import AdamWConfig, ExpertStates, Held, Key, adamw_
-from semoe.experts import expert_mlp
+from semoe.expert_states import STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, Held, Key, adamw_
 from storage.errors import CacheFullError, StorageError
 from storage.fileio import ALIGN
 from storage.manifest import ChunkEntry, Manifest, TensorEntry
 from storage.pool import (HostBuffer, HostBufferPool, HostBufferPoolConfig, PoolExhaustedError, aligned_empty,
                           round_up)
-from storage.store import ExpertTensor, Store, chunk_layout, expert_array_rel, write_expert_chunk
+from storage.store import Store
 from storage.streams import COMPLETE, CopyHandle, StreamEvent, make_copy_stream
 from storage.tiered import ExpertHandle, TieredExpertStore, TieredStoreConfig
 
 log = logging.getLogger(__name__)
 
-STATE_KINDS = ("weight", "adam_m", "adam_v")
 DEVICE_SLOTS = 2  # expert weights on the device: one being computed with while the next is copied
 GRAD_COPIES_IN_FLIGHT = 8  # staging buffers beyond the budgeted sums; past them backward waits for a copy
-
-
-class ChunkFormat:
-    """How one expert's float32 tensors (its MLP variant's, in order) are packed in a chunk file."""
-
-    def __init__(self, config: MoEConfig) -> None:
-        self.config = config
-        self.mlp = expert_mlp(config)
-        self.shapes = list(self.mlp.shapes(config))
-        self.offsets, self.nbytes = chunk_layout([(torch.float32, s) for s in self.shapes])
-
-    def names(self, layer: int, expert: int) -> tuple[str, ...]:
-        return hf_expert_names(self.config, layer, expert)
-
-    def views(self, raw: torch.Tensor) -> list[torch.Tensor]:
-        """Typed views of the tensors in a chunk's bytes (uint8, at least `nbytes`)."""
-        out = []
-        for off, shape in zip(self.offsets, self.shapes):
-            n = 4 * math.prod(shape)
-            out.append(raw[off:off + n].view(torch.float32).view(shape))
-        return out
-
-    def pack(self, tensors: list[torch.Tensor]) -> np.ndarray:
-        buf = np.zeros(self.nbytes, dtype=np.uint8)
-        for view, t in zip(self.views(torch.from_numpy(buf)), tensors):
-            view.copy_(t)
-        return buf
-
-    def meta(self, layer: int, expert: int) -> list[ExpertTensor]:
-        return [ExpertTensor(name=n, tensor=torch.empty(s, device="meta"), stacked=self.mlp.stacked) for n, s in
-                zip(self.names(layer, expert), self.shapes)]
-
-    def write(self, root: str, version: int, layer: int, expert: int, kind: str, buf: np.ndarray
-              ) -> tuple[list[TensorEntry], ChunkEntry]:
-        """Write one chunk file into a staged version; returns its manifest entries."""
-        return write_expert_chunk(root, expert_array_rel(version, layer, kind), version, layer, expert, kind,
-                                  self.meta(layer, expert), buf, self.offsets)
 
 
 # -- bookkeeping: plain Python, no streams ----------------------------------------------------------
@@ -283,7 +242,6 @@ class SSDExpertStates(ExpertStates):
         self.grad_budget = cpu_cache_bytes if grad_budget_bytes is None else grad_budget_bytes
         self.prefetch_depth = prefetch_depth
         self.write_depth = write_threads
-        self.version: int | None = None  # the staged version writes go to
         self.written: dict[tuple[int, int, str], tuple[list[TensorEntry], ChunkEntry]] = {}
         self._gen = 0  # optimizer steps started: names the spill folder
         self.gradients = self._new_accumulator()
@@ -315,11 +273,16 @@ class SSDExpertStates(ExpertStates):
 
     # -- versions -----------------------------------------------------------------------------
     def begin_version(self, version: int) -> None:
-        """Write from now on into staged `version` (whose arrays the trainer has created)."""
-        self.version = version
+        super().begin_version(version)
         self.written = {}
 
-    def written_entries(self) -> tuple[list[TensorEntry], list[ChunkEntry]]:
+    def put_initial(self, key: Key, weights: tuple[torch.Tensor, ...]) -> None:
+        entries, chunk = self.format.write(self.root, self.version, key[0], key[1], "weight",
+                                           self.format.pack(list(weights)))
+        self.overlay.upsert(tensors=entries, chunks=[chunk])
+        self.written[(key[0], key[1], "weight")] = (entries, chunk)
+
+    def checkpoint_entries(self) -> tuple[list[TensorEntry], list[ChunkEntry]]:
         """Entries of every chunk written into the staged version, for the checkpoint to adopt."""
         self.wait_idle()
         tensors = [t for entries, _ in self.written.values() for t in entries]

@@ -53,16 +53,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from semoe.attention import Attention
 from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
 from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
 from semoe.expert_parallel import ExpertParallelMoE, local_expert_ids
-from semoe.expert_states import (AdamWConfig, ExpertStates, ResidentExpertStates, TrainingExperts, init_expert,
-                                 sum_of_squares)
+from semoe.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, ResidentExpertStates,
+                                 TrainingExperts, init_expert, sum_of_squares)
 from semoe.fused_comm import GradBucketReducer, fused_all_reduce
-from semoe.attention import Attention
 from semoe.model import MoEGPT, RMSNorm, Router
-from semoe.ssd_states import STATE_KINDS, ChunkFormat, SSDExpertStates
+from semoe.ssd_states import SSDExpertStates
 from semoe.tokenizer import ByteTokenizer
 from semoe.train_config import (Precision, StepLog, TrainConfig, TrainingError, json_line, progress_line,
                                 return_large_frees_to_the_os, training_precision)
@@ -314,7 +314,7 @@ class Trainer:
                                    spill_dir=os.path.join(cfg.out, "spill", f"rank{self.rank}"),
                                    read_mode=cfg.read_mode, layers=layers)
         storage = torch.device("cpu") if cfg.expert_states == "cpu" else self.device
-        return ResidentExpertStates(self.config, self.experts, self.device, storage, layers=layers)
+        return ResidentExpertStates(self.config, self.experts, self.device, storage, layers=layers, root=cfg.store)
 
     def _tokenizer(self):
         """The model's own tokenizer (kept in the store) or, for models trained here, the byte tokenizer."""
@@ -352,23 +352,14 @@ class Trainer:
         else:
             version = None
         self.version = self._broadcast(version)
-        if isinstance(self.states, SSDExpertStates):
-            self.states.begin_version(self.version)
+        self.states.begin_version(self.version)
 
     def _init_experts(self) -> None:
         """Fresh experts: each rank initialises (and, for ssd, writes) its own; then checkpoint 0."""
         self._open_version()
-        fmt = ChunkFormat(self.config)
         for layer in self.states.layers:
             for e in self.experts:
-                w = self._initial_expert(layer, e)
-                if isinstance(self.states, ResidentExpertStates):
-                    self.states.load((layer, e), w)
-                    self.states.dirty.add((layer, e))
-                else:
-                    entries, chunk = fmt.write(self.cfg.store, self.version, layer, e, "weight", fmt.pack(list(w)))
-                    self.states.overlay.upsert(tensors=entries, chunks=[chunk])
-                    self.states.written[(layer, e, "weight")] = (entries, chunk)
+                self.states.put_initial((layer, e), self._initial_expert(layer, e))
         self.checkpoint()
 
     @torch.no_grad()
@@ -400,18 +391,7 @@ class Trainer:
         torch.set_rng_state(rng)
         self.states.adam_steps = {(l, e): n for l, e, n in st["adam_steps"]
                                   if e in self.experts and l in self.states.layers}
-        if isinstance(self.states, ResidentExpertStates):
-            m = store.manifest
-            for layer in self.states.layers:
-                for e in self.experts:
-                    kinds = {}
-                    for kind in STATE_KINDS:
-                        if m.has_chunk(layer, e, kind):
-                            t = store.read_expert(layer, e, kind)
-                            kinds[kind] = [t[n] for n in ChunkFormat(self.config).names(layer, e)]
-                    if "weight" not in kinds:
-                        raise TrainingError(f"{self.cfg.store}: expert {e} of layer {layer} is missing")
-                    self.states.load((layer, e), kinds["weight"], kinds.get("adam_m"), kinds.get("adam_v"))
+        self.states.restore(store)
         self._open_version()
 
     def _saved_optimizer(self, store: Store) -> tuple[dict, torch.Tensor]:
@@ -429,19 +409,7 @@ class Trainer:
         self.states.wait_idle()
         if hasattr(self.opt, "consolidate_state_dict"):  # sharded: rank 0 collects every rank's moments
             self.opt.consolidate_state_dict(to=0)
-        fmt = ChunkFormat(self.config)
-        if isinstance(self.states, ResidentExpertStates):
-            written = ([], [])
-            for key in sorted(self.states.dirty):
-                for kind, ts in self.states.states_of(key).items():
-                    if kind != "weight" and self.states.adam_steps.get(key, 0) == 0:
-                        continue  # moments of a never-updated expert are zeros: not written
-                    entries, chunk = fmt.write(self.cfg.store, self.version, key[0], key[1], kind, fmt.pack(ts))
-                    written[0].extend(entries)
-                    written[1].append(chunk)
-            self.states.dirty.clear()
-        else:
-            written = self.states.written_entries()
+        written = self.states.checkpoint_entries()
         steps = [[l, e, n] for (l, e), n in sorted(self.states.adam_steps.items())]
         parts = self._gather((written, steps))
         version = None
