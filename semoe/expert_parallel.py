@@ -25,6 +25,8 @@ R rows this rank sends (kept assignments), M rows this rank receives.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -207,12 +209,17 @@ class ExpertParallelMoE(MoEFeedForward):
         return y_by_expert_MD[torch.argsort(order_M)]
 
 
-def shard_experts(model: MoEGPT, group: dist.ProcessGroup | None = None) -> None:
+def shard_experts(model: MoEGPT, group: dist.ProcessGroup | None = None, *,
+                  provider: Callable[[MoEFeedForward], ExpertProvider] | None = None) -> None:
     """Replace every MoE layer of `model` in place by its expert-parallel version over `group`.
 
-    Expert parameters are new tensors afterwards (this rank's slices), so build the optimizer after
-    sharding; the router, shared experts and all dense parameters are the same objects as before.
+    Without `provider`, each rank keeps its slice of the layer's resident experts: expert
+    parameters are new tensors afterwards, so build the optimizer after sharding. With it, the
+    layer asks `provider(layer)` for this rank's experts (local indices 0..L-1), as a trainer with
+    its own expert states does. The router, shared experts and all dense parameters are the same
+    objects as before.
     """
     for block in model.layers:
         if isinstance(block.ffn, MoEFeedForward):
-            block.ffn = ExpertParallelMoE(block.ffn, group)
+            block.ffn = ExpertParallelMoE(block.ffn, group,
+                                          experts=provider(block.ffn) if provider is not None else None)

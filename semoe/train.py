@@ -57,7 +57,7 @@ from semoe.attention import Attention
 from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
 from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
-from semoe.expert_parallel import ExpertParallelMoE, local_expert_ids
+from semoe.expert_parallel import local_expert_ids, shard_experts
 from semoe.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, ResidentExpertStates,
                                  TrainingExperts, init_expert, sum_of_squares)
 from semoe.fused_comm import GradBucketReducer, fused_all_reduce
@@ -110,11 +110,7 @@ def build_model(config: MoEConfig, states: ExpertStates, device: torch.device, w
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     if world > 1:
-        for block in model.layers:
-            ffn = block.ffn
-            if hasattr(ffn, "router"):
-                first = states.experts.start
-                block.ffn = ExpertParallelMoE(ffn, group, experts=TrainingExperts(states, ffn.layer, first))
+        shard_experts(model, group, provider=lambda ffn: TrainingExperts(states, ffn.layer, states.experts.start))
     return model
 
 
