@@ -1,5 +1,5 @@
-"""Shared by the trainer's tests: the tiny model shape, its CLI flags, running `semoe`, and reading
-back what a run wrote (logged losses, every tensor of its store)."""
+"""Shared by the trainer's tests: the tiny model shape, its CLI flags, running `semoe`, reading back
+what a run wrote (logged losses, every tensor of its store), and comparing stores kind by kind."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import torch
 
@@ -57,3 +58,24 @@ def log_losses(path: str) -> list[float]:
     """The per-step losses of a `--log-json` file."""
     with open(path, encoding="utf-8") as f:
         return [json.loads(line)["loss"] for line in f]
+
+
+@dataclass(frozen=True)
+class Tol:
+    """A tolerance: `rtol` of each element, plus `atol` absolute and `ulps_of_max` float32 eps times
+    the tensor's largest magnitude (a sum whose terms cancel is off by ulps of its largest term)."""
+
+    rtol: float
+    atol: float = 0.0
+    ulps_of_max: float = 0.0
+
+
+def assert_stores_close(got: dict[tuple, torch.Tensor], want: dict[tuple, torch.Tensor],
+                        tolerances: dict[str, Tol]) -> None:
+    """`store_tensors` of two runs hold the same tensors, each within the tolerance of its kind."""
+    assert got.keys() == want.keys()
+    for key, w in want.items():
+        tol = tolerances[key[1]]
+        largest = float(w.abs().max()) if w.numel() else 0.0
+        atol = tol.atol + tol.ulps_of_max * torch.finfo(torch.float32).eps * largest
+        torch.testing.assert_close(got[key], w, rtol=tol.rtol, atol=atol, msg=lambda m: f"{key}: {m}")

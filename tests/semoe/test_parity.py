@@ -1,7 +1,9 @@
 """The model against transformers, for tiny random checkpoints of every supported architecture.
 
-Tolerance: float32 logits within 1e-4 absolute (the implementations differ in matmul blocking
-only); greedy tokens must be identical.
+Tolerance: float32 logits (at most about 0.4) within 1e-5 absolute. The implementations differ
+in matmul blocking and reduction order only, which measures under 1e-7 here; 1e-5 leaves room for
+other BLAS builds while staying ten times stricter than the 1e-4 the architectures were accepted
+at. Greedy tokens must be identical.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from semoe.model import KVCache
 from storage.errors import BadInputError
 from storage.hf import SUPPORTED_MODEL_TYPES, import_checkpoint
 
-ATOL = 1e-4
+ATOL = 1e-5
 ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]
 PROMPTS = [[1, 5, 9, 2], [7], list(range(3, 40, 3)), [11, 12, 13, 14, 15, 16, 17, 18]]
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

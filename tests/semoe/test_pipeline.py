@@ -2,8 +2,9 @@
 and `semoe train --pipeline 2` gives the single-rank trainer's losses and store, in GPipe and 1F1B
 order, with expert states on SSD or on the device.
 
-Tolerances (float32): losses 1e-5 relative, store tensors as two ranks against one in test_train
-(the pipeline does the same arithmetic; only reductions may be ordered differently)."""
+Tolerances (float32): losses 1e-5 relative; stores per kind, stated at each comparison (one stage
+does the trainer's arithmetic in its order: bit for bit; two stages order some reductions
+differently)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers.training import ROOT, SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors
+from helpers.training import ROOT, SHAPE, SHAPE_FLAGS, Tol, assert_stores_close, cli, log_losses, store_tensors
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -163,10 +164,11 @@ def test_one_stage_with_a_plan_wraps_every_block_and_matches_the_trainer(tmp_pat
     assert calls == [(plan, 0, torch.device("cpu"))] and wrapped == [0, 1, 2, 3]
     assert [x[0] for x in got] == pytest.approx([x[0] for x in want], rel=1e-5)
     assert [x[1] for x in got] == pytest.approx([x[1] for x in want], rel=1e-5)
-    a, b = store_tensors(str(tmp_path / "one" / "store")), store_tensors(str(tmp_path / "pipe" / "store"))
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    # one stage accumulates the micro-batches in the trainer's order and recomputation replays the
+    # same float32 ops: every kind is bit for bit
+    exact = Tol(rtol=0, atol=0)
+    assert_stores_close(store_tensors(str(tmp_path / "pipe" / "store")), store_tensors(str(tmp_path / "one" / "store")),
+                        {"weight": exact, "adam_m": exact, "adam_v": exact})
 
 
 def test_a_stage_rejects_tied_embeddings():
@@ -212,9 +214,19 @@ def test_two_stages_match_one_rank(tmp_path, text_file, single_rank, schedule, M
         entry = json.loads(f.readline())
     assert entry["aux_loss"] > 0 and entry["schedule"] == schedule and entry["stages"] == 2
     a, b = store_tensors(str(ref / "run" / "store")), store_tensors(str(out / "store"))
-    assert a.keys() == b.keys() and any(k[1] == "adam_v" for k in a)
-    for k in a:
-        torch.testing.assert_close(b[k], a[k], rtol=1e-3, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    assert any(k[1] == "adam_v" for k in a)
+    # Two stages add some sums in another order (the gradient norm's squares per stage, then over
+    # stages). Worst measured over the three schedules: weight 9.5e-8 absolute, adam_m 3.6 ulps of
+    # its tensor's largest, adam_v 7e-6 relative.
+    tolerances = {
+        # Adam scales a near-zero gradient's rounding up to a fraction of lr (3e-3), whatever the weight
+        "weight": Tol(rtol=1e-5, atol=3e-7),
+        # a sum of gradients that cancel is off by ulps of its largest term, not of itself
+        "adam_m": Tol(rtol=1e-5, ulps_of_max=12),
+        # squares do not cancel: relative only, as the values span 1e-13..1e-6
+        "adam_v": Tol(rtol=2e-5),
+    }
+    assert_stores_close(b, a, tolerances)
     args = ["--prompt", "def main(", "--max-new-tokens", "8", "--json"]
     gen = json.loads(cli("generate", "--model", str(out / "store"), *args).stdout)
     want = json.loads(cli("generate", "--model", str(ref / "run" / "store"), *args).stdout)

@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from helpers.expert_states import RecordingStates
-from helpers.training import ROOT, SHAPE_FLAGS, cli, log_losses, optimizer_state, store_tensors, tiny_config
+from helpers.training import (ROOT, SHAPE_FLAGS, Tol, assert_stores_close, cli, log_losses, optimizer_state,
+                              store_tensors, tiny_config)
 
 from semoe.expert_states import AdamWConfig, _ExpertFFN, adamw_, init_expert
 from semoe.model import MoEGPT, ResidentExperts, swiglu
@@ -139,10 +140,18 @@ def test_two_ranks_match_one_rank_and_loss_falls(tmp_path, text_file):
     assert len(one) == len(two) == 12
     assert one == pytest.approx(two, rel=1e-4)
     assert sum(two[-3:]) / 3 < two[0] - 0.5, two  # loss falls with 2 ranks
-    a, b = store_tensors(str(tmp_path / "one" / "store")), store_tensors(str(tmp_path / "two" / "store"))
-    assert a.keys() == b.keys()
-    for k in a:
-        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=1e-5, msg=lambda m: f"{k}: {m}")
+    # Two ranks sum the same gradients in another order (all-to-all, bucketed all-reduce). Worst
+    # measured: weight 3.4e-6 absolute, adam_m 5.7 ulps of its tensor's largest, adam_v 5e-6 relative.
+    tolerances = {
+        # Adam scales a near-zero gradient's rounding up to a fraction of lr (3e-3), whatever the weight
+        "weight": Tol(rtol=1e-5, atol=1e-5),
+        # a sum of gradients that cancel is off by ulps of its largest term, not of itself
+        "adam_m": Tol(rtol=1e-5, ulps_of_max=16),
+        # squares do not cancel: relative only, as the values span 1e-13..1e-6
+        "adam_v": Tol(rtol=2e-5),
+    }
+    assert_stores_close(store_tensors(str(tmp_path / "two" / "store")), store_tensors(str(tmp_path / "one" / "store")),
+                        tolerances)
 
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
