@@ -11,7 +11,7 @@ import torch
 from helpers.hf_models import assert_bit_exact, load_safetensors_dir
 
 from storage.errors import BadInputError
-from storage.hf import INDEX_FILE, export_checkpoint, import_checkpoint, open_checkpoint
+from storage.hf import INDEX_FILE, SUPPORTED_MODEL_TYPES, export_checkpoint, import_checkpoint, open_checkpoint
 from storage.safetensors_io import OutTensor, write_file
 from storage.store import Store
 
@@ -21,6 +21,17 @@ def _round_trip(src, tmp_path) -> Store:
     export_checkpoint(Store.open(store.root), str(tmp_path / "out"))
     assert_bit_exact(load_safetensors_dir(src), load_safetensors_dir(tmp_path / "out"))
     return store
+
+
+def _assert_transformers_computes_the_same_logits(src, out) -> None:
+    """transformers loads the export and computes exactly the logits it computes from the original."""
+    import transformers
+
+    ids = torch.tensor([[1, 5, 9, 2, 33, 7]])
+    a = transformers.AutoModelForCausalLM.from_pretrained(str(src)).eval()
+    b = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    with torch.no_grad():
+        assert torch.equal(a(ids).logits, b(ids).logits)
 
 
 def test_mixtral_sharded_bfloat16_round_trip(hf_mixtral_sharded_bf16, tmp_path):
@@ -36,14 +47,7 @@ def test_mixtral_sharded_bfloat16_round_trip(hf_mixtral_sharded_bf16, tmp_path):
     out = tmp_path / "out"
     assert json.loads((out / INDEX_FILE).read_text())["weight_map"] == json.loads((src / INDEX_FILE).read_text())[
         "weight_map"]
-    # transformers loads the export and computes the same logits as the original
-    import transformers
-
-    ids = torch.tensor([[1, 5, 9, 2]])
-    a = transformers.AutoModelForCausalLM.from_pretrained(str(src)).eval()
-    b = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
-    with torch.no_grad():
-        assert torch.equal(a(ids).logits, b(ids).logits)
+    _assert_transformers_computes_the_same_logits(src, out)
 
 
 def test_qwen2_moe_round_trip_keeps_shared_expert_dense(hf_qwen2_moe, tmp_path):
@@ -65,21 +69,29 @@ def test_olmoe_round_trip(hf_olmoe, tmp_path):
 NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]
 
 
-@pytest.mark.parametrize("dtype, sharded", [("float32", False), ("bfloat16", True)], ids=["f32", "bf16-sharded"])
+@pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("arch", NEW_ARCHS)
 def test_newer_architectures_round_trip_bit_exact(arch, dtype, sharded, tmp_path):
     """Import then export keeps every name, dtype, shape and byte (gpt-oss's fused experts split per
-    expert and stacked again; DeepSeek's shared experts and correction bias stay dense), and the
-    model computes the same logits from the store as from the directory."""
+    expert and stacked again; DeepSeek's shared experts and correction bias stay dense) and the
+    shards' layout; transformers reads the export as the original, and the model computes the same
+    logits from the store as from the directory."""
     from helpers.hf_models import make_hf_checkpoint
 
     from semoe.checkpoint import load_hf, load_store
 
     src = make_hf_checkpoint(arch, tmp_path / "hf", dtype=dtype, max_shard_size="30KB" if sharded else "5GB", seed=2)
-    assert (src / INDEX_FILE).exists() == sharded
+    assert (src / INDEX_FILE).exists() == sharded and (len(list(src.glob("*.safetensors"))) > 2) == sharded
     store = _round_trip(src, tmp_path)
+    out = tmp_path / "out"
     dense = {t.name for t in store.manifest.tensors if t.group == "dense"}
     assert not any(".experts." in n and "shared" not in n for n in dense), arch
+    assert (out / "config.json").read_bytes() == (src / "config.json").read_bytes()
+    if sharded:
+        assert json.loads((out / INDEX_FILE).read_text())["weight_map"] == json.loads(
+            (src / INDEX_FILE).read_text())["weight_map"]
+    _assert_transformers_computes_the_same_logits(src, out)
     ids = torch.tensor([[1, 5, 9, 2, 33, 7]])
     with torch.no_grad():
         assert torch.equal(load_store(store.root)(ids).logits, load_hf(str(src))(ids).logits)
@@ -165,13 +177,36 @@ def test_missing_config_json(hf_olmoe, tmp_path):
     assert not (tmp_path / "store").exists()
 
 
-def test_unknown_architecture(hf_olmoe, tmp_path):
+def test_import_accepts_the_model_types_the_model_builds():
+    from semoe.config import ARCHITECTURES
+
+    # gpt_moe is trained here and saved as semoe_gpt
+    assert SUPPORTED_MODEL_TYPES == (*(a for a in ARCHITECTURES if a != "gpt_moe"), "semoe_gpt")
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"model_type": "llama"}, "unknown architecture model_type='llama'; supported: "),
+    ({"model_type": "qwen3_next"}, "model_type='qwen3_next' is not supported: hybrid linear attention"),
+    ({"vision_config": {"hidden_size": 32}}, "multimodal checkpoint (vision_config) is not supported"),
+], ids=["llama", "qwen3_next", "vision_config"])
+def test_unsupported_architecture_is_refused_alike_by_import_and_by_the_model(hf_olmoe, tmp_path, change, reason):
+    from semoe.checkpoint import load_model
+    from semoe.config import ARCHITECTURES
+
     ck = _copy(hf_olmoe, tmp_path)
     cfg = json.loads((ck / "config.json").read_text())
-    cfg["model_type"] = "llama"
-    (ck / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(BadInputError, match="unknown architecture model_type='llama'"):
-        open_checkpoint(str(ck))
+    (ck / "config.json").write_text(json.dumps({**cfg, **change}))
+    messages = set()
+    for refuse in (open_checkpoint, lambda path: import_checkpoint(path, str(tmp_path / "store")), load_model):
+        with pytest.raises(BadInputError) as e:
+            refuse(str(ck))
+        messages.add(str(e.value))
+    (message,) = messages  # word for word the same
+    assert message.startswith(f"{ck / 'config.json'}: {reason}") and "\n" not in message
+    if change.get("model_type") == "llama":  # a type refused for no named reason: the line lists what is supported
+        listed = message.split("; supported: ")[1].split(", ")
+        assert listed == [a for a in ARCHITECTURES if a != "gpt_moe"] + ["semoe_gpt"]
+    assert not (tmp_path / "store").exists()
 
 
 def test_truncated_safetensors_leaves_nothing_behind(hf_mixtral_sharded_bf16, tmp_path):
