@@ -7,8 +7,9 @@ import json
 import os
 
 import pytest
+import torch
 from helpers.dist import run_ranks
-from helpers.training import SHAPE, SHAPE_FLAGS, cli, log_losses
+from helpers.training import SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors
 
 from mpress.profile import Decision, Plan, Stripe
 from semoe.config import named_config
@@ -33,6 +34,7 @@ def _worker(rank: int, out: str, data: str, plan_json: str | None) -> None:
             logs.append(trainer.train_step().loss)
             if trainer.executor is not None:
                 stats = trainer.executor.stats()
+        trainer.checkpoint()  # every stage's final weights and moments, into one store
     finally:
         trainer.close()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
@@ -57,6 +59,12 @@ def test_every_technique_in_a_two_stage_pipeline_keeps_the_numbers(tmp_path, tex
     planned = _run(tmp_path, "planned", text_file, plan)
     losses = [r["losses"] for r in plain if r["losses"]]
     assert losses and losses[0] == [r["losses"] for r in planned if r["losses"]][0]  # bit for bit
+    # so are both stages' final weights and moments: swaps are copies, recomputation replays the ops
+    a, b = store_tensors(str(tmp_path / "plain" / "store")), store_tensors(str(tmp_path / "planned" / "store"))
+    assert {k[1] for k in a} == {"weight", "adam_m", "adam_v"} and a.keys() == b.keys()
+    assert {name for name, _ in a if ".layers.0." in name} and {name for name, _ in a if ".layers.3." in name}
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
     s0, s1 = planned[0]["stats"], planned[1]["stats"]
     assert s0["host_bytes"] > 0 and s0["peer_bytes"] > 0  # stage 0 really swapped to host and to stage 1
     assert s1["recomputed"] > 0 and s1["peer_bytes"] > 0
@@ -72,6 +80,8 @@ def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     assert "plan ['recompute']" in p.stderr or "plan ['host'" in p.stderr or "plan ['d2d'" in p.stderr, p.stderr
     free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
     assert free == tight and tight[-1] < tight[0] - 0.3
+    a, b = store_tensors(str(tmp_path / "free" / "store")), store_tensors(str(tmp_path / "tight" / "store"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # every stage, bit for bit
 
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
