@@ -46,10 +46,10 @@ from torch import nn
 
 from semoe.checkpoint import _dense_params, hf_name
 from semoe.config import MoEConfig
-from semoe.expert_states import AdamWConfig, ExpertStates, sum_of_squares
+from semoe.expert_states import ExpertStates, sum_of_squares
 from semoe.model import MoEGPT, rope_tables
 from semoe.train import Trainer, build_model, init_dense, run_rank, to_device
-from semoe.train_config import StepLog, TrainConfig, return_large_frees_to_the_os
+from semoe.train_config import StepLog, TrainConfig
 from storage.errors import BadInputError
 from storage.store import Store
 
@@ -228,51 +228,12 @@ class PipelineTrainer(Trainer):
                  pipeline: PipelineConfig | None = None, *,
                  executor_factory: Callable[[Any, int, torch.device], Any] | None = None,
                  on_step: Callable[[StepLog], None] | None = None) -> None:
-        self.cfg = cfg
         self.pipeline = pipeline or PipelineConfig()
-        self.on_step = on_step
-        return_large_frees_to_the_os()
-        if not dist.is_initialized():
-            raise BadInputError("pipeline training runs one process per stage: start it with "
-                                "`semoe train --pipeline N` (torch.distributed is not initialised)")
-        self.distributed = True
-        self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self._place(cfg)
-        self.writer = None
-        self.version = None
-        resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
-        if resuming:
-            self.config, self.trainer_state = self._open_existing(model_config)
-        else:
-            self.trainer_state = None
-            self.config = self._new_run_config(model_config)
-        check_pipeline(self.config, self.world, cfg, self.pipeline)
-        self.stages = split_stages(self.config, self.world)
-        if resuming and self.trainer_state["stages"] != [[r.start, r.stop] for r in self.stages]:
-            raise BadInputError(f"{cfg.store}: the run was trained with --pipeline {len(self.trainer_state['stages'])}; "
-                                "resume it with that many stages")
-        self.layers = self.stages[self.rank]
-        self.first, self.last = self.rank == 0, self.rank == self.world - 1
-        self.experts = range(self.config.num_experts)  # a stage owns every expert of its layers
-        self._prepare_data()
-        self._barrier()
-        self.states = self._make_states()
+        self.executor_factory = executor_factory
         self.meter = RouterLossMeter()
         self._stage_dense: list = []  # at a checkpoint, on rank 0: every stage's dense tensors
-
-        def build() -> None:  # the optimizer too: checkpoint 0 of a new run saves its state
-            self.model = self._build_stage(executor_factory)
-            self.dense = [p for _, p in _dense_params(self.model)]
-            self.opt = self._dense_optimizer(shardable=False)  # each stage has parameters of its own
-
-        if resuming:
-            build()
-        else:
-            self._start_fresh(build)
-        self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-        if resuming:
-            self._load_checkpoint()  # the stage's dense weights were loaded by build()
-            self.last_checkpoint = self.step
+        resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
+        super().__init__(cfg, model_config, on_step=on_step)
         self.schedule = self._make_schedule()
         self.executor = self.peers = None
         try:
@@ -329,7 +290,36 @@ class PipelineTrainer(Trainer):
         ce = F.cross_entropy(logits_BTV.reshape(-1, self.config.vocab_size).float(), tgt_BT.reshape(-1))
         return ce / self.cfg.micro_batches
 
-    # -- setting up -------------------------------------------------------------------------
+    # -- setting up: what differs from Trainer ----------------------------------------------
+    def _join(self) -> None:
+        if not dist.is_initialized():
+            raise BadInputError("pipeline training runs one process per stage: start it with "
+                                "`semoe train --pipeline N` (torch.distributed is not initialised)")
+        self.distributed = True
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+
+    def _check_layout(self) -> None:
+        check_pipeline(self.config, self.world, self.cfg, self.pipeline)
+        self.stages = split_stages(self.config, self.world)
+        if self.trainer_state is not None and \
+                self.trainer_state["stages"] != [[r.start, r.stop] for r in self.stages]:
+            raise BadInputError(f"{self.cfg.store}: the run was trained with --pipeline "
+                                f"{len(self.trainer_state['stages'])}; resume it with that many stages")
+        self.layers = self.stages[self.rank]
+        self.first, self.last = self.rank == 0, self.rank == self.world - 1
+
+    def _owned_experts(self) -> range:
+        return range(self.config.num_experts)  # a stage owns every expert of its layers
+
+    def _build(self) -> None:
+        # the optimizer too: checkpoint 0 of a new run saves its state
+        self.model = self._build_stage(self.executor_factory)
+        self.dense = [p for _, p in _dense_params(self.model) if p.requires_grad]
+        self.opt = self._dense_optimizer(shardable=False)  # each stage has parameters of its own
+
+    def _build_fresh(self) -> None:
+        self._build()  # the stage is initialised (or loaded from --init-from) while it is built
+
     def _make_states(self, layers: list[int] | None = None) -> ExpertStates:
         return super()._make_states([l for l in self.layers if self.config.is_moe_layer(l)])
 

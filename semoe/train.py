@@ -152,13 +152,8 @@ class Trainer:
         self.cfg = cfg
         self.on_step = on_step
         return_large_frees_to_the_os()
-        self.distributed = dist.is_initialized()
-        self.rank = dist.get_rank() if self.distributed else 0
-        self.world = dist.get_world_size() if self.distributed else 1
+        self._join()
         self._place(cfg)
-        if cfg.batch_size % (self.world * cfg.micro_batches):
-            raise BadInputError(f"--batch-size {cfg.batch_size} must divide by ranks x micro-batches "
-                                f"({self.world} x {cfg.micro_batches})")
         self.writer: StoreWriter | None = None
         self.version: int | None = None
         resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
@@ -166,22 +161,51 @@ class Trainer:
             self.config, self.trainer_state = self._open_existing(model_config)
         else:
             self.config, self.trainer_state = self._new_run_config(model_config), None
-        self.experts = local_expert_ids(self.config.num_experts, self.rank, self.world)
+        self._check_layout()
+        self.experts = self._owned_experts()
         self._prepare_data()  # bad data is found before anything is written
         self._barrier()  # rank 0 has checked the store before any rank opens it
         self.states = self._make_states()
+        self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+        if resuming:
+            self._build()
+            self._load_checkpoint()
+            self.last_checkpoint = self.step
+        else:
+            self._start_fresh(self._build_fresh)
+
+    # -- what a subclass (one pipeline stage) changes ----------------------------------------
+    def _join(self) -> None:
+        """This process's rank and the world size (one rank without torch.distributed)."""
+        self.distributed = dist.is_initialized()
+        self.rank = dist.get_rank() if self.distributed else 0
+        self.world = dist.get_world_size() if self.distributed else 1
+
+    def _check_layout(self) -> None:
+        """Refuse a run whose batch the ranks cannot share."""
+        if self.cfg.batch_size % (self.world * self.cfg.micro_batches):
+            raise BadInputError(f"--batch-size {self.cfg.batch_size} must divide by ranks x micro-batches "
+                                f"({self.world} x {self.cfg.micro_batches})")
+
+    def _owned_experts(self) -> range:
+        """The global ids of the experts whose states this rank keeps (expert parallelism)."""
+        return local_expert_ids(self.config.num_experts, self.rank, self.world)
+
+    def _build(self) -> None:
+        """The model (experts behind the states), its dense parameters and their optimizer."""
         self.states.grad_scale = 1.0 / self.world
         self.model = build_model(self.config, self.states, self.device, self.world).train()
         self.dense = [p for _, p in _dense_params(self.model) if p.requires_grad]
         self.opt = self._dense_optimizer()
-        self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
-        self.reducer = (GradBucketReducer(self.dense) if self.world > 1 and cfg.micro_batches == 1 else None)
-        if resuming:
-            self._load_checkpoint()
-            self.last_checkpoint = self.step
+        self.reducer = (GradBucketReducer(self.dense) if self.world > 1 and self.cfg.micro_batches == 1 else None)
+
+    def _build_fresh(self) -> None:
+        """A new run's model, with its first dense weights (seeded, or the --init-from store's)."""
+        self._build()
+        if self.cfg.init_from is None:
+            init_dense(self.model, self.cfg.seed)
         else:
-            self._start_fresh(lambda: init_dense(self.model, cfg.seed) if cfg.init_from is None else
-                              self._load_dense(self.source, cfg.init_from))
+            self._load_dense(self.source, self.cfg.init_from)
 
     def _place(self, cfg: TrainConfig) -> None:
         """The device, precision and object group of this rank (before any collective)."""
