@@ -323,6 +323,20 @@ class ExpertCache:
             if entry is None:
                 raise KeyError(key)
             self._unpin_locked(entry)
+            if entry.evictable:
+                self._cond.notify_all()  # room for a reserve waiting in `wait_for_room`
+
+    def wait_for_room(self, nbytes: int, timeout: float | None = None) -> bool:
+        """Block until a reserve of `nbytes` could evict its way in (reads in flight landed, pins
+        were released); False after `timeout` seconds, or at once when nothing is loading, since
+        then only the caller's own pins could free room."""
+        def room() -> bool:
+            return self._used_bytes + nbytes - self.capacity_bytes <= self._evictable_bytes
+
+        with self._cond:
+            if not room() and not any(e.state is EntryState.LOADING for e in self._entries.values()):
+                return False
+            return self._cond.wait_for(room, timeout)
 
     @contextlib.contextmanager
     def pinned(self, key: Key) -> Iterator[CacheEntry]:

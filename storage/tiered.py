@@ -114,6 +114,9 @@ class _Guess:
     cancelled: bool = False
 
 
+NEEDED_READ_WAIT_S = 60.0  # longest a needed read waits for reads in flight to make room
+
+
 class TieredExpertStore:
     """SSD-resident experts served through a byte-bounded CPU cache with prefetch.
 
@@ -249,7 +252,14 @@ class TieredExpertStore:
         key = ExpertKey(layer, expert, kind)
         nbytes = self.store.manifest.chunk(*key).bytes
         while True:
-            entry, must_load = self.cache.lookup_or_reserve(key, nbytes, probation=speculative)
+            try:
+                entry, must_load = self.cache.lookup_or_reserve(key, nbytes, probation=speculative)
+            except CacheFullError:
+                # Reads ahead of use (warm-up, prefetches) may fill the cache with entries still
+                # loading: a needed expert waits for them to land, it does not fail.
+                if speculative or not self.cache.wait_for_room(nbytes, timeout=NEEDED_READ_WAIT_S):
+                    raise
+                continue
             if must_load:
                 self._load(key, guess=speculative)
                 return ExpertHandle(self, key, self._payload(key))

@@ -359,3 +359,29 @@ def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_lay
 def test_default_compute_dtype_on_cuda_is_bfloat16():
     assert EngineConfig(device="cuda").dtype == "bfloat16"
     assert EngineConfig(device="cpu").dtype == "float32"
+
+
+def test_a_needed_expert_waits_for_read_ahead_that_fills_the_cache(tmp_path, monkeypatch):
+    """Reads ahead of use (the request's idle warm-up) slowed down until they hold the whole CPU
+    cache while still loading: the first needed expert waits for them to land instead of failing
+    with CacheFullError, and the answer is the resident one."""
+    import time
+
+    from storage.tiered import TieredExpertStore
+
+    hf = make_hf_checkpoint("deepseek_v3", tmp_path / "hf", seed=5)
+    store = import_checkpoint(str(hf), str(tmp_path / "store"))
+    resident = Engine.load(str(hf), EngineConfig())
+    try:
+        want = resident.generate(PROMPT, SamplingConfig(max_new_tokens=4))
+    finally:
+        resident.close()
+    slow = TieredExpertStore._prefetch_job
+    monkeypatch.setattr(TieredExpertStore, "_prefetch_job", lambda self, key: (time.sleep(0.3), slow(self, key))[1])
+    expert_bytes = sum(c.bytes for c in store.manifest.chunks)
+    engine = Engine.load(store.root, EngineConfig(cpu_cache_bytes=expert_bytes // 4, ring_slots=2, preload=False))
+    try:
+        got = engine.generate(PROMPT, SamplingConfig(max_new_tokens=4))
+    finally:
+        engine.close()
+    assert got.tokens == want.tokens and got.logprobs == want.logprobs

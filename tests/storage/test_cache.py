@@ -475,3 +475,28 @@ def test_speculative_entries_are_evicted_first_until_used():
     cache.record_use("guess2")  # used after all: now ranked by the policy like the rest
     cache.reserve("d", 1)
     assert "guess2" in cache and "a" not in cache
+
+
+def test_a_reserve_waits_for_reads_in_flight_to_make_room():
+    """A cache full of entries still loading (reads ahead of use) has no room now but will have:
+    `wait_for_room` returns once one lands and its loader's pin goes; with nothing loading it
+    returns False at once (only the caller's own pins could free room)."""
+    cache, _ = _cache(2)
+    for key in ("a", "b"):
+        cache.reserve(key, 1)  # LOADING, pinned by its loader
+    with pytest.raises(CacheFullError):
+        cache.reserve("c", 1)
+    result = []
+    waiter = threading.Thread(target=lambda: result.append(cache.wait_for_room(1, timeout=30)))
+    waiter.start()
+    cache.complete("a", "payload")  # READY but still pinned by the loader: no room yet
+    waiter.join(timeout=0.2)
+    assert waiter.is_alive() and not result
+    cache.unpin("a")
+    waiter.join(timeout=30)
+    assert result == [True]
+    cache.reserve("c", 1)  # "a" is evicted for it
+    assert "a" not in cache
+    cache.complete("b", "p")
+    cache.complete("c", "p")
+    assert cache.wait_for_room(1, timeout=30) is False  # everything pinned, nothing loading
