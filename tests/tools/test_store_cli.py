@@ -81,9 +81,10 @@ def test_gc_after_import_removes_nothing_needed(store):
 
 def test_bench_reads_every_expert_file_once_per_reader(store):
     """The throughputs are timings (bench/bench_store.py's business); what can be checked is that
-    the bench read exactly the expert chunk files on disk: their count and their sizes."""
-    listing = json.loads(semoe("store", "ls", str(store), "--json").stdout)["tensors"]
-    files = {t["file"] for t in listing if t["group"] == "expert"}
+    the bench read exactly the expert chunk files: 2 layers x 4 experts, as large as they are on disk."""
+    from storage.store import Store
+
+    files = {c.file for c in Store.open(str(store)).manifest.chunks}
     on_disk = sum(os.path.getsize(store / f) for f in files)
     for extra in ([], ["--cold"]):
         out = json.loads(semoe("store", "bench", str(store), "--json", "--repeats", "1", *extra).stdout)
