@@ -207,9 +207,14 @@ class OffloadedExperts:
         # a budget of device memory is a ring in memory of its own, on CPU too
         copies = config.device_memory_bytes is not None or cls.must_copy(store, device, dtype)
         cpu = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else expert_bytes
-        if not copies:
-            # in place, ring slots are CPU-cache entries: the cache must hold the ring and room to spare
-            cpu = max(cpu, (slots + top_k) * biggest)
+        # In place, ring slots are CPU-cache entries: the cache must hold the ring and room to spare.
+        # Copying, each slot's source stays pinned in the cache until its copy lands: it must hold
+        # one expert per slot, or fills in flight pin the whole cache and a needed read cannot enter.
+        least = (slots + top_k) * biggest if not copies else slots * biggest
+        if cpu < least:
+            log.info("offload: CPU cache raised from %d to %d bytes, the least a ring of %d slots works with",
+                     cpu, least, slots)
+            cpu = least
         self = cls(model, store, device=device, dtype=dtype, cpu_cache_bytes=cpu, ring_slots=slots,
                    copies=copies, prefetch=config.prefetch, read_mode=config.read_mode,
                    min_precision=config.speculate_min_precision, cache_policy=config.cache_policy)

@@ -385,3 +385,24 @@ def test_a_needed_expert_waits_for_read_ahead_that_fills_the_cache(tmp_path, mon
     finally:
         engine.close()
     assert got.tokens == want.tokens and got.logprobs == want.logprobs
+
+
+def test_a_copying_ring_gets_a_cpu_cache_that_holds_one_expert_per_slot(tmp_path):
+    """Each slot's source stays pinned in the CPU cache until its copy lands: a cache smaller than the
+    ring is raised to one expert per slot (it used to fail mid-request with CacheFullError)."""
+    hf = make_hf_checkpoint("qwen3_moe", tmp_path / "hf", seed=7)
+    store = import_checkpoint(str(hf), str(tmp_path / "store"), dtype="bfloat16")
+    resident = Engine.load(store.root, EngineConfig(dtype="float32"))
+    try:
+        want = resident.generate(PROMPT, SamplingConfig(max_new_tokens=12))
+    finally:
+        resident.close()
+    chunk = max(c.bytes for c in store.manifest.chunks)
+    engine = Engine.load(store.root, EngineConfig(dtype="float32", device_memory_bytes=3 * _slot_bytes(store),
+                                                  cpu_cache_bytes=2 * chunk))
+    try:
+        assert engine.offload.copies and engine.offload.ring_slots == 3
+        assert engine.offload.tier.cache.capacity_bytes >= 3 * chunk
+        _assert_same(engine.generate(PROMPT, SamplingConfig(max_new_tokens=12)), want)
+    finally:
+        engine.close()
