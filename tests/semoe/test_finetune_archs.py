@@ -61,6 +61,7 @@ def test_twenty_steps_lower_the_loss_from_transformers_first_loss(imported, word
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5, (arch, losses)
 
 
+@pytest.mark.slow  # two training runs per architecture: CI runs it with -m slow
 def test_ssd_expert_states_equal_device_states(imported, words, tmp_path):
     arch, _, store = imported
     dev_cfg, dev = _train(tmp_path / "device", store, words, 4, expert_states="device")
