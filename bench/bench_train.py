@@ -12,12 +12,18 @@ rest (pooled over repeats). The ratio ssd/device is the cost of keeping expert s
 1.0 means free, the target is <= 1.3. The same ratio at a small batch (--small-batch, on by
 default) shows how it depends on the compute per step: less compute hides less SSD traffic.
 
+--dense instead trains the same model on --nproc ranks (default 2) once per --dense-states mode
+(replicated, zero1, fsdp) and prints the dense bytes each rank holds (parameters, gradients and
+AdamW moments, measured from the tensors by the trainer and logged per step), their ratio to
+replicated (fsdp's target is about 1/N) and the median step time of each mode.
+
 --largest instead trains, with states on SSD, a model whose expert states are at least
 --ram-factor times this machine's RAM (tens of GB written under --workdir) and reports s/step,
 loss per step (it must fall) and peak RSS vs RAM. It refuses (exit 2) if the model is too small
 or the disk too full.
 
     python bench/bench_train.py --workdir DIR [--steps 8] [--repeats 2] [--no-small-batch] [--json]
+    python bench/bench_train.py --workdir DIR --dense [--nproc 2] [--steps 8]
     python bench/bench_train.py --workdir DIR --largest [--ram-factor 1.5] [--keep]
 """
 
@@ -138,6 +144,39 @@ def print_compare(res: dict, ram: dict) -> None:
           f"({ram['device_bytes'] / ram['ssd_cache_bytes']:.1f}x less)")
 
 
+DENSE_MODES = ("replicated", "zero1", "fsdp")
+
+
+def dense_modes(args: argparse.Namespace) -> dict:
+    """Each --dense-states mode on --nproc ranks: dense bytes per rank and step time."""
+    rows = {}
+    for mode in DENSE_MODES:
+        steps = train(args, f"dense-{mode}", args.batch_size, args.seq_len,
+                      ["--nproc", str(args.nproc), "--dense-states", mode, "--expert-states", "cpu"])
+        kept = steps[args.warmup_steps_skip:]
+        rows[mode] = {"dense_bytes_per_rank": steps[-1]["dense_bytes_per_rank"],
+                      "median_step_s": statistics.median(s["step_s"] for s in kept),
+                      "loss": [s["loss"] for s in steps]}
+    base = rows["replicated"]
+    for row in rows.values():
+        row["bytes_vs_replicated"] = row["dense_bytes_per_rank"] / base["dense_bytes_per_rank"]
+        row["step_vs_replicated"] = row["median_step_s"] / base["median_step_s"]
+        row["max_loss_rel_diff"] = max(abs(a - b) / abs(b) for a, b in zip(row["loss"], base["loss"]))
+    return {"nproc": args.nproc, "dense_params": model_config(args).num_parameters()["dense"], "rows": rows}
+
+
+def print_dense(r: dict) -> None:
+    print(f"dense states on {r['nproc']} ranks ({r['dense_params'] / 1e6:.1f} M dense parameters; bytes per rank = "
+          f"parameters + gradients + AdamW moments held by the rank)")
+    print(f"{'mode':11} {'dense MiB/rank':>14} {'vs replicated':>13} {'s/step':>8} {'vs replicated':>13} "
+          f"{'max loss diff':>13}")
+    for mode, row in r["rows"].items():
+        print(f"{mode:11} {row['dense_bytes_per_rank'] / 2**20:14.2f} {row['bytes_vs_replicated']:13.3f} "
+              f"{row['median_step_s']:8.3f} {row['step_vs_replicated']:13.2f} {row['max_loss_rel_diff']:13.1e}")
+    print(f"fsdp holds {r['rows']['fsdp']['bytes_vs_replicated']:.3f} of replicated's dense bytes per rank "
+          f"(1/N = {1 / r['nproc']:.3f})")
+
+
 def largest(args: argparse.Namespace) -> dict:
     from semoe.train_config import expert_state_bytes
 
@@ -185,6 +224,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True, help="where the run directories go (on the SSD to measure)")
     ap.add_argument("--largest", action="store_true", help="train a model with expert states > RAM instead")
+    ap.add_argument("--dense", action="store_true",
+                    help="instead compare --dense-states replicated, zero1 and fsdp on --nproc ranks")
+    ap.add_argument("--nproc", type=int, default=2, help="--dense: ranks")
     shape = ap.add_argument_group("model and batch (defaults differ with --largest)")
     for flag in (*SHAPE_FLAGS, "batch_size", "seq_len", "steps"):
         shape.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
@@ -207,7 +249,11 @@ def main() -> int:
     if not args.largest and args.steps <= args.warmup_steps_skip:
         ap.error(f"--steps ({args.steps}) must exceed --warmup-steps-skip ({args.warmup_steps_skip})")
     os.makedirs(args.workdir, exist_ok=True)
-    if args.largest:
+    if args.dense:
+        out = {"dense": dense_modes(args)}
+        if not args.json:
+            print_dense(out["dense"])
+    elif args.largest:
         out = {"largest": largest(args)}
         if not args.json:
             print_largest(out["largest"])

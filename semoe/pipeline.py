@@ -80,6 +80,9 @@ def check_pipeline(config: MoEConfig, stages: int, cfg: TrainConfig, pipeline: P
     if config.tie_embeddings:
         raise BadInputError("--pipeline needs untied embeddings (the embedding and the LM head live on "
                             "different stages); this model ties them")
+    if cfg.dense_states == "fsdp":
+        raise BadInputError("--dense-states fsdp shards dense states over data-parallel ranks; with --pipeline "
+                            "each stage owns its blocks' dense states alone: drop --dense-states")
     M = cfg.micro_batches
     if cfg.batch_size % M:
         raise BadInputError(f"--batch-size {cfg.batch_size} must divide by --micro-batches {M}")
@@ -314,8 +317,7 @@ class PipelineTrainer(Trainer):
     def _build(self) -> None:
         # the optimizer too: checkpoint 0 of a new run saves its state
         self.model = self._build_stage(self.executor_factory)
-        self.dense = [p for _, p in _dense_params(self.model) if p.requires_grad]
-        self.opt = self._dense_optimizer(shardable=False)  # each stage has parameters of its own
+        self._make_dense_states("replicated", world=1)  # each stage has parameters of its own
 
     def _build_fresh(self) -> None:
         self._build()  # the stage is initialised (or loaded from --init-from) while it is built
@@ -349,7 +351,10 @@ class PipelineTrainer(Trainer):
     def _dense_tensors(self) -> list[tuple[str, torch.Tensor]]:
         return [t for stage_dense, _, _ in self._stage_dense for t in stage_dense]
 
-    def _run_files(self, adam_steps: list[list[int]]) -> dict[str, bytes]:
+    def _optimizer_state(self) -> None:
+        return None  # every stage's, gathered by `checkpoint`
+
+    def _run_files(self, adam_steps: list[list[int]], opt_state: None) -> dict[str, bytes]:
         train_cfg = {k: v for k, v in asdict(self.cfg).items() if k not in ("out", "log_json")}
         buf = io.BytesIO()
         torch.save({"stages": [opt for _, opt, _ in self._stage_dense],

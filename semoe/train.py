@@ -57,10 +57,10 @@ from semoe.attention import Attention
 from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
 from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
+from semoe.dense_states import DenseStates, assign_full_, full_tensor, shard_dense
 from semoe.expert_parallel import local_expert_ids, shard_experts
 from semoe.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, ResidentExpertStates,
-                                 TrainingExperts, init_expert, sum_of_squares)
-from semoe.fused_comm import GradBucketReducer, fused_all_reduce
+                                 TrainingExperts, init_expert)
 from semoe.model import MoEGPT, RMSNorm, Router
 from semoe.ssd_states import SSDExpertStates
 from semoe.tokenizer import ByteTokenizer
@@ -87,30 +87,36 @@ def init_dense(model: MoEGPT, seed: int) -> None:
     g = torch.Generator().manual_seed(seed)
     for m in model.modules():
         if isinstance(m, (nn.Linear, nn.Embedding, Router)):
-            w = torch.empty(m.weight.shape).normal_(0.0, 0.02, generator=g)
-            m.weight.copy_(w)
+            assign_full_(m.weight, torch.empty(m.weight.shape).normal_(0.0, 0.02, generator=g))
             if getattr(m, "bias", None) is not None:
-                m.bias.zero_()
+                assign_full_(m.bias, torch.zeros(m.bias.shape))
         elif isinstance(m, RMSNorm):
-            m.weight.fill_(1.0)
+            assign_full_(m.weight, torch.ones(m.weight.shape))
         elif isinstance(m, Attention) and m.config.attention_sinks:
-            m.sinks.zero_()
+            assign_full_(m.sinks, torch.zeros(m.sinks.shape))
 
 
 def build_model(config: MoEConfig, states: ExpertStates, device: torch.device, world: int,
-                group: dist.ProcessGroup | None = None) -> MoEGPT:
-    """A model whose MoE layers take their experts from `states` (no expert parameters at all)."""
+                group: dist.ProcessGroup | None = None, *, dense_states: str = "replicated") -> MoEGPT:
+    """A model whose MoE layers take their experts from `states` (no expert parameters at all).
+    With several ranks the experts are expert-parallel, and `dense_states="fsdp"` shards the dense
+    parameters (see `semoe.dense_states`): built on the meta device first, no rank ever
+    allocates more than its share. Weights are uninitialised (`init_dense`, `Trainer._load_dense`)."""
     with torch.device("meta"):
         model = MoEGPT(config)
     for block in model.layers:
         ffn = block.ffn
         if hasattr(ffn, "router"):
             ffn.use_experts(TrainingExperts(states, ffn.layer))
+    if world > 1:
+        shard_experts(model, group, provider=lambda ffn: TrainingExperts(states, ffn.layer, states.experts.start))
+    if world > 1 and dense_states == "fsdp":
+        if config.tie_embeddings:  # tied before sharding: one parameter, in the root unit
+            model.lm_head.weight = model.embed.weight
+        shard_dense(model, model.layers, device)
     model = model.to_empty(device=device)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
-    if world > 1:
-        shard_experts(model, group, provider=lambda ffn: TrainingExperts(states, ffn.layer, states.experts.start))
     return model
 
 
@@ -194,10 +200,19 @@ class Trainer:
     def _build(self) -> None:
         """The model (experts behind the states), its dense parameters and their optimizer."""
         self.states.grad_scale = 1.0 / self.world
-        self.model = build_model(self.config, self.states, self.device, self.world).train()
-        self.dense = [p for _, p in _dense_params(self.model) if p.requires_grad]
-        self.opt = self._dense_optimizer()
-        self.reducer = (GradBucketReducer(self.dense) if self.world > 1 and self.cfg.micro_batches == 1 else None)
+        self.model = build_model(self.config, self.states, self.device, self.world,
+                                 dense_states=self.cfg.dense_states).train()
+        self._make_dense_states(self.cfg.dense_states, self.world)
+
+    def _make_dense_states(self, mode: str, world: int) -> None:
+        """`self.dense_states` in `mode` over the model's trainable dense parameters, shared by
+        `world` ranks (1: this rank's own); `self.dense` and `self.opt` are its parameters and
+        optimizer."""
+        cfg = self.cfg
+        self.dense_states = DenseStates(mode, [p for _, p in _dense_params(self.model) if p.requires_grad], world,
+                                        lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
+                                        overlap=cfg.micro_batches == 1)
+        self.dense, self.opt = self.dense_states.params, self.dense_states.opt
 
     def _build_fresh(self) -> None:
         """A new run's model, with its first dense weights (seeded, or the --init-from store's)."""
@@ -213,19 +228,6 @@ class Trainer:
         self.precision = training_precision(cfg.precision, cfg.device)
         use_precision(self.precision)
         self.object_group = object_group() if self.distributed else None
-
-    def _dense_optimizer(self, *, shardable: bool = True) -> torch.optim.Optimizer:
-        """AdamW over the dense parameters; with several ranks holding the same parameters
-        (`shardable`) and `dense_optimizer=sharded`, torch's ZeroRedundancyOptimizer: each rank
-        steps (and keeps the moments of) its share and broadcasts the result, which gives the
-        replicated optimizer's numbers."""
-        cfg = self.cfg
-        kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
-        if shardable and self.world > 1 and cfg.dense_optimizer == "sharded":
-            from torch.distributed.optim import ZeroRedundancyOptimizer
-
-            return ZeroRedundancyOptimizer(self.dense, optimizer_class=torch.optim.AdamW, **kw)
-        return torch.optim.AdamW(self.dense, **kw)
 
     def _start_fresh(self, init_dense_states: Callable[[], None]) -> None:
         """A new run: initialise, commit checkpoint 0, open the next version. On failure nothing was
@@ -391,7 +393,7 @@ class Trainer:
             t = store.read_tensor(key)
             if tuple(t.shape) != tuple(p.shape):
                 raise BadInputError(f"{source}: tensor {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-            p.copy_(t)
+            assign_full_(p, t)
 
     def _initial_expert(self, layer: int, e: int) -> tuple[torch.Tensor, ...]:
         if self.cfg.init_from is None:
@@ -407,7 +409,7 @@ class Trainer:
         self.step = int(st["step"])
         self._load_dense(store, self.cfg.store)
         opt_state, rng = self._saved_optimizer(store)
-        self.opt.load_state_dict(opt_state)
+        self.dense_states.load_full_state(opt_state)
         torch.set_rng_state(rng)
         self.states.adam_steps = {(l, e): n for l, e, n in st["adam_steps"]
                                   if e in self.experts and l in self.states.layers}
@@ -427,15 +429,14 @@ class Trainer:
     def checkpoint(self) -> int:
         """Commit the model, optimizers and position as one store version; returns it."""
         self.states.wait_idle()
-        if hasattr(self.opt, "consolidate_state_dict"):  # sharded: rank 0 collects every rank's moments
-            self.opt.consolidate_state_dict(to=0)
+        dense, opt_state = self._dense_tensors(), self._optimizer_state()  # collectives: on every rank
         written = self.states.checkpoint_entries()
         steps = [[l, e, n] for (l, e), n in sorted(self.states.adam_steps.items())]
         parts = self._gather((written, steps))
         version = None
         if self.rank == 0:
             try:
-                version = self._commit(parts)
+                version = self._commit(parts, dense, opt_state)
             except (OSError, ValueError, RuntimeError) as e:
                 if isinstance(e, OSError) and e.strerror:
                     detail = f"{e.filename + ': ' if e.filename else ''}{e.strerror}"
@@ -450,7 +451,7 @@ class Trainer:
         self._barrier()
         return version
 
-    def _commit(self, parts: list) -> int:
+    def _commit(self, parts: list, dense: list[tuple[str, torch.Tensor]], opt_state: dict | None) -> int:
         w = self.writer
         for (tensors, chunks), _ in parts:
             w.adopt(tensors, chunks)
@@ -461,10 +462,10 @@ class Trainer:
             for f in source.manifest.files:
                 if f.name != "config.json":
                     w.put_file(f.name, source.read_file(f.name))
-        for name, t in self._dense_tensors():
+        for name, t in dense:
             w.put_dense(name, t)
         steps = sorted(x for _, s in parts for x in s)
-        for name, data in self._run_files(steps).items():
+        for name, data in self._run_files(steps, opt_state).items():
             w.put_file(name, data)
         w.set_model({"source": "semoe-train", "architecture": hf_config(c)["architectures"][0],
                      "model_type": c.arch, "num_layers": c.num_layers, "config": hf_config(c)})
@@ -474,13 +475,23 @@ class Trainer:
         return version
 
     def _dense_tensors(self) -> list[tuple[str, torch.Tensor]]:
-        """(store name, tensor) of every dense parameter a checkpoint holds."""
-        return [(hf_name(self.config, name), p.detach().cpu()) for name, p in _dense_params(self.model)]
+        """(store name, full tensor) of every dense parameter a checkpoint holds, on rank 0 (empty
+        elsewhere). A collective: sharded parameters are gathered one at a time."""
+        out = []
+        for name, p in _dense_params(self.model):
+            t = full_tensor(p.detach())
+            if self.rank == 0:
+                out.append((hf_name(self.config, name), t.cpu()))
+        return out
 
-    def _run_files(self, adam_steps: list[list[int]]) -> dict[str, bytes]:
+    def _optimizer_state(self) -> dict | None:
+        """The dense optimizer's state in the checkpoint format, on rank 0 (a collective)."""
+        return self.dense_states.full_state(keep=self.rank == 0)
+
+    def _run_files(self, adam_steps: list[list[int]], opt_state: dict | None) -> dict[str, bytes]:
         """The side files that let a run resume: dense optimizer and RNG, step, settings, Adam counts."""
         buf = io.BytesIO()
-        torch.save({"dense_optimizer": self.opt.state_dict(), "rng": torch.get_rng_state()}, buf)
+        torch.save({"dense_optimizer": opt_state, "rng": torch.get_rng_state()}, buf)
         train_cfg = {k: v for k, v in asdict(self.cfg).items() if k not in ("out", "log_json")}
         return {OPTIMIZER_FILE: buf.getvalue(),
                 TRAINER_FILE: json.dumps({"step": self.step, "world": self.world, "train_config": train_cfg,
@@ -513,8 +524,7 @@ class Trainer:
         t0 = time.perf_counter()
         before = self.states.stats()
         lr = cfg.lr_at(self.step)
-        for p in self.dense:
-            p.grad = None
+        self.dense_states.zero_grad()
         ids, tgt = self._rank_batch()
         # Loss sums stay on the device (float64, as exact as summing Python floats) until the one
         # host read of the step.
@@ -528,20 +538,16 @@ class Trainer:
             self.states.end_backward()
             ce_sum = ce_sum + ce.detach()
             aux_sum = aux_sum + out.aux_loss.detach()
-        if self.world > 1:
-            if self.reducer is not None:
-                self.reducer.finish()
-            else:
-                for p in self.dense:
-                    if p.grad is None:
-                        p.grad = torch.zeros_like(p)
-                fused_all_reduce([p.grad for p in self.dense])  # averages over ranks
-        # Losses and the experts' squares add up over ranks; dense gradients are replicated
-        # (already averaged), so their squares are counted once.
-        summed = self._sum_on_device(torch.stack([ce_sum, aux_sum, self.states.grad_sq_sum()]))
-        dense_sq = sum_of_squares([p.grad for p in self.dense if p.grad is not None], self.device)
+        self.dense_states.finish_backward()
+        # Losses and the experts' squares add up over ranks; so do the dense gradients' squares
+        # when each rank holds a shard of them, while replicated ones (already averaged) count once.
+        dense_sq = self.dense_states.grad_sq(self.device)
+        partial = self.dense_states.sq_is_partial
+        sq = self.states.grad_sq_sum() + dense_sq if partial else self.states.grad_sq_sum()
+        summed = self._sum_on_device(torch.stack([ce_sum, aux_sum, sq]))
         n = cfg.micro_batches * self.world
-        ce_mean, aux_mean, grad_sq = torch.stack([summed[0] / n, summed[1] / n, summed[2] + dense_sq]).tolist()
+        ce_mean, aux_mean, grad_sq = torch.stack([summed[0] / n, summed[1] / n,
+                                                  summed[2] if partial else summed[2] + dense_sq]).tolist()
         return self._finish_step(t0, before, lr, ce_mean, aux_mean, grad_sq)
 
     def _finish_step(self, t0: float, before: dict, lr: float, ce_mean: float, aux_mean: float, grad_sq: float,
@@ -555,27 +561,24 @@ class Trainer:
         coef = 1.0
         if cfg.grad_clip > 0 and grad_norm > cfg.grad_clip:
             coef = cfg.grad_clip / (grad_norm + 1e-6)
-            for p in self.dense:
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        for group in self.opt.param_groups:
-            group["lr"] = lr
-        self.opt.step()
+            self.dense_states.clip_(coef)
+        self.dense_states.step(lr)
         self.states.step(lr, self.adam, coef)
         self.states.end_step()
         self.step += 1
         dt = time.perf_counter() - t0
         after = self.states.stats()
-        read, written, hits, misses, rss = self._sum([
+        read, written, hits, misses, rss, dense_bytes = self._sum([
             after.get("ssd_read_bytes", 0) - before.get("ssd_read_bytes", 0),
             after.get("ssd_written_bytes", 0) - before.get("ssd_written_bytes", 0),
             after.get("cpu_hits", 0) - before.get("cpu_hits", 0),
-            after.get("cpu_misses", 0) - before.get("cpu_misses", 0), float(peak_rss_bytes())])
+            after.get("cpu_misses", 0) - before.get("cpu_misses", 0), float(peak_rss_bytes()),
+            float(self.dense_states.nbytes()["total"])])
         hit_rate = hits / (hits + misses) if hits + misses else None
         return StepLog(step=self.step, loss=ce_mean, aux_loss=aux_mean, lr=lr, grad_norm=grad_norm,
                        tokens_per_s=cfg.batch_size * cfg.seq_len / dt, step_s=dt, cpu_hit_rate=hit_rate,
                        ssd_read_gbps=read / dt / 1e9, ssd_write_gbps=written / dt / 1e9, peak_rss_bytes=int(rss),
-                       extra=extra or {})
+                       dense_bytes_per_rank=int(dense_bytes / self.world), extra=extra or {})
 
     @torch.no_grad()
     def evaluate(self, batches: int = 4) -> float:

@@ -19,6 +19,7 @@ from semoe.ssd_states import ChunkFormat
 from storage.errors import BadInputError, StorageError
 
 EXPERT_STATES = ("ssd", "cpu", "device")
+DENSE_STATES = ("replicated", "zero1", "fsdp")
 PRECISIONS = ("auto", "bf16", "fp32")
 
 
@@ -55,9 +56,10 @@ class TrainConfig:
     checkpoint_every: int = 50
     log_json: str | None = None
     read_mode: str = "direct"
-    # with several ranks, each keeps the AdamW moments of its share of the dense parameters only
-    # (ZeRO stage 1) and sends its updated share to the others; replicated: every rank keeps all
-    dense_optimizer: str = "sharded"
+    # with several ranks: replicated (every rank holds all dense states), zero1 (each keeps the
+    # AdamW moments of its share of the dense parameters), fsdp (parameters, gradients and
+    # moments sharded with FSDP2); see semoe.dense_states
+    dense_states: str = "zero1"
     verify: bool = True  # check every checksum of the store before resuming
     init_from: str | None = None  # a model store (imported or trained) to start from instead of random weights
 
@@ -72,8 +74,8 @@ class TrainConfig:
             raise BadInputError(f"--lr must be > 0, got {self.lr}")
         if self.grad_clip < 0:
             raise BadInputError(f"--grad-clip must be >= 0, got {self.grad_clip}")
-        if self.dense_optimizer not in ("sharded", "replicated"):
-            raise BadInputError(f"--dense-optimizer must be sharded or replicated, got {self.dense_optimizer!r}")
+        if self.dense_states not in DENSE_STATES:
+            raise BadInputError(f"--dense-states must be one of {', '.join(DENSE_STATES)}, got {self.dense_states!r}")
         if self.precision not in PRECISIONS:
             raise BadInputError(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
         parse_device(self.device)
@@ -147,6 +149,7 @@ class StepLog:
     ssd_read_gbps: float
     ssd_write_gbps: float
     peak_rss_bytes: int
+    dense_bytes_per_rank: int = 0  # dense parameters, gradients and AdamW moments held, mean over ranks
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict:

@@ -16,7 +16,7 @@ from tools.sizes import parse_size
 # TrainConfig fields settable by flag (flag default None: "not given", so a resumed run keeps its own)
 _TRAIN_FLAGS = ("data", "steps", "seed", "batch_size", "seq_len", "micro_batches", "lr", "warmup_steps",
                 "weight_decay", "grad_clip", "expert_states", "device", "checkpoint_every", "read_mode",
-                "dense_optimizer", "precision")
+                "dense_states", "precision")
 _MODEL_FLAGS = {"layers": "num_layers", "hidden": "hidden_size", "heads": "num_heads", "kv_heads": "num_kv_heads",
                 "ffn": "ffn_size", "expert_ffn": "moe_ffn_size", "experts": "num_experts", "top_k": "top_k",
                 "capacity_factor": "capacity_factor"}
@@ -79,9 +79,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--grad-memory", metavar="SIZE", default=None,
                    help="ssd: host memory for expert gradients during a step, bytes or a percentage of the "
                         "rank's expert-state bytes; the rest spill to OUT/spill [same as --cpu-cache]")
-    s.add_argument("--dense-optimizer", choices=("sharded", "replicated"), default=None,
-                   help="with --nproc > 1: each rank keeps the AdamW moments of its share of the dense "
-                        "parameters (ZeRO stage 1, the same numbers) or of all of them [sharded]")
+    s.add_argument("--dense-states", choices=("replicated", "zero1", "fsdp"), default=None,
+                   help="with --nproc > 1, where dense parameters, gradients and AdamW moments live: every rank "
+                        "holds all of them (replicated); each rank keeps the moments of its share only (zero1, "
+                        "ZeRO stage 1); or all three are sharded over the ranks with FSDP2, each block gathered "
+                        "one block ahead of use (fsdp, about 1/N of the dense memory per rank). The same numbers "
+                        "up to float32 summation order; a run may resume in another mode [zero1]")
     s.add_argument("--device", default=None,
                    help="cpu, cuda or cuda:N; with several ranks on CUDA, rank r runs on cuda:r [cpu]")
     s.add_argument("--read-mode", choices=("direct", "drop", "cached"), default=None,
@@ -156,6 +159,13 @@ def build_configs(args: argparse.Namespace):
             model_cfg = _model_config(args, file_cfg)
     else:
         model_cfg = _model_config(args, file_cfg)
+    if "dense_optimizer" in train:  # a run saved before --dense-states, or an older --config file
+        from semoe.dense_states import LEGACY_DENSE_OPTIMIZER
+
+        old = train.pop("dense_optimizer")
+        if old not in LEGACY_DENSE_OPTIMIZER:
+            raise UsageError(f"dense_optimizer must be sharded or replicated, got {old!r}")
+        train.setdefault("dense_states", LEGACY_DENSE_OPTIMIZER[old])
     train.update({k: getattr(args, k) for k in _TRAIN_FLAGS if getattr(args, k, None) is not None})
     train["out"], train["log_json"] = args.out, args.log_json
     train["verify"] = not args.no_verify
