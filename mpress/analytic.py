@@ -13,6 +13,13 @@ capacity padding of MoE dispatch are left out.
 Flops (forward, per layer) are 24*b*s*h^2 + 4*b*s^2*h for a dense layer; an MoE layer keeps the
 attention (8*b*s*h^2 + 4*b*s^2*h), runs k expert FFNs per token (16*b*s*h^2 each) and a router
 (2*b*s*h*E). Backward costs twice the forward.
+
+Model data per parameter: `dtype_bytes` of weight and of gradient, which every forward and
+backward touch, and the rest of `optimizer_bytes_per_param` as optimizer states (12 under mixed
+precision: fp32 master weight and two moments), which only the optimizer step reads. The step is
+memory-bound: on the device it reads the gradient and the states and writes the states and the
+weight, at `device_memory_bw`; on the host, CPU Adam runs at `host_adam_params_per_s` (fused,
+vectorised, all cores).
 """
 
 from __future__ import annotations
@@ -23,6 +30,8 @@ ARCHS = ("gpt", "bert")
 MASK_BYTES = 1  # a dropout mask element
 TOKEN_ID_BYTES = 8  # int64 token ids, kept by the embedding for its backward
 BERT_CLASSES = 2  # "bert" ends in a pooler and a sequence classifier with this many classes
+DEVICE_MEMORY_BW = 900e9  # V100 HBM2
+HOST_ADAM_PARAMS_PER_S = 1e9  # fused CPU Adam on a two-socket server
 
 
 def layer_saved(*, hidden: int, heads: int, seq: int, micro_batch: int, dtype_bytes: int = 2,
@@ -103,7 +112,8 @@ def _validate(arch: str, layers: int, hidden: int, heads: int, seq: int, micro_b
 def analytic_profile(*, arch: str = "gpt", layers: int, hidden: int, heads: int, seq: int, micro_batch: int,
                      micro_batches: int, vocab: int, experts: int = 0, top_k: int = 1, stages: int,
                      schedule: str = "1f1b", flops: float, dtype_bytes: int = 2,
-                     optimizer_bytes_per_param: int = 16) -> PipelineProfile:
+                     optimizer_bytes_per_param: int = 16, device_memory_bw: float = DEVICE_MEMORY_BW,
+                     host_adam_params_per_s: float = HOST_ADAM_PARAMS_PER_S) -> PipelineProfile:
     """The profile of a GPT (or BERT encoder) of `layers` layers split over `stages` stages.
 
     The embedding is an extra first layer of stage 0; the head an extra last layer of the last
@@ -114,15 +124,24 @@ def analytic_profile(*, arch: str = "gpt", layers: int, hidden: int, heads: int,
     """
     _validate(arch, layers, hidden, heads, seq, micro_batch, micro_batches, vocab, experts, top_k,
               stages, schedule, flops, dtype_bytes, optimizer_bytes_per_param)
+    for name, value in (("device_memory_bw", device_memory_bw), ("host_adam_params_per_s", host_adam_params_per_s)):
+        if not value > 0:
+            raise ValueError(f"{name} must be > 0, got {value!r}")
     b, s, h, d = micro_batch, seq, hidden, dtype_bytes
     hidden_bytes = b * s * h * d  # one (b, s, h) activation: a layer's output
+    update = min(2 * d, optimizer_bytes_per_param)  # weight and gradient, per parameter
+    state = optimizer_bytes_per_param - update
+    touched = update + 2 * state  # the device step reads the gradient and states, writes states and weight
 
     def make(index: int, name: str, forward_flops: float, saved: list[SavedTensor], params: int,
              output_bytes: int) -> LayerProfile:
         forward_s = forward_flops / flops
         return LayerProfile(index=index, name=name, forward_s=forward_s, backward_s=2 * forward_s,
                             saved=saved, param_bytes=params * optimizer_bytes_per_param,
-                            output_bytes=output_bytes)
+                            output_bytes=output_bytes, state_bytes=params * state, update_bytes=params * update,
+                            state_tensors=3 if state else 0,  # master weight and two moments, one tensor each
+                            step_s=params * touched / device_memory_bw,
+                            host_step_s=params / host_adam_params_per_s if state else 0.0)
 
     # a lookup: no flops to speak of; backward needs the token ids and the dropout mask
     embedding = make(0, "embedding", 0.0, [SavedTensor(name="embed.ids", bytes=b * s * TOKEN_ID_BYTES),

@@ -16,6 +16,14 @@ The steps, each scored or checked in the simulator:
     become D2D swaps striped over peers with free memory (budget minus simulated peak) in proportion
     to link bandwidth; a batch of them is kept when the simulated step fits and is faster (else the
     batch is halved), and the search stops once a kept batch gains less than `min_gain`.
+Model data: a layer's optimizer states (`LayerProfile.state_bytes`) may move to host memory for the
+whole step, stepped on the device (brought in and out around the optimizer step) or on the host
+(CPU Adam; gradients out, weights back), whichever the cost model prices lower. Such a move enters
+the same queues as (b) and (c), priced as the optimizer-phase time it adds per byte of peak it
+removes (it removes the full state bytes, at every moment of the pipeline). In (d) the states of
+host-swapped layers may instead be striped over peers with free memory, accepted as (d) accepts
+activation D2D: when the simulated step fits and is faster.
+
 (e) without a given mapping, a local search over stage -> device permutations, scored by an estimate
     of the transfer time the mapping forces, puts pressured stages next to light devices over fast
     links; the best mapping found and the identity are both compacted and the faster one kept.
@@ -34,7 +42,7 @@ import time
 from dataclasses import dataclass
 from numbers import Integral
 
-from mpress.profile import Decision, LayerProfile, PipelineProfile, Plan, Stripe
+from mpress.profile import Decision, LayerProfile, ModelDataDecision, PipelineProfile, Plan, Stripe
 from mpress.schedule import in_flight_peak
 from mpress.simulator import SimResult, recompute_held, simulate
 from mpress.topology import Topology
@@ -115,19 +123,38 @@ class _Compactor:
         self.layer: dict[int, tuple[int, LayerProfile]] = {
             lp.index: (s, lp) for s, st in enumerate(profile.stages) for lp in st.layers}
         self.choice: dict[int, tuple[str, list[Stripe]]] = {}  # layer -> (technique, stripes)
+        self.md: dict[int, tuple[str, list[Stripe], str]] = {}  # layer -> (technique, stripes, step_on)
         self.queue: list[list[tuple[int, str]]] = []  # per stage: (layer, technique) still to take
         self.kept_input = recompute_held(profile)
 
-    def to_plan(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None) -> Plan:
+    def to_plan(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None,
+                md: dict[int, tuple[str, list[Stripe], str]] | None = None) -> Plan:
         choice = self.choice if choice is None else choice
+        md = self.md if md is None else md
         return Plan(decisions=[Decision(stage=self.layer[i][0], layer=i, technique=t, stripes=list(x))
-                               for i, (t, x) in sorted(choice.items())], mapping=list(self.mapping))
+                               for i, (t, x) in sorted(choice.items())], mapping=list(self.mapping),
+                    model_data=[ModelDataDecision(stage=self.layer[i][0], layer=i, technique=t, stripes=list(x),
+                                                  step_on=on) for i, (t, x, on) in sorted(md.items())])
 
-    def simulate(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None) -> SimResult:
-        return simulate(self.profile, self.to_plan(choice), self.topology)
+    def simulate(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None,
+                 md: dict[int, tuple[str, list[Stripe], str]] | None = None) -> SimResult:
+        return simulate(self.profile, self.to_plan(choice, md), self.topology)
+
+    def model_cost(self, s: int, lp: LayerProfile) -> tuple[float, str]:
+        """(optimizer-phase seconds that moving `lp`'s states to host memory adds, where its step
+        then runs): on the device the states cross the host link in and out (full duplex, one
+        direction exposed); on the host the gradients go out and the weights come back, and CPU
+        Adam is shared by every stage."""
+        host_bw = self.topology.host_bw[self.mapping[s]]
+        on_device = lp.state_bytes / host_bw
+        on_host = (lp.update_bytes / host_bw + lp.host_step_s * len(self.profile.stages) - lp.step_s
+                   if lp.host_step_s else math.inf)
+        return (on_device, "device") if on_device <= on_host else (max(on_host, 0.0), "host")
 
     def reduction(self, layer: int, technique: str) -> int:
         s, lp = self.layer[layer]
+        if technique.startswith("model"):
+            return lp.state_bytes
         k = self.k[s]
         if technique == "recompute":  # the layer's input stays to replay it
             return max(lp.saved_bytes - self.kept_input[layer], 0) * k
@@ -164,6 +191,12 @@ class _Compactor:
                 if tech == "host":
                     self.host_room -= lp.saved_bytes * k
                 rest.append((_cost_bucket(per_byte[tech]), -lp.index, tech))
+            if host_bw > 0:  # model data: the optimizer states to host memory
+                for lp in st.layers:
+                    if lp.state_bytes and lp.state_bytes <= self.host_room:
+                        added, on = self.model_cost(s, lp)
+                        self.host_room -= lp.state_bytes
+                        rest.append((_cost_bucket(added / lp.state_bytes), -lp.index, f"model:{on}"))
             rest.sort()
             self.queue.append(hidden + [(-neg, tech) for _, neg, tech in rest])
 
@@ -174,7 +207,10 @@ class _Compactor:
         queue = self.queue[s]
         while excess > 0 and queue:
             layer, tech = queue.pop(0)
-            self.choice[layer] = (tech, [])
+            if tech.startswith("model:"):
+                self.md[layer] = ("host", [], tech.split(":")[1])
+            else:
+                self.choice[layer] = (tech, [])
             excess -= self.reduction(layer, tech)
             changed = True
         if excess > 0 and not queue:
@@ -204,8 +240,10 @@ class _Compactor:
         return sim
 
     # (d): D2D swap to peers with free memory
-    def _peer_stripes(self, s: int, nbytes: int, room: list[int]) -> list[Stripe]:
-        dev, hold = self.mapping[s], max(self.k[s] - 1, 1)
+    def _peer_stripes(self, s: int, nbytes: int, room: list[int], hold: int | None = None) -> list[Stripe]:
+        """Stripes of `nbytes` over peers whose `room` takes `hold` copies of their stripe (default:
+        the stage's micro-batches in flight but one); `room` is charged for them."""
+        dev, hold = self.mapping[s], max(self.k[s] - 1, 1) if hold is None else hold
         peers = [p for p in range(self.topology.devices)
                  if p != dev and room[p] > 0 and self.topology.peer_bw(dev, p) > 0
                  and self.topology.peer_bw(p, dev) > 0]
@@ -285,6 +323,37 @@ class _Compactor:
                 return sim
 
 
+    def model_d2d(self, sim: SimResult, min_gain: float) -> SimResult:
+        """(d) for model data: host-held optimizer states striped over peers' free memory instead
+        (they stay there all step), largest first, halving the batch until a trial fits and is
+        faster."""
+        while True:
+            movable = sorted((i for i, (t, _, _) in self.md.items() if t == "host"),
+                             key=lambda i: (-self.layer[i][1].state_bytes, i))
+            n, accepted = len(movable), None
+            while n and accepted is None:
+                room = [b - p for b, p in zip(self.budgets, sim.peak_bytes)]
+                md, converted = dict(self.md), 0
+                for layer in movable[:n]:
+                    s, lp = self.layer[layer]
+                    split = self._peer_stripes(s, lp.state_bytes, room, hold=1)
+                    if split:
+                        md[layer] = ("d2d", split, "device")
+                        converted += 1
+                if not converted:
+                    break
+                trial = self.simulate(md=md)
+                if not trial.overflow(self.budgets) and trial.step_time_s < sim.step_time_s:
+                    accepted = (md, trial)
+                n //= 2
+            if accepted is None:
+                return sim
+            gain = (sim.step_time_s - accepted[1].step_time_s) / sim.step_time_s
+            self.md, sim = accepted
+            if gain < min_gain:
+                return sim
+
+
 def _result(plan_: Plan, sim: SimResult, budgets: list[int], t0: float, stage_on: dict[int, int],
             note: str) -> PlanResult:
     sim = dataclasses.replace(sim, budget_bytes=list(budgets))
@@ -298,6 +367,8 @@ def _result(plan_: Plan, sim: SimResult, budgets: list[int], t0: float, stage_on
         counts = {}
         for dec in plan_.decisions:
             counts[dec.technique] = counts.get(dec.technique, 0) + 1
+        for dec in plan_.model_data:
+            counts[f"model-data {dec.technique}"] = counts.get(f"model-data {dec.technique}", 0) + 1
         reason = "fits " + (", ".join(f"{n} {t}" for t, n in sorted(counts.items())) or "keeping all")
     return PlanResult(plan=plan_, sim=sim, fits=not over, reason=reason,
                       planning_s=time.perf_counter() - t0)
@@ -312,17 +383,21 @@ def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], m
         return _result(c.to_plan(), base, budgets, t0, c.stage_on, "")
     for s, st in enumerate(profile.stages):
         d = mapping[s]
-        if st.static_bytes > budgets[d]:
+        movable = sum(lp.state_bytes for lp in st.layers) if topology.host_bw[d] > 0 else 0
+        resident = st.static_bytes - movable
+        if resident > budgets[d]:
+            what = "parameters and gradients" if movable else "parameters and optimizer states"
             return PlanResult(plan=c.to_plan(), sim=dataclasses.replace(base, budget_bytes=list(budgets)),
                               fits=False, planning_s=time.perf_counter() - t0,
-                              reason=f"device {d} (stage {s}): parameters and optimizer states"
+                              reason=f"device {d} (stage {s}): {what}"
                                      f"{' (with the embedding or head and their activations)' if st.fixed_bytes else ''}"
-                                     f" alone take {st.static_bytes} bytes, {st.static_bytes - budgets[d]} over "
+                                     f" alone take {resident} bytes, {resident - budgets[d]} over "
                                      f"its budget of {budgets[d]} bytes")
     c.build_queues(idle_times(profile, base))
     sim = c.fit(base)
     if not sim.overflow(budgets):
         sim = c.d2d(sim, min_gain)
+        sim = c.model_d2d(sim, min_gain)
     return _result(c.to_plan(), sim, budgets, t0, c.stage_on,
                    " with every layer compacted" if sim.overflow(budgets) else "")
 
@@ -376,6 +451,22 @@ def search_stage_mapping(profile: PipelineProfile, topology: Topology, budgets: 
         if not best_cost < cost * (1 - 1e-9):
             return current
         current, cost = best, best_cost
+
+
+def offload_everything(profile: PipelineProfile, mapping: list[int] | None = None) -> Plan:
+    """The ZeRO-Infinity-style baseline: every layer's optimizer states in host memory and its
+    optimizer step on the CPU, every layer's activations recomputed (activation checkpointing).
+    (ZeRO-Infinity also streams the fp16 weights from host memory layer by layer, which only adds
+    traffic; this baseline keeps them on the device, so it is scored generously.)"""
+    decisions, model = [], []
+    for s, st in enumerate(profile.stages):
+        for lp in st.layers:
+            if lp.saved_bytes:
+                decisions.append(Decision(stage=s, layer=lp.index, technique="recompute"))
+            if lp.state_bytes:
+                model.append(ModelDataDecision(stage=s, layer=lp.index, technique="host",
+                                               step_on="host" if lp.host_step_s else "device"))
+    return Plan(decisions=decisions, mapping=list(mapping or []), model_data=model)
 
 
 def plan(profile: PipelineProfile, topology: Topology, *, budget_bytes: int | list[int] | None = None,

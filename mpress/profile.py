@@ -5,6 +5,11 @@ Legend: a *stage* is one pipeline stage (one rank, one device); a *layer* is one
 (or the embedding / head, which count as layers of the first / last stage); a *saved tensor* is an
 activation autograd keeps from a layer's forward until that layer's backward, once per micro-batch.
 Times are seconds, sizes bytes, bandwidths bytes per second.
+
+*Model data* are a layer's parameters, gradients and optimizer states. The part only the optimizer
+step reads (`state_bytes`: fp32 master weights and Adam moments under mixed precision, the moments
+in float32 training) may live off the device between steps: in host memory or in peers' spare
+memory (`MODEL_TECHNIQUES`); the weights and gradients that every forward and backward touch stay.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from dataclasses import asdict, dataclass, field
 
 SCHEDULES = ("gpipe", "1f1b")
 TECHNIQUES = ("keep", "recompute", "host", "d2d")
+MODEL_TECHNIQUES = ("keep", "host", "d2d")  # where a layer's optimizer states live between steps
+STEP_ON = ("device", "host")  # where a layer's optimizer step runs
 
 
 @dataclass(kw_only=True)
@@ -37,6 +44,13 @@ class LayerProfile:
     saved: list[SavedTensor] = field(default_factory=list)
     param_bytes: int = 0  # parameters + gradients + optimizer states resident on the device
     output_bytes: int = 0  # the layer's output (the input of the next), per micro-batch
+    # model data: the part of param_bytes only the optimizer step reads (may move off the device),
+    # and the weights + gradients a step on the host copies (gradients out, weights back)
+    state_bytes: int = 0
+    update_bytes: int = 0
+    state_tensors: int = 0  # how many tensors state_bytes is (each is placed, and aligned, alone)
+    step_s: float = 0.0  # the layer's optimizer step on its device
+    host_step_s: float = 0.0  # the same step on the host CPU
 
     @property
     def saved_bytes(self) -> int:
@@ -84,6 +98,11 @@ class PipelineProfile:
             raise ValueError(f"micro_batches must be >= 1, got {self.micro_batches}")
         if not self.stages:
             raise ValueError("a pipeline needs at least one stage")
+        for st in self.stages:
+            for lp in st.layers:
+                if not 0 <= lp.state_bytes <= lp.param_bytes:
+                    raise ValueError(f"layer {lp.index}: state_bytes {lp.state_bytes} must be in 0..param_bytes "
+                                     f"({lp.param_bytes})")
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=1)
@@ -126,17 +145,50 @@ class Decision:
 
 
 @dataclass(kw_only=True)
+class ModelDataDecision:
+    """Where one layer's optimizer states (`LayerProfile.state_bytes`) live between optimizer steps
+    and where its step runs.
+
+    keep: on the device, stepped there. host: in host memory; stepped on the device (the states
+    are brought in ahead of the layer's step and sent back after it) or on the host (`step_on`:
+    the gradients go out, the updated weights come back). d2d: striped over peers' spare memory
+    (`stripes`, in proportion to link bandwidth), brought back for a step on the device.
+    """
+
+    stage: int
+    layer: int
+    technique: str = "keep"
+    stripes: list[Stripe] = field(default_factory=list)
+    step_on: str = "device"
+
+    def __post_init__(self) -> None:
+        if self.technique not in MODEL_TECHNIQUES:
+            raise ValueError(f"model-data technique must be one of {MODEL_TECHNIQUES}, got {self.technique!r}")
+        if self.step_on not in STEP_ON or (self.step_on == "host" and self.technique != "host"):
+            raise ValueError(f"layer {self.layer}: the optimizer step runs on the host only for states in host "
+                             f"memory, got technique {self.technique!r} with step_on {self.step_on!r}")
+
+
+@dataclass(kw_only=True)
 class Plan:
-    """Decisions for every (stage, layer) that is not kept, and the stage -> device mapping."""
+    """Decisions for every (stage, layer) whose activations or model data are not kept, and the
+    stage -> device mapping."""
 
     decisions: list[Decision] = field(default_factory=list)
     mapping: list[int] = field(default_factory=list)  # mapping[stage] = device; empty: identity
+    model_data: list[ModelDataDecision] = field(default_factory=list)
 
     def decision(self, stage: int, layer: int) -> Decision:
         for d in self.decisions:
             if d.stage == stage and d.layer == layer:
                 return d
         return Decision(stage=stage, layer=layer)
+
+    def model_decision(self, stage: int, layer: int) -> ModelDataDecision:
+        for d in self.model_data:
+            if d.stage == stage and d.layer == layer:
+                return d
+        return ModelDataDecision(stage=stage, layer=layer)
 
     def device_of(self, stage: int) -> int:
         return self.mapping[stage] if self.mapping else stage
@@ -148,4 +200,6 @@ class Plan:
     def from_json(cls, text: str) -> "Plan":
         d = json.loads(text)
         return cls(decisions=[Decision(**{**x, "stripes": [Stripe(**s) for s in x["stripes"]]})
-                              for x in d["decisions"]], mapping=list(d.get("mapping", [])))
+                              for x in d["decisions"]], mapping=list(d.get("mapping", [])),
+                   model_data=[ModelDataDecision(**{**x, "stripes": [Stripe(**s) for s in x["stripes"]]})
+                               for x in d.get("model_data", [])])

@@ -166,6 +166,26 @@ def _timed_step(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> tuple[l
     return forward_s, backward_s
 
 
+def step_seconds(module: nn.Module, device: torch.device | str, *, repeats: int = 2) -> float:
+    """Median seconds of an AdamW step over copies of `module`'s parameters on `device` (the
+    optimizer step's share of the layer: memory-bound, so copies time it as well as the real
+    ones, and the real moments are left alone)."""
+    params = [nn.Parameter(p.detach().to(device).clone()) for p in module.parameters() if p.requires_grad]
+    if not params:
+        return 0.0
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(params, foreach=False)
+    times = []
+    for _ in range(1 + repeats):  # the first creates the moments
+        _sync(params)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(params)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Tensor, *,
                    repeats: int = 3, optimizer_states: int = 2) -> list[LayerProfile]:
     """Profile `layers` run in sequence on `example_input` (one micro-batch): saved activations,
@@ -204,6 +224,11 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
             param_bytes=sum(p.numel() * p.element_size() for p in module.parameters())
             * (2 + optimizer_states),
             output_bytes=output_bytes,
+            state_bytes=sum(p.numel() * p.element_size() for p in module.parameters()) * optimizer_states,
+            update_bytes=sum(p.numel() * p.element_size() for p in module.parameters()) * 2,
+            state_tensors=sum(1 for _ in module.parameters()) * optimizer_states,
+            step_s=step_seconds(module, example_input.device) if optimizer_states else 0.0,
+            host_step_s=step_seconds(module, "cpu") if optimizer_states else 0.0,
         )
         for i, ((name, module), (saved, output_bytes)) in enumerate(zip(layers, recorded))
     ]

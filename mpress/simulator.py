@@ -24,6 +24,14 @@ Model, per device (one pipeline stage per device, `Plan.device_of`):
 - memory: static bytes are always resident; at equal times frees count before allocations. Runs of
   consecutive kept or recomputed layers are charged as one block, so the model costs O(ops x
   segments), not O(ops x layers).
+- model data (`Plan.model_data`): a layer whose optimizer states live in host memory or in peers
+  does not hold them on its device; a peer holds its stripes all step. After a stage's last
+  backward its optimizer phase runs layer by layer on the compute stream: a kept layer steps in
+  place; states off the device come in (host link or peer links; PCIe is full duplex, so states
+  coming in and going out use separate `model in` / `model out` lanes), one layer ahead of its step,
+  and go back after it, so at most two layers' states are on the device at once; a step on the
+  host sends the gradients out, runs CPU Adam (one CPU per host: the stages' host steps take turns)
+  and brings the weights back. The step ends when every stage's optimizer phase has.
 """
 
 from __future__ import annotations
@@ -33,12 +41,13 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 from itertools import accumulate
 
-from mpress.profile import TECHNIQUES, Decision, PipelineProfile, Plan
+from mpress.profile import MODEL_TECHNIQUES, TECHNIQUES, Decision, ModelDataDecision, PipelineProfile, Plan
 from mpress.schedule import Op, stage_ops
 from mpress.topology import Topology
 
 RUN, HOST, D2D = 0, 1, 2  # segment kinds
-STREAMS = ("compute", "host", "d2d", "p2p")
+STREAMS = ("compute", "host", "d2d", "p2p", "model in", "model out", "cpu")
+_CPU = (-1, -1)  # the host CPU as a link-like resource: one host step at a time
 
 
 @dataclass(frozen=True)
@@ -77,6 +86,11 @@ class SimResult:
     recompute_s: float  # forward time replayed by recomputation, summed over stages
     swap_wait_s: dict[tuple[int, int], float]  # (stage, layer): time backwards waited for its swap-ins
     events: list[TraceEvent] = field(default_factory=list)  # only when simulated with record=True
+    # model data: optimizer-state bytes per technique (keep / host / d2d), bytes copied for them
+    # this step, and the longest stage's optimizer phase (after its last backward)
+    model_bytes: dict[str, int] = field(default_factory=dict)
+    model_moved_bytes: dict[str, int] = field(default_factory=dict)
+    optimizer_s: float = 0.0
 
     @property
     def recompute_bytes(self) -> int:
@@ -162,6 +176,42 @@ def _segments(profile: PipelineProfile, plan: Plan, topology: Topology,
     return stages
 
 
+def _model_data(profile: PipelineProfile, plan: Plan, topology: Topology,
+                mapping: list[int]) -> dict[int, tuple[ModelDataDecision, tuple]]:
+    """layer -> (decision, d2d stripes as (peer, bytes, bytes/s)) for every layer whose optimizer
+    states do not stay on its device, after checking the decisions against the profile."""
+    layers = {layer.index: (s, layer) for s, st in enumerate(profile.stages) for layer in st.layers}
+    out = {}
+    for d in plan.model_data:
+        where = f"plan model-data decision for stage {d.stage}, layer {d.layer}"
+        if d.layer not in layers or layers[d.layer][0] != d.stage:
+            raise ValueError(f"{where}: the profile has no such layer in that stage")
+        if d.technique not in MODEL_TECHNIQUES:
+            raise ValueError(f"{where}: technique must be one of {MODEL_TECHNIQUES}, got {d.technique!r}")
+        if d.technique == "keep":
+            continue
+        nbytes, dev = layers[d.layer][1].state_bytes, mapping[d.stage]
+        stripes: tuple = ()
+        if d.technique == "host":
+            if topology.host_bw[dev] <= 0:
+                raise ValueError(f"{where}: host memory needs host_bw > 0 on device {dev}")
+        else:
+            if sum(x.bytes for x in d.stripes) != nbytes:
+                raise ValueError(f"{where}: stripes carry {sum(x.bytes for x in d.stripes)} bytes, the layer's "
+                                 f"optimizer states are {nbytes}")
+            parts = []
+            for x in d.stripes:
+                bw = min(topology.peer_bw(dev, x.device), topology.peer_bw(x.device, dev)) \
+                    if 0 <= x.device < topology.devices and x.device != dev else 0.0
+                if bw <= 0:
+                    raise ValueError(f"{where}: stripe device {x.device} must be a peer linked to device {dev}")
+                if x.bytes:
+                    parts.append((x.device, x.bytes, bw))
+            stripes = tuple(parts)
+        out[d.layer] = (d, stripes)
+    return out
+
+
 def recompute_held(profile: PipelineProfile) -> dict[int, int]:
     """Bytes a recomputed layer still holds per micro-batch: its input, kept to replay the forward
     (the previous layer's output; the stage's input, `boundary_bytes`, for its first layer), never
@@ -220,9 +270,11 @@ class _Step:
     """The mutable state of one simulated step; `play` runs it."""
 
     def __init__(self, profile: PipelineProfile, topology: Topology, mapping: list[int],
-                 segs: list[list[_Segment]], record: bool) -> None:
+                 segs: list[list[_Segment]], record: bool,
+                 model: dict[int, tuple[ModelDataDecision, tuple]] | None = None) -> None:
         self.profile, self.topology, self.mapping, self.record = profile, topology, mapping, record
         self.segs = segs
+        self.model = model or {}
         self.swaps_back = [[g for g in reversed(ss) if g.kind != RUN] for ss in segs]  # backward order
         self.links = _Links()
         n = topology.devices
@@ -357,7 +409,61 @@ class _Step:
             push(s)
         if any(nxt[s] != len(ops[s]) for s in range(S)):
             raise RuntimeError(f"schedule {p.schedule!r} deadlocked at ops {nxt}")  # a schedule bug
+        self.optimizer_s = 0.0
+        for s in sorted(range(S), key=lambda s: (busy_until[s], s)):  # first done, first to the shared CPU
+            end = self._optimizer(s, busy_until[s])
+            self.optimizer_s = max(self.optimizer_s, end - busy_until[s])
+            busy_until[s] = end
         return max(busy_until), spans
+
+    def _optimizer(self, s: int, t: float) -> float:
+        """Stage s's optimizer phase from time t (see the module docstring); returns its end."""
+        dev, record = self.mapping[s], self.record
+        host_bw = self.topology.host_bw[dev]
+        mem = self.mem[dev]
+        comp = t_in = t_out = prev_step = t
+        back: list[float] = []  # when each moved layer's states have left the device
+        for layer in self.profile.stages[s].layers:
+            decision, stripes = self.model.get(layer.index, (None, ()))
+            name = f"L{layer.index}"
+            if decision is not None and decision.step_on == "host":
+                half = layer.update_bytes / 2  # gradients out, weights back
+                a, out_end = max(t_out, t), max(t_out, t) + half / host_bw
+                t_out = out_end
+                cpu = self.links.reserve(*_CPU, out_end, layer.host_step_s)
+                b = max(t_in, cpu + layer.host_step_s)
+                t_in = b + half / host_bw
+                if record:
+                    self._event(f"grads out {name}", dev, "model out", a, out_end)
+                    self._event(f"adam {name}", dev, "cpu", cpu, cpu + layer.host_step_s)
+                    self._event(f"weights in {name}", dev, "model in", b, t_in)
+                continue
+            start = comp
+            if decision is not None:  # states come in, one layer ahead of their step, once two layers back left
+                a = max(t_in, prev_step, back[-2] if len(back) > 1 else t)
+                if decision.technique == "host":
+                    t_in = a + layer.state_bytes / host_bw
+                else:
+                    t_in = max([a] + [self.links.reserve(peer, dev, a, n / bw) + n / bw for peer, n, bw in stripes])
+                mem.append((a, layer.state_bytes))
+                if record:
+                    self._event(f"states in {name}", dev, "model in", a, t_in)
+                start = max(comp, t_in)
+            prev_step = start
+            comp = start + layer.step_s
+            if record and layer.step_s:
+                self._event(f"step {name}", dev, "compute", start, comp)
+            if decision is not None:  # and go back
+                a = max(t_out, comp)
+                if decision.technique == "host":
+                    t_out = a + layer.state_bytes / host_bw
+                else:
+                    t_out = max([a] + [self.links.reserve(dev, peer, a, n / bw) + n / bw for peer, n, bw in stripes])
+                mem.append((t_out, -layer.state_bytes))
+                back.append(t_out)
+                if record:
+                    self._event(f"states out {name}", dev, "model out", a, t_out)
+        return max(comp, t_in, t_out)
 
 
 def _timeline(static: int, deltas: list[tuple[float, int]], end: float) -> tuple[int, list[tuple[float, int]]]:
@@ -378,7 +484,8 @@ def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
     """Play one training step of `plan` on `topology`; `record` keeps every interval for a trace."""
     mapping = _mapping(plan, len(profile.stages), topology)
     segs = _segments(profile, plan, topology, mapping)
-    step = _Step(profile, topology, mapping, segs, record)
+    model = _model_data(profile, plan, topology, mapping)
+    step = _Step(profile, topology, mapping, segs, record, model)
     step_time, spans = step.play()
 
     M = profile.micro_batches
@@ -396,8 +503,20 @@ def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
                 recompute_s += layer.forward_s * M
 
     static = [0] * topology.devices
+    model_bytes = dict.fromkeys(MODEL_TECHNIQUES, 0)
+    model_moved = dict.fromkeys(MODEL_TECHNIQUES, 0)
     for s, st in enumerate(profile.stages):
         static[mapping[s]] += st.static_bytes
+        for layer in st.layers:
+            decision, stripes = model.get(layer.index, (None, ()))
+            tech = decision.technique if decision is not None else "keep"
+            model_bytes[tech] += layer.state_bytes
+            if decision is None:
+                continue
+            static[mapping[s]] -= layer.state_bytes  # off the device between steps
+            for peer, nbytes, _ in stripes:
+                static[peer] += nbytes  # held by the peer all step
+            model_moved[tech] += layer.update_bytes if decision.step_on == "host" else 2 * layer.state_bytes
     peaks, memory = [], []
     for dev in range(topology.devices):
         peak, points = _timeline(static[dev], step.mem[dev], step_time)
@@ -406,4 +525,5 @@ def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
     return SimResult(step_time_s=step_time, peak_bytes=peaks, memory=memory,
                      budget_bytes=list(topology.device_memory_bytes), mapping=mapping, ops=spans,
                      saved_bytes=saved, moved_bytes=moved, recompute_s=recompute_s,
-                     swap_wait_s=step.wait, events=step.events)
+                     swap_wait_s=step.wait, events=step.events, model_bytes=model_bytes,
+                     model_moved_bytes=model_moved, optimizer_s=step.optimizer_s)
