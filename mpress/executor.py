@@ -24,11 +24,19 @@ once the copies that read or write it have finished (`done()`); until then it is
 freed by a later, non-blocking pass. A tensor asked back before its swap-out finished is still on
 the device and is used as it is.
 
+Model data. `stash(layer, tensor)` moves one optimizer-state tensor of a layer the plan's
+model-data decision moves off the device into host memory or peers' segments, by the same
+copies and records as a swapped activation; `fetch` starts bringing it back, `take` hands it
+back as a device tensor (still counted: give it to `stash` again after the step, or `uncount`
+it), and `peek` reads a copy on the host without bringing it back (for checkpoints).
+`mpress.model_data.ModelDataRunner` runs a stage's optimizer step with them.
+
 Accounting. The executor counts the bytes of saved activations resident on this device: kept
 tensors, swapped ones until their swap-out completes and again from their swap-in until they are
 freed, and for a recomputed layer only its checkpoint inputs. Each saved tensor counts once per
 layer that saves it, as the profile counts it, so the figure is the plan's model of memory (an
-upper bound where layers share a tensor). An increase past `budget_bytes` first waits for
+upper bound where layers share a tensor), plus the optimizer states of model-data layers while
+they are on the device. An increase past `budget_bytes` first waits for
 swap-outs in flight, then raises BudgetExceededError naming the stage and layer.
 """
 
@@ -117,6 +125,7 @@ class SavedRecord:
     # the last copies that used `host` / `chunks`: the swap-out's, then the swap-in's
     copies: list[CopyHandle] = field(default_factory=list)
     group: list[int] | None = None  # ids saved by the same forward, for prefetch
+    stripes: list[tuple[int, int]] | None = None  # d2d (peer rank, weight); None: the layer's activation stripes
 
 
 @dataclass(eq=False)
@@ -138,8 +147,9 @@ class ExecutorStats:
     host_bytes: int = 0  # swapped out to host memory
     peer_bytes: int = 0  # swapped out to peers
     recomputed: int = 0  # layer forwards replayed in backward
-    resident_bytes: int = 0  # saved activations on the device now
+    resident_bytes: int = 0  # saved activations (and model data brought in) on the device now
     peak_bytes: int = 0  # the most resident at any moment
+    model_bytes: int = 0  # optimizer-state bytes moved off the device (each time)
 
 
 def split_bytes(nbytes: int, weights: list[int]) -> list[int]:
@@ -213,13 +223,33 @@ def host_pool_bytes_for(profile: PipelineProfile, plan: Plan, stage: int, *, lim
     return capacity if limit_bytes is None else min(capacity, limit_bytes)
 
 
+def model_host_bytes(profile: PipelineProfile, plan: Plan, stage: int) -> int:
+    """Host memory the optimizer states `plan` puts in host memory for `stage` take all step, each
+    tensor rounded to the pool's alignment."""
+    return sum(round_up(lp.state_bytes, HOST_ALIGNMENT) + lp.state_tensors * HOST_ALIGNMENT
+               for d in plan.model_data if d.stage == stage and d.technique == "host"
+               for lp in [_planned_layer(profile, stage, d.layer)])
+
+
 def peer_capacity_bytes_for(profile: PipelineProfile, plan: Plan, *, min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
     """`capacity_bytes` every rank's PeerMemory needs for `plan` (0: no D2D swap). A segment has one
     equal slice per writer, so each slice must hold the most any stage writes into any one peer at
-    its peak (every micro-batch in flight), stripes rounded to the peer alignment, plus slack."""
+    its peak (every micro-batch in flight, plus the optimizer states it keeps there all step),
+    stripes rounded to the peer alignment, plus slack."""
     most = 0
     for st in profile.stages:
         s = st.stage
+        model: collections.Counter[int] = collections.Counter()
+        for d in plan.model_data:
+            if d.stage != s or d.technique != "d2d":
+                continue
+            lp = _planned_layer(profile, s, d.layer)
+            peers = [stage_on_device(plan, x.device) for x in d.stripes]
+            if None in peers or not d.stripes:
+                raise ValueError(f"stage {s}, layer {d.layer} (model-data d2d): stripes {d.stripes} name a "
+                                 f"device no stage runs on")
+            for peer, piece in zip(peers, split_bytes(lp.state_bytes, [x.bytes for x in d.stripes])):
+                model[peer] += piece + max(lp.state_tensors, 1) * PEER_ALIGNMENT
         per_peer: collections.Counter[int] = collections.Counter()
         for d in plan.decisions:
             if d.stage != s or d.technique != "d2d":
@@ -233,7 +263,8 @@ def peer_capacity_bytes_for(profile: PipelineProfile, plan: Plan, *, min_swap_by
                 for peer, piece in zip(peers, split_bytes(nbytes, weights)):
                     if piece:
                         per_peer[peer] += round_up(piece, PEER_ALIGNMENT)
-        most = max(most, _in_flight(profile, s) * max(per_peer.values(), default=0))
+        most = max(most, max((_in_flight(profile, s) * per_peer[p] + model[p] for p in per_peer.keys() | model.keys()),
+                             default=0))
     if not most:
         return 0
     return len(profile.stages) * round_up(most + most // SLACK_FRACTION, PEER_ALIGNMENT)
@@ -306,7 +337,11 @@ class Executor:
         self.table: dict[int, SavedRecord] = {}  # live records by id; read-only outside
         self._stripes = {d.layer: self._stripe_peers(d) for d in plan.decisions
                          if d.stage == stage and d.technique == "d2d"}
-        host_layers = sorted(d.layer for d in plan.decisions if d.stage == stage and d.technique == "host")
+        self._model = {d.layer: d for d in plan.model_data if d.stage == stage and d.technique != "keep"}
+        self._model_stripes = {layer: self._stripe_peers(d) for layer, d in self._model.items()
+                               if d.technique == "d2d"}
+        host_layers = sorted({d.layer for d in plan.decisions if d.stage == stage and d.technique == "host"} |
+                             {layer for layer, d in self._model.items() if d.technique == "host"})
         if host_layers and host_pool is None and host_pool_bytes is None:
             raise ValueError(f"Executor: stage {stage} swaps layers {host_layers} to host memory: pass "
                              f"host_pool_bytes (see host_pool_bytes_for) or host_pool")
@@ -389,7 +424,81 @@ class Executor:
             self._reap()
             return ExecutorStats(host_bytes=self._stats.host_bytes, peer_bytes=self._stats.peer_bytes,
                                  recomputed=self._stats.recomputed,
-                                 resident_bytes=self._meter.resident, peak_bytes=self._meter.peak)
+                                 resident_bytes=self._meter.resident, peak_bytes=self._meter.peak,
+                                 model_bytes=self._stats.model_bytes)
+
+    # Model data (optimizer states) off the device between steps.
+
+    def stash(self, layer: int, t: torch.Tensor, *, counted: bool = False) -> int:
+        """Move `t`, model data of `layer`, where the plan's model-data decision puts it (host
+        memory or peers); returns its id. `t` stays counted on the device until its copy out has
+        finished; `counted`: its bytes are on the meter already (a tensor `take` gave back)."""
+        decision = self._model.get(layer)
+        if decision is None:
+            raise ValueError(f"Executor: stage {self.stage}, layer {layer}: the plan keeps its model data")
+        t = t.detach()
+        nbytes = t.numel() * t.element_size()
+        record = SavedRecord(id=next(self._ids), layer=layer, technique=decision.technique, shape=t.shape,
+                             stride=dense_stride(t), dtype=t.dtype, nbytes=nbytes,
+                             stripes=self._model_stripes.get(layer))
+        with self._lock:
+            if not counted:
+                self._reserve(nbytes, layer, "holding optimizer states")
+            try:
+                self._swap_out(record, t)
+            except BaseException:
+                self._meter.sub(nbytes)
+                self._free_space(record)
+                raise
+            self._stats.model_bytes += nbytes
+            self.table[record.id] = record
+        return record.id
+
+    def fetch(self, record_id: int) -> None:
+        """Start bringing stashed model data back to the device (counted from now on)."""
+        with self._lock:
+            self._swap_in(self.table[record_id])
+
+    def take(self, record_id: int) -> torch.Tensor:
+        """Stashed model data as a tensor on the device, once its copies have landed (fetched
+        here if `fetch` was not called). The record and its swap space are freed; the bytes stay
+        counted until the tensor is stashed again (`counted=True`) or `uncount`ed."""
+        with self._lock:
+            record = self.table[record_id]
+            self._swap_in(record)
+            if record.state == State.SWAPPING_IN:
+                for handle in record.copies:
+                    handle.wait()
+                record.state = State.RESIDENT
+            tensor = record.tensor
+            del self.table[record_id]
+            record.tensor = None
+            self._free_space(record)
+            return tensor
+
+    def uncount(self, nbytes: int) -> None:
+        """A tensor `take` gave back has left the device."""
+        with self._lock:
+            self._meter.sub(nbytes)
+
+    def peek(self, record_id: int) -> torch.Tensor:
+        """A copy on the host (CPU) of stashed model data, read where it is stashed, without
+        bringing it back (waits for its copy out)."""
+        with self._lock:
+            record = self.table[record_id]
+            if record.state == State.RESIDENT or record.state == State.SWAPPING_IN:
+                for handle in record.copies:
+                    handle.wait()
+                return record.tensor.detach().cpu()
+            for handle in record.copies:
+                handle.synchronize()
+            if record.technique == "host":
+                raw = record.host.payload[:record.nbytes].cpu().clone()
+            else:
+                raw = torch.cat([self.peers.view(c.peer, c.offset, c.nbytes).cpu() for c in record.chunks])
+            out = torch.empty_strided(record.shape, record.stride, dtype=record.dtype)
+            byte_view(out).copy_(raw)
+            return out
 
     def synchronize(self) -> None:
         """Wait until every copy in flight has finished: swap-outs have left the device, and the
@@ -536,7 +645,7 @@ class Executor:
         """The record's stripes, or why the first that did not fit failed (nothing held then).
         A message, not the exception: a caller's frame holding an exception raised below it is a
         reference cycle that would keep a failed forward's graph alive until garbage collection."""
-        stripes = self._stripes[record.layer]
+        stripes = record.stripes if record.stripes is not None else self._stripes[record.layer]
         chunks: list[Chunk] = []
         try:
             for (peer, _), nbytes in zip(stripes, split_bytes(record.nbytes, [w for _, w in stripes])):

@@ -114,6 +114,9 @@ class DenseStates:
         # replicated gradients: all-reduced in buckets while backward runs (one micro-batch), else
         # after the last micro-batch; FSDP reduce-scatters them itself
         self.reducer = (GradBucketReducer(params) if world > 1 and not self.sharded and overlap else None)
+        # what runs the optimizer step (default `opt.step`); a pipeline stage whose plan moves
+        # optimizer states off the device puts mpress's ModelDataRunner here
+        self.stepper: Any = None
 
     # -- the step ---------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -151,7 +154,10 @@ class DenseStates:
     def step(self, lr: float) -> None:
         for group in self.opt.param_groups:
             group["lr"] = lr
-        self.opt.step()
+        if self.stepper is not None:
+            self.stepper.step()
+        else:
+            self.opt.step()
 
     # -- checkpoints ------------------------------------------------------------------------
     def full_state(self, keep: bool) -> dict | None:

@@ -341,7 +341,8 @@ class PipelineTrainer(Trainer):
         """Commit every stage's dense tensors, optimizer and RNG states and experts as one store
         version; returns it."""
         dense = [(hf_name(self.config, name), p.detach().cpu()) for name, p in _dense_params(self.model)]
-        opt = _to_cpu(self.opt.state_dict())
+        stepper = self.dense_states.stepper  # moments off the device are read where they are
+        opt = _to_cpu(stepper.state_dict() if stepper is not None else self.opt.state_dict())
         self._stage_dense = self._gather((dense, opt, torch.get_rng_state()))
         try:
             return super().checkpoint()

@@ -8,15 +8,16 @@ and run each stage's blocks under the plan.
      each rank's GPU found by its PCI address), plans with mpress.planner for `stage_memory_bytes`
      per stage (parameters, gradients and dense optimizer states of the blocks plus their saved
      activations, and the fixed part outside the blocks: the embedding or head with their states,
-     and the logits the loss keeps) and a share of the host's available RAM for host swaps, and
-     sends the plan to every rank;
+     and the logits the loss keeps) and a share of the host's available RAM for host swaps and
+     optimizer states moved there, and sends the plan to every rank;
   3. each rank wraps its blocks in an mpress Executor holding the activations to the budget left
      after its static bytes, with a host pool and peer memory sized from the profile when the plan
      swaps (CUDA IPC between GPUs, shared memory between CPU ranks; what peer memory takes on a
      GPU comes off the budget), and starts the swap-ins of a stage's swapped layers as the stage's
-     backward begins.
-The plan changes where activations live, never the arithmetic: losses and gradients are those of
-the run without a budget.
+     backward begins; where the plan moves a block's optimizer states (model data) off the device,
+     the stage's optimizer step runs through mpress's ModelDataRunner.
+The plan changes where activations and optimizer states live, never the arithmetic: losses,
+gradients and weights are those of the run without a budget.
 """
 
 from __future__ import annotations
@@ -164,9 +165,14 @@ def compact(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
     the_plan, fits, reason, step_s, planning_s, name, host_limit = box[0]
     if not fits:
         raise BadInputError(f"--stage-memory {stage_memory_bytes} bytes: no plan fits: {reason}")
-    log.info("stage %d: plan %s, simulated step %.3f s, planned in %.3f s", trainer.rank,
-             sorted({d.technique for d in the_plan.decisions}), step_s, planning_s)
-    static = profile.stages[trainer.rank].static_bytes
+    log.info("stage %d: plan %s, model data %s, simulated step %.3f s, planned in %.3f s", trainer.rank,
+             sorted({d.technique for d in the_plan.decisions}),
+             sorted({d.technique for d in the_plan.model_data}), step_s, planning_s)
+    moved = sum(lp.state_bytes for lp in profile.stages[trainer.rank].layers
+                if the_plan.model_decision(trainer.rank, lp.index).technique != "keep")
+    static = profile.stages[trainer.rank].static_bytes - moved  # the moved states come back under the budget
+    log.info("stage %d: parameters, gradients and optimizer states take %d bytes, %d of them optimizer states "
+             "the plan moves off the device", trainer.rank, static + moved, moved)
     install(trainer, the_plan, profile=profile, activation_budget_bytes=max(1, stage_memory_bytes - static),
             name=name, host_limit_bytes=host_limit)
     return the_plan
@@ -208,9 +214,10 @@ def install(trainer: "PipelineTrainer", plan: Any, *, profile: Any = None, activ
     and the swap-ins of the stage's swapped layers started as its backward begins. Raises
     BadInputError when the plan's host swaps exceed `host_limit_bytes` (default: rank 0's
     `host_swap_limit_bytes`)."""
-    from mpress.executor import Executor, host_pool_bytes_for, host_swap_bytes, peer_capacity_bytes_for
+    from mpress.executor import (Executor, host_pool_bytes_for, host_swap_bytes, model_host_bytes,
+                                 peer_capacity_bytes_for)
 
-    swaps = {d.technique for d in plan.decisions} & {"host", "d2d"}
+    swaps = {d.technique for d in (*plan.decisions, *plan.model_data)} & {"host", "d2d"}
     if swaps and profile is None:
         profile = gather_profile(trainer)
     host_pool_bytes = None
@@ -219,12 +226,16 @@ def install(trainer: "PipelineTrainer", plan: Any, *, profile: Any = None, activ
             box: list[Any] = [host_swap_limit_bytes() if trainer.rank == 0 else None]
             dist.broadcast_object_list(box, src=0)  # one figure, so that every rank decides alike
             host_limit_bytes = box[0]
-        need = [host_swap_bytes(profile, plan, s) for s in range(trainer.world)]
+        need = [host_swap_bytes(profile, plan, s) + model_host_bytes(profile, plan, s) for s in range(trainer.world)]
         if sum(need) > host_limit_bytes:
             raise BadInputError(
-                f"the plan swaps {sum(need)} bytes of activations to host memory at the peak (per stage: {need}), "
-                f"more than the {host_limit_bytes} bytes allowed (1/{HOST_SWAP_SHARE} of the RAM available)")
-        host_pool_bytes = host_pool_bytes_for(profile, plan, trainer.rank, limit_bytes=host_limit_bytes)
+                f"the plan puts {sum(need)} bytes of activations and optimizer states in host memory at the peak "
+                f"(per stage: {need}), more than the {host_limit_bytes} bytes allowed (1/{HOST_SWAP_SHARE} of "
+                f"the RAM available)")
+        model_bytes = model_host_bytes(profile, plan, trainer.rank)
+        host_pool_bytes = model_bytes + (host_pool_bytes_for(profile, plan, trainer.rank,
+                                                             limit_bytes=host_limit_bytes - model_bytes)
+                                         if host_swap_bytes(profile, plan, trainer.rank) else 0)
     peers = None
     if "d2d" in swaps:
         if name is None:
@@ -254,3 +265,10 @@ def install(trainer: "PipelineTrainer", plan: Any, *, profile: Any = None, activ
 
     stage.on_backward = on_backward
     trainer.executor, trainer.plan, trainer.peers = executor, plan, peers
+    if any(d.stage == trainer.rank and d.technique != "keep" for d in plan.model_data):
+        from mpress.model_data import ModelDataRunner
+
+        runner = ModelDataRunner(executor, trainer.opt, {
+            int(k): [p for p in b.parameters() if p.requires_grad] for k, b in stage.layers.items()})
+        runner.stash_resident()  # a resumed run's moments leave the device before the first step
+        trainer.dense_states.stepper = runner

@@ -11,7 +11,7 @@ import torch
 from helpers.dist import run_ranks
 from helpers.training import SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors
 
-from mpress.profile import Decision, Plan, Stripe
+from mpress.profile import Decision, ModelDataDecision, Plan, Stripe
 from semoe.config import named_config
 
 SHAPE4 = {**SHAPE, "num_layers": 4}
@@ -70,6 +70,44 @@ def test_every_technique_in_a_two_stage_pipeline_keeps_the_numbers(tmp_path, tex
     assert s1["recomputed"] > 0 and s1["peer_bytes"] > 0
 
 
+def _stage_optimizers(store: str) -> list[dict]:
+    import io
+
+    from semoe.pipeline import PIPELINE_OPTIMIZER_FILE
+    from storage.store import Store
+
+    blob = Store.open(store).read_file(PIPELINE_OPTIMIZER_FILE)
+    return torch.load(io.BytesIO(blob), weights_only=False)["stages"]
+
+
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
+def test_model_data_in_host_memory_and_in_the_peer_keeps_the_numbers(tmp_path, text_file):
+    """Stage 0 keeps block 0's AdamW moments in host memory and stripes block 1's into stage 1's
+    segment; stage 1 keeps block 2's in host memory and block 3's on the device; with a host
+    swap of activations beside them. Losses, every weight and every moment (read back from where
+    they live for the checkpoint) are the plain run's, bit for bit."""
+    plan = Plan(decisions=[Decision(stage=1, layer=3, technique="host")], model_data=[
+        ModelDataDecision(stage=0, layer=0, technique="host"),
+        ModelDataDecision(stage=0, layer=1, technique="d2d", stripes=[Stripe(device=1, bytes=1)]),
+        ModelDataDecision(stage=1, layer=2, technique="host"),
+    ])
+    plain = _run(tmp_path, "plain", text_file, None)
+    planned = _run(tmp_path, "planned", text_file, plan)
+    assert [r["losses"] for r in plain] == [r["losses"] for r in planned]
+    a, b = store_tensors(str(tmp_path / "plain" / "store")), store_tensors(str(tmp_path / "planned" / "store"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa, ob = _stage_optimizers(str(tmp_path / "plain" / "store")), _stage_optimizers(str(tmp_path / "planned" / "store"))
+    for stage_a, stage_b in zip(oa, ob):
+        assert stage_a["state"].keys() == stage_b["state"].keys() and stage_a["state"]
+        for i, st in stage_a["state"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(st[key], stage_b["state"][i][key]), (i, key)
+    s0, s1 = planned[0]["stats"], planned[1]["stats"]
+    # each step moved the moments out: stage 0 to host and to stage 1, stage 1 to host
+    assert s0["model_bytes"] > 0 and s0["host_bytes"] >= s0["model_bytes"] // 2 and s0["peer_bytes"] > 0
+    assert s1["model_bytes"] > 0
+
+
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "8",
@@ -82,6 +120,27 @@ def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     assert free == tight and tight[-1] < tight[0] - 0.3
     a, b = store_tensors(str(tmp_path / "free" / "store")), store_tensors(str(tmp_path / "tight" / "store"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # every stage, bit for bit
+
+
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
+def test_a_budget_below_the_model_data_trains_by_moving_optimizer_states(tmp_path, text_file):
+    """A stage budget below what the last stage's parameters, gradients and optimizer states take
+    (activations aside): no placement of activations can fit it, the plan moves optimizer states
+    to host memory, and the run trains with the unbudgeted run's losses."""
+    flags8 = [*FLAGS4[:FLAGS4.index("--layers")], "--layers", "8", *FLAGS4[FLAGS4.index("--layers") + 2:]]
+    common = ["train", *flags8, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "8",
+              "--pipeline", "2", "--micro-batches", "4", "--schedule", "gpipe", "-q"]
+    cli(*common, "--out", str(tmp_path / "free"), "--log-json", str(tmp_path / "free.log"))
+    probe = cli("-v", *common, "--steps", "1", "--out", str(tmp_path / "probe"), "--stage-memory", "64MiB")
+    static = [int(line.split(" take ")[1].split()[0]) for line in probe.stderr.splitlines()
+              if "optimizer states take" in line]
+    assert len(static) == 2, probe.stderr
+    budget = max(static) - 4096
+    p = cli("-v", *common, "--out", str(tmp_path / "tight"), "--log-json", str(tmp_path / "tight.log"),
+            "--stage-memory", str(budget))
+    assert "model data ['host']" in p.stderr, p.stderr
+    free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
+    assert tight == free and tight[-1] < tight[0] - 0.3
 
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow

@@ -1,0 +1,112 @@
+"""A pipeline stage's optimizer step under a plan's model-data decisions (`Plan.model_data`).
+
+Between steps, the AdamW moments of every layer the plan moves off the device live where the
+plan says (host memory or peers' segments, through the stage's `Executor`); the optimizer holds
+an empty placeholder for each, so nothing can step them by accident. A step:
+
+  1. runs the optimizer on every parameter whose moments are on the device (kept layers, the
+     embedding or head, and moved layers before their first step), with the other parameters'
+     gradients set aside;
+  2. then, layer by layer in stage order, brings a moved layer's moments back (the next layer's
+     are fetched while this one steps), steps that layer's parameters alone, and stashes its
+     moments again;
+  3. stashes the moments of moved layers that were stepped in place in 1.
+
+Each call of `optimizer.step()` sees only parameters with a gradient and AdamW updates each
+parameter on its own (`foreach=False`), so the numbers are those of one step over all of them.
+The executor's meter counts the moments while they are on the device, against the stage's budget.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+class ModelDataRunner:
+    """Steps `optimizer` for one stage; `layers` maps each layer index of the stage to its
+    parameters (the optimizer's own objects)."""
+
+    def __init__(self, executor, optimizer: torch.optim.Optimizer, layers: dict[int, list[nn.Parameter]]) -> None:
+        self.executor, self.opt = executor, optimizer
+        plan, stage = executor.plan, executor.stage
+        self.moved = [layer for layer in sorted(layers) if plan.model_decision(stage, layer).technique != "keep"]
+        self.layers = layers
+        self.out: dict[int, list[tuple[nn.Parameter, str, int]]] = {}  # layer -> (param, moment, record id)
+        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        for layer in self.moved:
+            missing = [i for i, p in enumerate(layers[layer]) if id(p) not in owned]
+            if missing:
+                raise ValueError(f"stage {stage}, layer {layer}: parameters {missing} are not the optimizer's")
+
+    def _stash(self, layer: int, counted: bool = False) -> None:
+        entries = []
+        for p in self.layers[layer]:
+            state = self.opt.state.get(p, {})
+            for key in MOMENTS:
+                if key in state:
+                    t = state[key]
+                    entries.append((p, key, self.executor.stash(layer, t, counted=counted)))
+                    state[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+        if entries:
+            self.out[layer] = entries
+
+    def stash_resident(self) -> None:
+        """Move the moments of moved layers that are on the device (a resumed run's, or a
+        layer's first step) to where the plan puts them."""
+        for layer in self.moved:
+            if layer not in self.out:
+                self._stash(layer)
+
+    def step(self) -> None:
+        """One optimizer step of every parameter with a gradient (see the module docstring)."""
+        params = [p for group in self.opt.param_groups for p in group["params"]]
+        grads = [p.grad for p in params]
+        off = {id(p) for layer in self.out for p in self.layers[layer]}
+        try:
+            for p in params:
+                if id(p) in off:
+                    p.grad = None
+            self.opt.step()  # everything on the device
+            order = [layer for layer in self.moved if layer in self.out]
+            keep = {id(p): g for p, g in zip(params, grads)}
+            for p in params:
+                p.grad = None
+            for i, layer in enumerate(order):
+                if i == 0:
+                    self._fetch(layer)
+                if i + 1 < len(order):
+                    self._fetch(order[i + 1])  # comes in while this layer steps
+                entries = self.out.pop(layer)
+                for p, key, rid in entries:
+                    self.opt.state[p][key] = self.executor.take(rid)
+                for p in self.layers[layer]:
+                    p.grad = keep[id(p)]
+                self.opt.step()
+                for p in self.layers[layer]:
+                    p.grad = None
+                self._stash(layer, counted=True)
+        finally:
+            for p, g in zip(params, grads):
+                p.grad = g
+        self.stash_resident()
+
+    def _fetch(self, layer: int) -> None:
+        for _, _, rid in self.out.get(layer, []):
+            self.executor.fetch(rid)
+
+    def state_dict(self) -> dict:
+        """The optimizer's state dict with every moved moment read back to the host (a copy)."""
+        sd = self.opt.state_dict()
+        index = {id(p): i for i, p in enumerate(p for group in self.opt.param_groups for p in group["params"])}
+        for entries in self.out.values():
+            for p, key, rid in entries:  # a new dict: the packed state shares the live ones
+                i = index[id(p)]
+                sd["state"][i] = {**sd["state"][i], key: self.executor.peek(rid)}
+        return sd
+
+    def moved_bytes(self) -> int:
+        """Bytes of moments off the device now."""
+        return sum(p.numel() * p.element_size() for entries in self.out.values() for p, _, _ in entries)
