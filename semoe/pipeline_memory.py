@@ -67,10 +67,39 @@ def profile_stage(trainer: "PipelineTrainer", repeats: int = 2) -> Any:
     blocks = list(stage.layers.items())
     profiled = profile_layers([(f"layer{k}", _BlockOnHidden(b, cos, sin)) for k, b in blocks], x_BTD,
                               repeats=repeats)
+    expert_step_s = _expert_step_seconds(trainer)
     for lp, (k, _) in zip(profiled, blocks):
         lp.index, lp.name = int(k), f"layer{k}"
+        if c.is_moe_layer(int(k)):  # the layer's experts step in the same optimizer phase
+            lp.step_s += expert_step_s
     trainer.states.discard_grads()  # profiling must not train the experts
     return StageProfile(stage=trainer.rank, layers=profiled, fixed_bytes=_fixed_bytes(trainer, x_BTD.detach()))
+
+
+def _expert_step_seconds(trainer: "PipelineTrainer", repeats: int = 2) -> float:
+    """Seconds of one MoE layer's expert AdamW step with every expert of the stage touched, timed
+    on scratch copies of one expert's tensors where the states live. 0 for SSD states, whose
+    step is bounded by their reads and writes, which the profile does not model."""
+    import statistics
+
+    from semoe.expert_states import AdamWConfig, ResidentExpertStates, adamw_
+
+    states = trainer.states
+    if not isinstance(states, ResidentExpertStates) or not states.w:
+        return 0.0
+    scratch = [(t.clone(), torch.randn_like(t), torch.zeros_like(t), torch.zeros_like(t))
+               for t in next(iter(states.w.values()))]
+    times = []
+    for step in range(1, 2 + repeats):  # the first is a warm-up
+        if scratch[0][0].is_cuda:
+            torch.cuda.synchronize(scratch[0][0].device)
+        t0 = time.perf_counter()
+        for w, g, m, v in scratch:
+            adamw_(w, g, m, v, step=step, lr=1e-3, cfg=AdamWConfig())
+        if scratch[0][0].is_cuda:
+            torch.cuda.synchronize(scratch[0][0].device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) * len(states.experts)
 
 
 def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:
