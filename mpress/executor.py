@@ -444,12 +444,7 @@ class Executor:
         with self._lock:
             if not counted:
                 self._reserve(nbytes, layer, "holding optimizer states")
-            try:
-                self._swap_out(record, t)
-            except BaseException:
-                self._meter.sub(nbytes)
-                self._free_space(record)
-                raise
+            self._swap_out_counted(record, t)
             self._stats.model_bytes += nbytes
             self.table[record.id] = record
         return record.id
@@ -555,12 +550,7 @@ class Executor:
                     record.tensor = t
                 else:
                     self._reserve(nbytes, layer_index, f"saving a tensor to swap it to {how}")
-                    try:
-                        self._swap_out(record, t)
-                    except BaseException:
-                        self._meter.sub(nbytes)
-                        self._free_space(record)
-                        raise
+                    self._swap_out_counted(record, t)
                     record.group = group
                     group.append(record.id)
                 self.table[record.id] = record
@@ -611,6 +601,16 @@ class Executor:
         record.tensor = t  # kept until the swap-out finishes: asked back before that, it is used as is
         record.state = State.SWAPPING_OUT
         self._pending_out.append(record.id)
+
+    def _swap_out_counted(self, record: SavedRecord, t: torch.Tensor) -> None:
+        """`_swap_out` of a tensor whose bytes are on the meter; on failure they come off it and
+        whatever space was taken is given back."""
+        try:
+            self._swap_out(record, t)
+        except BaseException:
+            self._meter.sub(record.nbytes)
+            self._free_space(record)
+            raise
 
     def _acquire_host(self, record: SavedRecord) -> HostBuffer:
         buf = self._try_acquire(record)

@@ -295,63 +295,64 @@ class _Compactor:
             converted += 1
         return (choice, self.simulate(choice)) if converted else None
 
+    def _halving_search(self, sim: SimResult, min_gain: float, candidates, trial, accept) -> SimResult:
+        """Shared by (d) for activations and for model data: `trial(first n of candidates(sim),
+        sim)` gives (choices, simulated step) or None when nothing converts; the largest n (halving)
+        whose step fits and is faster is `accept`ed, and the search repeats until a round gains
+        less than `min_gain`."""
+        while True:
+            items = candidates(sim)
+            n, accepted = len(items), None
+            while n and accepted is None:
+                tried = trial(items[:n], sim)
+                if tried is None:  # no peer can take any of them; fewer will not help
+                    break
+                if not tried[1].overflow(self.budgets) and tried[1].step_time_s < sim.step_time_s:
+                    accepted = tried
+                n //= 2
+            if accepted is None:
+                return sim
+            gain = (sim.step_time_s - accepted[1].step_time_s) / sim.step_time_s
+            accept(accepted[0])
+            sim = accepted[1]
+            if gain < min_gain:
+                return sim
+
     def d2d(self, sim: SimResult, min_gain: float) -> SimResult:
         """(d): the costliest choices first, halving the batch until a trial fits and is faster."""
-        while True:
-            costly = []
+        def costly(sim: SimResult) -> list[tuple[float, int]]:
+            out = []
             for layer, (tech, _) in self.choice.items():
                 s, lp = self.layer[layer]
                 cost = self.M * lp.forward_s if tech == "recompute" else \
                     sim.swap_wait_s.get((s, layer), 0.0) if tech == "host" else 0.0
                 if cost > 0:
-                    costly.append((cost, layer))
-            costly.sort(key=lambda c: (-c[0], c[1]))
-            n, accepted = len(costly), None
-            while n and accepted is None:
-                trial = self._d2d_trial(costly[:n], sim)
-                if trial is None:  # no peer can take any of them; fewer will not help
-                    break
-                if not trial[1].overflow(self.budgets) and \
-                        trial[1].step_time_s < sim.step_time_s:
-                    accepted = trial
-                n //= 2
-            if accepted is None:
-                return sim
-            gain = (sim.step_time_s - accepted[1].step_time_s) / sim.step_time_s
-            self.choice, sim = accepted
-            if gain < min_gain:
-                return sim
+                    out.append((cost, layer))
+            return sorted(out, key=lambda c: (-c[0], c[1]))
 
+        return self._halving_search(sim, min_gain, costly, self._d2d_trial,
+                                    lambda choice: setattr(self, "choice", choice))
 
     def model_d2d(self, sim: SimResult, min_gain: float) -> SimResult:
         """(d) for model data: host-held optimizer states striped over peers' free memory instead
         (they stay there all step), largest first, halving the batch until a trial fits and is
         faster."""
-        while True:
-            movable = sorted((i for i, (t, _, _) in self.md.items() if t == "host"),
-                             key=lambda i: (-self.layer[i][1].state_bytes, i))
-            n, accepted = len(movable), None
-            while n and accepted is None:
-                room = [b - p for b, p in zip(self.budgets, sim.peak_bytes)]
-                md, converted = dict(self.md), 0
-                for layer in movable[:n]:
-                    s, lp = self.layer[layer]
-                    split = self._peer_stripes(s, lp.state_bytes, room, hold=1)
-                    if split:
-                        md[layer] = ("d2d", split, "device")
-                        converted += 1
-                if not converted:
-                    break
-                trial = self.simulate(md=md)
-                if not trial.overflow(self.budgets) and trial.step_time_s < sim.step_time_s:
-                    accepted = (md, trial)
-                n //= 2
-            if accepted is None:
-                return sim
-            gain = (sim.step_time_s - accepted[1].step_time_s) / sim.step_time_s
-            self.md, sim = accepted
-            if gain < min_gain:
-                return sim
+        def movable(sim: SimResult) -> list[int]:
+            return sorted((i for i, (t, _, _) in self.md.items() if t == "host"),
+                          key=lambda i: (-self.layer[i][1].state_bytes, i))
+
+        def trial(layers: list[int], sim: SimResult):
+            room = [b - p for b, p in zip(self.budgets, sim.peak_bytes)]
+            md, converted = dict(self.md), 0
+            for layer in layers:
+                s, lp = self.layer[layer]
+                split = self._peer_stripes(s, lp.state_bytes, room, hold=1)
+                if split:
+                    md[layer] = ("d2d", split, "device")
+                    converted += 1
+            return (md, self.simulate(md=md)) if converted else None
+
+        return self._halving_search(sim, min_gain, movable, trial, lambda md: setattr(self, "md", md))
 
 
 def _result(plan_: Plan, sim: SimResult, budgets: list[int], t0: float, stage_on: dict[int, int],

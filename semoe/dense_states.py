@@ -24,7 +24,7 @@ are the only places that translate between a full tensor and this rank's piece.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterable
+from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
