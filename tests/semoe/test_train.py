@@ -294,7 +294,8 @@ def test_generate_from_a_trained_store_offloaded_equals_resident(tmp_path, text_
     offloaded = json.loads(cli(*args, "--cpu-cache", "50%").stdout)
     assert resident["tokens"] == offloaded["tokens"] and len(resident["tokens"]) == 12
     assert resident["logprobs"] == offloaded["logprobs"]
-    assert offloaded["stats"]["cpu_hit_rate"] is not None
+    # half the experts fit the cache: the rest were read from the store while generating
+    assert offloaded["stats"]["ssd_bytes_per_token"] > 0 and "stats" not in resident
 
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
