@@ -1,5 +1,9 @@
 """A pipeline stage's optimizer step under a plan's model-data decisions (`Plan.model_data`).
 
+Every step runs on the stage's device: a plan that steps a layer on the host CPU (`step_on`
+"host", which `semoe plan` may choose for a GPU server) is refused; the trainer plans with
+`host_steps=False`.
+
 Between steps, the AdamW moments of every layer the plan moves off the device live where the
 plan says (host memory or peers' segments, through the stage's `Executor`); the optimizer holds
 an empty placeholder for each, so nothing can step them by accident. A step:
@@ -35,6 +39,10 @@ class ModelDataRunner:
         self.moved = [layer for layer in sorted(layers) if plan.model_decision(stage, layer).technique != "keep"]
         self.layers = layers
         self.out: dict[int, list[tuple[nn.Parameter, str, int]]] = {}  # layer -> (param, moment, record id)
+        on_host = [layer for layer in self.moved if plan.model_decision(stage, layer).step_on == "host"]
+        if on_host:
+            raise ValueError(f"stage {stage}: the plan steps layers {on_host} on the host CPU; this runner steps "
+                             f"every layer on its device (plan with host_steps=False)")
         owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
         for layer in self.moved:
             missing = [i for i, p in enumerate(layers[layer]) if id(p) not in owned]

@@ -112,8 +112,9 @@ class _Compactor:
     """Steps (a)-(d) for one stage -> device mapping."""
 
     def __init__(self, profile: PipelineProfile, topology: Topology, budgets: list[int],
-                 mapping: list[int], host_memory_bytes: int | None = None) -> None:
+                 mapping: list[int], host_memory_bytes: int | None = None, host_steps: bool = True) -> None:
         self.profile, self.topology, self.budgets, self.mapping = profile, topology, budgets, mapping
+        self.host_steps = host_steps  # may a moved layer's optimizer step run on the host CPU
         # host memory left for swapped activations: a layer swapped out holds k micro-batches there
         self.host_room = math.inf if host_memory_bytes is None else host_memory_bytes
         S, M = len(profile.stages), profile.micro_batches
@@ -148,7 +149,7 @@ class _Compactor:
         host_bw = self.topology.host_bw[self.mapping[s]]
         on_device = lp.state_bytes / host_bw
         on_host = (lp.update_bytes / host_bw + lp.host_step_s * len(self.profile.stages) - lp.step_s
-                   if lp.host_step_s else math.inf)
+                   if lp.host_step_s and self.host_steps else math.inf)
         return (on_device, "device") if on_device <= on_host else (max(on_host, 0.0), "host")
 
     def reduction(self, layer: int, technique: str) -> int:
@@ -376,9 +377,9 @@ def _result(plan_: Plan, sim: SimResult, budgets: list[int], t0: float, stage_on
 
 
 def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], mapping: list[int],
-             min_gain: float, base: SimResult | None, t0: float, host_memory_bytes: int | None = None
-             ) -> PlanResult:
-    c = _Compactor(profile, topology, budgets, mapping, host_memory_bytes)
+             min_gain: float, base: SimResult | None, t0: float, host_memory_bytes: int | None = None,
+             host_steps: bool = True) -> PlanResult:
+    c = _Compactor(profile, topology, budgets, mapping, host_memory_bytes, host_steps)
     base = base or c.simulate()
     if not base.overflow(budgets):
         return _result(c.to_plan(), base, budgets, t0, c.stage_on, "")
@@ -472,11 +473,12 @@ def offload_everything(profile: PipelineProfile, mapping: list[int] | None = Non
 
 def plan(profile: PipelineProfile, topology: Topology, *, budget_bytes: int | list[int] | None = None,
          mapping: list[int] | None = None, search_mapping: bool = True,
-         min_gain: float = 0.01, host_memory_bytes: int | None = None) -> PlanResult:
+         min_gain: float = 0.01, host_memory_bytes: int | None = None, host_steps: bool = True) -> PlanResult:
     """Compaction plan for `profile` on `topology` within `budget_bytes` per device (default: each
-    device's memory) and `host_memory_bytes` of host memory for swapped activations (default: no
-    limit). A given `mapping` is kept as is; without one the identity is the start and, with
-    `search_mapping`, a searched mapping competes with it."""
+    device's memory) and `host_memory_bytes` of host memory for swapped activations and optimizer
+    states (default: no limit). A given `mapping` is kept as is; without one the identity is the
+    start and, with `search_mapping`, a searched mapping competes with it. `host_steps` False keeps
+    every optimizer step on its device (what `mpress.model_data` runs today)."""
     t0 = time.perf_counter()
     budgets = _budgets(budget_bytes, topology)
     S = len(profile.stages)
@@ -492,7 +494,7 @@ def plan(profile: PipelineProfile, topology: Topology, *, budget_bytes: int | li
         if found != start:
             candidates.append(found)
     results = [_compact(profile, topology, budgets, m, min_gain, base if m == start else None, t0,
-                        host_memory_bytes) for m in candidates]
+                        host_memory_bytes, host_steps) for m in candidates]
     best = min(results, key=lambda r: (not r.fits, r.sim.step_time_s if r.fits else
                                        sum(x for _, x in r.sim.overflow())))
     best.planning_s = time.perf_counter() - t0

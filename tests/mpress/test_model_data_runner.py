@@ -1,0 +1,69 @@
+"""ModelDataRunner in one process: a stage whose plan keeps some layers' AdamW moments in host
+memory steps to exactly the numbers of a plain AdamW, holds only placeholders between steps, and
+checkpoints the real moments."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpress.executor import Executor
+from mpress.model_data import ModelDataRunner
+from mpress.profile import ModelDataDecision, Plan
+
+
+def layers_and_grads(seed: int = 0):
+    torch.manual_seed(seed)
+    layers = [nn.Linear(64, 64) for _ in range(4)]
+    grads = [[torch.randn(64, 64), torch.randn(64)] for _ in range(5 * 4)]
+    return layers, grads
+
+
+def plain_and_planned(steps: int = 5):
+    plain_layers, grads = layers_and_grads()
+    planned_layers, _ = layers_and_grads()
+    kw = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+    plain = torch.optim.AdamW([p for m in plain_layers for p in m.parameters()], **kw)
+    opt = torch.optim.AdamW([p for m in planned_layers for p in m.parameters()], **kw)
+    plan = Plan(model_data=[ModelDataDecision(stage=0, layer=1, technique="host"),
+                            ModelDataDecision(stage=0, layer=3, technique="host")])
+    executor = Executor(plan, 0, device="cpu", host_pool_bytes=1 << 20)
+    runner = ModelDataRunner(executor, opt, {i: list(m.parameters()) for i, m in enumerate(planned_layers)})
+    for step in range(steps):
+        for models, o, step_fn in ((plain_layers, plain, plain.step), (planned_layers, opt, runner.step)):
+            for i, m in enumerate(models):
+                for p, g in zip(m.parameters(), grads[(step * 4 + i) % len(grads)]):
+                    p.grad = g.clone()
+            step_fn()
+    return plain_layers, plain, planned_layers, opt, runner, executor
+
+
+def test_moments_in_host_memory_step_to_the_plain_numbers():
+    plain_layers, plain, planned_layers, opt, runner, executor = plain_and_planned()
+    for a, b in zip(plain_layers, planned_layers):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+    # between steps the moved layers' moments are away: placeholders in the optimizer
+    for i, m in enumerate(planned_layers):
+        for p in m.parameters():
+            assert (opt.state[p]["exp_avg"].numel() == 0) == (i in (1, 3))
+    assert runner.moved_bytes() == 2 * 2 * (64 * 64 + 64) * 4  # two layers x two moments of weight and bias
+    # a checkpoint reads them back: the plain optimizer's state, tensor for tensor
+    got, want = runner.state_dict(), plain.state_dict()
+    for i, st in want["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got["state"][i][key], st[key]), (i, key)
+    assert opt.state[next(planned_layers[1].parameters())]["exp_avg"].numel() == 0  # still away
+    stats = executor.stats()
+    assert stats.model_bytes == 5 * runner.moved_bytes() and stats.host_bytes == stats.model_bytes
+    assert stats.resident_bytes == 0 and stats.peak_bytes > 0  # counted while on the device, not after
+    executor.close()
+
+
+def test_a_host_step_is_refused_by_the_device_runner():
+    layer = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(layer.parameters())
+    plan = Plan(model_data=[ModelDataDecision(stage=0, layer=0, technique="host", step_on="host")])
+    with Executor(plan, 0, device="cpu", host_pool_bytes=1 << 16) as ex, pytest.raises(ValueError, match="host CPU"):
+        ModelDataRunner(ex, opt, {0: list(layer.parameters())})
