@@ -72,7 +72,7 @@ def planning_time(micro_batches: tuple[int, ...] = (8, 16, 32)) -> dict:
 
 
 def pipeline_run(workdir: str, stage_memory: str, *, layers: int = 4, steps: int = 8, batch: int = 16,
-                 seq: int = 128) -> dict:
+                 seq: int = 128, hidden: int = 256) -> dict:
     """A real 2-stage GPipe run of the MoE GPT (`semoe train --pipeline 2`): the planner's simulated
     step time (from each stage's profile) against the measured one, the plan's techniques and
     what each stage's parameters, gradients and optimizer states take."""
@@ -86,8 +86,8 @@ def pipeline_run(workdir: str, stage_memory: str, *, layers: int = 4, steps: int
     log = os.path.join(out, "log.jsonl")
     cmd = [sys.executable, "-m", "tools.cli", "-v", "train", "--out", os.path.join(out, "run"), "--pipeline", "2",
            "--schedule", "gpipe", "--micro-batches", "4", "--batch-size", str(batch), "--seq-len", str(seq), "--steps",
-           str(steps), "--layers", str(layers), "--hidden", "256", "--heads", "8", "--kv-heads", "4", "--ffn", "768",
-           "--expert-ffn", "512", "--experts", "4", "--expert-states", "device", "--stage-memory", stage_memory,
+           str(steps), "--layers", str(layers), "--hidden", str(hidden), "--heads", "8", "--kv-heads", "4", "--ffn",
+           str(3 * hidden), "--expert-ffn", str(2 * hidden), "--experts", "4", "--expert-states", "device", "--stage-memory", stage_memory,
            "--checkpoint-every", "1000", "--log-json", log, "-q"]
     try:
         res = subprocess.run(cmd, cwd=root, capture_output=True, text=True, check=False)
