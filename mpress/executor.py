@@ -28,7 +28,8 @@ Model data. `stash(layer, tensor)` moves one optimizer-state tensor of a layer t
 model-data decision moves off the device into host memory or peers' segments, by the same
 copies and records as a swapped activation; `fetch` starts bringing it back, `take` hands it
 back as a device tensor (still counted: give it to `stash` again after the step, or `uncount`
-it), and `peek` reads a copy on the host without bringing it back (for checkpoints).
+it), `host_view` exposes states in host memory to a step on the host, and `peek` reads a copy
+on the host without bringing it back (for checkpoints).
 `mpress.model_data.ModelDataRunner` runs a stage's optimizer step with them.
 
 Accounting. The executor counts the bytes of saved activations resident on this device: kept
@@ -470,6 +471,19 @@ class Executor:
             record.tensor = None
             self._free_space(record)
             return tensor
+
+    def host_view(self, record_id: int) -> torch.Tensor:
+        """Model data stashed in host memory, as a tensor over its host buffer (waits for its
+        copy out): the optimizer's step on the host updates it in place, where it stays."""
+        with self._lock:
+            record = self.table[record_id]
+            if record.technique != "host" or record.host is None:
+                raise ValueError(f"Executor: stage {self.stage}, layer {record.layer}: record {record_id} is not "
+                                 f"in host memory")
+            for handle in record.copies:
+                handle.synchronize()
+            flat = record.host.payload[:record.nbytes].view(record.dtype)
+            return flat.as_strided(record.shape, record.stride)
 
     def uncount(self, nbytes: int) -> None:
         """A tensor `take` gave back has left the device."""

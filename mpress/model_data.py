@@ -1,9 +1,5 @@
 """A pipeline stage's optimizer step under a plan's model-data decisions (`Plan.model_data`).
 
-Every step runs on the stage's device: a plan that steps a layer on the host CPU (`step_on`
-"host", which `semoe plan` may choose for a GPU server) is refused; the trainer plans with
-`host_steps=False`.
-
 Between steps, the AdamW moments of every layer the plan moves off the device live where the
 plan says (host memory or peers' segments, through the stage's `Executor`); the optimizer holds
 an empty placeholder for each, so nothing can step them by accident. A step:
@@ -11,9 +7,11 @@ an empty placeholder for each, so nothing can step them by accident. A step:
   1. runs the optimizer on every parameter whose moments are on the device (kept layers, the
      embedding or head, and moved layers before their first step), with the other parameters'
      gradients set aside;
-  2. then, layer by layer in stage order, brings a moved layer's moments back (the next layer's
-     are fetched while this one steps), steps that layer's parameters alone, and stashes its
-     moments again;
+  2. then, layer by layer in stage order, brings a moved layer's moments back (the next such
+     layer's are fetched while this one steps), steps that layer's parameters alone, and stashes
+     its moments again; a layer the plan steps on the host (`step_on="host"`, moments in host
+     memory) is stepped there instead: its gradients and weights come to the host, AdamW updates
+     the weights and the moments in their host buffers in place, and the weights go back;
   3. stashes the moments of moved layers that were stepped in place in 1.
 
 Each call of `optimizer.step()` sees only parameters with a gradient and AdamW updates each
@@ -39,11 +37,9 @@ class ModelDataRunner:
         self.moved = [layer for layer in sorted(layers) if plan.model_decision(stage, layer).technique != "keep"]
         self.layers = layers
         self.out: dict[int, list[tuple[nn.Parameter, str, int]]] = {}  # layer -> (param, moment, record id)
-        on_host = [layer for layer in self.moved if plan.model_decision(stage, layer).step_on == "host"]
-        if on_host:
-            raise ValueError(f"stage {stage}: the plan steps layers {on_host} on the host CPU; this runner steps "
-                             f"every layer on its device (plan with host_steps=False)")
-        owned = {id(p) for group in optimizer.param_groups for p in group["params"]}
+        self.on_host = {layer for layer in self.moved if plan.model_decision(stage, layer).step_on == "host"}
+        self._slot = {id(p): (group, i) for group in optimizer.param_groups for i, p in enumerate(group["params"])}
+        owned = set(self._slot)
         for layer in self.moved:
             missing = [i for i, p in enumerate(layers[layer]) if id(p) not in owned]
             if missing:
@@ -82,11 +78,16 @@ class ModelDataRunner:
             keep = {id(p): g for p, g in zip(params, grads)}
             for p in params:
                 p.grad = None
-            for i, layer in enumerate(order):
-                if i == 0:
-                    self._fetch(layer)
-                if i + 1 < len(order):
-                    self._fetch(order[i + 1])  # comes in while this layer steps
+            on_device = [layer for layer in order if layer not in self.on_host]
+            if on_device:
+                self._fetch(on_device[0])
+            for layer in order:
+                if layer in self.on_host:
+                    self._host_step(layer, keep)
+                    continue
+                j = on_device.index(layer)
+                if j + 1 < len(on_device):
+                    self._fetch(on_device[j + 1])  # comes in while this layer steps
                 entries = self.out.pop(layer)
                 for p, key, rid in entries:
                     self.opt.state[p][key] = self.executor.take(rid)
@@ -100,6 +101,31 @@ class ModelDataRunner:
             for p, g in zip(params, grads):
                 p.grad = g
         self.stash_resident()
+
+    def _host_step(self, layer: int, grads: dict[int, torch.Tensor | None]) -> None:
+        """AdamW on the host for one layer whose moments are in host memory: each parameter's
+        stand-in on the host (its own tensor when the device is the CPU) takes its place in the
+        optimizer for one step, with the moments' host buffers as its state."""
+        rids = {(id(p), key): rid for p, key, rid in self.out[layer]}
+        for p in self.layers[layer]:
+            g = grads[id(p)]
+            if g is None or (id(p), MOMENTS[0]) not in rids:
+                continue
+            w = p.detach().to("cpu")
+            shadow = nn.Parameter(w)
+            shadow.grad = g.to("cpu")
+            group, i = self._slot[id(p)]
+            self.opt.state[shadow] = {"step": self.opt.state[p]["step"],
+                                      **{key: self.executor.host_view(rids[(id(p), key)]) for key in MOMENTS}}
+            group["params"][i] = shadow
+            try:
+                self.opt.step()  # only the stand-in has a gradient
+            finally:
+                group["params"][i] = p
+                del self.opt.state[shadow]
+            if w.data_ptr() != p.data_ptr():
+                with torch.no_grad():
+                    p.copy_(w)
 
     def _fetch(self, layer: int) -> None:
         for _, _, rid in self.out.get(layer, []):

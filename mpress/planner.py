@@ -478,7 +478,7 @@ def plan(profile: PipelineProfile, topology: Topology, *, budget_bytes: int | li
     device's memory) and `host_memory_bytes` of host memory for swapped activations and optimizer
     states (default: no limit). A given `mapping` is kept as is; without one the identity is the
     start and, with `search_mapping`, a searched mapping competes with it. `host_steps` False keeps
-    every optimizer step on its device (what `mpress.model_data` runs today)."""
+    every optimizer step on its device."""
     t0 = time.perf_counter()
     budgets = _budgets(budget_bytes, topology)
     S = len(profile.stages)

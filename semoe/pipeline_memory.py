@@ -187,7 +187,7 @@ def compact(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
         host_limit = host_swap_limit_bytes()
         res = plan(profile, _topology(trainer, stage_memory_bytes, pci), budget_bytes=stage_memory_bytes,
                    search_mapping=False,  # CPU ranks are interchangeable; GPU mapping is the launcher's
-                   host_memory_bytes=host_limit, host_steps=False)  # the runner steps on the device
+                   host_memory_bytes=host_limit)
         box[0] = (res.plan, res.fits, res.reason, res.sim.step_time_s, res.planning_s,
                   f"semoe-{os.getpid()}-{time.time_ns()}", host_limit)
     dist.broadcast_object_list(box, src=0)

@@ -83,13 +83,13 @@ def _stage_optimizers(store: str) -> list[dict]:
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_model_data_in_host_memory_and_in_the_peer_keeps_the_numbers(tmp_path, text_file):
     """Stage 0 keeps block 0's AdamW moments in host memory and stripes block 1's into stage 1's
-    segment; stage 1 keeps block 2's in host memory and block 3's on the device; with a host
-    swap of activations beside them. Losses, every weight and every moment (read back from where
+    segment; stage 1 keeps block 2's in host memory, stepped there, and block 3's on the device;
+    with a host swap of activations beside them. Losses, every weight and every moment (read back from where
     they live for the checkpoint) are the plain run's, bit for bit."""
     plan = Plan(decisions=[Decision(stage=1, layer=3, technique="host")], model_data=[
         ModelDataDecision(stage=0, layer=0, technique="host"),
         ModelDataDecision(stage=0, layer=1, technique="d2d", stripes=[Stripe(device=1, bytes=1)]),
-        ModelDataDecision(stage=1, layer=2, technique="host"),
+        ModelDataDecision(stage=1, layer=2, technique="host", step_on="host"),
     ])
     plain = _run(tmp_path, "plain", text_file, None)
     planned = _run(tmp_path, "planned", text_file, plan)
