@@ -10,8 +10,9 @@ A run lives in one directory:
     RUN/spill     expert gradients that did not fit the host budget (transient)
 
 Each step: every rank takes its slice of the global batch (split further into micro-batches),
-runs forward and backward (experts dispatched to their owner ranks with all-to-all, dense
-gradients averaged in buckets while backward runs), checks the loss, clips by the global gradient
+runs forward and backward (experts dispatched to their owner ranks with all-to-all; dense
+gradients averaged in buckets while backward runs, or reduce-scattered block by block under
+`--dense-states fsdp`, see `semoe.dense_states`), checks the loss, clips by the global gradient
 norm, steps AdamW on the dense parameters and streams the expert optimizer step through the
 expert-state backend. Checkpoints commit everything (dense weights and optimizer, expert states,
 data position, per-expert Adam step counts, RNG) in one store version; resuming continues bit-
