@@ -225,6 +225,13 @@ def test_dense_states_modes_give_the_replicated_numbers(tmp_path, text_file):
         "adam_m": Tol(rtol=1e-5, ulps_of_max=16),  # sums that cancel: ulps of the largest term
         "adam_v": Tol(rtol=2e-5),  # squares: relative only, values span many decades
     })
+    # with two micro-batches FSDP reduce-scatters each one's gradients, replicated sums them
+    # locally first: the same sums in another order (measured 5e-8 relative over 6 steps)
+    rep2, _ = _dense_run(tmp_path, text_file, "replicated-mb2", "--dense-states", "replicated", "--steps", "6",
+                         "--micro-batches", "2")
+    fsdp2, _ = _dense_run(tmp_path, text_file, "fsdp-mb2", "--dense-states", "fsdp", "--steps", "6",
+                          "--micro-batches", "2")
+    assert fsdp2 == pytest.approx(rep2, rel=1e-5)
     got, want = optimizer_state(str(tmp_path / "fsdp" / "store")), optimizer_state(str(tmp_path / "replicated" / "store"))
     # Dense moments: m is a sum of gradients that cancel (ulps of its largest); sqrt(v) is a
     # gradient magnitude with the same error, while v itself doubles a small gradient's relative
