@@ -166,6 +166,19 @@ def _timed_step(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> tuple[l
     return forward_s, backward_s
 
 
+def median_seconds(run, tensors: list[torch.Tensor], *, repeats: int = 2) -> float:
+    """Median seconds of `run()` over `repeats` calls after one warm-up, the device of `tensors`
+    synchronised around each call."""
+    times = []
+    for _ in range(1 + repeats):
+        _sync(tensors)
+        t0 = time.perf_counter()
+        run()
+        _sync(tensors)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
 def step_seconds(module: nn.Module, device: torch.device | str, *, repeats: int = 2) -> float:
     """Median seconds of an AdamW step over copies of `module`'s parameters on `device` (the
     optimizer step's share of the layer: memory-bound, so copies time it as well as the real
@@ -176,14 +189,7 @@ def step_seconds(module: nn.Module, device: torch.device | str, *, repeats: int 
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, foreach=False)
-    times = []
-    for _ in range(1 + repeats):  # the first creates the moments
-        _sync(params)
-        t0 = time.perf_counter()
-        opt.step()
-        _sync(params)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return median_seconds(opt.step, params, repeats=repeats)  # the warm-up creates the moments
 
 
 def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Tensor, *,
@@ -215,20 +221,17 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
     finally:
         for p, g in zip(params, grads_before):
             p.grad = g
-    return [
-        LayerProfile(
+    out = []
+    for i, ((name, module), (saved, output_bytes)) in enumerate(zip(layers, recorded)):
+        weights = sum(p.numel() * p.element_size() for p in module.parameters())
+        out.append(LayerProfile(
             index=i, name=name,
             forward_s=statistics.median(fwd[i] for fwd, _ in times),
             backward_s=statistics.median(bwd[i] for _, bwd in times),
-            saved=saved,
-            param_bytes=sum(p.numel() * p.element_size() for p in module.parameters())
-            * (2 + optimizer_states),
-            output_bytes=output_bytes,
-            state_bytes=sum(p.numel() * p.element_size() for p in module.parameters()) * optimizer_states,
-            update_bytes=sum(p.numel() * p.element_size() for p in module.parameters()) * 2,
+            saved=saved, output_bytes=output_bytes,
+            param_bytes=weights * (2 + optimizer_states),
+            state_bytes=weights * optimizer_states, update_bytes=weights * 2,
             state_tensors=sum(1 for _ in module.parameters()) * optimizer_states,
             step_s=step_seconds(module, example_input.device) if optimizer_states else 0.0,
-            host_step_s=step_seconds(module, "cpu") if optimizer_states else 0.0,
-        )
-        for i, ((name, module), (saved, output_bytes)) in enumerate(zip(layers, recorded))
-    ]
+            host_step_s=step_seconds(module, "cpu") if optimizer_states else 0.0))
+    return out

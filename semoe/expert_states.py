@@ -240,6 +240,11 @@ class ExpertStates(ABC):
         """Forget this step's expert gradients (a profiling pass's, which must not train anything)."""
         self.end_step()
 
+    def sample_weights(self) -> list[torch.Tensor] | None:
+        """One expert's weight tensors where this backend steps them in memory, for timing the
+        expert optimizer step; None where the step is bound by reads and writes instead."""
+        return None
+
     def stats(self) -> dict:
         """Counters for the step log: cpu_hit_rate, ssd bytes read and written, seconds of I/O."""
         return {}
@@ -412,6 +417,9 @@ class ResidentExpertStates(ExpertStates):
     def discard_grads(self) -> None:
         super().discard_grads()
         self.g.clear()
+
+    def sample_weights(self) -> list[torch.Tensor] | None:
+        return next(iter(self.w.values()), None)
 
     def _grads(self, key: Key) -> list[torch.Tensor]:
         return self.g[key]

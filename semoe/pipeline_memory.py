@@ -76,30 +76,23 @@ def profile_stage(trainer: "PipelineTrainer", repeats: int = 2) -> Any:
     return StageProfile(stage=trainer.rank, layers=profiled, fixed_bytes=_fixed_bytes(trainer, x_BTD.detach()))
 
 
-def _expert_step_seconds(trainer: "PipelineTrainer", repeats: int = 2) -> float:
+def _expert_step_seconds(trainer: "PipelineTrainer") -> float:
     """Seconds of one MoE layer's expert AdamW step with every expert of the stage touched, timed
-    on scratch copies of one expert's tensors where the states live. 0 for SSD states, whose
-    step is bounded by their reads and writes, which the profile does not model."""
-    import statistics
+    on scratch copies of one expert's tensors where the states live. 0 where the backend's step
+    is bound by its reads and writes (SSD), which the profile does not model."""
+    from mpress.profiler import median_seconds
+    from semoe.expert_states import AdamWConfig, adamw_
 
-    from semoe.expert_states import AdamWConfig, ResidentExpertStates, adamw_
-
-    states = trainer.states
-    if not isinstance(states, ResidentExpertStates) or not states.w:
+    sample = trainer.states.sample_weights()
+    if not sample:
         return 0.0
-    scratch = [(t.clone(), torch.randn_like(t), torch.zeros_like(t), torch.zeros_like(t))
-               for t in next(iter(states.w.values()))]
-    times = []
-    for step in range(1, 2 + repeats):  # the first is a warm-up
-        if scratch[0][0].is_cuda:
-            torch.cuda.synchronize(scratch[0][0].device)
-        t0 = time.perf_counter()
+    scratch = [(t.clone(), torch.randn_like(t), torch.zeros_like(t), torch.zeros_like(t)) for t in sample]
+
+    def step() -> None:
         for w, g, m, v in scratch:
-            adamw_(w, g, m, v, step=step, lr=1e-3, cfg=AdamWConfig())
-        if scratch[0][0].is_cuda:
-            torch.cuda.synchronize(scratch[0][0].device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:]) * len(states.experts)
+            adamw_(w, g, m, v, step=1, lr=1e-3, cfg=AdamWConfig())
+
+    return median_seconds(step, [w for w, _, _, _ in scratch]) * len(trainer.states.experts)
 
 
 def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:

@@ -263,3 +263,22 @@ def test_gpu_ranks_are_planned_on_their_own_gpus(monkeypatch):
     trainer = types.SimpleNamespace(device=torch.device("cuda", 0), world=2)
     pci = [(0, 0x41, 0), (0, 0x0A, 0)]  # each rank's cuda:0, under different CUDA_VISIBLE_DEVICES
     assert _topology(trainer, 1 << 30, pci) == "nvml" and asked == [pci]
+
+
+def test_the_profile_times_the_experts_step_where_the_backend_steps_in_memory():
+    from types import SimpleNamespace
+
+    from semoe.pipeline_memory import _expert_step_seconds
+
+    class InMemory:
+        experts = range(4)
+
+        def sample_weights(self):
+            return [torch.randn(96, 64), torch.randn(64, 96)]
+
+    class OnSSD(InMemory):
+        def sample_weights(self):
+            return None  # bound by reads and writes: not modelled
+
+    assert _expert_step_seconds(SimpleNamespace(states=InMemory())) > 0
+    assert _expert_step_seconds(SimpleNamespace(states=OnSSD())) == 0.0
