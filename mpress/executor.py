@@ -27,8 +27,7 @@ the device and is used as it is.
 Model data. `stash(layer, tensor)` moves one optimizer-state tensor of a layer the plan's
 model-data decision moves off the device into host memory or peers' segments, by the same
 copies and records as a swapped activation; `fetch` starts bringing it back, `take` hands it
-back as a device tensor (still counted: give it to `stash` again after the step, or `uncount`
-it), `host_view` exposes states in host memory to a step on the host, and `peek` reads a copy
+back as a device tensor (still counted: give it to `stash` again after the step), `host_view` exposes states in host memory to a step on the host, and `peek` reads a copy
 on the host without bringing it back (for checkpoints).
 `mpress.model_data.ModelDataRunner` runs a stage's optimizer step with them.
 
@@ -458,7 +457,7 @@ class Executor:
     def take(self, record_id: int) -> torch.Tensor:
         """Stashed model data as a tensor on the device, once its copies have landed (fetched
         here if `fetch` was not called). The record and its swap space are freed; the bytes stay
-        counted until the tensor is stashed again (`counted=True`) or `uncount`ed."""
+        counted until the tensor is stashed again (`counted=True`)."""
         with self._lock:
             record = self.table[record_id]
             self._swap_in(record)
@@ -485,20 +484,13 @@ class Executor:
             flat = record.host.payload[:record.nbytes].view(record.dtype)
             return flat.as_strided(record.shape, record.stride)
 
-    def uncount(self, nbytes: int) -> None:
-        """A tensor `take` gave back has left the device."""
-        with self._lock:
-            self._meter.sub(nbytes)
-
     def peek(self, record_id: int) -> torch.Tensor:
         """A copy on the host (CPU) of stashed model data, read where it is stashed, without
         bringing it back (waits for its copy out)."""
         with self._lock:
             record = self.table[record_id]
-            if record.state == State.RESIDENT or record.state == State.SWAPPING_IN:
-                for handle in record.copies:
-                    handle.wait()
-                return record.tensor.detach().cpu()
+            if record.state not in (State.SWAPPING_OUT, State.OUT):
+                raise ValueError(f"Executor: stage {self.stage}: record {record_id} was fetched back; take it")
             for handle in record.copies:
                 handle.synchronize()
             if record.technique == "host":

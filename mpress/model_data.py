@@ -123,9 +123,8 @@ class ModelDataRunner:
             finally:
                 group["params"][i] = p
                 del self.opt.state[shadow]
-            if w.data_ptr() != p.data_ptr():
-                with torch.no_grad():
-                    p.copy_(w)
+            with torch.no_grad():
+                p.copy_(w)  # the updated weights back (on a CPU device, `w` is `p` itself)
 
     def _fetch(self, layer: int) -> None:
         for _, _, rid in self.out.get(layer, []):

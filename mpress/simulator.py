@@ -190,24 +190,8 @@ def _model_data(profile: PipelineProfile, plan: Plan, topology: Topology,
             raise ValueError(f"{where}: technique must be one of {MODEL_TECHNIQUES}, got {d.technique!r}")
         if d.technique == "keep":
             continue
-        nbytes, dev = layers[d.layer][1].state_bytes, mapping[d.stage]
-        stripes: tuple = ()
-        if d.technique == "host":
-            if topology.host_bw[dev] <= 0:
-                raise ValueError(f"{where}: host memory needs host_bw > 0 on device {dev}")
-        else:
-            if sum(x.bytes for x in d.stripes) != nbytes:
-                raise ValueError(f"{where}: stripes carry {sum(x.bytes for x in d.stripes)} bytes, the layer's "
-                                 f"optimizer states are {nbytes}")
-            parts = []
-            for x in d.stripes:
-                bw = min(topology.peer_bw(dev, x.device), topology.peer_bw(x.device, dev)) \
-                    if 0 <= x.device < topology.devices and x.device != dev else 0.0
-                if bw <= 0:
-                    raise ValueError(f"{where}: stripe device {x.device} must be a peer linked to device {dev}")
-                if x.bytes:
-                    parts.append((x.device, x.bytes, bw))
-            stripes = tuple(parts)
+        stripes = _check_swap(d, layers[d.layer][1].state_bytes, mapping[d.stage], topology,
+                              where=where, holds="the layer's optimizer states are")
         out[d.layer] = (d, stripes)
     return out
 
@@ -225,8 +209,11 @@ def recompute_held(profile: PipelineProfile) -> dict[int, int]:
     return out
 
 
-def _check_swap(d: Decision, nbytes: int, dev: int, topology: Topology) -> tuple:
-    where = f"plan decision for stage {d.stage}, layer {d.layer}"
+def _check_swap(d: Decision | ModelDataDecision, nbytes: int, dev: int, topology: Topology, *,
+                where: str | None = None, holds: str = "the layer saves") -> tuple:
+    """A host or d2d decision of `nbytes` on device `dev` checked against the topology; its d2d
+    stripes as (peer, bytes, bytes/s)."""
+    where = where or f"plan decision for stage {d.stage}, layer {d.layer}"
     if d.technique == "host":
         if topology.host_bw[dev] <= 0:
             raise ValueError(f"{where}: host swap needs host_bw > 0 on device {dev}")
@@ -234,8 +221,7 @@ def _check_swap(d: Decision, nbytes: int, dev: int, topology: Topology) -> tuple
     if not d.stripes:
         raise ValueError(f"{where}: d2d needs at least one stripe")
     if sum(x.bytes for x in d.stripes) != nbytes:
-        raise ValueError(f"{where}: stripes carry {sum(x.bytes for x in d.stripes)} bytes, the layer "
-                         f"saves {nbytes}")
+        raise ValueError(f"{where}: stripes carry {sum(x.bytes for x in d.stripes)} bytes, {holds} {nbytes}")
     stripes = []
     for x in d.stripes:
         if not 0 <= x.device < topology.devices or x.device == dev:

@@ -18,7 +18,7 @@ All three give the same numbers up to float32 reduction order (a test pins it on
 their checkpoints are one format: full dense tensors in the store and a full (unsharded) optimizer
 state keyed by parameter position, so a run may resume in another mode.
 
-The sharding rule is FSDP2's (dim 0 in `torch.chunk` pieces); `assign_full_` and `full_tensor`
+The sharding rule is FSDP2's (dim 0 in `torch.chunk` pieces); `_shard_like` and `full_tensor`
 are the only places that translate between a full tensor and this rank's piece.
 """
 
@@ -49,16 +49,20 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t
 
 
+def _shard_like(full: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """`full` (whole on every rank) as a tensor sharded like the sharded parameter `p`: each rank
+    keeps its own piece, with no communication."""
+    from torch.distributed.tensor import distribute_tensor
+
+    return distribute_tensor(full.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements,
+                             src_data_rank=None)
+
+
 @torch.no_grad()
 def assign_full_(p: torch.Tensor, full: torch.Tensor) -> None:
-    """Set parameter `p` to the full tensor `full` (given whole on every rank): a sharded parameter
-    keeps its own piece of it, with no communication."""
+    """Set parameter `p` to the full tensor `full` (given whole on every rank)."""
     if _is_dtensor(p):
-        from torch.distributed.tensor import distribute_tensor
-
-        piece = distribute_tensor(full.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements,
-                                  src_data_rank=None).to_local()
-        p.to_local().copy_(piece)
+        p.to_local().copy_(_shard_like(full, p).to_local())
     else:
         p.copy_(full)
 
@@ -204,6 +208,4 @@ def _like_param(v: Any, p: torch.Tensor) -> Any:
     count stay as they are)."""
     if not isinstance(v, torch.Tensor) or v.dim() == 0 or tuple(v.shape) != tuple(p.shape) or not _is_dtensor(p):
         return v
-    from torch.distributed.tensor import distribute_tensor
-
-    return distribute_tensor(v.to(device=p.device, dtype=p.dtype), p.device_mesh, p.placements, src_data_rank=None)
+    return _shard_like(v, p)
