@@ -6,9 +6,11 @@ The steps, each scored or checked in the simulator:
 (a) lifetimes: simulate keep-all; each layer's idle time is the shortest gap, over micro-batches,
     between the end of its forward and the start of its backward. If everything fits, keep all.
 (b) host swap for layers whose idle time hides a swap-out plus a swap-in over `host_bw`, largest
-    saved bytes first, while the device's host copies per micro-batch fit in its compute time.
+    saved bytes first, while the device's host copies per micro-batch fit in its compute time, unless
+    the swap's own cost on the compute stream (`swap_forward_s + swap_backward_s`, measured) is no
+    less than replaying the layer's forward.
 (c) recompute or (exposed) host swap for the rest, whichever costs less added time per byte of peak
-    removed; costs within 10% count as equal and then later layers (the shortest idle times) go
+    removed (a swap costs its exposed copy time plus its cost on the compute stream); costs within 10% count as equal and then later layers (the shortest idle times) go
     first, so recomputation forms a run of consecutive layers at the end of the stage. (b) and (c)
     stop once the estimate fits; the simulator then says what is still over and more of the same
     queue is taken.
@@ -102,6 +104,11 @@ def _budgets(budget_bytes: int | list[int] | None, topology: Topology) -> list[i
     return budgets
 
 
+def _swap_compute_s(lp: LayerProfile) -> float:
+    """What swapping the layer adds on the compute stream per micro-batch (forward and backward)."""
+    return lp.swap_forward_s + lp.swap_backward_s
+
+
 def _cost_bucket(cost: float) -> float:
     """Costs within 10% of each other sort as equal, so that among near-uniform layers the later
     ones win and recomputation forms one run at the end of the stage."""
@@ -173,6 +180,8 @@ class _Compactor:
                 for lp in sorted(layers, key=lambda lp: (-lp.saved_bytes, lp.index)):
                     swap_s = 2 * lp.saved_bytes / host_bw
                     held = lp.saved_bytes * k
+                    if _swap_compute_s(lp) >= lp.forward_s:  # dearer than replaying it: left to (c)
+                        continue
                     if idle[(s, lp.index)] >= swap_s and load + swap_s <= period and held <= self.host_room:
                         hidden.append((lp.index, "host"))
                         load += swap_s
@@ -187,7 +196,7 @@ class _Compactor:
                 if can_swap and lp.saved_bytes * k <= self.host_room:
                     swap_s = 2 * lp.saved_bytes / host_bw
                     exposed = max(swap_s - idle[(s, lp.index)], load + swap_s - period, 0.0)
-                    per_byte["host"] = M * exposed / self.reduction(lp.index, "host")
+                    per_byte["host"] = M * (exposed + _swap_compute_s(lp)) / self.reduction(lp.index, "host")
                 tech = min(per_byte, key=lambda t: (per_byte[t], t != "recompute"))
                 if tech == "host":
                     self.host_room -= lp.saved_bytes * k

@@ -51,6 +51,11 @@ class LayerProfile:
     state_tensors: int = 0  # how many tensors state_bytes is (each is placed, and aligned, alone)
     step_s: float = 0.0  # the layer's optimizer step on its device
     host_step_s: float = 0.0  # the same step on the host CPU
+    # what swapping the layer's saved tensors (host or peers) adds to its forward and its backward
+    # on the compute stream, per micro-batch, beyond the copies themselves: the runtime's work per
+    # tensor, and on a CPU, whose cores do the copies, the cycles the copies take from compute
+    swap_forward_s: float = 0.0
+    swap_backward_s: float = 0.0
 
     @property
     def saved_bytes(self) -> int:

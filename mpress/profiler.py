@@ -10,6 +10,9 @@ each node's `_saved_*` attributes (or `saved_tensors`, for custom Functions) are
 the unpack hook on the very object the pack hook returned (a tensor no node is found for gets
 the layer's name as its consumer).
 
+Every time is the fastest of a few runs after a warm-up: other work on the machine only ever adds
+time, and the planner models the machine doing nothing else.
+
 Backward time per layer comes from tensor hooks on the boundaries between layers: the hook on a
 layer's output fires when its backward can start, the hook on its input when the next layer down
 can start. The first layer's backward ends when `backward()` returns.
@@ -17,7 +20,6 @@ can start. The first layer's backward ends when `backward()` returns.
 
 from __future__ import annotations
 
-import statistics
 import time
 from dataclasses import dataclass
 
@@ -131,8 +133,10 @@ def _record_saved(name: str, module: nn.Module, inputs: tuple) -> tuple[tuple, l
     return outputs, saved
 
 
-def _timed_step(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> tuple[list[float], list[float]]:
-    """One forward and backward through all layers: per-layer forward and backward seconds."""
+def _timed_step(layers: list[tuple[str, nn.Module]], x: torch.Tensor,
+                before_backward=None) -> tuple[list[float], list[float]]:
+    """One forward and backward through all layers: per-layer forward and backward seconds.
+    `before_backward()` runs as the backward starts (where a runtime starts its swap-ins)."""
     n = len(layers)
     forward_s = []
     boundary_t = [0.0] * (n + 1)  # boundary i: the input of layer i (n: the last output)
@@ -155,6 +159,8 @@ def _timed_step(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> tuple[l
         raise ValueError("profile_layers: the last layer's output does not require grad")
     _sync(inputs)
     boundary_t[n] = time.perf_counter()
+    if before_backward is not None:
+        before_backward()
     torch.autograd.backward(tensors, [torch.ones_like(t) for t in tensors])
     _sync(inputs)
     boundary_t[0] = time.perf_counter()
@@ -166,8 +172,8 @@ def _timed_step(layers: list[tuple[str, nn.Module]], x: torch.Tensor) -> tuple[l
     return forward_s, backward_s
 
 
-def median_seconds(run, tensors: list[torch.Tensor], *, repeats: int = 2) -> float:
-    """Median seconds of `run()` over `repeats` calls after one warm-up, the device of `tensors`
+def best_seconds(run, tensors: list[torch.Tensor], *, repeats: int = 2) -> float:
+    """Fewest seconds of `run()` over `repeats` calls after one warm-up, the device of `tensors`
     synchronised around each call."""
     times = []
     for _ in range(1 + repeats):
@@ -176,11 +182,11 @@ def median_seconds(run, tensors: list[torch.Tensor], *, repeats: int = 2) -> flo
         run()
         _sync(tensors)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+    return min(times[1:])
 
 
 def step_seconds(module: nn.Module, device: torch.device | str, *, repeats: int = 2) -> float:
-    """Median seconds of an AdamW step over copies of `module`'s parameters on `device` (the
+    """Seconds of an AdamW step (the fastest of `repeats`) over copies of `module`'s parameters on `device` (the
     optimizer step's share of the layer: memory-bound, so copies time it as well as the real
     ones, and the real moments are left alone)."""
     params = [nn.Parameter(p.detach().to(device).clone()) for p in module.parameters() if p.requires_grad]
@@ -189,15 +195,19 @@ def step_seconds(module: nn.Module, device: torch.device | str, *, repeats: int 
     for p in params:
         p.grad = torch.randn_like(p)
     opt = torch.optim.AdamW(params, foreach=False)
-    return median_seconds(opt.step, params, repeats=repeats)  # the warm-up creates the moments
+    return best_seconds(opt.step, params, repeats=repeats)  # the warm-up creates the moments
 
 
 def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Tensor, *,
                    repeats: int = 3, optimizer_states: int = 2) -> list[LayerProfile]:
     """Profile `layers` run in sequence on `example_input` (one micro-batch): saved activations,
-    output sizes, median forward / backward seconds over `repeats` steps, and the bytes of
+    output sizes, the fastest forward / backward seconds over `repeats` steps, and the bytes of
     parameters + gradients + `optimizer_states` states per parameter (2 for Adam), all in the
-    parameter's dtype. Gradients the parameters held before are restored afterwards."""
+    parameter's dtype. Gradients the parameters held before are restored afterwards.
+
+    The timed backwards add into gradients an earlier micro-batch left, as every micro-batch of a
+    step but the first does: where a micro-batch has few tokens, that read-modify-write of every
+    gradient is a large part of the backward."""
     if repeats < 1:
         raise ValueError(f"profile_layers: repeats={repeats} must be >= 1")
     if not layers:
@@ -212,12 +222,10 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
             recorded.append((saved, sum(t.numel() * t.element_size()
                                         for t in inputs if isinstance(t, torch.Tensor))))
         del inputs
-        times = []
-        for _ in range(1 + repeats):  # the first is a warm-up of the backward
-            for p in params:
-                p.grad = None  # as after zero_grad(): the backward allocates, and leaves the caller's alone
-            times.append(_timed_step(layers, example_input))
-        del times[0]
+        for p in params:
+            p.grad = None  # the caller's are left alone; the warm-up allocates the ones timed steps add to
+        times = [_timed_step(layers, example_input) for _ in range(1 + repeats)]
+        del times[0]  # the warm-up
     finally:
         for p, g in zip(params, grads_before):
             p.grad = g
@@ -226,8 +234,8 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
         out.append(LayerProfile(
             index=i, name=name,
-            forward_s=statistics.median(fwd[i] for fwd, _ in times),
-            backward_s=statistics.median(bwd[i] for _, bwd in times),
+            forward_s=min(fwd[i] for fwd, _ in times),
+            backward_s=min(bwd[i] for _, bwd in times),
             saved=saved, output_bytes=output_bytes,
             param_bytes=weights * (2 + optimizer_states),
             state_bytes=weights * optimizer_states, update_bytes=weights * 2,
@@ -235,3 +243,62 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
             step_s=step_seconds(module, example_input.device) if optimizer_states else 0.0,
             host_step_s=step_seconds(module, "cpu") if optimizer_states else 0.0))
     return out
+
+
+def measure_runtime(layers: list[tuple[str, nn.Module]], example_input: torch.Tensor,
+                    profiled: list[LayerProfile], *, repeats: int = 3) -> None:
+    """Re-time `profiled` (from `profile_layers` on the same layers) as the mpress runtime runs
+    them: under an Executor that keeps every saved tensor (its bookkeeping per tensor then counts
+    in `forward_s` / `backward_s`) and under one that swaps every layer's to host memory, a step of
+    each in turn, the swap-ins started as the backward starts (as the pipeline runtime does); a
+    layer's `swap_forward_s` / `swap_backward_s` are the differences of the fastest, never below 0.
+    On a GPU those are the runtime's work per tensor; on a CPU, whose cores also do the copies,
+    they include what the copies take from compute."""
+    from mpress.executor import Executor, host_pool_bytes_for
+    from mpress.profile import Decision, PipelineProfile, Plan, StageProfile
+
+    if repeats < 1:
+        raise ValueError(f"measure_runtime: repeats={repeats} must be >= 1")
+    device = example_input.device
+    n = len(layers)
+    swap_all = Plan(decisions=[Decision(stage=0, layer=i, technique="host") for i in range(n)])
+    one = PipelineProfile(stages=[StageProfile(stage=0, layers=[
+        LayerProfile(index=i, name=lp.name, forward_s=0.0, backward_s=0.0, saved=lp.saved)
+        for i, lp in enumerate(profiled)])], micro_batches=1, schedule="gpipe")
+    params = [p for _, m in layers for p in m.parameters()]
+    grads_before = [p.grad for p in params]
+    spent = [0.0] * n  # seconds each layer's prefetch took, this step
+
+    def prefetch_all() -> None:  # every layer's swap-ins, as the runtime starts them with the backward
+        for i in reversed(range(n)):
+            start = time.perf_counter()
+            swap.prefetch(i)
+            spent[i] = time.perf_counter() - start
+
+    with Executor(Plan(), 0, device=device) as keep, \
+            Executor(swap_all, 0, device=device, host_pool_bytes=host_pool_bytes_for(one, swap_all, 0)) as swap:
+        keep_run = [(name, keep.wrap(i, m)) for i, (name, m) in enumerate(layers)]
+        swap_run = [(name, swap.wrap(i, m)) for i, (name, m) in enumerate(layers)]
+        kept: list[tuple[list[float], list[float]]] = []
+        swapped: list[tuple[list[float], list[float]]] = []
+        try:
+            for p in params:
+                p.grad = None
+            for r in range(1 + repeats):  # the first of each is a warm-up
+                k = _timed_step(keep_run, example_input)
+                fwd, bwd = _timed_step(swap_run, example_input, prefetch_all)
+                swap.synchronize()
+                # the prefetches ran before the last layer's backward was stamped: each layer's
+                # goes to its own backward
+                bwd = [b + x for b, x in zip(bwd, spent)]
+                if r:
+                    kept.append(k)
+                    swapped.append((fwd, bwd))
+        finally:
+            for p, g in zip(params, grads_before):
+                p.grad = g
+    for i, lp in enumerate(profiled):
+        lp.forward_s = min(f[i] for f, _ in kept)
+        lp.backward_s = min(b[i] for _, b in kept)
+        lp.swap_forward_s = max(min(f[i] for f, _ in swapped) - lp.forward_s, 0.0)
+        lp.swap_backward_s = max(min(b[i] for _, b in swapped) - lp.backward_s, 0.0)

@@ -15,7 +15,8 @@ Model, per device (one pipeline stage per device, `Plan.device_of`):
   finished and its output has crossed the link; B(m) likewise after B(m) of stage s + 1 (the last
   stage's after its own F(m)).
 - techniques per layer: `keep` holds the layer's saved bytes from the start of its forward to the end
-  of its backward; `recompute` holds only its input and its backward first replays its forward; `host` and
+  of its backward (a swapped layer's forward and backward take `swap_forward_s` / `swap_backward_s`
+  longer on the compute stream: the runtime's work per tensor, measured); `recompute` holds only its input and its backward first replays its forward; `host` and
   `d2d` hold the bytes from the start of the forward until the swap-out copy finishes, and again from
   the start of the swap-in copy until the end of the backward, which waits for the copy. Swap-ins
   for a backward are issued when the stage's previous op starts (after that op's own swap-outs when
@@ -160,7 +161,8 @@ def _segments(profile: PipelineProfile, plan: Plan, topology: Topology,
             if tech in ("host", "d2d") and nbytes:
                 stripes = _check_swap(d, nbytes, dev, topology)
                 segs.append(_Segment(HOST if tech == "host" else D2D, layer.index, layer.index,
-                                     layer.forward_s, layer.backward_s, nbytes, stripes))
+                                     layer.forward_s + layer.swap_forward_s,
+                                     layer.backward_s + layer.swap_backward_s, nbytes, stripes))
                 continue
             extra = layer.forward_s if tech == "recompute" else 0.0
             held = nbytes if tech != "recompute" else kept_input[layer.index]

@@ -3,7 +3,8 @@ and run each stage's blocks under the plan.
 
 `compact(trainer, stage_memory_bytes)` runs once, before the first step:
   1. each rank profiles its blocks on one micro-batch (mpress.profiler: saved activations, forward
-     and backward time, parameter bytes), and throws away the expert gradients that pass produced;
+     and backward time as the executor runs them, what a swap adds to them, parameter bytes), and
+     throws away the expert gradients that pass produced;
   2. rank 0 gathers the stage profiles, measures the machine (a CPU topology here, NVML on GPUs,
      each rank's GPU found by its PCI address), plans with mpress.planner for `stage_memory_bytes`
      per stage (parameters, gradients and dense optimizer states of the blocks plus their saved
@@ -53,10 +54,10 @@ class _BlockOnHidden(nn.Module):
         return self.block(x_BTD, self.cos, self.sin, None)[0]
 
 
-def profile_stage(trainer: "PipelineTrainer", repeats: int = 2) -> Any:
+def profile_stage(trainer: "PipelineTrainer", repeats: int = 3) -> Any:
     """This rank's StageProfile, measured on one micro-batch of random hidden states."""
     from mpress.profile import StageProfile
-    from mpress.profiler import profile_layers
+    from mpress.profiler import measure_runtime, profile_layers
 
     cfg, c, stage = trainer.cfg, trainer.config, trainer.model
     B, T = cfg.batch_size // cfg.micro_batches, cfg.seq_len
@@ -65,8 +66,9 @@ def profile_stage(trainer: "PipelineTrainer", repeats: int = 2) -> Any:
     positions_BT = torch.arange(T, device=trainer.device).expand(B, T)
     cos, sin = rope_tables(c, positions_BT, x_BTD.dtype)
     blocks = list(stage.layers.items())
-    profiled = profile_layers([(f"layer{k}", _BlockOnHidden(b, cos, sin)) for k, b in blocks], x_BTD,
-                              repeats=repeats)
+    layers = [(f"layer{k}", _BlockOnHidden(b, cos, sin)) for k, b in blocks]
+    profiled = profile_layers(layers, x_BTD, repeats=repeats)
+    measure_runtime(layers, x_BTD, profiled, repeats=repeats)  # the executor's own costs
     expert_step_s = _expert_step_seconds(trainer)
     for lp, (k, _) in zip(profiled, blocks):
         lp.index, lp.name = int(k), f"layer{k}"
@@ -80,7 +82,7 @@ def _expert_step_seconds(trainer: "PipelineTrainer") -> float:
     """Seconds of one MoE layer's expert AdamW step with every expert of the stage touched, timed
     on scratch copies of one expert's tensors where the states live. 0 where the backend's step
     is bound by its reads and writes (SSD), which the profile does not model."""
-    from mpress.profiler import median_seconds
+    from mpress.profiler import best_seconds
     from semoe.expert_states import AdamWConfig, adamw_
 
     sample = trainer.states.sample_weights()
@@ -92,7 +94,7 @@ def _expert_step_seconds(trainer: "PipelineTrainer") -> float:
         for w, g, m, v in scratch:
             adamw_(w, g, m, v, step=1, lr=1e-3, cfg=AdamWConfig())
 
-    return median_seconds(step, [w for w, _, _, _ in scratch]) * len(trainer.states.experts)
+    return best_seconds(step, [w for w, _, _, _ in scratch]) * len(trainer.states.experts)
 
 
 def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:

@@ -41,6 +41,22 @@ def test_long_idle_gets_host_swap_and_short_idle_with_cheap_forward_gets_recompu
     assert slow.fits and techniques(slow) == {0: "recompute", 5: "recompute"}
 
 
+def test_a_swap_dearer_on_the_compute_stream_than_a_replay_is_recomputed():
+    # the fast case above, where layer 0's swap is hidden by its idle time; swapping it costs the
+    # compute stream 0.6 + 0.6 s per micro-batch (the runtime's work per tensor, measured), more
+    # than replaying its 1 s forward: the planner recomputes it instead
+    p = make_profile([[(1.0, 2.0, 100), (1.0, 2.0, 0)], FILL, FILL, [(1.9, 3.8, 0), (0.1, 0.2, 100)]], 8)
+    budget = [250, 100, 100, 50]
+    topo = make_topology(4, host_bw=40.0)
+    cheap = plan(p, topo, budget_bytes=budget, search_mapping=False)
+    assert techniques(cheap) == {0: "host", 5: "recompute"}  # as above
+    p.stages[0].layers[0].swap_forward_s = p.stages[0].layers[0].swap_backward_s = 0.6
+    dear = plan(p, topo, budget_bytes=budget, search_mapping=False)
+    assert dear.fits and techniques(dear) == {0: "recompute", 5: "recompute"}
+    # and it is the faster choice: the swap plan, with what the swap now costs, is slower
+    assert simulate(p, cheap.plan, topo).step_time_s > dear.sim.step_time_s
+
+
 def test_pressured_stage_swaps_to_a_fast_linked_light_peer():
     # stage 0 holds 4 micro-batches x 2 layers x 100 bytes; the host link is too slow to hide a swap
     p = make_profile([[(1.0, 2.0, 100), (1.0, 2.0, 100)], FILL, FILL, FILL], 8)

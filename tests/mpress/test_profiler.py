@@ -1,5 +1,8 @@
 """profile_layers: saved activations with their known sizes, producers and consumers; positive
-times; parameter, optimizer-state and output bytes; the parameters' gradients left as they were.
+times; parameter, optimizer-state and output bytes; the parameters' gradients left as they were;
+timed backwards that add into gradients, as a step's later micro-batches do.
+measure_runtime: on a fake clock that only the layers and the executor's swaps advance, the
+layers' times and what swapping each one adds, exactly.
 
 Legend: B rows per micro-batch, I input width, O output width.
 """
@@ -10,8 +13,10 @@ import pytest
 import torch
 from torch import nn
 
+import mpress.profiler
+from mpress.executor import Executor, State
 from mpress.profile import LayerProfile, SavedTensor
-from mpress.profiler import profile_layers, stage_peak_bytes
+from mpress.profiler import measure_runtime, profile_layers, stage_peak_bytes
 
 B, I, O = 4, 8, 16
 F32 = 4
@@ -103,3 +108,105 @@ def test_bad_arguments_are_refused():
         profile_layers([("l", linear_relu(I, O))], torch.randn(B, I), repeats=0)
     with pytest.raises(ValueError, match="does not require grad"):
         profile_layers([("frozen", nn.Identity())], torch.randn(B, I), repeats=1)
+
+
+class GradSeen(nn.Module):
+    """A Linear that records, at each backward, whether its weight already held a gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(I, O)
+        self.seen: list[bool] = []
+
+    def forward(self, x):
+        y = self.linear(x)
+        y.register_hook(lambda g: self.seen.append(self.linear.weight.grad is not None))
+        return y
+
+
+def test_timed_backwards_add_into_gradients():
+    """Micro-batches 2..M of a step add into the gradients the first left; a micro-batch of few
+    tokens spends much of its backward on that, so every timed backward after the warm-up does."""
+    layer = GradSeen()
+    profile_layers([("l", layer)], torch.randn(B, I), repeats=3)
+    # the recording forward has no backward; warm-up allocates; three timed steps accumulate
+    assert layer.seen == [False, True, True, True]
+    assert layer.linear.weight.grad is None  # and the caller's (none) is back
+
+
+class Clock:
+    """A perf_counter that only the layers and the executor's swaps move."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+class Tick(torch.autograd.Function):
+    """Identity that takes `fwd` seconds forward and `bwd` backward on the clock."""
+
+    @staticmethod
+    def forward(ctx, x, clock, fwd, bwd):
+        clock.now += fwd
+        ctx.clock, ctx.bwd = clock, bwd
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.clock.now += ctx.bwd
+        return grad, None, None, None
+
+
+class TickLayer(nn.Module):
+    """A Linear (saves its input, W x W float32: swapped, being over the executor's minimum) and a
+    ReLU (saves its output), taking fixed time on the clock."""
+
+    def __init__(self, clock: Clock, fwd: float, bwd: float) -> None:
+        super().__init__()
+        self.linear, self.clock, self.fwd, self.bwd = nn.Linear(W, W), clock, fwd, bwd
+
+    def forward(self, x):
+        return torch.relu(self.linear(Tick.apply(x, self.clock, self.fwd, self.bwd)))
+
+
+W = 64  # 64 x 64 float32 = 16 KiB per saved tensor
+
+
+def test_measure_runtime_times_each_layer_and_what_its_swap_adds(monkeypatch):
+    clock = Clock()
+    monkeypatch.setattr(mpress.profiler, "time", clock)
+    OUT_S, IN_S = 1e-3, 3e-3  # per swapped tensor: its swap-out (in the forward), its swap-in
+    swap_out, swap_in = Executor._swap_out, Executor._swap_in
+
+    def slow_out(self, record, t):
+        clock.now += OUT_S
+        return swap_out(self, record, t)
+
+    def slow_in(self, record):
+        if record.state in (State.OUT, State.SWAPPING_OUT):  # the once it is brought back
+            clock.now += IN_S
+        return swap_in(self, record)
+
+    monkeypatch.setattr(Executor, "_swap_out", slow_out)
+    monkeypatch.setattr(Executor, "_swap_in", slow_in)
+    torch.manual_seed(0)
+    layers = [(f"l{i}", TickLayer(clock, fwd=0.01 * (i + 1), bwd=0.1 * (i + 1))) for i in range(3)]
+    x = torch.randn(W, W, requires_grad=True)
+    profiled = profile_layers(layers, x, repeats=2)
+    measure_runtime(layers, x, profiled, repeats=2)
+    for i, lp in enumerate(profiled):
+        assert lp.forward_s == pytest.approx(0.01 * (i + 1), abs=1e-12), lp
+        assert lp.backward_s == pytest.approx(0.1 * (i + 1), abs=1e-12), lp
+        swapped = sum(1 for t in lp.saved if t.bytes >= 4096)
+        assert swapped == 2, lp.saved  # the Linear's input, the ReLU's output
+        # each layer's own swap-ins, though the runtime starts them all as the backward starts
+        assert lp.swap_forward_s == pytest.approx(swapped * OUT_S, abs=1e-12), lp
+        assert lp.swap_backward_s == pytest.approx(swapped * IN_S, abs=1e-12), lp
+    assert all(p.grad is None for _, m in layers for p in m.parameters())
+
+
+def test_measure_runtime_refuses_no_repeats(profiled):
+    with pytest.raises(ValueError, match="repeats=0"):
+        measure_runtime([("first", linear_relu(I, O))], torch.randn(B, I), profiled[:1], repeats=0)

@@ -63,11 +63,15 @@ def test_peak_memory_follows_the_schedule(stages, micro_batches):
     assert one_f_one_b.memory[0][-1] == (one_f_one_b.step_time_s, static)
 
 
-def _host_case(host_bw: float):
+def _host_profile_plan(host_bw: float):
     # one stage, GPipe, 4 micro-batches of 2 layers (F = B = 1 each): layer 0 goes to host
     p = make_profile([[(1.0, 1.0, 100), (1.0, 1.0, 100)]], 4, schedule="gpipe")
     plan = Plan(decisions=[Decision(stage=0, layer=0, technique="host")])
-    topo = make_topology(1, host_bw=host_bw)
+    return p, plan, make_topology(1, host_bw=host_bw)
+
+
+def _host_case(host_bw: float):
+    p, plan, topo = _host_profile_plan(host_bw)
     return simulate(p, Plan(), topo), simulate(p, plan, topo)
 
 
@@ -87,6 +91,22 @@ def test_host_swap_exposed_by_a_slow_link():
     base, swapped = _host_case(host_bw=10.0)  # 10 s a copy
     assert swapped.step_time_s > base.step_time_s + 10
     assert swapped.swap_wait_s[(0, 0)] > 10
+
+
+def test_a_swaps_own_cost_lengthens_the_layers_forward_and_backward():
+    # reference: the hidden swap of the case above, its layer's forward and backward lengthened by
+    # what the runtime spends swapping it (measured by mpress.profiler.measure_runtime)
+    p, plan, topo = _host_profile_plan(host_bw=1000.0)
+    lp = p.stages[0].layers[0]
+    lp.swap_forward_s, lp.swap_backward_s = 0.25, 0.5
+    slow = _host_profile_plan(host_bw=1000.0)[0]
+    slow.stages[0].layers[0].forward_s += 0.25
+    slow.stages[0].layers[0].backward_s += 0.5
+    swapped = simulate(p, plan, topo)
+    assert swapped.step_time_s == pytest.approx(simulate(slow, plan, topo).step_time_s, rel=1e-12)
+    assert swapped.step_time_s == pytest.approx(16.0 + 4 * (0.25 + 0.5), rel=1e-12)
+    # a kept layer pays nothing for it
+    assert simulate(p, Plan(), topo).step_time_s == 16.0
 
 
 @pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
