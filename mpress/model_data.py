@@ -64,6 +64,29 @@ class ModelDataRunner:
             if layer not in self.out:
                 self._stash(layer)
 
+    def load_state_dict(self, sd: dict) -> None:
+        """Load an optimizer state dict (a checkpoint's, on the host): moved layers' moments go
+        where the plan puts them one layer at a time, so that at most one layer's are on the
+        device at once; the rest load as `Optimizer.load_state_dict` loads them."""
+        params = [p for group in self.opt.param_groups for p in group["params"]]
+        layer_of = {id(p): layer for layer in self.moved for p in self.layers[layer]}
+        owner = {i: layer_of[id(p)] for i, p in enumerate(params) if id(p) in layer_of}
+        held: dict[int, dict] = {}
+        state = {}
+        for i, st in sd["state"].items():
+            if int(i) in owner and any(k in st for k in MOMENTS):
+                held[int(i)] = st
+                st = {k: (torch.empty(0, dtype=v.dtype) if k in MOMENTS else v) for k, v in st.items()}
+            state[i] = st
+        self.opt.load_state_dict({**sd, "state": state})
+        for layer in self.moved:
+            for i in sorted(i for i, owned in owner.items() if owned == layer and i in held):
+                p = params[i]
+                for key in MOMENTS:  # as load_state_dict casts a floating parameter's state
+                    if key in held[i]:
+                        self.opt.state[p][key] = held[i][key].to(device=p.device, dtype=p.dtype)
+            self._stash(layer)
+
     def step(self) -> None:
         """One optimizer step of every parameter with a gradient (see the module docstring)."""
         params = [p for group in self.opt.param_groups for p in group["params"]]

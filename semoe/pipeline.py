@@ -236,6 +236,7 @@ class PipelineTrainer(Trainer):
         self.meter = RouterLossMeter()
         self._stage_dense: list = []  # at a checkpoint, on rank 0: every stage's dense tensors
         resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
+        self._resumed_optimizer: dict | None = None
         super().__init__(cfg, model_config, on_step=on_step)
         self.schedule = self._make_schedule()
         self.executor = self.peers = None
@@ -248,11 +249,35 @@ class PipelineTrainer(Trainer):
                 from semoe.pipeline_memory import compact
 
                 compact(self, self.pipeline.stage_memory_bytes)
+            self._load_deferred_optimizer()
         except BaseException:  # a new run: leave no store that blocks the next try; a resumed one keeps it
             self.abort()
             if self.rank == 0 and not resuming:
                 shutil.rmtree(cfg.store, ignore_errors=True)
             raise
+
+    def _planned(self) -> bool:
+        return self.executor_factory is None and (self.pipeline.plan is not None
+                                                  or self.pipeline.stage_memory_bytes is not None)
+
+    def _load_dense_optimizer(self, opt_state: dict) -> None:
+        """Under a memory plan the moments wait on the host until the plan is installed: the
+        profile runs without them, and moments the plan moves off the device go there a layer
+        at a time (ModelDataRunner.load_state_dict), never all on the device at once."""
+        if self._planned():
+            self._resumed_optimizer = opt_state
+        else:
+            super()._load_dense_optimizer(opt_state)
+
+    def _load_deferred_optimizer(self) -> None:
+        sd, self._resumed_optimizer = self._resumed_optimizer, None
+        if sd is None:
+            return
+        stepper = self.dense_states.stepper
+        if stepper is not None:
+            stepper.load_state_dict(sd)
+        else:
+            self.dense_states.load_full_state(sd)
 
     def _build_stage(self, executor_factory: Callable[[Any, int, torch.device], Any] | None) -> StageModule:
         """This rank's stage. The whole model's dense part is built and initialised as the single-rank

@@ -410,12 +410,17 @@ class Trainer:
         self.step = int(st["step"])
         self._load_dense(store, self.cfg.store)
         opt_state, rng = self._saved_optimizer(store)
-        self.dense_states.load_full_state(opt_state)
+        self._load_dense_optimizer(opt_state)
         torch.set_rng_state(rng)
         self.states.adam_steps = {(l, e): n for l, e, n in st["adam_steps"]
                                   if e in self.experts and l in self.states.layers}
         self.states.restore(store)
         self._open_version()
+
+    def _load_dense_optimizer(self, opt_state: dict) -> None:
+        """Load the dense optimizer state a checkpoint holds (the pipeline defers it until its
+        plan says where each layer's moments live)."""
+        self.dense_states.load_full_state(opt_state)
 
     def _saved_optimizer(self, store: Store) -> tuple[dict, torch.Tensor]:
         """(dense optimizer state, RNG state) of this rank in the last checkpoint.

@@ -4,6 +4,8 @@ holds only placeholders between steps, and checkpoints the real moments."""
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -61,4 +63,55 @@ def test_moments_in_host_memory_step_to_the_plain_numbers(step_on):
     per_step = runner.moved_bytes() if step_on == "device" else runner.moved_bytes() // 2
     assert stats.model_bytes == runner.moved_bytes() + 4 * per_step and stats.host_bytes == stats.model_bytes
     assert stats.resident_bytes == 0 and stats.peak_bytes > 0  # counted while on the device, not after
+    executor.close()
+
+
+@pytest.mark.parametrize("step_on", ["device", "host"])
+def test_a_checkpoint_loads_moved_moments_a_layer_at_a_time_and_steps_on(step_on):
+    """A resumed run: the checkpoint's moments of moved layers go where the plan puts them one
+    layer at a time (never all on the device at once), and the run then steps to the plain
+    optimizer's numbers."""
+    plain_layers, plain, _, _, _, executor = plain_and_planned(step_on, steps=3)
+    executor.close()
+    saved = copy.deepcopy(plain.state_dict())  # as read from a checkpoint: nothing shared with `plain`
+    # a fresh stage holding the saved weights, as a resumed trainer does
+    resumed_layers, grads = layers_and_grads()
+    for a, b in zip(plain_layers, resumed_layers):
+        b.load_state_dict(a.state_dict())
+    opt = torch.optim.AdamW([p for m in resumed_layers for p in m.parameters()], lr=1e-2, betas=(0.9, 0.95),
+                            eps=1e-8, weight_decay=0.1, foreach=False)
+    plan = Plan(model_data=[ModelDataDecision(stage=0, layer=1, technique="host"),
+                            ModelDataDecision(stage=0, layer=3, technique="host", step_on=step_on)])
+    executor = Executor(plan, 0, device="cpu", host_pool_bytes=1 << 20)
+    runner = ModelDataRunner(executor, opt, {i: list(m.parameters()) for i, m in enumerate(resumed_layers)})
+    moved = [p for i in (1, 3) for p in resumed_layers[i].parameters()]
+    on_device: list[int] = []  # moved layers' moment bytes in the optimizer at each stash
+    stash = executor.stash
+
+    def watching(layer, t, **kw):
+        on_device.append(sum(opt.state[p][k].numel() * 4 for p in moved if p in opt.state
+                             for k in ("exp_avg", "exp_avg_sq")))
+        return stash(layer, t, **kw)
+
+    executor.stash = watching
+    runner.load_state_dict(saved)
+    one_layer = 2 * (64 * 64 + 64) * 4
+    assert on_device and max(on_device) <= one_layer, on_device
+    assert runner.moved_bytes() == 2 * one_layer
+    for p in moved:
+        assert opt.state[p]["exp_avg"].numel() == 0
+    executor.stash = stash
+    for step in range(3, 5):  # both go on from the checkpoint
+        for models, o, step_fn in ((plain_layers, plain, plain.step), (resumed_layers, opt, runner.step)):
+            for i, m in enumerate(models):
+                for p, g in zip(m.parameters(), grads[(step * 4 + i) % len(grads)]):
+                    p.grad = g.clone()
+            step_fn()
+    for a, b in zip(plain_layers, resumed_layers):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert torch.equal(p, q)
+    got, want = runner.state_dict(), plain.state_dict()
+    for i, st in want["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(got["state"][i][key], st[key]), (i, key)
     executor.close()
