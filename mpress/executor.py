@@ -27,8 +27,9 @@ the device and is used as it is.
 Model data. `stash(layer, tensor)` moves one optimizer-state tensor of a layer the plan's
 model-data decision moves off the device into host memory or peers' segments, by the same
 copies and records as a swapped activation; `fetch` starts bringing it back, `take` hands it
-back as a device tensor (still counted: give it to `stash` again after the step), `host_view` exposes states in host memory to a step on the host, and `peek` reads a copy
-on the host without bringing it back (for checkpoints).
+back as a device tensor (still counted: give it to `stash` again after the step), `host_view`
+exposes states in host memory to a step on the host, and `peek` reads a copy on the host without
+bringing it back (for checkpoints).
 `mpress.model_data.ModelDataRunner` runs a stage's optimizer step with them.
 
 Accounting. The executor counts the bytes of saved activations resident on this device: kept

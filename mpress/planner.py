@@ -10,8 +10,9 @@ The steps, each scored or checked in the simulator:
     the swap's own cost on the compute stream (`swap_forward_s + swap_backward_s`, measured) is no
     less than replaying the layer's forward.
 (c) recompute or (exposed) host swap for the rest, whichever costs less added time per byte of peak
-    removed (a swap costs its exposed copy time plus its cost on the compute stream); costs within 10% count as equal and then later layers (the shortest idle times) go
-    first, so recomputation forms a run of consecutive layers at the end of the stage. (b) and (c)
+    removed (a swap costs its exposed copy time plus its cost on the compute stream); costs within
+    10% count as equal and then later layers (the shortest idle times) go first, so recomputation
+    forms a run of consecutive layers at the end of the stage. (b) and (c)
     stop once the estimate fits; the simulator then says what is still over and more of the same
     queue is taken.
 (d) the costliest choices (exposed host swaps by their measured wait, recomputes by M x forward_s)

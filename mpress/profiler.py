@@ -186,9 +186,9 @@ def best_seconds(run, tensors: list[torch.Tensor], *, repeats: int = 2) -> float
 
 
 def step_seconds(module: nn.Module, device: torch.device | str, *, repeats: int = 2) -> float:
-    """Seconds of an AdamW step (the fastest of `repeats`) over copies of `module`'s parameters on `device` (the
-    optimizer step's share of the layer: memory-bound, so copies time it as well as the real
-    ones, and the real moments are left alone)."""
+    """Seconds of an AdamW step (the fastest of `repeats`) over copies of `module`'s parameters on
+    `device` (the optimizer step's share of the layer: memory-bound, so copies time it as well as
+    the real ones, and the real moments are left alone)."""
     params = [nn.Parameter(p.detach().to(device).clone()) for p in module.parameters() if p.requires_grad]
     if not params:
         return 0.0

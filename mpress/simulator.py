@@ -15,13 +15,13 @@ Model, per device (one pipeline stage per device, `Plan.device_of`):
   finished and its output has crossed the link; B(m) likewise after B(m) of stage s + 1 (the last
   stage's after its own F(m)).
 - techniques per layer: `keep` holds the layer's saved bytes from the start of its forward to the end
-  of its backward (a swapped layer's forward and backward take `swap_forward_s` / `swap_backward_s`
-  longer on the compute stream: the runtime's work per tensor, measured); `recompute` holds only its input and its backward first replays its forward; `host` and
-  `d2d` hold the bytes from the start of the forward until the swap-out copy finishes, and again from
+  of its backward; `recompute` holds only its input and its backward first replays its forward;
+  `host` and `d2d` hold the bytes from the start of the forward until the swap-out copy finishes, and again from
   the start of the swap-in copy until the end of the backward, which waits for the copy. Swap-ins
   for a backward are issued when the stage's previous op starts (after that op's own swap-outs when
   they swap out the same micro-batch); a D2D stripe occupies its peer's memory from the start of its
-  swap-out to the end of its swap-in.
+  swap-out to the end of its swap-in. A swapped layer's forward and backward take `swap_forward_s` /
+  `swap_backward_s` longer on the compute stream (the runtime's own work, measured).
 - memory: static bytes are always resident; at equal times frees count before allocations. Runs of
   consecutive kept or recomputed layers are charged as one block, so the model costs O(ops x
   segments), not O(ops x layers).
