@@ -2,8 +2,9 @@
 
 For each: the first step's loss is transformers' own cross-entropy on the same batch (relative
 1e-5: float32, the two differ in matmul blocking and reduction order only); 20 steps lower the
-loss; and expert states on SSD give bit-identical losses and stores to states in memory (the same
-arithmetic in the same order on CPU).
+loss; expert states on SSD give bit-identical losses and stores to states in memory (the same
+arithmetic in the same order on CPU); and the pipeline (with and without an MPress budget) and
+two data/expert-parallel ranks follow the single-rank run's losses.
 """
 
 from __future__ import annotations
@@ -73,6 +74,34 @@ def test_ssd_expert_states_equal_device_states(imported, words, tmp_path):
             assert torch.equal(t, b.read_expert(c.layer, c.expert, c.kind)[name]), (arch, name, c.kind)
     for t in a.manifest.dense():
         assert torch.equal(a.read_tensor(t.name), b.read_tensor(t.name)), (arch, t.name)
+
+
+@pytest.mark.slow  # four CLI runs, three of them with two ranks, per architecture: CI runs it with -m slow
+def test_pipeline_and_expert_parallel_runs_follow_the_single_rank_run(imported, words, tmp_path):
+    """Every architecture through the multi-rank trainers: `--pipeline 2` (with and without an
+    MPress stage budget) and two data/expert-parallel ranks give the single-rank run's losses.
+    Tolerances: the pipeline splits the same micro-batches and sums their gradients in the same
+    order up to float32 reduction order (relative 1e-5); two data-parallel ranks all-reduce the
+    gradients of two half batches, a different summation order that AdamW's first updates
+    amplify (relative 1e-4 after two steps, 1e-6 for the first loss, before any update)."""
+    from helpers.training import cli, log_losses
+
+    arch, _, store = imported
+    runs = {"single": [], "pipeline": ["--pipeline", "2"],
+            "pipeline-budget": ["--pipeline", "2", "--schedule", "gpipe", "--stage-memory", "64MiB"],
+            "two-ranks": ["--nproc", "2"]}
+    losses = {}
+    for name, extra in runs.items():
+        cli("train", "--init-from", store, "--data", words, "--out", str(tmp_path / name), "--steps", "3",
+            "--batch-size", "4", "--seq-len", "16", "--micro-batches", "2", "--lr", "3e-3", "--expert-states",
+            "device", "--log-json", str(tmp_path / f"{name}.log"), "-q", *extra)
+        losses[name] = log_losses(str(tmp_path / f"{name}.log"))
+    want = losses.pop("single")
+    assert len(want) == 3 and want[-1] < want[0], (arch, want)
+    for name, got in losses.items():
+        rel = 1e-4 if name == "two-ranks" else 1e-5
+        assert got[0] == pytest.approx(want[0], rel=1e-6), (arch, name, got, want)
+        assert got == pytest.approx(want, rel=rel), (arch, name, got, want)
 
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|> {{ m['content'] }} {{ eos_token }} {% endfor %}"
