@@ -503,11 +503,15 @@ class Executor:
             return out
 
     def synchronize(self) -> None:
-        """Wait until every copy in flight has finished: swap-outs have left the device, and the
-        space of freed tensors is back in its pool (a host synchronisation)."""
+        """Wait until every copy in flight has finished: swap-outs have left the device, swap-ins
+        have landed, and the space of freed tensors is back in its pool (a host synchronisation)."""
         with self._lock:
             self._drain()
             self._settle()
+            for record in self.table.values():
+                if record.state == State.SWAPPING_IN:
+                    for handle in record.copies:
+                        handle.synchronize()
 
     @property
     def peak_bytes(self) -> int:

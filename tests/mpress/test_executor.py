@@ -118,8 +118,9 @@ def check_streams(made) -> None:
 
 
 class GatedStream(ThreadCopyStream):
-    """A CPU stream whose copies all wait until `gate` is set: copies still queued, for certain.
-    A timer opens the gate after a minute, so that a wrong wait fails the test instead of hanging it."""
+    """A CPU stream each of whose copies waits until `gate` is set: copies still queued, for
+    certain (clearing the gate holds the copies issued from then on). A timer opens the gate after
+    a minute, so that a wrong wait fails the test instead of hanging it."""
 
     def __init__(self) -> None:
         self.gate = threading.Event()
@@ -129,8 +130,11 @@ class GatedStream(ThreadCopyStream):
         super().__init__("cpu")
 
     def _work(self) -> None:
-        self.gate.wait()
-        super()._work()
+        while (job := self._jobs.get()) is not None:
+            self.gate.wait()
+            handle, src, after = job
+            handle._run(src, after)
+            del job, handle, src, after
 
     def close(self) -> None:
         self.gate.set()
@@ -440,6 +444,31 @@ def test_the_space_of_a_dropped_graph_waits_for_its_copies(layers, peers):
         stream.gate.set()
         ex.synchronize()
         assert host_pool.in_use_bytes == 0 and peers[0].used_bytes(1) == peers[0].used_bytes(2) == 0
+    stream.close()
+
+
+def test_synchronize_waits_for_swap_ins_too(layers):
+    """After prefetches, `synchronize` returns only once every swap-in has landed (the profiler
+    relies on it to keep copy waits out of a layer's measured cost)."""
+    stream = GatedStream()
+    ex, wrapped = planned(plan_of(*("host",) * LAYERS), layers, copy_stream=stream)
+    with ex:
+        loss = forward(wrapped, make_input())
+        stream.gate.set()
+        ex.synchronize()  # the swap-outs ran
+        stream.gate.clear()
+        for layer in reversed(range(LAYERS)):
+            assert ex.prefetch(layer) > 0
+        swapping_in = [r for r in ex.table.values() if r.state is State.SWAPPING_IN]
+        assert swapping_in and not any(h.done() for r in swapping_in for h in r.copies)
+        waiter = threading.Thread(target=ex.synchronize)
+        waiter.start()
+        waiter.join(0.2)
+        assert waiter.is_alive()  # held by the gated swap-ins
+        stream.gate.set()
+        waiter.join()
+        assert all(h.done() for r in swapping_in for h in r.copies)
+        loss.backward()
     stream.close()
 
 
