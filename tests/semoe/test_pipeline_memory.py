@@ -113,10 +113,22 @@ def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "8",
               "--pipeline", "2", "--micro-batches", "4", "--schedule", "gpipe", "-q"]
     cli(*common, "--out", str(tmp_path / "free"), "--log-json", str(tmp_path / "free.log"))
-    p = cli("-v", *common, "--out", str(tmp_path / "tight"), "--log-json", str(tmp_path / "tight.log"),
+    # four steps, then a resume to eight under the same budget (the checkpoint's optimizer state is
+    # loaded once the plan is installed)
+    p = cli("-v", *common, "--steps", "4", "--checkpoint-every", "2", "--out", str(tmp_path / "tight"),
+            "--log-json", str(tmp_path / "tight.log"),
             "--stage-memory", "1700KiB")  # the head's logits of 4 micro-batches take most of the last stage's
     assert "plan ['recompute']" in p.stderr or "plan ['host'" in p.stderr or "plan ['d2d'" in p.stderr, p.stderr
+    cli("train", "--out", str(tmp_path / "tight"), "--resume", "--steps", "8", "--pipeline", "2", "-q",
+        "--log-json", str(tmp_path / "tight.log"), "--stage-memory", "1700KiB")
+    # a budget with room for everything: the plan keeps all, and the resumed run loads the
+    # optimizer state onto the device as an unplanned one does
+    roomy = ["--out", str(tmp_path / "roomy"), "--log-json", str(tmp_path / "roomy.log"), "--stage-memory", "64MiB"]
+    p = cli("-v", *common, "--steps", "4", "--checkpoint-every", "2", *roomy)
+    assert "plan [], model data []" in p.stderr, p.stderr
+    cli("train", "--resume", "--steps", "8", "--pipeline", "2", "-q", *roomy)
     free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
+    assert log_losses(str(tmp_path / "roomy.log")) == free
     assert free == tight and tight[-1] < tight[0] - 0.3
     a, b = store_tensors(str(tmp_path / "free" / "store")), store_tensors(str(tmp_path / "tight" / "store"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)  # every stage, bit for bit
