@@ -4,15 +4,16 @@ Between steps, the AdamW moments of every layer the plan moves off the device li
 plan says (host memory or peers' segments, through the stage's `Executor`); the optimizer holds
 an empty placeholder for each, so nothing can step them by accident. A step:
 
-  1. runs the optimizer on every parameter whose moments are on the device (kept layers, the
-     embedding or head, and moved layers before their first step), with the other parameters'
-     gradients set aside;
-  2. then, layer by layer in stage order, brings a moved layer's moments back (the next such
-     layer's are fetched while this one steps), steps that layer's parameters alone, and stashes
-     its moments again; a layer the plan steps on the host (`step_on="host"`, moments in host
-     memory) is stepped there instead: its gradients and weights come to the host, AdamW updates
-     the weights and the moments in their host buffers in place, and the weights go back;
-  3. stashes the moments of moved layers that were stepped in place in 1.
+  1. runs the optimizer on every parameter whose moments stay on the device (kept layers, the
+     embedding or head), with the other parameters' gradients set aside;
+  2. then, layer by layer in stage order: a moved layer's first step makes its moments on the
+     device and they leave at once (never more than one layer's there); later steps bring its
+     moments back (the next such layer's are fetched while this one steps), step that layer's
+     parameters alone, and stash its moments again; a layer the plan steps on the host
+     (`step_on="host"`, moments in host memory) is stepped there instead: its gradients and
+     weights come to the host, AdamW updates the weights and the moments in their host buffers
+     in place, and the weights go back. (On a GPU the host's AdamW and the device's may round
+     differently in the last bit; on a CPU device they are the same code.)
 
 Each call of `optimizer.step()` sees only parameters with a gradient and AdamW updates each
 parameter on its own (`foreach=False`), so the numbers are those of one step over all of them.
@@ -67,7 +68,10 @@ class ModelDataRunner:
     def load_state_dict(self, sd: dict) -> None:
         """Load an optimizer state dict (a checkpoint's, on the host): moved layers' moments go
         where the plan puts them one layer at a time, so that at most one layer's are on the
-        device at once; the rest load as `Optimizer.load_state_dict` loads them."""
+        device at once; the rest load as `Optimizer.load_state_dict` loads them. Before the
+        first step only: moments already moved would be lost."""
+        if self.out:
+            raise ValueError("ModelDataRunner.load_state_dict: moments are already moved; load before the first step")
         params = [p for group in self.opt.param_groups for p in group["params"]]
         layer_of = {id(p): layer for layer in self.moved for p in self.layers[layer]}
         owner = {i: layer_of[id(p)] for i, p in enumerate(params) if id(p) in layer_of}
@@ -91,20 +95,23 @@ class ModelDataRunner:
         """One optimizer step of every parameter with a gradient (see the module docstring)."""
         params = [p for group in self.opt.param_groups for p in group["params"]]
         grads = [p.grad for p in params]
-        off = {id(p) for layer in self.out for p in self.layers[layer]}
+        off = {id(p) for layer in self.moved for p in self.layers[layer]}
         try:
             for p in params:
                 if id(p) in off:
                     p.grad = None
             self.opt.step()  # everything on the device
-            order = [layer for layer in self.moved if layer in self.out]
             keep = {id(p): g for p, g in zip(params, grads)}
             for p in params:
                 p.grad = None
-            on_device = [layer for layer in order if layer not in self.on_host]
+            on_device = [layer for layer in self.moved if layer in self.out and layer not in self.on_host]
             if on_device:
                 self._fetch(on_device[0])
-            for layer in order:
+            for layer in self.moved:
+                if layer not in self.out:  # its first step makes its moments here: they leave at once
+                    self._step_alone(layer, keep)
+                    self._stash(layer)
+                    continue
                 if layer in self.on_host:
                     self._host_step(layer, keep)
                     continue
@@ -114,16 +121,20 @@ class ModelDataRunner:
                 entries = self.out.pop(layer)
                 for p, key, rid in entries:
                     self.opt.state[p][key] = self.executor.take(rid)
-                for p in self.layers[layer]:
-                    p.grad = keep[id(p)]
-                self.opt.step()
-                for p in self.layers[layer]:
-                    p.grad = None
+                self._step_alone(layer, keep)
                 self._stash(layer, counted=True)
         finally:
             for p, g in zip(params, grads):
                 p.grad = g
         self.stash_resident()
+
+    def _step_alone(self, layer: int, grads: dict[int, torch.Tensor | None]) -> None:
+        """The optimizer's step of one layer's parameters only (every other gradient is unset)."""
+        for p in self.layers[layer]:
+            p.grad = grads[id(p)]
+        self.opt.step()
+        for p in self.layers[layer]:
+            p.grad = None
 
     def _host_step(self, layer: int, grads: dict[int, torch.Tensor | None]) -> None:
         """AdamW on the host for one layer whose moments are in host memory: each parameter's

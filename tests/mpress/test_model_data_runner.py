@@ -85,15 +85,8 @@ def test_a_checkpoint_loads_moved_moments_a_layer_at_a_time_and_steps_on(step_on
     executor = Executor(plan, 0, device="cpu", host_pool_bytes=1 << 20)
     runner = ModelDataRunner(executor, opt, {i: list(m.parameters()) for i, m in enumerate(resumed_layers)})
     moved = [p for i in (1, 3) for p in resumed_layers[i].parameters()]
-    on_device: list[int] = []  # moved layers' moment bytes in the optimizer at each stash
     stash = executor.stash
-
-    def watching(layer, t, **kw):
-        on_device.append(sum(opt.state[p][k].numel() * 4 for p in moved if p in opt.state
-                             for k in ("exp_avg", "exp_avg_sq")))
-        return stash(layer, t, **kw)
-
-    executor.stash = watching
+    on_device = watch_moved_on_device(executor, opt, moved)
     runner.load_state_dict(saved)
     one_layer = 2 * (64 * 64 + 64) * 4
     assert on_device and max(on_device) <= one_layer, on_device
@@ -115,3 +108,37 @@ def test_a_checkpoint_loads_moved_moments_a_layer_at_a_time_and_steps_on(step_on
         for key in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(got["state"][i][key], st[key]), (i, key)
     executor.close()
+
+
+def watch_moved_on_device(executor, opt, moved) -> list[int]:
+    """At each stash: bytes of the moved layers' moments in the optimizer (on the device)."""
+    seen: list[int] = []
+    stash = executor.stash
+
+    def watching(layer, t, **kw):
+        seen.append(sum(opt.state[p][k].numel() * 4 for p in moved if p in opt.state
+                        for k in ("exp_avg", "exp_avg_sq")))
+        return stash(layer, t, **kw)
+
+    executor.stash = watching
+    return seen
+
+
+@pytest.mark.parametrize("step_on", ["device", "host"])
+def test_the_first_step_makes_one_moved_layers_moments_at_a_time(step_on):
+    """A fresh run has no moments yet: the first step makes each moved layer's on the device and
+    moves them away before the next layer's are made (the plan never holds two there)."""
+    planned_layers, grads = layers_and_grads()
+    opt = torch.optim.AdamW([p for m in planned_layers for p in m.parameters()], foreach=False)
+    plan = Plan(model_data=[ModelDataDecision(stage=0, layer=1, technique="host"),
+                            ModelDataDecision(stage=0, layer=3, technique="host", step_on=step_on)])
+    with Executor(plan, 0, device="cpu", host_pool_bytes=1 << 20) as executor:
+        runner = ModelDataRunner(executor, opt, {i: list(m.parameters()) for i, m in enumerate(planned_layers)})
+        seen = watch_moved_on_device(executor, opt, [p for i in (1, 3) for p in planned_layers[i].parameters()])
+        for i, m in enumerate(planned_layers):
+            for p, g in zip(m.parameters(), grads[i]):
+                p.grad = g.clone()
+        runner.step()
+        one_layer = 2 * (64 * 64 + 64) * 4
+        assert len(seen) == 8 and max(seen) == one_layer, seen  # 2 layers x 2 tensors x 2 moments
+        assert runner.moved_bytes() == 2 * one_layer
