@@ -477,11 +477,14 @@ class Executor:
         copy out): the optimizer's step on the host updates it in place, where it stays."""
         with self._lock:
             record = self.table[record_id]
-            if record.technique != "host" or record.host is None:
+            if record.technique != "host" or record.host is None or record.state not in (State.SWAPPING_OUT,
+                                                                                          State.OUT):
                 raise ValueError(f"Executor: stage {self.stage}, layer {record.layer}: record {record_id} is not "
                                  f"in host memory")
             for handle in record.copies:
                 handle.synchronize()
+            if record.state == State.SWAPPING_OUT:  # the host buffer is now the only copy
+                self._retire(record)
             flat = record.host.payload[:record.nbytes].view(record.dtype)
             return flat.as_strided(record.shape, record.stride)
 
@@ -519,8 +522,13 @@ class Executor:
         return self._meter.peak
 
     def close(self) -> None:
-        """Finish copies in flight and close the stream and pool this executor made."""
+        """Finish copies in flight, give back the space every record still holds (stashed model
+        data included) and close the stream and pool this executor made."""
         self.synchronize()
+        with self._lock:
+            for record in self.table.values():
+                self._free_space(record)
+            self.table.clear()
         for closable in reversed(self._owned):
             closable.close()
         self._owned.clear()

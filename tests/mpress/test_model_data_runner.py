@@ -142,3 +142,28 @@ def test_the_first_step_makes_one_moved_layers_moments_at_a_time(step_on):
         one_layer = 2 * (64 * 64 + 64) * 4
         assert len(seen) == 8 and max(seen) == one_layer, seen  # 2 layers x 2 tensors x 2 moments
         assert runner.moved_bytes() == 2 * one_layer
+
+
+def test_closing_the_executor_gives_back_the_host_space_of_stashed_moments():
+    """Stashed moments hold host buffers (pinned on a GPU) until the executor closes; a pool the
+    caller owns then has nothing in use, so no page-locked memory outlives the run."""
+    from storage.pool import HostBufferPool, HostBufferPoolConfig
+
+    layers, grads = layers_and_grads()
+    opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], foreach=False)
+    plan = Plan(model_data=[ModelDataDecision(stage=0, layer=i, technique="host") for i in (0, 2)])
+    pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=1 << 20))
+    executor = Executor(plan, 0, device="cpu", host_pool=pool)
+    runner = ModelDataRunner(executor, opt, {i: list(m.parameters()) for i, m in enumerate(layers)})
+    for i, m in enumerate(layers):
+        for p, g in zip(m.parameters(), grads[i]):
+            p.grad = g.clone()
+    runner.step()
+    assert pool.in_use_bytes >= runner.moved_bytes() > 0
+    rid = runner.out[0][0][2]
+    executor.fetch(rid)  # brought back: its host buffer is no longer where the state lives
+    with pytest.raises(ValueError, match="not in host memory"):
+        executor.host_view(rid)
+    executor.close()
+    assert pool.in_use_bytes == 0 and executor.table == {}
+    pool.close()
