@@ -68,8 +68,10 @@ def _as_tuple(x) -> tuple:
 
 
 def _sync(tensors: tuple) -> None:
-    if any(isinstance(t, torch.Tensor) and t.is_cuda for t in tensors):
-        torch.cuda.synchronize()
+    """Wait for the compute stream of the tensors' GPUs (not the copy streams: a copy in flight is
+    not the layer's time; the simulator models copies on their own lanes)."""
+    for device in {t.device for t in tensors if isinstance(t, torch.Tensor) and t.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
 
 
 @dataclass
