@@ -42,7 +42,9 @@ class LayerProfile:
     forward_s: float
     backward_s: float
     saved: list[SavedTensor] = field(default_factory=list)
-    param_bytes: int = 0  # parameters + gradients + optimizer states resident on the device
+    # parameters + gradients + optimizer states resident on the device, and under autocast the
+    # low-precision copies of the weights it caches for the step
+    param_bytes: int = 0
     output_bytes: int = 0  # the layer's output (the input of the next), per micro-batch
     # model data: the part of param_bytes only the optimizer step reads (may move off the device),
     # and the weights + gradients a step on the host copies (gradients out, weights back)

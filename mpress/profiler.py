@@ -40,6 +40,24 @@ def is_parameter(tensor: torch.Tensor, storages: set[int]) -> bool:
     return tensor.untyped_storage().data_ptr() in storages
 
 
+_VIEWS = frozenset({"TBackward0", "TransposeBackward0", "ViewBackward0", "UnsafeViewBackward0", "PermuteBackward0",
+                    "ExpandBackward0", "AliasBackward0"})
+
+
+def is_weight_cast(tensor: torch.Tensor, param_ids: set[int]) -> bool:
+    """True when `tensor` is (a view of) a dtype cast of one of the parameters whose ids are
+    given: under autocast, the low-precision copy of a weight that autocast caches for the whole
+    autocast region and a matmul saves for its backward. It is held once, however many forwards
+    save it, so it is model data (`LayerProfile.param_bytes`), not an activation."""
+    fn = tensor.grad_fn
+    while fn is not None and fn.name() in _VIEWS:
+        fn = fn.next_functions[0][0]
+    if fn is None or fn.name() != "ToCopyBackward0":
+        return False
+    source = fn.next_functions[0][0]
+    return source is not None and id(getattr(source, "variable", None)) in param_ids
+
+
 def producer_of(tensor: torch.Tensor) -> str:
     """The autograd node that made `tensor`, or "input" for a leaf."""
     return tensor.grad_fn.name() if tensor.grad_fn is not None else "input"
@@ -106,14 +124,20 @@ def _find_consumers(outputs: tuple, inputs: tuple, probe: _Probe) -> None:
     probe.node = None
 
 
-def _record_saved(name: str, module: nn.Module, inputs: tuple) -> tuple[tuple, list[SavedTensor]]:
-    """Run `module` once, returning its outputs and the activations it saved."""
+def _record_saved(name: str, module: nn.Module, inputs: tuple) -> tuple[tuple, list[SavedTensor], int]:
+    """Run `module` once, returning its outputs, the activations it saved and the bytes of the
+    weight casts it saved (`is_weight_cast`)."""
     storages = param_storages(module)
+    param_ids = {id(p) for p in module.parameters()}
     seen: list[_Saved] = []
+    casts: dict[int, int] = {}  # storage address -> bytes
     probe = _Probe()
 
     def pack(t: torch.Tensor):
         if is_parameter(t, storages):
+            return t
+        if is_weight_cast(t, param_ids):
+            casts[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
             return t
         seen.append(_Saved(t.detach(), producer_of(t)))  # no history: no cycle through grad_fn
         return seen[-1]
@@ -132,7 +156,7 @@ def _record_saved(name: str, module: nn.Module, inputs: tuple) -> tuple[tuple, l
                          bytes=s.tensor.numel() * s.tensor.element_size(), producer=s.producer,
                          consumer=s.consumer or name)
              for k, s in enumerate(seen)]
-    return outputs, saved
+    return outputs, saved, sum(casts.values())
 
 
 def _timed_step(layers: list[tuple[str, nn.Module]], x: torch.Tensor,
@@ -205,7 +229,8 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
     """Profile `layers` run in sequence on `example_input` (one micro-batch): saved activations,
     output sizes, the fastest forward / backward seconds over `repeats` steps, and the bytes of
     parameters + gradients + `optimizer_states` states per parameter (2 for Adam), all in the
-    parameter's dtype. Gradients the parameters held before are restored afterwards.
+    parameter's dtype, plus the weight casts autocast keeps (run it under the autocast training
+    uses). Gradients the parameters held before are restored afterwards.
 
     The timed backwards add into gradients an earlier micro-batch left, as every micro-batch of a
     step but the first does: where a micro-batch has few tokens, that read-modify-write of every
@@ -220,9 +245,9 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
         recorded = []
         inputs: tuple = (example_input,)
         for name, module in layers:
-            inputs, saved = _record_saved(name, module, inputs)
+            inputs, saved, cast_bytes = _record_saved(name, module, inputs)
             recorded.append((saved, sum(t.numel() * t.element_size()
-                                        for t in inputs if isinstance(t, torch.Tensor))))
+                                        for t in inputs if isinstance(t, torch.Tensor)), cast_bytes))
         del inputs
         for p in params:
             p.grad = None  # the caller's are left alone; the warm-up allocates the ones timed steps add to
@@ -232,14 +257,14 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
         for p, g in zip(params, grads_before):
             p.grad = g
     out = []
-    for i, ((name, module), (saved, output_bytes)) in enumerate(zip(layers, recorded)):
+    for i, ((name, module), (saved, output_bytes, cast_bytes)) in enumerate(zip(layers, recorded)):
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
         out.append(LayerProfile(
             index=i, name=name,
             forward_s=min(fwd[i] for fwd, _ in times),
             backward_s=min(bwd[i] for _, bwd in times),
             saved=saved, output_bytes=output_bytes,
-            param_bytes=weights * (2 + optimizer_states),
+            param_bytes=weights * (2 + optimizer_states) + cast_bytes,
             state_bytes=weights * optimizer_states, update_bytes=weights * 2,
             state_tensors=sum(1 for _ in module.parameters()) * optimizer_states,
             step_s=step_seconds(module, example_input.device) if optimizer_states else 0.0,

@@ -67,8 +67,9 @@ def profile_stage(trainer: "PipelineTrainer", repeats: int = 3) -> Any:
     cos, sin = rope_tables(c, positions_BT, x_BTD.dtype)
     blocks = list(stage.layers.items())
     layers = [(f"layer{k}", _BlockOnHidden(b, cos, sin)) for k, b in blocks]
-    profiled = profile_layers(layers, x_BTD, repeats=repeats)
-    measure_runtime(layers, x_BTD, profiled, repeats=repeats)  # the executor's own costs
+    with trainer.precision.autocast(trainer.device.type):  # as the steps run: bf16 sizes, times, weight casts
+        profiled = profile_layers(layers, x_BTD, repeats=repeats)
+        measure_runtime(layers, x_BTD, profiled, repeats=repeats)  # the executor's own costs
     expert_step_s = _expert_step_seconds(trainer)
     for lp, (k, _) in zip(profiled, blocks):
         lp.index, lp.name = int(k), f"layer{k}"
@@ -101,24 +102,33 @@ def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:
     """What the stage holds outside its blocks: the embedding's (first stage) or the final norm's
     and LM head's (last stage) parameters, gradients and two AdamW moments, plus, on the last
     stage, the tensors the head and the loss keep for backward, once per micro-batch in flight
-    (all of them under GPipe; under 1F1B the last stage finishes each before the next)."""
+    (all of them under GPipe; under 1F1B the last stage finishes each before the next), and the
+    copies of its weights autocast keeps, once."""
     stage, cfg = trainer.model, trainer.cfg
     params = [p for m in (stage.embed, stage.norm, stage.lm_head) if m is not None for p in m.parameters()]
     fixed = 4 * sum(p.numel() * p.element_size() for p in params)  # weight, grad, exp_avg, exp_avg_sq
     if stage.last:
+        from mpress.profiler import is_parameter, is_weight_cast
+
+        head = [p for m in (stage.norm, stage.lm_head) for p in m.parameters()]
+        storages = {p.untyped_storage().data_ptr() for p in head}
+        ids = {id(p) for p in head}
         seen: dict[int, int] = {}
+        casts: dict[int, int] = {}  # autocast's copies of the head's weights: held once, not per micro-batch
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            seen[storage.data_ptr()] = storage.nbytes()
+            if not is_parameter(t, storages):  # the weights are counted above
+                (casts if is_weight_cast(t, ids) else seen)[storage.data_ptr()] = storage.nbytes()
             return t
 
         tgt = torch.zeros(x_BTD.shape[:2], dtype=torch.long, device=x_BTD.device)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                trainer.precision.autocast(x_BTD.device.type):
             logits = stage.lm_head(stage.norm(x_BTD.requires_grad_()))
             trainer._loss(logits, tgt)
         in_flight = cfg.micro_batches if trainer.pipeline.schedule == "gpipe" else 1
-        fixed += in_flight * sum(seen.values())
+        fixed += in_flight * sum(seen.values()) + sum(casts.values())
     return fixed
 
 

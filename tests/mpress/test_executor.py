@@ -276,6 +276,26 @@ def test_keep_all_peak_is_the_profiled_saved_bytes(layers):
         loss.backward()
 
 
+def test_under_autocast_the_weight_copies_are_not_counted_or_swapped(layers):
+    """bf16 autocast: matmuls save autocast's cached bf16 copy of each weight. It is held once per
+    step (model data in the profile), so the executor neither counts it per forward nor swaps it:
+    the peak is the profile's saved bytes, and the host swap moves exactly those bytes."""
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        profiled = profile_layers([(f"block{i}", layer) for i, layer in enumerate(layers)], make_input(), repeats=1)
+        saved = sum(lp.saved_bytes for lp in profiled)
+        ex, wrapped = planned(plan_of(*("keep",) * LAYERS), layers)
+        with ex:
+            loss = forward(wrapped, make_input())
+            assert ex.peak_bytes == saved
+            loss.backward()
+        ex, wrapped = planned(plan_of(*("host",) * LAYERS), layers, host_pool_bytes=1 << 22, min_swap_bytes=0)
+        with ex:
+            loss = forward(wrapped, make_input())
+            ex.synchronize()
+            assert ex.stats().host_bytes == saved
+            loss.backward()
+
+
 def test_recompute_holds_only_the_layer_inputs(layers):
     ex, wrapped = planned(plan_of(*("recompute",) * LAYERS), layers)
     with ex:

@@ -210,3 +210,19 @@ def test_measure_runtime_times_each_layer_and_what_its_swap_adds(monkeypatch):
 def test_measure_runtime_refuses_no_repeats(profiled):
     with pytest.raises(ValueError, match="repeats=0"):
         measure_runtime([("first", linear_relu(I, O))], torch.randn(B, I), profiled[:1], repeats=0)
+
+
+def test_under_autocast_weight_copies_are_model_data_and_input_casts_are_activations():
+    """bf16 autocast saves its cached bf16 copy of each Linear weight (held once for the region,
+    whatever the forwards): counted with the layer's parameters, not as an activation. The bf16
+    cast of the layer's input is an activation like any other."""
+    torch.manual_seed(0)
+    layer = linear_relu(I, O)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        (lp,) = profile_layers([("l", layer)], torch.randn(B, I, requires_grad=True), repeats=1)
+    weights = sum(p.numel() * p.element_size() for p in layer.parameters())
+    assert lp.param_bytes == 4 * weights + O * I * 2  # weight, grad, two moments; the weight's bf16 copy
+    assert [(t.bytes, t.producer) for t in lp.saved] == [
+        (B * I * 2, "ToCopyBackward0"),  # the input, cast to bf16
+        (B * O * 2, "ReluBackward0"),
+    ]

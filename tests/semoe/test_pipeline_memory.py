@@ -13,6 +13,7 @@ from helpers.training import SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors
 
 from mpress.profile import Decision, ModelDataDecision, Plan, Stripe
 from semoe.config import named_config
+from semoe.train_config import training_precision
 
 SHAPE4 = {**SHAPE, "num_layers": 4}
 FLAGS4 = [*SHAPE_FLAGS[:SHAPE_FLAGS.index("--layers")], "--layers", "4",
@@ -135,6 +136,21 @@ def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
 
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
+def test_a_plan_under_bf16_autocast_changes_nothing(tmp_path, text_file):
+    """bf16 autocast (the GPU default): the stage is profiled under it (bf16 activations, the
+    weights' bf16 copies as model data), the plan fits the budget, and the losses are the
+    unbudgeted bf16 run's, bit for bit."""
+    common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "4",
+              "--pipeline", "2", "--micro-batches", "4", "--schedule", "gpipe", "--precision", "bf16", "-q"]
+    cli(*common, "--out", str(tmp_path / "free"), "--log-json", str(tmp_path / "free.log"))
+    p = cli("-v", *common, "--out", str(tmp_path / "tight"), "--log-json", str(tmp_path / "tight.log"),
+            "--stage-memory", "1700KiB")
+    assert "plan ['recompute']" in p.stderr or "plan ['host'" in p.stderr or "plan ['d2d'" in p.stderr, p.stderr
+    free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
+    assert free == tight and len(free) == 4
+
+
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_a_budget_below_the_model_data_trains_by_moving_optimizer_states(tmp_path, text_file):
     """A stage budget below what the last stage's parameters, gradients and optimizer states take
     (activations aside): no placement of activations can fit it, the plan moves optimizer states
@@ -199,7 +215,7 @@ def test_the_budget_counts_the_embedding_and_the_head(schedule, in_flight):
         stage = StageModule(model, range(0, 2) if first else range(2, 4), first=first, last=last)
         loss = lambda logits, tgt: F.cross_entropy(logits.reshape(-1, V).float(), tgt.reshape(-1)) / 4  # noqa: E731
         return types.SimpleNamespace(model=stage, cfg=cfg, pipeline=types.SimpleNamespace(schedule=schedule),
-                                     _loss=loss)
+                                     _loss=loss, precision=training_precision("fp32", "cpu"))
 
     embed = model.embed.weight
     assert _fixed_bytes(trainer(True, False), x) == 4 * embed.numel() * 4  # weight, grad and two moments
@@ -208,6 +224,37 @@ def test_the_budget_counts_the_embedding_and_the_head(schedule, in_flight):
     logits = B * T * V * 4  # the loss keeps log-softmax of the logits, as large as the logits
     assert last >= 4 * head + in_flight * logits
     assert last <= 4 * head + in_flight * (3 * logits + 2 * B * T * config.hidden_size * 4)
+
+
+def test_the_heads_weight_copy_under_autocast_counts_once():
+    """Under bf16 autocast the LM head's matmul saves autocast's bf16 copy of the head weight: one
+    copy for the whole step, however many micro-batches are in flight (and the fp32 weight, saved
+    too, is counted with the parameters, never per micro-batch)."""
+    import types
+
+    import torch
+    import torch.nn.functional as F
+
+    from semoe.model import MoEGPT
+    from semoe.pipeline import StageModule
+    from semoe.pipeline_memory import _fixed_bytes
+    from semoe.train_config import TrainConfig
+
+    config = named_config("gpt-moe-small", **SHAPE4)
+    model = MoEGPT(config)
+    x = torch.randn(2, 32, config.hidden_size)
+    V = config.vocab_size
+    fixed = {}
+    for schedule in ("gpipe", "1f1b"):  # 4 micro-batches in flight, or 1
+        stage = StageModule(model, range(2, 4), first=False, last=True)
+        fixed[schedule] = _fixed_bytes(types.SimpleNamespace(
+            model=stage, cfg=TrainConfig(out="unused", data="unused", batch_size=8, seq_len=32, micro_batches=4),
+            pipeline=types.SimpleNamespace(schedule=schedule), precision=training_precision("bf16", "cpu"),
+            _loss=lambda logits, tgt: F.cross_entropy(logits.reshape(-1, V).float(), tgt.reshape(-1))), x)
+    per_micro_batch = (fixed["gpipe"] - fixed["1f1b"]) // 3
+    assert fixed["gpipe"] - fixed["1f1b"] == 3 * per_micro_batch > 0
+    head = sum(p.numel() * 4 for p in (*model.norm.parameters(), *model.lm_head.parameters()))
+    assert fixed["1f1b"] - per_micro_batch == 4 * head + model.lm_head.weight.numel() * 2  # and one bf16 copy
 
 
 # -- wiring: peer memory, budgets and the GPU topology, without training ----------------------------
