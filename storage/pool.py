@@ -22,6 +22,7 @@ import torch
 
 from storage.errors import StorageError
 
+CUDA_HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
 logger = logging.getLogger(__name__)
 
 _MIN_ALIGNMENT = 512
@@ -144,7 +145,9 @@ class HostPinner:
         self._unregister(t.data_ptr())
 
     def _register(self, ptr: int, nbytes: int) -> None:
-        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 0)
+        # portable: pinned for every CUDA context, not only the current device's (a rank may
+        # register before it picks its GPU, and peers copy from it on theirs)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, nbytes, CUDA_HOST_REGISTER_PORTABLE)
         if int(err) != 0:
             raise PoolError(f"cudaHostRegister of {nbytes} bytes failed: CUDA error {int(err)} "
                             "(is the locked-memory limit, ulimit -l, too low?)")
