@@ -60,7 +60,7 @@ from torch.utils.checkpoint import checkpoint
 from mpress.peer_memory import ALIGNMENT as PEER_ALIGNMENT
 from mpress.peer_memory import PeerMemory, PeerMemoryFullError
 from mpress.profile import LayerProfile, PipelineProfile, Plan
-from mpress.profiler import is_parameter, is_weight_cast, param_storages
+from mpress.profiler import ModelDataTensors
 from mpress.schedule import in_flight_peak
 from storage.pool import (
     HostBuffer,
@@ -543,8 +543,7 @@ class Executor:
 
     def hooks(self, layer_index: int, module: nn.Module, technique: str):
         """The saved-tensor hooks context for one forward of `layer_index`."""
-        storages = param_storages(module)
-        param_ids = {id(p) for p in module.parameters()}
+        model_data = ModelDataTensors(module)
         swap = technique if technique in ("host", "d2d") else None
         group: list[int] = []
         if swap:
@@ -555,7 +554,7 @@ class Executor:
                 groups.append(group)
 
         def pack(t: torch.Tensor):
-            if is_parameter(t, storages) or is_weight_cast(t, param_ids):  # model data, held anyway
+            if model_data.kind(t) is not None:  # parameters and autocast's weight copies: held anyway
                 return t
             # An alias without autograd history: holding a saved output with its grad_fn would
             # make a cycle (tensor -> grad_fn -> ticket) that keeps a dropped graph alive.

@@ -124,20 +124,34 @@ def _find_consumers(outputs: tuple, inputs: tuple, probe: _Probe) -> None:
     probe.node = None
 
 
+class ModelDataTensors:
+    """Which tensors a saved-tensor hook sees are model data rather than activations: `kind(t)`
+    is "parameter" for (views of) the modules' parameters and buffers, "cast" for autocast's
+    copies of their weights (`is_weight_cast`), None for an activation."""
+
+    def __init__(self, *modules: nn.Module) -> None:
+        self.storages = set().union(*(param_storages(m) for m in modules))
+        self.ids = {id(p) for m in modules for p in m.parameters()}
+
+    def kind(self, tensor: torch.Tensor) -> str | None:
+        if is_parameter(tensor, self.storages):
+            return "parameter"
+        return "cast" if is_weight_cast(tensor, self.ids) else None
+
+
 def _record_saved(name: str, module: nn.Module, inputs: tuple) -> tuple[tuple, list[SavedTensor], int]:
     """Run `module` once, returning its outputs, the activations it saved and the bytes of the
     weight casts it saved (`is_weight_cast`)."""
-    storages = param_storages(module)
-    param_ids = {id(p) for p in module.parameters()}
+    model_data = ModelDataTensors(module)
     seen: list[_Saved] = []
     casts: dict[int, int] = {}  # storage address -> bytes
     probe = _Probe()
 
     def pack(t: torch.Tensor):
-        if is_parameter(t, storages):
-            return t
-        if is_weight_cast(t, param_ids):
+        kind = model_data.kind(t)
+        if kind == "cast":
             casts[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        if kind is not None:
             return t
         seen.append(_Saved(t.detach(), producer_of(t)))  # no history: no cycle through grad_fn
         return seen[-1]

@@ -257,8 +257,9 @@ class PipelineTrainer(Trainer):
             raise
 
     def _planned(self) -> bool:
-        return self.executor_factory is None and (self.pipeline.plan is not None
-                                                  or self.pipeline.stage_memory_bytes is not None)
+        """Whether __init__ installs a memory plan (its two branches)."""
+        return ((self.pipeline.plan is not None and self.executor_factory is None)
+                or self.pipeline.stage_memory_bytes is not None)
 
     def _load_dense_optimizer(self, opt_state: dict) -> None:
         """Under a memory plan the moments wait on the host until the plan is installed: the

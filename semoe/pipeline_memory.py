@@ -108,18 +108,17 @@ def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:
     params = [p for m in (stage.embed, stage.norm, stage.lm_head) if m is not None for p in m.parameters()]
     fixed = 4 * sum(p.numel() * p.element_size() for p in params)  # weight, grad, exp_avg, exp_avg_sq
     if stage.last:
-        from mpress.profiler import is_parameter, is_weight_cast
+        from mpress.profiler import ModelDataTensors
 
-        head = [p for m in (stage.norm, stage.lm_head) for p in m.parameters()]
-        storages = {p.untyped_storage().data_ptr() for p in head}
-        ids = {id(p) for p in head}
+        model_data = ModelDataTensors(stage.norm, stage.lm_head)
         seen: dict[int, int] = {}
         casts: dict[int, int] = {}  # autocast's copies of the head's weights: held once, not per micro-batch
 
         def pack(t: torch.Tensor) -> torch.Tensor:
             storage = t.untyped_storage()
-            if not is_parameter(t, storages):  # the weights are counted above
-                (casts if is_weight_cast(t, ids) else seen)[storage.data_ptr()] = storage.nbytes()
+            kind = model_data.kind(t)  # the weights themselves are counted above
+            if kind != "parameter":
+                (casts if kind == "cast" else seen)[storage.data_ptr()] = storage.nbytes()
             return t
 
         tgt = torch.zeros(x_BTD.shape[:2], dtype=torch.long, device=x_BTD.device)
