@@ -32,13 +32,26 @@ exposes states in host memory to a step on the host, and `peek` reads a copy on 
 bringing it back (for checkpoints).
 `mpress.model_data.ModelDataRunner` runs a stage's optimizer step with them.
 
+Streamed weights. A layer whose model-data decision has `weights="host"` keeps its weights in host
+memory: after its first forward they are copied there and the parameters' device storage is
+freed (resized to nothing, so autograd's references to them stay valid). Each forward brings
+them in (and starts bringing in the next streamed layer's) and frees them after; a backward
+brings them in when the first gradient reaches the layer's outputs, and once the layer's
+backward is over (the next layer's backward starts, or the backward pass ends) its gradients
+are copied out and added up in host memory (the first micro-batch's copied, the others added,
+as autograd adds them) and the weights are freed again. `host_weight` / `host_grad` give the
+host copies to the optimizer's step on the host, which updates the weights in place;
+`restore_weights` (and `close`) puts every weight back on the device.
+
 Accounting. The executor counts the bytes of saved activations resident on this device: kept
 tensors, swapped ones until their swap-out completes and again from their swap-in until they are
 freed, and for a recomputed layer only its checkpoint inputs. Each saved tensor counts once per
 layer that saves it, as the profile counts it, so the figure is the plan's model of memory (an
 upper bound where layers share a tensor), plus the optimizer states of model-data layers while
-they are on the device. An increase past `budget_bytes` first waits for
-swap-outs in flight, then raises BudgetExceededError naming the stage and layer.
+they are on the device, plus streamed weights while they are on the device and their gradients
+from the backward that makes them until their copy out has finished. An increase past
+`budget_bytes` first waits for swap-outs in flight, then raises BudgetExceededError naming the
+stage and layer.
 """
 
 from __future__ import annotations
@@ -141,6 +154,35 @@ class _Space:
         return all(h.done() for h in self.copies)
 
 
+@dataclass(eq=False)
+class _Streamed:
+    """A layer whose weights live in host memory between uses (see the module docstring)."""
+
+    layer: int
+    params: list[nn.Parameter]
+    master: list[HostBuffer] = field(default_factory=list)  # the weights; empty until the first offload
+    grads: list[HostBuffer | None] = field(default_factory=list)  # this step's gradient sums
+    added: list[bool] = field(default_factory=list)  # a micro-batch's gradient is in grads[i]
+    where: str = "device"  # device (before the first offload), out, fetching, in
+    copies: list[CopyHandle] = field(default_factory=list)  # the fetch in flight
+    pending: int = 0  # in a backward: parameters whose gradient has not been accumulated yet
+
+    @property
+    def nbytes(self) -> list[int]:
+        return [p.numel() * p.element_size() for p in self.params]
+
+
+@dataclass(eq=False)
+class _GradOut:
+    """A streamed layer's gradient on its way to host memory."""
+
+    layer: _Streamed
+    index: int
+    grad: torch.Tensor  # kept alive until the copy has read it
+    staging: HostBuffer
+    copy: CopyHandle
+
+
 @dataclass(kw_only=True)
 class ExecutorStats:
     """Totals since the executor was made."""
@@ -151,6 +193,7 @@ class ExecutorStats:
     resident_bytes: int = 0  # saved activations (and model data brought in) on the device now
     peak_bytes: int = 0  # the most resident at any moment
     model_bytes: int = 0  # optimizer-state bytes moved off the device (each time)
+    weight_bytes: int = 0  # streamed weights brought to the device and gradients sent out (each time)
 
 
 def split_bytes(nbytes: int, weights: list[int]) -> list[int]:
@@ -225,11 +268,21 @@ def host_pool_bytes_for(profile: PipelineProfile, plan: Plan, stage: int, *, lim
 
 
 def model_host_bytes(profile: PipelineProfile, plan: Plan, stage: int) -> int:
-    """Host memory the optimizer states `plan` puts in host memory for `stage` take all step, each
-    tensor rounded to the pool's alignment."""
-    return sum(round_up(lp.state_bytes, HOST_ALIGNMENT) + lp.state_tensors * HOST_ALIGNMENT
-               for d in plan.model_data if d.stage == stage and d.technique == "host"
-               for lp in [_planned_layer(profile, stage, d.layer)])
+    """Host memory the model data `plan` puts in host memory for `stage` take all step, each
+    tensor rounded to the pool's alignment: optimizer states; for streamed layers their weights
+    and gradient sums, and room for two layers' gradients on their way out (a layer has at most
+    as many parameters as state tensors)."""
+    total = staging = 0
+    for d in plan.model_data:
+        if d.stage != stage or d.technique != "host":
+            continue
+        lp = _planned_layer(profile, stage, d.layer)
+        total += round_up(lp.state_bytes, HOST_ALIGNMENT) + lp.state_tensors * HOST_ALIGNMENT
+        if d.weights == "host":
+            half = round_up(lp.update_bytes // 2, HOST_ALIGNMENT) + lp.state_tensors * HOST_ALIGNMENT
+            total += 2 * half
+            staging = max(staging, half)
+    return total + 2 * staging
 
 
 def peer_capacity_bytes_for(profile: PipelineProfile, plan: Plan, *, min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
@@ -363,6 +416,12 @@ class Executor:
                                           slab_bytes=HOST_ALIGNMENT)
             host_pool = self._own(HostBufferPool(config))
         self._host_pool = host_pool
+        # streamed weights: layers registered by `wrap`, in stage order
+        self._streams = {layer for layer, d in self._model.items() if d.weights == "host"}
+        self._streamed: dict[int, _Streamed] = {}
+        self._in_backward: list[_Streamed] = []
+        self._grads_out: deque[_GradOut] = deque()
+        self._task = None  # the backward pass whose end is queued to finish streamed layers
 
     def _own(self, closable):
         self._owned.append(closable)
@@ -396,6 +455,12 @@ class Executor:
     def wrap(self, layer_index: int, module: nn.Module) -> nn.Module:
         """`module` behind this stage's decision for `layer_index`; same forward signature
         (positional tensors in, a tensor or tuple out). Its parameters sit under `module.`."""
+        if layer_index in self._streams:
+            params = list({id(p): p for p in module.parameters() if p.requires_grad}.values())
+            streamed = _Streamed(layer=layer_index, params=params)
+            self._streamed[layer_index] = streamed
+            for p in params:
+                p.register_post_accumulate_grad_hook(lambda _p, st=streamed: self._grad_accumulated(st))
         return PlannedLayer(self, layer_index, module,
                             self.plan.decision(self.stage, layer_index).technique)
 
@@ -426,7 +491,7 @@ class Executor:
             return ExecutorStats(host_bytes=self._stats.host_bytes, peer_bytes=self._stats.peer_bytes,
                                  recomputed=self._stats.recomputed,
                                  resident_bytes=self._meter.resident, peak_bytes=self._meter.peak,
-                                 model_bytes=self._stats.model_bytes)
+                                 model_bytes=self._stats.model_bytes, weight_bytes=self._stats.weight_bytes)
 
     # Model data (optimizer states) off the device between steps.
 
@@ -505,6 +570,56 @@ class Executor:
             byte_view(out).copy_(raw)
             return out
 
+    # Streamed weights (see the module docstring).
+
+    def host_weight(self, layer: int, index: int) -> torch.Tensor:
+        """The host copy of parameter `index` of streamed `layer` (what its step on the host
+        updates in place); the layer must have run a forward."""
+        with self._lock:
+            st = self._streamed[layer]
+            if not st.master:
+                raise ValueError(f"Executor: stage {self.stage}, layer {layer}: its weights are not in host memory yet")
+            return self._host_tensor(st.master[index], st.params[index])
+
+    def host_grad(self, layer: int, index: int) -> torch.Tensor | None:
+        """This step's gradient of parameter `index` of streamed `layer`, summed in host memory
+        (None: no backward gave it one). Call `finish_backward` first."""
+        with self._lock:
+            st = self._streamed[layer]
+            if not st.added or not st.added[index]:
+                return None
+            return self._host_tensor(st.grads[index], st.params[index])
+
+    def clear_grads(self, layer: int) -> None:
+        """The step consumed streamed `layer`'s gradients: the next backward starts new sums."""
+        with self._lock:
+            st = self._streamed[layer]
+            st.added = [False] * len(st.params)
+
+    def streamed_layers(self) -> list[int]:
+        """Layers whose weights this executor streams from host memory."""
+        return sorted(self._streamed)
+
+    def finish_backward(self) -> None:
+        """Finish every streamed layer still in a backward and wait for every gradient to be
+        summed in host memory (a host synchronisation)."""
+        with self._lock:
+            for st in list(self._in_backward):
+                self._backward_done(st)
+            self._land_grads(block=True)
+
+    def restore_weights(self) -> None:
+        """Put every streamed layer's weights back on the device, where they stay (the model
+        whole again, e.g. when training ends); a later forward streams them again."""
+        with self._lock:
+            self.finish_backward()
+            for st in self._streamed.values():
+                if st.where == "device":
+                    continue
+                self._weights_ready(st)
+                self._meter.sub(sum(st.nbytes))
+                st.where = "device"
+
     def synchronize(self) -> None:
         """Wait until every copy in flight has finished: swap-outs have left the device, swap-ins
         have landed, and the space of freed tensors is back in its pool (a host synchronisation)."""
@@ -515,6 +630,10 @@ class Executor:
                 if record.state == State.SWAPPING_IN:
                     for handle in record.copies:
                         handle.synchronize()
+            self._land_grads(block=True)
+            for st in self._streamed.values():
+                for handle in st.copies:
+                    handle.synchronize()
 
     @property
     def peak_bytes(self) -> int:
@@ -524,11 +643,20 @@ class Executor:
     def close(self) -> None:
         """Finish copies in flight, give back the space every record still holds (stashed model
         data included) and close the stream and pool this executor made."""
+        try:
+            self.restore_weights()
+        except Exception:  # a failed run's close must not hide its error; the weights are lost
+            logger.exception("stage %d: streamed weights could not be put back on the device", self.stage)
         self.synchronize()
         with self._lock:
             for record in self.table.values():
                 self._free_space(record)
             self.table.clear()
+            for st in self._streamed.values():
+                for buf in (*st.master, *st.grads):
+                    if buf is not None:
+                        buf.release()
+                st.master, st.grads, st.added = [], [], []
         for closable in reversed(self._owned):
             closable.close()
         self._owned.clear()
@@ -632,24 +760,28 @@ class Executor:
             raise
 
     def _acquire_host(self, record: SavedRecord) -> HostBuffer:
-        buf = self._try_acquire(record)
-        if buf is None and self._unfreed:
+        return self._host_buffer(record.nbytes, record.layer)
+
+    def _host_buffer(self, nbytes: int, layer: int) -> HostBuffer:
+        buf = self._try_acquire(nbytes, layer)
+        if buf is None and (self._unfreed or self._grads_out):
             self._settle()  # buffers of freed tensors whose copies still run: wait for them
-            buf = self._try_acquire(record)
+            self._land_grads(block=True)  # and staged gradients
+            buf = self._try_acquire(nbytes, layer)
         if buf is None:
             raise SwapSpaceError(
-                f"stage {self.stage}, layer {record.layer}: no host buffer for {record.nbytes} bytes in a "
+                f"stage {self.stage}, layer {layer}: no host buffer for {nbytes} bytes in a "
                 f"pool of {self._host_pool.capacity_bytes} bytes ({self._host_pool.in_use_bytes} in use): "
                 f"the profile the pool was sized from underestimated the plan's host swaps")
         return buf
 
-    def _try_acquire(self, record: SavedRecord) -> HostBuffer | None:
+    def _try_acquire(self, nbytes: int, layer: int) -> HostBuffer | None:
         try:
-            return self._host_pool.acquire(record.nbytes, timeout=0)
+            return self._host_pool.acquire(nbytes, timeout=0)
         except PoolExhaustedError:
             return None
         except OversizeRequestError as exc:
-            raise SwapSpaceError(f"stage {self.stage}, layer {record.layer}: {exc}") from exc
+            raise SwapSpaceError(f"stage {self.stage}, layer {layer}: {exc}") from exc
 
     def _alloc_chunks(self, record: SavedRecord) -> list[Chunk]:
         chunks = self._try_alloc_chunks(record)
@@ -728,8 +860,10 @@ class Executor:
         self._meter.add(nbytes, layer, what)
 
     def _reap(self) -> None:
-        """Without blocking: retire the swap-outs that have finished, oldest first, and give
-        back the space whose copies have finished."""
+        """Without blocking: retire the swap-outs that have finished, oldest first, give
+        back the space whose copies have finished and add up the gradients that have landed."""
+        if self._grads_out:
+            self._land_grads(block=False)
         while self._pending_out:
             record = self.table.get(self._pending_out[0])
             if record is not None and record.state == State.SWAPPING_OUT:
@@ -787,6 +921,172 @@ class Executor:
                 record.group.remove(record_id)
 
 
+    # Streamed weights; callers hold self._lock (hooks take it).
+
+    def _host_tensor(self, buf: HostBuffer, p: torch.Tensor) -> torch.Tensor:
+        return buf.payload[:p.numel() * p.element_size()].view(p.dtype).view(p.shape)
+
+    def _next_streamed(self, layer: int, step: int) -> _Streamed | None:
+        order = sorted(self._streamed) if step > 0 else sorted(self._streamed, reverse=True)
+        later = [i for i in order if (i - layer) * step > 0]
+        return self._streamed[later[0]] if later else None
+
+    def _offload(self, st: _Streamed) -> None:
+        """The first time a streamed layer's use ends: its weights to host memory, its device
+        storage freed."""
+        for i, p in enumerate(st.params):
+            n = st.nbytes[i]
+            if (p.device != self.device or not p.is_contiguous() or p.storage_offset()
+                    or p.untyped_storage().nbytes() != n):
+                raise ValueError(f"Executor: stage {self.stage}, layer {st.layer}: parameter {i} "
+                                 f"({tuple(p.shape)} on {p.device}) does not own its storage on {self.device}; "
+                                 f"streaming weights needs parameters that do")
+        if not st.master:
+            st.master = [self._host_buffer(n, st.layer) for n in st.nbytes]
+            st.grads = [self._host_buffer(n, st.layer) for n in st.nbytes]
+            st.added = [False] * len(st.params)
+        after = self._stream.record_compute()
+        copies = [self._stream.copy(byte_view(p.data), m.payload[:n], after=after)
+                  for p, m, n in zip(st.params, st.master, st.nbytes)]
+        for h in copies:
+            h.synchronize()  # once per layer: its storage goes only after the copy has read it
+        for p in st.params:
+            p.data.untyped_storage().resize_(0)
+        st.where = "out"
+
+    def _weights_fetch(self, st: _Streamed) -> None:
+        if st.where != "out":
+            return
+        self._reserve(sum(st.nbytes), st.layer, "bringing streamed weights in")
+        after = self._stream.record_compute()  # the storage may be memory queued compute still reads
+        st.copies = []
+        for p, m, n in zip(st.params, st.master, st.nbytes):
+            p.data.untyped_storage().resize_(n)
+            st.copies.append(self._stream.copy(m.payload[:n], byte_view(p.data), after=after))
+            self._stats.weight_bytes += n
+        st.where = "fetching"
+
+    def _weights_ready(self, st: _Streamed) -> None:
+        self._weights_fetch(st)
+        if st.where == "fetching":
+            for h in st.copies:
+                h.wait()  # compute reads the weights after their copies only
+            st.copies = []
+            st.where = "in"
+
+    def _weights_release(self, st: _Streamed) -> None:
+        if st.where == "device":
+            self._offload(st)
+            return
+        if st.where == "out":
+            return
+        for h in st.copies:  # fetched and never used: its copy still writes the storage
+            h.synchronize()
+        st.copies = []
+        for p in st.params:
+            p.data.untyped_storage().resize_(0)
+        self._meter.sub(sum(st.nbytes))
+        st.where = "out"
+
+    def _forward_begins(self, layer: int) -> None:
+        with self._lock:
+            st = self._streamed[layer]
+            self._weights_ready(st)
+            nxt = self._next_streamed(layer, +1)
+            if nxt is not None:
+                self._weights_fetch(nxt)
+
+    def _forward_ends(self, layer: int) -> None:
+        with self._lock:
+            st = self._streamed[layer]
+            if st not in self._in_backward:  # a recomputation inside its backward keeps them
+                self._weights_release(st)
+
+    def _backward_begins(self, layer: int) -> None:
+        """The first gradient reached `layer`'s output: its weights come in (the next streamed
+        layer's start coming), and the end of this backward pass is watched."""
+        with self._lock:
+            task = torch._C._current_graph_task_id()
+            if task != self._task:
+                self._task = task
+                torch.autograd.Variable._execution_engine.queue_callback(self._backward_pass_ends)
+            st = self._streamed[layer]
+            if st in self._in_backward:
+                return
+            if st.where == "device":  # never offloaded: a backward right after its first forward
+                self._offload(st)
+            self._weights_ready(st)
+            self._reserve(sum(st.nbytes), layer, "making streamed gradients")
+            st.pending = len(st.params)
+            self._in_backward.append(st)
+            nxt = self._next_streamed(layer, -1)
+            if nxt is not None:
+                self._weights_fetch(nxt)
+
+    def _grad_accumulated(self, st: _Streamed) -> None:
+        with self._lock:
+            if st not in self._in_backward:
+                return
+            st.pending -= 1
+            if st.pending == 0:  # every weight's gradient is in: no node of the layer reads them again
+                self._backward_done(st)
+
+    def _backward_pass_ends(self) -> None:
+        with self._lock:
+            self._task = None
+            for st in list(self._in_backward):
+                self._backward_done(st)
+
+    def _backward_done(self, st: _Streamed) -> None:
+        """`st`'s backward is over: its gradients start for host memory, its weights go."""
+        unused = 0
+        after = self._stream.record_compute()
+        for i, p in enumerate(st.params):
+            g, n = p.grad, st.nbytes[i]
+            if g is None:
+                unused += n
+                continue
+            p.grad = None
+            if not g.is_contiguous():
+                g = g.contiguous()
+            staging = self._host_buffer(n, st.layer)
+            self._grads_out.append(_GradOut(st, i, g, staging,
+                                            self._stream.copy(byte_view(g), staging.payload[:n], after=after)))
+            self._stats.weight_bytes += n
+        self._meter.sub(unused)
+        self._in_backward.remove(st)
+        self._weights_release(st)
+
+    def _land_grads(self, block: bool) -> None:
+        """Add the gradients whose copies have landed to their sums in host memory, in the order
+        they left (the order autograd would have added them in)."""
+        while self._grads_out:
+            out = self._grads_out[0]
+            if not out.copy.done():
+                if not block:
+                    return
+                out.copy.synchronize()
+            self._grads_out.popleft()
+            _raise_if_failed([out.copy])
+            st, i = out.layer, out.index
+            p = st.params[i]
+            src = self._host_tensor(out.staging, p)
+            dst = self._host_tensor(st.grads[i], p)
+            if st.added[i]:
+                dst.add_(src)
+            else:
+                dst.copy_(src)
+                st.added[i] = True
+            out.staging.release()
+            self._meter.sub(st.nbytes[i])
+
+
+def _grad_outputs(out) -> list[torch.Tensor]:
+    """The tensors among a layer's outputs (a tensor or a tuple of them) that carry gradients."""
+    items = out if isinstance(out, (tuple, list)) else (out,)
+    return [t for t in items if isinstance(t, torch.Tensor) and t.requires_grad]
+
+
 class PlannedLayer(nn.Module):
     """A layer run under its stage's decision (made by `Executor.wrap`)."""
 
@@ -798,6 +1098,20 @@ class PlannedLayer(nn.Module):
         self.module = module
 
     def forward(self, *args):
+        ex, layer = self.executor, self.layer_index
+        if layer not in ex._streamed:
+            return self._run(*args)
+        ex._forward_begins(layer)
+        try:
+            out = self._run(*args)
+        finally:
+            ex._forward_ends(layer)
+        tensors = _grad_outputs(out)
+        if tensors:  # the layer's weights come back when the first gradient reaches its outputs
+            torch.autograd.graph.register_multi_grad_hook(tensors, lambda _: ex._backward_begins(layer), mode="any")
+        return out
+
+    def _run(self, *args):
         with self.executor.hooks(self.layer_index, self.module, self.technique):
             if self.technique != "recompute":
                 return self.module(*args)

@@ -4,6 +4,11 @@ Between steps, the AdamW moments of every layer the plan moves off the device li
 plan says (host memory or peers' segments, through the stage's `Executor`); the optimizer holds
 an empty placeholder for each, so nothing can step them by accident. A step:
 
+A layer whose weights the executor streams (`weights="host"`) is stepped on the host over its
+weights and gradient sums in host memory, which it updates in place: nothing is copied. Its
+parameters' `.grad` stay unset; `held_grads` gives their sums (for the gradient norm and
+clipping), `held_weights` their weights (for checkpoints).
+
   1. runs the optimizer on every parameter whose moments stay on the device (kept layers, the
      embedding or head), with the other parameters' gradients set aside;
   2. then, layer by layer in stage order: a moved layer's first step makes its moments on the
@@ -39,6 +44,9 @@ class ModelDataRunner:
         self.layers = layers
         self.out: dict[int, list[tuple[nn.Parameter, str, int]]] = {}  # layer -> (param, moment, record id)
         self.on_host = {layer for layer in self.moved if plan.model_decision(stage, layer).step_on == "host"}
+        # layers whose weights the executor streams: param id -> (layer, its index there)
+        self._streamed = {id(p): (layer, i) for layer in executor.streamed_layers()
+                          for i, p in enumerate(executor._streamed[layer].params)}
         self._slot = {id(p): (group, i) for group in optimizer.param_groups for i, p in enumerate(group["params"])}
         owned = set(self._slot)
         for layer in self.moved:
@@ -91,8 +99,27 @@ class ModelDataRunner:
                         self.opt.state[p][key] = held[i][key].to(device=p.device, dtype=p.dtype)
             self._stash(layer)
 
+    def held_grads(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its gradient, summed in host memory, for the streamed layers'
+        parameters that have one this step (their `.grad` is unset)."""
+        self.executor.finish_backward()
+        out = {}
+        for pid, (layer, i) in self._streamed.items():
+            g = self.executor.host_grad(layer, i)
+            if g is not None:
+                out[pid] = g
+        return out
+
+    def held_weights(self) -> dict[int, torch.Tensor]:
+        """id(parameter) -> its weights in host memory, for the streamed layers' parameters
+        (their device storage is freed between uses: read these instead)."""
+        layers = set(self.executor.streamed_layers())
+        return {pid: self.executor.host_weight(layer, i) for pid, (layer, i) in self._streamed.items()
+                if layer in layers and self.executor._streamed[layer].master}
+
     def step(self) -> None:
         """One optimizer step of every parameter with a gradient (see the module docstring)."""
+        self.executor.finish_backward()
         params = [p for group in self.opt.param_groups for p in group["params"]]
         grads = [p.grad for p in params]
         off = {id(p) for layer in self.moved for p in self.layers[layer]}
@@ -109,7 +136,10 @@ class ModelDataRunner:
                 self._fetch(on_device[0])
             for layer in self.moved:
                 if layer not in self.out:  # its first step makes its moments here: they leave at once
-                    self._step_alone(layer, keep)
+                    if self.streamed_layer(layer):
+                        self._host_step(layer, keep)  # made on the host
+                    else:
+                        self._step_alone(layer, keep)
                     self._stash(layer)
                     continue
                 if layer in self.on_host:
@@ -140,25 +170,39 @@ class ModelDataRunner:
         """AdamW on the host for one layer whose moments are in host memory: each parameter's
         stand-in on the host (its own tensor when the device is the CPU) takes its place in the
         optimizer for one step, with the moments' host buffers as its state."""
-        rids = {(id(p), key): rid for p, key, rid in self.out[layer]}
+        rids = {(id(p), key): rid for p, key, rid in self.out.get(layer, [])}
         for p in self.layers[layer]:
-            g = grads[id(p)]
-            if g is None or (id(p), MOMENTS[0]) not in rids:
+            streamed = self._streamed.get(id(p))
+            if streamed is not None:  # weights and gradient sums in host memory already
+                g = self.executor.host_grad(*streamed)
+                w = self.executor.host_weight(*streamed) if g is not None else None
+            else:
+                g = grads[id(p)]
+                w = p.detach().to("cpu") if g is not None else None
+            first = (id(p), MOMENTS[0]) not in rids  # a streamed layer's first step makes its moments here
+            if g is None or (first and streamed is None):
                 continue
-            w = p.detach().to("cpu")
             shadow = nn.Parameter(w)
             shadow.grad = g.to("cpu")
             group, i = self._slot[id(p)]
-            self.opt.state[shadow] = {"step": self.opt.state[p]["step"],
-                                      **{key: self.executor.host_view(rids[(id(p), key)]) for key in MOMENTS}}
+            self.opt.state[shadow] = self.opt.state.pop(p, {}) if first else {
+                "step": self.opt.state[p]["step"], **{key: self.executor.host_view(rids[(id(p), key)]) for key in MOMENTS}}
             group["params"][i] = shadow
             try:
                 self.opt.step()  # only the stand-in has a gradient
             finally:
                 group["params"][i] = p
-                del self.opt.state[shadow]
-            with torch.no_grad():
-                p.copy_(w)  # the updated weights back (on a CPU device, `w` is `p` itself)
+                state = self.opt.state.pop(shadow)
+                if first:
+                    self.opt.state[p] = state  # moments on the host, stashed by the caller
+            if streamed is None:
+                with torch.no_grad():
+                    p.copy_(w)  # the updated weights back (on a CPU device, `w` is `p` itself)
+        if self.streamed_layer(layer):
+            self.executor.clear_grads(layer)
+
+    def streamed_layer(self, layer: int) -> bool:
+        return any(owner == layer for owner, _ in self._streamed.values())
 
     def _fetch(self, layer: int) -> None:
         for _, _, rid in self.out.get(layer, []):

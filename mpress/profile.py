@@ -9,7 +9,8 @@ Times are seconds, sizes bytes, bandwidths bytes per second.
 *Model data* are a layer's parameters, gradients and optimizer states. The part only the optimizer
 step reads (`state_bytes`: fp32 master weights and Adam moments under mixed precision, the moments
 in float32 training) may live off the device between steps: in host memory or in peers' spare
-memory (`MODEL_TECHNIQUES`); the weights and gradients that every forward and backward touch stay.
+memory (`MODEL_TECHNIQUES`). The weights and gradients that every forward and backward touch
+(`update_bytes`) may live in host memory too (`WEIGHTS`): streamed to the device for each use.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ SCHEDULES = ("gpipe", "1f1b")
 TECHNIQUES = ("keep", "recompute", "host", "d2d")
 MODEL_TECHNIQUES = ("keep", "host", "d2d")  # where a layer's optimizer states live between steps
 STEP_ON = ("device", "host")  # where a layer's optimizer step runs
+WEIGHTS = ("keep", "host")  # where a layer's weights and gradients live between their uses
 
 
 @dataclass(kw_only=True)
@@ -160,6 +162,12 @@ class ModelDataDecision:
     are brought in ahead of the layer's step and sent back after it) or on the host (`step_on`:
     the gradients go out, the updated weights come back). d2d: striped over peers' spare memory
     (`stripes`, in proportion to link bandwidth), brought back for a step on the device.
+
+    `weights` host (with states in host memory, stepped there): the layer's weights live in host
+    memory, where the host's step updates them, and come to the device for each forward and each
+    backward of a micro-batch only (the next layer's are fetched while one computes); its
+    gradients leave the device after each backward and add up in host memory (ZeRO-Offload's
+    placement, per layer).
     """
 
     stage: int
@@ -167,6 +175,7 @@ class ModelDataDecision:
     technique: str = "keep"
     stripes: list[Stripe] = field(default_factory=list)
     step_on: str = "device"
+    weights: str = "keep"
 
     def __post_init__(self) -> None:
         if self.technique not in MODEL_TECHNIQUES:
@@ -174,6 +183,9 @@ class ModelDataDecision:
         if self.step_on not in STEP_ON or (self.step_on == "host" and self.technique != "host"):
             raise ValueError(f"layer {self.layer}: the optimizer step runs on the host only for states in host "
                              f"memory, got technique {self.technique!r} with step_on {self.step_on!r}")
+        if self.weights not in WEIGHTS or (self.weights == "host" and self.step_on != "host"):
+            raise ValueError(f"layer {self.layer}: weights live in host memory only for a layer stepped on the "
+                             f"host, got weights {self.weights!r} with step_on {self.step_on!r}")
 
 
 @dataclass(kw_only=True)

@@ -140,20 +140,26 @@ class DenseStates:
                 p.grad = torch.zeros_like(p)
         fused_all_reduce([p.grad for p in self.params])  # averages over ranks
 
+    def grads(self) -> list[torch.Tensor]:
+        """This rank's dense gradients in parameter order, those the stepper holds elsewhere
+        (streamed weights' gradients, summed in host memory) included."""
+        held = self.stepper.held_grads() if self.stepper is not None else {}
+        out = [held.get(id(p), p.grad) for p in self.params]
+        return [local(g) for g in out if g is not None]
+
     def grad_sq(self, device: torch.device) -> torch.Tensor:
         """This rank's part of the dense gradients' sum of squares: all of it when the gradients
         are replicated, its shard's when they are sharded (then the ranks' parts add up; see
         `sq_is_partial`)."""
-        return sum_of_squares([local(p.grad) for p in self.params if p.grad is not None], device)
+        return sum_of_squares(self.grads(), device)
 
     @property
     def sq_is_partial(self) -> bool:
         return self.sharded
 
     def clip_(self, coef: float) -> None:
-        for p in self.params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+        for g in self.grads():
+            g.mul_(coef)
 
     def step(self, lr: float) -> None:
         for group in self.opt.param_groups:

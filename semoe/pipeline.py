@@ -366,8 +366,10 @@ class PipelineTrainer(Trainer):
     def checkpoint(self) -> int:
         """Commit every stage's dense tensors, optimizer and RNG states and experts as one store
         version; returns it."""
-        dense = [(hf_name(self.config, name), p.detach().cpu()) for name, p in _dense_params(self.model)]
-        stepper = self.dense_states.stepper  # moments off the device are read where they are
+        stepper = self.dense_states.stepper  # moments off the device (and streamed weights) are read where they are
+        held = stepper.held_weights() if stepper is not None else {}
+        dense = [(hf_name(self.config, name), held[id(p)].clone() if id(p) in held else p.detach().cpu())
+                 for name, p in _dense_params(self.model)]
         opt = _to_cpu(stepper.state_dict() if stepper is not None else self.opt.state_dict())
         self._stage_dense = self._gather((dense, opt, torch.get_rng_state()))
         try:
@@ -409,7 +411,7 @@ class PipelineTrainer(Trainer):
         ce_sum = (torch.stack([x.detach() for x in losses]).double().sum() if losses else
                   torch.zeros((), dtype=torch.float64, device=dev))
         aux_sum, z_sum = self.meter.take()
-        sq = (sum_of_squares([p.grad for p in self.dense if p.grad is not None], dev)  # each stage its own
+        sq = (sum_of_squares(self.dense_states.grads(), dev)  # each stage its own
               + self.states.grad_sq_sum())
         # ce is ce / M already; each stage's router losses and squares are its own: all add up over stages
         summed = self._sum_on_device(torch.stack([ce_sum, to_device(aux_sum, dev), to_device(z_sum, dev), sq]))

@@ -110,6 +110,30 @@ def test_model_data_in_host_memory_and_in_the_peer_keeps_the_numbers(tmp_path, t
 
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
+def test_streamed_weights_in_host_memory_keep_the_numbers(tmp_path, text_file):
+    """Stage 0 streams block 1's weights from host memory (its gradients summed there, AdamW on
+    the host); stage 1 streams block 2's, whose activations are also recomputed, and block 3's,
+    whose activations go to host memory. Losses, every weight (read from host memory for the
+    checkpoint) and every moment are the plain run's, bit for bit, gradient clipping included."""
+    streamed = [ModelDataDecision(stage=s, layer=i, technique="host", step_on="host", weights="host")
+                for s, i in ((0, 1), (1, 2), (1, 3))]
+    plan = Plan(decisions=[Decision(stage=1, layer=2, technique="recompute"),
+                           Decision(stage=1, layer=3, technique="host")], model_data=streamed)
+    plain = _run(tmp_path, "plain", text_file, None)
+    planned = _run(tmp_path, "planned", text_file, plan)
+    assert [r["losses"] for r in plain] == [r["losses"] for r in planned]
+    a, b = store_tensors(str(tmp_path / "plain" / "store")), store_tensors(str(tmp_path / "planned" / "store"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    oa, ob = _stage_optimizers(str(tmp_path / "plain" / "store")), _stage_optimizers(str(tmp_path / "planned" / "store"))
+    for stage_a, stage_b in zip(oa, ob):
+        for i, st in stage_a["state"].items():
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert torch.equal(st[key], stage_b["state"][i][key]), (i, key)
+    s0, s1 = planned[0]["stats"], planned[1]["stats"]
+    assert s0["weight_bytes"] > 0 and s1["weight_bytes"] > s0["weight_bytes"]  # stage 1 streams two blocks
+
+
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "8",
               "--pipeline", "2", "--micro-batches", "4", "--schedule", "gpipe", "-q"]

@@ -1,0 +1,126 @@
+"""Streamed weights in one process: a stage whose plan keeps some layers' weights, gradients and
+AdamW moments in host memory (weights brought in for each forward and backward, gradients summed
+on the host, AdamW on the host) trains to exactly the numbers of the plain stage, holds those
+layers' weights on the device only while they run, and counts them while they are there."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from mpress.executor import Executor
+from mpress.model_data import ModelDataRunner
+from mpress.profile import Decision, ModelDataDecision, Plan
+
+D, LAYERS, M, STEPS = 32, 4, 3, 4
+KW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, foreach=False)
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(D, 4 * D), nn.Linear(4 * D, D)
+        self.scale = nn.Parameter(torch.ones(D))  # reached only through an elementwise product
+
+    def forward(self, x):
+        return x + self.down(torch.nn.functional.gelu(self.up(x * self.scale)))
+
+
+def blocks() -> list[Block]:
+    torch.manual_seed(0)
+    return [Block() for _ in range(LAYERS)]
+
+
+def train(layers: list[nn.Module], params_of: list[list[nn.Parameter]], opt, step, grads, clip: float):
+    """GPipe on one stage: M forwards, then M backwards; a global-norm clip; the step."""
+    torch.manual_seed(1)
+    data = [[torch.randn(8, D) for _ in range(M)] for _ in range(STEPS)]
+    losses = []
+    for xs in data:
+        outs = []
+        for x in xs:
+            for layer in layers:
+                x = layer(x)
+            outs.append(x.square().mean() / M)
+        for loss in outs:
+            loss.backward()
+        gs = grads()
+        norm = torch.stack([g.norm() for g in gs]).norm()
+        if norm > clip:
+            for g in gs:
+                g.mul_(clip / norm)
+        step()
+        for ps in params_of:
+            for p in ps:
+                p.grad = None
+        losses.append(sum(o.item() for o in outs))
+    return losses
+
+
+@pytest.mark.parametrize("activations", ["keep", "recompute", "host"])
+def test_streamed_layers_train_to_the_plain_numbers(activations):
+    plain = blocks()
+    plain_opt = torch.optim.AdamW([p for b in plain for p in b.parameters()], **KW)
+    want = train(plain, [list(b.parameters()) for b in plain], plain_opt, plain_opt.step,
+                 lambda: [p.grad for b in plain for p in b.parameters()], clip=0.5)
+
+    planned = blocks()
+    opt = torch.optim.AdamW([p for b in planned for p in b.parameters()], **KW)
+    plan = Plan(decisions=[Decision(stage=0, layer=2, technique=activations)] if activations != "keep" else [],
+                model_data=[ModelDataDecision(stage=0, layer=i, technique="host", step_on="host", weights="host")
+                            for i in (1, 2)])
+    executor = Executor(plan, 0, device="cpu", host_pool_bytes=4 << 20, min_swap_bytes=0)
+    runs = [executor.wrap(i, b) for i, b in enumerate(planned)]
+    runner = ModelDataRunner(executor, opt, {i: list(b.parameters()) for i, b in enumerate(planned)})
+    seen = []  # the streamed layers' storage at every forward of layer 3
+    runs[3].register_forward_pre_hook(
+        lambda *_: seen.append([p.untyped_storage().nbytes() for b in planned[1:3] for p in b.parameters()]))
+
+    def grads():
+        held = runner.held_grads()
+        return [held.get(id(p), p.grad) for b in planned for p in b.parameters()]
+
+    got = train(runs, [list(b.parameters()) for b in planned], opt, runner.step, grads, clip=0.5)
+    assert got == want  # bit for bit: the same losses every step
+    # between their uses the streamed layers hold nothing on the device
+    assert len(seen) == STEPS * M and all(n == 0 for row in seen for n in row)
+    for i, (a, b) in enumerate(zip(plain, planned)):
+        for (name, p), q in zip(a.named_parameters(), b.parameters()):
+            w = runner.held_weights().get(id(q), q)
+            assert torch.equal(p, w), (i, name)
+    sd, plain_sd = runner.state_dict(), plain_opt.state_dict()
+    for i, st in plain_sd["state"].items():
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(sd["state"][i][key], st[key]), (i, key)
+    stats = executor.stats()
+    weights = sum(p.numel() * 4 for b in planned[1:3] for p in b.parameters())
+    # per micro-batch each streamed layer's weights came in twice and its gradients went out once
+    # (the first forward of all found them on the device already)
+    assert stats.weight_bytes == 3 * STEPS * M * weights - weights
+    assert stats.resident_bytes == 0
+    # the meter counted at most the two streamed layers' weights and one's gradients at once, over
+    # what the activations took
+    assert stats.peak_bytes > 0
+    executor.close()
+    # closing put the weights back on the device: the model is whole again
+    for a, b in zip(plain, planned):
+        for p, q in zip(a.parameters(), b.parameters()):
+            assert q.untyped_storage().nbytes() == q.numel() * 4 and torch.equal(p, q)
+
+
+def test_a_parameter_sharing_its_storage_cannot_be_streamed():
+    layer = nn.Linear(4, 4)
+    flat = torch.zeros(4 * 4 + 4)
+    layer.weight = nn.Parameter(flat[:16].view(4, 4))
+    plan = Plan(model_data=[ModelDataDecision(stage=0, layer=0, technique="host", step_on="host", weights="host")])
+    executor = Executor(plan, 0, device="cpu", host_pool_bytes=1 << 20)
+    run = executor.wrap(0, layer)
+    with pytest.raises(ValueError, match="layer 0: parameter 0 .* does not own its storage"):
+        run(torch.randn(2, 4))
+    executor.close()
+
+
+def test_weights_live_on_the_host_only_for_a_layer_stepped_there():
+    with pytest.raises(ValueError, match="weights live in host memory only for a layer stepped on the host"):
+        ModelDataDecision(stage=0, layer=0, technique="host", weights="host")
