@@ -25,7 +25,10 @@ whole step, stepped on the device (brought in and out around the optimizer step)
 the same queues as (b) and (c), priced as the optimizer-phase time it adds per byte of peak it
 removes (it removes the full state bytes, at every moment of the pipeline). In (d) the states of
 host-swapped layers may instead be striped over peers with free memory, accepted as (d) accepts
-activation D2D: when the simulated step fits and is faster.
+activation D2D: when the simulated step fits and is faster. When no plan fits that way, a layer
+stepped on the host may also stream its weights and gradients from host memory
+(`weights="host"`): that enters the queues too, priced as the copy time its forwards and
+backwards cannot hide behind their compute per byte it removes.
 
 (e) without a given mapping, a local search over stage -> device permutations, scored by an estimate
     of the transfer time the mapping forces, puts pressured stages next to light devices over fast
@@ -120,9 +123,11 @@ class _Compactor:
     """Steps (a)-(d) for one stage -> device mapping."""
 
     def __init__(self, profile: PipelineProfile, topology: Topology, budgets: list[int],
-                 mapping: list[int], host_memory_bytes: int | None = None, host_steps: bool = True) -> None:
+                 mapping: list[int], host_memory_bytes: int | None = None, host_steps: bool = True,
+                 stream: bool = True) -> None:
         self.profile, self.topology, self.budgets, self.mapping = profile, topology, budgets, mapping
         self.host_steps = host_steps  # may a moved layer's optimizer step run on the host CPU
+        self.stream = stream  # may a layer's weights stream from host memory
         # host memory left for swapped activations: a layer swapped out holds k micro-batches there
         self.host_room = math.inf if host_memory_bytes is None else host_memory_bytes
         S, M = len(profile.stages), profile.micro_batches
@@ -132,21 +137,21 @@ class _Compactor:
         self.layer: dict[int, tuple[int, LayerProfile]] = {
             lp.index: (s, lp) for s, st in enumerate(profile.stages) for lp in st.layers}
         self.choice: dict[int, tuple[str, list[Stripe]]] = {}  # layer -> (technique, stripes)
-        self.md: dict[int, tuple[str, list[Stripe], str]] = {}  # layer -> (technique, stripes, step_on)
+        self.md: dict[int, tuple[str, list[Stripe], str, str]] = {}  # layer -> (technique, stripes, step_on, weights)
         self.queue: list[list[tuple[int, str]]] = []  # per stage: (layer, technique) still to take
         self.kept_input = recompute_held(profile)
 
     def to_plan(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None,
-                md: dict[int, tuple[str, list[Stripe], str]] | None = None) -> Plan:
+                md: dict[int, tuple[str, list[Stripe], str, str]] | None = None) -> Plan:
         choice = self.choice if choice is None else choice
         md = self.md if md is None else md
         return Plan(decisions=[Decision(stage=self.layer[i][0], layer=i, technique=t, stripes=list(x))
                                for i, (t, x) in sorted(choice.items())], mapping=list(self.mapping),
                     model_data=[ModelDataDecision(stage=self.layer[i][0], layer=i, technique=t, stripes=list(x),
-                                                  step_on=on) for i, (t, x, on) in sorted(md.items())])
+                                                  step_on=on, weights=w) for i, (t, x, on, w) in sorted(md.items())])
 
     def simulate(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None,
-                 md: dict[int, tuple[str, list[Stripe], str]] | None = None) -> SimResult:
+                 md: dict[int, tuple[str, list[Stripe], str, str]] | None = None) -> SimResult:
         return simulate(self.profile, self.to_plan(choice, md), self.topology)
 
     def model_cost(self, s: int, lp: LayerProfile) -> tuple[float, str]:
@@ -160,8 +165,21 @@ class _Compactor:
                    if lp.host_step_s and self.host_steps else math.inf)
         return (on_device, "device") if on_device <= on_host else (max(on_host, 0.0), "host")
 
+    def can_stream(self, s: int, lp: LayerProfile) -> bool:
+        return bool(self.stream and lp.update_bytes and lp.host_step_s and self.host_steps
+                    and self.topology.host_bw[self.mapping[s]] > 0)
+
+    def stream_cost(self, s: int, lp: LayerProfile) -> float:
+        """Seconds per step that streaming `lp`'s weights adds: the copy time its forwards and
+        backwards cannot hide, and its optimizer step moved to the host."""
+        copy_s = lp.update_bytes / 2 / self.topology.host_bw[self.mapping[s]]
+        exposed = max(copy_s - lp.forward_s, 0.0) + max(copy_s - lp.backward_s, 0.0)
+        return self.M * exposed + max(lp.host_step_s * len(self.profile.stages) - lp.step_s, 0.0)
+
     def reduction(self, layer: int, technique: str) -> int:
         s, lp = self.layer[layer]
+        if technique == "model:weights":  # and its states, unless they moved already
+            return lp.update_bytes + (0 if layer in self.md else lp.state_bytes)
         if technique.startswith("model"):
             return lp.state_bytes
         k = self.k[s]
@@ -208,6 +226,12 @@ class _Compactor:
                         added, on = self.model_cost(s, lp)
                         self.host_room -= lp.state_bytes
                         rest.append((_cost_bucket(added / lp.state_bytes), -lp.index, f"model:{on}"))
+                for lp in st.layers:  # and the weights and gradients, streamed for each use (host
+                    # memory for them is taken when the choice is, so that no stage's unused
+                    # candidates keep another stage's states from moving)
+                    if self.can_stream(s, lp):
+                        need = lp.update_bytes + lp.state_bytes
+                        rest.append((_cost_bucket(self.stream_cost(s, lp) / need), -lp.index, "model:weights"))
             rest.sort()
             self.queue.append(hidden + [(-neg, tech) for _, neg, tech in rest])
 
@@ -218,8 +242,18 @@ class _Compactor:
         queue = self.queue[s]
         while excess > 0 and queue:
             layer, tech = queue.pop(0)
+            if tech == "model:weights":
+                if self.layer[layer][1].update_bytes > self.host_room:
+                    continue
+                self.host_room -= self.layer[layer][1].update_bytes
+                excess -= self.reduction(layer, tech)
+                self.md[layer] = ("host", [], "host", "host")
+                changed = True
+                continue
             if tech.startswith("model:"):
-                self.md[layer] = ("host", [], tech.split(":")[1])
+                if layer in self.md:  # its weights stream: its states moved with them
+                    continue
+                self.md[layer] = ("host", [], tech.split(":")[1], "keep")
             else:
                 self.choice[layer] = (tech, [])
             excess -= self.reduction(layer, tech)
@@ -349,7 +383,7 @@ class _Compactor:
         (they stay there all step), largest first, halving the batch until a trial fits and is
         faster."""
         def movable(sim: SimResult) -> list[int]:
-            return sorted((i for i, (t, _, _) in self.md.items() if t == "host"),
+            return sorted((i for i, (t, _, _, w) in self.md.items() if t == "host" and w == "keep"),
                           key=lambda i: (-self.layer[i][1].state_bytes, i))
 
         def trial(layers: list[int], sim: SimResult):
@@ -359,7 +393,7 @@ class _Compactor:
                 s, lp = self.layer[layer]
                 split = self._peer_stripes(s, lp.state_bytes, room, hold=1)
                 if split:
-                    md[layer] = ("d2d", split, "device")
+                    md[layer] = ("d2d", split, "device", "keep")
                     converted += 1
             return (md, self.simulate(md=md)) if converted else None
 
@@ -381,6 +415,8 @@ def _result(plan_: Plan, sim: SimResult, budgets: list[int], t0: float, stage_on
             counts[dec.technique] = counts.get(dec.technique, 0) + 1
         for dec in plan_.model_data:
             counts[f"model-data {dec.technique}"] = counts.get(f"model-data {dec.technique}", 0) + 1
+            if dec.weights == "host":
+                counts["streamed weights"] = counts.get("streamed weights", 0) + 1
         reason = "fits " + (", ".join(f"{n} {t}" for t, n in sorted(counts.items())) or "keeping all")
     return PlanResult(plan=plan_, sim=sim, fits=not over, reason=reason,
                       planning_s=time.perf_counter() - t0)
@@ -388,17 +424,21 @@ def _result(plan_: Plan, sim: SimResult, budgets: list[int], t0: float, stage_on
 
 def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], mapping: list[int],
              min_gain: float, base: SimResult | None, t0: float, host_memory_bytes: int | None = None,
-             host_steps: bool = True) -> PlanResult:
-    c = _Compactor(profile, topology, budgets, mapping, host_memory_bytes, host_steps)
+             host_steps: bool = True, stream: bool = True) -> PlanResult:
+    c = _Compactor(profile, topology, budgets, mapping, host_memory_bytes, host_steps, stream)
     base = base or c.simulate()
     if not base.overflow(budgets):
         return _result(c.to_plan(), base, budgets, t0, c.stage_on, "")
     for s, st in enumerate(profile.stages):
         d = mapping[s]
         movable = sum(lp.state_bytes for lp in st.layers) if topology.host_bw[d] > 0 else 0
+        stream = [lp for lp in st.layers if c.can_stream(s, lp)]
+        if stream:  # all but the two layers' weights and one's gradients streaming holds
+            movable += sum(lp.update_bytes for lp in stream) - 3 * max(lp.update_bytes // 2 for lp in stream)
         resident = st.static_bytes - movable
         if resident > budgets[d]:
-            what = "parameters and gradients" if movable else "parameters and optimizer states"
+            what = ("parameters and gradients" if not stream else "the weights streaming holds") if movable \
+                else "parameters and optimizer states"
             return PlanResult(plan=c.to_plan(), sim=dataclasses.replace(base, budget_bytes=list(budgets)),
                               fits=False, planning_s=time.perf_counter() - t0,
                               reason=f"device {d} (stage {s}): {what}"
@@ -503,8 +543,16 @@ def plan(profile: PipelineProfile, topology: Topology, *, budget_bytes: int | li
         found = search_stage_mapping(profile, topology, budgets, base)
         if found != start:
             candidates.append(found)
-    results = [_compact(profile, topology, budgets, m, min_gain, base if m == start else None, t0,
-                        host_memory_bytes, host_steps) for m in candidates]
+    # streaming weights slows every forward and backward of a layer: it is the last resort, tried
+    # for a mapping only when no plan without it fits
+    results = []
+    for m in candidates:
+        result = _compact(profile, topology, budgets, m, min_gain, base if m == start else None, t0,
+                          host_memory_bytes, host_steps, stream=False)
+        if not result.fits:
+            result = _compact(profile, topology, budgets, m, min_gain, base if m == start else None, t0,
+                              host_memory_bytes, host_steps, stream=True)
+        results.append(result)
     best = min(results, key=lambda r: (not r.fits, r.sim.step_time_s if r.fits else
                                        sum(x for _, x in r.sim.overflow())))
     best.planning_s = time.perf_counter() - t0

@@ -33,13 +33,20 @@ Model, per device (one pipeline stage per device, `Plan.device_of`):
   and go back after it, so at most two layers' states are on the device at once; a step on the
   host sends the gradients out, runs CPU Adam (one CPU per host: the stages' host steps take turns)
   and brings the weights back. The step ends when every stage's optimizer phase has.
+- streamed weights (`ModelDataDecision.weights == "host"`): the layer's weights and gradients
+  (`update_bytes`) leave the stage's static memory; the stage holds instead two of its streamed
+  layers' weights and one's gradients all step (the layer running, the next one coming in). Each
+  forward and each backward of the layer takes at least the time its weights take over the host
+  link (they come in while the previous layer computes; the gradients go out on the other lane);
+  its host step copies nothing. This is an estimate: the weight traffic does not queue with the
+  activations' host swaps on the link.
 """
 
 from __future__ import annotations
 
 import heapq
 from bisect import bisect_right
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import accumulate
 
 from mpress.profile import MODEL_TECHNIQUES, TECHNIQUES, Decision, ModelDataDecision, PipelineProfile, Plan
@@ -92,6 +99,7 @@ class SimResult:
     model_bytes: dict[str, int] = field(default_factory=dict)
     model_moved_bytes: dict[str, int] = field(default_factory=dict)
     optimizer_s: float = 0.0
+    streamed_bytes: int = 0  # weights and gradients of streamed layers (off their devices between uses)
 
     @property
     def recompute_bytes(self) -> int:
@@ -414,6 +422,12 @@ class _Step:
         for layer in self.profile.stages[s].layers:
             decision, stripes = self.model.get(layer.index, (None, ()))
             name = f"L{layer.index}"
+            if decision is not None and decision.step_on == "host" and decision.weights == "host":
+                cpu = self.links.reserve(*_CPU, t, layer.host_step_s)  # weights and gradients are there
+                t_in = max(t_in, cpu + layer.host_step_s)
+                if record:
+                    self._event(f"adam {name}", dev, "cpu", cpu, cpu + layer.host_step_s)
+                continue
             if decision is not None and decision.step_on == "host":
                 half = layer.update_bytes / 2  # gradients out, weights back
                 a, out_end = max(t_out, t), max(t_out, t) + half / host_bw
@@ -471,8 +485,9 @@ def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
              record: bool = False) -> SimResult:
     """Play one training step of `plan` on `topology`; `record` keeps every interval for a trace."""
     mapping = _mapping(plan, len(profile.stages), topology)
-    segs = _segments(profile, plan, topology, mapping)
     model = _model_data(profile, plan, topology, mapping)
+    profile, streamed_bytes, streamed_moved = _streamed(profile, model, topology, mapping)
+    segs = _segments(profile, plan, topology, mapping)
     step = _Step(profile, topology, mapping, segs, record, model)
     step_time, spans = step.play()
 
@@ -505,6 +520,7 @@ def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
             for peer, nbytes, _ in stripes:
                 static[peer] += nbytes  # held by the peer all step
             model_moved[tech] += layer.update_bytes if decision.step_on == "host" else 2 * layer.state_bytes
+    model_moved["host"] += streamed_moved
     peaks, memory = [], []
     for dev in range(topology.devices):
         peak, points = _timeline(static[dev], step.mem[dev], step_time)
@@ -514,4 +530,27 @@ def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
                      budget_bytes=list(topology.device_memory_bytes), mapping=mapping, ops=spans,
                      saved_bytes=saved, moved_bytes=moved, recompute_s=recompute_s,
                      swap_wait_s=step.wait, events=step.events, model_bytes=model_bytes,
-                     model_moved_bytes=model_moved, optimizer_s=step.optimizer_s)
+                     model_moved_bytes=model_moved, optimizer_s=step.optimizer_s, streamed_bytes=streamed_bytes)
+
+
+def _streamed(profile: PipelineProfile, model: dict, topology: Topology,
+              mapping: list[int]) -> tuple[PipelineProfile, int, int]:
+    """`profile` as the step sees it with streamed weights (see the module docstring), the bytes
+    of weights and gradients streamed, and the bytes the streaming copies in a step."""
+    M, total, moved, stages = profile.micro_batches, 0, 0, []
+    for s, st in enumerate(profile.stages):
+        host_bw, layers, most = topology.host_bw[mapping[s]], [], 0
+        for lp in st.layers:
+            decision = model.get(lp.index, (None, ()))[0]
+            if decision is None or decision.weights != "host":
+                layers.append(lp)
+                continue
+            w = lp.update_bytes // 2
+            copy_s = w / host_bw if host_bw > 0 else float("inf")
+            layers.append(replace(lp, forward_s=max(lp.forward_s, copy_s), backward_s=max(lp.backward_s, copy_s),
+                                  param_bytes=lp.param_bytes - lp.update_bytes, update_bytes=0))
+            most, total, moved = max(most, w), total + lp.update_bytes, moved + 3 * M * w
+        stages.append(replace(st, layers=layers, fixed_bytes=st.fixed_bytes + 3 * most))
+    if not total:
+        return profile, 0, 0
+    return replace(profile, stages=stages), total, moved

@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Describe a transformer (optionally MoE) and a multi-GPU server; get the MPress plan: which "
                     "layers' activations are recomputed, swapped to host memory or swapped into peer GPUs over "
                     "NVLink (striped by link bandwidth), which layers' optimizer states (model data) live in host "
-                    "memory (stepped on the GPU or by CPU Adam) or in peers' spare memory, the stage-to-device "
+                    "memory (stepped on the GPU or by CPU Adam) or in peers' spare memory, which layers' weights and "
+                    "gradients stream from host memory when nothing else fits, the stage-to-device "
                     "mapping, and the simulated step time and peak memory per stage, beside a ZeRO-Infinity-style "
                     "baseline that offloads every optimizer state and step to the host and recomputes every layer.")
     m = p.add_argument_group("model")
@@ -85,15 +86,19 @@ def run(args: argparse.Namespace) -> int:
 
 def stage_bytes(plan_, profile) -> list[dict]:
     """Per stage: activation bytes each technique handles per step (every micro-batch) and
-    optimizer-state bytes each model-data technique places (on the device for keep)."""
+    optimizer-state bytes each model-data technique places (on the device for keep), and the
+    weight and gradient bytes streamed from host memory."""
     M, rows = profile.micro_batches, []
     for st in profile.stages:
-        acts, model = {"recompute": 0, "host": 0, "d2d": 0}, {"keep": 0, "host": 0, "d2d": 0}
+        acts, model = {"recompute": 0, "host": 0, "d2d": 0}, {"keep": 0, "host": 0, "d2d": 0, "streamed": 0}
         for lp in st.layers:
             d = plan_.decision(st.stage, lp.index)
             if d.technique != "keep":
                 acts[d.technique] += lp.saved_bytes * M
-            model[plan_.model_decision(st.stage, lp.index).technique] += lp.state_bytes
+            decision = plan_.model_decision(st.stage, lp.index)
+            model[decision.technique] += lp.state_bytes
+            if decision.weights == "host":
+                model["streamed"] += lp.update_bytes
         rows.append({"stage": st.stage, "device": plan_.device_of(st.stage), "activations": acts,
                      "model_data": model})
     return rows
@@ -107,6 +112,7 @@ def summary(res, profile) -> dict:
             "recompute_bytes": sim.recompute_bytes, "host_swap_bytes": sim.host_swap_bytes,
             "d2d_swap_bytes": sim.d2d_swap_bytes,
             "model_data_bytes": {t: sim.model_bytes.get(t, 0) for t in ("keep", "host", "d2d")},
+            "streamed_bytes": sim.streamed_bytes,
             "optimizer_s": sim.optimizer_s, "stages": stage_bytes(res.plan, profile),
             "mapping": [res.plan.device_of(s.stage) for s in profile.stages],
             "planning_s": res.planning_s,
@@ -114,6 +120,7 @@ def summary(res, profile) -> dict:
                            "stripes": [{"device": s.device, "bytes": s.bytes} for s in d.stripes]}
                           for d in res.plan.decisions if d.technique != "keep"],
             "model_data": [{"stage": d.stage, "layer": d.layer, "technique": d.technique, "step_on": d.step_on,
+                            "weights": d.weights,
                             "stripes": [{"device": s.device, "bytes": s.bytes} for s in d.stripes]}
                            for d in res.plan.model_data if d.technique != "keep"]}
 
@@ -133,13 +140,17 @@ def print_summary(out: dict, file) -> None:
           f"peers {out['model_data_bytes']['d2d'] / gib:.2f} GiB, kept {out['model_data_bytes']['keep'] / gib:.2f} GiB; "
           f"{on_host} of {len(md)} moved layers step on the CPU; optimizer phase {out['optimizer_s'] * 1e3:.0f} ms",
           file=file)
+    streamed = sum(1 for d in md if d["weights"] == "host")
+    if streamed:
+        print(f"streamed weights and gradients (in host memory between uses): {out['streamed_bytes'] / gib:.2f} GiB "
+              f"of {streamed} layers", file=file)
     print(f"{'stage':>5} {'device':>6} {'peak GiB':>8} | activations GiB: {'recompute':>9} {'host':>7} {'d2d':>7} | "
-          f"model data GiB: {'host':>6} {'d2d':>6} {'kept':>6}", file=file)
+          f"model data GiB: {'host':>6} {'d2d':>6} {'kept':>6} {'stream':>6}", file=file)
     for row, peak in zip(out["stages"], out["peak_bytes"]):
         a, m = row["activations"], row["model_data"]
         print(f"{row['stage']:>5} {row['device']:>6} {peak / gib:8.2f} | {'':17}{a['recompute'] / gib:9.2f} "
               f"{a['host'] / gib:7.2f} {a['d2d'] / gib:7.2f} | {'':16}{m['host'] / gib:6.2f} {m['d2d'] / gib:6.2f} "
-              f"{m['keep'] / gib:6.2f}", file=file)
+              f"{m['keep'] / gib:6.2f} {m['streamed'] / gib:6.2f}", file=file)
     b = out.get("baseline")
     if b:
         print(f"baseline ({b['name']}): step {b['step_time_s'] * 1e3:.1f} ms, "

@@ -120,8 +120,11 @@ def test_the_planner_moves_model_data_when_nothing_else_can_fit():
     assert res.fits, res.reason
     assert {d.technique for d in res.plan.model_data} == {"host"}
     assert res.sim.peak_bytes[0] <= 250
-    assert plan(p, make_topology(1, host_bw=10.0), budget_bytes=119).reason.startswith(
+    assert plan(p, make_topology(1, host_bw=10.0), budget_bytes=119, host_steps=False).reason.startswith(
         "device 0 (stage 0): parameters and gradients alone take 120 bytes")
+    # streaming weights, the stage still holds two layers' weights and one's gradients
+    assert plan(p, make_topology(1, host_bw=10.0), budget_bytes=59).reason.startswith(
+        "device 0 (stage 0): the weights streaming holds alone take 60 bytes")
 
 
 def paper_gpt(layers: int) -> tuple[PipelineProfile, object]:
@@ -160,3 +163,47 @@ def test_model_data_transfers_have_their_own_trace_lanes():
     assert {"model in", "model out", "compute", "host", "d2d"} <= threads
     names = [e["name"] for e in events if e.get("cat") in ("model in", "model out")]
     assert any(n.startswith("states in") for n in names) and any(n.startswith("states out") for n in names)
+
+
+def streamed(stage: int, layer: int) -> ModelDataDecision:
+    return ModelDataDecision(stage=stage, layer=layer, technique="host", step_on="host", weights="host")
+
+
+def test_streamed_weights_leave_the_device_and_stretch_the_layer_to_their_copy():
+    # layer 1 of 3 streams its 20 B of weights over a 10 B/s link: its forward and its backward
+    # take at least 2 s (F 1 + 2 + 1, B 2 + 2 + 2 = 10 s), then L0 and L2 step on the device
+    # [10, 11] while CPU Adam steps L1 [10, 13] over its host copies (nothing to copy).
+    # Memory: L0 and L2 100 each; L1 nothing between uses; the stage holds two layers' weights
+    # and one's gradients for the streaming: 3 x 20.
+    sim = simulate(model_profile(1, 3), Plan(model_data=[streamed(0, 1)]), make_topology(1, host_bw=10.0),
+                   record=True)
+    assert sim.step_time_s == 13.0
+    assert sim.peak_bytes == [260]
+    assert sim.streamed_bytes == 40 and sim.model_moved_bytes["host"] == 60  # in twice, out once, M = 1
+    assert [(e.start_s, e.dur_s) for e in sim.events if e.stream == "cpu"] == [(10.0, 3.0)]
+
+
+def test_the_planner_streams_weights_when_moving_states_is_not_enough():
+    # 3 x 100 on a budget of 150: moving every layer's states leaves 120; streaming one layer's
+    # weights as well leaves 80 + 3 x 20 = 140, which fits
+    p = model_profile(1, 3, state=60, update=40)
+    res = plan(p, make_topology(1, host_bw=10.0), budget_bytes=150)
+    assert res.fits, res.reason
+    assert any(d.weights == "host" for d in res.plan.model_data)
+    assert res.sim.peak_bytes[0] <= 150 and res.sim.streamed_bytes > 0
+    # without host steps nothing can stream, and the states alone leave too much
+    assert not plan(p, make_topology(1, host_bw=10.0), budget_bytes=150, host_steps=False).fits
+
+
+def test_gpt_20b_on_16_gb_gpus_fits_only_by_streaming_weights():
+    """GPT hidden 5120, 64 layers on a DGX-1 with 16 GB per GPU: moving optimizer states and
+    compacting every activation still leaves a stage over its budget; streaming weights and
+    gradients from host memory fits it."""
+    topo = builtin("dgx1", 8, gpu_memory_bytes=16 * GB)
+    profile = analytic_profile(arch="gpt", layers=64, hidden=5120, heads=40, seq=1024, micro_batch=2,
+                               micro_batches=16, vocab=50257, stages=8, flops=topo.flops)
+    res = plan(profile, topo, host_memory_bytes=768 * GB)
+    assert res.fits, res.reason
+    assert res.sim.streamed_bytes > 0 and all(d.step_on == "host" for d in res.plan.model_data if d.weights == "host")
+    assert max(res.sim.peak_bytes) <= 16 * GB
+    assert not plan(profile, topo, host_memory_bytes=768 * GB, host_steps=False).fits  # no streaming without them

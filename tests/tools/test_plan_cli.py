@@ -42,7 +42,7 @@ def test_roomy_gpus_need_no_compaction_and_moe_is_accepted():
 
 
 def test_a_model_that_cannot_fit_says_why_and_exits_1():
-    p = plan(*GPT, "--gpu-memory", "4GiB", "--json")
+    p = plan(*GPT, "--gpu-memory", "1GiB", "--json")
     out = json.loads(p.stdout)
     assert p.returncode == 1 and out["fits"] is False and "device" in out["reason"]
 
