@@ -81,17 +81,9 @@ def _stage_optimizers(store: str) -> list[dict]:
     return torch.load(io.BytesIO(blob), weights_only=False)["stages"]
 
 
-@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
-def test_model_data_in_host_memory_and_in_the_peer_keeps_the_numbers(tmp_path, text_file):
-    """Stage 0 keeps block 0's AdamW moments in host memory and stripes block 1's into stage 1's
-    segment; stage 1 keeps block 2's in host memory, stepped there, and block 3's on the device;
-    with a host swap of activations beside them. Losses, every weight and every moment (read back from where
-    they live for the checkpoint) are the plain run's, bit for bit."""
-    plan = Plan(decisions=[Decision(stage=1, layer=3, technique="host")], model_data=[
-        ModelDataDecision(stage=0, layer=0, technique="host"),
-        ModelDataDecision(stage=0, layer=1, technique="d2d", stripes=[Stripe(device=1, bytes=1)]),
-        ModelDataDecision(stage=1, layer=2, technique="host", step_on="host"),
-    ])
+def _same_numbers_as_plain(tmp_path, text_file: str, plan: Plan) -> list[dict]:
+    """Runs the plain and the planned pipeline; asserts their losses, every weight and every moment
+    are the same bit for bit; returns the planned ranks' results."""
     plain = _run(tmp_path, "plain", text_file, None)
     planned = _run(tmp_path, "planned", text_file, plan)
     assert [r["losses"] for r in plain] == [r["losses"] for r in planned]
@@ -103,6 +95,21 @@ def test_model_data_in_host_memory_and_in_the_peer_keeps_the_numbers(tmp_path, t
         for i, st in stage_a["state"].items():
             for key in ("exp_avg", "exp_avg_sq", "step"):
                 assert torch.equal(st[key], stage_b["state"][i][key]), (i, key)
+    return planned
+
+
+@pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
+def test_model_data_in_host_memory_and_in_the_peer_keeps_the_numbers(tmp_path, text_file):
+    """Stage 0 keeps block 0's AdamW moments in host memory and stripes block 1's into stage 1's
+    segment; stage 1 keeps block 2's in host memory, stepped there, and block 3's on the device;
+    with a host swap of activations beside them. Losses, every weight and every moment (read back from where
+    they live for the checkpoint) are the plain run's, bit for bit."""
+    plan = Plan(decisions=[Decision(stage=1, layer=3, technique="host")], model_data=[
+        ModelDataDecision(stage=0, layer=0, technique="host"),
+        ModelDataDecision(stage=0, layer=1, technique="d2d", stripes=[Stripe(device=1, bytes=1)]),
+        ModelDataDecision(stage=1, layer=2, technique="host", step_on="host"),
+    ])
+    planned = _same_numbers_as_plain(tmp_path, text_file, plan)
     s0, s1 = planned[0]["stats"], planned[1]["stats"]
     # each step moved the moments out: stage 0 to host and to stage 1, stage 1 to host
     assert s0["model_bytes"] > 0 and s0["host_bytes"] >= s0["model_bytes"] // 2 and s0["peer_bytes"] > 0
@@ -119,16 +126,7 @@ def test_streamed_weights_in_host_memory_keep_the_numbers(tmp_path, text_file):
                 for s, i in ((0, 1), (1, 2), (1, 3))]
     plan = Plan(decisions=[Decision(stage=1, layer=2, technique="recompute"),
                            Decision(stage=1, layer=3, technique="host")], model_data=streamed)
-    plain = _run(tmp_path, "plain", text_file, None)
-    planned = _run(tmp_path, "planned", text_file, plan)
-    assert [r["losses"] for r in plain] == [r["losses"] for r in planned]
-    a, b = store_tensors(str(tmp_path / "plain" / "store")), store_tensors(str(tmp_path / "planned" / "store"))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    oa, ob = _stage_optimizers(str(tmp_path / "plain" / "store")), _stage_optimizers(str(tmp_path / "planned" / "store"))
-    for stage_a, stage_b in zip(oa, ob):
-        for i, st in stage_a["state"].items():
-            for key in ("exp_avg", "exp_avg_sq", "step"):
-                assert torch.equal(st[key], stage_b["state"][i][key]), (i, key)
+    planned = _same_numbers_as_plain(tmp_path, text_file, plan)
     s0, s1 = planned[0]["stats"], planned[1]["stats"]
     assert s0["weight_bytes"] > 0 and s1["weight_bytes"] > s0["weight_bytes"]  # stage 1 streams two blocks
 
