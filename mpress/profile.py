@@ -48,6 +48,9 @@ class LayerProfile:
     # low-precision copies of the weights it caches for the step
     param_bytes: int = 0
     output_bytes: int = 0  # the layer's output (the input of the next), per micro-batch
+    # what the layer keeps per micro-batch when it is recomputed: the inputs its replay reads
+    # (0: unknown, taken to be the previous layer's output)
+    replay_bytes: int = 0
     # model data: the part of param_bytes only the optimizer step reads (may move off the device),
     # and the weights + gradients a step on the host copies (gradients out, weights back)
     state_bytes: int = 0

@@ -85,6 +85,10 @@ def _as_tuple(x) -> tuple:
     return x if isinstance(x, tuple) else (x,)
 
 
+def _tensor_bytes(values: tuple) -> int:
+    return sum(t.numel() * t.element_size() for t in values if isinstance(t, torch.Tensor))
+
+
 def _sync(tensors: tuple) -> None:
     """Wait for the compute stream of the tensors' GPUs (not the copy streams: a copy in flight is
     not the layer's time; the simulator models copies on their own lanes)."""
@@ -241,7 +245,7 @@ def step_seconds(module: nn.Module, device: torch.device | str, *, repeats: int 
 def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Tensor, *,
                    repeats: int = 3, optimizer_states: int = 2) -> list[LayerProfile]:
     """Profile `layers` run in sequence on `example_input` (one micro-batch): saved activations,
-    output sizes, the fastest forward / backward seconds over `repeats` steps, and the bytes of
+    input and output sizes, the fastest forward / backward seconds over `repeats` steps, and the bytes of
     parameters + gradients + `optimizer_states` states per parameter (2 for Adam), all in the
     parameter's dtype, plus the weight casts autocast keeps (run it under the autocast training
     uses). Gradients the parameters held before are restored afterwards.
@@ -259,9 +263,9 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
         recorded = []
         inputs: tuple = (example_input,)
         for name, module in layers:
+            input_bytes = _tensor_bytes(inputs)
             inputs, saved, cast_bytes = _record_saved(name, module, inputs)
-            recorded.append((saved, sum(t.numel() * t.element_size()
-                                        for t in inputs if isinstance(t, torch.Tensor)), cast_bytes))
+            recorded.append((saved, _tensor_bytes(inputs), cast_bytes, input_bytes))
         del inputs
         for p in params:
             p.grad = None  # the caller's are left alone; the warm-up allocates the ones timed steps add to
@@ -271,13 +275,13 @@ def profile_layers(layers: list[tuple[str, nn.Module]], example_input: torch.Ten
         for p, g in zip(params, grads_before):
             p.grad = g
     out = []
-    for i, ((name, module), (saved, output_bytes, cast_bytes)) in enumerate(zip(layers, recorded)):
+    for i, ((name, module), (saved, output_bytes, cast_bytes, input_bytes)) in enumerate(zip(layers, recorded)):
         weights = sum(p.numel() * p.element_size() for p in module.parameters())
         out.append(LayerProfile(
             index=i, name=name,
             forward_s=min(fwd[i] for fwd, _ in times),
             backward_s=min(bwd[i] for _, bwd in times),
-            saved=saved, output_bytes=output_bytes,
+            saved=saved, output_bytes=output_bytes, replay_bytes=input_bytes,
             param_bytes=weights * (2 + optimizer_states) + cast_bytes,
             state_bytes=weights * optimizer_states, update_bytes=weights * 2,
             state_tensors=sum(1 for _ in module.parameters()) * optimizer_states,

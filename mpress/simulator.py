@@ -207,14 +207,14 @@ def _model_data(profile: PipelineProfile, plan: Plan, topology: Topology,
 
 
 def recompute_held(profile: PipelineProfile) -> dict[int, int]:
-    """Bytes a recomputed layer still holds per micro-batch: its input, kept to replay the forward
-    (the previous layer's output; the stage's input, `boundary_bytes`, for its first layer), never
-    more than the layer would save anyway."""
+    """Bytes a recomputed layer still holds per micro-batch: its inputs, kept to replay the forward
+    (`replay_bytes` where profiled; else the previous layer's output, the stage's input,
+    `boundary_bytes`, for its first layer), never more than the layer would save anyway."""
     out = {}
     for st in profile.stages:
         prev = profile.boundary_bytes
         for layer in st.layers:
-            out[layer.index] = min(layer.saved_bytes, prev)
+            out[layer.index] = min(layer.saved_bytes, layer.replay_bytes or prev)
             prev = layer.output_bytes
     return out
 

@@ -71,8 +71,10 @@ def profile_stage(trainer: "PipelineTrainer", repeats: int = 3) -> Any:
         profiled = profile_layers(layers, x_BTD, repeats=repeats)
         measure_runtime(layers, x_BTD, profiled, repeats=repeats)  # the executor's own costs
     expert_step_s = _expert_step_seconds(trainer)
+    tables = sum(t.numel() * t.element_size() for t in (cos, sin))
     for lp, (k, _) in zip(profiled, blocks):
         lp.index, lp.name = int(k), f"layer{k}"
+        lp.replay_bytes += tables  # a recomputed block keeps its rotary tables with its input
         if c.is_moe_layer(int(k)):  # the layer's experts step in the same optimizer phase
             lp.step_s += expert_step_s
     trainer.states.discard_grads()  # profiling must not train the experts

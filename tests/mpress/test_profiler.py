@@ -79,6 +79,8 @@ def test_param_output_bytes_and_indices(profiled):
     assert second.param_bytes == 4 * (O * O + O) * F32
     assert square.param_bytes == 0
     assert [lp.output_bytes for lp in profiled] == [B * O * F32] * 3
+    # recomputed, a layer keeps its input to replay the forward: the example, then the outputs
+    assert [lp.replay_bytes for lp in profiled] == [B * I * F32, B * O * F32, B * O * F32]
     assert [(lp.index, lp.name) for lp in profiled] == [(0, "first"), (1, "second"), (2, "square")]
 
 

@@ -120,6 +120,18 @@ def test_recompute_adds_a_forward_per_micro_batch(schedule):
     assert sim.peak_bytes[0] == base.peak_bytes[0] - 100 * (3 if schedule == "gpipe" else 1)
 
 
+def test_a_recomputed_layer_holds_its_profiled_replay_inputs():
+    # the previous layer's output (100 bytes) unless the profile says what the replay keeps
+    # (here 30: the input and a table the layer reads beside it)
+    p = make_profile([[(1.0, 2.0, 100), (0.25, 0.5, 100)]], 3, schedule="gpipe")
+    p.stages[0].layers[0].output_bytes = 100
+    plan = Plan(decisions=[Decision(stage=0, layer=1, technique="recompute")])
+    base = simulate(p, Plan(), make_topology(1)).peak_bytes[0]
+    assert simulate(p, plan, make_topology(1)).peak_bytes[0] == base - 3 * (100 - 100)
+    p.stages[0].layers[1].replay_bytes = 30
+    assert simulate(p, plan, make_topology(1)).peak_bytes[0] == base - 3 * (100 - 30)
+
+
 def test_recompute_equals_a_longer_backward_in_a_pipeline():
     # reference: keeping the layer with its backward lengthened by its forward times the same
     stages = [[(1.0, 2.0, 100), (0.5, 1.0, 100)], [(1.0, 2.0, 100)], [(1.0, 2.0, 100)]]
