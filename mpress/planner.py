@@ -284,6 +284,29 @@ class _Compactor:
             sim = self.simulate()
         return sim
 
+    def unstream(self, sim: SimResult) -> SimResult:
+        """The queues overshoot with streaming (its working set of whole layers is not in their
+        estimate), and it slows every use of a layer: per stage, the most of its streamed layers
+        (dearest to stream first) whose weights can stay on the device with the plan still fitting
+        and no slower, found by bisection."""
+        for s in range(len(self.profile.stages)):
+            streamed = sorted((i for i, (_, _, _, w) in self.md.items() if w == "host" and self.layer[i][0] == s),
+                              key=lambda i: (-self.stream_cost(s, self.layer[i][1]), i))
+            lo, hi, best = 0, len(streamed), None  # lo layers can stay; hi + 1 cannot
+            while lo < hi:
+                n = (lo + hi + 1) // 2
+                md = dict(self.md)
+                for i in streamed[:n]:
+                    md[i] = (*md[i][:3], "keep")
+                tried = self.simulate(md=md)
+                if not tried.overflow(self.budgets) and tried.step_time_s <= sim.step_time_s * (1 + 1e-9):
+                    lo, best = n, (md, tried)
+                else:
+                    hi = n - 1
+            if best is not None:
+                self.md, sim = best
+        return sim
+
     # (d): D2D swap to peers with free memory
     def _peer_stripes(self, s: int, nbytes: int, room: list[int], hold: int | None = None) -> list[Stripe]:
         """Stripes of `nbytes` over peers whose `room` takes `hold` copies of their stripe (default:
@@ -432,12 +455,12 @@ def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], m
     for s, st in enumerate(profile.stages):
         d = mapping[s]
         movable = sum(lp.state_bytes for lp in st.layers) if topology.host_bw[d] > 0 else 0
-        stream = [lp for lp in st.layers if c.can_stream(s, lp)]
-        if stream:  # all but the two layers' weights and one's gradients streaming holds
-            movable += sum(lp.update_bytes for lp in stream) - 3 * max(lp.update_bytes // 2 for lp in stream)
+        streamable = [lp for lp in st.layers if c.can_stream(s, lp)]
+        if streamable:  # all but the two layers' weights and one's gradients streaming holds
+            movable += sum(lp.update_bytes for lp in streamable) - 3 * max(lp.update_bytes // 2 for lp in streamable)
         resident = st.static_bytes - movable
         if resident > budgets[d]:
-            what = ("parameters and gradients" if not stream else "the weights streaming holds") if movable \
+            what = ("parameters and gradients" if not streamable else "the weights streaming holds") if movable \
                 else "parameters and optimizer states"
             return PlanResult(plan=c.to_plan(), sim=dataclasses.replace(base, budget_bytes=list(budgets)),
                               fits=False, planning_s=time.perf_counter() - t0,
@@ -447,6 +470,8 @@ def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], m
                                      f"its budget of {budgets[d]} bytes")
     c.build_queues(idle_times(profile, base))
     sim = c.fit(base)
+    if stream and not sim.overflow(budgets):
+        sim = c.unstream(sim)
     if not sim.overflow(budgets):
         sim = c.d2d(sim, min_gain)
         sim = c.model_d2d(sim, min_gain)

@@ -195,6 +195,19 @@ def test_the_planner_streams_weights_when_moving_states_is_not_enough():
     assert not plan(p, make_topology(1, host_bw=10.0), budget_bytes=150, host_steps=False).fits
 
 
+def test_the_planner_streams_no_more_layers_than_the_budget_needs():
+    # 4 x 100 on a budget of 150 over a 10 B/s link: moving every layer's states leaves 160, and
+    # streaming k layers' weights 160 - 40 k + 3 x 20, so two is the fewest that fit (140). The
+    # queues take all four; streaming two is as fast here, and only two are kept
+    p = model_profile(1, 4, state=60, update=40)
+    topo = make_topology(1, host_bw=10.0)
+    res = plan(p, topo, budget_bytes=150)
+    assert res.fits, res.reason
+    assert sum(d.weights == "host" for d in res.plan.model_data) == 2 and res.sim.peak_bytes == [140]
+    every = Plan(model_data=[streamed(0, i) for i in range(4)])
+    assert res.sim.step_time_s == simulate(p, every, topo).step_time_s == 28.0
+
+
 def test_gpt_20b_on_16_gb_gpus_fits_only_by_streaming_weights():
     """GPT hidden 5120, 64 layers on a DGX-1 with 16 GB per GPU: moving optimizer states and
     compacting every activation still leaves a stage over its budget; streaming weights and
