@@ -50,8 +50,8 @@ layer that saves it, as the profile counts it, so the figure is the plan's model
 upper bound where layers share a tensor), plus the optimizer states of model-data layers while
 they are on the device, plus streamed weights while they are on the device and their gradients
 from the backward that makes them until their copy out has finished. An increase past
-`budget_bytes` first waits for swap-outs in flight, then raises BudgetExceededError naming the
-stage and layer.
+`budget_bytes` first waits for swap-outs and gradient copies in flight, then raises
+BudgetExceededError naming the stage and layer.
 """
 
 from __future__ import annotations
@@ -285,6 +285,20 @@ def model_host_bytes(profile: PipelineProfile, plan: Plan, stage: int) -> int:
     return total + 2 * staging
 
 
+def moved_model_bytes(profile: PipelineProfile, plan: Plan, stage: int) -> tuple[int, int]:
+    """Bytes of `stage`'s model data `plan` takes off its device between uses: (optimizer states,
+    streamed weights and gradients). The executor's budget meter counts streamed weights and
+    gradients while they are on the device; the rest of the stage's `static_bytes` stays there."""
+    states = streamed = 0
+    for d in plan.model_data:
+        if d.stage != stage or d.technique == "keep":
+            continue
+        lp = _planned_layer(profile, stage, d.layer)
+        states += lp.state_bytes
+        streamed += lp.update_bytes if d.weights == "host" else 0
+    return states, streamed
+
+
 def peer_capacity_bytes_for(profile: PipelineProfile, plan: Plan, *, min_swap_bytes: int = MIN_SWAP_BYTES) -> int:
     """`capacity_bytes` every rank's PeerMemory needs for `plan` (0: no D2D swap). A segment has one
     equal slice per writer, so each slice must hold the most any stage writes into any one peer at
@@ -340,7 +354,7 @@ class _Meter:
         if not self.fits(nbytes):
             raise BudgetExceededError(
                 f"stage {self.stage}, layer {layer}: {what} of {nbytes} bytes would hold "
-                f"{self.resident + nbytes} bytes of saved activations, over "
+                f"{self.resident + nbytes} bytes of activations and model data in use, over "
                 f"budget_bytes={self.budget_bytes}")
         self.resident += nbytes
         self.peak = max(self.peak, self.resident)
@@ -616,8 +630,12 @@ class Executor:
             for st in self._streamed.values():
                 if st.where == "device":
                     continue
+                charged = st.where != "out"  # a fetch in flight or weights in use count on the meter
+                if not charged:  # the weights leave the budget's reckoning: they are static again
+                    self._weights_fetch(st, charge=False)
                 self._weights_ready(st)
-                self._meter.sub(sum(st.nbytes))
+                if charged:
+                    self._meter.sub(sum(st.nbytes))
                 st.where = "device"
 
     def synchronize(self) -> None:
@@ -888,12 +906,13 @@ class Executor:
         self._meter.sub(record.nbytes)
 
     def _drain(self) -> None:
-        """Wait for every swap-out in flight (a host synchronisation)."""
+        """Wait for every swap-out and gradient copy in flight (a host synchronisation)."""
         for rid in self._pending_out:
             record = self.table.get(rid)
             if record is not None and record.state == State.SWAPPING_OUT:
                 for handle in record.copies:
                     handle.synchronize()  # raises a failed copy's error
+        self._land_grads(block=True)
         self._reap()
 
     def _settle(self) -> None:
@@ -954,10 +973,11 @@ class Executor:
             p.data.untyped_storage().resize_(0)
         st.where = "out"
 
-    def _weights_fetch(self, st: _Streamed) -> None:
+    def _weights_fetch(self, st: _Streamed, *, charge: bool = True) -> None:
         if st.where != "out":
             return
-        self._reserve(sum(st.nbytes), st.layer, "bringing streamed weights in")
+        if charge:
+            self._reserve(sum(st.nbytes), st.layer, "bringing streamed weights in")
         after = self._stream.record_compute()  # the storage may be memory queued compute still reads
         st.copies = []
         for p, m, n in zip(st.params, st.master, st.nbytes):

@@ -184,6 +184,7 @@ def _topology(trainer: "PipelineTrainer", stage_memory_bytes: int, pci: list | N
 
 def compact(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
     """Profile, plan and install the plan on every rank; returns the plan."""
+    from mpress.executor import moved_model_bytes
     from mpress.planner import plan
 
     profile = gather_profile(trainer)
@@ -203,11 +204,12 @@ def compact(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
     log.info("stage %d: plan %s, model data %s, simulated step %.3f s, planned in %.3f s", trainer.rank,
              sorted({d.technique for d in the_plan.decisions}),
              sorted({d.technique for d in the_plan.model_data}), step_s, planning_s)
-    moved = sum(lp.state_bytes for lp in profile.stages[trainer.rank].layers
-                if the_plan.model_decision(trainer.rank, lp.index).technique != "keep")
-    static = profile.stages[trainer.rank].static_bytes - moved  # the moved states come back under the budget
-    log.info("stage %d: parameters, gradients and optimizer states take %d bytes, %d of them optimizer states "
-             "the plan moves off the device", trainer.rank, static + moved, moved)
+    states, streamed = moved_model_bytes(profile, the_plan, trainer.rank)
+    # moved states come back under the budget; streamed weights and gradients are on its meter
+    static = profile.stages[trainer.rank].static_bytes - states - streamed
+    log.info("stage %d: parameters, gradients and optimizer states take %d bytes; the plan moves %d bytes of "
+             "optimizer states and streams %d bytes of weights and gradients off the device", trainer.rank,
+             static + states + streamed, states, streamed)
     install(trainer, the_plan, profile=profile, activation_budget_bytes=max(1, stage_memory_bytes - static),
             name=name, host_limit_bytes=host_limit)
     return the_plan

@@ -19,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from helpers.dist import run_ranks
+from helpers.gated_stream import GatedStream
 from helpers.mlp_blocks import D, H, LAYERS, T, cuda_step, make_input, make_layers
 from torch import nn
 
@@ -45,7 +46,7 @@ from mpress.peer_memory import (
 from mpress.profile import Decision, LayerProfile, PipelineProfile, Plan, SavedTensor, StageProfile, Stripe
 from mpress.profiler import is_parameter, param_storages, profile_layers
 from storage.pool import HostBufferPool, HostBufferPoolConfig, round_up
-from storage.streams import FakeCudaCopyStream, ThreadCopyStream, copy_stream_factory
+from storage.streams import FakeCudaCopyStream, copy_stream_factory
 
 PEER_BYTES = 1 << 22
 
@@ -115,31 +116,6 @@ def check_streams(made) -> None:
     if made is not None:
         assert made and all(isinstance(s, FakeCudaCopyStream) for s in made)
         assert [v for s in made for v in s.violations] == []
-
-
-class GatedStream(ThreadCopyStream):
-    """A CPU stream each of whose copies waits until `gate` is set: copies still queued, for
-    certain (clearing the gate holds the copies issued from then on). A timer opens the gate after
-    a minute, so that a wrong wait fails the test instead of hanging it."""
-
-    def __init__(self) -> None:
-        self.gate = threading.Event()
-        self._safety = threading.Timer(60, self.gate.set)
-        self._safety.daemon = True
-        self._safety.start()
-        super().__init__("cpu")
-
-    def _work(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            self.gate.wait()
-            handle, src, after = job
-            handle._run(src, after)
-            del job, handle, src, after
-
-    def close(self) -> None:
-        self.gate.set()
-        self._safety.cancel()
-        super().close()
 
 
 @pytest.fixture

@@ -5,8 +5,11 @@ layers' weights on the device only while they run, and counts them while they ar
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
+from helpers.gated_stream import GatedStream
 from torch import nn
 
 from mpress.executor import Executor
@@ -124,3 +127,78 @@ def test_a_parameter_sharing_its_storage_cannot_be_streamed():
 def test_weights_live_on_the_host_only_for_a_layer_stepped_there():
     with pytest.raises(ValueError, match="weights live in host memory only for a layer stepped on the host"):
         ModelDataDecision(stage=0, layer=0, technique="host", weights="host")
+
+
+def test_putting_weights_back_is_outside_the_activation_budget():
+    """After their first forward the streamed layers' weights live in host memory; putting them
+    back for good (as closing does when training ends or fails) makes them static again, so it
+    must not be refused by a budget that only bounds activations and weights in use. Budget 0 and
+    a forward without autograd: nothing else is ever counted."""
+    layers = blocks()
+    want = [p.detach().clone() for b in layers for p in b.parameters()]
+    plan = Plan(model_data=[ModelDataDecision(stage=0, layer=i, technique="host", step_on="host", weights="host")
+                            for i in range(LAYERS)])
+    executor = Executor(plan, 0, device="cpu", host_pool_bytes=4 << 20, budget_bytes=0)
+    runs = [executor.wrap(i, b) for i, b in enumerate(layers)]
+    with torch.no_grad():
+        x = torch.randn(8, D)
+        for run in runs:
+            x = run(x)
+    assert all(p.untyped_storage().nbytes() == 0 for b in layers for p in b.parameters())
+    executor.restore_weights()
+    assert executor.stats().resident_bytes == 0
+    got = [p for b in layers for p in b.parameters()]
+    assert all(torch.equal(a, b) for a, b in zip(want, got))
+    executor.close()
+
+
+def test_over_the_budget_gradients_on_their_way_out_are_waited_for():
+    """Layers 1-3 stream. As layer 2's backward fetches layer 1's weights, the stage holds layer
+    2's weights and gradients, layer 1's weights and layer 3's gradients, still on their way to
+    host memory: four layers' worth (w each), where the planner counts three. With a budget of
+    the forward's activations plus 3 w and layer 3's gradient copies held back (a gated stream,
+    opened by a timer), the executor waits for them to land instead of refusing, and the
+    gradients summed on the host are the plain backward's."""
+    plain = blocks()
+    x = torch.randn(8, D)
+    h = x
+    for b in plain:
+        h = b(h)
+    h.square().mean().backward()
+
+    plan = Plan(model_data=[ModelDataDecision(stage=0, layer=i, technique="host", step_on="host", weights="host")
+                            for i in (1, 2, 3)])
+    stream = GatedStream()
+    stream.gate.set()
+
+    def forward(budget_bytes: int | None):
+        layers = blocks()
+        executor = Executor(plan, 0, device="cpu", host_pool_bytes=4 << 20, copy_stream=stream,
+                            budget_bytes=budget_bytes)
+        runs = [executor.wrap(i, b) for i, b in enumerate(layers)]
+        with torch.no_grad():  # the first forward finds the weights on the device and sends them out
+            h = x
+            for run in runs:
+                h = run(h)
+        h = x
+        for run in runs:
+            h = run(h)
+        return executor, h
+
+    w = sum(p.numel() * 4 for p in plain[1].parameters())
+    probe, _ = forward(None)
+    acts = probe.stats().resident_bytes  # the weights went out again after their forwards
+    probe.close()
+    executor, h = forward(acts + 3 * w)
+    stream.gate.clear()  # copies issued from now on wait for the gate
+    opener = threading.Timer(0.5, stream.gate.set)
+    opener.start()
+    h.square().mean().backward()
+    executor.finish_backward()
+    opener.cancel()
+    assert executor.stats().peak_bytes <= acts + 3 * w
+    for i in (1, 2, 3):
+        for k, p in enumerate(plain[i].parameters()):
+            assert torch.equal(executor.host_grad(i, k), p.grad), (i, k)
+    executor.close()
+    stream.close()
