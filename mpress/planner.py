@@ -204,7 +204,6 @@ class _Compactor:
                     if idle[(s, lp.index)] >= swap_s and load + swap_s <= period and held <= self.host_room:
                         hidden.append((lp.index, "host"))
                         load += swap_s
-                        self.host_room -= held
             taken = {i for i, _ in hidden}
             rest = []
             for lp in layers:
@@ -217,46 +216,52 @@ class _Compactor:
                     exposed = max(swap_s - idle[(s, lp.index)], load + swap_s - period, 0.0)
                     per_byte["host"] = M * (exposed + _swap_compute_s(lp)) / self.reduction(lp.index, "host")
                 tech = min(per_byte, key=lambda t: (per_byte[t], t != "recompute"))
-                if tech == "host":
-                    self.host_room -= lp.saved_bytes * k
                 rest.append((_cost_bucket(per_byte[tech]), -lp.index, tech))
             if host_bw > 0:  # model data: the optimizer states to host memory
                 for lp in st.layers:
                     if lp.state_bytes and lp.state_bytes <= self.host_room:
                         added, on = self.model_cost(s, lp)
-                        self.host_room -= lp.state_bytes
                         rest.append((_cost_bucket(added / lp.state_bytes), -lp.index, f"model:{on}"))
-                for lp in st.layers:  # and the weights and gradients, streamed for each use (host
-                    # memory for them is taken when the choice is, so that no stage's unused
-                    # candidates keep another stage's states from moving)
+                for lp in st.layers:  # and the weights and gradients, streamed for each use
                     if self.can_stream(s, lp):
                         need = lp.update_bytes + lp.state_bytes
                         rest.append((_cost_bucket(self.stream_cost(s, lp) / need), -lp.index, "model:weights"))
             rest.sort()
             self.queue.append(hidden + [(-neg, tech) for _, neg, tech in rest])
 
+    def host_bytes(self, layer: int, technique: str) -> int:
+        """Host memory taking `technique` for `layer` fills (0 for recompute)."""
+        s, lp = self.layer[layer]
+        if technique == "host":
+            return lp.saved_bytes * self.k[s]
+        if technique == "model:weights":  # and its states, unless they moved already
+            return lp.update_bytes + (0 if layer in self.md else lp.state_bytes)
+        return lp.state_bytes if technique.startswith("model:") else 0
+
     def shed(self, s: int, excess: int) -> bool:
         """Take choices off stage s's queue until their estimated reduction covers `excess`; with the
-        queue empty, turn host swaps into recomputes. False when nothing is left to do."""
+        queue empty, turn host swaps into recomputes. False when nothing is left to do. Host memory
+        is taken as choices are (not as the queues are built, so that no stage's unused candidates
+        keep another stage from it); a host swap it has no room for becomes a recompute."""
         changed = False
         queue = self.queue[s]
         while excess > 0 and queue:
             layer, tech = queue.pop(0)
+            if tech.startswith("model:") and tech != "model:weights" and layer in self.md:
+                continue  # its weights stream: its states moved with them
+            need = self.host_bytes(layer, tech)
+            if need > self.host_room:
+                if tech != "host" or not self.reduction(layer, "recompute"):
+                    continue
+                tech, need = "recompute", 0
+            self.host_room -= need
+            excess -= self.reduction(layer, tech)
             if tech == "model:weights":
-                if self.layer[layer][1].update_bytes > self.host_room:
-                    continue
-                self.host_room -= self.layer[layer][1].update_bytes
-                excess -= self.reduction(layer, tech)
                 self.md[layer] = ("host", [], "host", "host")
-                changed = True
-                continue
-            if tech.startswith("model:"):
-                if layer in self.md:  # its weights stream: its states moved with them
-                    continue
+            elif tech.startswith("model:"):
                 self.md[layer] = ("host", [], tech.split(":")[1], "keep")
             else:
                 self.choice[layer] = (tech, [])
-            excess -= self.reduction(layer, tech)
             changed = True
         if excess > 0 and not queue:
             swapped = sorted((i for i, (t, _) in self.choice.items()
@@ -266,6 +271,7 @@ class _Compactor:
                 if excess <= 0:
                     break
                 excess -= self.reduction(layer, "recompute") - self.reduction(layer, self.choice[layer][0])
+                self.host_room += self.host_bytes(layer, self.choice[layer][0])
                 self.choice[layer] = ("recompute", [])
                 changed = True
         return changed
