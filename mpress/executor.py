@@ -614,6 +614,15 @@ class Executor:
         """Layers whose weights this executor streams from host memory."""
         return sorted(self._streamed)
 
+    def streamed_params(self, layer: int) -> list[nn.Parameter]:
+        """Streamed `layer`'s parameters, in the order `host_weight` and `host_grad` index them."""
+        return list(self._streamed[layer].params)
+
+    def has_host_weights(self, layer: int) -> bool:
+        """Whether streamed `layer`'s weights have a copy in host memory (after its first forward)."""
+        with self._lock:
+            return bool(self._streamed[layer].master)
+
     def finish_backward(self) -> None:
         """Finish every streamed layer still in a backward and wait for every gradient to be
         summed in host memory (a host synchronisation)."""

@@ -46,7 +46,7 @@ class ModelDataRunner:
         self.on_host = {layer for layer in self.moved if plan.model_decision(stage, layer).step_on == "host"}
         # layers whose weights the executor streams: param id -> (layer, its index there)
         self._streamed = {id(p): (layer, i) for layer in executor.streamed_layers()
-                          for i, p in enumerate(executor._streamed[layer].params)}
+                          for i, p in enumerate(executor.streamed_params(layer))}
         self._slot = {id(p): (group, i) for group in optimizer.param_groups for i, p in enumerate(group["params"])}
         owned = set(self._slot)
         for layer in self.moved:
@@ -115,7 +115,7 @@ class ModelDataRunner:
         (their device storage is freed between uses: read these instead)."""
         layers = set(self.executor.streamed_layers())
         return {pid: self.executor.host_weight(layer, i) for pid, (layer, i) in self._streamed.items()
-                if layer in layers and self.executor._streamed[layer].master}
+                if layer in layers and self.executor.has_host_weights(layer)}
 
     def step(self) -> None:
         """One optimizer step of every parameter with a gradient (see the module docstring)."""
