@@ -206,10 +206,12 @@ def compact(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
              sorted({d.technique for d in the_plan.model_data}), step_s, planning_s)
     states, streamed = moved_model_bytes(profile, the_plan, trainer.rank)
     # moved states come back under the budget; streamed weights and gradients are on its meter
+    layers = profile.stages[trainer.rank].layers
     static = profile.stages[trainer.rank].static_bytes - states - streamed
-    log.info("stage %d: parameters, gradients and optimizer states take %d bytes; the plan moves %d bytes of "
-             "optimizer states and streams %d bytes of weights and gradients off the device", trainer.rank,
-             static + states + streamed, states, streamed)
+    log.info("stage %d: parameters, gradients and optimizer states take %d bytes, %d of them blocks' optimizer "
+             "states; the plan moves %d bytes of optimizer states and streams %d bytes of weights and gradients "
+             "off the device", trainer.rank, static + states + streamed, sum(lp.state_bytes for lp in layers),
+             states, streamed)
     install(trainer, the_plan, profile=profile, activation_budget_bytes=max(1, stage_memory_bytes - static),
             name=name, host_limit_bytes=host_limit)
     return the_plan

@@ -176,7 +176,7 @@ def test_a_plan_under_bf16_autocast_changes_nothing(tmp_path, text_file):
 def test_a_budget_below_the_model_data_trains_by_moving_it(tmp_path, text_file):
     """A stage budget below what the last stage's parameters, gradients and optimizer states take
     (activations aside): no placement of activations can fit it, the plan moves optimizer states
-    to host memory, and the run trains with the unbudgeted run's losses; with half that budget
+    to host memory, and the run trains with the unbudgeted run's losses; with 90% of that budget
     the plan streams weights too, with the same losses."""
     flags8 = [*FLAGS4[:FLAGS4.index("--layers")], "--layers", "8", *FLAGS4[FLAGS4.index("--layers") + 2:]]
     common = ["train", *flags8, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "8",
@@ -196,12 +196,12 @@ def test_a_budget_below_the_model_data_trains_by_moving_it(tmp_path, text_file):
         "--log-json", str(tmp_path / "tight.log"), "--stage-memory", str(budget))
     free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
     assert tight == free and tight[-1] < tight[0] - 0.3
-    # 85% of it: the last stage's parameters and gradients with their recomputed blocks' inputs
-    # take more (about 99%: float32 AdamW moments are half a block's model data, and the head's
-    # stay), so only streaming blocks' weights from host memory fits, planned from the budget
-    # (the simulator puts that plan's peak at about 83%)
+    # 90% of it: with every block's moments moved and every block recomputed, the last stage
+    # still holds 99% (its parameters and gradients, the head's moments and the logits the loss
+    # keeps), and with every block's weights streamed as well 83%: only streaming fits, planned
+    # from the budget
     p = cli("-v", *common, "--steps", "4", "--out", str(tmp_path / "streamed"), "--log-json",
-            str(tmp_path / "streamed.log"), "--stage-memory", str(max(static) * 85 // 100))
+            str(tmp_path / "streamed.log"), "--stage-memory", str(max(static) * 90 // 100))
     streams = [int(line.split(" streams ")[1].split()[0]) for line in p.stderr.splitlines() if " streams " in line]
     assert len(streams) == 2 and min(streams) > 0, p.stderr
     assert log_losses(str(tmp_path / "streamed.log")) == free[:4]
