@@ -28,7 +28,10 @@ host-swapped layers may instead be striped over peers with free memory, accepted
 activation D2D: when the simulated step fits and is faster. When no plan fits that way, a layer
 stepped on the host may also stream its weights and gradients from host memory
 (`weights="host"`): that enters the queues too, priced as the copy time its forwards and
-backwards cannot hide behind their compute per byte it removes.
+backwards cannot hide behind their compute per byte it removes; once the plan fits, the most
+streamed layers that can keep their weights on the device with the plan still fitting and no
+slower do (a bisection per stage). Host memory (`host_memory_bytes`) goes to choices as they are
+taken, in queue order.
 
 (e) without a given mapping, a local search over stage -> device permutations, scored by an estimate
     of the transfer time the mapping forces, puts pressured stages next to light devices over fast
@@ -311,6 +314,7 @@ class _Compactor:
                     hi = n - 1
             if best is not None:
                 self.md, sim = best
+                self.host_room += sum(self.layer[i][1].update_bytes for i in streamed[:lo])
         return sim
 
     # (d): D2D swap to peers with free memory
