@@ -36,6 +36,9 @@ taken, in queue order.
 (e) without a given mapping, a local search over stage -> device permutations, scored by an estimate
     of the transfer time the mapping forces, puts pressured stages next to light devices over fast
     links; the best mapping found and the identity are both compacted and the faster one kept.
+(f) the greedy steps can miss plain answers: where the offload-everything baseline
+    (`offload_everything`) fits and is faster than the plan found, or no plan was found, it is
+    the plan.
 
 Peak estimates: recomputing a layer removes its saved bytes times the stage's micro-batches in flight
 k; swapping removes k - 2 times them, since one micro-batch is being produced (not yet copied out)
@@ -243,7 +246,8 @@ class _Compactor:
 
     def shed(self, s: int, excess: int) -> bool:
         """Take choices off stage s's queue until their estimated reduction covers `excess`; with the
-        queue empty, turn host swaps into recomputes. False when nothing is left to do. Host memory
+        queue empty, turn host swaps into recomputes, then the stage's optimizer steps of states in
+        host memory into steps on the host. False when nothing is left to do. Host memory
         is taken as choices are (not as the queues are built, so that no stage's unused candidates
         keep another stage from it); a host swap it has no room for becomes a recompute."""
         changed = False
@@ -277,6 +281,14 @@ class _Compactor:
                 self.host_room += self.host_bytes(layer, self.choice[layer][0])
                 self.choice[layer] = ("recompute", [])
                 changed = True
+        if excess > 0 and not queue and self.host_steps:
+            # states stepped on the device come back in for their step, two layers' at a time:
+            # stepped on the host they never do
+            for layer, (tech, stripes, on, weights) in sorted(self.md.items()):
+                lp = self.layer[layer][1]
+                if self.layer[layer][0] == s and tech == "host" and on == "device" and lp.host_step_s:
+                    self.md[layer] = (tech, stripes, "host", weights)
+                    changed = True
         return changed
 
     def fit(self, base: SimResult) -> SimResult:
@@ -467,7 +479,8 @@ def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], m
         movable = sum(lp.state_bytes for lp in st.layers) if topology.host_bw[d] > 0 else 0
         streamable = [lp for lp in st.layers if c.can_stream(s, lp)]
         if streamable:  # all but the two layers' weights and one's gradients streaming holds
-            movable += sum(lp.update_bytes for lp in streamable) - 3 * max(lp.update_bytes // 2 for lp in streamable)
+            most = max(lp.update_bytes // 2 for lp in streamable)
+            movable += sum(lp.update_bytes for lp in streamable) - 3 * most
         resident = st.static_bytes - movable
         if resident > budgets[d]:
             what = ("parameters and gradients" if not streamable else "the weights streaming holds") if movable \
@@ -590,6 +603,13 @@ def plan(profile: PipelineProfile, topology: Topology, *, budget_bytes: int | li
         results.append(result)
     best = min(results, key=lambda r: (not r.fits, r.sim.step_time_s if r.fits else
                                        sum(x for _, x in r.sim.overflow())))
+    if host_steps:  # the greedy search must not lose to offloading everything where that fits
+        everything = offload_everything(profile, best.plan.mapping)
+        held = sum(lp.state_bytes for st in profile.stages for lp in st.layers)
+        if host_memory_bytes is None or held <= host_memory_bytes:
+            sim = simulate(profile, everything, topology)
+            if not sim.overflow(budgets) and (not best.fits or sim.step_time_s < best.sim.step_time_s):
+                best = _result(everything, sim, budgets, t0, {d: s for s, d in enumerate(best.plan.mapping)}, "")
     best.planning_s = time.perf_counter() - t0
     log.info("planned %d stages in %.3f s: %s, step %.4f s", S, best.planning_s, best.reason,
              best.sim.step_time_s)

@@ -35,11 +35,13 @@ Model, per device (one pipeline stage per device, `Plan.device_of`):
   and brings the weights back. The step ends when every stage's optimizer phase has.
 - streamed weights (`ModelDataDecision.weights == "host"`): the layer's weights and gradients
   (`update_bytes`) leave the stage's static memory; the stage holds instead two of its streamed
-  layers' weights and one's gradients all step (the layer running, the next one coming in). Each
-  forward and each backward of the layer takes at least the time its weights take over the host
-  link (they come in while the previous layer computes; the gradients go out on the other lane);
-  its host step copies nothing. This is an estimate: the weight traffic does not queue with the
-  activations' host swaps on the link.
+  layers' weights and one's gradients all step (the layer running, the next one coming in). The
+  layer is a segment of its own. Its weights come in on the `host` copy stream, first in, first
+  out with the activations' swaps (the runtime has one copy stream), before each of its forwards
+  and backwards: issued as the previous streamed layer in that direction starts (the next one is
+  fetched while one runs), or as the layer itself is reached when none came before it; its
+  gradients go out on the same stream after each backward. Its step on the host copies nothing
+  and starts once its last gradients have landed.
 """
 
 from __future__ import annotations
@@ -130,6 +132,7 @@ class _Segment:
     backward_s: float  # recomputed forwards included
     bytes: int  # kept bytes of a run; swapped bytes of a swapped layer
     stripes: tuple[tuple[int, int, float], ...] = ()  # d2d: (peer, bytes, bytes/s)
+    weights: int = 0  # a streamed layer (a segment of its own): bytes of its weights, and of its gradients
 
     @property
     def label(self) -> str:
@@ -146,9 +149,11 @@ def _mapping(plan: Plan, stages: int, topology: Topology) -> list[int]:
     return mapping
 
 
-def _segments(profile: PipelineProfile, plan: Plan, topology: Topology,
-              mapping: list[int]) -> list[list[_Segment]]:
-    """Each stage's layers grouped into segments, after checking the plan against the profile."""
+def _segments(profile: PipelineProfile, plan: Plan, topology: Topology, mapping: list[int],
+              streamed: dict[int, int] | None = None) -> list[list[_Segment]]:
+    """Each stage's layers grouped into segments, after checking the plan against the profile;
+    `streamed` (layer -> bytes of its weights) layers are segments of their own."""
+    streamed = streamed or {}
     owner = {layer.index: s for s, st in enumerate(profile.stages) for layer in st.layers}
     chosen: dict[int, Decision] = {}
     for d in plan.decisions:
@@ -166,22 +171,23 @@ def _segments(profile: PipelineProfile, plan: Plan, topology: Topology,
             d = chosen.get(layer.index)
             tech = d.technique if d else "keep"
             nbytes = layer.saved_bytes
+            weights = streamed.get(layer.index, 0)
             if tech in ("host", "d2d") and nbytes:
                 stripes = _check_swap(d, nbytes, dev, topology)
                 segs.append(_Segment(HOST if tech == "host" else D2D, layer.index, layer.index,
                                      layer.forward_s + layer.swap_forward_s,
-                                     layer.backward_s + layer.swap_backward_s, nbytes, stripes))
+                                     layer.backward_s + layer.swap_backward_s, nbytes, stripes, weights))
                 continue
             extra = layer.forward_s if tech == "recompute" else 0.0
             held = nbytes if tech != "recompute" else kept_input[layer.index]
-            if segs and segs[-1].kind == RUN:
+            if segs and segs[-1].kind == RUN and not segs[-1].weights and not weights:
                 run = segs[-1]
                 run.last, run.forward_s = layer.index, run.forward_s + layer.forward_s
                 run.backward_s += layer.backward_s + extra
                 run.bytes += held
             else:
                 segs.append(_Segment(RUN, layer.index, layer.index, layer.forward_s,
-                                     layer.backward_s + extra, held))
+                                     layer.backward_s + extra, held, weights=weights))
         stages.append(segs)
     return stages
 
@@ -262,6 +268,17 @@ class _Links:
         return t
 
 
+def _next_streamed(order: range, segs: list[_Segment]) -> list[int | None]:
+    """For each segment position, the position of the next streamed segment after it in `order`."""
+    out: list[int | None] = [None] * len(segs)
+    later = None
+    for i in reversed(list(order)):
+        out[i] = later
+        if segs[i].weights:
+            later = i
+    return out
+
+
 class _Step:
     """The mutable state of one simulated step; `play` runs it."""
 
@@ -278,6 +295,10 @@ class _Step:
         self.stream_free = {"host": [0.0] * n, "d2d": [0.0] * n}
         self.events: list[TraceEvent] = []
         self.wait: dict[tuple[int, int], float] = {}
+        # per stage, segment position -> position of the next streamed segment forward / backward
+        self.next_up = [_next_streamed(range(len(ss)), ss) for ss in segs]
+        self.next_down = [_next_streamed(range(len(ss) - 1, -1, -1), ss) for ss in segs]
+        self.grads_landed: dict[int, float] = {}  # streamed layer -> when its last gradients reached the host
 
     def _event(self, name: str, dev: int, stream: str, start: float, end: float) -> None:
         self.events.append(TraceEvent(name, dev, stream, start, end - start))
@@ -304,13 +325,38 @@ class _Step:
             self._event(f"{'out' if out else 'in'} {g.label} m{m}", dev, stream, start, end)
         return end
 
+    def _weights_copy(self, s: int, issue: float, nbytes: int, name: str) -> float:
+        """A streamed layer's weights in (or gradients out) on the device's host copy stream,
+        behind the swaps queued there; returns when it ends."""
+        dev = self.mapping[s]
+        free = self.stream_free["host"]
+        start = max(issue, free[dev])
+        free[dev] = end = start + nbytes / self.topology.host_bw[dev]
+        if self.record:
+            self._event(name, dev, "host", start, end)
+        return end
+
+    def _weights_in(self, s: int, m: int, i: int, t: float, pending: float | None,
+                    after: list[int | None]) -> tuple[float, float | None]:
+        """Segment i of stage s, streamed, about to run at t for micro-batch m: (when its weights are
+        in, the copy of the next streamed segment's, which starts as this one runs)."""
+        segs = self.segs[s]
+        g = segs[i]
+        ready = pending if pending is not None else self._weights_copy(s, t, g.weights, f"weights {g.label} m{m}")
+        t = max(t, ready)
+        j = after[i]
+        nxt = None if j is None else self._weights_copy(s, t, segs[j].weights, f"weights {segs[j].label} m{m}")
+        return t, nxt
+
     def _prefetch(self, s: int, m: int, issue: float) -> list[float]:
         return [self._copy(s, m, g, issue, out=False) for g in self.swaps_back[s]]
 
     def _forward(self, s: int, m: int, t: float) -> float:
         dev, record = self.mapping[s], self.record
-        mem = self.mem[dev]
-        for g in self.segs[s]:
+        mem, pending = self.mem[dev], None
+        for i, g in enumerate(self.segs[s]):
+            if g.weights:
+                t, pending = self._weights_in(s, m, i, t, pending, self.next_up[s])
             if g.bytes:
                 mem.append((t, g.bytes))
             if record:
@@ -322,8 +368,9 @@ class _Step:
 
     def _backward(self, s: int, m: int, t: float, ready: list[float]) -> float:
         dev, record = self.mapping[s], self.record
-        mem, j = self.mem[dev], 0
-        for g in reversed(self.segs[s]):
+        mem, j, pending, segs = self.mem[dev], 0, None, self.segs[s]
+        for i in range(len(segs) - 1, -1, -1):
+            g = segs[i]
             if g.kind != RUN:
                 r = ready[j]
                 j += 1
@@ -331,11 +378,16 @@ class _Step:
                     key = (s, g.first)
                     self.wait[key] = self.wait.get(key, 0.0) + (r - t)
                     t = r
+            if g.weights:
+                t, pending = self._weights_in(s, m, i, t, pending, self.next_down[s])
             if record:
                 self._event(f"B{m} {g.label}", dev, "compute", t, t + g.backward_s)
             t += g.backward_s
             if g.bytes:
                 mem.append((t, -g.bytes))
+            if g.weights:
+                landed = self._weights_copy(s, t, g.weights, f"grads {g.label} m{m}")
+                self.grads_landed[g.first] = max(self.grads_landed.get(g.first, 0.0), landed)
         return t
 
     def _send(self, s: int, to: int, t: float, what: str) -> float:
@@ -423,7 +475,8 @@ class _Step:
             decision, stripes = self.model.get(layer.index, (None, ()))
             name = f"L{layer.index}"
             if decision is not None and decision.step_on == "host" and decision.weights == "host":
-                cpu = self.links.reserve(*_CPU, t, layer.host_step_s)  # weights and gradients are there
+                # weights and gradients are there once the last gradients have landed
+                cpu = self.links.reserve(*_CPU, max(t, self.grads_landed.get(layer.index, t)), layer.host_step_s)
                 t_in = max(t_in, cpu + layer.host_step_s)
                 if record:
                     self._event(f"adam {name}", dev, "cpu", cpu, cpu + layer.host_step_s)
@@ -486,8 +539,9 @@ def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
     """Play one training step of `plan` on `topology`; `record` keeps every interval for a trace."""
     mapping = _mapping(plan, len(profile.stages), topology)
     model = _model_data(profile, plan, topology, mapping)
-    profile, streamed_bytes, streamed_moved = _streamed(profile, model, topology, mapping)
-    segs = _segments(profile, plan, topology, mapping)
+    profile, streamed, streamed_moved = _streamed(profile, model)
+    streamed_bytes = 2 * sum(streamed.values())
+    segs = _segments(profile, plan, topology, mapping, streamed)
     step = _Step(profile, topology, mapping, segs, record, model)
     step_time, spans = step.play()
 
@@ -533,24 +587,23 @@ def simulate(profile: PipelineProfile, plan: Plan, topology: Topology, *,
                      model_moved_bytes=model_moved, optimizer_s=step.optimizer_s, streamed_bytes=streamed_bytes)
 
 
-def _streamed(profile: PipelineProfile, model: dict, topology: Topology,
-              mapping: list[int]) -> tuple[PipelineProfile, int, int]:
-    """`profile` as the step sees it with streamed weights (see the module docstring), the bytes
-    of weights and gradients streamed, and the bytes the streaming copies in a step."""
-    M, total, moved, stages = profile.micro_batches, 0, 0, []
-    for s, st in enumerate(profile.stages):
-        host_bw, layers, most = topology.host_bw[mapping[s]], [], 0
+def _streamed(profile: PipelineProfile, model: dict) -> tuple[PipelineProfile, dict[int, int], int]:
+    """`profile` with streamed layers' weights and gradients off their stages' static memory and
+    each stage's working set for the streaming (see the module docstring) in its fixed part;
+    streamed layer -> bytes of its weights; the bytes the streaming copies in a step."""
+    M, streamed, moved, stages = profile.micro_batches, {}, 0, []
+    for st in profile.stages:
+        layers, most = [], 0
         for lp in st.layers:
             decision = model.get(lp.index, (None, ()))[0]
             if decision is None or decision.weights != "host":
                 layers.append(lp)
                 continue
             w = lp.update_bytes // 2
-            copy_s = w / host_bw if host_bw > 0 else float("inf")
-            layers.append(replace(lp, forward_s=max(lp.forward_s, copy_s), backward_s=max(lp.backward_s, copy_s),
-                                  param_bytes=lp.param_bytes - lp.update_bytes, update_bytes=0))
-            most, total, moved = max(most, w), total + lp.update_bytes, moved + 3 * M * w
+            layers.append(replace(lp, param_bytes=lp.param_bytes - lp.update_bytes, update_bytes=0))
+            streamed[lp.index] = w
+            most, moved = max(most, w), moved + 3 * M * w
         stages.append(replace(st, layers=layers, fixed_bytes=st.fixed_bytes + 3 * most))
-    if not total:
-        return profile, 0, 0
-    return replace(profile, stages=stages), total, moved
+    if not streamed:
+        return profile, {}, 0
+    return replace(profile, stages=stages), streamed, moved

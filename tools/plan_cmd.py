@@ -153,5 +153,7 @@ def print_summary(out: dict, file) -> None:
               f"{m['keep'] / gib:6.2f} {m['streamed'] / gib:6.2f}", file=file)
     b = out.get("baseline")
     if b:
-        print(f"baseline ({b['name']}): step {b['step_time_s'] * 1e3:.1f} ms, "
-              f"{'fits' if b['fits'] else 'does not fit'}; the plan is {b['plan_speedup']:.2f}x faster", file=file)
+        x = b["plan_speedup"]
+        verdict = ("does not fit, so it is no alternative" if not b["fits"] else
+                   f"fits; the plan is {x:.2f}x faster" if x >= 1 else f"fits; the plan is {1 / x:.2f}x slower")
+        print(f"baseline ({b['name']}): step {b['step_time_s'] * 1e3:.1f} ms, {verdict}", file=file)
