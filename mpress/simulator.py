@@ -308,18 +308,18 @@ class _Step:
         dev = self.mapping[s]
         mem = self.mem[dev]
         stream = "host" if g.kind == HOST else "d2d"
-        free = self.stream_free[stream]
-        start = end = max(issue, free[dev])
         if g.kind == HOST:
-            end = start + g.bytes / self.topology.host_bw[dev]
+            start, end = self._host_copy(dev, issue, g.bytes)
         else:
+            free = self.stream_free[stream]
+            start = end = max(issue, free[dev])
             for peer, nbytes, bw in g.stripes:
                 dur = nbytes / bw
                 a = self.links.reserve(dev, peer, start, dur) if out else \
                     self.links.reserve(peer, dev, start, dur)
                 self.mem[peer].append((a, nbytes) if out else (a + dur, -nbytes))
                 end = max(end, a + dur)
-        free[dev] = end
+            free[dev] = end
         mem.append((end, -g.bytes) if out else (start, g.bytes))
         if self.record:
             self._event(f"{'out' if out else 'in'} {g.label} m{m}", dev, stream, start, end)
@@ -329,12 +329,17 @@ class _Step:
         """A streamed layer's weights in (or gradients out) on the device's host copy stream,
         behind the swaps queued there; returns when it ends."""
         dev = self.mapping[s]
-        free = self.stream_free["host"]
-        start = max(issue, free[dev])
-        free[dev] = end = start + nbytes / self.topology.host_bw[dev]
+        start, end = self._host_copy(dev, issue, nbytes)
         if self.record:
             self._event(name, dev, "host", start, end)
         return end
+
+    def _host_copy(self, dev: int, issue: float, nbytes: int) -> tuple[float, float]:
+        """`nbytes` over device `dev`'s host copy stream, first in, first out: (start, end)."""
+        free = self.stream_free["host"]
+        start = max(issue, free[dev])
+        free[dev] = end = start + nbytes / self.topology.host_bw[dev]
+        return start, end
 
     def _weights_in(self, s: int, m: int, i: int, t: float, pending: float | None,
                     after: list[int | None]) -> tuple[float, float | None]:
