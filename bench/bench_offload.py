@@ -47,7 +47,7 @@ def make_checkpoint(workdir: str) -> tuple[str, str]:
     import torch
     import transformers
 
-    from storage.hf import import_checkpoint
+    from semoe.hf_import import import_checkpoint
 
     hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
     if not os.path.exists(os.path.join(hf, "config.json")):

@@ -97,7 +97,7 @@ class Engine:
         cleanup = None
         store_path = path
         if not is_store(path):
-            from storage.hf import import_checkpoint
+            from semoe.hf_import import import_checkpoint
 
             cleanup = tempfile.mkdtemp(prefix="semoe-store-")
             store_path = os.path.join(cleanup, "store")

@@ -22,7 +22,7 @@ from semoe.experts import expert_mlp
 from semoe.model import MoEGPT, ResidentExperts
 from storage.errors import BadInputError
 from storage.dtypes import torch_dtype
-from storage.hf import ExpertPart, open_checkpoint
+from semoe.hf_import import ExpertPart, open_checkpoint
 from storage.store import ExpertTensor, Store
 
 SEMOE_MODEL_TYPE = "semoe_gpt"

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from semoe.config import MoEConfig
-from storage.hf import model_type_of
+from semoe.hf_import import model_type_of
 
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
               "attention_factor", "truncate")

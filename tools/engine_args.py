@@ -50,7 +50,7 @@ def expert_bytes(path: str) -> int:
 
         # what the experts take in memory: chunk files, each tensor padded to a block
         return sum(c.bytes for c in Store.open(path).manifest.chunks if c.kind == "weight")
-    from storage.hf import open_checkpoint
+    from semoe.hf_import import open_checkpoint
 
     ck = open_checkpoint(path)
     return sum(part.slice_bytes() for by_expert in ck.experts.values() for parts in by_expert.values()

@@ -96,7 +96,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from storage.hf import import_checkpoint, open_checkpoint
+    from semoe.hf_import import import_checkpoint, open_checkpoint
 
     ck = open_checkpoint(args.hf_dir, dtype=args.dtype)
     total = sum(r.nbytes for r in ck.tensors.values())
@@ -115,7 +115,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from storage.hf import export_checkpoint
+    from semoe.hf_import import export_checkpoint
     from storage.store import Store
 
     store = Store.open(args.store)

@@ -24,7 +24,7 @@ def test_copy_stream_round_trips_a_pinned_tensor():
 def bf16_store(tmp_path_factory):
     from helpers.hf_models import make_hf_checkpoint
 
-    from storage.hf import import_checkpoint
+    from semoe.hf_import import import_checkpoint
 
     root = tmp_path_factory.mktemp("cuda-offload")
     hf = make_hf_checkpoint("mixtral", root / "hf", seed=7)

@@ -11,7 +11,7 @@ from helpers.hf_models import make_hf_checkpoint
 
 from inference.engine import Engine, EngineConfig
 from semoe.generate import GenerationResult, SamplingConfig
-from storage.hf import import_checkpoint
+from semoe.hf_import import import_checkpoint
 
 OLDER_ARCHS = ["mixtral", "qwen2_moe", "olmoe"]
 NEWER_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]

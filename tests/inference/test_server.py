@@ -498,7 +498,7 @@ def test_text_assembler_holds_back_partial_stops():
 
 
 def test_chat_templates(model_dir, tmp_path):
-    from storage.hf import import_checkpoint
+    from semoe.hf_import import import_checkpoint
 
     messages = [{"role": "user", "content": "the cat"}]
     assert load_chat_template(str(model_dir)).render(messages) == "<s>user the cat </s> assistant"
@@ -520,7 +520,7 @@ def test_chat_templates(model_dir, tmp_path):
 
 
 def test_engine_config_from_budget_flags(model_dir):
-    from storage.hf import open_checkpoint
+    from semoe.hf_import import open_checkpoint
     from tools.common import UsageError
     from tools.engine_args import engine_config_from_args, expert_bytes
     from tools.serve_cmd import add_parser

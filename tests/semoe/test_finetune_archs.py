@@ -17,7 +17,7 @@ from helpers.hf_models import add_word_tokenizer, make_hf_checkpoint
 from semoe.data import BatchSampler, ShardSet
 from semoe.train import Trainer
 from semoe.train_config import TrainConfig
-from storage.hf import import_checkpoint
+from semoe.hf_import import import_checkpoint
 from storage.store import Store
 
 ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]

@@ -24,7 +24,7 @@ from semoe.config import ARCHITECTURES
 from semoe.generate import SamplingConfig, generate
 from semoe.model import KVCache
 from storage.errors import BadInputError
-from storage.hf import SUPPORTED_MODEL_TYPES, import_checkpoint
+from semoe.hf_import import SUPPORTED_MODEL_TYPES, import_checkpoint
 
 ATOL = 1e-5
 ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]

@@ -66,7 +66,7 @@ def test_missing_directory_exits_2_naming_the_flag(tmp_path, flag):
 
 
 def test_store_is_probed_on_its_own_chunk_files(hf_mixtral_sharded_bf16, tmp_path):
-    from storage.hf import import_checkpoint
+    from semoe.hf_import import import_checkpoint
 
     store = import_checkpoint(str(hf_mixtral_sharded_bf16), str(tmp_path / "store"))
     before = sorted(os.listdir(store.root))

@@ -1,5 +1,8 @@
 """HuggingFace safetensors checkpoints into a store and back, streaming tensor by tensor.
 
+The model-type knowledge (supported types, expert tensor names) lives here, beside the model, not in
+`storage/`, which only moves bytes.
+
 Expert tensors are recognised by name: Mixtral (`block_sparse_moe.experts.N.w1|w2|w3`), Qwen2-MoE,
 Qwen3-MoE, OLMoE, DeepSeek-V2/V3 and GLM-4.5 (`mlp.experts.N.*`), and fused 3-D tensors holding every
 expert of a layer (gpt-oss's `experts.gate_up_proj`, `experts.down_proj`, ...), which are split into

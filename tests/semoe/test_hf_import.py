@@ -11,7 +11,7 @@ import torch
 from helpers.hf_models import assert_bit_exact, load_safetensors_dir
 
 from storage.errors import BadInputError
-from storage.hf import INDEX_FILE, SUPPORTED_MODEL_TYPES, export_checkpoint, import_checkpoint, open_checkpoint
+from semoe.hf_import import INDEX_FILE, SUPPORTED_MODEL_TYPES, export_checkpoint, import_checkpoint, open_checkpoint
 from storage.safetensors_io import OutTensor, write_file
 from storage.store import Store
 
@@ -147,7 +147,7 @@ def test_import_peak_memory_stays_near_the_largest_tensor(tmp_path):
     write_file(str(src / "model.safetensors"), outs)
     code = (
         "import resource, sys\n"
-        "from storage.hf import import_checkpoint\n"
+        "from semoe.hf_import import import_checkpoint\n"
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
         "import_checkpoint(sys.argv[1], sys.argv[2])\n"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"

@@ -17,7 +17,7 @@ from helpers.hf_models import load_safetensors_dir
 from safetensors.torch import save_file
 
 from storage.errors import BadInputError
-from storage.hf import INDEX_FILE, SUPPORTED_MODEL_TYPES, check_supported, export_checkpoint, import_checkpoint
+from semoe.hf_import import INDEX_FILE, SUPPORTED_MODEL_TYPES, check_supported, export_checkpoint, import_checkpoint
 from storage.store import Store
 
 FP8_MAX = 448.0
