@@ -129,9 +129,10 @@ def test_matches_a_plain_pytorch_loop(tmp_path, text_file):
     # Final weights of every parameter, dense and expert. The expert function gathers each expert's
     # tokens and sums their gradients in another order than the resident experts' batched matmuls,
     # and Adam's first steps scale a near-zero gradient's rounding up to a fraction of lr (2e-3)
-    # whatever the weight: absolute tolerances in units of lr. Worst measured: dense 1.2e-7, experts
-    # 1.1e-6 beyond rtol.
-    tolerances = {"dense": Tol(rtol=1e-5, atol=2e-4 * cfg.lr), "expert": Tol(rtol=1e-5, atol=1.5e-3 * cfg.lr)}
+    # whatever the weight: absolute tolerances in units of lr. Worst measured: dense 1.2e-7 on one
+    # CPU and 4.7e-7 (2.3e-4 lr) on another, whose kernels round the sums differently; experts 1.1e-6
+    # beyond rtol. One step's update is up to lr, so 1e-3 lr still fails on any real difference.
+    tolerances = {"dense": Tol(rtol=1e-5, atol=1e-3 * cfg.lr), "expert": Tol(rtol=1e-5, atol=1.5e-3 * cfg.lr)}
     trained = dict(load_store(cfg.store).named_parameters())
     assert trained.keys() == {name for name, _ in model.named_parameters()}
     for name, p in model.named_parameters():
