@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 
 
 def fsync_path(path: str) -> None:
@@ -31,3 +32,14 @@ def write_atomic(path: str, data: bytes) -> None:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     fsync_path(os.path.dirname(path) or ".")
+
+
+def undo_create(path: str, created: bool) -> None:
+    """Undo a failed write of a new directory: remove it if it was made for the write, else empty it
+    again (it was empty), so nothing half-written stays behind."""
+    if created:
+        shutil.rmtree(path, ignore_errors=True)
+        return
+    for n in os.listdir(path):
+        p = os.path.join(path, n)
+        shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)

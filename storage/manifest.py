@@ -43,6 +43,8 @@ class TensorEntry:
     # export stacks them back in expert order.
     stacked: bool = False
     hf_file: str | None = None  # the safetensors shard it came from, so export can match it
+    # a compact weight's codes: storage.quant.QuantSpec as a dict; its scales: {"scales_of": codes name}
+    quant: dict | None = None
 
     @property
     def key(self) -> tuple[str, str, int | None]:
@@ -196,7 +198,8 @@ class Manifest:
             "version": self.version,
             "created": self.created,
             "model": self.model,
-            "tensors": [asdict(t) for t in self.tensors],
+            # `quant` only where set: a store without compact weights reads as before
+            "tensors": [{k: v for k, v in asdict(t).items() if k != "quant" or v is not None} for t in self.tensors],
             "chunks": [asdict(c) for c in self.chunks],
             "files": [asdict(f) for f in self.files],
         }

@@ -34,6 +34,7 @@ from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, St
 from storage.durable import fsync_path, fsync_tree, write_atomic
 from storage.fileio import ALIGN, ReadMode, ReadRequest, _read_range
 from storage.manifest import KINDS, ChunkEntry, FileEntry, Manifest, TensorEntry
+from storage.quant import QuantSpec, dequantize
 
 log = logging.getLogger(__name__)
 
@@ -183,15 +184,33 @@ class Store:
         """
         return {e.name: tensor_view(buf, e) for e in self.manifest.chunk_tensors(chunk)}
 
-    def read_expert(self, layer: int, expert: int, kind: str = "weight", *, verify: bool = True,
-                    mode: ReadMode = ReadMode.DROP) -> dict[str, torch.Tensor]:
-        """Read one expert's tensors (one contiguous read of its chunk file)."""
+    def read_chunk(self, layer: int, expert: int, kind: str = "weight", *, verify: bool = True,
+                   mode: ReadMode = ReadMode.DROP) -> torch.Tensor:
+        """One expert's chunk file as a uint8 tensor (one contiguous read), its tensors checked."""
         c = self.manifest.chunk(layer, expert, kind)
         buf = torch.empty(c.bytes, dtype=torch.uint8)
         _read_range(self.path(c.file), memoryview(buf.numpy()), 0, c.bytes, mode)
         if verify:
             self.check_chunk(c, buf)
-        return self.chunk_views(c, buf)
+        return buf
+
+    def read_expert(self, layer: int, expert: int, kind: str = "weight", *, verify: bool = True,
+                    mode: ReadMode = ReadMode.DROP) -> dict[str, torch.Tensor]:
+        """Read one expert's tensors (one contiguous read of its chunk file)."""
+        buf = self.read_chunk(layer, expert, kind, verify=verify, mode=mode)
+        return self.chunk_views(self.manifest.chunk(layer, expert, kind), buf)
+
+    def is_compact(self, kind: str = "weight") -> bool:
+        """Whether any expert tensor of this kind is stored compact (quantized)."""
+        return any(t.quant is not None for t in self.manifest.tensors if t.group == "expert" and t.kind == kind)
+
+    def read_dense(self, name: str) -> torch.Tensor:
+        """A dense weight as the model uses it: a compact one dequantized to its logical dtype."""
+        e = self.manifest.tensor(name)
+        if e.quant is None or "scheme" not in e.quant:
+            return self.read_tensor(name)
+        spec = QuantSpec.from_json(e.quant)
+        return dequantize(self.read_tensor(name), self.read_tensor(spec.scales), spec)
 
     def read_tensor_ts(self, entry: TensorEntry) -> torch.Tensor:
         """Read a tensor through tensorstore (the checked, slower path used by export and verify)."""
@@ -335,7 +354,25 @@ class Store:
             # what import changed: {"format", "to", "tensors"}; {"reason", "layers", "tensors", "bytes"}
             "dequantized": m.model.get("dequantized"),
             "skipped": m.model.get("skipped"),
+            # compact weights: {"format", "source", "tensors", ...} as recorded, and per scheme what they take
+            "quantization": m.model.get("quantization"),
+            "schemes": self.schemes(),
         }
+
+    def schemes(self) -> dict[str, dict]:
+        """Per compact scheme: weights (by name), bytes of codes and scales, bits per logical weight."""
+        m = self.manifest
+        entries = {(t.name, t.expert if t.stacked else None): t for t in m.tensors if t.kind == "weight"}
+        acc: dict[str, list] = {}
+        for t in m.tensors:
+            if t.kind != "weight" or not t.quant or "scheme" not in t.quant:
+                continue
+            spec = QuantSpec.from_json(t.quant)
+            scales = entries.get((spec.scales, t.expert if t.stacked else None))
+            names, nbytes, weights = acc.setdefault(spec.scheme, [set(), 0, 0])
+            names.add(t.name)
+            acc[spec.scheme][1:] = [nbytes + t.bytes + (scales.bytes if scales else 0), weights + spec.numel]
+        return {k: {"tensors": len(n), "bytes": b, "bits_per_weight": 8 * b / w} for k, (n, b, w) in sorted(acc.items())}
 
 
 def check_crc(entry: TensorEntry, data: np.ndarray, path: str) -> None:
@@ -414,6 +451,7 @@ class ExpertTensor:
     tensor: torch.Tensor
     stacked: bool = False
     hf_file: str | None = None
+    quant: dict | None = None  # see TensorEntry.quant
 
 
 class StoreWriter:
@@ -472,7 +510,7 @@ class StoreWriter:
                                               version=self.version)])
 
     def put_dense(self, name: str, tensor: torch.Tensor, *, kind: str = "weight",
-                  hf_file: str | None = None) -> None:
+                  hf_file: str | None = None, quant: dict | None = None) -> None:
         """Write a dense tensor as a typed one-chunk array."""
         self._check_name(name)
         if kind not in KINDS:
@@ -485,7 +523,7 @@ class StoreWriter:
         self.manifest.upsert(tensors=[TensorEntry(
             name=name, group="dense", kind=kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
             file=os.path.relpath(chunk, self.store.root), offset=0, bytes=raw.nbytes, crc32c=crc32c(raw),
-            version=self.version, hf_file=hf_file)])
+            version=self.version, hf_file=hf_file, quant=quant)])
 
     def put_expert(self, layer: int, expert: int, tensors: list[ExpertTensor], *, num_experts: int,
                    kind: str = "weight") -> None:
@@ -606,7 +644,7 @@ def write_expert_chunk(root: str, rel_array: str, version: int, layer: int, expe
         entries.append(TensorEntry(
             name=t.name, group="expert", kind=kind, dtype=item["dtype"], shape=item["shape"], file=rel,
             offset=item["offset"], bytes=nbytes, crc32c=crc32c(buf[item["offset"]:item["offset"] + nbytes]),
-            version=version, layer=layer, expert=expert, stacked=t.stacked, hf_file=t.hf_file))
+            version=version, layer=layer, expert=expert, stacked=t.stacked, hf_file=t.hf_file, quant=t.quant))
     chunk = ChunkEntry(layer=layer, expert=expert, kind=kind, file=rel, bytes=buf.nbytes, crc32c=crc32c(buf),
                        version=version, tensors=[(e.name, e.expert if e.stacked else None) for e in entries])
     return entries, chunk
