@@ -8,8 +8,8 @@ keep experts across tokens; a slot is never taken from an expert the current lay
 
 What to do is decided by `inference.ring_book` (slots, victims, guesses, counters); this module
 carries it out. A copying ring gives each slot its own buffer in device memory, filled by the
-copy stream from the CPU-cache buffer (cast to the compute dtype on the way when the store's
-differs); the copy into a slot waits only for the event recorded after the slot's last reader,
+copy stream from the CPU-cache buffer (plain tensors cast to the compute dtype on the way when the
+store's differs; compact codes and scales copied as stored, so a slot holds the compact bytes); the copy into a slot waits only for the event recorded after the slot's last reader,
 and compute waits only for that copy's event. On a GPU that is the only mode; on CPU it runs when
 the device memory is budgeted (`--device-memory`) or the dtypes differ, through the same calls
 (the copy stream is a worker thread). Otherwise, on CPU, a slot holds the CPU-cache entry itself
@@ -27,9 +27,10 @@ from typing import Iterator
 import torch
 
 from inference.ring_book import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
+from semoe.expert_layout import ExpertLayout, expert_layouts, expert_weights, place, placed_bytes
+from storage.dtypes import dtype_name, torch_dtype
 from semoe.experts import ExpertWeights, expert_mlp
 from semoe.model import MoEGPT
-from storage.dtypes import dtype_name, torch_dtype
 from storage.keys import ExpertKey
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
@@ -38,69 +39,30 @@ from storage.tiered import ExpertHandle, TieredExpertStore, TieredStoreConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["OffloadedExperts", "RoutingReplay", "expert_layouts", "TensorSlice"]
-
-
-@dataclass(frozen=True)
-class TensorSlice:
-    """Where one tensor lies in an expert's chunk: byte offset, size, dtype, shape."""
-
-    offset: int
-    nbytes: int
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    def view(self, raw: torch.Tensor) -> torch.Tensor:
-        """The tensor, as a view of a uint8 buffer holding the chunk."""
-        return raw[self.offset:self.offset + self.nbytes].view(self.dtype).view(self.shape)
-
-    @property
-    def numel(self) -> int:
-        return self.nbytes // self.dtype.itemsize
-
-
-ExpertLayout = tuple[TensorSlice, ...]  # an expert's tensors, in its MLP variant's order
-
-
-def expert_layouts(store: Store, model: MoEGPT) -> dict[ExpertKey, ExpertLayout]:
-    """Every expert's tensors in its weight chunk (gate, up, down for SwiGLU), found once by name."""
-    from semoe.checkpoint import hf_expert_names
-
-    layouts = {}
-    for chunk in store.manifest.chunks:
-        if chunk.kind != "weight":
-            continue
-        by_name = {e.name: e for e in store.manifest.chunk_tensors(chunk)}
-        names = hf_expert_names(model.config, chunk.layer, chunk.expert)
-        missing = [n for n in names if n not in by_name]
-        if missing:
-            raise KeyError(f"store {store.root}: expert chunk {chunk.file} lacks {', '.join(missing)}")
-        layouts[ExpertKey(chunk.layer, chunk.expert)] = tuple(
-            TensorSlice(by_name[n].offset, by_name[n].bytes, torch_dtype(by_name[n].dtype), tuple(by_name[n].shape))
-            for n in names)
-    return layouts
+__all__ = ["OffloadedExperts", "RoutingReplay"]
 
 
 class _SlotMemory:
     """Moves an expert into a slot: per-slot buffers, the copy stream, and each slot's last-reader event.
 
-    A buffer of its own per slot, in the compute dtype: a copy into one never touches another, and
-    a store in another dtype is cast on the copy stream, inside the ring's budget."""
+    A buffer of its own per slot, where the expert is placed as `semoe.expert_layout.place` says
+    (plain floating tensors cast to the compute dtype on the copy stream, compact codes and scales
+    copied as stored): a copy into one never touches another, inside the ring's budget."""
 
-    def __init__(self, copier: CopyStream, slots: int, numel: int, dtype: torch.dtype) -> None:
+    def __init__(self, copier: CopyStream, slots: int, nbytes: int, dtype: torch.dtype) -> None:
         self.copier = copier
         self.dtype = dtype
-        self.buffers = [torch.empty(numel, dtype=dtype, device=copier.device) for _ in range(slots)]
+        self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=copier.device) for _ in range(slots)]
         self.last_reader: list[StreamEvent] = [COMPLETE] * slots
 
-    def fill(self, index: int, raw: torch.Tensor, layout: ExpertLayout) -> list[CopyHandle]:
-        """Issue the copies of one expert into slot `index`, after the slot's last reader."""
-        handles, start, after = [], 0, self.last_reader[index]
-        for part in layout:
-            dst = self.buffers[index][start:start + part.numel].view(part.shape)
-            handles.append(self.copier.copy(part.view(raw), dst, cast=True, after=after))
-            start += part.numel
-        return handles
+    def fill(self, index: int, raw: torch.Tensor, layout: ExpertLayout) -> tuple[list[CopyHandle], tuple]:
+        """Issue the copies of one expert into slot `index`, after the slot's last reader; returns them
+        and where the tensors lie in the slot's buffer."""
+        dst, _ = place(layout, self.dtype)
+        after, buf = self.last_reader[index], self.buffers[index]
+        handles = [self.copier.copy(s.view(raw), d.view(buf), cast=True, after=after)
+                   for s, d in zip(layout.tensors, dst)]
+        return handles, dst
 
     def read_done(self, index: int) -> None:
         """The compute that reads slot `index` is queued: later copies into it wait for this point."""
@@ -133,7 +95,7 @@ class OffloadedExperts:
         self.moe_layers = model.config.moe_layer_ids
         self._next_layer = {a: b for a, b in zip(self.moe_layers, self.moe_layers[1:])}
         self._routers = {f.layer: f for f in model.moe_layers()}
-        self.layouts = expert_layouts(store, model)
+        self.layouts = expert_layouts(store.manifest, model.config, store.root)
         self.chunk_bytes = {k: store.manifest.chunk(*k).bytes for k in self.layouts}
         self.tier = TieredExpertStore(store, TieredStoreConfig(
             cpu_cache_bytes=cpu_cache_bytes, read_mode=read_mode, prefetch_workers=2, policy=cache_policy,
@@ -148,8 +110,8 @@ class OffloadedExperts:
         self.in_place = not self.copies
         self.memory: _SlotMemory | None = None
         if self.copies:
-            numel = max(sum(p.numel for p in layout) for layout in self.layouts.values())
-            self.memory = _SlotMemory(make_copy_stream(device), ring_slots, numel, dtype)
+            nbytes = max(place(layout, dtype)[1] for layout in self.layouts.values())
+            self.memory = _SlotMemory(make_copy_stream(device), ring_slots, nbytes, dtype)
         self._loaded: dict[int, _Loaded] = {}  # slot index -> what is in it
         self._errors: dict[ExpertKey, BaseException] = {}  # failed loads, raised to the layer that needs them
         self._cond = threading.Condition()
@@ -170,20 +132,18 @@ class OffloadedExperts:
 
     @staticmethod
     def must_copy(store: Store, device: torch.device, dtype: torch.dtype) -> bool:
-        """Whether experts must be copied into the ring: the device is not the host, or the store's
-        dtype is not the compute dtype."""
-        stored = {t.dtype for c in store.manifest.chunks if c.kind == "weight" for t in store.manifest.chunk_tensors(c)}
-        return device.type != "cpu" or stored != {dtype_name(dtype)}
+        """Whether experts must be copied into the ring: the device is not the host, or a plain
+        (not compact) floating tensor of the store is not in the compute dtype."""
+        m = store.manifest
+        stored = {t.dtype for c in m.chunks if c.kind == "weight" for t in m.chunk_tensors(c)
+                  if t.quant is None and torch_dtype(t.dtype).is_floating_point}
+        return device.type != "cpu" or not stored <= {dtype_name(dtype)}
 
     @staticmethod
     def slot_bytes(store: Store, dtype: torch.dtype) -> int:
-        """Device bytes of one slot of a copying ring: the largest expert in the compute dtype."""
-        per = {}
-        for chunk in store.manifest.chunks:
-            if chunk.kind == "weight":
-                n = sum(e.bytes // torch_dtype(e.dtype).itemsize for e in store.manifest.chunk_tensors(chunk))
-                per[(chunk.layer, chunk.expert)] = n * dtype.itemsize
-        return max(per.values())
+        """Device bytes of one slot of a copying ring: the largest expert as placed for `dtype`
+        (compact tensors as stored, plain ones in the compute dtype)."""
+        return placed_bytes(store.manifest, dtype)
 
     @classmethod
     def attach(cls, model: MoEGPT, store_path: str, config) -> "OffloadedExperts":
@@ -242,13 +202,13 @@ class OffloadedExperts:
         try:
             host = self.tier.get(*key, speculative=not demand)
             record.use_seen = demand
+            layout = self.layouts[key]
             if self.memory is None:  # in place: the slot holds the CPU-cache entry
-                layout = self.layouts[key]
-                weights = ExpertWeights(tuple(p.view(host.raw) for p in layout), self.mlp)
+                weights = expert_weights(host.raw, layout, layout.tensors, self.mlp)
                 loaded = _Loaded(weights=weights, copies=[], host=host)
             else:
-                copies = self.memory.fill(record.index, host.raw, self.layouts[key])
-                weights = ExpertWeights(tuple(h.tensor for h in copies), self.mlp)
+                copies, dst = self.memory.fill(record.index, host.raw, layout)
+                weights = expert_weights(self.memory.buffers[record.index], layout, dst, self.mlp)
                 loaded = _Loaded(weights=weights, copies=copies, host=host)
             with self._cond:
                 self._loaded[record.index] = loaded
@@ -256,7 +216,7 @@ class OffloadedExperts:
                     self.book.landed(key)
                 else:
                     self.book.issued(key)
-                    self.counters.device_copy_bytes += sum(p.nbytes for p in self.layouts[key])
+                    self.counters.device_copy_bytes += sum(t.nbytes for t in dst)
                 self._cond.notify_all()
             if self.memory is not None:
                 # This worker, not compute, waits for the copy: then the source goes back to the
@@ -322,9 +282,9 @@ class OffloadedExperts:
             key, loaded = self._next_usable(pending)
             try:
                 # compute waits for this expert's copies only (on CPU: the host waits)
-                weights = (loaded.weights if not loaded.copies
-                           else ExpertWeights(tuple(h.wait() for h in loaded.copies), self.mlp))
-                yield key.expert, weights
+                for h in loaded.copies:
+                    h.wait()
+                yield key.expert, loaded.weights
             finally:
                 with self._cond:
                     self.book.give_back(key)

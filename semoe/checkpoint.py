@@ -18,7 +18,7 @@ from torch import nn
 
 from semoe.config import MoEConfig
 from semoe.hf_config import from_hf_config
-from semoe.experts import expert_mlp
+from semoe.expert_layout import chunk_layout_of, hf_expert_names, moe_prefix, packed_layer
 from semoe.model import MoEGPT, ResidentExperts
 from storage.errors import BadInputError
 from storage.dtypes import torch_dtype
@@ -28,10 +28,6 @@ from storage.store import ExpertTensor, Store
 SEMOE_MODEL_TYPE = "semoe_gpt"
 
 
-def _moe_prefix(config: MoEConfig) -> str:
-    return "block_sparse_moe" if config.arch == "mixtral" else "mlp"
-
-
 def hf_name(config: MoEConfig, param: str) -> str:
     """The HuggingFace name of a non-expert model parameter."""
     m = re.match(r"^layers\.(\d+)\.(.+)$", param)
@@ -39,7 +35,7 @@ def hf_name(config: MoEConfig, param: str) -> str:
         return {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
     layer, rest = m.group(1), m.group(2)
     p = f"model.layers.{layer}."
-    moe = _moe_prefix(config)
+    moe = moe_prefix(config)
     router = "router" if config.arch == "gpt_oss" else "gate"
     shared = "shared_experts" if not config.shared_expert_gate else "shared_expert"
     rules = [
@@ -51,14 +47,6 @@ def hf_name(config: MoEConfig, param: str) -> str:
         if re.match(pattern, rest):
             return p + re.sub(pattern, repl, rest)
     raise KeyError(param)
-
-
-def hf_expert_names(config: MoEConfig, layer: int, expert: int) -> tuple[str, ...]:
-    """HuggingFace names of one expert's tensors, in its MLP variant's order (for a fused
-    checkpoint layout, the names of the (E, ...) tensors that hold every expert of the layer)."""
-    mlp = expert_mlp(config)
-    prefix = f"model.layers.{layer}.{_moe_prefix(config)}.experts." + ("" if mlp.stacked else f"{expert}.")
-    return mlp.names(config, prefix)
 
 
 def hf_config(config: MoEConfig) -> dict:
@@ -130,7 +118,7 @@ def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dty
 
 def load_hf(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> MoEGPT:
     """A model from a HuggingFace directory (config.json + safetensors, sharded or not)."""
-    ck = open_checkpoint(path)
+    ck = open_checkpoint(path, dequantize=True)
     try:
         config = config_from_json(ck.config)
     except ValueError as e:
@@ -166,18 +154,24 @@ def _part_tensor(part: ExpertPart, expert: int) -> torch.Tensor:
 
 
 def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               with_experts: bool = True) -> MoEGPT:
-    """A model from a store; `with_experts=False` leaves experts to a provider (offload engine)."""
+               with_experts: bool = True, kernel: str = "auto") -> MoEGPT:
+    """A model from a store; `with_experts=False` leaves experts to a provider (offload engine).
+
+    Compact (quantized) experts stay compact: each MoE layer then holds them as `PackedExperts`,
+    placed as an offload ring slot holds them, so resident and offloaded compute alike. Compact
+    dense weights are dequantized. `kernel="reference"` computes compact experts by the plain
+    dequantize-then-multiply reference."""
     store = Store.open(path)
     if not store.manifest.has_file("config.json"):
         raise BadInputError(f"{path}: store has no config.json (not a model store)")
     config = config_from_json(json.loads(store.read_file("config.json")))
-    model = _empty_model(config, device, dtype, with_experts=with_experts)
+    compact = with_experts and store.is_compact()
+    model = _empty_model(config, device, dtype, with_experts=with_experts and not compact)
 
     def dense(key: str) -> torch.Tensor:
         if not store.manifest.has_tensor(key):
             raise BadInputError(f"{path}: tensor {key} is missing")
-        return store.read_tensor(key)
+        return store.read_dense(key)
 
     def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
         if not with_experts:
@@ -187,6 +181,15 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
         return store.read_expert(layer, e)
 
     _load(model, dense, expert, path)
+    if compact:
+        for ffn in model.moe_layers():
+            layouts, raws = {}, {}
+            for e in range(config.num_experts):
+                if not store.manifest.has_chunk(ffn.layer, e):
+                    raise BadInputError(f"{path}: expert {e} of layer {ffn.layer} is missing")
+                layouts[e] = chunk_layout_of(store.manifest, config, ffn.layer, e, path)
+                raws[e] = store.read_chunk(ffn.layer, e)
+            ffn.use_experts(packed_layer(config, ffn.layer, raws, layouts, device=device, dtype=dtype, kernel=kernel))
     return model.eval()
 
 

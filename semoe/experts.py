@@ -22,13 +22,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semoe.compact_linear import Weight, linear, matmul
 from semoe.config import MoEConfig
 
 
-def swiglu(x_ND: torch.Tensor, w_gate_FD: torch.Tensor, w_up_FD: torch.Tensor, w_down_DF: torch.Tensor
-           ) -> torch.Tensor:
-    """The SwiGLU feed-forward of dense layers and most experts: down(silu(gate x) * up x)."""
-    return F.linear(F.silu(F.linear(x_ND, w_gate_FD)) * F.linear(x_ND, w_up_FD), w_down_DF)
+def swiglu(x_ND: torch.Tensor, w_gate_FD: Weight, w_up_FD: Weight, w_down_DF: Weight) -> torch.Tensor:
+    """The SwiGLU feed-forward of dense layers and most experts: down(silu(gate x) * up x); each
+    weight plain or compact."""
+    return linear(F.silu(linear(x_ND, w_gate_FD)) * linear(x_ND, w_up_FD), w_down_DF)
 
 
 class ExpertMLP:
@@ -48,6 +49,8 @@ class ExpertMLP:
 
     # per-expert tensors (`experts.<e>.<name>`) or slices of fused ones (`experts.<name>`)
     stacked = False
+    # 2-D weights laid out (in, out) and applied as x @ w (else (out, in), applied as F.linear)
+    in_out = False
 
 
 class SwiGLU(ExpertMLP):
@@ -72,6 +75,7 @@ class ClampedSwiGLU(ExpertMLP):
     alpha: float
     limit: float
     stacked = True
+    in_out = True
 
     def names(self, config: MoEConfig, prefix: str) -> tuple[str, ...]:
         return tuple(prefix + n for n in ("gate_up_proj", "gate_up_proj_bias", "down_proj", "down_proj_bias"))
@@ -82,10 +86,10 @@ class ClampedSwiGLU(ExpertMLP):
 
     def apply(self, x_MD: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         gate_up_D2F, bias_2F, down_FD, bias_D = parts
-        gu_M2F = x_MD @ gate_up_D2F + bias_2F
+        gu_M2F = matmul(x_MD, gate_up_D2F) + bias_2F
         gate_MF = gu_M2F[..., ::2].clamp(max=self.limit)
         up_MF = gu_M2F[..., 1::2].clamp(min=-self.limit, max=self.limit)
-        return ((up_MF + 1) * gate_MF * torch.sigmoid(gate_MF * self.alpha)) @ down_FD + bias_D
+        return matmul((up_MF + 1) * gate_MF * torch.sigmoid(gate_MF * self.alpha), down_FD) + bias_D
 
 
 def expert_mlp(config: MoEConfig) -> ExpertMLP:

@@ -8,9 +8,11 @@ Qwen3-MoE, OLMoE, DeepSeek-V2/V3 and GLM-4.5 (`mlp.experts.N.*`), and fused 3-D 
 expert of a layer (gpt-oss's `experts.gate_up_proj`, `experts.down_proj`, ...), which are split into
 one slice per expert. Everything else (shared experts included) is dense.
 
-Quantized checkpoints (DeepSeek-V3's FP8 block-scale, gpt-oss's MXFP4) are dequantized at import, to
-bfloat16 or `--dtype`: compact storage of quantized experts is not kept yet. The store then holds the
-tensors an unquantized checkpoint of the model has, and its config.json has no quantization_config.
+Quantized checkpoints (DeepSeek-V3's FP8 block-scale, gpt-oss's MXFP4) are imported as they ship:
+codes and scales byte for byte, the codes' entries carrying a `storage.quant.QuantSpec`, so experts
+stay compact from SSD to compute and export gives back the original bytes. Loading such a store
+dequantizes its dense weights only. `open_checkpoint(dequantize=True)` reads them as plain tensors
+instead (loading a model straight from a checkpoint directory).
 Multi-token-prediction layers (DeepSeek-V3, GLM-4.5: layers past `num_hidden_layers`) are not part of
 the causal LM and are skipped.
 """
@@ -30,8 +32,10 @@ from typing import Callable
 import numpy as np
 import torch
 
-from storage.dequant import DequantizedRef, pair_quantized, quant_scheme
+from storage.dequant import DequantizedRef, QuantScheme, pair_quantized, quant_scheme
+from storage.quant import QuantSpec, dequantize
 from storage.dtypes import cast_dtype, dtype_name, torch_dtype
+from storage.durable import undo_create
 from storage.errors import BadInputError
 from storage.manifest import TensorEntry
 from storage.safetensors_io import OutTensor, TensorRef, read_header, write_file
@@ -75,6 +79,8 @@ class Checkpoint:
     """A checked HuggingFace checkpoint directory: its config, the tensors to import and side files.
 
     `config` is the config.json to keep: without quantization_config when `dequantized` is set.
+    `quant` gives the manifest `quant` entry of each stored codes and scales tensor of a quantized
+    checkpoint imported compact.
     """
 
     path: str
@@ -85,6 +91,8 @@ class Checkpoint:
     dense: list[str] = field(default_factory=list)
     experts: dict[int, dict[int, list[ExpertPart]]] = field(default_factory=dict)  # layer -> expert -> parts
     dequantized: dict | None = None  # {"format", "to", "tensors"} when quantized tensors are read dequantized
+    quantization: dict | None = None  # {"format", "tensors", "source"} when they are kept compact
+    quant: dict[str, dict] = field(default_factory=dict)
     skipped: dict | None = None  # {"reason", "layers", "tensors", "bytes"} for layers left out
 
     @property
@@ -127,10 +135,11 @@ def check_supported(config: dict, source: str) -> None:
     quant_scheme(config, source)
 
 
-def open_checkpoint(path: str, *, dtype: str = "keep") -> Checkpoint:
+def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False) -> Checkpoint:
     """Read and check a checkpoint directory's headers; no tensor data is read.
 
-    Quantized tensors are read dequantized to `dtype` (a --dtype choice; "keep" gives bfloat16).
+    Quantized tensors are kept as stored, each codes tensor with its spec (logical dtype `dtype`;
+    "keep" gives bfloat16); with `dequantize`, read dequantized to that dtype instead.
     """
     if not os.path.isdir(path):
         raise BadInputError(f"{path}: not a directory")
@@ -170,12 +179,35 @@ def open_checkpoint(path: str, *, dtype: str = "keep") -> Checkpoint:
     scheme = quant_scheme(config, cfg_path)
     if scheme is not None:
         to = cast_dtype(dtype) or torch.bfloat16
-        ck.tensors = pair_quantized(tensors, scheme, to)
-        ck.config = {k: v for k, v in config.items() if k != "quantization_config"}
-        ck.dequantized = {"format": scheme.name, "to": str(to).removeprefix("torch."),
-                          "tensors": sum(isinstance(r, DequantizedRef) for r in ck.tensors.values())}
+        paired = pair_quantized(tensors, scheme, to)  # checks every codes tensor against its scales
+        if dequantize:
+            ck.tensors = paired
+            ck.config = {k: v for k, v in config.items() if k != "quantization_config"}
+            ck.dequantized = {"format": scheme.name, "to": str(to).removeprefix("torch."),
+                              "tensors": sum(isinstance(r, DequantizedRef) for r in ck.tensors.values())}
+        else:
+            ck.quant = _quant_entries(paired, scheme, to)
+            ck.quantization = {"format": scheme.name, "source": "checkpoint",
+                               "tensors": sum("scheme" in q for q in ck.quant.values())}
     _classify(ck)
     return ck
+
+
+def _quant_entries(paired: dict[str, TensorRef | DequantizedRef], scheme: QuantScheme, to: torch.dtype
+                   ) -> dict[str, dict]:
+    """The manifest `quant` of each codes and scales tensor of a quantized checkpoint kept compact;
+    a fused (E, ...) tensor's spec describes one expert's slice."""
+    out = {}
+    for ref in paired.values():
+        if not isinstance(ref, DequantizedRef):
+            continue
+        codes, scales = ref.parts
+        shape = ref.shape[-2:]
+        spec = QuantSpec(scheme=scheme.method, dtype=dtype_name(to), shape=shape, scales=scales.name,
+                         transposed=scheme.method == "mxfp4", block=scheme.block)
+        out[codes.name] = spec.to_json()
+        out[scales.name] = {"scales_of": codes.name}
+    return out
 
 
 def _skip_extra_layers(tensors: dict[str, TensorRef], config: dict,
@@ -293,34 +325,32 @@ def import_checkpoint(src: str, dst: str, *, dtype: str = "keep", progress: Prog
                     w.put_file(name, f.read())
             for name in ck.dense:
                 ref = ck.tensors[name]
-                data, dt = _cast(ref.read(), ref.dtype, ref.shape, to)
+                quant = ck.quant.get(name)
+                data, dt = _cast(ref.read(), ref.dtype, ref.shape, None if quant else to)
                 t = torch.from_numpy(data).view(torch_dtype(dt)).view(ref.shape)
-                w.put_dense(name, t, hf_file=os.path.basename(ref.path))
+                w.put_dense(name, t, hf_file=os.path.basename(ref.path), quant=quant)
                 if progress:
                     progress(ref.nbytes)
             for layer, by_expert in ck.experts.items():
                 for e, parts in by_expert.items():
-                    _import_expert(w, layer, e, parts, len(by_expert), to)
+                    _import_expert(w, layer, e, parts, len(by_expert), to, ck.quant)
                     if progress:
                         progress(sum(p.slice_bytes() for p in parts))
             w.set_model(_model_info(ck))
             w.commit()
     except BaseException:
-        if created:
-            shutil.rmtree(dst, ignore_errors=True)
-        else:  # it was an empty directory: leave it empty
-            for n in os.listdir(dst):
-                p = os.path.join(dst, n)
-                shutil.rmtree(p, ignore_errors=True) if os.path.isdir(p) else os.remove(p)
+        undo_create(dst, created)
         raise
     return store
 
 
-def _import_expert(w, layer: int, e: int, parts: list[ExpertPart], n: int, to: torch.dtype | None) -> None:
+def _import_expert(w, layer: int, e: int, parts: list[ExpertPart], n: int, to: torch.dtype | None,
+                   quant: dict[str, dict]) -> None:
     metas = []
     for p in parts:
         src_dt = torch_dtype(p.ref.dtype)
-        dt = to if to is not None and src_dt.is_floating_point else src_dt
+        # codes and scales are kept byte for byte
+        dt = to if to is not None and src_dt.is_floating_point and p.ref.name not in quant else src_dt
         metas.append((dt, p.slice_shape()))
     offsets, size = chunk_layout(metas)
     buf = np.zeros(size, dtype=np.uint8)
@@ -337,7 +367,7 @@ def _import_expert(w, layer: int, e: int, parts: list[ExpertPart], n: int, to: t
             buf[off:off + data.nbytes] = data
         view = torch.from_numpy(buf[off:off + dt.itemsize * int(np.prod(shape, dtype=np.int64))]).view(dt).view(shape)
         tensors.append(ExpertTensor(name=p.ref.name, tensor=view, stacked=p.stacked,
-                                    hf_file=os.path.basename(p.ref.path)))
+                                    hf_file=os.path.basename(p.ref.path), quant=quant.get(p.ref.name)))
     w.put_expert_chunk(layer, e, tensors, buf, offsets, num_experts=n)
 
 
@@ -368,15 +398,20 @@ def _model_info(ck: Checkpoint) -> dict:
     }
     if ck.dequantized:
         info["dequantized"] = ck.dequantized
+    if ck.quantization:
+        info["quantization"] = ck.quantization
     if ck.skipped:
         info["skipped"] = ck.skipped
     return info
 
 
-def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None = None) -> None:
+def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None = None) -> int:
     """Write the store's weights back as a HuggingFace directory (absent or empty `out_dir`).
 
-    The files are built in a temporary sibling directory and renamed into place at the end.
+    Weights quantized here (int8, int4) are written dequantized to their source dtype, under their
+    own names, without their scales: lossy. A checkpoint's own FP8/MXFP4 goes back byte for byte.
+    Returns the number of weights dequantized. The files are built in a temporary sibling directory
+    and renamed into place at the end.
     """
     if os.path.exists(out_dir) and (not os.path.isdir(out_dir) or os.listdir(out_dir)):
         raise BadInputError(f"{out_dir}: target directory is not empty")
@@ -390,8 +425,9 @@ def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None =
             with open(os.path.join(tmp, f.name), "wb") as fh:
                 fh.write(store.read_file(f.name))
         by_name: dict[str, list[TensorEntry]] = defaultdict(list)
+        made_here = {t.name for t in m.tensors if _made_here(t)}
         for t in m.tensors:
-            if t.kind == "weight":
+            if t.kind == "weight" and (t.quant or {}).get("scales_of") not in made_here:
                 by_name[t.name].append(t)
         hf = m.model.get("hf", {})
         files = {f: info["tensors"] for f, info in hf.get("files", {}).items()}
@@ -403,12 +439,13 @@ def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None =
         total = 0
         for fname, names in files.items():
             outs = [_out_tensor(store, n, by_name[n], progress) for n in names if n in by_name]
-            total += write_file(os.path.join(tmp, fname), outs,
-                                hf.get("files", {}).get(fname, {}).get("metadata") or {"format": "pt"})
+            write_file(os.path.join(tmp, fname), outs,
+                       hf.get("files", {}).get(fname, {}).get("metadata") or {"format": "pt"})
+            total += sum(o.nbytes for o in outs)
             weight_map.update({o.name: fname for o in outs})
         if hf.get("sharded") or len(files) > 1:
-            index = {"metadata": {**hf.get("index_metadata", {}), "total_size": sum(
-                t.bytes for ts in by_name.values() for t in ts)}, "weight_map": dict(sorted(weight_map.items()))}
+            index = {"metadata": {**hf.get("index_metadata", {}), "total_size": total},
+                     "weight_map": dict(sorted(weight_map.items()))}
             with open(os.path.join(tmp, INDEX_FILE), "w", encoding="utf-8") as fh:
                 json.dump(index, fh, indent=2)
         if os.path.isdir(out_dir):
@@ -417,19 +454,35 @@ def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None =
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return len({t.name for t in m.tensors if _made_here(t)})
+
+
+def _made_here(t: TensorEntry) -> bool:
+    """Codes of a weight quantized by `semoe store quantize` (not a checkpoint's own format)."""
+    return bool(t.quant) and t.quant.get("scheme") in ("int8", "int4")
 
 
 def _out_tensor(store: Store, name: str, entries: list[TensorEntry], progress: Progress | None) -> OutTensor:
     entries = sorted(entries, key=lambda t: t.expert if t.stacked else 0)
     first = entries[0]
-    shape = (len(entries), *first.shape) if first.stacked else tuple(first.shape)
+    spec = QuantSpec.from_json(first.quant) if _made_here(first) else None
+    dtype = spec.dtype if spec else first.dtype
+    shape = spec.shape if spec else tuple(first.shape)
+    shape = (len(entries), *shape) if first.stacked else shape
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch_dtype(dtype).itemsize
+
+    def read(t: TensorEntry) -> torch.Tensor:
+        index = t.expert if t.stacked else None
+        codes = store.read_tensor(name, "weight", stack_index=index)
+        if spec is None:
+            return codes
+        return dequantize(codes, store.read_tensor(spec.scales, "weight", stack_index=index), spec)
 
     def data() -> np.ndarray:
-        parts = [store.read_tensor(name, "weight", stack_index=t.expert if t.stacked else None)
-                 for t in entries]
+        parts = [read(t) for t in entries]
         out = torch.stack(parts) if first.stacked else parts[0]
         if progress:
             progress(sum(t.bytes for t in entries))
         return out.contiguous().reshape(-1).view(torch.uint8).numpy()
 
-    return OutTensor(name=name, dtype=first.dtype, shape=shape, nbytes=sum(t.bytes for t in entries), data=data)
+    return OutTensor(name=name, dtype=dtype, shape=shape, nbytes=nbytes, data=data)

@@ -59,6 +59,7 @@ from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
 from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
 from semoe.dense_states import DenseStates, assign_full_, full_tensor, shard_dense
+from semoe.expert_layout import read_dequantized
 from semoe.expert_parallel import local_expert_ids, shard_experts
 from semoe.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, ResidentExpertStates,
                                  TrainingExperts, init_expert)
@@ -254,6 +255,10 @@ class Trainer:
         self.source = Store.open(cfg.init_from)
         if not self.source.manifest.has_file("config.json"):
             raise BadInputError(f"--init-from {cfg.init_from}: the store holds no model (no config.json)")
+        if self.source.is_compact() and self.rank == 0:
+            fmt = (self.source.manifest.model.get("quantization") or {}).get("format", "compact")
+            log.warning("--init-from %s: its experts are quantized (%s), a store for inference; training starts "
+                        "from them dequantized to float32", cfg.init_from, fmt)
         return config_from_json(json.loads(self.source.read_file("config.json")))
 
     # -- collectives (no-ops on one rank) ---------------------------------------------------
@@ -391,7 +396,7 @@ class Trainer:
             key = hf_name(self.config, name)
             if not store.manifest.has_tensor(key):
                 raise BadInputError(f"{source}: tensor {key} is missing")
-            t = store.read_tensor(key)
+            t = store.read_dense(key)
             if tuple(t.shape) != tuple(p.shape):
                 raise BadInputError(f"{source}: tensor {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
             assign_full_(p, t)
@@ -401,6 +406,8 @@ class Trainer:
             return init_expert(self.config, self.cfg.seed, layer, e)
         if not self.source.manifest.has_chunk(layer, e):
             raise BadInputError(f"{self.cfg.init_from}: expert {e} of layer {layer} is missing")
+        if self.source.is_compact():
+            return tuple(t.float() for t in read_dequantized(self.source, self.config, layer, e))
         ts = self.source.read_expert(layer, e)
         return tuple(ts[n].float() for n in ChunkFormat(self.config).names(layer, e))
 

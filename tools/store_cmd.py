@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
+import tempfile
 
 from storage.dtypes import CAST_CHOICES
+from storage.errors import BadInputError
+from storage.quant import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES
+from storage.store import Store
 from tools.common import emit_json
 from tools.sizes import format_size
 from tools.progress import byte_bar
@@ -24,15 +29,36 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   "model.safetensors.index.json, plus config.json and tokenizer files) into a new "
                                   "store. Expert tensors (Mixtral, Qwen2/3-MoE, OLMoE, DeepSeek-V2/V3, GLM-4.5, "
                                   "fused 3-D experts as in gpt-oss) get one chunk file per expert; the rest is "
-                                  "dense. FP8 block-scale (DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints are "
-                                  "dequantized to bfloat16 (or --dtype); multi-token-prediction layers are skipped. "
+                                  "dense. FP8 block-scale (DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints are kept "
+                                  "as they ship (codes and scales, exported bit-exact; dense ones are dequantized "
+                                  "when a model loads); multi-token-prediction layers are skipped. "
                                   "Streams tensor by tensor; on failure nothing is left behind.")
     q.add_argument("hf_dir", metavar="HF_DIR", help="HuggingFace checkpoint directory")
     q.add_argument("store", metavar="STORE", help="new store directory (must be absent or empty)")
     q.add_argument("--dtype", choices=CAST_CHOICES, default="keep",
                    help="cast floating-point tensors (default: keep, bit-exact)")
+    q.add_argument("--quantize", choices=("int8", "int4"), metavar="int8|int4",
+                   help="store the experts' weights compact, as `semoe store quantize` does (lossy)")
+    _add_group_size(q)
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(handler=cmd_import)
+
+    q = ss.add_parser("quantize", help="copy a store with its experts' weights in int8 or int4",
+                      description="Write a new store OUT with the routed experts' 2-D weights quantized: int8 "
+                                  "(symmetric, one scale per output row: a quarter of float32's bytes, plus the "
+                                  "scales) or int4 (groups of --group-size weights along the input, a scale and "
+                                  "a zero point each). Dense weights, routers, norms, biases and shared experts "
+                                  "are copied as they are; a weight whose shape the scheme cannot hold stays as "
+                                  "it is and is listed. Codes and scales live in the expert's chunk (one read), "
+                                  "and stay compact in the CPU cache, the device ring and the kernels. A "
+                                  "quantized store is for inference: `store export` writes it dequantized "
+                                  "(lossy), `train --init-from` dequantizes it. On failure nothing is left.")
+    q.add_argument("store", metavar="STORE", help="the float store to read")
+    q.add_argument("out", metavar="OUT", help="new store directory (must be absent or empty)")
+    q.add_argument("--bits", type=int, required=True, metavar="8|4", help="8: int8; 4: int4")
+    _add_group_size(q)
+    q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
+    q.set_defaults(handler=cmd_quantize)
 
     q = ss.add_parser("export", help="export a store back to a HuggingFace directory",
                       description="Write the store's weights as a HuggingFace directory that transformers loads, "
@@ -89,19 +115,43 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   '{"layer": L, "experts": [e, ...]}) through the CPU cache with capacity counted '
                                   "in experts.")
     q.add_argument("--trace", required=True, metavar="FILE")
-    q.add_argument("--capacity", required=True, type=int, metavar="N", help="cache capacity in experts")
+    q.add_argument("--capacity", type=int, metavar="N", help="cache capacity in experts (optional with --plot)")
     q.add_argument("--policy", default="all", help="lfu-aging|lfu|lru|belady|next-use|all (default all)")
+    q.add_argument("--plot", metavar="FILE.png",
+                   help="draw hit rate against capacity (from the largest record to every expert in the trace) "
+                        "for each policy, with Belady as the ceiling; without --capacity, print that sweep")
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=cmd_cache_sim)
 
 
+def _add_group_size(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--group-size", type=int, default=INT4_DEFAULT_GROUP, metavar="N",
+                   help=f"int4: weights per scale along the input, one of {', '.join(map(str, INT4_GROUP_SIZES))} "
+                        f"(default {INT4_DEFAULT_GROUP})")
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from semoe.hf_import import import_checkpoint, open_checkpoint
+    from semoe.quantize import QuantizeConfig, quantize_store
 
+    quant = QuantizeConfig(bits=8 if args.quantize == "int8" else 4, group_size=args.group_size) \
+        if args.quantize else None
+    _check_target(args.store)
     ck = open_checkpoint(args.hf_dir, dtype=args.dtype)
     total = sum(r.nbytes for r in ck.tensors.values())
-    with byte_bar(total, "import") as bar:
-        store = import_checkpoint(args.hf_dir, args.store, dtype=args.dtype, progress=bar.update)
+    if quant is None:
+        with byte_bar(total, "import") as bar:
+            store = import_checkpoint(args.hf_dir, args.store, dtype=args.dtype, progress=bar.update)
+    else:  # import beside the target, then quantize into it
+        staging = tempfile.mkdtemp(prefix=".import-", dir=os.path.dirname(os.path.abspath(args.store)))
+        try:
+            with byte_bar(total, "import") as bar:
+                import_checkpoint(args.hf_dir, os.path.join(staging, "store"), dtype=args.dtype, progress=bar.update)
+            with byte_bar(total, "quantize") as bar:
+                _quantized(quantize_store(os.path.join(staging, "store"), args.store, quant, progress=bar.update))
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+        store = Store.open(args.store)
     info = store.describe()
     if args.json:
         emit_json(info)
@@ -114,41 +164,79 @@ def cmd_import(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from semoe.quantize import QuantizeConfig, quantize_store
+
+    cfg = QuantizeConfig(bits=args.bits, group_size=args.group_size)
+    _check_target(args.out)
+    source = Store.open(args.store)
+    total = sum(t.bytes for t in source.manifest.tensors if t.kind == "weight")
+    with byte_bar(total, "quantize") as bar:
+        report = quantize_store(args.store, args.out, cfg, progress=bar.update)
+    _quantized(report)
+    if args.json:
+        emit_json({"store": source.root, "out": os.path.abspath(args.out), **report.to_json()})
+        return 0
+    print(f"quantized {source.root} -> {args.out}: {report.quantized} expert weights in {report.scheme}, expert "
+          f"bytes {format_size(report.bytes_before)} -> {format_size(report.bytes_after)} "
+          f"({report.bytes_after / max(report.bytes_before, 1):.3f}x)")
+    return 0
+
+
+def _quantized(report) -> None:
+    """List the weights a quantization left as they were (on stderr: stdout may be JSON)."""
+    for name, why in report.kept.items():
+        print(f"kept as it is: {name}: {why}", file=sys.stderr)
+
+
+def _check_target(path: str) -> None:
+    """A new store's directory must be absent or empty: refuse before any work."""
+    if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+        raise BadInputError(f"{path}: target directory is not empty")
+
+
 def cmd_export(args: argparse.Namespace) -> int:
     from semoe.hf_import import export_checkpoint
-    from storage.store import Store
 
     store = Store.open(args.store)
     total = sum(t.bytes for t in store.manifest.tensors if t.kind == "weight")
     with byte_bar(total, "export") as bar:
-        export_checkpoint(store, args.out_dir, progress=bar.update)
+        dequantized = export_checkpoint(store, args.out_dir, progress=bar.update)
+    if dequantized:
+        print(f"semoe: note: {args.store} holds {dequantized} weights quantized by `semoe store quantize`; they "
+              f"are written dequantized to their source dtype: lossy, not the checkpoint they came from",
+              file=sys.stderr)
     if args.json:
         emit_json({"store": store.root, "version": store.version, "out_dir": os.path.abspath(args.out_dir),
-                   "bytes": total})
+                   "bytes": total, "dequantized": dequantized})
     else:
         print(f"exported {store.root} (version {store.version}) -> {args.out_dir}")
     return 0
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from storage.store import Store
-
     store = Store.open(args.store)
     rows = [{"name": t.name, "group": t.group, "layer": t.layer, "expert": t.expert, "kind": t.kind,
-             "dtype": t.dtype, "shape": t.shape, "bytes": t.bytes, "version": t.version, "file": t.file}
-            for t in store.manifest.tensors]
+             "dtype": t.dtype, "shape": t.shape, "bytes": t.bytes, "version": t.version, "file": t.file,
+             "scheme": _scheme_of(t)} for t in store.manifest.tensors]
     if args.json:
         emit_json({"store": store.root, "version": store.version, "tensors": rows})
         return 0
     for r in rows:
         where = f"L{r['layer']}/E{r['expert']}" if r["group"] == "expert" else "dense"
-        print(f"{where:10} {r['kind']:7} {r['dtype']:5} {str(tuple(r['shape'])):20} {r['bytes']:>12}  {r['name']}")
+        print(f"{where:10} {r['kind']:7} {r['dtype']:7} {r['scheme'] or '-':12} {str(tuple(r['shape'])):20} "
+              f"{r['bytes']:>12}  {r['name']}")
     return 0
 
 
-def cmd_info(args: argparse.Namespace) -> int:
-    from storage.store import Store
+def _scheme_of(t) -> str | None:
+    """A tensor's part in a compact weight: its scheme for codes, "<scheme> scales" for scales."""
+    if not t.quant:
+        return None
+    return t.quant.get("scheme") or "scales"
 
+
+def cmd_info(args: argparse.Namespace) -> int:
     info = Store.open(args.store).describe()
     if args.json:
         emit_json(info)
@@ -162,14 +250,20 @@ def cmd_info(args: argparse.Namespace) -> int:
     print(f"dtypes        {', '.join(info['dtypes'])}; kinds {', '.join(info['kinds'])}")
     for label, text in _import_notes(info):
         print(f"{label:13} {text}")
+    for name, q in info["schemes"].items():
+        print(f"{'scheme ' + name:13} {q['tensors']} weights, {format_size(q['bytes'])}, "
+              f"{q['bits_per_weight']:.2f} bits per weight")
     return 0
 
 
 def _import_notes(info: dict) -> list[tuple[str, str]]:
-    """What the import changed from the checkpoint (dequantized weights, skipped layers), as (label, text)."""
+    """What the import changed or kept (dequantized or compact weights, skipped layers), as (label, text)."""
     notes = []
     if d := info.get("dequantized"):
         notes.append(("dequantized", f"at import from {d['format']} to {d['to']} ({d['tensors']} tensors)"))
+    if q := info.get("quantization"):
+        how = "as the checkpoint ships it" if q.get("source") == "checkpoint" else "by semoe store quantize"
+        notes.append(("quantized", f"{q['format']} {how} ({q['tensors']} tensors)"))
     if s := info.get("skipped"):
         notes.append(("skipped", f"{s['reason']} {s['layers']} at import ({s['tensors']} tensors, "
                                  f"{format_size(s['bytes'])})"))
@@ -177,8 +271,6 @@ def _import_notes(info: dict) -> list[tuple[str, str]]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from storage.store import Store
-
     store = Store.open(args.store)
     total = sum(t.bytes for t in store.manifest.tensors)
     with byte_bar(total, "verify") as bar:
@@ -196,8 +288,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from storage.store import Store
-
     store = Store.open(args.store)
     r = store.gc(keep=args.keep)
     if args.json:
@@ -210,7 +300,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from storage.bench import run_bench
-    from storage.store import Store
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
@@ -234,9 +323,16 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
     for p in policies:
         if p not in POLICY_NAMES:
             raise ValueError(f"--policy must be one of {', '.join(POLICY_NAMES)} or all, got {args.policy!r}")
-    if args.capacity < 1:
+    if args.capacity is None and args.plot is None:
+        raise ValueError("--capacity is required (or --plot FILE.png for a sweep of capacities)")
+    if args.capacity is not None and args.capacity < 1:
         raise ValueError(f"--capacity must be >= 1 expert, got {args.capacity}")
-    results = simulate_all(read_trace(args.trace), args.capacity, policies)
+    trace = read_trace(args.trace)
+    if args.plot is not None:
+        _plot_cache_sim(trace, policies, args)
+        if args.capacity is None:
+            return 0
+    results = simulate_all(trace, args.capacity, policies)
     if args.json:
         emit_json({name: r.to_json() for name, r in results.items()})
     else:
@@ -244,3 +340,23 @@ def cmd_cache_sim(args: argparse.Namespace) -> int:
             print(f"{name:10} hits {r.hits:>9} misses {r.misses:>9} hit rate {r.hit_rate:.4f}")
     return 0
 
+
+
+def _plot_cache_sim(trace: list, policies: tuple[str, ...], args: argparse.Namespace) -> None:
+    """`--plot`: sweep the capacities, draw them, and print the sweep when no --capacity was given."""
+    from storage.cache_sim import capacity_points, hit_rate_curves, hit_rate_png
+
+    capacities = capacity_points(trace)
+    drawn = (*(p for p in policies if p != "belady"), "belady")  # Belady always: the ceiling
+    curves = hit_rate_curves(trace, capacities, drawn)
+    hit_rate_png(capacities, curves, args.plot, title=f"{os.path.basename(args.trace)}: {len(trace)} records")
+    print(f"wrote {args.plot} ({len(capacities)} capacities, {capacities[0]} to {capacities[-1]} experts)",
+          file=sys.stderr)
+    if args.capacity is not None:
+        return
+    if args.json:
+        emit_json({"capacities": capacities, "policies": {n: [r.to_json() for r in rs] for n, rs in curves.items()}})
+    else:
+        print("capacity " + " ".join(f"{n:>10}" for n in curves))
+        for i, c in enumerate(capacities):
+            print(f"{c:>8} " + " ".join(f"{rs[i].hit_rate:>10.4f}" for rs in curves.values()))

@@ -61,3 +61,41 @@ def test_offloaded_generation_on_cuda_equals_resident_cuda(bf16_store, dtype):
         assert got.logprobs == pytest.approx(want.logprobs, abs=tol, rel=0)
         assert got.stats["device_copy_bytes_per_token"] > 0
 
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_offloaded_compact_experts_on_cuda_equal_resident_cuda(tmp_path, bits):
+    """Compact (int8/int4) experts on a GPU: the ring copies codes and scales as stored into its slots,
+    and each weight is dequantized into a scratch tensor for its product; the resident model holds the
+    same placed bytes, so the tokens are the same."""
+    import transformers
+
+    from inference.engine import Engine, EngineConfig
+    from inference.ring import OffloadedExperts
+    from semoe.generate import SamplingConfig
+    from semoe.hf_import import import_checkpoint
+    from semoe.quantize import QuantizeConfig, quantize_store
+    from storage.store import Store
+
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=128)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(cfg).save_pretrained(str(tmp_path / "hf"))
+    import_checkpoint(str(tmp_path / "hf"), str(tmp_path / "f32"))
+    quantize_store(str(tmp_path / "f32"), str(tmp_path / "q"), QuantizeConfig(bits=bits, group_size=64))
+    prompt, sampling = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23], SamplingConfig(max_new_tokens=16)
+    resident = Engine.load(str(tmp_path / "q"), EngineConfig(device="cuda", dtype="float32"))
+    try:
+        want = resident.generate(prompt, sampling)
+    finally:
+        resident.close()
+    slot = OffloadedExperts.slot_bytes(Store.open(str(tmp_path / "q")), torch.float32)
+    engine = Engine.load(str(tmp_path / "q"), EngineConfig(device="cuda", dtype="float32",
+                                                           device_memory_bytes=3 * slot))
+    try:
+        got = engine.generate(prompt, sampling)
+    finally:
+        engine.close()
+    assert got.tokens == want.tokens
+    assert got.logprobs == pytest.approx(want.logprobs, abs=1e-5, rel=0)

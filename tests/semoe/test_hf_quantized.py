@@ -1,5 +1,6 @@
-"""Quantized HuggingFace checkpoints (DeepSeek-V3's FP8 block-scale, gpt-oss's MXFP4) imported dequantized,
-multi-token-prediction layers skipped, and unsupported checkpoints refused in one line.
+"""Quantized HuggingFace checkpoints (DeepSeek-V3's FP8 block-scale, gpt-oss's MXFP4) imported compact and
+exported bit-exact, read dequantized as transformers reads them, multi-token-prediction layers skipped, and
+unsupported checkpoints refused in one line.
 
 The checkpoints are tiny transformers models saved in float32, quantized here into the published layouts
 and written with the safetensors library; the expected tensors are dequantized independently in the test.
@@ -162,133 +163,138 @@ def assert_bitwise_equal(a: torch.Tensor, b: torch.Tensor, name: str) -> None:
 
 # -- FP8 ------------------------------------------------------------------------------------------
 
+def quant_of(store: Store, name: str) -> dict | None:
+    return next(t.quant for t in store.manifest.tensors if t.name == name)
+
+
 @pytest.mark.parametrize("block", [(128, 128), (16, 16)])
-def test_fp8_import_dequantizes_every_weight_and_skips_the_mtp_layer(dsv3_f32, tmp_path, block):
+def test_fp8_import_keeps_every_weight_compact_and_skips_the_mtp_layer(dsv3_f32, tmp_path, block):
     written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", block)
     if block == (16, 16):  # edge blocks are exercised: some dimension is not a multiple of the block
         assert any(t.shape[0] % 16 or t.shape[1] % 16 for k, t in written.items() if FP8_QUANTIZED.match(k))
     store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
     got = stored(store)
-    # the expected store: no scales, nothing of layer 2, every FP8 weight dequantized to bfloat16. Exact
-    # equality holds: both sides compute each element as one float32 product (float8 -> float32 is exact)
-    # rounded once to bfloat16, with no reduction whose order could differ
-    want = {}
-    for name, t in written.items():
-        if name.endswith("_scale_inv") or name.startswith("model.layers.2."):
-            continue
-        want[name] = dequantize_fp8_reference(t, written[name + "_scale_inv"], block) \
-            if t.dtype == torch.float8_e4m3fn else t
+    # the expected store: every tensor byte for byte as the checkpoint ships it, nothing of layer 2
+    want = {name: t for name, t in written.items() if not name.startswith("model.layers.2.")}
     assert sorted(got) == sorted(want)
     for name in want:
         assert_bitwise_equal(got[name], want[name], name)
-    n_quantized = sum(1 for t in want.values() if t.dtype == torch.bfloat16)
+    fp8 = [k for k, t in want.items() if t.dtype == torch.float8_e4m3fn]
+    for name in fp8:  # each codes tensor names its scales and the weight it stands for
+        assert quant_of(store, name) == {"scheme": "fp8", "dtype": "BF16", "shape": list(want[name].shape),
+                                         "scales": name + "_scale_inv", "transposed": False, "block": list(block)}
+        assert quant_of(store, name + "_scale_inv") == {"scales_of": name}
     mtp = {k: t for k, t in written.items() if k.startswith("model.layers.2.")}
     info = store.describe()
-    assert info["dequantized"] == {"format": f"fp8-e4m3-block{block[0]}x{block[1]}", "to": "bfloat16",
-                                   "tensors": n_quantized}
+    assert info["quantization"] == {"format": f"fp8-e4m3-block{block[0]}x{block[1]}", "source": "checkpoint",
+                                    "tensors": len(fp8)}
     assert info["skipped"] == {"reason": "multi-token prediction layers", "layers": [2], "tensors": len(mtp),
                                "bytes": sum(t.nbytes for t in mtp.values())}
     assert info["experts_per_layer"] == {"1": 4}
-    # the routed experts landed in the expert chunks, their scales consumed
+    assert info["schemes"]["fp8"]["tensors"] == len(fp8)
+    # an expert is one contiguous read: its codes and their scales share its chunk
     chunk = store.manifest.chunk(1, 3)
-    assert sorted(e.name for e in store.manifest.chunk_tensors(chunk)) == [
-        f"model.layers.1.mlp.experts.3.{w}_proj.weight" for w in ("down", "gate", "up")]
-    config = json.loads(store.read_file("config.json"))
-    assert "quantization_config" not in config and config["num_nextn_predict_layers"] == 1
+    assert sorted(e.name for e in store.manifest.chunk_tensors(chunk)) == sorted(
+        f"model.layers.1.mlp.experts.3.{w}_proj.weight{s}" for w in ("down", "gate", "up") for s in ("", "_scale_inv"))
+    config = json.loads(store.read_file("config.json"))  # kept as shipped
+    assert config["quantization_config"]["quant_method"] == "fp8" and config["num_nextn_predict_layers"] == 1
 
 
-def test_fp8_import_to_float32_skips_the_bfloat16_rounding(dsv3_f32, tmp_path):
-    written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (16, 16))
-    store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"), dtype="float32")
-    assert store.describe()["dequantized"]["to"] == "float32" and store.describe()["dtypes"] == ["F32"]
-    for name in ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.1.mlp.experts.2.down_proj.weight"):
-        want = dequantize_fp8_reference(written[name], written[name + "_scale_inv"], (16, 16), torch.float32)
-        layer_expert = re.match(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.", name)
-        got = store.read_expert(*map(int, layer_expert.groups()))[name] if layer_expert else store.read_tensor(name)
-        assert_bitwise_equal(got, want, name)
-
-
-def test_fp8_export_loads_as_a_plain_model_equal_to_transformers_dequantization(dsv3_f32, tmp_path):
-    """The independent oracle is transformers' own FP8 dequantization (`Fp8Dequantize`; loading with
-    FineGrainedFP8Config(dequantize=True) needs accelerate, which is not installed). It derives the block
-    from the scale grid, so it is only right where blocks divide the shape: with 128x128 blocks every tiny
-    weight is one block."""
-    import transformers
+def test_fp8_dense_weights_load_dequantized_as_transformers_dequantizes_them(dsv3_f32, tmp_path):
+    """The independent oracle is transformers' own FP8 dequantization (`Fp8Dequantize`). It derives the
+    block from the scale grid, so it is only right where blocks divide the shape: with 128x128 blocks
+    every tiny weight is one block."""
     from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
     written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (128, 128))
     store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
-    export_checkpoint(store, str(tmp_path / "out"))
+    for name in ("model.layers.1.self_attn.kv_a_proj_with_mqa.weight", "model.layers.0.mlp.down_proj.weight"):
+        oracle = Fp8Dequantize(None)._dequantize_one(written[name], written[name + "_scale_inv"],
+                                                     output_dtype=torch.bfloat16)
+        assert_bitwise_equal(store.read_dense(name), oracle, name)
+    plain = "model.layers.0.input_layernorm.weight"
+    assert_bitwise_equal(store.read_dense(plain), written[plain], plain)
+
+
+def test_fp8_import_to_float32_keeps_the_codes_and_dequantizes_to_float32(dsv3_f32, tmp_path):
+    written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (16, 16))
+    store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"), dtype="float32")
+    name = "model.layers.1.self_attn.kv_a_proj_with_mqa.weight"
+    assert quant_of(store, name)["dtype"] == "F32"
+    assert_bitwise_equal(store.read_tensor(name), written[name], name)  # the codes are not touched
+    want = dequantize_fp8_reference(written[name], written[name + "_scale_inv"], (16, 16), torch.float32)
+    assert_bitwise_equal(store.read_dense(name), want, name)
+
+
+def test_fp8_import_then_export_is_bit_exact(dsv3_f32, tmp_path):
+    written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (16, 16))
+    store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
+    assert export_checkpoint(store, str(tmp_path / "out")) == 0  # nothing dequantized: not lossy
     # the shard holding only multi-token-prediction tensors is not written back
     assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model-00001-of-00002.safetensors"]
-    index = json.loads((tmp_path / "out" / INDEX_FILE).read_text())
-    assert not [k for k in index["weight_map"] if "scale_inv" in k or k.startswith("model.layers.2.")]
-    oracle = {k: Fp8Dequantize(None)._dequantize_one(t, written[k + "_scale_inv"], output_dtype=torch.bfloat16)
-              if t.dtype == torch.float8_e4m3fn else t
-              for k, t in written.items() if not k.endswith("_scale_inv") and not k.startswith("model.layers.2.")}
     got = load_safetensors_dir(tmp_path / "out")
-    assert sorted(got) == sorted(oracle)
-    for name in oracle:
-        assert_bitwise_equal(got[name], oracle[name], name)
-    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))
-    assert getattr(plain.config, "quantization_config", None) is None
-    w = plain.model.layers[1].self_attn.kv_a_proj_with_mqa.weight
-    assert torch.equal(w, oracle["model.layers.1.self_attn.kv_a_proj_with_mqa.weight"].float())
+    want = {k: t for k, t in written.items() if not k.startswith("model.layers.2.")}
+    assert sorted(got) == sorted(want)
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], name)
+    assert (tmp_path / "out" / "config.json").read_bytes() == (tmp_path / "fp8" / "config.json").read_bytes()
 
 
 # -- MXFP4 ----------------------------------------------------------------------------------------
 
-def test_mxfp4_import_gives_the_fused_experts_of_an_unquantized_checkpoint(gpt_oss_f32, tmp_path):
+def test_mxfp4_import_keeps_the_blocks_and_decodes_them_as_transformers_does(gpt_oss_f32, tmp_path):
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    from storage.quant import QuantSpec, dequantize
 
     written = write_mxfp4_checkpoint(gpt_oss_f32, tmp_path / "mxfp4")
     store = import_checkpoint(str(tmp_path / "mxfp4"), str(tmp_path / "store"))
     got = stored(store)
-    plain = load_safetensors_dir(gpt_oss_f32)
-    # the names and shapes a plain gpt-oss checkpoint has, with fused experts split per expert
-    assert {k: tuple(v.shape) for k, v in got.items()} == {k: tuple(v.shape) for k, v in plain.items()}
+    assert sorted(got) == sorted(written)
+    for name in written:
+        assert_bitwise_equal(got[name], written[name], name)
     assert store.describe()["experts_per_layer"] == {"0": 4, "1": 4}
-    assert store.manifest.tensor("model.layers.0.mlp.experts.gate_up_proj", stack_index=2).stacked
+    plain = load_safetensors_dir(gpt_oss_f32)
     n = 0
-    for name, t in got.items():
-        if name + "_blocks" in written:  # the oracle: transformers' own dequantization
-            want = convert_moe_packed_tensors(written[name + "_blocks"], written[name + "_scales"],
-                                              dtype=torch.bfloat16)
-            n += 1
-            # and the orientation is the model's: near the float32 weights it was quantized from (4-bit
-            # rounding errs by ~12% in norm here; the transposed weights would differ by ~140%)
-            err = torch.linalg.vector_norm(want.float() - plain[name]) / torch.linalg.vector_norm(plain[name])
-            assert err < 0.2, (name, err)
-            if want.shape[1] == want.shape[2]:
-                transposed = torch.linalg.vector_norm(want.float().transpose(1, 2) - plain[name])
-                assert transposed > torch.linalg.vector_norm(plain[name]), name
-        else:
-            want = written[name]
-        assert_bitwise_equal(t, want, name)
+    for name in plain:
+        if name + "_blocks" not in written:
+            continue
+        n += 1
+        codes = name + "_blocks"
+        entry = store.manifest.tensor(codes, stack_index=2)
+        assert entry.stacked and entry.quant["scales"] == name + "_scales" and entry.quant["transposed"]
+        spec = QuantSpec.from_json(entry.quant)
+        assert spec.shape == tuple(plain[name].shape[1:])  # the logical shape: a plain checkpoint's slice
+        # the oracle: transformers' own dequantization, expert by expert from the stored slices
+        want = convert_moe_packed_tensors(written[codes], written[name + "_scales"], dtype=torch.bfloat16)
+        for e in range(4):
+            views = store.read_expert(int(name.split(".")[2]), e)
+            assert_bitwise_equal(dequantize(views[codes], views[name + "_scales"], spec), want[e], f"{name}[{e}]")
+        # and the orientation is the model's: near the float32 weights it was quantized from (4-bit
+        # rounding errs by ~12% in norm here; the transposed weights would differ by ~140%)
+        err = torch.linalg.vector_norm(want.float() - plain[name]) / torch.linalg.vector_norm(plain[name])
+        assert err < 0.2, (name, err)
+        if want.shape[1] == want.shape[2]:
+            transposed = torch.linalg.vector_norm(want.float().transpose(1, 2) - plain[name])
+            assert transposed > torch.linalg.vector_norm(plain[name]), name
     assert n == 4
     info = store.describe()
-    assert info["dequantized"] == {"format": "mxfp4", "to": "bfloat16", "tensors": 4} and info["skipped"] is None
-    assert "quantization_config" not in json.loads(store.read_file("config.json"))
+    assert info["quantization"] == {"format": "mxfp4", "source": "checkpoint", "tensors": 4}
+    assert info["skipped"] is None
+    # 4.25 bits per weight: 4 per code and 8 per group of 32
+    assert info["schemes"]["mxfp4"]["bits_per_weight"] == pytest.approx(4.25)
 
 
-def test_mxfp4_export_loads_as_a_plain_model_equal_to_transformers_dequantization(gpt_oss_f32, tmp_path):
-    import transformers
-
+def test_mxfp4_import_then_export_is_bit_exact(gpt_oss_f32, tmp_path):
     write_mxfp4_checkpoint(gpt_oss_f32, tmp_path / "mxfp4")
-    export_checkpoint(import_checkpoint(str(tmp_path / "mxfp4"), str(tmp_path / "store")), str(tmp_path / "out"))
-    plain = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.bfloat16)
-    assert getattr(plain.config, "quantization_config", None) is None
-    oracle = transformers.AutoModelForCausalLM.from_pretrained(
-        str(tmp_path / "mxfp4"), dtype=torch.bfloat16, quantization_config=transformers.Mxfp4Config(dequantize=True))
-    a, b = plain.state_dict(), oracle.state_dict()
-    assert sorted(a) == sorted(b)
-    for name in a:
-        assert_bitwise_equal(a[name], b[name], name)
+    store = import_checkpoint(str(tmp_path / "mxfp4"), str(tmp_path / "store"))
+    assert export_checkpoint(store, str(tmp_path / "out")) == 0
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == (tmp_path / "mxfp4" / "model.safetensors").read_bytes()
 
 
 # -- store info -----------------------------------------------------------------------------------
 
-def test_store_info_says_what_import_changed(dsv3_f32, tmp_path, capsys):
+def test_store_info_says_what_import_kept(dsv3_f32, tmp_path, capsys):
     from tools.cli import main
 
     written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (16, 16))
@@ -297,16 +303,17 @@ def test_store_info_says_what_import_changed(dsv3_f32, tmp_path, capsys):
     assert n_fp8 == 28 and len(mtp) == 53 and sum(mtp) == 44136  # so that the lines below can be read
     assert main(["store", "import", str(tmp_path / "fp8"), str(tmp_path / "store")]) == 0
     assert capsys.readouterr().out.splitlines()[1:] == [
-        "dequantized: at import from fp8-e4m3-block16x16 to bfloat16 (28 tensors)",
+        "quantized: fp8-e4m3-block16x16 as the checkpoint ships it (28 tensors)",
         "skipped: multi-token prediction layers [2] at import (53 tensors, 43.1 KiB)"]
     assert main(["store", "info", str(tmp_path / "store")]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[-2:] == [
-        "dequantized   at import from fp8-e4m3-block16x16 to bfloat16 (28 tensors)",
+    assert lines[-3:-1] == [
+        "quantized     fp8-e4m3-block16x16 as the checkpoint ships it (28 tensors)",
         "skipped       multi-token prediction layers [2] at import (53 tensors, 43.1 KiB)"]
+    assert re.fullmatch(r"scheme fp8    28 weights, [\d.]+ (KiB|MiB), 8\.\d\d bits per weight", lines[-1].strip()), lines[-1]
     assert main(["store", "info", str(tmp_path / "store"), "--json"]) == 0
     info = json.loads(capsys.readouterr().out)
-    assert info["dequantized"]["format"] == "fp8-e4m3-block16x16" and info["skipped"]["layers"] == [2]
+    assert info["quantization"]["format"] == "fp8-e4m3-block16x16" and info["skipped"]["layers"] == [2]
 
 
 # -- refusals -------------------------------------------------------------------------------------
@@ -398,8 +405,9 @@ def test_fp8_weight_without_its_scale_is_refused(dsv3_f32, tmp_path):
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
 def test_the_model_runs_a_quantized_directory_as_its_imported_store(dsv3_f32, gpt_oss_f32, tmp_path, fmt):
-    """`semoe generate --model DIR` on a quantized directory reads the tensors dequantized as import
-    stores them (gpt-oss's fused experts one expert slice at a time): identical logits."""
+    """`semoe generate --model DIR` on a quantized directory reads the tensors dequantized (gpt-oss's fused
+    experts one expert slice at a time); its imported store keeps the experts compact and computes on
+    them, dequantizing each into its logical dtype and layout: identical logits."""
     from semoe.checkpoint import load_hf, load_store
 
     q = tmp_path / fmt

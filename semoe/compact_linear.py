@@ -1,0 +1,92 @@
+"""Products with compact (quantized) weights: the plain reference and the fast path it checks.
+
+A `CompactWeight` is a weight as the store keeps it (codes and scales, `storage.quant`); the model
+computes on it without widening it in memory:
+
+- reference: dequantize to the weight's logical dtype, then the float32 product (what the fast path
+  is tested against);
+- fast, on CPU: torch's packed weight-only kernels read the stored codes as they are: int8 through
+  `_weight_int8pack_mm` (bfloat16 activations: its float32 variant runs at a seventh of the speed),
+  int4 through `_weight_int4pack_mm_for_cpu` (activations in the compute dtype);
+- fast, elsewhere (CUDA) and for FP8/MXFP4: dequantize into a scratch tensor (the allocator's cache
+  reuses it) holding the weight as the checkpoint defines it (its logical dtype and layout: a
+  dequantized FP8 checkpoint is bfloat16), then the dense product in the compute dtype.
+
+Shape legend: M rows, I in features, O out features.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from storage.dtypes import torch_dtype
+from storage.quant import QuantSpec, dequantize, dequantize_out_in
+
+# auto: the fast path for the device; dequantize: the one CUDA takes (forced here to test it on CPU);
+# reference: dequantize, then a float32 product
+KERNELS = ("auto", "dequantize", "reference")
+
+
+@dataclass(frozen=True, eq=False)
+class CompactWeight:
+    """A quantized weight: codes and scales (on the compute device) and how they decode."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    spec: QuantSpec
+    kernel: str = "auto"  # one of KERNELS
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise ValueError(f"kernel must be one of {', '.join(KERNELS)}, got {self.kernel!r}")
+
+    @property
+    def shape(self) -> torch.Size:
+        """The logical shape."""
+        return torch.Size(self.spec.shape)
+
+    def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The logical tensor, in `dtype` (default: the logical dtype)."""
+        return dequantize(self.codes, self.scales, self.spec, dtype)
+
+    def linear(self, x_MI: torch.Tensor) -> torch.Tensor:
+        """x @ W.T for the out-major W (O, I) the codes hold, in x's dtype."""
+        if self.kernel == "reference":
+            w_OI = dequantize_out_in(self.codes, self.scales, self.spec, torch_dtype(self.spec.dtype))
+            return F.linear(x_MI.to(torch.float32), w_OI.to(torch.float32)).to(x_MI.dtype)
+        packed = self.kernel == "auto" and x_MI.device.type == "cpu"
+        if packed and self.spec.scheme == "int8":
+            x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16)
+            y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))
+            return y.to(x_MI.dtype).view(*x_MI.shape[:-1], -1)
+        if packed and self.spec.scheme == "int4" and x_MI.dtype in (torch.float32, torch.bfloat16):
+            x = x_MI.reshape(-1, x_MI.shape[-1])
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.codes, self.spec.group_size,
+                                                           self.scales.to(x.dtype))
+            return y.view(*x_MI.shape[:-1], -1)
+        # the weight as the checkpoint defines it (its logical dtype and layout), then the dense product
+        w = self.dequantize().to(x_MI.dtype)
+        return x_MI @ w if self.spec.transposed else F.linear(x_MI, w)
+
+
+Weight = torch.Tensor | CompactWeight
+
+
+def linear(x_MI: torch.Tensor, w_OI: Weight) -> torch.Tensor:
+    """x @ w.T for a plain (O, I) weight or a compact one."""
+    if isinstance(w_OI, CompactWeight):
+        return w_OI.linear(x_MI)
+    return F.linear(x_MI, w_OI)
+
+
+def matmul(x_MI: torch.Tensor, w_IO: Weight) -> torch.Tensor:
+    """x @ w for a plain (I, O) weight or a compact one whose logical layout is (I, O)."""
+    if isinstance(w_IO, CompactWeight):
+        if not w_IO.spec.transposed:
+            raise ValueError(f"a compact weight of logical shape {list(w_IO.shape)} stored out-major cannot be "
+                             f"the right operand of x @ w")
+        return w_IO.linear(x_MI)
+    return x_MI @ w_IO

@@ -1,0 +1,153 @@
+"""`semoe store quantize`: a store's expert weights made compact (int8 or int4) in a new store.
+
+Only routed experts' 2-D float weights are quantized; dense weights (attention, router, norms,
+embeddings, shared experts) and biases are copied as they are. A weight whose shape the scheme
+cannot hold stays as it is and is listed. The layout a weight is applied in comes from the model
+(`ExpertMLP.in_out`), so gpt-oss's (in, out) experts get one scale per output column as well.
+A quantized store is for inference: export dequantizes it (lossy) and training dequantizes it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+import torch
+
+from semoe.checkpoint import config_from_json
+from semoe.experts import expert_mlp
+from storage.dtypes import dtype_name
+from storage.durable import undo_create
+from storage.errors import BadInputError
+from storage.quant import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, \
+    quantize, scales_name
+from storage.store import ExpertTensor, Store, chunk_layout, iter_expert_chunks
+
+log = logging.getLogger(__name__)
+
+Progress = Callable[[int], None]
+
+
+@dataclass(kw_only=True)
+class QuantizeConfig:
+    """Which compact scheme experts get."""
+
+    bits: int  # 8: int8 (per output row); 4: int4 (groups along the input)
+    group_size: int = INT4_DEFAULT_GROUP  # int4 only
+
+    def __post_init__(self) -> None:
+        if self.bits not in (8, 4):
+            raise BadInputError(f"--bits must be 8 or 4, got {self.bits}")
+        if self.bits == 4 and self.group_size not in INT4_GROUP_SIZES:
+            raise BadInputError(f"--group-size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                                f"got {self.group_size}")
+
+    @property
+    def scheme(self) -> str:
+        return "int8" if self.bits == 8 else "int4"
+
+    @property
+    def name(self) -> str:
+        """As recorded in the store: int8, or int4-g128."""
+        return "int8" if self.bits == 8 else f"int4-g{self.group_size}"
+
+
+@dataclass(kw_only=True)
+class QuantizeReport:
+    """What `quantize_store` did."""
+
+    scheme: str
+    quantized: int = 0  # weights made compact
+    bytes_before: int = 0  # expert chunk bytes of the source
+    bytes_after: int = 0
+    kept: dict[str, str] = field(default_factory=dict)  # weight name -> why it stays as it is
+
+    def to_json(self) -> dict:
+        return {"scheme": self.scheme, "quantized": self.quantized, "expert_bytes_before": self.bytes_before,
+                "expert_bytes_after": self.bytes_after, "kept": self.kept}
+
+
+def quantize_expert(tensors: dict[str, torch.Tensor], stacked: dict[str, bool], cfg: QuantizeConfig, *,
+                    in_out: bool, kept: dict[str, str]) -> list[ExpertTensor]:
+    """One expert's tensors with its 2-D float weights made compact (codes, then scales); the
+    weights that do not fit go to `kept` with the reason."""
+    out = []
+    for name, t in tensors.items():
+        q = None
+        if t.dim() == 2 and t.dtype.is_floating_point:
+            try:
+                check_fits(tuple(t.shape), t.dtype, cfg.scheme, cfg.group_size, in_out)
+                q = quantize(t, cfg.scheme, group_size=cfg.group_size, transposed=in_out)
+            except QuantShapeError as e:
+                kept[name] = str(e)
+        if q is None:
+            out.append(ExpertTensor(name=name, tensor=t, stacked=stacked[name]))
+            continue
+        codes, scales = q
+        spec = QuantSpec(scheme=cfg.scheme, dtype=dtype_name(t.dtype), shape=tuple(t.shape),
+                         scales=scales_name(name, cfg.scheme), transposed=in_out,
+                         group_size=cfg.group_size if cfg.bits == 4 else None)
+        out.append(ExpertTensor(name=name, tensor=codes, stacked=stacked[name], quant=spec.to_json()))
+        out.append(ExpertTensor(name=spec.scales, tensor=scales, stacked=stacked[name],
+                                quant={"scales_of": name}))
+    return out
+
+
+def quantize_store(src: str, dst: str, cfg: QuantizeConfig, *, progress: Progress | None = None) -> QuantizeReport:
+    """Write a copy of store `src` at `dst` (absent or empty) with compact experts.
+
+    On any failure `dst` is removed again (or left empty), so nothing half-written stays behind."""
+    source = Store.open(src)
+    m = source.manifest
+    if not m.has_file("config.json"):
+        raise BadInputError(f"{src}: store has no config.json (not a model store)")
+    if source.is_compact():
+        raise BadInputError(f"{src}: its experts are already quantized "
+                            f"({(m.model.get('quantization') or {}).get('format', 'compact')}); quantize a float store")
+    config = config_from_json(json.loads(source.read_file("config.json")))
+    in_out = expert_mlp(config).in_out
+    report = QuantizeReport(scheme=cfg.name)
+    created = not os.path.exists(dst)
+    out = Store.create(dst)
+    try:
+        with out.writer() as w:
+            for f in m.files:
+                w.put_file(f.name, source.read_file(f.name))
+            for t in m.dense():
+                w.put_dense(t.name, source.read_tensor(t.name), hf_file=t.hf_file, quant=t.quant)
+                if progress:
+                    progress(t.bytes)
+            layers = m.expert_layers()
+            for chunk in iter_expert_chunks(m):
+                entries = m.chunk_tensors(chunk)
+                views = source.read_expert(chunk.layer, chunk.expert)
+                expert = quantize_expert({e.name: views[e.name] for e in entries},
+                                         {e.name: e.stacked for e in entries}, cfg, in_out=in_out, kept=report.kept)
+                hf_files = {e.name: e.hf_file for e in entries}
+                for t in expert:
+                    t.hf_file = hf_files.get(t.name) or hf_files.get(t.quant.get("scales_of") if t.quant else None)
+                offsets, size = chunk_layout([(t.tensor.dtype, tuple(t.tensor.shape)) for t in expert])
+                buf = np.zeros(size, dtype=np.uint8)
+                for off, t in zip(offsets, expert):
+                    raw = t.tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
+                    buf[off:off + raw.nbytes] = raw
+                w.put_expert_chunk(chunk.layer, chunk.expert, expert, buf, offsets, num_experts=layers[chunk.layer])
+                report.quantized += sum(1 for t in expert if t.quant and "scheme" in t.quant)
+                report.bytes_before += chunk.bytes
+                report.bytes_after += size
+                if progress:
+                    progress(sum(e.bytes for e in entries))
+            w.set_model({**m.model, "quantization": {"format": cfg.name, "source": "semoe store quantize",
+                                                     "tensors": report.quantized, "kept": sorted(report.kept)}})
+            w.commit()
+    except BaseException:
+        undo_create(dst, created)
+        raise
+    if report.kept:
+        log.warning("%d weights do not fit %s and stay as they are (first: %s: %s)", len(report.kept), cfg.name,
+                    *next(iter(report.kept.items())))
+    return report

@@ -1,0 +1,326 @@
+"""Compact (int8, int4) experts from `semoe store quantize` to compute: kernels against the plain reference,
+offloaded equal to resident, compact bytes in the cache and the ring, export, training, and the CLI.
+
+Models are transformers' own classes with dimensions the int4 layout can hold (out features a multiple of
+64, in features of the group size): Mixtral (SwiGLU experts, weights (out, in)) and gpt-oss (fused
+experts, weights (in, out), with biases).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.hf_models import load_safetensors_dir
+
+from inference.engine import Engine, EngineConfig
+from semoe.compact_linear import CompactWeight
+from semoe.generate import SamplingConfig
+from semoe.hf_import import export_checkpoint, import_checkpoint
+from semoe.quantize import QuantizeConfig, quantize_store
+from storage.errors import BadInputError
+from storage.quant import QuantSpec, dequantize, quantize
+from storage.store import Store
+from tools.cli import main
+
+PROMPT = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
+SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=128)
+
+
+def _hf(arch: str, path):
+    import transformers
+
+    if arch == "mixtral":
+        cfg = transformers.MixtralConfig(**SHAPE, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+    else:
+        cfg = transformers.GptOssConfig(**SHAPE, intermediate_size=64, head_dim=16, num_local_experts=4,
+                                        num_experts_per_tok=2, sliding_window=6)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with torch.no_grad():  # biases random, so a kernel that drops them cannot pass
+        for name, p in model.named_parameters():
+            if name.endswith("_bias"):
+                p.copy_(torch.randn(p.shape) * 0.05)
+    model.save_pretrained(str(path))
+    return path
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """(arch, bits) -> store path; 32 is the float32 import."""
+    made = {}
+
+    def get(arch: str, bits: int) -> str:
+        if (arch, bits) not in made:
+            root = tmp_path_factory.mktemp(f"{arch}-{bits}")
+            if bits == 32:
+                import_checkpoint(str(_hf(arch, root / "hf")), str(root / "store"))
+            else:
+                quantize_store(get(arch, 32), str(root / "store"), QuantizeConfig(bits=bits, group_size=64))
+            made[(arch, bits)] = str(root / "store")
+        return made[(arch, bits)]
+
+    return get
+
+
+# -- kernels ------------------------------------------------------------------------------------
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max())
+
+
+@pytest.mark.parametrize("scheme, g", [("int8", None), ("int4", 32), ("int4", 128)])
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_fast_path_equals_the_reference(scheme, g, transposed, dtype):
+    torch.manual_seed(0)
+    w = torch.randn(256, 128)  # (O, I), or (I, O) when transposed
+    codes, scales = quantize(w, scheme, group_size=g, transposed=transposed)
+    spec = QuantSpec(scheme=scheme, dtype="F32", shape=tuple(w.shape), scales="s", group_size=g,
+                     transposed=transposed)
+    x = torch.randn(7, spec.out_in[1]).to(dtype)
+    fast = CompactWeight(codes, scales, spec).linear(x)
+    ref = CompactWeight(codes, scales, spec, kernel="reference").linear(x)
+    assert fast.dtype == dtype and fast.shape == (7, spec.out_in[0])
+    # the path CUDA takes (dequantize into a scratch weight, then the dense product in x's dtype)
+    scratch = CompactWeight(codes, scales, spec, kernel="dequantize").linear(x)
+    assert _relative(scratch, ref) < (1e-2 if dtype == torch.bfloat16 else 1e-5)
+    # Tolerances: int8's kernel takes bfloat16 activations and scales (8 bits of mantissa: 2^-8 relative
+    # per factor, partly cancelling over the sum); int4's takes x's dtype, so float32 is exact up to the
+    # order of the sum; bfloat16 output rounding everywhere else.
+    tol = 1e-2 if scheme == "int8" or dtype == torch.bfloat16 else 1e-5
+    assert _relative(fast, ref) < tol
+    # and the reference is the dequantized weight's product
+    dense = dequantize(codes, scales, spec)
+    want = x.float() @ dense if transposed else x.float() @ dense.T
+    assert _relative(ref, want) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+# -- quantize_store -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantize_makes_expert_weights_compact_and_copies_the_rest(stores, arch, bits):
+    src, dst = Store.open(stores(arch, 32)), Store.open(stores(arch, bits))
+    for t in src.manifest.dense():  # dense weights, routers, norms: byte for byte
+        assert torch.equal(dst.read_tensor(t.name).view(torch.uint8), src.read_tensor(t.name).view(torch.uint8))
+    scheme = "int8" if bits == 8 else "int4"
+    info = dst.describe()
+    n_weights = 2 * (3 if arch == "mixtral" else 2)  # per MoE layer: SwiGLU gate/up/down; fused gate_up/down
+    assert info["schemes"][scheme]["tensors"] == n_weights * (1 if arch == "gpt_oss" else 4)
+    # bits per weight: the codes plus one float32 scale per row (int8) or scale and zero per 64 (int4)
+    bpw = info["schemes"][scheme]["bits_per_weight"]
+    assert (8.25 < bpw <= 8.5) if bits == 8 else bpw == pytest.approx(4 + 64 / 64)
+    assert info["quantization"]["format"] == ("int8" if bits == 8 else "int4-g64")
+    if arch == "mixtral":  # (gpt-oss's float biases stay float, and weigh at these tiny sizes)
+        ratio = info["expert_bytes"] / src.describe()["expert_bytes"]
+        assert ratio < (0.27 if bits == 8 else 0.16), ratio
+    for layer, e in [(0, 0), (1, 3)]:  # each weight decodes to within half a step of the float one
+        before, after = src.read_expert(layer, e), dst.read_expert(layer, e)
+        for entry in dst.manifest.chunk_tensors(dst.manifest.chunk(layer, e)):
+            if entry.quant and "scheme" in entry.quant:
+                spec = QuantSpec.from_json(entry.quant)
+                back = dequantize(after[entry.name], after[spec.scales], spec)
+                err = (back - before[entry.name]).abs().max()
+                assert err <= before[entry.name].abs().max() / (15 if bits == 4 else 127)
+
+
+def test_weights_the_scheme_cannot_hold_stay_and_are_listed(tmp_path, capsys):
+    """The tiny Mixtral's experts are (48, 32) and (32, 48): no int4 row block of 64 fits them."""
+    from helpers.hf_models import make_hf_checkpoint
+
+    import_checkpoint(str(make_hf_checkpoint("mixtral", tmp_path / "hf")), str(tmp_path / "f32"))
+    assert main(["store", "quantize", str(tmp_path / "f32"), str(tmp_path / "q4"), "--bits", "4",
+                 "--group-size", "32", "--json"]) == 0
+    out = capsys.readouterr()
+    report = json.loads(out.out)
+    assert report["quantized"] == 0 and len(report["kept"]) == 2 * 4 * 3
+    assert all("not a multiple of" in why for why in report["kept"].values())  # of 64 rows, or of the group
+    assert "kept as it is: model.layers.0.block_sparse_moe.experts.0.w1.weight: 48 output features" in out.err
+    store = Store.open(str(tmp_path / "q4"))
+    assert not store.is_compact() and store.describe()["quantization"]["kept"] == sorted(report["kept"])
+
+
+# -- compute: offloaded equals resident -----------------------------------------------------------
+
+BUDGETS = {
+    "cache-25%-in-place": lambda eb, slot: dict(cpu_cache_bytes=eb // 4, ring_slots=2),
+    "device-ring-3": lambda eb, slot: dict(device_memory_bytes=3 * slot),
+    "cache-25%-no-prefetch": lambda eb, slot: dict(cpu_cache_bytes=eb // 4, prefetch=False),
+}
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("budget", list(BUDGETS))
+def test_offloaded_quantized_experts_give_the_resident_quantized_models_tokens(stores, arch, bits, budget):
+    from inference.ring import OffloadedExperts
+
+    path = stores(arch, bits)
+    store = Store.open(path)
+    sampling = SamplingConfig(max_new_tokens=16)
+    resident = Engine.load(path, EngineConfig(dtype="float32"))
+    try:
+        want = resident.generate(PROMPT, sampling)
+    finally:
+        resident.close()
+    eb = sum(c.bytes for c in store.manifest.chunks)
+    config = EngineConfig(dtype="float32", **BUDGETS[budget](eb, OffloadedExperts.slot_bytes(store, torch.float32)))
+    engine = Engine.load(path, config)
+    try:
+        got = engine.generate(PROMPT, sampling)
+    finally:
+        engine.close()
+    # the same bytes through the same kernels: exactly the same tokens and log-probs
+    assert got.tokens == want.tokens and got.logprobs == want.logprobs
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_the_resident_quantized_model_follows_the_reference_kernel(stores, arch):
+    from semoe.checkpoint import load_store
+
+    ids = torch.tensor([PROMPT])
+    with torch.no_grad():
+        f32 = load_store(stores(arch, 32))(ids)
+        for bits in (8, 4):
+            fast = load_store(stores(arch, bits))(ids).logits
+            ref = load_store(stores(arch, bits), kernel="reference")(ids)
+            # the fast kernels against the reference: bfloat16 activations for int8 (see the kernel test)
+            assert _relative(fast, ref.logits) < (2e-2 if bits == 8 else 1e-4), bits
+            # and quantization moves the float32 model's logits by little, int8 less than int4, at every
+            # position whose experts it did not change (a near tie of this random router may flip)
+            same = torch.stack([(ref.router[k].ids_NK == f32.router[k].ids_NK).all(-1) for k in f32.router]).all(0)
+            assert int(same.sum()) >= len(PROMPT) - 2, bits
+            assert _relative(ref.logits[0, same], f32.logits[0, same]) < (0.02 if bits == 8 else 0.1), bits
+
+
+def test_the_cache_and_the_ring_hold_compact_bytes(stores):
+    from inference.ring import OffloadedExperts
+
+    f32, q8, q4 = (Store.open(stores("mixtral", b)) for b in (32, 8, 4))
+    slot = {b: OffloadedExperts.slot_bytes(s, torch.float32) for b, s in ((32, f32), (8, q8), (4, q4))}
+    assert slot[8] / slot[32] < 0.27 and slot[4] / slot[32] < 0.16
+    # a CPU cache the size of the int8 chunk files (a third of the float32 ones here: at these tiny sizes
+    # the block padding of each tensor in a chunk weighs) holds every int8 expert: nothing is read per token
+    budget = sum(c.bytes for c in q8.manifest.chunks) + max(c.bytes for c in q8.manifest.chunks)
+    assert budget < 0.5 * sum(c.bytes for c in f32.manifest.chunks)
+    per_token = {}
+    for bits, store in ((32, f32), (8, q8)):
+        engine = Engine.load(store.root, EngineConfig(dtype="float32", cpu_cache_bytes=budget))
+        try:
+            per_token[bits] = engine.generate(PROMPT, SamplingConfig(max_new_tokens=8)).stats["ssd_bytes_per_token"]
+        finally:
+            engine.close()
+    assert per_token[8] == 0 and per_token[32] > 0
+
+
+# -- export, training, CLI ----------------------------------------------------------------------
+
+def test_export_of_a_quantized_store_is_dequantized_in_the_source_dtype_and_says_so(stores, tmp_path, capsys):
+    import transformers
+
+    path = stores("gpt_oss", 4)
+    assert main(["store", "export", path, str(tmp_path / "out")]) == 0
+    assert "lossy" in capsys.readouterr().err
+    got = load_safetensors_dir(tmp_path / "out")
+    plain = load_safetensors_dir(tmp_path / "out")  # names, dtypes and shapes of a float checkpoint
+    src = load_safetensors_dir(stores("gpt_oss", 32).replace("store", "hf"))
+    assert {k: (v.dtype, v.shape) for k, v in got.items()} == {k: (v.dtype, v.shape) for k, v in src.items()}
+    store = Store.open(path)
+    name = "model.layers.1.mlp.experts.down_proj"
+    views = store.read_expert(1, 2)
+    spec = QuantSpec.from_json(store.manifest.tensor(name, stack_index=2).quant)
+    assert torch.equal(plain[name][2], dequantize(views[name], views[spec.scales], spec))
+    transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"))  # loads as a plain checkpoint
+
+
+def test_training_from_a_quantized_store_starts_from_its_dequantized_weights(stores, tmp_path, caplog):
+    """The first loss of a run from the int8 store is the loss of its lossy export (dequantized weights)."""
+    import torch.nn.functional as F
+    from helpers.hf_models import add_word_tokenizer
+
+    from semoe.checkpoint import load_hf
+    from semoe.data import BatchSampler, ShardSet
+    from semoe.train import Trainer
+    from semoe.train_config import TrainConfig
+
+    words = "the cat sat on a mat and dog ran to big red blue one two three".split()
+    text = tmp_path / "words.txt"
+    text.write_text("\n".join(" ".join(words[(i * 7 + j * 3) % len(words)] for j in range(12)) for i in range(200)))
+    hf = tmp_path / "hf"
+    export_checkpoint(Store.open(stores("mixtral", 8)), str(hf))
+    add_word_tokenizer(hf)
+    import_checkpoint(str(hf), str(tmp_path / "tok-f32"))  # for the tokenizer only
+    q8 = tmp_path / "q8"
+    quantize_store(str(tmp_path / "tok-f32"), str(q8), QuantizeConfig(bits=8))
+    cfg = TrainConfig(out=str(tmp_path / "run"), data=str(text), init_from=str(q8), steps=1, batch_size=2,
+                      seq_len=16, lr=1e-4, checkpoint_every=1)
+    with caplog.at_level("WARNING"):
+        first = next(iter(Trainer(cfg).run())).loss
+    assert "its experts are quantized (int8)" in caplog.text
+    ids, tgt = BatchSampler(ShardSet.open(str(tmp_path / "run" / "data" / "train")), 2, 16, seed=0).batch(0)
+    # the oracle: the int8 store's own export of tok-f32, i.e. the weights dequantized
+    export_checkpoint(Store.open(str(q8)), str(tmp_path / "deq"))
+    with torch.no_grad():
+        logits = load_hf(str(tmp_path / "deq"))(ids).logits
+    want = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1)))
+    assert first == pytest.approx(want, rel=1e-5)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--bits", "3"], "--bits must be 8 or 4, got 3"),
+    (["--bits", "4", "--group-size", "100"], "--group-size must be one of 32, 64, 128, 256, got 100"),
+])
+def test_bad_quantize_flags_give_one_line_exit_2_and_write_nothing(stores, tmp_path, capsys, args, message):
+    assert main(["store", "quantize", stores("mixtral", 32), str(tmp_path / "out"), *args]) == 2
+    assert capsys.readouterr().err.splitlines() == [f"semoe: error: {message}"]
+    assert not (tmp_path / "out").exists()
+
+
+def test_quantize_refuses_a_non_empty_target_and_a_quantized_source(stores, tmp_path, capsys):
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert main(["store", "quantize", stores("mixtral", 32), str(tmp_path / "full"), "--bits", "8"]) == 2
+    assert capsys.readouterr().err.strip() == f"semoe: error: {tmp_path / 'full'}: target directory is not empty"
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    assert main(["store", "quantize", stores("mixtral", 8), str(tmp_path / "again"), "--bits", "4"]) == 2
+    assert "its experts are already quantized (int8)" in capsys.readouterr().err
+    assert not (tmp_path / "again").exists()
+    with pytest.raises(BadInputError):
+        QuantizeConfig(bits=16)
+
+
+def test_import_quantize_verify_ls_gc_and_info_cover_compact_experts(stores, tmp_path, capsys):
+    hf = stores("mixtral", 32).replace("store", "hf")
+    assert main(["store", "import", hf, str(tmp_path / "q"), "--quantize", "int4", "--group-size", "64"]) == 0
+    capsys.readouterr()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".import-")]  # the staging copy is gone
+    q = Store.open(str(tmp_path / "q"))
+    ours = Store.open(stores("mixtral", 4))
+    for c in q.manifest.chunks:  # the same bytes as quantizing the imported store
+        assert torch.equal(q.read_chunk(c.layer, c.expert), ours.read_chunk(c.layer, c.expert))
+    assert main(["store", "verify", str(tmp_path / "q"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["ok"] is True
+    assert main(["store", "ls", str(tmp_path / "q"), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["tensors"]
+    assert {r["scheme"] for r in rows if r["group"] == "expert"} == {"int4", "scales"}
+    assert {r["scheme"] for r in rows if r["group"] == "dense"} == {None}
+    assert main(["store", "gc", str(tmp_path / "q"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["removed_files"] == 0
+    assert main(["store", "info", str(tmp_path / "q")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert "quantized     int4-g64 by semoe store quantize (24 tensors)" in lines
+    assert any(line.startswith("scheme int4   24 weights, ") and line.endswith("5.00 bits per weight")
+               for line in lines), lines
+    # a damaged scale is found by verify, named
+    entry = next(t for t in q.manifest.tensors if t.name.endswith("experts.1.w2.weight_scale_zero"))
+    path = q.path(entry.file)
+    with open(path, "r+b") as f:
+        f.seek(entry.offset)
+        b = f.read(1)
+        f.seek(entry.offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+    assert main(["store", "verify", str(tmp_path / "q")]) == 1
+    assert entry.name in capsys.readouterr().err
