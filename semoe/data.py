@@ -470,6 +470,27 @@ def _plan(spec: str | None, val_fraction: float, seed: int) -> tuple[str, list[_
                         "or a directory of shards")
 
 
+def eval_documents(spec: str | None = None, *, val_fraction: float = 0.05,
+                   seed: int = 0) -> list[Iterator[str]]:
+    """Documents to evaluate on, each a lazy iterator of text pieces of whole lines (as shards tokenize them).
+
+    `spec` None: the default corpus's validation split (the files `prepare_data` holds out); a text
+    file: that file, whole; a directory: its `*.txt`, `*.md` and `*.py` files, whole.
+    """
+    if spec is None:
+        sources = _plan(None, val_fraction, seed)[2]
+    elif os.path.isfile(spec):
+        sources = [_Source(spec)]
+    elif os.path.isdir(spec):
+        files = text_files(spec)
+        if not files:
+            raise BadInputError(f"{spec}: no {', '.join('*' + s for s in TEXT_SUFFIXES)} files to evaluate on")
+        sources = [_Source(f) for f in files]
+    else:
+        raise BadInputError(f"{spec}: no such file or directory; expected a text file or a directory of text files")
+    return [(raw.decode("utf-8", errors="replace") for raw in _pieces(src)) for src in sources]
+
+
 def _check_matches(sets: Sequence[ShardSet], tokenizer: Tokenizer, source: str | None) -> None:
     for s in sets:
         where = os.path.join(s.directory, SHARDS_FILE)

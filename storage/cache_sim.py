@@ -6,7 +6,8 @@ for experts:
     {"layer": 3, "experts": [5, 17]}
 
 Each record is the set of experts one layer needs at once; the cache counts capacity in experts
-(every entry is 1 "byte") and keys them `(layer, expert)`.
+(every entry is 1 "byte") and keys them `(layer, expert)`. `hit_rate_curves` sweeps capacities
+and `hit_rate_png` draws them (`semoe store cache-sim --plot`).
 """
 
 from __future__ import annotations
@@ -156,3 +157,65 @@ def simulate_all(
         name: simulate(trace, capacity_experts, name, aging_interval=aging_interval)
         for name in policies
     }
+
+
+def capacity_points(trace: Sequence[TraceRecord], max_points: int = 32) -> list[int]:
+    """Capacities worth sweeping, ascending: from the largest record (the least a cache can replay) to
+    the trace's distinct experts (where every policy misses each expert once only), at most
+    `max_points` of them, evenly spread."""
+    _require_positive_int("max_points", max_points)
+    if not trace:
+        raise ValueError("the trace has no records")
+    low = max(1, max(len(set(experts)) for _, experts in trace))
+    high = max(low, len({(layer, e) for layer, experts in trace for e in experts}))
+    if high - low + 1 <= max_points:
+        return list(range(low, high + 1))
+    if max_points == 1:
+        return [high]
+    return sorted({round(low + i * (high - low) / (max_points - 1)) for i in range(max_points)})
+
+
+def hit_rate_curves(
+    trace: Sequence[TraceRecord],
+    capacities: Sequence[int],
+    policies: Iterable[str] = POLICY_NAMES,
+    *,
+    aging_interval: int = DEFAULT_AGING_INTERVAL,
+) -> dict[str, list[SimResult]]:
+    """simulate() at every capacity for every policy: {policy: [result per capacity]}."""
+    return {
+        name: [simulate(trace, c, name, aging_interval=aging_interval) for c in capacities]
+        for name in policies
+    }
+
+
+def hit_rate_png(
+    capacities: Sequence[int],
+    curves: dict[str, list[SimResult]],
+    path: str | os.PathLike[str],
+    *,
+    title: str = "",
+) -> None:
+    """Plot hit rate against capacity, one line per policy, Belady (the optimum) as a dashed ceiling."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), layout="constrained")
+    FigureCanvasAgg(fig)
+    ax = fig.subplots()
+    for name, results in curves.items():
+        rates = [r.hit_rate for r in results]
+        if name == "belady":
+            ax.plot(capacities, rates, color="black", ls="--", lw=1.5, label="belady (optimal, offline)")
+            ax.fill_between(capacities, rates, 1.0, color="0.9", lw=0)  # out of any policy's reach
+        else:
+            ax.plot(capacities, rates, marker="o", ms=3, lw=1.2, label=name)
+    ax.set_xlabel("cache capacity (experts)")
+    ax.set_ylabel("hit rate")
+    ax.set_ylim(0.0, 1.0)
+    ax.set_xlim(capacities[0], capacities[-1] if len(capacities) > 1 else capacities[0] + 1)
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="lower right", fontsize=8)
+    if title:
+        ax.set_title(title, fontsize=9, loc="left")
+    fig.savefig(path, format="png", dpi=100)

@@ -18,7 +18,7 @@ Handler = Callable[[argparse.Namespace], int]
 
 def build_parser() -> argparse.ArgumentParser:
     """The whole command tree; each subcommand module adds its own parsers."""
-    from tools import demo_cmd, env_cmd, generate_cmd, plan_cmd, serve_cmd, store_cmd, train_cmd
+    from tools import demo_cmd, env_cmd, eval_cmd, generate_cmd, plan_cmd, serve_cmd, store_cmd, train_cmd
 
     parser = argparse.ArgumentParser(
         prog="semoe",
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.required = True
     store_cmd.add_parser(sub)
     generate_cmd.add_parser(sub)
+    eval_cmd.add_parser(sub)
     serve_cmd.add_parser(sub)
     train_cmd.add_parser(sub)
     plan_cmd.add_parser(sub)

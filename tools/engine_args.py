@@ -1,4 +1,5 @@
-"""Flags shared by `semoe generate` and `semoe serve`: device, dtype and the offload budgets."""
+"""Flags shared by `semoe generate`, `semoe serve` and `semoe eval`: device, dtype, the offload budgets and
+the routing trace."""
 
 from __future__ import annotations
 
@@ -24,6 +25,20 @@ def resolve_device(name: str) -> "torch.device":  # noqa: F821
         n = torch.cuda.device_count()
         raise UsageError(f"--device {name}: this machine has {n} GPU(s), cuda:0 to cuda:{n - 1}")
     return dev
+
+
+def add_device_flags(p: argparse.ArgumentParser) -> None:
+    """`--device` and `--dtype`: where the model runs and in what precision."""
+    p.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default auto: cuda when available)")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
+
+
+def add_routing_trace_flag(p: argparse.ArgumentParser) -> None:
+    """`--routing-trace FILE`: append the model's expert routing as JSONL for `semoe store cache-sim`."""
+    p.add_argument("--routing-trace", metavar="FILE",
+                   help="append the experts each MoE layer uses, one JSON record per forward call and layer, "
+                        "to FILE (replay it with `semoe store cache-sim --trace FILE`)")
 
 
 def add_budget_flags(p: argparse.ArgumentParser) -> None:

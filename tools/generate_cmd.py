@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from tools.common import UsageError, emit_json
-from tools.engine_args import add_budget_flags, engine_config_from_args
+from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,13 +27,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--temperature", type=float, help="sample with this temperature")
     p.add_argument("--top-p", type=float, help="nucleus sampling mass (with sampling)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    p.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default auto: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
+    add_device_flags(p)
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-sequence token")
     p.add_argument("--json", action="store_true",
                    help='print {"tokens", "text", "logprobs", "ttft_s", "decode_tok_s"} on stdout, and "stats" '
                         "when offloaded")
+    add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
 
@@ -52,6 +51,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     from inference.engine import Engine
     from semoe.generate import SamplingConfig
+    from semoe.routing_trace import routing_trace
 
     sampling = args.temperature is not None or args.top_p is not None
     if (args.chat or args.system is not None) and args.prompt is None:
@@ -79,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
                              temperature=args.temperature if args.temperature is not None else 1.0,
                              top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
                              stop_ids=() if args.ignore_eos else engine.stop_ids())
-        res = engine.generate(prompt, cfg)
+        with routing_trace(engine.model, args.routing_trace):
+            res = engine.generate(prompt, cfg)
     finally:
         engine.close()
     text = tok.decode(res.tokens) if tok is not None else ""

@@ -10,7 +10,7 @@ import signal
 import sys
 
 from tools.common import UsageError
-from tools.engine_args import add_budget_flags, engine_config_from_args
+from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -22,11 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, metavar="PATH", help="HuggingFace directory or store")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
-    p.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default auto: cuda when available)")
-    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
-                   help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
+    add_device_flags(p)
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait while one generates; more get HTTP 503 (default 64)")
+    add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
 
@@ -35,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
     from inference.chat import load_chat_template
     from inference.engine import Engine
     from inference.server import serve
+    from semoe.routing_trace import routing_trace
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -48,9 +48,10 @@ def run(args: argparse.Namespace) -> int:
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         mode = "offloaded" if config.offloaded else "resident"
-        serve(engine, args.host, args.port, max_queue=args.max_queue, chat_template=template,
-              on_ready=lambda url: print(f"serving {engine.name} ({mode} on {config.device}) at {url}/v1 "
-                                         f"(Ctrl-C to stop)", file=sys.stderr, flush=True))
+        with routing_trace(engine.model, args.routing_trace):
+            serve(engine, args.host, args.port, max_queue=args.max_queue, chat_template=template,
+                  on_ready=lambda url: print(f"serving {engine.name} ({mode} on {config.device}) at {url}/v1 "
+                                             f"(Ctrl-C to stop)", file=sys.stderr, flush=True))
     except KeyboardInterrupt:
         print("semoe serve: stopped", file=sys.stderr)
     finally:
