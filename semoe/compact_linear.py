@@ -6,8 +6,8 @@ computes on it without widening it in memory:
 - reference: dequantize to the weight's logical dtype, then the float32 product (what the fast path
   is tested against);
 - fast, on CPU: torch's packed weight-only kernels read the stored codes as they are: int8 through
-  `_weight_int8pack_mm` (bfloat16 activations: its float32 variant runs at a seventh of the speed),
-  int4 through `_weight_int4pack_mm_for_cpu` (activations in the compute dtype);
+  `_weight_int8pack_mm`, int4 through `_weight_int4pack_mm_for_cpu`, both with bfloat16 activations
+  and scales (their float32 variants run 7x and 35x slower at one token);
 - fast, elsewhere (CUDA) and for FP8/MXFP4: dequantize into a scratch tensor (the allocator's cache
   reuses it) holding the weight as the checkpoint defines it (its logical dtype and layout: a
   dequantized FP8 checkpoint is bfloat16), then the dense product in the compute dtype.
@@ -62,11 +62,11 @@ class CompactWeight:
             x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))
             return y.to(x_MI.dtype).view(*x_MI.shape[:-1], -1)
-        if packed and self.spec.scheme == "int4" and x_MI.dtype in (torch.float32, torch.bfloat16):
-            x = x_MI.reshape(-1, x_MI.shape[-1])
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.contiguous(), self.codes, self.spec.group_size,
-                                                           self.scales.to(x.dtype))
-            return y.view(*x_MI.shape[:-1], -1)
+        if packed and self.spec.scheme == "int4":
+            x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16).contiguous()
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, self.spec.group_size,
+                                                           self.scales.to(torch.bfloat16))
+            return y.to(x_MI.dtype).view(*x_MI.shape[:-1], -1)
         # the weight as the checkpoint defines it (its logical dtype and layout), then the dense product
         w = self.dequantize().to(x_MI.dtype)
         return x_MI @ w if self.spec.transposed else F.linear(x_MI, w)
