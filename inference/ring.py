@@ -184,6 +184,11 @@ class OffloadedExperts:
                  "in place" if self.in_place else f"copies to {device} in {dtype}")
         return self
 
+    def expert_nbytes(self, layer: int, expert: int) -> int:
+        """Bytes of one expert's weights as compute reads them: placed in a slot, or in the CPU cache."""
+        layout = self.layouts[ExpertKey(layer, expert)]
+        return sum(t.nbytes for t in (place(layout, self.dtype)[0] if self.copies else layout.tensors))
+
     # -- data movement (on the queue's worker threads) -------------------------------------------
     def _fill(self, key: ExpertKey, demand: bool) -> None:
         """Bring `key` into a slot. `demand`: the current layer needs it (the read may wait for a

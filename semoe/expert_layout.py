@@ -190,6 +190,10 @@ class PackedExperts:
         """Bytes held in compute memory."""
         return sum(b.numel() for b in self.buffers.values())
 
+    def expert_nbytes(self, layer: int, expert: int) -> int:
+        """Bytes of one expert's placed weights."""
+        return self.buffers[expert].numel()
+
     def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
         for e in experts:
             yield e, self.weights[e]

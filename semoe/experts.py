@@ -144,6 +144,10 @@ class ResidentExperts(nn.Module):
         """The (E, ...) parameters, in the variant's part order."""
         return tuple(getattr(self, n) for n in self.param_names)
 
+    def expert_nbytes(self, layer: int, expert: int) -> int:
+        """Bytes of one expert's weights."""
+        return sum(p[expert].numel() * p.element_size() for p in self.tensors())
+
     def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
         params = self.tensors()
         for e in experts:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 
 from tools.common import UsageError, emit_json
@@ -32,6 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", action="store_true",
                    help='print {"tokens", "text", "logprobs", "ttft_s", "decode_tok_s"} on stdout, and "stats" '
                         "when offloaded")
+    p.add_argument("--profile", action="store_true",
+                   help="time each decoded token's attention, router, experts, dense feed-forward, lm_head and "
+                        "the rest, with the GB/s of weights each touched against this machine's memory read rate "
+                        "(on stderr; under --json as \"profile\")")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -50,6 +55,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from inference.engine import Engine
+    from semoe.decode_profile import DecodeProfile, format_report, memory_read_gbps
     from semoe.generate import SamplingConfig
     from semoe.routing_trace import routing_trace
 
@@ -79,16 +85,25 @@ def run(args: argparse.Namespace) -> int:
                              temperature=args.temperature if args.temperature is not None else 1.0,
                              top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
                              stop_ids=() if args.ignore_eos else engine.stop_ids())
-        with routing_trace(engine.model, args.routing_trace):
+        profile = None
+        with routing_trace(engine.model, args.routing_trace), \
+                (DecodeProfile(engine.model) if args.profile else contextlib.nullcontext()) as profile:
             res = engine.generate(prompt, cfg)
     finally:
         engine.close()
+    report = None
+    if profile is not None:
+        report = profile.report(memory_read_gbps() if config.device == "cpu" else None)
+        for line in format_report(report):
+            print(line, file=sys.stderr)
     text = tok.decode(res.tokens) if tok is not None else ""
     if args.json:
         out = {"tokens": res.tokens, "text": text, "logprobs": res.logprobs, "ttft_s": res.ttft_s,
                "decode_tok_s": res.decode_tok_s}
         if config.offloaded:
             out["stats"] = res.stats
+        if report is not None:
+            out["profile"] = report
         emit_json(out)
     else:
         print(text)

@@ -1,0 +1,47 @@
+"""The decode profile: it times decoding steps only, its parts add up, and it counts the weights touched."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semoe.config import named_config
+from semoe.decode_profile import DecodeProfile, format_report
+from semoe.generate import SamplingConfig, generate
+from semoe.model import MoEGPT
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return MoEGPT(named_config("tiny")).eval()
+
+
+def test_only_decoding_steps_are_profiled_and_the_parts_add_up(model):
+    with DecodeProfile(model) as prof:
+        generate(model, [1, 2, 3, 4, 5], SamplingConfig(max_new_tokens=6))
+    assert len(prof.steps) == 5  # the prompt's forward is not a decoding step; 6 tokens take 5 steps
+    r = prof.report(memory_gbps=10.0)
+    parts = r["parts"]
+    assert set(parts) == {"attention", "router", "experts", "dense_ffn", "lm_head", "rest"}
+    assert all(p["ms_per_token"] >= 0 for p in parts.values())
+    assert sum(p["ms_per_token"] for p in parts.values()) == pytest.approx(r["ms_per_token"], rel=1e-9)
+    assert r["bound_ms_per_token"] == pytest.approx(r["mb_per_token"] / 10.0)
+    assert len(format_report(r)) == 7
+    # the hooks are gone afterwards: a forward outside the block records nothing
+    model(torch.tensor([[1]]))
+    assert len(prof.steps) == 5
+
+
+def test_weight_bytes_are_every_dense_weight_and_the_routed_experts(model):
+    c = model.config
+    with DecodeProfile(model) as prof:
+        generate(model, [7, 8, 9], SamplingConfig(max_new_tokens=2))
+    parts = prof.report()["parts"]
+    attn = sum(p.numel() * 4 for b in model.layers for p in b.attn.parameters())
+    assert parts["attention"]["mb_per_token"] == pytest.approx(attn / 1e6)
+    assert parts["lm_head"]["mb_per_token"] == pytest.approx(model.lm_head.weight.numel() * 4 / 1e6)
+    # one token routes to top_k distinct experts in every MoE layer
+    per_expert = 3 * c.hidden_size * c.moe_ffn_size * 4
+    moe_layers = len(list(model.moe_layers()))
+    assert parts["experts"]["mb_per_token"] == pytest.approx(moe_layers * c.top_k * per_expert / 1e6)
