@@ -45,3 +45,26 @@ def test_weight_bytes_are_every_dense_weight_and_the_routed_experts(model):
     per_expert = 3 * c.hidden_size * c.moe_ffn_size * 4
     moe_layers = len(list(model.moe_layers()))
     assert parts["experts"]["mb_per_token"] == pytest.approx(moe_layers * c.top_k * per_expert / 1e6)
+
+
+@pytest.mark.parametrize("budget", [[], ["--cpu-cache", "50%"]])
+def test_generate_profile_through_the_command_line(capsys, tmp_path, budget):
+    """`semoe generate --profile`, resident and offloaded: the profile in --json, its lines on stderr."""
+    import json
+
+    from helpers.hf_models import make_hf_checkpoint
+
+    from semoe.hf_import import import_checkpoint
+    from tools.cli import main
+
+    store = import_checkpoint(str(make_hf_checkpoint("mixtral", tmp_path / "hf")), str(tmp_path / "store"))
+    assert main(["generate", "--model", store.root, "--prompt-ids", "4,8,15", "--max-new-tokens", "4",
+                 "--ignore-eos", "--profile", "--json", *budget]) == 0
+    out = capsys.readouterr()
+    prof = json.loads(out.out)["profile"]
+    assert prof["steps"] == 3 and prof["memory_gbps"] > 0
+    # the experts are counted as their provider holds them (float32 here, resident or in the CPU cache):
+    # two per token in each of the two layers
+    per_expert = sum(t.bytes for t in store.manifest.chunk_tensors(store.manifest.chunk(0, 0)))
+    assert prof["parts"]["experts"]["mb_per_token"] * 1e6 == pytest.approx(2 * 2 * per_expert, rel=1e-9)
+    assert "decode profile over 3 tokens" in out.err
