@@ -1,6 +1,11 @@
 """Install semoe: the packages storage, mpress, semoe, inference, tools and the `semoe` command."""
 
-from setuptools import setup
+from setuptools import Extension, setup
+
+# decode's CPU kernels (semoe/kernels/gemv.c), built for the machine that installs them; loaded with
+# ctypes by semoe/cpu_kernels.py, which falls back to torch's ops where they are missing
+KERNELS = Extension("semoe._kernels", sources=["semoe/kernels/gemv.c"],
+                    extra_compile_args=["-O3", "-march=native", "-fopenmp"], extra_link_args=["-fopenmp"])
 
 setup(
     name="semoe",
@@ -8,6 +13,7 @@ setup(
     description="Train and serve Mixture-of-Experts GPT models larger than GPU memory",
     python_requires=">=3.10",
     packages=["storage", "mpress", "semoe", "inference", "tools"],
+    ext_modules=[KERNELS],
     install_requires=[
         # torch is installed first, pinned, by tools/run.sh; a looser range here keeps pip from
         # replacing it with a multi-GB CUDA build.

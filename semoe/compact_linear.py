@@ -5,9 +5,12 @@ computes on it without widening it in memory:
 
 - reference: dequantize to the weight's logical dtype, then the float32 product (what the fast path
   is tested against);
-- fast, on CPU: torch's packed weight-only kernels read the stored codes as they are: int8 through
-  `_weight_int8pack_mm`, int4 through `_weight_int4pack_mm_for_cpu`, both with bfloat16 activations
-  and scales (their float32 variants run 7x and 35x slower at one token);
+- fast, on CPU, for the few rows of a decoding step: semoe's own kernels (`semoe.cpu_kernels`),
+  which read the stored codes as they are, widen them in registers and keep float32 activations;
+- fast, on CPU, for more rows (prefill, evaluation) or where those kernels are not built: torch's
+  packed weight-only ops, int8 through `_weight_int8pack_mm`, int4 through
+  `_weight_int4pack_mm_for_cpu`, both with bfloat16 activations and scales (their float32 variants
+  run 7x and 35x slower at one token);
 - fast, elsewhere (CUDA) and for FP8/MXFP4: dequantize into a scratch tensor (the allocator's cache
   reuses it) holding the weight as the checkpoint defines it (its logical dtype and layout: a
   dequantized FP8 checkpoint is bfloat16), then the dense product in the compute dtype.
@@ -22,6 +25,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from semoe import cpu_kernels
 from storage.dtypes import torch_dtype
 from storage.quant import QuantSpec, dequantize, dequantize_out_in
 
@@ -58,6 +62,13 @@ class CompactWeight:
             w_OI = dequantize_out_in(self.codes, self.scales, self.spec, torch_dtype(self.spec.dtype))
             return F.linear(x_MI.to(torch.float32), w_OI.to(torch.float32)).to(x_MI.dtype)
         packed = self.kernel == "auto" and x_MI.device.type == "cpu"
+        if packed and self.spec.scheme in ("int8", "int4") and cpu_kernels.available() \
+                and x_MI.numel() // x_MI.shape[-1] <= cpu_kernels.MAX_ROWS:
+            if self.spec.scheme == "int8":
+                y = cpu_kernels.gemv_i8(x_MI, self.codes, self.scales)
+            else:
+                y = cpu_kernels.gemv_i4(x_MI, self.codes, self.scales, self.spec.group_size)
+            return y.to(x_MI.dtype)
         if packed and self.spec.scheme == "int8":
             x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))

@@ -4,8 +4,8 @@
 #   bash tools/run.sh test [ARGS]   the test suite (pytest ARGS); under CI=true the slow tests first,
 #                                   which fail the run if they fail or outlast SEMOE_SLOW_BUDGET_S seconds
 #   bash tools/run.sh semoe ARGS    any semoe command
-# The virtual environment lives in .venv (override with SEMOE_VENV); it is rebuilt when
-# setup.py changes.
+# The virtual environment lives in .venv (override with SEMOE_VENV); the package is reinstalled
+# (and its CPU kernels rebuilt) when setup.py or semoe/kernels/*.c change.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SEMOE_VENV:-$root/.venv}"
@@ -15,7 +15,8 @@ if [ ! -x "$venv/bin/python" ]; then
   echo "semoe: creating virtual environment in $venv" >&2
   "$py" -m venv "$venv"
 fi
-stamp="$venv/.semoe-setup-$(sha256sum "$root/setup.py" | cut -c1-16)"
+# rebuilt when setup.py or the compiled kernels' sources change
+stamp="$venv/.semoe-setup-$(cat "$root/setup.py" "$root"/semoe/kernels/*.c | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "semoe: installing torch==2.13.0 and the package (first run only)" >&2
   "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"

@@ -1,0 +1,66 @@
+"""semoe's compiled CPU kernels against plain references, on odd shapes too.
+
+Tolerances: float32 sums in another order than the reference's, so relative to the output's scale
+1e-5 (float32 has 24 bits; a sum of a few thousand terms loses a few more).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from semoe import cpu_kernels
+from storage.quant import QuantSpec, dequantize, quantize
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+def test_the_kernels_are_built_by_the_install():
+    assert cpu_kernels.available(), "semoe/_kernels*.so is missing: `pip install -e .` builds it"
+
+
+SHAPES = [(1, 64, 16), (1, 3584, 1024), (3, 1024, 3584), (16, 7, 5), (5, 130, 333), (2, 1, 17)]
+
+
+@pytest.mark.parametrize("M, O, I", SHAPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_float32_product_equals_torch(M, O, I, threads):
+    g = torch.Generator().manual_seed(O * I)
+    x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        y = cpu_kernels.gemv_f32(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert y.shape == (M, O) and _relative(y, x.double().mm(w.double().T).float()) < 1e-5
+
+
+@pytest.mark.parametrize("M, O, I", SHAPES)
+def test_int8_product_equals_the_dequantized_reference(M, O, I):
+    g = torch.Generator().manual_seed(O + I)
+    x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g)
+    codes, scales = quantize(w, "int8")
+    ref = x.double().mm(dequantize(codes, scales, QuantSpec(scheme="int8", dtype="F32", shape=(O, I),
+                                                            scales="s")).double().T).float()
+    assert _relative(cpu_kernels.gemv_i8(x, codes, scales), ref) < 1e-5
+
+
+@pytest.mark.parametrize("M, O, I, group", [(1, 64, 32, 32), (1, 3584, 1024, 128), (3, 1024, 3584, 128),
+                                            (16, 192, 256, 64), (2, 128, 512, 256)])
+def test_int4_product_equals_the_dequantized_reference(M, O, I, group):
+    g = torch.Generator().manual_seed(O + I + group)
+    x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g)
+    codes, sz = quantize(w, "int4", group_size=group)
+    spec = QuantSpec(scheme="int4", dtype="F32", shape=(O, I), scales="s", group_size=group)
+    ref = x.double().mm(dequantize(codes, sz, spec).double().T).float()
+    assert _relative(cpu_kernels.gemv_i4(x, codes, sz, group), ref) < 1e-5
+
+
+def test_bad_operands_are_refused():
+    with pytest.raises(ValueError, match="x has 3 features, the weight 4"):
+        cpu_kernels.gemv_f32(torch.randn(1, 3), torch.randn(2, 4))
+    with pytest.raises(ValueError, match="contiguous CPU tensors"):
+        cpu_kernels.gemv_f32(torch.randn(1, 4), torch.randn(4, 2).T)
