@@ -340,9 +340,19 @@ def greedy_decode(gguf_path: str, prompt_tokens: list[int], n_new: int, n_thread
     if n_new < 2:
         raise ValueError(f"n_new={n_new}: decode speed needs at least 2 new tokens")
     _check_kv_type(kv_type)
-    res = _in_worker({"op": "decode", "gguf": gguf_path, "tokens": list(prompt_tokens), "n_new": n_new,
-                      "n_threads": n_threads, "kv_type": kv_type}, env, "decode.json", _read_json)
+    res = decode_run(gguf_path, prompt_tokens, n_new, n_threads=n_threads, kv_type=kv_type, env=env)
     return res["tokens"], res["decode_tok_s"]
+
+
+def decode_run(gguf_path: str, prompt_tokens: list[int], n_new: int, n_threads: int = 2, kv_type: str = "f16",
+               env: PeerEnv | None = None) -> dict:
+    """greedy_decode's run with its measures: tokens, decode_tok_s, read_bytes_per_token (storage reads
+    of the llama.cpp process while decoding, page faults included) and peak_rss_bytes."""
+    if n_new < 2:
+        raise ValueError(f"n_new={n_new}: decode speed needs at least 2 new tokens")
+    _check_kv_type(kv_type)
+    return _in_worker({"op": "decode", "gguf": gguf_path, "tokens": list(prompt_tokens), "n_new": n_new,
+                       "n_threads": n_threads, "kv_type": kv_type}, env, "decode.json", _read_json)
 
 
 def tokenize(gguf_path: str, text: str, env: PeerEnv | None = None) -> list[int]:
@@ -384,9 +394,21 @@ def _worker(job_path: str) -> None:
         return out, times
 
     generate(min(job["n_new"], 4))  # warm-up: page in the weights, allocate the graph
+    read0 = _read_bytes()
     new, times = generate(job["n_new"])
+    import resource
+
     with open(job["out"], "w") as f:
-        json.dump({"tokens": new, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0])}, f)
+        json.dump({"tokens": new, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+                   # storage reads of this process (page faults on the mmapped model included) per token
+                   "read_bytes_per_token": (_read_bytes() - read0) / len(new),
+                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
+
+
+def _read_bytes() -> int:
+    """Bytes this process has caused to be read from storage (/proc/self/io)."""
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
 # ---- accuracy ----

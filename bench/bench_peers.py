@@ -1,0 +1,292 @@
+"""semoe against llama.cpp on the same checkpoint: decode speed resident, and with memory short.
+
+The 3 GB Mixtral-shaped float32 checkpoint of bench_offload.py and its stores of bench_quant.py
+(float32, int8, int4), and llama.cpp's own conversions of it (f32, q8_0, q4_0; bench/llama_peer.py
+builds the peer into its own environment once). Every run is its own process, decodes greedily
+after the same prompt ids with 2 threads, after one warm-up generation; speed is timed from the first
+new token on (the prompt excluded); the median of --repeats rounds is reported.
+
+    resident  tok/s of both engines at each precision, greedy tokens' agreement (f32 against f32),
+              peak RSS
+    limited   with the page cache dropped first, a balloon process holds all but SIZE of the
+              available memory (no swap: it stays resident) while one engine runs, SIZE = 50% and
+              25% of the model's bytes: semoe with its CPU cache sized so that its process fits
+              SIZE, llama.cpp with mmap and the page cache. tok/s and bytes read from storage per
+              decoded token (/proc/PID/io read_bytes: O_DIRECT reads and mmap page faults alike)
+
+    python bench/bench_peers.py --workdir /path/of/bench_quant [--repeats 3] [--parts resident,limited]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, BENCH)
+
+from bench_offload import drop_cache, prompt_ids  # noqa: E402
+
+PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"))
+MARGIN_BYTES = 64 << 20  # left free in SIZE beside our measured footprint
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | None,
+             ring_slots: int | None = None) -> dict:
+    """Greedy decode of our engine (resident without a cache budget), after a warm-up generation."""
+    from inference.engine import Engine, EngineConfig
+    from semoe.generate import SamplingConfig
+
+    cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct") \
+        if cpu_cache else EngineConfig(dtype="float32")
+    engine = Engine.load(store, cfg)
+    try:
+        sampling = SamplingConfig(max_new_tokens=new_tokens)
+        engine.generate(prompt, SamplingConfig(max_new_tokens=4))
+        read0 = _read_bytes()
+        res = engine.generate(prompt, sampling)
+        return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
+                "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
+                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "cpu_cache_bytes": engine.offload.tier.cache.capacity_bytes if engine.offload else None}
+    finally:
+        engine.close()
+
+
+def run_llama(gguf: str, prompt: list[int], new_tokens: int) -> dict:
+    import llama_peer as peer
+
+    return peer.decode_run(gguf, prompt, new_tokens, n_threads=2, kv_type="f32", env=peer.ensure_env())
+
+
+def model_bytes(workdir: str, ours: str) -> int:
+    """Bytes of one of our stores' weights (experts and dense), the SIZE reference of its precision."""
+    from storage.store import Store
+
+    return sum(t.bytes for t in Store.open(os.path.join(workdir, ours)).manifest.tensors if t.kind == "weight")
+
+
+def dense_bytes(workdir: str, ours: str) -> int:
+    from storage.store import Store
+
+    return sum(t.bytes for t in Store.open(os.path.join(workdir, ours)).manifest.dense())
+
+
+# -- memory pressure ---------------------------------------------------------------------------
+
+
+def available_bytes() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def drop_page_cache() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("3\n")
+
+
+class Balloon:
+    """A process holding all but `keep` bytes of the available memory, touched so that it is resident;
+    ended on exit whatever happens."""
+
+    def __init__(self, keep: int) -> None:
+        self.keep = keep
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Balloon":
+        drop_page_cache()
+        size = available_bytes() - self.keep
+        if size <= 0:
+            raise SystemExit(f"only {available_bytes()} bytes available, less than SIZE {self.keep}")
+        code = ("import numpy as np, sys, time\n"
+                f"a = np.ones({size}, dtype=np.uint8)\n"  # written: every page resident
+                "print('ready', flush=True)\n"
+                "time.sleep(3600)\n")
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            raise SystemExit("the balloon process failed")
+        return self
+
+    @property
+    def alive(self) -> bool:
+        """False once the kernel's OOM killer took the balloon: a run then had more than SIZE."""
+        return self.proc is not None and self.proc.poll() is None
+
+    def __exit__(self, *exc: object) -> None:
+        if self.alive:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait()
+
+
+# -- the run -------------------------------------------------------------------------------------
+
+
+def child(args: argparse.Namespace) -> None:
+    spec = json.loads(args.only)
+    prompt = prompt_ids(args.prompt_tokens)
+    if spec["engine"] == "ours":
+        if spec.get("cold"):
+            drop_cache(spec["path"])
+        r = run_ours(spec["path"], prompt, args.new_tokens, spec.get("cpu_cache"), spec.get("ring_slots"))
+    else:
+        r = run_llama(spec["path"], prompt, args.new_tokens)
+    print(json.dumps(r))
+
+
+def _run(args: argparse.Namespace, spec: dict) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--only", json.dumps(spec),
+           "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
+    res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
+    if res.returncode != 0:
+        print(res.stderr, file=sys.stderr)
+        raise SystemExit(f"{spec} failed")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def resident(args: argparse.Namespace) -> dict:
+    runs: dict[str, list[dict]] = {}
+    for round_ in range(args.repeats):
+        for bits, ours, gguf in PAIRS:
+            for engine, path in (("ours", os.path.join(args.workdir, ours)),
+                                 ("llama", os.path.join(args.workdir, f"llama-{gguf}.gguf"))):
+                name = f"{engine}-{bits if engine == 'ours' else gguf}"
+                print(f"resident {name} ({round_ + 1}/{args.repeats}) ...", file=sys.stderr)
+                runs.setdefault(name, []).append(_run(args, {"engine": engine, "path": path}))
+    return _medians(runs)
+
+
+def footprint(args: argparse.Namespace, ours: str) -> dict:
+    """Our process with the smallest CPU cache it runs with (raised to what a ring of 2 slots needs;
+    on CPU the slots are CPU-cache entries, and 2 serve top-2 routing), no balloon: its peak RSS less
+    that cache is what it holds besides the cache."""
+    r = _run(args, {"engine": "ours", "path": os.path.join(args.workdir, ours), "cpu_cache": 1, "cold": True,
+                    "ring_slots": 2})
+    return {"peak_rss_bytes": r["peak_rss_bytes"], "min_cache_bytes": r["cpu_cache_bytes"]}
+
+
+def limited(args: argparse.Namespace) -> dict:
+    runs: dict[str, list[dict]] = {}
+    notes = {}
+    for bits, ours, gguf in PAIRS:
+        if bits not in args.limited_bits.split(","):
+            continue
+        fp = footprint(args, ours)
+        base = fp["peak_rss_bytes"] - fp["min_cache_bytes"]
+        total = model_bytes(args.workdir, ours)
+        for share in (int(s) for s in args.memory.split(",")):
+            size = total * share // 100
+            cache = size - base - MARGIN_BYTES
+            specs = [("llama", {"engine": "llama", "path": os.path.join(args.workdir, f"llama-{gguf}.gguf")})]
+            if cache >= fp["min_cache_bytes"]:
+                specs.insert(0, ("ours", {"engine": "ours", "path": os.path.join(args.workdir, ours),
+                                          "cpu_cache": cache, "cold": True, "ring_slots": 2}))
+            else:
+                notes[f"ours-{bits}-{share}%"] = (
+                    f"does not fit SIZE {size / 2**30:.2f} GiB: it holds {base / 2**30:.2f} GiB besides its cache "
+                    f"and its ring needs a cache of {fp['min_cache_bytes'] / 2**30:.2f} GiB")
+            for round_ in range(args.repeats):
+                for engine, spec in specs:
+                    name = f"{engine}-{bits if engine == 'ours' else gguf}-{share}%"
+                    print(f"limited {name}: SIZE {size / 2**30:.2f} GiB ({round_ + 1}/{args.repeats}) ...",
+                          file=sys.stderr)
+                    with Balloon(size) as balloon:
+                        r = _run(args, spec)
+                        if not balloon.alive:
+                            raise SystemExit(f"{name}: the balloon was killed (out of memory): the run had more "
+                                             f"than SIZE; not a memory-limited measurement")
+                    r["size_bytes"] = size
+                    runs.setdefault(name, []).append(r)
+    out = _medians(runs)
+    out["notes"] = notes
+    return out
+
+
+def _medians(runs: dict[str, list[dict]]) -> dict:
+    """Per configuration, the run with the median decode speed, and every run's speed."""
+    out = {}
+    for name, rs in runs.items():
+        r = dict(sorted(rs, key=lambda r: r["decode_tok_s"])[len(rs) // 2])
+        r["decode_tok_s_runs"] = [x["decode_tok_s"] for x in rs]
+        out[name] = r
+    return out
+
+
+def _agreement(a: list[int], b: list[int]) -> int:
+    """Greedy tokens in common before the first difference."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def report(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=1))
+        return
+    for part in ("resident", "limited"):
+        rows = dict(result.get(part, {}))
+        for name, why in rows.pop("notes", {}).items():
+            print(f"{part:8} {name:18} {why}")
+        for name, r in rows.items():
+            line = (f"{part:8} {name:18} {r['decode_tok_s']:7.2f} tok/s (runs "
+                    f"{', '.join(f'{x:.2f}' for x in r['decode_tok_s_runs'])}) | read "
+                    f"{r['read_bytes_per_token'] / 2**20:8.2f} MiB/tok | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+            print(line)
+        for bits, _, gguf in PAIRS:
+            for suffix in [""] if part == "resident" else [f"-{s}%" for s in ("50", "25")]:
+                ours, peer = rows.get(f"ours-{bits}{suffix}"), rows.get(f"llama-{gguf}{suffix}")
+                if ours and peer:
+                    print(f"{part:8} {bits}{suffix}: ours / llama.cpp {gguf} = "
+                          f"{ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x tok/s")
+    res = result.get("resident", {})
+    if "ours-f32" in res and "llama-f32" in res:
+        n = _agreement(res["ours-f32"]["tokens"], res["llama-f32"]["tokens"])
+        print(f"greedy tokens at f32: the first {n} of {len(res['ours-f32']['tokens'])} identical")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True, help="bench_quant's --workdir (checkpoint, stores, GGUF files)")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--prompt-tokens", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--parts", default="resident,limited")
+    ap.add_argument("--memory", default="50,25", help="SIZE as percentages of the model's bytes")
+    ap.add_argument("--limited-bits", default="f32,int8,int4", help="precisions of the memory-limited runs")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--only", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.only:
+        child(args)
+        return 0
+    missing = [p for _, _, g in PAIRS for p in [os.path.join(args.workdir, f"llama-{g}.gguf")] if not os.path.exists(p)]
+    if missing:
+        raise SystemExit(f"{missing[0]} is missing: run bench_quant.py --workdir {args.workdir} first (its peer part)")
+    result = {}
+    parts = args.parts.split(",")
+    if "resident" in parts:
+        result["resident"] = resident(args)
+    if "limited" in parts:
+        result["limited"] = limited(args)
+    report(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
