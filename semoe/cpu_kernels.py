@@ -1,8 +1,8 @@
-"""The compiled CPU kernels (semoe/kernels/gemv.c): products of a few rows with float32, int8 and int4 weights.
+"""The compiled CPU kernels (semoe/kernels/gemv.c): products of a few rows with int8 and int4 weights.
 
 Decoding multiplies one row (or a few) by each weight, so its speed is the rate at which weights
-stream from memory. torch's float32 GEMV reaches about half of this machine's read rate and uses
-one core; its packed int8/int4 ops want bfloat16 activations. These kernels keep float32
+stream from memory. For float32 weights torch's own product already runs at the memory bound; its
+packed int8/int4 ops want bfloat16 activations and widen slower. These kernels keep float32
 activations and sums, widen codes in registers, and split output rows over torch's thread count.
 The library is built at install (setup.py, -O3 -march=native) and loaded with ctypes; `available()`
 says whether it was, and the callers fall back to torch's ops where it was not.
@@ -34,10 +34,9 @@ def _lib() -> ctypes.CDLL | None:
                     "(tools/run.sh does); decoding falls back to torch's slower ops")
         return None
     lib = ctypes.CDLL(spec.origin)
-    lib.gemv_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_i8.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_i4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
-    for f in (lib.gemv_f32, lib.gemv_i8, lib.gemv_i4):
+    for f in (lib.gemv_i8, lib.gemv_i4):
         f.restype = None
     return lib
 
@@ -57,15 +56,6 @@ def _check(x_MI: torch.Tensor, w: torch.Tensor, I: int) -> None:
         raise ValueError("the CPU kernels take contiguous CPU tensors")
     if x_MI.shape[-1] != I:
         raise ValueError(f"x has {x_MI.shape[-1]} features, the weight {I}")
-
-
-def gemv_f32(x_MI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
-    """x @ w.T for a float32 (O, I) weight; float32 (..., O)."""
-    O, I = w_OI.shape
-    _check(x_MI, w_OI, I)
-    x, y = _rows(x_MI, O)
-    _lib().gemv_f32(x.data_ptr(), w_OI.data_ptr(), y.data_ptr(), x.shape[0], O, I, torch.get_num_threads())
-    return y.view(*x_MI.shape[:-1], O)
 
 
 def gemv_i8(x_MI: torch.Tensor, codes_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:

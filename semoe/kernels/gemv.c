@@ -1,14 +1,14 @@
 /* Products of a few rows with a weight matrix, at the memory bound of the CPU: decode's kernels.
  *
  * y (M, O) = x (M, I) @ W.T for W (O, I) stored as
- *   gemv_f32: float32;
  *   gemv_i8:  int8 codes with one float32 scale per output row (storage/quant.py `int8`);
  *   gemv_i4:  4-bit codes in torch's CPU int4 layout (rows in blocks of 64; for each input column
  *             k, 32 bytes, byte j holding row j of the block in its low nibble and row 32 + j in
  *             its high one) with a float32 (scale, zero) per group of g inputs and row, laid out
  *             (I/g, O, 2): w = (code - 8) * scale + zero (storage/quant.py `int4`).
  * Activations and sums stay float32: the codes are widened in registers, never in memory.
- * Output rows are split over `threads` OpenMP threads; M is small (a decoding step's tokens), so
+ * (Float32 weights need no kernel here: torch's own product already streams them at the memory
+ * bound.) Output rows are split over `threads` OpenMP threads; M is small (a decoding step's tokens), so
  * each weight row is read once for all M rows of x. Built with -O3 -march=native at install: the
  * loops are written for the compiler to vectorise (AVX2/AVX-512 where the machine has them).
  *
@@ -23,58 +23,6 @@
 #endif
 
 #define ROWS 4 /* output rows computed together, sharing the loads of x */
-
-static void dot_rows_f32(const float *x, int64_t M, int64_t I, const float *w, int64_t o0, int64_t n, float *y,
-                         int64_t O) {
-    for (int64_t m = 0; m < M; m++) {
-        const float *xm = x + m * I;
-        int64_t r = 0;
-#ifdef __AVX512F__
-        /* four rows at a time, 16 lanes, each load of x shared by the four */
-        for (; r + 4 <= n; r += 4) {
-            const float *w0 = w + (o0 + r) * I, *w1 = w0 + I, *w2 = w1 + I, *w3 = w2 + I;
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-            int64_t i = 0;
-            for (; i + 16 <= I; i += 16) {
-                __m512 xv = _mm512_loadu_ps(xm + i);
-                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w0 + i), xv, a0);
-                a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w1 + i), xv, a1);
-                a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w2 + i), xv, a2);
-                a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w3 + i), xv, a3);
-            }
-            if (i < I) {
-                __mmask16 k = (__mmask16)((1u << (I - i)) - 1);
-                __m512 xv = _mm512_maskz_loadu_ps(k, xm + i);
-                a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w0 + i), xv, a0);
-                a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w1 + i), xv, a1);
-                a2 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w2 + i), xv, a2);
-                a3 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(k, w3 + i), xv, a3);
-            }
-            float *ym = y + m * O + o0 + r;
-            ym[0] = _mm512_reduce_add_ps(a0);
-            ym[1] = _mm512_reduce_add_ps(a1);
-            ym[2] = _mm512_reduce_add_ps(a2);
-            ym[3] = _mm512_reduce_add_ps(a3);
-        }
-#endif
-        for (; r < n; r++) {
-            const float *wr = w + (o0 + r) * I;
-            float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-            for (int64_t i = 0; i < I; i++) acc += wr[i] * xm[i];
-            y[m * O + o0 + r] = acc;
-        }
-    }
-}
-
-void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t O, int64_t I, int threads) {
-    int64_t blocks = (O + ROWS - 1) / ROWS;
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t o0 = b * ROWS, n = O - o0 < ROWS ? O - o0 : ROWS;
-        dot_rows_f32(x, M, I, w, o0, n, y, O);
-    }
-}
 
 #ifdef __AVX512F__
 static inline __m512 widen_i8(const int8_t *q) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q))); }
