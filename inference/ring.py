@@ -9,7 +9,8 @@ keep experts across tokens; a slot is never taken from an expert the current lay
 What to do is decided by `inference.ring_book` (slots, victims, guesses, counters); this module
 carries it out. A copying ring gives each slot its own buffer in device memory, filled by the
 copy stream from the CPU-cache buffer (plain tensors cast to the compute dtype on the way when the
-store's differs; compact codes and scales copied as stored, so a slot holds the compact bytes); the copy into a slot waits only for the event recorded after the slot's last reader,
+store's differs; compact codes and scales copied as stored, so a slot holds the compact bytes);
+the copy into a slot waits only for the event recorded after the slot's last reader,
 and compute waits only for that copy's event. On a GPU that is the only mode; on CPU it runs when
 the device memory is budgeted (`--device-memory`) or the dtypes differ, through the same calls
 (the copy stream is a worker thread). Otherwise, on CPU, a slot holds the CPU-cache entry itself
@@ -27,10 +28,10 @@ from typing import Iterator
 import torch
 
 from inference.ring_book import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
-from semoe.expert_layout import ExpertLayout, expert_layouts, expert_weights, place, placed_bytes
-from storage.dtypes import dtype_name, torch_dtype
+from semoe.expert_layout import ExpertLayout, TensorSlice, expert_layouts, expert_weights, place, placed_bytes
 from semoe.experts import ExpertWeights, expert_mlp
 from semoe.model import MoEGPT
+from storage.dtypes import dtype_name, torch_dtype
 from storage.keys import ExpertKey
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
@@ -55,14 +56,14 @@ class _SlotMemory:
         self.buffers = [torch.empty(nbytes, dtype=torch.uint8, device=copier.device) for _ in range(slots)]
         self.last_reader: list[StreamEvent] = [COMPLETE] * slots
 
-    def fill(self, index: int, raw: torch.Tensor, layout: ExpertLayout) -> tuple[list[CopyHandle], tuple]:
-        """Issue the copies of one expert into slot `index`, after the slot's last reader; returns them
-        and where the tensors lie in the slot's buffer."""
-        dst, _ = place(layout, self.dtype)
+    def fill(self, index: int, raw: torch.Tensor, layout: ExpertLayout, dst: tuple[TensorSlice, ...]
+             ) -> list[CopyHandle]:
+        """Issue the copies of one expert into slot `index` (its tensors to `dst`, as `place` put them),
+        after the slot's last reader."""
         after, buf = self.last_reader[index], self.buffers[index]
         handles = [self.copier.copy(s.view(raw), d.view(buf), cast=True, after=after)
                    for s, d in zip(layout.tensors, dst)]
-        return handles, dst
+        return handles
 
     def read_done(self, index: int) -> None:
         """The compute that reads slot `index` is queued: later copies into it wait for this point."""
@@ -109,8 +110,12 @@ class OffloadedExperts:
                              f"and a store of another dtype or device")
         self.in_place = not self.copies
         self.memory: _SlotMemory | None = None
+        # where each expert's tensors lie in the memory compute reads: a slot's buffer when copying
+        # (placed once here, not at every fill), else the CPU-cache entry, which is the chunk itself
+        placed = {k: place(layout, dtype) for k, layout in self.layouts.items()} if self.copies else {}
+        self.compute_slices = {k: placed[k][0] if self.copies else layout.tensors for k, layout in self.layouts.items()}
         if self.copies:
-            nbytes = max(place(layout, dtype)[1] for layout in self.layouts.values())
+            nbytes = max(size for _, size in placed.values())
             self.memory = _SlotMemory(make_copy_stream(device), ring_slots, nbytes, dtype)
         self._loaded: dict[int, _Loaded] = {}  # slot index -> what is in it
         self._errors: dict[ExpertKey, BaseException] = {}  # failed loads, raised to the layer that needs them
@@ -186,8 +191,7 @@ class OffloadedExperts:
 
     def expert_nbytes(self, layer: int, expert: int) -> int:
         """Bytes of one expert's weights as compute reads them: placed in a slot, or in the CPU cache."""
-        layout = self.layouts[ExpertKey(layer, expert)]
-        return sum(t.nbytes for t in (place(layout, self.dtype)[0] if self.copies else layout.tensors))
+        return sum(t.nbytes for t in self.compute_slices[ExpertKey(layer, expert)])
 
     # -- data movement (on the queue's worker threads) -------------------------------------------
     def _fill(self, key: ExpertKey, demand: bool) -> None:
@@ -207,12 +211,12 @@ class OffloadedExperts:
         try:
             host = self.tier.get(*key, speculative=not demand)
             record.use_seen = demand
-            layout = self.layouts[key]
+            layout, dst = self.layouts[key], self.compute_slices[key]
             if self.memory is None:  # in place: the slot holds the CPU-cache entry
-                weights = expert_weights(host.raw, layout, layout.tensors, self.mlp)
+                weights = expert_weights(host.raw, layout, dst, self.mlp)
                 loaded = _Loaded(weights=weights, copies=[], host=host)
             else:
-                copies, dst = self.memory.fill(record.index, host.raw, layout)
+                copies = self.memory.fill(record.index, host.raw, layout, dst)
                 weights = expert_weights(self.memory.buffers[record.index], layout, dst, self.mlp)
                 loaded = _Loaded(weights=weights, copies=copies, host=host)
             with self._cond:
