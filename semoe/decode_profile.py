@@ -20,8 +20,6 @@ from torch import nn
 
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 
-PARTS = ("attention", "router", "experts", "dense_ffn", "lm_head", "rest")
-
 
 @dataclass
 class _Step:

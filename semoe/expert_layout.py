@@ -67,10 +67,6 @@ class ExpertLayout:
     def tensors(self) -> tuple[TensorSlice, ...]:
         return tuple(t for p in self.parts for t in p.tensors)
 
-    @property
-    def compact(self) -> bool:
-        return any(p.spec is not None for p in self.parts)
-
 
 def moe_prefix(config: MoEConfig) -> str:
     """The HuggingFace name of a MoE layer's module."""
@@ -184,11 +180,6 @@ class PackedExperts:
         self.buffers = buffers
         self.weights = {e: expert_weights(buffers[e], layouts[e], place(layouts[e], dtype)[0], self.mlp, kernel)
                         for e in buffers}
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes held in compute memory."""
-        return sum(b.numel() for b in self.buffers.values())
 
     def expert_nbytes(self, layer: int, expert: int) -> int:
         """Bytes of one expert's placed weights."""

@@ -15,7 +15,6 @@ import os
 from dataclasses import dataclass, field
 from typing import Callable
 
-import numpy as np
 import torch
 
 from semoe.checkpoint import config_from_json
@@ -25,7 +24,7 @@ from storage.durable import undo_create
 from storage.errors import BadInputError
 from storage.quant import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, \
     quantize, scales_name
-from storage.store import ExpertTensor, Store, chunk_layout, iter_expert_chunks
+from storage.store import ExpertTensor, Store, iter_expert_chunks
 
 log = logging.getLogger(__name__)
 
@@ -130,15 +129,10 @@ def quantize_store(src: str, dst: str, cfg: QuantizeConfig, *, progress: Progres
                 hf_files = {e.name: e.hf_file for e in entries}
                 for t in expert:
                     t.hf_file = hf_files.get(t.name) or hf_files.get(t.quant.get("scales_of") if t.quant else None)
-                offsets, size = chunk_layout([(t.tensor.dtype, tuple(t.tensor.shape)) for t in expert])
-                buf = np.zeros(size, dtype=np.uint8)
-                for off, t in zip(offsets, expert):
-                    raw = t.tensor.contiguous().reshape(-1).view(torch.uint8).numpy()
-                    buf[off:off + raw.nbytes] = raw
-                w.put_expert_chunk(chunk.layer, chunk.expert, expert, buf, offsets, num_experts=layers[chunk.layer])
+                w.put_expert(chunk.layer, chunk.expert, expert, num_experts=layers[chunk.layer])
                 report.quantized += sum(1 for t in expert if t.quant and "scheme" in t.quant)
                 report.bytes_before += chunk.bytes
-                report.bytes_after += size
+                report.bytes_after += w.manifest.chunk(chunk.layer, chunk.expert).bytes
                 if progress:
                     progress(sum(e.bytes for e in entries))
             w.set_model({**m.model, "quantization": {"format": cfg.name, "source": "semoe store quantize",

@@ -103,11 +103,6 @@ def scales_name(name: str, scheme: str) -> str:
     return name + SCALE_SUFFIX[scheme]
 
 
-def bits_per_weight(spec: QuantSpec, codes_bytes: int, scales_bytes: int) -> float:
-    """Stored bits per logical weight, scales included."""
-    return 8 * (codes_bytes + scales_bytes) / spec.numel
-
-
 # -- int8 / int4: quantize ---------------------------------------------------------------------
 
 
@@ -200,13 +195,3 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec,
         return dequantize_mxfp4(codes.unsqueeze(0), scales.unsqueeze(0), torch.float32)[0].to(dt)
     w = dequantize_out_in(codes, scales, spec, dt)
     return (w.T if spec.transposed else w).contiguous()
-
-
-def max_step(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Per element of the out-major matrix, one quantization step (the round trip is within half of it)."""
-    o, i = spec.out_in
-    if spec.scheme == "int8":
-        return scales.to(torch.float32)[:, None].expand(o, i)
-    if spec.scheme == "int4":
-        return scales.to(torch.float32)[..., 0].T.repeat_interleave(spec.group_size, dim=1)
-    raise ValueError(f"no step for {spec.scheme}")

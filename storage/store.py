@@ -362,17 +362,18 @@ class Store:
     def schemes(self) -> dict[str, dict]:
         """Per compact scheme: weights (by name), bytes of codes and scales, bits per logical weight."""
         m = self.manifest
-        entries = {(t.name, t.expert if t.stacked else None): t for t in m.tensors if t.kind == "weight"}
-        acc: dict[str, list] = {}
+        out: dict[str, dict] = {}
         for t in m.tensors:
             if t.kind != "weight" or not t.quant or "scheme" not in t.quant:
                 continue
             spec = QuantSpec.from_json(t.quant)
-            scales = entries.get((spec.scales, t.expert if t.stacked else None))
-            names, nbytes, weights = acc.setdefault(spec.scheme, [set(), 0, 0])
-            names.add(t.name)
-            acc[spec.scheme][1:] = [nbytes + t.bytes + (scales.bytes if scales else 0), weights + spec.numel]
-        return {k: {"tensors": len(n), "bytes": b, "bits_per_weight": 8 * b / w} for k, (n, b, w) in sorted(acc.items())}
+            scales = m.tensor(spec.scales, stack_index=t.expert if t.stacked else None)
+            s = out.setdefault(spec.scheme, {"names": set(), "bytes": 0, "weights": 0})
+            s["names"].add(t.name)
+            s["bytes"] += t.bytes + scales.bytes
+            s["weights"] += spec.numel
+        return {k: {"tensors": len(s["names"]), "bytes": s["bytes"], "bits_per_weight": 8 * s["bytes"] / s["weights"]}
+                for k, s in sorted(out.items())}
 
 
 def check_crc(entry: TensorEntry, data: np.ndarray, path: str) -> None:

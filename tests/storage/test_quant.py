@@ -8,8 +8,18 @@ import pytest
 import torch
 
 from storage.errors import BadInputError
-from storage.quant import INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, dequantize, max_step, \
-    pack_int4, quantize, scales_name, unpack_int4
+from storage.quant import INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, dequantize, pack_int4, \
+    quantize, scales_name, unpack_int4
+
+
+def max_step(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Per element of the out-major matrix, one quantization step (the round trip is within half of it)."""
+    o, i = spec.out_in
+    if spec.scheme == "int8":
+        return scales.to(torch.float32)[:, None].expand(o, i)
+    if spec.scheme == "int4":
+        return scales.to(torch.float32)[..., 0].T.repeat_interleave(spec.group_size, dim=1)
+    raise ValueError(f"no step for {spec.scheme}")
 
 
 def spec_for(w: torch.Tensor, scheme: str, g: int | None, transposed: bool = False) -> QuantSpec:
