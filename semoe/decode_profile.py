@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from semoe.generate import sync
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 
 
@@ -50,8 +51,7 @@ class DecodeProfile:
 
     # -- hooks --------------------------------------------------------------------------------
     def _now(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        sync(self.device)  # on CUDA the work queued so far belongs to the part that queued it
         return time.perf_counter()
 
     def _timed(self, module: nn.Module, part: str, weight_bytes: int | None) -> None:

@@ -80,7 +80,8 @@ def decode_one_token(model: MoEGPT, ids_B1: torch.Tensor, cache: KVCache) -> tor
     return model(ids_B1, cache).logits[:, -1]
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on `device` (a no-op on CPU, where it has already run)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
@@ -115,12 +116,12 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
         if on_token is not None:
             on_token(tokens[-1], logprobs[-1])
         if t_first is None:
-            _sync(device)
+            sync(device)
             t_first = time.perf_counter()
         if len(tokens) == cfg.max_new_tokens or tokens[-1] in cfg.stop_ids:
             break
         logits = decode_one_token(model, nxt[:, None], cache)
-    _sync(device)
+    sync(device)
     t_end = time.perf_counter()
     decode_s = t_end - t_first
     return GenerationResult(tokens=tokens, logprobs=logprobs, prompt_tokens=len(prompt), ttft_s=t_first - t0,
