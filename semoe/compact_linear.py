@@ -6,7 +6,8 @@ computes on it without widening it in memory:
 - reference: dequantize to the weight's logical dtype, then the float32 product (what the fast path
   is tested against);
 - fast, on CPU, for the few rows of a decoding step: semoe's own kernels (`semoe.cpu_kernels`),
-  which read the stored codes as they are, widen them in registers and keep float32 activations;
+  which read the stored codes as they are and multiply them with x quantized per block of 32
+  inputs to int8 (as llama.cpp's CPU kernels do), summing each block exactly in integers;
 - fast, on CPU, for more rows (prefill, evaluation) or where those kernels are not built: torch's
   packed weight-only ops, int8 through `_weight_int8pack_mm`, int4 through
   `_weight_int4pack_mm_for_cpu`, both with bfloat16 activations and scales (their float32 variants

@@ -2,8 +2,12 @@
 
 Decoding multiplies one row (or a few) by each weight, so its speed is the rate at which weights
 stream from memory. For float32 weights torch's own product already runs at the memory bound; its
-packed int8/int4 ops want bfloat16 activations and widen slower. These kernels keep float32
-activations and sums, widen codes in registers, and split output rows over torch's thread count.
+packed int8/int4 ops want bfloat16 activations and widen slower. These kernels quantize each row
+of x in blocks of 32 inputs to int8 codes and a float32 scale (as llama.cpp's CPU kernels do), sum
+each block's products exactly in integers (AVX-512 VNNI where the machine has it), scale the block
+sums in float32, and split output rows over torch's thread count. `quantize_activations` is that
+quantization in torch, bit for bit the kernels' own: the reference they are tested against, and the
+one `CompactWeight`'s reference kernel computes with.
 The library is built at install (setup.py, -O3 -march=native) and loaded with ctypes; `available()`
 says whether it was, and the callers fall back to torch's ops where it was not.
 
@@ -36,14 +40,61 @@ def _lib() -> ctypes.CDLL | None:
     lib = ctypes.CDLL(spec.origin)
     lib.gemv_i8.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_i4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
-    for f in (lib.gemv_i8, lib.gemv_i4):
+    lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
+    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8):
         f.restype = None
+    lib.kernels_vnni.restype = ctypes.c_int
     return lib
 
 
 def available() -> bool:
     """Whether the compiled kernels are loaded."""
     return _lib() is not None
+
+
+def vnni() -> bool:
+    """Whether the kernels were built with AVX-512 VNNI (else portable loops, the same sums)."""
+    return available() and bool(_lib().kernels_vnni())
+
+
+ACTIVATION_BLOCK = 32  # inputs per activation scale
+
+
+def quantize_activations(x_MI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernels' quantization of x (..., I), in torch: int8 codes (..., I) and float32 scales
+    (..., ceil(I / 32)) per block of 32 inputs, d = amax / 127, code = rint(x * (1 / d))."""
+    x = x_MI.to(torch.float32)
+    I = x.shape[-1]
+    pad = -I % ACTIVATION_BLOCK
+    xb = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, ACTIVATION_BLOCK))
+    d = xb.abs().amax(-1) / 127.0
+    inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
+    q = torch.round(xb * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
+    return q.flatten(-2)[..., :I], d
+
+
+def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: codes times their block's scale, float32 (..., I)."""
+    I = q.shape[-1]
+    xb = torch.nn.functional.pad(q.to(torch.float32), (0, -I % ACTIVATION_BLOCK)).unflatten(-1, (-1, ACTIVATION_BLOCK))
+    return (xb * d.unsqueeze(-1)).flatten(-2)[..., :I]
+
+
+def activations_as_seen(x_MI: torch.Tensor) -> torch.Tensor:
+    """x after the kernels' quantization, float32: what a reference multiplies to get their result."""
+    return dequantize_activations(*quantize_activations(x_MI))
+
+
+def quantize_activations_compiled(x_MI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize_activations` as the compiled kernels compute it (for the test that they agree)."""
+    x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.float32).contiguous()
+    M, I = x.shape
+    Ip = -(-I // 64) * 64
+    q = torch.empty(M, Ip, dtype=torch.int8)
+    d = torch.empty(M, Ip // ACTIVATION_BLOCK, dtype=torch.float32)
+    _lib().quantize_rows_q8(x.data_ptr(), q.data_ptr(), d.data_ptr(), M, I, Ip)
+    nb = -(-I // ACTIVATION_BLOCK)
+    return q[:, :I].reshape(*x_MI.shape), d[:, :nb].reshape(*x_MI.shape[:-1], nb)
 
 
 def _rows(x_MI: torch.Tensor, O: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +110,8 @@ def _check(x_MI: torch.Tensor, w: torch.Tensor, I: int) -> None:
 
 
 def gemv_i8(x_MI: torch.Tensor, codes_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
-    """x @ (codes * scale[:, None]).T for int8 codes (O, I) and float32 row scales (O,); float32 (..., O)."""
+    """x @ (codes * scale[:, None]).T for int8 codes (O, I) and float32 row scales (O,), with x quantized
+    as `quantize_activations` does; float32 (..., O)."""
     O, I = codes_OI.shape
     _check(x_MI, codes_OI, I)
     scale = scale_O.to(torch.float32).contiguous()
@@ -72,7 +124,7 @@ def gemv_i8(x_MI: torch.Tensor, codes_OI: torch.Tensor, scale_O: torch.Tensor) -
 def gemv_i4(x_MI: torch.Tensor, packed_OH: torch.Tensor, scale_zero_GO2: torch.Tensor, group_size: int
             ) -> torch.Tensor:
     """x @ W.T for int4 codes in the CPU kernel's layout (O, I/2) with float32 (scale, zero) per group
-    (G, O, 2); float32 (..., O)."""
+    (G, O, 2), with x quantized as `quantize_activations` does; float32 (..., O)."""
     O, I = packed_OH.shape[0], 2 * packed_OH.shape[1]
     _check(x_MI, packed_OH, I)
     sz = scale_zero_GO2.to(torch.float32).contiguous()

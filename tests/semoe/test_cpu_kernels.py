@@ -1,7 +1,10 @@
 """semoe's compiled CPU kernels against plain references, on odd shapes too.
 
-Tolerances: float32 sums in another order than the reference's, so relative to the output's scale
-1e-5 (float32 has 24 bits; a sum of a few thousand terms loses a few more).
+The kernels quantize x per block of 32 inputs (`quantize_activations`); the compiled quantization
+must give the same codes and scales as torch's, bit for bit, and the products must equal the float64
+product of the dequantized x with the dequantized weight. Tolerances: the kernels' block sums are
+exact integers, then float32 sums in another order than the reference's, so relative to the output's
+scale 1e-5 (float32 has 24 bits; a sum of a few thousand terms loses a few more).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ def test_int8_product_equals_the_dequantized_reference(M, O, I, threads):
     g = torch.Generator().manual_seed(O + I)
     x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g)
     codes, scales = quantize(w, "int8")
-    ref = x.double().mm(dequantize(codes, scales, QuantSpec(scheme="int8", dtype="F32", shape=(O, I),
+    ref = cpu_kernels.activations_as_seen(x).double().mm(dequantize(codes, scales, QuantSpec(scheme="int8", dtype="F32", shape=(O, I),
                                                             scales="s")).double().T).float()
     assert _relative(cpu_kernels.gemv_i8(x, codes, scales), ref) < 1e-5
 
@@ -50,8 +53,24 @@ def test_int4_product_equals_the_dequantized_reference(M, O, I, group, threads):
     x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g)
     codes, sz = quantize(w, "int4", group_size=group)
     spec = QuantSpec(scheme="int4", dtype="F32", shape=(O, I), scales="s", group_size=group)
-    ref = x.double().mm(dequantize(codes, sz, spec).double().T).float()
+    ref = cpu_kernels.activations_as_seen(x).double().mm(dequantize(codes, sz, spec).double().T).float()
     assert _relative(cpu_kernels.gemv_i4(x, codes, sz, group), ref) < 1e-5
+
+
+@pytest.mark.parametrize("M, I", [(1, 1024), (3, 5), (2, 333), (4, 64)])
+def test_the_compiled_activation_quantization_is_torchs_bit_for_bit(M, I):
+    g = torch.Generator().manual_seed(M * I)
+    x = torch.randn(M, I, generator=g) * torch.logspace(-3, 2, I)  # blocks of very different scales
+    x[0, :32] = 0.0  # a block of zeros: scale 0, codes 0
+    q, d = cpu_kernels.quantize_activations(x)
+    qc, dc = cpu_kernels.quantize_activations_compiled(x)
+    assert torch.equal(q, qc) and torch.equal(d, dc)
+    assert q[0, :32].abs().sum() == 0 and d[0, 0] == 0
+    # the quantization itself: within half a step of x, and the block's largest input hits 127
+    seen = cpu_kernels.dequantize_activations(q, d)
+    step = torch.repeat_interleave(d, 32, dim=-1)[..., :I]
+    assert bool(((seen - x).abs() <= 0.5 * step * (1 + 1e-6) + 1e-30).all())
+    assert int(q.abs().max()) == 127
 
 
 def test_bad_operands_are_refused():
