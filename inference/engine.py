@@ -18,6 +18,7 @@ from typing import Callable
 import torch
 
 from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
+from semoe.compact_linear import DENSE_CHOICES
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import MoEGPT
 from storage.pool import peak_rss_bytes
@@ -50,12 +51,17 @@ class EngineConfig:
     # fill the CPU cache with experts, in layer order, up to its budget while loading (as a
     # resident model reads all its weights before its first request); False: fill it lazily
     preload: bool = True
+    # the weights outside the experts: float, int8, or auto (int8 on CPU when the experts are compact:
+    # decode streams every dense weight for each token, as it does the experts)
+    dense: str = "auto"
 
     def __post_init__(self) -> None:
         if self.dtype is None:
             self.dtype = "bfloat16" if torch.device(self.device).type == "cuda" else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.dense not in DENSE_CHOICES:
+            raise ValueError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {self.dense!r}")
         if self.cache_policy == "belady":
             raise ValueError("cache_policy belady needs the future accesses: it is for simulation only")
         for name in ("cpu_cache_bytes", "device_memory_bytes", "ring_slots"):
@@ -90,7 +96,7 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         name = os.path.basename(os.path.normpath(path))
         if not config.offloaded:
-            model = load_model(path, device=config.device, dtype=dtype)
+            model = load_model(path, device=config.device, dtype=dtype, dense=config.dense)
             return cls(model, load_model_tokenizer(path, model.config), name=name, config=config)
         from inference.ring import OffloadedExperts
 
@@ -103,7 +109,7 @@ class Engine:
             store_path = os.path.join(cleanup, "store")
             log.warning("%s is not a store: importing it into %s for offloading", path, store_path)
             import_checkpoint(path, store_path)
-        model = load_store(store_path, device=config.device, dtype=dtype, with_experts=False)
+        model = load_store(store_path, device=config.device, dtype=dtype, with_experts=False, dense=config.dense)
         offload = OffloadedExperts.attach(model, store_path, config)
         if config.preload:
             offload.warm_idle(in_request=False)

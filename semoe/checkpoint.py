@@ -16,6 +16,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from semoe.compact_linear import compact_dense_linears, resolve_dense
 from semoe.config import MoEConfig
 from semoe.hf_config import from_hf_config
 from semoe.expert_layout import chunk_layout_of, hf_expert_names, moe_prefix, packed_layer
@@ -154,13 +155,15 @@ def _part_tensor(part: ExpertPart, expert: int) -> torch.Tensor:
 
 
 def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               with_experts: bool = True, kernel: str = "auto") -> MoEGPT:
+               with_experts: bool = True, kernel: str = "auto", dense: str = "auto") -> MoEGPT:
     """A model from a store; `with_experts=False` leaves experts to a provider (offload engine).
 
     Compact (quantized) experts stay compact: each MoE layer then holds them as `PackedExperts`,
     placed as an offload ring slot holds them, so resident and offloaded compute alike. Compact
     dense weights are dequantized. `kernel="reference"` computes compact experts by the plain
-    dequantize-then-multiply reference."""
+    dequantize-then-multiply reference. `dense` (`semoe.compact_linear.DENSE_CHOICES`): the weights
+    outside the experts float, or int8 (quantized here); `auto` is int8 on CPU when the store's
+    experts are int8 or int4 (`resolve_dense`)."""
     store = Store.open(path)
     if not store.manifest.has_file("config.json"):
         raise BadInputError(f"{path}: store has no config.json (not a model store)")
@@ -168,7 +171,7 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     compact = with_experts and store.is_compact()
     model = _empty_model(config, device, dtype, with_experts=with_experts and not compact)
 
-    def dense(key: str) -> torch.Tensor:
+    def dense_tensor(key: str) -> torch.Tensor:
         if not store.manifest.has_tensor(key):
             raise BadInputError(f"{path}: tensor {key} is missing")
         return store.read_dense(key)
@@ -180,7 +183,7 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
             raise BadInputError(f"{path}: expert {e} of layer {layer} is missing")
         return store.read_expert(layer, e)
 
-    _load(model, dense, expert, path)
+    _load(model, dense_tensor, expert, path)
     if compact:
         for ffn in model.moe_layers():
             layouts, raws = {}, {}
@@ -190,6 +193,8 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
                 layouts[e] = chunk_layout_of(store.manifest, config, ffn.layer, e, path)
                 raws[e] = store.read_chunk(ffn.layer, e)
             ffn.use_experts(packed_layer(config, ffn.layer, raws, layouts, device=device, dtype=dtype, kernel=kernel))
+    if resolve_dense(dense, device=device, expert_schemes=store.expert_schemes()) == "int8":
+        compact_dense_linears(model, "int8", kernel=kernel)
     return model.eval()
 
 
@@ -229,11 +234,18 @@ def is_store(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> MoEGPT:
-    """A model, everything resident, from a HuggingFace directory or a store."""
+def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               dense: str = "auto") -> MoEGPT:
+    """A model, everything resident, from a HuggingFace directory or a store; `dense` as `load_store`'s
+    (a HuggingFace directory's experts are never int8 or int4, so `auto` keeps its dense weights)."""
     if not os.path.isdir(path):
         raise BadInputError(f"{path}: no such directory (expected a HuggingFace checkpoint or a store)")
-    return load_store(path, device=device, dtype=dtype) if is_store(path) else load_hf(path, device=device, dtype=dtype)
+    if is_store(path):
+        return load_store(path, device=device, dtype=dtype, dense=dense)
+    model = load_hf(path, device=device, dtype=dtype)
+    if resolve_dense(dense, device=device, expert_schemes=set()) == "int8":
+        compact_dense_linears(model, "int8")
+    return model
 
 
 

@@ -25,10 +25,11 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from semoe import cpu_kernels
-from storage.dtypes import torch_dtype
-from storage.quant import QuantSpec, dequantize, dequantize_out_in
+from storage.dtypes import dtype_name, torch_dtype
+from storage.quant import QuantShapeError, QuantSpec, dequantize, dequantize_out_in, quantize
 
 # auto: the fast path for the device; dequantize: the one CUDA takes (forced here to test it on CPU);
 # reference: dequantize, then a float32 product
@@ -52,6 +53,11 @@ class CompactWeight:
     def shape(self) -> torch.Size:
         """The logical shape."""
         return torch.Size(self.spec.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of codes and scales."""
+        return self.codes.numel() * self.codes.element_size() + self.scales.numel() * self.scales.element_size()
 
     def dequantize(self, dtype: torch.dtype | None = None) -> torch.Tensor:
         """The logical tensor, in `dtype` (default: the logical dtype)."""
@@ -102,3 +108,76 @@ def matmul(x_MI: torch.Tensor, w_IO: Weight) -> torch.Tensor:
                              f"the right operand of x @ w")
         return w_IO.linear(x_MI)
     return x_MI @ w_IO
+
+
+# -- dense weights ------------------------------------------------------------------------------
+
+# what `--dense` may ask for: the weights outside the experts as the store holds them, or int8
+DENSE_CHOICES = ("auto", "float", "int8")
+
+
+class CompactLinear(nn.Module):
+    """`nn.Linear`'s forward over a compact weight (and the float bias, when there is one)."""
+
+    def __init__(self, weight: CompactWeight, bias: torch.Tensor | None) -> None:
+        super().__init__()
+        self.weight = weight
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.spec.out_in[1]
+
+    @property
+    def out_features(self) -> int:
+        return self.weight.spec.out_in[0]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.weight.linear(x)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.weight.spec.scheme}"
+
+
+def weight_bytes(module: nn.Module) -> int:
+    """Bytes of a module's parameters and compact weights, as they are held."""
+    total = sum(p.numel() * p.element_size() for p in module.parameters())
+    return total + sum(m.weight.nbytes for m in module.modules() if isinstance(m, CompactLinear))
+
+
+def resolve_dense(dense: str, *, device: torch.device | str, expert_schemes: set[str]) -> str:
+    """`auto`: int8 on CPU where the experts were quantized to int8 or int4 (`store quantize`), since
+    decode streams every dense weight from memory beside them and float ones would take as long as
+    the experts; else as stored (`float`), as for a checkpoint's own FP8 or MXFP4 experts."""
+    if dense not in DENSE_CHOICES:
+        raise ValueError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {dense!r}")
+    if dense == "auto":
+        ours = bool(expert_schemes & {"int8", "int4"})
+        return "int8" if ours and torch.device(device).type == "cpu" else "float"
+    return dense
+
+
+def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto") -> int:
+    """Replace the model's dense `nn.Linear` layers (attention, lm_head, dense and shared
+    feed-forwards) by `CompactLinear`s of `scheme`, quantized here; the routers and the token
+    embedding stay as they are (a router's few rows decide which experts run). Returns the bytes
+    the weights took before, as float."""
+    if scheme != "int8":
+        raise ValueError(f"dense weights can be quantized to int8, not {scheme!r}")
+    swaps = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear
+             and not name.endswith("shared_gate")]
+    before = 0
+    for name, mod in swaps:
+        w = mod.weight.detach()
+        try:
+            codes, scales = quantize(w.float(), scheme)
+        except QuantShapeError:
+            continue
+        spec = QuantSpec(scheme=scheme, dtype=dtype_name(w.dtype), shape=tuple(w.shape), scales="")
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, CompactLinear(CompactWeight(codes.to(w.device), scales.to(w.device), spec, kernel),
+                                            mod.bias))
+        before += w.numel() * w.element_size()
+    return before

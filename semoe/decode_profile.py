@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from semoe.compact_linear import weight_bytes
 from semoe.generate import sync
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 
@@ -26,10 +27,6 @@ from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 class _Step:
     seconds: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     bytes: dict[str, int] = field(default_factory=lambda: defaultdict(int))
-
-
-def _param_bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def expert_bytes(provider: object, layer: int, expert: int) -> int:
@@ -54,7 +51,7 @@ class DecodeProfile:
         sync(self.device)  # on CUDA the work queued so far belongs to the part that queued it
         return time.perf_counter()
 
-    def _timed(self, module: nn.Module, part: str, weight_bytes: int | None) -> None:
+    def _timed(self, module: nn.Module, part: str, nbytes: int | None) -> None:
         def pre(_m, _args):
             if self._current is not None:
                 self._started[id(module)] = self._now()
@@ -62,8 +59,8 @@ class DecodeProfile:
         def post(_m, _args, out):
             if self._current is not None and id(module) in self._started:
                 self._current.seconds[part] += self._now() - self._started.pop(id(module))
-                if weight_bytes is not None:
-                    self._current.bytes[part] += weight_bytes
+                if nbytes is not None:
+                    self._current.bytes[part] += nbytes
                 if part == "experts":
                     self._count_experts(module, out)
 
@@ -90,16 +87,16 @@ class DecodeProfile:
         # raw keys: a MoE layer's time ("moe") holds its router's and shared expert's; `report` splits it
         m = self.model
         for block in m.layers:
-            self._timed(block.attn, "attention", _param_bytes(block.attn))
+            self._timed(block.attn, "attention", weight_bytes(block.attn))
             ffn = block.ffn
             if isinstance(ffn, MoEFeedForward):
-                self._timed(ffn.router, "router", _param_bytes(ffn.router))
+                self._timed(ffn.router, "router", weight_bytes(ffn.router))
                 if hasattr(ffn, "shared"):
-                    self._timed(ffn.shared, "shared", _param_bytes(ffn.shared))
+                    self._timed(ffn.shared, "shared", weight_bytes(ffn.shared))
                 self._timed(ffn, "experts", None)
             elif isinstance(ffn, DenseFFN):
-                self._timed(ffn, "dense", _param_bytes(ffn))
-        self._timed(m.lm_head, "lm_head", m.lm_head.weight.numel() * m.lm_head.weight.element_size())
+                self._timed(ffn, "dense", weight_bytes(ffn))
+        self._timed(m.lm_head, "lm_head", weight_bytes(m.lm_head))
         self._handles += [m.register_forward_pre_hook(self._root_pre), m.register_forward_hook(self._root_post)]
         return self
 

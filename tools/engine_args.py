@@ -28,10 +28,15 @@ def resolve_device(name: str) -> "torch.device":  # noqa: F821
 
 
 def add_device_flags(p: argparse.ArgumentParser) -> None:
-    """`--device` and `--dtype`: where the model runs and in what precision."""
+    """`--device`, `--dtype` and `--dense`: where the model runs and in what precision."""
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default auto: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
+    p.add_argument("--dense", default="auto", choices=("auto", "float", "int8"),
+                   help="the weights outside the experts (attention, lm_head, dense and shared feed-forwards): "
+                        "float as stored, or int8 quantized at load (one scale per row, as `store quantize "
+                        "--bits 8` does experts). Default auto: int8 on CPU when the store's experts are "
+                        "quantized, since decoding reads every dense weight for each token; float otherwise")
 
 
 def add_routing_trace_flag(p: argparse.ArgumentParser) -> None:
@@ -89,7 +94,8 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":  # noqa
     if args.cache_policy not in ONLINE_POLICIES:
         raise UsageError(f"--cache-policy must be one of {', '.join(ONLINE_POLICIES)}, got {args.cache_policy!r}")
     return EngineConfig(device=str(resolve_device(args.device)), dtype=args.dtype, cpu_cache_bytes=cpu,
-                        device_memory_bytes=dev, ring_slots=args.ring_slots, cache_policy=args.cache_policy)
+                        device_memory_bytes=dev, ring_slots=args.ring_slots, cache_policy=args.cache_policy,
+                        dense=args.dense)
 
 
 ONLINE_POLICIES = ("next-use", "lfu-aging", "lfu", "lru")  # belady needs the future: simulation only

@@ -207,6 +207,42 @@ def test_the_resident_quantized_model_follows_the_reference_kernel(stores, arch)
             assert _relative(ref.logits[0, same], f32.logits[0, same]) < (0.02 if bits == 8 else 0.1), bits
 
 
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
+def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_for_float(stores, arch, capsys):
+    from torch import nn
+
+    from semoe.checkpoint import load_store
+    from semoe.compact_linear import CompactLinear, weight_bytes
+
+    q8 = load_store(stores(arch, 8))
+    # auto on CPU: every dense linear (attention with its biases, lm_head) int8; the routers, the
+    # embedding and the norms as stored
+    assert isinstance(q8.lm_head, CompactLinear) and q8.lm_head.weight.spec.scheme == "int8"
+    for b in q8.layers:
+        assert all(isinstance(getattr(b.attn, n), CompactLinear) for n in ("q_proj", "k_proj", "v_proj", "o_proj"))
+    assert not [n for n, m in q8.named_modules() if type(m) is nn.Linear]
+    V, D = q8.config.vocab_size, q8.config.hidden_size
+    assert weight_bytes(q8.lm_head) == V * D + 4 * V  # codes and a float32 scale per row
+    plain = load_store(stores(arch, 8), dense="float")
+    assert type(plain.lm_head) is nn.Linear
+    assert type(load_store(stores(arch, 32)).lm_head) is nn.Linear  # float experts: dense as stored
+    with torch.no_grad():
+        ids = torch.tensor([PROMPT])
+        a, b = q8(ids), plain(ids)
+        # int8 dense weights move the logits by little wherever the routing stayed the same
+        same = torch.stack([(a.router[k].ids_NK == b.router[k].ids_NK).all(-1) for k in a.router]).all(0)
+        assert int(same.sum()) >= len(PROMPT) - 2
+        assert _relative(a.logits[0, same], b.logits[0, same]) < 0.02
+    # the flag: float keeps them, anything else is refused by name
+    ids = ",".join(map(str, PROMPT))
+    assert main(["generate", "--model", stores(arch, 8), "--prompt-ids", ids, "--max-new-tokens", "2",
+                 "--device", "cpu", "--dense", "float", "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out)["tokens"]) == 2
+    with pytest.raises(SystemExit) as e:
+        main(["generate", "--model", stores(arch, 8), "--prompt-ids", ids, "--dense", "int3"])
+    assert e.value.code == 2 and "--dense: invalid choice: 'int3'" in capsys.readouterr().err
+
+
 def test_the_cache_and_the_ring_hold_compact_bytes(stores):
     from inference.ring import OffloadedExperts
 
