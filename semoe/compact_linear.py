@@ -75,7 +75,7 @@ class CompactWeight:
                 y = cpu_kernels.gemv_i8(x_MI, self.codes, self.scales)
             else:
                 y = cpu_kernels.gemv_i4(x_MI, self.codes, self.scales, self.spec.group_size)
-            return y.to(x_MI.dtype)
+            return y if y.dtype == x_MI.dtype else y.to(x_MI.dtype)
         if packed and self.spec.scheme == "int8":
             x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))

@@ -97,28 +97,28 @@ def quantize_activations_compiled(x_MI: torch.Tensor) -> tuple[torch.Tensor, tor
     return q[:, :I].reshape(*x_MI.shape), d[:, :nb].reshape(*x_MI.shape[:-1], nb)
 
 
-def _rows(x_MI: torch.Tensor, O: int) -> tuple[torch.Tensor, torch.Tensor]:
-    x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.float32).contiguous()
-    return x, torch.empty(x.shape[0], O, dtype=torch.float32)
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    # decode calls these kernels dozens of times a token: no torch op where none is needed
+    return t if t.dtype is torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
-def _check(x_MI: torch.Tensor, w: torch.Tensor, I: int) -> None:
-    if x_MI.device.type != "cpu" or w.device.type != "cpu" or not w.is_contiguous():
-        raise ValueError("the CPU kernels take contiguous CPU tensors")
+def _operands(x_MI: torch.Tensor, w: torch.Tensor, I: int, O: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as contiguous float32 and the float32 output (..., O), after checking the operands."""
     if x_MI.shape[-1] != I:
         raise ValueError(f"x has {x_MI.shape[-1]} features, the weight {I}")
+    if x_MI.device.type != "cpu" or w.device.type != "cpu" or not w.is_contiguous():
+        raise ValueError("the CPU kernels take contiguous CPU tensors")
+    return _f32(x_MI), torch.empty((*x_MI.shape[:-1], O), dtype=torch.float32)
 
 
 def gemv_i8(x_MI: torch.Tensor, codes_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
     """x @ (codes * scale[:, None]).T for int8 codes (O, I) and float32 row scales (O,), with x quantized
     as `quantize_activations` does; float32 (..., O)."""
     O, I = codes_OI.shape
-    _check(x_MI, codes_OI, I)
-    scale = scale_O.to(torch.float32).contiguous()
-    x, y = _rows(x_MI, O)
-    _lib().gemv_i8(x.data_ptr(), codes_OI.data_ptr(), scale.data_ptr(), y.data_ptr(), x.shape[0], O, I,
+    x, y = _operands(x_MI, codes_OI, I, O)
+    _lib().gemv_i8(x.data_ptr(), codes_OI.data_ptr(), _f32(scale_O).data_ptr(), y.data_ptr(), x.numel() // I, O, I,
                    torch.get_num_threads())
-    return y.view(*x_MI.shape[:-1], O)
+    return y
 
 
 def gemv_i4(x_MI: torch.Tensor, packed_OH: torch.Tensor, scale_zero_GO2: torch.Tensor, group_size: int
@@ -126,9 +126,7 @@ def gemv_i4(x_MI: torch.Tensor, packed_OH: torch.Tensor, scale_zero_GO2: torch.T
     """x @ W.T for int4 codes in the CPU kernel's layout (O, I/2) with float32 (scale, zero) per group
     (G, O, 2), with x quantized as `quantize_activations` does; float32 (..., O)."""
     O, I = packed_OH.shape[0], 2 * packed_OH.shape[1]
-    _check(x_MI, packed_OH, I)
-    sz = scale_zero_GO2.to(torch.float32).contiguous()
-    x, y = _rows(x_MI, O)
-    _lib().gemv_i4(x.data_ptr(), packed_OH.data_ptr(), sz.data_ptr(), y.data_ptr(), x.shape[0], O, I, group_size,
-                   torch.get_num_threads())
-    return y.view(*x_MI.shape[:-1], O)
+    x, y = _operands(x_MI, packed_OH, I, O)
+    _lib().gemv_i4(x.data_ptr(), packed_OH.data_ptr(), _f32(scale_zero_GO2).data_ptr(), y.data_ptr(), x.numel() // I,
+                   O, I, group_size, torch.get_num_threads())
+    return y

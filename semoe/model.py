@@ -135,11 +135,26 @@ class MoEFeedForward(nn.Module):
             aux = z = x_ND.new_zeros((), dtype=torch.float32)
         return out_ND, RouterStats(aux_loss=aux, z_loss=z, ids_NK=r.ids_TK, dropped=(~keep_NK).sum())
 
+    def _one_token(self, x_1D: torch.Tensor, r: Routing, keep_1K: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+        """A decoding step's single row: its top-k experts straight from the routing, without the
+        dispatch of many rows (a dozen small ops a layer, a large share of a token's time on CPU); the
+        same products, weights and sum over choices as `forward`'s, so the same bits."""
+        ids = r.ids_TK[0].tolist()  # the layer's one host sync, as dispatch_order's
+        y_1KD = x_1D.new_zeros(1, self.config.top_k, x_1D.shape[1])
+        for e, w in self.experts.stream(self.layer, sorted(set(ids)), x_1D):
+            y = w.apply(x_1D)
+            for ch in (k for k, i in enumerate(ids) if i == e):
+                y_1KD[0, ch] = (y * r.weights_TK[0, ch].to(x_1D.dtype))[0]
+        return self.combine(x_1D, y_1KD, r, keep_1K)
+
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         c = self.config
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         r, keep_NK = self.route_and_keep(x_ND)
+        if x_ND.shape[0] == 1 and not self.training:
+            out_ND, stats = self._one_token(x_ND, r, keep_NK)
+            return out_ND.view(B, T, D), stats
         token_idx, choice_idx, counts_E = dispatch_order(r.ids_TK, keep_NK, c.num_experts)
         # The host needs the counts to slice each expert's rows: with dispatch_order's nonzero, the
         # layer's only host syncs (both data-dependent sizes).

@@ -47,6 +47,28 @@ def test_dispatch_equals_per_token_reference_forward_and_backward(shared):
     assert stats.ids_NK.shape == (14, cfg.top_k) and stats.dropped == 0
 
 
+@pytest.mark.parametrize("shared", [0, 48])
+def test_a_decoding_steps_single_row_takes_the_short_path_with_the_same_bits(shared):
+    """One row in inference goes straight from the routing to its experts (no dispatch); it must
+    give exactly the bits of the dispatching path (which training takes) and of the reference, and
+    sync with the host once."""
+    from storage.syncs import HostSyncCounter
+
+    torch.manual_seed(2)
+    cfg = named_config("tiny", shared_expert_size=shared, norm_topk_prob=False)
+    ffn = MoEFeedForward(cfg, 0)
+    with torch.no_grad():
+        for t in range(5):
+            x = torch.randn(1, 1, cfg.hidden_size)
+            with HostSyncCounter() as c:
+                short, stats = ffn.eval()(x)
+            assert dict(c.counts) == {"tolist": 1}
+            dispatched, _ = ffn.train()(x)  # no capacity factor: the same rows, through dispatch_order
+            assert torch.equal(short, dispatched)
+            torch.testing.assert_close(short, _reference_moe(ffn, x), atol=1e-6, rtol=1e-5)
+            assert stats.ids_NK.shape == (1, cfg.top_k) and int(stats.dropped) == 0
+
+
 def test_capacity_drops_tokens_in_training_only():
     torch.manual_seed(1)
     cfg = named_config("tiny", capacity_factor=0.25)
