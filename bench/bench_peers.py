@@ -161,6 +161,8 @@ def resident(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {}
     for round_ in range(args.repeats):
         for bits, ours, gguf in PAIRS:
+            if bits not in args.resident_bits.split(","):
+                continue
             for engine, path in (("ours", os.path.join(args.workdir, ours)),
                                  ("llama", os.path.join(args.workdir, f"llama-{gguf}.gguf"))):
                 name = f"{engine}-{bits if engine == 'ours' else gguf}"
@@ -268,6 +270,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="resident,limited")
     ap.add_argument("--memory", default="50,25", help="SIZE as percentages of the model's bytes")
+    ap.add_argument("--resident-bits", default="f32,int8,int4", help="precisions of the resident runs")
     ap.add_argument("--limited-bits", default="f32,int8,int4", help="precisions of the memory-limited runs")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help=argparse.SUPPRESS)

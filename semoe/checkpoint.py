@@ -162,8 +162,8 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     placed as an offload ring slot holds them, so resident and offloaded compute alike. Compact
     dense weights are dequantized. `kernel="reference"` computes compact experts by the plain
     dequantize-then-multiply reference. `dense` (`semoe.compact_linear.DENSE_CHOICES`): the weights
-    outside the experts float, or int8 (quantized here); `auto` is int8 on CPU when the store's
-    experts are int8 or int4 (`resolve_dense`)."""
+    outside the experts float, or int8 or int4 (quantized here); `auto` takes the bits of int8 or int4
+    experts on CPU (`resolve_dense`)."""
     store = Store.open(path)
     if not store.manifest.has_file("config.json"):
         raise BadInputError(f"{path}: store has no config.json (not a model store)")
@@ -193,8 +193,9 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
                 layouts[e] = chunk_layout_of(store.manifest, config, ffn.layer, e, path)
                 raws[e] = store.read_chunk(ffn.layer, e)
             ffn.use_experts(packed_layer(config, ffn.layer, raws, layouts, device=device, dtype=dtype, kernel=kernel))
-    if resolve_dense(dense, device=device, expert_schemes=store.expert_schemes()) == "int8":
-        compact_dense_linears(model, "int8", kernel=kernel)
+    scheme = resolve_dense(dense, device=device, expert_schemes=store.expert_schemes())
+    if scheme != "float":
+        compact_dense_linears(model, scheme, kernel=kernel)
     return model.eval()
 
 
@@ -243,8 +244,9 @@ def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     if is_store(path):
         return load_store(path, device=device, dtype=dtype, dense=dense)
     model = load_hf(path, device=device, dtype=dtype)
-    if resolve_dense(dense, device=device, expert_schemes=set()) == "int8":
-        compact_dense_linears(model, "int8")
+    scheme = resolve_dense(dense, device=device, expert_schemes=set())
+    if scheme != "float":
+        compact_dense_linears(model, scheme)
     return model
 
 

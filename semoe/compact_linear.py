@@ -29,7 +29,8 @@ from torch import nn
 
 from semoe import cpu_kernels
 from storage.dtypes import dtype_name, torch_dtype
-from storage.quant import QuantShapeError, QuantSpec, dequantize, dequantize_out_in, quantize
+from storage.quant import (INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, dequantize,
+                           dequantize_out_in, quantize)
 
 # auto: the fast path for the device; dequantize: the one CUDA takes (forced here to test it on CPU);
 # reference: dequantize, then a float32 product
@@ -112,8 +113,8 @@ def matmul(x_MI: torch.Tensor, w_IO: Weight) -> torch.Tensor:
 
 # -- dense weights ------------------------------------------------------------------------------
 
-# what `--dense` may ask for: the weights outside the experts as the store holds them, or int8
-DENSE_CHOICES = ("auto", "float", "int8")
+# what `--dense` may ask for: the weights outside the experts as the store holds them, int8 or int4
+DENSE_CHOICES = ("auto", "float", "int8", "int4")
 
 
 class CompactLinear(nn.Module):
@@ -147,34 +148,47 @@ def weight_bytes(module: nn.Module) -> int:
 
 
 def resolve_dense(dense: str, *, device: torch.device | str, expert_schemes: set[str]) -> str:
-    """`auto`: int8 on CPU where the experts were quantized to int8 or int4 (`store quantize`), since
-    decode streams every dense weight from memory beside them and float ones would take as long as
-    the experts; else as stored (`float`), as for a checkpoint's own FP8 or MXFP4 experts."""
+    """`auto`, on CPU where the experts were quantized to int8 or int4 (`store quantize`): the experts'
+    own bits (int4 only where every compact expert is int4), since decode streams every dense weight
+    from memory beside them and float ones would take as long as the experts. Elsewhere as stored
+    (`float`), as for a checkpoint's own FP8 or MXFP4 experts."""
     if dense not in DENSE_CHOICES:
         raise ValueError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {dense!r}")
-    if dense == "auto":
-        ours = bool(expert_schemes & {"int8", "int4"})
-        return "int8" if ours and torch.device(device).type == "cpu" else "float"
-    return dense
+    if dense != "auto":
+        return dense
+    if torch.device(device).type != "cpu" or not expert_schemes & {"int8", "int4"}:
+        return "float"
+    return "int4" if "int8" not in expert_schemes else "int8"
 
 
-def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto") -> int:
+def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto",
+                          group_size: int = INT4_DEFAULT_GROUP) -> int:
     """Replace the model's dense `nn.Linear` layers (attention, lm_head, dense and shared
     feed-forwards) by `CompactLinear`s of `scheme`, quantized here; the routers and the token
-    embedding stay as they are (a router's few rows decide which experts run). Returns the bytes
-    the weights took before, as float."""
-    if scheme != "int8":
-        raise ValueError(f"dense weights can be quantized to int8, not {scheme!r}")
+    embedding stay as they are (a router's few rows decide which experts run). int4 takes groups of
+    `group_size` inputs, or the largest smaller group that divides the input features; the lm_head
+    and any weight int4 cannot hold (out features not a multiple of 64) take int8: the
+    output layer's errors land on every logit directly (llama.cpp's 4-bit files keep it at 6 bits
+    or more too). Returns the bytes the weights took before, as float."""
+    if scheme not in ("int8", "int4"):
+        raise ValueError(f"dense weights can be quantized to int8 or int4, not {scheme!r}")
     swaps = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear
              and not name.endswith("shared_gate")]
     before = 0
     for name, mod in swaps:
         w = mod.weight.detach()
+        this, g = ("int4", group_size) if scheme == "int4" and name != "lm_head" else ("int8", None)
+        if this == "int4":  # the largest group up to group_size that divides the input features
+            g = max((s for s in INT4_GROUP_SIZES if s <= group_size and w.shape[1] % s == 0), default=group_size)
+            try:
+                check_fits(tuple(w.shape), w.dtype, "int4", g)
+            except QuantShapeError:
+                this, g = "int8", None
         try:
-            codes, scales = quantize(w.float(), scheme)
+            codes, scales = quantize(w.float(), this, group_size=g)
         except QuantShapeError:
             continue
-        spec = QuantSpec(scheme=scheme, dtype=dtype_name(w.dtype), shape=tuple(w.shape), scales="")
+        spec = QuantSpec(scheme=this, dtype=dtype_name(w.dtype), shape=tuple(w.shape), scales="", group_size=g)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, CompactLinear(CompactWeight(codes.to(w.device), scales.to(w.device), spec, kernel),

@@ -32,11 +32,12 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", help="auto|cpu|cuda|cuda:N (default auto: cuda when available)")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="compute dtype (default bfloat16 on CUDA, float32 on CPU)")
-    p.add_argument("--dense", default="auto", choices=("auto", "float", "int8"),
+    p.add_argument("--dense", default="auto", choices=("auto", "float", "int8", "int4"),
                    help="the weights outside the experts (attention, lm_head, dense and shared feed-forwards): "
-                        "float as stored, or int8 quantized at load (one scale per row, as `store quantize "
-                        "--bits 8` does experts). Default auto: int8 on CPU when the store's experts are "
-                        "quantized, since decoding reads every dense weight for each token; float otherwise")
+                        "float as stored, or quantized at load as `store quantize` does experts (int4 in groups "
+                        "of 128, the lm_head and weights int4 cannot hold in int8). Default auto: on CPU, the "
+                        "bits of the store's quantized experts, since decoding reads every dense weight for "
+                        "each token; float otherwise")
 
 
 def add_routing_trace_flag(p: argparse.ArgumentParser) -> None:
