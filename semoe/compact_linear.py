@@ -94,6 +94,23 @@ class CompactWeight:
 Weight = torch.Tensor | CompactWeight
 
 
+def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor | None:
+    """down(silu(gate x) * up x) in one call of semoe's CPU kernel where it applies (three int8 or
+    three int4 weights stored out-major, a decoding step's few rows on CPU, the `auto` kernel);
+    None elsewhere, for the caller to compose the three products."""
+    ws = (gate, up, down)
+    if not all(isinstance(w, CompactWeight) and w.kernel == "auto" and not w.spec.transposed for w in ws):
+        return None
+    scheme = gate.spec.scheme
+    if scheme not in ("int8", "int4") or up.spec.scheme != scheme or down.spec.scheme != scheme \
+            or x_MD.device.type != "cpu" or not cpu_kernels.available() \
+            or x_MD.numel() // x_MD.shape[-1] > cpu_kernels.MAX_ROWS:
+        return None
+    y = cpu_kernels.swiglu(x_MD, 8 if scheme == "int8" else 4, (gate.codes, gate.scales), (up.codes, up.scales),
+                           (down.codes, down.scales), gate.spec.group_size or 0, down.spec.group_size or 0)
+    return y if y.dtype == x_MD.dtype else y.to(x_MD.dtype)
+
+
 def linear(x_MI: torch.Tensor, w_OI: Weight) -> torch.Tensor:
     """x @ w.T for a plain (O, I) weight or a compact one."""
     if isinstance(w_OI, CompactWeight):

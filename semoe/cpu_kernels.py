@@ -41,7 +41,8 @@ def _lib() -> ctypes.CDLL | None:
     lib.gemv_i8.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_i4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
-    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8):
+    lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
+    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q):
         f.restype = None
     lib.kernels_vnni.restype = ctypes.c_int
     return lib
@@ -129,4 +130,27 @@ def gemv_i4(x_MI: torch.Tensor, packed_OH: torch.Tensor, scale_zero_GO2: torch.T
     x, y = _operands(x_MI, packed_OH, I, O)
     _lib().gemv_i4(x.data_ptr(), packed_OH.data_ptr(), _f32(scale_zero_GO2).data_ptr(), y.data_ptr(), x.numel() // I,
                    O, I, group_size, torch.get_num_threads())
+    return y
+
+
+def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
+           down: tuple[torch.Tensor, torch.Tensor], group_in: int = 0, group_down: int = 0) -> torch.Tensor:
+    """down(silu(gate x) * up x) for one expert whose three weights are (codes, scales) of one scheme:
+    int8 (bits 8) or int4 (bits 4, groups `group_in` over D for gate and up, `group_down` over F for
+    down); float32 (..., D). The sums of `gemv_i8`/`gemv_i4` in one call: x and the hidden product
+    are each quantized once, and the three products share one parallel region."""
+    if bits not in (8, 4):
+        raise ValueError(f"bits must be 8 or 4, got {bits}")
+    F = gate[0].shape[0]
+    D = down[0].shape[0]
+    if up[0].shape != gate[0].shape or (down[0].shape[1] * (2 if bits == 4 else 1)) != F:
+        raise ValueError(f"gate {list(gate[0].shape)}, up {list(up[0].shape)} and down {list(down[0].shape)} "
+                         f"are not one expert's weights")
+    x, y = _operands(x_MD, gate[0], gate[0].shape[1] * (2 if bits == 4 else 1), D)
+    for codes, _ in (up, down):
+        if codes.device.type != "cpu" or not codes.is_contiguous():
+            raise ValueError("the CPU kernels take contiguous CPU tensors")
+    _lib().swiglu_q(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], F, bits, gate[0].data_ptr(),
+                    _f32(gate[1]).data_ptr(), up[0].data_ptr(), _f32(up[1]).data_ptr(), group_in, down[0].data_ptr(),
+                    _f32(down[1]).data_ptr(), group_down, y.data_ptr(), torch.get_num_threads())
     return y

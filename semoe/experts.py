@@ -22,13 +22,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from semoe.compact_linear import Weight, linear, matmul
+from semoe.compact_linear import Weight, fused_swiglu, linear, matmul
 from semoe.config import MoEConfig
 
 
 def swiglu(x_ND: torch.Tensor, w_gate_FD: Weight, w_up_FD: Weight, w_down_DF: Weight) -> torch.Tensor:
     """The SwiGLU feed-forward of dense layers and most experts: down(silu(gate x) * up x); each
-    weight plain or compact."""
+    weight plain or compact (compact ones in one kernel call where it applies: `fused_swiglu`)."""
+    fused = fused_swiglu(x_ND, w_gate_FD, w_up_FD, w_down_DF)
+    if fused is not None:
+        return fused
     return linear(F.silu(linear(x_ND, w_gate_FD)) * linear(x_ND, w_up_FD), w_down_DF)
 
 

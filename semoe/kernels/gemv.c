@@ -111,24 +111,62 @@ static inline void i8_rows(const int8_t *w, int64_t I, int64_t Ip, int n, const 
 #endif
 }
 
+/* x quantized for the kernels: codes (M, Ip), scales (M, Ip / QB) and, for int4 weights in groups
+ * of g, the sum of each group's quantized inputs (M, I / g): the zero points' share of each output */
+typedef struct {
+    int64_t M, I, Ip, g, groups;
+    int8_t *q;
+    float *d, *xsum;
+} Acts;
+
+static Acts acts_alloc(int64_t M, int64_t I, int64_t g) {
+    Acts a = {M, I, padded(I), g, g ? I / g : 0, NULL, NULL, NULL};
+    a.q = malloc((size_t)(M * a.Ip));
+    a.d = malloc(sizeof(float) * (size_t)(M * a.Ip / QB));
+    a.xsum = malloc(sizeof(float) * (size_t)(M * (a.groups ? a.groups : 1)));
+    return a;
+}
+
+static void acts_fill(Acts *a, const float *x) {
+    q8_rows(x, a->M, a->I, a->Ip, a->q, a->d);
+    for (int64_t m = 0; m < a->M; m++)
+        for (int64_t gi = 0; gi < a->groups; gi++) {
+            float s = 0.0f;
+            for (int64_t kb = gi * a->g; kb < (gi + 1) * a->g; kb += QB) {
+                int32_t t = 0;
+                for (int64_t k = kb; k < kb + QB; k++) t += a->q[m * a->Ip + k];
+                s += a->d[m * (a->Ip / QB) + kb / QB] * (float)t;
+            }
+            a->xsum[m * a->groups + gi] = s;
+        }
+}
+
+static void acts_free(Acts *a) {
+    free(a->q);
+    free(a->d);
+    free(a->xsum);
+}
+
+/* int8: block b (ROWS output rows) of y (M, O) */
+static void i8_block(const int8_t *q, const float *scale, int64_t O, const Acts *a, int64_t b, float *y) {
+    int64_t I = a->I, Ip = a->Ip, o0 = b * ROWS;
+    int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
+    for (int64_t m = 0; m < a->M; m++) {
+        float out[ROWS];
+        i8_rows(q + o0 * I, I, Ip, n, a->q + m * Ip, a->d + m * (Ip / QB), out);
+        for (int r = 0; r < n; r++) y[m * O + o0 + r] = out[r] * scale[o0 + r];
+    }
+}
+
+static int64_t i8_blocks(int64_t O) { return (O + ROWS - 1) / ROWS; }
+
 void gemv_i8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t O, int64_t I,
              int threads) {
-    int64_t Ip = padded(I), blocks = (O + ROWS - 1) / ROWS;
-    int8_t *qx = malloc((size_t)(M * Ip));
-    float *dx = malloc(sizeof(float) * (size_t)(M * Ip / QB));
-    q8_rows(x, M, I, Ip, qx, dx);
+    Acts a = acts_alloc(M, I, 0);
+    acts_fill(&a, x);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        int64_t o0 = b * ROWS;
-        int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
-        for (int64_t m = 0; m < M; m++) {
-            float out[ROWS];
-            i8_rows(q + o0 * I, I, Ip, n, qx + m * Ip, dx + m * (Ip / QB), out);
-            for (int r = 0; r < n; r++) y[m * O + o0 + r] = out[r] * scale[o0 + r];
-        }
-    }
-    free(qx);
-    free(dx);
+    for (int64_t b = 0; b < i8_blocks(O); b++) i8_block(q, scale, O, &a, b, y);
+    acts_free(&a);
 }
 
 /* One group of a block of 64 rows against one quantized row of x: per row, sum_k code * xq_k */
@@ -198,46 +236,75 @@ static inline void i4_group(const uint8_t *pb, int64_t k0, int64_t g, const int8
 #endif
 }
 
+/* int4: block b (64 output rows) of y (M, O) */
+static void i4_block(const uint8_t *p, const float *sz, int64_t O, const Acts *a, int64_t b, float *y) {
+    int64_t I = a->I, Ip = a->Ip, g = a->g;
+    const uint8_t *pb = p + b * I * I4_HALF; /* (I, 32) bytes of this block of 64 rows */
+    for (int64_t m = 0; m < a->M; m++) {
+        float out[I4_BLOCK], lo[I4_HALF], hi[I4_HALF];
+        memset(out, 0, sizeof(out));
+        for (int64_t gi = 0; gi < a->groups; gi++) {
+            i4_group(pb, gi * g, g, a->q + m * Ip, a->d + m * (Ip / QB), lo, hi);
+            /* sum_k ((c - 8) s + z) x_k = s (sum_k c x_k - 8 sum_k x_k) + z sum_k x_k */
+            const float *szg = sz + (gi * O + b * I4_BLOCK) * 2;
+            float xs = a->xsum[m * a->groups + gi];
+            for (int j = 0; j < I4_HALF; j++) {
+                out[j] += szg[2 * j] * (lo[j] - 8.0f * xs) + szg[2 * j + 1] * xs;
+                out[I4_HALF + j] += szg[2 * (I4_HALF + j)] * (hi[j] - 8.0f * xs) + szg[2 * (I4_HALF + j) + 1] * xs;
+            }
+        }
+        memcpy(y + m * O + b * I4_BLOCK, out, sizeof(out));
+    }
+}
+
 void gemv_i4(const float *x, const uint8_t *p, const float *sz, float *y, int64_t M, int64_t O, int64_t I,
              int64_t g, int threads) {
-    int64_t Ip = padded(I), blocks = O / I4_BLOCK, groups = I / g;
-    int8_t *qx = malloc((size_t)(M * Ip));
-    float *dx = malloc(sizeof(float) * (size_t)(M * Ip / QB));
-    /* per row of x and group, the sum of its quantized inputs: the zero points' share of each output */
-    float *xsum = malloc(sizeof(float) * (size_t)(M * groups));
-    q8_rows(x, M, I, Ip, qx, dx);
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t gi = 0; gi < groups; gi++) {
-            float s = 0.0f;
-            for (int64_t kb = gi * g; kb < (gi + 1) * g; kb += QB) {
-                int32_t t = 0;
-                for (int64_t k = kb; k < kb + QB; k++) t += qx[m * Ip + k];
-                s += dx[m * (Ip / QB) + kb / QB] * (float)t;
-            }
-            xsum[m * groups + gi] = s;
-        }
+    Acts a = acts_alloc(M, I, g);
+    acts_fill(&a, x);
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        const uint8_t *pb = p + b * I * I4_HALF; /* (I, 32) bytes of this block of 64 rows */
-        for (int64_t m = 0; m < M; m++) {
-            float out[I4_BLOCK], lo[I4_HALF], hi[I4_HALF];
-            memset(out, 0, sizeof(out));
-            for (int64_t gi = 0; gi < groups; gi++) {
-                i4_group(pb, gi * g, g, qx + m * Ip, dx + m * (Ip / QB), lo, hi);
-                /* sum_k ((c - 8) s + z) x_k = s (sum_k c x_k - 8 sum_k x_k) + z sum_k x_k */
-                const float *szg = sz + (gi * O + b * I4_BLOCK) * 2;
-                float xs = xsum[m * groups + gi];
-                for (int j = 0; j < I4_HALF; j++) {
-                    out[j] += szg[2 * j] * (lo[j] - 8.0f * xs) + szg[2 * j + 1] * xs;
-                    out[I4_HALF + j] += szg[2 * (I4_HALF + j)] * (hi[j] - 8.0f * xs) + szg[2 * (I4_HALF + j) + 1] * xs;
-                }
-            }
-            memcpy(y + m * O + b * I4_BLOCK, out, sizeof(out));
+    for (int64_t b = 0; b < O / I4_BLOCK; b++) i4_block(p, sz, O, &a, b, y);
+    acts_free(&a);
+}
+
+/* One block of a weight of either scheme (bits 8 or 4; g: int4's group, which `a` was filled for) */
+static void any_block(int bits, const void *w, const float *s, int64_t O, const Acts *a, int64_t b, float *y) {
+    if (bits == 8)
+        i8_block((const int8_t *)w, s, O, a, b, y);
+    else
+        i4_block((const uint8_t *)w, s, O, a, b, y);
+}
+
+static int64_t any_blocks(int bits, int64_t O) { return bits == 8 ? i8_blocks(O) : O / I4_BLOCK; }
+
+/* A SwiGLU expert in one call: y (M, D) = down(silu(gate x) * up x), gate and up (F, D) and down
+ * (D, F) all int8 (bits 8) or int4 (bits 4, groups g_in over D and g_down over F). The same sums as
+ * three gemv calls with silu(h) = h / (1 + exp(-h)) and the product in float32 between them: one
+ * parallel region instead of three, and gate and up read in the same pass over x's codes. */
+void swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int bits, const void *wg, const float *sg,
+              const void *wu, const float *su, int64_t g_in, const void *wd, const float *sd, int64_t g_down,
+              float *y, int threads) {
+    Acts ax = acts_alloc(M, D, bits == 4 ? g_in : 0), ah = acts_alloc(M, F, bits == 4 ? g_down : 0);
+    float *hg = malloc(sizeof(float) * (size_t)(M * F)), *hu = malloc(sizeof(float) * (size_t)(M * F));
+    acts_fill(&ax, x);
+#pragma omp parallel num_threads(threads)
+    {
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < any_blocks(bits, F); b++) {
+            any_block(bits, wg, sg, F, &ax, b, hg);
+            any_block(bits, wu, su, F, &ax, b, hu);
         }
+#pragma omp single
+        {
+            for (int64_t i = 0; i < M * F; i++) hg[i] = hg[i] / (1.0f + expf(-hg[i])) * hu[i];
+            acts_fill(&ah, hg);
+        }
+#pragma omp for schedule(static)
+        for (int64_t b = 0; b < any_blocks(bits, D); b++) any_block(bits, wd, sd, D, &ah, b, y);
     }
-    free(qx);
-    free(dx);
-    free(xsum);
+    free(hg);
+    free(hu);
+    acts_free(&ax);
+    acts_free(&ah);
 }
 
 /* Which path this build took: 1 with AVX-512 VNNI, 0 for the portable loops */

@@ -78,3 +78,32 @@ def test_bad_operands_are_refused():
         cpu_kernels.gemv_i8(torch.randn(1, 3), torch.zeros(2, 4, dtype=torch.int8), torch.ones(2))
     with pytest.raises(ValueError, match="contiguous CPU tensors"):
         cpu_kernels.gemv_i8(torch.randn(1, 4), torch.zeros(4, 2, dtype=torch.int8).T, torch.ones(2))
+
+
+@pytest.mark.parametrize("bits, M, D, F", [(8, 1, 1024, 3584), (8, 3, 70, 130), (8, 16, 33, 5),
+                                           (4, 1, 1024, 3584), (4, 5, 128, 192), (4, 2, 192, 64)])
+def test_the_fused_swiglu_expert_equals_its_three_products(bits, M, D, F, threads):
+    """One call for gate, up, silu and down: the same sums as the three kernel calls with torch's silu
+    between them. Tolerance: 1e-6 relative (the kernel's silu is h / (1 + exp(-h)) in float32, as
+    torch's; an ulp apart could move one code of the hidden product's quantization)."""
+    g = torch.Generator().manual_seed(D + F + bits)
+    wg, wu, wd, x = (torch.randn(F, D, generator=g), torch.randn(F, D, generator=g), torch.randn(D, F, generator=g),
+                     torch.randn(M, D, generator=g))
+    if bits == 8:
+        G, U, Dn = (quantize(w, "int8") for w in (wg, wu, wd))
+        gi = gd = 0
+        h = torch.nn.functional.silu(cpu_kernels.gemv_i8(x, *G)) * cpu_kernels.gemv_i8(x, *U)
+        want = cpu_kernels.gemv_i8(h, *Dn)
+    else:
+        gi, gd = max(s for s in (32, 64, 128) if D % s == 0), max(s for s in (32, 64, 128) if F % s == 0)
+        G, U, Dn = quantize(wg, "int4", group_size=gi), quantize(wu, "int4", group_size=gi), \
+            quantize(wd, "int4", group_size=gd)
+        h = torch.nn.functional.silu(cpu_kernels.gemv_i4(x, *G, gi)) * cpu_kernels.gemv_i4(x, *U, gi)
+        want = cpu_kernels.gemv_i4(h, *Dn, gd)
+    assert _relative(cpu_kernels.swiglu(x, bits, G, U, Dn, gi, gd), want) < 1e-6
+
+
+def test_the_fused_swiglu_refuses_weights_of_different_experts():
+    w8 = torch.zeros(8, 4, dtype=torch.int8), torch.ones(8)
+    with pytest.raises(ValueError, match="not one expert's weights"):
+        cpu_kernels.swiglu(torch.randn(1, 4), 8, w8, w8, (torch.zeros(4, 7, dtype=torch.int8), torch.ones(4)))
