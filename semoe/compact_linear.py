@@ -4,7 +4,8 @@ A `CompactWeight` is a weight as the store keeps it (codes and scales, `storage.
 computes on it without widening it in memory:
 
 - reference: dequantize to the weight's logical dtype, then the float32 product (what the fast path
-  is tested against);
+  is tested against), with x quantized per block of 32 where the decode kernels below define the
+  product so (`quantizes_activations`);
 - fast, on CPU, for the few rows of a decoding step: semoe's own kernels (`semoe.cpu_kernels`),
   which read the stored codes as they are and multiply them with x quantized per block of 32
   inputs to int8 (as llama.cpp's CPU kernels do), summing each block exactly in integers;
@@ -33,7 +34,7 @@ from storage.quant import (INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError
                            dequantize_out_in, quantize)
 
 # auto: the fast path for the device; dequantize: the one CUDA takes (forced here to test it on CPU);
-# reference: dequantize, then a float32 product
+# reference: dequantize, then a float32 product (of x as the CPU decode kernels see it, where they apply)
 KERNELS = ("auto", "dequantize", "reference")
 
 
@@ -64,14 +65,23 @@ class CompactWeight:
         """The logical tensor, in `dtype` (default: the logical dtype)."""
         return dequantize(self.codes, self.scales, self.spec, dtype)
 
+    def quantizes_activations(self, x_MI: torch.Tensor) -> bool:
+        """Whether a product with x is defined by semoe's CPU kernels, x quantized per block of 32
+        (int8 and int4 weights, a decoding step's few rows on CPU, the kernels built); the reference
+        kernel then computes the same arithmetic plainly."""
+        return self.spec.scheme in ("int8", "int4") and x_MI.device.type == "cpu" and cpu_kernels.available() \
+            and x_MI.numel() // x_MI.shape[-1] <= cpu_kernels.MAX_ROWS
+
     def linear(self, x_MI: torch.Tensor) -> torch.Tensor:
         """x @ W.T for the out-major W (O, I) the codes hold, in x's dtype."""
         if self.kernel == "reference":
             w_OI = dequantize_out_in(self.codes, self.scales, self.spec, torch_dtype(self.spec.dtype))
-            return F.linear(x_MI.to(torch.float32), w_OI.to(torch.float32)).to(x_MI.dtype)
+            x = x_MI.to(torch.float32)
+            if self.quantizes_activations(x_MI):
+                x = cpu_kernels.activations_as_seen(x)  # the arithmetic the decode kernels define
+            return F.linear(x, w_OI.to(torch.float32)).to(x_MI.dtype)
         packed = self.kernel == "auto" and x_MI.device.type == "cpu"
-        if packed and self.spec.scheme in ("int8", "int4") and cpu_kernels.available() \
-                and x_MI.numel() // x_MI.shape[-1] <= cpu_kernels.MAX_ROWS:
+        if packed and self.quantizes_activations(x_MI):
             if self.spec.scheme == "int8":
                 y = cpu_kernels.gemv_i8(x_MI, self.codes, self.scales)
             else:
