@@ -162,8 +162,8 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     placed as an offload ring slot holds them, so resident and offloaded compute alike. Compact
     dense weights are dequantized. `kernel="reference"` computes compact experts by the plain
     dequantize-then-multiply reference. `dense` (`semoe.compact_linear.DENSE_CHOICES`): the weights
-    outside the experts float, or int8 or int4 (quantized here); `auto` takes the bits of int8 or int4
-    experts on CPU (`resolve_dense`)."""
+    outside the experts float, or int8 or int4 (quantized here); `auto` is int8 on CPU beside int8 or
+    int4 experts (`resolve_dense`)."""
     store = Store.open(path)
     if not store.manifest.has_file("config.json"):
         raise BadInputError(f"{path}: store has no config.json (not a model store)")

@@ -228,36 +228,42 @@ def test_the_resident_quantized_model_follows_the_reference_kernel(stores, arch)
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_dense_weights_take_the_experts_bits_on_cpu_unless_asked_for_float(stores, arch, bits, capsys):
+def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_otherwise(stores, arch, bits, capsys):
     from torch import nn
 
     from semoe.checkpoint import load_store
     from semoe.compact_linear import CompactLinear, weight_bytes
 
     q = load_store(stores(arch, bits))
-    # auto on CPU: every dense linear (attention with its biases) in the experts' scheme, the lm_head
-    # int8 (int4 would put its error on every logit); the routers, the embedding and the norms as stored
-    scheme = f"int{bits}"
+    # auto on CPU: every dense linear (attention with its biases, lm_head) int8; the routers, the
+    # embedding and the norms as stored
     assert isinstance(q.lm_head, CompactLinear) and q.lm_head.weight.spec.scheme == "int8"
     for b in q.layers:
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(b.attn, n)
-            assert isinstance(lin, CompactLinear)
-            # int4 holds out features in blocks of 64: this model's k/v projections (32) take int8
-            assert lin.weight.spec.scheme == (scheme if lin.out_features % 64 == 0 else "int8"), n
+            assert isinstance(lin, CompactLinear) and lin.weight.spec.scheme == "int8", n
     assert not [n for n, m in q.named_modules() if type(m) is nn.Linear]
     V, D = q.config.vocab_size, q.config.hidden_size
     assert weight_bytes(q.lm_head) == V * D + 4 * V  # codes and a float32 scale per row
+    # int4 on request: where it holds the shape (out features in blocks of 64), the lm_head int8
+    q4 = load_store(stores(arch, bits), dense="int4")
+    assert q4.lm_head.weight.spec.scheme == "int8"
+    for b in q4.layers:
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            lin = getattr(b.attn, n)
+            assert lin.weight.spec.scheme == ("int4" if lin.out_features % 64 == 0 else "int8"), n
+    assert any(getattr(b.attn, "q_proj").weight.spec.scheme == "int4" for b in q4.layers)
     plain = load_store(stores(arch, bits), dense="float")
     assert type(plain.lm_head) is nn.Linear
     assert type(load_store(stores(arch, 32)).lm_head) is nn.Linear  # float experts: dense as stored
     with torch.no_grad():
         ids = torch.tensor([PROMPT])
-        a, b = q(ids), plain(ids)
+        a, b, c = q(ids), plain(ids), q4(ids)
         # quantized dense weights move the logits by little wherever the routing stayed the same
-        same = torch.stack([(a.router[k].ids_NK == b.router[k].ids_NK).all(-1) for k in a.router]).all(0)
-        assert int(same.sum()) >= len(PROMPT) - 2
-        assert _relative(a.logits[0, same], b.logits[0, same]) < (0.02 if bits == 8 else 0.1)
+        for got, tol in ((a, 0.02), (c, 0.1)):
+            same = torch.stack([(got.router[k].ids_NK == b.router[k].ids_NK).all(-1) for k in b.router]).all(0)
+            assert int(same.sum()) >= len(PROMPT) - 2
+            assert _relative(got.logits[0, same], b.logits[0, same]) < tol
     # the flag: float keeps them, anything else is refused by name
     ids = ",".join(map(str, PROMPT))
     assert main(["generate", "--model", stores(arch, bits), "--prompt-ids", ids, "--max-new-tokens", "2",
