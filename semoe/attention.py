@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semoe.compact_linear import Linear
 from semoe.config import MoEConfig
 
 
@@ -199,10 +200,10 @@ class Attention(nn.Module):
         self.config = config
         self.layer = layer
         self.window = config.window(layer)
-        self.q_proj = nn.Linear(c.hidden_size, c.num_heads * d, bias=c.attention_bias)
-        self.k_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
-        self.v_proj = nn.Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
-        self.o_proj = nn.Linear(c.num_heads * d, c.hidden_size, bias=c.o_proj_bias)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * d, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
+        self.o_proj = Linear(c.num_heads * d, c.hidden_size, bias=c.o_proj_bias)
         if c.qk_norm == "full":
             self.q_norm = RMSNorm(c.num_heads * d, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.num_kv_heads * d, c.rms_norm_eps)
@@ -257,16 +258,16 @@ class LatentAttention(nn.Module):
         self.layer = layer
         qk = c.qk_nope_head_dim + c.qk_rope_head_dim
         if c.q_lora_rank is None:
-            self.q_proj = nn.Linear(c.hidden_size, c.num_heads * qk, bias=False)
+            self.q_proj = Linear(c.hidden_size, c.num_heads * qk, bias=False)
         else:
-            self.q_a_proj = nn.Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
             self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
-            self.q_b_proj = nn.Linear(c.q_lora_rank, c.num_heads * qk, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+            self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
                                             bias=c.attention_bias)
         self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
-        self.kv_b_proj = nn.Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
-        self.o_proj = nn.Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.o_proj_bias)
+        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.o_proj_bias)
         self.scale = softmax_scale(config)
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None

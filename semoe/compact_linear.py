@@ -121,11 +121,31 @@ def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> 
     return y if y.dtype == x_MD.dtype else y.to(x_MD.dtype)
 
 
-def linear(x_MI: torch.Tensor, w_OI: Weight) -> torch.Tensor:
-    """x @ w.T for a plain (O, I) weight or a compact one."""
+def _bf16_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:
+    """A bfloat16 weight on CPU times a decoding step's few rows, no gradient wanted: semoe's kernel
+    (`cpu_kernels.gemv_bf16`) streams it at the memory bound, torch's product at half of it."""
+    return w_OI.dtype == torch.bfloat16 and w_OI.device.type == "cpu" and x_MI.device.type == "cpu" \
+        and w_OI.dim() == 2 and w_OI.is_contiguous() and x_MI.numel() // x_MI.shape[-1] <= cpu_kernels.MAX_ROWS \
+        and not (torch.is_grad_enabled() and (x_MI.requires_grad or w_OI.requires_grad)) and cpu_kernels.available()
+
+
+def linear(x_MI: torch.Tensor, w_OI: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ w.T (+ bias) for a plain (O, I) weight or a compact one."""
     if isinstance(w_OI, CompactWeight):
-        return w_OI.linear(x_MI)
-    return F.linear(x_MI, w_OI)
+        y = w_OI.linear(x_MI)
+    elif _bf16_kernel_applies(x_MI, w_OI):
+        y = cpu_kernels.gemv_bf16(x_MI, w_OI).to(x_MI.dtype)
+    else:
+        return F.linear(x_MI, w_OI, bias)
+    return y if bias is None else y + bias.to(y.dtype)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` whose product goes through `linear`: semoe's CPU kernel for a decoding step's rows
+    where it applies (bfloat16 weights), torch's otherwise. The model's dense layers are these."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
 
 def matmul(x_MI: torch.Tensor, w_IO: Weight) -> torch.Tensor:
@@ -200,7 +220,7 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
     or more too). Returns the bytes the weights took before, as float."""
     if scheme not in ("int8", "int4"):
         raise ValueError(f"dense weights can be quantized to int8 or int4, not {scheme!r}")
-    swaps = [(name, mod) for name, mod in model.named_modules() if type(mod) is nn.Linear
+    swaps = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
              and not name.endswith("shared_gate")]
     before = 0
     for name, mod in swaps:

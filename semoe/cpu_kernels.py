@@ -41,8 +41,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.gemv_i8.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_i4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
+    lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
-    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q):
+    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16):
         f.restype = None
     lib.kernels_vnni.restype = ctypes.c_int
     return lib
@@ -130,6 +131,17 @@ def gemv_i4(x_MI: torch.Tensor, packed_OH: torch.Tensor, scale_zero_GO2: torch.T
     x, y = _operands(x_MI, packed_OH, I, O)
     _lib().gemv_i4(x.data_ptr(), packed_OH.data_ptr(), _f32(scale_zero_GO2).data_ptr(), y.data_ptr(), x.numel() // I,
                    O, I, group_size, torch.get_num_threads())
+    return y
+
+
+def gemv_bf16(x_MI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
+    """x @ w.T for a bfloat16 weight (O, I), with x and the sums in float32; float32 (..., O). torch's
+    own bfloat16 product widens at half the memory bound on CPU (11.5 against 22.7 GB/s for float32)."""
+    if w_OI.dtype != torch.bfloat16:
+        raise ValueError(f"gemv_bf16 takes a bfloat16 weight, got {w_OI.dtype}")
+    O, I = w_OI.shape
+    x, y = _operands(x_MI, w_OI, I, O)
+    _lib().gemv_bf16(x.data_ptr(), w_OI.data_ptr(), y.data_ptr(), x.numel() // I, O, I, torch.get_num_threads())
     return y
 
 

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from semoe.attention import KVCache, RMSNorm, make_attention, rope_tables
+from semoe.compact_linear import Linear
 from semoe.config import MoEConfig
 from semoe.experts import ExpertProvider, ExpertWeights, ResidentExperts, swiglu
 from semoe.gating import Routing, capacity_keep_mask, dispatch_order, expert_capacity, load_balancing_loss, \
@@ -34,9 +35,9 @@ class DenseFFN(nn.Module):
 
     def __init__(self, dim: int, hidden: int) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
+        self.gate_proj = Linear(dim, hidden, bias=False)
+        self.up_proj = Linear(dim, hidden, bias=False)
+        self.down_proj = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
@@ -217,7 +218,7 @@ class MoEGPT(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
         self.apply(self._init)

@@ -307,6 +307,50 @@ void swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int bits, const v
     acts_free(&ah);
 }
 
+/* bfloat16 weights (O, I) against float32 x: each code widened to float32 in registers (a bfloat16
+ * is the top half of a float32), float32 sums. */
+void gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t O, int64_t I, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < (O + ROWS - 1) / ROWS; b++) {
+        int64_t o0 = b * ROWS;
+        int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
+        for (int64_t m = 0; m < M; m++) {
+            const float *xm = x + m * I;
+#ifdef SEMOE_VNNI
+            __m512 f[ROWS];
+            for (int r = 0; r < ROWS; r++) f[r] = _mm512_setzero_ps();
+            const uint16_t *w0 = w + o0 * I, *w1 = w0 + (n > 1 ? I : 0), *w2 = w0 + (n > 2 ? 2 * I : 0),
+                           *w3 = w0 + (n > 3 ? 3 * I : 0);
+            for (int64_t k = 0; k < I; k += 16) {
+                __mmask16 km = I - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - k)) - 1);
+                __m512 xv = _mm512_maskz_loadu_ps(km, xm + k);
+#define ROW(wr, acc)                                                                                  \
+    {                                                                                                 \
+        _mm_prefetch((const char *)(wr + k) + PREFETCH, _MM_HINT_T0);                                 \
+        __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(km, wr + k));                      \
+        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), xv, acc);                \
+    }
+                ROW(w0, f[0]) ROW(w1, f[1]) ROW(w2, f[2]) ROW(w3, f[3])
+#undef ROW
+            }
+            for (int r = 0; r < n; r++) y[m * O + o0 + r] = _mm512_reduce_add_ps(f[r]);
+#else
+            for (int r = 0; r < n; r++) {
+                const uint16_t *wr = w + (o0 + r) * I;
+                float acc = 0.0f;
+                for (int64_t k = 0; k < I; k++) {
+                    uint32_t bits = (uint32_t)wr[k] << 16;
+                    float v;
+                    memcpy(&v, &bits, 4);
+                    acc += v * xm[k];
+                }
+                y[m * O + o0 + r] = acc;
+            }
+#endif
+        }
+    }
+}
+
 /* Which path this build took: 1 with AVX-512 VNNI, 0 for the portable loops */
 int kernels_vnni(void) {
 #ifdef SEMOE_VNNI

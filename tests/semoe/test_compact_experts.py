@@ -242,7 +242,7 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(b.attn, n)
             assert isinstance(lin, CompactLinear) and lin.weight.spec.scheme == "int8", n
-    assert not [n for n, m in q.named_modules() if type(m) is nn.Linear]
+    assert not [n for n, m in q.named_modules() if isinstance(m, nn.Linear)]
     V, D = q.config.vocab_size, q.config.hidden_size
     assert weight_bytes(q.lm_head) == V * D + 4 * V  # codes and a float32 scale per row
     # int4 on request: where it holds the shape (out features in blocks of 64), the lm_head int8
@@ -254,8 +254,8 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
             assert lin.weight.spec.scheme == ("int4" if lin.out_features % 64 == 0 else "int8"), n
     assert any(getattr(b.attn, "q_proj").weight.spec.scheme == "int4" for b in q4.layers)
     plain = load_store(stores(arch, bits), dense="float")
-    assert type(plain.lm_head) is nn.Linear
-    assert type(load_store(stores(arch, 32)).lm_head) is nn.Linear  # float experts: dense as stored
+    assert isinstance(plain.lm_head, nn.Linear)
+    assert isinstance(load_store(stores(arch, 32)).lm_head, nn.Linear)  # float experts: dense as stored
     with torch.no_grad():
         ids = torch.tensor([PROMPT])
         a, b, c = q(ids), plain(ids), q4(ids)
