@@ -109,7 +109,8 @@ class Engine:
             store_path = os.path.join(cleanup, "store")
             log.warning("%s is not a store: importing it into %s for offloading", path, store_path)
             import_checkpoint(path, store_path)
-        model = load_store(store_path, device=config.device, dtype=dtype, with_experts=False, dense=config.dense)
+        model = load_store(store_path, device=config.device, dtype=dtype, with_experts=False, dense=config.dense,
+                           embedding_in_store=True)
         offload = OffloadedExperts.attach(model, store_path, config)
         if config.preload:
             offload.warm_idle(in_request=False)

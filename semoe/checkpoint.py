@@ -75,8 +75,11 @@ def _dense_params(model: MoEGPT) -> Iterator[tuple[str, nn.Parameter]]:
 
 
 def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
-          expert: Callable[[int, int], dict[str, torch.Tensor]], source: str) -> None:
-    """Fill every parameter from `dense(hf_name)` and `expert(layer, index)`; check shapes and dtypes."""
+          expert: Callable[[int, int], dict[str, torch.Tensor]], source: str, *, adopt: bool = False) -> None:
+    """Fill every parameter from `dense(hf_name)` and `expert(layer, index)`; check shapes and dtypes.
+    `adopt`: `dense` returns a new buffer each call, which a parameter of its dtype and device takes
+    as its storage instead of a copy (loading then never holds a dense weight twice: the largest, an
+    embedding or lm_head, is 131 MB on the float32 bench model, and memory-limited runs count it)."""
     c = model.config
     with torch.no_grad():
         for name, p in _dense_params(model):
@@ -84,7 +87,10 @@ def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
             t = dense(key)
             if tuple(t.shape) != tuple(p.shape):
                 raise BadInputError(f"{source}: tensor {key} has shape {tuple(t.shape)}, expected {tuple(p.shape)}")
-            p.copy_(t)
+            if adopt and t.dtype == p.dtype and t.device == p.device:
+                p.data = t
+            else:
+                p.copy_(t)
         for ffn in model.moe_layers():
             experts = ffn.experts
             if not isinstance(experts, ResidentExperts):
@@ -155,7 +161,8 @@ def _part_tensor(part: ExpertPart, expert: int) -> torch.Tensor:
 
 
 def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               with_experts: bool = True, kernel: str = "auto", dense: str = "auto") -> MoEGPT:
+               with_experts: bool = True, kernel: str = "auto", dense: str = "auto",
+               embedding_in_store: bool = False) -> MoEGPT:
     """A model from a store; `with_experts=False` leaves experts to a provider (offload engine).
 
     Compact (quantized) experts stay compact: each MoE layer then holds them as `PackedExperts`,
@@ -163,7 +170,8 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     dense weights are dequantized. `kernel="reference"` computes compact experts by the plain
     dequantize-then-multiply reference. `dense` (`semoe.compact_linear.DENSE_CHOICES`): the weights
     outside the experts float, or int8 or int4 (quantized here); `auto` is int8 on CPU beside int8 or
-    int4 experts (`resolve_dense`)."""
+    int4 experts (`resolve_dense`). `embedding_in_store`: leave the token embedding in the store and
+    read the rows each step needs (`StoredEmbedding`), as offloaded engines do."""
     store = Store.open(path)
     if not store.manifest.has_file("config.json"):
         raise BadInputError(f"{path}: store has no config.json (not a model store)")
@@ -183,7 +191,11 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
             raise BadInputError(f"{path}: expert {e} of layer {layer} is missing")
         return store.read_expert(layer, e)
 
-    _load(model, dense_tensor, expert, path)
+    if embedding_in_store:
+        rows = stored_embedding(store, config, dtype, device)
+        if rows is not None:
+            model.embed = rows
+    _load(model, dense_tensor, expert, path, adopt=True)
     if compact:
         for ffn in model.moe_layers():
             layouts, raws = {}, {}
@@ -197,6 +209,57 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     if scheme != "float":
         compact_dense_linears(model, scheme, kernel=kernel)
     return model.eval()
+
+
+class StoredEmbedding(nn.Module):
+    """A token embedding left in the store: each forward reads the rows its ids need (one read per
+    distinct id, through the page cache) instead of holding vocab x hidden in memory. For offloaded
+    models, whose point is a small footprint: DeepSeek-V3's table is 1.85 GB, the float32 bench
+    model's 131 MB. The rows are the stored bytes, so the output equals the resident table's; the
+    store's checksum covers the whole tensor, which `store verify` checks, not each row read here.
+    `weight` is an empty (0, hidden) tensor that says the dtype and device."""
+
+    def __init__(self, file: str, offset: int, shape: tuple[int, int], stored: torch.dtype, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
+        super().__init__()
+        self.file, self.offset, self.shape, self.stored = file, offset, tuple(shape), stored
+        self.row_bytes = shape[1] * torch.empty((), dtype=stored).element_size()
+        self.register_buffer("weight", torch.empty(0, shape[1], dtype=dtype, device=device), persistent=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        wanted = ids.reshape(-1).tolist()  # the one host sync: the ids pick the rows to read
+        rows_of: dict[int, int] = {}
+        for t in wanted:
+            if not 0 <= t < self.shape[0]:
+                raise IndexError(f"token ids must be in 0..{self.shape[0] - 1}, got {t}")
+            rows_of.setdefault(t, len(rows_of))
+        rows = np.empty((len(rows_of), self.row_bytes), dtype=np.uint8)
+        fd = os.open(self.file, os.O_RDONLY)
+        try:
+            for t, i in rows_of.items():
+                n = os.preadv(fd, [memoryview(rows[i])], self.offset + t * self.row_bytes)
+                if n != self.row_bytes:
+                    raise BadInputError(f"{self.file}: embedding row {t} is cut short ({n} of {self.row_bytes} bytes)")
+        finally:
+            os.close(fd)
+        device = self.weight.device
+        table = torch.from_numpy(rows).view(self.stored)
+        if device.type != "cpu":
+            table = table.to(device)
+        index = torch.tensor([rows_of[t] for t in wanted], dtype=torch.long, device=device)
+        return table.to(self.weight.dtype)[index].view(*ids.shape, self.shape[1])
+
+
+def stored_embedding(store: Store, config: MoEConfig, dtype: torch.dtype, device: torch.device | str
+                     ) -> StoredEmbedding | None:
+    """The model's embedding left in `store`, where it can be (a plain tensor, not tied to the lm_head)."""
+    key = hf_name(config, "embed.weight")
+    if config.tie_embeddings or not store.manifest.has_tensor(key):
+        return None
+    e = store.manifest.tensor(key)
+    if e.quant is not None or len(e.shape) != 2:
+        return None
+    return StoredEmbedding(store.path(e.file), e.offset, tuple(e.shape), torch_dtype(e.dtype), dtype, device)
 
 
 class _NoExperts:

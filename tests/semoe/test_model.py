@@ -115,6 +115,29 @@ def test_gpt_moe_save_and_load_through_a_store(tmp_path):
     assert back.config.replace(extra={}) == model.config.replace(extra={})
 
 
+def test_an_embedding_left_in_the_store_reads_the_rows_the_resident_table_holds(tmp_path):
+    """Offloaded engines leave the token embedding in the store and read the rows each step needs:
+    the same bits as the resident table (repeated ids, 2-D ids, another compute dtype), no table in
+    memory, and an id out of range refused."""
+    from semoe.checkpoint import StoredEmbedding
+
+    torch.manual_seed(4)
+    model = MoEGPT(named_config("tiny")).eval()
+    store = save_store(model, str(tmp_path / "store"))
+    back = load_store(store.root, embedding_in_store=True)
+    assert isinstance(back.embed, StoredEmbedding) and back.embed.weight.numel() == 0
+    assert not any(n.startswith("embed.") for n, _ in back.named_parameters())
+    V = model.config.vocab_size
+    ids = torch.tensor([[3, 7, 3, 0], [V - 1, 7, 2, 2]])
+    with torch.no_grad():
+        assert torch.equal(back.embed(ids), model.embed(ids))
+        assert torch.equal(back(ids).logits, model(ids).logits)
+        half = load_store(store.root, embedding_in_store=True, dtype=torch.bfloat16)
+        assert torch.equal(half.embed(ids), model.embed(ids).bfloat16())
+        with pytest.raises(IndexError, match=f"token ids must be in 0..{V - 1}"):
+            back.embed(torch.tensor([[V]]))
+
+
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="top_k must be in 1..num_experts"):
         named_config("tiny", top_k=9)
