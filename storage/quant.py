@@ -132,7 +132,23 @@ def quantize(w: torch.Tensor, scheme: str, *, group_size: int | None = None, tra
     """(codes, scales) of a float weight, laid out as the module docstring says; `transposed`: `w`
     is (I, O). Rounds to nearest; computed in float32."""
     check_fits(tuple(w.shape), w.dtype, scheme, group_size, transposed)
-    w_OI = (w.T if transposed else w).to(torch.float32)
+    w_OI = w.T if transposed else w
+    o = w_OI.shape[0]
+    if o > QUANTIZE_ROWS:  # rows at a time: each row's codes depend on that row alone
+        parts = [_quantize_rows(w_OI[r:r + QUANTIZE_ROWS], scheme, group_size) for r in range(0, o, QUANTIZE_ROWS)]
+        codes = torch.cat([c for c, _ in parts])
+        scales = torch.cat([s for _, s in parts], dim=0 if scheme == "int8" else 1)
+        return codes, scales.contiguous()
+    return _quantize_rows(w_OI, scheme, group_size)
+
+
+# Rows quantized at once: bounds the float32 temporaries (a 32000-row lm_head took four copies of
+# itself, 0.5 GB, when quantized whole); a multiple of int4's 64-row blocks
+QUANTIZE_ROWS = 4096
+
+
+def _quantize_rows(w: torch.Tensor, scheme: str, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    w_OI = w.to(torch.float32)
     if scheme == "int8":
         scale_O = w_OI.abs().amax(dim=1) / INT8_MAX
         scale_O = torch.where(scale_O > 0, scale_O, torch.ones_like(scale_O))

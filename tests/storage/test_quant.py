@@ -113,3 +113,18 @@ def test_spec_json_round_trip_and_scale_names():
     assert scales_name("a.weight", "int8") == "a.weight_scale"
     assert scales_name("a.weight", "int4") == "a.weight_scale_zero"
     assert scales_name("experts.down_proj_blocks", "mxfp4") == "experts.down_proj_scales"
+
+
+@pytest.mark.parametrize("scheme, group, transposed", [("int8", None, False), ("int8", None, True),
+                                                       ("int4", 64, False), ("int4", 32, True)])
+def test_quantizing_rows_at_a_time_gives_the_whole_matrixs_codes(monkeypatch, scheme, group, transposed):
+    """Large weights are quantized QUANTIZE_ROWS rows at a time to bound the float32 temporaries:
+    every row's codes depend on that row alone, so the result must be bit for bit the whole one's."""
+    import storage.quant as q
+
+    torch.manual_seed(5)
+    w = torch.randn(64, 448) if transposed else torch.randn(448, 64)  # 448 rows: 3.5 chunks of 128
+    whole = q.quantize(w, scheme, group_size=group, transposed=transposed)
+    monkeypatch.setattr(q, "QUANTIZE_ROWS", 128)
+    chunked = q.quantize(w, scheme, group_size=group, transposed=transposed)
+    assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
