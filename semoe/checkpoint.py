@@ -7,6 +7,7 @@ One table of renaming rules maps between those names and the model's parameter n
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -107,17 +108,43 @@ def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
                     dst[e].copy_(t)
 
 
+@contextlib.contextmanager
+def _skip_init() -> Iterator[None]:
+    """Layers' random initialisation skipped while a model is built on the meta device: there it
+    runs through torch's reference decompositions, which import torch._dynamo (77 MB resident, and
+    seconds of start-up) to produce values that loading overwrites anyway."""
+    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "constant_", "trunc_normal_")
+    saved = {n: getattr(nn.init, n) for n in names}
+    try:
+        for n in names:
+            setattr(nn.init, n, lambda t, *args, **kwargs: t)
+        yield
+    finally:
+        for n, f in saved.items():
+            setattr(nn.init, n, f)
+
+
 def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dtype, *,
                  with_experts: bool = True) -> MoEGPT:
     """A model with uninitialised storage (no time spent on random init of weights about to be loaded);
     without experts, no memory is taken for them either. The dtype is set while the model is still
     on the meta device, so its storage is allocated once, at that dtype: never float32 first."""
-    with torch.device("meta"):
+    with torch.device("meta"), _skip_init():
         model = MoEGPT(config)
     if not with_experts:
         for ffn in model.moe_layers():
             ffn.use_experts(_NoExperts())
-    model = model.to(dtype).to_empty(device=device)
+    model = model.to(dtype)
+    # each meta tensor replaced by an empty one (Module.to_empty goes through torch's reference
+    # empty_like on meta tensors, which imports the symbolic-shapes machinery: 40 MB resident)
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                        requires_grad=p.requires_grad)
+        for name, b in module._buffers.items():
+            if b is not None:
+                module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
     if config.tie_embeddings:
         model.lm_head.weight = model.embed.weight
     return model
