@@ -270,9 +270,7 @@ class StoredEmbedding(nn.Module):
         finally:
             os.close(fd)
         device = self.weight.device
-        table = torch.from_numpy(rows).view(self.stored)
-        if device.type != "cpu":
-            table = table.to(device)
+        table = torch.as_tensor(rows, device=device).view(self.stored)  # no copy on CPU
         index = torch.tensor([rows_of[t] for t in wanted], dtype=torch.long, device=device)
         return table.to(self.weight.dtype)[index].view(*ids.shape, self.shape[1])
 

@@ -69,8 +69,7 @@ class CompactWeight:
         """Whether a product with x is defined by semoe's CPU kernels, x quantized per block of 32
         (int8 and int4 weights, a decoding step's few rows on CPU, the kernels built); the reference
         kernel then computes the same arithmetic plainly."""
-        return self.spec.scheme in ("int8", "int4") and x_MI.device.type == "cpu" and cpu_kernels.available() \
-            and x_MI.numel() // x_MI.shape[-1] <= cpu_kernels.MAX_ROWS
+        return self.spec.scheme in ("int8", "int4") and cpu_kernels.takes(x_MI)
 
     def linear(self, x_MI: torch.Tensor) -> torch.Tensor:
         """x @ W.T for the out-major W (O, I) the codes hold, in x's dtype."""
@@ -112,9 +111,7 @@ def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> 
     if not all(isinstance(w, CompactWeight) and w.kernel == "auto" and not w.spec.transposed for w in ws):
         return None
     scheme = gate.spec.scheme
-    if scheme not in ("int8", "int4") or up.spec.scheme != scheme or down.spec.scheme != scheme \
-            or x_MD.device.type != "cpu" or not cpu_kernels.available() \
-            or x_MD.numel() // x_MD.shape[-1] > cpu_kernels.MAX_ROWS:
+    if up.spec.scheme != scheme or down.spec.scheme != scheme or not gate.quantizes_activations(x_MD):
         return None
     y = cpu_kernels.swiglu(x_MD, 8 if scheme == "int8" else 4, (gate.codes, gate.scales), (up.codes, up.scales),
                            (down.codes, down.scales), gate.spec.group_size or 0, down.spec.group_size or 0)
@@ -124,9 +121,8 @@ def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> 
 def _bf16_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:
     """A bfloat16 weight on CPU times a decoding step's few rows, no gradient wanted: semoe's kernel
     (`cpu_kernels.gemv_bf16`) streams it at the memory bound, torch's product at half of it."""
-    return w_OI.dtype == torch.bfloat16 and w_OI.device.type == "cpu" and x_MI.device.type == "cpu" \
-        and w_OI.dim() == 2 and w_OI.is_contiguous() and x_MI.numel() // x_MI.shape[-1] <= cpu_kernels.MAX_ROWS \
-        and not (torch.is_grad_enabled() and (x_MI.requires_grad or w_OI.requires_grad)) and cpu_kernels.available()
+    return w_OI.dtype == torch.bfloat16 and w_OI.device.type == "cpu" and w_OI.dim() == 2 and w_OI.is_contiguous() \
+        and not (torch.is_grad_enabled() and (x_MI.requires_grad or w_OI.requires_grad)) and cpu_kernels.takes(x_MI)
 
 
 def linear(x_MI: torch.Tensor, w_OI: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -210,19 +206,18 @@ def resolve_dense(dense: str, *, device: torch.device | str, expert_schemes: set
 
 
 def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto",
-                          group_size: int = INT4_DEFAULT_GROUP) -> int:
+                          group_size: int = INT4_DEFAULT_GROUP) -> None:
     """Replace the model's dense `nn.Linear` layers (attention, lm_head, dense and shared
     feed-forwards) by `CompactLinear`s of `scheme`, quantized here; the routers and the token
     embedding stay as they are (a router's few rows decide which experts run). int4 takes groups of
     `group_size` inputs, or the largest smaller group that divides the input features; the lm_head
     and any weight int4 cannot hold (out features not a multiple of 64) take int8: the
     output layer's errors land on every logit directly (llama.cpp's 4-bit files keep it at 6 bits
-    or more too). Returns the bytes the weights took before, as float."""
+    or more too)."""
     if scheme not in ("int8", "int4"):
         raise ValueError(f"dense weights can be quantized to int8 or int4, not {scheme!r}")
     swaps = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
              and not name.endswith("shared_gate")]
-    before = 0
     for name, mod in swaps:
         w = mod.weight.detach()
         this, g = ("int4", group_size) if scheme == "int4" and name != "lm_head" else ("int8", None)
@@ -233,7 +228,7 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
             except QuantShapeError:
                 this, g = "int8", None
         try:
-            codes, scales = quantize(w.float(), this, group_size=g)
+            codes, scales = quantize(w, this, group_size=g)
         except QuantShapeError:
             continue
         spec = QuantSpec(scheme=this, dtype=dtype_name(w.dtype), shape=tuple(w.shape), scales="", group_size=g)
@@ -241,5 +236,3 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, CompactLinear(CompactWeight(codes.to(w.device), scales.to(w.device), spec, kernel),
                                             mod.bias))
-        before += w.numel() * w.element_size()
-    return before

@@ -54,6 +54,12 @@ def available() -> bool:
     return _lib() is not None
 
 
+def takes(x_MI: torch.Tensor) -> bool:
+    """Whether these kernels compute a product with x: built, x on CPU, and at most MAX_ROWS rows (a
+    decoding step's; more go to torch's GEMM)."""
+    return x_MI.device.type == "cpu" and x_MI.numel() // x_MI.shape[-1] <= MAX_ROWS and available()
+
+
 def vnni() -> bool:
     """Whether the kernels were built with AVX-512 VNNI (else portable loops, the same sums)."""
     return available() and bool(_lib().kernels_vnni())

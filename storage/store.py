@@ -202,12 +202,12 @@ class Store:
 
     def is_compact(self, kind: str = "weight") -> bool:
         """Whether any expert tensor of this kind is stored compact (quantized)."""
-        return any(t.quant is not None for t in self.manifest.tensors if t.group == "expert" and t.kind == kind)
+        return bool(self.expert_schemes(kind))
 
-    def expert_schemes(self) -> set[str]:
-        """The compact schemes the expert weights are stored in (empty when all are plain)."""
+    def expert_schemes(self, kind: str = "weight") -> set[str]:
+        """The compact schemes the expert tensors of this kind are stored in (empty when all are plain)."""
         return {t.quant["scheme"] for t in self.manifest.tensors
-                if t.group == "expert" and t.kind == "weight" and t.quant and "scheme" in t.quant}
+                if t.group == "expert" and t.kind == kind and t.quant and "scheme" in t.quant}
 
     def read_dense(self, name: str) -> torch.Tensor:
         """A dense weight as the model uses it: a compact one dequantized to its logical dtype."""
