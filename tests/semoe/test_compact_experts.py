@@ -226,6 +226,22 @@ def test_the_resident_quantized_model_follows_the_reference_kernel(stores, arch)
             assert _relative(ref.logits[0, same], f32.logits[0, same]) < (0.02 if bits == 8 else 0.1), bits
 
 
+def test_auto_dense_is_int8_only_on_cpu_beside_int8_or_int4_experts():
+    """The choice a GPU load makes, checked without one: CUDA keeps dense weights as stored (its
+    products dequantize compact weights into scratch, slower than the float weight), as do a
+    checkpoint's own FP8/MXFP4 experts; an explicit scheme is taken anywhere."""
+    from semoe.compact_linear import resolve_dense
+
+    assert resolve_dense("auto", device="cpu", expert_schemes={"int8"}) == "int8"
+    assert resolve_dense("auto", device="cpu", expert_schemes={"int4"}) == "int8"
+    assert resolve_dense("auto", device="cuda", expert_schemes={"int8"}) == "float"
+    assert resolve_dense("auto", device="cpu", expert_schemes={"fp8"}) == "float"
+    assert resolve_dense("auto", device="cpu", expert_schemes=set()) == "float"
+    assert resolve_dense("int4", device="cuda:1", expert_schemes=set()) == "int4"
+    with pytest.raises(ValueError, match="dense must be one of auto, float, int8, int4, got 'int3'"):
+        resolve_dense("int3", device="cpu", expert_schemes=set())
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_otherwise(stores, arch, bits, capsys):
