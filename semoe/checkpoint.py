@@ -24,6 +24,8 @@ from semoe.expert_layout import chunk_layout_of, hf_expert_names, moe_prefix, pa
 from semoe.model import MoEGPT, ResidentExperts
 from storage.errors import BadInputError
 from storage.dtypes import torch_dtype
+from storage.pool import release_free_heap
+from storage.quant import QUANTIZE_ROWS
 from semoe.hf_import import ExpertPart, open_checkpoint
 from storage.store import ExpertTensor, Store
 
@@ -206,10 +208,13 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     compact = with_experts and store.is_compact()
     model = _empty_model(config, device, dtype, with_experts=with_experts and not compact)
 
-    def dense_tensor(key: str) -> torch.Tensor:
+    def present(key: str) -> str:
         if not store.manifest.has_tensor(key):
             raise BadInputError(f"{path}: tensor {key} is missing")
-        return store.read_dense(key)
+        return key
+
+    def dense_tensor(key: str) -> torch.Tensor:
+        return store.read_dense(present(key))
 
     def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
         if not with_experts:
@@ -222,6 +227,15 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
         rows = stored_embedding(store, config, dtype, device)
         if rows is not None:
             model.embed = rows
+    scheme = resolve_dense(dense, device=device, expert_schemes=store.expert_schemes())
+    if scheme != "float":  # quantized as read, a block of rows at a time: no float weight is ever whole
+
+        def weight_rows(name: str) -> Iterator[torch.Tensor]:
+            key = hf_name(config, "embed.weight" if config.tie_embeddings and name == "lm_head" else f"{name}.weight")
+            return store.read_dense_rows(present(key), QUANTIZE_ROWS)
+
+        compact_dense_linears(model, scheme, kernel=kernel, weight_rows=weight_rows)
+        release_free_heap()
     _load(model, dense_tensor, expert, path, adopt=True)
     if compact:
         for ffn in model.moe_layers():
@@ -232,9 +246,7 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
                 layouts[e] = chunk_layout_of(store.manifest, config, ffn.layer, e, path)
                 raws[e] = store.read_chunk(ffn.layer, e)
             ffn.use_experts(packed_layer(config, ffn.layer, raws, layouts, device=device, dtype=dtype, kernel=kernel))
-    scheme = resolve_dense(dense, device=device, expert_schemes=store.expert_schemes())
-    if scheme != "float":
-        compact_dense_linears(model, scheme, kernel=kernel)
+    release_free_heap()
     return model.eval()
 
 

@@ -23,6 +23,7 @@ Shape legend: M rows, I in features, O out features.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable, Iterable
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +32,7 @@ from torch import nn
 from semoe import cpu_kernels
 from storage.dtypes import dtype_name, torch_dtype
 from storage.quant import (INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, dequantize,
-                           dequantize_out_in, quantize)
+                           dequantize_out_in, quantize_blocks)
 
 # auto: the fast path for the device; dequantize: the one CUDA takes (forced here to test it on CPU);
 # reference: dequantize, then a float32 product (of x as the CPU decode kernels see it, where they apply)
@@ -206,14 +207,17 @@ def resolve_dense(dense: str, *, device: torch.device | str, expert_schemes: set
 
 
 def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto",
-                          group_size: int = INT4_DEFAULT_GROUP) -> None:
+                          group_size: int = INT4_DEFAULT_GROUP,
+                          weight_rows: Callable[[str], Iterable[torch.Tensor]] | None = None) -> None:
     """Replace the model's dense `nn.Linear` layers (attention, lm_head, dense and shared
     feed-forwards) by `CompactLinear`s of `scheme`, quantized here; the routers and the token
     embedding stay as they are (a router's few rows decide which experts run). int4 takes groups of
     `group_size` inputs, or the largest smaller group that divides the input features; the lm_head
     and any weight int4 cannot hold (out features not a multiple of 64) take int8: the
     output layer's errors land on every logit directly (llama.cpp's 4-bit files keep it at 6 bits
-    or more too)."""
+    or more too). `weight_rows(name)`: the named layer's weight as blocks of its rows, where a loader
+    reads it from storage block by block (the layer's own weight is then never filled, and the float
+    weights are never in memory whole); the layer's own weight by default."""
     if scheme not in ("int8", "int4"):
         raise ValueError(f"dense weights can be quantized to int8 or int4, not {scheme!r}")
     swaps = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
@@ -228,9 +232,11 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
             except QuantShapeError:
                 this, g = "int8", None
         try:
-            codes, scales = quantize(w, this, group_size=g)
+            check_fits(tuple(w.shape), w.dtype, this, g)
         except QuantShapeError:
             continue
+        rows = [w] if weight_rows is None else weight_rows(name)
+        codes, scales = quantize_blocks(rows, tuple(w.shape), w.dtype, this, group_size=g)
         spec = QuantSpec(scheme=this, dtype=dtype_name(w.dtype), shape=tuple(w.shape), scales="", group_size=g)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -12,6 +12,7 @@ buffers are free, so a slab is kept small relative to the capacity.
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import resource
 import threading
@@ -44,6 +45,24 @@ def peak_rss_bytes() -> int:
     except (OSError, ValueError, IndexError):
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere).
+    Loading frees many buffers of a few MB whose pages glibc keeps in its heap once its adaptive
+    mmap threshold has risen past them: after loading the bench model's dense weights that was
+    250 MB resident and unused, which a run with memory short cannot spare."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
 
 
 class PoolError(StorageError, RuntimeError):

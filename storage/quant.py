@@ -25,6 +25,7 @@ Schemes (shape legend: O out features, I in features, g group size, G groups per
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Iterable
 
 import torch
 
@@ -133,13 +134,40 @@ def quantize(w: torch.Tensor, scheme: str, *, group_size: int | None = None, tra
     is (I, O). Rounds to nearest; computed in float32."""
     check_fits(tuple(w.shape), w.dtype, scheme, group_size, transposed)
     w_OI = w.T if transposed else w
-    o = w_OI.shape[0]
-    if o > QUANTIZE_ROWS:  # rows at a time: each row's codes depend on that row alone
-        parts = [_quantize_rows(w_OI[r:r + QUANTIZE_ROWS], scheme, group_size) for r in range(0, o, QUANTIZE_ROWS)]
-        codes = torch.cat([c for c, _ in parts])
-        scales = torch.cat([s for _, s in parts], dim=0 if scheme == "int8" else 1)
-        return codes, scales.contiguous()
-    return _quantize_rows(w_OI, scheme, group_size)
+    return quantize_blocks([w_OI], tuple(w_OI.shape), w.dtype, scheme, group_size=group_size)
+
+
+def quantize_blocks(blocks: Iterable[torch.Tensor], shape: tuple[int, int], dtype: torch.dtype, scheme: str, *,
+                    group_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`quantize` of an (O, I) weight given as consecutive blocks of its rows (each a multiple of
+    `INT4_BLOCK_ROWS` rows but the last, of any float dtype, converted to `dtype` first), so that a
+    loader never holds the float weight whole; the same bits as `quantize` of the whole. Each block
+    is quantized `QUANTIZE_ROWS` rows at a time (each row's codes depend on that row alone) into
+    codes and scales allocated once."""
+    check_fits(tuple(shape), dtype, scheme, group_size)
+    codes = scales = None
+    rows, scale_dim = 0, 0 if scheme == "int8" else 1  # int4's scales are (groups, O, 2)
+    for block in blocks:
+        n = block.shape[0]
+        if block.dim() != 2 or block.shape[1] != shape[1] or rows + n > shape[0]:
+            raise BadInputError(f"a block of shape {list(block.shape)} after {rows} rows does not continue a "
+                                f"weight of shape {list(shape)}")
+        if scheme == "int4" and n % INT4_BLOCK_ROWS and rows + n != shape[0]:
+            raise BadInputError(f"a block of {n} rows: int4 takes multiples of {INT4_BLOCK_ROWS}")
+        block = block.to(dtype)
+        for r in range(0, n, QUANTIZE_ROWS):
+            c, s = _quantize_rows(block[r:r + QUANTIZE_ROWS], scheme, group_size)
+            if codes is None:
+                codes = c.new_empty((shape[0], *c.shape[1:]))
+                scales = s.new_empty((*s.shape[:scale_dim], shape[0], *s.shape[scale_dim + 1:]))
+            codes[rows + r:rows + r + c.shape[0]] = c
+            scales.narrow(scale_dim, rows + r, c.shape[0]).copy_(s)
+            del c, s
+        rows += n
+        del block
+    if rows != shape[0] or codes is None:
+        raise BadInputError(f"blocks of {rows} rows in all, expected {shape[0]} (more than none)")
+    return codes, scales
 
 
 # Rows quantized at once: bounds the float32 temporaries (a 32000-row lm_head took four copies of
@@ -150,16 +178,17 @@ QUANTIZE_ROWS = 4096
 def _quantize_rows(w: torch.Tensor, scheme: str, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     w_OI = w.to(torch.float32)
     if scheme == "int8":
-        scale_O = w_OI.abs().amax(dim=1) / INT8_MAX
+        lo_O, hi_O = torch.aminmax(w_OI, dim=1)  # max |w| without an |w| copy of the rows
+        scale_O = torch.maximum(-lo_O, hi_O) / INT8_MAX
         scale_O = torch.where(scale_O > 0, scale_O, torch.ones_like(scale_O))
-        codes = torch.round(w_OI / scale_O[:, None]).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+        codes = (w_OI / scale_O[:, None]).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
         return codes.contiguous(), scale_O.contiguous()
     o, i = w_OI.shape
     g_OGg = w_OI.view(o, i // group_size, group_size)
     lo, hi = g_OGg.amin(dim=2), g_OGg.amax(dim=2)
     scale_OG = (hi - lo) / INT4_LEVELS
     scale_OG = torch.where(scale_OG > 0, scale_OG, torch.ones_like(scale_OG))
-    q_OI = torch.round((g_OGg - lo[..., None]) / scale_OG[..., None]).clamp_(0, INT4_LEVELS)
+    q_OI = (g_OGg - lo[..., None]).div_(scale_OG[..., None]).round_().clamp_(0, INT4_LEVELS)
     q_OI = q_OI.view(o, i).to(torch.uint8)
     zero_OG = lo + INT4_OFFSET * scale_OG  # code 0 decodes to the group's minimum
     scale_zero_GO2 = torch.stack([scale_OG.T, zero_OG.T], dim=-1).contiguous()

@@ -22,13 +22,14 @@ import logging
 import os
 import shutil
 from dataclasses import dataclass, field
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import crc32c as _crc32c
 import numpy as np
 import torch
 
 from storage import zarrio
+from storage.crc import crc32c_combine
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StorageError, StoreLockedError
 from storage.durable import fsync_path, fsync_tree, write_atomic
@@ -216,6 +217,28 @@ class Store:
             return self.read_tensor(name)
         spec = QuantSpec.from_json(e.quant)
         return dequantize(self.read_tensor(name), self.read_tensor(spec.scales), spec)
+
+    def read_dense_rows(self, name: str, rows: int, *, mode: ReadMode = ReadMode.DROP) -> Iterator[torch.Tensor]:
+        """A dense weight `rows` rows at a time (a new buffer each; the last may be shorter), for a
+        reader that never holds it whole; its crc32c is checked after the last block (CorruptTensorError
+        then, so a caller keeps nothing it built before). A compact or non-2-D weight comes whole."""
+        e = self.manifest.tensor(name)
+        if (e.quant is not None and "scheme" in e.quant) or len(e.shape) != 2 or not e.bytes:
+            yield self.read_dense(name)
+            return
+        row_bytes = e.bytes // e.shape[0]
+        path, crc = self.path(e.file), 0
+        for r in range(0, e.shape[0], rows):
+            n = min(rows, e.shape[0] - r)
+            buf = torch.empty(n * row_bytes, dtype=torch.uint8)
+            part = _read_range(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode,
+                               crc_bytes=n * row_bytes)
+            crc = crc32c_combine(crc, part, n * row_bytes)
+            if r + n == e.shape[0] and crc != e.crc32c:
+                raise CorruptTensorError(f"tensor {e.name} ({e.kind}) is corrupt: crc32c {crc:08x} != recorded "
+                                         f"{e.crc32c:08x} in {path}", tensor=e.name, path=path)
+            yield buf.view(torch_dtype(e.dtype)).view(n, e.shape[1])
+            del buf  # before the next block is allocated
 
     def read_tensor_ts(self, entry: TensorEntry) -> torch.Tensor:
         """Read a tensor through tensorstore (the checked, slower path used by export and verify)."""

@@ -244,12 +244,17 @@ def test_auto_dense_is_int8_only_on_cpu_beside_int8_or_int4_experts():
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_otherwise(stores, arch, bits, capsys):
+def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_otherwise(stores, arch, bits, capsys,
+                                                                                      monkeypatch):
     from torch import nn
 
     from semoe.checkpoint import load_store
-    from semoe.compact_linear import CompactLinear, weight_bytes
+    import semoe.checkpoint
+    import storage.quant
+    from semoe.compact_linear import CompactLinear, compact_dense_linears, weight_bytes
 
+    for module in (semoe.checkpoint, storage.quant):  # several blocks of rows per weight of the tiny models
+        monkeypatch.setattr(module, "QUANTIZE_ROWS", 64)
     q = load_store(stores(arch, bits))
     # auto on CPU: every dense linear (attention with its biases, lm_head) int8; the routers, the
     # embedding and the norms as stored
@@ -271,6 +276,13 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
     assert any(getattr(b.attn, "q_proj").weight.spec.scheme == "int4" for b in q4.layers)
     plain = load_store(stores(arch, bits), dense="float")
     assert isinstance(plain.lm_head, nn.Linear)
+    # quantized as they were read, a block of rows at a time: the codes of the loaded float weights
+    again = load_store(stores(arch, bits), dense="float")
+    compact_dense_linears(again, "int8")
+    for name, lin in q.named_modules():
+        if isinstance(lin, CompactLinear):
+            other = again.get_submodule(name).weight
+            assert torch.equal(lin.weight.codes, other.codes) and torch.equal(lin.weight.scales, other.scales), name
     assert isinstance(load_store(stores(arch, 32)).lm_head, nn.Linear)  # float experts: dense as stored
     with torch.no_grad():
         ids = torch.tensor([PROMPT])

@@ -128,3 +128,21 @@ def test_quantizing_rows_at_a_time_gives_the_whole_matrixs_codes(monkeypatch, sc
     monkeypatch.setattr(q, "QUANTIZE_ROWS", 128)
     chunked = q.quantize(w, scheme, group_size=group, transposed=transposed)
     assert torch.equal(whole[0], chunked[0]) and torch.equal(whole[1], chunked[1])
+
+
+@pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 32)])
+def test_quantizing_a_weight_given_in_blocks_of_rows_gives_the_whole_ones_codes(monkeypatch, scheme, group):
+    """A loader quantizes a stored weight as it reads it, a block of rows at a time, converting each
+    block to the model's dtype first: the codes must be the whole weight's, bit for bit."""
+    import storage.quant as q
+
+    torch.manual_seed(6)
+    w = torch.randn(448, 64).to(torch.bfloat16)
+    whole = q.quantize(w.to(torch.float32), scheme, group_size=group)
+    monkeypatch.setattr(q, "QUANTIZE_ROWS", 128)  # blocks of 192 rows, each quantized 128 rows at a time
+    got = q.quantize_blocks(iter(w.split(192)), (448, 64), torch.float32, scheme, group_size=group)
+    assert torch.equal(whole[0], got[0]) and torch.equal(whole[1], got[1])
+    with pytest.raises(BadInputError, match=r"blocks of 384 rows in all, expected 448"):
+        q.quantize_blocks(iter(w[:384].split(192)), (448, 64), torch.float32, scheme, group_size=group)
+    with pytest.raises(BadInputError, match=r"a block of shape \[448, 32\] after 0 rows does not continue"):
+        q.quantize_blocks([w[:, :32]], (448, 64), torch.float32, scheme, group_size=group)

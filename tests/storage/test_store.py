@@ -197,6 +197,30 @@ def test_flipped_byte_is_caught_by_verify_and_by_read(tmp_path):
     store.read_expert(0, 0)  # the healthy expert still reads
 
 
+def test_a_dense_weight_read_a_block_of_rows_at_a_time(tmp_path):
+    """`read_dense_rows` gives the weight's rows in order, each block a new buffer, and checks the
+    whole weight's checksum when the last block is read: a flipped byte in any block is caught."""
+    gen = torch.Generator().manual_seed(4)
+    w = torch.randn(37, 24, generator=gen).to(torch.bfloat16)
+    store = Store.create(str(tmp_path / "s"))
+    with store.writer() as wr:
+        wr.put_dense("dense.weight", w)
+        wr.put_dense("norm.weight", torch.randn(24, generator=gen))
+        wr.commit()
+    blocks = list(store.read_dense_rows("dense.weight", 8))
+    assert [tuple(b.shape) for b in blocks] == [(8, 24)] * 4 + [(5, 24)]
+    assert all(b.dtype == torch.bfloat16 for b in blocks) and torch.equal(torch.cat(blocks), w)
+    (norm,) = store.read_dense_rows("norm.weight", 8)  # not 2-D: whole
+    assert torch.equal(norm, store.read_tensor("norm.weight"))
+    entry = store.manifest.tensor("dense.weight")
+    _flip_byte(store.path(entry.file), entry.offset + 10 * 24 * 2 + 3)  # in the second block
+    rows = store.read_dense_rows("dense.weight", 8)
+    for _ in range(4):
+        next(rows)
+    with pytest.raises(CorruptTensorError, match=r"tensor dense\.weight \(weight\) is corrupt"):
+        next(rows)
+
+
 def test_missing_and_truncated_files_are_named(tmp_path):
     gen = torch.Generator().manual_seed(4)
     store = Store.create(str(tmp_path / "s"))
