@@ -10,8 +10,9 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
               peak RSS
     limited   with the page cache dropped first, a balloon process holds all but SIZE of the
               available memory (no swap: it stays resident) while one engine runs, SIZE = 50% and
-              25% of the model's bytes: semoe with its CPU cache sized so that its process fits
-              SIZE, llama.cpp with mmap and the page cache. tok/s and bytes read from storage per
+              25% of the model's bytes: semoe with its CPU cache sized so that its own memory (its
+              peak RSS less its file-backed pages) and 64 MiB for the code it runs fit SIZE,
+              llama.cpp with mmap and the page cache. tok/s and bytes read from storage per
               decoded token (/proc/PID/io read_bytes: O_DIRECT reads and mmap page faults alike)
 
     python bench/bench_peers.py --workdir /path/of/bench_quant [--repeats 3] [--parts resident,limited]
@@ -22,7 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import signal
 import subprocess
 import sys
@@ -36,7 +36,7 @@ sys.path.insert(0, BENCH)
 from bench_offload import drop_cache, prompt_ids  # noqa: E402
 
 PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"))
-MARGIN_BYTES = 64 << 20  # left free in SIZE beside our measured footprint
+MARGIN_BYTES = 64 << 20  # left in SIZE beside our own memory and cache: the library code decoding runs
 
 
 def _read_bytes() -> int:
@@ -44,11 +44,17 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
+def _status_bytes(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
+
+
 def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | None,
              ring_slots: int | None = None) -> dict:
     """Greedy decode of our engine (resident without a cache budget), after a warm-up generation."""
     from inference.engine import Engine, EngineConfig
     from semoe.generate import SamplingConfig
+    from storage.pool import peak_rss_bytes
 
     cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct") \
         if cpu_cache else EngineConfig(dtype="float32")
@@ -60,7 +66,7 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
         res = engine.generate(prompt, sampling)
         return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
-                "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": _status_bytes("RssFile"),
                 "cpu_cache_bytes": engine.offload.tier.cache.capacity_bytes if engine.offload else None}
     finally:
         engine.close()
@@ -174,10 +180,13 @@ def resident(args: argparse.Namespace) -> dict:
 def footprint(args: argparse.Namespace, ours: str) -> dict:
     """Our process with the smallest CPU cache it runs with (raised to what a ring of 2 slots needs;
     on CPU the slots are CPU-cache entries, and 2 serve top-2 routing), no balloon: its peak RSS less
-    that cache is what it holds besides the cache."""
+    that cache and less its file-backed pages (the code of torch and the other libraries, which the
+    kernel keeps or drops under pressure as it does llama.cpp's mapped weights) is the memory it
+    holds of its own besides the cache."""
     r = _run(args, {"engine": "ours", "path": os.path.join(args.workdir, ours), "cpu_cache": 1, "cold": True,
                     "ring_slots": 2})
-    return {"peak_rss_bytes": r["peak_rss_bytes"], "min_cache_bytes": r["cpu_cache_bytes"]}
+    return {"peak_rss_bytes": r["peak_rss_bytes"], "min_cache_bytes": r["cpu_cache_bytes"],
+            "rss_file_bytes": r["rss_file_bytes"]}
 
 
 def limited(args: argparse.Namespace) -> dict:
@@ -187,7 +196,7 @@ def limited(args: argparse.Namespace) -> dict:
         if bits not in args.limited_bits.split(","):
             continue
         fp = footprint(args, ours)
-        base = fp["peak_rss_bytes"] - fp["min_cache_bytes"]
+        base = fp["peak_rss_bytes"] - fp["rss_file_bytes"] - fp["min_cache_bytes"]
         total = model_bytes(args.workdir, ours)
         for share in (int(s) for s in args.memory.split(",")):
             size = total * share // 100
@@ -198,8 +207,9 @@ def limited(args: argparse.Namespace) -> dict:
                                           "cpu_cache": cache, "cold": True, "ring_slots": 2}))
             else:
                 notes[f"ours-{bits}-{share}%"] = (
-                    f"does not fit SIZE {size / 2**30:.2f} GiB: it holds {base / 2**30:.2f} GiB besides its cache "
-                    f"and its ring needs a cache of {fp['min_cache_bytes'] / 2**30:.2f} GiB")
+                    f"does not fit SIZE {size / 2**30:.2f} GiB: it holds {base / 2**30:.2f} GiB of its own besides its "
+                    f"cache and {fp['rss_file_bytes'] / 2**30:.2f} GiB of mapped code, leaves {MARGIN_BYTES >> 20} MiB "
+                    f"for the code it runs, and its ring needs a cache of {fp['min_cache_bytes'] / 2**30:.2f} GiB")
             for round_ in range(args.repeats):
                 for engine, spec in specs:
                     name = f"{engine}-{bits if engine == 'ours' else gguf}-{share}%"

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from semoe.compact_linear import Linear
+from semoe.compact_linear import CompactLinear, Linear, stacked_rows
 from semoe.config import MoEConfig
 
 
@@ -204,6 +204,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
         self.v_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
         self.o_proj = Linear(c.num_heads * d, c.hidden_size, bias=c.o_proj_bias)
+        self.qkv_proj: nn.Module | None = None  # q, k and v as one compact product (`stack_qkv`)
         if c.qk_norm == "full":
             self.q_norm = RMSNorm(c.num_heads * d, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.num_kv_heads * d, c.rms_norm_eps)
@@ -213,11 +214,24 @@ class Attention(nn.Module):
         if c.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(c.num_heads))
 
+    def stack_qkv(self) -> None:
+        """Once q, k and v are compact weights of one kind (an inference model's), compute them as one
+        product: a decoding step then makes one kernel call for the three, with the same bits."""
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if self.qkv_proj is None and all(isinstance(p, CompactLinear) for p in parts):
+            stacked = stacked_rows(parts)
+            if stacked is not None:
+                self.qkv_proj, self.qkv_sizes = stacked, [p.out_features for p in parts]
+                del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
                 ) -> torch.Tensor:
         c = self.config
         B, T, _ = x_BTD.shape
-        q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if self.qkv_proj is not None:
+            q, k, v = self.qkv_proj(x_BTD).split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if c.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if c.clip_qkv is not None:

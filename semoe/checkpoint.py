@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from semoe.compact_linear import compact_dense_linears, resolve_dense
+from semoe.compact_linear import compact_dense_linears, resolve_dense, stack_projections
 from semoe.config import MoEConfig
 from semoe.hf_config import from_hf_config
 from semoe.expert_layout import chunk_layout_of, hf_expert_names, moe_prefix, packed_layer
@@ -246,6 +246,8 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
                 layouts[e] = chunk_layout_of(store.manifest, config, ffn.layer, e, path)
                 raws[e] = store.read_chunk(ffn.layer, e)
             ffn.use_experts(packed_layer(config, ffn.layer, raws, layouts, device=device, dtype=dtype, kernel=kernel))
+    if scheme != "float":
+        stack_projections(model)
     release_free_heap()
     return model.eval()
 
@@ -347,6 +349,7 @@ def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     scheme = resolve_dense(dense, device=device, expert_schemes=set())
     if scheme != "float":
         compact_dense_linears(model, scheme)
+        stack_projections(model)
     return model
 
 

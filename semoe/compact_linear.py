@@ -185,6 +185,32 @@ class CompactLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, scheme={self.weight.spec.scheme}"
 
 
+def stacked_rows(linears: list[CompactLinear]) -> CompactLinear | None:
+    """One `CompactLinear` computing the given ones' outputs side by side (their rows stacked: one
+    kernel call and one quantization of x instead of one each; every row's arithmetic unchanged, so
+    the same bits), or None where their schemes, groups, dtypes, kernels, inputs or biases differ."""
+    first = linears[0].weight
+    same = {(w.spec.scheme, w.spec.group_size, w.spec.dtype, w.kernel, w.shape[1], w.codes.device)
+            for w in (lin.weight for lin in linears)}
+    biases = [lin.bias for lin in linears]
+    if len(same) != 1 or first.spec.scheme not in ("int8", "int4") or len({b is None for b in biases}) != 1:
+        return None
+    codes = torch.cat([lin.weight.codes for lin in linears])  # int4's 64-row blocks stay whole: O is a multiple
+    scales = torch.cat([lin.weight.scales for lin in linears], dim=0 if first.spec.scheme == "int8" else 1)
+    spec = QuantSpec(scheme=first.spec.scheme, dtype=first.spec.dtype, shape=(codes.shape[0], first.shape[1]),
+                     scales="", group_size=first.spec.group_size)
+    bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+    return CompactLinear(CompactWeight(codes, scales.contiguous(), spec, first.kernel), bias)
+
+
+def stack_projections(model: nn.Module) -> None:
+    """Each attention's compact q, k and v as one product (`Attention.stack_qkv`), once their weights
+    and biases are loaded."""
+    for mod in model.modules():
+        if hasattr(mod, "stack_qkv"):
+            mod.stack_qkv()
+
+
 def weight_bytes(module: nn.Module) -> int:
     """Bytes of a module's parameters and compact weights, as they are held."""
     total = sum(p.numel() * p.element_size() for p in module.parameters())
@@ -242,3 +268,4 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, CompactLinear(CompactWeight(codes.to(w.device), scales.to(w.device), spec, kernel),
                                             mod.bias))
+

@@ -251,7 +251,7 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
     from semoe.checkpoint import load_store
     import semoe.checkpoint
     import storage.quant
-    from semoe.compact_linear import CompactLinear, compact_dense_linears, weight_bytes
+    from semoe.compact_linear import CompactLinear, compact_dense_linears, stack_projections, weight_bytes
 
     for module in (semoe.checkpoint, storage.quant):  # several blocks of rows per weight of the tiny models
         monkeypatch.setattr(module, "QUANTIZE_ROWS", 64)
@@ -259,17 +259,21 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
     # auto on CPU: every dense linear (attention with its biases, lm_head) int8; the routers, the
     # embedding and the norms as stored
     assert isinstance(q.lm_head, CompactLinear) and q.lm_head.weight.spec.scheme == "int8"
-    for b in q.layers:
-        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+    for b in q.layers:  # q, k and v stacked into one product
+        for n in ("qkv_proj", "o_proj"):
             lin = getattr(b.attn, n)
             assert isinstance(lin, CompactLinear) and lin.weight.spec.scheme == "int8", n
+        assert b.attn.qkv_sizes == [b.attn.config.num_heads * b.attn.config.head_dim,
+                                    *[b.attn.config.num_kv_heads * b.attn.config.head_dim] * 2]
+        assert not hasattr(b.attn, "q_proj")
     assert not [n for n, m in q.named_modules() if isinstance(m, nn.Linear)]
     V, D = q.config.vocab_size, q.config.hidden_size
     assert weight_bytes(q.lm_head) == V * D + 4 * V  # codes and a float32 scale per row
     # int4 on request: where it holds the shape (out features in blocks of 64), the lm_head int8
     q4 = load_store(stores(arch, bits), dense="int4")
     assert q4.lm_head.weight.spec.scheme == "int8"
-    for b in q4.layers:
+    for b in q4.layers:  # q int4, k and v int8 (32 rows here): not stacked
+        assert b.attn.qkv_proj is None
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
             lin = getattr(b.attn, n)
             assert lin.weight.spec.scheme == ("int4" if lin.out_features % 64 == 0 else "int8"), n
@@ -279,6 +283,7 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
     # quantized as they were read, a block of rows at a time: the codes of the loaded float weights
     again = load_store(stores(arch, bits), dense="float")
     compact_dense_linears(again, "int8")
+    stack_projections(again)
     for name, lin in q.named_modules():
         if isinstance(lin, CompactLinear):
             other = again.get_submodule(name).weight
@@ -300,6 +305,29 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
     with pytest.raises(SystemExit) as e:
         main(["generate", "--model", stores(arch, bits), "--prompt-ids", ids, "--dense", "int3"])
     assert e.value.code == 2 and "--dense: invalid choice: 'int3'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("scheme, group", [("int8", None), ("int4", 32)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_stacked_projections_give_each_ones_bits(scheme, group, bias):
+    """q, k and v as one compact product (`stacked_rows`): the outputs side by side, bit for bit, for
+    a decoding step's row (semoe's kernels) and for a prompt's rows (torch's packed ops); weights that
+    cannot share a product are not stacked."""
+    from torch import nn
+
+    from semoe.compact_linear import compact_dense_linears, stacked_rows
+
+    torch.manual_seed(8)
+    parts = nn.ModuleList([nn.Linear(96, o, bias=bias) for o in (128, 64, 64)])
+    compact_dense_linears(parts, scheme, group_size=group or 32)
+    stacked = stacked_rows(list(parts))
+    for rows in (1, 5):
+        x = torch.randn(rows, 96)
+        with torch.no_grad():
+            assert torch.equal(stacked(x), torch.cat([p(x) for p in parts], dim=-1)), rows
+    mixed = nn.ModuleList([nn.Linear(96, 64), nn.Linear(96, 64, bias=False)])
+    compact_dense_linears(mixed, scheme, group_size=group or 32)
+    assert stacked_rows(list(mixed)) is None  # one has a bias, the other not
 
 
 def test_the_cache_and_the_ring_hold_compact_bytes(stores):
