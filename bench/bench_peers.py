@@ -12,7 +12,8 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
               available memory (no swap: it stays resident) while one engine runs, SIZE = 50% and
               25% of the model's bytes: semoe with its CPU cache sized so that its own memory (its
               peak RSS less its file-backed pages) and 64 MiB for the code it runs fit SIZE,
-              llama.cpp with mmap and the page cache. tok/s and bytes read from storage per
+              llama.cpp with mmap and the page cache (and --no-repack: its q4_0 kernels otherwise
+              copy the whole model into anonymous memory at load). tok/s and bytes read from storage per
               decoded token (/proc/PID/io read_bytes: O_DIRECT reads and mmap page faults alike)
 
     python bench/bench_peers.py --workdir /path/of/bench_quant [--repeats 3] [--parts resident,limited]
@@ -72,10 +73,11 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
         engine.close()
 
 
-def run_llama(gguf: str, prompt: list[int], new_tokens: int) -> dict:
+def run_llama(gguf: str, prompt: list[int], new_tokens: int, repack: bool = True) -> dict:
     import llama_peer as peer
 
-    return peer.decode_run(gguf, prompt, new_tokens, n_threads=2, kv_type="f32", env=peer.ensure_env())
+    return peer.decode_run(gguf, prompt, new_tokens, n_threads=2, kv_type="f32", env=peer.ensure_env(),
+                           repack=repack)
 
 
 def model_bytes(workdir: str, ours: str) -> int:
@@ -149,16 +151,19 @@ def child(args: argparse.Namespace) -> None:
             drop_cache(spec["path"])
         r = run_ours(spec["path"], prompt, args.new_tokens, spec.get("cpu_cache"), spec.get("ring_slots"))
     else:
-        r = run_llama(spec["path"], prompt, args.new_tokens)
+        r = run_llama(spec["path"], prompt, args.new_tokens, spec.get("repack", True))
     print(json.dumps(r))
 
 
-def _run(args: argparse.Namespace, spec: dict) -> dict:
+def _run(args: argparse.Namespace, spec: dict, check: bool = True) -> dict | None:
+    """One run in its own process; a failure ends the bench (`check`) or gives None."""
     cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--only", json.dumps(spec),
            "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     if res.returncode != 0:
-        print(res.stderr, file=sys.stderr)
+        print(res.stderr[-4000:], file=sys.stderr)
+        if not check:
+            return None
         raise SystemExit(f"{spec} failed")
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -201,7 +206,8 @@ def limited(args: argparse.Namespace) -> dict:
         for share in (int(s) for s in args.memory.split(",")):
             size = total * share // 100
             cache = size - base - MARGIN_BYTES
-            specs = [("llama", {"engine": "llama", "path": os.path.join(args.workdir, f"llama-{gguf}.gguf")})]
+            specs = [("llama", {"engine": "llama", "path": os.path.join(args.workdir, f"llama-{gguf}.gguf"),
+                                "repack": False})]
             if cache >= fp["min_cache_bytes"]:
                 specs.insert(0, ("ours", {"engine": "ours", "path": os.path.join(args.workdir, ours),
                                           "cpu_cache": cache, "cold": True, "ring_slots": 2}))
@@ -213,13 +219,19 @@ def limited(args: argparse.Namespace) -> dict:
             for round_ in range(args.repeats):
                 for engine, spec in specs:
                     name = f"{engine}-{bits if engine == 'ours' else gguf}-{share}%"
+                    if name in notes:
+                        continue
                     print(f"limited {name}: SIZE {size / 2**30:.2f} GiB ({round_ + 1}/{args.repeats}) ...",
                           file=sys.stderr)
                     with Balloon(size) as balloon:
-                        r = _run(args, spec)
-                        if not balloon.alive:
-                            raise SystemExit(f"{name}: the balloon was killed (out of memory): the run had more "
-                                             f"than SIZE; not a memory-limited measurement")
+                        r = _run(args, spec, check=False)
+                        killed = not balloon.alive
+                    if killed or r is None:  # the kernel's OOM killer takes the largest process: the balloon
+                        notes[name] = (f"did not fit SIZE {size / 2**30:.2f} GiB: "
+                                       + ("the balloon was killed (out of memory)" if killed else "the run failed")
+                                       + "; not a memory-limited measurement, no figure")
+                        runs.pop(name, None)
+                        continue
                     r["size_bytes"] = size
                     runs.setdefault(name, []).append(r)
     out = _medians(runs)
@@ -259,6 +271,8 @@ def report(result: dict, as_json: bool) -> None:
             line = (f"{part:8} {name:18} {r['decode_tok_s']:7.2f} tok/s (runs "
                     f"{', '.join(f'{x:.2f}' for x in r['decode_tok_s_runs'])}) | read "
                     f"{r['read_bytes_per_token'] / 2**20:8.2f} MiB/tok | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+            if part == "limited" and r.get("cpu_cache_bytes"):
+                line += f" | CPU cache {r['cpu_cache_bytes'] / 2**30:.3f} GiB"
             print(line)
         for bits, _, gguf in PAIRS:
             for suffix in [""] if part == "resident" else [f"-{s}%" for s in ("50", "25")]:
@@ -272,6 +286,52 @@ def report(result: dict, as_json: bool) -> None:
         print(f"greedy tokens at f32: the first {n} of {len(res['ours-f32']['tokens'])} identical")
 
 
+def prepare_wide(workdir: str, experts: int) -> None:
+    """`--experts N`: bench_offload's model shape with N experts per layer in bfloat16 (so that 25% of
+    its int8 and int4 bytes leaves room beside a Python process: on the 8-expert model 25% of int4
+    is 0.17 GiB, less than torch alone holds), its stores (the bfloat16 import, int8 and int4) and
+    llama.cpp's q8_0 and q4_0 (its converter to bf16, then llama-quantize), each made once."""
+    import torch
+    import transformers
+
+    import llama_peer as peer
+    from bench_offload import SHAPE
+    from bench_quant import GROUP_SIZE
+    from semoe.hf_import import import_checkpoint
+    from semoe.quantize import QuantizeConfig, quantize_store
+
+    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        print(f"making a Mixtral-shaped bfloat16 checkpoint with {experts} experts a layer ...", file=sys.stderr)
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)  # built at its size, never at float32 first
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**SHAPE, "num_local_experts": experts}))
+        torch.set_default_dtype(torch.float32)
+        model.save_pretrained(hf, max_shard_size="1GB")
+        del model
+    peer.add_tokenizer(hf)
+    if not os.path.exists(os.path.join(store, "manifest.json")):
+        print("importing it into a store ...", file=sys.stderr)
+        import_checkpoint(hf, store)
+    for bits in (8, 4):
+        path = os.path.join(workdir, f"store-int{bits}")
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            print(f"quantizing to int{bits} ...", file=sys.stderr)
+            quantize_store(store, path, QuantizeConfig(bits=bits, group_size=GROUP_SIZE))
+    env = peer.ensure_env()
+    bf16 = os.path.join(workdir, "llama-bf16.gguf")
+    for qtype in ("q8_0", "q4_0"):
+        gguf = os.path.join(workdir, f"llama-{qtype}.gguf")
+        if not os.path.exists(gguf):
+            if not os.path.exists(bf16):
+                print("converting it with llama.cpp's converter ...", file=sys.stderr)
+                peer.convert(hf, bf16, "bf16", env=env)
+            print(f"llama-quantize to {qtype} ...", file=sys.stderr)
+            peer.quantize(bf16, gguf, qtype, env=env)
+    if os.path.exists(bf16):
+        os.remove(bf16)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True, help="bench_quant's --workdir (checkpoint, stores, GGUF files)")
@@ -282,13 +342,26 @@ def main() -> int:
     ap.add_argument("--memory", default="50,25", help="SIZE as percentages of the model's bytes")
     ap.add_argument("--resident-bits", default="f32,int8,int4", help="precisions of the resident runs")
     ap.add_argument("--limited-bits", default="f32,int8,int4", help="precisions of the memory-limited runs")
+    ap.add_argument("--experts", type=int, default=None,
+                    help="make WORKDIR's checkpoint first (when missing): the bench model's shape with this many "
+                         "experts a layer, in bfloat16, with its int8/int4 stores and llama.cpp's q8_0/q4_0; "
+                         "int8 and int4 only")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only:
         child(args)
         return 0
-    missing = [p for _, _, g in PAIRS for p in [os.path.join(args.workdir, f"llama-{g}.gguf")] if not os.path.exists(p)]
+    bits = {b for part, flag in (("resident", args.resident_bits), ("limited", args.limited_bits))
+            if part in args.parts.split(",") for b in flag.split(",")}
+    if args.experts is not None:
+        if "f32" in bits:
+            raise SystemExit("--experts makes a bfloat16 checkpoint: measure int8 and int4 there "
+                             "(--resident-bits int8,int4 --limited-bits int8,int4)")
+        os.makedirs(args.workdir, exist_ok=True)
+        prepare_wide(args.workdir, args.experts)
+    missing = [p for b, _, g in PAIRS if b in bits for p in [os.path.join(args.workdir, f"llama-{g}.gguf")]
+               if not os.path.exists(p)]
     if missing:
         raise SystemExit(f"{missing[0]} is missing: run bench_quant.py --workdir {args.workdir} first (its peer part)")
     result = {}

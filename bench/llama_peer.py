@@ -345,14 +345,17 @@ def greedy_decode(gguf_path: str, prompt_tokens: list[int], n_new: int, n_thread
 
 
 def decode_run(gguf_path: str, prompt_tokens: list[int], n_new: int, n_threads: int = 2, kv_type: str = "f16",
-               env: PeerEnv | None = None) -> dict:
+               env: PeerEnv | None = None, repack: bool = True) -> dict:
     """greedy_decode's run with its measures: tokens, decode_tok_s, read_bytes_per_token (storage reads
-    of the llama.cpp process while decoding, page faults included) and peak_rss_bytes."""
+    of the llama.cpp process while decoding, page faults included) and peak_rss_bytes. `repack=False`
+    is llama.cpp's --no-repack: q4_0 weights are otherwise copied at load into anonymous memory in its
+    kernels' interleaved layout, the whole model, which memory held short cannot give."""
     if n_new < 2:
         raise ValueError(f"n_new={n_new}: decode speed needs at least 2 new tokens")
     _check_kv_type(kv_type)
     return _in_worker({"op": "decode", "gguf": gguf_path, "tokens": list(prompt_tokens), "n_new": n_new,
-                       "n_threads": n_threads, "kv_type": kv_type}, env, "decode.json", _read_json)
+                       "n_threads": n_threads, "kv_type": kv_type, "repack": repack}, env, "decode.json",
+                      _read_json)
 
 
 def tokenize(gguf_path: str, text: str, env: PeerEnv | None = None) -> list[int]:
@@ -372,6 +375,17 @@ def _worker(job_path: str) -> None:
         with open(job["out"], "w") as f:
             json.dump(llm.tokenize(job["text"].encode(), add_bos=False, special=False), f)
         return
+    if not job.get("repack", True):  # llama.cpp's --no-repack: weights stay in the mapped file, not in
+        import llama_cpp.llama_cpp as low  # an anonymous copy laid out for its kernels (q4_0's on x86)
+
+        defaults = low.llama_model_default_params
+
+        def no_repack():
+            params = defaults()
+            params.use_extra_bufts = False
+            return params
+
+        low.llama_model_default_params = no_repack
     n_ctx = len(tokens) + job.get("n_new", 0)
     llm = Llama(model_path=job["gguf"], logits_all=op == "logits", n_ctx=n_ctx, n_batch=min(n_ctx, 512),
                 n_threads=job["n_threads"], n_threads_batch=job["n_threads"], type_k=KV_TYPES[job["kv_type"]],
