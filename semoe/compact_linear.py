@@ -7,13 +7,15 @@ computes on it without widening it in memory:
   is tested against), with x quantized per block of 32 where the decode kernels below define the
   product so (`quantizes_activations`);
 - fast, on CPU, for the few rows of a decoding step: semoe's own kernels (`semoe.cpu_kernels`),
-  which read the stored codes as they are and multiply them with x quantized per block of 32
-  inputs to int8 (as llama.cpp's CPU kernels do), summing each block exactly in integers;
+  which read the stored codes as they are (int8, int4, and a checkpoint's own MXFP4 blocks) and
+  multiply them with x quantized per block of 32 inputs to int8 (as llama.cpp's CPU kernels do),
+  summing each block exactly in integers;
 - fast, on CPU, for more rows (prefill, evaluation) or where those kernels are not built: torch's
   packed weight-only ops, int8 through `_weight_int8pack_mm`, int4 through
   `_weight_int4pack_mm_for_cpu`, both with bfloat16 activations and scales (their float32 variants
   run 7x and 35x slower at one token);
-- fast, elsewhere (CUDA) and for FP8/MXFP4: dequantize into a scratch tensor (the allocator's cache
+- fast, elsewhere (CUDA, FP8, MXFP4 beyond a decoding step's rows), and as `kernel="dequantize"`:
+  dequantize into a scratch tensor (the allocator's cache
   reuses it) holding the weight as the checkpoint defines it (its logical dtype and layout: a
   dequantized FP8 checkpoint is bfloat16), then the dense product in the compute dtype.
 
@@ -70,7 +72,7 @@ class CompactWeight:
         """Whether a product with x is defined by semoe's CPU kernels, x quantized per block of 32
         (int8 and int4 weights, a decoding step's few rows on CPU, the kernels built); the reference
         kernel then computes the same arithmetic plainly."""
-        return self.spec.scheme in ("int8", "int4") and cpu_kernels.takes(x_MI)
+        return self.spec.scheme in ("int8", "int4", "mxfp4") and cpu_kernels.takes(x_MI)
 
     def linear(self, x_MI: torch.Tensor) -> torch.Tensor:
         """x @ W.T for the out-major W (O, I) the codes hold, in x's dtype."""
@@ -84,6 +86,8 @@ class CompactWeight:
         if packed and self.quantizes_activations(x_MI):
             if self.spec.scheme == "int8":
                 y = cpu_kernels.gemv_i8(x_MI, self.codes, self.scales)
+            elif self.spec.scheme == "mxfp4":  # stored out-major: (O, I/32, 16) blocks
+                y = cpu_kernels.gemv_mxfp4(x_MI, self.codes, self.scales)
             else:
                 y = cpu_kernels.gemv_i4(x_MI, self.codes, self.scales, self.spec.group_size)
             return y if y.dtype == x_MI.dtype else y.to(x_MI.dtype)

@@ -1,4 +1,5 @@
-"""The compiled CPU kernels (semoe/kernels/gemv.c): products of a few rows with int8 and int4 weights.
+"""The compiled CPU kernels (semoe/kernels/gemv.c): products of a few rows with int8, int4 and MXFP4
+weights (and bfloat16 ones).
 
 Decoding multiplies one row (or a few) by each weight, so its speed is the rate at which weights
 stream from memory. For float32 weights torch's own product already runs at the memory bound; its
@@ -42,8 +43,9 @@ def _lib() -> ctypes.CDLL | None:
     lib.gemv_i4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
     lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
-    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16):
+    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16, lib.gemv_mxfp4):
         f.restype = None
     lib.kernels_vnni.restype = ctypes.c_int
     return lib
@@ -137,6 +139,23 @@ def gemv_i4(x_MI: torch.Tensor, packed_OH: torch.Tensor, scale_zero_GO2: torch.T
     x, y = _operands(x_MI, packed_OH, I, O)
     _lib().gemv_i4(x.data_ptr(), packed_OH.data_ptr(), _f32(scale_zero_GO2).data_ptr(), y.data_ptr(), x.numel() // I,
                    O, I, group_size, torch.get_num_threads())
+    return y
+
+
+def gemv_mxfp4(x_MI: torch.Tensor, blocks_OG16: torch.Tensor, scales_OG: torch.Tensor) -> torch.Tensor:
+    """x @ W.T for gpt-oss's MXFP4 weight stored out-major: blocks (O, I/32, 16) uint8 (two e2m1
+    codes a byte, the even input in the low nibble) and e8m0 exponents (O, I/32) uint8, with x
+    quantized as `quantize_activations` does; float32 (..., O)."""
+    O, G = blocks_OG16.shape[:2]
+    if blocks_OG16.dtype != torch.uint8 or blocks_OG16.shape[2:] != (16,) or tuple(scales_OG.shape) != (O, G) \
+            or scales_OG.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks (O, G, 16) and scales (O, G) of uint8, got {list(blocks_OG16.shape)} "
+                         f"{blocks_OG16.dtype} and {list(scales_OG.shape)} {scales_OG.dtype}")
+    x, y = _operands(x_MI, blocks_OG16, G * ACTIVATION_BLOCK, O)
+    if not scales_OG.is_contiguous():
+        raise ValueError("the CPU kernels take contiguous CPU tensors")
+    _lib().gemv_mxfp4(x.data_ptr(), blocks_OG16.data_ptr(), scales_OG.data_ptr(), y.data_ptr(),
+                      x.numel() // x.shape[-1], O, x.shape[-1], torch.get_num_threads())
     return y
 
 

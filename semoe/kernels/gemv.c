@@ -2,6 +2,9 @@
  *
  * y (M, O) = x (M, I) @ W.T for W (O, I) stored as
  *   gemv_i8:  int8 codes with one float32 scale per output row (storage/quant.py `int8`);
+ *   gemv_mxfp4: gpt-oss's MXFP4 blocks (O, I/32, 16) uint8, two e2m1 codes a byte (input 2j in the
+ *             low nibble of byte j, 2j + 1 in the high one), and an e8m0 exponent e per block of 32
+ *             inputs and row, (O, I/32) uint8: w = FP4[code] * 2^(e - 127) (storage/quant.py `mxfp4`);
  *   gemv_i4:  4-bit codes in torch's CPU int4 layout (rows in blocks of 64; for each input column
  *             k, 32 bytes, byte j holding row j of the block in its low nibble and row 32 + j in
  *             its high one) with a float32 (scale, zero) per group of g inputs and row, laid out
@@ -166,6 +169,75 @@ void gemv_i8(const float *x, const int8_t *q, const float *scale, float *y, int6
     acts_fill(&a, x);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < i8_blocks(O); b++) i8_block(q, scale, O, &a, b, y);
+    acts_free(&a);
+}
+
+/* MXFP4. Twice each e2m1 value is an integer (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), so each
+ * block's product with the quantized x is an exact integer sum, as for int8, scaled by
+ * d_x * 2^(e - 128); 2^(e - 128) is exact in float32 for every e8m0 exponent. */
+static const int8_t FP4_TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float pow2_e8m0(uint8_t e) { /* 2^(e - 128) from its bits: e 0 and 1 are subnormal */
+    union {
+        uint32_t u;
+        float f;
+    } v = {e >= 2 ? (uint32_t)(e - 1) << 23 : 0x00200000u << e};
+    return v.f;
+}
+
+/* ROWS rows (rows past n are not read) of G = I / 32 blocks against one quantized row of x: scaled sums */
+static inline void fp4_rows(const uint8_t *w, const uint8_t *e, int64_t G, int n, const int8_t *qx,
+                            const float *dx, float *out) {
+#ifdef SEMOE_VNNI
+    const __m512i zero = _mm512_setzero_si512();
+    const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)FP4_TWICE));
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
+    __m512 f0 = _mm512_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    const int64_t rb = G * 16; /* bytes of one row */
+    for (int64_t g = 0; g < G; g += 2) {
+        int two = G - g >= 2;
+        __m512i xv = _mm512_loadu_si512((const void *)(qx + g * QB)); /* x is padded to 64: always readable */
+        float d0 = dx[g], d1 = two ? dx[g + 1] : 0.0f;
+#define ROW(r, f)                                                                                               {                                                                                                               const uint8_t *wr = w + (r < n ? r : 0) * rb + g * 16, *er = e + (r < n ? r : 0) * G + g;                   _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);                                                   __m256i b = two ? _mm256_loadu_si256((const __m256i *)wr)                                                                   : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wr));                             __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);               __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);                               __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(u0, u1, 0x20)),                                            _mm256_permute2x128_si256(u0, u1, 0x31), 1);                                 __m512i wv = _mm512_shuffle_epi8(lut, c);                                                                   __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);                                   __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d0 * pow2_e8m0(er[0])),                                                                      _mm256_set1_ps(two ? d1 * pow2_e8m0(er[1]) : 0.0f), 1);                      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), xs)), dv, f);     }
+        ROW(0, f0) ROW(1, f1) ROW(2, f2) ROW(3, f3)
+#undef ROW
+    }
+    out[0] = _mm512_reduce_add_ps(f0);
+    out[1] = _mm512_reduce_add_ps(f1);
+    out[2] = _mm512_reduce_add_ps(f2);
+    out[3] = _mm512_reduce_add_ps(f3);
+#else
+    for (int r = 0; r < n; r++) {
+        const uint8_t *wr = w + r * G * 16;
+        float acc = 0.0f;
+        for (int64_t g = 0; g < G; g++) {
+            int32_t s = 0;
+            for (int j = 0; j < 16; j++) {
+                uint8_t byte = wr[g * 16 + j];
+                s += FP4_TWICE[byte & 0x0F] * qx[g * QB + 2 * j] + FP4_TWICE[byte >> 4] * qx[g * QB + 2 * j + 1];
+            }
+            acc += dx[g] * pow2_e8m0(e[r * G + g]) * (float)s;
+        }
+        out[r] = acc;
+    }
+#endif
+}
+
+void gemv_mxfp4(const float *x, const uint8_t *w, const uint8_t *e, float *y, int64_t M, int64_t O, int64_t I,
+                int threads) {
+    Acts a = acts_alloc(M, I, 0);
+    acts_fill(&a, x);
+    int64_t G = I / QB;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < i8_blocks(O); b++) {
+        int64_t o0 = b * ROWS;
+        int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
+        for (int64_t m = 0; m < M; m++) {
+            float out[ROWS];
+            fp4_rows(w + o0 * G * 16, e + o0 * G, G, n, a.q + m * a.Ip, a.d + m * (a.Ip / QB), out);
+            for (int r = 0; r < n; r++) y[m * O + o0 + r] = out[r];
+        }
+    }
     acts_free(&a);
 }
 

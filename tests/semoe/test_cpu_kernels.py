@@ -57,6 +57,27 @@ def test_int4_product_equals_the_dequantized_reference(M, O, I, group, threads):
     assert _relative(cpu_kernels.gemv_i4(x, codes, sz, group), ref) < 1e-5
 
 
+@pytest.mark.parametrize("M, O, I", [(1, 64, 32), (1, 5760, 2880), (3, 130, 96), (16, 7, 32), (2, 64, 1024),
+                                     (5, 33, 160)])
+def test_mxfp4_product_equals_the_dequantized_reference(M, O, I, threads):
+    """gpt-oss's MXFP4 blocks as stored (out-major), every code, exponents around 2^0 and a block of
+    exponent 0 and one of 1 (subnormal powers of two in float32): each output within 1e-5 of the float64
+    sum of |x| |w| that bounds its rounding."""
+    from storage.dequant import dequantize_mxfp4
+
+    g = torch.Generator().manual_seed(O + I)
+    x = torch.randn(M, I, generator=g)
+    blocks = torch.randint(0, 256, (O, I // 32, 16), dtype=torch.uint8, generator=g)
+    scales = torch.randint(118, 136, (O, I // 32), dtype=torch.uint8, generator=g)
+    scales[0, 0], scales[-1, -1] = 0, 1  # the subnormal powers of two
+    w_IO = dequantize_mxfp4(blocks[None], scales[None], torch.float64)[0]
+    xq = cpu_kernels.activations_as_seen(x).double()
+    ref, bound = xq.mm(w_IO), xq.abs().mm(w_IO.abs())
+    got = cpu_kernels.gemv_mxfp4(x, blocks, scales).double()
+    assert ((got - ref).abs() <= 1e-5 * bound + 1e-300).all()
+    assert torch.isfinite(got).all()
+
+
 @pytest.mark.parametrize("M, I", [(1, 1024), (3, 5), (2, 333), (4, 64)])
 def test_the_compiled_activation_quantization_is_torchs_bit_for_bit(M, I):
     g = torch.Generator().manual_seed(M * I)
