@@ -35,6 +35,7 @@ setup(
         "test": [
             "pytest>=8.0",
             "transformers>=4.45",
+            "openai>=1.40",  # the official client against the server
             "zarr>=3.0",
         ],
     },

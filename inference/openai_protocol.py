@@ -2,13 +2,17 @@
 `APIError` naming the bad field) and the JSON answers and stream chunks built back.
 
 Extensions to the OpenAI format: each choice (and each streamed chunk) carries `token_ids`, the ids
-generated; `logprobs` hold the chosen tokens' log-probabilities only (`top_logprobs` is null/empty:
-alternatives are not computed). Sampling is greedy unless `temperature` > 0.
+generated; requests may give `stop_token_ids` (more ids that end generation) and `ignore_eos` (the
+model's end-of-sequence ids do not, for benchmarks). `logprobs` hold the chosen tokens'
+log-probabilities only (asking for alternatives gets 400). Sampling is greedy unless `temperature` >
+0; without a `seed` each request draws its own. A field the server does not implement gets 400
+naming it, unless it holds the value that asks for nothing (a penalty of 0, no tools).
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 import uuid
 from collections.abc import Callable
@@ -25,6 +29,18 @@ if TYPE_CHECKING:
 
 _MAX_STOPS = 4  # as OpenAI
 _MAX_SEED = 2**63
+
+# The request fields each endpoint implements. Any other field is refused by name (a client that asks
+# for tools, a response format or penalties must not get an answer that silently ignored them), except
+# where it holds the value that asks for nothing: a penalty of 0, no logit bias, no tools.
+_COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
+                            "logprobs", "stop", "seed", "user", "stop_token_ids", "ignore_eos"})
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
+            "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
+            "response_format": ({"type": "text"},), "parallel_tool_calls": (), "store": (False,),
+            "metadata": ({},)}
 
 
 # -- errors and request parsing ---------------------------------------------------------------
@@ -58,6 +74,15 @@ class GenRequest:
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {"integer": (int,), "number": (int, float), "boolean": (bool,),
                                             "string": (str,), "array": (list,), "object": (dict,)}
+
+
+def _only_implemented(body: dict, fields: frozenset[str]) -> None:
+    """APIError naming the first field of `body` this endpoint does not implement."""
+    for name, value in body.items():
+        if name in fields or value is None or value in _NEUTRAL.get(name, ()):
+            continue
+        raise APIError(f"{name} is not supported by this server" + (
+            f" (only {json.dumps(_NEUTRAL[name][0])} is accepted)" if _NEUTRAL.get(name) else ""), param=name)
 
 
 def _field(body: dict, name: str, kind: str, default: Any = None) -> Any:
@@ -129,12 +154,20 @@ def _sampling(body: dict, engine, prompt: list[int], *, prompt_param: str, max_t
     top_p = _field(body, "top_p", "number", 1.0)
     if not 0 < top_p <= 1:
         raise APIError(f"top_p must be in (0, 1], got {top_p}", param="top_p")
-    seed = _field(body, "seed", "integer", 0)
-    if not 0 <= seed < _MAX_SEED:
+    seed = _field(body, "seed", "integer")
+    if seed is None:  # each request its own draw, as OpenAI's; give a seed to repeat one
+        seed = secrets.randbelow(_MAX_SEED)
+    elif not 0 <= seed < _MAX_SEED:
         raise APIError(f"seed must be in [0, 2**63), got {seed}", param="seed")
+    extra = _field(body, "stop_token_ids", "array", [])
+    vocab = engine.model.config.vocab_size
+    if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in extra):
+        raise APIError(f"stop_token_ids must be a list of token ids in 0..{vocab - 1}", param="stop_token_ids")
+    ignore_eos = _field(body, "ignore_eos", "boolean", False)
+    stop_ids = tuple(dict.fromkeys((() if ignore_eos else engine.stop_ids()) + tuple(extra)))
     return SamplingConfig(max_new_tokens=max_tokens, greedy=temperature == 0,
                           temperature=temperature if temperature > 0 else 1.0, top_p=top_p, seed=seed,
-                          stop_ids=engine.stop_ids())
+                          stop_ids=stop_ids)
 
 
 def _stream_fields(body: dict) -> tuple[bool, bool]:
@@ -150,6 +183,7 @@ def parse_completion(body: dict, engine) -> GenRequest:
     """A /v1/completions body, checked; APIError names the first bad field."""
     if "prompt" not in body:
         raise APIError("prompt is required", param="prompt")
+    _only_implemented(body, _COMPLETION_FIELDS)
     if body.get("echo") not in (None, False):
         raise APIError("echo is not supported", param="echo")
     if body.get("suffix") not in (None, ""):
@@ -160,6 +194,9 @@ def parse_completion(body: dict, engine) -> GenRequest:
     logprobs = _field(body, "logprobs", "integer")
     if logprobs is not None and not 0 <= logprobs <= 5:
         raise APIError(f"logprobs must be in [0, 5], got {logprobs}", param="logprobs")
+    if logprobs:
+        raise APIError("logprobs > 0 (the most likely alternatives) is not supported by this server; 0 gives "
+                       "each chosen token's log-probability", param="logprobs")
     stream, include_usage = _stream_fields(body)
     sampling = _sampling(body, engine, prompt, prompt_param="prompt",
                          max_tokens=_field(body, "max_tokens", "integer", 16))
@@ -195,6 +232,7 @@ def parse_chat(body: dict, engine, template: ChatTemplate) -> GenRequest:
     """A /v1/chat/completions body, checked and rendered with the chat template."""
     if "messages" not in body:
         raise APIError("messages is required", param="messages")
+    _only_implemented(body, _CHAT_FIELDS)
     messages = _messages(body["messages"])
     if engine.tokenizer is None:
         raise APIError("this model has no tokenizer, so it cannot take chat messages; use /v1/completions "
@@ -206,6 +244,9 @@ def parse_chat(body: dict, engine, template: ChatTemplate) -> GenRequest:
     prompt = _prompt_ids(ids, engine, param="messages")
     if _field(body, "top_logprobs", "integer", 0) < 0:
         raise APIError("top_logprobs must be >= 0", param="top_logprobs")
+    if _field(body, "top_logprobs", "integer", 0) > 0:
+        raise APIError("top_logprobs > 0 (the most likely alternatives) is not supported by this server; "
+                       "logprobs: true gives each chosen token's log-probability", param="top_logprobs")
     stream, include_usage = _stream_fields(body)
     max_tokens = _field(body, "max_completion_tokens", "integer", _field(body, "max_tokens", "integer"))
     sampling = _sampling(body, engine, prompt, prompt_param="messages", max_tokens=max_tokens)

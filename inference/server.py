@@ -387,11 +387,19 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
     async def chat_completions(request: Request) -> Response:
         return await answer(request, parse_chat(await _json_body(request), engine, template))
 
+    card = {"id": engine.name, "object": "model", "created": started, "owned_by": "semoe",
+            "max_model_len": engine.model.config.max_position}
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": engine.name, "object": "model", "created": started,
-                                            "owned_by": "semoe",
-                                            "max_model_len": engine.model.config.max_position}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        if model_id != engine.name:
+            raise APIError(f"model {model_id!r} is not served here (this server serves {engine.name!r})",
+                           status=404, param="model", type="not_found_error")
+        return card
 
     @app.get("/health")
     async def health() -> dict:

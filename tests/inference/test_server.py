@@ -338,6 +338,22 @@ BAD_REQUESTS = [  # (path, body or raw bytes, param the error must name, message
     ("/v1/chat/completions", {"messages": ["hi"]}, "messages[0]", "object"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "temperature": -1}, "temperature",
      ">= 0"),
+    # fields the server does not implement: refused by name, never silently ignored
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, "tools", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
+                              "response_format": {"type": "json_object"}}, "response_format", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs",
+     "not supported"),
+    ("/v1/completions", {"prompt": "the", "logit_bias": {"5": 3}}, "logit_bias", "not supported"),
+    ("/v1/completions", {"prompt": "the", "presence_penalty": 0.5}, "presence_penalty", "only 0 is accepted"),
+    ("/v1/completions", {"prompt": "the", "frequency_penalty": -1}, "frequency_penalty", "not supported"),
+    ("/v1/completions", {"prompt": "the", "guided_json": {}}, "guided_json", "not supported"),
+    ("/v1/completions", {"prompt": "the", "top_logprobs": 1}, "top_logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "the", "logprobs": 2}, "logprobs", "not supported"),
+    ("/v1/completions", {"prompt": "the", "stop_token_ids": [3, 96]}, "stop_token_ids", "token ids in 0..95"),
+    ("/v1/completions", {"prompt": "the", "stop_token_ids": 3}, "stop_token_ids", "must be a array"),
+    ("/v1/completions", {"prompt": "the", "ignore_eos": 1}, "ignore_eos", "must be a boolean"),
 ]
 
 
@@ -355,6 +371,64 @@ def test_malformed_requests_get_400_naming_the_param(served):
     assert status == 200 and len(out["choices"][0]["token_ids"]) >= 1
 
 
+def test_fields_asking_for_nothing_pass_and_the_eos_and_stop_id_fields_set_the_stop_ids(served, reference):
+    """Clients that send the neutral value of a field the server does not implement (penalties of 0,
+    no tools, no logit bias) are served; `stop_token_ids` adds ids that end generation, `ignore_eos`
+    removes the model's; without a seed each request draws its own."""
+    from inference.openai_protocol import parse_chat, parse_completion
+
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "tools": [], "user": "u1",
+               "response_format": {"type": "text"}, "model": reference.name}
+    status, out = post(served.port, "/v1/chat/completions",
+                       {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 3, **neutral})
+    assert status == 200, out
+    eos = reference.stop_ids()
+    assert eos and parse_completion({"prompt": [1]}, reference).sampling.stop_ids == eos
+    assert parse_completion({"prompt": [1], "ignore_eos": True}, reference).sampling.stop_ids == ()
+    assert parse_completion({"prompt": [1], "stop_token_ids": [5, eos[0]]}, reference).sampling.stop_ids == \
+        (*eos, 5)
+    chat = parse_chat({"messages": [{"role": "user", "content": "a"}], "stop_token_ids": [9], "ignore_eos": True},
+                      reference, ChatTemplate.default())
+    assert chat.sampling.stop_ids == (9,)
+    seeds = {parse_completion({"prompt": [1], "temperature": 1.0}, reference).sampling.seed for _ in range(4)}
+    assert len(seeds) == 4 and all(0 <= x < 2**63 for x in seeds)
+    assert parse_completion({"prompt": [1], "seed": 7}, reference).sampling.seed == 7
+    # a stop id ends the text where it is generated, as an EOS does
+    ids = [1, 5, 9, 14]
+    ref = reference.generate(ids, SamplingConfig(max_new_tokens=10))
+    cut = next(i for i, t in enumerate(ref.tokens) if i >= 2 and t not in ref.tokens[:i])
+    status, out = post(served.port, "/v1/completions", {"prompt": ids, "max_tokens": 10, "ignore_eos": True,
+                                                        "stop_token_ids": [ref.tokens[cut]]})
+    assert status == 200 and out["choices"][0]["token_ids"] == ref.tokens[:cut + 1]
+    assert out["choices"][0]["finish_reason"] == "stop"
+
+
+def test_the_official_openai_client(served, reference):
+    """The `openai` package against the server: completions and chat, whole and streamed, the
+    tokens a direct generation gives; a field the server does not implement is an error it raises."""
+    import openai
+
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{served.port}/v1", api_key="none", max_retries=0)
+    tok = reference.tokenizer
+    want = direct(reference, tok.encode("the cat sat", add_bos=tok.add_bos_default), 8)
+    text = tok.decode(want.tokens)
+    done = client.completions.create(model=reference.name, prompt="the cat sat", max_tokens=8)
+    assert done.choices[0].text == text and done.usage.completion_tokens == len(want.tokens)
+    parts = client.completions.create(model=reference.name, prompt="the cat sat", max_tokens=8, stream=True)
+    assert "".join(c.choices[0].text for c in parts) == text
+    chat_want = direct(reference, tok.encode("<s>user the cat </s> assistant"), 6)
+    messages = [{"role": "user", "content": "the cat"}]
+    reply = client.chat.completions.create(model=reference.name, messages=messages, max_tokens=6, logprobs=True)
+    assert reply.choices[0].message.content == tok.decode(chat_want.tokens)
+    assert [c.logprob for c in reply.choices[0].logprobs.content] == pytest.approx(chat_want.logprobs, abs=1e-6)
+    chunks = list(client.chat.completions.create(model=reference.name, messages=messages, max_tokens=6, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == tok.decode(chat_want.tokens)
+    assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+    assert [m.id for m in client.models.list()] == [reference.name]
+    with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
+        client.chat.completions.create(model=reference.name, messages=messages, response_format={"type": "json_object"})
+
+
 def test_no_tokenizer_rejects_text(scripted):
     for path, body, param in (("/v1/completions", {"prompt": "the cat"}, "prompt"),
                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]}, "messages"),
@@ -368,6 +442,10 @@ def test_health_models_and_metrics(served, engine):
     assert status == 200 and health["status"] == "ok"
     status, models = request(served.port, "GET", "/v1/models")
     assert status == 200 and models["object"] == "list" and [m["id"] for m in models["data"]] == [engine.name]
+    status, card = request(served.port, "GET", f"/v1/models/{engine.name}")
+    assert status == 200 and card == models["data"][0]
+    status, missing = request(served.port, "GET", "/v1/models/no-such-model")
+    assert status == 404 and "no-such-model" in missing["error"]["message"]
     before = metrics(served.port)
     status, out = post(served.port, "/v1/completions", {"prompt": [3, 4, 5], "max_tokens": 6})
     assert status == 200
