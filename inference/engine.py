@@ -20,7 +20,7 @@ import torch
 from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
 from semoe.compact_linear import DENSE_CHOICES
 from semoe.generate import GenerationResult, SamplingConfig, generate
-from semoe.model import MoEGPT
+from semoe.model import KVCache, MoEGPT
 from storage.pool import peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -125,6 +125,15 @@ class Engine:
             eos = self.tokenizer.eos_id
         ids = eos if isinstance(eos, (list, tuple)) else [eos]
         return tuple(int(i) for i in ids if i is not None)
+
+    def kv_cache_bytes(self, positions: int) -> int:
+        """Bytes of the KV cache a request of `positions` tokens (prompt and new) holds while it generates:
+        `generate` allocates it whole at the start."""
+        return KVCache.bytes_for(self.model.config, 1, positions, self.model.embed.weight.dtype)
+
+    def storage_read_bytes(self) -> int:
+        """Bytes read from storage so far (the offloaded experts' SSD tier; 0 for a resident model)."""
+        return self.offload.tier.stats().ssd_bytes if self.offload is not None else 0
 
     def generate(self, prompt: list[int], sampling: SamplingConfig, *, on_token: TokenCallback | None = None
                  ) -> GenerationResult:

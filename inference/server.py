@@ -19,14 +19,17 @@ import logging
 import socket
 import threading
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
+import aiofiles
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.chat import ChatTemplate
@@ -37,6 +40,7 @@ log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5  # how often a request waiting for the engine checks whether its client left
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Engine offload stats exported as gauges `semoe_offload_<key>` (absent for resident engines).
 OFFLOAD_STATS = ("gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token", "device_copy_bytes_per_token",
                  "ideal_bytes_per_token", "prefetch_precision", "prefetch_recall")
@@ -68,8 +72,26 @@ class ServerMetrics:
         self.peak_rss = Gauge("semoe_peak_rss_bytes", "peak resident memory of the server process", registry=r)
         self.offload = {k: Gauge(f"semoe_offload_{k}", f"engine offload stat {k} of the last request", registry=r)
                         for k in OFFLOAD_STATS}
+        self.ttft = Histogram("semoe_time_to_first_token_seconds", "arrival to first token (queueing included)",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("semoe_inter_token_latency_seconds", "time between a request's successive tokens",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.e2e = Histogram("semoe_request_latency_seconds", "arrival to last token, per finished request",
+                             buckets=LATENCY_BUCKETS + (60.0, 120.0, 300.0), registry=r)
+        self.kv_bytes = Gauge("semoe_kv_cache_bytes", "KV cache bytes held by the requests generating now",
+                              registry=r)
         self._tokens = 0
         self._seconds = 0.0
+
+    def count_storage_reads(self, read_bytes: Callable[[], int]) -> None:
+        """Export `read_bytes()` (the engine's bytes read from storage so far) as a counter, read at scrape."""
+
+        class Reads:
+            def collect(self):
+                yield CounterMetricFamily("semoe_storage_read_bytes", "bytes read from storage (experts from the "
+                                          "SSD tier) since the server started", value=read_bytes())
+
+        self.registry.register(Reads())
 
     def observe(self, *, prompt_tokens: int, tokens: int, seconds: float, ttft_s: float, decode_tok_s: float,
                 stats: dict) -> None:
@@ -138,6 +160,8 @@ class Job:
     loop: asyncio.AbstractEventLoop
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     def post(self, event: TokenEvent | DoneEvent | ErrorEvent) -> None:
         """Hand an event to the event loop (called from the worker thread)."""
@@ -150,10 +174,12 @@ class Job:
 class GenerationWorker:
     """One thread that runs queued jobs on the engine, oldest first; at most `max_queue` may wait."""
 
-    def __init__(self, engine, metrics: ServerMetrics, *, max_queue: int) -> None:
+    def __init__(self, engine, metrics: ServerMetrics, *, max_queue: int,
+                 on_finished: Callable[[Job, dict], None] | None = None) -> None:
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
+        self.on_finished = on_finished  # (job, record) once a job ends, however it ends
         self._pending: collections.deque[Job] = collections.deque()
         self._cv = threading.Condition()
         self._closing = False
@@ -184,6 +210,7 @@ class GenerationWorker:
                 self._pending.remove(job)
                 self.metrics.queue_depth.set(len(self._pending))
                 self.metrics.cancelled.inc()
+                self._finished(job, "cancelled", [], None, time.perf_counter())
 
     @property
     def waiting(self) -> int:
@@ -232,12 +259,21 @@ class GenerationWorker:
         logprobs: list[float] = []
         t0 = time.perf_counter()
         t_first: float | None = None
+        t_last = t0
+        kv = self.engine.kv_cache_bytes(len(req.prompt_ids) + req.sampling.max_new_tokens)
+        self.metrics.kv_bytes.inc(kv)
 
         def on_token(token_id: int, logprob: float) -> None:
-            nonlocal t_first
+            nonlocal t_first, t_last
             if job.cancelled.is_set():
                 raise _Cancelled
-            t_first = t_first or time.perf_counter()
+            now = time.perf_counter()
+            if t_first is None:
+                t_first = now
+                self.metrics.ttft.observe(now - job.arrived)
+            else:
+                self.metrics.itl.observe(now - t_last)
+            t_last = now
             tokens.append(token_id)
             logprobs.append(logprob)
             delta = text.add(token_id)
@@ -255,13 +291,19 @@ class GenerationWorker:
         except _Cancelled:
             self.metrics.cancelled.inc()
             log.info("client left: generation stopped after %d tokens", len(tokens))
+            self._finished(job, "cancelled", tokens, t_first, time.perf_counter())
             return
         except Exception as e:  # noqa: BLE001 - any failure is this request's alone; the server keeps serving
             self.metrics.failed.inc()
             log.exception("generation failed")
             job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
+            self._finished(job, "error", tokens, t_first, time.perf_counter())
             return
+        finally:
+            self.metrics.kv_bytes.dec(kv)
         t_end = time.perf_counter()
+        self.metrics.e2e.observe(t_end - job.arrived)
+        self._finished(job, finish, tokens, t_first, t_end)
         first = t_first if t_first is not None else t_end
         decode_s = t_end - first
         self.metrics.observe(prompt_tokens=len(req.prompt_ids), tokens=len(tokens), seconds=t_end - t0,
@@ -270,6 +312,57 @@ class GenerationWorker:
         tail = text.finish()
         job.post(DoneEvent(tokens=tokens, logprobs=logprobs, text=text.text, tail=tail, finish_reason=finish))
 
+
+
+    def _finished(self, job: Job, status: str, tokens: list[int], t_first: float | None, t_end: float) -> None:
+        """Hand the job's record (`RequestLog`'s line) to `on_finished`."""
+        if self.on_finished is None:
+            return
+        n = len(tokens)
+        record = {"id": job.id, "status": status, "prompt_tokens": len(job.request.prompt_ids), "tokens": n,
+                  "ttft_s": None if t_first is None else round(t_first - job.arrived, 6),
+                  "mean_itl_s": round((t_end - t_first) / (n - 1), 6) if t_first is not None and n > 1 else None,
+                  "latency_s": round(t_end - job.arrived, 6)}
+        self.on_finished(job, record)
+
+
+class RequestLog:
+    """`--request-log FILE`: one JSON line per finished request (id, status, tokens in and out, time
+    to first token, mean inter-token latency, latency), appended by a task on the server's event loop
+    with aiofiles, so that the loop never waits on the disk; the worker hands records over
+    thread-safely. Lines are flushed as written; the file is opened for appending (never truncated)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._queue: asyncio.Queue[dict | None] | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        """Open the file (OSError names it) and start the writer task on the running loop."""
+        self._queue = asyncio.Queue()
+        handle = await aiofiles.open(self.path, "a", encoding="utf-8")
+        self._task = asyncio.get_running_loop().create_task(self._write(handle))
+
+    def put(self, loop: asyncio.AbstractEventLoop, record: dict) -> None:
+        """Queue a record from any thread."""
+        try:
+            loop.call_soon_threadsafe(self._queue.put_nowait, record)
+        except RuntimeError:  # the loop has closed
+            log.warning("request log: the server stopped before request %s was written", record.get("id"))
+
+    async def _write(self, handle) -> None:
+        try:
+            while (record := await self._queue.get()) is not None:
+                await handle.write(json.dumps(record) + "\n")
+                await handle.flush()
+        finally:
+            await handle.close()
+
+    async def close(self) -> None:
+        """Write what is queued, then close the file."""
+        if self._task is not None:
+            self._queue.put_nowait(None)
+            await self._task
 
 
 # -- the application --------------------------------------------------------------------------
@@ -321,24 +414,33 @@ async def _next_event(job: Job, request: Request, worker: GenerationWorker
                 return None
 
 
-def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | None = None) -> FastAPI:
+def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | None = None,
+               request_log: str | None = None) -> FastAPI:
     """The FastAPI application serving `engine`; `chat_template` defaults to the fallback template
-    (load a model's own with `inference.chat.load_chat_template`)."""
+    (load a model's own with `inference.chat.load_chat_template`); `request_log`: a file that gets
+    one JSON line per finished request (`RequestLog`)."""
     if not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
     template = chat_template or ChatTemplate.default()
     metrics = ServerMetrics()
-    worker = GenerationWorker(engine, metrics, max_queue=max_queue)
+    metrics.count_storage_reads(engine.storage_read_bytes)
+    records = RequestLog(request_log) if request_log else None
+    worker = GenerationWorker(engine, metrics, max_queue=max_queue,
+                              on_finished=(lambda job, rec: records.put(job.loop, rec)) if records else None)
     started = int(time.time())
     tok = engine.tokenizer
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if records is not None:
+            await records.start()
         worker.start()
         try:
             yield
         finally:
             await asyncio.to_thread(worker.stop)
+            if records is not None:
+                await records.close()
 
     app = FastAPI(title="semoe", lifespan=lifespan)
     app.state.metrics = metrics
@@ -453,10 +555,11 @@ def url_of(sock: socket.socket) -> str:
 
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, *, max_queue: int = 64,
-          chat_template: ChatTemplate | None = None, on_ready: Callable[[str], None] | None = None) -> None:
+          chat_template: ChatTemplate | None = None, on_ready: Callable[[str], None] | None = None,
+          request_log: str | None = None) -> None:
     """Serve `engine` until interrupted (Ctrl-C shuts down gracefully); `on_ready(url)` once bound."""
     sock = bind_socket(host, port)
-    app = create_app(engine, max_queue=max_queue, chat_template=chat_template)
+    app = create_app(engine, max_queue=max_queue, chat_template=chat_template, request_log=request_log)
     config = uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
                             timeout_graceful_shutdown=5)
     if on_ready is not None:

@@ -120,17 +120,26 @@ class KVCache:
     v: list[torch.Tensor]
     length: int = 0
 
+    @staticmethod
+    def shapes(config: MoEConfig, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (k, v) shapes of one layer's cache."""
+        if config.attention == "mla":
+            return (batch, 1, max_len, config.kv_lora_rank), (batch, 1, max_len, config.qk_rope_head_dim)
+        return ((batch, config.num_kv_heads, max_len, config.head_dim),) * 2
+
+    @classmethod
+    def bytes_for(cls, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
+        """Bytes of the cache `empty` allocates."""
+        k, v = cls.shapes(config, batch, max_len)
+        return config.num_layers * (math.prod(k) + math.prod(v)) * torch.empty((), dtype=dtype).element_size()
+
     @classmethod
     def empty(cls, config: MoEConfig, batch: int, max_len: int, *, device: torch.device | str = "cpu",
               dtype: torch.dtype = torch.float32) -> "KVCache":
         """A cache for `max_len` positions."""
         if max_len > config.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position {config.max_position}")
-        if config.attention == "mla":
-            k_shape = (batch, 1, max_len, config.kv_lora_rank)
-            v_shape = (batch, 1, max_len, config.qk_rope_head_dim)
-        else:
-            k_shape = v_shape = (batch, config.num_kv_heads, max_len, config.head_dim)
+        k_shape, v_shape = cls.shapes(config, batch, max_len)
         return cls(k=[torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(config.num_layers)],
                    v=[torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(config.num_layers)])
 

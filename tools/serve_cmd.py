@@ -6,6 +6,7 @@ The device, dtype and budget flags are shared with `semoe generate` (tools/engin
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 
@@ -25,6 +26,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_flags(p)
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
                    help="requests that may wait while one generates; more get HTTP 503 (default 64)")
+    p.add_argument("--request-log", metavar="FILE",
+                   help="append one JSON line per finished request to FILE: id, status (stop, length, cancelled, "
+                        "error), prompt and generated tokens, time to first token, mean inter-token latency, "
+                        "latency")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -40,6 +45,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.request_log is not None:
+        where = os.path.dirname(os.path.abspath(args.request_log))
+        if not os.path.isdir(where) or os.path.isdir(args.request_log):
+            raise UsageError(f"--request-log {args.request_log}: expected a file in an existing directory")
     config = engine_config_from_args(args)
     template = load_chat_template(args.model)
     engine = Engine.load(args.model, config)
@@ -50,6 +59,7 @@ def run(args: argparse.Namespace) -> int:
         mode = "offloaded" if config.offloaded else "resident"
         with routing_trace(engine.model, args.routing_trace):
             serve(engine, args.host, args.port, max_queue=args.max_queue, chat_template=template,
+                  request_log=args.request_log,
                   on_ready=lambda url: print(f"serving {engine.name} ({mode} on {config.device}) at {url}/v1 "
                                              f"(Ctrl-C to stop)", file=sys.stderr, flush=True))
     except KeyboardInterrupt:

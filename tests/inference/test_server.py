@@ -71,6 +71,12 @@ class ScriptedEngine:
     def stop_ids(self) -> tuple[int, ...]:
         return ()
 
+    def kv_cache_bytes(self, positions: int) -> int:
+        return self._engine.kv_cache_bytes(positions)
+
+    def storage_read_bytes(self) -> int:
+        return self._engine.storage_read_bytes()
+
     def generate(self, prompt, sampling, *, on_token=None):
         self.started.set()
         if not self.gate.wait(20):
@@ -463,6 +469,49 @@ def test_health_models_and_metrics(served, engine):
     assert ("semoe_offload_gpu_hit_rate", ()) in after  # exported; stays 0 for a resident engine
 
 
+def test_latency_histograms_kv_bytes_and_the_request_log(engine, model_dir, tmp_path):
+    """Per request: one time-to-first-token and one end-to-end observation, an inter-token one per
+    token after the first; KV bytes while it generates and none after; a JSON line in the request log
+    for each finished request, a client that left included."""
+    log_path = tmp_path / "requests.jsonl"
+    eng = ScriptedEngine(engine)
+    server = LiveServer(create_app(eng, request_log=str(log_path)))
+    try:
+        before = metrics(server.port)
+        eng.gate.clear()
+        box = {}
+        t = threading.Thread(target=lambda: box.update(r=post(server.port, "/v1/completions",
+                                                             {"prompt": [3, 4, 5], "max_tokens": 6})))
+        t.start()
+        assert eng.started.wait(10)
+        held = metrics(server.port)["semoe_kv_cache_bytes", ()]
+        assert held == engine.kv_cache_bytes(3 + 6) > 0
+        eng.gate.set()
+        t.join(30)
+        status, out = box["r"]
+        assert status == 200 and out["usage"]["completion_tokens"] == 6
+        after = metrics(server.port)
+        for name, n in (("semoe_time_to_first_token_seconds_count", 1), ("semoe_request_latency_seconds_count", 1),
+                        ("semoe_inter_token_latency_seconds_count", 5)):
+            assert after[name, ()] == before.get((name, ()), 0) + n, name
+        assert after["semoe_kv_cache_bytes", ()] == 0 and after["semoe_storage_read_bytes_total", ()] == 0
+        eng.token_delay_s = 0.2  # a streamed request whose client leaves after its first event
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": [3, 4], "max_tokens": 50, "stream": True}),
+                     {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        resp.readline()
+        conn.close()
+        wait_for(lambda: log_path.exists() and len(log_path.read_text().splitlines()) == 2, "the second log line")
+    finally:
+        eng.gate.set()
+        server.close()
+    first, second = (json.loads(x) for x in log_path.read_text().splitlines())
+    assert first["status"] == "length" and (first["prompt_tokens"], first["tokens"]) == (3, 6)
+    assert first["ttft_s"] > 0 and first["mean_itl_s"] > 0 and first["latency_s"] >= first["ttft_s"]
+    assert second["status"] == "cancelled" and 1 <= second["tokens"] < 50 and second["id"] != first["id"]
+
+
 def test_queue_full_gets_503(scripted):
     eng = scripted.engine
     eng.gate.clear()
@@ -630,8 +679,10 @@ def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, 
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = {**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp)}
+    log_path = tmp_path / "requests.jsonl"
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--model", str(model_dir), "--port", "0",
-                             "--device", "cpu", "--cpu-cache", "50%", "--ring-slots", "2"],
+                             "--device", "cpu", "--cpu-cache", "50%", "--ring-slots", "2",
+                             "--request-log", str(log_path)],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
         lines = []
@@ -646,9 +697,14 @@ def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, 
         assert status == 200 and out["choices"][0]["token_ids"] == direct(reference, [1, 5, 9, 14], 10).tokens
         m = metrics(port)
         assert 0 <= m["semoe_offload_cpu_hit_rate", ()] <= 1 and m["semoe_offload_ssd_bytes_per_token", ()] > 0
+        assert m["semoe_storage_read_bytes_total", ()] > 0  # experts read from the store
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(20) == 0
         assert "stopped" in proc.stderr.read()
+        (line,) = log_path.read_text().splitlines()  # written and closed by the time the server exits
+        record = json.loads(line)
+        assert record["status"] == "length" and record["prompt_tokens"] == 4 and record["tokens"] == 10
+        assert 0 < record["ttft_s"] <= record["latency_s"] and record["mean_itl_s"] > 0
         assert not any(tmp.glob("semoe-store-*"))  # engine.close() ran
     finally:
         if proc.poll() is None:
