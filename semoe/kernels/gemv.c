@@ -69,7 +69,16 @@ void quantize_rows_q8(const float *x, int8_t *q, float *d, int64_t M, int64_t I,
 
 static int64_t padded(int64_t I) { return (I + 63) / 64 * 64; }
 
-/* n (<= ROWS) rows of int8 codes, each I long, against one quantized row of x: unscaled sums */
+#ifdef SEMOE_VNNI
+/* the sums of ROWS rows' lane accumulators */
+static inline void reduce_rows(__m512 f0, __m512 f1, __m512 f2, __m512 f3, float *out) {
+    out[0] = _mm512_reduce_add_ps(f0);
+    out[1] = _mm512_reduce_add_ps(f1);
+    out[2] = _mm512_reduce_add_ps(f2);
+    out[3] = _mm512_reduce_add_ps(f3);
+}
+#endif
+
 /* ROWS rows of int8 codes (rows past n are not read), each I long, against one quantized row of x:
  * unscaled sums. Written out for ROWS = 4 so the accumulators stay in registers. */
 static inline void i8_rows(const int8_t *w, int64_t I, int64_t Ip, int n, const int8_t *qx, const float *dx,
@@ -94,10 +103,7 @@ static inline void i8_rows(const int8_t *w, int64_t I, int64_t Ip, int n, const 
         ROW(w0, f0) ROW(w1, f1) ROW(w2, f2) ROW(w3, f3)
 #undef ROW
     }
-    out[0] = _mm512_reduce_add_ps(f0);
-    out[1] = _mm512_reduce_add_ps(f1);
-    out[2] = _mm512_reduce_add_ps(f2);
-    out[3] = _mm512_reduce_add_ps(f3);
+    reduce_rows(f0, f1, f2, f3, out);
 #else
     for (int r = 0; r < n; r++) {
         const int8_t *wr = w + r * I;
@@ -198,14 +204,27 @@ static inline void fp4_rows(const uint8_t *w, const uint8_t *e, int64_t G, int n
         int two = G - g >= 2;
         __m512i xv = _mm512_loadu_si512((const void *)(qx + g * QB)); /* x is padded to 64: always readable */
         float d0 = dx[g], d1 = two ? dx[g + 1] : 0.0f;
-#define ROW(r, f)                                                                                               {                                                                                                               const uint8_t *wr = w + (r < n ? r : 0) * rb + g * 16, *er = e + (r < n ? r : 0) * G + g;                   _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);                                                   __m256i b = two ? _mm256_loadu_si256((const __m256i *)wr)                                                                   : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wr));                             __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);               __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);                               __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(u0, u1, 0x20)),                                            _mm256_permute2x128_si256(u0, u1, 0x31), 1);                                 __m512i wv = _mm512_shuffle_epi8(lut, c);                                                                   __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);                                   __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d0 * pow2_e8m0(er[0])),                                                                      _mm256_set1_ps(two ? d1 * pow2_e8m0(er[1]) : 0.0f), 1);                      f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), xs)), dv, f);     }
+#define ROW(r, f)                                                                                   \
+    {                                                                                               \
+        const uint8_t *wr = w + (r < n ? r : 0) * rb + g * 16, *er = e + (r < n ? r : 0) * G + g;   \
+        _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);                                   \
+        __m256i b = two ? _mm256_loadu_si256((const __m256i *)wr)                                   \
+                        : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)wr));             \
+        __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4); \
+        /* codes in input order: block g's 32, then block g + 1's */                                 \
+        __m256i u0 = _mm256_unpacklo_epi8(lo, hi), u1 = _mm256_unpackhi_epi8(lo, hi);               \
+        __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_permute2x128_si256(u0, u1, 0x20)), \
+                                       _mm256_permute2x128_si256(u0, u1, 0x31), 1);                 \
+        __m512i wv = _mm512_shuffle_epi8(lut, c);                                                   \
+        __m512i xs = _mm512_mask_sub_epi8(xv, _mm512_movepi8_mask(wv), zero, xv);                   \
+        __m512 dv = _mm512_insertf32x8(_mm512_set1_ps(d0 * pow2_e8m0(er[0])),                       \
+                                       _mm256_set1_ps(two ? d1 * pow2_e8m0(er[1]) : 0.0f), 1);      \
+        f = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(zero, _mm512_abs_epi8(wv), xs)), dv, f); \
+    }
         ROW(0, f0) ROW(1, f1) ROW(2, f2) ROW(3, f3)
 #undef ROW
     }
-    out[0] = _mm512_reduce_add_ps(f0);
-    out[1] = _mm512_reduce_add_ps(f1);
-    out[2] = _mm512_reduce_add_ps(f2);
-    out[3] = _mm512_reduce_add_ps(f3);
+    reduce_rows(f0, f1, f2, f3, out);
 #else
     for (int r = 0; r < n; r++) {
         const uint8_t *wr = w + r * G * 16;
