@@ -233,10 +233,13 @@ class Attention(nn.Module):
                 self.qkv_proj, self.qkv_sizes = stacked, [p.out_features for p in parts]
                 del self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
-                ) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | list[KVCache] | None, counts: list[int] | None = None) -> torch.Tensor:
+        return packed_attention(self, x_BTD, cos, sin, cache, counts)
+
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v of every row (the products over all rows at once; `packed_attention`)."""
         c = self.config
-        B, T, _ = x_BTD.shape
         if self.qkv_proj is not None:
             q, k, v = self.qkv_proj(x_BTD).split(self.qkv_sizes, dim=-1)
         else:
@@ -245,6 +248,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if c.clip_qkv is not None:
             q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        return q, k, v
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: KVCache | None) -> torch.Tensor:
+        """One sequence's rows after `project`: rotary, the cache, attention; (B, T, H * Dh) for o_proj."""
+        c = self.config
+        B, T, _ = q.shape
         q_BTHDh, k_BTGDh = q.view(B, T, c.num_heads, c.head_dim), k.view(B, T, c.num_kv_heads, c.head_dim)
         if c.qk_norm == "head":
             q_BTHDh, k_BTGDh = self.q_norm(q_BTHDh), self.k_norm(k_BTGDh)
@@ -255,10 +265,10 @@ class Attention(nn.Module):
         if cache is not None:
             start = cache.length
             k_BGTDh, v_BGTDh = cache.append(self.layer, k_BGTDh, v_BGTDh)
-        mask, causal = attention_mask(T, start, self.window, x_BTD.device)
+        mask, causal = attention_mask(T, start, self.window, q.device)
         out_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask, causal,
                            sinks_H=self.sinks if c.attention_sinks else None)
-        return self.o_proj(out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim))
+        return out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim)
 
 
 def softmax_scale(config: MoEConfig) -> float:
@@ -293,16 +303,27 @@ class LatentAttention(nn.Module):
         self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.o_proj_bias)
         self.scale = softmax_scale(config)
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
-                ) -> torch.Tensor:
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | list[KVCache] | None, counts: list[int] | None = None) -> torch.Tensor:
+        return packed_attention(self, x_BTD, cos, sin, cache, counts)
+
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, the normed latent and the rotary key of every row (`packed_attention`)."""
         c = self.config
-        B, T, _ = x_BTD.shape
-        H, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         q = self.q_proj(x_BTD) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        latent_BTL, k_rot_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        return q, self.kv_a_layernorm(latent_BTL), k_rot_BTR
+
+    def attend_cached(self, q: torch.Tensor, latent_BTL: torch.Tensor, k_rot_BTR: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """One sequence's rows after `project`: rotary, the cache, the keys and values from the cached
+        latents, attention; (B, T, H * Dv) for o_proj."""
+        c = self.config
+        B, T, _ = q.shape
+        H, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
         q_BHTd = q.view(B, T, H, nope + rope).transpose(1, 2)
         q_rot = apply_rope(q_BHTd[..., nope:], cos, sin, interleave=c.rope_interleave)
-        latent_BTL, k_rot_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, rope], dim=-1)
-        latent_B1TL = self.kv_a_layernorm(latent_BTL)[:, None]
+        latent_B1TL = latent_BTL[:, None]
         k_rot_B1TR = apply_rope(k_rot_BTR[:, None], cos, sin, interleave=c.rope_interleave)
         start = 0
         if cache is not None:
@@ -313,9 +334,25 @@ class LatentAttention(nn.Module):
         k_nope_BHSd, v_BHSDv = kv_BHSd.split([nope, c.v_head_dim], dim=-1)
         k_BHSd = torch.cat((k_nope_BHSd, k_rot_B1TR.expand(B, H, S, rope)), dim=-1)
         q_BHTd = torch.cat((q_BHTd[..., :nope], q_rot), dim=-1)
-        mask, causal = attention_mask(T, start, None, x_BTD.device)
+        mask, causal = attention_mask(T, start, None, q.device)
         out_BHTDv = attend(q_BHTd, k_BHSd, v_BHSDv, mask, causal, scale=self.scale)
-        return self.o_proj(out_BHTDv.transpose(1, 2).reshape(B, T, H * c.v_head_dim))
+        return out_BHTDv.transpose(1, 2).reshape(B, T, H * c.v_head_dim)
+
+
+def packed_attention(attn: nn.Module, x_1ND: torch.Tensor, cos_1NR: torch.Tensor, sin_1NR: torch.Tensor,
+                     caches: KVCache | list[KVCache] | None, counts: list[int] | None) -> torch.Tensor:
+    """Either variant's forward. With `counts`, x's rows are the packed tokens of several sequences
+    (`MoEGPT.forward_packed`): the projections over all rows at once, then each sequence's rows
+    against its own cache in `caches`; without, one batch against one cache (or none)."""
+    parts = attn.project(x_1ND)
+    if counts is None or len(counts) == 1:
+        return attn.o_proj(attn.attend_cached(*parts, cos_1NR, sin_1NR, caches if counts is None else caches[0]))
+    outs, s = [], 0
+    for cache, n in zip(caches, counts):
+        outs.append(attn.attend_cached(*(p[:, s:s + n] for p in parts), cos_1NR[:, s:s + n], sin_1NR[:, s:s + n],
+                                       cache))
+        s += n
+    return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
 
 
 def make_attention(config: MoEConfig, layer: int) -> nn.Module:

@@ -70,13 +70,19 @@ def sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Genera
 
 @torch.no_grad()
 def prefill(model: MoEGPT, ids_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """Run the prompt through the model, filling the cache; logits of the last position (B, V)."""
+    """Run the prompt through the model, filling the cache; logits of the last position (B, V). One
+    sequence goes through the packed forward a batching server uses (only its last row's logits)."""
+    if ids_BT.shape[0] == 1:
+        T = ids_BT.shape[1]
+        return model.forward_packed(ids_BT[0], [cache], [T], rows=[T - 1]).logits[:, -1]
     return model(ids_BT, cache).logits[:, -1]
 
 
 @torch.no_grad()
 def decode_one_token(model: MoEGPT, ids_B1: torch.Tensor, cache: KVCache) -> torch.Tensor:
-    """One decoding step: logits (B, V) of the next position."""
+    """One decoding step: logits (B, V) of the next position (one sequence: the packed forward)."""
+    if ids_B1.shape[0] == 1:
+        return model.forward_packed(ids_B1[0], [cache], [1]).logits[:, -1]
     return model(ids_B1, cache).logits[:, -1]
 
 

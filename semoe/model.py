@@ -189,9 +189,12 @@ class Block(nn.Module):
         self.ffn: nn.Module = (MoEFeedForward(config, layer) if config.is_moe_layer(layer)
                                else DenseFFN(config.hidden_size, config.ffn_size))
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: KVCache | None
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | list[KVCache] | None, counts: list[int] | None = None
                 ) -> tuple[torch.Tensor, RouterStats | None]:
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, cache)
+        """With `counts`, x's rows are the packed tokens of the sequences whose caches `cache` lists
+        (`MoEGPT.forward_packed`)."""
+        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, cache, counts)
         h = self.ffn_norm(x_BTD)
         if isinstance(self.ffn, MoEFeedForward):
             y, stats = self.ffn(h)
@@ -234,8 +237,52 @@ class MoEGPT(nn.Module):
         """The MoE feed-forward modules, in layer order."""
         return [b.ffn for b in self.layers if isinstance(b.ffn, MoEFeedForward)]
 
-    def forward(self, ids_BT: torch.Tensor, cache: KVCache | None = None) -> ModelOutput:
-        """Logits of every position; with a cache, `ids_BT` continues after `cache.length` positions."""
+    def forward_packed(self, ids_N: torch.Tensor, caches: list[KVCache], counts: list[int],
+                       rows: list[int] | None = None) -> ModelOutput:
+        """The tokens of several sequences in one tensor, without padding: sequence i's `counts[i]`
+        tokens continue after `caches[i].length` (each cache of batch 1, its own positions). The dense
+        layers and each MoE layer take all rows at once (a layer reads the union of the rows'
+        experts once), attention takes each sequence against its own cache; every cache advances by
+        its count. Logits (1, len(rows), V) of `rows` only (default: all), the rows sampled from.
+        It goes through the module call, so forward hooks see it (the decode profile, traces)."""
+        return self(ids_N, caches, counts=counts, rows=rows)
+
+    def _packed(self, ids_N: torch.Tensor, caches: list[KVCache], counts: list[int],
+                rows: list[int] | None) -> ModelOutput:
+        """`forward_packed`'s work, reached through `forward`."""
+        N = ids_N.shape[0]
+        if len(caches) != len(counts) or sum(counts) != N or any(n < 1 for n in counts):
+            raise ValueError(f"{len(caches)} caches and counts {counts} do not pack {N} tokens")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a sequence appears twice in one packed batch")
+        for c, n in zip(caches, counts):
+            if c.k[0].shape[0] != 1 or c.length + n > min(c.capacity, self.config.max_position):
+                raise ValueError(f"a cache of batch {c.k[0].shape[0]} holding {c.length} of {c.capacity} positions "
+                                 f"cannot take {n} more (batch 1, at most max_position {self.config.max_position})")
+        device = ids_N.device
+        spans = [torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, counts)]
+        positions_1N = (spans[0] if len(spans) == 1 else torch.cat(spans))[None]
+        x_1ND = self.embed(ids_N[None])
+        cos, sin = rope_tables(self.config, positions_1N, x_1ND.dtype)
+        router: dict[int, RouterStats] = {}
+        for block in self.layers:
+            x_1ND, stats = block(x_1ND, cos, sin, caches, counts)
+            if stats is not None:
+                router[block.layer] = stats
+        for c, n in zip(caches, counts):
+            c.length += n
+        if rows is not None:  # a run of rows is a slice: no index tensor to build (and copy to a GPU)
+            run = rows and rows == list(range(rows[0], rows[0] + len(rows)))
+            x_1ND = x_1ND[:, rows[0]:rows[0] + len(rows)] if run else x_1ND[:, rows]
+        return self._output(self.lm_head(self.norm(x_1ND)), router)
+
+    def forward(self, ids_BT: torch.Tensor, cache: KVCache | list[KVCache] | None = None, *,
+                counts: list[int] | None = None, rows: list[int] | None = None) -> ModelOutput:
+        """Logits of every position; with a cache, `ids_BT` continues after `cache.length` positions.
+        With `counts`, the packed tokens (N,) of the sequences whose caches `cache` lists
+        (`forward_packed`)."""
+        if counts is not None:
+            return self._packed(ids_BT, cache, counts, rows)
         B, T = ids_BT.shape
         start = cache.length if cache is not None else 0
         if start + T > self.config.max_position:
@@ -250,7 +297,10 @@ class MoEGPT(nn.Module):
                 router[block.layer] = stats
         if cache is not None:
             cache.length = start + T
-        logits = self.lm_head(self.norm(x_BTD))
+        return self._output(self.lm_head(self.norm(x_BTD)), router)
+
+    @staticmethod
+    def _output(logits: torch.Tensor, router: dict[int, RouterStats]) -> ModelOutput:
         zero = logits.new_zeros(())
         n = max(len(router), 1)
         aux = sum((s.aux_loss for s in router.values()), zero) / n

@@ -217,3 +217,71 @@ def test_attention_asks_for_the_causal_kernel_unless_the_cache_is_offset(monkeyp
         last = model(ids[:, 11:], cache).logits
         assert all(c == {"T": 1, "S": 12, "mask": False, "is_causal": False} for c in calls)
     torch.testing.assert_close(torch.cat([first, second, last], dim=1), full, atol=1e-5, rtol=1e-5)
+
+
+PACKED_VARIANTS = {  # attention variants the packed forward must keep per sequence
+    "gqa": dict(),
+    "window-sinks-biases": dict(sliding_window=4, attention_sinks=True, attention_bias=True, o_proj_bias=True),
+    "mla": dict(attention="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+                rope_interleave=True),
+}
+
+
+@pytest.mark.parametrize("variant", list(PACKED_VARIANTS))
+def test_the_packed_forward_gives_each_sequence_its_own_forwards_logits_and_cache(variant):
+    """Three sequences at different points (a prompt's chunk into a fresh cache, one decoding token
+    after 7 cached positions, 3 tokens after 2), packed into one forward without padding: each row's
+    logits and each cache's keys and values are what that sequence's own forward gives (float32 sums
+    over other row counts: 1e-5 relative), the caches advance by their counts, and only the rows
+    asked for get logits."""
+    from semoe.model import KVCache
+
+    torch.manual_seed(6)
+    cfg = named_config("tiny", max_position=32, **PACKED_VARIANTS[variant])
+    model = MoEGPT(cfg).eval()
+    if cfg.attention_sinks:
+        with torch.no_grad():
+            for b in model.layers:
+                b.attn.sinks.normal_()
+    history = {"a": [], "b": torch.randint(0, 259, (7,)).tolist(), "c": torch.randint(0, 259, (2,)).tolist()}
+    new = {"a": torch.randint(0, 259, (5,)).tolist(), "b": [17], "c": torch.randint(0, 259, (3,)).tolist()}
+
+    def primed(name: str) -> KVCache:
+        cache = KVCache.empty(cfg, 1, 16)
+        if history[name]:
+            with torch.no_grad():
+                model(torch.tensor([history[name]]), cache)
+        return cache
+
+    alone = {}
+    for name in new:
+        cache = primed(name)
+        with torch.no_grad():
+            alone[name] = (model(torch.tensor([new[name]]), cache).logits[0], cache)
+    caches = {name: primed(name) for name in new}
+    ids = torch.tensor(new["a"] + new["b"] + new["c"])
+    with torch.no_grad():
+        out = model.forward_packed(ids, [caches[n] for n in new], [len(new[n]) for n in new])
+    assert out.logits.shape == (1, 9, cfg.vocab_size)
+    rows = {"a": slice(0, 5), "b": slice(5, 6), "c": slice(6, 9)}
+    for name in new:
+        want, cache = alone[name]
+        torch.testing.assert_close(out.logits[0, rows[name]], want, rtol=1e-5, atol=1e-5 * float(want.abs().max()))
+        got = caches[name]
+        assert got.length == cache.length == len(history[name]) + len(new[name])
+        for layer in range(cfg.num_layers):
+            torch.testing.assert_close(got.k[layer], cache.k[layer], rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(got.v[layer], cache.v[layer], rtol=1e-5, atol=1e-6)
+    # only the rows sampled from: each sequence's last, or any set
+    caches = {name: primed(name) for name in new}
+    with torch.no_grad():
+        last = model.forward_packed(ids, [caches[n] for n in new], [5, 1, 3], rows=[4, 5, 8]).logits
+    torch.testing.assert_close(last[0], out.logits[0, [4, 5, 8]], rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match=r"counts \[5, 1\] do not pack 9 tokens"):
+        model.forward_packed(ids, [primed("a"), primed("b")], [5, 1])
+    full = primed("b")
+    with pytest.raises(ValueError, match="holding 7 of 16 positions cannot take 10 more"):
+        model.forward_packed(torch.arange(10), [full], [10])
+    one = primed("a")
+    with pytest.raises(ValueError, match="appears twice"):
+        model.forward_packed(torch.arange(2), [one, one], [1, 1])
