@@ -45,17 +45,12 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def _status_bytes(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
-
-
 def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | None,
              ring_slots: int | None = None) -> dict:
     """Greedy decode of our engine (resident without a cache budget), after a warm-up generation."""
     from inference.engine import Engine, EngineConfig
     from semoe.generate import SamplingConfig
-    from storage.pool import peak_rss_bytes
+    from storage.pool import peak_rss_bytes, status_bytes
 
     cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct") \
         if cpu_cache else EngineConfig(dtype="float32")
@@ -67,7 +62,7 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
         res = engine.generate(prompt, sampling)
         return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
-                "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": _status_bytes("RssFile"),
+                "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": engine.offload.tier.cache.capacity_bytes if engine.offload else None}
     finally:
         engine.close()

@@ -35,12 +35,13 @@ _MAX_SEED = 2**63
 # where it holds the value that asks for nothing: a penalty of 0, no logit bias, no tools.
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
                             "logprobs", "stop", "seed", "user", "stop_token_ids", "ignore_eos"})
-_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt", "echo", "suffix", "best_of"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
+_COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
 _NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
             "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
             "response_format": ({"type": "text"},), "parallel_tool_calls": (), "store": (False,),
-            "metadata": ({},)}
+            "metadata": ({},), "echo": (False,), "suffix": ("",), "best_of": (1,),
+            "top_logprobs": (0,)}  # the most likely alternatives are not computed
 
 
 # -- errors and request parsing ---------------------------------------------------------------
@@ -184,12 +185,6 @@ def parse_completion(body: dict, engine) -> GenRequest:
     if "prompt" not in body:
         raise APIError("prompt is required", param="prompt")
     _only_implemented(body, _COMPLETION_FIELDS)
-    if body.get("echo") not in (None, False):
-        raise APIError("echo is not supported", param="echo")
-    if body.get("suffix") not in (None, ""):
-        raise APIError("suffix is not supported", param="suffix")
-    if _field(body, "best_of", "integer", 1) != 1:
-        raise APIError("best_of must be 1", param="best_of")
     prompt = _prompt_ids(body["prompt"], engine, param="prompt")
     logprobs = _field(body, "logprobs", "integer")
     if logprobs is not None and not 0 <= logprobs <= 5:
@@ -242,11 +237,6 @@ def parse_chat(body: dict, engine, template: ChatTemplate) -> GenRequest:
     except ChatTemplateError as e:
         raise APIError(str(e), param="messages") from e
     prompt = _prompt_ids(ids, engine, param="messages")
-    if _field(body, "top_logprobs", "integer", 0) < 0:
-        raise APIError("top_logprobs must be >= 0", param="top_logprobs")
-    if _field(body, "top_logprobs", "integer", 0) > 0:
-        raise APIError("top_logprobs > 0 (the most likely alternatives) is not supported by this server; "
-                       "logprobs: true gives each chosen token's log-probability", param="top_logprobs")
     stream, include_usage = _stream_fields(body)
     max_tokens = _field(body, "max_completion_tokens", "integer", _field(body, "max_tokens", "integer"))
     sampling = _sampling(body, engine, prompt, prompt_param="messages", max_tokens=max_tokens)

@@ -19,7 +19,6 @@ import logging
 import socket
 import threading
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -65,7 +64,8 @@ class ServerMetrics:
         self.running = Gauge("semoe_requests_running", "requests generating now (0 or 1)", registry=r)
         self.last_tok_s = Gauge("semoe_last_request_tokens_per_second",
                                 "decode speed of the last request (tokens after the first / their time)", registry=r)
-        self.last_ttft = Gauge("semoe_last_request_ttft_seconds", "time to first token of the last request",
+        self.last_ttft = Gauge("semoe_last_request_ttft_seconds",
+                               "time to first token of the last request (from its arrival)",
                                registry=r)
         self.overall_tok_s = Gauge("semoe_tokens_per_second", "tokens generated / generation seconds, all requests",
                                    registry=r)
@@ -158,10 +158,10 @@ class Job:
 
     request: GenRequest
     loop: asyncio.AbstractEventLoop
+    id: str  # the answer's id (`Reply.id`), which the request log names
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
-    id: str = field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     def post(self, event: TokenEvent | DoneEvent | ErrorEvent) -> None:
         """Hand an event to the event loop (called from the worker thread)."""
@@ -307,7 +307,7 @@ class GenerationWorker:
         first = t_first if t_first is not None else t_end
         decode_s = t_end - first
         self.metrics.observe(prompt_tokens=len(req.prompt_ids), tokens=len(tokens), seconds=t_end - t0,
-                             ttft_s=first - t0, decode_tok_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
+                             ttft_s=first - job.arrived, decode_tok_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
                              stats=stats)
         tail = text.finish()
         job.post(DoneEvent(tokens=tokens, logprobs=logprobs, text=text.text, tail=tail, finish_reason=finish))
@@ -465,12 +465,12 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
                         else "invalid_request_error").response()
 
     async def answer(request: Request, req: GenRequest) -> Response:
-        job = Job(request=req, loop=asyncio.get_running_loop())
+        reply = Reply(req, engine.name, lambda t: tok.decode([t]) if tok is not None else "")
+        job = Job(request=req, loop=asyncio.get_running_loop(), id=reply.id)  # the log names the answer's id
         try:
             worker.submit(job)
         except QueueFullError as e:
             raise APIError(str(e), status=503, type="server_overloaded") from None
-        reply = Reply(req, engine.name, lambda t: tok.decode([t]) if tok is not None else "")
         event = await _next_event(job, request, worker)
         if event is None:
             return Response(status_code=499)  # nobody reads it; the status only reaches the metrics

@@ -352,7 +352,7 @@ def packed_attention(attn: nn.Module, x_1ND: torch.Tensor, cos_1NR: torch.Tensor
         outs.append(attn.attend_cached(*(p[:, s:s + n] for p in parts), cos_1NR[:, s:s + n], sin_1NR[:, s:s + n],
                                        cache))
         s += n
-    return attn.o_proj(outs[0] if len(outs) == 1 else torch.cat(outs, dim=1))
+    return attn.o_proj(torch.cat(outs, dim=1))
 
 
 def make_attention(config: MoEConfig, layer: int) -> nn.Module:

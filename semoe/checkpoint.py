@@ -235,7 +235,6 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
             return store.read_dense_rows(present(key), QUANTIZE_ROWS)
 
         compact_dense_linears(model, scheme, kernel=kernel, weight_rows=weight_rows)
-        release_free_heap()
     _load(model, dense_tensor, expert, path, adopt=True)
     if compact:
         for ffn in model.moe_layers():

@@ -236,6 +236,14 @@ def resolve_dense(dense: str, *, device: torch.device | str, expert_schemes: set
     return "int8"
 
 
+def _fits(shape: tuple[int, ...], dtype: torch.dtype, scheme: str, group_size: int | None) -> bool:
+    try:
+        check_fits(shape, dtype, scheme, group_size)
+    except QuantShapeError:
+        return False
+    return True
+
+
 def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto",
                           group_size: int = INT4_DEFAULT_GROUP,
                           weight_rows: Callable[[str], Iterable[torch.Tensor]] | None = None) -> None:
@@ -254,17 +262,14 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
              and not name.endswith("shared_gate")]
     for name, mod in swaps:
         w = mod.weight.detach()
-        this, g = ("int4", group_size) if scheme == "int4" and name != "lm_head" else ("int8", None)
-        if this == "int4":  # the largest group up to group_size that divides the input features
+        choices = [("int8", None)]
+        if scheme == "int4" and name != "lm_head":  # the largest group up to group_size dividing the inputs
             g = max((s for s in INT4_GROUP_SIZES if s <= group_size and w.shape[1] % s == 0), default=group_size)
-            try:
-                check_fits(tuple(w.shape), w.dtype, "int4", g)
-            except QuantShapeError:
-                this, g = "int8", None
-        try:
-            check_fits(tuple(w.shape), w.dtype, this, g)
-        except QuantShapeError:
+            choices.insert(0, ("int4", g))
+        fitting = [c for c in choices if _fits(tuple(w.shape), w.dtype, *c)]
+        if not fitting:
             continue
+        this, g = fitting[0]
         rows = [w] if weight_rows is None else weight_rows(name)
         codes, scales = quantize_blocks(rows, tuple(w.shape), w.dtype, this, group_size=g)
         spec = QuantSpec(scheme=this, dtype=dtype_name(w.dtype), shape=tuple(w.shape), scales="", group_size=g)

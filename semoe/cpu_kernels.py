@@ -116,9 +116,13 @@ def _operands(x_MI: torch.Tensor, w: torch.Tensor, I: int, O: int) -> tuple[torc
     """x as contiguous float32 and the float32 output (..., O), after checking the operands."""
     if x_MI.shape[-1] != I:
         raise ValueError(f"x has {x_MI.shape[-1]} features, the weight {I}")
-    if x_MI.device.type != "cpu" or w.device.type != "cpu" or not w.is_contiguous():
-        raise ValueError("the CPU kernels take contiguous CPU tensors")
+    _cpu_contiguous(x_MI, w)
     return _f32(x_MI), torch.empty((*x_MI.shape[:-1], O), dtype=torch.float32)
+
+
+def _cpu_contiguous(x_MI: torch.Tensor, *weights: torch.Tensor) -> None:
+    if x_MI.device.type != "cpu" or any(w.device.type != "cpu" or not w.is_contiguous() for w in weights):
+        raise ValueError("the CPU kernels take contiguous CPU tensors")
 
 
 def gemv_i8(x_MI: torch.Tensor, codes_OI: torch.Tensor, scale_O: torch.Tensor) -> torch.Tensor:
@@ -152,8 +156,7 @@ def gemv_mxfp4(x_MI: torch.Tensor, blocks_OG16: torch.Tensor, scales_OG: torch.T
         raise ValueError(f"MXFP4 blocks (O, G, 16) and scales (O, G) of uint8, got {list(blocks_OG16.shape)} "
                          f"{blocks_OG16.dtype} and {list(scales_OG.shape)} {scales_OG.dtype}")
     x, y = _operands(x_MI, blocks_OG16, G * ACTIVATION_BLOCK, O)
-    if not scales_OG.is_contiguous():
-        raise ValueError("the CPU kernels take contiguous CPU tensors")
+    _cpu_contiguous(x_MI, scales_OG)
     _lib().gemv_mxfp4(x.data_ptr(), blocks_OG16.data_ptr(), scales_OG.data_ptr(), y.data_ptr(),
                       x.numel() // x.shape[-1], O, x.shape[-1], torch.get_num_threads())
     return y
@@ -184,9 +187,7 @@ def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor
         raise ValueError(f"gate {list(gate[0].shape)}, up {list(up[0].shape)} and down {list(down[0].shape)} "
                          f"are not one expert's weights")
     x, y = _operands(x_MD, gate[0], gate[0].shape[1] * (2 if bits == 4 else 1), D)
-    for codes, _ in (up, down):
-        if codes.device.type != "cpu" or not codes.is_contiguous():
-            raise ValueError("the CPU kernels take contiguous CPU tensors")
+    _cpu_contiguous(x_MD, up[0], down[0])
     _lib().swiglu_q(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], F, bits, gate[0].data_ptr(),
                     _f32(gate[1]).data_ptr(), up[0].data_ptr(), _f32(up[1]).data_ptr(), group_in, down[0].data_ptr(),
                     _f32(down[1]).data_ptr(), group_down, y.data_ptr(), torch.get_num_threads())

@@ -264,11 +264,7 @@ class MoEGPT(nn.Module):
         positions_1N = (spans[0] if len(spans) == 1 else torch.cat(spans))[None]
         x_1ND = self.embed(ids_N[None])
         cos, sin = rope_tables(self.config, positions_1N, x_1ND.dtype)
-        router: dict[int, RouterStats] = {}
-        for block in self.layers:
-            x_1ND, stats = block(x_1ND, cos, sin, caches, counts)
-            if stats is not None:
-                router[block.layer] = stats
+        x_1ND, router = self._blocks(x_1ND, cos, sin, caches, counts)
         for c, n in zip(caches, counts):
             c.length += n
         if rows is not None:  # a run of rows is a slice: no index tensor to build (and copy to a GPU)
@@ -290,14 +286,20 @@ class MoEGPT(nn.Module):
         x_BTD = self.embed(ids_BT)
         positions_BT = torch.arange(start, start + T, device=ids_BT.device).expand(B, T)
         cos, sin = rope_tables(self.config, positions_BT, x_BTD.dtype)
-        router: dict[int, RouterStats] = {}
-        for block in self.layers:
-            x_BTD, stats = block(x_BTD, cos, sin, cache)
-            if stats is not None:
-                router[block.layer] = stats
+        x_BTD, router = self._blocks(x_BTD, cos, sin, cache, None)
         if cache is not None:
             cache.length = start + T
         return self._output(self.lm_head(self.norm(x_BTD)), router)
+
+    def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, counts: list[int] | None
+                ) -> tuple[torch.Tensor, dict[int, RouterStats]]:
+        """Every block in order, and each MoE layer's router stats."""
+        router: dict[int, RouterStats] = {}
+        for block in self.layers:
+            x, stats = block(x, cos, sin, cache, counts)
+            if stats is not None:
+                router[block.layer] = stats
+        return x, router
 
     @staticmethod
     def _output(logits: torch.Tensor, router: dict[int, RouterStats]) -> ModelOutput:

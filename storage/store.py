@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from storage import zarrio
-from storage.crc import crc32c_combine
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StorageError, StoreLockedError
 from storage.durable import fsync_path, fsync_tree, write_atomic
@@ -171,11 +170,7 @@ class Store:
     def check_crcs(self, chunk: ChunkEntry, crcs: list[int]) -> None:
         """Compare checksums computed during a `chunk_request` read with the manifest."""
         for e, got in zip(self.manifest.chunk_tensors(chunk), crcs):
-            if got != e.crc32c:
-                path = self.path(e.file)
-                raise CorruptTensorError(
-                    f"tensor {e.name} ({e.kind}) is corrupt: crc32c {got:08x} != recorded {e.crc32c:08x} in {path}",
-                    tensor=e.name, path=path)
+            check_crc_value(e, got, self.path(e.file))
 
     def chunk_views(self, chunk: ChunkEntry, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of a chunk's tensors in a buffer holding the chunk file.
@@ -231,12 +226,10 @@ class Store:
         for r in range(0, e.shape[0], rows):
             n = min(rows, e.shape[0] - r)
             buf = torch.empty(n * row_bytes, dtype=torch.uint8)
-            part = _read_range(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode,
-                               crc_bytes=n * row_bytes)
-            crc = crc32c_combine(crc, part, n * row_bytes)
-            if r + n == e.shape[0] and crc != e.crc32c:
-                raise CorruptTensorError(f"tensor {e.name} ({e.kind}) is corrupt: crc32c {crc:08x} != recorded "
-                                         f"{e.crc32c:08x} in {path}", tensor=e.name, path=path)
+            _read_range(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode)
+            crc = _crc32c.crc32c(buf.numpy(), crc)  # continued over the blocks
+            if r + n == e.shape[0]:
+                check_crc_value(e, crc, path)
             yield buf.view(torch_dtype(e.dtype)).view(n, e.shape[1])
             del buf  # before the next block is allocated
 
@@ -410,7 +403,11 @@ def check_crc(entry: TensorEntry, data: np.ndarray, path: str) -> None:
         raise CorruptTensorError(
             f"tensor {entry.name} ({entry.kind}): {path} holds {len(data)} bytes, expected {entry.bytes}",
             tensor=entry.name, path=path)
-    got = crc32c(np.ascontiguousarray(data))
+    check_crc_value(entry, crc32c(np.ascontiguousarray(data)), path)
+
+
+def check_crc_value(entry: TensorEntry, got: int, path: str) -> None:
+    """Raise CorruptTensorError naming the tensor when `got`, its bytes' crc32c, is not the recorded one."""
     if got != entry.crc32c:
         raise CorruptTensorError(
             f"tensor {entry.name} ({entry.kind}) is corrupt: crc32c {got:08x} != recorded "

@@ -510,6 +510,7 @@ def test_latency_histograms_kv_bytes_and_the_request_log(engine, model_dir, tmp_
     assert first["status"] == "length" and (first["prompt_tokens"], first["tokens"]) == (3, 6)
     assert first["ttft_s"] > 0 and first["mean_itl_s"] > 0 and first["latency_s"] >= first["ttft_s"]
     assert second["status"] == "cancelled" and 1 <= second["tokens"] < 50 and second["id"] != first["id"]
+    assert first["id"] == out["id"]  # the answer's id
 
 
 def test_queue_full_gets_503(scripted):
