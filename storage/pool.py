@@ -129,11 +129,18 @@ def round_up(nbytes: int, alignment: int) -> int:
 def aligned_empty(nbytes: int, *, alignment: int, pin: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Allocate ``nbytes`` of uint8 whose address is a multiple of ``alignment``.
 
-    Returns ``(base, view)``; the caller keeps ``base`` alive for as long as ``view`` is used.
+    Returns ``(base, view)``; ``view`` keeps ``base`` alive.
+    ``view`` has a storage of its own that starts at the aligned address: torch's ``is_pinned()``
+    (and with it a non-blocking copy's view of the memory) asks CUDA about a tensor's storage's
+    first byte, which for a plain slice of ``base`` lies before a range page-locked in place.
     """
     base = torch.empty(nbytes + alignment, dtype=torch.uint8, pin_memory=pin)
     offset = (-base.data_ptr()) % alignment
-    return base, base[offset : offset + nbytes]
+    if nbytes == 0:
+        return base, base[offset:offset]
+    window = (ctypes.c_uint8 * nbytes).from_address(base.data_ptr() + offset)
+    window.base = base  # the view holds the window, the window the allocation
+    return base, torch.frombuffer(window, dtype=torch.uint8)
 
 
 class HostPinner:

@@ -182,7 +182,7 @@ def test_pin_true_without_cuda_is_rejected():
         HostBufferPool(HostBufferPoolConfig(capacity_bytes=ALIGN, pin=True))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned memory needs CUDA")
+@pytest.mark.cuda
 def test_buffers_are_pinned_by_default_with_cuda():
     pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=1024 * KiB))
     buf = pool.acquire(10_000)
@@ -258,6 +258,9 @@ def test_a_pinned_pool_pins_exactly_its_slabs_and_unpins_them_when_dropped():
     for kind, ptr, nbytes in pinner.calls:
         assert kind == "register" and ptr % 4096 == 0 and nbytes == round_up(chunk, 4096)
     assert {b.tensor.data_ptr() for b in bufs} == {ptr for _, ptr, _ in pinner.calls}
+    # torch's is_pinned() asks CUDA about the first byte of a tensor's storage: it must lie in the
+    # registered range, not in the unaligned allocation the slab was carved from
+    assert {b.tensor.untyped_storage().data_ptr() for b in bufs} == {ptr for _, ptr, _ in pinner.calls}
     for b in bufs:
         b.release()
     pool.close()
