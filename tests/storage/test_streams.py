@@ -14,7 +14,6 @@ from storage.streams import (
 )
 
 TIMEOUT_S = 30  # only ever reached if something is broken
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
 class HookedTensor(torch.Tensor):
@@ -131,7 +130,7 @@ def test_cuda_stream_without_cuda_is_an_error():
         CudaCopyStream("cuda")
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_copies_equal_the_source():
     with make_copy_stream("cuda") as stream:
         assert isinstance(stream, CudaCopyStream)
@@ -146,7 +145,7 @@ def test_cuda_copies_equal_the_source():
         assert handles[-1].tensor is dst
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_wait_is_an_event_on_the_compute_stream():
     with CudaCopyStream("cuda") as stream:
         src = torch.arange(1 << 20, dtype=torch.int64).pin_memory()
@@ -161,7 +160,7 @@ def test_cuda_wait_is_an_event_on_the_compute_stream():
         handle.synchronize()  # the source may now be reused
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_unpinned_source_warns_once(caplog):
     with CudaCopyStream("cuda") as stream, caplog.at_level(logging.WARNING, "storage.streams"):
         for _ in range(3):
@@ -169,7 +168,7 @@ def test_cuda_unpinned_source_warns_once(caplog):
     assert sum("not pinned" in r.message for r in caplog.records) == 1
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_cuda_in_place_ok_returns_a_device_source():
     with CudaCopyStream("cuda") as stream:
         src = torch.ones(4, device="cuda")
