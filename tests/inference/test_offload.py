@@ -12,6 +12,7 @@ from helpers.hf_models import make_hf_checkpoint
 from inference.engine import Engine, EngineConfig
 from semoe.generate import GenerationResult, SamplingConfig
 from semoe.hf_import import import_checkpoint
+from helpers.procs import ROOT, child_env
 
 OLDER_ARCHS = ["mixtral", "qwen2_moe", "olmoe"]
 NEWER_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]
@@ -146,18 +147,16 @@ def test_corrupt_expert_fails_the_request_and_names_the_tensor(tmp_path):
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
     import json
-    import os
     import subprocess
     import sys
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     hf = make_hf_checkpoint("olmoe", tmp_path / "hf", seed=2)
     store = import_checkpoint(str(hf), str(tmp_path / "store"))
 
     def run(*flags):
         res = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "--model", store.root, "--prompt-ids",
                               "4,8,15,16,23,42", "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu", "--json",
-                              *flags], capture_output=True, text=True, env={**os.environ, "PYTHONPATH": root}, cwd=root)
+                              *flags], capture_output=True, text=True, env=child_env(), cwd=ROOT)
         assert res.returncode == 0, res.stderr
         return json.loads(res.stdout)
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import re
 import signal
 import subprocess
@@ -23,8 +22,8 @@ from inference.engine import Engine, EngineConfig
 from inference.server import bind_socket, create_app
 from inference.text_stream import TextAssembler
 from semoe.generate import SamplingConfig
+from helpers.procs import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MAX_POSITION = 128  # of the tiny checkpoints
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {{ eos_token }} "
                  "{% endfor %}{% if add_generation_prompt %}assistant{% endif %}")
@@ -679,7 +678,7 @@ _SERVE = ("import argparse, sys; from tools import serve_cmd; p = argparse.Argum
 def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = {**os.environ, "PYTHONPATH": ROOT, "TMPDIR": str(tmp)}
+    env = child_env(TMPDIR=str(tmp))
     log_path = tmp_path / "requests.jsonl"
     proc = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--model", str(model_dir), "--port", "0",
                              "--device", "cpu", "--cpu-cache", "50%", "--ring-slots", "2",

@@ -9,7 +9,6 @@ at. Greedy tokens must be identical.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
@@ -25,11 +24,11 @@ from semoe.generate import SamplingConfig, generate
 from semoe.model import KVCache
 from storage.errors import BadInputError
 from semoe.hf_import import SUPPORTED_MODEL_TYPES, import_checkpoint
+from helpers.procs import ROOT, child_env
 
 ATOL = 1e-5
 ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]
 PROMPTS = [[1, 5, 9, 2], [7], list(range(3, 40, 3)), [11, 12, 13, 14, 15, 16, 17, 18]]
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 SHARDED = ("mixtral", "qwen2_moe", "olmoe", "gpt_oss")  # also from a sharded directory (gpt-oss: fused experts)
@@ -130,7 +129,7 @@ def test_sampling_is_reproducible_and_respects_top_p(checkpoint):
 
 
 def _semoe(*args):
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, env=env,
                           cwd=ROOT)
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from storage.store import Store
+from helpers.procs import child_env
 
 HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KILLS = int(os.environ.get("SEMOE_CRASH_KILLS", "24"))
@@ -39,7 +40,7 @@ def _check_store(root: str) -> int:
 def test_sigkill_during_commits_loses_no_committed_version(tmp_path):
     root = str(tmp_path / "store")
     rng = random.Random(1234)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(HERE), os.environ.get("PYTHONPATH", "")])}
+    env = child_env()
     promised = 0
     versions_seen = []
     for _ in range(KILLS):

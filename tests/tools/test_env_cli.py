@@ -13,13 +13,13 @@ import pytest
 
 from storage import envinfo
 from tools import env_cmd
+from helpers.procs import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GiB = 1 << 30
 
 
 def semoe_env(*args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = child_env()
     return subprocess.run([sys.executable, "-m", "tools.cli", "env", *args], capture_output=True, text=True,
                           env=env, cwd=ROOT, timeout=300)
 

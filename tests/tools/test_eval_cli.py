@@ -12,6 +12,7 @@ from helpers.hf_models import add_word_tokenizer, make_hf_checkpoint, tiny_confi
 from semoe.hf_import import import_checkpoint
 from storage.cache_sim import read_trace
 from tools.cli import main
+from helpers.procs import ROOT, child_env
 
 MOE_LAYERS = 2  # tiny mixtral: every layer is MoE
 WORDS = "the cat sat on a mat and dog ran to big red blue one two three four five six seven".split()
@@ -151,18 +152,16 @@ def test_bad_input_is_one_line_and_exit_2(capsys, store, tmp_path, args, message
 
 @pytest.mark.slow  # a server process
 def test_serve_records_the_routing_of_its_requests(store, tmp_path):
-    import os
     import re
     import signal
     import subprocess
     import sys
     import urllib.request
 
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     path = tmp_path / "serve.jsonl"
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "0", "--device",
                              "cpu", "--cpu-cache", "50%", "--routing-trace", str(path)], stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": root}, cwd=root)
+                            text=True, env=child_env(), cwd=ROOT)
     try:
         line = ""
         while "serving" not in line:

@@ -9,12 +9,12 @@ import sys
 
 import pytest
 from helpers.hf_models import assert_bit_exact, load_safetensors_dir
+from helpers.procs import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def semoe(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = child_env()
     res = subprocess.run([sys.executable, "-m", "tools.cli", *args], capture_output=True, text=True, env=env,
                          cwd=ROOT)
     if check and res.returncode != 0:

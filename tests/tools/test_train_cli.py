@@ -20,8 +20,8 @@ import pytest
 from semoe.data import prepare_data
 from semoe.tokenizer import ByteTokenizer
 from storage.store import Store
+from helpers.procs import ROOT, child_env
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--expert-ffn", "96",
         "--experts", "4", "--batch-size", "4", "--seq-len", "32"]
@@ -30,7 +30,7 @@ CORPUS_MODULES = ("argparse.py", "textwrap.py", "csv.py", "string.py", "shlex.py
 
 
 def semoe(*args: str, check: bool = True, preexec_fn=None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": ROOT}
+    env = child_env()
     res = subprocess.run([sys.executable, "-m", "tools.cli", *args], check=False, capture_output=True, text=True,
                          env=env, cwd=ROOT, preexec_fn=preexec_fn, timeout=300)
     if check and res.returncode != 0:
