@@ -59,7 +59,7 @@ def test_generate_profile_through_the_command_line(capsys, tmp_path, budget):
 
     store = import_checkpoint(str(make_hf_checkpoint("mixtral", tmp_path / "hf")), str(tmp_path / "store"))
     assert main(["generate", "--model", store.root, "--prompt-ids", "4,8,15", "--max-new-tokens", "4",
-                 "--ignore-eos", "--profile", "--json", *budget]) == 0
+                 "--ignore-eos", "--profile", "--json", "--device", "cpu", *budget]) == 0
     out = capsys.readouterr()
     prof = json.loads(out.out)["profile"]
     assert prof["steps"] == 3 and prof["memory_gbps"] > 0
