@@ -12,8 +12,9 @@ computes on it without widening it in memory:
   summing each block exactly in integers;
 - fast, on CPU, for more rows (prefill, evaluation) or where those kernels are not built: torch's
   packed weight-only ops, int8 through `_weight_int8pack_mm`, int4 through
-  `_weight_int4pack_mm_for_cpu`, both with bfloat16 activations and scales (their float32 variants
-  run 7x and 35x slower at one token);
+  `_weight_int4pack_mm_for_cpu` where it reads the stored layout (`torch_int4_reads_our_layout`),
+  both with bfloat16 activations and scales (their float32 variants run 7x and 35x slower at one
+  token);
 - fast, elsewhere (CUDA, FP8, MXFP4 beyond a decoding step's rows), and as `kernel="dequantize"`:
   dequantize into a scratch tensor (the allocator's cache
   reuses it) holding the weight as the checkpoint defines it (its logical dtype and layout: a
@@ -25,6 +26,7 @@ Shape legend: M rows, I in features, O out features.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cache
 from typing import Callable, Iterable
 
 import torch
@@ -33,12 +35,28 @@ from torch import nn
 
 from semoe import cpu_kernels
 from storage.dtypes import dtype_name, torch_dtype
-from storage.quant import (INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, dequantize,
-                           dequantize_out_in, quantize_blocks)
+from storage.quant import (INT4_BLOCK_ROWS, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits,
+                           dequantize, dequantize_out_in, pack_int4, quantize_blocks)
 
 # auto: the fast path for the device; dequantize: the one CUDA takes (forced here to test it on CPU);
 # reference: dequantize, then a float32 product (of x as the CPU decode kernels see it, where they apply)
 KERNELS = ("auto", "dequantize", "reference")
+
+
+@cache
+def torch_int4_reads_our_layout() -> bool:
+    """Whether torch's CPU int4 kernel (`_weight_int4pack_mm_for_cpu`) reads the codes as stored here.
+
+    Its packing depends on the instruction set torch dispatches to: the stored layout is the one it
+    uses with AVX-512; with AVX2 it packs otherwise, and reading our codes would give wrong products.
+    Asked once, of torch's own packing op on a probe of every code."""
+    q = (torch.arange(2 * INT4_BLOCK_ROWS * 64, dtype=torch.int32) * 7 % 16).view(2 * INT4_BLOCK_ROWS, 64)
+    try:
+        theirs = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    except (AttributeError, RuntimeError):  # a torch without the op
+        return False
+    ours = pack_int4(q)
+    return theirs.shape == ours.shape and bool(torch.equal(theirs, ours))
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,7 +113,7 @@ class CompactWeight:
             x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))
             return y.to(x_MI.dtype).view(*x_MI.shape[:-1], -1)
-        if packed and self.spec.scheme == "int4":
+        if packed and self.spec.scheme == "int4" and torch_int4_reads_our_layout():
             x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16).contiguous()
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, self.spec.group_size,
                                                            self.scales.to(torch.bfloat16))
