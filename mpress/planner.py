@@ -52,6 +52,7 @@ import logging
 import math
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from numbers import Integral
 
 from mpress.profile import Decision, LayerProfile, ModelDataDecision, PipelineProfile, Plan, Stripe
@@ -62,6 +63,10 @@ from mpress.topology import Topology
 log = logging.getLogger(__name__)
 
 MAX_FIX_ROUNDS = 32  # simulate / add-more rounds after the first estimate (each adds >= 1 choice)
+# times closer than this, relatively, are equal: sums of per-layer times differ in their last bits
+# with the order and method of summation (Python 3.12's sum() is compensated), and among identical
+# layers the planner's estimates meet their thresholds exactly
+TIME_RTOL = 1e-9
 
 
 @dataclass(kw_only=True)
@@ -82,11 +87,11 @@ def idle_times(profile: PipelineProfile, sim: SimResult) -> dict[tuple[int, int]
     for s, st in enumerate(profile.stages):
         f_start = {o.micro_batch: o.start_s for o in sim.ops[s] if o.kind == "F"}
         gap = min(o.start_s - f_start[o.micro_batch] for o in sim.ops[s] if o.kind == "B")
-        fwd_end, bwd_after = 0.0, st.backward_s
-        for layer in st.layers:
-            fwd_end += layer.forward_s
-            bwd_after -= layer.backward_s
-            idle[(s, layer.index)] = gap - fwd_end + bwd_after
+        fwd_end = accumulate(layer.forward_s for layer in st.layers)
+        # summed from the stage's end, not taken off its total: the last layer's is exactly 0
+        bwd_after = list(accumulate((layer.backward_s for layer in st.layers[:0:-1]), initial=0.0))
+        for layer, f, b in zip(st.layers, fwd_end, reversed(bwd_after)):
+            idle[(s, layer.index)] = gap - f + b
     return idle
 
 
@@ -117,6 +122,16 @@ def _budgets(budget_bytes: int | list[int] | None, topology: Topology) -> list[i
 def _swap_compute_s(lp: LayerProfile) -> float:
     """What swapping the layer adds on the compute stream per micro-batch (forward and backward)."""
     return lp.swap_forward_s + lp.swap_backward_s
+
+
+def _at_most(a: float, b: float) -> bool:
+    """a <= b, up to rounding (`TIME_RTOL`)."""
+    return a <= b + TIME_RTOL * max(abs(a), abs(b))
+
+
+def _excess(a: float, b: float) -> float:
+    """How far time a exceeds time b; 0 within rounding."""
+    return 0.0 if _at_most(a, b) else a - b
 
 
 def _cost_bucket(cost: float) -> float:
@@ -207,7 +222,8 @@ class _Compactor:
                     held = lp.saved_bytes * k
                     if _swap_compute_s(lp) >= lp.forward_s:  # dearer than replaying it: left to (c)
                         continue
-                    if idle[(s, lp.index)] >= swap_s and load + swap_s <= period and held <= self.host_room:
+                    hides = _at_most(swap_s, idle[(s, lp.index)]) and _at_most(load + swap_s, period)
+                    if hides and held <= self.host_room:
                         hidden.append((lp.index, "host"))
                         load += swap_s
             taken = {i for i, _ in hidden}
@@ -219,7 +235,7 @@ class _Compactor:
                 per_byte = {"recompute": M * lp.forward_s / gain if gain else math.inf}
                 if can_swap and lp.saved_bytes * k <= self.host_room:
                     swap_s = 2 * lp.saved_bytes / host_bw
-                    exposed = max(swap_s - idle[(s, lp.index)], load + swap_s - period, 0.0)
+                    exposed = max(_excess(swap_s, idle[(s, lp.index)]), _excess(load + swap_s, period))
                     per_byte["host"] = M * (exposed + _swap_compute_s(lp)) / self.reduction(lp.index, "host")
                 tech = min(per_byte, key=lambda t: (per_byte[t], t != "recompute"))
                 rest.append((_cost_bucket(per_byte[tech]), -lp.index, tech))

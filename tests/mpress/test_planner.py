@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from helpers.pipelines import GB, make_profile, make_topology
 
@@ -132,3 +134,34 @@ def test_eight_stages_of_sixty_four_layers_plan_in_a_few_simulations(micro_batch
     assert all(peak <= 80 * GB for peak in again.peak_bytes)
     assert again.step_time_s < base.step_time_s * 1.1
     assert plan(p, topo).plan == result.plan  # deterministic
+
+
+def _sum_in_order(items, start=0):
+    total = start
+    for x in items:
+        total = total + x
+    return total
+
+
+def _sum_exactly(items, start=0):
+    xs = [start, *items]
+    return math.fsum(xs) if any(isinstance(x, float) for x in xs) else _sum_in_order(xs)
+
+
+@pytest.mark.parametrize("micro_batches", [8, 32])
+def test_the_plan_does_not_hang_on_the_rounding_of_stage_times(micro_batches, monkeypatch):
+    # a stage's times are sums of its 64 equal layers' (Python 3.12's sum() is compensated, 3.11's
+    # adds in order): the last bits they differ in must change neither the plan nor its search
+    import mpress.planner
+    import mpress.profile
+
+    p, topo = analytic_like(micro_batches=micro_batches), dgx1_like()
+    runs, found = [], []
+    monkeypatch.setattr(mpress.planner, "simulate", lambda *a, **kw: runs.append(1) or simulate(*a, **kw))
+    for summed in (_sum_in_order, _sum_exactly):
+        monkeypatch.setattr(mpress.profile, "sum", summed, raising=False)
+        runs.clear()
+        result = plan(p, topo)
+        assert result.fits and len(runs) <= MAX_SIMULATIONS
+        found.append((result.plan, result.sim.step_time_s, len(runs)))
+    assert found[0] == found[1]
