@@ -17,6 +17,7 @@ import logging
 import resource
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -163,18 +164,25 @@ class HostPinner:
             return sum(self._pinned.values())
 
     def pin(self, t: torch.Tensor) -> None:
-        """Page-lock ``t``'s bytes (contiguous, page-aligned)."""
+        """Page-lock ``t``'s bytes (contiguous, page-aligned) until `unpin` or until ``t`` is freed."""
         ptr, nbytes = t.data_ptr(), t.numel() * t.element_size()
         self._register(ptr, nbytes)
         with self._lock:
             self._pinned[ptr] = nbytes
+        # memory freed while registered stays registered with the driver, and the next allocation
+        # placed there cannot be (cudaErrorHostMemoryAlreadyRegistered): a pool dropped unclosed
+        # unregisters its slabs as they go
+        weakref.finalize(t, self._unpin_address, ptr)
 
     def unpin(self, t: torch.Tensor) -> None:
         """Undo `pin`."""
+        self._unpin_address(t.data_ptr())
+
+    def _unpin_address(self, ptr: int) -> None:
         with self._lock:
-            if self._pinned.pop(t.data_ptr(), None) is None:
+            if self._pinned.pop(ptr, None) is None:
                 return
-        self._unregister(t.data_ptr())
+        self._unregister(ptr)
 
     def _register(self, ptr: int, nbytes: int) -> None:
         # portable: pinned for every CUDA context, not only the current device's (a rank may

@@ -14,6 +14,7 @@ from storage.pool import (
     HostBufferPoolConfig,
     OversizeRequestError,
     PoolExhaustedError,
+    aligned_empty,
     round_up,
 )
 
@@ -266,6 +267,29 @@ def test_a_pinned_pool_pins_exactly_its_slabs_and_unpins_them_when_dropped():
     pool.close()
     assert pool.pinned_bytes == 0
     assert sorted(p for k, p, _ in pinner.calls if k == "unregister") == sorted(b.tensor.data_ptr() for b in bufs)
+
+
+def test_a_pool_dropped_unclosed_unregisters_its_slabs():
+    """Freed memory that is still registered poisons its addresses for the next registration: a pool
+    nobody closed unregisters each slab when the slab's memory goes."""
+    import gc
+
+    pinner = RecordingPinner()
+    pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=1 << 22, pin=True, slab_bytes=1 << 20), pinner=pinner)
+    buf = pool.acquire(300_000)
+    ptr = buf.tensor.data_ptr()
+    buf.release()
+    del buf, pool
+    gc.collect()
+    assert [kind for kind, p, _ in pinner.calls if p == ptr] == ["register", "unregister"]
+    assert pinner.pinned_bytes == 0
+
+
+def test_an_aligned_view_keeps_its_allocation_alive():
+    _, view = aligned_empty(1 << 24, alignment=4096, pin=False)
+    view.fill_(7)
+    others = [torch.full((1 << 24,), 3, dtype=torch.uint8) for _ in range(4)]  # would reuse freed memory
+    assert view.data_ptr() % 4096 == 0 and bool((view == 7).all()) and len(others) == 4
 
 
 @pytest.mark.cuda
