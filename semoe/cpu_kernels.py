@@ -5,12 +5,14 @@ Decoding multiplies one row (or a few) by each weight, so its speed is the rate 
 stream from memory. For float32 weights torch's own product already runs at the memory bound; its
 packed int8/int4 ops want bfloat16 activations and widen slower. These kernels quantize each row
 of x in blocks of 32 inputs to int8 codes and a float32 scale (as llama.cpp's CPU kernels do), sum
-each block's products exactly in integers (AVX-512 VNNI where the machine has it), scale the block
+each block's products exactly in integers (with AVX-512 VNNI or AVX2, portable loops elsewhere: `isa()`),
+scale the block
 sums in float32, and split output rows over torch's thread count. `quantize_activations` is that
 quantization in torch, bit for bit the kernels' own: the reference they are tested against, and the
 one `CompactWeight`'s reference kernel computes with.
 The library is built at install (setup.py, -O3 -march=native) and loaded with ctypes; `available()`
-says whether it was, and the callers fall back to torch's ops where it was not.
+says whether it was, and the callers fall back to torch's ops where it was not. SEMOE_CPU_KERNELS
+names another build to load instead.
 
 Shape legend: M rows of x, I in features, O out features, G groups of the int4 input.
 """
@@ -20,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import logging
+import os
 from functools import cache
 
 import torch
@@ -33,12 +36,19 @@ _I = ctypes.c_int64
 
 @cache
 def _lib() -> ctypes.CDLL | None:
+    # SEMOE_CPU_KERNELS names another build of semoe/kernels/gemv.c (tests load each path's build)
+    path = os.environ.get("SEMOE_CPU_KERNELS")
+    if path:
+        return _declare(ctypes.CDLL(path))
     spec = importlib.util.find_spec("semoe._kernels")
     if spec is None or spec.origin is None:
         log.warning("semoe's CPU kernels are not built (semoe/_kernels*.so missing): run `pip install -e .` "
                     "(tools/run.sh does); decoding falls back to torch's slower ops")
         return None
-    lib = ctypes.CDLL(spec.origin)
+    return _declare(ctypes.CDLL(spec.origin))
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv_i8.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_i4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
     lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
@@ -47,7 +57,7 @@ def _lib() -> ctypes.CDLL | None:
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
     for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16, lib.gemv_mxfp4):
         f.restype = None
-    lib.kernels_vnni.restype = ctypes.c_int
+    lib.kernels_isa.restype = ctypes.c_int
     return lib
 
 
@@ -62,9 +72,13 @@ def takes(x_MI: torch.Tensor) -> bool:
     return x_MI.device.type == "cpu" and x_MI.numel() // x_MI.shape[-1] <= MAX_ROWS and available()
 
 
-def vnni() -> bool:
-    """Whether the kernels were built with AVX-512 VNNI (else portable loops, the same sums)."""
-    return available() and bool(_lib().kernels_vnni())
+ISAS = ("portable", "avx2", "avx512-vnni")  # the paths gemv.c has, by kernels_isa()'s number
+
+
+def isa() -> str | None:
+    """The instruction set the loaded kernels were built for (one of ISAS; None when not built): the
+    same integer sums on every path, the float32 additions in another order."""
+    return ISAS[_lib().kernels_isa()] if available() else None
 
 
 ACTIVATION_BLOCK = 32  # inputs per activation scale

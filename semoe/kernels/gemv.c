@@ -15,8 +15,9 @@
  * nearest even), so each block's product is an exact integer sum that AVX-512 VNNI computes four
  * products per lane and instruction; the block sums are then scaled in float32. `q8_rows` below is
  * that quantization, and semoe/cpu_kernels.py's reference repeats it in torch, bit for bit.
- * Without VNNI the same integer sums are computed by portable loops: the results differ only in the
- * order of the float32 additions.
+ * Without VNNI, AVX2 computes the same integer sums two products per lane and instruction (as
+ * llama.cpp's AVX2 kernels do), and elsewhere portable loops: the results differ only in the order of
+ * the float32 additions.
  *
  * (Float32 weights need no kernel here: torch's own product already streams them at the memory
  * bound.) Output rows are split over `threads` OpenMP threads; M is small (a decoding step's
@@ -34,6 +35,9 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__)
 #include <immintrin.h>
 #define SEMOE_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SEMOE_AVX2 1
 #endif
 
 #define QB 32 /* inputs per activation block */
@@ -68,6 +72,31 @@ void quantize_rows_q8(const float *x, int8_t *q, float *d, int64_t M, int64_t I,
 }
 
 static int64_t padded(int64_t I) { return (I + 63) / 64 * 64; }
+
+#ifdef SEMOE_AVX2
+/* AVX2 has no VNNI: a block of 32 signed bytes w times 32 signed bytes x sums as |w| (unsigned)
+ * times x carrying w's sign, in pairs to int16 (at most 2 * 128 * 127, no saturation), then pairs
+ * of those to int32: eight lanes holding the block's exact sum between them. */
+static inline __m256i dot32_avx2(__m256i w, __m256i x) {
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* 32 bytes of row w from k on, zero past I (a copy for the last, partial block: never read past the row) */
+static inline __m256i load32_tail(const int8_t *w, int64_t k, int64_t I) {
+    if (I - k >= 32) return _mm256_loadu_si256((const __m256i *)(w + k));
+    int8_t t[32] = {0};
+    memcpy(t, w + k, (size_t)(I - k));
+    return _mm256_loadu_si256((const __m256i *)t);
+}
+#endif
 
 #ifdef SEMOE_VNNI
 /* the sums of ROWS rows' lane accumulators */
@@ -104,6 +133,25 @@ static inline void i8_rows(const int8_t *w, int64_t I, int64_t Ip, int n, const 
 #undef ROW
     }
     reduce_rows(f0, f1, f2, f3, out);
+#elif defined(SEMOE_AVX2)
+    __m256 f0 = _mm256_setzero_ps(), f1 = f0, f2 = f0, f3 = f0;
+    const int8_t *w0 = w, *w1 = w + (n > 1 ? I : 0), *w2 = w + (n > 2 ? 2 * I : 0), *w3 = w + (n > 3 ? 3 * I : 0);
+    for (int64_t k = 0; k < I; k += QB) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + k)); /* x is padded to 64: always readable */
+        __m256 dv = _mm256_set1_ps(dx[k / QB]);
+#define ROW(wr, f)                                                                     \
+    {                                                                                  \
+        _mm_prefetch((const char *)(wr + k + PREFETCH), _MM_HINT_T0);                  \
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_avx2(load32_tail(wr, k, I), xv)), dv, f); \
+    }
+        ROW(w0, f0) ROW(w1, f1) ROW(w2, f2) ROW(w3, f3)
+#undef ROW
+    }
+    out[0] = hsum8(f0);
+    out[1] = hsum8(f1);
+    out[2] = hsum8(f2);
+    out[3] = hsum8(f3);
+    (void)Ip;
 #else
     for (int r = 0; r < n; r++) {
         const int8_t *wr = w + r * I;
@@ -225,6 +273,26 @@ static inline void fp4_rows(const uint8_t *w, const uint8_t *e, int64_t G, int n
 #undef ROW
     }
     reduce_rows(f0, f1, f2, f3, out);
+#elif defined(SEMOE_AVX2)
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_TWICE));
+    const __m128i low4 = _mm_set1_epi8(0x0F);
+    __m256 f[ROWS];
+    for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; g++) {
+        __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + g * QB));
+        for (int r = 0; r < ROWS; r++) {
+            int64_t row = r < n ? r : 0;
+            const uint8_t *wr = w + row * G * 16 + g * 16;
+            _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
+            __m128i b = _mm_loadu_si128((const __m128i *)wr);
+            __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+            /* codes in input order: the low lane inputs 0-15, the high lane 16-31 */
+            __m256i wv = _mm256_shuffle_epi8(lut, _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
+            __m256 dv = _mm256_set1_ps(dx[g] * pow2_e8m0(e[row * G + g]));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_avx2(wv, xv)), dv, f[r]);
+        }
+    }
+    for (int r = 0; r < ROWS; r++) out[r] = hsum8(f[r]);
 #else
     for (int r = 0; r < n; r++) {
         const uint8_t *wr = w + r * G * 16;
@@ -306,6 +374,47 @@ static inline void i4_group(const uint8_t *pb, int64_t k0, int64_t g, const int8
     _mm512_storeu_ps(lo + 16, f[1]);
     _mm512_storeu_ps(hi, f[2]);
     _mm512_storeu_ps(hi + 16, f[3]);
+#elif defined(SEMOE_AVX2)
+    /* Two columns k, k + 1 at a time: their bytes interleaved give each row's two codes side by side,
+     * multiplied with (x_k, x_k+1) and summed to int16 (at most 2 * 15 * 127 a pair, 8 pairs before
+     * widening to int32). Within a 128-bit lane the interleave takes rows 0-7 (low) or 8-15 (high) of
+     * its 16: accumulators a hold rows 0-7 | 16-23, b rows 8-15 | 24-31. */
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    memset(lo, 0, sizeof(float) * I4_HALF);
+    memset(hi, 0, sizeof(float) * I4_HALF);
+    for (int64_t kb = k0; kb < k0 + g; kb += QB) {
+        __m256i s[8];
+        for (int i = 0; i < 8; i++) s[i] = _mm256_setzero_si256();
+        for (int64_t k16 = kb; k16 < kb + QB; k16 += 16) {
+            __m256i al = _mm256_setzero_si256(), bl = al, ah = al, bh = al;
+            for (int64_t k = k16; k < k16 + 16; k += 2) {
+                const uint8_t *p = pb + k * I4_HALF;
+                _mm_prefetch((const char *)(p + PREFETCH), _MM_HINT_T0);
+                __m256i c0 = _mm256_loadu_si256((const __m256i *)p), c1 = _mm256_loadu_si256((const __m256i *)(p + 32));
+                __m256i l0 = _mm256_and_si256(c0, low), l1 = _mm256_and_si256(c1, low);
+                __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), low);
+                __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), low);
+                __m256i xv = _mm256_set1_epi16((int16_t)((uint16_t)(uint8_t)qx[k] | (uint16_t)(uint8_t)qx[k + 1] << 8));
+                al = _mm256_add_epi16(al, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(l0, l1), xv));
+                bl = _mm256_add_epi16(bl, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(l0, l1), xv));
+                ah = _mm256_add_epi16(ah, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(h0, h1), xv));
+                bh = _mm256_add_epi16(bh, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(h0, h1), xv));
+            }
+            /* rows 0-7, 8-15, 16-23, 24-31 of the low nibbles, then of the high ones */
+            __m256i acc[4] = {al, bl, ah, bh};
+            for (int h = 0; h < 2; h++) {
+                s[4 * h + 0] = _mm256_add_epi32(s[4 * h + 0], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[2 * h])));
+                s[4 * h + 1] = _mm256_add_epi32(s[4 * h + 1], _mm256_cvtepi16_epi32(_mm256_castsi256_si128(acc[2 * h + 1])));
+                s[4 * h + 2] = _mm256_add_epi32(s[4 * h + 2], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[2 * h], 1)));
+                s[4 * h + 3] = _mm256_add_epi32(s[4 * h + 3], _mm256_cvtepi16_epi32(_mm256_extracti128_si256(acc[2 * h + 1], 1)));
+            }
+        }
+        __m256 db = _mm256_set1_ps(dx[kb / QB]);
+        for (int i = 0; i < 4; i++) {
+            _mm256_storeu_ps(lo + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[i]), db, _mm256_loadu_ps(lo + 8 * i)));
+            _mm256_storeu_ps(hi + 8 * i, _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[4 + i]), db, _mm256_loadu_ps(hi + 8 * i)));
+        }
+    }
 #else
     memset(lo, 0, sizeof(float) * I4_HALF);
     memset(hi, 0, sizeof(float) * I4_HALF);
@@ -425,6 +534,30 @@ void gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t O
 #undef ROW
             }
             for (int r = 0; r < n; r++) y[m * O + o0 + r] = _mm512_reduce_add_ps(f[r]);
+#elif defined(SEMOE_AVX2)
+            __m256 f[ROWS];
+            for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
+            const uint16_t *wr[ROWS];
+            for (int r = 0; r < ROWS; r++) wr[r] = w + (o0 + (r < n ? r : 0)) * I;
+            int64_t k = 0;
+            for (; k + 8 <= I; k += 8) {
+                __m256 xv = _mm256_loadu_ps(xm + k);
+                for (int r = 0; r < ROWS; r++) {
+                    _mm_prefetch((const char *)(wr[r] + k) + PREFETCH, _MM_HINT_T0);
+                    __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr[r] + k)));
+                    f[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), xv, f[r]);
+                }
+            }
+            for (int r = 0; r < n; r++) {
+                float acc = hsum8(f[r]);
+                for (int64_t t = k; t < I; t++) {
+                    uint32_t bits = (uint32_t)wr[r][t] << 16;
+                    float v;
+                    memcpy(&v, &bits, 4);
+                    acc += v * xm[t];
+                }
+                y[m * O + o0 + r] = acc;
+            }
 #else
             for (int r = 0; r < n; r++) {
                 const uint16_t *wr = w + (o0 + r) * I;
@@ -442,9 +575,11 @@ void gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t O
     }
 }
 
-/* Which path this build took: 1 with AVX-512 VNNI, 0 for the portable loops */
-int kernels_vnni(void) {
-#ifdef SEMOE_VNNI
+/* Which path this build took: 2 with AVX-512 VNNI, 1 with AVX2 and FMA, 0 for the portable loops */
+int kernels_isa(void) {
+#if defined(SEMOE_VNNI)
+    return 2;
+#elif defined(SEMOE_AVX2)
     return 1;
 #else
     return 0;

@@ -44,6 +44,7 @@ def test_json_has_every_field_and_leaves_no_scratch_file(tmp_path):
     assert info["read_mode"] == ("direct" if info["o_direct"] else "drop")
     assert info["shm_total_bytes"] > 0 and 0 <= info["shm_free_bytes"] <= info["shm_total_bytes"]
     assert isinstance(info["cpu_cores"], int) and info["cpu_cores"] >= 1
+    assert info["cpu_kernels"] in ("portable", "avx2", "avx512-vnni")  # the install builds them
     assert 0 < info["ram_available_bytes"] <= info["ram_total_bytes"]
     assert os.listdir(tmp_path) == []
 
@@ -52,7 +53,7 @@ def test_text_report_names_each_probe(tmp_path):
     res = semoe_env("--path", str(tmp_path), "--probe-bytes", "1MiB")
     assert res.returncode == 0, res.stderr
     for label in ("python", "torch", "CUDA available  no", "NVML", "GPUs            none", "pinned memory",
-                  "CPU cores", "RAM", "/dev/shm", "O_DIRECT", "cold read"):
+                  "CPU cores", "CPU kernels", "RAM", "/dev/shm", "O_DIRECT", "cold read"):
         assert label in res.stdout
     assert os.listdir(tmp_path) == []
 
