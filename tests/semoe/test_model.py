@@ -285,3 +285,28 @@ def test_the_packed_forward_gives_each_sequence_its_own_forwards_logits_and_cach
     one = primed("a")
     with pytest.raises(ValueError, match="appears twice"):
         model.forward_packed(torch.arange(2), [one, one], [1, 1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_its_float32_formula(dtype):
+    """The norm (torch's fused op for float32, the formula elsewhere) against the formula written
+    out: bit for bit in float32, value and gradients; bfloat16 keeps the formula itself."""
+    from semoe.attention import RMSNorm
+
+    g = torch.Generator().manual_seed(5)
+    norm = RMSNorm(96, 1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(96, generator=g))
+    norm = norm.to(dtype)
+    x = (torch.randn(3, 7, 96, generator=g) * 4).to(dtype).requires_grad_()
+    w = norm.weight.detach().clone().requires_grad_()
+    x_ref = x.detach().clone().requires_grad_()
+    x32 = x_ref.float()
+    want = w * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+    got = norm(x)
+    assert got.dtype == dtype and torch.equal(got, want)
+    got.sum().backward()
+    want.sum().backward()
+    tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, x_ref.grad, **tol)
+    torch.testing.assert_close(norm.weight.grad, w.grad, **tol)
