@@ -141,19 +141,22 @@ def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> 
     return y if y.dtype == x_MD.dtype else y.to(x_MD.dtype)
 
 
-def _bf16_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:
-    """A bfloat16 weight on CPU times a decoding step's few rows, no gradient wanted: semoe's kernel
-    (`cpu_kernels.gemv_bf16`) streams it at the memory bound, torch's product at half of it."""
-    return w_OI.dtype == torch.bfloat16 and w_OI.device.type == "cpu" and w_OI.dim() == 2 and w_OI.is_contiguous() \
-        and not (torch.is_grad_enabled() and (x_MI.requires_grad or w_OI.requires_grad)) and cpu_kernels.takes(x_MI)
+def _float_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:
+    """A bfloat16 or float32 weight on CPU times a decoding step's few rows, no gradient wanted:
+    semoe's kernels (`cpu_kernels.gemv_bf16`, `gemv_f32`) stream it at the memory bound on all the
+    threads; torch's bfloat16 product runs at half of it, its float32 one on one core."""
+    return w_OI.dtype in (torch.bfloat16, torch.float32) and w_OI.device.type == "cpu" and w_OI.dim() == 2 \
+        and w_OI.is_contiguous() and not (torch.is_grad_enabled() and (x_MI.requires_grad or w_OI.requires_grad)) \
+        and cpu_kernels.takes(x_MI)
 
 
 def linear(x_MI: torch.Tensor, w_OI: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ w.T (+ bias) for a plain (O, I) weight or a compact one."""
     if isinstance(w_OI, CompactWeight):
         y = w_OI.linear(x_MI)
-    elif _bf16_kernel_applies(x_MI, w_OI):
-        y = cpu_kernels.gemv_bf16(x_MI, w_OI).to(x_MI.dtype)
+    elif _float_kernel_applies(x_MI, w_OI):
+        gemv = cpu_kernels.gemv_bf16 if w_OI.dtype == torch.bfloat16 else cpu_kernels.gemv_f32
+        y = gemv(x_MI, w_OI).to(x_MI.dtype)
     else:
         return F.linear(x_MI, w_OI, bias)
     return y if bias is None else y + bias.to(y.dtype)
@@ -161,7 +164,7 @@ def linear(x_MI: torch.Tensor, w_OI: Weight, bias: torch.Tensor | None = None) -
 
 class Linear(nn.Linear):
     """`nn.Linear` whose product goes through `linear`: semoe's CPU kernel for a decoding step's rows
-    where it applies (bfloat16 weights), torch's otherwise. The model's dense layers are these."""
+    where it applies (bfloat16 and float32 weights), torch's otherwise. The model's dense layers are these."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)

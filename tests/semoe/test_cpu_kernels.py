@@ -131,6 +131,16 @@ def test_the_fused_swiglu_refuses_weights_of_different_experts():
 
 
 @pytest.mark.parametrize("M, O, I", SHAPES)
+def test_float32_product_equals_the_reference(M, O, I, threads):
+    g = torch.Generator().manual_seed(O * I + 1)
+    x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g)
+    ref = x.double().mm(w.double().T).float()
+    assert _relative(cpu_kernels.gemv_f32(x, w), ref) < 1e-5
+    with pytest.raises(ValueError, match="takes a float32 weight, got torch.bfloat16"):
+        cpu_kernels.gemv_f32(x, w.bfloat16())
+
+
+@pytest.mark.parametrize("M, O, I", SHAPES)
 def test_bfloat16_product_equals_the_widened_reference(M, O, I, threads):
     g = torch.Generator().manual_seed(O * I)
     x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g).bfloat16()
@@ -140,24 +150,24 @@ def test_bfloat16_product_equals_the_widened_reference(M, O, I, threads):
         cpu_kernels.gemv_bf16(x, w.float())
 
 
-def test_the_models_linear_takes_the_bfloat16_kernel_for_a_decoding_steps_rows_only(monkeypatch):
-    """`semoe.compact_linear.Linear` (attention, lm_head, dense feed-forwards): bfloat16 weights on CPU
-    go through the kernel for up to 16 rows without gradients; training and prefill keep torch's
-    product. Tolerance 1e-2: the output is rounded to bfloat16."""
+@pytest.mark.parametrize("dtype, kernel, tol", [(torch.bfloat16, "gemv_bf16", 1e-2), (torch.float32, "gemv_f32", 1e-5)])
+def test_the_models_linear_takes_the_float_kernels_for_a_decoding_steps_rows_only(monkeypatch, dtype, kernel, tol):
+    """`semoe.compact_linear.Linear` (attention, lm_head, dense feed-forwards): bfloat16 and float32
+    weights on CPU go through the kernels for up to 16 rows without gradients; training and prefill
+    keep torch's product. Tolerance 1e-2 where the output is rounded to bfloat16, 1e-5 in float32."""
     from semoe.compact_linear import Linear
 
     calls = []
-    real = cpu_kernels.gemv_bf16
-    monkeypatch.setattr(cpu_kernels, "gemv_bf16", lambda x, w: calls.append(tuple(x.shape)) or real(x, w))
+    real = getattr(cpu_kernels, kernel)
+    monkeypatch.setattr(cpu_kernels, kernel, lambda x, w: calls.append(tuple(x.shape)) or real(x, w))
     torch.manual_seed(0)
-    lin = Linear(64, 96).bfloat16()
-    x = torch.randn(3, 64).bfloat16()
+    lin = Linear(64, 96).to(dtype)
+    x = torch.randn(3, 64).to(dtype)
     with torch.no_grad():
         y = lin(x)
-        assert calls == [(3, 64)] and y.dtype == torch.bfloat16
-        assert _relative(y.float(), (x.double() @ lin.weight.double().T + lin.bias.double()).float()) < 1e-2
-        lin(torch.randn(40, 64).bfloat16())  # prefill's rows: torch's product
-        lin.float()(x.float())  # float32 weights: torch's product, at the memory bound already
+        assert calls == [(3, 64)] and y.dtype == dtype
+        assert _relative(y.float(), (x.double() @ lin.weight.double().T + lin.bias.double()).float()) < tol
+        lin(torch.randn(40, 64).to(dtype))  # prefill's rows: torch's product
     assert calls == [(3, 64)]
-    lin.bfloat16()(x.requires_grad_()).sum().backward()  # gradients wanted: torch's product
+    lin(x.requires_grad_()).sum().backward()  # gradients wanted: torch's product
     assert calls == [(3, 64)] and lin.weight.grad is not None
