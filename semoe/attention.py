@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semoe import cpu_kernels
 from semoe.compact_linear import CompactLinear, Linear, stacked_rows
 from semoe.config import MoEConfig
 
@@ -259,6 +260,11 @@ class Attention(nn.Module):
         """One sequence's rows after `project`: rotary, the cache, attention; (B, T, H * Dh) for o_proj."""
         c = self.config
         B, T, _ = q.shape
+        if self._one_call_decode(q, k, v, cos, cache):
+            out = cpu_kernels.attend_decode(q.view(-1), k.view(-1), v.view(-1), cos.view(-1), sin.view(-1),
+                                            cache.k[self.layer][0], cache.v[self.layer][0], cache.length,
+                                            c.head_dim ** -0.5)
+            return out.view(B, T, -1)
         q_BTHDh, k_BTGDh = q.view(B, T, c.num_heads, c.head_dim), k.view(B, T, c.num_kv_heads, c.head_dim)
         if c.qk_norm == "head":
             q_BTHDh, k_BTGDh = self.q_norm(q_BTHDh), self.k_norm(k_BTGDh)
@@ -273,6 +279,20 @@ class Attention(nn.Module):
         out_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask, causal,
                            sinks_H=self.sinks if c.attention_sinks else None)
         return out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim)
+
+    def _one_call_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         cache: KVCache | None) -> bool:
+        """One token of one sequence on CPU in float32, with the plain variant's options (no per-head
+        norm, rotation by halves over the whole head, no window in reach, no sinks) and no gradient:
+        `cpu_kernels.attend_decode` does the step in one call."""
+        c = self.config
+        return (cache is not None and q.shape[0] == 1 and q.shape[1] == 1 and c.qk_norm != "head"
+                and not c.rope_interleave and cos.shape[-1] == c.head_dim and not c.attention_sinks
+                and (self.window is None or self.window > cache.length) and cache.length < cache.capacity
+                and q.device.type == "cpu" and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer]))
+                and all(t.is_contiguous() for t in (q, k, v, cache.k[self.layer], cache.v[self.layer]))
+                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
+                and cpu_kernels.available())
 
 
 def softmax_scale(config: MoEConfig) -> float:

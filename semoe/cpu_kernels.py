@@ -54,10 +54,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
     lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
     lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
     for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16, lib.gemv_f32,
-              lib.gemv_mxfp4):
+              lib.gemv_mxfp4, lib.attend_decode_f32):
         f.restype = None
     lib.kernels_isa.restype = ctypes.c_int
     return lib
@@ -219,3 +220,24 @@ def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor
                     _f32(gate[1]).data_ptr(), up[0].data_ptr(), _f32(up[1]).data_ptr(), group_in, down[0].data_ptr(),
                     _f32(down[1]).data_ptr(), group_down, y.data_ptr(), torch.get_num_threads())
     return y
+
+
+def attend_decode(q_H: torch.Tensor, k_G: torch.Tensor, v_G: torch.Tensor, cos_R: torch.Tensor, sin_R: torch.Tensor,
+                  k_cache_GSD: torch.Tensor, v_cache_GSD: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
+    """One decoding step's grouped-query attention for one sequence, float32, in one call: q (H * Dh)
+    and k (G * Dh) rotated by halves with cos/sin (Dh), k and v written at `pos` of the layer's cache
+    (G, S, Dh), softmax(q k^T * scale) v over positions 0..pos; (H * Dh). The plain reference is the
+    model's own path (rotary, `KVCache.append`, scaled_dot_product_attention)."""
+    G, S, Dh = k_cache_GSD.shape
+    H = q_H.numel() // Dh
+    ops = (q_H, k_G, v_G, cos_R, sin_R, k_cache_GSD, v_cache_GSD)
+    if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in ops):
+        raise ValueError("attend_decode takes contiguous float32 CPU tensors")
+    if q_H.numel() != H * Dh or H % G or k_G.numel() != G * Dh or v_G.numel() != G * Dh or cos_R.numel() != Dh \
+            or sin_R.numel() != Dh or v_cache_GSD.shape != k_cache_GSD.shape or not 0 <= pos < S:
+        raise ValueError(f"attend_decode: q {tuple(q_H.shape)}, k {tuple(k_G.shape)}, v {tuple(v_G.shape)}, "
+                         f"cos {tuple(cos_R.shape)}, caches {tuple(k_cache_GSD.shape)}, position {pos}: not one step")
+    out = torch.empty(H * Dh, dtype=torch.float32)
+    _lib().attend_decode_f32(*(t.data_ptr() for t in ops), H, G, Dh, S, pos, scale, out.data_ptr())
+    return out
+

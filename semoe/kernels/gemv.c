@@ -619,6 +619,43 @@ void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t O, in
     }
 }
 
+/* One decoding step of grouped-query attention for one sequence, float32: rotate q (H heads) and
+ * k (G heads) by halves with the position's cos/sin (Dh each, the rotation over the whole head),
+ * write k and v at position `pos` of the layer's cache (G, S, Dh each), then each head's softmax
+ * over the positions 0..pos of its group's keys, scaled by `scale`, times the values: out (H, Dh).
+ * The dozens of small ops this takes in torch cost more than its arithmetic at one token. */
+void attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                       float *kc, float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float scale,
+                       float *out) {
+    int64_t half = Dh / 2, n = pos + 1;
+    float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)n);
+    for (int64_t h = 0; h < H + G; h++) {
+        const float *x = h < H ? q + h * Dh : k + (h - H) * Dh;
+        float *y = h < H ? qr + h * Dh : kc + ((h - H) * S + pos) * Dh;
+        for (int64_t i = 0; i < Dh; i++) y[i] = x[i] * cos[i] + (i < half ? -x[i + half] : x[i - half]) * sin[i];
+    }
+    for (int64_t g = 0; g < G; g++) memcpy(vc + (g * S + pos) * Dh, v + g * Dh, sizeof(float) * (size_t)Dh);
+    for (int64_t h = 0; h < H; h++) {
+        const float *qh = qr + h * Dh, *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
+        float mx = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < n; t++) {
+            float d = 0.0f;
+            for (int64_t i = 0; i < Dh; i++) d += qh[i] * kg[t * Dh + i];
+            p[t] = d * scale;
+            mx = fmaxf(mx, p[t]);
+        }
+        for (int64_t t = 0; t < n; t++) sum += (p[t] = expf(p[t] - mx));
+        float *o = out + h * Dh;
+        memset(o, 0, sizeof(float) * (size_t)Dh);
+        for (int64_t t = 0; t < n; t++) {
+            float w = p[t] / sum;
+            for (int64_t i = 0; i < Dh; i++) o[i] += w * vg[t * Dh + i];
+        }
+    }
+    free(qr);
+    free(p);
+}
+
 /* Which path this build took: 2 with AVX-512 VNNI, 1 with AVX2 and FMA, 0 for the portable loops */
 int kernels_isa(void) {
 #if defined(SEMOE_VNNI)

@@ -171,3 +171,36 @@ def test_the_models_linear_takes_the_float_kernels_for_a_decoding_steps_rows_onl
     assert calls == [(3, 64)]
     lin(x.requires_grad_()).sum().backward()  # gradients wanted: torch's product
     assert calls == [(3, 64)] and lin.weight.grad is not None
+
+
+@pytest.mark.parametrize("heads, kv_heads, window", [(8, 4, None), (4, 4, None), (6, 2, 3)])
+def test_one_call_decode_attention_equals_the_models_ops(monkeypatch, heads, kv_heads, window):
+    """A decoding step's attention in one kernel call (rotary, cache write, softmax, values) against the
+    model's own ops (apply_rope, KVCache.append, scaled_dot_product_attention), step after step: the
+    same cache contents and outputs within 1e-5 relative (float32 sums in another order). With a
+    sliding window the kernel is used only while every cached position is in reach."""
+    from semoe.attention import Attention, KVCache, rope_tables
+    from semoe.config import named_config
+
+    c = named_config("tiny", num_heads=heads, num_kv_heads=kv_heads, head_dim=16, sliding_window=window)
+    torch.manual_seed(0)
+    attn = Attention(c, 0).eval()
+    caches = [KVCache.empty(c, 1, 8) for _ in range(2)]
+    used = []
+    real = cpu_kernels.attend_decode
+    monkeypatch.setattr(cpu_kernels, "attend_decode", lambda *a: used.append(a[7]) or real(*a))
+    with torch.no_grad():
+        for pos in range(6):
+            x = torch.randn(1, 1, c.hidden_size)
+            cos, sin = rope_tables(c, torch.tensor([[pos]]), torch.float32)
+            fast = attn(x, cos, sin, caches[0])
+            monkeypatch.setattr(Attention, "_one_call_decode", lambda *a: False)
+            slow = attn(x, cos, sin, caches[1])
+            monkeypatch.undo()
+            monkeypatch.setattr(cpu_kernels, "attend_decode", lambda *a: used.append(a[7]) or real(*a))
+            for cache in caches:
+                cache.length += 1
+            assert _relative(fast, slow) < 1e-5
+            for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+                assert _relative(a, b) < 1e-6 if b.abs().max() > 0 else torch.equal(a, b)
+    assert used == [p for p in range(6) if window is None or window > p]
