@@ -54,11 +54,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
     lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
+    lib.rmsnorm_f32.argtypes = [_P, _P, ctypes.c_float, _P, _I, _I]
     lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
     lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
     for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16, lib.gemv_f32,
-              lib.gemv_mxfp4, lib.attend_decode_f32):
+              lib.gemv_mxfp4, lib.attend_decode_f32, lib.rmsnorm_f32):
         f.restype = None
     lib.kernels_isa.restype = ctypes.c_int
     return lib
@@ -240,4 +241,15 @@ def attend_decode(q_H: torch.Tensor, k_G: torch.Tensor, v_G: torch.Tensor, cos_R
     out = torch.empty(H * Dh, dtype=torch.float32)
     _lib().attend_decode_f32(*(t.data_ptr() for t in ops), H, G, Dh, S, pos, scale, out.data_ptr())
     return out
+
+
+def rms_norm(x: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * w over the last dim, float32 CPU tensors (contiguous x), in one
+    call; the same values as torch's norm to float32's rounding (the sums in another order)."""
+    D = w_D.numel()
+    if x.dtype != torch.float32 or w_D.dtype != torch.float32 or not x.is_contiguous() or x.shape[-1] != D:
+        raise ValueError(f"rms_norm takes contiguous float32 x (..., {D}) and weight ({D},)")
+    y = torch.empty_like(x)
+    _lib().rmsnorm_f32(x.data_ptr(), w_D.contiguous().data_ptr(), eps, y.data_ptr(), x.numel() // D, D)
+    return y
 

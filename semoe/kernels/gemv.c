@@ -619,6 +619,18 @@ void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t O, in
     }
 }
 
+/* RMS norm of M rows of D, float32: y = x / sqrt(mean(x^2) + eps) * w (torch's seven small ops of a
+ * norm cost more than the norm at one token) */
+void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M, int64_t D) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * D;
+        float ss = 0.0f;
+        for (int64_t i = 0; i < D; i++) ss += xm[i] * xm[i];
+        float r = 1.0f / sqrtf(ss / (float)D + eps);
+        for (int64_t i = 0; i < D; i++) y[m * D + i] = xm[i] * r * w[i];
+    }
+}
+
 /* One decoding step of grouped-query attention for one sequence, float32: rotate q (H heads) and
  * k (G heads) by halves with the position's cos/sin (Dh each, the rotation over the whole head),
  * write k and v at position `pos` of the layer's cache (G, S, Dh each), then each head's softmax

@@ -310,3 +310,10 @@ def test_rms_norm_equals_its_float32_formula(dtype):
     tol = dict(rtol=0, atol=0) if dtype == torch.bfloat16 else dict(rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(x.grad, x_ref.grad, **tol)
     torch.testing.assert_close(norm.weight.grad, w.grad, **tol)
+    from semoe import cpu_kernels
+
+    assert cpu_kernels.takes(x[0])
+    with torch.no_grad():  # a decoding step's rows: semoe's kernel in float32, float32's rounding
+        got = norm(x[0])
+    torch.testing.assert_close(got, want[0], **(dict(rtol=0, atol=0) if dtype == torch.bfloat16 else
+                                                dict(rtol=1e-6, atol=1e-6)))
