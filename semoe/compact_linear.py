@@ -118,9 +118,10 @@ class CompactWeight:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.codes, self.spec.group_size,
                                                            self.scales.to(torch.bfloat16))
             return y.to(x_MI.dtype).view(*x_MI.shape[:-1], -1)
-        # the weight as the checkpoint defines it (its logical dtype and layout), then the dense product
+        # the weight as the checkpoint defines it (its logical dtype and layout), then the product a
+        # plain weight of it gets (`linear`: the same bits as the checkpoint's dequantized weights)
         w = self.dequantize().to(x_MI.dtype)
-        return x_MI @ w if self.spec.transposed else F.linear(x_MI, w)
+        return x_MI @ w if self.spec.transposed else linear(x_MI, w)
 
 
 Weight = torch.Tensor | CompactWeight
