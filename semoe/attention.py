@@ -39,8 +39,7 @@ class RMSNorm(nn.Module):
         if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
             # a decoding step on CPU pays for each op it dispatches: semoe's kernel for a step's rows
             # (no gradient), else torch's fused norm, the formula's bits in one op instead of seven
-            if cpu_kernels.takes(x) and x.is_contiguous() and not (torch.is_grad_enabled() and (
-                    x.requires_grad or self.weight.requires_grad)):
+            if cpu_kernels.takes(x) and x.is_contiguous() and cpu_kernels.no_grad_wanted(x, self.weight):
                 return cpu_kernels.rms_norm(x, self.weight, self.eps)
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         x32 = x.float()
@@ -292,10 +291,9 @@ class Attention(nn.Module):
         return (cache is not None and q.shape[0] == 1 and q.shape[1] == 1 and c.qk_norm != "head"
                 and not c.rope_interleave and cos.shape[-1] == c.head_dim and not c.attention_sinks
                 and (self.window is None or self.window > cache.length) and cache.length < cache.capacity
-                and q.device.type == "cpu" and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer]))
+                and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer]))
                 and all(t.is_contiguous() for t in (q, k, v, cache.k[self.layer], cache.v[self.layer]))
-                and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad))
-                and cpu_kernels.available())
+                and cpu_kernels.no_grad_wanted(q, k, v) and cpu_kernels.takes(q))
 
 
 def softmax_scale(config: MoEConfig) -> float:

@@ -147,8 +147,7 @@ def _float_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:
     semoe's kernels (`cpu_kernels.gemv_bf16`, `gemv_f32`) stream it at the memory bound on all the
     threads; torch's bfloat16 product runs at half of it, its float32 one on one core."""
     return w_OI.dtype in (torch.bfloat16, torch.float32) and w_OI.device.type == "cpu" and w_OI.dim() == 2 \
-        and w_OI.is_contiguous() and not (torch.is_grad_enabled() and (x_MI.requires_grad or w_OI.requires_grad)) \
-        and cpu_kernels.takes(x_MI)
+        and w_OI.is_contiguous() and cpu_kernels.no_grad_wanted(x_MI, w_OI) and cpu_kernels.takes(x_MI)
 
 
 def linear(x_MI: torch.Tensor, w_OI: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -2,12 +2,14 @@
 weights (and bfloat16 ones).
 
 Decoding multiplies one row (or a few) by each weight, so its speed is the rate at which weights
-stream from memory. For float32 weights torch's own product already runs at the memory bound; its
-packed int8/int4 ops want bfloat16 activations and widen slower. These kernels quantize each row
-of x in blocks of 32 inputs to int8 codes and a float32 scale (as llama.cpp's CPU kernels do), sum
-each block's products exactly in integers (with AVX-512 VNNI or AVX2, portable loops elsewhere: `isa()`),
-scale the block
-sums in float32, and split output rows over torch's thread count. `quantize_activations` is that
+stream from memory. torch's float32 product keeps to one core at these sizes, its bfloat16 one
+widens at half the bound, and its packed int8/int4 ops want bfloat16 activations and widen slower.
+These kernels multiply float32 and bfloat16 weights as they are, and quantize each row of x in
+blocks of 32 inputs to int8 codes and a float32 scale (as llama.cpp's CPU kernels do) for the
+compact ones, summing each block's products exactly in integers (with AVX-512 VNNI or AVX2, portable
+loops elsewhere: `isa()`) and scaling the block sums in float32; all split output rows over torch's
+thread count. A decoding step's attention and RMS norms are one call each (`attend_decode`,
+`rms_norm`). `quantize_activations` is that
 quantization in torch, bit for bit the kernels' own: the reference they are tested against, and the
 one `CompactWeight`'s reference kernel computes with.
 The library is built at install (setup.py, -O3 -march=native) and loaded with ctypes; `available()`
@@ -68,6 +70,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def available() -> bool:
     """Whether the compiled kernels are loaded."""
     return _lib() is not None
+
+
+def no_grad_wanted(*tensors: torch.Tensor) -> bool:
+    """Whether autograd needs nothing from a product of these (the kernels record no graph)."""
+    return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
 def takes(x_MI: torch.Tensor) -> bool:
@@ -183,22 +190,22 @@ def gemv_mxfp4(x_MI: torch.Tensor, blocks_OG16: torch.Tensor, scales_OG: torch.T
 def gemv_bf16(x_MI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     """x @ w.T for a bfloat16 weight (O, I), with x and the sums in float32; float32 (..., O). torch's
     own bfloat16 product widens at half the memory bound on CPU (11.5 against 22.7 GB/s for float32)."""
-    return _gemv_float(x_MI, w_OI, torch.bfloat16, _lib().gemv_bf16 if available() else None)
+    return _gemv_float(x_MI, w_OI, "bf16", torch.bfloat16)
 
 
 def gemv_f32(x_MI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     """x @ w.T for a float32 weight (O, I); float32 (..., O). torch's own float32 product keeps to one
     core at a decoding step's sizes (12.7 GB/s on one thread, 12.4 on two, on an AVX2 server)."""
-    return _gemv_float(x_MI, w_OI, torch.float32, _lib().gemv_f32 if available() else None)
+    return _gemv_float(x_MI, w_OI, "f32", torch.float32)
 
 
-def _gemv_float(x_MI: torch.Tensor, w_OI: torch.Tensor, dtype: torch.dtype, fn) -> torch.Tensor:
+def _gemv_float(x_MI: torch.Tensor, w_OI: torch.Tensor, short: str, dtype: torch.dtype) -> torch.Tensor:
     if w_OI.dtype != dtype:
-        short, name = {torch.bfloat16: ("bf16", "bfloat16"), torch.float32: ("f32", "float32")}[dtype]
-        raise ValueError(f"gemv_{short} takes a {name} weight, got {w_OI.dtype}")
+        raise ValueError(f"gemv_{short} takes a {str(dtype).removeprefix('torch.')} weight, got {w_OI.dtype}")
     O, I = w_OI.shape
     x, y = _operands(x_MI, w_OI, I, O)
-    fn(x.data_ptr(), w_OI.data_ptr(), y.data_ptr(), x.numel() // I, O, I, torch.get_num_threads())
+    getattr(_lib(), f"gemv_{short}")(x.data_ptr(), w_OI.data_ptr(), y.data_ptr(), x.numel() // I, O, I,
+                                     torch.get_num_threads())
     return y
 
 
@@ -252,4 +259,3 @@ def rms_norm(x: torch.Tensor, w_D: torch.Tensor, eps: float) -> torch.Tensor:
     y = torch.empty_like(x)
     _lib().rmsnorm_f32(x.data_ptr(), w_D.contiguous().data_ptr(), eps, y.data_ptr(), x.numel() // D, D)
     return y
-
