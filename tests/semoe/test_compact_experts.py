@@ -190,20 +190,48 @@ def test_offloaded_quantized_experts_give_the_resident_quantized_models_tokens(s
     assert got.tokens == want.tokens and got.logprobs == want.logprobs
 
 
+# Decode's log-probs, fast kernels against the reference, along the same tokens. Within a step the
+# two differ in the order of float32 sums only, but each layer quantizes its input to int8 codes
+# again, and a value on a rounding boundary takes the neighbouring code (one step, amax / 127 of its
+# block): seen up to 3.3e-3 on these random models. A wrong scale, sum or bias moves them by O(1).
+DECODE_LOGPROB_ATOL = 1e-2
+
+
+def _decode_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Log-probs (len(tokens), V) of each step of decoding `tokens` after `prompt`, one token a step."""
+    from semoe.attention import KVCache
+    from semoe.generate import decode_one_token, prefill
+
+    cache = KVCache.empty(model.config, 1, len(prompt) + len(tokens), dtype=torch.float32)
+    logits = prefill(model, torch.tensor([prompt]), cache)
+    steps = []
+    for t in tokens:
+        steps.append(torch.log_softmax(logits.float(), dim=-1)[0])
+        logits = decode_one_token(model, torch.tensor([[t]]), cache)
+    return torch.stack(steps)
+
+
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("bits", [8, 4])
-def test_decode_with_the_fast_kernels_gives_the_reference_kernels_tokens(stores, arch, bits):
-    """Greedy decoding, resident: semoe's CPU kernels (int8 activations, VNNI sums, the fused expert)
-    against the plain reference of the same arithmetic, tokens equal and log-probs within 1e-4 (float32
-    sums in another order; the offloaded engine gives the resident one's tokens exactly, above)."""
+def test_decode_with_the_fast_kernels_follows_the_reference_kernels(stores, arch, bits):
+    """Greedy decoding, resident: semoe's CPU kernels (int8 activations, integer block sums, the fused
+    expert) against the plain reference of the same arithmetic, step by step along the reference's
+    own greedy tokens: log-probs within DECODE_LOGPROB_ATOL, and the same next token wherever the
+    reference's lead over its runner-up exceeds twice that (a smaller lead is a tie that the order
+    of float32 sums may break either way, after which free-running sequences part). The offloaded
+    engine gives the resident one's tokens exactly (above)."""
     from semoe.checkpoint import load_store
     from semoe.generate import generate
 
-    sampling = SamplingConfig(max_new_tokens=16)
-    fast = generate(load_store(stores(arch, bits)), PROMPT, sampling)
-    ref = generate(load_store(stores(arch, bits), kernel="reference"), PROMPT, sampling)
-    assert fast.tokens == ref.tokens
-    assert max(abs(a - b) for a, b in zip(fast.logprobs, ref.logprobs)) < 1e-4
+    ref_model = load_store(stores(arch, bits), kernel="reference")
+    tokens = generate(ref_model, PROMPT, SamplingConfig(max_new_tokens=16)).tokens
+    ref = _decode_logprobs(ref_model, PROMPT, tokens)
+    fast = _decode_logprobs(load_store(stores(arch, bits)), PROMPT, tokens)
+    assert float((fast - ref).abs().max()) < DECODE_LOGPROB_ATOL
+    top2 = ref.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1]) > 2 * DECODE_LOGPROB_ATOL
+    assert int(clear.sum()) >= len(tokens) // 2  # the comparison below is not empty
+    assert torch.equal(fast.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
