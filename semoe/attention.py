@@ -87,12 +87,22 @@ def rope_inv_freq(config: MoEConfig, device: torch.device | None = None) -> tupl
     return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)), 1.0
 
 
+# rope_inv_freq's results by what they depend on (rotary dims, base, scaling, device): a decoding
+# step would otherwise rebuild the same frequencies, four small ops, for each token
+_INV_FREQ: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
 def rope_tables(config: MoEConfig, positions_BT: torch.Tensor, dtype: torch.dtype
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sin, (B, T, R) each, for integer positions."""
-    inv_freq, scale = rope_inv_freq(config, positions_BT.device)
+    key = (config.rope_dim, config.rope_theta, repr(config.rope_scaling), positions_BT.device)
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = rope_inv_freq(config, positions_BT.device)
+    inv_freq, scale = _INV_FREQ[key]
     freqs_BTr = positions_BT.float()[..., None] * inv_freq
     emb = torch.cat((freqs_BTr, freqs_BTr), dim=-1)
+    if scale == 1.0:  # the same values without two products
+        return emb.cos().to(dtype), emb.sin().to(dtype)
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 

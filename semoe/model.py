@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from semoe.attention import KVCache, RMSNorm, make_attention, rope_tables
-from semoe.compact_linear import Linear
+from semoe.compact_linear import Linear, linear
 from semoe.config import MoEConfig
 from semoe.experts import ExpertProvider, ExpertWeights, ResidentExperts, swiglu
 from semoe.gating import Routing, capacity_keep_mask, dispatch_order, expert_capacity, load_balancing_loss, \
@@ -61,10 +61,11 @@ class Router(nn.Module):
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
         c = self.config
+        # `linear`: a decoding step's rows on semoe's CPU kernel, torch's product otherwise
         if c.router == "softmax_topk":
-            return route_topk(nn.functional.linear(x_ND, self.weight), c.top_k, normalize=c.norm_topk_prob)
+            return route_topk(linear(x_ND, self.weight), c.top_k, normalize=c.norm_topk_prob)
         if c.router == "topk_softmax":
-            return route_topk_softmax(nn.functional.linear(x_ND, self.weight, self.bias), c.top_k)
+            return route_topk_softmax(linear(x_ND, self.weight, self.bias), c.top_k)
         # DeepSeek computes these logits in float32 whatever the model's dtype
         logits = nn.functional.linear(x_ND.float(), self.weight.float())
         return route_grouped(logits, c.top_k, scores=c.router_scores,
@@ -126,36 +127,47 @@ class MoEFeedForward(nn.Module):
         """Sum the weighted expert rows over choices (a fixed order, whatever order the experts ran
         in), add the shared expert, and the router's losses and stats."""
         c = self.config
-        out_ND = y_NKD.sum(dim=1)
-        if c.shared_expert_size:
-            shared_ND = self.shared(x_ND)
-            out_ND = out_ND + (torch.sigmoid(self.shared_gate(x_ND)) * shared_ND if c.shared_expert_gate else shared_ND)
+        out_ND = self.combine_shared(x_ND, y_NKD.sum(dim=1))
         if self.training:
             aux, z = load_balancing_loss(r.probs_TE, r.ids_TK, c.num_experts), router_z_loss(r.logits_TE)
         else:  # inference needs the routing, not the losses
             aux = z = x_ND.new_zeros((), dtype=torch.float32)
         return out_ND, RouterStats(aux_loss=aux, z_loss=z, ids_NK=r.ids_TK, dropped=(~keep_NK).sum())
 
-    def _one_token(self, x_1D: torch.Tensor, r: Routing, keep_1K: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
-        """A decoding step's single row: its top-k experts straight from the routing, without the
-        dispatch of many rows (a dozen small ops a layer, a large share of a token's time on CPU); the
-        same products, weights and sum over choices as `forward`'s, so the same bits."""
+    def combine_shared(self, x_ND: torch.Tensor, out_ND: torch.Tensor) -> torch.Tensor:
+        """The routed experts' sum plus the shared expert's output, where the layer has one."""
+        c = self.config
+        if c.shared_expert_size:
+            shared_ND = self.shared(x_ND)
+            out_ND = out_ND + (torch.sigmoid(self.shared_gate(x_ND)) * shared_ND if c.shared_expert_gate else shared_ND)
+        return out_ND
+
+    def _one_token(self, x_1D: torch.Tensor, r: Routing) -> tuple[torch.Tensor, RouterStats]:
+        """A decoding step's single row in inference: its top-k experts straight from the routing,
+        without the dispatch of many rows (a dozen small ops a layer, a large share of a token's time
+        on CPU); the same products and weights as `forward`'s, summed over choices in the same order,
+        so the same bits."""
         ids = r.ids_TK[0].tolist()  # the layer's one host sync, as dispatch_order's
-        y_1KD = x_1D.new_zeros(1, self.config.top_k, x_1D.shape[1])
+        weights_K = r.weights_TK[0].to(x_1D.dtype)
+        rows: list[torch.Tensor | None] = [None] * len(ids)
         for e, w in self.experts.stream(self.layer, sorted(set(ids)), x_1D):
             y = w.apply(x_1D)
             for ch in (k for k, i in enumerate(ids) if i == e):
-                y_1KD[0, ch] = (y * r.weights_TK[0, ch].to(x_1D.dtype))[0]
-        return self.combine(x_1D, y_1KD, r, keep_1K)
+                rows[ch] = y * weights_K[ch]
+        # forward's sum over the choices of one row: for one or two that is their plain sum
+        out_1D = rows[0] if len(rows) == 1 else rows[0] + rows[1] if len(rows) == 2 else \
+            torch.stack(rows, dim=1).sum(dim=1)
+        zero = x_1D.new_zeros((), dtype=torch.float32)  # inference needs the routing, not the losses
+        return self.combine_shared(x_1D, out_1D), RouterStats(aux_loss=zero, z_loss=zero, ids_NK=r.ids_TK)
 
     def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
         c = self.config
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
-        r, keep_NK = self.route_and_keep(x_ND)
         if x_ND.shape[0] == 1 and not self.training:
-            out_ND, stats = self._one_token(x_ND, r, keep_NK)
+            out_ND, stats = self._one_token(x_ND, self.route(x_ND))
             return out_ND.view(B, T, D), stats
+        r, keep_NK = self.route_and_keep(x_ND)
         token_idx, choice_idx, counts_E = dispatch_order(r.ids_TK, keep_NK, c.num_experts)
         # The host needs the counts to slice each expert's rows: with dispatch_order's nonzero, the
         # layer's only host syncs (both data-dependent sizes).
@@ -301,9 +313,10 @@ class MoEGPT(nn.Module):
                 router[block.layer] = stats
         return x, router
 
-    @staticmethod
-    def _output(logits: torch.Tensor, router: dict[int, RouterStats]) -> ModelOutput:
+    def _output(self, logits: torch.Tensor, router: dict[int, RouterStats]) -> ModelOutput:
         zero = logits.new_zeros(())
+        if not self.training:  # every layer's losses are zero in inference: no sums to make
+            return ModelOutput(logits=logits, aux_loss=zero, z_loss=zero, router=router)
         n = max(len(router), 1)
         aux = sum((s.aux_loss for s in router.values()), zero) / n
         z = sum((s.z_loss for s in router.values()), zero) / n
