@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from semoe import cpu_kernels
-from semoe.compact_linear import CompactLinear, Linear, stacked_rows
+from semoe.compact_linear import CompactLinear, Linear, stacked_float_rows, stacked_rows
 from semoe.config import MoEConfig
 
 
@@ -241,14 +241,19 @@ class Attention(nn.Module):
             self.sinks = nn.Parameter(torch.zeros(c.num_heads))
 
     def stack_qkv(self) -> None:
-        """Once q, k and v are compact weights of one kind (an inference model's), compute them as one
-        product: a decoding step then makes one kernel call for the three, with the same bits."""
+        """Once q, k and v are loaded for inference as compact weights of one kind or as plain ones of
+        one dtype, compute them as one product: a decoding step then makes one kernel call for the
+        three, with the same bits."""
+        if self.qkv_proj is not None:
+            return
         parts = [self.q_proj, self.k_proj, self.v_proj]
-        if self.qkv_proj is None and all(isinstance(p, CompactLinear) for p in parts):
+        if all(isinstance(p, CompactLinear) for p in parts):
             stacked = stacked_rows(parts)
-            if stacked is not None:
-                self.qkv_proj, self.qkv_sizes = stacked, [p.out_features for p in parts]
-                del self.q_proj, self.k_proj, self.v_proj
+        else:
+            stacked = stacked_float_rows(parts)
+        if stacked is not None:
+            self.qkv_proj, self.qkv_sizes = stacked, [p.out_features for p in parts]
+            del self.q_proj, self.k_proj, self.v_proj
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | list[KVCache] | None, counts: list[int] | None = None) -> torch.Tensor:
@@ -258,7 +263,9 @@ class Attention(nn.Module):
         """q, k and v of every row (the products over all rows at once; `packed_attention`)."""
         c = self.config
         if self.qkv_proj is not None:
-            q, k, v = self.qkv_proj(x_BTD).split(self.qkv_sizes, dim=-1)
+            # contiguous as separate products' outputs are (a copy only for several rows), so the
+            # norms and kernels after take the same path, with the same bits, as they do for those
+            q, k, v = (t.contiguous() for t in self.qkv_proj(x_BTD).split(self.qkv_sizes, dim=-1))
         else:
             q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
         if c.qk_norm == "full":

@@ -228,9 +228,28 @@ def stacked_rows(linears: list[CompactLinear]) -> CompactLinear | None:
     return CompactLinear(CompactWeight(codes, scales.contiguous(), spec, first.kernel), bias)
 
 
+def stacked_float_rows(linears: list[nn.Linear]) -> Linear | None:
+    """One `Linear` computing the given plain ones' outputs side by side (an inference model's float
+    q, k and v: one kernel call a decoding step instead of three; each row's sum is the kernel's
+    either way, so the same bits), or None where their dtypes, devices, inputs or biases differ."""
+    same = {(lin.weight.dtype, lin.weight.device, lin.in_features, lin.bias is None) for lin in linears}
+    if len(same) != 1 or not all(type(lin) is Linear for lin in linears):
+        return None
+    with torch.no_grad():
+        weight = torch.cat([lin.weight for lin in linears])
+        bias = None if linears[0].bias is None else torch.cat([lin.bias for lin in linears])
+    stacked = Linear(1, 1, bias=False, device="meta")  # no weights of its own to make: they are set below
+    stacked.in_features, stacked.out_features = linears[0].in_features, weight.shape[0]
+    # as the parts: whether autograd wants them picks torch's product or the kernel (`linear`)
+    wants = linears[0].weight.requires_grad
+    stacked.weight = nn.Parameter(weight, requires_grad=wants)
+    stacked.bias = None if bias is None else nn.Parameter(bias, requires_grad=wants)
+    return stacked
+
+
 def stack_projections(model: nn.Module) -> None:
-    """Each attention's compact q, k and v as one product (`Attention.stack_qkv`), once their weights
-    and biases are loaded."""
+    """Each attention's q, k and v as one product (`Attention.stack_qkv`), once their weights and
+    biases are loaded."""
     for mod in model.modules():
         if hasattr(mod, "stack_qkv"):
             mod.stack_qkv()
