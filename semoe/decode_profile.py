@@ -6,7 +6,10 @@ of weights the step touched (every attention, router, dense and lm_head weight; 
 experts, as the provider holds them: compact ones compact) so that the report gives each part's
 effective GB/s beside the machine's measured memory read rate: the gap to the memory bound, part
 by part. On CUDA each hook synchronises the device, so the timings are exact but the profiled run
-is slower than an unprofiled one.
+is slower than an unprofiled one. On CPU the hooks also keep the steps on the module path: an
+unprofiled decode takes `semoe.decode_plan`'s run of kernel calls where it applies, the same kernels
+for the same parts with less per-call overhead in between (the profile's "rest" and part of each
+part's time).
 """
 
 from __future__ import annotations
@@ -153,7 +156,7 @@ def format_report(r: dict) -> list[str]:
     """The report as lines for a terminal."""
     if not r.get("steps"):
         return ["decode profile: no decoding step ran"]
-    lines = [f"decode profile over {r['steps']} tokens: {r['ms_per_token']:.2f} ms/token, weights "
+    lines = [f"decode profile (through the modules) over {r['steps']} tokens: {r['ms_per_token']:.2f} ms/token, weights "
              f"{r['mb_per_token']:.1f} MB/token at {r['gbps']:.1f} GB/s"
              + (f"; memory reads {r['memory_gbps']:.1f} GB/s here, so the weights alone take "
                 f"{r['bound_ms_per_token']:.2f} ms ({r['vs_bound']:.2f}x the bound)" if r.get("memory_gbps") else "")]

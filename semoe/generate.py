@@ -11,6 +11,7 @@ from typing import Callable
 
 import torch
 
+from semoe.decode_plan import DecodePlan
 from semoe.model import KVCache, MoEGPT
 
 
@@ -111,6 +112,7 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens: list[int] = []
     logprobs: list[float] = []
+    plan = DecodePlan.build(model)  # None where the model has a part it does not take
     t0 = time.perf_counter()
     logits = prefill(model, torch.tensor([prompt], device=device), cache)
     t_first = None
@@ -126,7 +128,10 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
             t_first = time.perf_counter()
         if len(tokens) == cfg.max_new_tokens or tokens[-1] in cfg.stop_ids:
             break
-        logits = decode_one_token(model, nxt[:, None], cache)
+        if plan is not None and plan.takes(cache):
+            logits = plan.step(tokens[-1], cache)
+        else:
+            logits = decode_one_token(model, nxt[:, None], cache)
     sync(device)
     t_end = time.perf_counter()
     decode_s = t_end - t_first

@@ -154,9 +154,11 @@ class MoEFeedForward(nn.Module):
             y = w.apply(x_1D)
             for ch in (k for k, i in enumerate(ids) if i == e):
                 rows[ch] = y * weights_K[ch]
-        # forward's sum over the choices of one row: for one or two that is their plain sum
-        out_1D = rows[0] if len(rows) == 1 else rows[0] + rows[1] if len(rows) == 2 else \
-            torch.stack(rows, dim=1).sum(dim=1)
+        # the sum over choices in choice order: forward's sum of one row's choices for one or two (and,
+        # as torch sums, for more at the hidden sizes of real models); DecodePlan's combine repeats it
+        out_1D = rows[0]
+        for row in rows[1:]:
+            out_1D = out_1D + row
         zero = x_1D.new_zeros((), dtype=torch.float32)  # inference needs the routing, not the losses
         return self.combine_shared(x_1D, out_1D), RouterStats(aux_loss=zero, z_loss=zero, ids_NK=r.ids_TK)
 

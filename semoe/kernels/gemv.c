@@ -697,6 +697,22 @@ void attend_decode_f32(const float *q, const float *k, const float *v, const flo
 }
 
 /* Which path this build took: 2 with AVX-512 VNNI, 1 with AVX2 and FMA, 0 for the portable loops */
+/* A MoE layer's output added to the residual stream for one row: x += sum over K choices of y_k * w_k,
+ * each product rounded to float32 and the sum taken in choice order, then added to x: the model's
+ * one-token path (rows[k] = y_k * w_k; rows[0] + rows[1] + ...; x + that), the same bits, so no
+ * fused multiply-adds here. */
+__attribute__((optimize("fp-contract=off"))) void moe_combine_f32(float *x, const float *const *ys, const float *w,
+                                                                  int64_t K, int64_t D) {
+    for (int64_t i = 0; i < D; i++) {
+        float s = ys[0][i] * w[0];
+        for (int64_t k = 1; k < K; k++) {
+            float r = ys[k][i] * w[k];
+            s = s + r;
+        }
+        x[i] = x[i] + s;
+    }
+}
+
 int kernels_isa(void) {
 #if defined(SEMOE_VNNI)
     return 2;

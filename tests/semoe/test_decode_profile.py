@@ -67,4 +67,4 @@ def test_generate_profile_through_the_command_line(capsys, tmp_path, budget):
     # two per token in each of the two layers
     per_expert = sum(t.bytes for t in store.manifest.chunk_tensors(store.manifest.chunk(0, 0)))
     assert prof["parts"]["experts"]["mb_per_token"] * 1e6 == pytest.approx(2 * 2 * per_expert, rel=1e-9)
-    assert "decode profile over 3 tokens" in out.err
+    assert "decode profile (through the modules) over 3 tokens" in out.err

@@ -1,0 +1,149 @@
+"""DecodePlan: a decoding step as a run of kernel calls, the same bits as the step through the modules.
+
+Models are small and random; each test steps the same tokens through the plan and through the modules
+(`decode_one_token`) from the same prefilled cache and asserts equal logits, or equal tokens and
+log-probs for whole generations, resident and offloaded.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from inference.engine import Engine, EngineConfig
+from semoe import cpu_kernels
+from semoe.attention import KVCache
+from semoe.checkpoint import load_store, save_store
+from semoe.config import MoEConfig
+from semoe.decode_plan import DecodePlan, NotPlanned
+from semoe.generate import SamplingConfig, decode_one_token, generate, prefill
+from semoe.model import MoEGPT
+from semoe.quantize import QuantizeConfig, quantize_store
+import semoe.generate
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels are not built")
+
+PROMPT = [3, 17, 5, 29, 11, 2, 40, 8]
+TOKENS = [7, 61, 23, 4, 90, 12, 33, 5, 71, 18, 2, 44]
+SHAPE = dict(vocab_size=96, hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, ffn_size=128,
+             moe_ffn_size=128, num_experts=4, top_k=2, max_position=64, rms_norm_eps=1e-5)
+
+
+def _model(**over) -> MoEGPT:
+    torch.manual_seed(0)
+    return MoEGPT(MoEConfig(**{"arch": "mixtral", **SHAPE, **over})).eval()
+
+
+def _steps(model: MoEGPT, plan: DecodePlan | None) -> tuple[torch.Tensor, int]:
+    """Logits of each of TOKENS' steps after PROMPT, and how many steps the plan took."""
+    cache = KVCache.empty(model.config, 1, len(PROMPT) + len(TOKENS))
+    with torch.no_grad():
+        prefill(model, torch.tensor([PROMPT]), cache)
+    out, planned = [], 0
+    for t in TOKENS:
+        if plan is not None and plan.takes(cache):
+            out.append(plan.step(t, cache))
+            planned += 1
+        else:
+            out.append(decode_one_token(model, torch.tensor([[t]]), cache))
+    return torch.cat(out), planned
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """bits -> a store of the Mixtral-shaped model (32: float32; 8 and 4: its quantized experts)."""
+    root = tmp_path_factory.mktemp("plan")
+    save_store(_model(), str(root / "f32"))
+    paths = {32: str(root / "f32")}
+    for bits in (8, 4):
+        quantize_store(paths[32], str(root / f"int{bits}"), QuantizeConfig(bits=bits, group_size=64))
+        paths[bits] = str(root / f"int{bits}")
+    return paths
+
+
+@pytest.mark.parametrize("bits", [32, 8, 4])
+@pytest.mark.parametrize("dense", ["auto", "float", "int4"])
+def test_the_plans_steps_are_the_module_steps_bit_for_bit(stores, bits, dense):
+    """Resident stores: float32 experts and dense weights, int8/int4 experts with dense weights float,
+    int8 (auto) or int4 (q int4, k/v int8: three products instead of one)."""
+    model = load_store(stores[bits], dense=dense)
+    plan = DecodePlan.build(model)
+    assert plan is not None
+    got, planned = _steps(model, plan)
+    want, _ = _steps(model, None)
+    assert planned == len(TOKENS)
+    assert torch.equal(got, want)
+
+
+def test_biases_dense_layers_three_choices_and_a_window(monkeypatch):
+    """q/k/v and output biases, a dense feed-forward layer, the sum of three choices per token, and a
+    sliding window: the plan steps until the window is reached, the modules after."""
+    model = _model(attention_bias=True, o_proj_bias=True, moe_layers=(0, 2), top_k=3, sliding_window=12)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape) * 0.1)
+    plan = DecodePlan.build(model)
+    got, planned = _steps(model, plan)
+    want, _ = _steps(model, None)
+    assert planned == 12 - len(PROMPT)  # positions 8..11 lie within the window of 12
+    assert torch.equal(got, want)
+
+
+def test_generation_resident_and_offloaded_equals_the_module_path(stores, monkeypatch):
+    """`generate` decodes through the plan; with it switched off, the same tokens and log-probs, for
+    the resident int4 model and for its experts offloaded behind a quarter-size CPU cache."""
+    sampling = SamplingConfig(max_new_tokens=12)
+    budget = {"cpu_cache_bytes": sum(c.bytes for c in __import__("storage.store").store.Store.open(
+        stores[4]).manifest.chunks) // 4, "ring_slots": 2}
+    results = {}
+    for name, cfg in (("resident", {}), ("offloaded", budget)):
+        for planned in (True, False):
+            if not planned:
+                monkeypatch.setattr(semoe.generate.DecodePlan, "build", classmethod(lambda cls, m: None))
+            engine = Engine.load(stores[4], EngineConfig(dtype="float32", **cfg))
+            try:
+                results[name, planned] = engine.generate(PROMPT, sampling)
+            finally:
+                engine.close()
+            monkeypatch.undo()
+    for key, res in results.items():
+        ref = results["resident", False]
+        assert res.tokens == ref.tokens and res.logprobs == ref.logprobs, key
+
+
+def test_hooks_send_the_step_through_the_modules():
+    """A forward hook anywhere (the decode profile's, a routing trace's) expects the module calls."""
+    model = _model()
+    plan = DecodePlan.build(model)
+    cache = KVCache.empty(model.config, 1, 16)
+    assert plan.takes(cache)
+    handle = model.layers[1].ffn.register_forward_hook(lambda *a: None)
+    assert not plan.takes(cache)
+    handle.remove()
+    assert plan.takes(cache)
+    model.train()
+    assert not plan.takes(cache)
+
+
+@pytest.mark.parametrize("over, part", [
+    (dict(qk_norm="head"), "attention variant"),
+    (dict(router="topk_softmax", router_bias=True), "topk_softmax router"),
+    (dict(shared_expert_size=64), "softmax_topk router or its experts"),
+])
+def test_models_the_plan_does_not_take(over, part):
+    model = _model(**over)
+    assert DecodePlan.build(model) is None
+    with pytest.raises(NotPlanned, match=part):
+        DecodePlan(model)
+    with pytest.raises(NotPlanned, match="not float32 on CPU"):
+        DecodePlan(_model().to(torch.bfloat16))
+
+
+def test_generate_with_a_plan_gives_the_tokens_without(monkeypatch):
+    model = _model()
+    sampling = SamplingConfig(max_new_tokens=10, temperature=0.8, seed=3)
+    a = generate(model, PROMPT, sampling)
+    monkeypatch.setattr(semoe.generate.DecodePlan, "build", classmethod(lambda cls, m: None))
+    b = generate(model, PROMPT, sampling)
+    assert a.tokens == b.tokens and a.logprobs == b.logprobs
