@@ -19,6 +19,7 @@ import torch
 
 from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
 from semoe.compact_linear import DENSE_CHOICES
+from semoe.decode_plan import DecodePlan
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import KVCache, MoEGPT
 from storage.pool import peak_rss_bytes
@@ -76,7 +77,8 @@ class EngineConfig:
 
 
 class Engine:
-    """One model serving generation requests, one at a time (callers serialise on `lock`)."""
+    """One model serving generation requests: `generate` for one, `step` for the batch scheduler's
+    packed batches (callers serialise on `lock`)."""
 
     def __init__(self, model: MoEGPT, tokenizer, *, name: str, config: EngineConfig, offload=None,
                  cleanup: str | None = None) -> None:
@@ -87,6 +89,7 @@ class Engine:
         self.offload = offload  # inference.ring.OffloadedExperts when offloaded
         self.lock = threading.Lock()
         self._cleanup = cleanup
+        self._plan: DecodePlan | None | bool = None  # `step`'s, built at its first lone token (False: none)
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
@@ -117,6 +120,20 @@ class Engine:
             offload.tier.drain()
         return cls(model, load_model_tokenizer(store_path, model.config), name=name, config=config,
                    offload=offload, cleanup=cleanup)
+
+    def step(self, ids: list[int], caches: list[KVCache], counts: list[int], rows: list[int]) -> torch.Tensor:
+        """One packed forward of several sequences (`MoEGPT.forward_packed`: sequence i's `counts[i]`
+        tokens of `ids` after `caches[i].length`): logits (len(rows), V) of `rows`. A lone decoding
+        token goes through the decode plan where it applies, as `generate` does. The batch
+        scheduler's forward; callers serialise on `lock`."""
+        if counts == [1]:
+            if self._plan is None:
+                self._plan = DecodePlan.build(self.model) or False
+            if self._plan and self._plan.takes(caches[0]):
+                return self._plan.step(ids[0], caches[0])
+        with torch.no_grad():
+            ids_N = torch.tensor(ids, device=self.model.embed.weight.device)
+            return self.model.forward_packed(ids_N, caches, counts, rows=rows).logits[0]
 
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end generation by default (the model's EOS)."""

@@ -1,26 +1,24 @@
 """An OpenAI-compatible HTTP server for one `Engine`: /v1/completions, /v1/chat/completions,
 /v1/models, /health and /metrics.
 
-Requests are checked on the event loop, then queued for one worker thread that runs
-`engine.generate` (the engine is one model: one request computes at a time). Tokens cross back to
-the event loop through `loop.call_soon_threadsafe` into the request's asyncio.Queue.
+Requests are checked on the event loop, then queued for the batch scheduler's thread
+(`inference.scheduler`), which decodes every running request together, one packed forward a step.
+Tokens cross back to the event loop through `loop.call_soon_threadsafe` into the request's
+asyncio.Queue.
 
 The OpenAI wire format (checking request bodies, building answers and stream chunks) lives in
-`inference.openai_protocol`; this module is the HTTP app, the worker and the metrics.
+`inference.openai_protocol`; this module is the HTTP app and the metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import json
 import logging
 import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, field
 
 import aiofiles
 import uvicorn
@@ -33,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.chat import ChatTemplate
 from inference.openai_protocol import APIError, GenRequest, Reply, parse_chat, parse_completion, sse
-from inference.text_stream import TextAssembler
+from inference.scheduler import BatchScheduler, DoneEvent, ErrorEvent, Job, QueueFullError, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +59,10 @@ class ServerMetrics:
                                  registry=r)
         self.failed = Counter("semoe_failed_generations", "generations that raised an error", registry=r)
         self.queue_depth = Gauge("semoe_queue_depth", "requests waiting for the engine", registry=r)
-        self.running = Gauge("semoe_requests_running", "requests generating now (0 or 1)", registry=r)
+        self.running = Gauge("semoe_requests_running", "requests in the batch now (admitted, not finished)",
+                             registry=r)
+        self.batch = Histogram("semoe_batch_requests", "requests in one step's packed forward",
+                               buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
         self.last_tok_s = Gauge("semoe_last_request_tokens_per_second",
                                 "decode speed of the last request (tokens after the first / their time)", registry=r)
         self.last_ttft = Gauge("semoe_last_request_ttft_seconds",
@@ -109,221 +110,6 @@ class ServerMetrics:
                 gauge.set(float(stats[k]))
         if stats.get("peak_rss_bytes") is not None:
             self.peak_rss.set(stats["peak_rss_bytes"])
-
-
-# -- the worker thread ------------------------------------------------------------------------
-
-@dataclass(kw_only=True)
-class TokenEvent:
-    """One generated token and the text it releases (possibly empty)."""
-
-    token_id: int
-    logprob: float
-    text: str
-
-
-@dataclass(kw_only=True)
-class DoneEvent:
-    """The end of a generation."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    text: str
-    tail: str  # text not yet streamed (held back until the end)
-    finish_reason: str  # "stop" | "length"
-
-
-@dataclass(kw_only=True)
-class ErrorEvent:
-    """Generation raised; the message goes to this request's client only."""
-
-    message: str
-
-
-class QueueFullError(Exception):
-    """More requests are waiting than the server admits."""
-
-
-class _Cancelled(Exception):
-    """Raised inside `on_token` to end a generation whose client has left."""
-
-
-class _StopString(Exception):
-    """Raised inside `on_token` to end a generation that produced a stop string."""
-
-
-@dataclass(kw_only=True, eq=False)
-class Job:
-    """One request on its way through the worker; events go back to `loop` through `events`."""
-
-    request: GenRequest
-    loop: asyncio.AbstractEventLoop
-    id: str  # the answer's id (`Reply.id`), which the request log names
-    events: asyncio.Queue = field(default_factory=asyncio.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    arrived: float = field(default_factory=time.perf_counter)
-
-    def post(self, event: TokenEvent | DoneEvent | ErrorEvent) -> None:
-        """Hand an event to the event loop (called from the worker thread)."""
-        try:
-            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
-        except RuntimeError:  # the loop has closed: nobody is listening any more
-            self.cancelled.set()
-
-
-class GenerationWorker:
-    """One thread that runs queued jobs on the engine, oldest first; at most `max_queue` may wait."""
-
-    def __init__(self, engine, metrics: ServerMetrics, *, max_queue: int,
-                 on_finished: Callable[[Job, dict], None] | None = None) -> None:
-        self.engine = engine
-        self.metrics = metrics
-        self.max_queue = max_queue
-        self.on_finished = on_finished  # (job, record) once a job ends, however it ends
-        self._pending: collections.deque[Job] = collections.deque()
-        self._cv = threading.Condition()
-        self._closing = False
-        self._current: Job | None = None  # the job generating now
-        self._thread = threading.Thread(target=self._run, name="semoe-generate", daemon=True)
-
-    def start(self) -> None:
-        """Start the thread."""
-        self._thread.start()
-
-    def submit(self, job: Job) -> None:
-        """Queue a job; QueueFullError when `max_queue` are already waiting."""
-        with self._cv:
-            if self._closing:
-                raise QueueFullError("the server is shutting down")
-            if len(self._pending) >= self.max_queue:
-                raise QueueFullError(f"the request queue is full ({len(self._pending)} waiting); retry later")
-            self._pending.append(job)
-            self.metrics.queue_depth.set(len(self._pending))
-            self._cv.notify()
-
-    def cancel(self, job: Job) -> None:
-        """Give up a job whose client has left: a waiting one leaves the queue (freeing its place), a
-        running one stops at its next token."""
-        with self._cv:
-            job.cancelled.set()
-            if job in self._pending:
-                self._pending.remove(job)
-                self.metrics.queue_depth.set(len(self._pending))
-                self.metrics.cancelled.inc()
-                self._finished(job, "cancelled", [], None, time.perf_counter())
-
-    @property
-    def waiting(self) -> int:
-        """Jobs queued, not yet started."""
-        return len(self._pending)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Answer waiting jobs with an error, stop the running one at its next token, join the thread."""
-        with self._cv:
-            self._closing = True
-            for job in self._pending:
-                job.cancelled.set()
-                job.post(ErrorEvent(message="the server is shutting down"))
-            self._pending.clear()
-            self.metrics.queue_depth.set(0)
-            self._cv.notify()
-        current = self._current
-        if current is not None:
-            current.cancelled.set()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            log.warning("the generation thread did not stop within %.0f s", timeout_s)
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while not self._pending and not self._closing:
-                    self._cv.wait()
-                if self._closing:
-                    return
-                job = self._pending.popleft()
-                self.metrics.queue_depth.set(len(self._pending))
-            self._current = job
-            self.metrics.running.set(1)
-            try:
-                self._execute(job)
-            finally:
-                self.metrics.running.set(0)
-                self._current = None
-
-    def _execute(self, job: Job) -> None:
-        req = job.request
-        tok = self.engine.tokenizer
-        text = TextAssembler(tok.decode if tok is not None else (lambda ids: ""), req.stops)
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        t0 = time.perf_counter()
-        t_first: float | None = None
-        t_last = t0
-        kv = self.engine.kv_cache_bytes(len(req.prompt_ids) + req.sampling.max_new_tokens)
-        self.metrics.kv_bytes.inc(kv)
-
-        def on_token(token_id: int, logprob: float) -> None:
-            nonlocal t_first, t_last
-            if job.cancelled.is_set():
-                raise _Cancelled
-            now = time.perf_counter()
-            if t_first is None:
-                t_first = now
-                self.metrics.ttft.observe(now - job.arrived)
-            else:
-                self.metrics.itl.observe(now - t_last)
-            t_last = now
-            tokens.append(token_id)
-            logprobs.append(logprob)
-            delta = text.add(token_id)
-            if req.stream:
-                job.post(TokenEvent(token_id=token_id, logprob=logprob, text=delta))
-            if text.stopped:
-                raise _StopString
-
-        stats: dict = {}
-        try:
-            stats = self.engine.generate(req.prompt_ids, req.sampling, on_token=on_token).stats
-            finish = "stop" if tokens and tokens[-1] in req.sampling.stop_ids else "length"
-        except _StopString:
-            finish = "stop"
-        except _Cancelled:
-            self.metrics.cancelled.inc()
-            log.info("client left: generation stopped after %d tokens", len(tokens))
-            self._finished(job, "cancelled", tokens, t_first, time.perf_counter())
-            return
-        except Exception as e:  # noqa: BLE001 - any failure is this request's alone; the server keeps serving
-            self.metrics.failed.inc()
-            log.exception("generation failed")
-            job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
-            self._finished(job, "error", tokens, t_first, time.perf_counter())
-            return
-        finally:
-            self.metrics.kv_bytes.dec(kv)
-        t_end = time.perf_counter()
-        self.metrics.e2e.observe(t_end - job.arrived)
-        self._finished(job, finish, tokens, t_first, t_end)
-        first = t_first if t_first is not None else t_end
-        decode_s = t_end - first
-        self.metrics.observe(prompt_tokens=len(req.prompt_ids), tokens=len(tokens), seconds=t_end - t0,
-                             ttft_s=first - job.arrived, decode_tok_s=(len(tokens) - 1) / decode_s if decode_s > 0 else 0.0,
-                             stats=stats)
-        tail = text.finish()
-        job.post(DoneEvent(tokens=tokens, logprobs=logprobs, text=text.text, tail=tail, finish_reason=finish))
-
-
-
-    def _finished(self, job: Job, status: str, tokens: list[int], t_first: float | None, t_end: float) -> None:
-        """Hand the job's record (`RequestLog`'s line) to `on_finished`."""
-        if self.on_finished is None:
-            return
-        n = len(tokens)
-        record = {"id": job.id, "status": status, "prompt_tokens": len(job.request.prompt_ids), "tokens": n,
-                  "ttft_s": None if t_first is None else round(t_first - job.arrived, 6),
-                  "mean_itl_s": round((t_end - t_first) / (n - 1), 6) if t_first is not None and n > 1 else None,
-                  "latency_s": round(t_end - job.arrived, 6)}
-        self.on_finished(job, record)
 
 
 class RequestLog:
@@ -402,7 +188,7 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-async def _next_event(job: Job, request: Request, worker: GenerationWorker
+async def _next_event(job: Job, request: Request, worker: BatchScheduler
                       ) -> TokenEvent | DoneEvent | ErrorEvent | None:
     """The job's next event; None (and the job cancelled) when the client has disconnected meanwhile."""
     while True:
@@ -415,18 +201,20 @@ async def _next_event(job: Job, request: Request, worker: GenerationWorker
 
 
 def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | None = None,
-               request_log: str | None = None) -> FastAPI:
+               request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256) -> FastAPI:
     """The FastAPI application serving `engine`; `chat_template` defaults to the fallback template
     (load a model's own with `inference.chat.load_chat_template`); `request_log`: a file that gets
-    one JSON line per finished request (`RequestLog`)."""
+    one JSON line per finished request (`RequestLog`); `max_batch` requests decode together, in
+    steps of at most `max_batch_tokens` rows (`BatchScheduler`)."""
     if not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
     template = chat_template or ChatTemplate.default()
     metrics = ServerMetrics()
     metrics.count_storage_reads(engine.storage_read_bytes)
     records = RequestLog(request_log) if request_log else None
-    worker = GenerationWorker(engine, metrics, max_queue=max_queue,
-                              on_finished=(lambda job, rec: records.put(job.loop, rec)) if records else None)
+    worker = BatchScheduler(engine, metrics, max_queue=max_queue, max_batch=max_batch,
+                            max_batch_tokens=max_batch_tokens,
+                            on_finished=(lambda job, rec: records.put(job.loop, rec)) if records else None)
     started = int(time.time())
     tok = engine.tokenizer
 
@@ -515,7 +303,7 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
 
 
 async def _stream(job: Job, first: TokenEvent | DoneEvent | ErrorEvent, reply: Reply,
-                  worker: GenerationWorker) -> AsyncIterator[str]:
+                  worker: BatchScheduler) -> AsyncIterator[str]:
     """Server-sent events of one request, ending with `data: [DONE]`. Leaving early (the client
     disconnected) cancels the generation."""
     try:
@@ -556,10 +344,11 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, *, max_queue: int = 64,
           chat_template: ChatTemplate | None = None, on_ready: Callable[[str], None] | None = None,
-          request_log: str | None = None) -> None:
+          request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256) -> None:
     """Serve `engine` until interrupted (Ctrl-C shuts down gracefully); `on_ready(url)` once bound."""
     sock = bind_socket(host, port)
-    app = create_app(engine, max_queue=max_queue, chat_template=chat_template, request_log=request_log)
+    app = create_app(engine, max_queue=max_queue, chat_template=chat_template, request_log=request_log,
+                     max_batch=max_batch, max_batch_tokens=max_batch_tokens)
     config = uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
                             timeout_graceful_shutdown=5)
     if on_ready is not None:

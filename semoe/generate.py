@@ -93,22 +93,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
-             on_token: Callable[[int, float], None] | None = None) -> GenerationResult:
-    """Generate up to `cfg.max_new_tokens` tokens after `prompt` (one sequence); `on_token(id,
-    logprob)` is called as each token is chosen (for streaming)."""
+def new_cache(model: MoEGPT, prompt: list[int], max_new_tokens: int) -> KVCache:
+    """The KV cache of one sequence for `prompt` and up to `max_new_tokens` more, after checking the
+    prompt (ValueError naming what is wrong)."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
     vocab = model.config.vocab_size
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-    device = model.embed.weight.device
-    total = len(prompt) + cfg.max_new_tokens
+    total = len(prompt) + max_new_tokens
     if total > model.config.max_position:
-        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({cfg.max_new_tokens}) exceeds the model's "
+        raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
                          f"max_position {model.config.max_position}")
-    cache = KVCache.empty(model.config, 1, total, device=device, dtype=model.embed.weight.dtype)
+    return KVCache.empty(model.config, 1, total, device=model.embed.weight.device, dtype=model.embed.weight.dtype)
+
+
+def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
+             on_token: Callable[[int, float], None] | None = None) -> GenerationResult:
+    """Generate up to `cfg.max_new_tokens` tokens after `prompt` (one sequence); `on_token(id,
+    logprob)` is called as each token is chosen (for streaming)."""
+    cache = new_cache(model, prompt, cfg.max_new_tokens)
+    device = cache.k[0].device
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens: list[int] = []
     logprobs: list[float] = []

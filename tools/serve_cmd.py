@@ -18,14 +18,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `semoe serve`."""
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a HuggingFace MoE checkpoint directory or a store on /v1/completions, "
-                                   "/v1/chat/completions, /v1/models, /health and /metrics. Requests run one at "
-                                   "a time, in arrival order. Any offload budget keeps the experts in the store.")
+                                   "/v1/chat/completions, /v1/models, /health and /metrics. Running requests decode "
+                                   "together, one batched forward a step (continuous batching); more wait in "
+                                   "arrival order. Any offload budget keeps the experts in the store.")
     p.add_argument("--model", required=True, metavar="PATH", help="HuggingFace directory or store")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     add_device_flags(p)
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests that may wait while one generates; more get HTTP 503 (default 64)")
+                   help="requests that may wait for a place in the batch; more get HTTP 503 (default 64)")
+    p.add_argument("--max-batch", type=int, default=16, metavar="N",
+                   help="requests decoding together (default 16); each step computes one token of each and reads "
+                        "the union of their experts once per layer")
+    p.add_argument("--max-batch-tokens", type=int, default=256, metavar="N",
+                   help="rows of one step: a token per decoding request, then prompt tokens of new requests; a "
+                        "longer prompt is prefilled over several steps (default 256, at least --max-batch)")
     p.add_argument("--request-log", metavar="FILE",
                    help="append one JSON line per finished request to FILE: id, status (stop, length, cancelled, "
                         "error), prompt and generated tokens, time to first token, mean inter-token latency, "
@@ -45,6 +52,10 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.max_batch < 1:
+        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
+    if args.max_batch_tokens < args.max_batch:
+        raise UsageError(f"--max-batch-tokens must be >= --max-batch ({args.max_batch}), got {args.max_batch_tokens}")
     if args.request_log is not None:
         where = os.path.dirname(os.path.abspath(args.request_log))
         if not os.path.isdir(where) or os.path.isdir(args.request_log):
@@ -59,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         mode = "offloaded" if config.offloaded else "resident"
         with routing_trace(engine.model, args.routing_trace):
             serve(engine, args.host, args.port, max_queue=args.max_queue, chat_template=template,
-                  request_log=args.request_log,
+                  request_log=args.request_log, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
                   on_ready=lambda url: print(f"serving {engine.name} ({mode} on {config.device}) at {url}/v1 "
                                              f"(Ctrl-C to stop)", file=sys.stderr, flush=True))
     except KeyboardInterrupt:

@@ -51,21 +51,24 @@ class LiveServer:
 
 
 class ScriptedEngine:
-    """The real engine behind a gate, with a per-token delay, one failing prompt, no tokenizer and no
-    stop ids (so that generation always runs to max_tokens)."""
+    """The real engine behind a gate, with a per-step delay, two failing prompts, no tokenizer and no
+    stop ids (so that generation always runs to max_tokens). The batch scheduler calls `step`."""
 
-    FAIL_TOKEN = 7  # prompts starting with this id raise inside generate
-    FAIL_LATE_TOKEN = 8  # prompts starting with this id raise after two tokens
+    FAIL_TOKEN = 7  # a prompt starting with this id fails its first step
+    FAIL_LATE_TOKEN = 8  # a prompt starting with this id fails the step after its second token
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self.model = engine.model
         self.tokenizer = None
+        self.offload = None
         self.name = "scripted"
+        self.lock = threading.Lock()
         self.gate = threading.Event()
         self.gate.set()
         self.started = threading.Event()
         self.token_delay_s = 0.0
+        self._prompts: dict[int, tuple[int, int]] = {}  # id(cache) -> (first prompt token, prompt length)
 
     def stop_ids(self) -> tuple[int, ...]:
         return ()
@@ -76,24 +79,22 @@ class ScriptedEngine:
     def storage_read_bytes(self) -> int:
         return self._engine.storage_read_bytes()
 
-    def generate(self, prompt, sampling, *, on_token=None):
+    def step(self, ids, caches, counts, rows):
         self.started.set()
         if not self.gate.wait(20):
             raise TimeoutError("gate never opened")
-        if prompt[0] == self.FAIL_TOKEN:
-            raise RuntimeError("scripted failure")
-
-        produced = 0
-
-        def slow(token_id: int, logprob: float) -> None:
-            nonlocal produced
-            if prompt[0] == self.FAIL_LATE_TOKEN and produced == 2:
+        start = 0
+        for cache, n in zip(caches, counts):
+            if cache.length == 0:  # a prompt's (whole) prefill
+                self._prompts[id(cache)] = (ids[start], n)
+            first, length = self._prompts[id(cache)]
+            if first == self.FAIL_TOKEN:
+                raise RuntimeError("scripted failure")
+            if first == self.FAIL_LATE_TOKEN and cache.length == length + 1:  # two tokens out
                 raise RuntimeError("scripted failure mid-stream")
-            produced += 1
-            time.sleep(self.token_delay_s)
-            on_token(token_id, logprob)
-
-        return self._engine.generate(prompt, sampling, on_token=slow if on_token else None)
+            start += n
+        time.sleep(self.token_delay_s)
+        return self._engine.step(ids, caches, counts, rows)
 
 
 # -- HTTP helpers --------------------------------------------------------------------------------
@@ -195,9 +196,9 @@ def served(engine, model_dir):
 
 @pytest.fixture(scope="module")
 def scripted(engine):
-    """A server over ScriptedEngine that admits one waiting request."""
+    """A server over ScriptedEngine that runs one request and admits one waiting request."""
     eng = ScriptedEngine(engine)
-    server = LiveServer(create_app(eng, max_queue=1))
+    server = LiveServer(create_app(eng, max_queue=1, max_batch=1))
     server.engine = eng
     yield server
     eng.gate.set()
@@ -266,6 +267,60 @@ def test_concurrent_clients_match_direct_generation(served, reference):
         assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == choice["finish_reason"]
         if chat:
             assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+
+
+def test_requests_joining_mid_stream_decode_together_and_get_their_own_tokens(engine, reference):
+    """Continuous batching: a long streamed request, then seven more of different prompt and output
+    lengths, streamed and not, joining while it streams. Each gets the greedy tokens it gets alone
+    (log-probs within 1e-4: rows of a batch of more than 16 go to torch's products, which round
+    differently), and the steps decoded several requests at once."""
+    eng = ScriptedEngine(engine)  # no stop ids: every request runs to its max_tokens
+    eng.token_delay_s = 0.01  # a step of the tiny model takes a millisecond: slow it so that requests overlap
+    server = LiveServer(create_app(eng, max_batch=8, max_batch_tokens=16))
+    try:
+        # (prompts starting with 7 or 8 fail in ScriptedEngine)
+        cases = [([2, 9, 4, 11], 60)] + [([10 + i, 5, 7 + i, 2, 6, 1, 12][:1 + (2 * i) % 7], 4 + 3 * i) for i in range(7)]
+        want = [reference.generate(ids, SamplingConfig(max_new_tokens=n)) for ids, n in cases]
+        results: dict[int, tuple[list[int], list[float]]] = {}
+        errors: list[BaseException] = []
+
+        def client(i: int) -> None:
+            ids, n = cases[i]
+            body = {"prompt": ids, "max_tokens": n, "logprobs": 0}
+            try:
+                if i % 2:
+                    events = stream(server.port, "/v1/completions", body)
+                    chunks = [e["choices"][0] for e in events[:-1]]
+                    results[i] = ([t for c in chunks for t in c["token_ids"]],
+                                  [x for c in chunks for x in (c["logprobs"] or {}).get("token_logprobs", [])])
+                else:
+                    status, out = post(server.port, "/v1/completions", body)
+                    assert status == 200, out
+                    choice = out["choices"][0]
+                    results[i] = (choice["token_ids"], choice["logprobs"]["token_logprobs"])
+            except BaseException as e:  # noqa: BLE001 - reported by the main thread
+                errors.append(e)
+
+        steps = lambda: metrics(server.port).get(("semoe_batch_requests_count", ()), 0.0)  # noqa: E731
+        first = threading.Thread(target=client, args=(0,))
+        first.start()
+        wait_for(lambda: steps() >= 5, "the long request to stream a few tokens")
+        others = [threading.Thread(target=client, args=(i,)) for i in range(1, len(cases))]
+        for t in others:
+            t.start()
+        for t in [first, *others]:
+            t.join(60)
+        assert not errors, errors
+        for i, res in enumerate(want):
+            tokens, logprobs = results[i]
+            assert tokens == res.tokens, i
+            assert logprobs == pytest.approx(res.logprobs, abs=1e-4), i
+        m = metrics(server.port)
+        alone = m[("semoe_batch_requests_bucket", (("le", "1.0"),))]
+        assert m[("semoe_batch_requests_count", ())] - alone >= 10  # steps that computed two requests or more
+        assert m[("semoe_requests_running", ())] == 0 and m[("semoe_kv_cache_bytes", ())] == 0
+    finally:
+        server.close()
 
 
 def _stop_case(reference) -> tuple[list[int], str, str]:
@@ -524,7 +579,7 @@ def test_queue_full_gets_503(scripted):
 
     running = threading.Thread(target=client, args=("running",))
     running.start()
-    assert eng.started.wait(10)  # the first request is inside generate, the worker is busy
+    assert eng.started.wait(10)  # the first request is running, the one place in the batch taken
     waiting = threading.Thread(target=client, args=("waiting",))
     waiting.start()
     wait_for(lambda: request(scripted.port, "GET", "/health")[1]["queue_depth"] == 1, "the second request to queue")

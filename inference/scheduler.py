@@ -1,0 +1,326 @@
+"""Continuous batching: the server's requests decode together, one packed forward a step.
+
+`BatchScheduler` owns one thread. Each step it drops requests whose client has left, admits waiting
+ones in arrival order (up to `max_batch` running), and builds one packed batch
+(`MoEGPT.forward_packed`): one token for every decoding request, then prompt tokens of requests
+still prefilling, up to `max_batch_tokens` rows in all; a prompt longer than what is left waits for
+the next step's room. The forward returns logits only for the rows sampled (each decoding request's
+row and the last prompt row of a prefill that completed), and each request samples with its own
+generator, temperature, top-p, stop ids, stop strings and `max_tokens`. Requests join and leave
+between steps. The forward is `Engine.step` (with one request decoding alone, `semoe.decode_plan`
+where it applies, as `Engine.generate` uses).
+
+Every row of a packed batch is computed as it would be alone (per-row kernels, attention against
+its own cache, each MoE layer over the union of the batch's experts), except that more than 16 rows
+go to torch's matrix products, whose sums round differently: tokens then agree with a request run
+alone unless its top two logits nearly tie.
+
+Offloaded experts: the offload counters start when the scheduler goes from idle to busy and are read
+(draining queued speculative reads) only when it is idle again, so one request ending does not
+cancel reads the others need.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from inference.openai_protocol import GenRequest
+from inference.text_stream import TextAssembler
+from semoe.attention import KVCache
+from semoe.generate import new_cache, sample
+from storage.pool import peak_rss_bytes
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(kw_only=True)
+class TokenEvent:
+    """One generated token and the text it releases (possibly empty)."""
+
+    token_id: int
+    logprob: float
+    text: str
+
+
+@dataclass(kw_only=True)
+class DoneEvent:
+    """The end of a generation."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    text: str
+    tail: str  # text not yet streamed (held back until the end)
+    finish_reason: str  # "stop" | "length"
+
+
+@dataclass(kw_only=True)
+class ErrorEvent:
+    """Generation raised; the message goes to this request's client only."""
+
+    message: str
+
+
+class QueueFullError(Exception):
+    """More requests are waiting than the server admits."""
+
+
+@dataclass(kw_only=True, eq=False)
+class Job:
+    """One request on its way through the scheduler; events go back to `loop` through `events`."""
+
+    request: GenRequest
+    loop: asyncio.AbstractEventLoop
+    id: str  # the answer's id (`Reply.id`), which the request log names
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)
+    cancelled: threading.Event = field(default_factory=threading.Event)
+    arrived: float = field(default_factory=time.perf_counter)
+
+    def post(self, event: TokenEvent | DoneEvent | ErrorEvent) -> None:
+        """Hand an event to the event loop (called from the scheduler's thread)."""
+        try:
+            self.loop.call_soon_threadsafe(self.events.put_nowait, event)
+        except RuntimeError:  # the loop has closed: nobody is listening any more
+            self.cancelled.set()
+
+
+@dataclass(eq=False)
+class _Running:
+    """A request between admission and its last token: its cache, sampler and what it produced."""
+
+    job: Job
+    cache: KVCache
+    generator: torch.Generator
+    text: TextAssembler
+    kv_bytes: int
+    todo: list[int]  # prompt tokens not yet through the model
+    started: float = field(default_factory=time.perf_counter)
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    t_first: float | None = None
+    t_last: float = 0.0
+
+
+class BatchScheduler:
+    """One thread stepping every running request together; at most `max_queue` requests may wait
+    for a place among the `max_batch` running ones."""
+
+    def __init__(self, engine, metrics, *, max_queue: int, max_batch: int = 16, max_batch_tokens: int = 256,
+                 on_finished: Callable[[Job, dict], None] | None = None) -> None:
+        if max_batch < 1 or max_batch_tokens < max_batch:
+            raise ValueError(f"max_batch must be >= 1 and max_batch_tokens >= max_batch, got {max_batch} and "
+                             f"{max_batch_tokens}")
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.max_batch = max_batch
+        self.max_batch_tokens = max_batch_tokens
+        self.on_finished = on_finished  # (job, record) once a job ends, however it ends
+        self._pending: collections.deque[Job] = collections.deque()
+        self._running: list[_Running] = []
+        self._cv = threading.Condition()
+        self._closing = False
+        self._busy_tokens = 0  # prompt and generated tokens since the scheduler was last idle
+        self._thread = threading.Thread(target=self._run, name="semoe-batch", daemon=True)
+
+    # -- the server's side ----------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the thread."""
+        self._thread.start()
+
+    def submit(self, job: Job) -> None:
+        """Queue a job; QueueFullError when `max_queue` are already waiting."""
+        with self._cv:
+            if self._closing:
+                raise QueueFullError("the server is shutting down")
+            if len(self._pending) >= self.max_queue:
+                raise QueueFullError(f"the request queue is full ({len(self._pending)} waiting); retry later")
+            self._pending.append(job)
+            self.metrics.queue_depth.set(len(self._pending))
+            self._cv.notify()
+
+    def cancel(self, job: Job) -> None:
+        """Give up a job whose client has left: a waiting one leaves the queue at once, a running one
+        at the next step (freeing its place and its cache)."""
+        with self._cv:
+            job.cancelled.set()
+            if job in self._pending:
+                self._pending.remove(job)
+                self.metrics.queue_depth.set(len(self._pending))
+                self.metrics.cancelled.inc()
+                self._record(job, "cancelled", [], None, time.perf_counter())
+            self._cv.notify()
+
+    @property
+    def waiting(self) -> int:
+        """Jobs queued, not yet admitted."""
+        return len(self._pending)
+
+    @property
+    def running(self) -> int:
+        """Jobs admitted and not yet finished."""
+        return len(self._running)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Answer waiting jobs with an error, end the running ones at the next step, join the thread."""
+        with self._cv:
+            self._closing = True
+            for job in self._pending:
+                job.cancelled.set()
+                job.post(ErrorEvent(message="the server is shutting down"))
+            self._pending.clear()
+            self.metrics.queue_depth.set(0)
+            for r in list(self._running):
+                r.job.cancelled.set()
+            self._cv.notify()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            log.warning("the generation thread did not stop within %.0f s", timeout_s)
+
+    # -- the thread ---------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._pending and not self._running and not self._closing:
+                    self._cv.wait()
+                if self._closing and not self._running:
+                    return
+                was_idle = not self._running
+                while self._pending and len(self._running) < self.max_batch and not self._closing:
+                    job = self._pending.popleft()
+                    try:
+                        self._running.append(self._admit(job))
+                    except ValueError as e:  # a prompt the model cannot take: this request's error alone
+                        self.metrics.failed.inc()
+                        job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
+                        self._record(job, "error", [], None, time.perf_counter())
+                self.metrics.queue_depth.set(len(self._pending))
+            if was_idle and self._running:
+                self._busy_tokens = 0
+                if self.engine.offload is not None:
+                    self.engine.offload.begin_request()
+            try:
+                self._step()
+            except Exception as e:  # noqa: BLE001 - the batch's failure ends its requests; the server keeps serving
+                log.exception("a generation step failed")
+                for r in list(self._running):
+                    self.metrics.failed.inc()
+                    r.job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
+                    self._end(r, "error")
+            self.metrics.running.set(len(self._running))
+
+    def _admit(self, job: Job) -> _Running:
+        req = job.request
+        tok = self.engine.tokenizer
+        cache = new_cache(self.engine.model, req.prompt_ids, req.sampling.max_new_tokens)
+        kv = self.engine.kv_cache_bytes(cache.capacity)
+        self._busy_tokens += len(req.prompt_ids)
+        self.metrics.kv_bytes.inc(kv)
+        return _Running(job=job, cache=cache, generator=torch.Generator().manual_seed(req.sampling.seed),
+                        text=TextAssembler(tok.decode if tok is not None else (lambda ids: ""), req.stops),
+                        kv_bytes=kv, todo=list(req.prompt_ids))
+
+    def _step(self) -> None:
+        """One packed forward over the running requests, and a token for each one it completes."""
+        for r in [r for r in self._running if r.job.cancelled.is_set()]:
+            self.metrics.cancelled.inc()
+            log.info("client left: generation stopped after %d tokens", len(r.tokens))
+            self._end(r, "cancelled")
+        if not self._running:
+            return
+        ids: list[int] = []
+        caches: list[KVCache] = []
+        counts: list[int] = []
+        rows: list[int] = []
+        sampled: list[_Running] = []
+        room = self.max_batch_tokens
+        for r in self._running:  # decoding requests first: a long prompt never stalls them
+            if not r.todo:
+                ids.append(r.tokens[-1])
+                caches.append(r.cache)
+                counts.append(1)
+                rows.append(len(ids) - 1)
+                sampled.append(r)
+                room -= 1
+        for r in self._running:
+            if r.todo and room > 0:
+                n = min(len(r.todo), room)
+                ids += r.todo[:n]
+                del r.todo[:n]
+                caches.append(r.cache)
+                counts.append(n)
+                room -= n
+                if not r.todo:  # its last prompt row gives its first token
+                    rows.append(len(ids) - 1)
+                    sampled.append(r)
+        self.metrics.batch.observe(len(caches))
+        logits_SV = self._forward(ids, caches, counts, rows)
+        for r, logits in zip(sampled, logits_SV):
+            self._emit(r, logits[None])
+
+    def _forward(self, ids: list[int], caches: list[KVCache], counts: list[int], rows: list[int]) -> torch.Tensor:
+        with self.engine.lock:
+            return self.engine.step(ids, caches, counts, rows)
+
+    def _emit(self, r: _Running, logits_1V: torch.Tensor) -> None:
+        """Sample r's next token as `semoe.generate.generate` does, and hand it to the client."""
+        req = r.job.request
+        nxt = sample(logits_1V, req.sampling, r.generator)
+        token = int(nxt[0])
+        logprob = float(torch.log_softmax(logits_1V.float(), dim=-1)[0, token])
+        now = time.perf_counter()
+        if r.t_first is None:
+            r.t_first = now
+            self.metrics.ttft.observe(now - r.job.arrived)
+        else:
+            self.metrics.itl.observe(now - r.t_last)
+        r.t_last = now
+        r.tokens.append(token)
+        r.logprobs.append(logprob)
+        self._busy_tokens += 1
+        delta = r.text.add(token)
+        if req.stream:
+            r.job.post(TokenEvent(token_id=token, logprob=logprob, text=delta))
+        if r.text.stopped or token in req.sampling.stop_ids:
+            self._end(r, "stop")
+        elif len(r.tokens) == req.sampling.max_new_tokens:
+            self._end(r, "length")
+
+    def _end(self, r: _Running, status: str) -> None:
+        """Take r out of the batch, free its cache, and answer it (stop, length) or record it."""
+        self._running.remove(r)
+        self.metrics.kv_bytes.dec(r.kv_bytes)
+        t_end = time.perf_counter()
+        self._record(r.job, status, r.tokens, r.t_first, t_end)
+        if status not in ("stop", "length"):
+            return
+        job, req = r.job, r.job.request
+        self.metrics.e2e.observe(t_end - job.arrived)
+        stats: dict = {"peak_rss_bytes": peak_rss_bytes()}
+        if not self._running and self.engine.offload is not None:  # idle: the busy period's counters
+            stats.update(self.engine.offload.request_stats(tokens=self._busy_tokens))
+        first = r.t_first if r.t_first is not None else t_end
+        decode_s = t_end - first
+        self.metrics.observe(prompt_tokens=len(req.prompt_ids), tokens=len(r.tokens), seconds=t_end - r.started,
+                             ttft_s=first - job.arrived,
+                             decode_tok_s=(len(r.tokens) - 1) / decode_s if decode_s > 0 else 0.0, stats=stats)
+        tail = r.text.finish()
+        job.post(DoneEvent(tokens=r.tokens, logprobs=r.logprobs, text=r.text.text, tail=tail, finish_reason=status))
+
+    def _record(self, job: Job, status: str, tokens: list[int], t_first: float | None, t_end: float) -> None:
+        """Hand the job's record (`RequestLog`'s line) to `on_finished`."""
+        if self.on_finished is None:
+            return
+        n = len(tokens)
+        record = {"id": job.id, "status": status, "prompt_tokens": len(job.request.prompt_ids), "tokens": n,
+                  "ttft_s": None if t_first is None else round(t_first - job.arrived, 6),
+                  "mean_itl_s": round((t_end - t_first) / (n - 1), 6) if t_first is not None and n > 1 else None,
+                  "latency_s": round(t_end - job.arrived, 6)}
+        self.on_finished(job, record)
