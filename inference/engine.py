@@ -18,7 +18,7 @@ from typing import Callable
 import torch
 
 from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
-from semoe.compact_linear import DENSE_CHOICES
+from semoe.compact_linear import DENSE_CHOICES, stack_projections
 from semoe.decode_plan import DecodePlan
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import KVCache, MoEGPT
@@ -100,6 +100,7 @@ class Engine:
         name = os.path.basename(os.path.normpath(path))
         if not config.offloaded:
             model = load_model(path, device=config.device, dtype=dtype, dense=config.dense)
+            stack_projections(model)  # float q, k and v too: a model that only serves needs no separate ones
             return cls(model, load_model_tokenizer(path, model.config), name=name, config=config)
         from inference.ring import OffloadedExperts
 
@@ -114,6 +115,7 @@ class Engine:
             import_checkpoint(path, store_path)
         model = load_store(store_path, device=config.device, dtype=dtype, with_experts=False, dense=config.dense,
                            embedding_in_store=True)
+        stack_projections(model)
         offload = OffloadedExperts.attach(model, store_path, config)
         if config.preload:
             offload.warm_idle(in_request=False)

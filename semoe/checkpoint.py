@@ -245,7 +245,8 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
                 layouts[e] = chunk_layout_of(store.manifest, config, ffn.layer, e, path)
                 raws[e] = store.read_chunk(ffn.layer, e)
             ffn.use_experts(packed_layer(config, ffn.layer, raws, layouts, device=device, dtype=dtype, kernel=kernel))
-    stack_projections(model)
+    if scheme != "float":
+        stack_projections(model)
     release_free_heap()
     return model.eval()
 

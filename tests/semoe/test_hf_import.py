@@ -11,6 +11,7 @@ import torch
 from helpers.hf_models import assert_bit_exact, load_safetensors_dir
 
 from storage.errors import BadInputError
+from inference.engine import Engine, EngineConfig
 from semoe.hf_import import INDEX_FILE, SUPPORTED_MODEL_TYPES, export_checkpoint, import_checkpoint, open_checkpoint
 from storage.safetensors_io import OutTensor, write_file
 from storage.store import Store
@@ -93,11 +94,16 @@ def test_newer_architectures_round_trip_bit_exact(arch, dtype, sharded, tmp_path
             (src / INDEX_FILE).read_text())["weight_map"]
     _assert_transformers_computes_the_same_logits(src, out)
     ids = torch.tensor([[1, 5, 9, 2, 33, 7]])
-    loaded = load_store(store.root)
-    # an inference model's float q, k and v are one product (`stack_qkv`), with the same logits
-    assert all(b.attn.qkv_proj is not None for b in loaded.layers if hasattr(b.attn, "qkv_proj"))
     with torch.no_grad():
-        assert torch.equal(loaded(ids).logits, load_hf(str(src))(ids).logits)
+        assert torch.equal(load_store(store.root)(ids).logits, load_hf(str(src))(ids).logits)
+    # the engine's model computes its float q, k and v as one product (`stack_qkv`): the same logits
+    engine = Engine.load(store.root, EngineConfig())
+    try:
+        assert all(b.attn.qkv_proj is not None for b in engine.model.layers if hasattr(b.attn, "qkv_proj"))
+        with torch.no_grad():
+            assert torch.equal(engine.model(ids).logits, load_hf(str(src))(ids).logits)
+    finally:
+        engine.close()
 
 
 def test_fused_3d_experts_are_split_per_expert_and_restacked(tmp_path):
