@@ -1,7 +1,9 @@
 """Continuous batching: the server's requests decode together, one packed forward a step.
 
 `BatchScheduler` owns one thread. Each step it drops requests whose client has left, admits waiting
-ones in arrival order (up to `max_batch` running), and builds one packed batch
+ones in arrival order while there is room (up to `max_batch` running, their KV caches within
+`kv_memory_bytes`; a request waits rather than fails while the caches are full), and builds one
+packed batch
 (`MoEGPT.forward_packed`): one token for every decoding request, then prompt tokens of requests
 still prefilling, up to `max_batch_tokens` rows in all; a prompt longer than what is left waits for
 the next step's room. The forward returns logits only for the rows sampled (each decoding request's
@@ -113,10 +115,13 @@ class BatchScheduler:
     for a place among the `max_batch` running ones."""
 
     def __init__(self, engine, metrics, *, max_queue: int, max_batch: int = 16, max_batch_tokens: int = 256,
-                 on_finished: Callable[[Job, dict], None] | None = None) -> None:
+                 kv_memory_bytes: int | None = None, on_finished: Callable[[Job, dict], None] | None = None) -> None:
         if max_batch < 1 or max_batch_tokens < max_batch:
             raise ValueError(f"max_batch must be >= 1 and max_batch_tokens >= max_batch, got {max_batch} and "
                              f"{max_batch_tokens}")
+        if kv_memory_bytes is not None and kv_memory_bytes < 1:
+            raise ValueError(f"kv_memory_bytes must be >= 1, got {kv_memory_bytes}")
+        self.kv_memory_bytes = kv_memory_bytes  # the running requests' KV caches together; None: no limit
         self.engine = engine
         self.metrics = metrics
         self.max_queue = max_queue
@@ -193,7 +198,8 @@ class BatchScheduler:
                 if self._closing and not self._running:
                     return
                 was_idle = not self._running
-                while self._pending and len(self._running) < self.max_batch and not self._closing:
+                while self._pending and len(self._running) < self.max_batch and not self._closing \
+                        and self._kv_fits(self._pending[0]):  # in arrival order: the first waits for room
                     job = self._pending.popleft()
                     try:
                         self._running.append(self._admit(job))
@@ -202,6 +208,7 @@ class BatchScheduler:
                         job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
                         self._record(job, "error", [], None, time.perf_counter())
                 self.metrics.queue_depth.set(len(self._pending))
+                self.metrics.running.set(len(self._running))
             if was_idle and self._running:
                 self._busy_tokens = 0
                 if self.engine.offload is not None:
@@ -216,9 +223,23 @@ class BatchScheduler:
                     self._end(r, "error")
             self.metrics.running.set(len(self._running))
 
+    def kv_bytes_of(self, req: GenRequest) -> int:
+        """KV cache bytes a request reserves while it runs: its prompt and max_tokens positions."""
+        return self.engine.kv_cache_bytes(len(req.prompt_ids) + req.sampling.max_new_tokens)
+
+    def _kv_fits(self, job: Job) -> bool:
+        """Whether `job`'s KV cache fits beside the running ones' (one that cannot fit even alone is let
+        through, to fail at admission rather than block the queue: the server answers 400 before)."""
+        if self.kv_memory_bytes is None or not self._running:
+            return True
+        return sum(r.kv_bytes for r in self._running) + self.kv_bytes_of(job.request) <= self.kv_memory_bytes
+
     def _admit(self, job: Job) -> _Running:
         req = job.request
         tok = self.engine.tokenizer
+        if self.kv_memory_bytes is not None and self.kv_bytes_of(req) > self.kv_memory_bytes:
+            raise ValueError(f"the request's KV cache ({self.kv_bytes_of(req)} bytes) exceeds the KV memory limit "
+                             f"of {self.kv_memory_bytes} bytes")
         cache = new_cache(self.engine.model, req.prompt_ids, req.sampling.max_new_tokens)
         kv = self.engine.kv_cache_bytes(cache.capacity)
         self._busy_tokens += len(req.prompt_ids)

@@ -201,11 +201,12 @@ async def _next_event(job: Job, request: Request, worker: BatchScheduler
 
 
 def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | None = None,
-               request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256) -> FastAPI:
+               request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256,
+               kv_memory_bytes: int | None = None) -> FastAPI:
     """The FastAPI application serving `engine`; `chat_template` defaults to the fallback template
     (load a model's own with `inference.chat.load_chat_template`); `request_log`: a file that gets
     one JSON line per finished request (`RequestLog`); `max_batch` requests decode together, in
-    steps of at most `max_batch_tokens` rows (`BatchScheduler`)."""
+    steps of at most `max_batch_tokens` rows, their KV caches within `kv_memory_bytes` (`BatchScheduler`)."""
     if not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
     template = chat_template or ChatTemplate.default()
@@ -213,7 +214,7 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
     metrics.count_storage_reads(engine.storage_read_bytes)
     records = RequestLog(request_log) if request_log else None
     worker = BatchScheduler(engine, metrics, max_queue=max_queue, max_batch=max_batch,
-                            max_batch_tokens=max_batch_tokens,
+                            max_batch_tokens=max_batch_tokens, kv_memory_bytes=kv_memory_bytes,
                             on_finished=(lambda job, rec: records.put(job.loop, rec)) if records else None)
     started = int(time.time())
     tok = engine.tokenizer
@@ -254,6 +255,12 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
 
     async def answer(request: Request, req: GenRequest) -> Response:
         reply = Reply(req, engine.name, lambda t: tok.decode([t]) if tok is not None else "")
+        need = worker.kv_bytes_of(req)
+        if kv_memory_bytes is not None and need > kv_memory_bytes:  # it would wait forever
+            raise APIError(f"this request's KV cache ({need} bytes for {len(req.prompt_ids)} prompt tokens + "
+                           f"max_tokens {req.sampling.max_new_tokens}) exceeds the server's KV memory limit of "
+                           f"{kv_memory_bytes} bytes (--kv-memory); ask for fewer max_tokens or a shorter prompt",
+                           param="max_tokens")
         job = Job(request=req, loop=asyncio.get_running_loop(), id=reply.id)  # the log names the answer's id
         try:
             worker.submit(job)
@@ -344,11 +351,12 @@ def url_of(sock: socket.socket) -> str:
 
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, *, max_queue: int = 64,
           chat_template: ChatTemplate | None = None, on_ready: Callable[[str], None] | None = None,
-          request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256) -> None:
+          request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256,
+          kv_memory_bytes: int | None = None) -> None:
     """Serve `engine` until interrupted (Ctrl-C shuts down gracefully); `on_ready(url)` once bound."""
     sock = bind_socket(host, port)
     app = create_app(engine, max_queue=max_queue, chat_template=chat_template, request_log=request_log,
-                     max_batch=max_batch, max_batch_tokens=max_batch_tokens)
+                     max_batch=max_batch, max_batch_tokens=max_batch_tokens, kv_memory_bytes=kv_memory_bytes)
     config = uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
                             timeout_graceful_shutdown=5)
     if on_ready is not None:

@@ -11,6 +11,7 @@ import signal
 import sys
 
 from tools.common import UsageError
+from tools.sizes import parse_size
 from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args
 
 
@@ -33,6 +34,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=256, metavar="N",
                    help="rows of one step: a token per decoding request, then prompt tokens of new requests; a "
                         "longer prompt is prefilled over several steps (default 256, at least --max-batch)")
+    p.add_argument("--kv-memory", metavar="SIZE",
+                   help="memory for the running requests' KV caches together (512MiB, 2GiB; default: no limit). "
+                        "Each request reserves its prompt and max_tokens positions when admitted; requests wait while "
+                        "it is full, and one that can never fit gets HTTP 400")
     p.add_argument("--request-log", metavar="FILE",
                    help="append one JSON line per finished request to FILE: id, status (stop, length, cancelled, "
                         "error), prompt and generated tokens, time to first token, mean inter-token latency, "
@@ -60,6 +65,7 @@ def run(args: argparse.Namespace) -> int:
         where = os.path.dirname(os.path.abspath(args.request_log))
         if not os.path.isdir(where) or os.path.isdir(args.request_log):
             raise UsageError(f"--request-log {args.request_log}: expected a file in an existing directory")
+    kv_memory = parse_size(args.kv_memory, flag="--kv-memory") if args.kv_memory is not None else None
     config = engine_config_from_args(args)
     template = load_chat_template(args.model)
     engine = Engine.load(args.model, config)
@@ -71,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
         with routing_trace(engine.model, args.routing_trace):
             serve(engine, args.host, args.port, max_queue=args.max_queue, chat_template=template,
                   request_log=args.request_log, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
+                  kv_memory_bytes=kv_memory,
                   on_ready=lambda url: print(f"serving {engine.name} ({mode} on {config.device}) at {url}/v1 "
                                              f"(Ctrl-C to stop)", file=sys.stderr, flush=True))
     except KeyboardInterrupt:

@@ -595,6 +595,37 @@ def test_queue_full_gets_503(scripted):
     assert requests_total(metrics(scripted.port), "/v1/completions", 503) == 1
 
 
+def test_the_kv_memory_budget_queues_requests_and_refuses_one_that_never_fits(engine):
+    """--kv-memory: a second request waits while the first holds the room (though the batch has places),
+    runs when it frees, and a request whose cache alone exceeds the budget gets 400 naming the limit."""
+    eng = ScriptedEngine(engine)
+    body = {"prompt": [3, 4], "max_tokens": 3}
+    one = engine.kv_cache_bytes(5)
+    server = LiveServer(create_app(eng, max_batch=4, kv_memory_bytes=one + one // 2))
+    try:
+        eng.gate.clear()
+        results = []
+        threads = [threading.Thread(target=lambda: results.append(post(server.port, "/v1/completions", body)))
+                   for _ in range(2)]
+        threads[0].start()
+        assert eng.started.wait(10)
+        threads[1].start()
+        wait_for(lambda: request(server.port, "GET", "/health")[1]["queue_depth"] == 1, "the second to wait for room")
+        m = metrics(server.port)
+        assert m[("semoe_requests_running", ())] == 1 and m[("semoe_kv_cache_bytes", ())] == one
+        status, out = post(server.port, "/v1/completions", {"prompt": [3, 4], "max_tokens": 20})
+        assert status == 400 and "--kv-memory" in out["error"]["message"] and out["error"]["param"] == "max_tokens"
+        eng.gate.set()
+        for t in threads:
+            t.join(20)
+        assert [r[0] for r in results] == [200, 200]
+        assert results[0][1]["choices"][0]["token_ids"] == results[1][1]["choices"][0]["token_ids"]
+        assert metrics(server.port)[("semoe_kv_cache_bytes", ())] == 0
+    finally:
+        eng.gate.set()
+        server.close()
+
+
 def test_generation_error_is_500_for_that_request_only(scripted):
     fail = [ScriptedEngine.FAIL_TOKEN, 3]
     status, out = post(scripted.port, "/v1/completions", {"prompt": fail, "max_tokens": 2})
@@ -766,3 +797,18 @@ def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, 
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-batch", "0"], "--max-batch must be >= 1, got 0"),
+    (["--max-batch", "8", "--max-batch-tokens", "4"], "--max-batch-tokens must be >= --max-batch (8), got 4"),
+    (["--kv-memory", "25%"], "--kv-memory: a percentage is not allowed here"),
+    (["--kv-memory", "lots"], "--kv-memory: expected a size like 512MiB"),
+])
+def test_serve_rejects_bad_batching_flags_in_one_line(model_dir, capsys, flags, message):
+    from tools.cli import main
+
+    rc = main(["serve", "--model", str(model_dir), "--device", "cpu", *flags])
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("semoe: error:")]
+    assert rc == 2 and len(lines) == 1 and message in lines[0], err
