@@ -323,6 +323,40 @@ def test_requests_joining_mid_stream_decode_together_and_get_their_own_tokens(en
         server.close()
 
 
+def test_batched_requests_over_offloaded_experts_get_the_resident_tokens(model_dir, reference):
+    """Continuous batching over the offload ring: each MoE layer streams the union of the batch's
+    experts through two slots behind a quarter-size CPU cache; four concurrent requests (a step of at
+    most 16 rows: the per-row kernels, so the same bits) get the resident engine's tokens and
+    log-probs."""
+    eng = Engine.load(str(model_dir), EngineConfig(cpu_cache_bytes=1, ring_slots=2, preload=False))
+    server = LiveServer(create_app(eng, max_batch=4))
+    try:
+        cases = [([1, 5, 9, 14], 12), ([3, 2], 9), ([20, 11, 4], 15), ([6], 7)]
+        want = {i: direct(reference, ids, n) for i, (ids, n) in enumerate(cases)}
+        results: dict[int, object] = {}
+
+        def client(i: int) -> None:
+            ids, n = cases[i]
+            results[i] = post(server.port, "/v1/completions", {"prompt": ids, "max_tokens": n, "logprobs": 0})
+
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(cases))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i, res in want.items():
+            status, out = results[i]
+            assert status == 200, out
+            choice = out["choices"][0]
+            assert choice["token_ids"] == res.tokens and choice["logprobs"]["token_logprobs"] == res.logprobs, i
+        m = metrics(server.port)
+        assert m[("semoe_storage_read_bytes_total", ())] > 0
+        assert m[("semoe_batch_requests_count", ())] > m[("semoe_batch_requests_bucket", (("le", "1.0"),))]
+    finally:
+        server.close()
+        eng.close()
+
+
 def _stop_case(reference) -> tuple[list[int], str, str]:
     """A prompt whose greedy text has a word after its first; that word is the stop string."""
     for first in range(3, 40):
