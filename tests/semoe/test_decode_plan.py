@@ -19,6 +19,7 @@ from semoe.decode_plan import DecodePlan, NotPlanned
 from semoe.generate import SamplingConfig, decode_one_token, generate, prefill
 from semoe.model import MoEGPT
 from semoe.quantize import QuantizeConfig, quantize_store
+from storage.store import Store
 import semoe.generate
 
 pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels are not built")
@@ -94,8 +95,7 @@ def test_generation_resident_and_offloaded_equals_the_module_path(stores, monkey
     """`generate` decodes through the plan; with it switched off, the same tokens and log-probs, for
     the resident int4 model and for its experts offloaded behind a quarter-size CPU cache."""
     sampling = SamplingConfig(max_new_tokens=12)
-    budget = {"cpu_cache_bytes": sum(c.bytes for c in __import__("storage.store").store.Store.open(
-        stores[4]).manifest.chunks) // 4, "ring_slots": 2}
+    budget = {"cpu_cache_bytes": sum(c.bytes for c in Store.open(stores[4]).manifest.chunks) // 4, "ring_slots": 2}
     results = {}
     for name, cfg in (("resident", {}), ("offloaded", budget)):
         for planned in (True, False):
