@@ -89,7 +89,7 @@ class Engine:
         self.offload = offload  # inference.ring.OffloadedExperts when offloaded
         self.lock = threading.Lock()
         self._cleanup = cleanup
-        self._plan: DecodePlan | None | bool = None  # `step`'s, built at its first lone token (False: none)
+        self._plan = DecodePlan.build(model)  # `step`'s for a lone decoding token (None: the model has no plan)
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
@@ -128,11 +128,8 @@ class Engine:
         tokens of `ids` after `caches[i].length`): logits (len(rows), V) of `rows`. A lone decoding
         token goes through the decode plan where it applies, as `generate` does. The batch
         scheduler's forward; callers serialise on `lock`."""
-        if counts == [1]:
-            if self._plan is None:
-                self._plan = DecodePlan.build(self.model) or False
-            if self._plan and self._plan.takes(caches[0]):
-                return self._plan.step(ids[0], caches[0])
+        if counts == [1] and self._plan is not None and self._plan.takes(caches[0]):
+            return self._plan.step(ids[0], caches[0])
         with torch.no_grad():
             ids_N = torch.tensor(ids, device=self.model.embed.weight.device)
             return self.model.forward_packed(ids_N, caches, counts, rows=rows).logits[0]

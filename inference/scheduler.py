@@ -168,11 +168,6 @@ class BatchScheduler:
         """Jobs queued, not yet admitted."""
         return len(self._pending)
 
-    @property
-    def running(self) -> int:
-        """Jobs admitted and not yet finished."""
-        return len(self._running)
-
     def stop(self, timeout_s: float = 10.0) -> None:
         """Answer waiting jobs with an error, end the running ones at the next step, join the thread."""
         with self._cv:

@@ -127,10 +127,11 @@ class CompactWeight:
 Weight = torch.Tensor | CompactWeight
 
 
-def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor | None:
+def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight, out: torch.Tensor | None = None
+                 ) -> torch.Tensor | None:
     """down(silu(gate x) * up x) in one call of semoe's CPU kernel where it applies (three int8 or
-    three int4 weights stored out-major, a decoding step's few rows on CPU, the `auto` kernel);
-    None elsewhere, for the caller to compose the three products."""
+    three int4 weights stored out-major, a decoding step's few rows on CPU, the `auto` kernel; into
+    `out`, float32, where given); None elsewhere, for the caller to compose the three products."""
     ws = (gate, up, down)
     if not all(isinstance(w, CompactWeight) and w.kernel == "auto" and not w.spec.transposed for w in ws):
         return None
@@ -138,8 +139,8 @@ def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> 
     if up.spec.scheme != scheme or down.spec.scheme != scheme or not gate.quantizes_activations(x_MD):
         return None
     y = cpu_kernels.swiglu(x_MD, 8 if scheme == "int8" else 4, (gate.codes, gate.scales), (up.codes, up.scales),
-                           (down.codes, down.scales), gate.spec.group_size or 0, down.spec.group_size or 0)
-    return y if y.dtype == x_MD.dtype else y.to(x_MD.dtype)
+                           (down.codes, down.scales), gate.spec.group_size or 0, down.spec.group_size or 0, out=out)
+    return y if y.dtype == x_MD.dtype or out is not None else y.to(x_MD.dtype)
 
 
 def _float_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:

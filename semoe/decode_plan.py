@@ -27,7 +27,7 @@ from torch import nn
 
 from semoe import cpu_kernels
 from semoe.attention import Attention, KVCache, RMSNorm, rope_tables
-from semoe.compact_linear import CompactWeight
+from semoe.compact_linear import CompactWeight, fused_swiglu
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 
 
@@ -180,16 +180,16 @@ class DecodePlan:
             if lay.router is None:
                 x.add_(lay.ffn(h[None])[0])  # a dense layer: the module's own call
             else:
-                self._experts(i, lay, h, x, threads)
+                self._experts(lay, h, x, threads)
         cache.length = pos + 1
         self._norm(self.model.norm, x, h)
         logits = torch.empty(1, self.lm_head.O)
         self.lm_head(h, logits, threads)
         return logits
 
-    def _experts(self, i: int, lay: _Layer, h: torch.Tensor, x: torch.Tensor, threads: int) -> None:
+    def _experts(self, lay: _Layer, h: torch.Tensor, x: torch.Tensor, threads: int) -> None:
         """The MoE layer of `MoEFeedForward._one_token`, its sum added to x."""
-        c, lib = self.config, self.lib
+        c = self.config
         lay.router(h, self.logits_E[0], threads)
         probs = torch.softmax(self.logits_E, dim=-1)  # route_topk's ops on the same logits
         weights, ids_t = torch.topk(probs, c.top_k, dim=-1)
@@ -201,21 +201,9 @@ class DecodePlan:
         h_1D = h[None]
         provider = lay.ffn.experts
         for j, (e, w) in enumerate(provider.stream(lay.ffn.layer, experts, h_1D)):
-            y = self.ys[j]
-            if not self._fused(w.parts, h, y, threads):
-                y = w.apply(h_1D).reshape(-1)  # the expert's own products, as the module path's
-            outs[e] = y
+            # the module path's own choice (`experts.swiglu`): one kernel call into a buffer of the
+            # plan's where it applies, else the expert's products
+            fused = fused_swiglu(h_1D, *w.parts, out=self.ys[j][None])
+            outs[e] = fused.reshape(-1) if fused is not None else w.apply(h_1D).reshape(-1)
         ys = (ctypes.c_void_p * len(ids))(*(_ptr(outs[e]) for e in ids))
-        lib.moe_combine_f32(_ptr(x), ys, _ptr(weights), len(ids), x.numel())
-
-    def _fused(self, parts: tuple, h: torch.Tensor, y: torch.Tensor, threads: int) -> bool:
-        """One SwiGLU expert in one kernel call where `compact_linear.fused_swiglu` makes that call."""
-        gate, up, down = parts
-        if not all(isinstance(w, CompactWeight) and w.kernel == "auto" and not w.spec.transposed
-                   and w.spec.scheme == gate.spec.scheme for w in parts) or gate.spec.scheme not in ("int8", "int4"):
-            return False
-        sg, su, sd = (cpu_kernels._f32(w.scales) for w in parts)  # held until the call returns
-        self.lib.swiglu_q(_ptr(h), 1, h.numel(), gate.codes.shape[0], 8 if gate.spec.scheme == "int8" else 4,
-                          _ptr(gate.codes), _ptr(sg), _ptr(up.codes), _ptr(su), gate.spec.group_size or 0,
-                          _ptr(down.codes), _ptr(sd), down.spec.group_size or 0, _ptr(y), threads)
-        return True
+        self.lib.moe_combine_f32(_ptr(x), ys, _ptr(weights), len(ids), x.numel())

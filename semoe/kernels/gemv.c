@@ -696,7 +696,6 @@ void attend_decode_f32(const float *q, const float *k, const float *v, const flo
     free(p);
 }
 
-/* Which path this build took: 2 with AVX-512 VNNI, 1 with AVX2 and FMA, 0 for the portable loops */
 /* A MoE layer's output added to the residual stream for one row: x += sum over K choices of y_k * w_k,
  * each product rounded to float32 and the sum taken in choice order, then added to x: the model's
  * one-token path (rows[k] = y_k * w_k; rows[0] + rows[1] + ...; x + that), the same bits, so no
@@ -713,6 +712,7 @@ __attribute__((optimize("fp-contract=off"))) void moe_combine_f32(float *x, cons
     }
 }
 
+/* Which path this build took: 2 with AVX-512 VNNI, 1 with AVX2 and FMA, 0 for the portable loops */
 int kernels_isa(void) {
 #if defined(SEMOE_VNNI)
     return 2;
