@@ -37,7 +37,7 @@ import torch
 from inference.openai_protocol import GenRequest
 from inference.text_stream import TextAssembler
 from semoe.attention import KVCache
-from semoe.generate import new_cache, sample
+from semoe.generate import choose, new_cache
 from storage.pool import peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -193,17 +193,16 @@ class BatchScheduler:
                 if self._closing and not self._running:
                     return
                 was_idle = not self._running
-                while self._pending and len(self._running) < self.max_batch and not self._closing \
-                        and self._kv_fits(self._pending[0]):  # in arrival order: the first waits for room
-                    job = self._pending.popleft()
-                    try:
-                        self._running.append(self._admit(job))
-                    except ValueError as e:  # a prompt the model cannot take: this request's error alone
-                        self.metrics.failed.inc()
-                        job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
-                        self._record(job, "error", [], None, time.perf_counter())
+                admitted = self._take_admissible()
                 self.metrics.queue_depth.set(len(self._pending))
-                self.metrics.running.set(len(self._running))
+            for job in admitted:  # caches are allocated outside the lock: submit() never waits on them
+                try:
+                    self._running.append(self._admit(job))
+                except ValueError as e:  # a request the model or the KV budget cannot take: its error alone
+                    self.metrics.failed.inc()
+                    job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
+                    self._record(job, "error", [], None, time.perf_counter())
+            self.metrics.running.set(len(self._running))
             if was_idle and self._running:
                 self._busy_tokens = 0
                 if self.engine.offload is not None:
@@ -222,30 +221,39 @@ class BatchScheduler:
         """KV cache bytes a request reserves while it runs: its prompt and max_tokens positions."""
         return self.engine.kv_cache_bytes(len(req.prompt_ids) + req.sampling.max_new_tokens)
 
-    def _kv_fits(self, job: Job) -> bool:
-        """Whether `job`'s KV cache fits beside the running ones' (one that cannot fit even alone is let
-        through, to fail at admission rather than block the queue: the server answers 400 before)."""
-        if self.kv_memory_bytes is None or not self._running:
-            return True
-        return sum(r.kv_bytes for r in self._running) + self.kv_bytes_of(job.request) <= self.kv_memory_bytes
+    def _take_admissible(self) -> list[Job]:
+        """Waiting jobs, in arrival order, while the batch has places and their KV caches fit beside
+        the running ones' (the first that does not fit waits, and those behind it); called under the
+        lock. One whose cache cannot fit even alone is taken when nothing runs, to fail at admission
+        rather than block the queue (the server answers it 400 before it queues)."""
+        taken: list[Job] = []
+        reserved = sum(r.kv_bytes for r in self._running)
+        while self._pending and len(self._running) + len(taken) < self.max_batch and not self._closing:
+            need = self.kv_bytes_of(self._pending[0].request)
+            if self.kv_memory_bytes is not None and reserved + need > self.kv_memory_bytes \
+                    and (reserved or taken):
+                break
+            taken.append(self._pending.popleft())
+            reserved += need
+        return taken
 
     def _admit(self, job: Job) -> _Running:
         req = job.request
         tok = self.engine.tokenizer
-        if self.kv_memory_bytes is not None and self.kv_bytes_of(req) > self.kv_memory_bytes:
-            raise ValueError(f"the request's KV cache ({self.kv_bytes_of(req)} bytes) exceeds the KV memory limit "
-                             f"of {self.kv_memory_bytes} bytes")
+        need = self.kv_bytes_of(req)
+        if self.kv_memory_bytes is not None and need > self.kv_memory_bytes:
+            raise ValueError(f"the request's KV cache ({need} bytes) exceeds the KV memory limit of "
+                             f"{self.kv_memory_bytes} bytes")
         cache = new_cache(self.engine.model, req.prompt_ids, req.sampling.max_new_tokens)
-        kv = self.engine.kv_cache_bytes(cache.capacity)
         self._busy_tokens += len(req.prompt_ids)
-        self.metrics.kv_bytes.inc(kv)
+        self.metrics.kv_bytes.inc(need)
         return _Running(job=job, cache=cache, generator=torch.Generator().manual_seed(req.sampling.seed),
                         text=TextAssembler(tok.decode if tok is not None else (lambda ids: ""), req.stops),
-                        kv_bytes=kv, todo=list(req.prompt_ids))
+                        kv_bytes=need, todo=list(req.prompt_ids))
 
     def _step(self) -> None:
         """One packed forward over the running requests, and a token for each one it completes."""
-        for r in [r for r in self._running if r.job.cancelled.is_set()]:
+        for r in [r for r in self._running if r.job.cancelled.is_set() or self._closing]:
             self.metrics.cancelled.inc()
             log.info("client left: generation stopped after %d tokens", len(r.tokens))
             self._end(r, "cancelled")
@@ -288,9 +296,7 @@ class BatchScheduler:
     def _emit(self, r: _Running, logits_1V: torch.Tensor) -> None:
         """Sample r's next token as `semoe.generate.generate` does, and hand it to the client."""
         req = r.job.request
-        nxt = sample(logits_1V, req.sampling, r.generator)
-        token = int(nxt[0])
-        logprob = float(torch.log_softmax(logits_1V.float(), dim=-1)[0, token])
+        token, logprob = choose(logits_1V, req.sampling, r.generator)
         now = time.perf_counter()
         if r.t_first is None:
             r.t_first = now

@@ -69,6 +69,12 @@ def sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Genera
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits_BV.device)
 
 
+def choose(logits_1V: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> tuple[int, float]:
+    """One sequence's next token (`sample`) and its log-probability under the logits."""
+    token = int(sample(logits_1V, cfg, generator)[0])
+    return token, float(torch.log_softmax(logits_1V.float(), dim=-1)[0, token])
+
+
 @torch.no_grad()
 def prefill(model: MoEGPT, ids_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Run the prompt through the model, filling the cache; logits of the last position (B, V). One
@@ -123,10 +129,9 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
     logits = prefill(model, torch.tensor([prompt], device=device), cache)
     t_first = None
     while True:
-        nxt = sample(logits, cfg, gen)
-        lp = torch.log_softmax(logits.float(), dim=-1)[0, nxt[0]]
-        tokens.append(int(nxt[0]))
-        logprobs.append(float(lp))
+        token, lp = choose(logits, cfg, gen)
+        tokens.append(token)
+        logprobs.append(lp)
         if on_token is not None:
             on_token(tokens[-1], logprobs[-1])
         if t_first is None:
@@ -137,7 +142,7 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
         if plan is not None and plan.takes(cache):
             logits = plan.step(tokens[-1], cache)
         else:
-            logits = decode_one_token(model, nxt[:, None], cache)
+            logits = decode_one_token(model, torch.tensor([[tokens[-1]]], device=device), cache)
     sync(device)
     t_end = time.perf_counter()
     decode_s = t_end - t_first
