@@ -127,20 +127,30 @@ class CompactWeight:
 Weight = torch.Tensor | CompactWeight
 
 
-def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight, out: torch.Tensor | None = None
-                 ) -> torch.Tensor | None:
-    """down(silu(gate x) * up x) in one call of semoe's CPU kernel where it applies (three int8 or
-    three int4 weights stored out-major, a decoding step's few rows on CPU, the `auto` kernel; into
-    `out`, float32, where given); None elsewhere, for the caller to compose the three products."""
+def swiglu_operands(gate: Weight, up: Weight, down: Weight) -> tuple | None:
+    """Where one call of semoe's CPU SwiGLU kernel computes this expert (three int8 or three int4
+    weights stored out-major, the `auto` kernel): its operands (bits, (codes, scales) of gate, up and
+    down, gate/up's group, down's group); None elsewhere. The one test the model's experts and
+    `DecodePlan` both make."""
     ws = (gate, up, down)
     if not all(isinstance(w, CompactWeight) and w.kernel == "auto" and not w.spec.transposed for w in ws):
         return None
     scheme = gate.spec.scheme
-    if up.spec.scheme != scheme or down.spec.scheme != scheme or not gate.quantizes_activations(x_MD):
+    if scheme not in ("int8", "int4") or up.spec.scheme != scheme or down.spec.scheme != scheme:
         return None
-    y = cpu_kernels.swiglu(x_MD, 8 if scheme == "int8" else 4, (gate.codes, gate.scales), (up.codes, up.scales),
-                           (down.codes, down.scales), gate.spec.group_size or 0, down.spec.group_size or 0, out=out)
-    return y if y.dtype == x_MD.dtype or out is not None else y.to(x_MD.dtype)
+    return (8 if scheme == "int8" else 4, (gate.codes, gate.scales), (up.codes, up.scales), (down.codes, down.scales),
+            gate.spec.group_size or 0, down.spec.group_size or 0)
+
+
+def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor | None:
+    """down(silu(gate x) * up x) in one call of semoe's CPU kernel where it applies (`swiglu_operands`,
+    and a decoding step's few rows on CPU); None elsewhere, for the caller to compose the three
+    products."""
+    ops = swiglu_operands(gate, up, down)
+    if ops is None or not cpu_kernels.takes(x_MD):
+        return None
+    y = cpu_kernels.swiglu(x_MD, *ops)
+    return y if y.dtype == x_MD.dtype else y.to(x_MD.dtype)
 
 
 def _float_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:

@@ -138,19 +138,12 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t if t.dtype is torch.float32 and t.is_contiguous() else t.to(torch.float32).contiguous()
 
 
-def _operands(x_MI: torch.Tensor, w: torch.Tensor, I: int, O: int, out: torch.Tensor | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as contiguous float32 and the float32 output (..., O) (`out` where given), after checking
-    the operands."""
+def _operands(x_MI: torch.Tensor, w: torch.Tensor, I: int, O: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x as contiguous float32 and the float32 output (..., O), after checking the operands."""
     if x_MI.shape[-1] != I:
         raise ValueError(f"x has {x_MI.shape[-1]} features, the weight {I}")
     _cpu_contiguous(x_MI, w)
-    shape = (*x_MI.shape[:-1], O)
-    if out is None:
-        return _f32(x_MI), torch.empty(shape, dtype=torch.float32)
-    if out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous() or out.device.type != "cpu":
-        raise ValueError(f"out must be a contiguous float32 CPU tensor {list(shape)}, got {list(out.shape)} {out.dtype}")
-    return _f32(x_MI), out
+    return _f32(x_MI), torch.empty((*x_MI.shape[:-1], O), dtype=torch.float32)
 
 
 def _cpu_contiguous(x_MI: torch.Tensor, *weights: torch.Tensor) -> None:
@@ -218,13 +211,11 @@ def _gemv_float(x_MI: torch.Tensor, w_OI: torch.Tensor, short: str, dtype: torch
 
 
 def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
-           down: tuple[torch.Tensor, torch.Tensor], group_in: int = 0, group_down: int = 0,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+           down: tuple[torch.Tensor, torch.Tensor], group_in: int = 0, group_down: int = 0) -> torch.Tensor:
     """down(silu(gate x) * up x) for one expert whose three weights are (codes, scales) of one scheme:
     int8 (bits 8) or int4 (bits 4, groups `group_in` over D for gate and up, `group_down` over F for
-    down); float32 (..., D), written into `out` where given. The sums of `gemv_i8`/`gemv_i4` in one
-    call: x and the hidden product are each quantized once, and the three products share one
-    parallel region."""
+    down); float32 (..., D). The sums of `gemv_i8`/`gemv_i4` in one call: x and the hidden product
+    are each quantized once, and the three products share one parallel region."""
     if bits not in (8, 4):
         raise ValueError(f"bits must be 8 or 4, got {bits}")
     F = gate[0].shape[0]
@@ -232,7 +223,7 @@ def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor
     if up[0].shape != gate[0].shape or (down[0].shape[1] * (2 if bits == 4 else 1)) != F:
         raise ValueError(f"gate {list(gate[0].shape)}, up {list(up[0].shape)} and down {list(down[0].shape)} "
                          f"are not one expert's weights")
-    x, y = _operands(x_MD, gate[0], gate[0].shape[1] * (2 if bits == 4 else 1), D, out)
+    x, y = _operands(x_MD, gate[0], gate[0].shape[1] * (2 if bits == 4 else 1), D)
     _cpu_contiguous(x_MD, up[0], down[0])
     sg, su, sd = _f32(gate[1]), _f32(up[1]), _f32(down[1])  # held until the call returns
     _lib().swiglu_q(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], F, bits, gate[0].data_ptr(), sg.data_ptr(),

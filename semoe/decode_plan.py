@@ -27,7 +27,7 @@ from torch import nn
 
 from semoe import cpu_kernels
 from semoe.attention import Attention, KVCache, RMSNorm, rope_tables
-from semoe.compact_linear import CompactWeight, fused_swiglu
+from semoe.compact_linear import CompactWeight, swiglu_operands
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 
 
@@ -201,9 +201,16 @@ class DecodePlan:
         h_1D = h[None]
         provider = lay.ffn.experts
         for j, (e, w) in enumerate(provider.stream(lay.ffn.layer, experts, h_1D)):
-            # the module path's own choice (`experts.swiglu`): one kernel call into a buffer of the
-            # plan's where it applies, else the expert's products
-            fused = fused_swiglu(h_1D, *w.parts, out=self.ys[j][None])
-            outs[e] = fused.reshape(-1) if fused is not None else w.apply(h_1D).reshape(-1)
+            # the module path's own choice (`fused_swiglu`): one kernel call, here into a buffer of
+            # the plan's and without the wrapper's checks, where it applies; else the expert's products
+            ops = swiglu_operands(*w.parts)
+            if ops is None:
+                outs[e] = w.apply(h_1D).reshape(-1)
+                continue
+            bits, (gc, gs), (uc, us), (dc, ds), g_in, g_down = ops
+            sg, su, sd = (cpu_kernels._f32(t) for t in (gs, us, ds))  # held until the call returns
+            self.lib.swiglu_q(_ptr(h), 1, h.numel(), gc.shape[0], bits, _ptr(gc), _ptr(sg), _ptr(uc), _ptr(su), g_in,
+                              _ptr(dc), _ptr(sd), g_down, _ptr(self.ys[j]), threads)
+            outs[e] = self.ys[j]
         ys = (ctypes.c_void_p * len(ids))(*(_ptr(outs[e]) for e in ids))
         self.lib.moe_combine_f32(_ptr(x), ys, _ptr(weights), len(ids), x.numel())
