@@ -57,7 +57,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.gemv_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.rmsnorm_f32.argtypes = [_P, _P, ctypes.c_float, _P, _I, _I]
-    lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P]
+    lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P,
+                                      ctypes.c_int]
     lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
     lib.moe_combine_f32.argtypes = [_P, _P, _P, _I, _I]
@@ -248,7 +249,8 @@ def attend_decode(q_H: torch.Tensor, k_G: torch.Tensor, v_G: torch.Tensor, cos_R
         raise ValueError(f"attend_decode: q {tuple(q_H.shape)}, k {tuple(k_G.shape)}, v {tuple(v_G.shape)}, "
                          f"cos {tuple(cos_R.shape)}, caches {tuple(k_cache_GSD.shape)}, position {pos}: not one step")
     out = torch.empty(H * Dh, dtype=torch.float32)
-    _lib().attend_decode_f32(*(t.data_ptr() for t in ops), H, G, Dh, S, pos, scale, out.data_ptr())
+    _lib().attend_decode_f32(*(t.data_ptr() for t in ops), H, G, Dh, S, pos, scale, out.data_ptr(),
+                             torch.get_num_threads())
     return out
 
 

@@ -20,6 +20,7 @@ reached, a full cache) goes through the modules.
 from __future__ import annotations
 
 import ctypes
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -28,6 +29,7 @@ from torch import nn
 from semoe import cpu_kernels
 from semoe.attention import Attention, KVCache, RMSNorm, rope_tables
 from semoe.compact_linear import CompactWeight, swiglu_operands
+from semoe.experts import ExpertWeights
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 
 
@@ -41,7 +43,8 @@ def _ptr(t: torch.Tensor) -> int:
 
 class _Product:
     """y (O,) = x (I,) @ W.T (+ bias) for one linear module's weight, with the kernel call and
-    operands `compact_linear.linear` uses for one row on CPU."""
+    operands `compact_linear.linear` uses for one row on CPU (the weight's addresses taken once: the
+    plan is built for one generation, over weights that stay where they are)."""
 
     def __init__(self, lib: ctypes.CDLL, module: nn.Module, *, bias: bool = True) -> None:
         w, self.bias = module.weight, getattr(module, "bias", None) if bias else None
@@ -49,38 +52,49 @@ class _Product:
             scheme = w.spec.scheme
             if w.kernel != "auto" or w.codes.device.type != "cpu" or scheme not in ("int8", "int4"):
                 raise NotPlanned(f"a {scheme} weight with the {w.kernel!r} kernel on {w.codes.device}")
-            self.scales = cpu_kernels._f32(w.scales)  # kept: the kernel reads it every step
-            self.codes = w.codes
+            self.held = (w.codes, cpu_kernels._f32(w.scales))  # kept: the kernel reads them every step
+            cp, sp = (t.data_ptr() for t in self.held)
             if scheme == "int8":
-                self.O, self.I = w.codes.shape
-                self._call = lambda x, y, t: lib.gemv_i8(x, _ptr(self.codes), _ptr(self.scales), y, 1, self.O, self.I, t)
+                O, I = self.O, self.I = w.codes.shape
+                self._call = lambda x, y, t: lib.gemv_i8(x, cp, sp, y, 1, O, I, t)
             else:
-                self.O, self.I, g = w.codes.shape[0], 2 * w.codes.shape[1], w.spec.group_size
-                self._call = lambda x, y, t: lib.gemv_i4(x, _ptr(self.codes), _ptr(self.scales), y, 1, self.O, self.I,
-                                                         g, t)
+                O, I, g = self.O, self.I, _ = w.codes.shape[0], 2 * w.codes.shape[1], w.spec.group_size
+                self._call = lambda x, y, t: lib.gemv_i4(x, cp, sp, y, 1, O, I, g, t)
         elif isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 \
                 and w.device.type == "cpu" and w.is_contiguous():
             fn = lib.gemv_f32 if w.dtype == torch.float32 else lib.gemv_bf16
-            self.O, self.I = w.shape
-            self._call = lambda x, y, t: fn(x, _ptr(w), y, 1, self.O, self.I, t)
+            O, I = self.O, self.I = w.shape
+            self.held = (w,)
+            wp = w.data_ptr()
+            self._call = lambda x, y, t: fn(x, wp, y, 1, O, I, t)
         else:
             raise NotPlanned(f"a weight of {type(w).__name__} {getattr(w, 'dtype', '')}")
         if self.bias is not None and (self.bias.dtype != torch.float32 or not self.bias.is_contiguous()):
             raise NotPlanned("a bias that is not contiguous float32")
 
-    def __call__(self, x: torch.Tensor, y: torch.Tensor, threads: int) -> None:
-        """y = x @ W.T (+ bias), y a contiguous float32 view of O values."""
-        self._call(_ptr(x), _ptr(y), threads)
+    def __call__(self, x: int, y: torch.Tensor, threads: int, y_ptr: int | None = None) -> None:
+        """y = x @ W.T (+ bias): x the address of I float32 values, y a contiguous float32 view of O
+        values (`y_ptr` its address where the caller has it)."""
+        self._call(x, y.data_ptr() if y_ptr is None else y_ptr, threads)
         if self.bias is not None:
             y.add_(self.bias)  # the module's y + bias, in place
 
 
+class _Norm:
+    """An `RMSNorm` of one row by the kernel."""
+
+    def __init__(self, lib: ctypes.CDLL, norm: RMSNorm) -> None:
+        self.weight = norm.weight
+        wp, eps = norm.weight.data_ptr(), norm.eps
+        self.call = lambda x, out, D: lib.rmsnorm_f32(x, wp, eps, out, 1, D)
+
+
 @dataclass
 class _Layer:
-    attn_norm: RMSNorm
-    qkv: list[tuple[_Product, int]]  # products and where their outputs start in the q|k|v buffer
+    attn_norm: _Norm
+    qkv: list[tuple[_Product, torch.Tensor, int]]  # products, their part of the q|k|v buffer and its address
     o_proj: _Product
-    ffn_norm: RMSNorm
+    ffn_norm: _Norm
     ffn: nn.Module
     router: _Product | None  # MoE layers
     window: int | None
@@ -111,6 +125,8 @@ class DecodePlan:
             for p in projs:
                 qkv.append((_Product(lib, p), start))
                 start += qkv[-1][0].O
+            if start != c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim:
+                raise NotPlanned(f"layer {block.layer}: q, k and v of {start} outputs")
             router = None
             if isinstance(block.ffn, MoEFeedForward):
                 if c.router != "softmax_topk" or c.shared_expert_size or c.expert_mlp == "clamped_swiglu":
@@ -118,18 +134,30 @@ class DecodePlan:
                 router = _Product(lib, block.ffn.router, bias=False)  # the softmax-top-k router takes none
             elif not isinstance(block.ffn, DenseFFN):
                 raise NotPlanned(f"layer {block.layer}: {type(block.ffn).__name__}")
-            self.layers.append(_Layer(block.attn_norm, qkv, _Product(lib, a.o_proj), block.ffn_norm, block.ffn, router,
-                                      a.window))
+            self.layers.append(_Layer(_Norm(lib, block.attn_norm), qkv, _Product(lib, a.o_proj),
+                                      _Norm(lib, block.ffn_norm), block.ffn, router, a.window))
         self.lm_head = _Product(lib, model.lm_head)
+        self.norm = _Norm(lib, model.norm)
         self.modules = list(model.modules())
         D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        # the step's buffers, made once, and their addresses, taken once (a step takes a few hundred)
         self.qkv = torch.empty(H * Dh + 2 * G * Dh)
         self.q, self.k, self.v = self.qkv.split([H * Dh, G * Dh, G * Dh])
+        self.x, self.h, self.tmp = torch.empty(D), torch.empty(D), torch.empty(D)
         self.att = torch.empty(H * Dh)
-        self.tmp = torch.empty(D)
         self.logits_E = torch.empty(1, c.num_experts) if c.num_experts else None
         self.ys = [torch.empty(D) for _ in range(max(c.top_k, 1))]
+        ptr = _ptr
+        self.qp, self.kp, self.vp, self.attp = ptr(self.q), ptr(self.k), ptr(self.v), ptr(self.att)
+        self.xp, self.hp, self.tmpp = ptr(self.x), ptr(self.h), ptr(self.tmp)
+        self.logits_Ep = None if self.logits_E is None else ptr(self.logits_E)
+        self.ysp = [ptr(y) for y in self.ys]
+        for lay in self.layers:
+            lay.qkv = [(prod, self.qkv[start:start + prod.O], ptr(self.qkv) + 4 * start) for prod, start in lay.qkv]
         self.scale = c.head_dim ** -0.5
+        # the SwiGLU kernel's operands per expert weights object (resident experts give the same object
+        # every step): id -> (weak reference, arguments, what they point into)
+        self._expert_args: dict[int, tuple[weakref.ref, tuple | None, tuple]] = {}
 
     @classmethod
     def build(cls, model: MoEGPT) -> DecodePlan | None:
@@ -155,62 +183,75 @@ class DecodePlan:
             return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
 
-    def _norm(self, norm: RMSNorm, x: torch.Tensor, out: torch.Tensor) -> None:
-        self.lib.rmsnorm_f32(_ptr(x), _ptr(norm.weight), norm.eps, _ptr(out), 1, x.numel())
-
     @torch.no_grad()
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Logits (1, V) after `token`, the sequence's next position; the cache advances by one."""
         c, lib = self.config, self.lib
         threads = torch.get_num_threads()
         pos = cache.length
-        x = self.model.embed(torch.tensor([[token]])).reshape(-1).clone()
+        D, x, xp, hp = c.hidden_size, self.x, self.xp, self.hp
+        x.copy_(self.model.embed(torch.tensor([[token]])).reshape(-1))
         cos, sin = rope_tables(c, torch.arange(pos, pos + 1)[None], x.dtype)
-        h = torch.empty_like(x)
+        cosp, sinp = _ptr(cos), _ptr(sin)
         for i, lay in enumerate(self.layers):
-            self._norm(lay.attn_norm, x, h)
-            for prod, start in lay.qkv:
-                prod(h, self.qkv[start:start + prod.O], threads)
-            lib.attend_decode_f32(_ptr(self.q), _ptr(self.k), _ptr(self.v), _ptr(cos), _ptr(sin),
-                                  _ptr(cache.k[i]), _ptr(cache.v[i]), c.num_heads, c.num_kv_heads, c.head_dim,
-                                  cache.capacity, pos, self.scale, _ptr(self.att))
-            lay.o_proj(self.att, self.tmp, threads)
+            lay.attn_norm.call(xp, hp, D)
+            for prod, y, yp in lay.qkv:
+                prod(hp, y, threads, yp)
+            lib.attend_decode_f32(self.qp, self.kp, self.vp, cosp, sinp, _ptr(cache.k[i]), _ptr(cache.v[i]),
+                                  c.num_heads, c.num_kv_heads, c.head_dim, cache.capacity, pos, self.scale, self.attp,
+                                  threads)
+            lay.o_proj(self.attp, self.tmp, threads, self.tmpp)
             x.add_(self.tmp)
-            self._norm(lay.ffn_norm, x, h)
+            lay.ffn_norm.call(xp, hp, D)
             if lay.router is None:
-                x.add_(lay.ffn(h[None])[0])  # a dense layer: the module's own call
+                x.add_(lay.ffn(self.h[None])[0])  # a dense layer: the module's own call
             else:
-                self._experts(lay, h, x, threads)
+                self._experts(lay, threads)
         cache.length = pos + 1
-        self._norm(self.model.norm, x, h)
+        self.norm.call(xp, hp, D)
         logits = torch.empty(1, self.lm_head.O)
-        self.lm_head(h, logits, threads)
+        self.lm_head(hp, logits, threads)
         return logits
 
-    def _experts(self, lay: _Layer, h: torch.Tensor, x: torch.Tensor, threads: int) -> None:
-        """The MoE layer of `MoEFeedForward._one_token`, its sum added to x."""
-        c = self.config
-        lay.router(h, self.logits_E[0], threads)
+    def _swiglu_args(self, w: ExpertWeights) -> tuple | None:
+        """The SwiGLU kernel's arguments for an expert's weights (after x, before y), or None where
+        the kernel does not take them (`swiglu_operands`, the model's own test)."""
+        hit = self._expert_args.get(id(w))
+        if hit is not None and hit[0]() is w:
+            return hit[1]
+        ops = swiglu_operands(*w.parts)
+        held: tuple = ()
+        args = None
+        if ops is not None:
+            bits, (gc, gs), (uc, us), (dc, ds), g_in, g_down = ops
+            sg, su, sd = held = tuple(cpu_kernels._f32(t) for t in (gs, us, ds))  # held as long as the entry
+            args = (gc.shape[0], bits, _ptr(gc), _ptr(sg), _ptr(uc), _ptr(su), g_in, _ptr(dc), _ptr(sd), g_down)
+        key = id(w)
+        self._expert_args[key] = (weakref.ref(w, lambda _, k=key, d=self._expert_args: d.pop(k, None)), args, held)
+        return args
+
+    def _experts(self, lay: _Layer, threads: int) -> None:
+        """The MoE layer of `MoEFeedForward._one_token` on h, its sum added to x."""
+        c, D = self.config, self.config.hidden_size
+        lay.router(self.hp, self.logits_E[0], threads, self.logits_Ep)
         probs = torch.softmax(self.logits_E, dim=-1)  # route_topk's ops on the same logits
         weights, ids_t = torch.topk(probs, c.top_k, dim=-1)
         if c.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
         ids = ids_t[0].tolist()
         experts = sorted(set(ids))
-        outs: dict[int, torch.Tensor] = {}
-        h_1D = h[None]
-        provider = lay.ffn.experts
-        for j, (e, w) in enumerate(provider.stream(lay.ffn.layer, experts, h_1D)):
+        outs: dict[int, int] = {}  # expert -> the address of its output
+        kept = []
+        h_1D = self.h[None]
+        for j, (e, w) in enumerate(lay.ffn.experts.stream(lay.ffn.layer, experts, h_1D)):
             # the module path's own choice (`fused_swiglu`): one kernel call, here into a buffer of
             # the plan's and without the wrapper's checks, where it applies; else the expert's products
-            ops = swiglu_operands(*w.parts)
-            if ops is None:
-                outs[e] = w.apply(h_1D).reshape(-1)
+            args = self._swiglu_args(w)
+            if args is None:
+                kept.append(w.apply(h_1D).reshape(-1).contiguous())
+                outs[e] = _ptr(kept[-1])
                 continue
-            bits, (gc, gs), (uc, us), (dc, ds), g_in, g_down = ops
-            sg, su, sd = (cpu_kernels._f32(t) for t in (gs, us, ds))  # held until the call returns
-            self.lib.swiglu_q(_ptr(h), 1, h.numel(), gc.shape[0], bits, _ptr(gc), _ptr(sg), _ptr(uc), _ptr(su), g_in,
-                              _ptr(dc), _ptr(sd), g_down, _ptr(self.ys[j]), threads)
-            outs[e] = self.ys[j]
-        ys = (ctypes.c_void_p * len(ids))(*(_ptr(outs[e]) for e in ids))
-        self.lib.moe_combine_f32(_ptr(x), ys, _ptr(weights), len(ids), x.numel())
+            self.lib.swiglu_q(self.hp, 1, D, *args, self.ysp[j], threads)
+            outs[e] = self.ysp[j]
+        ys = (ctypes.c_void_p * len(ids))(*(outs[e] for e in ids))
+        self.lib.moe_combine_f32(self.xp, ys, _ptr(weights), len(ids), D)

@@ -659,36 +659,50 @@ void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M,
     }
 }
 
+/* q . k over Dh in 8 independent partial sums (vector lanes, no reassociation needed) added in a
+ * fixed order, then the tail: the same value on every build and thread count. */
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    float acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
+    float d = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+    for (; i < n; i++) d += a[i] * b[i];
+    return d;
+}
+
 /* One decoding step of grouped-query attention for one sequence, float32: rotate q (H heads) and
  * k (G heads) by halves with the position's cos/sin (Dh each, the rotation over the whole head),
  * write k and v at position `pos` of the layer's cache (G, S, Dh each), then each head's softmax
  * over the positions 0..pos of its group's keys, scaled by `scale`, times the values: out (H, Dh).
- * The dozens of small ops this takes in torch cost more than its arithmetic at one token. */
+ * The dozens of small ops this takes in torch cost more than its arithmetic at one token. Heads are
+ * split over `threads` threads; each head's sums are its own, so the result does not depend on it. */
 void attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
                        float *kc, float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float scale,
-                       float *out) {
+                       float *out, int threads) {
     int64_t half = Dh / 2, n = pos + 1;
-    float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)n);
+    float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)(n * H));
     for (int64_t h = 0; h < H + G; h++) {
         const float *x = h < H ? q + h * Dh : k + (h - H) * Dh;
         float *y = h < H ? qr + h * Dh : kc + ((h - H) * S + pos) * Dh;
         for (int64_t i = 0; i < Dh; i++) y[i] = x[i] * cos[i] + (i < half ? -x[i + half] : x[i - half]) * sin[i];
     }
     for (int64_t g = 0; g < G; g++) memcpy(vc + (g * S + pos) * Dh, v + g * Dh, sizeof(float) * (size_t)Dh);
+    /* a short context is not worth waking a second thread for */
+#pragma omp parallel for num_threads(n * H * Dh >= 32768 ? threads : 1) schedule(static)
     for (int64_t h = 0; h < H; h++) {
         const float *qh = qr + h * Dh, *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
+        float *ph = p + h * n;
         float mx = -INFINITY, sum = 0.0f;
         for (int64_t t = 0; t < n; t++) {
-            float d = 0.0f;
-            for (int64_t i = 0; i < Dh; i++) d += qh[i] * kg[t * Dh + i];
-            p[t] = d * scale;
-            mx = fmaxf(mx, p[t]);
+            ph[t] = dot_f32(qh, kg + t * Dh, Dh) * scale;
+            mx = fmaxf(mx, ph[t]);
         }
-        for (int64_t t = 0; t < n; t++) sum += (p[t] = expf(p[t] - mx));
+        for (int64_t t = 0; t < n; t++) sum += (ph[t] = expf(ph[t] - mx));
         float *o = out + h * Dh;
         memset(o, 0, sizeof(float) * (size_t)Dh);
         for (int64_t t = 0; t < n; t++) {
-            float w = p[t] / sum;
+            float w = ph[t] / sum;
             for (int64_t i = 0; i < Dh; i++) o[i] += w * vg[t * Dh + i];
         }
     }

@@ -173,16 +173,18 @@ def test_the_models_linear_takes_the_float_kernels_for_a_decoding_steps_rows_onl
     assert calls == [(3, 64)] and lin.weight.grad is not None
 
 
-@pytest.mark.parametrize("heads, kv_heads, window", [(8, 4, None), (4, 4, None), (6, 2, 3)])
-def test_one_call_decode_attention_equals_the_models_ops(monkeypatch, heads, kv_heads, window):
+@pytest.mark.parametrize("heads, kv_heads, window, head_dim", [(8, 4, None, 16), (4, 4, None, 16), (6, 2, 3, 16),
+                                                                (4, 2, None, 12)])
+def test_one_call_decode_attention_equals_the_models_ops(monkeypatch, heads, kv_heads, window, head_dim):
     """A decoding step's attention in one kernel call (rotary, cache write, softmax, values) against the
     model's own ops (apply_rope, KVCache.append, scaled_dot_product_attention), step after step: the
     same cache contents and outputs within 1e-5 relative (float32 sums in another order). With a
-    sliding window the kernel is used only while every cached position is in reach."""
+    sliding window the kernel is used only while every cached position is in reach. A head of 12 takes
+    the dot product's vector lanes and its tail."""
     from semoe.attention import Attention, KVCache, rope_tables
     from semoe.config import named_config
 
-    c = named_config("tiny", num_heads=heads, num_kv_heads=kv_heads, head_dim=16, sliding_window=window)
+    c = named_config("tiny", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, sliding_window=window)
     torch.manual_seed(0)
     attn = Attention(c, 0).eval()
     caches = [KVCache.empty(c, 1, 8) for _ in range(2)]
@@ -204,3 +206,28 @@ def test_one_call_decode_attention_equals_the_models_ops(monkeypatch, heads, kv_
             for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
                 assert _relative(a, b) < 1e-6 if b.abs().max() > 0 else torch.equal(a, b)
     assert used == [p for p in range(6) if window is None or window > p]
+
+
+def test_decode_attention_over_a_long_context_splits_heads_over_threads_with_the_same_bits():
+    """Past a few hundred positions the kernel splits heads over threads: one thread and two give the
+    same bits (each head's sums are its own), and both equal softmax(q k^T * scale) v in torch within
+    1e-5 relative (float32 sums in another order)."""
+    torch.manual_seed(0)
+    H, G, Dh, S, pos = 8, 2, 16, 400, 350
+    q, k, v = torch.randn(H * Dh), torch.randn(G * Dh), torch.randn(G * Dh)
+    cos, sin = torch.ones(Dh), torch.zeros(Dh)  # no rotation: the reference below needs none
+    kc, vc = torch.randn(G, S, Dh), torch.randn(G, S, Dh)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(cpu_kernels.attend_decode(q, k, v, cos, sin, kc.clone(), vc.clone(), pos, 0.25))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    keys, values = kc[:, :pos + 1].clone(), vc[:, :pos + 1].clone()
+    keys[:, pos], values[:, pos] = k.view(G, Dh), v.view(G, Dh)
+    group = torch.arange(H) // (H // G)
+    ref = torch.softmax(q.view(H, 1, Dh) @ keys[group].transpose(1, 2) * 0.25, -1) @ values[group]
+    assert _relative(outs[0], ref.reshape(-1)) < 1e-5
