@@ -4,13 +4,17 @@
 Extensions to the OpenAI format: each choice (and each streamed chunk) carries `token_ids`, the ids
 generated; requests may give `stop_token_ids` (more ids that end generation) and `ignore_eos` (the
 model's end-of-sequence ids do not, for benchmarks). `logprobs` hold the chosen tokens'
-log-probabilities only (asking for alternatives gets 400). Sampling is greedy unless `temperature` >
-0; without a `seed` each request draws its own. A field the server does not implement gets 400
-naming it, unless it holds the value that asks for nothing (a penalty of 0, no tools).
+log-probabilities and, where asked (`logprobs: k` of a completion, `top_logprobs: k` of a chat), the
+k most likely tokens at each position with theirs. `n` > 1 asks for several completions of one
+prompt: each is a request of the batch of its own, choice i sampling with `seed` + i. Sampling is
+greedy unless `temperature` > 0; without a `seed` each request draws its own. A field the server
+does not implement gets 400 naming it, unless it holds the value that asks for nothing (a penalty
+of 0, no tools).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import secrets
 import time
@@ -29,6 +33,8 @@ if TYPE_CHECKING:
 
 _MAX_STOPS = 4  # as OpenAI
 _MAX_SEED = 2**63
+_MAX_N = 16  # choices of one request: each takes a place in the batch
+_MAX_TOP = {False: 5, True: 20}  # alternatives per position: a completion's `logprobs`, a chat's `top_logprobs`
 
 # The request fields each endpoint implements. Any other field is refused by name (a client that asks
 # for tools, a response format or penalties must not get an answer that silently ignored them), except
@@ -36,12 +42,12 @@ _MAX_SEED = 2**63
 _COMMON_FIELDS = frozenset({"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options",
                             "logprobs", "stop", "seed", "user", "stop_token_ids", "ignore_eos"})
 _COMPLETION_FIELDS = _COMMON_FIELDS | {"prompt"}
-_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens"}
+_CHAT_FIELDS = _COMMON_FIELDS | {"messages", "max_completion_tokens", "top_logprobs"}
 _NEUTRAL = {"presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,), "logit_bias": ({},),
             "tools": ([],), "functions": ([],), "tool_choice": ("none",), "function_call": ("none",),
             "response_format": ({"type": "text"},), "parallel_tool_calls": (), "store": (False,),
             "metadata": ({},), "echo": (False,), "suffix": ("",), "best_of": (1,),
-            "top_logprobs": (0,)}  # the most likely alternatives are not computed
+            "top_logprobs": (0,)}  # a completion's alternatives are asked for with `logprobs: k`
 
 
 # -- errors and request parsing ---------------------------------------------------------------
@@ -69,6 +75,9 @@ class GenRequest:
     sampling: SamplingConfig
     stops: tuple[str, ...] = ()  # stop strings: the text is cut before the first one produced
     logprobs: bool = False
+    top_logprobs: int = 0  # the most likely tokens at each position, with their log-probabilities
+    max_tokens_set: bool = True  # False: max_tokens was not given (the rest of the context; a KV budget caps it)
+    n: int = 1  # completions of the prompt; choice i samples with seed + i (`choice`)
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with the usage
 
@@ -135,8 +144,6 @@ def _stops(body: dict, engine) -> tuple[str, ...]:
 def _sampling(body: dict, engine, prompt: list[int], *, prompt_param: str, max_tokens: int | None
               ) -> SamplingConfig:
     """Sampling fields shared by both endpoints; `max_tokens` None means the rest of the context."""
-    if _field(body, "n", "integer", 1) != 1:
-        raise APIError("n must be 1: one completion per request", param="n")
     max_position = engine.model.config.max_position
     room = max_position - len(prompt)
     if room < 1:
@@ -171,6 +178,19 @@ def _sampling(body: dict, engine, prompt: list[int], *, prompt_param: str, max_t
                           stop_ids=stop_ids)
 
 
+def _choices(body: dict) -> int:
+    n = _field(body, "n", "integer", 1)
+    if not 1 <= n <= _MAX_N:
+        raise APIError(f"n must be in [1, {_MAX_N}], got {n}", param="n")
+    return n
+
+
+def choice(req: GenRequest, index: int) -> GenRequest:
+    """Choice `index` of an `n` > 1 request: one completion, sampled with the request's seed + index."""
+    return dataclasses.replace(req, n=1, sampling=dataclasses.replace(
+        req.sampling, seed=(req.sampling.seed + index) % _MAX_SEED))
+
+
 def _stream_fields(body: dict) -> tuple[bool, bool]:
     stream = _field(body, "stream", "boolean", False)
     options = _field(body, "stream_options", "object", {})
@@ -187,16 +207,14 @@ def parse_completion(body: dict, engine) -> GenRequest:
     _only_implemented(body, _COMPLETION_FIELDS)
     prompt = _prompt_ids(body["prompt"], engine, param="prompt")
     logprobs = _field(body, "logprobs", "integer")
-    if logprobs is not None and not 0 <= logprobs <= 5:
-        raise APIError(f"logprobs must be in [0, 5], got {logprobs}", param="logprobs")
-    if logprobs:
-        raise APIError("logprobs > 0 (the most likely alternatives) is not supported by this server; 0 gives "
-                       "each chosen token's log-probability", param="logprobs")
+    if logprobs is not None and not 0 <= logprobs <= _MAX_TOP[False]:
+        raise APIError(f"logprobs must be in [0, {_MAX_TOP[False]}], got {logprobs}", param="logprobs")
     stream, include_usage = _stream_fields(body)
     sampling = _sampling(body, engine, prompt, prompt_param="prompt",
                          max_tokens=_field(body, "max_tokens", "integer", 16))
     return GenRequest(chat=False, prompt_ids=prompt, sampling=sampling, stops=_stops(body, engine),
-                      logprobs=logprobs is not None, stream=stream, include_usage=include_usage)
+                      logprobs=logprobs is not None, top_logprobs=logprobs or 0, n=_choices(body), stream=stream,
+                      include_usage=include_usage)
 
 
 def _messages(value: Any) -> list[dict[str, str]]:
@@ -240,9 +258,15 @@ def parse_chat(body: dict, engine, template: ChatTemplate) -> GenRequest:
     stream, include_usage = _stream_fields(body)
     max_tokens = _field(body, "max_completion_tokens", "integer", _field(body, "max_tokens", "integer"))
     sampling = _sampling(body, engine, prompt, prompt_param="messages", max_tokens=max_tokens)
+    logprobs = _field(body, "logprobs", "boolean", False)
+    top = _field(body, "top_logprobs", "integer", 0)
+    if not 0 <= top <= _MAX_TOP[True]:
+        raise APIError(f"top_logprobs must be in [0, {_MAX_TOP[True]}], got {top}", param="top_logprobs")
+    if top and not logprobs:
+        raise APIError("top_logprobs needs logprobs: true", param="top_logprobs")
     return GenRequest(chat=True, prompt_ids=prompt, sampling=sampling, stops=_stops(body, engine),
-                      logprobs=_field(body, "logprobs", "boolean", False), stream=stream,
-                      include_usage=include_usage)
+                      logprobs=logprobs, top_logprobs=top, n=_choices(body), stream=stream,
+                      include_usage=include_usage, max_tokens_set=max_tokens is not None)
 
 
 # -- response bodies --------------------------------------------------------------------------
@@ -252,7 +276,7 @@ def _usage(prompt: int, completion: int) -> dict:
 
 
 class Reply:
-    """Builds the JSON objects of one request's answer, completion or chat."""
+    """Builds the JSON objects of one request's answer, completion or chat, with its `n` choices."""
 
     def __init__(self, req: GenRequest, model: str, token_text: Callable[[int], str]) -> None:
         self.req = req
@@ -260,40 +284,55 @@ class Reply:
         self.token_text = token_text
         self.id = f"{'chatcmpl' if req.chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self._offset = 0  # characters of token text before the next logprobs entry (text_offset)
+        self._offsets = [0] * req.n  # per choice: characters of token text before its next logprobs entry
 
     def _head(self, obj: str) -> dict:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
 
-    def _logprobs(self, tokens: list[int], logprobs: list[float]) -> dict | None:
+    def _logprobs(self, index: int, tokens: list[int], logprobs: list[float],
+                  tops: list[tuple[tuple[int, float], ...]]) -> dict | None:
         if not self.req.logprobs:
             return None
         strs = [self.token_text(t) for t in tokens]
+        tops = tops or [()] * len(tokens)
         if self.req.chat:
-            return {"content": [{"token": s, "logprob": lp, "bytes": list(s.encode()), "top_logprobs": []}
-                                for s, lp in zip(strs, logprobs)]}
+            def entry(s: str, lp: float) -> dict:
+                return {"token": s, "logprob": lp, "bytes": list(s.encode())}
+
+            return {"content": [{**entry(s, lp), "top_logprobs": [entry(self.token_text(t), tlp) for t, tlp in top]}
+                                for s, lp, top in zip(strs, logprobs, tops)]}
         offsets = []
         for s in strs:
-            offsets.append(self._offset)
-            self._offset += len(s)
-        return {"tokens": strs, "token_logprobs": logprobs, "top_logprobs": None, "text_offset": offsets}
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(s)
+        top_logprobs = [{self.token_text(t): tlp for t, tlp in top} for top in tops] \
+            if self.req.top_logprobs else None
+        return {"tokens": strs, "token_logprobs": logprobs, "top_logprobs": top_logprobs, "text_offset": offsets}
 
-    def full(self, done: DoneEvent) -> dict:
-        """The non-streamed answer."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": done.finish_reason, "token_ids": done.tokens,
-                                  "logprobs": self._logprobs(done.tokens, done.logprobs)}
-        if self.req.chat:
-            choice["message"] = {"role": "assistant", "content": done.text}
-        else:
-            choice["text"] = done.text
-        return {**self._head("chat.completion" if self.req.chat else "text_completion"), "choices": [choice],
-                "usage": _usage(len(self.req.prompt_ids), len(done.tokens))}
+    def full(self, done: list[DoneEvent]) -> dict:
+        """The non-streamed answer: choice i from `done[i]`."""
+        choices = []
+        for i, d in enumerate(done):
+            choice: dict[str, Any] = {"index": i, "finish_reason": d.finish_reason, "token_ids": d.tokens,
+                                      "logprobs": self._logprobs(i, d.tokens, d.logprobs, d.top_logprobs)}
+            if self.req.chat:
+                choice["message"] = {"role": "assistant", "content": d.text}
+            else:
+                choice["text"] = d.text
+            choices.append(choice)
+        return {**self._head("chat.completion" if self.req.chat else "text_completion"), "choices": choices,
+                "usage": self._usage(done)}
 
-    def chunk(self, *, text: str | None = None, token_ids: tuple[int, ...] = (), logprobs: tuple[float, ...] = (),
+    def _usage(self, done: list[DoneEvent]) -> dict:
+        return _usage(len(self.req.prompt_ids), sum(len(d.tokens) for d in done))
+
+    def chunk(self, *, index: int = 0, text: str | None = None, token_ids: tuple[int, ...] = (),
+              logprobs: tuple[float, ...] = (), tops: tuple[tuple[tuple[int, float], ...], ...] = (),
               finish_reason: str | None = None, role: bool = False) -> dict:
-        """One streamed chunk."""
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish_reason, "token_ids": list(token_ids),
-                                  "logprobs": self._logprobs(list(token_ids), list(logprobs)) if token_ids else None}
+        """One streamed chunk of choice `index`."""
+        choice: dict[str, Any] = {"index": index, "finish_reason": finish_reason, "token_ids": list(token_ids),
+                                  "logprobs": self._logprobs(index, list(token_ids), list(logprobs), list(tops))
+                                  if token_ids else None}
         if self.req.chat:
             delta: dict[str, str] = {"role": "assistant"} if role else {}
             if text is not None:
@@ -306,10 +345,10 @@ class Reply:
             out["usage"] = None
         return out
 
-    def usage_chunk(self, done: DoneEvent) -> dict:
-        """The last chunk when stream_options.include_usage: no choices, the usage."""
+    def usage_chunk(self, done: list[DoneEvent]) -> dict:
+        """The last chunk when stream_options.include_usage: no choices, the usage of them all."""
         return {**self._head("chat.completion.chunk" if self.req.chat else "text_completion"), "choices": [],
-                "usage": _usage(len(self.req.prompt_ids), len(done.tokens))}
+                "usage": self._usage(done)}
 
 
 def sse(obj: dict | str) -> str:

@@ -17,6 +17,14 @@ its own cache, each MoE layer over the union of the batch's experts), except tha
 go to torch's matrix products, whose sums round differently: tokens then agree with a request run
 alone unless its top two logits nearly tie.
 
+KV caches grow: a request holds its prompt and up to `kv_grow_tokens` more positions when admitted,
+and `kv_grow_tokens` more each time it fills them, so one that may run to the end of the context
+(a chat without `max_tokens`) does not hold it all from the start. When a cache cannot grow within
+`kv_memory_bytes`, the newest running request is preempted (vLLM's recompute policy): its cache is
+freed, and it waits ahead of the queue until there is room again, then computes its prompt and the
+tokens it had generated as one prefill and goes on where it stopped, with its own sampler. A request
+whose whole cache fits the budget alone (the server refuses the others) therefore always finishes.
+
 Offloaded experts: the offload counters start when the scheduler goes from idle to busy and are read
 (draining queued speculative reads) only when it is idle again, so one request ending does not
 cancel reads the others need.
@@ -37,7 +45,7 @@ import torch
 from inference.openai_protocol import GenRequest
 from inference.text_stream import TextAssembler
 from semoe.attention import KVCache
-from semoe.generate import choose, new_cache
+from semoe.generate import choose, new_cache, top_logprobs
 from storage.pool import peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -50,6 +58,7 @@ class TokenEvent:
     token_id: int
     logprob: float
     text: str
+    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there, where the request asks
 
 
 @dataclass(kw_only=True)
@@ -58,6 +67,7 @@ class DoneEvent:
 
     tokens: list[int]
     logprobs: list[float]
+    top_logprobs: list[tuple[tuple[int, float], ...]]  # per token, where the request asks (else empty)
     text: str
     tail: str  # text not yet streamed (held back until the end)
     finish_reason: str  # "stop" | "length"
@@ -81,6 +91,7 @@ class Job:
     request: GenRequest
     loop: asyncio.AbstractEventLoop
     id: str  # the answer's id (`Reply.id`), which the request log names
+    index: int = 0  # which of the answer's choices
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
     arrived: float = field(default_factory=time.perf_counter)
@@ -98,7 +109,7 @@ class _Running:
     """A request between admission and its last token: its cache, sampler and what it produced."""
 
     job: Job
-    cache: KVCache
+    cache: KVCache | None  # None while preempted
     generator: torch.Generator
     text: TextAssembler
     kv_bytes: int
@@ -106,8 +117,12 @@ class _Running:
     started: float = field(default_factory=time.perf_counter)
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     t_first: float | None = None
     t_last: float = 0.0
+
+
+KV_GROW_TOKENS = 256  # positions a request's KV cache holds beyond its prompt at first, and grows by
 
 
 class BatchScheduler:
@@ -115,12 +130,16 @@ class BatchScheduler:
     for a place among the `max_batch` running ones."""
 
     def __init__(self, engine, metrics, *, max_queue: int, max_batch: int = 16, max_batch_tokens: int = 256,
-                 kv_memory_bytes: int | None = None, on_finished: Callable[[Job, dict], None] | None = None) -> None:
+                 kv_memory_bytes: int | None = None, kv_grow_tokens: int = KV_GROW_TOKENS,
+                 on_finished: Callable[[Job, dict], None] | None = None) -> None:
         if max_batch < 1 or max_batch_tokens < max_batch:
             raise ValueError(f"max_batch must be >= 1 and max_batch_tokens >= max_batch, got {max_batch} and "
                              f"{max_batch_tokens}")
         if kv_memory_bytes is not None and kv_memory_bytes < 1:
             raise ValueError(f"kv_memory_bytes must be >= 1, got {kv_memory_bytes}")
+        if kv_grow_tokens < 1:
+            raise ValueError(f"kv_grow_tokens must be >= 1, got {kv_grow_tokens}")
+        self.kv_grow_tokens = kv_grow_tokens
         self.kv_memory_bytes = kv_memory_bytes  # the running requests' KV caches together; None: no limit
         self.engine = engine
         self.metrics = metrics
@@ -129,7 +148,8 @@ class BatchScheduler:
         self.max_batch_tokens = max_batch_tokens
         self.on_finished = on_finished  # (job, record) once a job ends, however it ends
         self._pending: collections.deque[Job] = collections.deque()
-        self._running: list[_Running] = []
+        self._running: list[_Running] = []  # in admission order: the newest last
+        self._preempted: list[_Running] = []  # waiting for room to go on, ahead of `_pending`
         self._cv = threading.Condition()
         self._closing = False
         self._busy_tokens = 0  # prompt and generated tokens since the scheduler was last idle
@@ -140,14 +160,16 @@ class BatchScheduler:
         """Start the thread."""
         self._thread.start()
 
-    def submit(self, job: Job) -> None:
-        """Queue a job; QueueFullError when `max_queue` are already waiting."""
+    def submit(self, *jobs: Job) -> None:
+        """Queue jobs (an answer's choices: all or none); QueueFullError when they would make more than
+        `max_queue` wait."""
         with self._cv:
             if self._closing:
                 raise QueueFullError("the server is shutting down")
-            if len(self._pending) >= self.max_queue:
-                raise QueueFullError(f"the request queue is full ({len(self._pending)} waiting); retry later")
-            self._pending.append(job)
+            if len(self._pending) + len(jobs) > self.max_queue:
+                raise QueueFullError(f"the request queue is full ({len(self._pending)} waiting"
+                                     + (f", {len(jobs)} choices asked" if len(jobs) > 1 else "") + "); retry later")
+            self._pending.extend(jobs)
             self.metrics.queue_depth.set(len(self._pending))
             self._cv.notify()
 
@@ -172,10 +194,11 @@ class BatchScheduler:
         """Answer waiting jobs with an error, end the running ones at the next step, join the thread."""
         with self._cv:
             self._closing = True
-            for job in self._pending:
+            for job in [*(r.job for r in self._preempted), *self._pending]:
                 job.cancelled.set()
                 job.post(ErrorEvent(message="the server is shutting down"))
             self._pending.clear()
+            self._preempted.clear()
             self.metrics.queue_depth.set(0)
             for r in list(self._running):
                 r.job.cancelled.set()
@@ -188,13 +211,15 @@ class BatchScheduler:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._pending and not self._running and not self._closing:
+                while not self._pending and not self._running and not self._preempted and not self._closing:
                     self._cv.wait()
                 if self._closing and not self._running:
                     return
                 was_idle = not self._running
-                admitted = self._take_admissible()
+                resumed, admitted = self._take_admissible()
                 self.metrics.queue_depth.set(len(self._pending))
+            for r in resumed:
+                self._resume(r)
             for job in admitted:  # caches are allocated outside the lock: submit() never waits on them
                 try:
                     self._running.append(self._admit(job))
@@ -218,38 +243,99 @@ class BatchScheduler:
             self.metrics.running.set(len(self._running))
 
     def kv_bytes_of(self, req: GenRequest) -> int:
-        """KV cache bytes a request reserves while it runs: its prompt and max_tokens positions."""
+        """KV cache bytes a request holds at most: its prompt and max_tokens positions."""
         return self.engine.kv_cache_bytes(len(req.prompt_ids) + req.sampling.max_new_tokens)
 
-    def _take_admissible(self) -> list[Job]:
-        """Waiting jobs, in arrival order, while the batch has places and their KV caches fit beside
-        the running ones' (the first that does not fit waits, and those behind it); called under the
-        lock. One whose cache cannot fit even alone is taken when nothing runs, to fail at admission
-        rather than block the queue (the server answers it 400 before it queues)."""
+    def _positions(self, req: GenRequest, done: int) -> int:
+        """Positions of the cache a request is admitted (or readmitted) with, `done` tokens generated:
+        its prompt and those, and `kv_grow_tokens` more, within its prompt and max_tokens."""
+        return len(req.prompt_ids) + min(req.sampling.max_new_tokens, done + self.kv_grow_tokens)
+
+    def _take_admissible(self) -> tuple[list[_Running], list[Job]]:
+        """Preempted requests, then waiting jobs, in arrival order, while the batch has places and their
+        KV caches fit beside the running ones' (the first that does not fit waits, and those behind
+        it); called under the lock. One whose cache cannot fit even alone is taken when nothing runs,
+        to fail at admission rather than block the queue (the server answers it 400 before it queues)."""
+        resumed: list[_Running] = []
         taken: list[Job] = []
         reserved = sum(r.kv_bytes for r in self._running)
-        while self._pending and len(self._running) + len(taken) < self.max_batch and not self._closing:
-            need = self.kv_bytes_of(self._pending[0].request)
+        for r in [r for r in self._preempted if r.job.cancelled.is_set() or self._closing]:
+            self._preempted.remove(r)
+            self.metrics.cancelled.inc()
+            self._record(r.job, "cancelled", r.tokens, r.t_first, time.perf_counter())
+        while (self._preempted or self._pending) and not self._closing \
+                and len(self._running) + len(resumed) + len(taken) < self.max_batch:
+            if self._preempted:
+                r = self._preempted[0]
+                need = self.engine.kv_cache_bytes(self._positions(r.job.request, len(r.tokens)))
+            else:
+                need = self.engine.kv_cache_bytes(self._positions(self._pending[0].request, 0))
             if self.kv_memory_bytes is not None and reserved + need > self.kv_memory_bytes \
-                    and (reserved or taken):
+                    and (reserved or taken or resumed):
                 break
-            taken.append(self._pending.popleft())
+            if self._preempted:
+                resumed.append(self._preempted.pop(0))
+            else:
+                taken.append(self._pending.popleft())
             reserved += need
-        return taken
+        return resumed, taken
 
     def _admit(self, job: Job) -> _Running:
         req = job.request
         tok = self.engine.tokenizer
-        need = self.kv_bytes_of(req)
-        if self.kv_memory_bytes is not None and need > self.kv_memory_bytes:
-            raise ValueError(f"the request's KV cache ({need} bytes) exceeds the KV memory limit of "
+        full = self.kv_bytes_of(req)
+        if self.kv_memory_bytes is not None and full > self.kv_memory_bytes:
+            raise ValueError(f"the request's KV cache ({full} bytes) exceeds the KV memory limit of "
                              f"{self.kv_memory_bytes} bytes")
-        cache = new_cache(self.engine.model, req.prompt_ids, req.sampling.max_new_tokens)
+        positions = self._positions(req, 0)
+        cache = new_cache(self.engine.model, req.prompt_ids, positions - len(req.prompt_ids))
+        need = self.engine.kv_cache_bytes(positions)
         self._busy_tokens += len(req.prompt_ids)
         self.metrics.kv_bytes.inc(need)
         return _Running(job=job, cache=cache, generator=torch.Generator().manual_seed(req.sampling.seed),
                         text=TextAssembler(tok.decode if tok is not None else (lambda ids: ""), req.stops),
                         kv_bytes=need, todo=list(req.prompt_ids))
+
+    def _resume(self, r: _Running) -> None:
+        """Readmit a preempted request: a new cache, and its prompt and tokens to compute again (the
+        last prompt row's logits then give its next token, as its next decoding step would have)."""
+        req = r.job.request
+        positions = self._positions(req, len(r.tokens))
+        r.cache = new_cache(self.engine.model, req.prompt_ids, positions - len(req.prompt_ids))
+        r.kv_bytes = self.engine.kv_cache_bytes(positions)
+        r.todo = list(req.prompt_ids) + r.tokens
+        self._busy_tokens += len(r.todo)
+        self.metrics.kv_bytes.inc(r.kv_bytes)
+        self._running.append(r)
+
+    def _grow(self, r: _Running) -> None:
+        """Room for r's next tokens: its cache grows by `kv_grow_tokens` positions (within its
+        max_tokens), preempting the newest running requests while that does not fit the budget (r
+        itself when it is the newest)."""
+        req = r.job.request
+        positions = min(len(req.prompt_ids) + req.sampling.max_new_tokens, r.cache.capacity + self.kv_grow_tokens)
+        extra = self.engine.kv_cache_bytes(positions) - r.kv_bytes
+        while self.kv_memory_bytes is not None \
+                and sum(x.kv_bytes for x in self._running) + extra > self.kv_memory_bytes:
+            victim = self._running[-1]
+            self._preempt(victim)
+            if victim is r:
+                return
+        r.cache.grow(positions)
+        r.kv_bytes += extra
+        self.metrics.kv_bytes.inc(extra)
+
+    def _preempt(self, r: _Running) -> None:
+        """Free r's cache and put it ahead of the queue, in arrival order, to go on when there is room."""
+        log.info("KV memory full: request %s preempted after %d tokens", r.job.id, len(r.tokens))
+        self._running.remove(r)
+        self.metrics.kv_bytes.dec(r.kv_bytes)
+        self.metrics.preempted.inc()
+        r.kv_bytes = 0
+        r.cache = None
+        with self._cv:
+            self._preempted.append(r)
+            self._preempted.sort(key=lambda x: x.job.arrived)
 
     def _step(self) -> None:
         """One packed forward over the running requests, and a token for each one it completes."""
@@ -257,6 +343,9 @@ class BatchScheduler:
             self.metrics.cancelled.inc()
             log.info("client left: generation stopped after %d tokens", len(r.tokens))
             self._end(r, "cancelled")
+        for r in list(self._running):  # oldest first: a full cache grows, or the newest make room
+            if r in self._running and not r.todo and r.cache.length >= r.cache.capacity:
+                self._grow(r)
         if not self._running:
             return
         ids: list[int] = []
@@ -297,6 +386,8 @@ class BatchScheduler:
         """Sample r's next token as `semoe.generate.generate` does, and hand it to the client."""
         req = r.job.request
         token, logprob = choose(logits_1V, req.sampling, r.generator)
+        top = top_logprobs(logits_1V, req.top_logprobs) if req.top_logprobs else ()
+        r.tops.append(top)
         now = time.perf_counter()
         if r.t_first is None:
             r.t_first = now
@@ -309,7 +400,7 @@ class BatchScheduler:
         self._busy_tokens += 1
         delta = r.text.add(token)
         if req.stream:
-            r.job.post(TokenEvent(token_id=token, logprob=logprob, text=delta))
+            r.job.post(TokenEvent(token_id=token, logprob=logprob, text=delta, top=top))
         if r.text.stopped or token in req.sampling.stop_ids:
             self._end(r, "stop")
         elif len(r.tokens) == req.sampling.max_new_tokens:
@@ -334,14 +425,15 @@ class BatchScheduler:
                              ttft_s=first - job.arrived,
                              decode_tok_s=(len(r.tokens) - 1) / decode_s if decode_s > 0 else 0.0, stats=stats)
         tail = r.text.finish()
-        job.post(DoneEvent(tokens=r.tokens, logprobs=r.logprobs, text=r.text.text, tail=tail, finish_reason=status))
+        job.post(DoneEvent(tokens=r.tokens, logprobs=r.logprobs, top_logprobs=r.tops if req.top_logprobs else [],
+                           text=r.text.text, tail=tail, finish_reason=status))
 
     def _record(self, job: Job, status: str, tokens: list[int], t_first: float | None, t_end: float) -> None:
         """Hand the job's record (`RequestLog`'s line) to `on_finished`."""
         if self.on_finished is None:
             return
         n = len(tokens)
-        record = {"id": job.id, "status": status, "prompt_tokens": len(job.request.prompt_ids), "tokens": n,
+        record = {"id": job.id, "choice": job.index, "status": status, "prompt_tokens": len(job.request.prompt_ids), "tokens": n,
                   "ttft_s": None if t_first is None else round(t_first - job.arrived, 6),
                   "mean_itl_s": round((t_end - t_first) / (n - 1), 6) if t_first is not None and n > 1 else None,
                   "latency_s": round(t_end - job.arrived, 6)}

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import socket
@@ -30,8 +31,8 @@ from prometheus_client.core import CounterMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.chat import ChatTemplate
-from inference.openai_protocol import APIError, GenRequest, Reply, parse_chat, parse_completion, sse
-from inference.scheduler import BatchScheduler, DoneEvent, ErrorEvent, Job, QueueFullError, TokenEvent
+from inference.openai_protocol import APIError, GenRequest, Reply, choice, parse_chat, parse_completion, sse
+from inference.scheduler import KV_GROW_TOKENS, BatchScheduler, DoneEvent, ErrorEvent, Job, QueueFullError, TokenEvent
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +82,8 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS + (60.0, 120.0, 300.0), registry=r)
         self.kv_bytes = Gauge("semoe_kv_cache_bytes", "KV cache bytes held by the requests generating now",
                               registry=r)
+        self.preempted = Counter("semoe_preempted_requests", "requests whose KV cache was freed to let another's "
+                                 "grow (they go on later, computing their tokens again)", registry=r)
         self._tokens = 0
         self._seconds = 0.0
 
@@ -113,7 +116,7 @@ class ServerMetrics:
 
 
 class RequestLog:
-    """`--request-log FILE`: one JSON line per finished request (id, status, tokens in and out, time
+    """`--request-log FILE`: one JSON line per finished request (id, choice, status, tokens in and out, time
     to first token, mean inter-token latency, latency), appended by a task on the server's event loop
     with aiofiles, so that the loop never waits on the disk; the worker hands records over
     thread-safely. Lines are flushed as written; the file is opened for appending (never truncated)."""
@@ -188,25 +191,49 @@ async def _json_body(request: Request) -> dict:
     return body
 
 
-async def _next_event(job: Job, request: Request, worker: BatchScheduler
-                      ) -> TokenEvent | DoneEvent | ErrorEvent | None:
-    """The job's next event; None (and the job cancelled) when the client has disconnected meanwhile."""
-    while True:
-        try:
-            return await asyncio.wait_for(job.events.get(), timeout=_DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await request.is_disconnected():
-                worker.cancel(job)
-                return None
+class _Answer:
+    """The events of an answer's jobs (its `n` choices) merged into one queue of (index, event), each
+    job's up to its end; `cancel` gives up every job still running."""
+
+    def __init__(self, jobs: list[Job], worker: BatchScheduler) -> None:
+        self.jobs = jobs
+        self.worker = worker
+        self.events: asyncio.Queue[tuple[int, TokenEvent | DoneEvent | ErrorEvent]] = asyncio.Queue()
+        self._pumps = [asyncio.get_running_loop().create_task(self._pump(i, job)) for i, job in enumerate(jobs)]
+
+    async def _pump(self, index: int, job: Job) -> None:
+        while True:
+            event = await job.events.get()
+            self.events.put_nowait((index, event))
+            if not isinstance(event, TokenEvent):
+                return
+
+    async def next(self, request: Request) -> tuple[int, TokenEvent | DoneEvent | ErrorEvent] | None:
+        """The next event of any choice; None (and the jobs cancelled) when the client has
+        disconnected meanwhile."""
+        while True:
+            try:
+                return await asyncio.wait_for(self.events.get(), timeout=_DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    self.cancel()
+                    return None
+
+    def cancel(self) -> None:
+        for job in self.jobs:
+            self.worker.cancel(job)  # a no-op once its generation has ended
+        for pump in self._pumps:
+            pump.cancel()
 
 
 def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | None = None,
                request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256,
-               kv_memory_bytes: int | None = None) -> FastAPI:
+               kv_memory_bytes: int | None = None, kv_grow_tokens: int = KV_GROW_TOKENS) -> FastAPI:
     """The FastAPI application serving `engine`; `chat_template` defaults to the fallback template
     (load a model's own with `inference.chat.load_chat_template`); `request_log`: a file that gets
     one JSON line per finished request (`RequestLog`); `max_batch` requests decode together, in
-    steps of at most `max_batch_tokens` rows, their KV caches within `kv_memory_bytes` (`BatchScheduler`)."""
+    steps of at most `max_batch_tokens` rows, their KV caches within `kv_memory_bytes`, each growing
+    by `kv_grow_tokens` positions (`BatchScheduler`)."""
     if not isinstance(max_queue, int) or max_queue < 0:
         raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
     template = chat_template or ChatTemplate.default()
@@ -215,6 +242,7 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
     records = RequestLog(request_log) if request_log else None
     worker = BatchScheduler(engine, metrics, max_queue=max_queue, max_batch=max_batch,
                             max_batch_tokens=max_batch_tokens, kv_memory_bytes=kv_memory_bytes,
+                            kv_grow_tokens=kv_grow_tokens,
                             on_finished=(lambda job, rec: records.put(job.loop, rec)) if records else None)
     started = int(time.time())
     tok = engine.tokenizer
@@ -256,25 +284,44 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
     async def answer(request: Request, req: GenRequest) -> Response:
         reply = Reply(req, engine.name, lambda t: tok.decode([t]) if tok is not None else "")
         need = worker.kv_bytes_of(req)
+        if kv_memory_bytes is not None and need > kv_memory_bytes and not req.max_tokens_set:
+            # no max_tokens: as far as the budget holds, rather than the rest of the context
+            fit = kv_memory_bytes // engine.kv_cache_bytes(1) - len(req.prompt_ids)
+            if fit >= 1:
+                req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_new_tokens=fit))
+                need = worker.kv_bytes_of(req)
         if kv_memory_bytes is not None and need > kv_memory_bytes:  # it would wait forever
             raise APIError(f"this request's KV cache ({need} bytes for {len(req.prompt_ids)} prompt tokens + "
                            f"max_tokens {req.sampling.max_new_tokens}) exceeds the server's KV memory limit of "
                            f"{kv_memory_bytes} bytes (--kv-memory); ask for fewer max_tokens or a shorter prompt",
                            param="max_tokens")
-        job = Job(request=req, loop=asyncio.get_running_loop(), id=reply.id)  # the log names the answer's id
+        loop = asyncio.get_running_loop()
+        jobs = [Job(request=choice(req, i) if req.n > 1 else req, loop=loop, id=reply.id, index=i)
+                for i in range(req.n)]  # the log names the answer's id
         try:
-            worker.submit(job)
+            worker.submit(*jobs)
         except QueueFullError as e:
             raise APIError(str(e), status=503, type="server_overloaded") from None
-        event = await _next_event(job, request, worker)
-        if event is None:
-            return Response(status_code=499)  # nobody reads it; the status only reaches the metrics
-        if isinstance(event, ErrorEvent):
-            raise APIError(event.message, status=500, type="server_error")
-        if not req.stream:
-            return JSONResponse(reply.full(event))
-        return StreamingResponse(_stream(job, event, reply, worker), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        answer = _Answer(jobs, worker)
+        if req.stream:
+            first = await answer.next(request)
+            if first is None:
+                return Response(status_code=499)  # nobody reads it; the status only reaches the metrics
+            if isinstance(first[1], ErrorEvent):
+                answer.cancel()
+                raise APIError(first[1].message, status=500, type="server_error")
+            return StreamingResponse(_stream(answer, first, reply), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+        done: dict[int, DoneEvent] = {}
+        while len(done) < req.n:
+            event = await answer.next(request)
+            if event is None:
+                return Response(status_code=499)
+            if isinstance(event[1], ErrorEvent):
+                answer.cancel()
+                raise APIError(event[1].message, status=500, type="server_error")
+            done[event[0]] = event[1]
+        return JSONResponse(reply.full([done[i] for i in range(req.n)]))
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:
@@ -309,32 +356,39 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
     return app
 
 
-async def _stream(job: Job, first: TokenEvent | DoneEvent | ErrorEvent, reply: Reply,
-                  worker: BatchScheduler) -> AsyncIterator[str]:
-    """Server-sent events of one request, ending with `data: [DONE]`. Leaving early (the client
-    disconnected) cancels the generation."""
+async def _stream(answer: _Answer, first: tuple[int, TokenEvent | DoneEvent | ErrorEvent], reply: Reply
+                  ) -> AsyncIterator[str]:
+    """Server-sent events of one answer (its choices' chunks as they come, each naming its index),
+    ending with `data: [DONE]`. Leaving early (the client disconnected) cancels the generations."""
     try:
+        n = reply.req.n
         if reply.req.chat:
-            yield sse(reply.chunk(text="", role=True))
-        event = first
+            for i in range(n):
+                yield sse(reply.chunk(index=i, text="", role=True))
+        index, event = first
+        done: dict[int, DoneEvent] = {}
         while True:
             if isinstance(event, TokenEvent):
-                yield sse(reply.chunk(text=event.text, token_ids=(event.token_id,), logprobs=(event.logprob,)))
+                yield sse(reply.chunk(index=index, text=event.text, token_ids=(event.token_id,),
+                                      logprobs=(event.logprob,), tops=(event.top,)))
             elif isinstance(event, DoneEvent):
                 if event.tail:
-                    yield sse(reply.chunk(text=event.tail))
-                yield sse(reply.chunk(text=None if reply.req.chat else "", finish_reason=event.finish_reason))
-                if reply.req.include_usage:
-                    yield sse(reply.usage_chunk(event))
-                break
+                    yield sse(reply.chunk(index=index, text=event.tail))
+                yield sse(reply.chunk(index=index, text=None if reply.req.chat else "",
+                                      finish_reason=event.finish_reason))
+                done[index] = event
+                if len(done) == n:
+                    if reply.req.include_usage:
+                        yield sse(reply.usage_chunk(list(done.values())))
+                    break
             else:  # the status line has gone out already: report in the stream, as OpenAI does
                 yield sse({"error": {"message": event.message, "type": "server_error", "param": None,
                                       "code": None}})
                 break
-            event = await job.events.get()
+            index, event = await answer.events.get()
         yield sse("[DONE]")
     finally:
-        worker.cancel(job)  # a no-op once the generation has ended
+        answer.cancel()
 
 
 def bind_socket(host: str, port: int) -> socket.socket:

@@ -164,6 +164,17 @@ class KVCache:
     def capacity(self) -> int:
         return self.k[0].shape[2]
 
+    def grow(self, max_len: int) -> None:
+        """Room for `max_len` positions (at least the current capacity): every layer's k and v moved
+        into larger tensors, the filled positions copied."""
+        if max_len < self.capacity:
+            raise ValueError(f"a KV cache of {self.capacity} positions cannot shrink to {max_len}")
+        for kv in (self.k, self.v):
+            for i, t in enumerate(kv):
+                bigger = t.new_zeros(*t.shape[:2], max_len, t.shape[3])
+                bigger[:, :, :self.length] = t[:, :, :self.length]
+                kv[i] = bigger
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this call's T positions after `length`; returns the layer's k and v so far."""
         start, T = self.length, k.shape[2]

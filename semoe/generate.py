@@ -75,6 +75,12 @@ def choose(logits_1V: torch.Tensor, cfg: SamplingConfig, generator: torch.Genera
     return token, float(torch.log_softmax(logits_1V.float(), dim=-1)[0, token])
 
 
+def top_logprobs(logits_1V: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
+    """The k most likely next tokens under the logits with their log-probabilities, most likely first."""
+    values, ids = torch.topk(torch.log_softmax(logits_1V.float(), dim=-1)[0], min(k, logits_1V.shape[-1]))
+    return tuple(zip(ids.tolist(), values.tolist()))
+
+
 @torch.no_grad()
 def prefill(model: MoEGPT, ids_BT: torch.Tensor, cache: KVCache) -> torch.Tensor:
     """Run the prompt through the model, filling the cache; logits of the last position (B, V). One

@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 import uvicorn
 from helpers.hf_models import add_word_tokenizer, make_hf_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
@@ -394,6 +395,84 @@ def test_stop_strings_and_logprobs(served, reference):
         direct(reference, reference.tokenizer.encode("<s>user the cat </s> assistant"), 5).logprobs, abs=1e-6)
 
 
+def _teacher_forced_logprobs(eng: Engine, ids: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """Log-probabilities over the vocabulary at each generated position: after the prompt, then after
+    each token fed back."""
+    from semoe.generate import decode_one_token, new_cache, prefill
+
+    cache = new_cache(eng.model, ids, len(tokens))
+    out = [prefill(eng.model, torch.tensor([ids]), cache)]
+    for t in tokens[:-1]:
+        out.append(decode_one_token(eng.model, torch.tensor([[t]]), cache))
+    return [torch.log_softmax(x.float(), dim=-1)[0] for x in out]
+
+
+def test_top_logprobs_are_the_most_likely_tokens_at_each_position(served, reference):
+    """A completion's `logprobs: k` and a chat's `top_logprobs: k` give, at each position, the k most
+    likely tokens with their log-probabilities: those of the model's own distribution there (within
+    1e-4, another summation order), most likely first, the greedy choice on top; streamed the same."""
+    tok = reference.tokenizer
+    ids = tok.encode("the cat sat", add_bos=tok.add_bos_default)
+    want = direct(reference, ids, 6)
+    dists = _teacher_forced_logprobs(reference, ids, want.tokens)
+    status, out = post(served.port, "/v1/completions", {"prompt": ids, "max_tokens": 6, "logprobs": 3})
+    assert status == 200, out
+    lp = out["choices"][0]["logprobs"]
+    assert out["choices"][0]["token_ids"] == want.tokens and len(lp["top_logprobs"]) == len(want.tokens)
+    for chosen, top, dist in zip(lp["tokens"], lp["top_logprobs"], dists):
+        values, top_ids = torch.topk(dist, 3)
+        assert list(top) == [tok.decode([int(t)]) for t in top_ids] and next(iter(top)) == chosen
+        assert list(top.values()) == pytest.approx(values.tolist(), abs=1e-4)
+    events = stream(served.port, "/v1/completions", {"prompt": ids, "max_tokens": 6, "logprobs": 3})
+    assert [t for e in events[:-1] for t in (e["choices"][0]["logprobs"] or {}).get("top_logprobs", [])] == \
+        lp["top_logprobs"]  # the same request alone: the same bits
+    chat_ids = tok.encode("<s>user the cat </s> assistant")
+    chat_want = direct(reference, chat_ids, 4)
+    status, chat = post(served.port, "/v1/chat/completions", {
+        "messages": [{"role": "user", "content": "the cat"}], "max_tokens": 4, "logprobs": True, "top_logprobs": 2})
+    assert status == 200, chat
+    content = chat["choices"][0]["logprobs"]["content"]
+    for entry, dist in zip(content, _teacher_forced_logprobs(reference, chat_ids, chat_want.tokens)):
+        values, top_ids = torch.topk(dist, 2)
+        assert [t["token"] for t in entry["top_logprobs"]] == [tok.decode([int(t)]) for t in top_ids]
+        assert [t["logprob"] for t in entry["top_logprobs"]] == pytest.approx(values.tolist(), abs=1e-4)
+        assert entry["top_logprobs"][0]["token"] == entry["token"]
+        assert entry["top_logprobs"][0]["bytes"] == list(entry["token"].encode())
+
+
+def test_n_choices_are_the_requests_with_seed_plus_their_index(served):
+    """`n` > 1: choice i is what the same request alone gives with seed + i, whole or streamed (each
+    chunk naming its choice); the usage counts every choice's tokens."""
+    body = {"prompt": [3, 4, 5], "max_tokens": 6, "temperature": 1.3, "seed": 21, "n": 3}
+    status, out = post(served.port, "/v1/completions", body)
+    assert status == 200, out
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    for i, c in enumerate(choices):
+        status, alone = post(served.port, "/v1/completions", {**body, "n": 1, "seed": 21 + i})
+        assert status == 200 and c["token_ids"] == alone["choices"][0]["token_ids"]
+        assert c["text"] == alone["choices"][0]["text"]
+    assert len({tuple(c["token_ids"]) for c in choices}) > 1  # three samples, not one copied
+    assert out["usage"]["completion_tokens"] == sum(len(c["token_ids"]) for c in choices)
+    events = stream(served.port, "/v1/completions", {**body, "stream_options": {"include_usage": True}})
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    finished = set()
+    for e in events[:-2]:
+        (c,) = e["choices"]
+        got[c["index"]] += c["token_ids"]
+        if c["finish_reason"]:
+            finished.add(c["index"])
+    assert got == {i: c["token_ids"] for i, c in enumerate(choices)} and finished == {0, 1, 2}
+    assert events[-2]["usage"] == out["usage"] and events[-1] == "[DONE]"
+    chat = stream(served.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "the cat"}],
+                                                        "max_tokens": 3, "n": 2})
+    assert [(e["choices"][0]["index"], e["choices"][0]["delta"]) for e in chat[:2]] == \
+        [(0, {"role": "assistant", "content": ""}), (1, {"role": "assistant", "content": ""})]
+    texts = ["".join(e["choices"][0]["delta"].get("content", "") for e in chat[:-1] if e["choices"][0]["index"] == i)
+             for i in range(2)]
+    assert texts[0] == texts[1] != ""  # greedy: both choices the same tokens
+
+
 def test_sampling_is_seeded(served):
     body = {"prompt": [3, 4, 5], "max_tokens": 8, "temperature": 1.5, "top_p": 0.9, "seed": 11}
     a, b = post(served.port, "/v1/completions", body), post(served.port, "/v1/completions", body)
@@ -419,7 +498,8 @@ BAD_REQUESTS = [  # (path, body or raw bytes, param the error must name, message
     ("/v1/completions", {"prompt": "the", "temperature": "hot"}, "temperature", "must be a number"),
     ("/v1/completions", {"prompt": "the", "top_p": 0}, "top_p", "(0, 1]"),
     ("/v1/completions", {"prompt": "the", "top_p": 1.5}, "top_p", "(0, 1]"),
-    ("/v1/completions", {"prompt": "the", "n": 2}, "n", "n must be 1"),
+    ("/v1/completions", {"prompt": "the", "n": 0}, "n", "n must be in [1, 16]"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "n": 17}, "n", "n must be in [1, 16]"),
     ("/v1/completions", {"prompt": "the", "stream": "yes"}, "stream", "must be a boolean"),
     ("/v1/completions", {"prompt": "the", "stop": 3}, "stop", "stop must be"),
     ("/v1/completions", {"prompt": "the", "stop": [""]}, "stop", "stop must be"),
@@ -438,13 +518,14 @@ BAD_REQUESTS = [  # (path, body or raw bytes, param the error must name, message
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}],
                               "response_format": {"type": "json_object"}}, "response_format", "not supported"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "top_logprobs",
-     "not supported"),
+     "needs logprobs: true"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21},
+     "top_logprobs", "[0, 20]"),
     ("/v1/completions", {"prompt": "the", "logit_bias": {"5": 3}}, "logit_bias", "not supported"),
     ("/v1/completions", {"prompt": "the", "presence_penalty": 0.5}, "presence_penalty", "only 0 is accepted"),
     ("/v1/completions", {"prompt": "the", "frequency_penalty": -1}, "frequency_penalty", "not supported"),
     ("/v1/completions", {"prompt": "the", "guided_json": {}}, "guided_json", "not supported"),
     ("/v1/completions", {"prompt": "the", "top_logprobs": 1}, "top_logprobs", "not supported"),
-    ("/v1/completions", {"prompt": "the", "logprobs": 2}, "logprobs", "not supported"),
     ("/v1/completions", {"prompt": "the", "stop_token_ids": [3, 96]}, "stop_token_ids", "token ids in 0..95"),
     ("/v1/completions", {"prompt": "the", "stop_token_ids": 3}, "stop_token_ids", "must be a array"),
     ("/v1/completions", {"prompt": "the", "ignore_eos": 1}, "ignore_eos", "must be a boolean"),
@@ -518,6 +599,11 @@ def test_the_official_openai_client(served, reference):
     chunks = list(client.chat.completions.create(model=reference.name, messages=messages, max_tokens=6, stream=True))
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == tok.decode(chat_want.tokens)
     assert chunks[-1].choices[0].finish_reason == reply.choices[0].finish_reason
+    two = client.chat.completions.create(model=reference.name, messages=messages, max_tokens=6, n=2, logprobs=True,
+                                         top_logprobs=2)
+    assert [c.index for c in two.choices] == [0, 1]
+    assert [c.message.content for c in two.choices] == [reply.choices[0].message.content] * 2  # greedy
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].token == e.token for e in two.choices[1].logprobs.content)
     assert [m.id for m in client.models.list()] == [reference.name]
     with pytest.raises(openai.BadRequestError, match="response_format is not supported"):
         client.chat.completions.create(model=reference.name, messages=messages, response_format={"type": "json_object"})
@@ -657,6 +743,62 @@ def test_the_kv_memory_budget_queues_requests_and_refuses_one_that_never_fits(en
         assert metrics(server.port)[("semoe_kv_cache_bytes", ())] == 0
     finally:
         eng.gate.set()
+        server.close()
+
+
+def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engine, reference):
+    """Caches start at the prompt and 4 positions and grow by 4: three requests that together need more
+    than the budget all run at first; when a cache cannot grow, the newest is preempted and, once
+    there is room, computes its prompt and tokens again and goes on. Each gets the tokens it gets
+    alone (log-probs within 1e-4: its recomputed positions sum in another order); preemptions are
+    counted and every byte is given back."""
+    eng = ScriptedEngine(engine)
+    prompts = [[3, 4, 5, 6, 7 + i] for i in range(3)]
+    want = [reference.generate(p, SamplingConfig(max_new_tokens=20)) for p in prompts]
+    server = LiveServer(create_app(eng, max_batch=4, kv_memory_bytes=engine.kv_cache_bytes(40), kv_grow_tokens=4))
+    try:
+        eng.gate.clear()
+        results: dict[int, tuple] = {}
+        threads = [threading.Thread(target=lambda i=i: results.update({i: post(
+            server.port, "/v1/completions", {"prompt": prompts[i], "max_tokens": 20, "logprobs": 0})}))
+            for i in range(3)]
+        threads[0].start()
+        assert eng.started.wait(10)
+        for t in threads[1:]:
+            t.start()
+        wait_for(lambda: request(server.port, "GET", "/health")[1]["queue_depth"] == 2, "all three to arrive")
+        eng.gate.set()
+        for t in threads:
+            t.join(60)
+        for i in range(3):
+            status, out = results[i]
+            assert status == 200, out
+            choice = out["choices"][0]
+            assert choice["token_ids"] == want[i].tokens
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(want[i].logprobs, abs=1e-4)
+        m = metrics(server.port)
+        assert m[("semoe_preempted_requests_total", ())] >= 1 and m[("semoe_kv_cache_bytes", ())] == 0
+        assert m[("semoe_batch_requests_bucket", (("le", "4.0"),))] > m[("semoe_batch_requests_bucket", (("le", "2.0"),))]
+    finally:
+        eng.gate.set()
+        server.close()
+
+
+def test_a_chat_without_max_tokens_runs_as_far_as_the_kv_budget_holds(engine, model_dir):
+    """No max_tokens: the rest of the context, capped at what --kv-memory holds (a length finish, not a
+    400); a max_tokens the budget cannot hold is still refused."""
+    server = LiveServer(create_app(engine, chat_template=load_chat_template(str(model_dir)),
+                                   kv_memory_bytes=engine.kv_cache_bytes(30), kv_grow_tokens=8))
+    try:
+        status, out = post(server.port, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "the cat"}], "ignore_eos": True})
+        assert status == 200, out
+        prompt = out["usage"]["prompt_tokens"]
+        assert out["choices"][0]["finish_reason"] == "length" and out["usage"]["completion_tokens"] == 30 - prompt
+        status, out = post(server.port, "/v1/chat/completions",
+                           {"messages": [{"role": "user", "content": "the cat"}], "max_tokens": 40})
+        assert status == 400 and "--kv-memory" in out["error"]["message"]  # asked for: refused, not cut
+    finally:
         server.close()
 
 
