@@ -11,7 +11,7 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
     limited   with the page cache dropped first, a balloon process holds all but SIZE of the
               available memory (no swap: it stays resident) while one engine runs, SIZE = 50% and
               25% of the model's bytes: semoe with its CPU cache sized so that its own memory (its
-              peak RSS less its file-backed pages) and 64 MiB for the code it runs fit SIZE,
+              peak RSS less its file-backed pages) and --margin (64 MiB) for the code it runs fit SIZE,
               llama.cpp with mmap and the page cache (and --no-repack: its q4_0 kernels otherwise
               copy the whole model into anonymous memory at load). tok/s and bytes read from storage per
               decoded token (/proc/PID/io read_bytes: O_DIRECT reads and mmap page faults alike)
@@ -37,7 +37,7 @@ sys.path.insert(0, BENCH)
 from bench_offload import drop_cache, prompt_ids  # noqa: E402
 
 PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"))
-MARGIN_BYTES = 64 << 20  # left in SIZE beside our own memory and cache: the library code decoding runs
+MARGIN_MIB = 64  # left in SIZE beside our own memory and cache (--margin): the library code decoding runs
 
 
 def _read_bytes() -> int:
@@ -200,7 +200,7 @@ def limited(args: argparse.Namespace) -> dict:
         total = model_bytes(args.workdir, ours)
         for share in (int(s) for s in args.memory.split(",")):
             size = total * share // 100
-            cache = size - base - MARGIN_BYTES
+            cache = size - base - (args.margin << 20)
             specs = [("llama", {"engine": "llama", "path": os.path.join(args.workdir, f"llama-{gguf}.gguf"),
                                 "repack": False})]
             if cache >= fp["min_cache_bytes"]:
@@ -209,7 +209,7 @@ def limited(args: argparse.Namespace) -> dict:
             else:
                 notes[f"ours-{bits}-{share}%"] = (
                     f"does not fit SIZE {size / 2**30:.2f} GiB: it holds {base / 2**30:.2f} GiB of its own besides its "
-                    f"cache and {fp['rss_file_bytes'] / 2**30:.2f} GiB of mapped code, leaves {MARGIN_BYTES >> 20} MiB "
+                    f"cache and {fp['rss_file_bytes'] / 2**30:.2f} GiB of mapped code, leaves {args.margin} MiB "
                     f"for the code it runs, and its ring needs a cache of {fp['min_cache_bytes'] / 2**30:.2f} GiB")
             for round_ in range(args.repeats):
                 for engine, spec in specs:
@@ -335,6 +335,9 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="resident,limited")
     ap.add_argument("--memory", default="50,25", help="SIZE as percentages of the model's bytes")
+    ap.add_argument("--margin", type=int, default=MARGIN_MIB, metavar="MIB",
+                    help="MiB of SIZE left for the code our process runs (its file-backed pages), beside its own "
+                         "memory and its CPU cache (default %(default)s)")
     ap.add_argument("--resident-bits", default="f32,int8,int4", help="precisions of the resident runs")
     ap.add_argument("--limited-bits", default="f32,int8,int4", help="precisions of the memory-limited runs")
     ap.add_argument("--experts", type=int, default=None,
