@@ -36,10 +36,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "longer prompt is prefilled over several steps (default 256, at least --max-batch)")
     p.add_argument("--kv-memory", metavar="SIZE",
                    help="memory for the running requests' KV caches together (512MiB, 2GiB; default: no limit). "
-                        "Each request reserves its prompt and max_tokens positions when admitted; requests wait while "
-                        "it is full, and one that can never fit gets HTTP 400")
+                        "A request's cache holds its prompt and 256 more positions at first and grows by 256 as it "
+                        "generates; new requests wait while it is full, a cache that cannot grow makes the newest "
+                        "request wait and recompute its tokens later, a request without max_tokens stops where it "
+                        "fills, and one whose max_tokens can never fit gets HTTP 400")
     p.add_argument("--request-log", metavar="FILE",
-                   help="append one JSON line per finished request to FILE: id, status (stop, length, cancelled, "
+                   help="append one JSON line per finished request (or choice of one) to FILE: id, choice, status (stop, length, cancelled, "
                         "error), prompt and generated tokens, time to first token, mean inter-token latency, "
                         "latency")
     add_routing_trace_flag(p)
