@@ -14,6 +14,7 @@ written last, makes later calls instant):
                      the converter uses)
     src/             the llama-cpp-python sdist, unpacked; vendor/llama.cpp holds the sources
     build/quantize/  cmake build of vendor/llama.cpp, target llama-quantize only (static)
+    build/server/    the same, target llama-server (`ensure_server`, for bench_serve.py; built on first use)
     converter/       convert_hf_to_gguf.py + its conversion/ package, patched (see below)
     peer.json        the version and the paths above
 
@@ -184,6 +185,22 @@ def ensure_env(env_dir: str | None = None, jobs: int = 2) -> PeerEnv:
         json.dump(dataclasses.asdict(env), f, indent=1)
     _progress(f"peer ready in {time.perf_counter() - t0:.0f} s: {env_dir}")
     return env
+
+
+def ensure_server(env: PeerEnv, jobs: int = 2) -> str:
+    """llama.cpp's llama-server built once from the peer's sources (build/server/, static, CPU as the
+    rest); its path. bench_serve.py's peer."""
+    llama_src = os.path.join(env.env_dir, "src", f"llama_cpp_python-{env.version}", "vendor", "llama.cpp")
+    build = os.path.join(env.env_dir, "build", "server")
+    binary = os.path.join(build, "bin", "llama-server")
+    if not os.path.exists(binary):
+        log = os.path.join(env.env_dir, "build.log")
+        _progress(f"building llama-server from the peer's sources (several minutes on 2 cores; log: {log})")
+        _run(["cmake", "-S", llama_src, "-B", build, *CPU_CMAKE_ARGS, "-DBUILD_SHARED_LIBS=OFF",
+              "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
+              "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"], log)
+        _run(["cmake", "--build", build, "--target", "llama-server", f"-j{jobs}"], log)
+    return binary
 
 
 def _patched_converter(llama_src: str, dest: str) -> str:

@@ -1,0 +1,326 @@
+"""semoe serve under load: continuous batching with closed-loop clients, beside its floor and its peer.
+
+A real `semoe serve` process on bench_offload's Mixtral-shaped checkpoint (--workdir's store, float32
+experts by default; --store names another), with every expert in its CPU cache (100%) and with 25%
+of them (--cache). Closed-loop clients (each sends its next request when its last one ends; the
+server's --max-batch is the largest client count) stream completions of distinct 16-token prompts,
+a fixed --new-tokens each (`ignore_eos`), --rounds requests per client. Per point:
+
+    tok/s        generated tokens of every client / the wall time from the first request to the last
+                 answer
+    TTFT, ITL    p50 and p99 of each request's time to its first token and of the gaps between its
+                 tokens, as the client sees the streamed chunks arrive
+    bytes/tok    storage bytes read per generated token: the server process's /proc/PID/io read_bytes
+                 and its own counter (semoe_storage_read_bytes_total)
+    bound        at a partial cache: B / max(compute time of a step of B, that step's storage bytes /
+                 the disk's raw read rate) = min(tok/s at 100% with B clients, raw rate / bytes/tok),
+                 the raw rate measured in the same run (every expert file read cold: the faster of a
+                 plain sequential pass and the store's reader, O_DIRECT with reads in flight)
+
+In the same run: transformers generating one request at a time (the floor: what serving without a
+batching engine gives), and llama.cpp's llama-server (built once from bench/llama_peer.py's sources,
+or --llama-server PATH) on the same checkpoint as bench_quant.py converted it (--gguf, f32 for the
+float32 store), with --parallel N slots for N clients.
+On 2 cores, nothing else should run meanwhile.
+
+    python bench/bench_serve.py --workdir /path/of/bench_quant [--clients 1,8,32,64] [--cache 100,25]
+        [--gguf llama-f32.gguf] [--no-peer] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(BENCH)
+sys.path.insert(0, ROOT)
+sys.path.insert(0, BENCH)
+
+from bench_offload import SHAPE, drop_cache  # noqa: E402
+
+PROMPT_TOKENS = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get(port: int, path: str, timeout: float = 5) -> bytes:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+        return r.read()
+
+
+class Server:
+    """A server process (`cmd` with {port} filled in), up once `health` answers; stopped on exit."""
+
+    def __init__(self, cmd: list[str], health: str, log_path: str, startup_s: float = 900) -> None:
+        self.port = _free_port()
+        self.cmd = [c.format(port=self.port) for c in cmd]
+        self.health, self.log_path, self.startup_s = health, log_path, startup_s
+
+    def __enter__(self) -> Server:
+        self.log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+                                     cwd=ROOT)
+        deadline = time.monotonic() + self.startup_s
+        while True:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"{self.cmd[0]} exited with {self.proc.returncode} before serving; see {self.log_path}")
+            try:
+                _get(self.port, self.health)
+                return self
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{self.cmd[0]} did not answer {self.health} within {self.startup_s:.0f} s") \
+                        from None
+                time.sleep(0.5)
+
+    def read_bytes(self) -> int:
+        with open(f"/proc/{self.proc.pid}/io") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait()
+        self.log.close()
+
+
+def _prompt(client: int, round_: int) -> list[int]:
+    import random
+
+    rng = random.Random(client * 1000 + round_)
+    return [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(PROMPT_TOKENS)]
+
+
+def _one_request(port: int, prompt: list[int], new_tokens: int) -> dict:
+    """One streamed completion: its token count, time to first token and gaps between tokens."""
+    import http.client
+
+    body = {"prompt": prompt, "max_tokens": new_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=3600)
+    t0 = time.perf_counter()
+    try:
+        conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        if resp.status != 200:
+            raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
+        stamps = []
+        while line := resp.readline():
+            if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
+                continue
+            event = json.loads(line[6:])
+            choice = (event.get("choices") or [{}])[0]
+            n = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
+            stamps += [time.perf_counter()] * n
+    finally:
+        conn.close()
+    if not stamps:
+        raise RuntimeError("the stream held no tokens")
+    return {"tokens": len(stamps), "ttft": stamps[0] - t0, "gaps": [b - a for a, b in itertools.pairwise(stamps)]}
+
+
+def _pct(values: list[float], q: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, round(q * (len(values) - 1)))] if values else float("nan")
+
+
+def load(port: int, clients: int, new_tokens: int, rounds: int) -> dict:
+    """Closed-loop clients: each sends `rounds` requests one after the other."""
+    results: list[dict] = []
+    errors: list[str] = []
+
+    def client(i: int) -> None:
+        for r in range(rounds):
+            try:
+                results.append(_one_request(port, _prompt(i, r), new_tokens))
+            except Exception as e:  # noqa: BLE001 - reported below, the bench fails on it
+                errors.append(f"client {i}: {e}")
+                return
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise SystemExit(f"{len(errors)} requests failed: {errors[0]}")
+    tokens = sum(r["tokens"] for r in results)
+    gaps = [g for r in results for g in r["gaps"]]
+    ttfts = [r["ttft"] for r in results]
+    return {"clients": clients, "tokens": tokens, "seconds": wall, "tok_s": tokens / wall,
+            "ttft_p50_s": _pct(ttfts, 0.5), "ttft_p99_s": _pct(ttfts, 0.99),
+            "itl_p50_s": _pct(gaps, 0.5), "itl_p99_s": _pct(gaps, 0.99)}
+
+
+def _storage_counter(port: int) -> float:
+    for line in _get(port, "/metrics").decode().splitlines():
+        if line.startswith("semoe_storage_read_bytes_total "):
+            return float(line.split()[1])
+    return 0.0
+
+
+def ours(args: argparse.Namespace, store: str, cache: int, clients: list[int]) -> list[dict]:
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}", "--cpu-cache",
+           f"{cache}%", "--max-batch", str(max(clients)), "--max-batch-tokens", str(max(256, max(clients) * 2)),
+           "--max-queue", str(max(64, max(clients)))]
+    drop_cache(store)
+    out = []
+    with Server(cmd, "/health", os.path.join(args.logs, f"semoe-{cache}.log")) as srv:
+        _one_request(srv.port, _prompt(999, 0), 4)  # warm-up
+        for n in clients:
+            print(f"semoe, {cache}% cache, {n} clients ...", file=sys.stderr)
+            io0, own0 = srv.read_bytes(), _storage_counter(srv.port)
+            r = load(srv.port, n, args.new_tokens, args.rounds)
+            r["read_bytes_per_token"] = (srv.read_bytes() - io0) / r["tokens"]
+            r["storage_bytes_per_token"] = (_storage_counter(srv.port) - own0) / r["tokens"]
+            out.append({"engine": "semoe", "cache_pct": cache, **r})
+    return out
+
+
+def llama_server(args: argparse.Namespace, clients: list[int]) -> list[dict]:
+    out = []
+    for n in clients:
+        cmd = [args.llama_server, "-m", args.gguf, "--port", "{port}", "--host", "127.0.0.1", "-t", "2",
+               "--parallel", str(n), "-c", str(n * (PROMPT_TOKENS + args.new_tokens + 8)), "--no-warmup"]
+        with Server(cmd, "/health", os.path.join(args.logs, f"llama-server-{n}.log")) as srv:
+            _one_request(srv.port, _prompt(999, 0), 4)
+            print(f"llama-server, {n} clients ...", file=sys.stderr)
+            out.append({"engine": "llama-server", "cache_pct": 100, **load(srv.port, n, args.new_tokens, args.rounds)})
+    return out
+
+
+def transformers_floor(args: argparse.Namespace) -> dict:
+    """One request at a time through transformers' generate (greedy, 2 threads), in its own process."""
+    code = f"""
+import json, time, torch, transformers
+torch.set_num_threads(2)
+m = transformers.AutoModelForCausalLM.from_pretrained({os.path.join(args.workdir, 'hf')!r}, dtype=torch.float32)
+ids = torch.tensor([{_prompt(0, 0)!r}])
+m.generate(ids, max_new_tokens=2, do_sample=False)
+t = time.perf_counter()
+out = m.generate(ids, max_new_tokens={args.new_tokens}, min_new_tokens={args.new_tokens}, do_sample=False)
+print(json.dumps({{"tok_s": (out.shape[1] - ids.shape[1]) / (time.perf_counter() - t)}}))
+"""
+    print("transformers, one request at a time ...", file=sys.stderr)
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    if res.returncode:
+        raise SystemExit(f"the transformers floor failed: {res.stderr.strip().splitlines()[-1:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def raw_disk_rate(store: str) -> float:
+    """Bytes/s the disk gives the expert files of `store`: the faster of a plain sequential pass and
+    the store's own reader (O_DIRECT, several reads in flight), medians of 3 passes, each after the
+    files left the page cache (a virtual disk's host may still cache them, as it does for the
+    server's reads)."""
+    from storage.bench import run_bench
+    from storage.store import Store
+
+    r = run_bench(Store.open(store), cold=True, repeats=3, with_tensorstore=False, verify=False)
+    return max(r.raw_gbps, r.store_gbps) * 1e9
+
+
+def report(result: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"transformers, one request at a time: {result['transformers_tok_s']:.2f} tok/s; raw disk read "
+          f"{result['raw_disk_bytes_s'] / 1e9:.2f} GB/s")
+    for r in result["points"]:
+        line = (f"{r['engine']:12s} cache {r['cache_pct']:3d}% {r['clients']:3d} clients: {r['tok_s']:7.2f} tok/s | "
+                f"TTFT p50 {r['ttft_p50_s']:.3f} p99 {r['ttft_p99_s']:.3f} s | ITL p50 {r['itl_p50_s'] * 1e3:.1f} "
+                f"p99 {r['itl_p99_s'] * 1e3:.1f} ms")
+        if "read_bytes_per_token" in r:
+            line += (f" | read {r['read_bytes_per_token'] / 2**20:.2f} MiB/tok (own counter "
+                     f"{r['storage_bytes_per_token'] / 2**20:.2f})")
+        if "bound_tok_s" in r:
+            line += f" | bound {r['bound_tok_s']:.2f} tok/s ({r['tok_s'] / r['bound_tok_s']:.2f}x)"
+        print(line)
+    for line in result["ratios"]:
+        print(line)
+
+
+def ratios(points: list[dict]) -> list[str]:
+    by = {(p["engine"], p["cache_pct"], p["clients"]): p for p in points}
+    lines = []
+    for (engine, cache, n), p in sorted(by.items()):
+        one = by.get((engine, cache, 1))
+        if one is not None and n > 1:
+            lines.append(f"{engine} {cache}%: {n} clients / 1 = {p['tok_s'] / one['tok_s']:.2f}x tok/s" + (
+                f", {p['storage_bytes_per_token'] / one['storage_bytes_per_token']:.2f}x storage bytes per token"
+                if engine == "semoe" and one.get("storage_bytes_per_token") else ""))
+        peer = by.get(("llama-server", 100, n))
+        if engine == "semoe" and cache == 100 and peer is not None:
+            lines.append(f"{n} clients at 100%: semoe / llama-server = {p['tok_s'] / peer['tok_s']:.2f}x tok/s")
+    return lines
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", required=True, help="bench_quant's --workdir (hf/ checkpoint and its stores)")
+    ap.add_argument("--store", default="store", help="the store served, in WORKDIR (default: store, float32)")
+    ap.add_argument("--clients", default="1,8,32,64", help="closed-loop client counts")
+    ap.add_argument("--cache", default="100,25", help="CPU cache sizes, percent of the expert bytes")
+    ap.add_argument("--new-tokens", type=int, default=32, help="tokens each request generates")
+    ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after the other")
+    ap.add_argument("--gguf", default="llama-f32.gguf",
+                    help="llama-server's checkpoint, in WORKDIR (default: bench_quant.py's llama-f32.gguf)")
+    ap.add_argument("--llama-server", help="llama.cpp's llama-server binary (default: built once from the sources "
+                                           "of bench/llama_peer.py's environment)")
+    ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
+    ap.add_argument("--logs", default=None, help="where the servers' logs go (default WORKDIR/serve-logs)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    clients = [int(c) for c in args.clients.split(",")]
+    caches = [int(c) for c in args.cache.split(",")]
+    store = os.path.join(args.workdir, args.store)
+    if not os.path.exists(os.path.join(store, "manifest.json")):
+        raise SystemExit(f"{store} is not a store: run bench_quant.py --workdir {args.workdir} first")
+    if not args.no_peer:
+        args.gguf = os.path.join(args.workdir, args.gguf)
+        if not os.path.exists(args.gguf):
+            raise SystemExit(f"{args.gguf} is missing: run bench_quant.py --workdir {args.workdir} (its peer part), "
+                             f"or give --no-peer")
+        if not args.llama_server:
+            import llama_peer as peer
+
+            args.llama_server = peer.ensure_server(peer.ensure_env())
+    args.logs = args.logs or os.path.join(args.workdir, "serve-logs")
+    os.makedirs(args.logs, exist_ok=True)
+    result = {"raw_disk_bytes_s": raw_disk_rate(store), "transformers_tok_s": transformers_floor(args)["tok_s"]}
+    points = []
+    for cache in sorted(caches, reverse=True):
+        points += ours(args, store, cache, clients)
+    full = {p["clients"]: p for p in points if p["cache_pct"] == 100}
+    for p in points:
+        if p["cache_pct"] < 100 and p["clients"] in full and p["storage_bytes_per_token"] > 0:
+            p["bound_tok_s"] = min(full[p["clients"]]["tok_s"], result["raw_disk_bytes_s"] / p["storage_bytes_per_token"])
+    if not args.no_peer:
+        points += llama_server(args, clients)
+    result["points"] = points
+    result["ratios"] = ratios(points)
+    report(result, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
