@@ -14,8 +14,8 @@ a fixed --new-tokens each (`ignore_eos`), --rounds requests per client. Per poin
                  and its own counter (semoe_storage_read_bytes_total)
     bound        at a partial cache: B / max(compute time of a step of B, that step's storage bytes /
                  the disk's raw read rate) = min(tok/s at 100% with B clients, raw rate / bytes/tok),
-                 the raw rate measured in the same run (every expert file read cold: the faster of a
-                 plain sequential pass and the store's reader, O_DIRECT with reads in flight)
+                 the raw rate measured in the same run (every expert file read as the server reads
+                 them: whole chunks in a random order, O_DIRECT, 16 in flight; the best of 3 passes)
 
 In the same run: transformers generating one request at a time (the floor: what serving without a
 batching engine gives), and llama.cpp's llama-server (built once from bench/llama_peer.py's sources,
@@ -227,16 +227,40 @@ print(json.dumps({{"tok_s": (out.shape[1] - ids.shape[1]) / (time.perf_counter()
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def raw_disk_rate(store: str) -> float:
-    """Bytes/s the disk gives the expert files of `store`: the faster of a plain sequential pass and
-    the store's own reader (O_DIRECT, several reads in flight), medians of 3 passes, each after the
-    files left the page cache (a virtual disk's host may still cache them, as it does for the
-    server's reads)."""
-    from storage.bench import run_bench
-    from storage.store import Store
+def raw_disk_rate(store: str, passes: int = 3, in_flight: int = 16) -> float:
+    """Bytes/s the disk gives the expert files of `store` read as a server reads them: whole chunks in
+    a random order, O_DIRECT, `in_flight` at a time, each file first dropped from the page cache; the
+    best of `passes` passes (a virtual disk's host may cache what was read before, for the server's
+    reads too, so passes after the first are what the server sees)."""
+    import random
 
-    r = run_bench(Store.open(store), cold=True, repeats=3, with_tensorstore=False, verify=False)
-    return max(r.raw_gbps, r.store_gbps) * 1e9
+    from storage.fileio import (
+        ALIGN,
+        ChunkReader,
+        ChunkReaderConfig,
+        ReadRequest,
+        drop_from_page_cache,
+    )
+    from storage.pool import aligned_empty
+    from storage.store import Store, iter_expert_chunks
+
+    st = Store.open(store)
+    chunks = list(iter_expert_chunks(st.manifest, "weight"))
+    bufs = [aligned_empty(max(c.bytes for c in chunks), alignment=ALIGN, pin=False)[1] for _ in range(in_flight)]
+    reader = ChunkReader(ChunkReaderConfig(mode="direct"))
+    rng = random.Random(0)
+    best = 0.0
+    for _ in range(passes):
+        rng.shuffle(chunks)
+        for c in chunks:
+            drop_from_page_cache(st.path(c.file))
+        t0 = time.perf_counter()
+        for i in range(0, len(chunks), in_flight):
+            group = chunks[i:i + in_flight]
+            reader.read_many([ReadRequest(path=st.path(c.file), buf=memoryview(b.numpy()), nbytes=c.bytes)
+                              for c, b in zip(group, bufs)])
+        best = max(best, sum(c.bytes for c in chunks) / (time.perf_counter() - t0))
+    return best
 
 
 def report(result: dict, as_json: bool) -> None:
