@@ -841,6 +841,29 @@ def test_client_disconnect_mid_stream_does_not_wedge(scripted):
     assert request(scripted.port, "GET", "/health")[0] == 200
 
 
+def test_a_client_leaving_an_n_choice_stream_frees_every_choice(engine):
+    """A streamed request of n=2 whose client leaves mid-stream: both choices stop, their places and
+    KV caches are freed."""
+    eng = ScriptedEngine(engine)
+    eng.token_delay_s = 0.02  # 100 tokens would take 2 s
+    server = LiveServer(create_app(eng, max_batch=4))
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
+                     body=json.dumps({"prompt": [3, 4], "max_tokens": 100, "stream": True, "n": 2}))
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")
+        assert metrics(server.port)[("semoe_requests_running", ())] == 2
+        conn.sock.close()  # leave mid-stream
+        conn.close()
+        wait_for(lambda: metrics(server.port).get(("semoe_cancelled_requests_total", ()), 0.0) == 2,
+                 "both choices to stop", timeout_s=5)
+        m = metrics(server.port)
+        assert m[("semoe_requests_running", ())] == 0 and m[("semoe_kv_cache_bytes", ())] == 0
+    finally:
+        server.close()
+
+
 def test_client_leaving_while_queued_is_skipped(scripted):
     eng = scripted.engine
     eng.gate.clear()
