@@ -186,7 +186,8 @@ def _choices(body: dict) -> int:
 
 
 def choice(req: GenRequest, index: int) -> GenRequest:
-    """Choice `index` of an `n` > 1 request: one completion, sampled with the request's seed + index."""
+    """Choice `index` of a request as a request of its own: one completion, sampled with the
+    request's seed + index."""
     return dataclasses.replace(req, n=1, sampling=dataclasses.replace(
         req.sampling, seed=(req.sampling.seed + index) % _MAX_SEED))
 

@@ -45,7 +45,7 @@ import torch
 from inference.openai_protocol import GenRequest
 from inference.text_stream import TextAssembler
 from semoe.attention import KVCache
-from semoe.generate import choose, new_cache, top_logprobs
+from semoe.generate import choose, new_cache
 from storage.pool import peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -385,8 +385,7 @@ class BatchScheduler:
     def _emit(self, r: _Running, logits_1V: torch.Tensor) -> None:
         """Sample r's next token as `semoe.generate.generate` does, and hand it to the client."""
         req = r.job.request
-        token, logprob = choose(logits_1V, req.sampling, r.generator)
-        top = top_logprobs(logits_1V, req.top_logprobs) if req.top_logprobs else ()
+        token, logprob, top = choose(logits_1V, req.sampling, r.generator, req.top_logprobs)
         r.tops.append(top)
         now = time.perf_counter()
         if r.t_first is None:

@@ -296,7 +296,7 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
                            f"{kv_memory_bytes} bytes (--kv-memory); ask for fewer max_tokens or a shorter prompt",
                            param="max_tokens")
         loop = asyncio.get_running_loop()
-        jobs = [Job(request=choice(req, i) if req.n > 1 else req, loop=loop, id=reply.id, index=i)
+        jobs = [Job(request=choice(req, i), loop=loop, id=reply.id, index=i)
                 for i in range(req.n)]  # the log names the answer's id
         try:
             worker.submit(*jobs)

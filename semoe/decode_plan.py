@@ -115,6 +115,10 @@ class DecodePlan:
                 or c.rope_dim != c.head_dim:
             raise NotPlanned("the attention variant (q/k norms, clipping, sinks or partial/interleaved rotary)")
         self.lib = lib
+        D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
+        # the step's buffers, made once, and their addresses, taken once (a step takes a few hundred)
+        self.qkv = torch.empty(H * Dh + 2 * G * Dh)
+        self.q, self.k, self.v = self.qkv.split([H * Dh, G * Dh, G * Dh])
         self.layers: list[_Layer] = []
         for block in model.layers:
             a = block.attn
@@ -123,9 +127,12 @@ class DecodePlan:
             projs = [a.qkv_proj] if a.qkv_proj is not None else [a.q_proj, a.k_proj, a.v_proj]
             qkv, start = [], 0
             for p in projs:
-                qkv.append((_Product(lib, p), start))
-                start += qkv[-1][0].O
-            if start != c.num_heads * c.head_dim + 2 * c.num_kv_heads * c.head_dim:
+                prod = _Product(lib, p)
+                if start + prod.O > self.qkv.numel():
+                    raise NotPlanned(f"layer {block.layer}: q, k and v of more than {self.qkv.numel()} outputs")
+                qkv.append((prod, self.qkv[start:start + prod.O], _ptr(self.qkv) + 4 * start))
+                start += prod.O
+            if start != self.qkv.numel():
                 raise NotPlanned(f"layer {block.layer}: q, k and v of {start} outputs")
             router = None
             if isinstance(block.ffn, MoEFeedForward):
@@ -139,10 +146,6 @@ class DecodePlan:
         self.lm_head = _Product(lib, model.lm_head)
         self.norm = _Norm(lib, model.norm)
         self.modules = list(model.modules())
-        D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
-        # the step's buffers, made once, and their addresses, taken once (a step takes a few hundred)
-        self.qkv = torch.empty(H * Dh + 2 * G * Dh)
-        self.q, self.k, self.v = self.qkv.split([H * Dh, G * Dh, G * Dh])
         self.x, self.h, self.tmp = torch.empty(D), torch.empty(D), torch.empty(D)
         self.att = torch.empty(H * Dh)
         self.logits_E = torch.empty(1, c.num_experts) if c.num_experts else None
@@ -152,8 +155,6 @@ class DecodePlan:
         self.xp, self.hp, self.tmpp = ptr(self.x), ptr(self.h), ptr(self.tmp)
         self.logits_Ep = None if self.logits_E is None else ptr(self.logits_E)
         self.ysp = [ptr(y) for y in self.ys]
-        for lay in self.layers:
-            lay.qkv = [(prod, self.qkv[start:start + prod.O], ptr(self.qkv) + 4 * start) for prod, start in lay.qkv]
         self.scale = c.head_dim ** -0.5
         # the SwiGLU kernel's operands per expert weights object (resident experts give the same object
         # every step): id -> (weak reference, arguments, what they point into)

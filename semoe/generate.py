@@ -69,16 +69,16 @@ def sample(logits_BV: torch.Tensor, cfg: SamplingConfig, generator: torch.Genera
     return torch.multinomial(probs.cpu(), 1, generator=generator).squeeze(-1).to(logits_BV.device)
 
 
-def choose(logits_1V: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None) -> tuple[int, float]:
-    """One sequence's next token (`sample`) and its log-probability under the logits."""
+def choose(logits_1V: torch.Tensor, cfg: SamplingConfig, generator: torch.Generator | None, top: int = 0
+           ) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+    """One sequence's next token (`sample`), its log-probability under the logits, and the `top` most
+    likely tokens with theirs, most likely first (none for `top` 0); one log-softmax for both."""
     token = int(sample(logits_1V, cfg, generator)[0])
-    return token, float(torch.log_softmax(logits_1V.float(), dim=-1)[0, token])
-
-
-def top_logprobs(logits_1V: torch.Tensor, k: int) -> tuple[tuple[int, float], ...]:
-    """The k most likely next tokens under the logits with their log-probabilities, most likely first."""
-    values, ids = torch.topk(torch.log_softmax(logits_1V.float(), dim=-1)[0], min(k, logits_1V.shape[-1]))
-    return tuple(zip(ids.tolist(), values.tolist()))
+    logprobs_V = torch.log_softmax(logits_1V.float(), dim=-1)[0]
+    if not top:
+        return token, float(logprobs_V[token]), ()
+    values, ids = torch.topk(logprobs_V, min(top, logprobs_V.shape[-1]))
+    return token, float(logprobs_V[token]), tuple(zip(ids.tolist(), values.tolist()))
 
 
 @torch.no_grad()
@@ -135,7 +135,7 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
     logits = prefill(model, torch.tensor([prompt], device=device), cache)
     t_first = None
     while True:
-        token, lp = choose(logits, cfg, gen)
+        token, lp, _ = choose(logits, cfg, gen)
         tokens.append(token)
         logprobs.append(lp)
         if on_token is not None:
