@@ -62,8 +62,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
     lib.moe_combine_f32.argtypes = [_P, _P, _P, _I, _I]
+    lib.decode_step.argtypes = [_P, _P, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
     for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16, lib.gemv_f32,
-              lib.gemv_mxfp4, lib.attend_decode_f32, lib.rmsnorm_f32, lib.moe_combine_f32):
+              lib.gemv_mxfp4, lib.attend_decode_f32, lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_step):
         f.restype = None
     lib.kernels_isa.restype = ctypes.c_int
     return lib

@@ -9,6 +9,14 @@ routed experts from the layer's provider (resident or offloaded), and their weig
 the residual stream in one call. Each value comes from the arithmetic the module path uses, in the
 same order, so tokens and log-probs are the same bits (tests compare them).
 
+Where every layer's weights are in memory (resident experts, all of them, and weights the kernels
+take), the whole step is one call instead (`decode_step`, semoe/kernels/decode_step.c): the same
+kernels inside one parallel region, the router's softmax and top-k in C, so that no Python runs
+between them. Its router softmax and its SiLU of float experts use C's expf where the step above
+uses torch's ops, so its logits agree with the modules' to float32 rounding rather than to the bit.
+Offloaded experts arrive during the step, from the ring, so a model with offloaded experts takes
+the kernel-by-kernel step.
+
 It covers the common decoder: attention without per-head or full q/k norms, clipping, sinks or a
 window in reach, rotary over whole heads; softmax-top-k routers over SwiGLU experts without a
 shared expert, or dense SwiGLU layers; float32 activations on CPU with the kernels built; weights
@@ -29,7 +37,8 @@ from torch import nn
 from semoe import cpu_kernels
 from semoe.attention import Attention, KVCache, RMSNorm, rope_tables
 from semoe.compact_linear import CompactWeight, swiglu_operands
-from semoe.experts import ExpertWeights
+from semoe.expert_layout import PackedExperts
+from semoe.experts import ExpertWeights, ResidentExperts, SwiGLU
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 
 
@@ -41,36 +50,68 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
+_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+_KINDS = {torch.float32: 1, torch.bfloat16: 2, "int8": 3, "int4": 4}  # decode_step.c's W_* kinds
+
+
+class _Lin(ctypes.Structure):
+    """decode_step.c's `Lin`: one weight (O, I), its scales and bias."""
+    _fields_ = [("kind", _I64), ("O", _I64), ("I", _I64), ("g", _I64), ("w", _P), ("s", _P), ("bias", _P)]
+
+
+class _Expert(ctypes.Structure):
+    _fields_ = [("gate", _Lin), ("up", _Lin), ("down", _Lin)]
+
+
+class _LayerC(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I64),
+                ("qkv", _Lin * 3), ("o", _Lin), ("E", _I64), ("router", _Lin), ("experts", ctypes.POINTER(_Expert))]
+
+
+class _Net(ctypes.Structure):
+    _fields_ = [("L", _I64), ("D", _I64), ("H", _I64), ("G", _I64), ("Dh", _I64), ("F", _I64), ("E", _I64),
+                ("top_k", _I64), ("norm_topk", _I64), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
+                ("layers", ctypes.POINTER(_LayerC)), ("head", _Lin)]
+
+
+def _weight(w: torch.Tensor | CompactWeight) -> tuple[_Lin, tuple[torch.Tensor, ...]]:
+    """The kernels' operands of one weight (O, I) as `compact_linear.linear` multiplies one row by it
+    on CPU, and the tensors they point into (the caller holds them as long as it uses the operands:
+    the plan is built for one generation, over weights that stay where they are)."""
+    if isinstance(w, CompactWeight):
+        scheme = w.spec.scheme
+        if w.kernel != "auto" or w.codes.device.type != "cpu" or scheme not in ("int8", "int4") or w.spec.transposed:
+            raise NotPlanned(f"a {scheme} weight with the {w.kernel!r} kernel on {w.codes.device}")
+        held = (w.codes, cpu_kernels._f32(w.scales))  # kept: the kernel reads them every step
+        O, I = w.codes.shape[0], w.codes.shape[1] * (2 if scheme == "int4" else 1)
+        g = (w.spec.group_size or 0) if scheme == "int4" else 0
+        return _Lin(_KINDS[scheme], O, I, g, _ptr(held[0]), _ptr(held[1]), None), held
+    if isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 \
+            and w.device.type == "cpu" and w.is_contiguous():
+        return _Lin(_KINDS[w.dtype], w.shape[0], w.shape[1], 0, _ptr(w), None, None), (w,)
+    raise NotPlanned(f"a weight of {type(w).__name__} {getattr(w, 'dtype', '')}")
+
+
 class _Product:
     """y (O,) = x (I,) @ W.T (+ bias) for one linear module's weight, with the kernel call and
-    operands `compact_linear.linear` uses for one row on CPU (the weight's addresses taken once: the
-    plan is built for one generation, over weights that stay where they are)."""
+    operands `compact_linear.linear` uses for one row on CPU (`_weight`)."""
 
     def __init__(self, lib: ctypes.CDLL, module: nn.Module, *, bias: bool = True) -> None:
-        w, self.bias = module.weight, getattr(module, "bias", None) if bias else None
-        if isinstance(w, CompactWeight):
-            scheme = w.spec.scheme
-            if w.kernel != "auto" or w.codes.device.type != "cpu" or scheme not in ("int8", "int4"):
-                raise NotPlanned(f"a {scheme} weight with the {w.kernel!r} kernel on {w.codes.device}")
-            self.held = (w.codes, cpu_kernels._f32(w.scales))  # kept: the kernel reads them every step
-            cp, sp = (t.data_ptr() for t in self.held)
-            if scheme == "int8":
-                O, I = self.O, self.I = w.codes.shape
-                self._call = lambda x, y, t: lib.gemv_i8(x, cp, sp, y, 1, O, I, t)
-            else:
-                O, I, g = self.O, self.I, _ = w.codes.shape[0], 2 * w.codes.shape[1], w.spec.group_size
-                self._call = lambda x, y, t: lib.gemv_i4(x, cp, sp, y, 1, O, I, g, t)
-        elif isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 \
-                and w.device.type == "cpu" and w.is_contiguous():
-            fn = lib.gemv_f32 if w.dtype == torch.float32 else lib.gemv_bf16
-            O, I = self.O, self.I = w.shape
-            self.held = (w,)
-            wp = w.data_ptr()
-            self._call = lambda x, y, t: fn(x, wp, y, 1, O, I, t)
+        self.lin, self.held = _weight(module.weight)
+        self.bias = getattr(module, "bias", None) if bias else None
+        if self.bias is not None:
+            if self.bias.dtype != torch.float32 or not self.bias.is_contiguous():
+                raise NotPlanned("a bias that is not contiguous float32")
+            self.lin.bias = _ptr(self.bias)
+        kind, O, I, g, wp, sp = (getattr(self.lin, f) for f in ("kind", "O", "I", "g", "w", "s"))
+        self.O = O
+        if kind == _KINDS["int8"]:
+            self._call = lambda x, y, t: lib.gemv_i8(x, wp, sp, y, 1, O, I, t)
+        elif kind == _KINDS["int4"]:
+            self._call = lambda x, y, t: lib.gemv_i4(x, wp, sp, y, 1, O, I, g, t)
         else:
-            raise NotPlanned(f"a weight of {type(w).__name__} {getattr(w, 'dtype', '')}")
-        if self.bias is not None and (self.bias.dtype != torch.float32 or not self.bias.is_contiguous()):
-            raise NotPlanned("a bias that is not contiguous float32")
+            fn = lib.gemv_f32 if kind == _KINDS[torch.float32] else lib.gemv_bf16
+            self._call = lambda x, y, t: fn(x, wp, y, 1, O, I, t)
 
     def __call__(self, x: int, y: torch.Tensor, threads: int, y_ptr: int | None = None) -> None:
         """y = x @ W.T (+ bias): x the address of I float32 values, y a contiguous float32 view of O
@@ -84,7 +125,7 @@ class _Norm:
     """An `RMSNorm` of one row by the kernel."""
 
     def __init__(self, lib: ctypes.CDLL, norm: RMSNorm) -> None:
-        self.weight = norm.weight
+        self.weight, self.eps = norm.weight, norm.eps
         wp, eps = norm.weight.data_ptr(), norm.eps
         self.call = lambda x, out, D: lib.rmsnorm_f32(x, wp, eps, out, 1, D)
 
@@ -101,9 +142,10 @@ class _Layer:
 
 
 class DecodePlan:
-    """A model's decoding step for one sequence (`step`), built once per generation."""
+    """A model's decoding step for one sequence (`step`), built once per generation; `whole=False`
+    keeps to the kernel-by-kernel step even where the one-call step applies (`net` is then None)."""
 
-    def __init__(self, model: MoEGPT) -> None:
+    def __init__(self, model: MoEGPT, *, whole: bool = True) -> None:
         lib = cpu_kernels._lib()
         c = self.config = model.config
         self.model = model
@@ -159,6 +201,62 @@ class DecodePlan:
         # the SwiGLU kernel's operands per expert weights object (resident experts give the same object
         # every step): id -> (weak reference, arguments, what they point into)
         self._expert_args: dict[int, tuple[weakref.ref, tuple | None, tuple]] = {}
+        # the whole step in one call (`decode_step`), where every layer's weights are in memory
+        self.net: _Net | None = None
+        if whole:
+            try:
+                self.net, self._net_held = self._whole(model)
+            except NotPlanned:
+                pass
+
+    def _whole(self, model: MoEGPT) -> tuple[_Net, list]:
+        """decode_step.c's `Net` of the model, and what its pointers point into; NotPlanned where a
+        layer's experts are not all in memory (offloaded ones arrive during the step), or its weights
+        are of a kind the call does not take."""
+        c, held = self.config, []
+
+        def expert(parts: tuple) -> _Expert:
+            (gate, g_held), (up, u_held), (down, d_held) = (_weight(p) for p in parts)
+            if (gate.kind, gate.g, gate.O, gate.I) != (up.kind, up.g, up.O, up.I):
+                raise NotPlanned("gate and up of different kinds")  # they share x's quantization
+            held.extend((g_held, u_held, d_held))
+            return _Expert(gate, up, down)
+
+        layers = (_LayerC * len(self.layers))()
+        F = E = 0
+        for lay, block, lc in zip(self.layers, model.layers, layers):
+            if len(lay.qkv) > 3:
+                raise NotPlanned("q/k/v in more than three products")
+            lc.attn_norm, lc.attn_eps = _ptr(lay.attn_norm.weight), lay.attn_norm.eps
+            lc.ffn_norm, lc.ffn_eps = _ptr(lay.ffn_norm.weight), lay.ffn_norm.eps
+            lc.n_qkv = len(lay.qkv)
+            for j, (prod, _, _) in enumerate(lay.qkv):
+                lc.qkv[j] = prod.lin
+            lc.o = lay.o_proj.lin
+            ffn = block.ffn
+            if lay.router is None:  # a dense layer: DenseFFN (the plan takes no other)
+                experts = [expert(tuple(m.weight for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)))]
+                if any(m.bias is not None for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)):
+                    raise NotPlanned("a dense feed-forward layer with biases")
+            else:
+                provider = ffn.experts
+                if isinstance(provider, ResidentExperts) and isinstance(provider.mlp, SwiGLU):
+                    ws = [w for _, w in provider.stream(ffn.layer, list(range(c.num_experts)), self.h[None])]
+                elif isinstance(provider, PackedExperts) and isinstance(provider.mlp, SwiGLU) \
+                        and set(provider.weights) == set(range(c.num_experts)):
+                    ws = [provider.weights[e] for e in range(c.num_experts)]
+                else:
+                    raise NotPlanned(f"layer {block.layer}: experts not all in memory")
+                experts = [expert(w.parts) for w in ws]
+                lc.E, lc.router = c.num_experts, lay.router.lin
+            array = (_Expert * len(experts))(*experts)
+            held.append(array)
+            lc.experts = array
+            F, E = max(F, experts[0].gate.O), max(E, lc.E)
+        H, G, Dh = c.num_heads, c.num_kv_heads, c.head_dim
+        net = _Net(len(self.layers), c.hidden_size, H, G, Dh, F, E, max(c.top_k, 1), int(bool(c.norm_topk_prob)),
+                   self.scale, self.norm.eps, _ptr(self.norm.weight), layers, self.lm_head.lin)
+        return net, [layers, *held]
 
     @classmethod
     def build(cls, model: MoEGPT) -> DecodePlan | None:
@@ -194,6 +292,13 @@ class DecodePlan:
         x.copy_(self.model.embed(torch.tensor([[token]])).reshape(-1))
         cos, sin = rope_tables(c, torch.arange(pos, pos + 1)[None], x.dtype)
         cosp, sinp = _ptr(cos), _ptr(sin)
+        if self.net is not None:
+            logits = torch.empty(1, self.lm_head.O)
+            caches = [(ctypes.c_void_p * len(self.layers))(*(_ptr(t) for t in kv)) for kv in (cache.k, cache.v)]
+            lib.decode_step(ctypes.byref(self.net), xp, *caches, cache.capacity, pos, cosp, sinp, _ptr(logits),
+                            threads)
+            cache.length = pos + 1
+            return logits
         for i, lay in enumerate(self.layers):
             lay.attn_norm.call(xp, hp, D)
             for prod, y, yp in lay.qkv:

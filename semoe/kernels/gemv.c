@@ -27,33 +27,8 @@
  * build and place it like any extension.
  */
 #include <Python.h>
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__)
-#include <immintrin.h>
-#define SEMOE_VNNI 1
-#elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#define SEMOE_AVX2 1
-#endif
 
-#define QB 32 /* inputs per activation block */
-#define ROWS 4 /* int8: output rows computed together, sharing the loads of x */
-#define I4_BLOCK 64
-#define I4_HALF 32
-/* Bytes ahead of each weight stream to prefetch: one core's hardware prefetch alone kept well under
- * the memory bound (6 GB/s of int8 codes on one thread, 16 on two, against 20-25 with this). A
- * prefetch past the end of the weights is harmless: prefetches never fault. */
-#ifndef PREFETCH
-#define PREFETCH 4096
-#endif
-/* The same for one weight row read as a single stream (AVX2 int8): the hardware prefetcher follows
- * it, so a short distance suffices (measured: 1 KB best, 4 KB slower than none) */
-#ifndef PREFETCH_STREAM
-#define PREFETCH_STREAM 1024
-#endif
+#include "kernels.h"
 
 /* x (M, I) -> codes q (M, Ip) and scales d (M, Ip / QB), Ip = I rounded up to 64; the padding is 0 */
 static void q8_rows(const float *x, int64_t M, int64_t I, int64_t Ip, int8_t *q, float *d) {
@@ -179,15 +154,7 @@ static inline void i8_rows(const int8_t *w, int64_t I, int64_t Ip, int n, const 
 #endif
 }
 
-/* x quantized for the kernels: codes (M, Ip), scales (M, Ip / QB) and, for int4 weights in groups
- * of g, the sum of each group's quantized inputs (M, I / g): the zero points' share of each output */
-typedef struct {
-    int64_t M, I, Ip, g, groups;
-    int8_t *q;
-    float *d, *xsum;
-} Acts;
-
-static Acts acts_alloc(int64_t M, int64_t I, int64_t g) {
+Acts acts_alloc(int64_t M, int64_t I, int64_t g) {
     Acts a = {M, I, padded(I), g, g ? I / g : 0, NULL, NULL, NULL};
     a.q = malloc((size_t)(M * a.Ip));
     a.d = malloc(sizeof(float) * (size_t)(M * a.Ip / QB));
@@ -195,7 +162,7 @@ static Acts acts_alloc(int64_t M, int64_t I, int64_t g) {
     return a;
 }
 
-static void acts_fill(Acts *a, const float *x) {
+void acts_fill(Acts *a, const float *x) {
     q8_rows(x, a->M, a->I, a->Ip, a->q, a->d);
     for (int64_t m = 0; m < a->M; m++)
         for (int64_t gi = 0; gi < a->groups; gi++) {
@@ -209,14 +176,14 @@ static void acts_fill(Acts *a, const float *x) {
         }
 }
 
-static void acts_free(Acts *a) {
+void acts_free(Acts *a) {
     free(a->q);
     free(a->d);
     free(a->xsum);
 }
 
 /* int8: block b (ROWS output rows) of y (M, O) */
-static void i8_block(const int8_t *q, const float *scale, int64_t O, const Acts *a, int64_t b, float *y) {
+void i8_block(const int8_t *q, const float *scale, int64_t O, const Acts *a, int64_t b, float *y) {
     int64_t I = a->I, Ip = a->Ip, o0 = b * ROWS;
     int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
     for (int64_t m = 0; m < a->M; m++) {
@@ -226,7 +193,7 @@ static void i8_block(const int8_t *q, const float *scale, int64_t O, const Acts 
     }
 }
 
-static int64_t i8_blocks(int64_t O) { return (O + ROWS - 1) / ROWS; }
+int64_t i8_blocks(int64_t O) { return (O + ROWS - 1) / ROWS; }
 
 void gemv_i8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t O, int64_t I,
              int threads) {
@@ -467,7 +434,7 @@ static inline void i4_scale(const float *sz, const float *c, float xs, float *ou
 }
 
 /* int4: block b (64 output rows) of y (M, O) */
-static void i4_block(const uint8_t *p, const float *sz, int64_t O, const Acts *a, int64_t b, float *y) {
+void i4_block(const uint8_t *p, const float *sz, int64_t O, const Acts *a, int64_t b, float *y) {
     int64_t I = a->I, Ip = a->Ip, g = a->g;
     const uint8_t *pb = p + b * I * I4_HALF; /* (I, 32) bytes of this block of 64 rows */
     for (int64_t m = 0; m < a->M; m++) {
@@ -537,114 +504,118 @@ void swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int bits, const v
 
 /* bfloat16 weights (O, I) against float32 x: each code widened to float32 in registers (a bfloat16
  * is the top half of a float32), float32 sums. */
+void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t O, int64_t I, int64_t b) {
+    int64_t o0 = b * ROWS;
+    int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * I;
+#ifdef SEMOE_VNNI
+        __m512 f[ROWS];
+        for (int r = 0; r < ROWS; r++) f[r] = _mm512_setzero_ps();
+        const uint16_t *w0 = w + o0 * I, *w1 = w0 + (n > 1 ? I : 0), *w2 = w0 + (n > 2 ? 2 * I : 0),
+                       *w3 = w0 + (n > 3 ? 3 * I : 0);
+        for (int64_t k = 0; k < I; k += 16) {
+            __mmask16 km = I - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - k)) - 1);
+            __m512 xv = _mm512_maskz_loadu_ps(km, xm + k);
+#define ROW(wr, acc)                                                                                  \
+{                                                                                                 \
+    _mm_prefetch((const char *)(wr + k) + PREFETCH, _MM_HINT_T0);                                 \
+    __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(km, wr + k));                      \
+    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), xv, acc);                \
+}
+            ROW(w0, f[0]) ROW(w1, f[1]) ROW(w2, f[2]) ROW(w3, f[3])
+#undef ROW
+        }
+        for (int r = 0; r < n; r++) y[m * O + o0 + r] = _mm512_reduce_add_ps(f[r]);
+#elif defined(SEMOE_AVX2)
+        __m256 f[ROWS];
+        for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
+        const uint16_t *wr[ROWS];
+        for (int r = 0; r < ROWS; r++) wr[r] = w + (o0 + (r < n ? r : 0)) * I;
+        int64_t k = 0;
+        for (; k + 8 <= I; k += 8) {
+            __m256 xv = _mm256_loadu_ps(xm + k);
+            for (int r = 0; r < ROWS; r++) {
+                _mm_prefetch((const char *)(wr[r] + k) + PREFETCH, _MM_HINT_T0);
+                __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr[r] + k)));
+                f[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), xv, f[r]);
+            }
+        }
+        for (int r = 0; r < n; r++) {
+            float acc = hsum8(f[r]);
+            for (int64_t t = k; t < I; t++) {
+                uint32_t bits = (uint32_t)wr[r][t] << 16;
+                float v;
+                memcpy(&v, &bits, 4);
+                acc += v * xm[t];
+            }
+            y[m * O + o0 + r] = acc;
+        }
+#else
+        for (int r = 0; r < n; r++) {
+            const uint16_t *wr = w + (o0 + r) * I;
+            float acc = 0.0f;
+            for (int64_t k = 0; k < I; k++) {
+                uint32_t bits = (uint32_t)wr[k] << 16;
+                float v;
+                memcpy(&v, &bits, 4);
+                acc += v * xm[k];
+            }
+            y[m * O + o0 + r] = acc;
+        }
+#endif
+    }
+}
+
 void gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t M, int64_t O, int64_t I, int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < (O + ROWS - 1) / ROWS; b++) {
-        int64_t o0 = b * ROWS;
-        int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
-        for (int64_t m = 0; m < M; m++) {
-            const float *xm = x + m * I;
-#ifdef SEMOE_VNNI
-            __m512 f[ROWS];
-            for (int r = 0; r < ROWS; r++) f[r] = _mm512_setzero_ps();
-            const uint16_t *w0 = w + o0 * I, *w1 = w0 + (n > 1 ? I : 0), *w2 = w0 + (n > 2 ? 2 * I : 0),
-                           *w3 = w0 + (n > 3 ? 3 * I : 0);
-            for (int64_t k = 0; k < I; k += 16) {
-                __mmask16 km = I - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - k)) - 1);
-                __m512 xv = _mm512_maskz_loadu_ps(km, xm + k);
-#define ROW(wr, acc)                                                                                  \
-    {                                                                                                 \
-        _mm_prefetch((const char *)(wr + k) + PREFETCH, _MM_HINT_T0);                                 \
-        __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(km, wr + k));                      \
-        acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), xv, acc);                \
-    }
-                ROW(w0, f[0]) ROW(w1, f[1]) ROW(w2, f[2]) ROW(w3, f[3])
-#undef ROW
-            }
-            for (int r = 0; r < n; r++) y[m * O + o0 + r] = _mm512_reduce_add_ps(f[r]);
-#elif defined(SEMOE_AVX2)
-            __m256 f[ROWS];
-            for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
-            const uint16_t *wr[ROWS];
-            for (int r = 0; r < ROWS; r++) wr[r] = w + (o0 + (r < n ? r : 0)) * I;
-            int64_t k = 0;
-            for (; k + 8 <= I; k += 8) {
-                __m256 xv = _mm256_loadu_ps(xm + k);
-                for (int r = 0; r < ROWS; r++) {
-                    _mm_prefetch((const char *)(wr[r] + k) + PREFETCH, _MM_HINT_T0);
-                    __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(wr[r] + k)));
-                    f[r] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(h, 16)), xv, f[r]);
-                }
-            }
-            for (int r = 0; r < n; r++) {
-                float acc = hsum8(f[r]);
-                for (int64_t t = k; t < I; t++) {
-                    uint32_t bits = (uint32_t)wr[r][t] << 16;
-                    float v;
-                    memcpy(&v, &bits, 4);
-                    acc += v * xm[t];
-                }
-                y[m * O + o0 + r] = acc;
-            }
-#else
-            for (int r = 0; r < n; r++) {
-                const uint16_t *wr = w + (o0 + r) * I;
-                float acc = 0.0f;
-                for (int64_t k = 0; k < I; k++) {
-                    uint32_t bits = (uint32_t)wr[k] << 16;
-                    float v;
-                    memcpy(&v, &bits, 4);
-                    acc += v * xm[k];
-                }
-                y[m * O + o0 + r] = acc;
-            }
-#endif
-        }
-    }
+    for (int64_t b = 0; b < i8_blocks(O); b++) bf16_block(x, w, y, M, O, I, b);
 }
 
 /* float32 weights (O, I) against float32 x. torch's own float32 product stays on one core at these
  * sizes (12.7 GB/s on one thread, 12.4 on two, on an AVX2 server core): this one splits the rows
  * over the threads and prefetches each row's stream. */
-void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t O, int64_t I, int threads) {
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < (O + ROWS - 1) / ROWS; b++) {
-        int64_t o0 = b * ROWS;
-        int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
-        const float *wr[ROWS];
-        for (int r = 0; r < ROWS; r++) wr[r] = w + (o0 + (r < n ? r : 0)) * I;
-        for (int64_t m = 0; m < M; m++) {
-            const float *xm = x + m * I;
-            float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
-            int64_t k = 0;
+void f32_block(const float *x, const float *w, float *y, int64_t M, int64_t O, int64_t I, int64_t b) {
+    int64_t o0 = b * ROWS;
+    int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
+    const float *wr[ROWS];
+    for (int r = 0; r < ROWS; r++) wr[r] = w + (o0 + (r < n ? r : 0)) * I;
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * I;
+        float acc[ROWS] = {0.0f, 0.0f, 0.0f, 0.0f};
+        int64_t k = 0;
 #if defined(SEMOE_VNNI)
-            __m512 f[ROWS];
-            for (int r = 0; r < ROWS; r++) f[r] = _mm512_setzero_ps();
-            for (; k + 16 <= I; k += 16) {
-                __m512 xv = _mm512_loadu_ps(xm + k);
-                for (int r = 0; r < ROWS; r++) {
-                    _mm_prefetch((const char *)(wr[r] + k) + PREFETCH, _MM_HINT_T0);
-                    f[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + k), xv, f[r]);
-                }
-            }
-            for (int r = 0; r < ROWS; r++) acc[r] = _mm512_reduce_add_ps(f[r]);
-#elif defined(SEMOE_AVX2)
-            __m256 f[ROWS];
-            for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
-            /* no software prefetch: the hardware's keeps up with four float32 streams (measured 15%
-             * faster without, where the integer kernels above need it) */
-            for (; k + 8 <= I; k += 8) {
-                __m256 xv = _mm256_loadu_ps(xm + k);
-                for (int r = 0; r < ROWS; r++) f[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[r] + k), xv, f[r]);
-            }
-            for (int r = 0; r < ROWS; r++) acc[r] = hsum8(f[r]);
-#endif
-            for (int r = 0; r < n; r++) {
-                for (int64_t t = k; t < I; t++) acc[r] += wr[r][t] * xm[t];
-                y[m * O + o0 + r] = acc[r];
+        __m512 f[ROWS];
+        for (int r = 0; r < ROWS; r++) f[r] = _mm512_setzero_ps();
+        for (; k + 16 <= I; k += 16) {
+            __m512 xv = _mm512_loadu_ps(xm + k);
+            for (int r = 0; r < ROWS; r++) {
+                _mm_prefetch((const char *)(wr[r] + k) + PREFETCH, _MM_HINT_T0);
+                f[r] = _mm512_fmadd_ps(_mm512_loadu_ps(wr[r] + k), xv, f[r]);
             }
         }
+        for (int r = 0; r < ROWS; r++) acc[r] = _mm512_reduce_add_ps(f[r]);
+#elif defined(SEMOE_AVX2)
+        __m256 f[ROWS];
+        for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
+        /* no software prefetch: the hardware's keeps up with four float32 streams (measured 15%
+         * faster without, where the integer kernels above need it) */
+        for (; k + 8 <= I; k += 8) {
+            __m256 xv = _mm256_loadu_ps(xm + k);
+            for (int r = 0; r < ROWS; r++) f[r] = _mm256_fmadd_ps(_mm256_loadu_ps(wr[r] + k), xv, f[r]);
+        }
+        for (int r = 0; r < ROWS; r++) acc[r] = hsum8(f[r]);
+#endif
+        for (int r = 0; r < n; r++) {
+            for (int64_t t = k; t < I; t++) acc[r] += wr[r][t] * xm[t];
+            y[m * O + o0 + r] = acc[r];
+        }
     }
+}
+
+void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t O, int64_t I, int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < i8_blocks(O); b++) f32_block(x, w, y, M, O, I, b);
 }
 
 /* RMS norm of M rows of D, float32: y = x / sqrt(mean(x^2) + eps) * w (torch's seven small ops of a
@@ -677,35 +648,44 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
  * over the positions 0..pos of its group's keys, scaled by `scale`, times the values: out (H, Dh).
  * The dozens of small ops this takes in torch cost more than its arithmetic at one token. Heads are
  * split over `threads` threads; each head's sums are its own, so the result does not depend on it. */
-void attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
-                       float *kc, float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float scale,
-                       float *out, int threads) {
-    int64_t half = Dh / 2, n = pos + 1;
-    float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)(n * H));
+void attend_rotate(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
+                   float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float *qr) {
+    int64_t half = Dh / 2;
     for (int64_t h = 0; h < H + G; h++) {
         const float *x = h < H ? q + h * Dh : k + (h - H) * Dh;
         float *y = h < H ? qr + h * Dh : kc + ((h - H) * S + pos) * Dh;
         for (int64_t i = 0; i < Dh; i++) y[i] = x[i] * cos[i] + (i < half ? -x[i + half] : x[i - half]) * sin[i];
     }
     for (int64_t g = 0; g < G; g++) memcpy(vc + (g * S + pos) * Dh, v + g * Dh, sizeof(float) * (size_t)Dh);
+}
+
+void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
+                 int64_t n, float scale, float *p, float *out, int64_t h) {
+    const float *qh = qr + h * Dh, *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
+    float *ph = p + h * n;
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        ph[t] = dot_f32(qh, kg + t * Dh, Dh) * scale;
+        mx = fmaxf(mx, ph[t]);
+    }
+    for (int64_t t = 0; t < n; t++) sum += (ph[t] = expf(ph[t] - mx));
+    float *o = out + h * Dh;
+    memset(o, 0, sizeof(float) * (size_t)Dh);
+    for (int64_t t = 0; t < n; t++) {
+        float w = ph[t] / sum;
+        for (int64_t i = 0; i < Dh; i++) o[i] += w * vg[t * Dh + i];
+    }
+}
+
+void attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                       float *kc, float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float scale,
+                       float *out, int threads) {
+    int64_t n = pos + 1;
+    float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)(n * H));
+    attend_rotate(q, k, v, cos, sin, kc, vc, H, G, Dh, S, pos, qr);
     /* a short context is not worth waking a second thread for */
 #pragma omp parallel for num_threads(n * H * Dh >= 32768 ? threads : 1) schedule(static)
-    for (int64_t h = 0; h < H; h++) {
-        const float *qh = qr + h * Dh, *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
-        float *ph = p + h * n;
-        float mx = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < n; t++) {
-            ph[t] = dot_f32(qh, kg + t * Dh, Dh) * scale;
-            mx = fmaxf(mx, ph[t]);
-        }
-        for (int64_t t = 0; t < n; t++) sum += (ph[t] = expf(ph[t] - mx));
-        float *o = out + h * Dh;
-        memset(o, 0, sizeof(float) * (size_t)Dh);
-        for (int64_t t = 0; t < n; t++) {
-            float w = ph[t] / sum;
-            for (int64_t i = 0; i < Dh; i++) o[i] += w * vg[t * Dh + i];
-        }
-    }
+    for (int64_t h = 0; h < H; h++) attend_head(qr, kc, vc, H, G, Dh, S, n, scale, p, out, h);
     free(qr);
     free(p);
 }

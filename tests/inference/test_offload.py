@@ -353,15 +353,28 @@ def test_fake_cuda_stream_finds_no_hazard_and_compute_never_waits_on_the_host(bf
 
 
 @pytest.mark.parametrize("arch", COPYING_ARCHS)
-def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_layer(bf16_store):
+def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_layer(bf16_store, monkeypatch):
     """The ring adds one host read per MoE layer (the next layer's predicted experts, read right
     after the layer's own dispatch has synchronised); the copies add none; the embedding left in the
-    store one per forward (its ids pick the rows to read)."""
+    store one per forward (its ids pick the rows to read). The resident model compared steps kernel
+    by kernel, as an offloaded one must (its experts arrive during the step); its one-call step
+    (`decode_step`) reads nothing back per layer."""
+    from semoe.decode_plan import DecodePlan
     from storage.syncs import HostSyncCounter
 
     arch, store, want = bf16_store
     new_tokens = 8
     counts = {}
+    engine = Engine.load(store.root, EngineConfig(dtype="float32"))
+    try:
+        with HostSyncCounter() as syncs:
+            engine.generate(PROMPT, SamplingConfig(max_new_tokens=new_tokens))
+        counts["resident-one-call"] = syncs.total
+        one_call = engine._plan is not None and engine._plan.net is not None  # Mixtral's shape: the plan's
+    finally:
+        engine.close()
+    init = DecodePlan.__init__
+    monkeypatch.setattr(DecodePlan, "__init__", lambda self, model, whole=True: init(self, model, whole=False))
     for name, config in (("resident", EngineConfig(dtype="float32")),
                          ("ring", EngineConfig(dtype="float32", device_memory_bytes=3 * _slot_bytes(store),
                                                prefetch=True)),
@@ -378,6 +391,11 @@ def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_lay
     forwards = new_tokens  # the prompt's pass, then one per generated token but the last
     predicting = moe_layers - 1  # the last MoE layer has no next layer to predict
     assert counts["ring-no-prefetch"] == counts["resident"] + forwards
+    if one_call:
+        assert counts["resident-one-call"] <= counts["resident"] - (forwards - 1) * moe_layers
+    else:
+        assert counts["resident-one-call"] == counts["resident"]
+    assert one_call == (arch == "mixtral")
     assert counts["ring"] - counts["resident"] == forwards * predicting + forwards
 
 

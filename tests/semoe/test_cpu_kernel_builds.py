@@ -1,5 +1,6 @@
-"""Every path of semoe/kernels/gemv.c against the same references: the install builds only the one
-for this machine's CPU (-march=native), so the others are built here and the kernel tests run on each.
+"""Every path of semoe/kernels/*.c against the same references: the install builds only the one for
+this machine's CPU (-march=native), so the others are built here and the kernel tests (and the decode
+plan's, which run the one-call step) run on each.
 
 Portable loops (a baseline x86-64 build), AVX2 and FMA, and AVX-512 VNNI where this CPU runs it; each
 build must say which path it took."""
@@ -16,7 +17,7 @@ import pytest
 
 from helpers.procs import ROOT, child_env
 
-SOURCE = os.path.join(ROOT, "semoe", "kernels", "gemv.c")
+SOURCES = [os.path.join(ROOT, "semoe", "kernels", f) for f in ("gemv.c", "decode_step.c")]
 FLAGS = {  # path -> compiler flags (besides -O3 -fopenmp -shared -fPIC)
     "portable": ["-march=x86-64"],
     "avx2": ["-march=x86-64", "-mavx2", "-mfma"],
@@ -43,12 +44,12 @@ def test_each_path_of_the_kernels_passes_the_kernel_tests(path, tmp_path):
     assert cc, "no C compiler: the install builds the kernels with one"
     lib = str(tmp_path / f"kernels-{path}.so")
     subprocess.run([cc, "-O3", "-fopenmp", "-shared", "-fPIC", *FLAGS[path], "-I", sysconfig.get_paths()["include"],
-                    SOURCE, "-o", lib], check=True)
+                    *SOURCES, "-o", lib], check=True)
     env = child_env(SEMOE_CPU_KERNELS=lib)
     probe = subprocess.run([sys.executable, "-c", "from semoe import cpu_kernels; print(cpu_kernels.isa())"],
                            capture_output=True, text=True, env=env, cwd=ROOT, check=True)
     assert probe.stdout.strip() == path
     res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          os.path.join(ROOT, "tests", "semoe", "test_cpu_kernels.py")],
+                          *(os.path.join(ROOT, "tests", "semoe", t) for t in ("test_cpu_kernels.py", "test_decode_plan.py"))],
                          capture_output=True, text=True, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]

@@ -1,0 +1,217 @@
+/* A whole decoding step of one sequence in one call, for a model whose weights are all in memory:
+ * per layer the attention norm, the q/k/v products, attention, the output product and the residual,
+ * the feed-forward norm, the router's product, softmax and top-k, the chosen SwiGLU experts (or the
+ * layer's dense SwiGLU) and their weighted sum into the residual; then the final norm and the
+ * output product. The same block kernels as gemv.c's products, all inside one OpenMP parallel
+ * region: the threads split each product's blocks of rows (and the top-k experts' blocks together)
+ * and meet at a barrier between the parts, where one thread does the few serial steps. A step
+ * through Python calls each kernel in turn, a few hundred calls and small torch ops, which on a
+ * 2-core CPU cost a tenth to a fifth of a 4-bit token's time.
+ *
+ * Every value is the arithmetic of the plan's kernel-by-kernel step (semoe/decode_plan.py) except
+ * two: the router's softmax and the SiLU of float experts use this file's expf where the plan uses
+ * torch's ops, so the logits agree to float32 rounding, not to the bit (tests bound the difference).
+ */
+#include "kernels.h"
+
+enum { W_F32 = 1, W_BF16 = 2, W_INT8 = 3, W_INT4 = 4 };
+
+/* y (O) = W x (+ bias): W (O, I) float32, bfloat16, int8 codes with scales (O), or int4 codes with
+ * (scale, zero) pairs per group of g inputs (gemv.c's layouts) */
+typedef struct {
+    int64_t kind, O, I, g;
+    const void *w;
+    const float *s, *bias;
+} Lin;
+
+typedef struct {
+    Lin gate, up, down; /* gate and up (F, D) of one kind and group, down (D, F) */
+} Expert;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;
+    float attn_eps, ffn_eps;
+    int64_t n_qkv; /* q|k|v as one product or three */
+    Lin qkv[3], o;
+    int64_t E; /* experts; 0: a dense SwiGLU layer in experts[0], no router */
+    Lin router;
+    const Expert *experts;
+} Layer;
+
+typedef struct {
+    int64_t L, D, H, G, Dh, F, E, top_k, norm_topk; /* F, E: the most of any layer */
+    float scale, norm_eps;
+    const float *norm;
+    const Layer *layers;
+    Lin head;
+} Net;
+
+static int quantized(const Lin *l) { return l->kind == W_INT8 || l->kind == W_INT4; }
+
+static int64_t blocks(const Lin *l) { return l->kind == W_INT4 ? l->O / I4_BLOCK : i8_blocks(l->O); }
+
+static void block(const Lin *l, const float *x, const Acts *a, float *y, int64_t b) {
+    switch (l->kind) {
+    case W_F32: f32_block(x, (const float *)l->w, y, 1, l->O, l->I, b); break;
+    case W_BF16: bf16_block(x, (const uint16_t *)l->w, y, 1, l->O, l->I, b); break;
+    case W_INT8: i8_block((const int8_t *)l->w, l->s, l->O, a, b, y); break;
+    default: i4_block((const uint8_t *)l->w, l->s, l->O, a, b, y);
+    }
+}
+
+/* x quantized for l's integer kernel, where it takes one */
+static void acts_for(const Lin *l, const float *x, Acts *a) {
+    if (!quantized(l)) return;
+    *a = acts_alloc(1, l->I, l->kind == W_INT4 ? l->g : 0);
+    acts_fill(a, x);
+}
+
+static void acts_done(const Lin *l, Acts *a) {
+    if (quantized(l)) acts_free(a);
+}
+
+/* y = l(x) by the whole team (every thread calls it; a points at one Acts they share) */
+static void product(const Lin *l, const float *x, Acts *a, float *y) {
+#pragma omp single
+    acts_for(l, x, a);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < blocks(l); b++) block(l, x, a, y, b);
+#pragma omp single
+    {
+        acts_done(l, a);
+        if (l->bias)
+            for (int64_t i = 0; i < l->O; i++) y[i] += l->bias[i];
+    }
+}
+
+/* softmax over E logits (in place), the top_k most probable (the lower index first among equals),
+ * their probabilities renormalised to sum to 1 with `norm` */
+static void route(float *p, int64_t E, int64_t K, int64_t norm, int64_t *ids, float *w) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t e = 0; e < E; e++) mx = fmaxf(mx, p[e]);
+    for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
+    for (int64_t e = 0; e < E; e++) p[e] = p[e] / sum;
+    for (int64_t k = 0; k < K; k++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < E; e++) {
+            int taken = 0;
+            for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
+            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+        }
+        ids[k] = best;
+        w[k] = p[best];
+    }
+    if (norm) {
+        float s = 0.0f;
+        for (int64_t k = 0; k < K; k++) s += w[k];
+        for (int64_t k = 0; k < K; k++) w[k] = w[k] / s;
+    }
+}
+
+typedef struct { /* the step's buffers */
+    float *h, *qkv, *qr, *att, *tmp, *p, *probs, *hg, *hu, *ys, *w;
+    const float **yp;
+    int64_t *ids;
+    Acts a, *ax, *ah;
+} Work;
+
+/* x += sum_k w_k down_k(silu(gate_k h) * up_k h) over the K chosen experts, by the team: the K
+ * experts' blocks of rows shared out together */
+static void experts(const Layer *ly, int64_t K, const float *h, float *x, int64_t D, int64_t F, Work *s) {
+    const Expert *ex = ly->experts;
+#pragma omp single
+    for (int64_t k = 0; k < K; k++) acts_for(&ex[s->ids[k]].gate, h, &s->ax[k]);
+    int64_t nb = blocks(&ex[s->ids[0]].gate);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < K * nb; t++) {
+        const Expert *e = ex + s->ids[t / nb];
+        block(&e->gate, h, &s->ax[t / nb], s->hg + t / nb * F, t % nb);
+        block(&e->up, h, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
+    }
+    int64_t Fe = ex[s->ids[0]].gate.O;
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < K * Fe; t++) {
+        float *g = s->hg + t / Fe * F + t % Fe;
+        *g = *g / (1.0f + expf(-*g)) * s->hu[t / Fe * F + t % Fe];
+    }
+#pragma omp single
+    for (int64_t k = 0; k < K; k++) {
+        acts_done(&ex[s->ids[k]].gate, &s->ax[k]);
+        acts_for(&ex[s->ids[k]].down, s->hg + k * F, &s->ah[k]);
+    }
+    nb = blocks(&ex[s->ids[0]].down);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < K * nb; t++)
+        block(&ex[s->ids[t / nb]].down, s->hg + t / nb * F, &s->ah[t / nb], s->ys + t / nb * D, t % nb);
+#pragma omp single
+    {
+        for (int64_t k = 0; k < K; k++) {
+            acts_done(&ex[s->ids[k]].down, &s->ah[k]);
+            s->yp[k] = s->ys + k * D;
+        }
+        moe_combine_f32(x, s->yp, s->w, K, D);
+    }
+}
+
+/* One step at position `pos`: x (D) holds the token's embedding; kc, vc the L layers' caches (G, S,
+ * Dh each), written at pos; cos, sin (Dh) the position's rotary tables; logits (V) out. */
+void decode_step(const Net *net, float *x, float *const *kc, float *const *vc, int64_t S, int64_t pos,
+                 const float *cos, const float *sin, float *logits, int threads) {
+    const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, F = net->F, K = net->top_k, n = pos + 1;
+    const int64_t Kmax = K > 1 ? K : 1;
+    Work s;
+    s.h = malloc(sizeof(float) * (size_t)D);
+    s.qkv = malloc(sizeof(float) * (size_t)((H + 2 * G) * Dh));
+    s.qr = malloc(sizeof(float) * (size_t)(H * Dh));
+    s.att = malloc(sizeof(float) * (size_t)(H * Dh));
+    s.tmp = malloc(sizeof(float) * (size_t)D);
+    s.p = malloc(sizeof(float) * (size_t)(n * H));
+    s.probs = malloc(sizeof(float) * (size_t)(net->E > 1 ? net->E : 1));
+    s.hg = malloc(sizeof(float) * (size_t)(Kmax * F));
+    s.hu = malloc(sizeof(float) * (size_t)(Kmax * F));
+    s.ys = malloc(sizeof(float) * (size_t)(Kmax * D));
+    s.w = malloc(sizeof(float) * (size_t)Kmax);
+    s.yp = malloc(sizeof(float *) * (size_t)Kmax);
+    s.ids = malloc(sizeof(int64_t) * (size_t)Kmax);
+    s.ax = malloc(sizeof(Acts) * (size_t)Kmax);
+    s.ah = malloc(sizeof(Acts) * (size_t)Kmax);
+#pragma omp parallel num_threads(threads)
+    {
+        for (int64_t l = 0; l < net->L; l++) {
+            const Layer *ly = net->layers + l;
+#pragma omp single
+            rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s.h, 1, D);
+            for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
+                product(&ly->qkv[j], s.h, &s.a, s.qkv + off);
+#pragma omp single
+            attend_rotate(s.qkv, s.qkv + H * Dh, s.qkv + (H + G) * Dh, cos, sin, kc[l], vc[l], H, G, Dh, S, pos,
+                          s.qr);
+#pragma omp for schedule(static)
+            for (int64_t h = 0; h < H; h++) attend_head(s.qr, kc[l], vc[l], H, G, Dh, S, n, net->scale, s.p, s.att, h);
+            product(&ly->o, s.att, &s.a, s.tmp);
+#pragma omp single
+            {
+                for (int64_t i = 0; i < D; i++) x[i] = x[i] + s.tmp[i];
+                rmsnorm_f32(x, ly->ffn_norm, ly->ffn_eps, s.h, 1, D);
+            }
+            if (ly->E) {
+                product(&ly->router, s.h, &s.a, s.probs);
+#pragma omp single
+                route(s.probs, ly->E, K, net->norm_topk, s.ids, s.w);
+                experts(ly, K, s.h, x, D, F, &s);
+            } else {
+#pragma omp single
+                {
+                    s.ids[0] = 0;
+                    s.w[0] = 1.0f; /* y * 1 is y: x + y, the module's own sum */
+                }
+                experts(ly, 1, s.h, x, D, F, &s);
+            }
+        }
+#pragma omp single
+        rmsnorm_f32(x, net->norm, net->norm_eps, s.h, 1, D);
+        product(&net->head, s.h, &s.a, logits);
+    }
+    free(s.h), free(s.qkv), free(s.qr), free(s.att), free(s.tmp), free(s.p), free(s.probs);
+    free(s.hg), free(s.hu), free(s.ys), free(s.w), free(s.yp), free(s.ids), free(s.ax), free(s.ah);
+}

@@ -1,0 +1,65 @@
+/* What semoe/kernels/gemv.c shares with semoe/kernels/decode_step.c: the vector path this build
+ * takes, the layouts' constants, x quantized for the integer kernels, and the per-block bodies of
+ * the products (each computes one block of output rows, so a caller splits the blocks over its
+ * threads however it likes: every output row is summed by one thread, in one order). */
+#ifndef SEMOE_KERNELS_H
+#define SEMOE_KERNELS_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VBMI__) && defined(__AVX512DQ__)
+#include <immintrin.h>
+#define SEMOE_VNNI 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define SEMOE_AVX2 1
+#endif
+
+#define QB 32 /* inputs per activation block */
+#define ROWS 4 /* int8: output rows computed together, sharing the loads of x */
+#define I4_BLOCK 64
+#define I4_HALF 32
+/* Bytes ahead of each weight stream to prefetch: one core's hardware prefetch alone kept well under
+ * the memory bound (6 GB/s of int8 codes on one thread, 16 on two, against 20-25 with this). A
+ * prefetch past the end of the weights is harmless: prefetches never fault. */
+#ifndef PREFETCH
+#define PREFETCH 4096
+#endif
+/* The same for one weight row read as a single stream (AVX2 int8): the hardware prefetcher follows
+ * it, so a short distance suffices (measured: 1 KB best, 4 KB slower than none) */
+#ifndef PREFETCH_STREAM
+#define PREFETCH_STREAM 1024
+#endif
+
+/* x quantized for the kernels: codes (M, Ip), scales (M, Ip / QB) and, for int4 weights in groups
+ * of g, the sum of each group's quantized inputs (M, I / g): the zero points' share of each output */
+typedef struct {
+    int64_t M, I, Ip, g, groups;
+    int8_t *q;
+    float *d, *xsum;
+} Acts;
+
+Acts acts_alloc(int64_t M, int64_t I, int64_t g);
+void acts_fill(Acts *a, const float *x);
+void acts_free(Acts *a);
+
+/* block b of y (M, O) = x @ W.T: ROWS rows for int8, float32 and bfloat16 weights (`i8_blocks(O)`
+ * blocks), I4_BLOCK rows for int4 (O / I4_BLOCK blocks); the integer ones read x from `a` */
+int64_t i8_blocks(int64_t O);
+void i8_block(const int8_t *q, const float *scale, int64_t O, const Acts *a, int64_t b, float *y);
+void i4_block(const uint8_t *p, const float *sz, int64_t O, const Acts *a, int64_t b, float *y);
+void f32_block(const float *x, const float *w, float *y, int64_t M, int64_t O, int64_t I, int64_t b);
+void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t O, int64_t I, int64_t b);
+
+void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M, int64_t D);
+/* `attend_decode_f32` in two parts: q rotated into qr (H, Dh), k rotated and v copied into the
+ * caches at `pos`; then one head's attention over n = pos + 1 positions into out (p: n scores a head) */
+void attend_rotate(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
+                   float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float *qr);
+void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
+                 int64_t n, float scale, float *p, float *out, int64_t h);
+void moe_combine_f32(float *x, const float *const *ys, const float *w, int64_t K, int64_t D);
+
+#endif
