@@ -156,9 +156,11 @@ def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> 
 def _float_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:
     """A bfloat16 or float32 weight on CPU times a decoding step's few rows, no gradient wanted:
     semoe's kernels (`cpu_kernels.gemv_bf16`, `gemv_f32`) stream it at the memory bound on all the
-    threads; torch's bfloat16 product runs at half of it, its float32 one on one core."""
+    threads; torch's bfloat16 product runs at half of it, its float32 one on one core. Float32 ones
+    take a batch's rows too (`cpu_kernels.MAX_F32_ROWS`)."""
+    rows = cpu_kernels.MAX_F32_ROWS if w_OI.dtype == torch.float32 else cpu_kernels.MAX_ROWS
     return w_OI.dtype in (torch.bfloat16, torch.float32) and w_OI.device.type == "cpu" and w_OI.dim() == 2 \
-        and w_OI.is_contiguous() and cpu_kernels.no_grad_wanted(x_MI, w_OI) and cpu_kernels.takes(x_MI)
+        and w_OI.is_contiguous() and cpu_kernels.no_grad_wanted(x_MI, w_OI) and cpu_kernels.takes(x_MI, rows)
 
 
 def linear(x_MI: torch.Tensor, w_OI: Weight, bias: torch.Tensor | None = None) -> torch.Tensor:

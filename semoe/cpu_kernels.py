@@ -32,6 +32,10 @@ import torch
 log = logging.getLogger(__name__)
 
 MAX_ROWS = 16  # rows of x per call (the int4 kernel's stack bound); more rows go to torch's GEMM
+# float32 weights: up to 64 rows, three at a time against each block of weight rows; on the AVX2 bench
+# CPU that is 90-120 GFLOP/s from 16 to 64 rows, where torch's (MKL) product reached 25-95; past
+# 64 rows torch's blocked GEMM is faster
+MAX_F32_ROWS = 64
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
 
@@ -80,10 +84,10 @@ def no_grad_wanted(*tensors: torch.Tensor) -> bool:
     return not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
 
 
-def takes(x_MI: torch.Tensor) -> bool:
-    """Whether these kernels compute a product with x: built, x on CPU, and at most MAX_ROWS rows (a
-    decoding step's; more go to torch's GEMM)."""
-    return x_MI.device.type == "cpu" and x_MI.numel() // x_MI.shape[-1] <= MAX_ROWS and available()
+def takes(x_MI: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
+    """Whether these kernels compute a product with x: built, x on CPU, and at most `max_rows` rows
+    (a decoding step's; more go to torch's GEMM)."""
+    return x_MI.device.type == "cpu" and x_MI.numel() // x_MI.shape[-1] <= max_rows and available()
 
 
 ISAS = ("portable", "avx2", "avx512-vnni")  # the paths gemv.c has, by kernels_isa()'s number

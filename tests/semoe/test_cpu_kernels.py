@@ -140,6 +140,18 @@ def test_float32_product_equals_the_reference(M, O, I, threads):
         cpu_kernels.gemv_f32(x, w.bfloat16())
 
 
+@pytest.mark.parametrize("M, O, I", [(7, 130, 333), (64, 96, 1024)])
+def test_float32_batch_rows_are_each_the_row_alone_bit_for_bit(M, O, I, threads):
+    """A batch's rows go three at a time (the rest one by one), each output summed in the order of its
+    row alone: the same bits, so a sequence's tokens do not depend on its batch's size."""
+    g = torch.Generator().manual_seed(M + O + I)
+    x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g)
+    got = cpu_kernels.gemv_f32(x, w)
+    assert _relative(got, x.double().mm(w.double().T).float()) < 1e-5
+    for i in range(M):
+        assert torch.equal(got[i], cpu_kernels.gemv_f32(x[i:i + 1], w)[0]), i
+
+
 @pytest.mark.parametrize("M, O, I", SHAPES)
 def test_bfloat16_product_equals_the_widened_reference(M, O, I, threads):
     g = torch.Generator().manual_seed(O * I)
@@ -153,8 +165,9 @@ def test_bfloat16_product_equals_the_widened_reference(M, O, I, threads):
 @pytest.mark.parametrize("dtype, kernel, tol", [(torch.bfloat16, "gemv_bf16", 1e-2), (torch.float32, "gemv_f32", 1e-5)])
 def test_the_models_linear_takes_the_float_kernels_for_a_decoding_steps_rows_only(monkeypatch, dtype, kernel, tol):
     """`semoe.compact_linear.Linear` (attention, lm_head, dense feed-forwards): bfloat16 and float32
-    weights on CPU go through the kernels for up to 16 rows without gradients; training and prefill
-    keep torch's product. Tolerance 1e-2 where the output is rounded to bfloat16, 1e-5 in float32."""
+    weights on CPU go through the kernels for up to 16 rows (float32: 64) without gradients; training
+    and longer prefills keep torch's product. Tolerance 1e-2 where the output is rounded to bfloat16,
+    1e-5 in float32."""
     from semoe.compact_linear import Linear
 
     calls = []
@@ -167,7 +180,8 @@ def test_the_models_linear_takes_the_float_kernels_for_a_decoding_steps_rows_onl
         y = lin(x)
         assert calls == [(3, 64)] and y.dtype == dtype
         assert _relative(y.float(), (x.double() @ lin.weight.double().T + lin.bias.double()).float()) < tol
-        lin(torch.randn(40, 64).to(dtype))  # prefill's rows: torch's product
+        rows = cpu_kernels.MAX_F32_ROWS if dtype == torch.float32 else cpu_kernels.MAX_ROWS
+        lin(torch.randn(rows + 1, 64).to(dtype))  # a longer prefill's rows: torch's product
     assert calls == [(3, 64)]
     lin(x.requires_grad_()).sum().backward()  # gradients wanted: torch's product
     assert calls == [(3, 64)] and lin.weight.grad is not None
