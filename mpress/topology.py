@@ -237,7 +237,8 @@ def nvml_indices(devices: list[PciAddress], nvml_devices: list[PciAddress]) -> l
     return [where[d] for d in devices]
 
 
-def _text(value) -> str:
+def nvml_text(value) -> str:
+    """An NVML string (bytes in older bindings) as str."""
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
@@ -263,37 +264,68 @@ def from_nvml(devices: list[PciAddress] | None = None) -> Topology:
     return topology if devices is None else topology.subset(nvml_indices(devices, addresses))
 
 
+class NvLinks:
+    """Active NVLinks of n GPUs: `pairs[i][j]` links between GPUs i and j (direct, or through
+    NVSwitches), `bw[i][j]` their bandwidth in bytes/s, and `active[i]` GPU i's links in all."""
+
+    def __init__(self, n: int) -> None:
+        self.pairs = [[0] * n for _ in range(n)]
+        self.bw = [[0.0] * n for _ in range(n)]
+        self.active = [0] * n
+
+
+def read_nvlinks(nvml, handles: list) -> NvLinks:
+    """Every GPU's active NVLinks counted by where they end: another GPU, or an NVSwitch (which joins
+    every pair of switch-attached GPUs with the fewer of their switch links, and the smaller of their
+    switch bandwidths). The one NVLink walker: the planner's topology and `semoe env` read it."""
+    n = len(handles)
+    out, to_switch, switch_bw = NvLinks(n), [0] * n, [0.0] * n
+    index_of = {pci_bus_key(nvml.nvmlDeviceGetPciInfo(h)): i for i, h in enumerate(handles)}
+    for i, h in enumerate(handles):
+        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
+                    continue
+                remote = pci_bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link))
+            except nvml.NVMLError:
+                continue  # a link number past the device's last, or a GPU without NVLink
+            bw = _link_bw(nvml, h, link)
+            out.active[i] += 1
+            j = index_of.get(remote)
+            if j is not None:
+                if j != i:
+                    out.pairs[i][j] += 1
+                    out.bw[i][j] += bw
+            elif remote_is_switch(nvml, h, link):
+                to_switch[i] += 1
+                switch_bw[i] += bw
+    for i in range(n):
+        for j in range(n):
+            if i != j and to_switch[i] and to_switch[j]:
+                out.pairs[i][j] += min(to_switch[i], to_switch[j])
+                out.bw[i][j] += min(switch_bw[i], switch_bw[j])
+    return out
+
+
+def _link_bw(nvml, handle, link: int) -> float:
+    """One NVLink's bandwidth by its version (the oldest known where the driver cannot tell)."""
+    try:
+        version = nvml.nvmlDeviceGetNvLinkVersion(handle, link)
+    except nvml.NVMLError:
+        version = 0
+    return _at_or_below(_NVLINK_BW, version)
+
+
 def _read_nvml(nvml) -> tuple[Topology, list[PciAddress]]:
     n = nvml.nvmlDeviceGetCount()
     if n < 1:
         raise RuntimeError("NVML reports no GPUs on this machine")
     handles = [nvml.nvmlDeviceGetHandleByIndex(i) for i in range(n)]
     addresses = [pci_bus_key(nvml.nvmlDeviceGetPciInfo(h)) for h in handles]
-    index_of = {address: i for i, address in enumerate(addresses)}
-    link_bw = [[0.0] * n for _ in range(n)]
-    switch_bw = [0.0] * n
-    for i, h in enumerate(handles):
-        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-            try:
-                if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
-                    continue
-                bw = _at_or_below(_NVLINK_BW, nvml.nvmlDeviceGetNvLinkVersion(h, link))
-                remote = pci_bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link))
-            except nvml.NVMLError:
-                continue  # a link number past the device's last, or a GPU without NVLink
-            j = index_of.get(remote)
-            if j is not None:
-                if j != i:
-                    link_bw[i][j] += bw
-            elif remote_is_switch(nvml, h, link):
-                switch_bw[i] += bw
-    for i in range(n):
-        for j in range(n):
-            if i != j and switch_bw[i] and switch_bw[j]:
-                link_bw[i][j] += min(switch_bw[i], switch_bw[j])
+    link_bw = read_nvlinks(nvml, handles).bw
     host_bw = [_pcie_bw(nvml, h) for h in handles]
     memory = [int(nvml.nvmlDeviceGetMemoryInfo(h).total) for h in handles]
-    name = _text(nvml.nvmlDeviceGetName(handles[0]))
+    name = nvml_text(nvml.nvmlDeviceGetName(handles[0]))
     flops = next((f for key, f in _GPU_FLOPS if key in name), 0.0)
     if not flops:
         logger.warning("no sustained flop/s figure for %r; the topology's flops is 0", name)

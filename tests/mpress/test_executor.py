@@ -44,7 +44,8 @@ from mpress.peer_memory import (
     segment_path,
 )
 from mpress.profile import Decision, LayerProfile, PipelineProfile, Plan, SavedTensor, StageProfile, Stripe
-from mpress.profiler import is_parameter, param_storages, profile_layers
+from mpress.model_tensors import is_parameter, param_storages
+from mpress.profiler import profile_layers
 from storage.pool import HostBufferPool, HostBufferPoolConfig, round_up
 from storage.streams import FakeCudaCopyStream, copy_stream_factory
 

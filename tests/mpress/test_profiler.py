@@ -14,9 +14,10 @@ import torch
 from torch import nn
 
 import mpress.profiler
-from mpress.executor import Executor, State
+from mpress.executor import State
 from mpress.profile import LayerProfile, SavedTensor
 from mpress.profiler import measure_runtime, profile_layers, stage_peak_bytes
+from mpress.swap_core import SwapCore
 
 B, I, O = 4, 8, 16
 F32 = 4
@@ -180,7 +181,7 @@ def test_measure_runtime_times_each_layer_and_what_its_swap_adds(monkeypatch):
     clock = Clock()
     monkeypatch.setattr(mpress.profiler, "time", clock)
     OUT_S, IN_S = 1e-3, 3e-3  # per swapped tensor: its swap-out (in the forward), its swap-in
-    swap_out, swap_in = Executor._swap_out, Executor._swap_in
+    swap_out, swap_in = SwapCore._swap_out, SwapCore.swap_in  # the executor's swap machinery
 
     def slow_out(self, record, t):
         clock.now += OUT_S
@@ -191,8 +192,8 @@ def test_measure_runtime_times_each_layer_and_what_its_swap_adds(monkeypatch):
             clock.now += IN_S
         return swap_in(self, record)
 
-    monkeypatch.setattr(Executor, "_swap_out", slow_out)
-    monkeypatch.setattr(Executor, "_swap_in", slow_in)
+    monkeypatch.setattr(SwapCore, "_swap_out", slow_out)
+    monkeypatch.setattr(SwapCore, "swap_in", slow_in)
     torch.manual_seed(0)
     layers = [(f"l{i}", TickLayer(clock, fwd=0.01 * (i + 1), bwd=0.1 * (i + 1))) for i in range(3)]
     x = torch.randn(W, W, requires_grad=True)
