@@ -15,6 +15,7 @@ import os
 import platform
 import sys
 
+from mpress.topology import nvml_text, read_nvlinks
 from tools.common import UsageError, emit_json
 from tools.sizes import format_size, parse_size
 
@@ -180,7 +181,7 @@ def nvml_info() -> dict:
     except pynvml.NVMLError as e:
         return unavailable(f"nvmlInit failed (no NVIDIA driver?): {e}")
     try:
-        driver = _text(pynvml.nvmlSystemGetDriverVersion())
+        driver = nvml_text(pynvml.nvmlSystemGetDriverVersion())
         handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
         links = read_nvlinks(pynvml, handles)
         gpus = [_nvml_gpu(pynvml, i, h, links.active[i]) for i, h in enumerate(handles)]
@@ -191,10 +192,6 @@ def nvml_info() -> dict:
     finally:
         pynvml.nvmlShutdown()
     return {"driver": driver, "reason": None, "gpus": gpus, "topology": topology}
-
-
-def _text(value) -> str:
-    return value.decode() if isinstance(value, bytes) else str(value)
 
 
 def _optional(nvml, fn, *args):
@@ -208,47 +205,9 @@ def _optional(nvml, fn, *args):
 def _nvml_gpu(nvml, index: int, handle, nvlinks: int) -> dict:
     mem = nvml.nvmlDeviceGetMemoryInfo(handle)
     cc = _optional(nvml, nvml.nvmlDeviceGetCudaComputeCapability, handle)
-    return {"index": index, "name": _text(nvml.nvmlDeviceGetName(handle)), "total_bytes": int(mem.total),
+    return {"index": index, "name": nvml_text(nvml.nvmlDeviceGetName(handle)), "total_bytes": int(mem.total),
             "free_bytes": int(mem.free), "compute_capability": cc and f"{cc[0]}.{cc[1]}",
-            "pci_bus_id": _text(nvml.nvmlDeviceGetPciInfo(handle).busId), "nvlinks": nvlinks}
-
-
-class NvLinks:
-    """Active NVLinks: `pairs[i][j]` between GPUs i and j (direct, or through NVSwitches), and
-    `active[i]` of GPU i in all."""
-
-    def __init__(self, n: int) -> None:
-        self.pairs = [[0] * n for _ in range(n)]
-        self.active = [0] * n
-
-
-def read_nvlinks(nvml, handles: list) -> NvLinks:
-    """Count every GPU's active NVLinks by where they end: another GPU, or an NVSwitch (which
-    joins every pair of switch-attached GPUs with the fewer of their switch links)."""
-    from mpress.topology import pci_bus_key, remote_is_switch
-
-    n = len(handles)
-    out, to_switch = NvLinks(n), [0] * n
-    index_of = {pci_bus_key(nvml.nvmlDeviceGetPciInfo(h)): i for i, h in enumerate(handles)}
-    for i, h in enumerate(handles):
-        for link in range(nvml.NVML_NVLINK_MAX_LINKS):
-            try:
-                if nvml.nvmlDeviceGetNvLinkState(h, link) != nvml.NVML_FEATURE_ENABLED:
-                    continue
-                remote = pci_bus_key(nvml.nvmlDeviceGetNvLinkRemotePciInfo(h, link))
-            except nvml.NVMLError:
-                continue  # past the device's last link, or a GPU without NVLink
-            out.active[i] += 1
-            j = index_of.get(remote)
-            if j is not None:
-                out.pairs[i][j] += j != i
-            elif remote_is_switch(nvml, h, link):
-                to_switch[i] += 1
-    for i in range(n):
-        for j in range(n):
-            if i != j and to_switch[i] and to_switch[j]:
-                out.pairs[i][j] += min(to_switch[i], to_switch[j])
-    return out
+            "pci_bus_id": nvml_text(nvml.nvmlDeviceGetPciInfo(handle).busId), "nvlinks": nvlinks}
 
 
 def read_ancestors(nvml, handles: list) -> list[list[int | None]]:

@@ -8,6 +8,7 @@ import sys
 import types
 
 import pytest
+from helpers.fake_nvml import fake_pynvml as shared_fake_pynvml
 
 from mpress.topology import (A100_FLOPS, GiB, NVLINK2_BW, Topology, builtin, cuda_pci_address, dgx1, format_pci,
                              from_nvml, measure_cpu, nvml_indices, nvswitch, parse_pci, pcie)
@@ -93,59 +94,14 @@ def test_pcie_has_no_direct_links():
 
 # --- NVML, through a fake pynvml -------------------------------------------------------------------------
 
-class FakeNVMLError(Exception):
-    pass
-
-
 def gpu_bus(i: int) -> str:
     return f"00000000:{0x10 * (i + 1):02X}:00.0"
 
 
-def fake_pynvml(links: list[list[tuple[str, int]]], *, version: int = 4, pcie: tuple[int, int] = (4, 16),
-                name: str = "NVIDIA A100-SXM4-80GB", memory: int = 80 * GiB, init_error: bool = False):
-    """A pynvml module whose GPU i has NVLinks links[i] = [(remote bus id, active), ...]."""
-    nvml = types.ModuleType("pynvml")
-    nvml.NVMLError = FakeNVMLError
-    nvml.NVML_NVLINK_MAX_LINKS = 18
-    nvml.NVML_FEATURE_ENABLED = 1
-    nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH = 2
-    nvml.calls = []
-    gpus = [gpu_bus(i) for i in range(len(links))]
-
-    def init():
-        nvml.calls.append("init")
-        if init_error:
-            raise FakeNVMLError("Driver Not Loaded")
-
-    def link(h, n):
-        if n >= len(links[h]):
-            raise FakeNVMLError("Invalid Argument")
-        return links[h][n]
-
-    def remote_type(h, n):
-        bus = link(h, n)[0].upper()
-        return 0 if any(bus.endswith(g[-7:]) for g in gpus) else 2
-
-    def no_max(h):
-        raise FakeNVMLError("Not Supported")
-
-    nvml.nvmlInit = init
-    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
-    nvml.nvmlDeviceGetCount = lambda: len(links)
-    nvml.nvmlDeviceGetHandleByIndex = lambda i: i
-    nvml.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=gpus[h].encode())
-    nvml.nvmlDeviceGetNvLinkState = lambda h, n: link(h, n)[1]
-    nvml.nvmlDeviceGetNvLinkVersion = lambda h, n: (link(h, n), version)[1]
-    # NVLink peers come back with 4-digit domains and lower case, unlike the GPUs' own bus ids
-    nvml.nvmlDeviceGetNvLinkRemotePciInfo = lambda h, n: types.SimpleNamespace(busId=link(h, n)[0])
-    nvml.nvmlDeviceGetNvLinkRemoteDeviceType = remote_type
-    nvml.nvmlDeviceGetMaxPcieLinkGeneration = no_max  # falls back to the current link
-    nvml.nvmlDeviceGetMaxPcieLinkWidth = no_max
-    nvml.nvmlDeviceGetCurrPcieLinkGeneration = lambda h: pcie[0]
-    nvml.nvmlDeviceGetCurrPcieLinkWidth = lambda h: pcie[1]
-    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=memory, free=memory, used=0)
-    nvml.nvmlDeviceGetName = lambda h: name
-    return nvml
+def fake_pynvml(links: list[list[tuple[str, int]]], *, init_error: bool = False, **kw):
+    """helpers.fake_nvml's pynvml with GPU i at gpu_bus(i) and NVLinks links[i] = [(remote bus id, active), ...]."""
+    return shared_fake_pynvml([gpu_bus(i) for i in range(len(links))], links,
+                              init_error="Driver Not Loaded" if init_error else None, **kw)
 
 
 def peer(i: int) -> str:

@@ -7,12 +7,12 @@ import json
 import os
 import subprocess
 import sys
-import types
 
 import pytest
 
 from storage import envinfo
 from tools import env_cmd
+from helpers.fake_nvml import fake_pynvml as shared_fake_pynvml
 from helpers.procs import ROOT, child_env
 
 GiB = 1 << 30
@@ -114,52 +114,15 @@ def test_cudnn_version_text():
 
 # --- the GPU branch, through a fake NVML ------------------------------------------------------------
 
-class FakeNVMLError(Exception):
-    pass
-
-
 def bus(i: int) -> str:
     return f"00000000:{0x18 + 0x20 * i:02X}:00.0"
 
 
 def fake_pynvml(links: list[list[str]], *, ancestor: int = 40, init_error: str | None = None):
-    """A pynvml with len(links) H100s; GPU i's NVLink k ends at the bus id links[i][k] (another
-    GPU, written with a 4-digit domain in lower case as NVML does, or an NVSwitch)."""
-    nvml = types.ModuleType("pynvml")
-    nvml.NVMLError = FakeNVMLError
-    nvml.NVML_NVLINK_MAX_LINKS = 18
-    nvml.NVML_FEATURE_ENABLED = 1
-    nvml.NVML_NVLINK_DEVICE_TYPE_SWITCH = 2
-    gpus = [bus(i) for i in range(len(links))]
-    nvml.calls = []
-
-    def init():
-        nvml.calls.append("init")
-        if init_error:
-            raise FakeNVMLError(init_error)
-
-    def link(h, k):
-        if k >= len(links[h]):
-            raise FakeNVMLError("Invalid Argument")
-        return links[h][k]
-
-    def remote_type(h, k):
-        return 0 if link(h, k).upper() in {g[4:] for g in gpus} else 2
-
-    nvml.nvmlInit = init
-    nvml.nvmlShutdown = lambda: nvml.calls.append("shutdown")
-    nvml.nvmlSystemGetDriverVersion = lambda: "550.54.15"
-    nvml.nvmlDeviceGetCount = lambda: len(links)
-    nvml.nvmlDeviceGetHandleByIndex = lambda i: i
-    nvml.nvmlDeviceGetName = lambda h: b"NVIDIA H100 80GB HBM3"
-    nvml.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(total=80 * GiB, free=(79 - h) * GiB, used=0)
-    nvml.nvmlDeviceGetCudaComputeCapability = lambda h: (9, 0)
-    nvml.nvmlDeviceGetPciInfo = lambda h: types.SimpleNamespace(busId=gpus[h].encode())
-    nvml.nvmlDeviceGetNvLinkState = lambda h, k: (link(h, k), nvml.NVML_FEATURE_ENABLED)[1]
-    nvml.nvmlDeviceGetNvLinkRemotePciInfo = lambda h, k: types.SimpleNamespace(busId=link(h, k))
-    nvml.nvmlDeviceGetNvLinkRemoteDeviceType = remote_type
-    nvml.nvmlDeviceGetTopologyCommonAncestor = lambda a, b: ancestor
-    return nvml
+    """helpers.fake_nvml's pynvml with len(links) H100s; GPU i's NVLink k ends at the bus id
+    links[i][k] (another GPU, written with a 4-digit domain in lower case as NVML does, or an NVSwitch)."""
+    return shared_fake_pynvml([bus(i) for i in range(len(links))], links, ancestor=ancestor, init_error=init_error,
+                              name=b"NVIDIA H100 80GB HBM3", free=lambda h: (79 - h) * GiB)
 
 
 def peer(i: int) -> str:
