@@ -50,7 +50,7 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
     """Greedy decode of our engine (resident without a cache budget), after a warm-up generation."""
     from inference.engine import Engine, EngineConfig
     from semoe.generate import SamplingConfig
-    from storage.pool import peak_rss_bytes, status_bytes
+    from storage.envinfo import peak_rss_bytes, status_bytes
 
     cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct") \
         if cpu_cache else EngineConfig(dtype="float32")

@@ -22,7 +22,8 @@ from semoe.compact_linear import DENSE_CHOICES, stack_projections
 from semoe.decode_plan import DecodePlan
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import KVCache, MoEGPT
-from storage.pool import peak_rss_bytes
+from storage.envinfo import peak_rss_bytes
+from storage.fileio import ReadMode
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ class EngineConfig:
     # stop when proved wrong, but each one takes CPU-cache room from an expert that may be needed
     # again: with a small cache, mostly wrong guesses cost more hits than they save reads.
     speculate_min_precision: float = 0.8
-    read_mode: str = "direct"  # how the store is read: direct (O_DIRECT) | drop | cached
+    read_mode: ReadMode = ReadMode.DIRECT  # how the store is read: direct (O_DIRECT) | drop | cached
     # which expert the CPU cache evicts; next-use knows that layers run in a cycle, where LRU and
     # LFU's LRU tie-break evict the next layer's experts (see storage.policies.NextUsePolicy)
     cache_policy: str = "next-use"
@@ -61,6 +62,10 @@ class EngineConfig:
             self.dtype = "bfloat16" if torch.device(self.device).type == "cuda" else "float32"
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be float32, bfloat16 or float16, got {self.dtype!r}")
+        try:
+            self.read_mode = ReadMode(self.read_mode)
+        except ValueError:
+            raise ValueError(f"read_mode must be one of {[m.value for m in ReadMode]}, got {self.read_mode!r}") from None
         if self.dense not in DENSE_CHOICES:
             raise ValueError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {self.dense!r}")
         if self.cache_policy == "belady":

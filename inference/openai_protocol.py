@@ -21,15 +21,13 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi.responses import JSONResponse
 
 from inference.chat import ROLES, ChatTemplate, ChatTemplateError
+from inference.events import DoneEvent
 from semoe.generate import SamplingConfig
-
-if TYPE_CHECKING:
-    from inference.server import DoneEvent
 
 _MAX_STOPS = 4  # as OpenAI
 _MAX_SEED = 2**63

@@ -32,6 +32,7 @@ from semoe.expert_layout import ExpertLayout, TensorSlice, expert_layouts, exper
 from semoe.experts import ExpertWeights, expert_mlp
 from semoe.model import MoEGPT
 from storage.dtypes import dtype_name, torch_dtype
+from storage.fileio import ReadMode
 from storage.keys import ExpertKey
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
@@ -85,7 +86,7 @@ class OffloadedExperts:
 
     def __init__(self, model: MoEGPT, store: Store, *, device: torch.device, dtype: torch.dtype,
                  cpu_cache_bytes: int, ring_slots: int, copies: bool | None = None, prefetch: bool = True,
-                 read_mode: str = "direct", workers: int = 4, min_precision: float = 0.8,
+                 read_mode: ReadMode = ReadMode.DIRECT, workers: int = 4, min_precision: float = 0.8,
                  cache_policy: str = "next-use") -> None:
         self.config = model.config
         self.mlp = expert_mlp(model.config)

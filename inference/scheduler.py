@@ -42,42 +42,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from inference.events import DoneEvent, ErrorEvent, TokenEvent
 from inference.openai_protocol import GenRequest
 from inference.text_stream import TextAssembler
 from semoe.attention import KVCache
 from semoe.generate import choose, new_cache
-from storage.pool import peak_rss_bytes
+from storage.envinfo import peak_rss_bytes
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(kw_only=True)
-class TokenEvent:
-    """One generated token and the text it releases (possibly empty)."""
-
-    token_id: int
-    logprob: float
-    text: str
-    top: tuple[tuple[int, float], ...] = ()  # the most likely tokens there, where the request asks
-
-
-@dataclass(kw_only=True)
-class DoneEvent:
-    """The end of a generation."""
-
-    tokens: list[int]
-    logprobs: list[float]
-    top_logprobs: list[tuple[tuple[int, float], ...]]  # per token, where the request asks (else empty)
-    text: str
-    tail: str  # text not yet streamed (held back until the end)
-    finish_reason: str  # "stop" | "length"
-
-
-@dataclass(kw_only=True)
-class ErrorEvent:
-    """Generation raised; the message goes to this request's client only."""
-
-    message: str
 
 
 class QueueFullError(Exception):

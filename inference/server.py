@@ -32,7 +32,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.chat import ChatTemplate
 from inference.openai_protocol import APIError, GenRequest, Reply, choice, parse_chat, parse_completion, sse
-from inference.scheduler import KV_GROW_TOKENS, BatchScheduler, DoneEvent, ErrorEvent, Job, QueueFullError, TokenEvent
+from inference.events import DoneEvent, ErrorEvent, TokenEvent
+from inference.scheduler import KV_GROW_TOKENS, BatchScheduler, Job, QueueFullError
 
 log = logging.getLogger(__name__)
 

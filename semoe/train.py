@@ -68,8 +68,8 @@ from semoe.ssd_states import SSDExpertStates
 from semoe.tokenizer import ByteTokenizer
 from semoe.train_config import (Precision, StepLog, TrainConfig, TrainingError, json_line, progress_line,
                                 return_large_frees_to_the_os, training_precision)
+from storage.envinfo import peak_rss_bytes
 from storage.errors import BadInputError
-from storage.pool import peak_rss_bytes
 from storage.store import Store, StoreWriter, chunk_meta
 
 log = logging.getLogger(__name__)

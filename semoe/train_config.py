@@ -17,6 +17,7 @@ import torch
 from semoe.config import MoEConfig
 from semoe.ssd_states import ChunkFormat
 from storage.errors import BadInputError, StorageError
+from storage.fileio import ReadMode
 
 EXPERT_STATES = ("ssd", "cpu", "device")
 DENSE_STATES = ("replicated", "zero1", "fsdp")
@@ -55,7 +56,7 @@ class TrainConfig:
     precision: str = "auto"
     checkpoint_every: int = 50
     log_json: str | None = None
-    read_mode: str = "direct"
+    read_mode: ReadMode = ReadMode.DIRECT  # how expert states are read: direct | drop | cached
     # with several ranks: replicated (every rank holds all dense states), zero1 (each keeps the
     # AdamW moments of its share of the dense parameters), fsdp (parameters, gradients and
     # moments sharded with FSDP2); see semoe.dense_states
@@ -64,6 +65,11 @@ class TrainConfig:
     init_from: str | None = None  # a model store (imported or trained) to start from instead of random weights
 
     def __post_init__(self) -> None:
+        try:
+            self.read_mode = ReadMode(self.read_mode)
+        except ValueError:
+            raise BadInputError(f"--read-mode must be one of {', '.join(m.value for m in ReadMode)}, "
+                                f"got {self.read_mode!r}") from None
         if self.expert_states not in EXPERT_STATES:
             raise BadInputError(f"--expert-states must be one of {', '.join(EXPERT_STATES)}, got {self.expert_states!r}")
         for name in ("steps", "batch_size", "seq_len", "micro_batches", "checkpoint_every"):

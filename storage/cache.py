@@ -326,15 +326,17 @@ class ExpertCache:
             if entry.evictable:
                 self._cond.notify_all()  # room for a reserve waiting in `wait_for_room`
 
-    def wait_for_room(self, nbytes: int, timeout: float | None = None) -> bool:
+    def wait_for_room(self, nbytes: int, timeout: float | None = None, *, pins_elsewhere: bool = False) -> bool:
         """Block until a reserve of `nbytes` could evict its way in (reads in flight landed, pins
         were released); False after `timeout` seconds, or at once when nothing is loading, since
-        then only the caller's own pins could free room."""
+        then only the caller's own pins could free room, unless `pins_elsewhere`: other threads
+        hold pins they will release."""
         def room() -> bool:
             return self._used_bytes + nbytes - self.capacity_bytes <= self._evictable_bytes
 
         with self._cond:
-            if not room() and not any(e.state is EntryState.LOADING for e in self._entries.values()):
+            loading = any(e.state is EntryState.LOADING for e in self._entries.values())
+            if not room() and not loading and not pins_elsewhere:
                 return False
             return self._cond.wait_for(room, timeout)
 

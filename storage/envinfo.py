@@ -13,6 +13,7 @@ import logging
 import mmap
 import os
 import re
+import resource
 import sys
 import tempfile
 import time
@@ -21,7 +22,14 @@ from typing import Iterator, Sequence
 import torch
 
 from storage.errors import StorageError
-from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode, ReadRequest, drop_from_page_cache
+from storage.fileio import (
+    ALIGN,
+    ChunkReader,
+    ChunkReaderConfig,
+    ReadMode,
+    ReadRequest,
+    drop_from_page_cache,
+)
 from storage.pool import aligned_empty
 from storage.store import Store, iter_expert_chunks
 
@@ -66,6 +74,37 @@ def ram_info(meminfo_path: str = "/proc/meminfo") -> dict:
     except (ValueError, OSError, AttributeError) as e:
         return {"ram_total_bytes": None, "ram_available_bytes": None,
                 "ram_reason": f"neither {meminfo_path} nor sysconf gives the memory size: {e}"}
+
+
+def available_ram_bytes() -> int:
+    """RAM the kernel can hand out without swapping now (MemAvailable; free pages without /proc)."""
+    info = ram_info()
+    if info["ram_available_bytes"] is None:
+        raise StorageError(info["ram_reason"])
+    return info["ram_available_bytes"]
+
+
+def status_bytes(field: str) -> int | None:
+    """A kB field of /proc/self/status (VmHWM, RssAnon, RssFile, ...) in bytes; None without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size.
+
+    Read from /proc/self/status (VmHWM), which belongs to the process's own address space:
+    getrusage's ru_maxrss also counts the parent's memory at fork when a process is started by
+    fork + exec, so a small child of a large parent would report the parent's peak.
+    """
+    peak = status_bytes("VmHWM")
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def shm_info(path: str = "/dev/shm") -> dict:

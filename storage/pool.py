@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import resource
 import threading
 import time
 import weakref
@@ -29,29 +28,6 @@ logger = logging.getLogger(__name__)
 
 _MIN_ALIGNMENT = 512
 _MAX_SLAB_FRACTION = 16
-
-
-def status_bytes(field: str) -> int | None:
-    """A kB field of /proc/self/status (VmHWM, RssAnon, RssFile, ...) in bytes; None without /proc."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith(field + ":"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def peak_rss_bytes() -> int:
-    """This process's peak resident set size.
-
-    Read from /proc/self/status (VmHWM), which belongs to the process's own address space:
-    getrusage's ru_maxrss also counts the parent's memory at fork when a process is started by
-    fork + exec, so a small child of a large parent would report the parent's peak.
-    """
-    peak = status_bytes("VmHWM")
-    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def release_free_heap() -> None:

@@ -39,7 +39,7 @@ class TieredStoreConfig:
     # LFU counts halve every this many references; None: once per cache-full of references (the
     # capacity in experts), which keeps LFU from pinning yesterday's favourites when routing drifts
     aging_interval: int | None = None
-    read_mode: str = "direct"  # direct | drop | cached (see storage.fileio.ReadMode)
+    read_mode: ReadMode = ReadMode.DIRECT  # direct | drop | cached (a string converts)
     io_threads: int | None = None
     prefetch_workers: int = 2  # reads in flight at once, each split over the io threads
     # pinned host buffers: for experts copied to a CUDA device (a CPU run on a GPU host pins nothing)
@@ -50,7 +50,7 @@ class TieredStoreConfig:
             raise ValueError(f"cpu_cache_bytes must be >= 1, got {self.cpu_cache_bytes}")
         if self.prefetch_workers < 1:
             raise ValueError(f"prefetch_workers must be >= 1, got {self.prefetch_workers}")
-        ReadMode(self.read_mode)
+        self.read_mode = ReadMode(self.read_mode)
 
 
 @dataclass(kw_only=True)
