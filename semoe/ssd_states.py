@@ -45,7 +45,7 @@ import torch
 from semoe.config import MoEConfig
 from semoe.expert_states import STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, Held, Key, adamw_
 from storage.errors import CacheFullError, StorageError
-from storage.fileio import ALIGN
+from storage.fileio import ALIGN, ReadMode
 from storage.manifest import ChunkEntry, Manifest, TensorEntry
 from storage.pool import (HostBuffer, HostBufferPool, HostBufferPoolConfig, PoolExhaustedError, aligned_empty,
                           round_up)
@@ -56,6 +56,9 @@ from storage.tiered import ExpertHandle, TieredExpertStore, TieredStoreConfig
 log = logging.getLogger(__name__)
 
 DEVICE_SLOTS = 2  # expert weights on the device: one being computed with while the next is copied
+# longest a state waits for other threads' pins to leave a full cache before CacheFullError (a
+# writer holds a weight for the few milliseconds its chunk takes to write)
+PINNED_WAIT_S = 30.0
 GRAD_COPIES_IN_FLIGHT = 8  # staging buffers beyond the budgeted sums; past them backward waits for a copy
 
 
@@ -219,7 +222,7 @@ class SSDExpertStates(ExpertStates):
 
     def __init__(self, config: MoEConfig, experts: range, device: torch.device, *, root: str,
                  cpu_cache_bytes: int, spill_dir: str, grad_budget_bytes: int | None = None,
-                 read_mode: str = "direct", prefetch_depth: int = 1, write_threads: int = 1,
+                 read_mode: ReadMode = ReadMode.DIRECT, prefetch_depth: int = 1, write_threads: int = 1,
                  layers: list[int] | None = None, copy_on_cpu: bool = False) -> None:
         super().__init__(config, experts, device, layers)
         self.root = root
@@ -290,16 +293,23 @@ class SSDExpertStates(ExpertStates):
 
     # -- forward and backward -----------------------------------------------------------------
     def _get(self, layer: int, expert: int, kind: str) -> ExpertHandle:
-        """Pin a state in the cache; when pinned entries fill it, wait for copies or prefetches."""
-        for _ in range(1000):
+        """Pin a state in the cache. When pinned entries fill it: unpin those this object's copies
+        held, else let prefetches finish, else wait (on the cache's condition, which every unpin
+        signals) for the pins of other threads (the writers) to go; CacheFullError after
+        PINNED_WAIT_S seconds without room."""
+        deadline = time.monotonic() + PINNED_WAIT_S
+        while True:
             try:
                 return self.tier.get(layer, expert, kind)
             except CacheFullError:
-                if not self._free_a_source():
-                    self.tier.drain()  # finished prefetches are unpinned and can be evicted
-                    time.sleep(0.001)
-        raise CacheFullError(f"CPU cache of {self.tier.config.cpu_cache_bytes} bytes stays full of pinned "
-                             f"expert states; give --cpu-cache more room")
+                if self._free_a_source():
+                    continue
+                self.tier.drain()  # finished prefetches are unpinned and can be evicted
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.tier.cache.wait_for_room(self.format.nbytes, timeout=left,
+                                                                  pins_elsewhere=True):
+                    raise CacheFullError(f"CPU cache of {self.tier.config.cpu_cache_bytes} bytes stays full of "
+                                         f"pinned expert states; give --cpu-cache more room") from None
 
     def _reap_loans(self) -> int:
         """Unpin the cache entries whose copies are done; returns how many."""

@@ -429,3 +429,36 @@ def test_forward_and_backward_never_synchronise_with_the_copy_stream(tmp_path, t
     assert after_backward == [start, start]  # forward and backward of both micro-batches: none
     assert 0 <= boundary <= stream.copies - copies
     assert stream.violations == []
+
+
+def test_a_state_waits_for_pins_other_threads_release_without_polling(make_states):
+    """A cache full of weights pinned by another thread (a writer's, here the test's): fetching one
+    more waits on the cache's condition until a pin goes, then pins its own; no sleep decides it,
+    the test releases the pin only once the fetch is seen waiting."""
+    import threading
+
+    states = make_states(cpu_cache_bytes=SSDExpertStates.min_cache_bytes(CONFIG))
+    layer = CONFIG.moe_layer_ids[0]
+    capacity = states.tier.config.cpu_cache_bytes // FMT.nbytes
+    held = [states.tier.get(layer, e, "weight") for e in range(capacity)]
+    waiting, waited = threading.Event(), []
+    real_wait = states.tier.cache.wait_for_room
+
+    def wait_for_room(nbytes, timeout=None, **kw):
+        if kw.get("pins_elsewhere"):  # the fetch's wait (the tier's own, for reads in flight, returns at once)
+            waited.append(nbytes)
+            waiting.set()
+        return real_wait(nbytes, timeout, **kw)
+
+    states.tier.cache.wait_for_room = wait_for_room
+    got = []
+    fetcher = threading.Thread(target=lambda: got.append(states._get(layer, capacity, "weight")))
+    fetcher.start()
+    assert waiting.wait(timeout=60), "the fetch never waited for room"
+    assert not got  # still waiting: every entry is pinned
+    held.pop().release()
+    fetcher.join(timeout=60)
+    assert not fetcher.is_alive() and len(got) == 1
+    assert waited and all(n == FMT.nbytes for n in waited)
+    for h in (*held, *got):
+        h.release()
