@@ -48,6 +48,7 @@ from semoe.checkpoint import _dense_params, hf_name
 from semoe.config import MoEConfig
 from semoe.expert_states import ExpertStates, sum_of_squares
 from semoe.model import MoEGPT, rope_tables
+from semoe.pipeline_memory import StageMemory, compact, install
 from semoe.train import Trainer, build_model, init_dense, run_rank, to_device
 from semoe.train_config import StepLog, TrainConfig
 from storage.errors import BadInputError
@@ -239,22 +240,41 @@ class PipelineTrainer(Trainer):
         self._resumed_optimizer: dict | None = None
         super().__init__(cfg, model_config, on_step=on_step)
         self.schedule = self._make_schedule()
-        self.executor = self.peers = None
+        self.memory: StageMemory | None = None  # the stage's blocks under a memory plan
         try:
             if self.pipeline.plan is not None and executor_factory is None:
-                from semoe.pipeline_memory import install
-
-                install(self, self.pipeline.plan)
+                self._use_memory(install(self, self.pipeline.plan))
             elif self.pipeline.stage_memory_bytes is not None:
-                from semoe.pipeline_memory import compact
-
-                compact(self, self.pipeline.stage_memory_bytes)
+                self._use_memory(compact(self, self.pipeline.stage_memory_bytes))
             self._load_deferred_optimizer()
         except BaseException:  # a new run: leave no store that blocks the next try; a resumed one keeps it
             self.abort()
             if self.rank == 0 and not resuming:
                 shutil.rmtree(cfg.store, ignore_errors=True)
             raise
+
+    @property
+    def executor(self) -> Any:
+        """The stage's mpress executor under a memory plan (its stats, peak); None without one."""
+        memory = getattr(self, "memory", None)
+        return memory.executor if memory is not None else None
+
+    def _use_memory(self, memory: StageMemory) -> None:
+        """Run the stage's blocks as `memory` (a plan's executor) does: its wrapped blocks, its swap-ins
+        started as the stage's backward begins, and its optimizer step where it moves optimizer states."""
+        self.memory = memory
+        stage = self.model
+        stage.runs = memory.runs
+        previous = stage.on_backward
+
+        def on_backward() -> None:
+            memory.prefetch()
+            if previous is not None:
+                previous()
+
+        stage.on_backward = on_backward
+        if memory.stepper is not None:
+            self.dense_states.stepper = memory.stepper
 
     def _planned(self) -> bool:
         """Whether __init__ installs a memory plan (its two branches)."""
@@ -313,9 +333,10 @@ class PipelineTrainer(Trainer):
         stage = PipelineStage(self.model, self.rank, self.world, self.device, input_args=inp, output_args=out)
         schedule = ScheduleGPipe if self.pipeline.schedule == "gpipe" else Schedule1F1B
         # The loss is ce / M and the schedule leaves .grad alone: see the module docstring.
-        return schedule(stage, n_microbatches=M, loss_fn=self._loss, scale_grads=False)
+        return schedule(stage, n_microbatches=M, loss_fn=self.loss, scale_grads=False)
 
-    def _loss(self, logits_BTV: torch.Tensor, tgt_BT: torch.Tensor) -> torch.Tensor:
+    def loss(self, logits_BTV: torch.Tensor, tgt_BT: torch.Tensor) -> torch.Tensor:
+        """One micro-batch's loss as the schedule takes it: its cross-entropy / micro_batches."""
         ce = F.cross_entropy(logits_BTV.reshape(-1, self.config.vocab_size).float(), tgt_BT.reshape(-1))
         return ce / self.cfg.micro_batches
 
@@ -432,10 +453,9 @@ class PipelineTrainer(Trainer):
             self._close_memory()
 
     def _close_memory(self) -> None:
-        for part in (getattr(self, "executor", None), getattr(self, "peers", None)):
-            if part is not None:
-                part.close()
-        self.executor = self.peers = None
+        memory, self.memory = getattr(self, "memory", None), None
+        if memory is not None:
+            memory.close()
 
     def evaluate(self, batches: int = 4) -> float:
         raise NotImplementedError("evaluation is not run through the pipeline")

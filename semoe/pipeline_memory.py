@@ -26,21 +26,82 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from mpress.executor import (
+    Executor,
+    host_pool_bytes_for,
+    host_swap_bytes,
+    model_host_bytes,
+    moved_model_bytes,
+    peer_capacity_bytes_for,
+)
+from mpress.model_data import ModelDataRunner
+from mpress.model_tensors import ModelDataTensors
+from mpress.peer_memory import (
+    CudaIpcPeers,
+    PeerMemory,
+    SharedMemoryPeers,
+    SharedMemorySpaceError,
+    peer_memory_class,
+)
+from mpress.planner import plan as make_plan
+from mpress.profile import PipelineProfile, Plan, StageProfile
+from mpress.profiler import best_seconds, measure_runtime, profile_layers
+from mpress.topology import cuda_pci_address, from_nvml, measure_cpu
+from semoe.expert_states import AdamWConfig, adamw_
 from semoe.model import rope_tables
+from storage.envinfo import available_ram_bytes
 from storage.errors import BadInputError
-
-if TYPE_CHECKING:
-    from semoe.pipeline import PipelineTrainer
 
 log = logging.getLogger(__name__)
 
 HOST_SWAP_SHARE = 2  # host swaps may fill 1/HOST_SWAP_SHARE of the RAM available as training starts
+
+
+class StagedTrainer(Protocol):
+    """What this module reads of the pipeline trainer of one stage (`semoe.pipeline.PipelineTrainer`)."""
+
+    cfg: Any  # TrainConfig: batch_size, micro_batches, seq_len, seed
+    config: Any  # MoEConfig
+    pipeline: Any  # PipelineConfig: schedule
+    model: Any  # the stage (StageModule): layers, embed, norm, lm_head, last
+    device: torch.device
+    precision: Any
+    states: Any  # expert states: sample_weights, experts, discard_grads
+    opt: torch.optim.Optimizer
+    rank: int
+    world: int
+
+    def loss(self, logits_BTV: torch.Tensor, tgt_BT: torch.Tensor) -> torch.Tensor: ...
+
+
+@dataclass(eq=False)
+class StageMemory:
+    """A stage's blocks under a memory plan, for the trainer to run (`install`): `runs` replaces the
+    stage's blocks, `prefetch` starts the swap-ins of its swapped layers (call it as the stage's
+    backward begins), `stepper` steps the optimizer where the plan moves optimizer states (None:
+    the plain step). `close` ends the executor and the peer memory."""
+
+    executor: Executor
+    plan: Plan
+    peers: PeerMemory | None
+    runs: nn.ModuleDict
+    prefetch: Callable[[], None]
+    stepper: ModelDataRunner | None
+
+    def close(self) -> None:
+        try:
+            self.executor.close()
+        finally:
+            if self.peers is not None:
+                self.peers.close()
 
 
 class _BlockOnHidden(nn.Module):
@@ -54,11 +115,8 @@ class _BlockOnHidden(nn.Module):
         return self.block(x_BTD, self.cos, self.sin, None)[0]
 
 
-def profile_stage(trainer: "PipelineTrainer", repeats: int = 3) -> Any:
+def profile_stage(trainer: StagedTrainer, repeats: int = 3) -> Any:
     """This rank's StageProfile, measured on one micro-batch of random hidden states."""
-    from mpress.profile import StageProfile
-    from mpress.profiler import measure_runtime, profile_layers
-
     cfg, c, stage = trainer.cfg, trainer.config, trainer.model
     B, T = cfg.batch_size // cfg.micro_batches, cfg.seq_len
     g = torch.Generator().manual_seed(cfg.seed)
@@ -81,13 +139,10 @@ def profile_stage(trainer: "PipelineTrainer", repeats: int = 3) -> Any:
     return StageProfile(stage=trainer.rank, layers=profiled, fixed_bytes=_fixed_bytes(trainer, x_BTD.detach()))
 
 
-def _expert_step_seconds(trainer: "PipelineTrainer") -> float:
+def _expert_step_seconds(trainer: StagedTrainer) -> float:
     """Seconds of one MoE layer's expert AdamW step with every expert of the stage touched, timed
     on scratch copies of one expert's tensors where the states live. 0 where the backend's step
     is bound by its reads and writes (SSD), which the profile does not model."""
-    from mpress.profiler import best_seconds
-    from semoe.expert_states import AdamWConfig, adamw_
-
     sample = trainer.states.sample_weights()
     if not sample:
         return 0.0
@@ -100,7 +155,7 @@ def _expert_step_seconds(trainer: "PipelineTrainer") -> float:
     return best_seconds(step, [w for w, _, _, _ in scratch]) * len(trainer.states.experts)
 
 
-def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:
+def _fixed_bytes(trainer: StagedTrainer, x_BTD: torch.Tensor) -> int:
     """What the stage holds outside its blocks: the embedding's (first stage) or the final norm's
     and LM head's (last stage) parameters, gradients and two AdamW moments, plus, on the last
     stage, the tensors the head and the loss keep for backward, once per micro-batch in flight
@@ -110,8 +165,6 @@ def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:
     params = [p for m in (stage.embed, stage.norm, stage.lm_head) if m is not None for p in m.parameters()]
     fixed = 4 * sum(p.numel() * p.element_size() for p in params)  # weight, grad, exp_avg, exp_avg_sq
     if stage.last:
-        from mpress.profiler import ModelDataTensors
-
         model_data = ModelDataTensors(stage.norm, stage.lm_head)
         seen: dict[int, int] = {}
         casts: dict[int, int] = {}  # autocast's copies of the head's weights: held once, not per micro-batch
@@ -127,16 +180,14 @@ def _fixed_bytes(trainer: "PipelineTrainer", x_BTD: torch.Tensor) -> int:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
                 trainer.precision.autocast(x_BTD.device.type):
             logits = stage.lm_head(stage.norm(x_BTD.requires_grad_()))
-            trainer._loss(logits, tgt)
+            trainer.loss(logits, tgt)
         in_flight = cfg.micro_batches if trainer.pipeline.schedule == "gpipe" else 1
         fixed += in_flight * sum(seen.values()) + sum(casts.values())
     return fixed
 
 
-def gather_profile(trainer: "PipelineTrainer") -> Any:
+def gather_profile(trainer: StagedTrainer) -> Any:
     """Every stage's profile, on every rank (collective)."""
-    from mpress.profile import PipelineProfile
-
     cfg, c = trainer.cfg, trainer.config
     gathered = [None] * trainer.world
     dist.all_gather_object(gathered, profile_stage(trainer))
@@ -145,54 +196,36 @@ def gather_profile(trainer: "PipelineTrainer") -> Any:
                            boundary_bytes=cfg.batch_size // cfg.micro_batches * cfg.seq_len * c.hidden_size * 4)
 
 
-def available_host_bytes() -> int:
-    """RAM the kernel can hand out without swapping (MemAvailable; free pages without /proc)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
 def host_swap_limit_bytes() -> int:
     """Host memory the plan may fill with swapped activations, all stages together: a share of
     what is available as training starts (the rest: the CPU expert cache, data, the processes)."""
-    return available_host_bytes() // HOST_SWAP_SHARE
+    return available_ram_bytes() // HOST_SWAP_SHARE
 
 
-def _pci_addresses(trainer: "PipelineTrainer") -> list | None:
+def _pci_addresses(trainer: StagedTrainer) -> list | None:
     """Each rank's GPU by PCI address, in rank order (collective on CUDA); None on CPU."""
     if trainer.device.type != "cuda":
         return None
-    from mpress.topology import cuda_pci_address
-
     gathered: list = [None] * trainer.world
     dist.all_gather_object(gathered, cuda_pci_address(trainer.device))
     return gathered
 
 
-def _topology(trainer: "PipelineTrainer", stage_memory_bytes: int, pci: list | None) -> Any:
-    from mpress.topology import from_nvml, measure_cpu
-
+def _topology(trainer: StagedTrainer, stage_memory_bytes: int, pci: list | None) -> Any:
     if pci is not None:  # by PCI address: NVML's numbering is not the ranks' CUDA ordinals
         return from_nvml(pci)
     return measure_cpu(trainer.world, stage_memory_bytes, nbytes=16 * 2**20)
 
 
-def compact(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
-    """Profile, plan and install the plan on every rank; returns the plan."""
-    from mpress.executor import moved_model_bytes
-    from mpress.planner import plan
-
+def compact(trainer: StagedTrainer, stage_memory_bytes: int) -> StageMemory:
+    """Profile, plan and install the plan on every rank (collective); returns `install`'s stage
+    memory."""
     profile = gather_profile(trainer)
     pci = _pci_addresses(trainer)
     box: list[Any] = [None]
     if trainer.rank == 0:
         host_limit = host_swap_limit_bytes()
-        res = plan(profile, _topology(trainer, stage_memory_bytes, pci), budget_bytes=stage_memory_bytes,
+        res = make_plan(profile, _topology(trainer, stage_memory_bytes, pci), budget_bytes=stage_memory_bytes,
                    search_mapping=False,  # CPU ranks are interchangeable; GPU mapping is the launcher's
                    host_memory_bytes=host_limit)
         box[0] = (res.plan, res.fits, res.reason, res.sim.step_time_s, res.planning_s,
@@ -212,16 +245,13 @@ def compact(trainer: "PipelineTrainer", stage_memory_bytes: int) -> Any:
              "states; the plan moves %d bytes of optimizer states and streams %d bytes of weights and gradients "
              "off the device", trainer.rank, static + states + streamed, sum(lp.state_bytes for lp in layers),
              states, streamed)
-    install(trainer, the_plan, profile=profile, activation_budget_bytes=max(1, stage_memory_bytes - static),
-            name=name, host_limit_bytes=host_limit)
-    return the_plan
+    return install(trainer, the_plan, profile=profile, activation_budget_bytes=max(1, stage_memory_bytes - static),
+                   name=name, host_limit_bytes=host_limit)
 
 
-def make_peers(trainer: "PipelineTrainer", capacity_bytes: int, name: str) -> Any:
+def make_peers(trainer: StagedTrainer, capacity_bytes: int, name: str) -> Any:
     """Peer memory of `capacity_bytes` per rank for D2D swap: CUDA IPC between GPUs, shared
     memory between CPU ranks (collective)."""
-    from mpress.peer_memory import CudaIpcPeers, SharedMemoryPeers, SharedMemorySpaceError, peer_memory_class
-
     if peer_memory_class(trainer.device) is CudaIpcPeers:
         with torch.cuda.device(trainer.device):  # object collectives over NCCL use the current device
             return CudaIpcPeers(trainer.rank, trainer.world, capacity_bytes, device=trainer.device)
@@ -245,17 +275,16 @@ def budget_after_peers(activation_budget_bytes: int | None, peers: Any, stage: i
     return left
 
 
-def install(trainer: "PipelineTrainer", plan: Any, *, profile: Any = None, activation_budget_bytes: int | None = None,
-            name: str | None = None, host_limit_bytes: int | None = None) -> None:
-    """Run this rank's blocks under `plan`: an Executor per stage (holding saved activations to
+def install(trainer: StagedTrainer, plan: Plan, *, profile: PipelineProfile | None = None,
+            activation_budget_bytes: int | None = None, name: str | None = None,
+            host_limit_bytes: int | None = None) -> StageMemory:
+    """This rank's blocks under `plan`: an Executor per stage (holding saved activations to
     `activation_budget_bytes`, less what peer memory takes on the device), a host pool and peer
     memory sized from `profile` (gathered here when None and the plan swaps) when the plan swaps,
-    and the swap-ins of the stage's swapped layers started as its backward begins. Raises
-    BadInputError when the plan's host swaps exceed `host_limit_bytes` (default: rank 0's
-    `host_swap_limit_bytes`)."""
-    from mpress.executor import (Executor, host_pool_bytes_for, host_swap_bytes, model_host_bytes,
-                                 peer_capacity_bytes_for)
-
+    the swap-ins of the stage's swapped layers to start as its backward begins, and the optimizer
+    step through mpress's ModelDataRunner where the plan moves optimizer states (they leave the
+    device here). Raises BadInputError when the plan's host swaps exceed `host_limit_bytes`
+    (default: rank 0's `host_swap_limit_bytes`)."""
     swaps = {d.technique for d in (*plan.decisions, *plan.model_data)} & {"host", "d2d"}
     if swaps and profile is None:
         profile = gather_profile(trainer)
@@ -292,22 +321,16 @@ def install(trainer: "PipelineTrainer", plan: Any, *, profile: Any = None, activ
     executor = Executor(plan, trainer.rank, device=trainer.device, peers=peers, budget_bytes=budget,
                         host_pool_bytes=host_pool_bytes)
     stage = trainer.model
-    stage.runs = nn.ModuleDict({k: executor.wrap(int(k), b) for k, b in stage.layers.items()})
+    runs = nn.ModuleDict({k: executor.wrap(int(k), b) for k, b in stage.layers.items()})
     swapped = [d.layer for d in plan.decisions if d.stage == trainer.rank and d.technique in ("host", "d2d")]
-    previous = stage.on_backward
 
-    def on_backward() -> None:  # swap the stage's activations back in as its backward starts
+    def prefetch() -> None:  # swap the stage's activations back in as its backward starts
         for layer in reversed(swapped):
             executor.prefetch(layer)
-        if previous is not None:
-            previous()
 
-    stage.on_backward = on_backward
-    trainer.executor, trainer.plan, trainer.peers = executor, plan, peers
+    stepper = None
     if any(d.stage == trainer.rank and d.technique != "keep" for d in plan.model_data):
-        from mpress.model_data import ModelDataRunner
-
-        runner = ModelDataRunner(executor, trainer.opt, {
+        stepper = ModelDataRunner(executor, trainer.opt, {
             int(k): [p for p in b.parameters() if p.requires_grad] for k, b in stage.layers.items()})
-        runner.stash_resident()  # a resumed run's moments leave the device before the first step
-        trainer.dense_states.stepper = runner
+        stepper.stash_resident()  # a resumed run's moments leave the device before the first step
+    return StageMemory(executor=executor, plan=plan, peers=peers, runs=runs, prefetch=prefetch, stepper=stepper)

@@ -247,7 +247,7 @@ def test_the_budget_counts_the_embedding_and_the_head(schedule, in_flight):
         stage = StageModule(model, range(0, 2) if first else range(2, 4), first=first, last=last)
         loss = lambda logits, tgt: F.cross_entropy(logits.reshape(-1, V).float(), tgt.reshape(-1)) / 4  # noqa: E731
         return types.SimpleNamespace(model=stage, cfg=cfg, pipeline=types.SimpleNamespace(schedule=schedule),
-                                     _loss=loss, precision=training_precision("fp32", "cpu"))
+                                     loss=loss, precision=training_precision("fp32", "cpu"))
 
     embed = model.embed.weight
     assert _fixed_bytes(trainer(True, False), x) == 4 * embed.numel() * 4  # weight, grad and two moments
@@ -282,7 +282,7 @@ def test_the_heads_weight_copy_under_autocast_counts_once():
         fixed[schedule] = _fixed_bytes(types.SimpleNamespace(
             model=stage, cfg=TrainConfig(out="unused", data="unused", batch_size=8, seq_len=32, micro_batches=4),
             pipeline=types.SimpleNamespace(schedule=schedule), precision=training_precision("bf16", "cpu"),
-            _loss=lambda logits, tgt: F.cross_entropy(logits.reshape(-1, V).float(), tgt.reshape(-1))), x)
+            loss=lambda logits, tgt: F.cross_entropy(logits.reshape(-1, V).float(), tgt.reshape(-1))), x)
     per_micro_batch = (fixed["gpipe"] - fixed["1f1b"]) // 3
     assert fixed["gpipe"] - fixed["1f1b"] == 3 * per_micro_batch > 0
     head = sum(p.numel() * 4 for p in (*model.norm.parameters(), *model.lm_head.parameters()))
@@ -346,11 +346,11 @@ def test_gpu_ranks_are_planned_on_their_own_gpus(monkeypatch):
 
     import torch
 
-    import mpress.topology
+    import semoe.pipeline_memory
     from semoe.pipeline_memory import _topology
 
     asked = []
-    monkeypatch.setattr(mpress.topology, "from_nvml", lambda devices=None: asked.append(devices) or "nvml")
+    monkeypatch.setattr(semoe.pipeline_memory, "from_nvml", lambda devices=None: asked.append(devices) or "nvml")
     trainer = types.SimpleNamespace(device=torch.device("cuda", 0), world=2)
     pci = [(0, 0x41, 0), (0, 0x0A, 0)]  # each rank's cuda:0, under different CUDA_VISIBLE_DEVICES
     assert _topology(trainer, 1 << 30, pci) == "nvml" and asked == [pci]
