@@ -4,7 +4,8 @@ from setuptools import Extension, setup
 
 # decode's CPU kernels (semoe/kernels/*.c), built for the machine that installs them; loaded with
 # ctypes by semoe/cpu_kernels.py, which falls back to torch's ops where they are missing
-KERNELS = Extension("semoe._kernels", sources=["semoe/kernels/gemv.c", "semoe/kernels/decode_step.c"],
+KERNELS = Extension("semoe._kernels",
+                    sources=["semoe/kernels/gemv.c", "semoe/kernels/gemv_float.c", "semoe/kernels/decode_step.c"],
                     depends=["semoe/kernels/kernels.h"],
                     extra_compile_args=["-O3", "-march=native", "-fopenmp"], extra_link_args=["-fopenmp"])
 

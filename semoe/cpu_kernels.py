@@ -1,4 +1,4 @@
-"""The compiled CPU kernels (semoe/kernels/gemv.c): products of a few rows with int8, int4 and MXFP4
+"""The compiled CPU kernels (semoe/kernels/*.c): products of a few rows with int8, int4 and MXFP4
 weights (and bfloat16 ones).
 
 Decoding multiplies one row (or a few) by each weight, so its speed is the rate at which weights
@@ -42,7 +42,7 @@ _I = ctypes.c_int64
 
 @cache
 def _lib() -> ctypes.CDLL | None:
-    # SEMOE_CPU_KERNELS names another build of semoe/kernels/gemv.c (tests load each path's build)
+    # SEMOE_CPU_KERNELS names another build of semoe/kernels/*.c (tests load each path's build)
     path = os.environ.get("SEMOE_CPU_KERNELS")
     if path:
         return _declare(ctypes.CDLL(path))
@@ -90,7 +90,7 @@ def takes(x_MI: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     return x_MI.device.type == "cpu" and x_MI.numel() // x_MI.shape[-1] <= max_rows and available()
 
 
-ISAS = ("portable", "avx2", "avx512-vnni")  # the paths gemv.c has, by kernels_isa()'s number
+ISAS = ("portable", "avx2", "avx512-vnni")  # the paths the kernels have, by kernels_isa()'s number
 
 
 def isa() -> str | None:

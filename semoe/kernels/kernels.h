@@ -1,4 +1,4 @@
-/* What semoe/kernels/gemv.c shares with semoe/kernels/decode_step.c: the vector path this build
+/* What semoe/kernels/gemv.c shares with gemv_float.c and decode_step.c: the vector path this build
  * takes, the layouts' constants, x quantized for the integer kernels, and the per-block bodies of
  * the products (each computes one block of output rows, so a caller splits the blocks over its
  * threads however it likes: every output row is summed by one thread, in one order). */
@@ -15,6 +15,16 @@
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define SEMOE_AVX2 1
+#endif
+
+#ifdef SEMOE_AVX2
+/* the sum of a vector's eight lanes, in a fixed order */
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
 #endif
 
 #define QB 32 /* inputs per activation block */

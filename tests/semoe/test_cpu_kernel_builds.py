@@ -17,7 +17,7 @@ import pytest
 
 from helpers.procs import ROOT, child_env
 
-SOURCES = [os.path.join(ROOT, "semoe", "kernels", f) for f in ("gemv.c", "decode_step.c")]
+SOURCES = [os.path.join(ROOT, "semoe", "kernels", f) for f in ("gemv.c", "gemv_float.c", "decode_step.c")]
 FLAGS = {  # path -> compiler flags (besides -O3 -fopenmp -shared -fPIC)
     "portable": ["-march=x86-64"],
     "avx2": ["-march=x86-64", "-mavx2", "-mfma"],
