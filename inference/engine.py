@@ -24,6 +24,7 @@ from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import KVCache, MoEGPT
 from storage.envinfo import peak_rss_bytes
 from storage.fileio import ReadMode
+from storage.store import Store
 
 log = logging.getLogger(__name__)
 
@@ -118,14 +119,15 @@ class Engine:
             store_path = os.path.join(cleanup, "store")
             log.warning("%s is not a store: importing it into %s for offloading", path, store_path)
             import_checkpoint(path, store_path)
-        model = load_store(store_path, device=config.device, dtype=dtype, with_experts=False, dense=config.dense,
+        store = Store.open(store_path)  # once: the model loader, the ring and the tokenizer read it
+        model = load_store(store, device=config.device, dtype=dtype, with_experts=False, dense=config.dense,
                            embedding_in_store=True)
         stack_projections(model)
-        offload = OffloadedExperts.attach(model, store_path, config)
+        offload = OffloadedExperts.attach(model, store, config)
         if config.preload:
             offload.warm_idle(in_request=False)
             offload.tier.drain()
-        return cls(model, load_model_tokenizer(store_path, model.config), name=name, config=config,
+        return cls(model, load_model_tokenizer(store, model.config), name=name, config=config,
                    offload=offload, cleanup=cleanup)
 
     def step(self, ids: list[int], caches: list[KVCache], counts: list[int], rows: list[int]) -> torch.Tensor:

@@ -152,9 +152,9 @@ class OffloadedExperts:
         return placed_bytes(store.manifest, dtype)
 
     @classmethod
-    def attach(cls, model: MoEGPT, store_path: str, config) -> "OffloadedExperts":
-        """Build from an EngineConfig and install as the provider of every MoE layer of `model`."""
-        store = Store.open(store_path)
+    def attach(cls, model: MoEGPT, store: Store, config) -> "OffloadedExperts":
+        """Build from an EngineConfig and install as the provider of every MoE layer of `model`, whose
+        experts are in `store` (open: the engine opens it once and hands it down)."""
         device = torch.device(config.device)
         dtype = getattr(torch, config.dtype)
         expert_bytes = sum(c.bytes for c in store.manifest.chunks if c.kind == "weight")
@@ -210,7 +210,7 @@ class OffloadedExperts:
             if evicted is not None:
                 self._vacate(evicted)
         try:
-            host = self.tier.get(*key, speculative=not demand)
+            host = self.tier.get(key, speculative=not demand)
             record.use_seen = demand
             layout, dst = self.layouts[key], self.compute_slices[key]
             if self.memory is None:  # in place: the slot holds the CPU-cache entry
@@ -270,7 +270,7 @@ class OffloadedExperts:
         with self._cond:
             guessed = self.guesses.guesses(layer)
             self.guesses.account(layer, experts, in_ring={k.expert for k in keys if k in self.book},
-                                 cached={e: self.tier.cached(layer, e) for e in experts},
+                                 cached={e: self.tier.cached(ExpertKey(layer, e)) for e in experts},
                                  nbytes={k.expert: self.chunk_bytes[k] for k in keys})
             self.book.begin_layer(layer, keys)
             for k in keys:
@@ -283,7 +283,7 @@ class OffloadedExperts:
             self.queue.cancel(key)
         self.tier.cancel_guesses(wrong)
         for key in keys:
-            self.tier.hurry(*key)
+            self.tier.hurry(key)
             self._request(key, Priority.NOW, demand=True)
         if self.prefetch_enabled:
             self._predict(layer, x_ND)
@@ -319,7 +319,7 @@ class OffloadedExperts:
                 self._cond.wait(timeout=0.05)
             key = min(usable)
             if self.book.hand_out(key):  # a ring hit or a right guess: the CPU cache's policy must see the use
-                self.tier.record_use(*key)
+                self.tier.record_use(key)
             return key, self._loaded[self.book.get(key).index]
 
     def _predict(self, layer: int, x_ND: torch.Tensor) -> None:
@@ -339,7 +339,7 @@ class OffloadedExperts:
             counts = torch.bincount(r.ids_TK.flatten(), minlength=self.config.num_experts).tolist()
             picked = sorted((e for e, n in enumerate(counts) if n), key=lambda e: -counts[e])
         with self._cond:
-            cached = {e: self.tier.cached(nxt, e) for e in picked}
+            cached = {e: self.tier.cached(ExpertKey(nxt, e)) for e in picked}
             self.guesses.predicted(nxt, cached)
             # A guess read from SSD uses only the disk's idle time (the tier pauses it while a
             # needed read is in flight) and is abandoned once the layer's routing proves it wrong,
@@ -372,7 +372,7 @@ class OffloadedExperts:
         for layer in self.moe_layers:
             for e in range(self.config.num_experts):
                 nbytes = self.chunk_bytes[ExpertKey(layer, e)]
-                if nbytes <= free and not self.tier.cached(layer, e):
+                if nbytes <= free and not self.tier.cached(ExpertKey(layer, e)):
                     keys.append(ExpertKey(layer, e))
                     free -= nbytes
         started = self.tier.prefetch(keys, priority=Priority.IDLE) if keys else []

@@ -189,7 +189,7 @@ def _part_tensor(part: ExpertPart, expert: int) -> torch.Tensor:
     return torch.from_numpy(buf).view(torch_dtype(part.ref.dtype)).view(part.slice_shape())
 
 
-def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+def load_store(source: str | Store, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                with_experts: bool = True, kernel: str = "auto", dense: str = "auto",
                embedding_in_store: bool = False) -> MoEGPT:
     """A model from a store; `with_experts=False` leaves experts to a provider (offload engine).
@@ -200,8 +200,10 @@ def load_store(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
     dequantize-then-multiply reference. `dense` (`semoe.compact_linear.DENSE_CHOICES`): the weights
     outside the experts float, or int8 or int4 (quantized here); `auto` is int8 on CPU beside int8 or
     int4 experts (`resolve_dense`). `embedding_in_store`: leave the token embedding in the store and
-    read the rows each step needs (`StoredEmbedding`), as offloaded engines do."""
-    store = Store.open(path)
+    read the rows each step needs (`StoredEmbedding`), as offloaded engines do. `source`: the store,
+    open (as a loader that hands it on opens it once) or by path."""
+    store = source if isinstance(source, Store) else Store.open(source)
+    path = store.root
     if not store.manifest.has_file("config.json"):
         raise BadInputError(f"{path}: store has no config.json (not a model store)")
     config = config_from_json(json.loads(store.read_file("config.json")))
@@ -356,23 +358,19 @@ def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dt
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
 
 
-def load_model_tokenizer(path: str, config: MoEConfig):
-    """The model's tokenizer: its tokenizer.json (from the directory or the store's side files), the
-    byte tokenizer for models trained here, or None when a checkpoint has neither."""
-    import tempfile
+def load_model_tokenizer(source: str | Store, config: MoEConfig):
+    """The model's tokenizer: its tokenizer.json (from the directory, or the side files of the store,
+    given open or by path), the byte tokenizer for models trained here, or None when a checkpoint has
+    neither."""
+    from semoe.tokenizer import ByteTokenizer, HFTokenizer, checked_vocab, load_tokenizer
 
-    from semoe.tokenizer import ByteTokenizer, load_tokenizer
-
-    if is_store(path):
-        store = Store.open(path)
-        if store.manifest.has_file("tokenizer.json"):
-            with tempfile.TemporaryDirectory(prefix="semoe-tok-") as tmp:
-                for name in TOKENIZER_FILES:
-                    if store.manifest.has_file(name):
-                        with open(os.path.join(tmp, name), "wb") as f:
-                            f.write(store.read_file(name))
-                return load_tokenizer(tmp, vocab_size=config.vocab_size)
-    elif os.path.isfile(os.path.join(path, "tokenizer.json")):
-        return load_tokenizer(path, vocab_size=config.vocab_size)
+    if isinstance(source, str) and is_store(source):
+        source = Store.open(source)
+    if isinstance(source, Store):
+        if source.manifest.has_file("tokenizer.json"):
+            files = {name: source.read_file(name) for name in TOKENIZER_FILES if source.manifest.has_file(name)}
+            return checked_vocab(HFTokenizer(files=files, where=f"{source.root} (store)"), config.vocab_size)
+    elif os.path.isfile(os.path.join(source, "tokenizer.json")):
+        return load_tokenizer(source, vocab_size=config.vocab_size)
     tok = ByteTokenizer()
     return tok if config.vocab_size == tok.vocab_size and config.arch == "gpt_moe" else None

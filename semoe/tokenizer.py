@@ -11,7 +11,7 @@ import abc
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import crc32c as _crc32c
@@ -97,21 +97,30 @@ class HFTokenizer(Tokenizer):
 
     kind = "hf"
 
-    def __init__(self, directory: str) -> None:
-        path = os.path.join(directory, TOKENIZER_FILE)
+    def __init__(self, directory: str | None = None, *, files: Mapping[str, bytes] | None = None,
+                 where: str | None = None) -> None:
+        """From `directory`, or from `files` (the tokenizer's files' bytes by name, e.g. a store's side
+        files read once: `where` names them in messages)."""
+        if (directory is None) == (files is None):
+            raise ValueError("HFTokenizer takes a directory or files, one of them")
+        if files is None:
+            files = _DirectoryFiles(directory)
+        self.directory = directory if directory is not None else where or "tokenizer files"
+        path = os.path.join(self.directory, TOKENIZER_FILE)
+        raw = files.get(TOKENIZER_FILE)
+        if raw is None:
+            raise BadInputError(f"{path}: not found")
         try:
-            self._tok = tokenizers.Tokenizer.from_file(path)
+            self._tok = tokenizers.Tokenizer.from_str(raw.decode("utf-8"))
         except Exception as e:  # the library raises a bare Exception on any parse error
             raise BadInputError(f"{path}: not a readable tokenizers file ({e})") from e
-        with open(path, "rb") as f:
-            self._fingerprint = f"hf-{_crc32c.crc32c(f.read()):08x}"
-        self.directory = directory
+        self._fingerprint = f"hf-{_crc32c.crc32c(raw):08x}"
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
         token_cfg = {}
         # Later files only fill gaps: tokenizer_config.json wins over special_tokens_map.json.
         for name in reversed(_TOKEN_FILES):
-            token_cfg.update({k: v for k, v in _read_json(directory, name).items() if v is not None})
-        model_cfg = _read_json(directory, _MODEL_CONFIG)
+            token_cfg.update({k: v for k, v in _json(files, self.directory, name).items() if v is not None})
+        model_cfg = _json(files, self.directory, _MODEL_CONFIG)
         self.bos_id = self._special_id(token_cfg, model_cfg, "bos")
         self.eos_id = self._special_id(token_cfg, model_cfg, "eos")
         self.pad_id = self._special_id(token_cfg, model_cfg, "pad")
@@ -162,18 +171,43 @@ class HFTokenizer(Tokenizer):
         return f"HFTokenizer({self.directory!r}, vocab_size={self.vocab_size})"
 
 
-def _read_json(directory: str, name: str) -> dict[str, Any]:
-    path = os.path.join(directory, name)
-    if not os.path.isfile(path):
+class _DirectoryFiles:
+    """A directory's files by name, read when asked for (None where missing)."""
+
+    def __init__(self, directory: str) -> None:
+        self.directory = directory
+
+    def get(self, name: str) -> bytes | None:
+        path = os.path.join(self.directory, name)
+        if not os.path.isfile(path):
+            return None
+        try:
+            with open(path, "rb") as f:
+                return f.read()
+        except OSError as e:
+            raise BadInputError(f"{path}: not readable ({e})") from e
+
+
+def _json(files: Mapping[str, bytes] | _DirectoryFiles, where: str, name: str) -> dict[str, Any]:
+    raw = files.get(name)
+    if raw is None:
         return {}
+    path = os.path.join(where, name)
     try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except (OSError, ValueError) as e:
+        data = json.loads(raw)
+    except ValueError as e:
         raise BadInputError(f"{path}: not readable JSON ({e})") from e
     if not isinstance(data, dict):
         raise BadInputError(f"{path}: expected a JSON object, got {type(data).__name__}")
     return data
+
+
+def checked_vocab(tok: HFTokenizer, vocab_size: int | None) -> HFTokenizer:
+    """`tok`, which must not have more tokens than the model has embeddings."""
+    if vocab_size is not None and tok.vocab_size > vocab_size:
+        raise BadInputError(f"{os.path.join(tok.directory, TOKENIZER_FILE)}: {tok.vocab_size} tokens, more than "
+                            f"the model's vocab_size {vocab_size}")
+    return tok
 
 
 def load_tokenizer(path: str | None, *, vocab_size: int | None = None) -> Tokenizer:
@@ -190,8 +224,4 @@ def load_tokenizer(path: str | None, *, vocab_size: int | None = None) -> Tokeni
             raise BadInputError(f"{where}: no {TOKENIZER_FILE} and vocab_size {vocab_size} is not the byte "
                                 f"tokenizer's {ByteTokenizer.VOCAB_SIZE}")
         return ByteTokenizer()
-    tok = HFTokenizer(path)
-    if vocab_size is not None and tok.vocab_size > vocab_size:
-        raise BadInputError(f"{os.path.join(path, TOKENIZER_FILE)}: {tok.vocab_size} tokens, more than the "
-                            f"model's vocab_size {vocab_size}")
-    return tok
+    return checked_vocab(HFTokenizer(path), vocab_size)
