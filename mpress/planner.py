@@ -57,6 +57,7 @@ from numbers import Integral
 
 from mpress.profile import Decision, LayerProfile, ModelDataDecision, PipelineProfile, Plan, Stripe
 from mpress.schedule import in_flight_peak
+from mpress.mapping import search_stage_mapping
 from mpress.simulator import SimResult, recompute_held, simulate
 from mpress.topology import Topology
 
@@ -157,23 +158,30 @@ class _Compactor:
         self.stage_on = {d: s for s, d in enumerate(mapping)}
         self.layer: dict[int, tuple[int, LayerProfile]] = {
             lp.index: (s, lp) for s, st in enumerate(profile.stages) for lp in st.layers}
-        self.choice: dict[int, tuple[str, list[Stripe]]] = {}  # layer -> (technique, stripes)
-        self.md: dict[int, tuple[str, list[Stripe], str, str]] = {}  # layer -> (technique, stripes, step_on, weights)
-        self.queue: list[list[tuple[int, str]]] = []  # per stage: (layer, technique) still to take
+        self.choice: dict[int, Decision] = {}  # layer -> how its activations are compacted
+        self.md: dict[int, ModelDataDecision] = {}  # layer -> where its model data goes
+        self.queue: list[list[Decision | ModelDataDecision]] = []  # per stage: the choices still to take
         self.kept_input = recompute_held(profile)
 
-    def to_plan(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None,
-                md: dict[int, tuple[str, list[Stripe], str, str]] | None = None) -> Plan:
+    def to_plan(self, choice: dict[int, Decision] | None = None, md: dict[int, ModelDataDecision] | None = None) -> Plan:
         choice = self.choice if choice is None else choice
         md = self.md if md is None else md
-        return Plan(decisions=[Decision(stage=self.layer[i][0], layer=i, technique=t, stripes=list(x))
-                               for i, (t, x) in sorted(choice.items())], mapping=list(self.mapping),
-                    model_data=[ModelDataDecision(stage=self.layer[i][0], layer=i, technique=t, stripes=list(x),
-                                                  step_on=on, weights=w) for i, (t, x, on, w) in sorted(md.items())])
+        return Plan(decisions=[dataclasses.replace(choice[i], stripes=list(choice[i].stripes)) for i in sorted(choice)],
+                    mapping=list(self.mapping),
+                    model_data=[dataclasses.replace(md[i], stripes=list(md[i].stripes)) for i in sorted(md)])
 
-    def simulate(self, choice: dict[int, tuple[str, list[Stripe]]] | None = None,
-                 md: dict[int, tuple[str, list[Stripe], str, str]] | None = None) -> SimResult:
+    def simulate(self, choice: dict[int, Decision] | None = None,
+                 md: dict[int, ModelDataDecision] | None = None) -> SimResult:
         return simulate(self.profile, self.to_plan(choice, md), self.topology)
+
+    def decision(self, layer: int, technique: str, stripes: list[Stripe] | None = None) -> Decision:
+        return Decision(stage=self.layer[layer][0], layer=layer, technique=technique, stripes=stripes or [])
+
+    def moved(self, layer: int, step_on: str, weights: str = "keep") -> ModelDataDecision:
+        """`layer`'s optimizer states in host memory, stepped `step_on` (device or host); with
+        `weights="host"` its weights streamed from there too."""
+        return ModelDataDecision(stage=self.layer[layer][0], layer=layer, technique="host", step_on=step_on,
+                                 weights=weights)
 
     def model_cost(self, s: int, lp: LayerProfile) -> tuple[float, str]:
         """(optimizer-phase seconds that moving `lp`'s states to host memory adds, where its step
@@ -197,12 +205,17 @@ class _Compactor:
         exposed = max(copy_s - lp.forward_s, 0.0) + max(copy_s - lp.backward_s, 0.0)
         return self.M * exposed + max(lp.host_step_s * len(self.profile.stages) - lp.step_s, 0.0)
 
+    def freed(self, d: ModelDataDecision) -> int:
+        """Device bytes moving `d.layer`'s model data as `d` says frees: its states, and with its
+        weights streamed, its weights and gradients (and the states, unless they moved already)."""
+        lp = self.layer[d.layer][1]
+        if d.weights == "host":
+            return lp.update_bytes + (0 if d.layer in self.md else lp.state_bytes)
+        return lp.state_bytes
+
     def reduction(self, layer: int, technique: str) -> int:
+        """Device bytes at the peak that `technique` (a `Decision`'s) for `layer`'s activations saves."""
         s, lp = self.layer[layer]
-        if technique == "model:weights":  # and its states, unless they moved already
-            return lp.update_bytes + (0 if layer in self.md else lp.state_bytes)
-        if technique.startswith("model"):
-            return lp.state_bytes
         k = self.k[s]
         if technique == "recompute":  # the layer's input stays to replay it
             return max(lp.saved_bytes - self.kept_input[layer], 0) * k
@@ -224,9 +237,9 @@ class _Compactor:
                         continue
                     hides = _at_most(swap_s, idle[(s, lp.index)]) and _at_most(load + swap_s, period)
                     if hides and held <= self.host_room:
-                        hidden.append((lp.index, "host"))
+                        hidden.append(self.decision(lp.index, "host"))
                         load += swap_s
-            taken = {i for i, _ in hidden}
+            taken = {d.layer for d in hidden}
             rest = []
             for lp in layers:
                 if lp.index in taken:
@@ -238,27 +251,30 @@ class _Compactor:
                     exposed = max(_excess(swap_s, idle[(s, lp.index)]), _excess(load + swap_s, period))
                     per_byte["host"] = M * (exposed + _swap_compute_s(lp)) / self.reduction(lp.index, "host")
                 tech = min(per_byte, key=lambda t: (per_byte[t], t != "recompute"))
-                rest.append((_cost_bucket(per_byte[tech]), -lp.index, tech))
+                rest.append((_cost_bucket(per_byte[tech]), -lp.index, tech, self.decision(lp.index, tech)))
             if host_bw > 0:  # model data: the optimizer states to host memory
                 for lp in st.layers:
                     if lp.state_bytes and lp.state_bytes <= self.host_room:
                         added, on = self.model_cost(s, lp)
-                        rest.append((_cost_bucket(added / lp.state_bytes), -lp.index, f"model:{on}"))
+                        rest.append((_cost_bucket(added / lp.state_bytes), -lp.index, f"model:{on}",
+                                     self.moved(lp.index, on)))
                 for lp in st.layers:  # and the weights and gradients, streamed for each use
                     if self.can_stream(s, lp):
                         need = lp.update_bytes + lp.state_bytes
-                        rest.append((_cost_bucket(self.stream_cost(s, lp) / need), -lp.index, "model:weights"))
-            rest.sort()
-            self.queue.append(hidden + [(-neg, tech) for _, neg, tech in rest])
+                        rest.append((_cost_bucket(self.stream_cost(s, lp) / need), -lp.index, "model:weights",
+                                     self.moved(lp.index, "host", "host")))
+            # cheapest per byte first, then the later layer; between choices of one layer the order of
+            # these names (host swap, states moved stepped on the device or the host, weights streamed,
+            # recompute): the last sort key, never reached by the records themselves
+            rest.sort(key=lambda r: r[:3])
+            self.queue.append(hidden + [choice for *_, choice in rest])
 
-    def host_bytes(self, layer: int, technique: str) -> int:
-        """Host memory taking `technique` for `layer` fills (0 for recompute)."""
-        s, lp = self.layer[layer]
-        if technique == "host":
-            return lp.saved_bytes * self.k[s]
-        if technique == "model:weights":  # and its states, unless they moved already
-            return lp.update_bytes + (0 if layer in self.md else lp.state_bytes)
-        return lp.state_bytes if technique.startswith("model:") else 0
+    def host_bytes(self, d: Decision | ModelDataDecision) -> int:
+        """Host memory taking `d` fills (0 for recompute and D2D)."""
+        if isinstance(d, ModelDataDecision):
+            return self.freed(d)
+        s, lp = self.layer[d.layer]
+        return lp.saved_bytes * self.k[s] if d.technique == "host" else 0
 
     def shed(self, s: int, excess: int) -> bool:
         """Take choices off stage s's queue until their estimated reduction covers `excess`; with the
@@ -269,41 +285,42 @@ class _Compactor:
         changed = False
         queue = self.queue[s]
         while excess > 0 and queue:
-            layer, tech = queue.pop(0)
-            if tech.startswith("model:") and tech != "model:weights" and layer in self.md:
+            choice = queue.pop(0)
+            layer = choice.layer
+            model = isinstance(choice, ModelDataDecision)
+            if model and choice.weights != "host" and layer in self.md:
                 continue  # its weights stream: its states moved with them
-            need = self.host_bytes(layer, tech)
+            need = self.host_bytes(choice)
             if need > self.host_room:
-                if tech != "host" or not self.reduction(layer, "recompute"):
+                if model or choice.technique != "host" or not self.reduction(layer, "recompute"):
                     continue
-                tech, need = "recompute", 0
+                choice, need = self.decision(layer, "recompute"), 0
             self.host_room -= need
-            excess -= self.reduction(layer, tech)
-            if tech == "model:weights":
-                self.md[layer] = ("host", [], "host", "host")
-            elif tech.startswith("model:"):
-                self.md[layer] = ("host", [], tech.split(":")[1], "keep")
+            if model:
+                excess -= self.freed(choice)
+                self.md[layer] = choice
             else:
-                self.choice[layer] = (tech, [])
+                excess -= self.reduction(layer, choice.technique)
+                self.choice[layer] = choice
             changed = True
         if excess > 0 and not queue:
-            swapped = sorted((i for i, (t, _) in self.choice.items()
-                              if t != "recompute" and self.layer[i][0] == s),
+            swapped = sorted((i for i, d in self.choice.items()
+                              if d.technique != "recompute" and self.layer[i][0] == s),
                              key=lambda i: (-self.layer[i][1].saved_bytes, i))
             for layer in swapped:
                 if excess <= 0:
                     break
-                excess -= self.reduction(layer, "recompute") - self.reduction(layer, self.choice[layer][0])
-                self.host_room += self.host_bytes(layer, self.choice[layer][0])
-                self.choice[layer] = ("recompute", [])
+                excess -= self.reduction(layer, "recompute") - self.reduction(layer, self.choice[layer].technique)
+                self.host_room += self.host_bytes(self.choice[layer])
+                self.choice[layer] = self.decision(layer, "recompute")
                 changed = True
         if excess > 0 and not queue and self.host_steps:
             # states stepped on the device come back in for their step, two layers' at a time:
             # stepped on the host they never do
-            for layer, (tech, stripes, on, weights) in sorted(self.md.items()):
+            for layer, d in sorted(self.md.items()):
                 lp = self.layer[layer][1]
-                if self.layer[layer][0] == s and tech == "host" and on == "device" and lp.host_step_s:
-                    self.md[layer] = (tech, stripes, "host", weights)
+                if self.layer[layer][0] == s and d.technique == "host" and d.step_on == "device" and lp.host_step_s:
+                    self.md[layer] = dataclasses.replace(d, step_on="host")
                     changed = True
         return changed
 
@@ -327,14 +344,14 @@ class _Compactor:
         (dearest to stream first) whose weights can stay on the device with the plan still fitting
         and no slower, found by bisection."""
         for s in range(len(self.profile.stages)):
-            streamed = sorted((i for i, (_, _, _, w) in self.md.items() if w == "host" and self.layer[i][0] == s),
+            streamed = sorted((i for i, d in self.md.items() if d.weights == "host" and self.layer[i][0] == s),
                               key=lambda i: (-self.stream_cost(s, self.layer[i][1]), i))
             lo, hi, best = 0, len(streamed), None  # lo layers can stay; hi + 1 cannot
             while lo < hi:
                 n = (lo + hi + 1) // 2
                 md = dict(self.md)
                 for i in streamed[:n]:
-                    md[i] = (*md[i][:3], "keep")
+                    md[i] = dataclasses.replace(md[i], weights="keep")
                 tried = self.simulate(md=md)
                 if not tried.overflow(self.budgets) and tried.step_time_s <= sim.step_time_s * (1 + 1e-9):
                     lo, best = n, (md, tried)
@@ -364,7 +381,7 @@ class _Compactor:
         return []
 
     def _d2d_trial(self, costly: list[tuple[float, int]],
-                   sim: SimResult) -> tuple[dict[int, tuple[str, list[Stripe]]], SimResult] | None:
+                   sim: SimResult) -> tuple[dict[int, Decision], SimResult] | None:
         """Convert `costly` layers to D2D, paying back the device memory a converted recompute
         needs (2 micro-batches of its bytes) by moving kept layers of its stage to D2D too."""
         room = [b - p for b, p in zip(self.budgets, sim.peak_bytes)]
@@ -377,7 +394,7 @@ class _Compactor:
             s, lp = self.layer[layer]
             dev = self.mapping[s]
             need = 0  # device bytes the conversion costs at the peak
-            if choice[layer][0] == "recompute":
+            if choice[layer].technique == "recompute":
                 need = self.reduction(layer, "recompute") - self.reduction(layer, "d2d")
             trial_room = list(room)
             split = self._peer_stripes(s, lp.saved_bytes, trial_room)
@@ -397,7 +414,7 @@ class _Compactor:
             del kept[s][:j]
             room = trial_room
             for i, split in moves:
-                choice[i] = ("d2d", split)
+                choice[i] = self.decision(i, "d2d", split)
             converted += 1
         return (choice, self.simulate(choice)) if converted else None
 
@@ -428,8 +445,8 @@ class _Compactor:
         """(d): the costliest choices first, halving the batch until a trial fits and is faster."""
         def costly(sim: SimResult) -> list[tuple[float, int]]:
             out = []
-            for layer, (tech, _) in self.choice.items():
-                s, lp = self.layer[layer]
+            for layer, d in self.choice.items():
+                s, lp, tech = *self.layer[layer], d.technique
                 cost = self.M * lp.forward_s if tech == "recompute" else \
                     sim.swap_wait_s.get((s, layer), 0.0) if tech == "host" else 0.0
                 if cost > 0:
@@ -444,7 +461,7 @@ class _Compactor:
         (they stay there all step), largest first, halving the batch until a trial fits and is
         faster."""
         def movable(sim: SimResult) -> list[int]:
-            return sorted((i for i, (t, _, _, w) in self.md.items() if t == "host" and w == "keep"),
+            return sorted((i for i, d in self.md.items() if d.technique == "host" and d.weights == "keep"),
                           key=lambda i: (-self.layer[i][1].state_bytes, i))
 
         def trial(layers: list[int], sim: SimResult):
@@ -454,7 +471,7 @@ class _Compactor:
                 s, lp = self.layer[layer]
                 split = self._peer_stripes(s, lp.state_bytes, room, hold=1)
                 if split:
-                    md[layer] = ("d2d", split, "device", "keep")
+                    md[layer] = ModelDataDecision(stage=s, layer=layer, technique="d2d", stripes=split)
                     converted += 1
             return (md, self.simulate(md=md)) if converted else None
 
@@ -516,57 +533,6 @@ def _compact(profile: PipelineProfile, topology: Topology, budgets: list[int], m
         sim = c.model_d2d(sim, min_gain)
     return _result(c.to_plan(), sim, budgets, t0, c.stage_on,
                    " with every layer compacted" if sim.overflow(budgets) else "")
-
-
-def _mapping_cost(mapping: list[int], demand: list[int], budgets: list[int], profile: PipelineProfile,
-                  topology: Topology, k: list[int]) -> float:
-    """Transfer seconds per step a mapping forces: each stage's excess over its device's budget
-    moved out and back over the host link plus the links to devices with free memory, and the
-    pipeline boundary traffic."""
-    M, n = profile.micro_batches, topology.devices
-    holder = {d: s for s, d in enumerate(mapping)}
-    free = [budgets[d] - (demand[holder[d]] if d in holder else 0) for d in range(n)]
-    cost = 0.0
-    for s, d in enumerate(mapping):
-        excess = demand[s] - budgets[d]
-        if excess > 0:
-            bw = topology.host_bw[d] + sum(topology.peer_bw(d, p) * min(1.0, free[p] / excess)
-                                           for p in range(n) if p != d and free[p] > 0)
-            cost += 2 * M * excess / k[s] / bw if bw > 0 else float("inf")
-    if profile.boundary_bytes:
-        for s in range(len(mapping) - 1):
-            bw = topology.peer_bw(mapping[s], mapping[s + 1])
-            cost += 2 * M * profile.boundary_bytes / bw if bw > 0 else float("inf")
-    return cost
-
-
-def search_stage_mapping(profile: PipelineProfile, topology: Topology, budgets: list[int],
-                         base: SimResult) -> list[int]:
-    """Best-improvement local search from the identity over stage swaps and moves to unused devices,
-    scored by `_mapping_cost`; `base` is the keep-all simulation that gives each stage's demand."""
-    S = len(profile.stages)
-    demand = [base.peak_bytes[d] for d in base.mapping]
-    k = [in_flight_peak(profile.schedule, s, S, profile.micro_batches) for s in range(S)]
-    current = list(base.mapping)
-    cost = _mapping_cost(current, demand, budgets, profile, topology, k)
-    while True:
-        unused = [d for d in range(topology.devices) if d not in current]
-        neighbours = []
-        for a in range(S):
-            for b in range(a + 1, S):
-                m = list(current)
-                m[a], m[b] = m[b], m[a]
-                neighbours.append(m)
-            for d in unused:
-                m = list(current)
-                m[a] = d
-                neighbours.append(m)
-        best = min(neighbours, key=lambda m: _mapping_cost(m, demand, budgets, profile, topology, k),
-                   default=current)
-        best_cost = _mapping_cost(best, demand, budgets, profile, topology, k)
-        if not best_cost < cost * (1 - 1e-9):
-            return current
-        current, cost = best, best_cost
 
 
 def offload_everything(profile: PipelineProfile, mapping: list[int] | None = None) -> Plan:
