@@ -392,7 +392,7 @@ class PipelineTrainer(Trainer):
         dense = [(hf_name(self.config, name), held[id(p)].clone() if id(p) in held else p.detach().cpu())
                  for name, p in _dense_params(self.model)]
         opt = _to_cpu(stepper.state_dict() if stepper is not None else self.opt.state_dict())
-        self._stage_dense = self._gather((dense, opt, torch.get_rng_state()))
+        self._stage_dense = self.comm.gather((dense, opt, torch.get_rng_state()))
         try:
             return super().checkpoint()
         finally:
@@ -435,7 +435,7 @@ class PipelineTrainer(Trainer):
         sq = (sum_of_squares(self.dense_states.grads(), dev)  # each stage its own
               + self.states.grad_sq_sum())
         # ce is ce / M already; each stage's router losses and squares are its own: all add up over stages
-        summed = self._sum_on_device(torch.stack([ce_sum, to_device(aux_sum, dev), to_device(z_sum, dev), sq]))
+        summed = self.comm.sum_on_device(torch.stack([ce_sum, to_device(aux_sum, dev), to_device(z_sum, dev), sq]))
         ce_mean, aux_sum, z_sum, sq = summed.tolist()
         return self._finish_step(t0, before, lr, ce_mean, aux_sum / M, sq,
                                  extra={"z_loss": z_sum / M, "stages": self.world, "schedule": self.pipeline.schedule})

@@ -47,7 +47,7 @@ import shutil
 import sys
 import time
 from dataclasses import asdict
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -56,6 +56,7 @@ from torch import nn
 
 from semoe.attention import Attention
 from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
+from semoe.collectives import Collectives, object_group
 from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
 from semoe.dense_states import DenseStates, assign_full_, full_tensor, shard_dense
@@ -122,16 +123,6 @@ def build_model(config: MoEConfig, states: ExpertStates, device: torch.device, w
     return model
 
 
-def object_group() -> dist.ProcessGroup | None:
-    """The group for object collectives (pickles in host memory), barriers and host counters: the
-    default group when it has a CPU backend (gloo, or `cpu:gloo,cuda:nccl`), else a gloo group over
-    the same ranks. Through plain NCCL every pickle would travel as a CUDA tensor, and a gather
-    would allocate world x the largest on rank 0's GPU."""
-    if "gloo" in dist.get_backend_config():
-        return None
-    return dist.new_group(backend="gloo")
-
-
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`t` on `device`; a host tensor goes to a GPU through pinned memory, so the host does not
     wait for the work already queued there."""
@@ -172,7 +163,7 @@ class Trainer:
         self._check_layout()
         self.experts = self._owned_experts()
         self._prepare_data()  # bad data is found before anything is written
-        self._barrier()  # rank 0 has checked the store before any rank opens it
+        self.comm.barrier()  # rank 0 has checked the store before any rank opens it
         self.states = self._make_states()
         self.adam = AdamWConfig(betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
         if resuming:
@@ -225,11 +216,12 @@ class Trainer:
             self._load_dense(self.source, self.cfg.init_from)
 
     def _place(self, cfg: TrainConfig) -> None:
-        """The device, precision and object group of this rank (before any collective)."""
+        """The device, precision and collectives of this rank (before any collective)."""
         self.device = torch.device(cfg.device)
         self.precision = training_precision(cfg.precision, cfg.device)
         use_precision(self.precision)
-        self.object_group = object_group() if self.distributed else None
+        self.comm = Collectives(self.rank, self.world, object_group() if self.distributed else None,
+                                distributed=self.distributed)
 
     def _start_fresh(self, init_dense_states: Callable[[], None]) -> None:
         """A new run: initialise, commit checkpoint 0, open the next version. On failure nothing was
@@ -260,42 +252,6 @@ class Trainer:
             log.warning("--init-from %s: its experts are quantized (%s), a store for inference; training starts "
                         "from them dequantized to float32", cfg.init_from, fmt)
         return config_from_json(json.loads(self.source.read_file("config.json")))
-
-    # -- collectives (no-ops on one rank) ---------------------------------------------------
-    # Objects and host numbers go through `object_group` (gloo, host memory); device tensors
-    # through the default group (NCCL on CUDA), so each collective's tensors sit where its backend
-    # expects them.
-    def _barrier(self) -> None:
-        if self.distributed:
-            dist.barrier(group=self.object_group)
-
-    def _broadcast(self, obj: Any) -> Any:
-        if not self.distributed:
-            return obj
-        box = [obj]
-        dist.broadcast_object_list(box, src=0, group=self.object_group)
-        return box[0]
-
-    def _gather(self, obj: Any) -> list[Any]:
-        if not self.distributed:
-            return [obj]
-        out = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj, out, dst=0, group=self.object_group)
-        return out or []
-
-    def _sum(self, values: list[float]) -> list[float]:
-        """Host numbers summed over ranks."""
-        if not self.distributed:
-            return values
-        t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t, group=self.object_group)
-        return t.tolist()
-
-    def _sum_on_device(self, t: torch.Tensor) -> torch.Tensor:
-        """A tensor on the trainer's device summed over ranks, in place (no host round trip)."""
-        if self.distributed:
-            dist.all_reduce(t)
-        return t
 
     # -- setting up -------------------------------------------------------------------------
     RUN_FILE = TRAINER_FILE  # the side file that makes a store a run of this trainer
@@ -335,7 +291,7 @@ class Trainer:
                                     f"{ChunkFormat(self.config).nbytes} bytes each; give at least {least} bytes")
         if self.rank == 0 and self.trainer_state is None:
             Store.create(cfg.store)
-        self._barrier()
+        self.comm.barrier()
         if cfg.expert_states == "ssd":
             return SSDExpertStates(self.config, self.experts, self.device, root=cfg.store, cpu_cache_bytes=cache,
                                    grad_budget_bytes=cfg.grad_budget_bytes,
@@ -362,7 +318,7 @@ class Trainer:
         data_dir = os.path.join(self.cfg.out, "data")
         if self.rank == 0:
             prepare_data(self.cfg.data, data_dir, tok, seed=self.cfg.seed)
-        self._barrier()
+        self.comm.barrier()
         self.train_set, self.val_set = prepare_data(self.cfg.data, data_dir, tok, seed=self.cfg.seed)
         self.sampler = BatchSampler(self.train_set, self.cfg.batch_size, self.cfg.seq_len, seed=self.cfg.seed)
 
@@ -379,7 +335,7 @@ class Trainer:
             version = self.writer.version
         else:
             version = None
-        self.version = self._broadcast(version)
+        self.version = self.comm.broadcast(version)
         self.states.begin_version(self.version)
 
     def _init_experts(self) -> None:
@@ -445,7 +401,7 @@ class Trainer:
         dense, opt_state = self._dense_tensors(), self._optimizer_state()  # collectives: on every rank
         written = self.states.checkpoint_entries()
         steps = [[l, e, n] for (l, e), n in sorted(self.states.adam_steps.items())]
-        parts = self._gather((written, steps))
+        parts = self.comm.gather((written, steps))
         version = None
         if self.rank == 0:
             try:
@@ -458,10 +414,10 @@ class Trainer:
                 raise TrainingError(f"checkpoint of step {self.step} failed ({detail}); nothing of it was kept "
                                     f"and the last checkpoint (step {getattr(self, 'last_checkpoint', 0)}) in "
                                     f"{self.cfg.store} is intact") from e
-        version = self._broadcast(version)
+        version = self.comm.broadcast(version)
         if self.rank == 0:
             Store.open(self.cfg.store).gc(keep=1)
-        self._barrier()
+        self.comm.barrier()
         return version
 
     def _commit(self, parts: list, dense: list[tuple[str, torch.Tensor]], opt_state: dict | None) -> int:
@@ -557,7 +513,7 @@ class Trainer:
         dense_sq = self.dense_states.grad_sq(self.device)
         partial = self.dense_states.sq_is_partial
         sq = self.states.grad_sq_sum() + dense_sq if partial else self.states.grad_sq_sum()
-        summed = self._sum_on_device(torch.stack([ce_sum, aux_sum, sq]))
+        summed = self.comm.sum_on_device(torch.stack([ce_sum, aux_sum, sq]))
         n = cfg.micro_batches * self.world
         ce_mean, aux_mean, grad_sq = torch.stack([summed[0] / n, summed[1] / n,
                                                   summed[2] if partial else summed[2] + dense_sq]).tolist()
@@ -581,7 +537,7 @@ class Trainer:
         self.step += 1
         dt = time.perf_counter() - t0
         after = self.states.stats()
-        read, written, hits, misses, rss, dense_bytes = self._sum([
+        read, written, hits, misses, rss, dense_bytes = self.comm.sum([
             after.get("ssd_read_bytes", 0) - before.get("ssd_read_bytes", 0),
             after.get("ssd_written_bytes", 0) - before.get("ssd_written_bytes", 0),
             after.get("cpu_hits", 0) - before.get("cpu_hits", 0),
@@ -610,7 +566,7 @@ class Trainer:
                     logits = self.model(to_device(ids, self.device)).logits
                 total = total + F.cross_entropy(logits.reshape(-1, self.config.vocab_size).float(),
                                                 to_device(tgt, self.device).reshape(-1))
-            return self._sum_on_device(total).item() / (batches * self.world)
+            return self.comm.sum_on_device(total).item() / (batches * self.world)
         finally:
             self.model.train()
 

@@ -10,6 +10,7 @@ import torch
 
 from helpers.expert_states import RecordingStates
 
+from semoe.collectives import Collectives
 from semoe.config import named_config
 from semoe.expert_states import _ExpertFFN, sum_of_squares
 from semoe.model import swiglu
@@ -186,7 +187,7 @@ def test_bf16_training_on_cpu_follows_float32(tmp_path, small_corpus):
 def test_objects_get_a_gloo_group_when_the_default_group_has_no_cpu_backend(monkeypatch):
     import torch.distributed as dist
 
-    from semoe.train import object_group
+    from semoe.collectives import object_group
 
     made = []
     monkeypatch.setattr(dist, "new_group", lambda backend=None, **kw: made.append(backend) or "gloo group")
@@ -206,11 +207,9 @@ def test_checkpoint_gathering_and_barriers_use_the_object_group(monkeypatch):
     monkeypatch.setattr(dist, "broadcast_object_list", lambda box, src=0, group=None: calls.append(("broadcast", group)))
     monkeypatch.setattr(dist, "barrier", lambda group=None, **kw: calls.append(("barrier", group)))
     monkeypatch.setattr(dist, "all_reduce", lambda t, group=None, **kw: calls.append(("all_reduce", group, t.device.type)))
-    trainer = Trainer.__new__(Trainer)
-    trainer.distributed, trainer.rank, trainer.world = True, 0, 2
-    trainer.object_group = group = object()
-    trainer._gather({"x": 1})
-    trainer._broadcast(3)
-    trainer._barrier()
-    trainer._sum([1.0, 2.0])
+    comm = Collectives(0, 2, group := object())  # a trainer's (`Trainer.comm`)
+    comm.gather({"x": 1})
+    comm.broadcast(3)
+    comm.barrier()
+    comm.sum([1.0, 2.0])
     assert calls == [("gather", group), ("broadcast", group), ("barrier", group), ("all_reduce", group, "cpu")]
