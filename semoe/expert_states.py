@@ -42,7 +42,8 @@ from semoe.config import MoEConfig
 from semoe.experts import ExpertMLP, ExpertWeights, SwiGLU, expert_mlp
 from storage.errors import StorageError
 from storage.manifest import ChunkEntry, TensorEntry
-from storage.store import ExpertTensor, Store, chunk_layout, expert_array_rel, write_expert_chunk
+from storage.layout import chunk_layout, expert_array_rel
+from storage.store import ExpertTensor, Store, write_expert_chunk
 
 Key = tuple[int, int]  # (layer, global expert id)
 STATE_KINDS = ("weight", "adam_m", "adam_v")  # an expert's chunks in a checkpoint

@@ -39,7 +39,8 @@ from storage.durable import undo_create
 from storage.errors import BadInputError
 from storage.manifest import TensorEntry
 from storage.safetensors_io import OutTensor, TensorRef, read_header, write_file
-from storage.store import ExpertTensor, Store, chunk_layout
+from storage.layout import chunk_layout
+from storage.store import ExpertTensor, Store
 
 log = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import torch
 from storage import zarrio
 from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode, ReadRequest, drop_from_page_cache
 from storage.pool import aligned_empty
-from storage.store import Store, array_of_chunk, iter_expert_chunks
+from storage.layout import array_of_chunk
+from storage.store import Store, iter_expert_chunks
 
 
 @dataclass(kw_only=True)

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+import crc32c as _crc32c
+import numpy as np
+
 _POLY = 0x82F63B78  # crc32c (Castagnoli), reflected
 
 
@@ -47,3 +50,9 @@ def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     if len_b == 0:
         return crc_a
     return _times(_shift_operator(len_b), crc_a) ^ crc_b
+
+
+def crc32c(data: bytes | memoryview | np.ndarray, value: int = 0) -> int:
+    """crc32c of a buffer (hardware-accelerated where the CPU has it), continued from `value` (the
+    crc32c of the bytes before it)."""
+    return _crc32c.crc32c(memoryview(data).cast("B") if not isinstance(data, bytes) else data, value)

@@ -24,15 +24,25 @@ import shutil
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Iterator
 
-import crc32c as _crc32c
 import numpy as np
 import torch
 
 from storage import zarrio
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StorageError, StoreLockedError
+from storage.crc import crc32c
 from storage.durable import fsync_path, fsync_tree, write_atomic
-from storage.fileio import ALIGN, ReadMode, ReadRequest, _read_range
+from storage.fileio import ReadMode, ReadRequest, _read_range
+from storage.layout import (
+    array_of_chunk,
+    check_crc,
+    check_crc_value,
+    chunk_layout,
+    expert_array_rel,
+    tensor_view,
+    vdir,
+    version_of,
+)
 from storage.manifest import KINDS, ChunkEntry, FileEntry, Manifest, TensorEntry
 from storage.quant import QuantSpec, dequantize
 
@@ -40,40 +50,6 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "manifest.json"
 LOCK = ".lock"
-TENSOR_ALIGN = ALIGN  # tensors in a chunk start on block boundaries: each can be read (O_DIRECT) and
-# checksummed by its own thread
-
-
-def crc32c(data: bytes | memoryview | np.ndarray) -> int:
-    """crc32c of a buffer (hardware-accelerated where the CPU has it)."""
-    return _crc32c.crc32c(memoryview(data).cast("B") if not isinstance(data, bytes) else data)
-
-
-def _vdir(version: int) -> str:
-    return f"v{version:08d}"
-
-
-def expert_array_rel(version: int, layer: int, kind: str) -> str:
-    """Store-relative path of one layer's (experts, chunk_bytes) array of one kind in a version: the
-    one naming scheme of expert arrays, for writers in this process and in others."""
-    return os.path.join("arrays", _vdir(version), "experts", f"L{layer:04d}.{kind}")
-
-
-def chunk_layout(tensors: list[tuple[torch.dtype, tuple[int, ...]]]) -> tuple[list[int], int]:
-    """Offsets of tensors packed in a chunk and the chunk's size, padded for O_DIRECT."""
-    offsets, pos = [], 0
-    for dtype, shape in tensors:
-        pos = -(-pos // TENSOR_ALIGN) * TENSOR_ALIGN
-        offsets.append(pos)
-        pos += dtype.itemsize * int(np.prod(shape, dtype=np.int64))
-    return offsets, max(ALIGN, -(-pos // ALIGN) * ALIGN)
-
-
-def tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int = 0) -> torch.Tensor:
-    """A typed view of one tensor's bytes inside a uint8 buffer holding its file from `base`."""
-    start = entry.offset - base
-    raw = buf[start:start + entry.bytes]
-    return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
 
 
 @dataclass(kw_only=True)
@@ -227,7 +203,7 @@ class Store:
             n = min(rows, e.shape[0] - r)
             buf = torch.empty(n * row_bytes, dtype=torch.uint8)
             _read_range(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode)
-            crc = _crc32c.crc32c(buf.numpy(), crc)  # continued over the blocks
+            crc = crc32c(buf.numpy(), crc)  # continued over the blocks
             if r + n == e.shape[0]:
                 check_crc_value(e, crc, path)
             yield buf.view(torch_dtype(e.dtype)).view(n, e.shape[1])
@@ -317,7 +293,7 @@ class Store:
             hist_dir = os.path.join(self.root, "history")
             retained = [current]
             for name in sorted(os.listdir(hist_dir)) if os.path.isdir(hist_dir) else []:
-                v = _version_of(name)
+                v = version_of(name)
                 path = os.path.join(hist_dir, name)
                 if v is not None and current.version - keep < v < current.version:
                     with open(path, encoding="utf-8") as f:
@@ -397,40 +373,6 @@ class Store:
                 for k, s in sorted(out.items())}
 
 
-def check_crc(entry: TensorEntry, data: np.ndarray, path: str) -> None:
-    """Raise CorruptTensorError naming the tensor when its bytes fail the recorded crc32c."""
-    if len(data) != entry.bytes:
-        raise CorruptTensorError(
-            f"tensor {entry.name} ({entry.kind}): {path} holds {len(data)} bytes, expected {entry.bytes}",
-            tensor=entry.name, path=path)
-    check_crc_value(entry, crc32c(np.ascontiguousarray(data)), path)
-
-
-def check_crc_value(entry: TensorEntry, got: int, path: str) -> None:
-    """Raise CorruptTensorError naming the tensor when `got`, its bytes' crc32c, is not the recorded one."""
-    if got != entry.crc32c:
-        raise CorruptTensorError(
-            f"tensor {entry.name} ({entry.kind}) is corrupt: crc32c {got:08x} != recorded "
-            f"{entry.crc32c:08x} in {path}", tensor=entry.name, path=path)
-
-
-def array_of_chunk(chunk_path: str) -> tuple[str, tuple[int, ...]]:
-    """Split a chunk file path into its array directory and chunk index."""
-    parts = chunk_path.split(os.sep)
-    i = len(parts) - 1
-    while i >= 0 and parts[i] != "c":
-        i -= 1
-    if i < 0:
-        return os.path.dirname(chunk_path), ()
-    return os.sep.join(parts[:i]), tuple(int(p) for p in parts[i + 1:])
-
-
-def _version_of(name: str) -> int | None:
-    if name.startswith("v") and name.endswith(".json") and name[1:-5].isdigit():
-        return int(name[1:-5])
-    return None
-
-
 def _remove(path: str, result: GcResult) -> None:
     try:
         size = os.path.getsize(path)
@@ -493,7 +435,7 @@ class StoreWriter:
             base = Store._load(store.root)
             self.manifest = Manifest.from_json(base.to_json(), source="(copy)")
             self.version = base.version + 1
-            self._vd = _vdir(self.version)
+            self._vd = vdir(self.version)
             # leftovers of a writer that died before committing this version number
             for top in ("arrays", "files"):
                 shutil.rmtree(os.path.join(store.root, top, self._vd), ignore_errors=True)

@@ -13,7 +13,8 @@ import torch
 import zarr
 
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StoreLockedError
-from storage.store import MANIFEST, ExpertTensor, Store, array_of_chunk
+from storage.layout import array_of_chunk
+from storage.store import MANIFEST, ExpertTensor, Store
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 
