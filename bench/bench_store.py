@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from storage.bench import run_bench  # noqa: E402
+from storage.keys import ExpertKey  # noqa: E402
 from storage.fileio import ALIGN, drop_from_page_cache  # noqa: E402
 from storage.pool import aligned_empty  # noqa: E402
 from semoe.hf_import import import_checkpoint  # noqa: E402
@@ -62,11 +63,11 @@ def cache_overhead(store: Store, repeats: int) -> dict:
         def miss() -> None:
             tier.cache.clear()
             drop_from_page_cache(store.path(chunk.file))
-            tier.get(chunk.layer, chunk.expert).release()
+            tier.get(ExpertKey(chunk.layer, chunk.expert)).release()
 
         t_miss = median_time(miss, repeats)
-        tier.get(chunk.layer, chunk.expert).release()
-        t_hit = median_time(lambda: tier.get(chunk.layer, chunk.expert).release(), repeats * 100)
+        tier.get(ExpertKey(chunk.layer, chunk.expert)).release()
+        t_hit = median_time(lambda: tier.get(ExpertKey(chunk.layer, chunk.expert)).release(), repeats * 100)
     return {"chunk_bytes": chunk.bytes, "plain_read_s": t_plain, "miss_s": t_miss, "hit_s": t_hit,
             "miss_vs_plain_read": t_miss / t_plain, "hit_vs_plain_read": t_hit / t_plain}
 

@@ -46,6 +46,7 @@ from semoe.config import MoEConfig
 from semoe.expert_states import STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, Held, Key, adamw_
 from storage.errors import CacheFullError, StorageError
 from storage.fileio import ALIGN, ReadMode
+from storage.keys import ExpertKey
 from storage.manifest import ChunkEntry, Manifest, TensorEntry
 from storage.pool import (HostBuffer, HostBufferPool, HostBufferPoolConfig, PoolExhaustedError, aligned_empty,
                           round_up)
@@ -300,7 +301,7 @@ class SSDExpertStates(ExpertStates):
         deadline = time.monotonic() + PINNED_WAIT_S
         while True:
             try:
-                return self.tier.get(layer, expert, kind)
+                return self.tier.get(ExpertKey(layer, expert, kind))
             except CacheFullError:
                 if self._free_a_source():
                     continue
@@ -369,7 +370,7 @@ class SSDExpertStates(ExpertStates):
         return Held(*self.format.views(copy.wait()), release=lambda: self._return(loan))
 
     def prefetch(self, layer: int, experts: list[int], priority: float = 0.0) -> None:
-        self.tier.prefetch([(layer, e, "weight") for e in experts if e in self.experts], priority=priority)
+        self.tier.prefetch([ExpertKey(layer, e) for e in experts if e in self.experts], priority=priority)
 
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
         grads = [g.detach() for g in grads]
@@ -468,7 +469,7 @@ class SSDExpertStates(ExpertStates):
             for key, ahead in zip(keys, read_ahead(keys, self.prefetch_depth)):
                 for k in ahead:  # the next tiles are read while this one is updated
                     moments[k] = self._readers.submit(self._read_moments, k)
-                    self.tier.prefetch([(k[0], k[1], "weight")])
+                    self.tier.prefetch([ExpertKey(k[0], k[1])])
                 m_raw, v_raw = moments.pop(key).result()
                 h = self._get(key[0], key[1], "weight")
                 try:

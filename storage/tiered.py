@@ -27,8 +27,6 @@ from storage.store import Store
 
 log = logging.getLogger(__name__)
 
-Key = ExpertKey
-
 
 @dataclass(kw_only=True)
 class TieredStoreConfig:
@@ -64,7 +62,7 @@ class ExpertPayload:
 class ExpertHandle:
     """A pinned expert: use `tensors` until `release()` (or the end of a `with` block)."""
 
-    def __init__(self, owner: "TieredExpertStore", key: Key, payload: ExpertPayload) -> None:
+    def __init__(self, owner: "TieredExpertStore", key: ExpertKey, payload: ExpertPayload) -> None:
         self.key = key
         self.tensors = payload.tensors
         self.raw = payload.buffer.payload  # the chunk file's bytes; the tensors are views into it
@@ -150,16 +148,16 @@ class TieredExpertStore:
         self._ssd_s = 0.0
         self._disk = threading.Condition()  # guards the two below
         self._demand = 0  # reads in flight that someone waits for
-        self._guesses: dict[Key, _Guess] = {}
+        self._guesses: dict[ExpertKey, _Guess] = {}
         self._cancelled = self._wasted = 0
 
     # -- the data path ------------------------------------------------------------------------
-    def _load(self, key: Key, *, guess: bool = False) -> None:
+    def _load(self, key: ExpertKey, *, guess: bool = False) -> None:
         """Read one chunk into a pooled buffer and publish it; the entry was reserved by the caller.
 
         A `guess` reads only while the disk is otherwise idle and raises CancelledError when
         `cancel_guesses` abandons it."""
-        chunk = self.store.manifest.chunk(*key)
+        chunk = self.store.manifest.chunk(key.layer, key.expert, key.kind)
         buf: HostBuffer | None = None
         spec = _Guess() if guess else None
         with self._disk:
@@ -216,10 +214,10 @@ class TieredExpertStore:
                 self._disk.wait(0.05)
             return not spec.cancelled
 
-    def hurry(self, layer: int, expert: int, kind: str = "weight") -> None:
+    def hurry(self, key: ExpertKey) -> None:
         """A guess being read is needed now: read it like any other read."""
         with self._disk:
-            spec = self._guesses.get((layer, expert, kind))
+            spec = self._guesses.get(key)
             if spec is not None:
                 spec.hurried = True
                 self._disk.notify_all()
@@ -237,20 +235,19 @@ class TieredExpertStore:
                 self._disk.notify_all()
         return n
 
-    def _on_evict(self, key: Key, payload: ExpertPayload) -> None:
+    def _on_evict(self, key: ExpertKey, payload: ExpertPayload) -> None:
         payload.buffer.release()
 
-    def _prefetch_job(self, key: Key) -> None:
+    def _prefetch_job(self, key: ExpertKey) -> None:
         self._load(key)  # on failure the entry and its pins are gone already
         self.cache.unpin(key)  # the reservation's pin: the expert may now be evicted
 
-    def get(self, layer: int, expert: int, kind: str = "weight", *, speculative: bool = False) -> ExpertHandle:
+    def get(self, key: ExpertKey, *, speculative: bool = False) -> ExpertHandle:
         """The expert's tensors, pinned: from the cache, from a read in flight, or read now.
 
         `speculative`: a guess, not a use; a new entry is evicted first unless it is used later
         (`record_use`)."""
-        key = ExpertKey(layer, expert, kind)
-        nbytes = self.store.manifest.chunk(*key).bytes
+        nbytes = self.store.manifest.chunk(key.layer, key.expert, key.kind).bytes
         while True:
             try:
                 entry, must_load = self.cache.lookup_or_reserve(key, nbytes, probation=speculative)
@@ -265,34 +262,34 @@ class TieredExpertStore:
                 return ExpertHandle(self, key, self._payload(key))
             if entry.state is EntryState.LOADING and not speculative:
                 self.queue.reprioritize(key, Priority.NOW)
-                self.hurry(layer, expert, kind)
+                self.hurry(key)
             try:
                 entry = self.cache.wait_ready(key)
             except (CancelledError, KeyError):
                 continue  # the prefetch was cancelled or failed after we looked: load it ourselves
             return ExpertHandle(self, key, entry.payload)
 
-    def _payload(self, key: Key) -> ExpertPayload:
+    def _payload(self, key: ExpertKey) -> ExpertPayload:
         return self.cache.wait_ready(key).payload
 
-    def record_use(self, layer: int, expert: int, kind: str = "weight") -> None:
+    def record_use(self, key: ExpertKey) -> None:
         """The expert is used without a `get`: it was held above this tier, or read as a guess that
         turned out right. The cache's policy must see every use, or it evicts what is in use."""
-        self.cache.record_use((layer, expert, kind))
+        self.cache.record_use(key)
 
-    def prefetch(self, keys: Iterable[tuple[int, int]] | Iterable[Key], *, priority: float = Priority.NEXT,
-                 kind: str = "weight", speculative: bool = False) -> int:
+    def prefetch(self, keys: Iterable[ExpertKey], *, priority: float = Priority.NEXT,
+                 speculative: bool = False) -> list[ExpertKey]:
         """Start reads of experts not yet cached, lower priority first; returns the keys started.
 
         A hint: when the cache is full of pinned experts the rest are skipped, not waited for.
         """
-        started: list[Key] = []
-        for k in keys:
-            key: Key = (k[0], k[1], k[2] if len(k) > 2 else kind)  # type: ignore[misc]
+        started: list[ExpertKey] = []
+        for key in keys:
             if key in self.cache:
                 continue
             try:
-                self.cache.reserve(key, self.store.manifest.chunk(*key).bytes, probation=speculative)
+                self.cache.reserve(key, self.store.manifest.chunk(key.layer, key.expert, key.kind).bytes,
+                                   probation=speculative)
             except CacheFullError:
                 with self._lock:
                     self._dropped += 1
@@ -310,7 +307,7 @@ class TieredExpertStore:
         while self.queue.queued() or self.queue.running():
             time.sleep(poll_s)
 
-    def cancel_prefetch(self, keys: Iterable[Key]) -> int:
+    def cancel_prefetch(self, keys: Iterable[ExpertKey]) -> int:
         """Drop queued reads that are no longer wanted; returns how many were cancelled."""
         n = 0
         for key in keys:
@@ -319,9 +316,9 @@ class TieredExpertStore:
                 n += 1
         return n
 
-    def cached(self, layer: int, expert: int, kind: str = "weight") -> bool:
+    def cached(self, key: ExpertKey) -> bool:
         """Whether the expert is resident or being read (no hit or miss is counted)."""
-        return (layer, expert, kind) in self.cache
+        return key in self.cache
 
     # -- reporting and shutdown ---------------------------------------------------------------
     def stats(self) -> TierStats:

@@ -15,6 +15,7 @@ from semoe.expert_states import AdamWConfig, adamw_, init_expert
 from semoe.ssd_states import STATE_KINDS, ChunkFormat, GradAccumulator, SSDExpertStates, read_ahead
 from semoe.train import Trainer
 from semoe.train_config import TrainConfig
+from storage.keys import ExpertKey
 from storage.store import Store, chunk_meta
 from storage.streams import (COMPLETE, CopyHandle, CopyStream, FakeCudaCopyStream, StreamEvent, ThreadCopyStream,
                              copy_stream_factory)
@@ -440,7 +441,7 @@ def test_a_state_waits_for_pins_other_threads_release_without_polling(make_state
     states = make_states(cpu_cache_bytes=SSDExpertStates.min_cache_bytes(CONFIG))
     layer = CONFIG.moe_layer_ids[0]
     capacity = states.tier.config.cpu_cache_bytes // FMT.nbytes
-    held = [states.tier.get(layer, e, "weight") for e in range(capacity)]
+    held = [states.tier.get(ExpertKey(layer, e)) for e in range(capacity)]
     waiting, waited = threading.Event(), []
     real_wait = states.tier.cache.wait_for_room
 

@@ -110,7 +110,7 @@ def test_cached_reads_equal_written_tensors_under_eviction(store, policy):
     with _tier(store, 5, policy=policy) as tier:
         for _ in range(200):
             layer, e = rng.randrange(LAYERS), min(rng.randrange(EXPERTS), rng.randrange(EXPERTS))
-            with tier.get(layer, e) as h:
+            with tier.get(ExpertKey(layer, e)) as h:
                 assert _same(h.tensors, written(layer, e))
             assert tier.cache.used_bytes <= 5 * chunk
         s = tier.stats()
@@ -122,35 +122,35 @@ def test_cached_reads_equal_written_tensors_under_eviction(store, policy):
 def test_raw_bytes_equal_a_plain_read_of_the_chunk_file(store):
     with _tier(store, 4) as tier:
         for layer, e in [(0, 0), (2, 5), (1, 3)]:
-            with tier.get(layer, e) as h:
+            with tier.get(ExpertKey(layer, e)) as h:
                 assert h.raw.numpy().tobytes() == _file_bytes(store, layer, e)
 
 
 def test_pinned_experts_are_never_evicted_or_overwritten(store):
     with _tier(store, 3) as tier:
-        held = [tier.get(0, 0), tier.get(0, 1)]
+        held = [tier.get(ExpertKey(0, 0)), tier.get(ExpertKey(0, 1))]
         for layer in range(LAYERS):
             for e in range(2, EXPERTS):
-                with tier.get(layer, e):
+                with tier.get(ExpertKey(layer, e)):
                     pass
-        assert tier.cached(0, 0) and tier.cached(0, 1)
+        assert tier.cached(ExpertKey(0, 0)) and tier.cached(ExpertKey(0, 1))
         for h, e in zip(held, (0, 1)):
             assert _same(h.tensors, written(0, e))  # the buffers were not reused for other experts
             h.release()
         # with everything pinned, a prefetch is dropped rather than waited for
-        pins = [tier.get(1, 0), tier.get(1, 1), tier.get(1, 2)]
-        assert tier.prefetch([(2, 5)]) == [] and tier.stats().prefetch_dropped == 1
+        pins = [tier.get(ExpertKey(1, 0)), tier.get(ExpertKey(1, 1)), tier.get(ExpertKey(1, 2))]
+        assert tier.prefetch([ExpertKey(2, 5)]) == [] and tier.stats().prefetch_dropped == 1
         for h in pins:
             h.release()
 
 
 def test_prefetch_reads_each_expert_once(store):
     with _tier(store, 12) as tier:
-        wanted = [(1, e) for e in range(EXPERTS)]
-        assert tier.prefetch(wanted) == [(layer, e, "weight") for layer, e in wanted]
+        wanted = [ExpertKey(1, e) for e in range(EXPERTS)]
+        assert tier.prefetch(wanted) == [(1, e, "weight") for e in range(EXPERTS)]
         assert tier.prefetch(wanted) == []  # already cached or in flight
-        for layer, e in wanted:
-            with tier.get(layer, e) as h:
+        for layer, e, _ in wanted:
+            with tier.get(ExpertKey(layer, e)) as h:
                 assert _same(h.tensors, written(layer, e))
         s = tier.stats()
         assert s.ssd_reads == EXPERTS and s.misses == 0 and s.prefetch_issued == EXPERTS
@@ -180,8 +180,8 @@ def test_prefetched_reads_overlap_the_callers_compute(store):
         tier.reader.read_many = read_many
         for layer in range(LAYERS):
             if layer + 1 < LAYERS:
-                assert tier.prefetch([(layer + 1, 0)]) == [(layer + 1, 0, "weight")]
-            with tier.get(layer, 0) as h:
+                assert tier.prefetch([ExpertKey(layer + 1, 0)]) == [(layer + 1, 0, "weight")]
+            with tier.get(ExpertKey(layer, 0)) as h:
                 if layer + 1 < LAYERS:
                     meet.wait()  # compute of this layer, while the next one is read
                 assert _same(h.tensors, written(layer, 0))
@@ -195,13 +195,13 @@ def test_cancelled_prefetch_is_loaded_on_demand(store):
     those five are cancelled; the running one finishes and is used."""
     with _tier(store, 12, prefetch_workers=1) as tier:
         reads = HeldReads(tier)
-        tier.prefetch([(0, e) for e in range(EXPERTS)], priority=5.0)
+        tier.prefetch([ExpertKey(0, e) for e in range(EXPERTS)], priority=5.0)
         reads.wait_entered()  # (0, 0): equal priorities run in submission order
         assert tier.cancel_prefetch([(0, e, "weight") for e in range(EXPERTS)]) == EXPERTS - 1
-        assert tier.cached(0, 0) and not any(tier.cached(0, e) for e in range(1, EXPERTS))
+        assert tier.cached(ExpertKey(0, 0)) and not any(tier.cached(ExpertKey(0, e)) for e in range(1, EXPERTS))
         reads.release()
         for e in range(EXPERTS):
-            with tier.get(0, e) as h:
+            with tier.get(ExpertKey(0, e)) as h:
                 assert _same(h.tensors, written(0, e))
         s = tier.stats()
         assert s.ssd_reads == EXPERTS and s.prefetch_issued == EXPERTS
@@ -217,12 +217,12 @@ def test_corrupt_chunk_raises_naming_the_tensor_and_leaves_no_entry(store):
         f.write(bytes([b[0] ^ 0xFF]))
     with _tier(store, 4) as tier:
         with pytest.raises(CorruptTensorError, match=r"tensor l2\.e3\.w2 \(weight\) is corrupt"):
-            tier.get(2, 3)
-        assert not tier.cached(2, 3)
-        assert len(tier.prefetch([(2, 3)])) == 1
+            tier.get(ExpertKey(2, 3))
+        assert not tier.cached(ExpertKey(2, 3))
+        assert len(tier.prefetch([ExpertKey(2, 3)])) == 1
         with pytest.raises(CorruptTensorError):
-            tier.get(2, 3)
-        with tier.get(2, 2) as h:
+            tier.get(ExpertKey(2, 3))
+        with tier.get(ExpertKey(2, 2)) as h:
             assert _same(h.tensors, written(2, 2))
         assert tier.cache.used_bytes <= tier.cache.capacity_bytes
 
@@ -236,14 +236,14 @@ def test_a_guess_waits_for_needed_reads_and_a_wrong_one_is_abandoned(store):
     chunk = store.manifest.chunk(0, 0).bytes
     with _tier(store, 6, io_threads=1) as tier:
         reads, asked = HeldReads(tier), _gate_entered(tier)
-        demand = threading.Thread(target=lambda: tier.get(0, 0).release())
+        demand = threading.Thread(target=lambda: tier.get(ExpertKey(0, 0)).release())
         demand.start()
         reads.wait_entered()  # the demand read is in flight (and held): guesses must not touch the disk
         outcome = {}
 
         def guess():
             try:
-                tier.get(1, 1, speculative=True).release()
+                tier.get(ExpertKey(1, 1), speculative=True).release()
                 outcome["done"] = True
             except CancelledError:
                 outcome["cancelled"] = True
@@ -259,23 +259,23 @@ def test_a_guess_waits_for_needed_reads_and_a_wrong_one_is_abandoned(store):
         demand.join(TIMEOUT_S)
         s = tier.stats()
         assert s.guesses_cancelled == 1 and s.guess_wasted_bytes == 0  # gave up before reading a byte
-        assert s.ssd_bytes == chunk and not tier.cached(1, 1)
-        with tier.get(1, 1) as h:  # the abandoned guess left nothing half-read behind
+        assert s.ssd_bytes == chunk and not tier.cached(ExpertKey(1, 1))
+        with tier.get(ExpertKey(1, 1)) as h:  # the abandoned guess left nothing half-read behind
             assert _same(h.tensors, written(1, 1))
 
 
 def test_a_guess_that_is_needed_is_hurried_and_used(store):
     with _tier(store, 6, io_threads=1) as tier:
         reads, asked = HeldReads(tier), _gate_entered(tier)
-        demand = threading.Thread(target=lambda: tier.get(0, 0).release())
+        demand = threading.Thread(target=lambda: tier.get(ExpertKey(0, 0)).release())
         demand.start()
         reads.wait_entered()
         got = {}
-        g = threading.Thread(target=lambda: got.setdefault("h", tier.get(2, 3, speculative=True)))
+        g = threading.Thread(target=lambda: got.setdefault("h", tier.get(ExpertKey(2, 3), speculative=True)))
         g.start()
         _wait(asked)
         assert g.is_alive()  # paused behind the held demand read
-        needed = threading.Thread(target=lambda: got.setdefault("needed", tier.get(2, 3)))
+        needed = threading.Thread(target=lambda: got.setdefault("needed", tier.get(ExpertKey(2, 3))))
         needed.start()
         needed.join(TIMEOUT_S)
         # now needed, the guess read at once: the demand read it used to wait for is still held
@@ -308,15 +308,15 @@ def test_cancelling_a_guess_mid_read_counts_the_bytes_it_read(store):
 
         tier._gate = gate
         with pytest.raises(CancelledError):
-            tier.get(0, 5, speculative=True)
+            tier.get(ExpertKey(0, 5), speculative=True)
         s = tier.stats()
         assert s.guesses_cancelled == 1 and s.guess_wasted_bytes == 3 * 4096 == s.ssd_bytes
-        assert not tier.cached(0, 5)
+        assert not tier.cached(ExpertKey(0, 5))
 
 
 def test_close_gives_the_host_pool_back(store):
     tier = _tier(store, experts_in_cache=3)
-    with tier.get(0, 1):
+    with tier.get(ExpertKey(0, 1)):
         pass
     assert tier.pool.allocated_bytes > 0
     tier.close()
