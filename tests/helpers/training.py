@@ -6,8 +6,10 @@ from __future__ import annotations
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 
 import torch
@@ -79,3 +81,29 @@ def assert_stores_close(got: dict[tuple, torch.Tensor], want: dict[tuple, torch.
         largest = float(w.abs().max()) if w.numel() else 0.0
         atol = tol.atol + tol.ulps_of_max * torch.finfo(torch.float32).eps * largest
         torch.testing.assert_close(got[key], w, rtol=tol.rtol, atol=atol, msg=lambda m: f"{key}: {m}")
+
+
+def checkpoint_step(store, run_file: str) -> int:
+    """The step of a run store's last checkpoint, from its run file (trainer.json, pipeline.json);
+    -1 before the first."""
+    try:
+        return json.loads(Store.open(str(store)).read_file(run_file))["step"]
+    except Exception:  # not created yet
+        return -1
+
+
+def kill_mid_run(args: list[str], out, run_file: str, *, after_step: int, timeout_s: float) -> int:
+    """Start `semoe ARGS --out OUT` in a session of its own, wait for a checkpoint at `after_step` or
+    later, kill every process of the session at once (SIGKILL, as a machine crash would: the launcher
+    and its ranks) and return the step of the last checkpoint, which the caller checks lies before
+    the run's end (a run that got there first was not killed mid-way)."""
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *args, "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.time() + timeout_s
+    while checkpoint_step(os.path.join(out, "store"), run_file) < after_step and time.time() < deadline \
+            and proc.poll() is None:
+        time.sleep(0.005)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    return checkpoint_step(os.path.join(out, "store"), run_file)
+

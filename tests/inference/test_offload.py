@@ -405,11 +405,11 @@ def test_default_compute_dtype_on_cuda_is_bfloat16():
 
 
 def test_a_needed_expert_waits_for_read_ahead_that_fills_the_cache(tmp_path, monkeypatch):
-    """Reads ahead of use (the request's idle warm-up) slowed down until they hold the whole CPU
+    """Reads ahead of use (the request's idle warm-up) held back until they hold the whole CPU
     cache while still loading: the first needed expert waits for them to land instead of failing
-    with CacheFullError, and the answer is the resident one."""
-    import time
-
+    with CacheFullError (the held reads go on only once it waits), and the answer is the resident
+    one."""
+    from storage.cache import ExpertCache
     from storage.tiered import TieredExpertStore
 
     hf = make_hf_checkpoint("deepseek_v3", tmp_path / "hf", seed=5)
@@ -419,14 +419,25 @@ def test_a_needed_expert_waits_for_read_ahead_that_fills_the_cache(tmp_path, mon
         want = resident.generate(PROMPT, SamplingConfig(max_new_tokens=4))
     finally:
         resident.close()
-    slow = TieredExpertStore._prefetch_job
-    monkeypatch.setattr(TieredExpertStore, "_prefetch_job", lambda self, key: (time.sleep(0.3), slow(self, key))[1])
+    gate, waited = threading.Event(), []
+    job = TieredExpertStore._prefetch_job
+    monkeypatch.setattr(TieredExpertStore, "_prefetch_job", lambda self, key: (gate.wait(60), job(self, key))[1])
+    wait_for_room = ExpertCache.wait_for_room
+
+    def waiting(self, nbytes, timeout=None, **kw):  # a needed expert waits for room: let the reads land
+        waited.append(nbytes)
+        gate.set()
+        return wait_for_room(self, nbytes, timeout, **kw)
+
+    monkeypatch.setattr(ExpertCache, "wait_for_room", waiting)
     expert_bytes = sum(c.bytes for c in store.manifest.chunks)
     engine = Engine.load(store.root, EngineConfig(cpu_cache_bytes=expert_bytes // 4, ring_slots=2, preload=False))
     try:
         got = engine.generate(PROMPT, SamplingConfig(max_new_tokens=4))
     finally:
+        gate.set()
         engine.close()
+    assert waited  # the path under test ran: a needed expert found the cache full of reads in flight
     assert got.tokens == want.tokens and got.logprobs == want.logprobs
 
 

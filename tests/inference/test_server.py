@@ -960,6 +960,7 @@ _SERVE = ("import argparse, sys; from tools import serve_cmd; p = argparse.Argum
           "serve_cmd.add_parser(p.add_subparsers()); a = p.parse_args(sys.argv[1:]); sys.exit(a.handler(a))")
 
 
+@pytest.mark.slow  # starts processes
 def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, tmp_path):
     tmp = tmp_path / "tmp"
     tmp.mkdir()

@@ -642,6 +642,7 @@ def d2d_stage0(peers: SharedMemoryPeers) -> None:
     dist.barrier()
 
 
+@pytest.mark.slow  # starts processes
 def test_d2d_across_two_gloo_ranks_through_shared_memory():
     name = f"test-executor-{uuid.uuid4().hex[:12]}"
     run_ranks(d2d_worker, name)

@@ -61,6 +61,7 @@ def shm_worker(rank: int, name: str, out: str) -> None:
         json.dump({"message": message, "left": os.path.exists(segment_path(name, rank))}, f)
 
 
+@pytest.mark.slow  # starts processes
 def test_a_full_dev_shm_is_refused_on_every_rank_before_any_segment_exists(tmp_path):
     name = f"test-shm-{uuid.uuid4().hex[:12]}"
     run_ranks(shm_worker, name, str(tmp_path))
@@ -178,6 +179,7 @@ def ipc_worker(rank: int, directory: str, visible_by_rank: list, out: str) -> No
                    "written": written, "refused": refused}, f)
 
 
+@pytest.mark.slow  # starts processes
 def test_cuda_ipc_exchange_numbers_gpus_by_pci_address_and_counts_peer_contexts(tmp_path):
     torch.full((2,), 80 << 30, dtype=torch.int64).numpy().tofile(tmp_path / "free")
     # rank 1 runs with CUDA_VISIBLE_DEVICES=1,0: it numbers the GPUs the other way round
@@ -230,6 +232,7 @@ def cuda_ipc_worker(rank: int) -> None:
     peers.close()
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.cuda
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 def test_cuda_ipc_peers_copy_between_two_gpus():

@@ -111,6 +111,7 @@ def _forward_worker(rank: int, mode: str) -> None:
             torch.testing.assert_close(got_stats.z_loss, want_stats.z_loss, msg=case)
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("mode", ["eval", "train"])
 def test_forward_equals_single_device_layer_on_each_ranks_tokens(spawn, mode):
     spawn(_forward_worker, mode)
@@ -166,6 +167,7 @@ def _backward_worker(rank: int) -> None:
     _backward_case(rank, full, positive, f"rank {rank}, no rows for rank 1", check_input=False)
 
 
+@pytest.mark.slow  # starts processes
 def test_backward_equals_single_device_gradients(spawn):
     spawn(_backward_worker)
 
@@ -185,6 +187,7 @@ def _errors_worker(rank: int) -> None:
         all_to_all_rows(torch.zeros(3, 4), [1, 1], [1, 1])
 
 
+@pytest.mark.slow  # starts processes
 def test_bad_layouts_fail_with_a_clear_error(spawn):
     spawn(_errors_worker)
 

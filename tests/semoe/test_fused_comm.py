@@ -187,6 +187,7 @@ def _all_reduce_child(rank: int) -> None:
         dist.all_reduce = counter.real
 
 
+@pytest.mark.slow  # starts processes
 def test_fused_all_reduce_matches_per_tensor_all_reduce():
     run_ranks(_all_reduce_child)
 
@@ -215,6 +216,7 @@ def _gather_scatter_child(rank: int) -> None:
     assert torch.equal(averaged, shard / WORLD_SIZE)
 
 
+@pytest.mark.slow  # starts processes
 def test_fused_all_gather_and_reduce_scatter():
     run_ranks(_gather_scatter_child)
 
@@ -306,6 +308,7 @@ def _reducer_child(rank: int) -> None:
     assert torch.equal(others[0], others[1])
 
 
+@pytest.mark.slow  # starts processes
 def test_grad_bucket_reducer_averages_grads_and_tolerates_unused_parameters():
     run_ranks(_reducer_child)
 

@@ -138,6 +138,7 @@ def test_import_can_cast_floating_tensors(hf_olmoe, tmp_path):
     assert store.verify() == []
 
 
+@pytest.mark.slow  # starts processes
 def test_import_peak_memory_stays_near_the_largest_tensor(tmp_path):
     """Import streams: a 96 MiB checkpoint imports with far less than 96 MiB of extra peak RSS."""
     import subprocess

@@ -15,7 +15,8 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers.training import ROOT, SHAPE, SHAPE_FLAGS, Tol, assert_stores_close, cli, log_losses, store_tensors
+from helpers.training import (SHAPE, SHAPE_FLAGS, Tol, assert_stores_close, checkpoint_step, cli, kill_mid_run,
+                              log_losses, store_tensors)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -234,13 +235,6 @@ def test_two_stages_match_one_rank(tmp_path, text_file, single_rank, schedule, M
     assert len(gen["tokens"]) == 8 and gen["tokens"] == want["tokens"]
 
 
-def _pipeline_step(store) -> int:
-    try:
-        return json.loads(Store.open(str(store)).read_file("pipeline.json"))["step"]
-    except Exception:  # not created yet
-        return -1
-
-
 def _optimizer_states(store) -> dict:
     import io
 
@@ -250,30 +244,17 @@ def _optimizer_states(store) -> dict:
 @pytest.mark.parametrize("states", ["ssd", "device"])
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_sigkill_then_resume_a_pipeline_run_is_bit_exact(tmp_path, text_file, states):
-    import os
-    import signal
-    import subprocess
-    import sys
-    import time
-
     common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "12",
               "--checkpoint-every", "2", "--lr", "3e-3", "-q", "--pipeline", "2", "--schedule", "gpipe",
               "--micro-batches", "2", "--expert-states", states]
     straight = tmp_path / "straight"
     cli(*common, "--out", str(straight))
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *common, "--out", str(killed)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + 240
-    while _pipeline_step(killed / "store") < 4 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both stages
-    proc.wait()
-    stopped_at = _pipeline_step(killed / "store")
+    stopped_at = kill_mid_run(common, killed, "pipeline.json", after_step=4, timeout_s=240)
     assert 4 <= stopped_at < 12, f"the run was not killed mid-way (checkpoint at step {stopped_at})"
     assert Store.open(str(killed / "store")).verify() == []
     cli("train", "--out", str(killed), "--resume", "--pipeline", "2", "-q")  # the run's own settings
-    assert _pipeline_step(killed / "store") == 12
+    assert checkpoint_step(killed / "store", "pipeline.json") == 12
     a, b = store_tensors(str(straight / "store")), store_tensors(str(killed / "store"))
     assert a.keys() == b.keys() and any(k[1] == "adam_v" for k in a)
     for k in a:
@@ -288,7 +269,7 @@ def test_sigkill_then_resume_a_pipeline_run_is_bit_exact(tmp_path, text_file, st
                            ([], "a pipeline run; resume it with --pipeline N")):
         p = cli("train", "--out", str(killed), "--resume", "--steps", "14", *flags, check=False)
         assert p.returncode == 2 and message in p.stderr and len(p.stderr.strip().splitlines()) == 1, p.stderr
-    assert _pipeline_step(killed / "store") == 12
+    assert checkpoint_step(killed / "store", "pipeline.json") == 12
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -299,6 +280,7 @@ def test_sigkill_then_resume_a_pipeline_run_is_bit_exact(tmp_path, text_file, st
     (["--pipeline", "2", "--micro-batches", "1"], "--schedule 1f1b needs --micro-batches >= the 2 stages, got 1"),
     (["--pipeline", "2", "--micro-batches", "3", "--schedule", "gpipe"], "--batch-size 8 must divide by"),
 ])
+@pytest.mark.slow  # starts processes
 def test_bad_pipeline_flags_are_one_line_errors(tmp_path, text_file, flags, message):
     p = cli("train", *FLAGS4, "--data", text_file, *TRAIN, *flags, "--out", str(tmp_path / "run"), check=False)
     assert p.returncode == 2

@@ -219,6 +219,7 @@ def test_a_budget_no_plan_fits_is_one_line_and_leaves_no_store(tmp_path, text_fi
     assert not (out / "store").exists()
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("flags", [["--stage-memory", "1GiB"]])
 def test_stage_memory_needs_a_pipeline(tmp_path, text_file, flags):
     p = cli("train", *FLAGS4, "--data", text_file, *flags, "--out", str(tmp_path / "r"), check=False)
@@ -312,6 +313,7 @@ def shm_worker(rank: int, name: str, out: str) -> None:
         f.write(repr(message))
 
 
+@pytest.mark.slow  # starts processes
 def test_a_small_dev_shm_is_one_line_naming_the_remedy(tmp_path):
     import uuid
 

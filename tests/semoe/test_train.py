@@ -4,19 +4,14 @@ PyTorch loop; two ranks match one; a run killed with SIGKILL and resumed ends bi
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from helpers.expert_states import RecordingStates
-from helpers.training import (ROOT, SHAPE_FLAGS, Tol, assert_stores_close, cli, log_losses, optimizer_state,
-                              store_tensors, tiny_config)
+from helpers.training import (SHAPE_FLAGS, Tol, assert_stores_close, checkpoint_step, cli, kill_mid_run,
+                              log_losses, optimizer_state, store_tensors, tiny_config)
 
 from semoe.checkpoint import load_store
 from semoe.expert_states import AdamWConfig, _ExpertFFN, adamw_, init_expert
@@ -259,13 +254,6 @@ def test_a_run_resumes_in_another_dense_states_mode(tmp_path, text_file):
     _assert_same_run(str(tmp_path / "mixed" / "store"), str(tmp_path / "straight" / "store"))
 
 
-def _trainer_step(store: str) -> int:
-    try:
-        return json.loads(Store.open(store).read_file("trainer.json"))["step"]
-    except Exception:  # not created yet
-        return -1
-
-
 @pytest.mark.parametrize("states,ranks", [("ssd", []), ("device", []), ("ssd", ["--nproc", "2", "--dense-states", "fsdp"])],
                          ids=["ssd", "device", "ssd-fsdp-2ranks"])
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
@@ -277,18 +265,11 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, text_file, states, ranks):
     straight = tmp_path / "straight"
     cli(*common, "--out", str(straight))
     killed = tmp_path / "killed"
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *common, "--out", str(killed)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
-    deadline = time.time() + 120
-    while _trainer_step(str(killed / "store")) < 6 and time.time() < deadline and proc.poll() is None:
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
-    stopped_at = _trainer_step(str(killed / "store"))
+    stopped_at = kill_mid_run(common, killed, "trainer.json", after_step=6, timeout_s=120)
     assert 6 <= stopped_at < 14, f"the run was not killed mid-way (checkpoint at step {stopped_at})"
     assert Store.open(str(killed / "store")).verify() == []
     cli(*common, "--out", str(killed), "--resume")
-    assert _trainer_step(str(killed / "store")) == 14
+    assert checkpoint_step(killed / "store", "trainer.json") == 14
     _assert_same_run(str(straight / "store"), str(killed / "store"))
 
 

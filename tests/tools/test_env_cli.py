@@ -24,6 +24,7 @@ def semoe_env(*args: str) -> subprocess.CompletedProcess:
                           env=env, cwd=ROOT, timeout=300)
 
 
+@pytest.mark.slow  # starts processes
 def test_json_has_every_field_and_leaves_no_scratch_file(tmp_path):
     res = semoe_env("--json", "--path", str(tmp_path), "--probe-bytes", "4MiB")
     assert res.returncode == 0, res.stderr
@@ -49,6 +50,7 @@ def test_json_has_every_field_and_leaves_no_scratch_file(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # starts processes
 def test_text_report_names_each_probe(tmp_path):
     res = semoe_env("--path", str(tmp_path), "--probe-bytes", "1MiB")
     assert res.returncode == 0, res.stderr
@@ -58,6 +60,7 @@ def test_text_report_names_each_probe(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.slow  # starts processes
 @pytest.mark.parametrize("flag", ["--path", "--store"])
 def test_missing_directory_exits_2_naming_the_flag(tmp_path, flag):
     missing = tmp_path / "absent"
@@ -66,6 +69,7 @@ def test_missing_directory_exits_2_naming_the_flag(tmp_path, flag):
     assert res.stderr.strip().splitlines() == [f"semoe: error: {flag}: {missing}: no such directory"]
 
 
+@pytest.mark.slow  # starts processes
 def test_store_is_probed_on_its_own_chunk_files(hf_mixtral_sharded_bf16, tmp_path):
     from semoe.hf_import import import_checkpoint
 

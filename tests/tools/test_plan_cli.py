@@ -7,6 +7,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+pytestmark = pytest.mark.slow  # every test runs the command in a process
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GPT = ["--arch", "gpt", "--layers", "32", "--hidden", "4096", "--heads", "32", "--seq", "2048", "--micro-batch", "1",
        "--micro-batches", "16", "--vocab", "50257", "--gpus", "8", "--topology", "dgx1"]

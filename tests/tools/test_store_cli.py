@@ -31,6 +31,7 @@ def store(hf_mixtral_sharded_bf16, tmp_path_factory):
     return path
 
 
+@pytest.mark.slow  # starts processes
 def test_import_export_round_trip(store, hf_mixtral_sharded_bf16, tmp_path):
     semoe("store", "export", str(store), str(tmp_path / "out"))
     assert_bit_exact(load_safetensors_dir(hf_mixtral_sharded_bf16), load_safetensors_dir(tmp_path / "out"))
@@ -118,6 +119,7 @@ def test_cache_sim(tmp_path):
     (["store", "cache-sim", "--trace", "{tmp}/nope.jsonl", "--capacity", "2"], "nope.jsonl"),
     (["store", "cache-sim", "--trace", "{tmp}/t.jsonl", "--capacity", "2", "--policy", "fifo"], "--policy must be"),
 ])
+@pytest.mark.slow  # starts processes
 def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
     (tmp_path / "t.jsonl").write_text('{"layer": 0, "experts": [1]}\n')
     res = semoe(*[a.format(tmp=tmp_path) for a in args], check=False)
@@ -127,6 +129,7 @@ def test_bad_input_gives_one_line_and_exit_2(tmp_path, args, message):
     assert res.stdout == ""
 
 
+@pytest.mark.slow  # starts processes
 def test_import_refuses_an_unsupported_architecture_in_one_line(tmp_path):
     (tmp_path / "ck").mkdir()
     (tmp_path / "ck" / "config.json").write_text(json.dumps({"model_type": "qwen3_next"}))
@@ -138,6 +141,7 @@ def test_import_refuses_an_unsupported_architecture_in_one_line(tmp_path):
     assert not (tmp_path / "s").exists()
 
 
+@pytest.mark.slow  # starts processes
 def test_import_into_non_empty_target_is_refused(hf_olmoe, tmp_path):
     (tmp_path / "s").mkdir()
     (tmp_path / "s" / "mine.txt").write_text("x")

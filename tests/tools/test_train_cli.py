@@ -114,6 +114,7 @@ def run_copy(base_run, tmp_path):
 
 @pytest.mark.parametrize("case", ["indivisible-batch", "cpu-cache-too-small", "resume-empty-dir", "config-missing",
                                   "config-malformed", "config-not-an-object", "nproc-0", "data-missing"])
+@pytest.mark.slow  # starts processes
 def test_bad_input_is_one_line_and_writes_no_store(case, shards, tmp_path):
     out = tmp_path / "run"
     extra: list[str]
@@ -150,6 +151,7 @@ def test_bad_input_is_one_line_and_writes_no_store(case, shards, tmp_path):
     assert not (out / "data").exists()
 
 
+@pytest.mark.slow  # starts processes
 def test_out_holding_a_run_needs_resume(run_copy, shards):
     store = run_copy / "store"
     before, version = snapshot(store), Store.open(str(store)).version
@@ -199,6 +201,7 @@ def test_ranks_failing_alike_print_one_line(shards, tmp_path):
     assert Store.open(str(out / "store")).verify() == []
 
 
+@pytest.mark.slow  # starts processes
 def test_corrupt_store_refuses_to_resume_and_names_the_tensor(run_copy):
     store = run_copy / "store"
     st = Store.open(str(store))
@@ -275,6 +278,7 @@ def test_log_json_summary_and_progress(shards, tmp_path):
     assert all(" loss " in line for line in progress)
 
 
+@pytest.mark.slow  # starts processes
 def test_help_names_the_main_flags():
     res = semoe("train", "--help")
     for flag in ("--expert-states", "--cpu-cache", "--nproc", "--resume"):
