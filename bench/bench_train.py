@@ -40,6 +40,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from storage.envinfo import ram_info  # noqa: E402
+
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "expert_ffn", "experts", "top_k")
 COMPARE = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "ffn": 768, "expert_ffn": 512, "experts": 8,
            "top_k": 2, "batch_size": 16, "seq_len": 512, "steps": 8, "cpu_cache": "25%"}
@@ -58,11 +60,10 @@ def model_config(args: argparse.Namespace):
 
 
 def ram_bytes() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise SystemExit("no MemTotal in /proc/meminfo")
+    total = ram_info()["ram_total_bytes"]
+    if total is None:
+        raise SystemExit(ram_info()["ram_reason"])
+    return total
 
 
 def train(args: argparse.Namespace, name: str, batch: int, seq: int, extra: list[str]) -> list[dict]:

@@ -21,6 +21,7 @@ import torch
 from storage.cache import CacheFullError, EntryState, ExpertCache, ExpertCacheConfig
 from storage.fileio import ChunkReader, ChunkReaderConfig, ReadCancelled, ReadMode
 from storage.keys import ExpertKey
+from storage.manifest import ChunkEntry
 from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
@@ -152,12 +153,15 @@ class TieredExpertStore:
         self._cancelled = self._wasted = 0
 
     # -- the data path ------------------------------------------------------------------------
-    def _load(self, key: ExpertKey, *, guess: bool = False) -> None:
-        """Read one chunk into a pooled buffer and publish it; the entry was reserved by the caller.
+    def _chunk(self, key: ExpertKey) -> ChunkEntry:
+        return self.store.manifest.chunk(key.layer, key.expert, key.kind)
+
+    def _load(self, key: ExpertKey, chunk: ChunkEntry, *, guess: bool = False) -> None:
+        """Read one chunk (`key`'s, looked up once by the caller) into a pooled buffer and publish it;
+        the entry was reserved by the caller.
 
         A `guess` reads only while the disk is otherwise idle and raises CancelledError when
         `cancel_guesses` abandons it."""
-        chunk = self.store.manifest.chunk(key.layer, key.expert, key.kind)
         buf: HostBuffer | None = None
         spec = _Guess() if guess else None
         with self._disk:
@@ -238,8 +242,8 @@ class TieredExpertStore:
     def _on_evict(self, key: ExpertKey, payload: ExpertPayload) -> None:
         payload.buffer.release()
 
-    def _prefetch_job(self, key: ExpertKey) -> None:
-        self._load(key)  # on failure the entry and its pins are gone already
+    def _prefetch_job(self, key: ExpertKey, chunk: ChunkEntry) -> None:
+        self._load(key, chunk)  # on failure the entry and its pins are gone already
         self.cache.unpin(key)  # the reservation's pin: the expert may now be evicted
 
     def get(self, key: ExpertKey, *, speculative: bool = False) -> ExpertHandle:
@@ -247,7 +251,8 @@ class TieredExpertStore:
 
         `speculative`: a guess, not a use; a new entry is evicted first unless it is used later
         (`record_use`)."""
-        nbytes = self.store.manifest.chunk(key.layer, key.expert, key.kind).bytes
+        chunk = self._chunk(key)
+        nbytes = chunk.bytes
         while True:
             try:
                 entry, must_load = self.cache.lookup_or_reserve(key, nbytes, probation=speculative)
@@ -258,7 +263,7 @@ class TieredExpertStore:
                     raise
                 continue
             if must_load:
-                self._load(key, guess=speculative)
+                self._load(key, chunk, guess=speculative)
                 return ExpertHandle(self, key, self._payload(key))
             if entry.state is EntryState.LOADING and not speculative:
                 self.queue.reprioritize(key, Priority.NOW)
@@ -287,16 +292,16 @@ class TieredExpertStore:
         for key in keys:
             if key in self.cache:
                 continue
+            chunk = self._chunk(key)
             try:
-                self.cache.reserve(key, self.store.manifest.chunk(key.layer, key.expert, key.kind).bytes,
-                                   probation=speculative)
+                self.cache.reserve(key, chunk.bytes, probation=speculative)
             except CacheFullError:
                 with self._lock:
                     self._dropped += 1
                 continue
             except ValueError:  # reserved by someone else meanwhile
                 continue
-            self.queue.submit(key, lambda key=key: self._prefetch_job(key), priority=priority)
+            self.queue.submit(key, lambda key=key, chunk=chunk: self._prefetch_job(key, chunk), priority=priority)
             started.append(key)
         with self._lock:
             self._issued += len(started)

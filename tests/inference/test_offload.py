@@ -421,7 +421,8 @@ def test_a_needed_expert_waits_for_read_ahead_that_fills_the_cache(tmp_path, mon
         resident.close()
     gate, waited = threading.Event(), []
     job = TieredExpertStore._prefetch_job
-    monkeypatch.setattr(TieredExpertStore, "_prefetch_job", lambda self, key: (gate.wait(60), job(self, key))[1])
+    monkeypatch.setattr(TieredExpertStore, "_prefetch_job",
+                        lambda self, key, chunk: (gate.wait(60), job(self, key, chunk))[1])
     wait_for_room = ExpertCache.wait_for_room
 
     def waiting(self, nbytes, timeout=None, **kw):  # a needed expert waits for room: let the reads land
