@@ -69,6 +69,14 @@ def config_from_json(cfg: dict) -> MoEConfig:
     return from_hf_config(cfg)
 
 
+def read_model_config(store: Store, what: str | None = None) -> MoEConfig:
+    """The model config of `store` (its config.json side file): the one reader of it. BadInputError
+    naming `what` (default: the store's path) when the store holds no model."""
+    if not store.manifest.has_file("config.json"):
+        raise BadInputError(f"{what or store.root}: the store holds no model (no config.json)")
+    return config_from_json(json.loads(store.read_file("config.json")))
+
+
 def _dense_params(model: MoEGPT) -> Iterator[tuple[str, nn.Parameter]]:
     tied = model.config.tie_embeddings
     for name, p in model.named_parameters():
@@ -204,9 +212,7 @@ def load_store(source: str | Store, *, device: torch.device | str = "cpu", dtype
     open (as a loader that hands it on opens it once) or by path."""
     store = source if isinstance(source, Store) else Store.open(source)
     path = store.root
-    if not store.manifest.has_file("config.json"):
-        raise BadInputError(f"{path}: store has no config.json (not a model store)")
-    config = config_from_json(json.loads(store.read_file("config.json")))
+    config = read_model_config(store)
     compact = with_experts and store.is_compact()
     model = _empty_model(config, device, dtype, with_experts=with_experts and not compact)
 

@@ -9,7 +9,6 @@ A quantized store is for inference: export dequantizes it (lossy) and training d
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -17,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from semoe.checkpoint import config_from_json
+from semoe.checkpoint import read_model_config
 from semoe.experts import expert_mlp
 from storage.dtypes import dtype_name
 from storage.durable import undo_create
@@ -102,12 +101,10 @@ def quantize_store(src: str, dst: str, cfg: QuantizeConfig, *, progress: Progres
     On any failure `dst` is removed again (or left empty), so nothing half-written stays behind."""
     source = Store.open(src)
     m = source.manifest
-    if not m.has_file("config.json"):
-        raise BadInputError(f"{src}: store has no config.json (not a model store)")
+    config = read_model_config(source, src)
     if source.is_compact():
         raise BadInputError(f"{src}: its experts are already quantized "
                             f"({(m.model.get('quantization') or {}).get('format', 'compact')}); quantize a float store")
-    config = config_from_json(json.loads(source.read_file("config.json")))
     in_out = expert_mlp(config).in_out
     report = QuantizeReport(scheme=cfg.name)
     created = not os.path.exists(dst)

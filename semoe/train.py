@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from semoe.attention import Attention
-from semoe.checkpoint import _dense_params, config_from_json, hf_config, hf_name
+from semoe.checkpoint import _dense_params, hf_config, hf_name, read_model_config
 from semoe.collectives import Collectives, object_group
 from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
@@ -245,13 +245,12 @@ class Trainer:
                 raise BadInputError("a new run needs a model config")
             return model_config
         self.source = Store.open(cfg.init_from)
-        if not self.source.manifest.has_file("config.json"):
-            raise BadInputError(f"--init-from {cfg.init_from}: the store holds no model (no config.json)")
+        config = read_model_config(self.source, f"--init-from {cfg.init_from}")
         if self.source.is_compact() and self.rank == 0:
             fmt = (self.source.manifest.model.get("quantization") or {}).get("format", "compact")
             log.warning("--init-from %s: its experts are quantized (%s), a store for inference; training starts "
                         "from them dequantized to float32", cfg.init_from, fmt)
-        return config_from_json(json.loads(self.source.read_file("config.json")))
+        return config
 
     # -- setting up -------------------------------------------------------------------------
     RUN_FILE = TRAINER_FILE  # the side file that makes a store a run of this trainer
@@ -271,7 +270,7 @@ class Trainer:
             if problems:
                 raise TrainingError(f"{self.cfg.store}: store is damaged, refusing to train: {problems[0]} "
                                     f"({len(problems)} problem(s); `semoe store verify` lists them)")
-        config = config_from_json(json.loads(store.read_file("config.json")))
+        config = read_model_config(store)
         if model_config is not None and hf_config(model_config) != hf_config(config):
             raise BadInputError(f"{self.cfg.store}: the run's model config differs from the one given; "
                                 "drop the model flags to resume")

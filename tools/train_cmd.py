@@ -175,10 +175,10 @@ def build_configs(args: argparse.Namespace):
             continue
         percent_of = None
         if value.strip().endswith("%"):
-            from semoe.checkpoint import config_from_json
+            from semoe.checkpoint import read_model_config
 
             src = args.init_from or store
-            cfg = model_cfg or config_from_json(json.loads(Store.open(src).read_file("config.json")))
+            cfg = model_cfg or read_model_config(Store.open(src))
             percent_of = expert_state_bytes(cfg) // (args.pipeline or args.nproc or
                                                      int(os.environ.get("WORLD_SIZE", "1")))
         train[key] = parse_size(value, flag=flag, percent_of=percent_of)
@@ -371,12 +371,12 @@ def run(args: argparse.Namespace) -> int:
     pipeline = _pipeline_config(args)
     cfg, model_cfg = build_configs(args)
     if pipeline is not None:  # checked here, before N ranks start and each reports it
-        from semoe.checkpoint import config_from_json
+        from semoe.checkpoint import read_model_config
         from semoe.pipeline import check_pipeline
         from storage.store import Store
 
         source = args.init_from or cfg.store  # a new run from a store, or the run being resumed
-        model = model_cfg or config_from_json(json.loads(Store.open(source).read_file("config.json")))
+        model = model_cfg or read_model_config(Store.open(source))
         check_pipeline(model, args.pipeline, cfg, pipeline)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
