@@ -275,6 +275,9 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, text_file, states, ranks):
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_generate_from_a_trained_store_offloaded_equals_resident(tmp_path, text_file):
+    """The same tokens; log-probs within 1e-5: the resident model decodes through the one-call step
+    (semoe.decode_plan), whose router softmax and SiLU round differently from the call-by-call step
+    the offloaded one takes (which is the module path's bits)."""
     out = tmp_path / "run"
     cli("train", *SHAPE_FLAGS, "--data", text_file, "--batch-size", "4", "--seq-len", "32", "--steps", "4",
         "--out", str(out), "-q")
@@ -282,7 +285,7 @@ def test_generate_from_a_trained_store_offloaded_equals_resident(tmp_path, text_
     resident = json.loads(cli(*args).stdout)
     offloaded = json.loads(cli(*args, "--cpu-cache", "50%").stdout)
     assert resident["tokens"] == offloaded["tokens"] and len(resident["tokens"]) == 12
-    assert resident["logprobs"] == offloaded["logprobs"]
+    assert resident["logprobs"] == pytest.approx(offloaded["logprobs"], rel=0, abs=1e-5)
     # half the experts fit the cache: the rest were read from the store while generating
     assert offloaded["stats"]["ssd_bytes_per_token"] > 0 and "stats" not in resident
 
