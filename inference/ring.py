@@ -378,7 +378,7 @@ class OffloadedExperts:
         started = self.tier.prefetch(keys, priority=Priority.IDLE) if keys else []
         if in_request:  # reads while loading belong to the load, not to a request's traffic
             with self._cond:
-                self.guesses.read_ahead.update(ExpertKey(k[0], k[1]) for k in started)
+                self.guesses.read_ahead.update(started)  # keys already (kind "weight")
         return len(started)
 
     def begin_request(self) -> None:
