@@ -172,7 +172,7 @@ def quantize_blocks(blocks: Iterable[torch.Tensor], shape: tuple[int, int], dtyp
 
 # Rows quantized at once: bounds the float32 temporaries (a 32000-row lm_head took four copies of
 # itself, 0.5 GB, when quantized whole); a multiple of int4's 64-row blocks
-QUANTIZE_ROWS = 4096
+QUANTIZE_ROWS = 512
 
 
 def _quantize_rows(w: torch.Tensor, scheme: str, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
