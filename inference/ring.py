@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from concurrent.futures import CancelledError
 from dataclasses import dataclass
 from typing import Iterator
@@ -119,6 +120,9 @@ class OffloadedExperts:
             nbytes = max(size for _, size in placed.values())
             self.memory = _SlotMemory(make_copy_stream(device), ring_slots, nbytes, dtype)
         self._loaded: dict[int, _Loaded] = {}  # slot index -> what is in it
+        # in place, the weights built on a CPU-cache entry, for as long as the entry lives: a hit
+        # hands out the same object (and the kernels' operands derived from it) without rebuilding
+        self._entry_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._errors: dict[ExpertKey, BaseException] = {}  # failed loads, raised to the layer that needs them
         self._cond = threading.Condition()
         self.queue = PrefetchQueue(PrefetchQueueConfig(workers=workers))
@@ -195,17 +199,18 @@ class OffloadedExperts:
         return sum(t.nbytes for t in self.compute_slices[ExpertKey(layer, expert)])
 
     # -- data movement (on the queue's worker threads) -------------------------------------------
-    def _fill(self, key: ExpertKey, demand: bool) -> None:
+    def _fill(self, key: ExpertKey, demand: bool, *, wait: bool = True) -> bool:
         """Bring `key` into a slot. `demand`: the current layer needs it (the read may wait for a
-        slot, and is a use the CPU tier counts); otherwise a guess for the next layer."""
+        slot, and is a use the CPU tier counts); otherwise a guess for the next layer. `wait=False`:
+        give up (False) rather than wait for a slot to free."""
         with self._cond:
             while True:
                 taken = self.book.take(key)
-                if taken is not None or key in self.book or not demand or self._closed:
+                if taken is not None or key in self.book or not demand or not wait or self._closed:
                     break
                 self._cond.wait()
             if taken is None:
-                return
+                return False
             record, evicted = taken
             if evicted is not None:
                 self._vacate(evicted)
@@ -214,7 +219,12 @@ class OffloadedExperts:
             record.use_seen = demand
             layout, dst = self.layouts[key], self.compute_slices[key]
             if self.memory is None:  # in place: the slot holds the CPU-cache entry
-                weights = expert_weights(host.raw, layout, dst, self.mlp)
+                with self._cond:
+                    weights = self._entry_weights.get(host.payload)
+                if weights is None:
+                    weights = expert_weights(host.raw, layout, dst, self.mlp)
+                    with self._cond:
+                        self._entry_weights[host.payload] = weights
                 loaded = _Loaded(weights=weights, copies=[], host=host)
             else:
                 copies = self.memory.fill(record.index, host.raw, layout, dst)
@@ -251,6 +261,7 @@ class OffloadedExperts:
                 self._cond.notify_all()
             if not abandoned:
                 raise
+        return True
 
     def _vacate(self, record: SlotRecord) -> None:
         """Forget an evicted slot's contents (caller holds the lock)."""
@@ -282,9 +293,17 @@ class OffloadedExperts:
         for key in wrong:
             self.queue.cancel(key)
         self.tier.cancel_guesses(wrong)
+        # In place, an expert already in the CPU cache takes its slot here, on this thread: a hit
+        # costs no hand-over to a worker and back. Reads go to the workers first, so they start
+        # before this thread is busy with the hits.
+        hits = [k for k in keys if self.in_place and k not in self.book and self.tier.ready(k)]
         for key in keys:
             self.tier.hurry(key)
-            self._request(key, Priority.NOW, demand=True)
+            if key not in hits:
+                self._request(key, Priority.NOW, demand=True)
+        for key in hits:
+            if not self._fill(key, True, wait=False):
+                self._request(key, Priority.NOW, demand=True)
         if self.prefetch_enabled:
             self._predict(layer, x_ND)
         pending = set(keys)

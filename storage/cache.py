@@ -187,6 +187,12 @@ class ExpertCache:
         with self._cond:
             return key in self._entries
 
+    def ready(self, key: Key) -> bool:
+        """True if `key` is cached and READY; counts neither hit nor miss."""
+        with self._cond:
+            entry = self._entries.get(key)
+            return entry is not None and entry.state is EntryState.READY
+
     def stats(self) -> CacheStats:
         """A snapshot of the counters."""
         with self._cond:
@@ -419,16 +425,18 @@ class ExpertCache:
             )
         evicted = []
         while self._used_bytes + nbytes > self.capacity_bytes:
-            victim_key = next((k for k in self._probation if k in self._evictable), None)
-            if victim_key is None:
-                victim_key = self._policy.victim(self._evictable)
-            victim = self._entries.get(victim_key)
-            if victim is None or not victim.evictable:
-                raise RuntimeError(
-                    f"policy {self._policy.name!r} chose {victim_key!r}, which is not evictable"
-                )
-            evicted.append(self._remove_locked(victim, EntryState.EVICTED))
+            evicted.append(self._remove_locked(self._victim_locked(), EntryState.EVICTED))
         return evicted
+
+    def _victim_locked(self) -> CacheEntry:
+        """The entry to evict next: the oldest unused guess, else the policy's choice."""
+        victim_key = next((k for k in self._probation if k in self._evictable), None)
+        if victim_key is None:
+            victim_key = self._policy.victim(self._evictable)
+        victim = self._entries.get(victim_key)
+        if victim is None or not victim.evictable:
+            raise RuntimeError(f"policy {self._policy.name!r} chose {victim_key!r}, which is not evictable")
+        return victim
 
     def _remove_locked(self, entry: CacheEntry, state: EntryState) -> tuple[Key, Any]:
         del self._entries[entry.key]

@@ -52,9 +52,10 @@ class TieredStoreConfig:
         self.read_mode = ReadMode(self.read_mode)
 
 
-@dataclass(kw_only=True)
+@dataclass(kw_only=True, eq=False)
 class ExpertPayload:
-    """What a cache entry holds: the host buffer and typed views of the expert's tensors in it."""
+    """What a cache entry holds: the host buffer and typed views of the expert's tensors in it.
+    Compared and hashed by identity: one object per cached entry, which callers may key on."""
 
     buffer: HostBuffer
     tensors: dict[str, torch.Tensor]
@@ -65,6 +66,7 @@ class ExpertHandle:
 
     def __init__(self, owner: "TieredExpertStore", key: ExpertKey, payload: ExpertPayload) -> None:
         self.key = key
+        self.payload = payload
         self.tensors = payload.tensors
         self.raw = payload.buffer.payload  # the chunk file's bytes; the tensors are views into it
         self._owner = owner
@@ -320,6 +322,11 @@ class TieredExpertStore:
                 self.cache.fail(key, CancelledError(f"prefetch of {key} cancelled"))
                 n += 1
         return n
+
+    def ready(self, key: ExpertKey) -> bool:
+        """Whether the expert is resident and loaded: a `get` now returns without waiting for a read
+        (unless it is evicted meanwhile). No hit or miss is counted."""
+        return self.cache.ready(key)
 
     def cached(self, key: ExpertKey) -> bool:
         """Whether the expert is resident or being read (no hit or miss is counted)."""

@@ -227,6 +227,38 @@ def test_preload_fills_the_cache_up_to_its_budget(model_store):
         engine.close()
 
 
+@ON_OLDER_ARCHS
+def test_in_place_cache_hits_fill_on_the_calling_thread_and_reuse_their_weights(model_store):
+    """In place, an expert the CPU cache holds takes its ring slot on the decoding thread: with
+    every expert cached and nothing guessed, no fill goes through the worker queue. The weights
+    built on a cache entry are handed out again while the entry lives, not rebuilt per use."""
+    _, store, expert_bytes, biggest, want = model_store
+    experts = max(c.expert for c in store.manifest.chunks) + 1  # a slot for each of a layer's experts: the prompt
+    engine = Engine.load(store.root, EngineConfig(cpu_cache_bytes=expert_bytes + biggest, ring_slots=experts,
+                                                  prefetch=False))
+    try:
+        ring = engine.offload
+        assert ring.in_place
+        handed: dict = {}
+        stream = ring.stream
+
+        def spy(layer, experts, x):
+            for e, w in stream(layer, experts, x):
+                handed.setdefault((layer, e), set()).add(id(w))
+                yield e, w
+
+        ring.stream = spy  # the instance attribute is what the layers call
+        submitted = ring.queue.stats.submitted
+        res = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+        assert res.tokens == want.tokens and res.logprobs == want.logprobs
+        assert ring.queue.stats.submitted == submitted  # every fill ran on this thread
+        assert handed  # the spy saw the request's experts
+        # every expert, however often the request used it, got the very same weights object
+        assert all(len(ids) == 1 for ids in handed.values()), {k: len(v) for k, v in handed.items()}
+    finally:
+        engine.close()
+
+
 @pytest.mark.parametrize("threshold", [2.0, 0.0], ids=["no-guesses", "guesses"])
 @ON_OLDER_ARCHS
 def test_cache_policy_sees_every_use_once(model_store, threshold):
