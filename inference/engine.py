@@ -51,6 +51,9 @@ class EngineConfig:
     # which expert the CPU cache evicts; next-use knows that layers run in a cycle, where LRU and
     # LFU's LRU tie-break evict the next layer's experts (see storage.policies.NextUsePolicy)
     cache_policy: str = "next-use"
+    # lower the CPU cache's budget while the process keeps faulting its own pages (its code) back in
+    # from storage: a budget too large for the memory left (inference.memory_guard)
+    memory_guard: bool = True
     # fill the CPU cache with experts, in layer order, up to its budget while loading (as a
     # resident model reads all its weights before its first request); False: fill it lazily
     preload: bool = True

@@ -28,6 +28,7 @@ from typing import Iterator
 
 import torch
 
+from inference.memory_guard import MemoryGuard
 from inference.ring_book import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
 from semoe.expert_layout import ExpertLayout, TensorSlice, expert_layouts, expert_weights, place, placed_bytes
 from semoe.experts import ExpertWeights, expert_mlp
@@ -88,7 +89,7 @@ class OffloadedExperts:
     def __init__(self, model: MoEGPT, store: Store, *, device: torch.device, dtype: torch.dtype,
                  cpu_cache_bytes: int, ring_slots: int, copies: bool | None = None, prefetch: bool = True,
                  read_mode: ReadMode = ReadMode.DIRECT, workers: int = 4, min_precision: float = 0.8,
-                 cache_policy: str = "next-use") -> None:
+                 cache_policy: str = "next-use", memory_guard: bool = True) -> None:
         self.config = model.config
         self.mlp = expert_mlp(model.config)
         self.device = device
@@ -111,6 +112,10 @@ class OffloadedExperts:
             raise ValueError(f"an in-place ring needs a CPU device and a {dtype} store, got {device} "
                              f"and a store of another dtype or device")
         self.in_place = not self.copies
+        biggest = max(self.chunk_bytes.values())
+        floor = self.least_cpu_cache(ring_slots, model.config.top_k, biggest, copies=self.copies)
+        self.guard = MemoryGuard(self.tier, floor_bytes=min(floor, cpu_cache_bytes), step_bytes=biggest) \
+            if memory_guard else None
         self.memory: _SlotMemory | None = None
         # where each expert's tensors lie in the memory compute reads: a slot's buffer when copying
         # (placed once here, not at every fill), else the CPU-cache entry, which is the chunk itself
@@ -155,6 +160,14 @@ class OffloadedExperts:
         (compact tensors as stored, plain ones in the compute dtype)."""
         return placed_bytes(store.manifest, dtype)
 
+    @staticmethod
+    def least_cpu_cache(slots: int, top_k: int, biggest: int, *, copies: bool) -> int:
+        """The smallest CPU cache a ring works with. In place, ring slots are CPU-cache entries: the
+        cache must hold the ring and room to spare. Copying, each slot's source stays pinned in the
+        cache until its copy lands: it must hold one expert per slot, or fills in flight pin the
+        whole cache and a needed read cannot enter."""
+        return slots * biggest if copies else (slots + top_k) * biggest
+
     @classmethod
     def attach(cls, model: MoEGPT, store: Store, config) -> "OffloadedExperts":
         """Build from an EngineConfig and install as the provider of every MoE layer of `model`, whose
@@ -177,17 +190,15 @@ class OffloadedExperts:
         # a budget of device memory is a ring in memory of its own, on CPU too
         copies = config.device_memory_bytes is not None or cls.must_copy(store, device, dtype)
         cpu = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else expert_bytes
-        # In place, ring slots are CPU-cache entries: the cache must hold the ring and room to spare.
-        # Copying, each slot's source stays pinned in the cache until its copy lands: it must hold
-        # one expert per slot, or fills in flight pin the whole cache and a needed read cannot enter.
-        least = (slots + top_k) * biggest if not copies else slots * biggest
+        least = cls.least_cpu_cache(slots, top_k, biggest, copies=copies)
         if cpu < least:
             log.info("offload: CPU cache raised from %d to %d bytes, the least a ring of %d slots works with",
                      cpu, least, slots)
             cpu = least
         self = cls(model, store, device=device, dtype=dtype, cpu_cache_bytes=cpu, ring_slots=slots,
                    copies=copies, prefetch=config.prefetch, read_mode=config.read_mode,
-                   min_precision=config.speculate_min_precision, cache_policy=config.cache_policy)
+                   min_precision=config.speculate_min_precision, cache_policy=config.cache_policy,
+                   memory_guard=config.memory_guard)
         for ffn in model.moe_layers():
             ffn.use_experts(self)
         log.info("offload: %d ring slots, CPU cache %d bytes, %s", slots, cpu,
@@ -278,6 +289,8 @@ class OffloadedExperts:
     def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
         """Hand out the layer's experts as they become usable; predict and prefetch the next layer."""
         keys = [ExpertKey(layer, e) for e in experts]
+        if self.guard is not None and layer == self.moe_layers[0]:  # once per forward step
+            self.guard.step()
         with self._cond:
             guessed = self.guesses.guesses(layer)
             self.guesses.account(layer, experts, in_ring={k.expert for k in keys if k in self.book},
@@ -424,6 +437,7 @@ class OffloadedExperts:
             "ideal_bytes_per_token": c.ssd_ideal_bytes / per,
             "prefetch_precision": c.predicted_used / c.predicted if c.predicted else 0.0,
             "prefetch_recall": c.routed_predicted / c.routed if c.routed else 0.0,
+            "cpu_cache_bytes": self.tier.cache.capacity_bytes,  # lowered by the memory guard under pressure
         }
 
     def traffic(self) -> tuple[int, int]:

@@ -368,6 +368,22 @@ class ExpertCache:
             evicted = [self._remove_locked(entry, EntryState.EVICTED)]
         self._notify_evicted(evicted)
 
+    def shrink(self, capacity_bytes: int) -> int:
+        """Lower the byte budget to `capacity_bytes`, evicting as a reserve would (unused guesses
+        first, then the policy's victims) until the entries fit or none is evictable; pinned and
+        loading entries that keep the cache over budget are evicted by later reserves once
+        released. Returns the bytes evicted now."""
+        with self._cond:
+            if not 0 < capacity_bytes <= self.capacity_bytes:
+                raise ValueError(f"capacity_bytes={capacity_bytes} must be in (0, {self.capacity_bytes}]")
+            self.config = dataclasses.replace(self.config, capacity_bytes=capacity_bytes)
+            evicted, before = [], self._used_bytes
+            while self._used_bytes > capacity_bytes and self._evictable:
+                evicted.append(self._remove_locked(self._victim_locked(), EntryState.EVICTED))
+            freed = before - self._used_bytes
+        self._notify_evicted(evicted)
+        return freed
+
     def clear(self) -> int:
         """Evict every evictable entry; pinned and loading ones stay. Returns how many left."""
         with self._cond:

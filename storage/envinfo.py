@@ -107,6 +107,12 @@ def peak_rss_bytes() -> int:
     return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def major_faults() -> int:
+    """Page faults of this process, all threads, that had to read from storage: a page of its
+    code or of a mapped file was not in memory (evicted under pressure, or never read yet)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_majflt
+
+
 def shm_info(path: str = "/dev/shm") -> dict:
     """{"shm_path", "shm_total_bytes", "shm_free_bytes", "shm_reason"}: where torch puts tensors
     shared between processes (spawned ranks, data loaders); a small one fails them."""

@@ -13,6 +13,7 @@ buffers are free, so a slab is kept small relative to the capacity.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 import threading
 import time
@@ -333,7 +334,21 @@ class HostBufferPool:
             self._in_use_bytes -= buf._slab.size
             if self._closed:
                 self._drop_free_slabs(need=None)
+            elif self._allocated_bytes > self.capacity_bytes:  # shrunk: give the memory back
+                self._drop_free_slabs(need=self._allocated_bytes - self.capacity_bytes)
             self._cond.notify_all()
+
+    def shrink(self, capacity_bytes: int) -> None:
+        """Lower the capacity to ``capacity_bytes``: wholly free slabs are dropped now until the
+        slabs fit it, and the others as their buffers come back (``release_free_heap`` then
+        returns the memory to the system)."""
+        with self._cond:
+            if not 0 < capacity_bytes <= self.capacity_bytes:
+                raise ValueError(f"HostBufferPool.shrink: capacity_bytes={capacity_bytes} must be in "
+                                 f"(0, {self.capacity_bytes}]")
+            self.config = dataclasses.replace(self.config, capacity_bytes=capacity_bytes)
+            if self._allocated_bytes > capacity_bytes:
+                self._drop_free_slabs(need=self._allocated_bytes - capacity_bytes)
 
     def close(self) -> None:
         """Drop all free slabs and refuse further acquires; acquired buffers stay valid."""

@@ -22,7 +22,7 @@ from storage.cache import CacheFullError, EntryState, ExpertCache, ExpertCacheCo
 from storage.fileio import ChunkReader, ChunkReaderConfig, ReadCancelled, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import ChunkEntry
-from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig
+from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig, release_free_heap
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
 
@@ -139,7 +139,8 @@ class TieredExpertStore:
         self.cache = ExpertCache(ExpertCacheConfig(capacity_bytes=config.cpu_cache_bytes, policy=config.policy,
                                                    aging_interval=aging), on_evict=self._on_evict)
         # The cache bounds the bytes in use; the slack covers size-class fragmentation in the pool.
-        self.pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=config.cpu_cache_bytes + 2 * biggest,
+        self._slack = 2 * biggest
+        self.pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=config.cpu_cache_bytes + self._slack,
                                                         pin=config.pin_memory, slab_bytes=biggest))
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.io_threads))
         # guesses wait inside their reads for the disk to be idle: on the demand reader's threads
@@ -341,6 +342,14 @@ class TieredExpertStore:
                              evictions=s.evictions, ssd_bytes=self._ssd_bytes, ssd_reads=self._ssd_reads,
                              ssd_read_s=self._ssd_s, prefetch_issued=self._issued, prefetch_dropped=self._dropped,
                              guesses_cancelled=self._cancelled, guess_wasted_bytes=self._wasted)
+
+    def shrink(self, cpu_cache_bytes: int) -> int:
+        """Lower the CPU cache's budget (memory pressure): evict down to it, and give the buffers
+        freed, now or as pinned ones come back, to the system. Returns the bytes evicted now."""
+        freed = self.cache.shrink(cpu_cache_bytes)
+        self.pool.shrink(cpu_cache_bytes + self._slack)
+        release_free_heap()
+        return freed
 
     def reset_stats(self) -> None:
         """Zero every counter."""

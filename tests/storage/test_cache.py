@@ -500,3 +500,30 @@ def test_a_reserve_waits_for_reads_in_flight_to_make_room():
     cache.complete("b", "p")
     cache.complete("c", "p")
     assert cache.wait_for_room(1, timeout=30) is False  # everything pinned, nothing loading
+
+
+def test_shrink_evicts_down_to_the_new_budget_and_later_reserves_keep_to_it():
+    cache, log = _cache(6)
+    for key in "ABCDEF":
+        _load(cache, key)
+    cache.pin("A")  # pinned: stays, over budget until released
+    assert cache.shrink(2) == 4  # bytes evicted now
+    assert cache.capacity_bytes == 2 and cache.used_bytes == 2
+    assert "A" in cache and len(log.keys) == 4 and "A" not in log.keys
+    cache.unpin("A")
+    _load(cache, "G")
+    _load(cache, "H")
+    assert cache.used_bytes == 2  # each reserve evicted to stay within the lowered budget
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        cache.shrink(3)  # growing is not what shrink does
+
+
+def test_shrink_evicts_unused_guesses_before_the_policys_victims():
+    cache, log = _cache(3)
+    _load(cache, "A")
+    _load(cache, "B")
+    cache.reserve("G", 1, probation=True)  # a guess, read but never used
+    cache.complete("G", "payload-G")
+    cache.unpin("G")
+    cache.shrink(2)
+    assert log.keys == ["G"]

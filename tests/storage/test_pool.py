@@ -301,3 +301,19 @@ def test_cuda_pinned_pool_buffers_are_page_locked_and_counted():
     buf.release()
     pool.close()
     assert pool.pinned_bytes == 0
+
+
+def test_shrink_drops_free_slabs_now_and_the_others_as_their_buffers_come_back():
+    pool = make_pool(4 * ALIGN, slab_bytes=ALIGN)
+    bufs = [pool.acquire(ALIGN) for _ in range(4)]
+    bufs[0].release()
+    pool.shrink(2 * ALIGN)
+    assert pool.capacity_bytes == 2 * ALIGN
+    assert pool.allocated_bytes == 3 * ALIGN  # the free slab went; three are still in use
+    bufs[1].release()
+    assert pool.allocated_bytes == 2 * ALIGN  # returned while over the budget: dropped
+    bufs[2].release()
+    assert pool.allocated_bytes == 2 * ALIGN  # within the budget: kept for reuse
+    assert pool.acquire(ALIGN, timeout=0) is not None
+    with pytest.raises(ValueError, match="capacity_bytes"):
+        pool.shrink(8 * ALIGN)

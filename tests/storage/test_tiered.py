@@ -321,3 +321,21 @@ def test_close_gives_the_host_pool_back(store):
     assert tier.pool.allocated_bytes > 0
     tier.close()
     assert tier.pool.allocated_bytes == 0  # evicted or not, no slab outlives the tier
+
+
+def test_shrink_lowers_the_cache_and_gives_the_pool_memory_back(store):
+    tier = _tier(store, experts_in_cache=6)
+    chunk = store.manifest.chunk(0, 0).bytes
+    for e in range(6):
+        with tier.get(ExpertKey(0, e)):
+            pass
+    assert tier.pool.allocated_bytes == 6 * chunk
+    assert tier.shrink(2 * chunk) == 4 * chunk
+    assert tier.cache.capacity_bytes == 2 * chunk and tier.cache.used_bytes == 2 * chunk
+    # the pool keeps its slack of two experts beside the cache, and no more
+    assert tier.pool.capacity_bytes == 4 * chunk and tier.pool.allocated_bytes <= 4 * chunk
+    for e in range(EXPERTS):  # still serves every expert, within the lowered budget
+        with tier.get(ExpertKey(1, e)) as h:
+            assert _same(h.tensors, written(1, e))
+        assert tier.cache.used_bytes <= 2 * chunk and tier.pool.allocated_bytes <= 4 * chunk
+    tier.close()
