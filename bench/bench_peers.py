@@ -9,7 +9,8 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
     resident  tok/s of both engines at each precision, greedy tokens' agreement (f32 against f32),
               peak RSS
     limited   with the page cache dropped first, a balloon process holds all but SIZE of the
-              available memory (no swap: it stays resident) while one engine runs, SIZE = 50% and
+              available memory (no swap: it stays resident; it sizes itself after its own start
+              and tops up until MemAvailable is SIZE) while one engine runs, SIZE = 50% and
               25% of the model's bytes: semoe with its CPU cache sized so that its own memory (its
               peak RSS less its file-backed pages) and --margin (64 MiB) for the code it runs fit SIZE,
               llama.cpp with mmap and the page cache (and --no-repack: its q4_0 kernels otherwise
@@ -27,7 +28,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
@@ -50,7 +50,7 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
     """Greedy decode of our engine (resident without a cache budget), after a warm-up generation."""
     from inference.engine import Engine, EngineConfig
     from semoe.generate import SamplingConfig
-    from storage.envinfo import peak_rss_bytes, status_bytes
+    from storage.envinfo import major_faults, peak_rss_bytes, status_bytes
 
     cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct") \
         if cpu_cache else EngineConfig(dtype="float32")
@@ -58,10 +58,12 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
     try:
         sampling = SamplingConfig(max_new_tokens=new_tokens)
         engine.generate(prompt, SamplingConfig(max_new_tokens=4))
-        read0 = _read_bytes()
+        read0, faults0 = _read_bytes(), major_faults()
         res = engine.generate(prompt, sampling)
         return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
+                "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
+                "expert_read_bytes_per_token": res.stats.get("ssd_bytes_per_token", 0.0),
                 "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": engine.offload.tier.cache.capacity_bytes if engine.offload else None}
     finally:
@@ -112,11 +114,22 @@ class Balloon:
 
     def __enter__(self) -> "Balloon":
         drop_page_cache()
-        size = available_bytes() - self.keep
-        if size <= 0:
+        if available_bytes() <= self.keep:
             raise SystemExit(f"only {available_bytes()} bytes available, less than SIZE {self.keep}")
+        # The balloon sizes itself from MemAvailable as seen once its interpreter and numpy are
+        # resident (about 30 MB, which would otherwise come out of SIZE), and tops itself up until
+        # what is left is SIZE (within about 10 MiB): the kernel frees some of its own caches under the
+        # pressure the first allocation makes, so the top-ups take half of what is over each time.
         code = ("import numpy as np, sys, time\n"
-                f"a = np.ones({size}, dtype=np.uint8)\n"  # written: every page resident
+                "def avail():\n"
+                "    return next(int(l.split()[1]) * 1024 for l in open('/proc/meminfo') if l.startswith('MemAvailable:'))\n"
+                "held = []\n"
+                "for i in range(8):\n"
+                f"    more = avail() - {self.keep}\n"
+                "    if more < 4 << 20:\n"
+                "        break\n"
+                "    held.append(np.ones(more if i == 0 else more // 2, dtype=np.uint8))\n"  # written: resident
+                "    time.sleep(0.2)\n"
                 "print('ready', flush=True)\n"
                 "time.sleep(3600)\n")
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
@@ -267,7 +280,9 @@ def report(result: dict, as_json: bool) -> None:
                     f"{', '.join(f'{x:.2f}' for x in r['decode_tok_s_runs'])}) | read "
                     f"{r['read_bytes_per_token'] / 2**20:8.2f} MiB/tok | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
             if part == "limited" and r.get("cpu_cache_bytes"):
-                line += f" | CPU cache {r['cpu_cache_bytes'] / 2**30:.3f} GiB"
+                line += (f" | CPU cache {r['cpu_cache_bytes'] / 2**30:.3f} GiB (at the end) | of the reads, experts "
+                         f"{r['expert_read_bytes_per_token'] / 2**20:.2f} MiB/tok | major faults "
+                         f"{r['major_faults_per_token']:.1f}/tok")
             print(line)
         for bits, _, gguf in PAIRS:
             for suffix in [""] if part == "resident" else [f"-{s}%" for s in ("50", "25")]:
