@@ -36,7 +36,7 @@ import logging
 import os
 import shutil
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Callable
 
 import torch
@@ -44,6 +44,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from mpress.swap_core import ExecutorStats
 from semoe.checkpoint import _dense_params, hf_name
 from semoe.config import MoEConfig
 from semoe.expert_states import ExpertStates, sum_of_squares
@@ -59,6 +60,7 @@ log = logging.getLogger(__name__)
 SCHEDULES = ("gpipe", "1f1b")
 PIPELINE_FILE = "pipeline.json"
 PIPELINE_OPTIMIZER_FILE = "pipeline_optimizer.pt"
+EXECUTOR_STATS = tuple(f.name for f in fields(ExecutorStats))  # per stage in the step log's `memory`
 
 
 @dataclass(kw_only=True)
@@ -434,11 +436,37 @@ class PipelineTrainer(Trainer):
         aux_sum, z_sum = self.meter.take()
         sq = (sum_of_squares(self.dense_states.grads(), dev)  # each stage its own
               + self.states.grad_sq_sum())
-        # ce is ce / M already; each stage's router losses and squares are its own: all add up over stages
-        summed = self.comm.sum_on_device(torch.stack([ce_sum, to_device(aux_sum, dev), to_device(z_sum, dev), sq]))
-        ce_mean, aux_sum, z_sum, sq = summed.tolist()
-        return self._finish_step(t0, before, lr, ce_mean, aux_sum / M, sq,
-                                 extra={"z_loss": z_sum / M, "stages": self.world, "schedule": self.pipeline.schedule})
+        # ce is ce / M already; each stage's router losses and squares are its own: all add up over
+        # stages. Under a memory plan each stage's executor counters ride along in a slot of its own.
+        numbers = torch.stack([ce_sum, to_device(aux_sum, dev), to_device(z_sum, dev), sq])
+        if self.memory is not None:
+            slots = torch.zeros(self.world, len(EXECUTOR_STATS), dtype=torch.float64, device=dev)
+            st = self.memory.executor.stats()
+            slots[self.rank] = torch.tensor([float(getattr(st, f)) for f in EXECUTOR_STATS], dtype=torch.float64)
+            numbers = torch.cat([numbers, slots.flatten()])
+        summed = self.comm.sum_on_device(numbers).tolist()
+        ce_mean, aux_sum, z_sum, sq = summed[:4]
+        extra = {"z_loss": z_sum / M, "stages": self.world, "schedule": self.pipeline.schedule}
+        if self.memory is not None:
+            extra["memory"] = self._memory_log(summed[4:])
+        return self._finish_step(t0, before, lr, ce_mean, aux_sum / M, sq, extra=extra)
+
+    def _memory_log(self, stats: list[float]) -> dict:
+        """The step log's `memory`: the plan's techniques, and per stage what `compact` planned (its
+        parameter, gradient and optimizer-state bytes, those moved or streamed) beside its executor's
+        counters since the start (`mpress.swap_core.ExecutorStats`: peak and resident activation
+        bytes, bytes swapped, layers recomputed)."""
+        n = len(EXECUTOR_STATS)
+        planned = self.memory.planned or {}
+        techniques = self.memory.plan
+        out = {"plan": sorted({d.technique for d in techniques.decisions}),
+               "model_data": sorted({d.technique for d in techniques.model_data}),
+               "budget_bytes": planned.get("budget_bytes"), "stages": []}
+        for stage in range(self.world):
+            row = dict(planned["stages"][stage]) if planned else {"stage": stage}
+            row.update({f: int(v) for f, v in zip(EXECUTOR_STATS, stats[stage * n:(stage + 1) * n])})
+            out["stages"].append(row)
+        return out
 
     def close(self) -> None:
         try:

@@ -95,6 +95,9 @@ class StageMemory:
     runs: nn.ModuleDict
     prefetch: Callable[[], None]
     stepper: ModelDataRunner | None
+    # what `compact` planned, for the step log: the plan's techniques and, per stage, its bytes of
+    # parameters, gradients and optimizer states and what the plan moves or streams of them
+    planned: dict | None = None
 
     def close(self) -> None:
         try:
@@ -234,19 +237,26 @@ def compact(trainer: StagedTrainer, stage_memory_bytes: int) -> StageMemory:
     the_plan, fits, reason, step_s, planning_s, name, host_limit = box[0]
     if not fits:
         raise BadInputError(f"--stage-memory {stage_memory_bytes} bytes: no plan fits: {reason}")
+    planned = {"budget_bytes": stage_memory_bytes, "plan": sorted({d.technique for d in the_plan.decisions}),
+               "model_data": sorted({d.technique for d in the_plan.model_data}), "stages": []}
+    for st in profile.stages:
+        states, streamed = moved_model_bytes(profile, the_plan, st.stage)
+        planned["stages"].append({"stage": st.stage, "model_data_bytes": st.static_bytes,
+                                  "moved_state_bytes": states, "streamed_bytes": streamed})
     log.info("stage %d: plan %s, model data %s, simulated step %.3f s, planned in %.3f s", trainer.rank,
-             sorted({d.technique for d in the_plan.decisions}),
-             sorted({d.technique for d in the_plan.model_data}), step_s, planning_s)
-    states, streamed = moved_model_bytes(profile, the_plan, trainer.rank)
+             planned["plan"], planned["model_data"], step_s, planning_s)
+    mine = planned["stages"][trainer.rank]
+    states, streamed = mine["moved_state_bytes"], mine["streamed_bytes"]
     # moved states come back under the budget; streamed weights and gradients are on its meter
-    layers = profile.stages[trainer.rank].layers
-    static = profile.stages[trainer.rank].static_bytes - states - streamed
+    static = mine["model_data_bytes"] - states - streamed
     log.info("stage %d: parameters, gradients and optimizer states take %d bytes, %d of them blocks' optimizer "
              "states; the plan moves %d bytes of optimizer states and streams %d bytes of weights and gradients "
-             "off the device", trainer.rank, static + states + streamed, sum(lp.state_bytes for lp in layers),
-             states, streamed)
-    return install(trainer, the_plan, profile=profile, activation_budget_bytes=max(1, stage_memory_bytes - static),
-                   name=name, host_limit_bytes=host_limit)
+             "off the device", trainer.rank, mine["model_data_bytes"],
+             sum(lp.state_bytes for lp in profile.stages[trainer.rank].layers), states, streamed)
+    memory = install(trainer, the_plan, profile=profile, activation_budget_bytes=max(1, stage_memory_bytes - static),
+                     name=name, host_limit_bytes=host_limit)
+    memory.planned = planned
+    return memory
 
 
 def make_peers(trainer: StagedTrainer, capacity_bytes: int, name: str) -> Any:

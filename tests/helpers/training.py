@@ -62,6 +62,12 @@ def log_losses(path: str) -> list[float]:
         return [json.loads(line)["loss"] for line in f]
 
 
+def log_entries(path: str) -> list[dict]:
+    """Every step's record of a `--log-json` file, in order."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
+
+
 @dataclass(frozen=True)
 class Tol:
     """A tolerance: `rtol` of each element, plus `atol` absolute and `ulps_of_max` float32 eps times

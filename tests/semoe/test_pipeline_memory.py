@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 from helpers.dist import run_ranks
-from helpers.training import SHAPE, SHAPE_FLAGS, cli, log_losses, store_tensors
+from helpers.training import SHAPE, SHAPE_FLAGS, cli, log_entries, log_losses, store_tensors
 
 from mpress.profile import Decision, ModelDataDecision, Plan, Stripe
 from semoe.config import named_config
@@ -131,6 +131,18 @@ def test_streamed_weights_in_host_memory_keep_the_numbers(tmp_path, text_file):
     assert s0["weight_bytes"] > 0 and s1["weight_bytes"] > s0["weight_bytes"]  # stage 1 streams two blocks
 
 
+def _assert_planned_and_kept(mem: dict, budget: int) -> None:
+    """A step's `memory` record under `--stage-memory budget`: the plan places activations off the
+    device (recompute, host or D2D swap), each stage's executor did so, and its peak of activations
+    and streamed weights stayed within what the budget leaves beside the stage's model data."""
+    assert mem["budget_bytes"] == budget and len(mem["stages"]) == 2, mem
+    assert set(mem["plan"]) & {"recompute", "host", "d2d"}, mem
+    assert any(st["recomputed"] or st["host_bytes"] or st["peer_bytes"] for st in mem["stages"]), mem
+    for st in mem["stages"]:
+        kept = st["model_data_bytes"] - st["moved_state_bytes"] - st["streamed_bytes"]
+        assert 0 < st["peak_bytes"] <= budget - kept, (st, budget)
+
+
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "8",
@@ -138,17 +150,22 @@ def test_stage_memory_is_planned_for_and_changes_nothing(tmp_path, text_file):
     cli(*common, "--out", str(tmp_path / "free"), "--log-json", str(tmp_path / "free.log"))
     # four steps, then a resume to eight under the same budget (the checkpoint's optimizer state is
     # loaded once the plan is installed)
-    p = cli("-v", *common, "--steps", "4", "--checkpoint-every", "2", "--out", str(tmp_path / "tight"),
-            "--log-json", str(tmp_path / "tight.log"),
-            "--stage-memory", "1700KiB")  # the head's logits of 4 micro-batches take most of the last stage's
-    assert "plan ['recompute']" in p.stderr or "plan ['host'" in p.stderr or "plan ['d2d'" in p.stderr, p.stderr
+    cli(*common, "--steps", "4", "--checkpoint-every", "2", "--out", str(tmp_path / "tight"),
+        "--log-json", str(tmp_path / "tight.log"),
+        "--stage-memory", "1700KiB")  # the head's logits of 4 micro-batches take most of the last stage's
     cli("train", "--out", str(tmp_path / "tight"), "--resume", "--steps", "8", "--pipeline", "2", "-q",
         "--log-json", str(tmp_path / "tight.log"), "--stage-memory", "1700KiB")
+    runs = log_entries(str(tmp_path / "tight.log"))
+    assert len(runs) == 8
+    for entry in (runs[3], runs[7]):  # the first run's last step and the resumed run's
+        _assert_planned_and_kept(entry["memory"], 1700 * 1024)
     # a budget with room for everything: the plan keeps all, and the resumed run loads the
     # optimizer state onto the device as an unplanned one does
     roomy = ["--out", str(tmp_path / "roomy"), "--log-json", str(tmp_path / "roomy.log"), "--stage-memory", "64MiB"]
-    p = cli("-v", *common, "--steps", "4", "--checkpoint-every", "2", *roomy)
-    assert "plan [], model data []" in p.stderr, p.stderr
+    cli(*common, "--steps", "4", "--checkpoint-every", "2", *roomy)
+    mem = log_entries(str(tmp_path / "roomy.log"))[-1]["memory"]
+    assert mem["plan"] == [] and mem["model_data"] == [], mem
+    assert all(st["host_bytes"] == st["peer_bytes"] == st["recomputed"] == 0 for st in mem["stages"]), mem
     cli("train", "--resume", "--steps", "8", "--pipeline", "2", "-q", *roomy)
     free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
     assert log_losses(str(tmp_path / "roomy.log")) == free
@@ -165,9 +182,9 @@ def test_a_plan_under_bf16_autocast_changes_nothing(tmp_path, text_file):
     common = ["train", *FLAGS4, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "4",
               "--pipeline", "2", "--micro-batches", "4", "--schedule", "gpipe", "--precision", "bf16", "-q"]
     cli(*common, "--out", str(tmp_path / "free"), "--log-json", str(tmp_path / "free.log"))
-    p = cli("-v", *common, "--out", str(tmp_path / "tight"), "--log-json", str(tmp_path / "tight.log"),
-            "--stage-memory", "1700KiB")
-    assert "plan ['recompute']" in p.stderr or "plan ['host'" in p.stderr or "plan ['d2d'" in p.stderr, p.stderr
+    cli(*common, "--out", str(tmp_path / "tight"), "--log-json", str(tmp_path / "tight.log"),
+        "--stage-memory", "1700KiB")
+    _assert_planned_and_kept(log_entries(str(tmp_path / "tight.log"))[-1]["memory"], 1700 * 1024)
     free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
     assert free == tight and len(free) == 4
 
@@ -182,16 +199,18 @@ def test_a_budget_below_the_model_data_trains_by_moving_it(tmp_path, text_file):
     common = ["train", *flags8, "--data", text_file, "--batch-size", "8", "--seq-len", "32", "--steps", "8",
               "--pipeline", "2", "--micro-batches", "4", "--schedule", "gpipe", "-q"]
     cli(*common, "--out", str(tmp_path / "free"), "--log-json", str(tmp_path / "free.log"))
-    probe = cli("-v", *common, "--steps", "1", "--out", str(tmp_path / "probe"), "--stage-memory", "64MiB")
-    static = [int(line.split(" take ")[1].split()[0]) for line in probe.stderr.splitlines()
-              if "optimizer states take" in line]
-    assert len(static) == 2, probe.stderr
+    cli(*common, "--steps", "1", "--out", str(tmp_path / "probe"), "--stage-memory", "64MiB",
+        "--log-json", str(tmp_path / "probe.log"))
+    static = [st["model_data_bytes"] for st in log_entries(str(tmp_path / "probe.log"))[0]["memory"]["stages"]]
+    assert len(static) == 2 and min(static) > 0, static
     budget = max(static) - 4096
     # four steps, then a resume to eight: the checkpoint read the moved moments where they lived,
     # and the resumed run moves them off the device again before its first step
-    p = cli("-v", *common, "--steps", "4", "--checkpoint-every", "2", "--out", str(tmp_path / "tight"),
-            "--log-json", str(tmp_path / "tight.log"), "--stage-memory", str(budget))
-    assert "model data ['host']" in p.stderr, p.stderr
+    cli(*common, "--steps", "4", "--checkpoint-every", "2", "--out", str(tmp_path / "tight"),
+        "--log-json", str(tmp_path / "tight.log"), "--stage-memory", str(budget))
+    mem = log_entries(str(tmp_path / "tight.log"))[-1]["memory"]
+    assert mem["model_data"] == ["host"], mem
+    assert max(st["moved_state_bytes"] for st in mem["stages"]) > 0 and max(st["model_bytes"] for st in mem["stages"]) > 0
     cli("train", "--out", str(tmp_path / "tight"), "--resume", "--steps", "8", "--pipeline", "2", "-q",
         "--log-json", str(tmp_path / "tight.log"), "--stage-memory", str(budget))
     free, tight = log_losses(str(tmp_path / "free.log")), log_losses(str(tmp_path / "tight.log"))
@@ -200,10 +219,12 @@ def test_a_budget_below_the_model_data_trains_by_moving_it(tmp_path, text_file):
     # still holds 99% (its parameters and gradients, the head's moments and the logits the loss
     # keeps), and with every block's weights streamed as well 83%: only streaming fits, planned
     # from the budget
-    p = cli("-v", *common, "--steps", "4", "--out", str(tmp_path / "streamed"), "--log-json",
-            str(tmp_path / "streamed.log"), "--stage-memory", str(max(static) * 90 // 100))
-    streams = [int(line.split(" streams ")[1].split()[0]) for line in p.stderr.splitlines() if " streams " in line]
-    assert len(streams) == 2 and max(streams) > 0, p.stderr  # the last stage's, at least
+    cli(*common, "--steps", "4", "--out", str(tmp_path / "streamed"), "--log-json",
+        str(tmp_path / "streamed.log"), "--stage-memory", str(max(static) * 90 // 100))
+    mem = log_entries(str(tmp_path / "streamed.log"))[-1]["memory"]
+    streams = [st["streamed_bytes"] for st in mem["stages"]]
+    assert len(streams) == 2 and max(streams) > 0, mem  # the last stage's, at least
+    assert max(st["weight_bytes"] for st in mem["stages"]) > 0, mem  # and its executor streamed them
     assert log_losses(str(tmp_path / "streamed.log")) == free[:4]
 
 
