@@ -167,7 +167,8 @@ def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
         assert out["tokens"] == resident["tokens"] and out["logprobs"] == resident["logprobs"]
         assert sorted(out["stats"]) == sorted(["gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token",
                                                "device_copy_bytes_per_token", "ideal_bytes_per_token",
-                                               "prefetch_precision", "prefetch_recall", "peak_rss_bytes"])
+                                               "prefetch_precision", "prefetch_recall", "cpu_cache_bytes",
+                                              "peak_rss_bytes"])
 
 
 @ON_OLDER_ARCHS
