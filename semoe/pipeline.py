@@ -457,10 +457,9 @@ class PipelineTrainer(Trainer):
         counters since the start (`mpress.swap_core.ExecutorStats`: peak and resident activation
         bytes, bytes swapped, layers recomputed)."""
         n = len(EXECUTOR_STATS)
-        planned = self.memory.planned or {}
-        techniques = self.memory.plan
-        out = {"plan": sorted({d.technique for d in techniques.decisions}),
-               "model_data": sorted({d.technique for d in techniques.model_data}),
+        planned, plan = self.memory.planned or {}, self.memory.plan
+        out = {"plan": sorted({d.technique for d in plan.decisions}),
+               "model_data": sorted({d.technique for d in plan.model_data}),
                "budget_bytes": planned.get("budget_bytes"), "stages": []}
         for stage in range(self.world):
             row = dict(planned["stages"][stage]) if planned else {"stage": stage}

@@ -95,8 +95,8 @@ class StageMemory:
     runs: nn.ModuleDict
     prefetch: Callable[[], None]
     stepper: ModelDataRunner | None
-    # what `compact` planned, for the step log: the plan's techniques and, per stage, its bytes of
-    # parameters, gradients and optimizer states and what the plan moves or streams of them
+    # what `compact` planned, for the step log: the budget and, per stage, its bytes of parameters,
+    # gradients and optimizer states and what the plan moves or streams of them
     planned: dict | None = None
 
     def close(self) -> None:
@@ -237,14 +237,14 @@ def compact(trainer: StagedTrainer, stage_memory_bytes: int) -> StageMemory:
     the_plan, fits, reason, step_s, planning_s, name, host_limit = box[0]
     if not fits:
         raise BadInputError(f"--stage-memory {stage_memory_bytes} bytes: no plan fits: {reason}")
-    planned = {"budget_bytes": stage_memory_bytes, "plan": sorted({d.technique for d in the_plan.decisions}),
-               "model_data": sorted({d.technique for d in the_plan.model_data}), "stages": []}
+    planned = {"budget_bytes": stage_memory_bytes, "stages": []}
     for st in profile.stages:
         states, streamed = moved_model_bytes(profile, the_plan, st.stage)
         planned["stages"].append({"stage": st.stage, "model_data_bytes": st.static_bytes,
                                   "moved_state_bytes": states, "streamed_bytes": streamed})
     log.info("stage %d: plan %s, model data %s, simulated step %.3f s, planned in %.3f s", trainer.rank,
-             planned["plan"], planned["model_data"], step_s, planning_s)
+             sorted({d.technique for d in the_plan.decisions}), sorted({d.technique for d in the_plan.model_data}),
+             step_s, planning_s)
     mine = planned["stages"][trainer.rank]
     states, streamed = mine["moved_state_bytes"], mine["streamed_bytes"]
     # moved states come back under the budget; streamed weights and gradients are on its meter
