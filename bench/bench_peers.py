@@ -11,8 +11,10 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
     limited   with the page cache dropped first, a balloon process holds all but SIZE of the
               available memory (no swap: it stays resident; it sizes itself after its own start
               and tops up until MemAvailable is SIZE) while one engine runs, SIZE = 50% and
-              25% of the model's bytes: semoe with its CPU cache sized so that its own memory (its
-              peak RSS less its file-backed pages) and --margin (64 MiB) for the code it runs fit SIZE,
+              25% of the model's bytes: semoe with `--cpu-cache auto` (the memory available once its
+              dense weights are loaded, less a reserve, lowered by its memory guard if its code starts
+              faulting back in), or with --margin MIB: a cache sized so that its own memory (its peak
+              RSS less its file-backed pages) and MIB for the code it runs fit SIZE;
               llama.cpp with mmap and the page cache (and --no-repack: its q4_0 kernels otherwise
               copy the whole model into anonymous memory at load). tok/s and bytes read from storage per
               decoded token (/proc/PID/io read_bytes: O_DIRECT reads and mmap page faults alike)
@@ -34,10 +36,12 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
 
+# This process stays free of torch (the engines import it in their own processes): it lives through
+# every memory-limited run, and torch's 150 MiB and mapped code would come out of SIZE for both
+# engines, unevenly (llama.cpp's page cache felt it most: 2 tok/s instead of 18 at int4 50%).
 from bench_offload import drop_cache, prompt_ids  # noqa: E402
 
 PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"))
-MARGIN_MIB = 64  # left in SIZE beside our own memory and cache (--margin): the library code decoding runs
 
 
 def _read_bytes() -> int:
@@ -45,16 +49,18 @@ def _read_bytes() -> int:
         return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
 
 
-def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | None,
+def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | str | None,
              ring_slots: int | None = None) -> dict:
     """Greedy decode of our engine (resident without a cache budget), after a warm-up generation."""
     from inference.engine import Engine, EngineConfig
+    from inference.memory_guard import AUTO_RESERVE_BYTES
     from semoe.generate import SamplingConfig
     from storage.envinfo import major_faults, peak_rss_bytes, status_bytes
 
     cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct") \
         if cpu_cache else EngineConfig(dtype="float32")
     engine = Engine.load(store, cfg)
+    start_cache = engine.offload.tier.cache.capacity_bytes if engine.offload else None
     try:
         sampling = SamplingConfig(max_new_tokens=new_tokens)
         engine.generate(prompt, SamplingConfig(max_new_tokens=4))
@@ -65,7 +71,8 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
                 "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
                 "expert_read_bytes_per_token": res.stats.get("ssd_bytes_per_token", 0.0),
                 "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": status_bytes("RssFile") or 0,
-                "cpu_cache_bytes": engine.offload.tier.cache.capacity_bytes if engine.offload else None}
+                "cpu_cache_bytes": engine.offload.tier.cache.capacity_bytes if engine.offload else None,
+                "cpu_cache_start_bytes": start_cache, "auto_reserve_bytes": AUTO_RESERVE_BYTES}
     finally:
         engine.close()
 
@@ -199,7 +206,7 @@ def footprint(args: argparse.Namespace, ours: str) -> dict:
     r = _run(args, {"engine": "ours", "path": os.path.join(args.workdir, ours), "cpu_cache": 1, "cold": True,
                     "ring_slots": 2})
     return {"peak_rss_bytes": r["peak_rss_bytes"], "min_cache_bytes": r["cpu_cache_bytes"],
-            "rss_file_bytes": r["rss_file_bytes"]}
+            "rss_file_bytes": r["rss_file_bytes"], "auto_reserve_bytes": r["auto_reserve_bytes"]}
 
 
 def limited(args: argparse.Namespace) -> dict:
@@ -213,16 +220,18 @@ def limited(args: argparse.Namespace) -> dict:
         total = model_bytes(args.workdir, ours)
         for share in (int(s) for s in args.memory.split(",")):
             size = total * share // 100
-            cache = size - base - (args.margin << 20)
+            left = fp["auto_reserve_bytes"] if args.margin is None else args.margin << 20
+            cache = size - base - left
             specs = [("llama", {"engine": "llama", "path": os.path.join(args.workdir, f"llama-{gguf}.gguf"),
                                 "repack": False})]
             if cache >= fp["min_cache_bytes"]:
                 specs.insert(0, ("ours", {"engine": "ours", "path": os.path.join(args.workdir, ours),
-                                          "cpu_cache": cache, "cold": True, "ring_slots": 2}))
+                                          "cpu_cache": "auto" if args.margin is None else cache, "cold": True,
+                                          "ring_slots": 2}))
             else:
                 notes[f"ours-{bits}-{share}%"] = (
                     f"does not fit SIZE {size / 2**30:.2f} GiB: it holds {base / 2**30:.2f} GiB of its own besides its "
-                    f"cache and {fp['rss_file_bytes'] / 2**30:.2f} GiB of mapped code, leaves {args.margin} MiB "
+                    f"cache and {fp['rss_file_bytes'] / 2**30:.2f} GiB of mapped code, leaves {left >> 20} MiB "
                     f"for the code it runs, and its ring needs a cache of {fp['min_cache_bytes'] / 2**30:.2f} GiB")
             for round_ in range(args.repeats):
                 for engine, spec in specs:
@@ -280,7 +289,8 @@ def report(result: dict, as_json: bool) -> None:
                     f"{', '.join(f'{x:.2f}' for x in r['decode_tok_s_runs'])}) | read "
                     f"{r['read_bytes_per_token'] / 2**20:8.2f} MiB/tok | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
             if part == "limited" and r.get("cpu_cache_bytes"):
-                line += (f" | CPU cache {r['cpu_cache_bytes'] / 2**30:.3f} GiB (at the end) | of the reads, experts "
+                line += (f" | CPU cache {r['cpu_cache_start_bytes'] / 2**30:.3f} GiB at the start, "
+                         f"{r['cpu_cache_bytes'] / 2**30:.3f} at the end | of the reads, experts "
                          f"{r['expert_read_bytes_per_token'] / 2**20:.2f} MiB/tok | major faults "
                          f"{r['major_faults_per_token']:.1f}/tok")
             print(line)
@@ -350,9 +360,10 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="resident,limited")
     ap.add_argument("--memory", default="50,25", help="SIZE as percentages of the model's bytes")
-    ap.add_argument("--margin", type=int, default=MARGIN_MIB, metavar="MIB",
-                    help="MiB of SIZE left for the code our process runs (its file-backed pages), beside its own "
-                         "memory and its CPU cache (default %(default)s)")
+    ap.add_argument("--margin", type=int, default=None, metavar="MIB",
+                    help="size our CPU cache so that MIB of SIZE are left for the code our process runs (its "
+                         "file-backed pages), beside its own memory and the cache (default: --cpu-cache auto, "
+                         "the engine's own sizing from the memory it finds available)")
     ap.add_argument("--resident-bits", default="f32,int8,int4", help="precisions of the resident runs")
     ap.add_argument("--limited-bits", default="f32,int8,int4", help="precisions of the memory-limited runs")
     ap.add_argument("--experts", type=int, default=None,

@@ -22,6 +22,7 @@ from semoe.compact_linear import DENSE_CHOICES, stack_projections
 from semoe.decode_plan import DecodePlan
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import KVCache, MoEGPT
+from inference.memory_guard import CPU_CACHE_AUTO
 from storage.envinfo import peak_rss_bytes
 from storage.fileio import ReadMode
 from storage.store import Store
@@ -37,8 +38,11 @@ class EngineConfig:
 
     device: str = "cpu"
     dtype: str | None = None  # None: bfloat16 on CUDA (tensor-core rate), float32 on CPU
-    # Offload budgets: any of them set keeps the experts in the store. Bytes.
-    cpu_cache_bytes: int | None = None
+    # Offload budgets: any of them set keeps the experts in the store. Bytes; the CPU cache also
+    # "auto" (CPU_CACHE_AUTO): what the machine has available once the dense weights are loaded, less
+    # a reserve (inference.memory_guard.auto_cpu_cache_bytes)
+    cpu_cache_bytes: int | str | None = None
+    keep_bytes: int = 0  # what an auto CPU cache leaves free beside its reserve (a server's --kv-memory)
     device_memory_bytes: int | None = None  # expert ring in device memory (GPU); sets ring_slots
     ring_slots: int | None = None
     prefetch: bool = True  # routing-aware prefetch of the next layer's experts
@@ -74,9 +78,12 @@ class EngineConfig:
             raise ValueError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {self.dense!r}")
         if self.cache_policy == "belady":
             raise ValueError("cache_policy belady needs the future accesses: it is for simulation only")
+        if isinstance(self.cpu_cache_bytes, str) and self.cpu_cache_bytes != CPU_CACHE_AUTO:
+            raise ValueError(f"cpu_cache_bytes must be a number of bytes or {CPU_CACHE_AUTO!r}, "
+                             f"got {self.cpu_cache_bytes!r}")
         for name in ("cpu_cache_bytes", "device_memory_bytes", "ring_slots"):
             v = getattr(self, name)
-            if v is not None and v < 1:
+            if v is not None and v != CPU_CACHE_AUTO and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
 
     @property

@@ -28,7 +28,7 @@ from typing import Iterator
 
 import torch
 
-from inference.memory_guard import MemoryGuard
+from inference.memory_guard import CPU_CACHE_AUTO, MemoryGuard, auto_cpu_cache_bytes
 from inference.ring_book import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
 from semoe.expert_layout import ExpertLayout, TensorSlice, expert_layouts, expert_weights, place, placed_bytes
 from semoe.experts import ExpertWeights, expert_mlp
@@ -89,7 +89,8 @@ class OffloadedExperts:
     def __init__(self, model: MoEGPT, store: Store, *, device: torch.device, dtype: torch.dtype,
                  cpu_cache_bytes: int, ring_slots: int, copies: bool | None = None, prefetch: bool = True,
                  read_mode: ReadMode = ReadMode.DIRECT, workers: int = 4, min_precision: float = 0.8,
-                 cache_policy: str = "next-use", memory_guard: bool = True) -> None:
+                 cache_policy: str = "next-use", memory_guard: bool = True, grow_to: int | None = None,
+                 keep_bytes: int = 0) -> None:
         self.config = model.config
         self.mlp = expert_mlp(model.config)
         self.device = device
@@ -114,8 +115,9 @@ class OffloadedExperts:
         self.in_place = not self.copies
         biggest = max(self.chunk_bytes.values())
         floor = self.least_cpu_cache(ring_slots, model.config.top_k, biggest, copies=self.copies)
-        self.guard = MemoryGuard(self.tier, floor_bytes=min(floor, cpu_cache_bytes), step_bytes=biggest) \
-            if memory_guard else None
+        # `grow_to`: an auto budget, which the guard raises while memory is free, up to this
+        self.guard = MemoryGuard(self.tier, floor_bytes=min(floor, cpu_cache_bytes), step_bytes=biggest,
+                                 ceiling_bytes=grow_to, keep_bytes=keep_bytes) if memory_guard else None
         self.memory: _SlotMemory | None = None
         # where each expert's tensors lie in the memory compute reads: a slot's buffer when copying
         # (placed once here, not at every fill), else the CPU-cache entry, which is the chunk itself
@@ -190,6 +192,11 @@ class OffloadedExperts:
         # a budget of device memory is a ring in memory of its own, on CPU too
         copies = config.device_memory_bytes is not None or cls.must_copy(store, device, dtype)
         cpu = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else expert_bytes
+        grow_to = None
+        if cpu == CPU_CACHE_AUTO:
+            cpu, grow_to = auto_cpu_cache_bytes(expert_bytes, keep_bytes=config.keep_bytes), expert_bytes
+            log.info("offload: --cpu-cache auto: %d bytes (the memory available now less a reserve; %d bytes "
+                     "of experts)", cpu, expert_bytes)
         least = cls.least_cpu_cache(slots, top_k, biggest, copies=copies)
         if cpu < least:
             log.info("offload: CPU cache raised from %d to %d bytes, the least a ring of %d slots works with",
@@ -198,7 +205,7 @@ class OffloadedExperts:
         self = cls(model, store, device=device, dtype=dtype, cpu_cache_bytes=cpu, ring_slots=slots,
                    copies=copies, prefetch=config.prefetch, read_mode=config.read_mode,
                    min_precision=config.speculate_min_precision, cache_policy=config.cache_policy,
-                   memory_guard=config.memory_guard)
+                   memory_guard=config.memory_guard, grow_to=grow_to, keep_bytes=config.keep_bytes)
         for ffn in model.moe_layers():
             ffn.use_experts(self)
         log.info("offload: %d ring slots, CPU cache %d bytes, %s", slots, cpu,

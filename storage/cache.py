@@ -384,6 +384,15 @@ class ExpertCache:
         self._notify_evicted(evicted)
         return freed
 
+    def grow(self, capacity_bytes: int) -> None:
+        """Raise the byte budget to `capacity_bytes` (memory found free): reserves waiting for room
+        go on."""
+        with self._cond:
+            if capacity_bytes < self.capacity_bytes:
+                raise ValueError(f"capacity_bytes={capacity_bytes} is below the budget {self.capacity_bytes}")
+            self.config = dataclasses.replace(self.config, capacity_bytes=capacity_bytes)
+            self._cond.notify_all()
+
     def clear(self) -> int:
         """Evict every evictable entry; pinned and loading ones stay. Returns how many left."""
         with self._cond:

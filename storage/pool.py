@@ -350,6 +350,15 @@ class HostBufferPool:
             if self._allocated_bytes > capacity_bytes:
                 self._drop_free_slabs(need=self._allocated_bytes - capacity_bytes)
 
+    def grow(self, capacity_bytes: int) -> None:
+        """Raise the capacity to ``capacity_bytes``: acquires waiting for room go on."""
+        with self._cond:
+            if capacity_bytes < self.capacity_bytes:
+                raise ValueError(f"HostBufferPool.grow: capacity_bytes={capacity_bytes} is below the capacity "
+                                 f"{self.capacity_bytes}")
+            self.config = dataclasses.replace(self.config, capacity_bytes=capacity_bytes)
+            self._cond.notify_all()
+
     def close(self) -> None:
         """Drop all free slabs and refuse further acquires; acquired buffers stay valid."""
         with self._cond:

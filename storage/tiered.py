@@ -351,6 +351,11 @@ class TieredExpertStore:
         release_free_heap()
         return freed
 
+    def grow(self, cpu_cache_bytes: int) -> None:
+        """Raise the CPU cache's budget (memory found free)."""
+        self.pool.grow(cpu_cache_bytes + self._slack)
+        self.cache.grow(cpu_cache_bytes)
+
     def reset_stats(self) -> None:
         """Zero every counter."""
         self.cache.reset_stats()

@@ -52,7 +52,11 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("offload budgets",
                              "Sizes are bytes with a unit (512MiB, 2GiB) or a percentage of the model's expert "
                              "bytes (25%). Any of these flags offloads the experts: SSD -> CPU cache -> device.")
-    g.add_argument("--cpu-cache", metavar="SIZE", help="CPU cache for expert weights")
+    g.add_argument("--cpu-cache", metavar="SIZE",
+                   help="CPU cache for expert weights, or auto: the memory available once the dense weights are "
+                        "loaded, less a reserve of 48 MiB or a sixteenth and serve's --kv-memory (every expert "
+                        "where they fit), raised as memory frees up and lowered if the process starts reading its "
+                        "own code back from disk")
     g.add_argument("--device-memory", metavar="SIZE", help="device memory for the expert ring (sets its slots)")
     g.add_argument("--ring-slots", type=int, metavar="K", help="expert slots in the device ring")
     g.add_argument("--cache-policy", default="next-use", metavar="NAME",
@@ -82,6 +86,7 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":  # noqa
     """EngineConfig from `--device`, `--dtype` and the budget flags; percentages are of the expert bytes
     of `--model`."""
     from inference.engine import EngineConfig
+    from inference.memory_guard import CPU_CACHE_AUTO
 
     sizes = {"--cpu-cache": args.cpu_cache, "--device-memory": args.device_memory}
     total = None
@@ -89,7 +94,12 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":  # noqa
         total = expert_bytes(args.model)
         if total == 0:
             raise UsageError(f"--model {args.model}: the model has no expert weights to take a percentage of")
-    cpu, dev = (parse_size(v, flag=flag, percent_of=total) if v is not None else None for flag, v in sizes.items())
+    cpu, dev = (parse_size(v, flag=flag, percent_of=total) if v is not None and v.strip() != "auto" else v
+                for flag, v in sizes.items())
+    if dev is not None and not isinstance(dev, int):
+        raise UsageError("--device-memory takes a size (512MiB, 2GiB, 25%); auto is for --cpu-cache")
+    if cpu is not None and not isinstance(cpu, int):
+        cpu = CPU_CACHE_AUTO
     if args.ring_slots is not None and args.ring_slots < 1:
         raise UsageError(f"--ring-slots must be >= 1, got {args.ring_slots}")
     if args.cache_policy not in ONLINE_POLICIES:

@@ -69,6 +69,7 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"--request-log {args.request_log}: expected a file in an existing directory")
     kv_memory = parse_size(args.kv_memory, flag="--kv-memory") if args.kv_memory is not None else None
     config = engine_config_from_args(args)
+    config.keep_bytes = kv_memory or 0  # an auto CPU cache leaves the KV caches their memory
     template = load_chat_template(args.model)
     engine = Engine.load(args.model, config)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an

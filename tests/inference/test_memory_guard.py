@@ -7,7 +7,8 @@ import torch
 from helpers.hf_models import make_hf_checkpoint
 
 from inference.engine import Engine, EngineConfig
-from inference.memory_guard import HOT_STEPS, MemoryGuard
+from inference import memory_guard
+from inference.memory_guard import AUTO_RESERVE_BYTES, CPU_CACHE_AUTO, HOT_STEPS, MemoryGuard, auto_cpu_cache_bytes
 from semoe.generate import SamplingConfig
 from semoe.hf_import import import_checkpoint
 from storage.keys import ExpertKey
@@ -103,3 +104,83 @@ def test_an_offloaded_engine_under_pressure_shrinks_its_cache_and_keeps_its_answ
         assert guard.floor_bytes <= engine.offload.tier.cache.capacity_bytes < expert_bytes
     finally:
         engine.close()
+
+
+def test_an_auto_cache_grows_while_steps_are_calm_and_memory_is_available_and_stops_where_faults_begin(tier):
+    t, chunk = tier
+    t.shrink(2 * chunk)
+    faults, free = Faults(), [AUTO_RESERVE_BYTES + 5 * chunk]  # 5 experts beyond the reserve
+    guard = MemoryGuard(t, floor_bytes=2 * chunk, step_bytes=chunk, faults=faults, ceiling_bytes=16 * chunk,
+                        available=lambda: free[0], calm_steps=2)
+    # a cold start faults: no growth
+    for _ in range(4):
+        faults.count += 500
+        assert guard.step() == 0
+    assert t.cache.capacity_bytes == 2 * chunk and guard.grows == 0
+    # calm: every second step raises it by a quarter, at least an expert, within what is available
+    raised = []
+    for _ in range(4):
+        raised.append(guard.step())
+        free[0] -= -raised[-1] if raised[-1] < 0 else 0  # the cache takes what it grew by
+    assert raised == [0, -chunk, 0, -chunk] and t.cache.capacity_bytes == 4 * chunk
+    free[0] = AUTO_RESERVE_BYTES + 100 * chunk  # memory given back by others: a quarter a time
+    assert [guard.step() for _ in range(2)] == [0, -chunk] and t.cache.capacity_bytes == 5 * chunk
+    # entries fill the room it grew into without evicting
+    for e in range(5):
+        with t.get(ExpertKey(0, e)):
+            pass
+    assert t.cache.used_bytes == 5 * chunk
+    # faults for HOT_STEPS steps: it shrinks, and never grows past that level again
+    for _ in range(HOT_STEPS):
+        faults.count += 500
+        guard.step()
+    assert guard.shrinks == 1 and t.cache.capacity_bytes == 4 * chunk == guard.ceiling_bytes
+    assert all(guard.step() == 0 for _ in range(10)) and t.cache.capacity_bytes == 4 * chunk
+
+
+def test_a_fixed_cache_never_grows(tier):
+    t, chunk = tier
+    t.shrink(2 * chunk)
+    guard = MemoryGuard(t, floor_bytes=chunk, step_bytes=chunk, faults=Faults(), available=lambda: 1 << 40)
+    assert all(guard.step() == 0 for _ in range(10)) and t.cache.capacity_bytes == 2 * chunk
+
+
+def test_auto_cache_takes_the_available_memory_less_a_reserve():
+    MiB = 1 << 20
+    # a small machine: the fixed reserve; a large one: a sixteenth; every expert where they all fit
+    assert auto_cpu_cache_bytes(10_000 * MiB, available=lambda: 200 * MiB) == 200 * MiB - AUTO_RESERVE_BYTES
+    assert auto_cpu_cache_bytes(10_000 * MiB, available=lambda: 4096 * MiB) == 4096 * MiB - 256 * MiB
+    assert auto_cpu_cache_bytes(1000 * MiB, available=lambda: 4096 * MiB) == 1000 * MiB
+    assert auto_cpu_cache_bytes(1000 * MiB, available=lambda: AUTO_RESERVE_BYTES // 2) == 0
+    # a server's KV memory is left free too
+    assert auto_cpu_cache_bytes(10_000 * MiB, keep_bytes=100 * MiB, available=lambda: 4096 * MiB) == 3740 * MiB
+
+
+def test_an_engine_with_an_auto_cache_sizes_it_from_the_memory_available(tmp_path, monkeypatch):
+    hf = make_hf_checkpoint("mixtral", tmp_path / "hf", seed=2)
+    store = import_checkpoint(str(hf), str(tmp_path / "store"))
+    chunks = [c.bytes for c in store.manifest.chunks if c.kind == "weight"]
+    expert_bytes, biggest = sum(chunks), max(chunks)
+    prompt, sampling = [3, 17, 5, 29, 11], SamplingConfig(max_new_tokens=8)
+    resident = Engine.load(store.root, EngineConfig())
+    try:
+        want = resident.generate(prompt, sampling)
+    finally:
+        resident.close()
+    for available, cache in ((AUTO_RESERVE_BYTES + 5 * biggest, 5 * biggest),  # what is left, less the reserve
+                             (10 * expert_bytes + AUTO_RESERVE_BYTES, expert_bytes),  # all of them fit
+                             (AUTO_RESERVE_BYTES, 4 * biggest)):  # nothing left: what a ring of 2 needs (top-2)
+        monkeypatch.setattr(memory_guard, "available_ram_bytes", lambda a=available: a)
+        engine = Engine.load(store.root, EngineConfig(cpu_cache_bytes=CPU_CACHE_AUTO, ring_slots=2))
+        try:
+            assert engine.offload.tier.cache.capacity_bytes == cache
+            res = engine.generate(prompt, sampling)
+            assert res.tokens == want.tokens  # offloaded through any cache: the resident model's tokens
+        finally:
+            engine.close()
+
+
+def test_a_cache_budget_is_bytes_or_auto():
+    assert EngineConfig(cpu_cache_bytes=CPU_CACHE_AUTO).offloaded
+    with pytest.raises(ValueError, match="cpu_cache_bytes must be a number of bytes or 'auto', got 'half'"):
+        EngineConfig(cpu_cache_bytes="half")

@@ -162,7 +162,8 @@ def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
 
     resident = run()
     assert "stats" not in resident
-    for flags in (["--cpu-cache", "25%"], ["--cpu-cache", "50%", "--ring-slots", "2"], ["--device-memory", "1MiB"]):
+    for flags in (["--cpu-cache", "25%"], ["--cpu-cache", "50%", "--ring-slots", "2"], ["--device-memory", "1MiB"],
+                  ["--cpu-cache", "auto"]):
         out = run(*flags)
         assert out["tokens"] == resident["tokens"] and out["logprobs"] == resident["logprobs"]
         assert sorted(out["stats"]) == sorted(["gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token",

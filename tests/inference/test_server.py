@@ -949,7 +949,10 @@ def test_engine_config_from_budget_flags(model_dir):
         ("cpu", "float32", total // 2, 2048, 3) and cfg.offloaded
     assert not engine_config_from_args(parser.parse_args(["serve", "--model", str(model_dir), "--device", "cpu"])
                                        ).offloaded
+    auto = engine_config_from_args(parser.parse_args(["serve", "--model", str(model_dir), "--cpu-cache", "auto"]))
+    assert auto.cpu_cache_bytes == "auto" and auto.offloaded
     for flags, message in ((["--cpu-cache", "lots"], "--cpu-cache"), (["--device-memory", "150%"], "--device-memory"),
+                           (["--device-memory", "auto"], "--device-memory takes a size"),
                            (["--ring-slots", "0"], "--ring-slots")):
         with pytest.raises(UsageError, match=message):
             engine_config_from_args(parser.parse_args(["serve", "--model", str(model_dir), *flags]))

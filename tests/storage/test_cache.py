@@ -516,6 +516,12 @@ def test_shrink_evicts_down_to_the_new_budget_and_later_reserves_keep_to_it():
     assert cache.used_bytes == 2  # each reserve evicted to stay within the lowered budget
     with pytest.raises(ValueError, match="capacity_bytes"):
         cache.shrink(3)  # growing is not what shrink does
+    cache.grow(4)  # room again: the next loads stay without evicting
+    _load(cache, "I")
+    _load(cache, "J")
+    assert cache.used_bytes == 4 and len(log.keys) == 6
+    with pytest.raises(ValueError, match="below the budget"):
+        cache.grow(3)
 
 
 def test_shrink_evicts_unused_guesses_before_the_policys_victims():
