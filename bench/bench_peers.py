@@ -11,10 +11,10 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
     limited   with the page cache dropped first, a balloon process holds all but SIZE of the
               available memory (no swap: it stays resident; it sizes itself after its own start
               and tops up until MemAvailable is SIZE) while one engine runs, SIZE = 50% and
-              25% of the model's bytes: semoe with `--cpu-cache auto` (the memory available once its
-              dense weights are loaded, less a reserve, lowered by its memory guard if its code starts
-              faulting back in), or with --margin MIB: a cache sized so that its own memory (its peak
-              RSS less its file-backed pages) and MIB for the code it runs fit SIZE;
+              25% of the model's bytes: semoe with its CPU cache sized so that its own memory (its
+              peak RSS less its file-backed pages) and --margin (64 MiB) for the code it runs fit SIZE
+              (--cpu-cache-auto: the engine's `--cpu-cache auto` instead, which sizes it from
+              MemAvailable less a reserve and under this balloon took less: 0.03 GiB at int4 50%),
               llama.cpp with mmap and the page cache (and --no-repack: its q4_0 kernels otherwise
               copy the whole model into anonymous memory at load). tok/s and bytes read from storage per
               decoded token (/proc/PID/io read_bytes: O_DIRECT reads and mmap page faults alike)
@@ -42,6 +42,7 @@ sys.path.insert(0, BENCH)
 from bench_offload import drop_cache, prompt_ids  # noqa: E402
 
 PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"))
+MARGIN_MIB = 64  # left in SIZE beside our own memory and cache (--margin): the library code decoding runs
 
 
 def _read_bytes() -> int:
@@ -220,13 +221,13 @@ def limited(args: argparse.Namespace) -> dict:
         total = model_bytes(args.workdir, ours)
         for share in (int(s) for s in args.memory.split(",")):
             size = total * share // 100
-            left = fp["auto_reserve_bytes"] if args.margin is None else args.margin << 20
+            left = fp["auto_reserve_bytes"] if args.cpu_cache_auto else args.margin << 20
             cache = size - base - left
             specs = [("llama", {"engine": "llama", "path": os.path.join(args.workdir, f"llama-{gguf}.gguf"),
                                 "repack": False})]
             if cache >= fp["min_cache_bytes"]:
                 specs.insert(0, ("ours", {"engine": "ours", "path": os.path.join(args.workdir, ours),
-                                          "cpu_cache": "auto" if args.margin is None else cache, "cold": True,
+                                          "cpu_cache": "auto" if args.cpu_cache_auto else cache, "cold": True,
                                           "ring_slots": 2}))
             else:
                 notes[f"ours-{bits}-{share}%"] = (
@@ -360,10 +361,11 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--parts", default="resident,limited")
     ap.add_argument("--memory", default="50,25", help="SIZE as percentages of the model's bytes")
-    ap.add_argument("--margin", type=int, default=None, metavar="MIB",
-                    help="size our CPU cache so that MIB of SIZE are left for the code our process runs (its "
-                         "file-backed pages), beside its own memory and the cache (default: --cpu-cache auto, "
-                         "the engine's own sizing from the memory it finds available)")
+    ap.add_argument("--margin", type=int, default=MARGIN_MIB, metavar="MIB",
+                    help="MiB of SIZE left for the code our process runs (its file-backed pages), beside its own "
+                         "memory and its CPU cache (default %(default)s)")
+    ap.add_argument("--cpu-cache-auto", action="store_true",
+                    help="run our engine with --cpu-cache auto (its own sizing from MemAvailable) instead")
     ap.add_argument("--resident-bits", default="f32,int8,int4", help="precisions of the resident runs")
     ap.add_argument("--limited-bits", default="f32,int8,int4", help="precisions of the memory-limited runs")
     ap.add_argument("--experts", type=int, default=None,
