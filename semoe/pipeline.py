@@ -33,7 +33,6 @@ from __future__ import annotations
 import io
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import asdict, dataclass, fields
@@ -50,6 +49,7 @@ from semoe.config import MoEConfig
 from semoe.expert_states import ExpertStates, sum_of_squares
 from semoe.model import MoEGPT, rope_tables
 from semoe.pipeline_memory import StageMemory, compact, install
+from semoe.run_store import PIPELINE_FILE, PIPELINE_OPTIMIZER_FILE, RunStore
 from semoe.train import Trainer, build_model, init_dense, run_rank, to_device
 from semoe.train_config import StepLog, TrainConfig
 from storage.errors import BadInputError
@@ -58,8 +58,6 @@ from storage.store import Store
 log = logging.getLogger(__name__)
 
 SCHEDULES = ("gpipe", "1f1b")
-PIPELINE_FILE = "pipeline.json"
-PIPELINE_OPTIMIZER_FILE = "pipeline_optimizer.pt"
 EXECUTOR_STATS = tuple(f.name for f in fields(ExecutorStats))  # per stage in the step log's `memory`
 
 
@@ -238,7 +236,7 @@ class PipelineTrainer(Trainer):
         self.executor_factory = executor_factory
         self.meter = RouterLossMeter()
         self._stage_dense: list = []  # at a checkpoint, on rank 0: every stage's dense tensors
-        resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
+        resuming = RunStore.exists(cfg.store)
         self._resumed_optimizer: dict | None = None
         super().__init__(cfg, model_config, on_step=on_step)
         self.schedule = self._make_schedule()
@@ -308,7 +306,7 @@ class PipelineTrainer(Trainer):
         the stage keeps its part, the rest is dropped."""
         self.model = build_model(self.config, self.states, torch.device("cpu"), world=1).train()
         if self.trainer_state is not None:  # resuming: the last checkpoint's weights
-            self._load_dense(Store.open(self.cfg.store), self.cfg.store)
+            self._load_dense(self.run_store.store, self.cfg.store)
         elif self.cfg.init_from is None:
             init_dense(self.model, self.cfg.seed)
         else:

@@ -204,7 +204,7 @@ def _arrive(pending: deque[_GradCopy], into: GradAccumulator, *, block: bool) ->
 
 
 class SSDExpertStates(ExpertStates):
-    """Local experts' states in the store at `root`, behind a CPU cache of `cpu_cache_bytes`.
+    """Local experts' states in `store` (the run's, open), behind a CPU cache of `cpu_cache_bytes`.
 
     `copy_on_cpu`: on a CPU device, copy weights and gradients through the copy stream as on a GPU
     (the tests run the GPU's path this way) instead of using host memory in place."""
@@ -221,15 +221,14 @@ class SSDExpertStates(ExpertStates):
         return (SSDExpertStates.transient_bytes(config, prefetch_depth, write_threads)
                 + (write_threads + 2) * ChunkFormat(config).nbytes)
 
-    def __init__(self, config: MoEConfig, experts: range, device: torch.device, *, root: str,
+    def __init__(self, config: MoEConfig, experts: range, device: torch.device, *, store: Store,
                  cpu_cache_bytes: int, spill_dir: str, grad_budget_bytes: int | None = None,
                  read_mode: ReadMode = ReadMode.DIRECT, prefetch_depth: int = 1, write_threads: int = 1,
                  layers: list[int] | None = None, copy_on_cpu: bool = False) -> None:
         super().__init__(config, experts, device, layers)
-        self.root = root
+        self.root = root = store.root
         self.format = ChunkFormat(config)
-        committed = Store.open(root).manifest
-        self.overlay = Manifest.from_json(committed.to_json(), source=f"{root} (overlay)")
+        self.overlay = Manifest.from_json(store.manifest.to_json(), source=f"{root} (overlay)")
         self.view = Store(root, self.overlay)
         # moments stream past the cache: the tiles read ahead and those being written come off the budget
         transient = self.transient_bytes(config, prefetch_depth, write_threads)

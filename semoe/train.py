@@ -55,7 +55,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from semoe.attention import Attention
-from semoe.checkpoint import _dense_params, hf_config, hf_name, read_model_config
+from semoe.checkpoint import _dense_params, hf_config, hf_name
 from semoe.collectives import Collectives, object_group
 from semoe.config import MoEConfig
 from semoe.data import BatchSampler, prepare_data
@@ -65,6 +65,7 @@ from semoe.expert_parallel import local_expert_ids, shard_experts
 from semoe.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, ResidentExpertStates,
                                  TrainingExperts, init_expert)
 from semoe.model import MoEGPT, RMSNorm, Router
+from semoe.run_store import OPTIMIZER_FILE, TRAINER_FILE, RunStore
 from semoe.ssd_states import SSDExpertStates
 from semoe.tokenizer import ByteTokenizer
 from semoe.train_config import (Precision, StepLog, TrainConfig, TrainingError, json_line, progress_line,
@@ -76,8 +77,6 @@ from storage.store import Store, StoreWriter, chunk_meta
 log = logging.getLogger(__name__)
 
 _NO_SPACE = (errno.ENOSPC, errno.EDQUOT, errno.EFBIG)
-TRAINER_FILE = "trainer.json"
-OPTIMIZER_FILE = "optimizer.pt"
 
 
 # -- building the model ---------------------------------------------------------------------
@@ -155,7 +154,9 @@ class Trainer:
         self._place(cfg)
         self.writer: StoreWriter | None = None
         self.version: int | None = None
-        resuming = os.path.isfile(os.path.join(cfg.store, "manifest.json"))
+        # the run's store, opened once on this rank (a new run's once it is created, in _make_states)
+        self.run_store: RunStore | None = None
+        resuming = RunStore.exists(cfg.store)
         if resuming:
             self.config, self.trainer_state = self._open_existing(model_config)
         else:
@@ -244,8 +245,9 @@ class Trainer:
             if model_config is None:
                 raise BadInputError("a new run needs a model config")
             return model_config
-        self.source = Store.open(cfg.init_from)
-        config = read_model_config(self.source, f"--init-from {cfg.init_from}")
+        source = RunStore.open(cfg.init_from)
+        self.source = source.store
+        config = source.model_config(f"--init-from {cfg.init_from}")
         if self.source.is_compact() and self.rank == 0:
             fmt = (self.source.manifest.model.get("quantization") or {}).get("format", "compact")
             log.warning("--init-from %s: its experts are quantized (%s), a store for inference; training starts "
@@ -257,24 +259,18 @@ class Trainer:
 
     def _open_existing(self, model_config: MoEConfig | None) -> tuple[MoEConfig, dict]:
         """The model config and run file of the run being resumed, after checking the store."""
-        store = Store.open(self.cfg.store)
-        m = store.manifest
-        if not m.has_file(self.RUN_FILE) or not m.has_file("config.json"):
-            if m.has_file("pipeline.json") and self.RUN_FILE == TRAINER_FILE:
-                raise BadInputError(f"{self.cfg.store}: a pipeline run; resume it with --pipeline N")
-            if m.has_file(TRAINER_FILE):
-                raise BadInputError(f"{self.cfg.store}: not a pipeline run; resume it without --pipeline")
-            raise TrainingError(f"{self.cfg.store}: a store without {self.RUN_FILE} is not a training run")
+        self.run_store = RunStore.open(self.cfg.store)
+        self.run_store.check_resumable(self.RUN_FILE)
         if self.rank == 0 and self.cfg.verify:
-            problems = store.verify()
+            problems = self.run_store.store.verify()
             if problems:
                 raise TrainingError(f"{self.cfg.store}: store is damaged, refusing to train: {problems[0]} "
                                     f"({len(problems)} problem(s); `semoe store verify` lists them)")
-        config = read_model_config(store)
+        config = self.run_store.model_config()
         if model_config is not None and hf_config(model_config) != hf_config(config):
             raise BadInputError(f"{self.cfg.store}: the run's model config differs from the one given; "
                                 "drop the model flags to resume")
-        return config, json.loads(store.read_file(self.RUN_FILE))
+        return config, self.run_store.state(self.RUN_FILE)
 
     def _make_states(self, layers: list[int] | None = None) -> ExpertStates:
         """The expert-state backend of this rank's experts of `layers` (default: every MoE layer);
@@ -288,12 +284,13 @@ class Trainer:
             if cache < least:
                 raise BadInputError(f"--cpu-cache {cache} bytes is too small for expert states of "
                                     f"{ChunkFormat(self.config).nbytes} bytes each; give at least {least} bytes")
-        if self.rank == 0 and self.trainer_state is None:
-            Store.create(cfg.store)
-        self.comm.barrier()
+        if self.run_store is None:  # a new run: rank 0 creates its store, the others open it
+            created = RunStore.create(cfg.store) if self.rank == 0 else None
+            self.comm.barrier()
+            self.run_store = created or RunStore.open(cfg.store)
         if cfg.expert_states == "ssd":
-            return SSDExpertStates(self.config, self.experts, self.device, root=cfg.store, cpu_cache_bytes=cache,
-                                   grad_budget_bytes=cfg.grad_budget_bytes,
+            return SSDExpertStates(self.config, self.experts, self.device, store=self.run_store.store,
+                                   cpu_cache_bytes=cache, grad_budget_bytes=cfg.grad_budget_bytes,
                                    spill_dir=os.path.join(cfg.out, "spill", f"rank{self.rank}"),
                                    read_mode=cfg.read_mode, layers=layers)
         storage = torch.device("cpu") if cfg.expert_states == "cpu" else self.device
@@ -303,8 +300,8 @@ class Trainer:
         """The model's own tokenizer (kept in the store) or, for models trained here, the byte tokenizer."""
         from semoe.checkpoint import load_model_tokenizer
 
-        tok = load_model_tokenizer(self.cfg.store if self.trainer_state is not None else
-                                   (self.cfg.init_from or self.cfg.store), self.config)
+        source = self.run_store.store if self.run_store is not None else getattr(self, "source", None)
+        tok = load_model_tokenizer(source, self.config) if source is not None else None
         if tok is None:
             tok = ByteTokenizer()
             if self.config.vocab_size < tok.vocab_size:
@@ -324,7 +321,7 @@ class Trainer:
     def _open_version(self) -> None:
         """Rank 0 opens the next store transaction; every rank writes its expert chunks into it."""
         if self.rank == 0:
-            self.writer = Store.open(self.cfg.store).writer()
+            self.writer = self.run_store.writer()
             fmt = ChunkFormat(self.config)
             for layer in self.config.moe_layer_ids:
                 for kind in STATE_KINDS:
@@ -367,7 +364,7 @@ class Trainer:
         return tuple(ts[n].float() for n in ChunkFormat(self.config).names(layer, e))
 
     def _load_checkpoint(self) -> None:
-        store = Store.open(self.cfg.store)
+        store = self.run_store.store
         st = self.trainer_state
         self.step = int(st["step"])
         self._load_dense(store, self.cfg.store)
@@ -415,7 +412,7 @@ class Trainer:
                                     f"{self.cfg.store} is intact") from e
         version = self.comm.broadcast(version)
         if self.rank == 0:
-            Store.open(self.cfg.store).gc(keep=1)
+            self.run_store.gc(keep=1)
         self.comm.barrier()
         return version
 

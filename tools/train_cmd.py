@@ -115,10 +115,11 @@ def _model_config(args: argparse.Namespace, file_cfg: dict):
 
 
 def build_configs(args: argparse.Namespace):
-    """(TrainConfig, MoEConfig or None when resuming without model flags)."""
-    from semoe.train import TRAINER_FILE
+    """(TrainConfig, MoEConfig or None when resuming without model flags, RunStore): the store of
+    the run resumed or of `--init-from`, opened once here for everything the command asks of it
+    (None for a new run from scratch)."""
+    from semoe.run_store import PIPELINE_FILE, TRAINER_FILE, RunStore
     from semoe.train_config import TrainConfig, expert_state_bytes
-    from storage.store import Store
 
     file_cfg: dict = {}
     if args.config and args.config.endswith(".json"):
@@ -132,29 +133,26 @@ def build_configs(args: argparse.Namespace):
         if not isinstance(file_cfg, dict):
             raise UsageError(f"--config {args.config}: expected a JSON object with \"model\" and \"train\"")
     store = os.path.join(args.out, "store")
-    exists = os.path.isfile(os.path.join(store, "manifest.json"))
+    exists = RunStore.exists(store)
     if exists and not args.resume:
         raise UsageError(f"--out {args.out}: holds a run already; pass --resume to continue it or choose a new --out")
     if args.resume and not exists:
         raise UsageError(f"--resume: {store} has no checkpoint to resume from")
     train = dict(file_cfg.get("train", {}))
-    model_cfg = None
+    model_cfg = source = None
     if args.init_from is not None:
         if args.resume:
             raise UsageError("--init-from starts a new run; --resume continues one: give one of them")
         if any(getattr(args, f) is not None for f in _MODEL_FLAGS) or args.config:
             raise UsageError("--init-from takes the model's config from the store; drop the model flags and --config")
-        if not os.path.isfile(os.path.join(args.init_from, "manifest.json")):
+        if not RunStore.exists(args.init_from):
             raise UsageError(f"--init-from {args.init_from}: not a store (run `semoe store import` on a "
                              "HuggingFace directory first)")
         train["init_from"] = args.init_from
+        source = RunStore.open(args.init_from)
     elif args.resume:
-        from semoe.pipeline import PIPELINE_FILE
-
-        st = Store.open(store)
-        run_file = PIPELINE_FILE if args.pipeline is not None else TRAINER_FILE
-        if st.manifest.has_file(run_file):
-            train = {**json.loads(st.read_file(run_file))["train_config"], **train}
+        source = RunStore.open(store)
+        train = source.resume_settings(PIPELINE_FILE if args.pipeline is not None else TRAINER_FILE, train)
         if any(getattr(args, f) is not None for f in _MODEL_FLAGS) or args.config:
             model_cfg = _model_config(args, file_cfg)
     else:
@@ -175,10 +173,7 @@ def build_configs(args: argparse.Namespace):
             continue
         percent_of = None
         if value.strip().endswith("%"):
-            from semoe.checkpoint import read_model_config
-
-            src = args.init_from or store
-            cfg = model_cfg or read_model_config(Store.open(src))
+            cfg = model_cfg or source.model_config()
             percent_of = expert_state_bytes(cfg) // (args.pipeline or args.nproc or
                                                      int(os.environ.get("WORLD_SIZE", "1")))
         train[key] = parse_size(value, flag=flag, percent_of=percent_of)
@@ -188,7 +183,7 @@ def build_configs(args: argparse.Namespace):
         raise UsageError(f"--config: unknown training settings {', '.join(unknown)}")
     if "betas" in train:
         train["betas"] = tuple(train["betas"])
-    return TrainConfig(**train), model_cfg
+    return TrainConfig(**train), model_cfg, source
 
 
 def process_group_backend(device: str) -> str:
@@ -327,15 +322,13 @@ def _drop_unstarted_pipeline_store(store: str) -> None:
     cannot be resumed and would block the next attempt: remove it (a later checkpoint is kept)."""
     import shutil
 
-    from semoe.pipeline import PIPELINE_FILE
-    from storage.store import Store
+    from semoe.run_store import PIPELINE_FILE, RunStore
 
-    if not os.path.isfile(os.path.join(store, "manifest.json")):
+    if not RunStore.exists(store):
         shutil.rmtree(store, ignore_errors=True)  # not even created completely
         return
     try:
-        st = Store.open(store)
-        step = json.loads(st.read_file(PIPELINE_FILE))["step"] if st.manifest.has_file(PIPELINE_FILE) else 0
+        step = RunStore.open(store).saved_step(PIPELINE_FILE)
     except Exception:  # unreadable: keep it for the user to look at
         return
     if step == 0:
@@ -353,31 +346,23 @@ def _pipeline_config(args: argparse.Namespace):
     if args.nproc is not None and args.nproc > 1:
         raise UsageError("--pipeline and --nproc > 1 cannot be combined (expert parallelism and pipeline "
                          "parallelism are not used together): give one of them")
-    from semoe.pipeline import PIPELINE_FILE, PipelineConfig
+    from semoe.pipeline import PipelineConfig
 
     schedule = args.schedule
-    store = os.path.join(args.out, "store")
-    if schedule is None and args.resume and os.path.isfile(os.path.join(store, "manifest.json")):
-        from storage.store import Store
-
-        st = Store.open(store)
-        if st.manifest.has_file(PIPELINE_FILE):  # a resumed run keeps its schedule unless told otherwise
-            schedule = json.loads(st.read_file(PIPELINE_FILE))["schedule"]
     stage_memory = parse_size(args.stage_memory, flag="--stage-memory") if args.stage_memory else None
     return PipelineConfig(schedule=schedule or "1f1b", stage_memory_bytes=stage_memory)
 
 
 def run(args: argparse.Namespace) -> int:
     pipeline = _pipeline_config(args)
-    cfg, model_cfg = build_configs(args)
+    cfg, model_cfg, source = build_configs(args)
+    if pipeline is not None and args.schedule is None and args.resume:  # a resumed run keeps its schedule
+        pipeline = dataclasses.replace(pipeline, schedule=source.saved_schedule() or pipeline.schedule)
     if pipeline is not None:  # checked here, before N ranks start and each reports it
-        from semoe.checkpoint import read_model_config
         from semoe.pipeline import check_pipeline
-        from storage.store import Store
 
-        source = args.init_from or cfg.store  # a new run from a store, or the run being resumed
-        model = model_cfg or read_model_config(Store.open(source))
-        check_pipeline(model, args.pipeline, cfg, pipeline)
+        # a new run from a store, or the run being resumed
+        check_pipeline(model_cfg or source.model_config(), args.pipeline, cfg, pipeline)
     if args.nproc is not None and args.nproc < 1:
         raise UsageError(f"--nproc must be >= 1, got {args.nproc}")
     nproc = args.pipeline if pipeline is not None else args.nproc

@@ -74,7 +74,7 @@ def test_every_technique_in_a_two_stage_pipeline_keeps_the_numbers(tmp_path, tex
 def _stage_optimizers(store: str) -> list[dict]:
     import io
 
-    from semoe.pipeline import PIPELINE_OPTIMIZER_FILE
+    from semoe.run_store import PIPELINE_OPTIMIZER_FILE
     from storage.store import Store
 
     blob = Store.open(store).read_file(PIPELINE_OPTIMIZER_FILE)

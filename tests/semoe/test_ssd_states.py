@@ -150,7 +150,7 @@ def make_states(tmp_path):
                     w.put_expert_chunk(layer, e, FMT.meta(layer, e), buf, FMT.offsets, num_experts=CONFIG.num_experts)
             w.commit()
         kw.setdefault("cpu_cache_bytes", 64 * FMT.nbytes)
-        states = SSDExpertStates(CONFIG, range(CONFIG.num_experts), torch.device("cpu"), root=root,
+        states = SSDExpertStates(CONFIG, range(CONFIG.num_experts), torch.device("cpu"), store=Store.open(root),
                                  spill_dir=str(tmp_path / "spill"), copy_on_cpu=True, **kw)
         writer = Store.open(root).writer()
         for layer in CONFIG.moe_layer_ids:

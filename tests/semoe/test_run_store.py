@@ -1,0 +1,75 @@
+"""A run's store opened once per rank: what it answers, and that a trainer opens it once."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.training import tiny_config
+
+from semoe.checkpoint import hf_config
+from semoe.run_store import PIPELINE_FILE, TRAINER_FILE, RunStore
+from semoe.train import Trainer
+from semoe.train_config import TrainConfig, TrainingError
+from storage.errors import BadInputError
+from storage.store import Store
+
+
+def _store(root, files: dict[str, dict]) -> RunStore:
+    s = Store.create(str(root))
+    with s.writer() as w:
+        w.put_file("config.json", json.dumps(hf_config(tiny_config())).encode())
+        for name, content in files.items():
+            w.put_file(name, json.dumps(content).encode())
+        w.commit()
+    return RunStore.open(str(root))
+
+
+def test_a_run_store_answers_from_its_side_file_and_follows_its_own_commits(tmp_path):
+    run = _store(tmp_path / "run", {TRAINER_FILE: {"step": 4, "train_config": {"lr": 0.1, "steps": 10}}})
+    assert RunStore.exists(run.root) and not RunStore.exists(str(tmp_path / "elsewhere"))
+    assert hf_config(run.model_config()) == hf_config(tiny_config())
+    assert run.saved_step(TRAINER_FILE) == 4 and run.state(PIPELINE_FILE) is None
+    # the command line's settings win over the saved ones; the rest is kept
+    assert run.resume_settings(TRAINER_FILE, {"steps": 20}) == {"lr": 0.1, "steps": 20}
+    run.check_resumable(TRAINER_FILE)
+    with pytest.raises(BadInputError, match="not a pipeline run; resume it without --pipeline"):
+        run.check_resumable(PIPELINE_FILE)
+    # a commit through its writer is what the same handle reads next, without opening it again
+    with run.writer() as w:
+        w.put_file(TRAINER_FILE, json.dumps({"step": 6, "train_config": {}}).encode())
+        w.commit()
+    assert run.saved_step(TRAINER_FILE) == 6
+    assert run.gc(keep=1).versions_dropped == [1]
+
+
+def test_a_run_store_refuses_a_resume_of_the_wrong_kind(tmp_path):
+    pipeline = _store(tmp_path / "pipeline", {PIPELINE_FILE: {"step": 2, "schedule": "gpipe", "train_config": {}}})
+    assert pipeline.saved_schedule() == "gpipe"
+    with pytest.raises(BadInputError, match="a pipeline run; resume it with --pipeline N"):
+        pipeline.check_resumable(TRAINER_FILE)
+    model = _store(tmp_path / "model", {})  # a model store, no run in it
+    assert model.saved_schedule() is None and model.saved_step(TRAINER_FILE) == 0
+    with pytest.raises(TrainingError, match="a store without trainer.json is not a training run"):
+        model.check_resumable(TRAINER_FILE)
+
+
+def test_a_trainer_opens_its_run_store_once(tmp_path, text_file, monkeypatch):
+    """A new run, then its resume: each opens the run's store once (the command line and the
+    ranks each hand theirs down), however many checkpoints it commits."""
+    opened = []
+    real_open = Store.open.__func__
+
+    def counting(cls, root):
+        opened.append(root)
+        return real_open(cls, root)
+
+    monkeypatch.setattr(Store, "open", classmethod(counting))
+    for steps in (4, 6):  # a new run with checkpoints at 2 and 4; its resume, with one more at 6
+        cfg = TrainConfig(out=str(tmp_path / "run"), data=text_file, steps=steps, batch_size=4, seq_len=32,
+                          warmup_steps=2, checkpoint_every=2, expert_states="ssd")
+        opened.clear()
+        trainer = Trainer(cfg, tiny_config())
+        trainer.run()
+        assert opened == [cfg.store] if steps == 6 else opened == [], opened
+        assert trainer.run_store.saved_step(TRAINER_FILE) == steps  # the handle followed every commit
