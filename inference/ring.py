@@ -34,7 +34,6 @@ from semoe.expert_layout import ExpertLayout, TensorSlice, expert_layouts, exper
 from semoe.experts import ExpertWeights, expert_mlp
 from semoe.model import MoEGPT
 from storage.dtypes import dtype_name, torch_dtype
-from storage.fileio import ReadMode
 from storage.keys import ExpertKey
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
@@ -42,6 +41,8 @@ from storage.streams import COMPLETE, CopyHandle, CopyStream, StreamEvent, make_
 from storage.tiered import ExpertHandle, TieredExpertStore, TieredStoreConfig
 
 log = logging.getLogger(__name__)
+
+FILL_WORKERS = 4  # threads filling ring slots (each waits on the tier's reads or a copy, not the CPU)
 
 __all__ = ["OffloadedExperts", "RoutingReplay"]
 
@@ -86,38 +87,38 @@ class _Loaded:
 class OffloadedExperts:
     """The expert provider of an offloaded model (one instance serves every MoE layer)."""
 
-    def __init__(self, model: MoEGPT, store: Store, *, device: torch.device, dtype: torch.dtype,
-                 cpu_cache_bytes: int, ring_slots: int, copies: bool | None = None, prefetch: bool = True,
-                 read_mode: ReadMode = ReadMode.DIRECT, workers: int = 4, min_precision: float = 0.8,
-                 cache_policy: str = "next-use", memory_guard: bool = True, grow_to: int | None = None,
-                 keep_bytes: int = 0) -> None:
+    def __init__(self, model: MoEGPT, store: Store, settings, *, cpu_cache_bytes: int, ring_slots: int,
+                 copies: bool, grow_to: int | None = None) -> None:
+        """`settings`: the engine's EngineConfig (device, dtype, read mode, cache policy, prefetch,
+        speculation, memory guard); the budgets as `attach` sets them from it. `grow_to`: an auto
+        budget, which the memory guard raises while memory is free, up to this."""
         self.config = model.config
         self.mlp = expert_mlp(model.config)
-        self.device = device
-        self.dtype = dtype
+        self.device = device = torch.device(settings.device)
+        self.dtype = dtype = getattr(torch, settings.dtype)
         self.store = store
-        self.prefetch_enabled = prefetch
+        self.prefetch_enabled = settings.prefetch
         self.moe_layers = model.config.moe_layer_ids
         self._next_layer = {a: b for a, b in zip(self.moe_layers, self.moe_layers[1:])}
         self._routers = {f.layer: f for f in model.moe_layers()}
         self.layouts = expert_layouts(store.manifest, model.config, store.root)
         self.chunk_bytes = {k: store.manifest.chunk(*k).bytes for k in self.layouts}
         self.tier = TieredExpertStore(store, TieredStoreConfig(
-            cpu_cache_bytes=cpu_cache_bytes, read_mode=read_mode, prefetch_workers=2, policy=cache_policy,
-            pin_memory=device.type == "cuda"))
+            cpu_cache_bytes=cpu_cache_bytes, read_mode=settings.read_mode, prefetch_workers=2,
+            policy=settings.cache_policy, pin_memory=device.type == "cuda"))
         self.book = RingBook(ring_slots, self.moe_layers)
         self.ring_slots = ring_slots
         must_copy = self.must_copy(store, device, dtype)
-        self.copies = must_copy if copies is None else copies
-        if must_copy and not self.copies:
+        self.copies = copies
+        if must_copy and not copies:
             raise ValueError(f"an in-place ring needs a CPU device and a {dtype} store, got {device} "
                              f"and a store of another dtype or device")
         self.in_place = not self.copies
         biggest = max(self.chunk_bytes.values())
         floor = self.least_cpu_cache(ring_slots, model.config.top_k, biggest, copies=self.copies)
-        # `grow_to`: an auto budget, which the guard raises while memory is free, up to this
         self.guard = MemoryGuard(self.tier, floor_bytes=min(floor, cpu_cache_bytes), step_bytes=biggest,
-                                 ceiling_bytes=grow_to, keep_bytes=keep_bytes) if memory_guard else None
+                                 ceiling_bytes=grow_to, keep_bytes=settings.keep_bytes) \
+            if settings.memory_guard else None
         self.memory: _SlotMemory | None = None
         # where each expert's tensors lie in the memory compute reads: a slot's buffer when copying
         # (placed once here, not at every fill), else the CPU-cache entry, which is the chunk itself
@@ -132,8 +133,8 @@ class OffloadedExperts:
         self._entry_weights: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._errors: dict[ExpertKey, BaseException] = {}  # failed loads, raised to the layer that needs them
         self._cond = threading.Condition()
-        self.queue = PrefetchQueue(PrefetchQueueConfig(workers=workers))
-        self.guesses = GuessTracker(min_precision)
+        self.queue = PrefetchQueue(PrefetchQueueConfig(workers=FILL_WORKERS))
+        self.guesses = GuessTracker(settings.speculate_min_precision)
         self._closed = False
         self.replay: RoutingReplay | None = None  # benchmarks: predict from a recorded run
 
@@ -202,10 +203,7 @@ class OffloadedExperts:
             log.info("offload: CPU cache raised from %d to %d bytes, the least a ring of %d slots works with",
                      cpu, least, slots)
             cpu = least
-        self = cls(model, store, device=device, dtype=dtype, cpu_cache_bytes=cpu, ring_slots=slots,
-                   copies=copies, prefetch=config.prefetch, read_mode=config.read_mode,
-                   min_precision=config.speculate_min_precision, cache_policy=config.cache_policy,
-                   memory_guard=config.memory_guard, grow_to=grow_to, keep_bytes=config.keep_bytes)
+        self = cls(model, store, config, cpu_cache_bytes=cpu, ring_slots=slots, copies=copies, grow_to=grow_to)
         for ffn in model.moe_layers():
             ffn.use_experts(self)
         log.info("offload: %d ring slots, CPU cache %d bytes, %s", slots, cpu,
