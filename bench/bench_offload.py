@@ -260,7 +260,7 @@ def report(results: dict, as_json: bool) -> None:
             continue
         row = {k: r.get(k) for k in ("decode_tok_s", "ttft_s", "ssd_bytes_per_token", "ideal_bytes_per_token",
                                      "decode_ssd_bytes_per_token", "decode_ideal_bytes_per_token",
-                                     "gpu_hit_rate", "cpu_hit_rate", "prefetch_precision", "prefetch_recall",
+                                     "ring_hit_rate", "cpu_hit_rate", "prefetch_precision", "prefetch_recall",
                                      "peak_rss_bytes")}
         if hf and r.get("tokens") is not None:
             row["same_tokens_as_transformers"] = r["tokens"] == hf["tokens"]

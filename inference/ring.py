@@ -435,7 +435,8 @@ class OffloadedExperts:
         lookups = s.hits + s.inflight_hits + s.misses - c.cpu_lookups_at_start
         per = max(tokens, 1)
         return {
-            "gpu_hit_rate": c.ring_hits / c.uses if c.uses else 0.0,
+            # uses served from a ring slot: device memory on a GPU, CPU-cache entries in place on CPU
+            "ring_hit_rate": c.ring_hits / c.uses if c.uses else 0.0,
             "cpu_hit_rate": (s.hits + s.inflight_hits - c.cpu_hits_at_start) / lookups if lookups else 0.0,
             "ssd_bytes_per_token": (s.ssd_bytes - c.ssd_bytes_at_start) / per,
             "device_copy_bytes_per_token": c.device_copy_bytes / per,

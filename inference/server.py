@@ -41,7 +41,7 @@ _DISCONNECT_POLL_S = 0.5  # how often a request waiting for the engine checks wh
 _ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Engine offload stats exported as gauges `semoe_offload_<key>` (absent for resident engines).
-OFFLOAD_STATS = ("gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token", "device_copy_bytes_per_token",
+OFFLOAD_STATS = ("ring_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token", "device_copy_bytes_per_token",
                  "ideal_bytes_per_token", "prefetch_precision", "prefetch_recall")
 
 

@@ -91,10 +91,10 @@ def test_offloaded_equals_resident(model_store, budget):
         assert got.tokens == want.tokens
         assert got.logprobs == want.logprobs  # exactly: same kernels, same summation order
         s = got.stats
-        for key in ("gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token", "device_copy_bytes_per_token",
+        for key in ("ring_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token", "device_copy_bytes_per_token",
                     "ideal_bytes_per_token", "prefetch_precision", "prefetch_recall", "peak_rss_bytes"):
             assert key in s and s[key] >= 0, key
-        assert 0 <= s["gpu_hit_rate"] <= 1 and 0 <= s["cpu_hit_rate"] <= 1
+        assert 0 <= s["ring_hit_rate"] <= 1 and 0 <= s["cpu_hit_rate"] <= 1
         # in place, the CPU is the device: experts are used where the cache holds them
         assert (s["device_copy_bytes_per_token"] > 0) == engine.offload.copies
         if budget == SMALLEST:
@@ -166,7 +166,7 @@ def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
                   ["--cpu-cache", "auto"]):
         out = run(*flags)
         assert out["tokens"] == resident["tokens"] and out["logprobs"] == resident["logprobs"]
-        assert sorted(out["stats"]) == sorted(["gpu_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token",
+        assert sorted(out["stats"]) == sorted(["ring_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token",
                                                "device_copy_bytes_per_token", "ideal_bytes_per_token",
                                                "prefetch_precision", "prefetch_recall", "cpu_cache_bytes",
                                               "peak_rss_bytes"])
@@ -196,7 +196,7 @@ def test_speculative_reads_follow_the_precision_threshold(model_store):
     for name in read:
         assert total[name] >= floor > 0, name
     # guesses read ahead are waiting in the ring when the layer asks for them
-    assert read["always"]["gpu_hit_rate"] > read["never"]["gpu_hit_rate"]
+    assert read["always"]["ring_hit_rate"] > read["never"]["ring_hit_rate"]
 
 
 def _routed_experts(store, want: GenerationResult) -> set[tuple[int, int]]:

@@ -640,7 +640,7 @@ def test_health_models_and_metrics(served, engine):
     assert after["semoe_queue_depth", ()] == 0
     assert after["semoe_tokens_per_second", ()] > 0 and after["semoe_last_request_ttft_seconds", ()] > 0
     assert after["semoe_peak_rss_bytes", ()] > 0
-    assert ("semoe_offload_gpu_hit_rate", ()) in after  # exported; stays 0 for a resident engine
+    assert ("semoe_offload_ring_hit_rate", ()) in after  # exported; stays 0 for a resident engine
 
 
 def test_latency_histograms_kv_bytes_and_the_request_log(engine, model_dir, tmp_path):
