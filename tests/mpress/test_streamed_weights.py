@@ -5,11 +5,10 @@ layers' weights on the device only while they run, and counts them while they ar
 
 from __future__ import annotations
 
-import threading
 
 import pytest
 import torch
-from helpers.gated_stream import GatedStream
+from helpers.gated_stream import HeldUntilSynchronized
 from torch import nn
 
 from mpress.executor import Executor
@@ -156,9 +155,10 @@ def test_over_the_budget_gradients_on_their_way_out_are_waited_for():
     """Layers 1-3 stream. As layer 2's backward fetches layer 1's weights, the stage holds layer
     2's weights and gradients, layer 1's weights and layer 3's gradients, still on their way to
     host memory: four layers' worth (w each), where the planner counts three. With a budget of
-    the forward's activations plus 3 w and layer 3's gradient copies held back (a gated stream,
-    opened by a timer), the executor waits for them to land instead of refusing, and the
-    gradients summed on the host are the plain backward's."""
+    the forward's activations plus 3 w and layer 3's gradient copies held back (the stream holds
+    them, and everything behind them, until a host synchronisation asks for one), the executor
+    waits for them to land instead of refusing, and the gradients summed on the host are the
+    plain backward's."""
     plain = blocks()
     x = torch.randn(8, D)
     h = x
@@ -168,11 +168,11 @@ def test_over_the_budget_gradients_on_their_way_out_are_waited_for():
 
     plan = Plan(model_data=[ModelDataDecision(stage=0, layer=i, technique="host", step_on="host", weights="host")
                             for i in (1, 2, 3)])
-    stream = GatedStream()
-    stream.gate.set()
+    stream = HeldUntilSynchronized()
+    layers: list[nn.Module] = []
 
     def forward(budget_bytes: int | None):
-        layers = blocks()
+        layers[:] = blocks()
         executor = Executor(plan, 0, device="cpu", host_pool_bytes=4 << 20, copy_stream=stream,
                             budget_bytes=budget_bytes)
         runs = [executor.wrap(i, b) for i, b in enumerate(layers)]
@@ -190,12 +190,17 @@ def test_over_the_budget_gradients_on_their_way_out_are_waited_for():
     acts = probe.stats().resident_bytes  # the weights went out again after their forwards
     probe.close()
     executor, h = forward(acts + 3 * w)
-    stream.gate.clear()  # copies issued from now on wait for the gate
-    opener = threading.Timer(0.5, stream.gate.set)
-    opener.start()
+
+    def gradient_out(src, dst) -> bool:  # in backward the only copies are weights in and gradients out
+        return dst.untyped_storage().data_ptr() not in {p.untyped_storage().data_ptr() for b in layers
+                                                        for p in b.parameters()}
+
+    stream.hold_from(gradient_out)  # layer 3's gradients are the backward's first to leave
     h.square().mean().backward()
+    # the budget made the backward itself synchronise on the held gradients (compute's wait for a
+    # weight copy behind them would have left the gate to the safety timer)
+    assert stream.opened_by == "synchronize"
     executor.finish_backward()
-    opener.cancel()
     assert executor.stats().peak_bytes <= acts + 3 * w
     for i in (1, 2, 3):
         for k, p in enumerate(plain[i].parameters()):
