@@ -85,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                              temperature=args.temperature if args.temperature is not None else 1.0,
                              top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
                              stop_ids=() if args.ignore_eos else engine.stop_ids())
-        profile = None
+        # `profile`: the DecodeProfile with --profile; None otherwise (what nullcontext yields)
         with routing_trace(engine.model, args.routing_trace), \
                 (DecodeProfile(engine.model) if args.profile else contextlib.nullcontext()) as profile:
             res = engine.generate(prompt, cfg)
