@@ -99,7 +99,6 @@ class MemoryGuard:
                     target / 2**20)
         return capacity - target
 
-
     def _grow(self, capacity: int) -> int:
         """Raise an auto cache by a quarter (at least one expert), within what MemAvailable shows beyond
         the reserve `auto_cpu_cache_bytes` keeps; the bytes added."""
