@@ -1,6 +1,7 @@
 """The tree's shape, checked from its sources (no imports run): no import circle between the
-library's modules, lazy (function-level) and TYPE_CHECKING imports included, and no library file
-(Python or the kernels' C) over MAX_LINES lines."""
+library's modules, lazy (function-level) and TYPE_CHECKING imports included, no library file
+(Python or the kernels' C) over MAX_LINES lines, and no test that starts processes outside the
+`slow` mark."""
 
 from __future__ import annotations
 
@@ -84,3 +85,52 @@ def test_no_library_file_over_the_line_limit():
     assert len(files) > 80
     long = {os.path.relpath(p, ROOT): n for p in files if (n := sum(1 for _ in open(p))) > MAX_LINES}
     assert long == {}
+
+
+# calls that start a process: the helpers' (ranks, a CLI run, a run killed mid-way), methods that
+# do whatever their receiver (`mp.spawn`, `ctx.Process`, `subprocess.Popen`), and functions of
+# `subprocess` and `os` whose names other objects use too (`Trainer(...).run()` starts nothing)
+PROCESS_HELPERS = {"run_ranks", "kill_mid_run", "cli"}
+PROCESS_METHODS = {"spawn", "Popen", "Process"}
+PROCESS_FUNCTIONS = {"subprocess": {"run", "check_output", "check_call", "call"}, "os": {"fork", "system"}}
+
+
+def _starts_processes(fn: ast.AST, starters: set[str]) -> bool:
+    """Whether `fn` calls a process starter (`subprocess.run`, `mp.spawn`, a helper) or a function
+    of its module already known to start one."""
+    for n in ast.walk(fn):
+        if not isinstance(n, ast.Call):
+            continue
+        f = n.func
+        if isinstance(f, ast.Name) and f.id in starters:
+            return True
+        if isinstance(f, ast.Attribute) and (f.attr in PROCESS_METHODS or (
+                isinstance(f.value, ast.Name) and f.attr in PROCESS_FUNCTIONS.get(f.value.id, ()))):
+            return True
+    return False
+
+
+def _unmarked_process_tests(path: str) -> list[str]:
+    tree = ast.parse(open(path).read(), path)
+    if any(isinstance(n, ast.Assign) and any(getattr(t, "id", "") == "pytestmark" for t in n.targets)
+           and "slow" in ast.unparse(n.value) for n in tree.body):
+        return []
+    funcs = {n.name: n for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+    starters = set(PROCESS_HELPERS)
+    grown = True
+    while grown:  # functions and fixtures of the module that start processes, through each other
+        new = {name for name, fn in funcs.items() if name not in starters and _starts_processes(fn, starters)}
+        starters |= new
+        grown = bool(new)
+    return [name for name, fn in funcs.items() if name.startswith("test_")
+            and not any("slow" in ast.unparse(d) for d in fn.decorator_list)
+            and (name in starters or {a.arg for a in fn.args.args} & starters)]
+
+
+def test_every_test_that_starts_processes_is_marked_slow():
+    """Directly, through a helper, or through a fixture of its module."""
+    paths = [os.path.join(d, f) for d, _, fs in os.walk(os.path.join(ROOT, "tests")) for f in fs
+             if f.startswith("test_") and f.endswith(".py")]
+    assert len(paths) > 50
+    unmarked = {os.path.relpath(p, ROOT): names for p in paths if (names := _unmarked_process_tests(p))}
+    assert unmarked == {}

@@ -237,6 +237,7 @@ def _model_worker(rank: int) -> None:
                                    msg=name)
 
 
+@pytest.mark.slow  # starts processes
 def test_sharded_model_matches_single_device_model(spawn):
     spawn(_model_worker)
 
@@ -264,5 +265,6 @@ def _sync_worker(rank: int) -> None:
     assert isinstance(stats.dropped, torch.Tensor)
 
 
+@pytest.mark.slow  # starts processes
 def test_forward_syncs_with_the_host_once_for_the_counts(spawn):
     spawn(_sync_worker)
