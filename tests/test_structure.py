@@ -96,16 +96,14 @@ PROCESS_FUNCTIONS = {"subprocess": {"run", "check_output", "check_call", "call"}
 
 
 def _starts_processes(fn: ast.AST, starters: set[str]) -> bool:
-    """Whether `fn` calls a process starter (`subprocess.run`, `mp.spawn`, a helper) or a function
-    of its module already known to start one."""
+    """Whether `fn` calls a process starter (`subprocess.run`, `mp.spawn`, a helper), or calls or
+    hands out (a fixture returning `run_ranks`) a function of its module known to start one."""
     for n in ast.walk(fn):
-        if not isinstance(n, ast.Call):
-            continue
-        f = n.func
-        if isinstance(f, ast.Name) and f.id in starters:
+        if isinstance(n, ast.Name) and n.id in starters:
             return True
-        if isinstance(f, ast.Attribute) and (f.attr in PROCESS_METHODS or (
-                isinstance(f.value, ast.Name) and f.attr in PROCESS_FUNCTIONS.get(f.value.id, ()))):
+        if isinstance(n, ast.Call) and isinstance(f := n.func, ast.Attribute) and (
+                f.attr in PROCESS_METHODS
+                or (isinstance(f.value, ast.Name) and f.attr in PROCESS_FUNCTIONS.get(f.value.id, ()))):
             return True
     return False
 
