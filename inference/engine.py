@@ -115,9 +115,10 @@ class Engine:
         dtype = getattr(torch, config.dtype)
         name = os.path.basename(os.path.normpath(path))
         if not config.offloaded:
-            model = load_model(path, device=config.device, dtype=dtype, dense=config.dense)
+            source = Store.open(path) if is_store(path) else path  # a store once: model and tokenizer read it
+            model = load_model(source, device=config.device, dtype=dtype, dense=config.dense)
             stack_projections(model)  # float q, k and v too: a model that only serves needs no separate ones
-            return cls(model, load_model_tokenizer(path, model.config), name=name, config=config)
+            return cls(model, load_model_tokenizer(source, model.config), name=name, config=config)
         from inference.ring import OffloadedExperts
 
         cleanup = None

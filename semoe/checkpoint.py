@@ -344,10 +344,13 @@ def is_store(path: str) -> bool:
     return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
-def load_model(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+def load_model(path: str | Store, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                dense: str = "auto") -> MoEGPT:
-    """A model, everything resident, from a HuggingFace directory or a store; `dense` as `load_store`'s
-    (a HuggingFace directory's experts are never int8 or int4, so `auto` keeps its dense weights)."""
+    """A model, everything resident, from a HuggingFace directory or a store (by path, or open);
+    `dense` as `load_store`'s (a HuggingFace directory's experts are never int8 or int4, so `auto`
+    keeps its dense weights)."""
+    if isinstance(path, Store):
+        return load_store(path, device=device, dtype=dtype, dense=dense)
     if not os.path.isdir(path):
         raise BadInputError(f"{path}: no such directory (expected a HuggingFace checkpoint or a store)")
     if is_store(path):

@@ -142,11 +142,20 @@ def use_precision(precision: Precision) -> None:
 # -- the trainer ----------------------------------------------------------------------------
 
 
+def _given(source: RunStore | None, root: str | None) -> RunStore | None:
+    """`source` where it is the store at `root`, else None (to be opened)."""
+    if source is None or root is None:
+        return None
+    return source if os.path.realpath(source.root) == os.path.realpath(root) else None
+
+
 class Trainer:
     """One rank of a training run (rank 0 of 1 when not distributed)."""
 
     def __init__(self, cfg: TrainConfig, model_config: MoEConfig | None = None, *,
-                 on_step: Callable[[StepLog], None] | None = None) -> None:
+                 on_step: Callable[[StepLog], None] | None = None, source: RunStore | None = None) -> None:
+        """`source`: a store this process has open already (the command line's): the run's own when
+        resuming, the `--init-from` store of a new run; used, not opened again, where it is that store."""
         self.cfg = cfg
         self.on_step = on_step
         return_large_frees_to_the_os()
@@ -158,9 +167,9 @@ class Trainer:
         self.run_store: RunStore | None = None
         resuming = RunStore.exists(cfg.store)
         if resuming:
-            self.config, self.trainer_state = self._open_existing(model_config)
+            self.config, self.trainer_state = self._open_existing(model_config, _given(source, cfg.store))
         else:
-            self.config, self.trainer_state = self._new_run_config(model_config), None
+            self.config, self.trainer_state = self._new_run_config(model_config, _given(source, cfg.init_from)), None
         self._check_layout()
         self.experts = self._owned_experts()
         self._prepare_data()  # bad data is found before anything is written
@@ -238,14 +247,15 @@ class Trainer:
             raise
         self._open_version()
 
-    def _new_run_config(self, model_config: MoEConfig | None) -> MoEConfig:
-        """A new run's model: the `--init-from` store's (kept open as `self.source`), else the one given."""
+    def _new_run_config(self, model_config: MoEConfig | None, source: RunStore | None = None) -> MoEConfig:
+        """A new run's model: the `--init-from` store's (kept open as `self.source`; `source` where the
+        caller has it open), else the one given."""
         cfg = self.cfg
         if cfg.init_from is None:
             if model_config is None:
                 raise BadInputError("a new run needs a model config")
             return model_config
-        source = RunStore.open(cfg.init_from)
+        source = source or RunStore.open(cfg.init_from)
         self.source = source.store
         config = source.model_config(f"--init-from {cfg.init_from}")
         if self.source.is_compact() and self.rank == 0:
@@ -257,9 +267,11 @@ class Trainer:
     # -- setting up -------------------------------------------------------------------------
     RUN_FILE = TRAINER_FILE  # the side file that makes a store a run of this trainer
 
-    def _open_existing(self, model_config: MoEConfig | None) -> tuple[MoEConfig, dict]:
-        """The model config and run file of the run being resumed, after checking the store."""
-        self.run_store = RunStore.open(self.cfg.store)
+    def _open_existing(self, model_config: MoEConfig | None, run_store: RunStore | None = None
+                       ) -> tuple[MoEConfig, dict]:
+        """The model config and run file of the run being resumed (its store open as `run_store`,
+        or opened here), after checking the store."""
+        self.run_store = run_store or RunStore.open(self.cfg.store)
         self.run_store.check_resumable(self.RUN_FILE)
         if self.rank == 0 and self.cfg.verify:
             problems = self.run_store.store.verify()
@@ -595,9 +607,10 @@ class Trainer:
 
 
 def run_rank(cfg: TrainConfig, model_config: MoEConfig | None, *, quiet: bool = False,
-             factory: Callable[..., Trainer] | None = None) -> list[StepLog]:
+             factory: Callable[..., Trainer] | None = None, source: RunStore | None = None) -> list[StepLog]:
     """One rank's whole run with logging: the JSON log and the progress line from rank 0.
-    `factory(cfg, model_config, on_step=...)` builds the trainer (default: `Trainer`)."""
+    `factory(cfg, model_config, on_step=...)` builds the trainer (default: `Trainer`, handed
+    `source`, the store the command line has open)."""
     log_file = None
     trainer: Trainer | None = None
 
@@ -610,7 +623,10 @@ def run_rank(cfg: TrainConfig, model_config: MoEConfig | None, *, quiet: bool = 
         if not quiet:
             print(progress_line(entry, cfg.steps), file=sys.stderr, flush=True)
 
-    trainer = (factory or Trainer)(cfg, model_config, on_step=on_step)
+    if factory is None:
+        trainer = Trainer(cfg, model_config, on_step=on_step, source=source)
+    else:
+        trainer = factory(cfg, model_config, on_step=on_step)
     if trainer.rank == 0 and cfg.log_json:
         log_file = open(cfg.log_json, "a", encoding="utf-8")
     try:

@@ -407,7 +407,7 @@ def run(args: argparse.Namespace) -> int:
         cfg = dataclasses.replace(cfg, device=claim_rank_device(cfg.device, 0, 1))
     from semoe.train import run_rank
 
-    logs = run_rank(cfg, model_cfg, quiet=args.quiet)
+    logs = run_rank(cfg, model_cfg, quiet=args.quiet, source=source)  # this process's one open of the store
     if args.json and int(os.environ.get("RANK", "0")) == 0:
         emit_json(_summary(logs, cfg))
     return 0

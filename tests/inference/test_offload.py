@@ -110,6 +110,30 @@ def test_offloaded_equals_resident(model_store, budget):
         engine.close()
 
 
+@pytest.mark.parametrize("arch", ["mixtral"])
+@pytest.mark.parametrize("offloaded", [False, True])
+def test_loading_a_store_opens_it_once(model_store, offloaded, monkeypatch):
+    """Model, tokenizer and (offloaded) ring read the one open store handed down to them."""
+    from storage.store import Store
+
+    arch, store, expert_bytes, biggest, want = model_store
+    opened = []
+    real_open = Store.open.__func__
+
+    def counting(cls, root):
+        opened.append(root)
+        return real_open(cls, root)
+
+    monkeypatch.setattr(Store, "open", classmethod(counting))
+    engine = Engine.load(store.root, EngineConfig(cpu_cache_bytes=expert_bytes + biggest if offloaded else None))
+    try:
+        assert opened == [store.root]
+        assert (engine.offload is not None) == offloaded
+        assert engine.generate(PROMPT, SamplingConfig(max_new_tokens=8)).tokens == want.tokens[:8]
+    finally:
+        engine.close()
+
+
 @ON_OLDER_ARCHS
 def test_small_cache_reads_more_than_a_full_one(model_store):
     arch, store, expert_bytes, biggest, want = model_store

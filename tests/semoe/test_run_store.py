@@ -73,3 +73,32 @@ def test_a_trainer_opens_its_run_store_once(tmp_path, text_file, monkeypatch):
         trainer.run()
         assert opened == [cfg.store] if steps == 6 else opened == [], opened
         assert trainer.run_store.saved_step(TRAINER_FILE) == steps  # the handle followed every commit
+
+
+def test_the_command_line_hands_its_open_store_to_the_trainer(tmp_path, text_file, monkeypatch):
+    """`semoe train` in one process: a new run opens no store (it creates one), its resume opens the
+    run's store once, a run from `--init-from` opens that store once (read by the command line for
+    the resume settings or the model, and by the trainer)."""
+    from tools.cli import main
+
+    opened = []
+    real_open = Store.open.__func__
+
+    def counting(cls, root):
+        opened.append(root)
+        return real_open(cls, root)
+
+    monkeypatch.setattr(Store, "open", classmethod(counting))
+    run, tiny = tmp_path / "run", ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
+                                   "--ffn", "128", "--expert-ffn", "96", "--experts", "4", "--top-k", "2"]
+    common = ["--batch-size", "2", "--seq-len", "16", "--checkpoint-every", "2", "-q"]
+    assert main(["train", "--out", str(run), "--data", text_file, *tiny, "--steps", "2", *common]) == 0
+    assert opened == []
+    assert main(["train", "--out", str(run), "--resume", "--steps", "4", "-q"]) == 0
+    assert opened == [str(run / "store")]
+    opened.clear()
+    other = tmp_path / "other"
+    assert main(["train", "--out", str(other), "--data", text_file, "--init-from", str(run / "store"),
+                 "--steps", "2", *common]) == 0
+    assert opened == [str(run / "store")]
+    assert RunStore.open(str(run / "store")).saved_step(TRAINER_FILE) == 4

@@ -81,7 +81,7 @@ def test_under_torchrun_a_rank_takes_the_gpu_of_its_local_rank(gpus, monkeypatch
     given = []
     import semoe.train
 
-    monkeypatch.setattr(semoe.train, "run_rank", lambda cfg, model_cfg, quiet=False: given.append(cfg.device) or [])
+    monkeypatch.setattr(semoe.train, "run_rank", lambda cfg, model_cfg, quiet=False, source=None: given.append(cfg.device) or [])
     args = build_parser().parse_args(["train", "--out", str(tmp_path / "run"), "--device", "cuda", *TINY])
     assert train_cmd.run(args) == 0
     assert started == [("cpu:gloo,cuda:nccl", [1])]
