@@ -108,7 +108,9 @@ class PrefetchQueue:
 
     def __init__(self, config: PrefetchQueueConfig | None = None) -> None:
         self.config = config or PrefetchQueueConfig()
-        self._cond = threading.Condition()
+        lock = threading.RLock()
+        self._cond = threading.Condition(lock)  # workers wait on it for jobs
+        self._idle = threading.Condition(lock)  # `wait_idle` waits on it for the last job to end
         # Heap of (priority, seq, version, job). Reprioritising pushes a new entry and bumps the
         # job's version, so the old entry is skipped when popped instead of searched for.
         self._heap: list[tuple[float, int, int, _Job]] = []
@@ -140,6 +142,16 @@ class PrefetchQueue:
         """Jobs a worker is executing now."""
         with self._cond:
             return len(self._running)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no job is queued or running; False if `timeout` seconds passed first."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self._queued and not self._running, timeout)
+
+    def _notify_if_idle(self) -> None:
+        """Wake `wait_idle` once nothing is queued or running (caller holds the lock)."""
+        if not self._queued and not self._running:
+            self._idle.notify_all()
 
     def submit(self, key: Hashable, fn: Callable[[], Any], *, priority: float) -> Future:
         """Queue ``fn()`` under ``key`` with ``priority`` (lower is more urgent: a deadline in
@@ -200,6 +212,7 @@ class PrefetchQueue:
                 return False
             job.state = _State.FINISHED
             self._stats.cancelled += 1
+            self._notify_if_idle()
         # Outside the lock: cancel() runs the future's callbacks, which may call back in here.
         job.future.cancel()
         return True
@@ -242,6 +255,7 @@ class PrefetchQueue:
         for job in jobs:
             job.state = _State.FINISHED
         self._stats.cancelled += len(jobs)
+        self._notify_if_idle()
         return jobs
 
     def _push(self, job: _Job, priority: float) -> None:
@@ -288,6 +302,7 @@ class PrefetchQueue:
                 # Cancelled through the future itself while queued.
                 job.state = _State.FINISHED
                 self._stats.cancelled += 1
+                self._notify_if_idle()
 
     def _run(self, job: _Job) -> None:
         result: Any = None
@@ -306,6 +321,7 @@ class PrefetchQueue:
                 self._stats.completed += 1
             else:
                 self._stats.failed += 1
+            self._notify_if_idle()
         if error is None:
             job.future.set_result(result)
         else:

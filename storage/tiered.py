@@ -310,10 +310,9 @@ class TieredExpertStore:
             self._issued += len(started)
         return started
 
-    def drain(self, poll_s: float = 0.01) -> None:
+    def drain(self) -> None:
         """Wait until every queued and running read has finished."""
-        while self.queue.queued() or self.queue.running():
-            time.sleep(poll_s)
+        self.queue.wait_idle()
 
     def cancel_prefetch(self, keys: Iterable[ExpertKey]) -> int:
         """Drop queued reads that are no longer wanted; returns how many were cancelled."""

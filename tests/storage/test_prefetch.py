@@ -236,3 +236,21 @@ def test_workers_run_jobs_concurrently():
         # Each job waits for all the others: only possible if they all run at once.
         futures = [queue.submit(i, barrier.wait, priority=0) for i in range(workers)]
         assert sorted(f.result(TIMEOUT_S) for f in futures) == list(range(workers))
+
+
+def test_wait_idle_returns_when_the_last_job_ends_not_before(single):
+    """No polling: `wait_idle` wakes when the running job ends and the queue is empty; a waiter
+    started while a job is held is still waiting when the job is released."""
+    gate = Gate()
+    gate.hold(single)
+    single.submit("a", lambda: None, priority=1.0)
+    idle = threading.Event()
+    waiter = threading.Thread(target=lambda: single.wait_idle(TIMEOUT_S) and idle.set())
+    waiter.start()
+    assert not single.wait_idle(timeout=0.05)  # the gate still holds a worker
+    assert not idle.is_set()
+    gate.opened.set()
+    waiter.join(TIMEOUT_S)
+    assert idle.is_set() and single.queued() == 0 and single.running() == 0
+    assert single.wait_idle(timeout=0)  # idle already: no wait
+
