@@ -102,6 +102,8 @@ def dense_bytes(workdir: str, ours: str) -> int:
 
 
 def available_bytes() -> int:
+    """MemAvailable. Not `storage.envinfo`'s reader: that module imports torch, which this process
+    must not (see the imports above)."""
     with open("/proc/meminfo") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
 

@@ -48,6 +48,7 @@ and one is prefetched for the next backward while the peak builds.
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 import math
 import time
@@ -139,6 +140,16 @@ def _cost_bucket(cost: float) -> float:
     """Costs within 10% of each other sort as equal, so that among near-uniform layers the later
     ones win and recomputation forms one run at the end of the stage."""
     return -math.inf if cost <= 0 else math.floor(math.log(cost, 1.1))
+
+
+class _Tie(enum.IntEnum):
+    """Between choices for one layer at the same cost per byte, which comes first."""
+
+    HOST_SWAP = 0  # the activations to host memory
+    STATES_STEPPED_ON_DEVICE = 1  # the optimizer states moved, stepped on the device
+    STATES_STEPPED_ON_HOST = 2  # ... stepped on the host
+    WEIGHTS_STREAMED = 3  # the weights and gradients streamed for each use
+    RECOMPUTE = 4
 
 
 class _Compactor:
@@ -251,21 +262,21 @@ class _Compactor:
                     exposed = max(_excess(swap_s, idle[(s, lp.index)]), _excess(load + swap_s, period))
                     per_byte["host"] = M * (exposed + _swap_compute_s(lp)) / self.reduction(lp.index, "host")
                 tech = min(per_byte, key=lambda t: (per_byte[t], t != "recompute"))
-                rest.append((_cost_bucket(per_byte[tech]), -lp.index, tech, self.decision(lp.index, tech)))
+                tie = _Tie.HOST_SWAP if tech == "host" else _Tie.RECOMPUTE
+                rest.append((_cost_bucket(per_byte[tech]), -lp.index, tie, self.decision(lp.index, tech)))
             if host_bw > 0:  # model data: the optimizer states to host memory
                 for lp in st.layers:
                     if lp.state_bytes and lp.state_bytes <= self.host_room:
                         added, on = self.model_cost(s, lp)
-                        rest.append((_cost_bucket(added / lp.state_bytes), -lp.index, f"model:{on}",
-                                     self.moved(lp.index, on)))
+                        tie = _Tie.STATES_STEPPED_ON_DEVICE if on == "device" else _Tie.STATES_STEPPED_ON_HOST
+                        rest.append((_cost_bucket(added / lp.state_bytes), -lp.index, tie, self.moved(lp.index, on)))
                 for lp in st.layers:  # and the weights and gradients, streamed for each use
                     if self.can_stream(s, lp):
                         need = lp.update_bytes + lp.state_bytes
-                        rest.append((_cost_bucket(self.stream_cost(s, lp) / need), -lp.index, "model:weights",
-                                     self.moved(lp.index, "host", "host")))
-            # cheapest per byte first, then the later layer; between choices of one layer the order of
-            # these names (host swap, states moved stepped on the device or the host, weights streamed,
-            # recompute): the last sort key, never reached by the records themselves
+                        rest.append((_cost_bucket(self.stream_cost(s, lp) / need), -lp.index,
+                                     _Tie.WEIGHTS_STREAMED, self.moved(lp.index, "host", "host")))
+            # cheapest per byte first, then the later layer, then `_Tie`'s order: the last sort key,
+            # never reached by the records themselves
             rest.sort(key=lambda r: r[:3])
             self.queue.append(hidden + [choice for *_, choice in rest])
 

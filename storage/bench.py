@@ -40,7 +40,7 @@ class BenchResult:
     bytes: int
     files: int
     cold: bool
-    mode: str
+    mode: str  # ReadMode's value, as the JSON report gives it
     verified: bool
     repeats: int
 
@@ -53,15 +53,16 @@ def _gbps(nbytes: int, seconds: float) -> float:
 
 
 def run_bench(store: Store, *, cold: bool = False, repeats: int = 3, kind: str = "weight", threads: int | None = None,
-              inflight: int = 8, mode: str | None = None, verify: bool = True, with_tensorstore: bool = True,
+              inflight: int = 8, mode: ReadMode | None = None, verify: bool = True, with_tensorstore: bool = True,
               progress: Callable[[str], None] | None = None) -> BenchResult:
-    """Time every reader `repeats` times over all expert chunks of `kind`; report medians."""
+    """Time every reader `repeats` times over all expert chunks of `kind`; report medians. `mode`:
+    how the reads treat the page cache (default: direct when `cold`, else cached)."""
     chunks = list(iter_expert_chunks(store.manifest, kind))
     if not chunks:
         raise ValueError(f"{store.root}: store has no expert chunks of kind {kind!r} to read")
     paths = [store.path(c.file) for c in chunks]
     total = sum(c.bytes for c in chunks)
-    read_mode = ReadMode(mode or (ReadMode.DIRECT if cold else ReadMode.CACHED))
+    read_mode = mode or (ReadMode.DIRECT if cold else ReadMode.CACHED)
     biggest = max(c.bytes for c in chunks)
     bufs = [aligned_empty(biggest, alignment=ALIGN, pin=False)[1] for _ in range(inflight)]
     reader = ChunkReader(ChunkReaderConfig(mode=read_mode, threads=threads))

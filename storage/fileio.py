@@ -125,7 +125,7 @@ def _aligned(buf: memoryview, offset: int, nbytes: int) -> bool:
     return addr % ALIGN == 0 and offset % ALIGN == 0 and nbytes % ALIGN == 0
 
 
-def _read_range(path: str, buf: memoryview, offset: int, nbytes: int, mode: ReadMode,
+def read_range(path: str, buf: memoryview, offset: int, nbytes: int, mode: ReadMode,
                 crc_bytes: int = 0, io_bytes: int = 1 << 20, gate: Callable[[], bool] | None = None) -> int:
     """Read `nbytes` at `offset` into `buf` in pieces of `io_bytes`; crc32c of the first `crc_bytes`."""
     if gate is not None and not gate():
@@ -183,7 +183,7 @@ class ChunkReader:
         for req in requests:
             if len(req.buf) < req.nbytes:
                 raise ValueError(f"{req.path}: buffer of {len(req.buf)} bytes is smaller than {req.nbytes}")
-            out.append([(self._pool.submit(_read_range, req.path, req.buf[s:s + n], req.offset + s, n, mode, c, io,
+            out.append([(self._pool.submit(read_range, req.path, req.buf[s:s + n], req.offset + s, n, mode, c, io,
                                            req.gate), c, i, n) for s, n, c, i in self._segments(req) if n])
         return out
 

@@ -32,7 +32,7 @@ from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StorageError, StoreLockedError
 from storage.crc import crc32c
 from storage.durable import fsync_path, fsync_tree, write_atomic
-from storage.fileio import ReadMode, ReadRequest, _read_range
+from storage.fileio import ReadMode, ReadRequest, read_range
 from storage.layout import (
     array_of_chunk,
     check_crc,
@@ -127,7 +127,7 @@ class Store:
         e = self.manifest.tensor(name, kind, stack_index)
         buf = torch.empty(e.bytes, dtype=torch.uint8)
         if e.bytes:
-            _read_range(self.path(e.file), memoryview(buf.numpy()), e.offset, e.bytes, mode)
+            read_range(self.path(e.file), memoryview(buf.numpy()), e.offset, e.bytes, mode)
         if verify:
             check_crc(e, buf.numpy(), self.path(e.file))
         return buf.view(torch_dtype(e.dtype)).view(e.shape)
@@ -161,7 +161,7 @@ class Store:
         """One expert's chunk file as a uint8 tensor (one contiguous read), its tensors checked."""
         c = self.manifest.chunk(layer, expert, kind)
         buf = torch.empty(c.bytes, dtype=torch.uint8)
-        _read_range(self.path(c.file), memoryview(buf.numpy()), 0, c.bytes, mode)
+        read_range(self.path(c.file), memoryview(buf.numpy()), 0, c.bytes, mode)
         if verify:
             self.check_chunk(c, buf)
         return buf
@@ -202,7 +202,7 @@ class Store:
         for r in range(0, e.shape[0], rows):
             n = min(rows, e.shape[0] - r)
             buf = torch.empty(n * row_bytes, dtype=torch.uint8)
-            _read_range(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode)
+            read_range(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode)
             crc = crc32c(buf.numpy(), crc)  # continued over the blocks
             if r + n == e.shape[0]:
                 check_crc_value(e, crc, path)

@@ -1,7 +1,7 @@
 """The hot read path: pieces read in parallel, checksums combined, corruption caught in any piece.
 
 What the reader delivers is checked against the tensors written and a plain `open()` + `read()` of
-the chunk file, never against the store's own reads (which share the reader's `_read_range`)."""
+the chunk file, never against the store's own reads (which share the reader's `read_range`)."""
 
 from __future__ import annotations
 
