@@ -102,7 +102,7 @@ class OffloadedExperts:
         self._next_layer = {a: b for a, b in zip(self.moe_layers, self.moe_layers[1:])}
         self._routers = {f.layer: f for f in model.moe_layers()}
         self.layouts = expert_layouts(store.manifest, model.config, store.root)
-        self.chunk_bytes = {k: store.manifest.chunk(*k).bytes for k in self.layouts}
+        self.chunk_bytes = {k: store.manifest.chunk(k.layer, k.expert, k.kind).bytes for k in self.layouts}
         self.tier = TieredExpertStore(store, TieredStoreConfig(
             cpu_cache_bytes=cpu_cache_bytes, read_mode=settings.read_mode, prefetch_workers=2,
             policy=settings.cache_policy, pin_memory=device.type == "cuda"))

@@ -45,7 +45,9 @@ from storage.manifest import ChunkEntry, TensorEntry
 from storage.layout import chunk_layout, expert_array_rel
 from storage.store import ExpertTensor, Store, write_expert_chunk
 
-Key = tuple[int, int]  # (layer, global expert id)
+# An expert of the model being trained, (layer, global expert id): its identity across its three
+# state kinds (STATE_KINDS), which the tier and the store name as ExpertKey(layer, expert, kind).
+Key = tuple[int, int]
 STATE_KINDS = ("weight", "adam_m", "adam_v")  # an expert's chunks in a checkpoint
 
 

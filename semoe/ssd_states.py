@@ -245,7 +245,7 @@ class SSDExpertStates(ExpertStates):
         self.grad_budget = cpu_cache_bytes if grad_budget_bytes is None else grad_budget_bytes
         self.prefetch_depth = prefetch_depth
         self.write_depth = write_threads
-        self.written: dict[tuple[int, int, str], tuple[list[TensorEntry], ChunkEntry]] = {}
+        self.written: dict[ExpertKey, tuple[list[TensorEntry], ChunkEntry]] = {}
         self._gen = 0  # optimizer steps started: names the spill folder
         self.gradients = self._new_accumulator()
         self._grad_copies: deque[_GradCopy] = deque()
@@ -283,7 +283,7 @@ class SSDExpertStates(ExpertStates):
         entries, chunk = self.format.write(self.root, self.version, key[0], key[1], "weight",
                                            self.format.pack(list(weights)))
         self.overlay.upsert(tensors=entries, chunks=[chunk])
-        self.written[(key[0], key[1], "weight")] = (entries, chunk)
+        self.written[ExpertKey(key[0], key[1], "weight")] = (entries, chunk)
 
     def checkpoint_entries(self) -> tuple[list[TensorEntry], list[ChunkEntry]]:
         """Entries of every chunk written into the staged version, for the checkpoint to adopt."""
@@ -292,7 +292,7 @@ class SSDExpertStates(ExpertStates):
         return tensors, [c for _, c in self.written.values()]
 
     # -- forward and backward -----------------------------------------------------------------
-    def _get(self, layer: int, expert: int, kind: str) -> ExpertHandle:
+    def _get(self, key: ExpertKey) -> ExpertHandle:
         """Pin a state in the cache. When pinned entries fill it: unpin those this object's copies
         held, else let prefetches finish, else wait (on the cache's condition, which every unpin
         signals) for the pins of other threads (the writers) to go; CacheFullError after
@@ -300,7 +300,7 @@ class SSDExpertStates(ExpertStates):
         deadline = time.monotonic() + PINNED_WAIT_S
         while True:
             try:
-                return self.tier.get(ExpertKey(layer, expert, kind))
+                return self.tier.get(key)
             except CacheFullError:
                 if self._free_a_source():
                     continue
@@ -352,7 +352,7 @@ class SSDExpertStates(ExpertStates):
     def fetch(self, layer: int, expert: int) -> Held:
         self._wait_updated((layer, expert))
         self._reap_loans()
-        entry = self._get(layer, expert, "weight")
+        entry = self._get(ExpertKey(layer, expert))
         src = entry.raw
         if src.numel() != self.format.nbytes:
             entry.release()
@@ -470,7 +470,7 @@ class SSDExpertStates(ExpertStates):
                     moments[k] = self._readers.submit(self._read_moments, k)
                     self.tier.prefetch([ExpertKey(k[0], k[1])])
                 m_raw, v_raw = moments.pop(key).result()
-                h = self._get(key[0], key[1], "weight")
+                h = self._get(ExpertKey(key[0], key[1]))
                 try:
                     g = grads.grads(key)
                     n = self.next_adam_step(key)
@@ -523,7 +523,7 @@ class SSDExpertStates(ExpertStates):
                 entries, chunk = self.format.write(self.root, self.version, key[0], key[1], kind, buf)
                 with self._lock:
                     self.overlay.upsert(tensors=entries, chunks=[chunk])
-                    self.written[(key[0], key[1], kind)] = (entries, chunk)
+                    self.written[ExpertKey(key[0], key[1], kind)] = (entries, chunk)
                     self._bytes_written += buf.nbytes
         finally:
             for h, _ in held:

@@ -453,7 +453,7 @@ def test_a_state_waits_for_pins_other_threads_release_without_polling(make_state
 
     states.tier.cache.wait_for_room = wait_for_room
     got = []
-    fetcher = threading.Thread(target=lambda: got.append(states._get(layer, capacity, "weight")))
+    fetcher = threading.Thread(target=lambda: got.append(states._get(ExpertKey(layer, capacity))))
     fetcher.start()
     assert waiting.wait(timeout=60), "the fetch never waited for room"
     assert not got  # still waiting: every entry is pinned
