@@ -15,8 +15,8 @@ CUDA, and nothing in forward or backward blocks the host:
                memory up to `grad_budget_bytes` and in spill files of `spill_dir` beyond it
 
 The step boundary (the gradient norm, the optimizer thread) waits for the copies still in flight.
-On CPU the expert can also be used in place, without copies (`copy_on_cpu=False`): the same
-records, with copies that are complete at issue.
+On CPU the expert can also be used in place, without copies (`SSDStatesConfig.copy_on_cpu` off):
+the same records, with copies that are complete at issue.
 
 The optimizer step streams experts tile by tile (a tile is one expert's three states), in layer
 order: the tiles ahead are being read while this one is updated in place in its cache buffer, and
@@ -203,11 +203,23 @@ def _arrive(pending: deque[_GradCopy], into: GradAccumulator, *, block: bool) ->
 # -- the backend ------------------------------------------------------------------------------------
 
 
-class SSDExpertStates(ExpertStates):
-    """Local experts' states in `store` (the run's, open), behind a CPU cache of `cpu_cache_bytes`.
+@dataclass(kw_only=True)
+class SSDStatesConfig:
+    """How the SSD backend holds and moves one rank's expert states."""
 
-    `copy_on_cpu`: on a CPU device, copy weights and gradients through the copy stream as on a GPU
-    (the tests run the GPU's path this way) instead of using host memory in place."""
+    cpu_cache_bytes: int  # the CPU cache of weights, and the moments in flight
+    spill_dir: str  # gradient sums beyond `grad_budget_bytes` are spilled here
+    grad_budget_bytes: int | None = None  # host memory for gradient sums (default: cpu_cache_bytes)
+    read_mode: ReadMode = ReadMode.DIRECT
+    prefetch_depth: int = 1  # tiles whose moments are read ahead of the one being updated
+    write_threads: int = 1
+    # on a CPU device, copy weights and gradients through the copy stream as on a GPU (the tests
+    # run the GPU's path this way) instead of using host memory in place
+    copy_on_cpu: bool = False
+
+
+class SSDExpertStates(ExpertStates):
+    """Local experts' states in `store` (the run's, open), behind a CPU cache (`SSDStatesConfig`)."""
 
     @staticmethod
     def transient_bytes(config: MoEConfig, prefetch_depth: int = 1, write_threads: int = 1) -> int:
@@ -222,10 +234,10 @@ class SSDExpertStates(ExpertStates):
                 + (write_threads + 2) * ChunkFormat(config).nbytes)
 
     def __init__(self, config: MoEConfig, experts: range, device: torch.device, *, store: Store,
-                 cpu_cache_bytes: int, spill_dir: str, grad_budget_bytes: int | None = None,
-                 read_mode: ReadMode = ReadMode.DIRECT, prefetch_depth: int = 1, write_threads: int = 1,
-                 layers: list[int] | None = None, copy_on_cpu: bool = False) -> None:
+                 settings: SSDStatesConfig, layers: list[int] | None = None) -> None:
         super().__init__(config, experts, device, layers)
+        cpu_cache_bytes, prefetch_depth, write_threads = (settings.cpu_cache_bytes, settings.prefetch_depth,
+                                                          settings.write_threads)
         self.root = root = store.root
         self.format = ChunkFormat(config)
         self.overlay = Manifest.from_json(store.manifest.to_json(), source=f"{root} (overlay)")
@@ -238,11 +250,11 @@ class SSDExpertStates(ExpertStates):
         # host memory a GPU copies from or into is pinned; on a CPU device pinning buys nothing
         self._pin = torch.device(device).type == "cuda"
         self.tier = TieredExpertStore(self.view, TieredStoreConfig(cpu_cache_bytes=cpu_cache_bytes - transient,
-                                                                   read_mode=read_mode, pin_memory=self._pin))
+                                                                   read_mode=settings.read_mode, pin_memory=self._pin))
         self.stream = make_copy_stream(device)
-        self.in_place = torch.device(device).type == "cpu" and not copy_on_cpu
-        self.spill_dir = spill_dir
-        self.grad_budget = cpu_cache_bytes if grad_budget_bytes is None else grad_budget_bytes
+        self.in_place = torch.device(device).type == "cpu" and not settings.copy_on_cpu
+        self.spill_dir = settings.spill_dir
+        self.grad_budget = cpu_cache_bytes if settings.grad_budget_bytes is None else settings.grad_budget_bytes
         self.prefetch_depth = prefetch_depth
         self.write_depth = write_threads
         self.written: dict[ExpertKey, tuple[list[TensorEntry], ChunkEntry]] = {}

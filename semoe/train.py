@@ -66,7 +66,7 @@ from semoe.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertSt
                                  TrainingExperts, init_expert)
 from semoe.model import MoEGPT, RMSNorm, Router
 from semoe.run_store import OPTIMIZER_FILE, TRAINER_FILE, RunStore
-from semoe.ssd_states import SSDExpertStates
+from semoe.ssd_states import SSDExpertStates, SSDStatesConfig
 from semoe.tokenizer import ByteTokenizer
 from semoe.train_config import (Precision, StepLog, TrainConfig, TrainingError, json_line, progress_line,
                                 return_large_frees_to_the_os, training_precision)
@@ -301,10 +301,11 @@ class Trainer:
             self.comm.barrier()
             self.run_store = created or RunStore.open(cfg.store)
         if cfg.expert_states == "ssd":
+            settings = SSDStatesConfig(cpu_cache_bytes=cache, grad_budget_bytes=cfg.grad_budget_bytes,
+                                       spill_dir=os.path.join(cfg.out, "spill", f"rank{self.rank}"),
+                                       read_mode=cfg.read_mode)
             return SSDExpertStates(self.config, self.experts, self.device, store=self.run_store.store,
-                                   cpu_cache_bytes=cache, grad_budget_bytes=cfg.grad_budget_bytes,
-                                   spill_dir=os.path.join(cfg.out, "spill", f"rank{self.rank}"),
-                                   read_mode=cfg.read_mode, layers=layers)
+                                   settings=settings, layers=layers)
         storage = torch.device("cpu") if cfg.expert_states == "cpu" else self.device
         return ResidentExpertStates(self.config, self.experts, self.device, storage, layers=layers, root=cfg.store)
 

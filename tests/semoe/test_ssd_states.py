@@ -4,6 +4,7 @@ in-memory backends, bit for bit, with its host syncs counted."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -12,7 +13,7 @@ from helpers.training import store_tensors, tiny_config
 
 import semoe.train
 from semoe.expert_states import AdamWConfig, adamw_, init_expert
-from semoe.ssd_states import STATE_KINDS, ChunkFormat, GradAccumulator, SSDExpertStates, read_ahead
+from semoe.ssd_states import STATE_KINDS, ChunkFormat, GradAccumulator, SSDExpertStates, SSDStatesConfig, read_ahead
 from semoe.train import Trainer
 from semoe.train_config import TrainConfig
 from storage.keys import ExpertKey
@@ -151,7 +152,7 @@ def make_states(tmp_path):
             w.commit()
         kw.setdefault("cpu_cache_bytes", 64 * FMT.nbytes)
         states = SSDExpertStates(CONFIG, range(CONFIG.num_experts), torch.device("cpu"), store=Store.open(root),
-                                 spill_dir=str(tmp_path / "spill"), copy_on_cpu=True, **kw)
+                                 settings=SSDStatesConfig(spill_dir=str(tmp_path / "spill"), copy_on_cpu=True, **kw))
         writer = Store.open(root).writer()
         for layer in CONFIG.moe_layer_ids:
             for kind in STATE_KINDS:
@@ -295,8 +296,8 @@ def test_moment_reads_run_ahead_of_the_updates_and_writes_follow_layer_order(mak
 class CopyingSSDExpertStates(SSDExpertStates):
     """The trainer's SSD backend with copies forced on CPU, the path a GPU runs."""
 
-    def __init__(self, *args, **kw) -> None:
-        super().__init__(*args, copy_on_cpu=True, **kw)
+    def __init__(self, *args, settings: SSDStatesConfig, **kw) -> None:
+        super().__init__(*args, settings=dataclasses.replace(settings, copy_on_cpu=True), **kw)
 
 
 def _trainer(tmp_path, name, text_file, **kw) -> Trainer:
