@@ -56,16 +56,13 @@ def test_every_technique_in_a_two_stage_pipeline_keeps_the_numbers(tmp_path, tex
         Decision(stage=1, layer=2, technique="recompute"),
         Decision(stage=1, layer=3, technique="d2d", stripes=[Stripe(device=0, bytes=1)]),
     ])
-    plain = _run(tmp_path, "plain", text_file, None)
-    planned = _run(tmp_path, "planned", text_file, plan)
-    losses = [r["losses"] for r in plain if r["losses"]]
-    assert losses and losses[0] == [r["losses"] for r in planned if r["losses"]][0]  # bit for bit
-    # so are both stages' final weights and moments: swaps are copies, recomputation replays the ops
-    a, b = store_tensors(str(tmp_path / "plain" / "store")), store_tensors(str(tmp_path / "planned" / "store"))
-    assert {k[1] for k in a} == {"weight", "adam_m", "adam_v"} and a.keys() == b.keys()
+    # losses, both stages' final weights and moments and the dense optimizer's states, bit for
+    # bit: swaps are copies, recomputation replays the ops
+    planned = _same_numbers_as_plain(tmp_path, text_file, plan)
+    a = store_tensors(str(tmp_path / "planned" / "store"))
+    assert {k[1] for k in a} == {"weight", "adam_m", "adam_v"}
     assert {name for name, _ in a if ".layers.0." in name} and {name for name, _ in a if ".layers.3." in name}
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    assert any(r["losses"] for r in planned)
     s0, s1 = planned[0]["stats"], planned[1]["stats"]
     assert s0["host_bytes"] > 0 and s0["peer_bytes"] > 0  # stage 0 really swapped to host and to stage 1
     assert s1["recomputed"] > 0 and s1["peer_bytes"] > 0

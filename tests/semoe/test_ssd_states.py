@@ -74,16 +74,6 @@ def test_gradients_beyond_the_budget_spill_and_sum_in_arrival_order(tmp_path):
 # -- the backend on its own ---------------------------------------------------------------------
 
 
-class _Compute(StreamEvent):
-    """Compute issued up to one point (the scripted device runs compute at once)."""
-
-    def done(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        pass
-
-
 class _ScriptedCopy(CopyHandle):
     def __init__(self, stream: "ScriptedCopyStream", src: torch.Tensor, dst: torch.Tensor,
                  after: StreamEvent | None) -> None:
@@ -114,11 +104,13 @@ class ScriptedCopyStream(CopyStream):
     def __init__(self, device: torch.device) -> None:
         super().__init__(device)
         self.issued: list[_ScriptedCopy] = []
-        self.events: list[_Compute] = []
+        self.events: list[StreamEvent] = []
         self.host_syncs = 0
 
     def record_compute(self) -> StreamEvent:
-        self.events.append(_Compute())
+        # the scripted device runs compute at once: an event of COMPLETE's kind, one per record so
+        # that a test can tell which one a copy waits for
+        self.events.append(type(COMPLETE)())
         return self.events[-1]
 
     def _issue(self, src, dst, after) -> CopyHandle:
