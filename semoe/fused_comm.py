@@ -9,8 +9,6 @@ The pieces, bookkeeping first, data movement after:
                           plus `pack` / `unpack` / `unpack_into`)
     `bucketize`           greedy, order-keeping grouping of tensors into buckets of bounded bytes
     `fused_all_reduce`    one async all_reduce per bucket, all in flight together, then unpacked
-    `fused_all_gather`    one all_gather per bucket; every rank's tensors, unpacked as views
-    `fused_reduce_scatter`  ZeRO-style: reduce a packed buffer and keep this rank's flat shard
     `GradBucketReducer`   DDP-style gradient all-reduce overlapped with backward
 
 Everything goes through torch.distributed; buffers are allocated on the tensors' own device, so
@@ -18,15 +16,12 @@ the same code runs on `gloo` with CPU tensors and on `nccl` with CUDA tensors.
 
 Shape legend:
     N  elements of a flat buffer, alignment padding included
-    S  elements of one rank's shard of a flat buffer (N rounded up to a multiple of world size, / W)
-    W  ranks in the process group
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import math
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -41,8 +36,6 @@ __all__ = [
     "FlatLayout",
     "bucketize",
     "fused_all_reduce",
-    "fused_all_gather",
-    "fused_reduce_scatter",
     "GradBucketReducer",
 ]
 
@@ -227,52 +220,6 @@ def fused_all_reduce(tensors: Sequence[Tensor], *, group: dist.ProcessGroup | No
         if average:
             flat_N.div_(world_size)
         layout.unpack_into(flat_N, [tensors[i] for i in indices])
-
-
-def fused_all_gather(tensors: Sequence[Tensor], *, group: dist.ProcessGroup | None = None,
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-                     align_elems: int = DEFAULT_ALIGN_ELEMS) -> list[list[Tensor]]:
-    """Every rank's `tensors`: result[r][i] is rank r's tensor i, a view into a gathered buffer.
-
-    One all_gather per bucket, all issued before any is waited on. All ranks must pass tensors of
-    the same shapes and dtypes.
-    """
-    cfg = BucketConfig(bucket_bytes=bucket_bytes, align_elems=align_elems)
-    world_size = dist.get_world_size(group)
-    pending = []
-    for indices, layout, flat_N in _packed_buckets(tensors, cfg):
-        gathered_WN = flat_N.new_empty(world_size * layout.total_numel)
-        pending.append((indices, layout, gathered_WN,
-                        dist.all_gather_into_tensor(gathered_WN, flat_N, group=group, async_op=True)))
-    # Placeholders only: every index lies in exactly one bucket, so each slot is filled below.
-    result: list[list[Tensor]] = [[torch.empty(0)] * len(tensors) for _ in range(world_size)]
-    for indices, layout, gathered_WN, work in pending:
-        work.wait()
-        for rank, flat_N in enumerate(gathered_WN.view(world_size, layout.total_numel)):
-            for i, view in zip(indices, layout.unpack(flat_N)):
-                result[rank][i] = view
-    return result
-
-
-def fused_reduce_scatter(tensors: Sequence[Tensor], *, group: dist.ProcessGroup | None = None,
-                         average: bool = True, align_elems: int = DEFAULT_ALIGN_ELEMS) -> Tensor:
-    """This rank's shard (S,) of the reduced flat buffer of `tensors` (ZeRO-style gradient sharding).
-
-    The tensors (one dtype, one device) are packed by `FlatLayout.from_tensors(tensors,
-    align_elems=...)` into a buffer zero-padded to W * S elements, S = ceil(N / W); rank r gets
-    elements [r * S, (r + 1) * S) of its sum (or mean with `average`) over ranks.
-    """
-    if average:
-        _check_floating(tensors)
-    layout = FlatLayout.from_tensors(tensors, align_elems=align_elems)
-    world_size = dist.get_world_size(group)
-    shard_numel = math.ceil(layout.total_numel / world_size)
-    flat_WS = layout.pack(tensors, out=layout.new_buffer(world_size * shard_numel))
-    shard_S = flat_WS.new_empty(shard_numel)
-    dist.reduce_scatter_tensor(shard_S, flat_WS, group=group)
-    if average:
-        shard_S.div_(world_size)
-    return shard_S
 
 
 @dataclass(eq=False)

@@ -21,9 +21,7 @@ from semoe.fused_comm import (
     FlatLayout,
     GradBucketReducer,
     bucketize,
-    fused_all_gather,
     fused_all_reduce,
-    fused_reduce_scatter,
 )
 
 WORLD_SIZE = WORLD
@@ -190,35 +188,6 @@ def _all_reduce_child(rank: int) -> None:
 @pytest.mark.slow  # starts processes
 def test_fused_all_reduce_matches_per_tensor_all_reduce():
     run_ranks(_all_reduce_child)
-
-
-def _gather_scatter_child(rank: int) -> None:
-    mixed = _tensors(rank) + _tensors(20 + rank, [(4, 2), (3,)], torch.float64)
-    gathered = fused_all_gather(mixed, bucket_bytes=64)
-    assert len(gathered) == WORLD_SIZE
-    for r in range(WORLD_SIZE):
-        want = _tensors(r) + _tensors(20 + r, [(4, 2), (3,)], torch.float64)
-        assert len(gathered[r]) == len(want)
-        for got, expected in zip(gathered[r], want):
-            assert got.dtype == expected.dtype and torch.equal(got, expected)
-
-    tensors = _tensors(rank)
-    layout = FlatLayout.from_tensors(tensors)
-    shard = fused_reduce_scatter(tensors, average=False)
-    assert shard.numel() == -(-layout.total_numel // WORLD_SIZE)
-    shards = [torch.empty_like(shard) for _ in range(WORLD_SIZE)]
-    dist.all_gather(shards, shard)
-    full = torch.cat(shards)
-    want = layout.pack([a + b for a, b in zip(_tensors(0), _tensors(1))])
-    assert torch.equal(full[:layout.total_numel], want)
-    assert torch.all(full[layout.total_numel:] == 0)
-    averaged = fused_reduce_scatter(tensors)
-    assert torch.equal(averaged, shard / WORLD_SIZE)
-
-
-@pytest.mark.slow  # starts processes
-def test_fused_all_gather_and_reduce_scatter():
-    run_ranks(_gather_scatter_child)
 
 
 class _Net(nn.Module):
