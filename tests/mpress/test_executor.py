@@ -59,11 +59,16 @@ def forward(layers, x_TD: torch.Tensor) -> torch.Tensor:
     return x_TD.square().mean()
 
 
-def step(layers, params, micro_batches: int = 1):
-    """Loss per micro-batch and the accumulated gradients (forwards first, then backwards: GPipe)."""
+def fresh_forward(layers, params, micro_batches: int = 1) -> list[torch.Tensor]:
+    """The gradients cleared, then each micro-batch's forward: its loss, the graph kept."""
     for p in params:
         p.grad = None
-    losses = [forward(layers, make_input(m)) for m in range(micro_batches)]
+    return [forward(layers, make_input(m)) for m in range(micro_batches)]
+
+
+def step(layers, params, micro_batches: int = 1):
+    """Loss per micro-batch and the accumulated gradients (forwards first, then backwards: GPipe)."""
+    losses = fresh_forward(layers, params, micro_batches)
     for loss in losses:
         loss.backward()
     return [loss.detach() for loss in losses], [p.grad.clone() for p in params]
@@ -225,9 +230,7 @@ def test_swapped_tensors_really_come_from_host_and_peers(layers, params, referen
     for technique in ("host", "d2d"):
         ex, wrapped = planned(plan_of(technique, "keep", "keep", "keep"), layers, peers=peers[0])
         with ex:
-            for p in params:
-                p.grad = None
-            loss = forward(wrapped, make_input())
+            loss, = fresh_forward(wrapped, params)
             ex.synchronize()
             swapped = [r for r in ex.table.values() if r.technique == technique]
             assert swapped and all(r.state is State.OUT for r in swapped)
@@ -395,9 +398,7 @@ def test_forward_and_backward_never_block_the_host(layers, params, reference, pe
     with copy_stream_factory(FakeCudaCopyStream) as made:
         ex, wrapped = planned(plan_of("host", "d2d", "host", "keep"), layers, peers=peers[0])
         with ex:
-            for p in params:
-                p.grad = None
-            loss = forward(wrapped, make_input())
+            loss, = fresh_forward(wrapped, params)
             for layer in reversed(range(LAYERS)):
                 ex.prefetch(layer)
             loss.backward()
@@ -414,9 +415,7 @@ def test_a_tensor_asked_back_before_its_swap_out_ran_is_used_in_place(layers, pa
     ex, wrapped = planned(plan_of("host", "d2d", "host", "d2d"), layers, peers=peers[0], host_pool=host_pool,
                           copy_stream=stream)
     with ex:
-        for p in params:
-            p.grad = None
-        loss = forward(wrapped, make_input())
+        loss, = fresh_forward(wrapped, params)
         loss.backward()
         assert not stream.gate.is_set()  # no copy has run
         assert_identical(([loss.detach()], [p.grad.clone() for p in params]), reference)
@@ -476,9 +475,7 @@ def test_prefetch_swaps_in_the_oldest_forward_first(layers, params, streams):
     reference = step(layers, params, micro_batches=2)
     ex, wrapped = planned(plan_of(*("host",) * LAYERS), layers)
     with ex:
-        for p in params:
-            p.grad = None
-        losses = [forward(wrapped, make_input(m)) for m in range(2)]
+        losses = fresh_forward(wrapped, params, 2)
         ex.synchronize()
         last = sorted((r for r in ex.table.values() if r.layer == LAYERS - 1 and r.technique == "host"),
                       key=lambda r: r.id)
@@ -499,9 +496,7 @@ def test_prefetch_right_after_the_forward(technique, layers, params, reference, 
     """Swap-outs may still be in flight: those tensors are still on the device and stay there."""
     ex, wrapped = planned(plan_of(*(technique,) * LAYERS), layers, peers=peers[0])
     with ex:
-        for p in params:
-            p.grad = None
-        loss = forward(wrapped, make_input())
+        loss, = fresh_forward(wrapped, params)
         for layer in reversed(range(LAYERS)):
             assert ex.prefetch(layer) > 0
         assert all(r.state in (State.SWAPPING_IN, State.RESIDENT) for r in ex.table.values())
@@ -610,9 +605,7 @@ def d2d_stage0(peers: SharedMemoryPeers) -> None:
                                     stripes=[Stripe(device=1, bytes=1), Stripe(device=1, bytes=3)])])
     ex, wrapped = planned(plan, layers, peers=peers)
     with ex:
-        for p in params:
-            p.grad = None
-        loss = forward(wrapped, make_input())
+        loss, = fresh_forward(wrapped, params)
         ex.synchronize()
         dist.barrier()
         slice_on_rank1 = torch.empty(peers.slice_bytes, dtype=torch.uint8)
