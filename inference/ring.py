@@ -28,6 +28,7 @@ from typing import Iterator
 
 import torch
 
+from inference.engine_config import EngineConfig
 from inference.memory_guard import CPU_CACHE_AUTO, MemoryGuard, auto_cpu_cache_bytes
 from inference.ring_book import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
 from semoe.expert_layout import ExpertLayout, TensorSlice, expert_layouts, expert_weights, place, placed_bytes
@@ -87,9 +88,9 @@ class _Loaded:
 class OffloadedExperts:
     """The expert provider of an offloaded model (one instance serves every MoE layer)."""
 
-    def __init__(self, model: MoEGPT, store: Store, settings, *, cpu_cache_bytes: int, ring_slots: int,
+    def __init__(self, model: MoEGPT, store: Store, settings: EngineConfig, *, cpu_cache_bytes: int, ring_slots: int,
                  copies: bool, grow_to: int | None = None) -> None:
-        """`settings`: the engine's EngineConfig (device, dtype, read mode, cache policy, prefetch,
+        """`settings`: the engine's config (device, dtype, read mode, cache policy, prefetch,
         speculation, memory guard); the budgets as `attach` sets them from it. `grow_to`: an auto
         budget, which the memory guard raises while memory is free, up to this."""
         self.config = model.config
@@ -172,7 +173,7 @@ class OffloadedExperts:
         return slots * biggest if copies else (slots + top_k) * biggest
 
     @classmethod
-    def attach(cls, model: MoEGPT, store: Store, config) -> "OffloadedExperts":
+    def attach(cls, model: MoEGPT, store: Store, config: EngineConfig) -> "OffloadedExperts":
         """Build from an EngineConfig and install as the provider of every MoE layer of `model`, whose
         experts are in `store` (open: the engine opens it once and hands it down)."""
         device = torch.device(config.device)
