@@ -6,9 +6,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import select
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -99,17 +101,39 @@ def checkpoint_step(store, run_file: str) -> int:
 
 
 def kill_mid_run(args: list[str], out, run_file: str, *, after_step: int, timeout_s: float) -> int:
-    """Start `semoe ARGS --out OUT` in a session of its own, wait for a checkpoint at `after_step` or
-    later, kill every process of the session at once (SIGKILL, as a machine crash would: the launcher
-    and its ranks) and return the step of the last checkpoint, which the caller checks lies before
-    the run's end (a run that got there first was not killed mid-way)."""
-    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *args, "--out", str(out)], cwd=ROOT,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.time() + timeout_s
-    while checkpoint_step(os.path.join(out, "store"), run_file) < after_step and time.time() < deadline \
-            and proc.poll() is None:
-        time.sleep(0.005)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait()
+    """Start `semoe ARGS --out OUT` in a session of its own, its step log (`--log-json`) going into a
+    pipe; read the log until the line of the step after `after_step`, which the trainer writes
+    once the checkpoint at `after_step` (a multiple of --checkpoint-every) is committed; then kill
+    every process of the session at once (SIGKILL, as a machine crash would: the launcher and its
+    ranks) and return the step of the last checkpoint, which the caller checks lies before the
+    run's end. The kill follows the run's own progress, not a timer."""
+    with tempfile.TemporaryDirectory(prefix="semoe-kill-") as tmp:
+        fifo = os.path.join(tmp, "steps.jsonl")
+        os.mkfifo(fifo)
+        proc = subprocess.Popen([sys.executable, "-m", "tools.cli", *args, "--out", str(out), "--log-json", fifo],
+                                cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        # read and write: opening waits for no writer, and the pipe never reads as closed (a run
+        # that ends or dies early is seen by `poll` when no line has come for a second)
+        fd = os.open(fifo, os.O_RDWR | os.O_NONBLOCK)
+        try:
+            _read_log_until(fd, proc, after_step + 1, time.time() + timeout_s)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            os.close(fd)
     return checkpoint_step(os.path.join(out, "store"), run_file)
+
+
+def _read_log_until(fd: int, proc: subprocess.Popen, step: int, deadline: float) -> None:
+    """Block on the step log's pipe until a line of `step` or later arrives, the run exits, or the
+    deadline passes."""
+    pending = b""
+    while time.time() < deadline and proc.poll() is None:
+        readable, _, _ = select.select([fd], [], [], min(1.0, max(deadline - time.time(), 0)))
+        if not readable:
+            continue
+        pending += os.read(fd, 1 << 16)
+        *lines, pending = pending.split(b"\n")
+        if any(json.loads(line)["step"] >= step for line in lines if line.strip()):
+            return
 
