@@ -191,10 +191,11 @@ def return_large_frees_to_the_os(threshold: int = 4 << 20) -> None:
     if sys.platform != "linux":
         return
     import ctypes
-    import ctypes.util
 
     try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        # the process's own symbols, libc's among them (find_library would run ldconfig in a child
+        # process each time a trainer starts)
+        libc = ctypes.CDLL(None)
         libc.mallopt(-3, int(threshold))  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raising)
     except (OSError, AttributeError):  # not glibc: nothing to tune
         pass

@@ -46,3 +46,21 @@ def hf_qwen2_moe(tmp_path_factory):
 def hf_olmoe(tmp_path_factory):
     """An OLMoE checkpoint in float32, one file."""
     return make_hf_checkpoint("olmoe", tmp_path_factory.mktemp("hf") / "olmoe")
+
+
+@pytest.fixture(autouse=True)
+def _processes_only_in_slow_tests(request, monkeypatch):
+    """A test outside the `slow` mark that starts a process fails at once, naming the call: the
+    default suite stays one process (CI runs `-m slow` for the rest). `tests/test_structure.py`
+    finds such tests from their sources; this finds them as they run, helpers and libraries
+    included."""
+    if request.node.get_closest_marker("slow"):
+        return
+    import multiprocessing.process
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{request.node.nodeid} starts a process without the slow mark")
+
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)

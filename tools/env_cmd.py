@@ -113,7 +113,16 @@ def python_info() -> dict:
     except importlib.metadata.PackageNotFoundError:
         semoe = None
     return {"python": platform.python_version(), "python_implementation": platform.python_implementation(),
-            "python_executable": sys.executable, "platform": platform.platform(), "semoe": semoe}
+            "python_executable": sys.executable, "platform": platform_text(), "semoe": semoe}
+
+
+def platform_text() -> str:
+    """Kernel, release, machine and C library, e.g. "Linux-5.15.0-x86_64-with-glibc2.35", as
+    `platform.platform()` gives them but without the `uname -p` child process it starts."""
+    u = os.uname() if hasattr(os, "uname") else None
+    parts = [u.sysname, u.release, u.machine] if u else [platform.system(), platform.release(), platform.machine()]
+    lib, version = platform.libc_ver()
+    return "-".join(p for p in parts if p) + (f"-with-{lib}{version}" if lib else "")
 
 
 def cudnn_version_text(version: int | None) -> str | None:
