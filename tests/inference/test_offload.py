@@ -8,6 +8,7 @@ import threading
 import pytest
 import torch
 from helpers.hf_models import make_hf_checkpoint
+from helpers.store_opens import record_store_opens
 
 from inference.engine import Engine, EngineConfig
 from semoe.generate import GenerationResult, SamplingConfig
@@ -114,17 +115,8 @@ def test_offloaded_equals_resident(model_store, budget):
 @pytest.mark.parametrize("offloaded", [False, True])
 def test_loading_a_store_opens_it_once(model_store, offloaded, monkeypatch):
     """Model, tokenizer and (offloaded) ring read the one open store handed down to them."""
-    from storage.store import Store
-
     arch, store, expert_bytes, biggest, want = model_store
-    opened = []
-    real_open = Store.open.__func__
-
-    def counting(cls, root):
-        opened.append(root)
-        return real_open(cls, root)
-
-    monkeypatch.setattr(Store, "open", classmethod(counting))
+    opened = record_store_opens(monkeypatch)
     engine = Engine.load(store.root, EngineConfig(cpu_cache_bytes=expert_bytes + biggest if offloaded else None))
     try:
         assert opened == [store.root]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers.store_opens import record_store_opens
 from helpers.training import tiny_config
 
 from semoe.checkpoint import hf_config
@@ -57,14 +58,7 @@ def test_a_run_store_refuses_a_resume_of_the_wrong_kind(tmp_path):
 def test_a_trainer_opens_its_run_store_once(tmp_path, text_file, monkeypatch):
     """A new run, then its resume: each opens the run's store once (the command line and the
     ranks each hand theirs down), however many checkpoints it commits."""
-    opened = []
-    real_open = Store.open.__func__
-
-    def counting(cls, root):
-        opened.append(root)
-        return real_open(cls, root)
-
-    monkeypatch.setattr(Store, "open", classmethod(counting))
+    opened = record_store_opens(monkeypatch)
     for steps in (4, 6):  # a new run with checkpoints at 2 and 4; its resume, with one more at 6
         cfg = TrainConfig(out=str(tmp_path / "run"), data=text_file, steps=steps, batch_size=4, seq_len=32,
                           warmup_steps=2, checkpoint_every=2, expert_states="ssd")
@@ -81,14 +75,7 @@ def test_the_command_line_hands_its_open_store_to_the_trainer(tmp_path, text_fil
     the resume settings or the model, and by the trainer)."""
     from tools.cli import main
 
-    opened = []
-    real_open = Store.open.__func__
-
-    def counting(cls, root):
-        opened.append(root)
-        return real_open(cls, root)
-
-    monkeypatch.setattr(Store, "open", classmethod(counting))
+    opened = record_store_opens(monkeypatch)
     run, tiny = tmp_path / "run", ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2",
                                    "--ffn", "128", "--expert-ffn", "96", "--experts", "4", "--top-k", "2"]
     common = ["--batch-size", "2", "--seq-len", "16", "--checkpoint-every", "2", "-q"]
