@@ -2,8 +2,9 @@
 
 `OffloadedExperts` is the expert provider installed in every MoE layer of a model loaded without
 its experts. For each layer it hands out the routed experts as they become ready while the rest
-are still being read, and it predicts the next MoE layer's experts by applying that layer's router
-to the current hidden state, so their reads and copies overlap this layer's compute. Ring slots
+are still being read, and it prefetches the experts `inference.predictor` expects the next MoE
+layer to use (that layer's router applied to the current hidden state), so their reads and copies
+overlap this layer's compute. Ring slots
 keep experts across tokens; a slot is never taken from an expert the current layer still needs.
 
 What to do is decided by `inference.ring_book` (slots, victims, guesses, counters); this module
@@ -30,6 +31,7 @@ import torch
 
 from inference.engine_config import EngineConfig
 from inference.memory_guard import CPU_CACHE_AUTO, MemoryGuard, auto_cpu_cache_bytes
+from inference.predictor import NextLayerPredictor
 from inference.ring_book import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
 from semoe.expert_layout import ExpertLayout, TensorSlice, expert_layouts, expert_weights, place, placed_bytes
 from semoe.experts import ExpertWeights, expert_mlp
@@ -100,8 +102,7 @@ class OffloadedExperts:
         self.store = store
         self.prefetch_enabled = settings.prefetch
         self.moe_layers = model.config.moe_layer_ids
-        self._next_layer = {a: b for a, b in zip(self.moe_layers, self.moe_layers[1:])}
-        self._routers = {f.layer: f for f in model.moe_layers()}
+        self.predictor = NextLayerPredictor(model)
         self.layouts = expert_layouts(store.manifest, model.config, store.root)
         self.chunk_bytes = {k: store.manifest.chunk(k.layer, k.expert, k.kind).bytes for k in self.layouts}
         self.tier = TieredExpertStore(store, TieredStoreConfig(
@@ -137,7 +138,15 @@ class OffloadedExperts:
         self.queue = PrefetchQueue(PrefetchQueueConfig(workers=FILL_WORKERS))
         self.guesses = GuessTracker(settings.speculate_min_precision)
         self._closed = False
-        self.replay: RoutingReplay | None = None  # benchmarks: predict from a recorded run
+
+    @property
+    def replay(self) -> RoutingReplay | None:
+        """A recorded routing to predict from, for benchmarks (`NextLayerPredictor.replay`)."""
+        return self.predictor.replay
+
+    @replay.setter
+    def replay(self, replay: RoutingReplay | None) -> None:
+        self.predictor.replay = replay
 
     @property
     def counters(self) -> RingCounters:
@@ -305,8 +314,7 @@ class OffloadedExperts:
             self.book.begin_layer(layer, keys)
             for k in keys:
                 self._errors.pop(k, None)
-        if self.replay is not None:
-            self.replay.seen(layer, experts)
+        self.predictor.seen(layer, experts)
         # the routing is known: guesses still being read are either needed now or wasted bandwidth
         wrong = [ExpertKey(layer, e) for e in guessed if e not in experts]
         for key in wrong:
@@ -361,21 +369,11 @@ class OffloadedExperts:
             return key, self._loaded[self.book.get(key).index]
 
     def _predict(self, layer: int, x_ND: torch.Tensor) -> None:
-        """Apply the next MoE layer's router to this layer's input; prefetch the experts it picks."""
-        nxt = self._next_layer.get(layer)
-        if nxt is None:
+        """Prefetch the experts the predictor expects the next MoE layer to use."""
+        predicted = self.predictor.predict(layer, x_ND)
+        if predicted is None:
             return
-        known = self.replay is not None and not self.replay.recording
-        if known:
-            picked = self.replay.upcoming(nxt)
-        else:
-            with torch.no_grad():
-                r = self._routers[nxt].route(x_ND)
-            # most-picked first: with a long prompt the union may exceed the ring. The one host
-            # read of the prediction: the layer's own dispatch has just synchronised, so it waits
-            # only for the router's small matmul.
-            counts = torch.bincount(r.ids_TK.flatten(), minlength=self.config.num_experts).tolist()
-            picked = sorted((e for e, n in enumerate(counts) if n), key=lambda e: -counts[e])
+        nxt, picked = predicted
         with self._cond:
             cached = {e: self.tier.cached(ExpertKey(nxt, e)) for e in picked}
             self.guesses.predicted(nxt, cached)
@@ -384,7 +382,7 @@ class OffloadedExperts:
             # so a wrong guess costs the bytes read in that idle time. `min_precision` can still
             # switch guessing off for a model whose guesses are mostly wrong. Guesses already in
             # the CPU cache cost no SSD bandwidth and are always staged when the ring copies.
-            speculate = self.guesses.speculate(known)
+            speculate = self.guesses.speculate(self.predictor.known)
         for rank, e in enumerate(picked[:self.ring_slots]):
             key = ExpertKey(nxt, e)
             if key in self.book or not (speculate or (cached[e] and self.copies)):
