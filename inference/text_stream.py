@@ -8,12 +8,22 @@ from collections.abc import Callable, Sequence
 class TextAssembler:
     """Detokenises a growing list of ids, cuts at the first stop string, and says which new text is
     safe to stream: text that could still turn into a stop string, or an incomplete UTF-8 character
-    (U+FFFD at the end), is held back until the next token settles it."""
+    (U+FFFD at the end), is held back until the next token settles it.
+
+    Each token costs work in proportion to the few tokens since the text last settled, not to the
+    whole generation: only a window is decoded, from the last settled token but one (it gives the
+    decoder its context, such as whether a word starts with a space), and the new text is what the
+    window adds to that token's own text. Stop strings are looked for only where they could end in
+    the new text."""
 
     def __init__(self, decode: Callable[[list[int]], str], stops: Sequence[str] = ()) -> None:
         self._decode = decode
         self._stops = tuple(stops)
+        self._longest = max((len(s) for s in self._stops), default=0)
         self._ids: list[int] = []
+        self._prefix = 0  # the window starts here: the token before the settled ones
+        self._read = 0  # ids before this are settled: their text is `_settled`
+        self._settled = ""
         self.text = ""  # all text so far (cut at the stop string once one is found)
         self.sent = 0  # characters of `text` already handed out
         self.stopped = False
@@ -21,8 +31,15 @@ class TextAssembler:
     def add(self, token_id: int) -> str:
         """Take one token; returns the text that may be streamed now. Sets `stopped` at a stop string."""
         self._ids.append(token_id)
-        self.text = self._decode(self._ids)
-        hits = [i for i in (self.text.find(s) for s in self._stops) if i >= 0]
+        context = self._decode(self._ids[self._prefix:self._read])
+        window = self._decode(self._ids[self._prefix:])
+        pending = window[len(context):]
+        scan_from = max(0, len(self._settled) - self._longest + 1)  # earlier text held no stop string
+        self.text = self._settled + pending
+        if pending and not pending.endswith("\ufffd"):  # settled: the next window starts here
+            self._settled = self.text
+            self._prefix, self._read = self._read, len(self._ids)
+        hits = [i for i in (self.text.find(s, scan_from) for s in self._stops) if i >= 0]
         if hits:
             self.text, self.stopped = self.text[:min(hits)], True
             return self._take(len(self.text))

@@ -909,6 +909,34 @@ def test_text_assembler_holds_back_partial_stops():
     assert c.text == "the ca"
 
 
+def test_text_assembler_streams_a_byte_level_tokenizers_text_decoding_small_windows():
+    """A byte-level BPE (characters split across tokens, words carrying their leading space): the
+    streamed pieces add up to the whole decode, and each token decodes a window of a few ids, not
+    the generation so far (which made a long generation quadratic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    text = "the café sat on the mat, naïve dogs ran 🐕 to the big red barn; " * 3
+    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator([text], trainer)
+    ids = tok.encode(text * 10).ids
+    windows = []
+
+    def decode(part):
+        windows.append(len(part))
+        return tok.decode(part)
+
+    a = TextAssembler(decode, ["zebra"])
+    streamed = "".join(a.add(i) for i in ids) + a.finish()
+    assert streamed == tok.decode(ids) == text * 10 and not a.stopped
+    assert len(ids) > 500 and max(windows) <= 6, max(windows)  # 🐕 is 4 bytes: a few ids at most
+    b = TextAssembler(tok.decode, ["naïve dogs"])  # a stop string found across tokens, far into the text
+    out = "".join(b.add(i) for i in ids if not b.stopped) + b.finish()
+    assert b.stopped and out == "the café sat on the mat, "
+
+
 def test_chat_templates(model_dir, tmp_path):
     from semoe.hf_import import import_checkpoint
 
