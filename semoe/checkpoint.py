@@ -8,9 +8,11 @@ One table of renaming rules maps between those names and the model's parameter n
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import re
+import threading
 from typing import Callable, Iterator
 
 import numpy as np
@@ -118,20 +120,43 @@ def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
                     dst[e].copy_(t)
 
 
+_INIT_NAMES = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "constant_", "trunc_normal_")
+_skipping = threading.local()  # .on: this thread is building a model whose values loading overwrites
+_wrapped_lock = threading.Lock()
+_wrapped = False
+
+
+def _wrap_init() -> None:
+    """Once per process: torch.nn.init's in-place initialisers pass the tensor through untouched in
+    a thread inside `_skip_init`, and do their work in every other thread."""
+    global _wrapped
+    with _wrapped_lock:
+        if _wrapped:
+            return
+        for name in _INIT_NAMES:
+            original = getattr(nn.init, name)
+
+            @functools.wraps(original)
+            def init(tensor, *args, _original=original, **kwargs):
+                return tensor if getattr(_skipping, "on", False) else _original(tensor, *args, **kwargs)
+
+            setattr(nn.init, name, init)
+        _wrapped = True
+
+
 @contextlib.contextmanager
 def _skip_init() -> Iterator[None]:
-    """Layers' random initialisation skipped while a model is built on the meta device: there it
-    runs through torch's reference decompositions, which import torch._dynamo (77 MB resident, and
-    seconds of start-up) to produce values that loading overwrites anyway."""
-    names = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "constant_", "trunc_normal_")
-    saved = {n: getattr(nn.init, n) for n in names}
+    """Layers' random initialisation skipped, in this thread only, while a model is built on the
+    meta device: there it runs through torch's reference decompositions, which import
+    torch._dynamo (77 MB resident, and seconds of start-up) to produce values that loading
+    overwrites anyway. Other threads building models meanwhile initialise them as usual."""
+    _wrap_init()
+    before = getattr(_skipping, "on", False)
+    _skipping.on = True
     try:
-        for n in names:
-            setattr(nn.init, n, lambda t, *args, **kwargs: t)
         yield
     finally:
-        for n, f in saved.items():
-            setattr(nn.init, n, f)
+        _skipping.on = before
 
 
 def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dtype, *,

@@ -44,3 +44,39 @@ def test_load_store_as_bf16_matches_the_float32_weights_cast(tmp_path):
     loaded = load_store(str(tmp_path / "m"), dtype=torch.bfloat16)
     for (name, p), (_, q) in zip(model.named_parameters(), loaded.named_parameters()):
         assert q.dtype == torch.bfloat16 and torch.equal(q, p.detach().to(torch.bfloat16)), name
+
+
+def test_skipping_initialisation_while_loading_leaves_other_threads_models_initialised():
+    """A model built in one thread while another loads (inside `_skip_init`) gets its usual random
+    weights, and the skipping thread's initialisers pass tensors through untouched."""
+    import threading
+
+    from torch import nn
+
+    from semoe.checkpoint import _skip_init
+
+    torch.manual_seed(3)
+    want = nn.Linear(16, 8).weight.detach().clone()
+    inside, done = threading.Event(), threading.Event()
+    seen = {}
+
+    def loading():
+        with _skip_init():
+            t = torch.full((4,), 7.0)
+            seen["skipped"] = torch.equal(nn.init.normal_(t), torch.full((4,), 7.0))
+            inside.set()
+            done.wait(30)
+
+    loader = threading.Thread(target=loading)
+    loader.start()
+    try:
+        assert inside.wait(30)
+        torch.manual_seed(3)
+        got = nn.Linear(16, 8).weight.detach()
+    finally:
+        done.set()
+        loader.join(30)
+    assert seen["skipped"]
+    assert torch.equal(got, want)  # initialised, and the same draw as outside any load
+    torch.manual_seed(3)
+    assert torch.equal(nn.Linear(16, 8).weight.detach(), want)  # and after the load, as before
