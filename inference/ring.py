@@ -4,8 +4,8 @@
 its experts. For each layer it hands out the routed experts as they become ready while the rest
 are still being read, and it prefetches the experts `inference.predictor` expects the next MoE
 layer to use (that layer's router applied to the current hidden state), so their reads and copies
-overlap this layer's compute. Ring slots
-keep experts across tokens; a slot is never taken from an expert the current layer still needs.
+overlap this layer's compute. Ring slots keep experts across tokens; a slot is never taken from an
+expert the current layer still needs.
 
 What to do is decided by `inference.ring_book` (slots, victims, guesses, counters); this module
 carries it out. A copying ring gives each slot its own buffer in device memory, filled by the

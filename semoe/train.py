@@ -165,6 +165,7 @@ class Trainer:
         self.version: int | None = None
         # the run's store, opened once on this rank (a new run's once it is created, in _make_states)
         self.run_store: RunStore | None = None
+        self.source: Store | None = None  # the --init-from store of a new run
         resuming = RunStore.exists(cfg.store)
         if resuming:
             self.config, self.trainer_state = self._open_existing(model_config, _given(source, cfg.store))
@@ -313,7 +314,7 @@ class Trainer:
         """The model's own tokenizer (kept in the store) or, for models trained here, the byte tokenizer."""
         from semoe.checkpoint import load_model_tokenizer
 
-        source = self.run_store.store if self.run_store is not None else getattr(self, "source", None)
+        source = self.run_store.store if self.run_store is not None else self.source
         tok = load_model_tokenizer(source, self.config) if source is not None else None
         if tok is None:
             tok = ByteTokenizer()

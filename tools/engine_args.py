@@ -94,12 +94,10 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":  # noqa
         total = expert_bytes(args.model)
         if total == 0:
             raise UsageError(f"--model {args.model}: the model has no expert weights to take a percentage of")
-    cpu, dev = (parse_size(v, flag=flag, percent_of=total) if v is not None and v.strip() != "auto" else v
-                for flag, v in sizes.items())
-    if dev is not None and not isinstance(dev, int):
+    if args.device_memory is not None and args.device_memory.strip() == CPU_CACHE_AUTO:
         raise UsageError("--device-memory takes a size (512MiB, 2GiB, 25%); auto is for --cpu-cache")
-    if cpu is not None and not isinstance(cpu, int):
-        cpu = CPU_CACHE_AUTO
+    cpu, dev = (CPU_CACHE_AUTO if v is not None and v.strip() == CPU_CACHE_AUTO else
+                parse_size(v, flag=flag, percent_of=total) if v is not None else None for flag, v in sizes.items())
     if args.ring_slots is not None and args.ring_slots < 1:
         raise UsageError(f"--ring-slots must be >= 1, got {args.ring_slots}")
     if args.cache_policy not in ONLINE_POLICIES:
