@@ -11,7 +11,6 @@ import contextlib
 import functools
 import json
 import os
-import re
 import threading
 from typing import Callable, Iterator
 
@@ -21,8 +20,9 @@ from torch import nn
 
 from semoe.compact_linear import compact_dense_linears, resolve_dense, stack_projections
 from semoe.config import MoEConfig
-from semoe.hf_config import from_hf_config
-from semoe.expert_layout import chunk_layout_of, hf_expert_names, moe_prefix, packed_layer
+from semoe.hf_config import config_from_json, from_hf_config  # noqa: F401 (re-exported)
+from semoe.expert_layout import chunk_layout_of, hf_expert_names, packed_layer
+from semoe.hf_names import SEMOE_MODEL_TYPE, hf_name  # noqa: F401 (re-exported)
 from semoe.model import MoEGPT, ResidentExperts
 from storage.errors import BadInputError
 from storage.dtypes import torch_dtype
@@ -31,28 +31,6 @@ from storage.quant import QUANTIZE_ROWS
 from semoe.hf_import import ExpertPart, open_checkpoint
 from storage.store import ExpertTensor, Store
 
-SEMOE_MODEL_TYPE = "semoe_gpt"
-
-
-def hf_name(config: MoEConfig, param: str) -> str:
-    """The HuggingFace name of a non-expert model parameter."""
-    m = re.match(r"^layers\.(\d+)\.(.+)$", param)
-    if not m:
-        return {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
-    layer, rest = m.group(1), m.group(2)
-    p = f"model.layers.{layer}."
-    moe = moe_prefix(config)
-    router = "router" if config.arch == "gpt_oss" else "gate"
-    shared = "shared_experts" if not config.shared_expert_gate else "shared_expert"
-    rules = [
-        (r"^attn_norm\.", "input_layernorm."), (r"^ffn_norm\.", "post_attention_layernorm."),
-        (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.{router}."),
-        (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."), (r"^ffn\.shared\.", f"mlp.{shared}."), (r"^ffn\.", "mlp."),
-    ]
-    for pattern, repl in rules:
-        if re.match(pattern, rest):
-            return p + re.sub(pattern, repl, rest)
-    raise KeyError(param)
 
 
 def hf_config(config: MoEConfig) -> dict:
@@ -62,13 +40,6 @@ def hf_config(config: MoEConfig) -> dict:
     fields = {k: v for k, v in config.__dict__.items() if k != "extra"}
     fields["moe_layers"] = list(config.moe_layers) if config.moe_layers is not None else None
     return {"model_type": SEMOE_MODEL_TYPE, "architectures": ["SemoeGPTForCausalLM"], "semoe": fields}
-
-
-def config_from_json(cfg: dict) -> MoEConfig:
-    """MoEConfig of a config.json written by transformers or by `hf_config`."""
-    if cfg.get("model_type") == SEMOE_MODEL_TYPE:
-        return MoEConfig(**cfg["semoe"])
-    return from_hf_config(cfg)
 
 
 def read_model_config(store: Store, what: str | None = None) -> MoEConfig:

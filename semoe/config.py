@@ -11,7 +11,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from semoe.hf_import import SUPPORTED_MODEL_TYPES
+from semoe.hf_names import SUPPORTED_MODEL_TYPES
 
 # One list with `store import`: every HuggingFace model type it accepts, plus models trained here.
 ARCHITECTURES = ("gpt_moe", *(t for t in SUPPORTED_MODEL_TYPES if t != "semoe_gpt"))

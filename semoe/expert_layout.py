@@ -22,6 +22,7 @@ import torch
 
 from semoe.compact_linear import CompactWeight
 from semoe.config import MoEConfig
+from semoe.hf_names import moe_prefix
 from semoe.experts import ExpertMLP, ExpertWeights, expert_mlp
 from storage.dtypes import torch_dtype
 from storage.keys import ExpertKey
@@ -66,11 +67,6 @@ class ExpertLayout:
     @property
     def tensors(self) -> tuple[TensorSlice, ...]:
         return tuple(t for p in self.parts for t in p.tensors)
-
-
-def moe_prefix(config: MoEConfig) -> str:
-    """The HuggingFace name of a MoE layer's module."""
-    return "block_sparse_moe" if config.arch == "mixtral" else "mlp"
 
 
 def hf_expert_names(config: MoEConfig, layer: int, expert: int) -> tuple[str, ...]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from semoe.config import MoEConfig
-from semoe.hf_import import model_type_of
+from semoe.hf_names import SEMOE_MODEL_TYPE, model_type_of
 
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
               "attention_factor", "truncate")
@@ -191,3 +191,10 @@ def from_hf_config(cfg: dict) -> MoEConfig:
     if model_type != "gpt_oss" and cfg.get("hidden_act", "silu") != "silu":
         raise ValueError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
     return BUILDERS[model_type](cfg)
+
+
+def config_from_json(cfg: dict) -> MoEConfig:
+    """MoEConfig of a config.json written by transformers or by `hf_config`."""
+    if cfg.get("model_type") == SEMOE_MODEL_TYPE:
+        return MoEConfig(**cfg["semoe"])
+    return from_hf_config(cfg)

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from semoe.hf_names import ALIASES, SUPPORTED_MODEL_TYPES, model_type_of  # noqa: F401 (re-exported)
 from storage.dequant import DequantizedRef, QuantScheme, pair_quantized, quant_scheme
 from storage.quant import QuantSpec, dequantize
 from storage.dtypes import cast_dtype, dtype_name, torch_dtype
@@ -45,10 +46,6 @@ from storage.store import ExpertTensor, Store
 log = logging.getLogger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                         "gpt_oss", "semoe_gpt")
-# model types that are another one under a new name: (architecture they must declare, the type they are)
-_ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config")
 _INDEXER_KEYS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek sparse attention's indexer
 _LAYER_RE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.")  # the first layers.N of a name
@@ -101,15 +98,6 @@ class Checkpoint:
         return model_type_of(self.config)
 
 
-def model_type_of(config: dict) -> str:
-    """The supported model type a config stands for (an alias such as kimi_k2 gives the type it is)."""
-    model_type = str(config.get("model_type", ""))
-    alias = _ALIASES.get(model_type)
-    if alias and alias[0] in (config.get("architectures") or []):
-        return alias[1]
-    return model_type
-
-
 def check_supported(config: dict, source: str) -> None:
     """Refuse, in one line naming `source`, a config whose model the store and the models here cannot hold."""
     if not isinstance(config, dict):
@@ -129,7 +117,7 @@ def check_supported(config: dict, source: str) -> None:
         raise BadInputError(f"{source}: sparse-attention indexer ({why or f'model_type={model_type!r}'}) is not "
                             f"supported: DeepSeek sparse attention is not implemented")
     if model_type_of(config) not in SUPPORTED_MODEL_TYPES:
-        alias = _ALIASES.get(model_type)
+        alias = ALIASES.get(model_type)
         hint = f" ({model_type} is supported with architectures {[alias[0]]})" if alias else ""
         raise BadInputError(f"{source}: unknown architecture model_type={model_type!r}{hint}; supported: "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
