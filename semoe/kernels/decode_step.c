@@ -153,65 +153,121 @@ static void experts(const Layer *ly, int64_t K, const float *h, float *x, int64_
     }
 }
 
+/* the step's buffers for a cache of S positions */
+static Work *work_new(const Net *net, int64_t S) {
+    const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, F = net->F;
+    const int64_t Kmax = net->top_k > 1 ? net->top_k : 1;
+    Work *s = calloc(1, sizeof(Work));
+    s->h = malloc(sizeof(float) * (size_t)D);
+    s->qkv = malloc(sizeof(float) * (size_t)((H + 2 * G) * Dh));
+    s->qr = malloc(sizeof(float) * (size_t)(H * Dh));
+    s->att = malloc(sizeof(float) * (size_t)(H * Dh));
+    s->tmp = malloc(sizeof(float) * (size_t)D);
+    s->p = malloc(sizeof(float) * (size_t)(S * H));
+    s->probs = malloc(sizeof(float) * (size_t)(net->E > 1 ? net->E : 1));
+    s->hg = malloc(sizeof(float) * (size_t)(Kmax * F));
+    s->hu = malloc(sizeof(float) * (size_t)(Kmax * F));
+    s->ys = malloc(sizeof(float) * (size_t)(Kmax * D));
+    s->w = malloc(sizeof(float) * (size_t)Kmax);
+    s->yp = malloc(sizeof(float *) * (size_t)Kmax);
+    s->ids = malloc(sizeof(int64_t) * (size_t)Kmax);
+    s->ax = malloc(sizeof(Acts) * (size_t)Kmax);
+    s->ah = malloc(sizeof(Acts) * (size_t)Kmax);
+    return s;
+}
+
+static void work_free(Work *s) {
+    free(s->h), free(s->qkv), free(s->qr), free(s->att), free(s->tmp), free(s->p), free(s->probs);
+    free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->yp), free(s->ids), free(s->ax), free(s->ah);
+    free(s);
+}
+
+/* layer l up to its feed-forward, by the team: the attention (k and v written at pos of the layer's
+ * caches kc, vc), its residual, the feed-forward norm into s->h and, for an MoE layer, the router's
+ * choice into s->ids and s->w */
+static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *vc, int64_t S, int64_t pos,
+                         const float *cos, const float *sin, Work *s) {
+    const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, n = pos + 1;
+    const Layer *ly = net->layers + l;
+#pragma omp single
+    rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
+    for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
+        product(&ly->qkv[j], s->h, &s->a, s->qkv + off);
+#pragma omp single
+    attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, S, pos, s->qr);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < H; h++) attend_head(s->qr, kc, vc, H, G, Dh, S, n, net->scale, s->p, s->att, h);
+    product(&ly->o, s->att, &s->a, s->tmp);
+#pragma omp single
+    {
+        for (int64_t i = 0; i < D; i++) x[i] = x[i] + s->tmp[i];
+        rmsnorm_f32(x, ly->ffn_norm, ly->ffn_eps, s->h, 1, D);
+    }
+    if (ly->E) {
+        product(&ly->router, s->h, &s->a, s->probs);
+#pragma omp single
+        route(s->probs, ly->E, net->top_k, net->norm_topk, s->ids, s->w);
+    } else {
+#pragma omp single
+        {
+            s->ids[0] = 0;
+            s->w[0] = 1.0f; /* y * 1 is y: x + y, the module's own sum */
+        }
+    }
+}
+
+/* layer l's feed-forward on s->h, by the team: the chosen experts (layer_attend's) or the dense one */
+static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
+    const Layer *ly = net->layers + l;
+    experts(ly, ly->E ? net->top_k : 1, s->h, x, net->D, net->F, s);
+}
+
+/* the final norm and the output product into logits, by the team */
+static void head(const Net *net, float *x, float *logits, Work *s) {
+#pragma omp single
+    rmsnorm_f32(x, net->norm, net->norm_eps, s->h, 1, net->D);
+    product(&net->head, s->h, &s->a, logits);
+}
+
 /* One step at position `pos`: x (D) holds the token's embedding; kc, vc the L layers' caches (G, S,
  * Dh each), written at pos; cos, sin (Dh) the position's rotary tables; logits (V) out. */
 void decode_step(const Net *net, float *x, float *const *kc, float *const *vc, int64_t S, int64_t pos,
                  const float *cos, const float *sin, float *logits, int threads) {
-    const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, F = net->F, K = net->top_k, n = pos + 1;
-    const int64_t Kmax = K > 1 ? K : 1;
-    Work s;
-    s.h = malloc(sizeof(float) * (size_t)D);
-    s.qkv = malloc(sizeof(float) * (size_t)((H + 2 * G) * Dh));
-    s.qr = malloc(sizeof(float) * (size_t)(H * Dh));
-    s.att = malloc(sizeof(float) * (size_t)(H * Dh));
-    s.tmp = malloc(sizeof(float) * (size_t)D);
-    s.p = malloc(sizeof(float) * (size_t)(n * H));
-    s.probs = malloc(sizeof(float) * (size_t)(net->E > 1 ? net->E : 1));
-    s.hg = malloc(sizeof(float) * (size_t)(Kmax * F));
-    s.hu = malloc(sizeof(float) * (size_t)(Kmax * F));
-    s.ys = malloc(sizeof(float) * (size_t)(Kmax * D));
-    s.w = malloc(sizeof(float) * (size_t)Kmax);
-    s.yp = malloc(sizeof(float *) * (size_t)Kmax);
-    s.ids = malloc(sizeof(int64_t) * (size_t)Kmax);
-    s.ax = malloc(sizeof(Acts) * (size_t)Kmax);
-    s.ah = malloc(sizeof(Acts) * (size_t)Kmax);
+    Work *s = work_new(net, S);
 #pragma omp parallel num_threads(threads)
     {
         for (int64_t l = 0; l < net->L; l++) {
-            const Layer *ly = net->layers + l;
-#pragma omp single
-            rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s.h, 1, D);
-            for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
-                product(&ly->qkv[j], s.h, &s.a, s.qkv + off);
-#pragma omp single
-            attend_rotate(s.qkv, s.qkv + H * Dh, s.qkv + (H + G) * Dh, cos, sin, kc[l], vc[l], H, G, Dh, S, pos,
-                          s.qr);
-#pragma omp for schedule(static)
-            for (int64_t h = 0; h < H; h++) attend_head(s.qr, kc[l], vc[l], H, G, Dh, S, n, net->scale, s.p, s.att, h);
-            product(&ly->o, s.att, &s.a, s.tmp);
-#pragma omp single
-            {
-                for (int64_t i = 0; i < D; i++) x[i] = x[i] + s.tmp[i];
-                rmsnorm_f32(x, ly->ffn_norm, ly->ffn_eps, s.h, 1, D);
-            }
-            if (ly->E) {
-                product(&ly->router, s.h, &s.a, s.probs);
-#pragma omp single
-                route(s.probs, ly->E, K, net->norm_topk, s.ids, s.w);
-                experts(ly, K, s.h, x, D, F, &s);
-            } else {
-#pragma omp single
-                {
-                    s.ids[0] = 0;
-                    s.w[0] = 1.0f; /* y * 1 is y: x + y, the module's own sum */
-                }
-                experts(ly, 1, s.h, x, D, F, &s);
-            }
+            layer_attend(net, l, x, kc[l], vc[l], S, pos, cos, sin, s);
+            layer_ffn(net, l, x, s);
         }
-#pragma omp single
-        rmsnorm_f32(x, net->norm, net->norm_eps, s.h, 1, D);
-        product(&net->head, s.h, &s.a, logits);
+        head(net, x, logits, s);
     }
-    free(s.h), free(s.qkv), free(s.qr), free(s.att), free(s.tmp), free(s.p), free(s.probs);
-    free(s.hg), free(s.hu), free(s.ys), free(s.w), free(s.yp), free(s.ids), free(s.ax), free(s.ah);
+    work_free(s);
+}
+
+/* The same step in parts, for experts that arrive during it (the caller reads the chosen ones
+ * between the parts and points the layer's `experts` at them): per layer `decode_attend`, which
+ * writes the router's choice (top_k ids and weights; a dense layer's is expert 0 of weight 1), then
+ * `decode_ffn`; after the last layer `decode_head`. `decode_work` makes the buffers the parts share
+ * for a cache of S positions (`decode_work_free` frees them). The same arithmetic as `decode_step`. */
+Work *decode_work(const Net *net, int64_t S) { return work_new(net, S); }
+
+void decode_work_free(Work *s) { work_free(s); }
+
+void decode_attend(const Net *net, Work *s, int64_t l, float *x, float *kc, float *vc, int64_t S, int64_t pos,
+                   const float *cos, const float *sin, int64_t *ids, float *w, int threads) {
+#pragma omp parallel num_threads(threads)
+    layer_attend(net, l, x, kc, vc, S, pos, cos, sin, s);
+    const int64_t K = net->layers[l].E ? net->top_k : 1;
+    for (int64_t k = 0; k < K; k++) ids[k] = s->ids[k], w[k] = s->w[k];
+}
+
+void decode_ffn(const Net *net, Work *s, int64_t l, float *x, int threads) {
+#pragma omp parallel num_threads(threads)
+    layer_ffn(net, l, x, s);
+}
+
+void decode_head(const Net *net, Work *s, float *x, float *logits, int threads) {
+#pragma omp parallel num_threads(threads)
+    head(net, x, logits, s);
 }
