@@ -22,12 +22,12 @@ Shape legend: M rows of x, I in features, O out features, G groups of the int4 i
 from __future__ import annotations
 
 import ctypes
-import importlib.util
 import logging
-import os
 from functools import cache
 
 import torch
+
+from semoe import kernel_abi
 
 log = logging.getLogger(__name__)
 
@@ -36,42 +36,19 @@ MAX_ROWS = 16  # rows of x per call (the int4 kernel's stack bound); more rows g
 # CPU that is 90-120 GFLOP/s from 16 to 64 rows, where torch's (MKL) product reached 25-95; past
 # 64 rows torch's blocked GEMM is faster
 MAX_F32_ROWS = 64
-_P = ctypes.c_void_p
-_I = ctypes.c_int64
+
+
+def _lib() -> ctypes.CDLL | None:
+    lib = kernel_abi.library()
+    if lib is None:
+        _warn_missing()
+    return lib
 
 
 @cache
-def _lib() -> ctypes.CDLL | None:
-    # SEMOE_CPU_KERNELS names another build of semoe/kernels/*.c (tests load each path's build)
-    path = os.environ.get("SEMOE_CPU_KERNELS")
-    if path:
-        return _declare(ctypes.CDLL(path))
-    spec = importlib.util.find_spec("semoe._kernels")
-    if spec is None or spec.origin is None:
-        log.warning("semoe's CPU kernels are not built (semoe/_kernels*.so missing): run `pip install -e .` "
-                    "(tools/run.sh does); decoding falls back to torch's slower ops")
-        return None
-    return _declare(ctypes.CDLL(spec.origin))
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    lib.gemv_i8.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
-    lib.gemv_i4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, ctypes.c_int]
-    lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
-    lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
-    lib.gemv_f32.argtypes = [_P, _P, _P, _I, _I, _I, ctypes.c_int]
-    lib.rmsnorm_f32.argtypes = [_P, _P, ctypes.c_float, _P, _I, _I]
-    lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, ctypes.c_float, _P,
-                                      ctypes.c_int]
-    lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, ctypes.c_int]
-    lib.swiglu_q.argtypes = [_P, _I, _I, _I, ctypes.c_int, _P, _P, _P, _P, _I, _P, _P, _I, _P, ctypes.c_int]
-    lib.moe_combine_f32.argtypes = [_P, _P, _P, _I, _I]
-    lib.decode_step.argtypes = [_P, _P, _P, _P, _I, _I, _P, _P, _P, ctypes.c_int]
-    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16, lib.gemv_f32,
-              lib.gemv_mxfp4, lib.attend_decode_f32, lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_step):
-        f.restype = None
-    lib.kernels_isa.restype = ctypes.c_int
-    return lib
+def _warn_missing() -> None:
+    log.warning("semoe's CPU kernels are not built (semoe/_kernels*.so missing): run `pip install -e .` "
+                "(tools/run.sh does); decoding falls back to torch's slower ops")
 
 
 def available() -> bool:

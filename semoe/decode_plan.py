@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from semoe import cpu_kernels
+from semoe import cpu_kernels, kernel_abi
 from semoe.attention import Attention, KVCache, RMSNorm, rope_tables
 from semoe.compact_linear import CompactWeight, swiglu_operands
 from semoe.expert_layout import PackedExperts
@@ -50,28 +50,9 @@ def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-_I64, _F32, _P = ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
-_KINDS = {torch.float32: 1, torch.bfloat16: 2, "int8": 3, "int4": 4}  # decode_step.c's W_* kinds
-
-
-class _Lin(ctypes.Structure):
-    """decode_step.c's `Lin`: one weight (O, I), its scales and bias."""
-    _fields_ = [("kind", _I64), ("O", _I64), ("I", _I64), ("g", _I64), ("w", _P), ("s", _P), ("bias", _P)]
-
-
-class _Expert(ctypes.Structure):
-    _fields_ = [("gate", _Lin), ("up", _Lin), ("down", _Lin)]
-
-
-class _LayerC(ctypes.Structure):
-    _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I64),
-                ("qkv", _Lin * 3), ("o", _Lin), ("E", _I64), ("router", _Lin), ("experts", ctypes.POINTER(_Expert))]
-
-
-class _Net(ctypes.Structure):
-    _fields_ = [("L", _I64), ("D", _I64), ("H", _I64), ("G", _I64), ("Dh", _I64), ("F", _I64), ("E", _I64),
-                ("top_k", _I64), ("norm_topk", _I64), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
-                ("layers", ctypes.POINTER(_LayerC)), ("head", _Lin)]
+_KINDS = {torch.float32: kernel_abi.W_F32, torch.bfloat16: kernel_abi.W_BF16, "int8": kernel_abi.W_INT8,
+          "int4": kernel_abi.W_INT4}
+_Lin, _Expert, _LayerC, _Net = kernel_abi.Lin, kernel_abi.Expert, kernel_abi.LayerC, kernel_abi.Net
 
 
 def _weight(w: torch.Tensor | CompactWeight) -> tuple[_Lin, tuple[torch.Tensor, ...]]:
