@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from storage.errors import BadInputError
+from storage.formats import CAST_CHOICES  # noqa: F401 (re-exported)
 
 # name in the manifest and in safetensors headers -> torch dtype
 _SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
@@ -39,8 +40,6 @@ _TORCH_TO_ZARR: dict[torch.dtype, str] = {
     torch.float8_e5m2: "float8_e5m2",
 }
 
-# the names users give on the command line (--dtype)
-CAST_CHOICES = ("keep", "float32", "bfloat16", "float16")
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -32,10 +32,9 @@ import torch
 from storage.dequant import dequantize_fp8_blocks, dequantize_mxfp4
 from storage.dtypes import torch_dtype
 from storage.errors import BadInputError
+from storage.formats import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES  # noqa: F401 (re-exported)
 
 SCHEMES = ("int8", "int4", "fp8", "mxfp4")
-INT4_GROUP_SIZES = (32, 64, 128, 256)
-INT4_DEFAULT_GROUP = 128
 INT4_BLOCK_ROWS = 64  # rows per block of the CPU int4 kernel's packed layout
 INT8_MAX = 127
 INT4_LEVELS = 15

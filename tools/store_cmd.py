@@ -8,13 +8,19 @@ import shutil
 import sys
 import tempfile
 
-from storage.dtypes import CAST_CHOICES
 from storage.errors import BadInputError
-from storage.quant import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES
-from storage.store import Store
+from storage.formats import CAST_CHOICES, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES
 from tools.common import emit_json
 from tools.sizes import format_size
 from tools.progress import byte_bar
+
+
+def _open(path: str) -> "Store":  # noqa: F821
+    """The store at `path` (storage.store imports torch and tensorstore: loaded when a command runs, not
+    when the command line is parsed)."""
+    from storage.store import Store
+
+    return Store.open(path)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -151,7 +157,7 @@ def cmd_import(args: argparse.Namespace) -> int:
                 _quantized(quantize_store(os.path.join(staging, "store"), args.store, quant, progress=bar.update))
         finally:
             shutil.rmtree(staging, ignore_errors=True)
-        store = Store.open(args.store)
+        store = _open(args.store)
     info = store.describe()
     if args.json:
         emit_json(info)
@@ -169,7 +175,7 @@ def cmd_quantize(args: argparse.Namespace) -> int:
 
     cfg = QuantizeConfig(bits=args.bits, group_size=args.group_size)
     _check_target(args.out)
-    source = Store.open(args.store)
+    source = _open(args.store)
     total = sum(t.bytes for t in source.manifest.tensors if t.kind == "weight")
     with byte_bar(total, "quantize") as bar:
         report = quantize_store(args.store, args.out, cfg, progress=bar.update)
@@ -198,7 +204,7 @@ def _check_target(path: str) -> None:
 def cmd_export(args: argparse.Namespace) -> int:
     from semoe.hf_import import export_checkpoint
 
-    store = Store.open(args.store)
+    store = _open(args.store)
     total = sum(t.bytes for t in store.manifest.tensors if t.kind == "weight")
     with byte_bar(total, "export") as bar:
         dequantized = export_checkpoint(store, args.out_dir, progress=bar.update)
@@ -215,7 +221,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    store = Store.open(args.store)
+    store = _open(args.store)
     rows = [{"name": t.name, "group": t.group, "layer": t.layer, "expert": t.expert, "kind": t.kind,
              "dtype": t.dtype, "shape": t.shape, "bytes": t.bytes, "version": t.version, "file": t.file,
              "scheme": _scheme_of(t)} for t in store.manifest.tensors]
@@ -237,7 +243,7 @@ def _scheme_of(t) -> str | None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    info = Store.open(args.store).describe()
+    info = _open(args.store).describe()
     if args.json:
         emit_json(info)
         return 0
@@ -271,7 +277,7 @@ def _import_notes(info: dict) -> list[tuple[str, str]]:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    store = Store.open(args.store)
+    store = _open(args.store)
     total = sum(t.bytes for t in store.manifest.tensors)
     with byte_bar(total, "verify") as bar:
         problems = store.verify(progress=bar.update)
@@ -288,7 +294,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    store = Store.open(args.store)
+    store = _open(args.store)
     r = store.gc(keep=args.keep)
     if args.json:
         emit_json({"store": store.root, "version": store.version, "removed_files": r.files,
@@ -303,7 +309,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")
-    store = Store.open(args.store)
+    store = _open(args.store)
     r = run_bench(store, cold=args.cold, repeats=args.repeats, threads=args.threads,
                   with_tensorstore=not args.no_tensorstore,
                   progress=lambda s: print(f"bench: {s}", file=sys.stderr) if sys.stderr.isatty() else None)
