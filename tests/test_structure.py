@@ -78,6 +78,58 @@ def test_no_import_circle_in_the_library_lazy_imports_included():
     assert _cycles(graph) == []
 
 
+def _module_level_imports(path: str) -> set[str]:
+    """Every module `path` imports when it is imported: its top-level statements (inside `if`/`try`,
+    outside functions, classes' methods and `if TYPE_CHECKING:`), library modules and others alike,
+    with the packages above each (importing a.b runs a/__init__.py)."""
+    out: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.Import):
+                out.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                out.add(node.module)
+                out.update(f"{node.module}.{a.name}" for a in node.names)
+            elif isinstance(node, ast.If):
+                if not (isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"):
+                    visit(node.body)
+                visit(node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+                for h in node.handlers:
+                    visit(h.body)
+                visit(node.orelse)
+                visit(node.finalbody)
+
+    visit(ast.parse(open(path).read(), path).body)
+    return out | {name.rsplit(".", k)[0] for name in out for k in range(1, name.count(".") + 1)}
+
+
+# What `semoe generate --lean` imports before and while decoding: the command line with every
+# command's parser, the lean runner, and the size parser its handler loads
+LEAN_ROOTS = ("tools.cli", "tools.demo_cmd", "tools.env_cmd", "tools.eval_cmd", "tools.generate_cmd", "tools.plan_cmd",
+              "tools.serve_cmd", "tools.store_cmd", "tools.train_cmd", "tools.sizes", "inference.lean")
+
+
+def test_the_lean_runner_and_the_command_line_import_no_torch():
+    """The torch-free runner's point is a process without torch's runtime: no module it (or the
+    command line that starts it) imports at load time imports torch, directly or through another."""
+    modules = _modules()
+    seen, todo, via = set(), list(LEAN_ROOTS), {}
+    while todo:
+        m = todo.pop()
+        if m in seen or m not in modules:
+            continue
+        seen.add(m)
+        for dep in _module_level_imports(modules[m]):
+            via.setdefault(dep, m)
+            todo.append(dep)
+    heavy = sorted(d for d in via if d.split(".")[0] in ("torch", "transformers", "tensorstore"))
+    assert heavy == [], {d: via[d] for d in heavy}
+    assert "inference.lean" in seen and "semoe.kernel_abi" in seen and "semoe.hf_config" in seen
+
+
 def test_no_library_file_over_the_line_limit():
     """Python and the kernels' C alike."""
     files = [os.path.join(d, f) for pkg in PACKAGES for d, _, fs in os.walk(os.path.join(ROOT, pkg)) for f in fs

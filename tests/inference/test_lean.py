@@ -1,0 +1,187 @@
+"""The torch-free runner (`inference.lean`) against the engine's one-call decoding step.
+
+The models are Mixtral checkpoints written by transformers, imported into stores (float32 experts)
+and quantized (`store quantize`, int8 and int4). The runner computes with the same kernels as the
+engine's one-call step (`DecodePlan`'s `decode_step`) on the same weights, so fed the engine's
+rotary tables its logits are the step's bit for bit, at every precision and cache size. With its
+own tables (numpy's cos and sin, which may differ from torch's in the last bit) a float32 model
+gives the engine's greedy tokens, and log-probs within LOGPROB_ATOL: the last bit of a rotary
+table moves a logit by about 1e-7 here, and the engine's prompt goes through batched products
+(another order of the same sums, about 1e-6); 1e-4 still catches a wrong weight, scale or position,
+which move log-probs by 1e-2 or more. (int8 and int4 experts quantize each layer's input in blocks;
+there a last-bit change of the input can move one code, so only the bit-for-bit test above covers
+them.)
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.hf_models import add_word_tokenizer
+from inference.engine import Engine, EngineConfig
+from inference.lean import LeanConfig, LeanModel, LeanUnsupported, expert_bytes, quantize_int8_rows
+from semoe import cpu_kernels
+from semoe.attention import KVCache, rope_tables
+from semoe.checkpoint import load_store
+from semoe.decode_plan import DecodePlan
+from semoe.generate import SamplingConfig
+from semoe.hf_import import import_checkpoint
+from semoe.quantize import QuantizeConfig, quantize_store
+from storage.errors import BadInputError, CorruptTensorError
+from storage.quant import quantize
+from tools.cli import main
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels are not built")
+
+PROMPT = [3, 17, 5, 29, 11, 2, 40, 8]
+TOKENS = [1, 7, 61, 23, 4, 90, 12, 33, 5, 71, 18, 2, 44, 9, 60, 31]
+LOGPROB_ATOL = 1e-4
+
+
+def _hf_mixtral(path):
+    """A Mixtral of 3 layers, 4 experts (top 2), hidden 64, expert FFN 128 (int4 takes rows in blocks
+    of 64), with a word tokenizer; saved by transformers."""
+    import transformers
+
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     num_local_experts=4, num_experts_per_tok=2, rms_norm_eps=1e-5, bos_token_id=1,
+                                     eos_token_id=2)
+    torch.manual_seed(3)
+    model = transformers.MixtralForCausalLM(cfg)
+    model.save_pretrained(str(path))
+    add_word_tokenizer(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def stores(tmp_path_factory):
+    """bits -> a store of the checkpoint (32: float32 experts; 8, 4: quantized)."""
+    root = tmp_path_factory.mktemp("lean")
+    import_checkpoint(str(_hf_mixtral(root / "hf")), str(root / "f32"))
+    paths = {32: str(root / "f32")}
+    for bits in (8, 4):
+        quantize_store(paths[32], str(root / f"int{bits}"), QuantizeConfig(bits=bits, group_size=64))
+        paths[bits] = str(root / f"int{bits}")
+    return paths
+
+
+def _engine_rope(config):
+    def rope(pos, cos, sin):
+        c, s = rope_tables(config, torch.arange(pos, pos + 1)[None], torch.float32)
+        cos[:], sin[:] = c.numpy().ravel(), s.numpy().ravel()
+    return rope
+
+
+@pytest.mark.parametrize("bits", [32, 8, 4])
+@pytest.mark.parametrize("dense", ["float", "int8"])
+@pytest.mark.parametrize("cache", ["every expert", "top_k experts"])
+def test_with_the_engines_rotary_tables_the_logits_are_the_one_call_steps_bits(stores, bits, dense, cache):
+    """TOKENS stepped from position 0 through the engine's one-call step and through the runner: equal
+    logits at every step. The smallest cache (top_k slots) evicts and reads at nearly every layer."""
+    model = load_store(stores[bits], dense=dense)
+    plan = DecodePlan(model)
+    assert plan.net is not None
+    kv = KVCache.empty(model.config, 1, len(TOKENS))
+    size = expert_bytes(stores[bits]) if cache == "every expert" else 0
+    with LeanModel(stores[bits], LeanConfig(cache_bytes=size, dense=dense)) as lean, \
+            lean.sequence(len(TOKENS)) as seq:
+        lean.rope = _engine_rope(model.config)
+        for t in TOKENS:
+            want = plan.step(t, kv)[0].numpy()
+            got = seq.step(t)
+            np.testing.assert_array_equal(got, want)
+        if cache == "every expert":
+            assert lean.cache.n == 4 * 3 and lean.cache.misses <= 4 * 3  # each chunk read once at most
+        else:
+            assert lean.cache.n == 2 and lean.cache.misses > 4 * 3
+
+
+def test_its_own_tables_give_the_engines_greedy_tokens(stores):
+    """A float32 model, the prompt through the engine's batched prefill and through the runner's step
+    token by token: the same 24 greedy tokens, log-probs within LOGPROB_ATOL."""
+    engine = Engine.load(stores[32], EngineConfig())
+    try:
+        want = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24))
+    finally:
+        engine.close()
+    with LeanModel(stores[32], LeanConfig(cache_bytes=0)) as lean:
+        got = lean.generate(PROMPT, 24)
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize("shape", [(7, 33), (130, 1), (64, 256)])
+def test_int8_quantization_is_storage_quants_bits(shape):
+    """Odd shapes, a row of zeros, a row of one repeated value and one of halves (ties round to even)."""
+    g = torch.Generator().manual_seed(shape[0])
+    w = torch.randn(shape, generator=g) * 0.3
+    w[0] = 0.0
+    w[-1] = 0.25
+    if shape[1] > 2:
+        w[1, :3] = torch.tensor([127.0, 63.5, -0.5])
+    codes, scales = quantize(w, "int8")
+    got_codes, got_scales = quantize_int8_rows(w.numpy())
+    np.testing.assert_array_equal(got_codes, codes.numpy())
+    np.testing.assert_array_equal(got_scales, scales.numpy())
+
+
+def test_reads_are_counted_and_a_smaller_cache_reads_more(stores):
+    with LeanModel(stores[4], LeanConfig(cache_bytes=0)) as small, \
+            LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]))) as full:
+        a, b = small.generate(PROMPT, 16), full.generate(PROMPT, 16)
+        assert a.tokens == b.tokens  # the same weights, whichever slot holds them
+        assert a.stats["ssd_bytes"] == a.stats["expert_reads"] * small.slot_bytes
+        assert b.stats["expert_reads"] <= 4 * 3 < a.stats["expert_reads"]
+
+
+def test_a_corrupt_chunk_is_refused_naming_its_tensor(stores, tmp_path):
+    bad = tmp_path / "bad"
+    shutil.copytree(stores[8], bad)
+    manifest = json.loads((bad / "manifest.json").read_text())
+    chunk = next(c for c in manifest["chunks"] if c["layer"] == 0 and c["expert"] == 1)
+    name = chunk["tensors"][0][0]
+    entry = next(t for t in manifest["tensors"] if t["name"] == name)
+    path = bad / chunk["file"]
+    data = bytearray(path.read_bytes())
+    data[entry["offset"] + 5] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with LeanModel(str(bad), LeanConfig(cache_bytes=expert_bytes(str(bad)))) as lean:
+        free = len(lean.cache.free)
+        with pytest.raises(CorruptTensorError, match=name.replace(".", r"\.")):
+            lean.cache.ensure(0, [0, 1])
+        assert (0, 1) not in lean.cache.where and len(lean.cache.free) + len(lean.cache.where) == free
+
+
+def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
+    from helpers.hf_models import make_hf_checkpoint
+
+    import_checkpoint(str(make_hf_checkpoint("qwen3_moe", tmp_path / "hf")), str(tmp_path / "q3"))
+    with pytest.raises(LeanUnsupported, match="q/k norms") as e:
+        LeanModel(str(tmp_path / "q3"), LeanConfig(cache_bytes=0))
+    assert "\n" not in str(e.value)
+    with pytest.raises(BadInputError, match=r"--cpu-cache: 4096 bytes hold 0 .* at least top_k = 2"):
+        LeanModel(stores[32], LeanConfig(cache_bytes=4096))
+    with pytest.raises(BadInputError, match="not a store"):
+        LeanModel(str(tmp_path), LeanConfig(cache_bytes=0))
+
+
+def test_generate_lean_on_the_command_line(stores, capsys):
+    """`semoe generate --lean`: the runner's tokens and text, its counters under --json; the engine's
+    own flags are refused with one line naming them."""
+    assert main(["generate", "--model", stores[4], "--prompt", "the cat sat", "--max-new-tokens", "6", "--lean",
+                 "--cpu-cache", "50%", "--json", "--ignore-eos"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    with LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]) // 2)) as lean:
+        prompt = lean.tokenizer.encode("the cat sat", add_bos=lean.tokenizer.add_bos_default)
+        want = lean.generate(prompt, 6)
+        assert out["text"] == lean.tokenizer.decode(want.tokens)
+    assert out["tokens"] == want.tokens and out["stats"]["dense"] == "int8"
+    assert out["stats"]["cache_slots"] == 6  # half of 12 chunks
+    assert main(["generate", "--model", stores[4], "--prompt-ids", "1,2", "--lean", "--temperature", "0.7"]) == 2
+    assert "--temperature is the engine's" in capsys.readouterr().err
