@@ -37,6 +37,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="time each decoded token's attention, router, experts, dense feed-forward, lm_head and "
                         "the rest, with the GB/s of weights each touched against this machine's memory read rate "
                         "(on stderr; under --json as \"profile\")")
+    p.add_argument("--lean", action="store_true",
+                   help="decode on CPU in a process that never imports torch (inference/lean.py): the compiled "
+                        "kernels over a store, experts read from it into --cpu-cache (default: room for every "
+                        "expert) as the router picks them, the token embedding left on storage. For machines where "
+                        "memory is shorter than the model: torch's runtime alone would hold 0.15 GiB. Greedy; "
+                        "Mixtral-shaped models (attention without q/k norms or windows, softmax top-k routers over "
+                        "SwiGLU experts); --dense auto, float or int8")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -54,6 +61,8 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.lean:
+        return run_lean(args)
     from inference.engine import Engine
     from semoe.decode_profile import DecodeProfile, format_report, memory_read_gbps
     from semoe.generate import SamplingConfig
@@ -110,4 +119,51 @@ def run(args: argparse.Namespace) -> int:
         where = "offloaded" if config.offloaded else "resident"
         print(f"[{len(res.tokens)} tokens, ttft {res.ttft_s * 1e3:.1f} ms, {res.decode_tok_s:.1f} tok/s, {where} "
               f"on {config.device}, peak RSS {res.stats.get('peak_rss_bytes', 0) / 2**20:.0f} MiB]", file=sys.stderr)
+    return 0
+
+
+def run_lean(args: argparse.Namespace) -> int:
+    """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
+    from inference.lean import LeanConfig, LeanModel, expert_bytes
+    from tools.sizes import parse_size
+
+    refused = [flag for flag, on in (("--temperature", args.temperature is not None), ("--top-p", args.top_p is not None),
+                                     ("--chat", args.chat), ("--system", args.system is not None),
+                                     ("--profile", args.profile), ("--routing-trace", args.routing_trace is not None),
+                                     ("--device-memory", args.device_memory is not None),
+                                     ("--ring-slots", args.ring_slots is not None),
+                                     ("--dtype", args.dtype not in (None, "float32")),
+                                     ("--device", args.device not in ("auto", "cpu"))) if on]
+    if refused:
+        raise UsageError(f"--lean decodes greedily, in float32 on CPU, from a plain prompt: {refused[0]} is the "
+                         f"engine's (drop --lean)")
+    if args.dense not in ("auto", "float", "int8"):
+        raise UsageError(f"--lean takes --dense auto, float or int8, got {args.dense}")
+    if args.cache_policy != "next-use":
+        raise UsageError("--lean evicts by next use; --cache-policy is the engine's")
+    total = expert_bytes(args.model)
+    if args.cpu_cache is None:
+        cache = total
+    elif args.cpu_cache.strip() == "auto":
+        raise UsageError("--lean takes --cpu-cache as a size (512MiB, 25%); auto is the engine's")
+    else:
+        cache = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=total)
+    with LeanModel(args.model, LeanConfig(cache_bytes=cache, dense=args.dense)) as model:
+        tok = model.tokenizer
+        if args.prompt_ids is not None:
+            prompt = parse_prompt_ids(args.prompt_ids)
+        elif tok is None:
+            raise UsageError(f"--prompt: {args.model} has no tokenizer (tokenizer.json); give --prompt-ids instead")
+        else:
+            prompt = tok.encode(args.prompt, add_bos=tok.add_bos_default)
+        res = model.generate(prompt, args.max_new_tokens, () if args.ignore_eos else model.stop_ids())
+    text = tok.decode(res.tokens) if tok is not None else ""
+    if args.json:
+        emit_json({"tokens": res.tokens, "text": text, "logprobs": res.logprobs, "ttft_s": res.ttft_s,
+                   "decode_tok_s": res.decode_tok_s, "stats": res.stats})
+    else:
+        print(text)
+        print(f"[{len(res.tokens)} tokens, ttft {res.ttft_s * 1e3:.1f} ms, {res.decode_tok_s:.1f} tok/s, lean on cpu, "
+              f"expert cache {res.stats['cache_bytes'] / 2**20:.0f} MiB, read {res.stats['ssd_bytes'] / 2**20:.1f} MiB, "
+              f"peak RSS {res.stats['peak_rss_bytes'] / 2**20:.0f} MiB]", file=sys.stderr)
     return 0
