@@ -78,6 +78,34 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
         engine.close()
 
 
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
+
+
+def _major_faults() -> int:
+    with open("/proc/self/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[9])
+
+
+def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> dict:
+    """Greedy decode of the torch-free runner (`inference.lean`) with a CPU cache of `cpu_cache` bytes
+    (0: the least it decodes with), after a warm-up generation."""
+    from inference.lean import LeanConfig, LeanModel
+
+    with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct")) as model:
+        cache = model.cache.n * model.slot_bytes
+        model.generate(prompt, 4)
+        read0, faults0 = _read_bytes(), _major_faults()
+        res = model.generate(prompt, new_tokens)
+        return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
+                "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
+                "major_faults_per_token": (_major_faults() - faults0) / len(res.tokens),
+                "expert_read_bytes_per_token": res.stats["ssd_bytes"] / len(res.tokens),
+                "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": _proc_status("RssFile"),
+                "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0}
+
+
 def run_llama(gguf: str, prompt: list[int], new_tokens: int, repack: bool = True) -> dict:
     import llama_peer as peer
 
@@ -168,6 +196,10 @@ def child(args: argparse.Namespace) -> None:
         if spec.get("cold"):
             drop_cache(spec["path"])
         r = run_ours(spec["path"], prompt, args.new_tokens, spec.get("cpu_cache"), spec.get("ring_slots"))
+    elif spec["engine"] == "lean":
+        if spec.get("cold"):
+            drop_cache(spec["path"])
+        r = run_lean(spec["path"], prompt, args.new_tokens, spec["cpu_cache"])
     else:
         r = run_llama(spec["path"], prompt, args.new_tokens, spec.get("repack", True))
     print(json.dumps(r))
@@ -206,8 +238,9 @@ def footprint(args: argparse.Namespace, ours: str) -> dict:
     that cache and less its file-backed pages (the code of torch and the other libraries, which the
     kernel keeps or drops under pressure as it does llama.cpp's mapped weights) is the memory it
     holds of its own besides the cache."""
-    r = _run(args, {"engine": "ours", "path": os.path.join(args.workdir, ours), "cpu_cache": 1, "cold": True,
-                    "ring_slots": 2})
+    spec = {"engine": "lean", "path": os.path.join(args.workdir, ours), "cpu_cache": 0, "cold": True} if args.lean \
+        else {"engine": "ours", "path": os.path.join(args.workdir, ours), "cpu_cache": 1, "cold": True, "ring_slots": 2}
+    r = _run(args, spec)
     return {"peak_rss_bytes": r["peak_rss_bytes"], "min_cache_bytes": r["cpu_cache_bytes"],
             "rss_file_bytes": r["rss_file_bytes"], "auto_reserve_bytes": r["auto_reserve_bytes"]}
 
@@ -227,7 +260,10 @@ def limited(args: argparse.Namespace) -> dict:
             cache = size - base - left
             specs = [("llama", {"engine": "llama", "path": os.path.join(args.workdir, f"llama-{gguf}.gguf"),
                                 "repack": False})]
-            if cache >= fp["min_cache_bytes"]:
+            if cache >= fp["min_cache_bytes"] and args.lean:
+                specs.insert(0, ("ours", {"engine": "lean", "path": os.path.join(args.workdir, ours),
+                                          "cpu_cache": cache, "cold": True}))
+            elif cache >= fp["min_cache_bytes"]:
                 specs.insert(0, ("ours", {"engine": "ours", "path": os.path.join(args.workdir, ours),
                                           "cpu_cache": "auto" if args.cpu_cache_auto else cache, "cold": True,
                                           "ring_slots": 2}))
@@ -368,6 +404,9 @@ def main() -> int:
                          "memory and its CPU cache (default %(default)s)")
     ap.add_argument("--cpu-cache-auto", action="store_true",
                     help="run our engine with --cpu-cache auto (its own sizing from MemAvailable) instead")
+    ap.add_argument("--lean", action="store_true",
+                    help="in the memory-limited part, run our torch-free decoder (`semoe generate --lean`, "
+                         "inference/lean.py) instead of the engine: its process holds no torch runtime")
     ap.add_argument("--resident-bits", default="f32,int8,int4", help="precisions of the resident runs")
     ap.add_argument("--limited-bits", default="f32,int8,int4", help="precisions of the memory-limited runs")
     ap.add_argument("--experts", type=int, default=None,
