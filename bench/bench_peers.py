@@ -78,31 +78,22 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
         engine.close()
 
 
-def _proc_status(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next((int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":")), 0)
-
-
-def _major_faults() -> int:
-    with open("/proc/self/stat") as f:
-        return int(f.read().rsplit(")", 1)[1].split()[9])
-
-
 def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> dict:
     """Greedy decode of the torch-free runner (`inference.lean`) with a CPU cache of `cpu_cache` bytes
     (0: the least it decodes with), after a warm-up generation."""
     from inference.lean import LeanConfig, LeanModel
+    from storage.procmem import major_faults, status_bytes
 
     with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct")) as model:
         cache = model.cache.n * model.slot_bytes
         model.generate(prompt, 4)
-        read0, faults0 = _read_bytes(), _major_faults()
+        read0, faults0 = _read_bytes(), major_faults()
         res = model.generate(prompt, new_tokens)
         return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
-                "major_faults_per_token": (_major_faults() - faults0) / len(res.tokens),
+                "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
                 "expert_read_bytes_per_token": res.stats["ssd_bytes"] / len(res.tokens),
-                "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": _proc_status("RssFile"),
+                "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0}
 
 
@@ -114,26 +105,20 @@ def run_llama(gguf: str, prompt: list[int], new_tokens: int, repack: bool = True
 
 
 def model_bytes(workdir: str, ours: str) -> int:
-    """Bytes of one of our stores' weights (experts and dense), the SIZE reference of its precision."""
-    from storage.store import Store
-
-    return sum(t.bytes for t in Store.open(os.path.join(workdir, ours)).manifest.tensors if t.kind == "weight")
-
-
-def dense_bytes(workdir: str, ours: str) -> int:
-    from storage.store import Store
-
-    return sum(t.bytes for t in Store.open(os.path.join(workdir, ours)).manifest.dense())
+    """Bytes of one of our stores' weights (experts and dense), the SIZE reference of its precision:
+    its manifest read as JSON (`storage.store` imports torch, which this process must not)."""
+    with open(os.path.join(workdir, ours, "manifest.json")) as f:
+        return sum(t["bytes"] for t in json.load(f)["tensors"] if t.get("kind", "weight") == "weight")
 
 
 # -- memory pressure ---------------------------------------------------------------------------
 
 
 def available_bytes() -> int:
-    """MemAvailable. Not `storage.envinfo`'s reader: that module imports torch, which this process
-    must not (see the imports above)."""
-    with open("/proc/meminfo") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    """MemAvailable (`storage.procmem`, which imports no torch, as this process must not)."""
+    from storage.procmem import available_ram_bytes
+
+    return available_ram_bytes()
 
 
 def drop_page_cache() -> None:
@@ -151,6 +136,8 @@ class Balloon:
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "Balloon":
+        if "torch" in sys.modules:  # its memory would sit beside both engines' (see the imports above)
+            raise SystemExit("bench_peers: this process imported torch; the memory-limited runs need it torch-free")
         drop_page_cache()
         if available_bytes() <= self.keep:
             raise SystemExit(f"only {available_bytes()} bytes available, less than SIZE {self.keep}")

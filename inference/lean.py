@@ -34,7 +34,6 @@ import json
 import math
 import mmap
 import os
-import resource
 import time
 from dataclasses import dataclass, field
 
@@ -48,6 +47,7 @@ from storage.crc import crc32c
 from storage.errors import BadInputError, CorruptTensorError
 from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode, ReadRequest
 from storage.policies import NextUsePolicy
+from storage.procmem import peak_rss_bytes
 
 MANIFEST = "manifest.json"
 DENSE_CHOICES = ("auto", "float", "int8")
@@ -292,17 +292,15 @@ class LeanModel:
                                   K, int(bool(c.norm_topk_prob)), c.head_dim ** -0.5, c.rms_norm_eps, self.norm, layers,
                                   self.head)
         self.layers = layers
-        # the embedding stays on storage: one row a token
-        emb = store.tensor(hf_name(c, "embed.weight"))
-        if emb["dtype"] not in ("F32", "BF16") or emb.get("quant"):
-            raise LeanUnsupported(f"{path}: the token embedding is {emb['dtype']}; the lean runner reads F32 or BF16")
-        self._emb = emb
-        self._emb_fd = os.open(store.path(emb["file"]), os.O_RDONLY)
-        # rotary frequencies: `semoe.attention.rope_inv_freq`'s float32 operations
-        R = c.rope_dim
-        self.inv_freq = (np.float32(1.0) / (np.float32(c.rope_theta) ** (np.arange(0, R, 2, dtype=np.float32)
-                                                                           / np.float32(R)))).astype(np.float32)
-        # the expert cache
+        # the expert cache: every layer's experts present, of one layout
+        for lay in moe_layers:
+            missing = [e for e in range(E) if (lay, e) not in store.chunks]
+            if missing:
+                raise BadInputError(f"{path}: layer {lay} has no chunk for expert {missing[0]} (of {E})")
+        self._parts = {lay: self._chunk_parts(lay, 0) for lay in moe_layers}
+        for (lay, e) in store.chunks:
+            if self._chunk_parts(lay, e) != self._parts[lay]:
+                raise LeanUnsupported(f"{path}: layer {lay}'s expert {e} is laid out unlike its expert 0")
         sizes = {ch["bytes"] for ch in store.chunks.values()}
         self.slot_bytes = -(-max(sizes) // ALIGN) * ALIGN if sizes else ALIGN
         slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
@@ -310,11 +308,20 @@ class LeanModel:
             raise BadInputError(f"--cpu-cache: {config.cache_bytes} bytes hold {slots} of this model's expert chunks "
                                 f"({self.slot_bytes} bytes each); decoding needs at least top_k = {K}, "
                                 f"{K * self.slot_bytes} bytes")
-        self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
-        self.cache = _ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader)
-        self._parts = {lay: self._chunk_parts(lay, 0) for lay in moe_layers}
         self._structs: dict[tuple[int, int], kernel_abi.Expert] = {}
         self._pointed: dict[int, dict[int, int]] = {lay: {} for lay in moe_layers}  # layer -> expert -> slot
+        # rotary frequencies: `semoe.attention.rope_inv_freq`'s float32 operations
+        R = c.rope_dim
+        self.inv_freq = (np.float32(1.0) / (np.float32(c.rope_theta) ** (np.arange(0, R, 2, dtype=np.float32)
+                                                                           / np.float32(R)))).astype(np.float32)
+        # the embedding stays on storage: one row a token
+        emb = store.tensor(hf_name(c, "embed.weight"))
+        if emb["dtype"] not in ("F32", "BF16") or emb.get("quant"):
+            raise LeanUnsupported(f"{path}: the token embedding is {emb['dtype']}; the lean runner reads F32 or BF16")
+        self._emb = emb
+        self._emb_fd = os.open(store.path(emb["file"]), os.O_RDONLY)
+        self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
+        self.cache = _ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader)
 
     @staticmethod
     def _check(c) -> None:
@@ -497,7 +504,7 @@ class LeanModel:
                  "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + n - 1),
                  "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,
                  "cache_bytes": cache.n * self.slot_bytes, "read_s": cache.read_s, "dense": self.dense,
-                 "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+                 "peak_rss_bytes": peak_rss_bytes()}
         return LeanResult(tokens, logprobs, (t_first or end) - t0,
                           (n - 1) / (end - t_first) if n > 1 and t_first is not None and end > t_first else 0.0, stats)
 
