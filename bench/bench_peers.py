@@ -30,6 +30,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 BENCH = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(BENCH)
@@ -87,14 +88,16 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> 
     with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct")) as model:
         cache = model.cache.n * model.slot_bytes
         model.generate(prompt, 4)
-        read0, faults0 = _read_bytes(), major_faults()
+        read0, faults0, wait0, t0 = _read_bytes(), major_faults(), model.cache.read_s, time.perf_counter()
         res = model.generate(prompt, new_tokens)
+        wait_share = (model.cache.read_s - wait0) / (time.perf_counter() - t0)
         return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
                 "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
                 "expert_read_bytes_per_token": res.stats["ssd_bytes"] / len(res.tokens),
                 "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
-                "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0}
+                "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
+                "read_wait_share": wait_share}
 
 
 def run_llama(gguf: str, prompt: list[int], new_tokens: int, repack: bool = True) -> dict:
@@ -314,6 +317,10 @@ def report(result: dict, as_json: bool) -> None:
             line = (f"{part:8} {name:18} {r['decode_tok_s']:7.2f} tok/s (runs "
                     f"{', '.join(f'{x:.2f}' for x in r['decode_tok_s_runs'])}) | read "
                     f"{r['read_bytes_per_token'] / 2**20:8.2f} MiB/tok | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} GiB")
+            if part == "limited":  # what the reads take: against the disk's rate, read-bound or not
+                line += f" | reads {r['read_bytes_per_token'] * r['decode_tok_s'] / 1e9:.2f} GB/s"
+                if "read_wait_share" in r:  # the lean runner reads on the decoding thread: its wait is the read's
+                    line += f", waiting on them {r['read_wait_share']:.0%} of the time"
             if part == "limited" and r.get("cpu_cache_bytes"):
                 line += (f" | CPU cache {r['cpu_cache_start_bytes'] / 2**30:.3f} GiB at the start, "
                          f"{r['cpu_cache_bytes'] / 2**30:.3f} at the end | of the reads, experts "

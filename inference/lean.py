@@ -70,7 +70,7 @@ class LeanConfig:
 
     cache_bytes: int  # the expert cache's slots, in bytes (at least top_k chunks); 0: top_k chunks
     dense: str = "auto"  # one of DENSE_CHOICES
-    threads: int = 0  # compute threads; 0: every core
+    threads: int = 0  # compute threads; 0: every core this process may run on
     read_mode: ReadMode | str = ReadMode.DIRECT
     read_threads: int = 4
 
@@ -79,7 +79,7 @@ class LeanConfig:
             raise BadInputError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {self.dense!r}")
         self.read_mode = ReadMode(self.read_mode)
         if self.threads <= 0:
-            self.threads = os.cpu_count() or 1
+            self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 @dataclass
@@ -388,16 +388,19 @@ class LeanModel:
                 for n in names:
                     t = self.store.tensor(n)
                     raw = np.fromfile(self.store.path(t["file"]), np.uint16, count=t["bytes"] // 2, offset=t["offset"])
-                    if crc32c(raw) != t["crc32c"]:
+                    if raw.nbytes != t["bytes"] or crc32c(raw) != t["crc32c"]:
                         raise CorruptTensorError(f"{self.store.path(t['file'])}: crc32c mismatch for {n}", tensor=n)
                     w[r:r + t["shape"][0]] = raw.reshape(t["shape"])
                     r += t["shape"][0]
                 kind = kernel_abi.W_BF16
-            else:
-                w = np.concatenate([b for n in names for b in self.store.rows(n)]) if len(names) > 1 \
-                    else np.concatenate(list(self.store.rows(names[0])))
+            else:  # float32, filled block by block (the weight is never in memory twice)
+                w = np.empty((O, I), np.float32)
+                r = 0
+                for n in names:
+                    for block in self.store.rows(n):
+                        w[r:r + len(block)] = block
+                        r += len(block)
                 kind = kernel_abi.W_F32
-            w = np.ascontiguousarray(w)
             self.held.append(w)
             lin = kernel_abi.Lin(kind, O, I, 0, w.ctypes.data, None, None)
         if bias:
