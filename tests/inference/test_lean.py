@@ -185,3 +185,24 @@ def test_generate_lean_on_the_command_line(stores, capsys):
     assert out["stats"]["cache_slots"] == 6  # half of 12 chunks
     assert main(["generate", "--model", stores[4], "--prompt-ids", "1,2", "--lean", "--temperature", "0.7"]) == 2
     assert "--temperature is the engine's" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_command_line_decodes_in_a_process_that_never_loads_torch(stores):
+    """`semoe generate --lean` in a process of its own: it runs to the end without torch (nor
+    tensorstore) ever imported, and gives the in-process runner's tokens."""
+    import subprocess
+    import sys
+
+    from helpers.procs import ROOT, child_env
+
+    probe = ("import json, sys\nfrom tools.cli import main\nrc = main(sys.argv[1:])\n"
+             "print(json.dumps({'rc': rc, 'loaded': sorted(m for m in ('torch', 'tensorstore', 'transformers') "
+             "if m in sys.modules)}), file=sys.stderr)\n")
+    res = subprocess.run([sys.executable, "-c", probe, "generate", "--model", stores[4], "--prompt-ids", "3,17,5",
+                          "--max-new-tokens", "8", "--ignore-eos", "--lean", "--json"],
+                         capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert json.loads(res.stderr.strip().splitlines()[-1]) == {"rc": 0, "loaded": []}
+    with LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]))) as lean:
+        assert json.loads(res.stdout)["tokens"] == lean.generate([3, 17, 5], 8).tokens
