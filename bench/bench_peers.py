@@ -409,9 +409,13 @@ def main() -> int:
                          "int8 and int4 only")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help=argparse.SUPPRESS)
+    ap.add_argument("--prepare-wide", type=int, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only:
         child(args)
+        return 0
+    if args.prepare_wide:
+        prepare_wide(args.workdir, args.prepare_wide)
         return 0
     bits = {b for part, flag in (("resident", args.resident_bits), ("limited", args.limited_bits))
             if part in args.parts.split(",") for b in flag.split(",")}
@@ -420,7 +424,9 @@ def main() -> int:
             raise SystemExit("--experts makes a bfloat16 checkpoint: measure int8 and int4 there "
                              "(--resident-bits int8,int4 --limited-bits int8,int4)")
         os.makedirs(args.workdir, exist_ok=True)
-        prepare_wide(args.workdir, args.experts)
+        # in a process of its own: making the checkpoint imports torch, which this one must not
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--prepare-wide",
+                        str(args.experts)], check=True, env={**os.environ, "PYTHONPATH": ROOT})
     missing = [p for b, _, g in PAIRS if b in bits for p in [os.path.join(args.workdir, f"llama-{g}.gguf")]
                if not os.path.exists(p)]
     if missing:
