@@ -42,18 +42,16 @@ import numpy as np
 from semoe import kernel_abi
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
-from semoe.tokenizer import HFTokenizer, checked_vocab
+from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab
 from storage.crc import crc32c
 from storage.errors import BadInputError, CorruptTensorError
+from storage.formats import INT8_MAX, QUANTIZE_ROWS
 from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode, ReadRequest
 from storage.policies import NextUsePolicy
 from storage.procmem import peak_rss_bytes
 
 MANIFEST = "manifest.json"
 DENSE_CHOICES = ("auto", "float", "int8")
-INT8_MAX = 127  # storage.quant's int8 scheme: codes in [-127, 127], one scale per row
-QUANTIZE_ROWS = 512  # rows of a dense weight read and quantized at once (2 MiB of a 1024-wide float32 weight)
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
 _KIND = {"F32": kernel_abi.W_F32, "BF16": kernel_abi.W_BF16, "int8": kernel_abi.W_INT8, "int4": kernel_abi.W_INT4}
 # an expert's parts by the HuggingFace names' last part: gate, up, down
 _PARTS = {"gate": ("w1.weight", "gate_proj.weight"), "up": ("w3.weight", "up_proj.weight"),

@@ -24,6 +24,7 @@ from semoe.hf_config import config_from_json, from_hf_config  # noqa: F401 (re-e
 from semoe.expert_layout import chunk_layout_of, hf_expert_names, packed_layer
 from semoe.hf_names import SEMOE_MODEL_TYPE, hf_name  # noqa: F401 (re-exported)
 from semoe.model import MoEGPT, ResidentExperts
+from semoe.tokenizer import TOKENIZER_FILES
 from storage.errors import BadInputError
 from storage.dtypes import torch_dtype
 from storage.pool import release_free_heap
@@ -357,10 +358,6 @@ def load_model(path: str | Store, *, device: torch.device | str = "cpu", dtype: 
         compact_dense_linears(model, scheme)
         stack_projections(model)
     return model
-
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
 
 
 def load_model_tokenizer(source: str | Store, config: MoEConfig):

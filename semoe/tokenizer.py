@@ -22,6 +22,8 @@ from storage.errors import BadInputError
 log = logging.getLogger(__name__)
 
 TOKENIZER_FILE = "tokenizer.json"
+# every file a model's tokenizer reads (a store keeps them as side files)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "config.json")
 # Files of a HuggingFace tokenizer directory that name special tokens, most specific first.
 _TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 _MODEL_CONFIG = "config.json"

@@ -32,11 +32,10 @@ import torch
 from storage.dequant import dequantize_fp8_blocks, dequantize_mxfp4
 from storage.dtypes import torch_dtype
 from storage.errors import BadInputError
-from storage.formats import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES  # noqa: F401 (re-exported)
+from storage.formats import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, INT8_MAX, QUANTIZE_ROWS  # noqa: F401 (re-exported)
 
 SCHEMES = ("int8", "int4", "fp8", "mxfp4")
 INT4_BLOCK_ROWS = 64  # rows per block of the CPU int4 kernel's packed layout
-INT8_MAX = 127
 INT4_LEVELS = 15
 INT4_OFFSET = 8  # the kernel computes (code - 8) * scale + zero
 # the name of a quantized weight's scales, by scheme (mxfp4 codes are `X_blocks`, their scales `X_scales`)
@@ -169,9 +168,6 @@ def quantize_blocks(blocks: Iterable[torch.Tensor], shape: tuple[int, int], dtyp
     return codes, scales
 
 
-# Rows quantized at once: bounds the float32 temporaries (a 32000-row lm_head took four copies of
-# itself, 0.5 GB, when quantized whole); a multiple of int4's 64-row blocks
-QUANTIZE_ROWS = 512
 
 
 def _quantize_rows(w: torch.Tensor, scheme: str, group_size: int | None) -> tuple[torch.Tensor, torch.Tensor]:
