@@ -14,6 +14,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from helpers.hf_models import make_hf_checkpoint  # noqa: E402
 
+# matplotlib lists the system's fonts with `fc-list` (a process) the first time it is imported on a
+# machine without its font cache, then caches them. Importing it here, as the session is set up and
+# before any test's process guard (below) is in force, builds that cache on a fresh machine, so the
+# tests that plot stay one process and the guard stays strict.
+import matplotlib.font_manager  # noqa: E402,F401
+
 
 def pytest_collection_modifyitems(config, items):
     """Skip tests marked `cuda` on a machine without a CUDA device (torch is imported only then)."""
