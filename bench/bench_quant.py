@@ -81,7 +81,7 @@ def run_decode(store: str, budget: int, ids: list[int], prompt_tokens: int, dtyp
     from inference.engine import Engine, EngineConfig
     from semoe.generate import decode_one_token, prefill
     from semoe.model import KVCache
-    from storage.pool import peak_rss_bytes
+    from storage.procmem import peak_rss_bytes
 
     drop_cache(store)
     engine = Engine.load(store, EngineConfig(dtype=dtype, cpu_cache_bytes=budget, read_mode="direct"))

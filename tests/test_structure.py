@@ -1,7 +1,8 @@
 """The tree's shape, checked from its sources (no imports run): no import circle between the
-library's modules, lazy (function-level) and TYPE_CHECKING imports included, no library file
-(Python or the kernels' C) over MAX_LINES lines, and no test that starts processes outside the
-`slow` mark."""
+library's modules and no import up the layers (storage < mpress < semoe < inference < tools), lazy
+(function-level) and TYPE_CHECKING imports included; no `from M import name` of a name that M does
+not have, in the library, the benches and the tests; no library file (Python or the kernels' C) over
+MAX_LINES lines, and no test that starts processes outside the `slow` mark."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 
 from helpers.procs import ROOT
 
-PACKAGES = ("storage", "mpress", "semoe", "inference", "tools")
+PACKAGES = ("storage", "mpress", "semoe", "inference", "tools")  # the layers, lowest first
 MAX_LINES = 650
 
 
@@ -76,6 +77,80 @@ def test_no_import_circle_in_the_library_lazy_imports_included():
     modules = _modules()
     graph = {m: _imports(p, modules) - {m} for m, p in modules.items()}
     assert _cycles(graph) == []
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    """storage < mpress < semoe < inference < tools: a module imports from its own package and those
+    below it, never above (lazy imports included), so each layer can be read and tested without the
+    ones above it."""
+    modules = _modules()
+    rank = {pkg: i for i, pkg in enumerate(PACKAGES)}
+    climbs = sorted(f"{m} imports {dep}" for m, p in modules.items() for dep in _imports(p, modules)
+                    if rank[dep.split(".")[0]] > rank[m.split(".")[0]])
+    assert climbs == []
+
+
+def _defined_names(path: str) -> set[str] | None:
+    """The names a module defines or imports at its top level (inside `if`/`try` too); None when it
+    computes them at run time (a module `__getattr__` or a star import), where nothing can be said."""
+    names: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> bool:
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                if node.name == "__getattr__":
+                    return False
+                names.add(node.name)
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                if any(a.name == "*" for a in node.names):
+                    return False
+                names.update((a.asname or a.name).split(".")[0] for a in node.names)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                names.update(n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name))
+            elif isinstance(node, (ast.If, ast.Try, ast.With, ast.For, ast.While)):
+                blocks = [node.body, getattr(node, "orelse", [])]
+                if isinstance(node, ast.Try):
+                    blocks += [h.body for h in node.handlers] + [node.finalbody]
+                if not all(visit(b) for b in blocks):
+                    return False
+        return True
+
+    return names if visit(ast.parse(open(path).read(), path).body) else None
+
+
+def _sources_that_import() -> dict[str, str]:
+    """Every Python file whose imports are checked: the library's, the benches' and the tests'."""
+    out = dict(_modules())
+    for top in ("bench", "tests"):
+        for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
+            out.update({os.path.join(dirpath, f): os.path.join(dirpath, f) for f in files if f.endswith(".py")})
+    return out
+
+
+def test_every_name_imported_from_a_module_of_the_tree_exists_there():
+    """`from storage.pool import peak_rss_bytes` after the function moved raises ImportError only when
+    that line runs, which for a bench or a lazy import may be long after a change; this finds it
+    from the sources. Modules of the library, the benches (which import each other by file name) and
+    the tests' helpers are checked, wherever the import stands."""
+    modules = _modules()
+    bench = os.path.join(ROOT, "bench")
+    modules.update({f[:-3]: os.path.join(bench, f) for f in os.listdir(bench) if f.endswith(".py")})
+    helpers = os.path.join(ROOT, "tests", "helpers")
+    modules.update({f"helpers.{f[:-3]}": os.path.join(helpers, f) for f in os.listdir(helpers) if f.endswith(".py")})
+    defined = {m: _defined_names(p) for m, p in modules.items()}
+    missing, checked = [], 0
+    for path in sorted(set(_sources_that_import().values())):
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if not (isinstance(node, ast.ImportFrom) and node.module in modules and not node.level):
+                continue
+            have = defined[node.module]
+            for a in node.names:
+                checked += 1
+                if have is not None and a.name not in have and f"{node.module}.{a.name}" not in modules:
+                    missing.append(f"{os.path.relpath(path, ROOT)}:{node.lineno} imports {a.name} from {node.module}")
+    assert checked > 500
+    assert missing == []
 
 
 def _module_level_imports(path: str) -> set[str]:
