@@ -1,13 +1,90 @@
-"""Install semoe: the packages storage, mpress, semoe, inference, tools and the `semoe` command."""
+"""Install semoe: the packages storage, mpress, semoe, inference, tools and the `semoe` command.
+
+The compiled CPU kernels (semoe/kernels/*.c, loaded with ctypes by semoe/kernel_abi.py) are built once
+per instruction set (semoe/kernel_variants.py), so the environment runs on any CPU of its
+architecture: the loader takes the best build the CPU runs. None of them is required: with no C
+compiler, or one without OpenMP, the install goes on without them, says so in one line, and semoe
+computes with torch's ops instead.
+"""
+
+import importlib.util
+import os
+import shutil
+import sys
+import tempfile
 
 from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+from setuptools.errors import CCompilerError, ExecError, PlatformError
 
-# decode's CPU kernels (semoe/kernels/*.c), built for the machine that installs them; loaded with
-# ctypes by semoe/cpu_kernels.py, which falls back to torch's ops where they are missing
-KERNELS = Extension("semoe._kernels",
-                    sources=["semoe/kernels/gemv.c", "semoe/kernels/gemv_float.c", "semoe/kernels/decode_step.c"],
-                    depends=["semoe/kernels/kernels.h"],
-                    extra_compile_args=["-O3", "-march=native", "-fopenmp"], extra_link_args=["-fopenmp"])
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _variants_module():
+    # read without importing the package, which is not installed yet
+    spec = importlib.util.spec_from_file_location("_semoe_kernel_variants",
+                                                  os.path.join(HERE, "semoe", "kernel_variants.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+kv = _variants_module()
+SOURCES = ["semoe/kernels/gemv.c", "semoe/kernels/gemv_float.c", "semoe/kernels/decode_step.c"]
+DEPENDS = ["semoe/kernels/kernels.h", "semoe/kernels/decode_abi.h"]
+KERNELS = [Extension(f"semoe.{v.module}", sources=SOURCES, depends=DEPENDS, optional=True,
+                     extra_compile_args=["-O3", "-fopenmp", *kv.cflags(v)], extra_link_args=["-fopenmp"])
+           for v in kv.buildable()]
+# measured with `semoe generate` on bench_offload's float32 Mixtral-shaped model, 2 cores: 26.8-28.0
+# tok/s on the kernels, 11.5-12.1 on torch's ops
+OFF_COST = ("decoding on CPU runs on torch's ops instead, about 2.4x slower per token, and `semoe generate --lean` "
+            "is unavailable")
+_BUILD_ERRORS = (CCompilerError, ExecError, PlatformError, OSError)  # CompileError and LinkError are CCompilerErrors
+
+
+class BuildKernels(build_ext):
+    """Builds each of the kernels' variants the compiler can; where it can build none (no C compiler,
+    or one without OpenMP), the install goes on without them and says so in one line."""
+
+    def build_extensions(self) -> None:
+        problem = self._openmp_problem()
+        if problem:
+            self._off(problem)
+            return
+        built = []
+        for ext in list(self.extensions):
+            try:
+                self.build_extension(ext)
+                built.append(ext)
+            except _BUILD_ERRORS as e:
+                self.extensions.remove(ext)
+                first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+                print(f"semoe: the {ext.name} kernels were not built ({first}); the loader takes another build",
+                      file=sys.stderr)
+        if not built:
+            self._off("the compiler built none of them")
+
+    def _off(self, why: str) -> None:
+        self.extensions = []
+        print(f"semoe: compiled CPU kernels are off ({why}): {OFF_COST}", file=sys.stderr, flush=True)
+
+    def _openmp_problem(self) -> str | None:
+        """Why this compiler cannot build the kernels (none on PATH, or no OpenMP); None if it can."""
+        cc = self.compiler.compiler_so[0] if getattr(self.compiler, "compiler_so", None) else "cc"
+        if shutil.which(cc) is None:
+            return f"no C compiler: {cc} is not on PATH"
+        with tempfile.TemporaryDirectory() as tmp:
+            src = os.path.join(tmp, "omp_probe.c")
+            with open(src, "w") as f:
+                f.write("#include <omp.h>\nint semoe_probe(void) { return omp_get_max_threads(); }\n")
+            try:
+                objs = self.compiler.compile([src], output_dir=tmp, extra_postargs=["-fopenmp"])
+                self.compiler.link_shared_object(objs, os.path.join(tmp, "omp_probe.so"), extra_postargs=["-fopenmp"])
+            except _BUILD_ERRORS:
+                return f"the C compiler {cc} has no OpenMP"
+        return None
+
 
 setup(
     name="semoe",
@@ -15,7 +92,8 @@ setup(
     description="Train and serve Mixture-of-Experts GPT models larger than GPU memory",
     python_requires=">=3.10",
     packages=["storage", "mpress", "semoe", "inference", "tools"],
-    ext_modules=[KERNELS],
+    ext_modules=KERNELS,
+    cmdclass={"build_ext": BuildKernels},
     install_requires=[
         # torch is installed first, pinned, by tools/run.sh; a looser range here keeps pip from
         # replacing it with a multi-GB CUDA build.

@@ -237,8 +237,8 @@ class LeanModel:
     def __init__(self, path: str, config: LeanConfig) -> None:
         lib = kernel_abi.library()
         if lib is None:
-            raise LeanUnsupported("semoe's CPU kernels are not built (semoe/_kernels*.so missing): run "
-                                  "`pip install -e .`; the lean runner computes with them alone")
+            raise LeanUnsupported(f"--lean computes with semoe's compiled CPU kernels alone, which are "
+                                  f"{kernel_abi.status()}; run without --lean")
         self.lib, self.settings = lib, config
         self.store = store = _Store(path)
         if "config.json" not in store.files:

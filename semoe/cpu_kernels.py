@@ -12,9 +12,10 @@ thread count. A decoding step's attention and RMS norms are one call each (`atte
 `rms_norm`). `quantize_activations` is that
 quantization in torch, bit for bit the kernels' own: the reference they are tested against, and the
 one `CompactWeight`'s reference kernel computes with.
-The library is built at install (setup.py, -O3 -march=native) and loaded with ctypes; `available()`
-says whether it was, and the callers fall back to torch's ops where it was not. SEMOE_CPU_KERNELS
-names another build to load instead.
+The library is built at install (setup.py), once per instruction set, and the best build this CPU
+runs is loaded with ctypes (`semoe.kernel_abi`); `available()` says whether there is one, and the
+callers fall back to torch's ops where there is not. SEMOE_CPU_KERNELS names another build to load
+instead (`off`: none).
 
 Shape legend: M rows of x, I in features, O out features, G groups of the int4 input.
 """
@@ -47,8 +48,8 @@ def _lib() -> ctypes.CDLL | None:
 
 @cache
 def _warn_missing() -> None:
-    log.warning("semoe's CPU kernels are not built (semoe/_kernels*.so missing): run `pip install -e .` "
-                "(tools/run.sh does); decoding falls back to torch's slower ops")
+    log.warning("semoe's compiled CPU kernels are %s; decoding falls back to torch's slower ops",
+                kernel_abi.status().removeprefix("off: "))
 
 
 def available() -> bool:
@@ -67,7 +68,7 @@ def takes(x_MI: torch.Tensor, max_rows: int = MAX_ROWS) -> bool:
     return x_MI.device.type == "cpu" and x_MI.numel() // x_MI.shape[-1] <= max_rows and available()
 
 
-ISAS = ("portable", "avx2", "avx512-vnni")  # the paths the kernels have, by kernels_isa()'s number
+ISAS = kernel_abi.ISAS  # the paths the kernels have, by kernels_isa()'s number
 
 
 def isa() -> str | None:

@@ -131,7 +131,7 @@ class DecodePlan:
         c = self.config = model.config
         self.model = model
         if lib is None:
-            raise NotPlanned("the CPU kernels are not built")
+            raise NotPlanned(f"semoe's compiled CPU kernels are {kernel_abi.status()}")
         if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
             raise NotPlanned("activations are not float32 on CPU")
         if c.qk_norm != "none" or c.clip_qkv is not None or c.attention_sinks or c.rope_interleave \

@@ -1,10 +1,11 @@
 """The compiled CPU kernels' library (semoe/kernels/*.c) and the structures its whole-step calls
 take, loaded with ctypes and no torch.
 
-`library()` finds the build made at install (or the one SEMOE_CPU_KERNELS names) and declares every
-entry point; `Lin`, `Expert`, `LayerC` and `Net` mirror decode_step.c's structs. `semoe.cpu_kernels`
-and `semoe.decode_plan` call the kernels on torch tensors through these; `inference.lean` calls them
-on its own buffers, in a process that never imports torch.
+`library()` loads the best build made at install that this CPU runs (`semoe.kernel_variants`), or
+the one SEMOE_CPU_KERNELS names (`off`: none), checks that `Lin`, `Expert`, `LayerC` and `Net` have
+the layouts of decode_abi.h's structs as the library was compiled, and declares every entry point.
+`semoe.cpu_kernels` and `semoe.decode_plan` call the kernels on torch tensors through these;
+`inference.lean` calls them on its own buffers, in a process that never imports torch.
 """
 
 from __future__ import annotations
@@ -14,15 +15,22 @@ import importlib.util
 import os
 from functools import cache
 
+from semoe import kernel_variants
+
 _P, _I, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 _INT = ctypes.c_int
 
-# decode_step.c's weight kinds (`Lin.kind`)
+class KernelABIError(RuntimeError):
+    """The kernels' library and its ctypes mirrors disagree (a struct changed on one side only, or a
+    library built from older sources): one line naming the library, the struct and both layouts."""
+
+
+# decode_abi.h's weight kinds (`Lin.kind`)
 W_F32, W_BF16, W_INT8, W_INT4 = 1, 2, 3, 4
 
 
 class Lin(ctypes.Structure):
-    """decode_step.c's `Lin`: one weight (O, I), its scales and bias."""
+    """decode_abi.h's `Lin`: one weight (O, I), its scales and bias."""
     _fields_ = [("kind", _I), ("O", _I), ("I", _I), ("g", _I), ("w", _P), ("s", _P), ("bias", _P)]
 
 
@@ -40,6 +48,31 @@ class Net(ctypes.Structure):
     _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("F", _I), ("E", _I),
                 ("top_k", _I), ("norm_topk", _I), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
+
+
+# decode_abi.h's struct names -> their mirrors, which `check_layout` compares field by field
+STRUCTS = {"Lin": Lin, "Expert": Expert, "Layer": LayerC, "Net": Net}
+
+
+def check_layout(lib: ctypes.CDLL, path: str, structs: dict[str, type[ctypes.Structure]] = STRUCTS) -> None:
+    """KernelABIError unless each struct's size and field offsets in the library (its
+    `semoe_abi_layout`) equal its ctypes mirror's."""
+    try:
+        layout = lib.semoe_abi_layout
+    except AttributeError:
+        raise KernelABIError(f"{path}: no semoe_abi_layout, built from older sources than semoe/kernel_abi.py: "
+                             f"reinstall (pip install -e .) to rebuild the kernels") from None
+    layout.argtypes = [ctypes.c_char_p, ctypes.POINTER(_I), _I, ctypes.POINTER(_I)]
+    layout.restype = _I
+    for name, mirror in structs.items():
+        offsets, n = (_I * 64)(), _I()
+        size = layout(name.encode(), offsets, 64, ctypes.byref(n))
+        got = (size, list(offsets[:n.value]))
+        want = (ctypes.sizeof(mirror), [getattr(mirror, f[0]).offset for f in mirror._fields_])
+        if got != want:
+            raise KernelABIError(f"{path}: struct {name} is {got[0]} bytes with fields at {got[1]} in the library "
+                                 f"but {want[0]} bytes with fields at {want[1]} in semoe/kernel_abi.py: change "
+                                 f"semoe/kernels/decode_abi.h and the mirror together, then reinstall")
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -60,21 +93,90 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_attend.argtypes = [_P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _INT]
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
-    for f in (lib.gemv_i8, lib.gemv_i4, lib.quantize_rows_q8, lib.swiglu_q, lib.gemv_bf16, lib.gemv_f32,
-              lib.gemv_mxfp4, lib.attend_decode_f32, lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_step,
-              lib.decode_work_free, lib.decode_attend, lib.decode_ffn, lib.decode_head):
+    for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_f32, lib.rmsnorm_f32, lib.moe_combine_f32,
+              lib.decode_work_free):
         f.restype = None
+    # these allocate: they return 0, or -1 where memory could not be had, which every call checks
+    for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.attend_decode_f32, lib.decode_step,
+              lib.decode_attend, lib.decode_ffn, lib.decode_head):
+        f.restype = ctypes.c_int
+        f.errcheck = _out_of_memory
+    lib.decode_work.errcheck = _no_work
     lib.kernels_isa.restype = ctypes.c_int
     return lib
 
 
+def _out_of_memory(rc: int, fn, args) -> int:
+    if rc != 0:
+        raise MemoryError(f"semoe's CPU kernels: out of memory for the buffers of {fn.__name__}")
+    return rc
+
+
+def _no_work(work: int | None, fn, args) -> int:
+    if not work:
+        raise MemoryError("semoe's CPU kernels: out of memory for a decoding step's buffers (decode_work)")
+    return work
+
+
+def load(path: str) -> ctypes.CDLL:
+    """The library at `path`, its structs' layouts checked and its entry points declared."""
+    lib = ctypes.CDLL(path)
+    check_layout(lib, path)
+    return _declare(lib)
+
+
+def installed() -> dict[str, str]:
+    """Variant name -> the path of its library, for every build the install made (on any CPU)."""
+    out = {}
+    for v in kernel_variants.VARIANTS:
+        spec = importlib.util.find_spec(f"semoe.{v.module}")
+        if spec is not None and spec.origin is not None:
+            out[v.name] = spec.origin
+    return out
+
+
+def choose(flags: frozenset[str], builds: dict[str, str], machine: str | None = None) -> tuple[str, str] | None:
+    """(variant, path) of the best build in `builds` that a CPU with these flags (of `machine`, this
+    one's by default) runs; None if none."""
+    for v in kernel_variants.runnable(flags, machine):
+        if v.name in builds:
+            return v.name, builds[v.name]
+    return None
+
+
+@cache
+def chosen() -> tuple[str, str] | None:
+    """(variant, path) of the library `library()` loads: SEMOE_CPU_KERNELS's (another build of
+    semoe/kernels/*.c, as the tests load each variant's; `off` for none), or the best installed build
+    this CPU runs; None where there is none."""
+    path = os.environ.get("SEMOE_CPU_KERNELS")
+    if path == "off":
+        return None
+    if path:
+        return "SEMOE_CPU_KERNELS", path
+    return choose(kernel_variants.cpu_flags(), installed())
+
+
 @cache
 def library() -> ctypes.CDLL | None:
-    """The kernels' library with its entry points declared; None where it was not built."""
-    path = os.environ.get("SEMOE_CPU_KERNELS")  # another build of semoe/kernels/*.c (tests load each path's)
-    if path:
-        return _declare(ctypes.CDLL(path))
-    spec = importlib.util.find_spec("semoe._kernels")
-    if spec is None or spec.origin is None:
-        return None
-    return _declare(ctypes.CDLL(spec.origin))
+    """The kernels' library with its layouts checked and entry points declared; None where no build
+    this CPU runs is installed (the callers then take torch's ops)."""
+    pick = chosen()
+    return None if pick is None else load(pick[1])
+
+
+def status() -> str:
+    """One line on the kernels in use, for `semoe env` and the install: the variant and library, or
+    why there are none."""
+    pick = chosen()
+    if pick is not None:
+        return f"{ISAS[library().kernels_isa()]} ({os.path.basename(pick[1])})"
+    if os.environ.get("SEMOE_CPU_KERNELS") == "off":
+        return "off (SEMOE_CPU_KERNELS=off)"
+    builds = installed()
+    if builds:
+        return f"off: this CPU runs none of the installed builds ({', '.join(builds)})"
+    return "off: not built at install (no C compiler with OpenMP)"
+
+
+ISAS = ("portable", "avx2", "avx512-vnni")  # the paths a library's code takes, by its kernels_isa()

@@ -10,6 +10,7 @@ import logging
 import sys
 from typing import Callable, Sequence
 
+from semoe.kernel_abi import KernelABIError
 from storage.errors import StorageError
 from tools.common import UsageError
 
@@ -51,6 +52,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.getLogger("semoe").debug("error", exc_info=True)
         print(f"semoe: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return getattr(e, "exit_code", 2)  # 2: bad input; 1: a check failed or the machine gave out
+    except KernelABIError as e:  # an install whose kernels and their mirrors disagree
+        print(f"semoe: error: {e}", file=sys.stderr)
+        return 1
     except (FileNotFoundError, IsADirectoryError, NotADirectoryError, PermissionError) as e:
         print(f"semoe: error: {e.filename}: {e.strerror}", file=sys.stderr)
         return 2

@@ -87,7 +87,7 @@ def _probe_store(path: str, nbytes: int) -> dict:
 
 def gather(io: dict) -> dict:
     """The whole report as one JSON-ready dict, `io` being storage.envinfo's probe of a path."""
-    from semoe import cpu_kernels
+    from semoe import cpu_kernels, kernel_abi
     from storage import envinfo
 
     torch_fields = torch_info()
@@ -100,7 +100,8 @@ def gather(io: dict) -> dict:
         **envinfo.probe_pinned_memory(torch_fields["cuda_available"]),
         **io,
         **envinfo.shm_info(), **envinfo.cpu_info(), **envinfo.ram_info(),
-        "cpu_kernels": cpu_kernels.isa(),
+        "cpu_kernels": cpu_kernels.isa(), "cpu_kernels_status": kernel_abi.status(),
+        "cpu_kernels_installed": sorted(kernel_abi.installed()),
     }
 
 
@@ -278,8 +279,8 @@ def format_report(info: dict) -> str:
     rows += [
         ("pinned memory", _yes(info["pinned_memory"], info["pinned_memory_reason"])),
         ("CPU cores", f"{info['cpu_cores']} usable of {info['cpu_count']}"),
-        ("CPU kernels", f"{info['cpu_kernels']} (decode's int8/int4/MXFP4/bfloat16 products)" if info["cpu_kernels"]
-         else "not built: decoding falls back to torch's slower ops (`pip install -e .` builds them)"),
+        ("CPU kernels", f"{info['cpu_kernels_status']} of the builds {', '.join(info['cpu_kernels_installed'])}"
+         if info["cpu_kernels"] else f"{info['cpu_kernels_status']}: decoding falls back to torch's slower ops"),
         ("RAM", f"{_bytes(info['ram_total_bytes'])} total, {_bytes(info['ram_available_bytes'])} available"
          if info["ram_reason"] is None else info["ram_reason"]),
         ("/dev/shm", f"{_bytes(info['shm_total_bytes'])} total, {_bytes(info['shm_free_bytes'])} free"

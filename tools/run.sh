@@ -5,7 +5,7 @@
 #                                   which fail the run if they fail or outlast SEMOE_SLOW_BUDGET_S seconds
 #   bash tools/run.sh semoe ARGS    any semoe command
 # The virtual environment lives in .venv (override with SEMOE_VENV); the package is reinstalled
-# (and its CPU kernels rebuilt) when setup.py or semoe/kernels/*.c change.
+# (and its CPU kernels rebuilt) when setup.py, semoe/kernel_variants.py or semoe/kernels/* change.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SEMOE_VENV:-$root/.venv}"
@@ -16,13 +16,22 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 # rebuilt when setup.py or the compiled kernels' sources change
-stamp="$venv/.semoe-setup-$(cat "$root/setup.py" "$root"/semoe/kernels/*.c | sha256sum | cut -c1-16)"
+stamp="$venv/.semoe-setup-$(cat "$root/setup.py" "$root/semoe/kernel_variants.py" "$root"/semoe/kernels/*.[ch] \
+  | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "semoe: installing torch==2.13.0 and the package (first run only)" >&2
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check "torch==2.13.0"
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check -e "$root[test]"
-  # fairscale is unmaintained: a test reference for gating only, installed without its dependencies
-  "$venv/bin/python" -m pip install -q --disable-pip-version-check --no-deps "fairscale==0.4.13"
+  log="$venv/semoe-install.log"
+  if ! { "$venv/bin/python" -m pip install --disable-pip-version-check "torch==2.13.0" &&
+         # -v: the package's build says in one line whether its compiled kernels are off, and why
+         "$venv/bin/python" -m pip install -v --disable-pip-version-check -e "$root[test]" &&
+         # fairscale is unmaintained: a test reference for gating only, installed without its dependencies
+         "$venv/bin/python" -m pip install --disable-pip-version-check --no-deps "fairscale==0.4.13"; } >"$log" 2>&1
+  then
+    tail -n 30 "$log" >&2
+    echo "semoe: the install failed; its whole log is $log" >&2
+    exit 1
+  fi
+  grep -o "semoe: \(compiled CPU kernels are off\|the semoe\._kernels.* kernels were not built\).*" "$log" >&2 || true
   rm -f "$venv"/.semoe-setup-*
   touch "$stamp"
 fi

@@ -13,38 +13,9 @@
  * torch's ops, so the logits agree to float32 rounding, not to the bit (tests bound the difference).
  */
 #include "kernels.h"
+#include "decode_abi.h"
 
-enum { W_F32 = 1, W_BF16 = 2, W_INT8 = 3, W_INT4 = 4 };
-
-/* y (O) = W x (+ bias): W (O, I) float32, bfloat16, int8 codes with scales (O), or int4 codes with
- * (scale, zero) pairs per group of g inputs (gemv.c's layouts) */
-typedef struct {
-    int64_t kind, O, I, g;
-    const void *w;
-    const float *s, *bias;
-} Lin;
-
-typedef struct {
-    Lin gate, up, down; /* gate and up (F, D) of one kind and group, down (D, F) */
-} Expert;
-
-typedef struct {
-    const float *attn_norm, *ffn_norm;
-    float attn_eps, ffn_eps;
-    int64_t n_qkv; /* q|k|v as one product or three */
-    Lin qkv[3], o;
-    int64_t E; /* experts; 0: a dense SwiGLU layer in experts[0], no router */
-    Lin router;
-    const Expert *experts;
-} Layer;
-
-typedef struct {
-    int64_t L, D, H, G, Dh, F, E, top_k, norm_topk; /* F, E: the most of any layer */
-    float scale, norm_eps;
-    const float *norm;
-    const Layer *layers;
-    Lin head;
-} Net;
+#include <stddef.h>
 
 static int quantized(const Lin *l) { return l->kind == W_INT8 || l->kind == W_INT4; }
 
@@ -59,11 +30,16 @@ static void block(const Lin *l, const float *x, const Acts *a, float *y, int64_t
     }
 }
 
-/* x quantized for l's integer kernel, where it takes one */
-static void acts_for(const Lin *l, const float *x, Acts *a) {
+/* x quantized for l's integer kernel, where it takes one; *oom set where its buffers could not be
+ * allocated (every thread reads it after the barrier that ends the `single` this runs in, so the
+ * team skips the products together and the call returns the error) */
+static void acts_for(const Lin *l, const float *x, Acts *a, int *oom) {
     if (!quantized(l)) return;
     *a = acts_alloc(1, l->I, l->kind == W_INT4 ? l->g : 0);
-    acts_fill(a, x);
+    if (!acts_ok(a))
+        *oom = 1;
+    else
+        acts_fill(a, x);
 }
 
 static void acts_done(const Lin *l, Acts *a) {
@@ -71,11 +47,12 @@ static void acts_done(const Lin *l, Acts *a) {
 }
 
 /* y = l(x) by the whole team (every thread calls it; a points at one Acts they share) */
-static void product(const Lin *l, const float *x, Acts *a, float *y) {
+static void product(const Lin *l, const float *x, Acts *a, float *y, int *oom) {
 #pragma omp single
-    acts_for(l, x, a);
+    acts_for(l, x, a, oom);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks(l); b++) block(l, x, a, y, b);
+    for (int64_t b = 0; b < blocks(l); b++)
+        if (!*oom) block(l, x, a, y, b);
 #pragma omp single
     {
         acts_done(l, a);
@@ -113,6 +90,7 @@ typedef struct { /* the step's buffers */
     const float **yp;
     int64_t *ids;
     Acts a, *ax, *ah;
+    int oom; /* an allocation during the step failed: its results are not to be used */
 } Work;
 
 /* x += sum_k w_k down_k(silu(gate_k h) * up_k h) over the K chosen experts, by the team: the K
@@ -120,15 +98,15 @@ typedef struct { /* the step's buffers */
 static void experts(const Layer *ly, int64_t K, const float *h, float *x, int64_t D, int64_t F, Work *s) {
     const Expert *ex = ly->experts;
 #pragma omp single
-    for (int64_t k = 0; k < K; k++) acts_for(&ex[s->ids[k]].gate, h, &s->ax[k]);
-    int64_t nb = blocks(&ex[s->ids[0]].gate);
+    for (int64_t k = 0; k < K; k++) acts_for(&ex[s->ids[k]].gate, h, &s->ax[k], &s->oom);
+    int64_t nb = s->oom ? 0 : blocks(&ex[s->ids[0]].gate);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++) {
         const Expert *e = ex + s->ids[t / nb];
         block(&e->gate, h, &s->ax[t / nb], s->hg + t / nb * F, t % nb);
         block(&e->up, h, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
     }
-    int64_t Fe = ex[s->ids[0]].gate.O;
+    int64_t Fe = s->oom ? 0 : ex[s->ids[0]].gate.O;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * Fe; t++) {
         float *g = s->hg + t / Fe * F + t % Fe;
@@ -137,9 +115,9 @@ static void experts(const Layer *ly, int64_t K, const float *h, float *x, int64_
 #pragma omp single
     for (int64_t k = 0; k < K; k++) {
         acts_done(&ex[s->ids[k]].gate, &s->ax[k]);
-        acts_for(&ex[s->ids[k]].down, s->hg + k * F, &s->ah[k]);
+        acts_for(&ex[s->ids[k]].down, s->hg + k * F, &s->ah[k], &s->oom);
     }
-    nb = blocks(&ex[s->ids[0]].down);
+    nb = s->oom ? 0 : blocks(&ex[s->ids[0]].down);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++)
         block(&ex[s->ids[t / nb]].down, s->hg + t / nb * F, &s->ah[t / nb], s->ys + t / nb * D, t % nb);
@@ -149,15 +127,18 @@ static void experts(const Layer *ly, int64_t K, const float *h, float *x, int64_
             acts_done(&ex[s->ids[k]].down, &s->ah[k]);
             s->yp[k] = s->ys + k * D;
         }
-        moe_combine_f32(x, s->yp, s->w, K, D);
+        if (!s->oom) moe_combine_f32(x, s->yp, s->w, K, D);
     }
 }
 
-/* the step's buffers for a cache of S positions */
+static void work_free(Work *s);
+
+/* the step's buffers for a cache of S positions; NULL where memory for them could not be had */
 static Work *work_new(const Net *net, int64_t S) {
     const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, F = net->F;
     const int64_t Kmax = net->top_k > 1 ? net->top_k : 1;
     Work *s = calloc(1, sizeof(Work));
+    if (!s) return NULL;
     s->h = malloc(sizeof(float) * (size_t)D);
     s->qkv = malloc(sizeof(float) * (size_t)((H + 2 * G) * Dh));
     s->qr = malloc(sizeof(float) * (size_t)(H * Dh));
@@ -173,6 +154,11 @@ static Work *work_new(const Net *net, int64_t S) {
     s->ids = malloc(sizeof(int64_t) * (size_t)Kmax);
     s->ax = malloc(sizeof(Acts) * (size_t)Kmax);
     s->ah = malloc(sizeof(Acts) * (size_t)Kmax);
+    if (!s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->hg || !s->hu || !s->ys ||
+        !s->w || !s->yp || !s->ids || !s->ax || !s->ah) {
+        work_free(s);
+        return NULL;
+    }
     return s;
 }
 
@@ -192,21 +178,23 @@ static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *
 #pragma omp single
     rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
     for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
-        product(&ly->qkv[j], s->h, &s->a, s->qkv + off);
+        product(&ly->qkv[j], s->h, &s->a, s->qkv + off, &s->oom);
 #pragma omp single
     attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, S, pos, s->qr);
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++) attend_head(s->qr, kc, vc, H, G, Dh, S, n, net->scale, s->p, s->att, h);
-    product(&ly->o, s->att, &s->a, s->tmp);
+    product(&ly->o, s->att, &s->a, s->tmp, &s->oom);
 #pragma omp single
     {
         for (int64_t i = 0; i < D; i++) x[i] = x[i] + s->tmp[i];
         rmsnorm_f32(x, ly->ffn_norm, ly->ffn_eps, s->h, 1, D);
     }
     if (ly->E) {
-        product(&ly->router, s->h, &s->a, s->probs);
+        product(&ly->router, s->h, &s->a, s->probs, &s->oom);
 #pragma omp single
-        route(s->probs, ly->E, net->top_k, net->norm_topk, s->ids, s->w);
+        if (!s->oom) route(s->probs, ly->E, net->top_k, net->norm_topk, s->ids, s->w);
+        else
+            for (int64_t k = 0; k < net->top_k; k++) s->ids[k] = 0, s->w[k] = 0.0f; /* unused: the call fails */
     } else {
 #pragma omp single
         {
@@ -226,14 +214,17 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
 static void head(const Net *net, float *x, float *logits, Work *s) {
 #pragma omp single
     rmsnorm_f32(x, net->norm, net->norm_eps, s->h, 1, net->D);
-    product(&net->head, s->h, &s->a, logits);
+    product(&net->head, s->h, &s->a, logits, &s->oom);
 }
 
 /* One step at position `pos`: x (D) holds the token's embedding; kc, vc the L layers' caches (G, S,
- * Dh each), written at pos; cos, sin (Dh) the position's rotary tables; logits (V) out. */
-void decode_step(const Net *net, float *x, float *const *kc, float *const *vc, int64_t S, int64_t pos,
-                 const float *cos, const float *sin, float *logits, int threads) {
+ * Dh each), written at pos; cos, sin (Dh) the position's rotary tables; logits (V) out. Returns 0,
+ * or -1 where memory for the step's buffers could not be had (x, the caches and logits are then
+ * not to be used). */
+int decode_step(const Net *net, float *x, float *const *kc, float *const *vc, int64_t S, int64_t pos,
+                const float *cos, const float *sin, float *logits, int threads) {
     Work *s = work_new(net, S);
+    if (!s) return -1;
 #pragma omp parallel num_threads(threads)
     {
         for (int64_t l = 0; l < net->L; l++) {
@@ -242,32 +233,63 @@ void decode_step(const Net *net, float *x, float *const *kc, float *const *vc, i
         }
         head(net, x, logits, s);
     }
+    int rc = s->oom ? -1 : 0;
     work_free(s);
+    return rc;
 }
 
 /* The same step in parts, for experts that arrive during it (the caller reads the chosen ones
  * between the parts and points the layer's `experts` at them): per layer `decode_attend`, which
  * writes the router's choice (top_k ids and weights; a dense layer's is expert 0 of weight 1), then
  * `decode_ffn`; after the last layer `decode_head`. `decode_work` makes the buffers the parts share
- * for a cache of S positions (`decode_work_free` frees them). The same arithmetic as `decode_step`. */
+ * for a cache of S positions (`decode_work_free` frees them; NULL where memory could not be had).
+ * The same arithmetic as `decode_step`; each part returns 0, or -1 where an allocation failed. */
 Work *decode_work(const Net *net, int64_t S) { return work_new(net, S); }
 
 void decode_work_free(Work *s) { work_free(s); }
 
-void decode_attend(const Net *net, Work *s, int64_t l, float *x, float *kc, float *vc, int64_t S, int64_t pos,
-                   const float *cos, const float *sin, int64_t *ids, float *w, int threads) {
+int decode_attend(const Net *net, Work *s, int64_t l, float *x, float *kc, float *vc, int64_t S, int64_t pos,
+                  const float *cos, const float *sin, int64_t *ids, float *w, int threads) {
+    s->oom = 0;
 #pragma omp parallel num_threads(threads)
     layer_attend(net, l, x, kc, vc, S, pos, cos, sin, s);
     const int64_t K = net->layers[l].E ? net->top_k : 1;
     for (int64_t k = 0; k < K; k++) ids[k] = s->ids[k], w[k] = s->w[k];
+    return s->oom ? -1 : 0;
 }
 
-void decode_ffn(const Net *net, Work *s, int64_t l, float *x, int threads) {
+int decode_ffn(const Net *net, Work *s, int64_t l, float *x, int threads) {
+    s->oom = 0;
 #pragma omp parallel num_threads(threads)
     layer_ffn(net, l, x, s);
+    return s->oom ? -1 : 0;
 }
 
-void decode_head(const Net *net, Work *s, float *x, float *logits, int threads) {
+int decode_head(const Net *net, Work *s, float *x, float *logits, int threads) {
+    s->oom = 0;
 #pragma omp parallel num_threads(threads)
     head(net, x, logits, s);
+    return s->oom ? -1 : 0;
+}
+
+/* decode_abi.h's layouts, for the loader's check against its ctypes mirrors */
+#define FIELDS(T, ...)                                                                                            \
+    if (!strcmp(name, #T)) {                                                                                      \
+        const int64_t offs[] = {__VA_ARGS__};                                                                     \
+        *n = (int64_t)(sizeof(offs) / sizeof(offs[0]));                                                           \
+        for (int64_t i = 0; i < *n && i < cap; i++) offsets[i] = offs[i];                                         \
+        return (int64_t)sizeof(T);                                                                                \
+    }
+#define OFF(T, f) (int64_t) offsetof(T, f)
+
+int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_t *n) {
+    FIELDS(Lin, OFF(Lin, kind), OFF(Lin, O), OFF(Lin, I), OFF(Lin, g), OFF(Lin, w), OFF(Lin, s), OFF(Lin, bias))
+    FIELDS(Expert, OFF(Expert, gate), OFF(Expert, up), OFF(Expert, down))
+    FIELDS(Layer, OFF(Layer, attn_norm), OFF(Layer, ffn_norm), OFF(Layer, attn_eps), OFF(Layer, ffn_eps),
+           OFF(Layer, n_qkv), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, E), OFF(Layer, router), OFF(Layer, experts))
+    FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, F), OFF(Net, E),
+           OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, scale), OFF(Net, norm_eps), OFF(Net, norm), OFF(Net, layers),
+           OFF(Net, head))
+    *n = 0;
+    return -1;
 }

@@ -156,6 +156,8 @@ Acts acts_alloc(int64_t M, int64_t I, int64_t g) {
     return a;
 }
 
+int acts_ok(const Acts *a) { return a->q && a->d && a->xsum; }
+
 void acts_fill(Acts *a, const float *x) {
     q8_rows(x, a->M, a->I, a->Ip, a->q, a->d);
     for (int64_t m = 0; m < a->M; m++)
@@ -189,13 +191,15 @@ void i8_block(const int8_t *q, const float *scale, int64_t O, const Acts *a, int
 
 int64_t i8_blocks(int64_t O) { return (O + ROWS - 1) / ROWS; }
 
-void gemv_i8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t O, int64_t I,
-             int threads) {
+int gemv_i8(const float *x, const int8_t *q, const float *scale, float *y, int64_t M, int64_t O, int64_t I,
+            int threads) {
     Acts a = acts_alloc(M, I, 0);
+    if (!acts_ok(&a)) return acts_free(&a), -1;
     acts_fill(&a, x);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < i8_blocks(O); b++) i8_block(q, scale, O, &a, b, y);
     acts_free(&a);
+    return 0;
 }
 
 /* MXFP4. Twice each e2m1 value is an integer (0, 1, 2, 3, 4, 6, 8, 12 and their negatives), so each
@@ -282,9 +286,10 @@ static inline void fp4_rows(const uint8_t *w, const uint8_t *e, int64_t G, int n
 #endif
 }
 
-void gemv_mxfp4(const float *x, const uint8_t *w, const uint8_t *e, float *y, int64_t M, int64_t O, int64_t I,
-                int threads) {
+int gemv_mxfp4(const float *x, const uint8_t *w, const uint8_t *e, float *y, int64_t M, int64_t O, int64_t I,
+               int threads) {
     Acts a = acts_alloc(M, I, 0);
+    if (!acts_ok(&a)) return acts_free(&a), -1;
     acts_fill(&a, x);
     int64_t G = I / QB;
 #pragma omp parallel for num_threads(threads) schedule(static)
@@ -298,6 +303,7 @@ void gemv_mxfp4(const float *x, const uint8_t *w, const uint8_t *e, float *y, in
         }
     }
     acts_free(&a);
+    return 0;
 }
 
 /* One group of a block of 64 rows against one quantized row of x: per row, sum_k code * xq_k */
@@ -446,13 +452,15 @@ void i4_block(const uint8_t *p, const float *sz, int64_t O, const Acts *a, int64
     }
 }
 
-void gemv_i4(const float *x, const uint8_t *p, const float *sz, float *y, int64_t M, int64_t O, int64_t I,
-             int64_t g, int threads) {
+int gemv_i4(const float *x, const uint8_t *p, const float *sz, float *y, int64_t M, int64_t O, int64_t I, int64_t g,
+            int threads) {
     Acts a = acts_alloc(M, I, g);
+    if (!acts_ok(&a)) return acts_free(&a), -1;
     acts_fill(&a, x);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < O / I4_BLOCK; b++) i4_block(p, sz, O, &a, b, y);
     acts_free(&a);
+    return 0;
 }
 
 /* One block of a weight of either scheme (bits 8 or 4; g: int4's group, which `a` was filled for) */
@@ -469,11 +477,13 @@ static int64_t any_blocks(int bits, int64_t O) { return bits == 8 ? i8_blocks(O)
  * (D, F) all int8 (bits 8) or int4 (bits 4, groups g_in over D and g_down over F). The same sums as
  * three gemv calls with silu(h) = h / (1 + exp(-h)) and the product in float32 between them: one
  * parallel region instead of three, and gate and up read in the same pass over x's codes. */
-void swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int bits, const void *wg, const float *sg,
-              const void *wu, const float *su, int64_t g_in, const void *wd, const float *sd, int64_t g_down,
-              float *y, int threads) {
+int swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int bits, const void *wg, const float *sg,
+             const void *wu, const float *su, int64_t g_in, const void *wd, const float *sd, int64_t g_down, float *y,
+             int threads) {
     Acts ax = acts_alloc(M, D, bits == 4 ? g_in : 0), ah = acts_alloc(M, F, bits == 4 ? g_down : 0);
     float *hg = malloc(sizeof(float) * (size_t)(M * F)), *hu = malloc(sizeof(float) * (size_t)(M * F));
+    int rc = acts_ok(&ax) && acts_ok(&ah) && hg && hu ? 0 : -1;
+    if (rc) goto done;
     acts_fill(&ax, x);
 #pragma omp parallel num_threads(threads)
     {
@@ -490,10 +500,12 @@ void swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int bits, const v
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < any_blocks(bits, D); b++) any_block(bits, wd, sd, D, &ah, b, y);
     }
+done:
     free(hg);
     free(hu);
     acts_free(&ax);
     acts_free(&ah);
+    return rc;
 }
 
 /* RMS norm of M rows of D, float32: y = x / sqrt(mean(x^2) + eps) * w (torch's seven small ops of a
@@ -555,17 +567,19 @@ void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, i
     }
 }
 
-void attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin,
-                       float *kc, float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float scale,
-                       float *out, int threads) {
+int attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
+                      float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float scale, float *out,
+                      int threads) {
     int64_t n = pos + 1;
     float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)(n * H));
+    if (!qr || !p) return free(qr), free(p), -1;
     attend_rotate(q, k, v, cos, sin, kc, vc, H, G, Dh, S, pos, qr);
     /* a short context is not worth waking a second thread for */
 #pragma omp parallel for num_threads(n * H * Dh >= 32768 ? threads : 1) schedule(static)
     for (int64_t h = 0; h < H; h++) attend_head(qr, kc, vc, H, G, Dh, S, n, scale, p, out, h);
     free(qr);
     free(p);
+    return 0;
 }
 
 /* A MoE layer's output added to the residual stream for one row: x += sum over K choices of y_k * w_k,

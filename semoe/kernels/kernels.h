@@ -51,7 +51,10 @@ typedef struct {
     float *d, *xsum;
 } Acts;
 
+/* acts_alloc's buffers may be NULL where memory is short: acts_ok says whether all three are there
+ * (acts_free takes either) */
 Acts acts_alloc(int64_t M, int64_t I, int64_t g);
+int acts_ok(const Acts *a);
 void acts_fill(Acts *a, const float *x);
 void acts_free(Acts *a);
 

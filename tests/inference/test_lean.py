@@ -23,9 +23,9 @@ import pytest
 import torch
 
 from helpers.hf_models import add_word_tokenizer
+from helpers.kernels import needs_kernels
 from inference.engine import Engine, EngineConfig
 from inference.lean import LeanConfig, LeanModel, LeanUnsupported, expert_bytes, quantize_int8_rows
-from semoe import cpu_kernels
 from semoe.attention import KVCache, rope_tables
 from semoe.checkpoint import load_store
 from semoe.decode_plan import DecodePlan
@@ -36,7 +36,7 @@ from storage.errors import BadInputError, CorruptTensorError
 from storage.quant import quantize
 from tools.cli import main
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels are not built")
+pytestmark = needs_kernels
 
 PROMPT = [3, 17, 5, 29, 11, 2, 40, 8]
 TOKENS = [1, 7, 61, 23, 4, 90, 12, 33, 5, 71, 18, 2, 44, 9, 60, 31]

@@ -1,9 +1,7 @@
-"""Every path of semoe/kernels/*.c against the same references: the install builds only the one for
-this machine's CPU (-march=native), so the others are built here and the kernel tests (and the decode
-plan's, which run the one-call step) run on each.
-
-Portable loops (a baseline x86-64 build), AVX2 and FMA, and AVX-512 VNNI where this CPU runs it; each
-build must say which path it took."""
+"""The kernels' builds, each made here with a compiler as setup.py makes it (semoe/kernel_variants.py):
+every build this CPU runs passes the kernel, decode-plan and torch-free runner tests and says which
+path it took; a struct changed on the C side only fails at load in one line; and the install goes
+on, in one line, without a C compiler or without OpenMP."""
 
 from __future__ import annotations
 
@@ -16,40 +14,104 @@ import sysconfig
 import pytest
 
 from helpers.procs import ROOT, child_env
+from semoe import kernel_variants
 
-SOURCES = [os.path.join(ROOT, "semoe", "kernels", f) for f in ("gemv.c", "gemv_float.c", "decode_step.c")]
-FLAGS = {  # path -> compiler flags (besides -O3 -fopenmp -shared -fPIC)
-    "portable": ["-march=x86-64"],
-    "avx2": ["-march=x86-64", "-mavx2", "-mfma"],
-    "avx512-vnni": ["-march=x86-64", "-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl",
-                    "-mavx512vbmi", "-mavx512vnni"],
-}
-CPU_FLAGS = {"avx2": {"avx2", "fma"},
-             "avx512-vnni": {"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi", "avx512_vnni"}}
+KERNELS = os.path.join(ROOT, "semoe", "kernels")
+SOURCES = ("gemv.c", "gemv_float.c", "decode_step.c")
+TESTS = ("semoe/test_cpu_kernels.py", "semoe/test_decode_plan.py", "inference/test_lean.py")
 
 
-def _cpu_flags() -> set[str]:
-    with open("/proc/cpuinfo") as f:
-        return {w for line in f if line.startswith("flags") for w in line.split(":", 1)[1].split()}
-
-
-@pytest.mark.slow  # a compiler run and the kernel tests once per path
-@pytest.mark.parametrize("path", list(FLAGS))
-def test_each_path_of_the_kernels_passes_the_kernel_tests(path, tmp_path):
-    if not sys.platform.startswith("linux") or os.uname().machine != "x86_64":
-        pytest.skip("the kernels' vector paths are x86-64's")
-    if not CPU_FLAGS.get(path, set()) <= _cpu_flags():
-        pytest.skip(f"this CPU cannot run the {path} path")
+def _cc() -> str:
     cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    assert cc, "no C compiler: the install builds the kernels with one"
-    lib = str(tmp_path / f"kernels-{path}.so")
-    subprocess.run([cc, "-O3", "-fopenmp", "-shared", "-fPIC", *FLAGS[path], "-I", sysconfig.get_paths()["include"],
-                    *SOURCES, "-o", lib], check=True)
-    env = child_env(SEMOE_CPU_KERNELS=lib)
+    if cc is None:
+        pytest.skip("no C compiler on PATH: the install has no compiled kernels to test")
+    return cc
+
+
+def _build(src_dir: str, variant: kernel_variants.Variant, out: str) -> str:
+    subprocess.run([_cc(), "-O3", "-fopenmp", "-shared", "-fPIC", *kernel_variants.cflags(variant),
+                    "-I", sysconfig.get_paths()["include"], *(os.path.join(src_dir, f) for f in SOURCES), "-o", out],
+                   check=True)
+    return out
+
+
+@pytest.mark.slow  # a compiler run and the kernel tests once per build
+@pytest.mark.parametrize("name", [v.name for v in kernel_variants.VARIANTS])
+def test_each_build_of_the_kernels_passes_the_kernel_tests(name, tmp_path):
+    variant = kernel_variants.BY_NAME[name]
+    if variant not in kernel_variants.buildable():
+        pytest.skip(f"the {name} build is x86-64's")
+    if variant not in kernel_variants.runnable(kernel_variants.cpu_flags()):
+        pytest.skip(f"this CPU cannot run the {name} build (lacks {sorted(variant.cpu_flags - kernel_variants.cpu_flags())})")
+    env = child_env(SEMOE_CPU_KERNELS=_build(KERNELS, variant, str(tmp_path / f"kernels-{name}.so")))
     probe = subprocess.run([sys.executable, "-c", "from semoe import cpu_kernels; print(cpu_kernels.isa())"],
                            capture_output=True, text=True, env=env, cwd=ROOT, check=True)
-    assert probe.stdout.strip() == path
-    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                          *(os.path.join(ROOT, "tests", "semoe", t) for t in ("test_cpu_kernels.py", "test_decode_plan.py"))],
+    assert probe.stdout.strip() == name
+    res = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "not slow",
+                          *(os.path.join(ROOT, "tests", t) for t in TESTS)],
                          capture_output=True, text=True, env=env, cwd=ROOT)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-2000:]
+    assert " skipped" not in res.stdout.splitlines()[-1], res.stdout[-2000:]  # every one of them ran
+
+
+@pytest.mark.slow  # a compiler run and a process that loads its build
+def test_a_struct_changed_on_the_c_side_only_fails_at_load_in_one_line(tmp_path):
+    src = tmp_path / "kernels"
+    shutil.copytree(KERNELS, src)
+    header = src / "decode_abi.h"
+    text = header.read_text()
+    assert text.count("    int64_t kind, O, I, g;\n") == 1
+    header.write_text(text.replace("    int64_t kind, O, I, g;\n", "    int64_t kind, O, I, g, flags;\n"))
+    lib = _build(str(src), kernel_variants.BY_NAME["portable"], str(tmp_path / "kernels-changed.so"))
+    res = subprocess.run([sys.executable, "-m", "tools.cli", "env", "--json"], capture_output=True, text=True,
+                         env=child_env(SEMOE_CPU_KERNELS=lib), cwd=ROOT, timeout=300)
+    assert res.returncode == 1, res.stdout + res.stderr
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1, res.stderr
+    assert lines[0].startswith(f"semoe: error: {lib}: struct Lin is 64 bytes") and "but 56 bytes" in lines[0]
+
+
+def _setup_build(tmp_path, **env: str) -> subprocess.CompletedProcess:
+    """setup.py's build_ext into a directory of the test's, with `env` over this one's."""
+    return subprocess.run([sys.executable, "setup.py", "build_ext", "--build-lib", str(tmp_path / "lib"),
+                           "--build-temp", str(tmp_path / "tmp")], capture_output=True, text=True, cwd=ROOT,
+                          env=child_env(**env), timeout=600)
+
+
+def _built(tmp_path) -> list[str]:
+    return sorted(f for _, _, fs in os.walk(tmp_path / "lib") for f in fs if f.endswith(".so"))
+
+
+@pytest.mark.slow  # setup.py in a process of its own
+def test_the_install_goes_on_without_a_c_compiler_and_says_so_in_one_line(tmp_path):
+    res = _setup_build(tmp_path, CC=str(tmp_path / "no-such-cc"))
+    assert res.returncode == 0, res.stderr
+    said = [line for line in res.stderr.splitlines() if line.startswith("semoe:")]
+    assert said == [f"semoe: compiled CPU kernels are off (no C compiler: {tmp_path}/no-such-cc is not on PATH): "
+                    "decoding on CPU runs on torch's ops instead, about 2.4x slower per token, and "
+                    "`semoe generate --lean` is unavailable"], res.stderr
+    assert _built(tmp_path) == []
+
+
+@pytest.mark.slow  # setup.py in a process of its own
+def test_the_install_goes_on_with_a_compiler_without_openmp(tmp_path):
+    cc = tmp_path / "cc-without-openmp"
+    cc.write_text(f'#!/bin/sh\nfor a in "$@"; do [ "$a" = -fopenmp ] && {{ echo "unsupported: $a" >&2; exit 1; }}; done\n'
+                  f'exec {_cc()} "$@"\n')
+    cc.chmod(0o755)
+    res = _setup_build(tmp_path, CC=str(cc), LDSHARED=f"{cc} -shared")
+    assert res.returncode == 0, res.stderr
+    said = [line for line in res.stderr.splitlines() if line.startswith("semoe:")]
+    assert len(said) == 1 and said[0].startswith(f"semoe: compiled CPU kernels are off (the C compiler {cc} has no "
+                                                 "OpenMP)"), res.stderr
+    assert _built(tmp_path) == []
+
+
+@pytest.mark.slow  # setup.py and the compiler
+def test_the_install_builds_every_variant_of_this_machine(tmp_path):
+    _cc()
+    res = _setup_build(tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert [line for line in res.stderr.splitlines() if line.startswith("semoe:")] == []
+    want = sorted(v.module for v in kernel_variants.buildable())
+    assert [f.split(".")[0] for f in _built(tmp_path)] == want

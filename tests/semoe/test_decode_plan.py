@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers.kernels import needs_kernels
 
 from inference.engine import Engine, EngineConfig
-from semoe import cpu_kernels
 from semoe.attention import KVCache
 from semoe.checkpoint import load_store, save_store
 from semoe.config import MoEConfig
@@ -27,7 +27,7 @@ from semoe.quantize import QuantizeConfig, quantize_store
 from storage.store import Store
 import semoe.generate
 
-pytestmark = pytest.mark.skipif(not cpu_kernels.available(), reason="the CPU kernels are not built")
+pytestmark = needs_kernels
 
 PROMPT = [3, 17, 5, 29, 11, 2, 40, 8]
 TOKENS = [7, 61, 23, 4, 90, 12, 33, 5, 71, 18, 2, 44]

@@ -15,6 +15,7 @@ import re
 import pytest
 import torch
 from helpers.hf_models import load_safetensors_dir
+from helpers.kernels import needs_kernels
 from safetensors.torch import save_file
 
 from storage.errors import BadInputError
@@ -422,6 +423,7 @@ def test_the_model_runs_a_quantized_directory_as_its_imported_store(dsv3_f32, gp
         assert torch.equal(load_hf(str(q))(ids).logits, load_store(store.root, kernel="dequantize")(ids).logits)
 
 
+@needs_kernels
 def test_mxfp4_experts_decode_through_the_cpu_kernel_as_the_reference_does(gpt_oss_f32, tmp_path, monkeypatch):
     """A decoding step's rows multiply the stored MXFP4 blocks in semoe's CPU kernel (counted, so the
     test cannot pass without it); greedy tokens equal the reference kernel's (the same arithmetic: x

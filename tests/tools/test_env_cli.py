@@ -45,7 +45,9 @@ def test_json_has_every_field_and_leaves_no_scratch_file(tmp_path):
     assert info["read_mode"] == ("direct" if info["o_direct"] else "drop")
     assert info["shm_total_bytes"] > 0 and 0 <= info["shm_free_bytes"] <= info["shm_total_bytes"]
     assert isinstance(info["cpu_cores"], int) and info["cpu_cores"] >= 1
-    assert info["cpu_kernels"] in ("portable", "avx2", "avx512-vnni")  # the install builds them
+    assert info["cpu_kernels"] in ("portable", "avx2", "avx512-vnni", None)
+    assert info["cpu_kernels_status"].startswith(info["cpu_kernels"] or "off")
+    assert set(info["cpu_kernels_installed"]) <= {"portable", "avx2", "avx512-vnni"}
     assert 0 < info["ram_available_bytes"] <= info["ram_total_bytes"]
     assert os.listdir(tmp_path) == []
 

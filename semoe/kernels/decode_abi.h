@@ -1,0 +1,47 @@
+/* The structures decode_step.c's whole-step calls take, the one place they are declared: Python
+ * mirrors them with ctypes in semoe/kernel_abi.py, and `semoe_abi_layout` reports each one's size
+ * and its fields' offsets, which the loader checks against ctypes' before anything is called, so a
+ * struct changed on one side only is an error at load, not memory read at the wrong place. */
+#ifndef SEMOE_DECODE_ABI_H
+#define SEMOE_DECODE_ABI_H
+
+#include <stdint.h>
+
+enum { W_F32 = 1, W_BF16 = 2, W_INT8 = 3, W_INT4 = 4 }; /* Lin.kind */
+
+/* y (O) = W x (+ bias): W (O, I) float32, bfloat16, int8 codes with scales (O), or int4 codes with
+ * (scale, zero) pairs per group of g inputs (gemv.c's layouts) */
+typedef struct {
+    int64_t kind, O, I, g;
+    const void *w;
+    const float *s, *bias;
+} Lin;
+
+typedef struct {
+    Lin gate, up, down; /* gate and up (F, D) of one kind and group, down (D, F) */
+} Expert;
+
+typedef struct {
+    const float *attn_norm, *ffn_norm;
+    float attn_eps, ffn_eps;
+    int64_t n_qkv; /* q|k|v as one product or three */
+    Lin qkv[3], o;
+    int64_t E; /* experts; 0: a dense SwiGLU layer in experts[0], no router */
+    Lin router;
+    const Expert *experts;
+} Layer;
+
+typedef struct {
+    int64_t L, D, H, G, Dh, F, E, top_k, norm_topk; /* F, E: the most of any layer */
+    float scale, norm_eps;
+    const float *norm;
+    const Layer *layers;
+    Lin head;
+} Net;
+
+/* The size of struct `name` ("Lin", "Expert", "Layer", "Net"), with its fields' offsets, in
+ * declaration order, written to offsets[0..cap); the number of fields in *n; -1 for a name it
+ * does not know. */
+int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_t *n);
+
+#endif

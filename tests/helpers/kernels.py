@@ -1,0 +1,12 @@
+"""The mark for tests of semoe's compiled CPU kernels themselves: skipped, with the reason, on an
+install without them (no C compiler with OpenMP; `SEMOE_CPU_KERNELS=off`), where everything else runs
+on torch's ops and the rest of the suite still checks it."""
+
+from __future__ import annotations
+
+import pytest
+
+from semoe import kernel_abi
+
+needs_kernels = pytest.mark.skipif(kernel_abi.library() is None,
+                                   reason=f"semoe's compiled CPU kernels are {kernel_abi.status()}")

@@ -1,0 +1,134 @@
+"""Which build of the compiled kernels a CPU gets, the check of the structs Python mirrors, and the
+kernels' allocation failures, in this process (the builds themselves: test_cpu_kernel_builds.py)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import pytest
+
+from semoe import kernel_abi, kernel_variants
+
+ALL = frozenset().union(*(v.cpu_flags for v in kernel_variants.VARIANTS))
+AVX2 = frozenset({"avx2", "fma", "sse4_2"})
+
+
+@pytest.mark.parametrize("flags, want", [
+    (frozenset(), "portable"),
+    (AVX2, "avx2"),
+    (ALL, "avx512-vnni"),
+    (ALL - {"avx512vbmi"}, "avx2"),  # VNNI without VBMI (Cascade Lake): the AVX-512 build needs both
+    (ALL - {"fma"}, "portable"),
+])
+def test_the_best_build_the_cpu_runs_is_chosen(flags, want):
+    builds = {v.name: f"/lib/{v.module}.so" for v in kernel_variants.VARIANTS}
+    assert kernel_abi.choose(flags, builds, machine="x86_64")[0] == want
+    # a build that was not installed is passed over for the next one the CPU runs
+    rest = {k: p for k, p in builds.items() if k != want}
+    assert kernel_abi.choose(flags, rest, machine="x86_64") != (want, builds[want])
+
+
+def test_other_machines_take_the_portable_build_only():
+    assert [v.name for v in kernel_variants.buildable("aarch64")] == ["portable"]
+    assert kernel_variants.cflags(kernel_variants.BY_NAME["avx2"], "aarch64") == []
+    builds = {v.name: v.module for v in kernel_variants.VARIANTS}
+    assert kernel_abi.choose(ALL, builds, machine="aarch64") == ("portable", builds["portable"])
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path):
+    info = tmp_path / "cpuinfo"
+    info.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 fma avx512f\n\nprocessor\t: 1\n")
+    assert kernel_variants.cpu_flags(str(info)) == {"fpu", "sse", "avx2", "fma", "avx512f"}
+    assert kernel_variants.cpu_flags(str(tmp_path / "missing")) == frozenset()
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """kernel_abi's choice made anew (its caches cleared before and after), with every library it
+    loads recorded."""
+    loaded = []
+    real = ctypes.CDLL
+
+    def record(path, *args, **kwargs):
+        loaded.append(path)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(kernel_abi.ctypes, "CDLL", record)
+    monkeypatch.delenv("SEMOE_CPU_KERNELS", raising=False)
+    kernel_abi.chosen.cache_clear()
+    kernel_abi.library.cache_clear()
+    yield loaded
+    kernel_abi.chosen.cache_clear()
+    kernel_abi.library.cache_clear()
+
+
+def test_a_build_the_cpu_cannot_run_is_never_loaded(fresh_loader, monkeypatch):
+    builds = kernel_abi.installed()
+    if not {"avx2", "avx512-vnni"} <= set(builds):
+        pytest.skip(f"the install built {sorted(builds)}: the AVX2 and AVX-512 builds are x86-64's, with a compiler")
+    monkeypatch.setattr(kernel_variants, "cpu_flags", lambda *a: AVX2)  # a CPU without AVX-512
+    lib = kernel_abi.library()
+    assert fresh_loader == [builds["avx2"]]
+    assert kernel_abi.ISAS[lib.kernels_isa()] == "avx2"
+    assert kernel_abi.status().startswith("avx2 (")
+
+
+def test_no_build_the_cpu_runs_leaves_the_kernels_off(fresh_loader, monkeypatch):
+    monkeypatch.setattr(kernel_abi, "installed", lambda: {"avx512-vnni": "/nowhere/_kernels_avx512_vnni.so"})
+    monkeypatch.setattr(kernel_variants, "cpu_flags", lambda *a: AVX2)
+    assert kernel_abi.library() is None and fresh_loader == []
+    assert kernel_abi.status() == "off: this CPU runs none of the installed builds (avx512-vnni)"
+
+
+def test_off_by_the_environment(fresh_loader, monkeypatch):
+    monkeypatch.setenv("SEMOE_CPU_KERNELS", "off")
+    assert kernel_abi.library() is None and fresh_loader == []
+    assert kernel_abi.status() == "off (SEMOE_CPU_KERNELS=off)"
+
+
+needs_kernels = pytest.mark.skipif(kernel_abi.library() is None,
+                                   reason=f"semoe's compiled CPU kernels are {kernel_abi.status()}")
+
+
+@needs_kernels
+def test_a_struct_changed_on_the_python_side_only_fails_at_load_in_one_line():
+    class Lin(ctypes.Structure):  # decode_abi.h's Lin without its bias
+        _fields_ = [(name, kind) for name, kind in kernel_abi.Lin._fields_ if name != "bias"]
+
+    lib, (_, path) = kernel_abi.library(), kernel_abi.chosen()
+    kernel_abi.check_layout(lib, path)  # the real mirrors agree
+    with pytest.raises(kernel_abi.KernelABIError) as err:
+        kernel_abi.check_layout(lib, path, {**kernel_abi.STRUCTS, "Lin": Lin})
+    msg = str(err.value)
+    assert "\n" not in msg and path in msg and "struct Lin is 56 bytes" in msg and "but 48 bytes" in msg
+
+
+@needs_kernels
+def test_a_library_without_the_layout_report_is_refused():
+    class Old:  # a library built before semoe_abi_layout existed
+        def __getattr__(self, name):
+            raise AttributeError(name)
+
+    with pytest.raises(kernel_abi.KernelABIError, match="old.so: no semoe_abi_layout"):
+        kernel_abi.check_layout(Old(), "old.so")
+
+
+def _overcommits_everything() -> bool:
+    try:
+        with open("/proc/sys/vm/overcommit_memory") as f:
+            return f.read().strip() == "1"
+    except OSError:
+        return True
+
+
+@needs_kernels
+@pytest.mark.skipif(_overcommits_everything(), reason="vm.overcommit_memory=1 grants any allocation")
+def test_an_allocation_that_fails_is_a_memory_error_naming_it():
+    """decode_work for a cache of 2^40 positions asks for 8 TiB of scores: malloc refuses, and the
+    call says so instead of handing back a step that later reads as closed."""
+    lib = kernel_abi.library()
+    net = kernel_abi.Net(L=1, D=8, H=2, G=1, Dh=4, F=16, E=4, top_k=2)
+    with pytest.raises(MemoryError, match="decode_work"):
+        lib.decode_work(ctypes.byref(net), 1 << 40)
+    work = lib.decode_work(ctypes.byref(net), 16)  # a size that fits still works
+    lib.decode_work_free(work)
