@@ -162,7 +162,15 @@ def library() -> ctypes.CDLL | None:
     """The kernels' library with its layouts checked and entry points declared; None where no build
     this CPU runs is installed (the callers then take torch's ops)."""
     pick = chosen()
-    return None if pick is None else load(pick[1])
+    if pick is None:
+        return None
+    name, path = pick
+    lib = load(path)
+    took = ISAS[lib.kernels_isa()]
+    if name in kernel_variants.BY_NAME and took != name:  # CFLAGS at install can add vector flags
+        raise KernelABIError(f"{path}: installed as the {name} kernels but built for {took} (flags from the "
+                             f"environment at install, such as CFLAGS?): reinstall without them")
+    return lib
 
 
 def status() -> str:

@@ -73,6 +73,18 @@ def test_a_build_the_cpu_cannot_run_is_never_loaded(fresh_loader, monkeypatch):
     assert kernel_abi.status().startswith("avx2 (")
 
 
+def test_a_build_made_for_another_path_than_its_name_is_refused(fresh_loader, monkeypatch):
+    """A portable build compiled with vector flags (CFLAGS=-march=native at install, say) would die
+    on an older CPU: the loader checks the path a build says it took against its name."""
+    builds = kernel_abi.installed()
+    if "avx2" not in builds:
+        pytest.skip(f"the install built {sorted(builds)}: the AVX2 build is x86-64's, with a compiler")
+    monkeypatch.setattr(kernel_abi, "installed", lambda: {"portable": builds["avx2"]})
+    monkeypatch.setattr(kernel_variants, "cpu_flags", lambda *a: AVX2)
+    with pytest.raises(kernel_abi.KernelABIError, match="installed as the portable kernels but built for avx2"):
+        kernel_abi.library()
+
+
 def test_no_build_the_cpu_runs_leaves_the_kernels_off(fresh_loader, monkeypatch):
     monkeypatch.setattr(kernel_abi, "installed", lambda: {"avx512-vnni": "/nowhere/_kernels_avx512_vnni.so"})
     monkeypatch.setattr(kernel_variants, "cpu_flags", lambda *a: AVX2)
