@@ -117,6 +117,7 @@ setup(
             "transformers>=4.45",
             "openai>=1.40",  # the official client against the server
             "zarr>=3.0",
+            "setuptools>=64",  # the kernels' install tests run setup.py (venvs of Python 3.12+ have none)
         ],
     },
     entry_points={"console_scripts": ["semoe=tools.cli:main"]},
