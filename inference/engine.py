@@ -43,7 +43,9 @@ class Engine:
         self.offload = offload  # inference.ring.OffloadedExperts when offloaded
         self.lock = threading.Lock()
         self._cleanup = cleanup
-        self._plan = DecodePlan.build(model)  # `step`'s for a lone decoding token (None: the model has no plan)
+        # the model's one decode plan, for `generate` and for `step`'s lone decoding token (None: the
+        # model has a part it does not take); callers serialise on `lock`, so its buffers are shared
+        self._plan = DecodePlan.build(model)
 
     @classmethod
     def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
@@ -113,7 +115,7 @@ class Engine:
         with self.lock:
             if self.offload is not None:
                 self.offload.begin_request()
-            res = generate(self.model, prompt, sampling, on_token=on_token)
+            res = generate(self.model, prompt, sampling, on_token=on_token, plan=self._plan)
             if self.offload is not None:
                 res.stats = self.offload.request_stats(tokens=len(res.tokens) + len(prompt))
             res.stats["peak_rss_bytes"] = peak_rss_bytes()

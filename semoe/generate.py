@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
@@ -122,15 +122,19 @@ def new_cache(model: MoEGPT, prompt: list[int], max_new_tokens: int) -> KVCache:
 
 
 def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
-             on_token: Callable[[int, float], None] | None = None) -> GenerationResult:
+             on_token: Callable[[int, float], None] | None = None, *,
+             plan: DecodePlan | None | Literal["build"] = "build") -> GenerationResult:
     """Generate up to `cfg.max_new_tokens` tokens after `prompt` (one sequence); `on_token(id,
-    logprob)` is called as each token is chosen (for streaming)."""
+    logprob)` is called as each token is chosen (for streaming). Decoding steps go through `plan`
+    where it takes them: the caller's (an engine owns one for its model), by default one built for
+    this call, or none (None: the modules alone)."""
     cache = new_cache(model, prompt, cfg.max_new_tokens)
     device = cache.k[0].device
     gen = torch.Generator().manual_seed(cfg.seed)
     tokens: list[int] = []
     logprobs: list[float] = []
-    plan = DecodePlan.build(model)  # None where the model has a part it does not take
+    if plan == "build":
+        plan = DecodePlan.build(model)  # None where the model has a part it does not take
     t0 = time.perf_counter()
     logits = prefill(model, torch.tensor([prompt], device=device), cache)
     t_first = None

@@ -165,10 +165,25 @@ def test_models_the_plan_does_not_take(over, part):
         DecodePlan(_model().to(torch.bfloat16))
 
 
-def test_generate_with_a_plan_gives_the_tokens_without(monkeypatch):
+def test_the_engine_generates_with_its_own_plan(stores, monkeypatch):
+    """The engine owns one plan for its model and hands it to `generate`: no second plan is built
+    per request, and the plan the engine holds is the one that stepped the tokens."""
+    engine = Engine.load(stores[4], EngineConfig(dtype="float32"))
+    try:
+        plan, stepped = engine._plan, []
+        step = plan.step
+        monkeypatch.setattr(plan, "step", lambda token, cache: stepped.append(token) or step(token, cache))
+        monkeypatch.setattr(semoe.generate.DecodePlan, "build",
+                            classmethod(lambda cls, m: pytest.fail("generate built a second plan")))
+        res = engine.generate(PROMPT, SamplingConfig(max_new_tokens=6))
+        assert stepped == res.tokens[:-1]  # every token after the prefill's, through the engine's plan
+    finally:
+        engine.close()
+
+
+def test_generate_with_a_plan_gives_the_tokens_without():
     model = _model()
     sampling = SamplingConfig(max_new_tokens=10, temperature=0.8, seed=3)
     a = generate(model, PROMPT, sampling)
-    monkeypatch.setattr(semoe.generate.DecodePlan, "build", classmethod(lambda cls, m: None))
-    b = generate(model, PROMPT, sampling)
+    b = generate(model, PROMPT, sampling, plan=None)
     assert a.tokens == b.tokens and a.logprobs == pytest.approx(b.logprobs, rel=0, abs=WHOLE_ATOL)
