@@ -7,16 +7,14 @@ One table of renaming rules maps between those names and the model's parameter n
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import json
 import os
-import threading
 from typing import Callable, Iterator
 
 import numpy as np
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from semoe.compact_linear import compact_dense_linears, resolve_dense, stack_projections
 from semoe.config import MoEConfig
@@ -92,43 +90,29 @@ def _load(model: MoEGPT, dense: Callable[[str], torch.Tensor],
                     dst[e].copy_(t)
 
 
-_INIT_NAMES = ("normal_", "uniform_", "kaiming_uniform_", "zeros_", "ones_", "constant_", "trunc_normal_")
-_skipping = threading.local()  # .on: this thread is building a model whose values loading overwrites
-_wrapped_lock = threading.Lock()
-_wrapped = False
+# torch.nn.init's initialisers that hand themselves to a torch-function mode: the ones the model's
+# layers call with random draws (nn.Linear's kaiming_uniform_ and uniform_, the model's normal_);
+# zeros_ and ones_ are plain fills, cheap on the meta device
+_INITS = frozenset({nn.init.uniform_, nn.init.normal_, nn.init.constant_, nn.init.kaiming_uniform_})
 
 
-def _wrap_init() -> None:
-    """Once per process: torch.nn.init's in-place initialisers pass the tensor through untouched in
-    a thread inside `_skip_init`, and do their work in every other thread."""
-    global _wrapped
-    with _wrapped_lock:
-        if _wrapped:
-            return
-        for name in _INIT_NAMES:
-            original = getattr(nn.init, name)
+class _SkipInit(TorchFunctionMode):
+    """Layers' random initialisation skipped while a model is built on the meta device: there it runs
+    through torch's reference decompositions, which import torch._dynamo (77 MB resident, and
+    seconds of start-up) to produce values that loading overwrites anyway. A torch-function mode is
+    this thread's alone and ends with the block: nothing of torch is patched, so other threads, and
+    this one afterwards, initialise as usual."""
 
-            @functools.wraps(original)
-            def init(tensor, *args, _original=original, **kwargs):
-                return tensor if getattr(_skipping, "on", False) else _original(tensor, *args, **kwargs)
-
-            setattr(nn.init, name, init)
-        _wrapped = True
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _INITS:
+            return args[0] if args else kwargs["tensor"]
+        return func(*args, **kwargs)
 
 
-@contextlib.contextmanager
-def _skip_init() -> Iterator[None]:
-    """Layers' random initialisation skipped, in this thread only, while a model is built on the
-    meta device: there it runs through torch's reference decompositions, which import
-    torch._dynamo (77 MB resident, and seconds of start-up) to produce values that loading
-    overwrites anyway. Other threads building models meanwhile initialise them as usual."""
-    _wrap_init()
-    before = getattr(_skipping, "on", False)
-    _skipping.on = True
-    try:
-        yield
-    finally:
-        _skipping.on = before
+def _skip_init() -> _SkipInit:
+    """The mode in which `_empty_model` builds (a context manager)."""
+    return _SkipInit()
 
 
 def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dtype, *,

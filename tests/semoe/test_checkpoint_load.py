@@ -80,3 +80,18 @@ def test_skipping_initialisation_while_loading_leaves_other_threads_models_initi
     assert torch.equal(got, want)  # initialised, and the same draw as outside any load
     torch.manual_seed(3)
     assert torch.equal(nn.Linear(16, 8).weight.detach(), want)  # and after the load, as before
+
+
+def test_loading_leaves_torch_nn_init_as_torch_made_it(tmp_path):
+    """Whoever embeds semoe keeps torch's own initialisers: loading patches nothing of torch."""
+    from torch import nn
+
+    from semoe.checkpoint import load_store
+
+    before = {name: getattr(nn.init, name) for name in dir(nn.init) if name.endswith("_")}
+    save_store(MoEGPT(named_config("tiny")), str(tmp_path / "m"))
+    load_store(str(tmp_path / "m"))
+    after = {name: getattr(nn.init, name) for name in before}
+    assert after == before
+    assert all(f.__module__ == "torch.nn.init" and not hasattr(f, "__wrapped__") for f in after.values()
+               if callable(f))
