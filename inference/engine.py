@@ -21,6 +21,7 @@ from semoe.compact_linear import stack_projections
 from semoe.decode_plan import DecodePlan
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import KVCache, MoEGPT
+from semoe.tokenizer import default_stop_ids
 from inference.engine_config import EngineConfig
 from storage.envinfo import peak_rss_bytes
 from storage.store import Store
@@ -93,12 +94,8 @@ class Engine:
             return self.model.forward_packed(ids_N, caches, counts, rows=rows).logits[0]
 
     def stop_ids(self) -> tuple[int, ...]:
-        """Token ids that end generation by default (the model's EOS)."""
-        eos = self.model.config.eos_token_id
-        if eos is None and self.tokenizer is not None:
-            eos = self.tokenizer.eos_id
-        ids = eos if isinstance(eos, (list, tuple)) else [eos]
-        return tuple(int(i) for i in ids if i is not None)
+        """Token ids that end generation by default (`default_stop_ids`: the config's EOS first)."""
+        return default_stop_ids(self.model.config.eos_token_id, self.tokenizer)
 
     def kv_cache_bytes(self, positions: int) -> int:
         """Bytes of the KV cache a request of `positions` tokens (prompt and new) holds while it generates:

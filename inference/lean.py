@@ -42,7 +42,7 @@ import numpy as np
 from semoe import kernel_abi
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
-from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab
+from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
 from storage.crc import crc32c
 from storage.errors import BadInputError, CorruptTensorError
 from storage.formats import INT8_MAX, QUANTIZE_ROWS
@@ -510,11 +510,8 @@ class LeanModel:
                           (n - 1) / (end - t_first) if n > 1 and t_first is not None and end > t_first else 0.0, stats)
 
     def stop_ids(self) -> tuple[int, ...]:
-        """The end-of-sequence ids generation stops at: the tokenizer's, else the config's."""
-        eos = self.tokenizer.eos_id if self.tokenizer is not None else None
-        if eos is None:
-            eos = self.config.eos_token_id
-        return tuple(eos) if isinstance(eos, list) else (() if eos is None else (int(eos),))
+        """The ids generation stops at by default, as the engine's (`default_stop_ids`)."""
+        return default_stop_ids(self.config.eos_token_id, self.tokenizer)
 
     def close(self) -> None:
         self.reader.close()

@@ -227,3 +227,13 @@ def load_tokenizer(path: str | None, *, vocab_size: int | None = None) -> Tokeni
                                 f"tokenizer's {ByteTokenizer.VOCAB_SIZE}")
         return ByteTokenizer()
     return checked_vocab(HFTokenizer(path), vocab_size)
+
+
+def default_stop_ids(config_eos: int | Sequence[int] | None, tokenizer: Tokenizer | None) -> tuple[int, ...]:
+    """The token ids generation stops at by default, for every front-end alike: the model config's
+    end-of-sequence id (or ids), else the tokenizer's."""
+    eos: Any = config_eos
+    if eos is None and tokenizer is not None:
+        eos = tokenizer.eos_id
+    ids = eos if isinstance(eos, (list, tuple)) else [eos]
+    return tuple(int(i) for i in ids if i is not None)

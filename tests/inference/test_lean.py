@@ -16,6 +16,7 @@ them.)
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import numpy as np
@@ -114,6 +115,36 @@ def test_its_own_tables_give_the_engines_greedy_tokens(stores):
         got = lean.generate(PROMPT, 24)
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
+
+
+def test_both_front_ends_stop_on_the_same_ids_when_eos_is_reached(stores, tmp_path):
+    """A checkpoint whose config names as its EOS a token the model does generate, and whose tokenizer
+    names another: the engine and the torch-free runner take the same stop ids (the config's first),
+    and both stop right after generating it."""
+    engine = Engine.load(stores[32], EngineConfig())
+    try:
+        free = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24)).tokens  # no stop ids: all 24
+        tokenizer_eos = engine.tokenizer.eos_id
+    finally:
+        engine.close()
+    i, eos = next((i, t) for i, t in enumerate(free) if i >= 3 and t not in free[:i] and t != tokenizer_eos)
+    hf = tmp_path / "hf"
+    shutil.copytree(os.path.join(os.path.dirname(stores[32]), "hf"), hf)
+    config = json.loads((hf / "config.json").read_text())
+    config["eos_token_id"] = eos
+    (hf / "config.json").write_text(json.dumps(config))
+    store = str(tmp_path / "store")
+    import_checkpoint(str(hf), store)
+    engine = Engine.load(store, EngineConfig())
+    try:
+        stop = engine.stop_ids()
+        want = engine.generate(PROMPT, SamplingConfig(max_new_tokens=24, stop_ids=stop)).tokens
+    finally:
+        engine.close()
+    assert stop == (eos,) and want == free[:i + 1]  # stopped on reaching it
+    with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
+        assert lean.stop_ids() == stop
+        assert lean.generate(PROMPT, 24, lean.stop_ids()).tokens == want
 
 
 @pytest.mark.parametrize("shape", [(7, 33), (130, 1), (64, 256)])
