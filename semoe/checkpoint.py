@@ -110,17 +110,12 @@ class _SkipInit(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _skip_init() -> _SkipInit:
-    """The mode in which `_empty_model` builds (a context manager)."""
-    return _SkipInit()
-
-
 def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dtype, *,
                  with_experts: bool = True) -> MoEGPT:
     """A model with uninitialised storage (no time spent on random init of weights about to be loaded);
     without experts, no memory is taken for them either. The dtype is set while the model is still
     on the meta device, so its storage is allocated once, at that dtype: never float32 first."""
-    with torch.device("meta"), _skip_init():
+    with torch.device("meta"), _SkipInit():
         model = MoEGPT(config)
     if not with_experts:
         for ffn in model.moe_layers():

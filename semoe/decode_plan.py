@@ -240,10 +240,11 @@ class DecodePlan:
         return net, [layers, *held]
 
     @classmethod
-    def build(cls, model: MoEGPT) -> DecodePlan | None:
-        """The plan of `model`'s decoding step, or None where it has a part the plan does not take."""
+    def build(cls, model: MoEGPT, *, whole: bool = True) -> DecodePlan | None:
+        """The plan of `model`'s decoding step, or None where it has a part the plan does not take
+        (`whole` as the constructor's)."""
         try:
-            return cls(model)
+            return cls(model, whole=whole)
         except NotPlanned:
             return None
 

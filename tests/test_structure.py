@@ -119,13 +119,13 @@ def _defined_names(path: str) -> set[str] | None:
     return names if visit(ast.parse(open(path).read(), path).body) else None
 
 
-def _sources_that_import() -> dict[str, str]:
+def _sources_that_import() -> list[str]:
     """Every Python file whose imports are checked: the library's, the benches' and the tests'."""
-    out = dict(_modules())
+    out = set(_modules().values())
     for top in ("bench", "tests"):
         for dirpath, _, files in os.walk(os.path.join(ROOT, top)):
-            out.update({os.path.join(dirpath, f): os.path.join(dirpath, f) for f in files if f.endswith(".py")})
-    return out
+            out.update(os.path.join(dirpath, f) for f in files if f.endswith(".py"))
+    return sorted(out)
 
 
 def test_every_name_imported_from_a_module_of_the_tree_exists_there():
@@ -140,7 +140,7 @@ def test_every_name_imported_from_a_module_of_the_tree_exists_there():
     modules.update({f"helpers.{f[:-3]}": os.path.join(helpers, f) for f in os.listdir(helpers) if f.endswith(".py")})
     defined = {m: _defined_names(p) for m, p in modules.items()}
     missing, checked = [], 0
-    for path in sorted(set(_sources_that_import().values())):
+    for path in _sources_that_import():
         for node in ast.walk(ast.parse(open(path).read(), path)):
             if not (isinstance(node, ast.ImportFrom) and node.module in modules and not node.level):
                 continue

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import threading
-from unittest import mock
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ from helpers.kernels import needs_kernels
 from helpers.store_opens import record_store_opens
 
 from inference.engine import Engine, EngineConfig
-from semoe.decode_plan import DecodePlan, NotPlanned
-from semoe.generate import GenerationResult, SamplingConfig
+from semoe.decode_plan import DecodePlan
+from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.hf_import import import_checkpoint
 from helpers.procs import ROOT, child_env
 
@@ -36,11 +35,12 @@ def _resident_answer(hf) -> GenerationResult:
     offloaded engine takes. Resident, the plan would take the one-call C step where it applies, whose
     softmax and SiLU use C's expf where the loop uses torch's ops: the two agree to float32 rounding
     (bounded in test_decode_plan.py), not to the bit, so exactness is asked of the same step."""
-    def off(self, model):
-        raise NotPlanned("the one-call step is off for the reference")
-
-    with mock.patch.object(DecodePlan, "_whole", off):
-        return _answer(Engine.load(str(hf), EngineConfig()))
+    engine = Engine.load(str(hf), EngineConfig())
+    try:
+        plan = DecodePlan.build(engine.model, whole=False)
+        return generate(engine.model, PROMPT, SamplingConfig(max_new_tokens=24), plan=plan)
+    finally:
+        engine.close()
 
 
 def _slot_bytes(store) -> int:

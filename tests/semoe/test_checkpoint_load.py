@@ -47,13 +47,13 @@ def test_load_store_as_bf16_matches_the_float32_weights_cast(tmp_path):
 
 
 def test_skipping_initialisation_while_loading_leaves_other_threads_models_initialised():
-    """A model built in one thread while another loads (inside `_skip_init`) gets its usual random
+    """A model built in one thread while another loads (inside `_SkipInit`) gets its usual random
     weights, and the skipping thread's initialisers pass tensors through untouched."""
     import threading
 
     from torch import nn
 
-    from semoe.checkpoint import _skip_init
+    from semoe.checkpoint import _SkipInit
 
     torch.manual_seed(3)
     want = nn.Linear(16, 8).weight.detach().clone()
@@ -61,7 +61,7 @@ def test_skipping_initialisation_while_loading_leaves_other_threads_models_initi
     seen = {}
 
     def loading():
-        with _skip_init():
+        with _SkipInit():
             t = torch.full((4,), 7.0)
             seen["skipped"] = torch.equal(nn.init.normal_(t), torch.full((4,), 7.0))
             inside.set()
