@@ -287,41 +287,44 @@ class Attention(nn.Module):
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       cache: KVCache | None) -> torch.Tensor:
-        """One sequence's rows after `project`: rotary, the cache, attention; (B, T, H * Dh) for o_proj."""
+        """One sequence's rows after `project`: per-head norms, rotary, the cache, attention; (B, T, H * Dh)
+        for o_proj."""
         c = self.config
         B, T, _ = q.shape
+        if c.qk_norm == "head":
+            q = self.q_norm(q.view(B, T, c.num_heads, c.head_dim)).view(B, T, -1)
+            k = self.k_norm(k.view(B, T, c.num_kv_heads, c.head_dim)).view(B, T, -1)
+        sinks = self.sinks if c.attention_sinks else None
         if self._one_call_decode(q, k, v, cos, cache):
             out = cpu_kernels.attend_decode(q.view(-1), k.view(-1), v.view(-1), cos.view(-1), sin.view(-1),
                                             cache.k[self.layer][0], cache.v[self.layer][0], cache.length,
-                                            c.head_dim ** -0.5)
+                                            c.head_dim ** -0.5, window=self.window, sinks_H=sinks)
             return out.view(B, T, -1)
-        q_BTHDh, k_BTGDh = q.view(B, T, c.num_heads, c.head_dim), k.view(B, T, c.num_kv_heads, c.head_dim)
-        if c.qk_norm == "head":
-            q_BTHDh, k_BTGDh = self.q_norm(q_BTHDh), self.k_norm(k_BTGDh)
-        q_BHTDh = apply_rope(q_BTHDh.transpose(1, 2), cos, sin, interleave=c.rope_interleave)
-        k_BGTDh = apply_rope(k_BTGDh.transpose(1, 2), cos, sin, interleave=c.rope_interleave)
+        q_BHTDh = apply_rope(q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2), cos, sin,
+                             interleave=c.rope_interleave)
+        k_BGTDh = apply_rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin,
+                             interleave=c.rope_interleave)
         v_BGTDh = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         start = 0
         if cache is not None:
             start = cache.length
             k_BGTDh, v_BGTDh = cache.append(self.layer, k_BGTDh, v_BGTDh)
         mask, causal = attention_mask(T, start, self.window, q.device)
-        out_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask, causal,
-                           sinks_H=self.sinks if c.attention_sinks else None)
+        out_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask, causal, sinks_H=sinks)
         return out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim)
 
     def _one_call_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          cache: KVCache | None) -> bool:
-        """One token of one sequence on CPU in float32, with the plain variant's options (no per-head
-        norm, rotation by halves over the whole head, no window in reach, no sinks) and no gradient:
-        `cpu_kernels.attend_decode` does the step in one call."""
+        """One token of one sequence on CPU in float32, rotation by halves, room in the cache, no
+        gradient: `cpu_kernels.attend_decode` does the step in one call (partial rotary, a window
+        and sinks included)."""
         c = self.config
-        return (cache is not None and q.shape[0] == 1 and q.shape[1] == 1 and c.qk_norm != "head"
-                and not c.rope_interleave and cos.shape[-1] == c.head_dim and not c.attention_sinks
-                and (self.window is None or self.window > cache.length) and cache.length < cache.capacity
-                and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer]))
-                and all(t.is_contiguous() for t in (q, k, v, cache.k[self.layer], cache.v[self.layer]))
-                and cpu_kernels.no_grad_wanted(q, k, v) and cpu_kernels.takes(q))
+        sinks = (self.sinks,) if c.attention_sinks else ()
+        return (cache is not None and q.shape[0] == 1 and q.shape[1] == 1 and not c.rope_interleave
+                and cache.length < cache.capacity
+                and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer], *sinks))
+                and all(t.is_contiguous() for t in (q, k, v, cache.k[self.layer], cache.v[self.layer], *sinks))
+                and cpu_kernels.no_grad_wanted(q, k, v, *sinks) and cpu_kernels.takes(q))
 
 
 def softmax_scale(config: MoEConfig) -> float:

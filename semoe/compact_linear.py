@@ -302,7 +302,9 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
                           weight_rows: Callable[[str], Iterable[torch.Tensor]] | None = None) -> None:
     """Replace the model's dense `nn.Linear` layers (attention, lm_head, dense and shared
     feed-forwards) by `CompactLinear`s of `scheme`, quantized here; the routers and the token
-    embedding stay as they are (a router's few rows decide which experts run). int4 takes groups of
+    embedding stay as they are (a router's few rows decide which experts run), and so does latent
+    attention's kv_b (decoding takes it into the query and the output in the absorbed form,
+    `semoe.decode_plan`, which multiplies float rows, not a latent quantized per block). int4 takes groups of
     `group_size` inputs, or the largest smaller group that divides the input features; the lm_head
     and any weight int4 cannot hold (out features not a multiple of 64) take int8: the
     output layer's errors land on every logit directly (llama.cpp's 4-bit files keep it at 6 bits
@@ -312,7 +314,7 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
     if scheme not in ("int8", "int4"):
         raise ValueError(f"dense weights can be quantized to int8 or int4, not {scheme!r}")
     swaps = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
-             and not name.endswith("shared_gate")]
+             and not name.endswith(("shared_gate", "kv_b_proj"))]
     for name, mod in swaps:
         w = mod.weight.detach()
         choices = [("int8", None)]

@@ -217,23 +217,29 @@ def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor
 
 
 def attend_decode(q_H: torch.Tensor, k_G: torch.Tensor, v_G: torch.Tensor, cos_R: torch.Tensor, sin_R: torch.Tensor,
-                  k_cache_GSD: torch.Tensor, v_cache_GSD: torch.Tensor, pos: int, scale: float) -> torch.Tensor:
-    """One decoding step's grouped-query attention for one sequence, float32, in one call: q (H * Dh)
-    and k (G * Dh) rotated by halves with cos/sin (Dh), k and v written at `pos` of the layer's cache
-    (G, S, Dh), softmax(q k^T * scale) v over positions 0..pos; (H * Dh). The plain reference is the
-    model's own path (rotary, `KVCache.append`, scaled_dot_product_attention)."""
+                  k_cache_GSD: torch.Tensor, v_cache_GSD: torch.Tensor, pos: int, scale: float, *,
+                  window: int | None = None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+    """One decoding step of grouped-query attention for one sequence, float32, in one call: the first
+    R dims of each head of q (H * Dh) and k (G * Dh) rotated by halves with cos/sin (R, at most Dh),
+    k and v written at `pos` of the layer's cache (G, S, Dh), softmax(q k^T * scale) v over
+    positions 0..pos, or the last `window` of them; with `sinks_H`, each head's softmax denominator
+    also holds exp(sink) (gpt-oss); (H * Dh). The plain reference is the model's own path (rotary,
+    `KVCache.append`, `attention_mask`, `attend`)."""
     G, S, Dh = k_cache_GSD.shape
     H = q_H.numel() // Dh
-    ops = (q_H, k_G, v_G, cos_R, sin_R, k_cache_GSD, v_cache_GSD)
+    ops = (q_H, k_G, v_G, cos_R, sin_R, k_cache_GSD, v_cache_GSD) + (() if sinks_H is None else (sinks_H,))
     if any(t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu" for t in ops):
         raise ValueError("attend_decode takes contiguous float32 CPU tensors")
-    if q_H.numel() != H * Dh or H % G or k_G.numel() != G * Dh or v_G.numel() != G * Dh or cos_R.numel() != Dh \
-            or sin_R.numel() != Dh or v_cache_GSD.shape != k_cache_GSD.shape or not 0 <= pos < S:
+    R = cos_R.numel()
+    if q_H.numel() != H * Dh or H % G or k_G.numel() != G * Dh or v_G.numel() != G * Dh or R > Dh or R % 2 \
+            or sin_R.numel() != R or v_cache_GSD.shape != k_cache_GSD.shape or not 0 <= pos < S \
+            or (sinks_H is not None and sinks_H.numel() != H) or (window is not None and window < 1):
         raise ValueError(f"attend_decode: q {tuple(q_H.shape)}, k {tuple(k_G.shape)}, v {tuple(v_G.shape)}, "
-                         f"cos {tuple(cos_R.shape)}, caches {tuple(k_cache_GSD.shape)}, position {pos}: not one step")
+                         f"cos {tuple(cos_R.shape)}, caches {tuple(k_cache_GSD.shape)}, position {pos}, window "
+                         f"{window}, sinks {None if sinks_H is None else tuple(sinks_H.shape)}: not one step")
     out = torch.empty(H * Dh, dtype=torch.float32)
-    _lib().attend_decode_f32(*(t.data_ptr() for t in ops), H, G, Dh, S, pos, scale, out.data_ptr(),
-                             torch.get_num_threads())
+    _lib().attend_decode_f32(*(t.data_ptr() for t in ops[:7]), H, G, Dh, R, S, pos, window or 0, scale,
+                             None if sinks_H is None else sinks_H.data_ptr(), out.data_ptr(), torch.get_num_threads())
     return out
 
 

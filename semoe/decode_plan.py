@@ -1,28 +1,38 @@
-"""One decoding step of one sequence on CPU as a short run of kernel calls.
+"""One decoding step of one sequence on CPU as a short run of kernel calls, for every architecture.
 
 A decoding step through the model's modules (`MoEGPT.forward_packed` with one token) dispatches a
 few hundred module calls and small torch ops of a few microseconds each: on a 2-core CPU, a quarter
 of an int8 token's time (5.4 of 21 ms, 8 layers). `DecodePlan` takes the same step with the same
-kernels on buffers made once: per layer a norm, the q/k/v product, one attention call, the output
-product, a norm, the router's product and its softmax and top-k (torch's ops, as the router's), the
-routed experts from the layer's provider (resident or offloaded), and their weighted sum added to
-the residual stream in one call. Each value comes from the arithmetic the module path uses, in the
-same order, so tokens and log-probs are the same bits (tests compare them).
+kernels on buffers made once. Per layer:
 
-Where every layer's weights are in memory (resident experts, all of them, and weights the kernels
-take), the whole step is one call instead (`decode_step`, semoe/kernels/decode_step.c): the same
-kernels inside one parallel region, the router's softmax and top-k in C, so that no Python runs
-between them. Its router softmax and its SiLU of float experts use C's expf where the step above
-uses torch's ops, so its logits agree with the modules' to float32 rounding rather than to the bit.
-Offloaded experts arrive during the step, from the ring, so a model with offloaded experts takes
-the kernel-by-kernel step.
+- attention: a norm; the q/k/v products; for grouped-query attention the variant's q/k norms (over
+  all heads or per head) and clipping, then one attention call (`attend_decode_f32`: rotary over
+  all or the first R dims, a sliding window, sinks); for DeepSeek's latent attention (MLA) the
+  absorbed form over the latent cache (q's no-rope part taken into the latent space by kv_b's key
+  half, scores against the cached latents and rotary keys, values summed in the latent space and
+  taken out by kv_b's value half: no per-head K or V is made); then the output product;
+- feed-forward: a norm; a dense layer's own call, or the router (softmax top-k by the kernel and
+  torch's softmax and top-k; the others by the module's routing function), the routed experts from
+  the layer's provider (resident or offloaded; int8/int4 SwiGLU experts in one kernel call, other
+  kinds, gpt-oss's clamped MXFP4 ones among them, by the expert's own apply), their weighted sum,
+  and the shared expert where there is one.
 
-It covers the common decoder: attention without per-head or full q/k norms, clipping, sinks or a
-window in reach, rotary over whole heads; softmax-top-k routers over SwiGLU experts without a
-shared expert, or dense SwiGLU layers; float32 activations on CPU with the kernels built; weights
-plain float32/bfloat16 or int8/int4. `DecodePlan.build` gives None for any other model, and a step
-the plan cannot take (hooks on a module, as the decode profile and routing traces add, a window
-reached, a full cache) goes through the modules.
+Where the module path makes the same calls, each value is the same arithmetic in the same order, so
+tokens and log-probs are the same bits (tests compare them); where it computes attention with torch
+(per-head norms of many heads, latent attention), the logits agree to float32 rounding.
+
+Where every layer's weights are in memory and the model is of the common kind (attention without
+q/k norms, clipping, sinks, windows or partial rotary; softmax-top-k routers over SwiGLU experts
+without a shared expert, or dense SwiGLU layers; weights the kernels take), the whole step is one
+call instead (`decode_step`, semoe/kernels/decode_step.c): the same kernels inside one parallel
+region, the router's softmax and top-k in C, so that no Python runs between them. Its router softmax
+and its SiLU of float experts use C's expf where the step above uses torch's ops, so its logits
+agree with the modules' to float32 rounding rather than to the bit. Offloaded experts arrive during
+the step, from the ring, so a model with offloaded experts takes the kernel-by-kernel step.
+
+It needs float32 activations on CPU and the compiled kernels. `DecodePlan.build` gives None where
+a model has a part it does not take (`NotPlanned` names it), and a step the plan cannot take (hooks
+on a module, as the decode profile and routing traces add, a full cache) goes through the modules.
 """
 
 from __future__ import annotations
@@ -35,7 +45,7 @@ import torch
 from torch import nn
 
 from semoe import cpu_kernels, kernel_abi
-from semoe.attention import Attention, KVCache, RMSNorm, rope_tables
+from semoe.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables
 from semoe.compact_linear import CompactWeight, swiglu_operands
 from semoe.expert_layout import PackedExperts
 from semoe.experts import ExpertWeights, ResidentExperts, SwiGLU
@@ -75,17 +85,25 @@ def _weight(w: torch.Tensor | CompactWeight) -> tuple[_Lin, tuple[torch.Tensor, 
 
 class _Product:
     """y (O,) = x (I,) @ W.T (+ bias) for one linear module's weight, with the kernel call and
-    operands `compact_linear.linear` uses for one row on CPU (`_weight`)."""
+    operands `compact_linear.linear` uses for one row on CPU (`_weight`); a weight the kernels do
+    not take (FP8, a transposed layout) goes through the module's own call (`lin` is then None)."""
 
     def __init__(self, lib: ctypes.CDLL, module: nn.Module, *, bias: bool = True) -> None:
-        self.lin, self.held = _weight(module.weight)
+        self.module = module
+        w = module.weight
+        self.O = w.shape[0]
+        try:
+            self.lin, self.held = _weight(w)
+        except NotPlanned:
+            self.lin, self.held = None, ()
+            self._call = None
+            return
         self.bias = getattr(module, "bias", None) if bias else None
         if self.bias is not None:
             if self.bias.dtype != torch.float32 or not self.bias.is_contiguous():
                 raise NotPlanned("a bias that is not contiguous float32")
             self.lin.bias = _ptr(self.bias)
         kind, O, I, g, wp, sp = (getattr(self.lin, f) for f in ("kind", "O", "I", "g", "w", "s"))
-        self.O = O
         if kind == _KINDS["int8"]:
             self._call = lambda x, y, t: lib.gemv_i8(x, wp, sp, y, 1, O, I, t)
         elif kind == _KINDS["int4"]:
@@ -94,32 +112,150 @@ class _Product:
             fn = lib.gemv_f32 if kind == _KINDS[torch.float32] else lib.gemv_bf16
             self._call = lambda x, y, t: fn(x, wp, y, 1, O, I, t)
 
-    def __call__(self, x: int, y: torch.Tensor, threads: int, y_ptr: int | None = None) -> None:
-        """y = x @ W.T (+ bias): x the address of I float32 values, y a contiguous float32 view of O
-        values (`y_ptr` its address where the caller has it)."""
-        self._call(x, y.data_ptr() if y_ptr is None else y_ptr, threads)
+    def __call__(self, x: torch.Tensor, y: torch.Tensor, threads: int, x_ptr: int | None = None,
+                 y_ptr: int | None = None) -> None:
+        """y = x @ W.T (+ bias): x and y contiguous float32 views of I and O values (`x_ptr`, `y_ptr`
+        their addresses where the caller has them)."""
+        if self._call is None:
+            y.copy_(self.module(x[None])[0])
+            return
+        self._call(x.data_ptr() if x_ptr is None else x_ptr, y.data_ptr() if y_ptr is None else y_ptr, threads)
         if self.bias is not None:
             y.add_(self.bias)  # the module's y + bias, in place
 
 
 class _Norm:
-    """An `RMSNorm` of one row by the kernel."""
+    """An `RMSNorm` of one row (or of `rows` rows of its width) by the kernel, in place or not."""
 
     def __init__(self, lib: ctypes.CDLL, norm: RMSNorm) -> None:
+        if norm.weight.dtype != torch.float32:
+            raise NotPlanned(f"a norm weight of {norm.weight.dtype}")
         self.weight, self.eps = norm.weight, norm.eps
-        wp, eps = norm.weight.data_ptr(), norm.eps
-        self.call = lambda x, out, D: lib.rmsnorm_f32(x, wp, eps, out, 1, D)
+        wp, eps, D = norm.weight.data_ptr(), norm.eps, norm.weight.numel()
+        self.call = lambda x, out, rows=1: lib.rmsnorm_f32(x, wp, eps, out, rows, D)
+
+
+class _GQA:
+    """A grouped-query `Attention` layer's step from the normed row h to the output product's tmp."""
+
+    def __init__(self, plan: "DecodePlan", lib: ctypes.CDLL, a: Attention) -> None:
+        c = a.config
+        if c.rope_interleave:
+            raise NotPlanned(f"layer {a.layer}: grouped-query attention rotating interleaved pairs")
+        self.lib, self.layer = lib, a.layer
+        projs = [a.qkv_proj] if a.qkv_proj is not None else [a.q_proj, a.k_proj, a.v_proj]
+        self.qkv, start = [], 0
+        for p in projs:
+            prod = _Product(lib, p)
+            if start + prod.O > plan.qkv.numel():
+                raise NotPlanned(f"layer {a.layer}: q, k and v of more than {plan.qkv.numel()} outputs")
+            self.qkv.append((prod, plan.qkv[start:start + prod.O], _ptr(plan.qkv) + 4 * start))
+            start += prod.O
+        if start != plan.qkv.numel():
+            raise NotPlanned(f"layer {a.layer}: q, k and v of {start} outputs")
+        self.qk_norm = c.qk_norm
+        self.norms = (_Norm(lib, a.q_norm), _Norm(lib, a.k_norm)) if c.qk_norm != "none" else None
+        self.clip = c.clip_qkv
+        self.window = a.window or 0
+        self.sinks = None
+        if c.attention_sinks:
+            if a.sinks.dtype != torch.float32 or not a.sinks.is_contiguous():
+                raise NotPlanned(f"layer {a.layer}: attention sinks that are not contiguous float32")
+            self.sinks = a.sinks
+        self.o_proj = _Product(lib, a.o_proj)
+        self.scale = c.head_dim ** -0.5
+        self.plain = c.qk_norm == "none" and self.clip is None and not self.window and self.sinks is None \
+            and c.rope_dim == c.head_dim
+
+    def __call__(self, plan: "DecodePlan", cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                 threads: int) -> None:
+        c = plan.config
+        H, G, Dh = c.num_heads, c.num_kv_heads, c.head_dim
+        for prod, y, yp in self.qkv:
+            prod(plan.h, y, threads, plan.hp, yp)
+        if self.norms is not None and self.qk_norm == "full":  # the module's order: norms, then clipping
+            self.norms[0].call(plan.qp, plan.qp)
+            self.norms[1].call(plan.kp, plan.kp)
+        if self.clip is not None:
+            plan.qkv.clamp_(-self.clip, self.clip)
+        if self.norms is not None and self.qk_norm == "head":
+            self.norms[0].call(plan.qp, plan.qp, H)
+            self.norms[1].call(plan.kp, plan.kp, G)
+        self.lib.attend_decode_f32(plan.qp, plan.kp, plan.vp, _ptr(cos), _ptr(sin), _ptr(cache.k[self.layer]),
+                                   _ptr(cache.v[self.layer]), H, G, Dh, cos.numel(), cache.capacity, pos, self.window,
+                                   self.scale, None if self.sinks is None else _ptr(self.sinks), plan.attp, threads)
+        self.o_proj(plan.att, plan.tmp, threads, plan.attp, plan.tmpp)
+
+
+class _MLA:
+    """A `LatentAttention` layer's step in the absorbed form, over the latent cache the module path
+    fills (the normed latent and the rotated rotary key per position): with W_UK and W_UV kv_b's key
+    and value halves per head, q's no-rope part is taken into the latent space once (q_nope W_UK),
+    the scores are that against the cached latents plus the rotary parts' product, and each head's
+    values are summed in the latent space and taken out by W_UV. The module path expands K and V for
+    every cached position at every step; this reads kv_b once. kv_b's halves are kept as float32
+    (dequantized where the weight is compact): 4 bytes for each of its weights, beside the weight."""
+
+    plain = False
+
+    def __init__(self, plan: "DecodePlan", lib: ctypes.CDLL, a: LatentAttention) -> None:
+        c = a.config
+        self.layer, self.config, self.scale = a.layer, c, a.scale
+        H, nope, rope, L, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+        if c.q_lora_rank is None:
+            self.q_a = self.q_a_norm = None
+            self.q = _Product(lib, a.q_proj)
+        else:
+            self.q_a, self.q_a_norm = _Product(lib, a.q_a_proj), _Norm(lib, a.q_a_layernorm)
+            self.q = _Product(lib, a.q_b_proj)
+            self.qa = torch.empty(c.q_lora_rank)
+        self.kv_a, self.kv_norm = _Product(lib, a.kv_a_proj_with_mqa), _Norm(lib, a.kv_a_layernorm)
+        self.o_proj = _Product(lib, a.o_proj)
+        w = a.kv_b_proj.weight
+        w = w.dequantize(torch.float32) if isinstance(w, CompactWeight) else w.detach().to(torch.float32)
+        w_HdL = w.reshape(H, nope + dv, L)
+        self.w_uk = w_HdL[:, :nope].contiguous()  # (H, nope, L)
+        self.w_uv = w_HdL[:, nope:].contiguous()  # (H, dv, L)
+        self.qbuf, self.kv = torch.empty(H * (nope + rope)), torch.empty(L + rope)
+        self.att = torch.empty(H * dv)
+
+    def __call__(self, plan: "DecodePlan", cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                 threads: int) -> None:
+        c = self.config
+        H, nope, rope, L = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        if self.q_a is None:
+            self.q(plan.h, self.qbuf, threads, plan.hp)
+        else:
+            self.q_a(plan.h, self.qa, threads, plan.hp)
+            qa = _ptr(self.qa)
+            self.q_a_norm.call(qa, qa)
+            self.q(self.qa, self.qbuf, threads, qa)
+        self.kv_a(plan.h, self.kv, threads, plan.hp)
+        kvp = _ptr(self.kv)
+        self.kv_norm.call(kvp, kvp)
+        q_HQ = self.qbuf.view(H, nope + rope)
+        cos_11R, sin_11R = cos.view(1, 1, -1), sin.view(1, 1, -1)
+        q_rot_H1R = apply_rope(q_HQ[None, :, None, nope:], cos_11R, sin_11R, interleave=c.rope_interleave)[0]
+        k_rot = apply_rope(self.kv[L:].view(1, 1, 1, rope), cos_11R, sin_11R, interleave=c.rope_interleave)
+        latents, rots = cache.k[self.layer][0, 0], cache.v[self.layer][0, 0]  # (S, L), (S, R)
+        latents[pos] = self.kv[:L]
+        rots[pos] = k_rot.view(rope)
+        lat_SL, rot_SR = latents[:pos + 1], rots[:pos + 1]
+        q_lat_H1L = torch.bmm(q_HQ[:, None, :nope], self.w_uk)
+        scores_HS = (q_lat_H1L[:, 0] @ lat_SL.T + q_rot_H1R[:, 0] @ rot_SR.T) * self.scale
+        out_H1L = (torch.softmax(scores_HS, dim=-1) @ lat_SL)[:, None]
+        torch.bmm(out_H1L, self.w_uv.transpose(1, 2), out=self.att.view(H, 1, -1))
+        self.o_proj(self.att, plan.tmp, threads, None, plan.tmpp)
 
 
 @dataclass
 class _Layer:
     attn_norm: _Norm
-    qkv: list[tuple[_Product, torch.Tensor, int]]  # products, their part of the q|k|v buffer and its address
-    o_proj: _Product
+    attn: _GQA | _MLA
     ffn_norm: _Norm
     ffn: nn.Module
-    router: _Product | None  # MoE layers
-    window: int | None
+    router: _Product | None  # softmax-top-k MoE layers: the router's product by the kernel
+    shared: bool  # a MoE layer with a shared expert
 
 
 class DecodePlan:
@@ -134,51 +270,42 @@ class DecodePlan:
             raise NotPlanned(f"semoe's compiled CPU kernels are {kernel_abi.status()}")
         if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
             raise NotPlanned("activations are not float32 on CPU")
-        if c.qk_norm != "none" or c.clip_qkv is not None or c.attention_sinks or c.rope_interleave \
-                or c.rope_dim != c.head_dim:
-            raise NotPlanned("the attention variant (q/k norms, clipping, sinks or partial/interleaved rotary)")
         self.lib = lib
         D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         # the step's buffers, made once, and their addresses, taken once (a step takes a few hundred)
         self.qkv = torch.empty(H * Dh + 2 * G * Dh)
         self.q, self.k, self.v = self.qkv.split([H * Dh, G * Dh, G * Dh])
+        self.x, self.h, self.tmp, self.routed = torch.empty(D), torch.empty(D), torch.empty(D), torch.empty(D)
+        self.att = torch.empty(H * Dh)
+        ptr = _ptr
+        self.qp, self.kp, self.vp, self.attp = ptr(self.q), ptr(self.k), ptr(self.v), ptr(self.att)
+        self.xp, self.hp, self.tmpp, self.routedp = ptr(self.x), ptr(self.h), ptr(self.tmp), ptr(self.routed)
         self.layers: list[_Layer] = []
         for block in model.layers:
             a = block.attn
-            if type(a) is not Attention:
+            if type(a) is Attention:
+                attn = _GQA(self, lib, a)
+            elif type(a) is LatentAttention:
+                attn = _MLA(self, lib, a)
+            else:
                 raise NotPlanned(f"layer {block.layer}: {type(a).__name__}")
-            projs = [a.qkv_proj] if a.qkv_proj is not None else [a.q_proj, a.k_proj, a.v_proj]
-            qkv, start = [], 0
-            for p in projs:
-                prod = _Product(lib, p)
-                if start + prod.O > self.qkv.numel():
-                    raise NotPlanned(f"layer {block.layer}: q, k and v of more than {self.qkv.numel()} outputs")
-                qkv.append((prod, self.qkv[start:start + prod.O], _ptr(self.qkv) + 4 * start))
-                start += prod.O
-            if start != self.qkv.numel():
-                raise NotPlanned(f"layer {block.layer}: q, k and v of {start} outputs")
-            router = None
-            if isinstance(block.ffn, MoEFeedForward):
-                if c.router != "softmax_topk" or c.shared_expert_size or c.expert_mlp == "clamped_swiglu":
-                    raise NotPlanned(f"layer {block.layer}: the {c.router} router or its experts' kind")
-                router = _Product(lib, block.ffn.router, bias=False)  # the softmax-top-k router takes none
-            elif not isinstance(block.ffn, DenseFFN):
-                raise NotPlanned(f"layer {block.layer}: {type(block.ffn).__name__}")
-            self.layers.append(_Layer(_Norm(lib, block.attn_norm), qkv, _Product(lib, a.o_proj),
-                                      _Norm(lib, block.ffn_norm), block.ffn, router, a.window))
+            router, ffn = None, block.ffn
+            if isinstance(ffn, MoEFeedForward):
+                if c.router == "softmax_topk":
+                    router = _Product(lib, ffn.router, bias=False)  # the softmax-top-k router takes none
+                    if router.lin is None:
+                        raise NotPlanned(f"layer {block.layer}: a router weight the kernels do not take")
+            elif not isinstance(ffn, DenseFFN):
+                raise NotPlanned(f"layer {block.layer}: {type(ffn).__name__}")
+            self.layers.append(_Layer(_Norm(lib, block.attn_norm), attn, _Norm(lib, block.ffn_norm), ffn, router,
+                                      isinstance(ffn, MoEFeedForward) and bool(c.shared_expert_size)))
         self.lm_head = _Product(lib, model.lm_head)
         self.norm = _Norm(lib, model.norm)
         self.modules = list(model.modules())
-        self.x, self.h, self.tmp = torch.empty(D), torch.empty(D), torch.empty(D)
-        self.att = torch.empty(H * Dh)
         self.logits_E = torch.empty(1, c.num_experts) if c.num_experts else None
         self.ys = [torch.empty(D) for _ in range(max(c.top_k, 1))]
-        ptr = _ptr
-        self.qp, self.kp, self.vp, self.attp = ptr(self.q), ptr(self.k), ptr(self.v), ptr(self.att)
-        self.xp, self.hp, self.tmpp = ptr(self.x), ptr(self.h), ptr(self.tmp)
         self.logits_Ep = None if self.logits_E is None else ptr(self.logits_E)
         self.ysp = [ptr(y) for y in self.ys]
-        self.scale = c.head_dim ** -0.5
         # the SwiGLU kernel's operands per expert weights object (resident experts give the same object
         # every step): id -> (weak reference, arguments, what they point into)
         self._expert_args: dict[int, tuple[weakref.ref, tuple | None, tuple]] = {}
@@ -205,15 +332,22 @@ class DecodePlan:
 
         layers = (_LayerC * len(self.layers))()
         F = E = 0
+        if self.lm_head.lin is None:
+            raise NotPlanned("an output weight the kernels do not take")
         for lay, block, lc in zip(self.layers, model.layers, layers):
-            if len(lay.qkv) > 3:
-                raise NotPlanned("q/k/v in more than three products")
+            attn = lay.attn
+            if not attn.plain:
+                raise NotPlanned(f"layer {block.layer}: an attention variant the one-call step does not take")
+            if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv) or attn.o_proj.lin is None:
+                raise NotPlanned(f"layer {block.layer}: q/k/v or output weights the one-call step does not take")
+            if isinstance(lay.ffn, MoEFeedForward) and (lay.router is None or lay.shared):
+                raise NotPlanned(f"layer {block.layer}: a router or shared expert the one-call step does not take")
             lc.attn_norm, lc.attn_eps = _ptr(lay.attn_norm.weight), lay.attn_norm.eps
             lc.ffn_norm, lc.ffn_eps = _ptr(lay.ffn_norm.weight), lay.ffn_norm.eps
-            lc.n_qkv = len(lay.qkv)
-            for j, (prod, _, _) in enumerate(lay.qkv):
+            lc.n_qkv = len(attn.qkv)
+            for j, (prod, _, _) in enumerate(attn.qkv):
                 lc.qkv[j] = prod.lin
-            lc.o = lay.o_proj.lin
+            lc.o = attn.o_proj.lin
             ffn = block.ffn
             if lay.router is None:  # a dense layer: DenseFFN (the plan takes no other)
                 experts = [expert(tuple(m.weight for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)))]
@@ -236,7 +370,7 @@ class DecodePlan:
             F, E = max(F, experts[0].gate.O), max(E, lc.E)
         H, G, Dh = c.num_heads, c.num_kv_heads, c.head_dim
         net = _Net(len(self.layers), c.hidden_size, H, G, Dh, F, E, max(c.top_k, 1), int(bool(c.norm_topk_prob)),
-                   self.scale, self.norm.eps, _ptr(self.norm.weight), layers, self.lm_head.lin)
+                   Dh ** -0.5, self.norm.eps, _ptr(self.norm.weight), layers, self.lm_head.lin)
         return net, [layers, *held]
 
     @classmethod
@@ -251,14 +385,12 @@ class DecodePlan:
     def takes(self, cache: KVCache) -> bool:
         """Whether the next step of the sequence in `cache` can go through the plan: no hooks anywhere
         (they expect the module calls), inference, and the cache's next position within its capacity
-        and out of every layer's window."""
+        ."""
         n = cache.length
         if self.model.training or cache.k[0].shape[0] != 1 \
                 or n + 1 > min(cache.capacity, self.config.max_position):
             return False
         if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*cache.k, *cache.v)):
-            return False
-        if any(lay.window is not None and lay.window <= n for lay in self.layers):
             return False
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return False
@@ -270,35 +402,29 @@ class DecodePlan:
         c, lib = self.config, self.lib
         threads = torch.get_num_threads()
         pos = cache.length
-        D, x, xp, hp = c.hidden_size, self.x, self.xp, self.hp
+        x, xp, hp = self.x, self.xp, self.hp
         x.copy_(self.model.embed(torch.tensor([[token]])).reshape(-1))
         cos, sin = rope_tables(c, torch.arange(pos, pos + 1)[None], x.dtype)
-        cosp, sinp = _ptr(cos), _ptr(sin)
         if self.net is not None:
             logits = torch.empty(1, self.lm_head.O)
             caches = [(ctypes.c_void_p * len(self.layers))(*(_ptr(t) for t in kv)) for kv in (cache.k, cache.v)]
-            lib.decode_step(ctypes.byref(self.net), xp, *caches, cache.capacity, pos, cosp, sinp, _ptr(logits),
-                            threads)
+            lib.decode_step(ctypes.byref(self.net), xp, *caches, cache.capacity, pos, _ptr(cos), _ptr(sin),
+                            _ptr(logits), threads)
             cache.length = pos + 1
             return logits
-        for i, lay in enumerate(self.layers):
-            lay.attn_norm.call(xp, hp, D)
-            for prod, y, yp in lay.qkv:
-                prod(hp, y, threads, yp)
-            lib.attend_decode_f32(self.qp, self.kp, self.vp, cosp, sinp, _ptr(cache.k[i]), _ptr(cache.v[i]),
-                                  c.num_heads, c.num_kv_heads, c.head_dim, cache.capacity, pos, self.scale, self.attp,
-                                  threads)
-            lay.o_proj(self.attp, self.tmp, threads, self.tmpp)
+        for lay in self.layers:
+            lay.attn_norm.call(xp, hp)
+            lay.attn(self, cache, pos, cos, sin, threads)
             x.add_(self.tmp)
-            lay.ffn_norm.call(xp, hp, D)
-            if lay.router is None:
+            lay.ffn_norm.call(xp, hp)
+            if isinstance(lay.ffn, DenseFFN):
                 x.add_(lay.ffn(self.h[None])[0])  # a dense layer: the module's own call
             else:
                 self._experts(lay, threads)
         cache.length = pos + 1
-        self.norm.call(xp, hp, D)
+        self.norm.call(xp, hp)
         logits = torch.empty(1, self.lm_head.O)
-        self.lm_head(hp, logits, threads)
+        self.lm_head(self.h, logits[0], threads, hp)
         return logits
 
     def _swiglu_args(self, w: ExpertWeights) -> tuple | None:
@@ -307,7 +433,7 @@ class DecodePlan:
         hit = self._expert_args.get(id(w))
         if hit is not None and hit[0]() is w:
             return hit[1]
-        ops = swiglu_operands(*w.parts)
+        ops = swiglu_operands(*w.parts) if isinstance(w.mlp, SwiGLU) else None
         held: tuple = ()
         args = None
         if ops is not None:
@@ -319,27 +445,37 @@ class DecodePlan:
         return args
 
     def _experts(self, lay: _Layer, threads: int) -> None:
-        """The MoE layer of `MoEFeedForward._one_token` on h, its sum added to x."""
-        c, D = self.config, self.config.hidden_size
-        lay.router(self.hp, self.logits_E[0], threads, self.logits_Ep)
-        probs = torch.softmax(self.logits_E, dim=-1)  # route_topk's ops on the same logits
-        weights, ids_t = torch.topk(probs, c.top_k, dim=-1)
-        if c.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
+        """The MoE layer of `MoEFeedForward._one_token` on h, its sum (and the shared expert's) added to x."""
+        c, D, ffn = self.config, self.config.hidden_size, lay.ffn
+        h_1D = self.h[None]
+        if lay.router is not None:
+            lay.router(self.h, self.logits_E[0], threads, self.hp, self.logits_Ep)
+            probs = torch.softmax(self.logits_E, dim=-1)  # route_topk's ops on the same logits
+            weights, ids_t = torch.topk(probs, c.top_k, dim=-1)
+            if c.norm_topk_prob:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+        else:  # the module's own routing function (grouped, biased, top-k then softmax)
+            r = ffn.route(h_1D)
+            weights, ids_t = r.weights_TK.to(torch.float32).contiguous(), r.ids_TK
         ids = ids_t[0].tolist()
         experts = sorted(set(ids))
         outs: dict[int, int] = {}  # expert -> the address of its output
         kept = []
-        h_1D = self.h[None]
-        for j, (e, w) in enumerate(lay.ffn.experts.stream(lay.ffn.layer, experts, h_1D)):
+        for j, (e, w) in enumerate(ffn.experts.stream(ffn.layer, experts, h_1D)):
             # the module path's own choice (`fused_swiglu`): one kernel call, here into a buffer of
-            # the plan's and without the wrapper's checks, where it applies; else the expert's products
+            # the plan's and without the wrapper's checks, where it applies; else the expert's apply
             args = self._swiglu_args(w)
             if args is None:
-                kept.append(w.apply(h_1D).reshape(-1).contiguous())
+                kept.append(w.apply(h_1D).reshape(-1).to(torch.float32).contiguous())
                 outs[e] = _ptr(kept[-1])
                 continue
             self.lib.swiglu_q(self.hp, 1, D, *args, self.ysp[j], threads)
             outs[e] = self.ysp[j]
         ys = (ctypes.c_void_p * len(ids))(*(outs[e] for e in ids))
-        self.lib.moe_combine_f32(self.xp, ys, _ptr(weights), len(ids), D)
+        if not lay.shared:
+            self.lib.moe_combine_f32(self.xp, ys, _ptr(weights), len(ids), D)
+            return
+        # the module's order: the routed sum, plus the shared expert, then into the residual stream
+        self.routed.zero_()
+        self.lib.moe_combine_f32(self.routedp, ys, _ptr(weights), len(ids), D)
+        self.x.add_(ffn.combine_shared(h_1D, self.routed[None])[0])

@@ -82,7 +82,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
     lib.gemv_f32.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
     lib.rmsnorm_f32.argtypes = [_P, _P, _F32, _P, _I, _I]
-    lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _F32, _P, _INT]
+    lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F32, _P, _P, _INT]
     lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _INT]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _P, _P, _I, _P, _P, _I, _P, _INT]
     lib.moe_combine_f32.argtypes = [_P, _P, _P, _I, _I]

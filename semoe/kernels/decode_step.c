@@ -180,9 +180,9 @@ static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *
     for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
         product(&ly->qkv[j], s->h, &s->a, s->qkv + off, &s->oom);
 #pragma omp single
-    attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, S, pos, s->qr);
+    attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, Dh, S, pos, s->qr);
 #pragma omp for schedule(static)
-    for (int64_t h = 0; h < H; h++) attend_head(s->qr, kc, vc, H, G, Dh, S, n, net->scale, s->p, s->att, h);
+    for (int64_t h = 0; h < H; h++) attend_head(s->qr, kc, vc, H, G, Dh, S, 0, n, net->scale, NULL, s->p, s->att, h);
     product(&ly->o, s->att, &s->a, s->tmp, &s->oom);
 #pragma omp single
     {

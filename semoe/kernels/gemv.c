@@ -532,51 +532,55 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return d;
 }
 
-/* One decoding step of grouped-query attention for one sequence, float32: rotate q (H heads) and
- * k (G heads) by halves with the position's cos/sin (Dh each, the rotation over the whole head),
- * write k and v at position `pos` of the layer's cache (G, S, Dh each), then each head's softmax
- * over the positions 0..pos of its group's keys, scaled by `scale`, times the values: out (H, Dh).
+/* One decoding step of grouped-query attention for one sequence, float32: rotate the first R dims
+ * of q (H heads) and k (G heads) by halves with the position's cos/sin (R each; the other Dh - R
+ * dims pass through), write k and v at position `pos` of the layer's cache (G, S, Dh each), then
+ * each head's softmax over the positions it sees (all of 0..pos, or the last `window` of them) of
+ * its group's keys, scaled by `scale`, times the values: out (H, Dh). With `sinks` (H logits, or
+ * NULL), each head's softmax denominator also holds exp(sinks[h]) (gpt-oss), which takes no value.
  * The dozens of small ops this takes in torch cost more than its arithmetic at one token. Heads are
  * split over `threads` threads; each head's sums are its own, so the result does not depend on it. */
 void attend_rotate(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
-                   float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float *qr) {
-    int64_t half = Dh / 2;
+                   float *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, float *qr) {
+    int64_t half = R / 2;
     for (int64_t h = 0; h < H + G; h++) {
         const float *x = h < H ? q + h * Dh : k + (h - H) * Dh;
         float *y = h < H ? qr + h * Dh : kc + ((h - H) * S + pos) * Dh;
-        for (int64_t i = 0; i < Dh; i++) y[i] = x[i] * cos[i] + (i < half ? -x[i + half] : x[i - half]) * sin[i];
+        for (int64_t i = 0; i < R; i++) y[i] = x[i] * cos[i] + (i < half ? -x[i + half] : x[i - half]) * sin[i];
+        for (int64_t i = R; i < Dh; i++) y[i] = x[i];
     }
     for (int64_t g = 0; g < G; g++) memcpy(vc + (g * S + pos) * Dh, v + g * Dh, sizeof(float) * (size_t)Dh);
 }
 
 void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
-                 int64_t n, float scale, float *p, float *out, int64_t h) {
+                 int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h) {
     const float *qh = qr + h * Dh, *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
     float *ph = p + h * n;
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
+    float mx = sinks ? sinks[h] : -INFINITY, sum = 0.0f;
+    for (int64_t t = t0; t < n; t++) {
         ph[t] = dot_f32(qh, kg + t * Dh, Dh) * scale;
         mx = fmaxf(mx, ph[t]);
     }
-    for (int64_t t = 0; t < n; t++) sum += (ph[t] = expf(ph[t] - mx));
+    for (int64_t t = t0; t < n; t++) sum += (ph[t] = expf(ph[t] - mx));
+    if (sinks) sum += expf(sinks[h] - mx);
     float *o = out + h * Dh;
     memset(o, 0, sizeof(float) * (size_t)Dh);
-    for (int64_t t = 0; t < n; t++) {
+    for (int64_t t = t0; t < n; t++) {
         float w = ph[t] / sum;
         for (int64_t i = 0; i < Dh; i++) o[i] += w * vg[t * Dh + i];
     }
 }
 
 int attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
-                      float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float scale, float *out,
-                      int threads) {
-    int64_t n = pos + 1;
+                      float *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, int64_t window,
+                      float scale, const float *sinks, float *out, int threads) {
+    int64_t n = pos + 1, t0 = window > 0 && window < n ? n - window : 0;
     float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)(n * H));
     if (!qr || !p) return free(qr), free(p), -1;
-    attend_rotate(q, k, v, cos, sin, kc, vc, H, G, Dh, S, pos, qr);
+    attend_rotate(q, k, v, cos, sin, kc, vc, H, G, Dh, R, S, pos, qr);
     /* a short context is not worth waking a second thread for */
-#pragma omp parallel for num_threads(n * H * Dh >= 32768 ? threads : 1) schedule(static)
-    for (int64_t h = 0; h < H; h++) attend_head(qr, kc, vc, H, G, Dh, S, n, scale, p, out, h);
+#pragma omp parallel for num_threads((n - t0) * H * Dh >= 32768 ? threads : 1) schedule(static)
+    for (int64_t h = 0; h < H; h++) attend_head(qr, kc, vc, H, G, Dh, S, t0, n, scale, sinks, p, out, h);
     free(qr);
     free(p);
     return 0;

@@ -68,11 +68,12 @@ void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t 
 
 void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M, int64_t D);
 /* `attend_decode_f32` in two parts: q rotated into qr (H, Dh), k rotated and v copied into the
- * caches at `pos`; then one head's attention over n = pos + 1 positions into out (p: n scores a head) */
+ * caches at `pos` (the first R dims rotated); then one head's attention over positions t0..n-1
+ * into out (p: n scores a head; sinks NULL or H logits) */
 void attend_rotate(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
-                   float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t pos, float *qr);
+                   float *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, float *qr);
 void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
-                 int64_t n, float scale, float *p, float *out, int64_t h);
+                 int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h);
 void moe_combine_f32(float *x, const float *const *ys, const float *w, int64_t K, int64_t D);
 
 #endif

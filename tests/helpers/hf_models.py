@@ -11,47 +11,50 @@ TINY = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_laye
             num_key_value_heads=2, max_position_embeddings=128)
 
 
-def tiny_config(arch: str):
-    """A tiny transformers config of one MoE architecture."""
+def tiny_config(arch: str, **over):
+    """A tiny transformers config of one MoE architecture; `over` changes its fields (a larger model:
+    hidden_size=64, intermediate sizes 64, for shapes int4's row blocks and groups take)."""
     import transformers
 
     if arch == "mixtral":
-        return transformers.MixtralConfig(**TINY, num_local_experts=4, num_experts_per_tok=2)
-    if arch == "qwen2_moe":
-        return transformers.Qwen2MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                                           shared_expert_intermediate_size=40, decoder_sparse_step=1)
-    if arch == "olmoe":
-        return transformers.OlmoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
-                                        eos_token_id=1, bos_token_id=None)
-    if arch == "qwen3_moe":
-        return transformers.Qwen3MoeConfig(**TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
-                                           head_dim=16, norm_topk_prob=True, decoder_sparse_step=1,
-                                           mlp_only_layers=[0])
-    deepseek = dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
-                    first_k_dense_replace=1, n_group=4, topk_group=2, kv_lora_rank=16, qk_rope_head_dim=8,
-                    qk_nope_head_dim=8, v_head_dim=12, routed_scaling_factor=2.5)
-    if arch == "deepseek_v2":
-        return transformers.DeepseekV2Config(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, **deepseek, q_lora_rank=None,
-                                             topk_method="group_limited_greedy")
-    if arch == "deepseek_v3":
-        # YaRN as DeepSeek-V3 ships it (factor 40, mscale 1.0 on both), scaled down to 128 positions
-        yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
-                "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
-        return transformers.DeepseekV3Config(**{**TINY, "num_hidden_layers": 3, "num_key_value_heads": 4}, **deepseek, q_lora_rank=24,
-                                             rope_parameters=yarn)
-    if arch == "glm4_moe":
-        return transformers.Glm4MoeConfig(**{**TINY, "num_hidden_layers": 3}, n_routed_experts=8,
-                                          num_experts_per_tok=2, moe_intermediate_size=24, n_shared_experts=1,
-                                          first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16,
-                                          partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
-                                          routed_scaling_factor=1.5)
-    if arch == "gpt_oss":
+        cls, kw = transformers.MixtralConfig, dict(TINY, num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "qwen2_moe":
+        cls, kw = transformers.Qwen2MoeConfig, dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                    shared_expert_intermediate_size=40, decoder_sparse_step=1)
+    elif arch == "olmoe":
+        cls, kw = transformers.OlmoeConfig, dict(TINY, num_experts=4, num_experts_per_tok=2, pad_token_id=0,
+                                                 eos_token_id=1, bos_token_id=None)
+    elif arch == "qwen3_moe":
+        cls, kw = transformers.Qwen3MoeConfig, dict(TINY, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+                                                    head_dim=16, norm_topk_prob=True, decoder_sparse_step=1,
+                                                    mlp_only_layers=[0])
+    elif arch in ("deepseek_v2", "deepseek_v3"):
+        deepseek = dict(TINY, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                        topk_group=2, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                        routed_scaling_factor=2.5)
+        if arch == "deepseek_v2":
+            cls, kw = transformers.DeepseekV2Config, dict(deepseek, q_lora_rank=None, topk_method="group_limited_greedy")
+        else:
+            # YaRN as DeepSeek-V3 ships it (factor 40, mscale 1.0 on both), scaled down to 128 positions
+            yarn = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 32,
+                    "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}
+            cls, kw = transformers.DeepseekV3Config, dict(deepseek, q_lora_rank=24, rope_parameters=yarn)
+    elif arch == "glm4_moe":
+        cls, kw = transformers.Glm4MoeConfig, dict(TINY, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                                                   moe_intermediate_size=24, n_shared_experts=1,
+                                                   first_k_dense_replace=1, n_group=2, topk_group=1, head_dim=16,
+                                                   partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True,
+                                                   routed_scaling_factor=1.5)
+    elif arch == "gpt_oss":
         # gpt-oss's own YaRN (factor 32) and alternating windows, scaled down
         yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 4.0, "original_max_position_embeddings": 32,
                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
-        return transformers.GptOssConfig(**{**TINY, "num_hidden_layers": 3}, num_local_experts=4,
-                                         num_experts_per_tok=2, head_dim=16, sliding_window=6, rope_parameters=yarn)
-    raise ValueError(arch)
+        cls, kw = transformers.GptOssConfig, dict(TINY, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
+                                                  head_dim=16, sliding_window=6, rope_parameters=yarn)
+    else:
+        raise ValueError(arch)
+    return cls(**{**kw, **over})
 
 
 # Parameters that transformers initialises to zeros (or not at all); random here so that a model
@@ -60,11 +63,12 @@ _PERTURB = {"e_score_correction_bias": 0.05, "sinks": 0.5, "router.bias": 0.5, "
 
 
 def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
-                       seed: int = 0) -> pathlib.Path:
-    """Save a tiny random model of `arch` with save_pretrained; returns the directory."""
+                       seed: int = 0, **over) -> pathlib.Path:
+    """Save a tiny random model of `arch` with save_pretrained (`over` as `tiny_config`'s); returns the
+    directory."""
     import transformers
 
-    cfg = tiny_config(arch)
+    cfg = tiny_config(arch, **over)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cfg)
     g = torch.Generator().manual_seed(seed + 1)

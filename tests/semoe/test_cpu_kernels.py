@@ -195,24 +195,32 @@ def test_the_models_linear_takes_the_float_kernels_for_a_decoding_steps_rows_onl
     assert calls == [(3, 64)] and lin.weight.grad is not None
 
 
-@pytest.mark.parametrize("heads, kv_heads, window, head_dim", [(8, 4, None, 16), (4, 4, None, 16), (6, 2, 3, 16),
-                                                                (4, 2, None, 12)])
-def test_one_call_decode_attention_equals_the_models_ops(monkeypatch, heads, kv_heads, window, head_dim):
+@pytest.mark.parametrize("heads, kv_heads, window, head_dim, over", [
+    (8, 4, None, 16, {}), (4, 4, None, 16, {}), (6, 2, 3, 16, {}), (4, 2, None, 12, {}),
+    (4, 2, 3, 16, dict(attention_sinks=True)),  # gpt-oss: sinks and a window
+    (4, 2, None, 16, dict(qk_norm="head", rope_dim=8)),  # GLM-4.5: per-head norms, half the dims rotated
+])
+def test_one_call_decode_attention_equals_the_models_ops(monkeypatch, heads, kv_heads, window, head_dim, over):
     """A decoding step's attention in one kernel call (rotary, cache write, softmax, values) against the
-    model's own ops (apply_rope, KVCache.append, scaled_dot_product_attention), step after step: the
-    same cache contents and outputs within 1e-5 relative (float32 sums in another order). With a
-    sliding window the kernel is used only while every cached position is in reach. A head of 12 takes
-    the dot product's vector lanes and its tail."""
+    model's own ops (apply_rope, KVCache.append, attention_mask, attend), step after step: the same
+    cache contents and outputs within 1e-5 relative (float32 sums in another order). A sliding window
+    past the cached positions, sinks, per-head norms and partial rotary take the kernel too. A head
+    of 12 takes the dot product's vector lanes and its tail."""
     from semoe.attention import Attention, KVCache, rope_tables
     from semoe.config import named_config
 
-    c = named_config("tiny", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, sliding_window=window)
+    c = named_config("tiny", num_heads=heads, num_kv_heads=kv_heads, head_dim=head_dim, sliding_window=window,
+                     **over)
     torch.manual_seed(0)
     attn = Attention(c, 0).eval()
+    with torch.no_grad():
+        for name, p in attn.named_parameters():
+            if name == "sinks" or name.endswith("norm.weight"):
+                p.copy_(torch.randn(p.shape) * 0.5 + (0 if name == "sinks" else 1))
     caches = [KVCache.empty(c, 1, 8) for _ in range(2)]
     used = []
     real = cpu_kernels.attend_decode
-    monkeypatch.setattr(cpu_kernels, "attend_decode", lambda *a: used.append(a[7]) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "attend_decode", lambda *a, **kw: used.append(a[7]) or real(*a, **kw))
     with torch.no_grad():
         for pos in range(6):
             x = torch.randn(1, 1, c.hidden_size)
@@ -221,13 +229,13 @@ def test_one_call_decode_attention_equals_the_models_ops(monkeypatch, heads, kv_
             monkeypatch.setattr(Attention, "_one_call_decode", lambda *a: False)
             slow = attn(x, cos, sin, caches[1])
             monkeypatch.undo()
-            monkeypatch.setattr(cpu_kernels, "attend_decode", lambda *a: used.append(a[7]) or real(*a))
+            monkeypatch.setattr(cpu_kernels, "attend_decode", lambda *a, **kw: used.append(a[7]) or real(*a, **kw))
             for cache in caches:
                 cache.length += 1
             assert _relative(fast, slow) < 1e-5
             for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
                 assert _relative(a, b) < 1e-6 if b.abs().max() > 0 else torch.equal(a, b)
-    assert used == [p for p in range(6) if window is None or window > p]
+    assert used == list(range(6))
 
 
 def test_decode_attention_over_a_long_context_splits_heads_over_threads_with_the_same_bits():

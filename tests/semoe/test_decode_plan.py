@@ -93,20 +93,23 @@ def _agree(got: torch.Tensor, want: torch.Tensor, whole: bool) -> None:
 
 
 @pytest.mark.parametrize("whole", [False, True])
-def test_biases_dense_layers_three_choices_and_a_window(whole):
+@pytest.mark.parametrize("window", [None, 12])
+def test_biases_dense_layers_three_choices_and_a_window(whole, window):
     """q/k/v and output biases, a dense feed-forward layer, the sum of three choices per token, and a
-    sliding window: the plan steps until the window is reached, the modules after."""
-    model = _model(attention_bias=True, o_proj_bias=True, moe_layers=(0, 2), top_k=3, sliding_window=12)
+    sliding window that the later steps reach: every step through the plan, kernel by kernel where a
+    layer has a window (the one-call step takes none), the same bits as the modules' (whose step
+    takes the same attention kernel, window and all)."""
+    model = _model(attention_bias=True, o_proj_bias=True, moe_layers=(0, 2), top_k=3, sliding_window=window)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.copy_(torch.randn(p.shape) * 0.1)
     plan = DecodePlan(model, whole=whole)
-    assert (plan.net is not None) == whole
+    assert (plan.net is not None) == (whole and window is None)
     got, planned = _steps(model, plan)
     want, _ = _steps(model, None)
-    assert planned == 12 - len(PROMPT)  # positions 8..11 lie within the window of 12
-    _agree(got, want, whole)
+    assert planned == len(TOKENS)
+    _agree(got, want, plan.net is not None)
 
 
 def test_generation_resident_and_offloaded_equals_the_module_path(stores, monkeypatch):
@@ -151,18 +154,13 @@ def test_hooks_send_the_step_through_the_modules():
     assert not plan.takes(cache)
 
 
-@pytest.mark.parametrize("over, part", [
-    (dict(qk_norm="head"), "attention variant"),
-    (dict(router="topk_softmax", router_bias=True), "topk_softmax router"),
-    (dict(shared_expert_size=64), "softmax_topk router or its experts"),
-])
-def test_models_the_plan_does_not_take(over, part):
-    model = _model(**over)
-    assert DecodePlan.build(model) is None
-    with pytest.raises(NotPlanned, match=part):
-        DecodePlan(model)
+def test_models_the_plan_does_not_take():
     with pytest.raises(NotPlanned, match="not float32 on CPU"):
         DecodePlan(_model().to(torch.bfloat16))
+    model = _model(rope_interleave=True)
+    assert DecodePlan.build(model) is None
+    with pytest.raises(NotPlanned, match="interleaved pairs"):
+        DecodePlan(model)
 
 
 def test_the_engine_generates_with_its_own_plan(stores, monkeypatch):
@@ -187,3 +185,84 @@ def test_generate_with_a_plan_gives_the_tokens_without():
     a = generate(model, PROMPT, sampling)
     b = generate(model, PROMPT, sampling, plan=None)
     assert a.tokens == b.tokens and a.logprobs == pytest.approx(b.logprobs, rel=0, abs=WHOLE_ATOL)
+
+
+# -- every architecture -----------------------------------------------------------------------------
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+# shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike
+WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)
+# float32 sums in another order (per-head norms of many heads, latent attention in the absorbed form
+# against the module path's expanded K and V) move logits of magnitude ~1 by ~1e-7; a wrong weight,
+# scale, bias or mask moves them by 1e-2 or more
+ARCH_RTOL = 1e-5
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max()).item()
+
+
+@pytest.fixture(scope="module")
+def arch_stores(tmp_path_factory):
+    """(arch, format) -> a store of a small random transformers checkpoint of `arch`: f32 as imported,
+    int8/int4 quantized by semoe, fp8 (DeepSeek-V3) and mxfp4 (gpt-oss) in the published layouts."""
+    from helpers.hf_models import make_hf_checkpoint
+    from helpers.quantized_checkpoints import write_fp8_checkpoint, write_mxfp4_checkpoint
+    from semoe.hf_import import import_checkpoint
+
+    made: dict[tuple[str, str], str] = {}
+
+    def get(arch: str, fmt: str) -> str:
+        if (arch, fmt) not in made:
+            root = tmp_path_factory.mktemp(f"{arch}-{fmt}")
+            hf = make_hf_checkpoint(arch, root / "hf", seed=5, **WIDER)  # fields an arch lacks are ignored
+            if fmt in ("int8", "int4"):
+                quantize_store(get(arch, "f32"), str(root / "store"), QuantizeConfig(bits=int(fmt[3:]), group_size=32))
+            else:
+                if fmt == "fp8":
+                    write_fp8_checkpoint(hf, root / "fp8", (32, 32), mtp=False)
+                elif fmt == "mxfp4":
+                    write_mxfp4_checkpoint(hf, root / "mxfp4")
+                import_checkpoint(str(root / ("hf" if fmt == "f32" else fmt)), str(root / "store"))
+            made[arch, fmt] = str(root / "store")
+        return made[arch, fmt]
+
+    return get
+
+
+CASES = [(a, f) for a in ARCHS for f in ("f32", "int8", "int4")] + [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4")]
+
+
+@pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
+def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
+    """Each architecture's decoding steps all go through the plan (never the modules), in its stored
+    format: the one-call step for the Mixtral-shaped model, kernel by kernel for the others (per-head
+    or full q/k norms, clipping, shared experts, latent attention, grouped and biased routers, sinks,
+    windows, partial rotary, clamped experts). Logits within ARCH_RTOL of the modules', the same
+    greedy tokens."""
+    model = load_store(arch_stores(arch, fmt))
+    plan = DecodePlan.build(model)
+    assert plan is not None
+    assert (plan.net is not None) == (arch == "mixtral")
+    if arch != "mixtral":
+        with pytest.raises(NotPlanned):
+            plan._whole(model)
+    got, planned = _steps(model, plan)
+    want, _ = _steps(model, None)
+    assert planned == len(TOKENS)
+    assert _relative(got, want) < (ARCH_RTOL if plan.net is None else WHOLE_ATOL)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_generate_takes_the_plan_for_every_architecture(arch_stores, arch, monkeypatch):
+    """`generate`, with no say from its caller, steps every token after the prefill's through the plan,
+    and gives the tokens the module path gives."""
+    model = load_store(arch_stores(arch, "int8"))
+    stepped = []
+    step = DecodePlan.step
+    monkeypatch.setattr(DecodePlan, "step", lambda self, token, cache: stepped.append(token) or step(self, token, cache))
+    res = generate(model, PROMPT, SamplingConfig(max_new_tokens=8))
+    assert stepped == res.tokens[:-1]
+    ref = generate(model, PROMPT, SamplingConfig(max_new_tokens=8), plan=None)
+    assert res.tokens == ref.tokens
