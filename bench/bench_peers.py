@@ -20,6 +20,16 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
               decoded token (/proc/PID/io read_bytes: O_DIRECT reads and mmap page faults alike)
 
     python bench/bench_peers.py --workdir /path/of/bench_quant [--repeats 3] [--parts resident,limited]
+
+--arch ARCH makes WORKDIR's checkpoint first instead (each piece once): a random-weight float32
+checkpoint of that architecture from transformers' own class, about 3 GB (ARCH_SHAPES: 8 layers,
+hidden size 1024, 32000 tokens, 32 experts of 768 where the architecture routes many small
+experts), its stores (the import, int8 and int4) and llama.cpp's conversions by its own converter
+(f32, q8_0) and llama-quantize (q4_0). The resident part then also runs transformers' greedy
+decoding at float32, the reference both engines' tokens are held to; where a token differs, the
+report gives transformers' gap between its two best logits at that step (a near-tie, or not).
+
+    python bench/bench_peers.py --workdir /path/qwen3 --arch qwen3_moe [--parts resident]
 """
 
 from __future__ import annotations
@@ -98,6 +108,27 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> 
                 "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
                 "read_wait_share": wait_share}
+
+
+def run_transformers(hf: str, prompt: list[int], new_tokens: int) -> dict:
+    """transformers' greedy decoding at float32, step by step with its KV cache: the tokens, and at each
+    step the gap between the two largest logits (how close the choice was)."""
+    import torch
+    import transformers
+
+    torch.set_num_threads(2)
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    tokens, gaps, past, ids = [], [], None, torch.tensor([prompt])
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        for _ in range(new_tokens):
+            out = model(ids, past_key_values=past, use_cache=True)
+            past, top = out.past_key_values, out.logits[0, -1].float().topk(2)
+            tokens.append(int(top.indices[0]))
+            gaps.append(float(top.values[0] - top.values[1]))
+            ids = top.indices[:1].view(1, 1)
+    return {"tokens": tokens, "logit_gaps": gaps, "decode_tok_s": new_tokens / (time.perf_counter() - t0),
+            "read_bytes_per_token": 0.0, "peak_rss_bytes": 0}
 
 
 def run_llama(gguf: str, prompt: list[int], new_tokens: int, repack: bool = True) -> dict:
@@ -190,6 +221,8 @@ def child(args: argparse.Namespace) -> None:
         if spec.get("cold"):
             drop_cache(spec["path"])
         r = run_lean(spec["path"], prompt, args.new_tokens, spec["cpu_cache"])
+    elif spec["engine"] == "transformers":
+        r = run_transformers(spec["path"], prompt, args.new_tokens)
     else:
         r = run_llama(spec["path"], prompt, args.new_tokens, spec.get("repack", True))
     print(json.dumps(r))
@@ -219,7 +252,12 @@ def resident(args: argparse.Namespace) -> dict:
                 name = f"{engine}-{bits if engine == 'ours' else gguf}"
                 print(f"resident {name} ({round_ + 1}/{args.repeats}) ...", file=sys.stderr)
                 runs.setdefault(name, []).append(_run(args, {"engine": engine, "path": path}))
-    return _medians(runs)
+    out = _medians(runs)
+    if args.arch:  # the reference tokens: one run (its speed is not what is compared)
+        print("resident transformers-f32 ...", file=sys.stderr)
+        out["transformers-f32"] = _run(args, {"engine": "transformers", "path": os.path.join(args.workdir, "hf")})
+        out["transformers-f32"]["decode_tok_s_runs"] = [out["transformers-f32"]["decode_tok_s"]]
+    return out
 
 
 def footprint(args: argparse.Namespace, ours: str) -> dict:
@@ -337,6 +375,16 @@ def report(result: dict, as_json: bool) -> None:
     if "ours-f32" in res and "llama-f32" in res:
         n = _agreement(res["ours-f32"]["tokens"], res["llama-f32"]["tokens"])
         print(f"greedy tokens at f32: the first {n} of {len(res['ours-f32']['tokens'])} identical")
+    ref = res.get("transformers-f32")
+    for name in ("ours-f32", "llama-f32") if ref else ():
+        if name in res:
+            toks = res[name]["tokens"]
+            n = _agreement(toks, ref["tokens"])
+            line = f"greedy tokens at f32, {name} against transformers: the first {n} of {len(toks)} identical"
+            if n < len(toks):
+                line += (f"; at token {n} transformers' two best logits are {ref['logit_gaps'][n]:.2e} apart "
+                         f"(its smallest gap before: {min(ref['logit_gaps'][:n], default=float('nan')):.2e})")
+            print(line)
 
 
 def prepare_wide(workdir: str, experts: int) -> None:
@@ -385,6 +433,73 @@ def prepare_wide(workdir: str, experts: int) -> None:
         os.remove(bf16)
 
 
+# --arch: transformers config fields of a 3 GB-class float32 checkpoint per architecture (vocab, hidden
+# size and depth of bench_offload's Mixtral-shaped model; many smaller experts where the architecture
+# routes many, as Qwen3-MoE, DeepSeek, GLM-4.5 and gpt-oss do)
+_COMMON = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+               max_position_embeddings=4096)
+_MANY = dict(num_experts_per_tok=4, moe_intermediate_size=768)
+_DEEPSEEK = dict(_COMMON, **_MANY, num_key_value_heads=8, n_routed_experts=32, n_shared_experts=1,
+                 first_k_dense_replace=1, intermediate_size=3072, kv_lora_rank=256, qk_rope_head_dim=32,
+                 qk_nope_head_dim=64, v_head_dim=64, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+ARCH_SHAPES = {
+    "mixtral": ("MixtralConfig", dict(_COMMON, intermediate_size=3584, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, **_MANY, num_experts=32, intermediate_size=3072,
+                                         shared_expert_intermediate_size=2048, decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, **_MANY, num_experts=32, head_dim=128, intermediate_size=3072,
+                                         norm_topk_prob=True, decoder_sparse_step=1)),
+    "olmoe": ("OlmoeConfig", dict(_COMMON, num_experts_per_tok=4, num_experts=32, intermediate_size=768,
+                                  num_key_value_heads=8)),
+    "deepseek_v2": ("DeepseekV2Config", dict(_DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy")),
+    "deepseek_v3": ("DeepseekV3Config", dict(_DEEPSEEK, q_lora_rank=512)),
+    "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, **_MANY, n_routed_experts=32, n_shared_experts=1,
+                                       first_k_dense_replace=1, intermediate_size=3072, head_dim=128,
+                                       partial_rotary_factor=0.5, use_qk_norm=True, n_group=1, topk_group=1)),
+    "gpt_oss": ("GptOssConfig", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
+                                     head_dim=64, sliding_window=128)),
+}
+
+
+def prepare_arch(workdir: str, arch: str) -> None:
+    """`--arch`: WORKDIR's float32 checkpoint of `arch`, its stores and llama.cpp's f32, q8_0 and q4_0, each
+    made once."""
+    import torch
+    import transformers
+
+    import llama_peer as peer
+    from bench_quant import GROUP_SIZE
+    from semoe.hf_import import import_checkpoint
+    from semoe.quantize import QuantizeConfig, quantize_store
+
+    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        cls, fields = ARCH_SHAPES[arch]
+        print(f"making a {arch} float32 checkpoint with transformers ...", file=sys.stderr)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields))
+        model.save_pretrained(hf, max_shard_size="1GB")
+        del model
+    peer.add_tokenizer(hf)
+    if not os.path.exists(os.path.join(store, "manifest.json")):
+        print("importing it into a store ...", file=sys.stderr)
+        import_checkpoint(hf, store)
+    for bits in (8, 4):
+        path = os.path.join(workdir, f"store-int{bits}")
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            print(f"quantizing to int{bits} ...", file=sys.stderr)
+            quantize_store(store, path, QuantizeConfig(bits=bits, group_size=GROUP_SIZE))
+    env = peer.ensure_env()
+    f32 = os.path.join(workdir, "llama-f32.gguf")
+    if not os.path.exists(f32):
+        print("converting it with llama.cpp's converter ...", file=sys.stderr)
+        peer.convert(hf, f32, "f32", env=env)
+    for qtype in ("q8_0", "q4_0"):
+        gguf = os.path.join(workdir, f"llama-{qtype}.gguf")
+        if not os.path.exists(gguf):
+            print(f"llama-quantize to {qtype} ...", file=sys.stderr)
+            peer.quantize(f32, gguf, qtype, env=env)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True, help="bench_quant's --workdir (checkpoint, stores, GGUF files)")
@@ -407,9 +522,14 @@ def main() -> int:
                     help="make WORKDIR's checkpoint first (when missing): the bench model's shape with this many "
                          "experts a layer, in bfloat16, with its int8/int4 stores and llama.cpp's q8_0/q4_0; "
                          "int8 and int4 only")
+    ap.add_argument("--arch", choices=sorted(ARCH_SHAPES),
+                    help="make WORKDIR's checkpoint first (when missing): a 3 GB-class float32 checkpoint of this "
+                         "architecture, its stores and llama.cpp's conversions; transformers' greedy tokens join "
+                         "the resident part")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--prepare-wide", type=int, help=argparse.SUPPRESS)
+    ap.add_argument("--prepare-arch", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.only:
         child(args)
@@ -417,6 +537,16 @@ def main() -> int:
     if args.prepare_wide:
         prepare_wide(args.workdir, args.prepare_wide)
         return 0
+    if args.prepare_arch:
+        prepare_arch(args.workdir, args.prepare_arch)
+        return 0
+    if args.arch is not None:
+        if args.experts is not None:
+            raise SystemExit("--arch and --experts each make WORKDIR's checkpoint: give one")
+        os.makedirs(args.workdir, exist_ok=True)
+        # in a process of its own: making the checkpoint imports torch, which this one must not
+        subprocess.run([sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--prepare-arch",
+                        args.arch], check=True, env={**os.environ, "PYTHONPATH": ROOT})
     bits = {b for part, flag in (("resident", args.resident_bits), ("limited", args.limited_bits))
             if part in args.parts.split(",") for b in flag.split(",")}
     if args.experts is not None:

@@ -18,7 +18,7 @@ import torch
 
 from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
 from semoe.compact_linear import stack_projections
-from semoe.decode_plan import DecodePlan
+from semoe.decode_plan import DecodePlan, NotPlanned
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import KVCache, MoEGPT
 from semoe.tokenizer import default_stop_ids
@@ -45,19 +45,27 @@ class Engine:
         self.lock = threading.Lock()
         self._cleanup = cleanup
         # the model's one decode plan, for `generate` and for `step`'s lone decoding token (None: the
-        # model has a part it does not take); callers serialise on `lock`, so its buffers are shared
-        self._plan = DecodePlan.build(model)
+        # model has a part it does not take, `_unplanned` says which); callers serialise on `lock`, so
+        # its buffers are shared
+        self._plan: DecodePlan | None = None
+        self._unplanned = ""
+        try:
+            self._plan = DecodePlan(model)
+        except NotPlanned as e:
+            self._unplanned = str(e)
 
     @classmethod
-    def load(cls, path: str, config: EngineConfig | None = None) -> "Engine":
+    def load(cls, path: str, config: EngineConfig | None = None, *,
+             progress: Callable[[int], None] | None = None) -> "Engine":
         """Load a HuggingFace directory or a store; offloading needs a store (a directory is imported
-        into a temporary one first)."""
+        into a temporary one first). `progress` is called with the bytes of each weight read while the
+        model loads (the offloaded experts' preload excluded)."""
         config = config or EngineConfig()
         dtype = getattr(torch, config.dtype)
         name = os.path.basename(os.path.normpath(path))
         if not config.offloaded:
             source = Store.open(path) if is_store(path) else path  # a store once: model and tokenizer read it
-            model = load_model(source, device=config.device, dtype=dtype, dense=config.dense)
+            model = load_model(source, device=config.device, dtype=dtype, dense=config.dense, progress=progress)
             stack_projections(model)  # float q, k and v too: a model that only serves needs no separate ones
             return cls(model, load_model_tokenizer(source, model.config), name=name, config=config)
         from inference.ring import OffloadedExperts
@@ -73,7 +81,7 @@ class Engine:
             import_checkpoint(path, store_path)
         store = Store.open(store_path)  # once: the model loader, the ring and the tokenizer read it
         model = load_store(store, device=config.device, dtype=dtype, with_experts=False, dense=config.dense,
-                           embedding_in_store=True)
+                           embedding_in_store=True, progress=progress)
         stack_projections(model)
         offload = OffloadedExperts.attach(model, store, config)
         if config.preload:
@@ -92,6 +100,17 @@ class Engine:
         with torch.no_grad():
             ids_N = torch.tensor(ids, device=self.model.embed.weight.device)
             return self.model.forward_packed(ids_N, caches, counts, rows=rows).logits[0]
+
+    def decode_path(self) -> str:
+        """How a decoding step runs, in a phrase: the plan's kernels (the whole step in one call, or
+        kernel by kernel) or the model's modules, and why."""
+        if self._plan is None:
+            return f"the model's modules on {self.model.embed.weight.device.type} ({self._unplanned})"
+        if self._plan.net is not None:
+            return "semoe's CPU kernels, the whole step in one call"
+        why = "experts arrive from the store during the step" if self.offload is not None else \
+            "a part the one-call step does not take"
+        return f"semoe's CPU kernels, kernel by kernel ({why})"
 
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end generation by default (`default_stop_ids`: the config's EOS first)."""

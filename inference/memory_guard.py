@@ -48,8 +48,13 @@ def auto_cpu_cache_bytes(expert_bytes: int, *, keep_bytes: int = 0, available: C
     return max(0, min(expert_bytes, _spare((available or available_ram_bytes)(), keep_bytes)))
 
 
+def reserve_bytes(free: int) -> int:
+    """What `--cpu-cache auto` leaves of `free` bytes available: AUTO_RESERVE_BYTES or a sixteenth."""
+    return max(AUTO_RESERVE_BYTES, free // 16)
+
+
 def _spare(free: int, keep_bytes: int) -> int:
-    return free - max(AUTO_RESERVE_BYTES, free // 16) - keep_bytes
+    return free - reserve_bytes(free) - keep_bytes
 
 
 class MemoryGuard:

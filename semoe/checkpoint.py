@@ -136,8 +136,10 @@ def _empty_model(config: MoEConfig, device: torch.device | str, dtype: torch.dty
     return model
 
 
-def load_hf(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> MoEGPT:
-    """A model from a HuggingFace directory (config.json + safetensors, sharded or not)."""
+def load_hf(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+            progress: Callable[[int], None] | None = None) -> MoEGPT:
+    """A model from a HuggingFace directory (config.json + safetensors, sharded or not); `progress` is
+    called with the bytes of each tensor read."""
     ck = open_checkpoint(path, dequantize=True)
     try:
         config = config_from_json(ck.config)
@@ -149,11 +151,17 @@ def load_hf(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype
         ref = ck.tensors.get(key)
         if ref is None:
             raise BadInputError(f"{path}: tensor {key} is missing")
-        return _ref_tensor(ref)
+        t = _ref_tensor(ref)
+        if progress is not None:
+            progress(ref.nbytes)
+        return t
 
     def expert(layer: int, e: int) -> dict[str, torch.Tensor]:
         parts = ck.experts.get(layer, {}).get(e, [])
-        return {p.ref.name: _part_tensor(p, e) for p in parts}
+        tensors = {p.ref.name: _part_tensor(p, e) for p in parts}
+        if progress is not None:
+            progress(sum(p.slice_bytes() for p in parts))
+        return tensors
 
     _load(model, dense, expert, path)
     return model.eval()
@@ -175,7 +183,7 @@ def _part_tensor(part: ExpertPart, expert: int) -> torch.Tensor:
 
 def load_store(source: str | Store, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                with_experts: bool = True, kernel: str = "auto", dense: str = "auto",
-               embedding_in_store: bool = False) -> MoEGPT:
+               embedding_in_store: bool = False, progress: Callable[[int], None] | None = None) -> MoEGPT:
     """A model from a store; `with_experts=False` leaves experts to a provider (offload engine).
 
     Compact (quantized) experts stay compact: each MoE layer then holds them as `PackedExperts`,
@@ -185,8 +193,20 @@ def load_store(source: str | Store, *, device: torch.device | str = "cpu", dtype
     outside the experts float, or int8 or int4 (quantized here); `auto` is int8 on CPU beside int8 or
     int4 experts (`resolve_dense`). `embedding_in_store`: leave the token embedding in the store and
     read the rows each step needs (`StoredEmbedding`), as offloaded engines do. `source`: the store,
-    open (as a loader that hands it on opens it once) or by path."""
+    open (as a loader that hands it on opens it once) or by path. `progress` is called with the bytes
+    of each read from the store."""
     store = source if isinstance(source, Store) else Store.open(source)
+    previous, store.on_read = store.on_read, progress
+    try:
+        return _load_store(store, device=device, dtype=dtype, with_experts=with_experts, kernel=kernel, dense=dense,
+                           embedding_in_store=embedding_in_store)
+    finally:
+        store.on_read = previous
+
+
+def _load_store(store: Store, *, device: torch.device | str, dtype: torch.dtype, with_experts: bool, kernel: str,
+                dense: str, embedding_in_store: bool) -> MoEGPT:
+    """`load_store`'s work on an open store."""
     path = store.root
     config = read_model_config(store)
     compact = with_experts and store.is_compact()
@@ -321,17 +341,17 @@ def is_store(path: str) -> bool:
 
 
 def load_model(path: str | Store, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               dense: str = "auto") -> MoEGPT:
+               dense: str = "auto", progress: Callable[[int], None] | None = None) -> MoEGPT:
     """A model, everything resident, from a HuggingFace directory or a store (by path, or open);
     `dense` as `load_store`'s (a HuggingFace directory's experts are never int8 or int4, so `auto`
-    keeps its dense weights)."""
+    keeps its dense weights); `progress` called with the bytes of each read."""
     if isinstance(path, Store):
-        return load_store(path, device=device, dtype=dtype, dense=dense)
+        return load_store(path, device=device, dtype=dtype, dense=dense, progress=progress)
     if not os.path.isdir(path):
         raise BadInputError(f"{path}: no such directory (expected a HuggingFace checkpoint or a store)")
     if is_store(path):
-        return load_store(path, device=device, dtype=dtype, dense=dense)
-    model = load_hf(path, device=device, dtype=dtype)
+        return load_store(path, device=device, dtype=dtype, dense=dense, progress=progress)
+    model = load_hf(path, device=device, dtype=dtype, progress=progress)
     scheme = resolve_dense(dense, device=device, expert_schemes=set())
     if scheme != "float":
         compact_dense_linears(model, scheme)

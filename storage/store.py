@@ -79,6 +79,14 @@ class Store:
     def __init__(self, root: str, manifest: Manifest) -> None:
         self.root = os.path.abspath(root)
         self.manifest = manifest
+        # called with the bytes of each read of `read_tensor`, `read_chunk` and `read_dense_rows` (a
+        # loader's progress); not by the hot path's `chunk_request` reads
+        self.on_read: Callable[[int], None] | None = None
+
+    def _read(self, path: str, buf: memoryview, offset: int, nbytes: int, mode: ReadMode) -> None:
+        read_range(path, buf, offset, nbytes, mode)
+        if self.on_read is not None:
+            self.on_read(nbytes)
 
     # -- opening ------------------------------------------------------------------------------
     @classmethod
@@ -127,7 +135,7 @@ class Store:
         e = self.manifest.tensor(name, kind, stack_index)
         buf = torch.empty(e.bytes, dtype=torch.uint8)
         if e.bytes:
-            read_range(self.path(e.file), memoryview(buf.numpy()), e.offset, e.bytes, mode)
+            self._read(self.path(e.file), memoryview(buf.numpy()), e.offset, e.bytes, mode)
         if verify:
             check_crc(e, buf.numpy(), self.path(e.file))
         return buf.view(torch_dtype(e.dtype)).view(e.shape)
@@ -161,7 +169,7 @@ class Store:
         """One expert's chunk file as a uint8 tensor (one contiguous read), its tensors checked."""
         c = self.manifest.chunk(layer, expert, kind)
         buf = torch.empty(c.bytes, dtype=torch.uint8)
-        read_range(self.path(c.file), memoryview(buf.numpy()), 0, c.bytes, mode)
+        self._read(self.path(c.file), memoryview(buf.numpy()), 0, c.bytes, mode)
         if verify:
             self.check_chunk(c, buf)
         return buf
@@ -202,7 +210,7 @@ class Store:
         for r in range(0, e.shape[0], rows):
             n = min(rows, e.shape[0] - r)
             buf = torch.empty(n * row_bytes, dtype=torch.uint8)
-            read_range(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode)
+            self._read(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode)
             crc = crc32c(buf.numpy(), crc)  # continued over the blocks
             if r + n == e.shape[0]:
                 check_crc_value(e, crc, path)

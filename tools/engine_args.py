@@ -58,6 +58,10 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
                         "where they fit), raised as memory frees up and lowered if the process starts reading its "
                         "own code back from disk")
     g.add_argument("--device-memory", metavar="SIZE", help="device memory for the expert ring (sets its slots)")
+    g.add_argument("--resident", action="store_true",
+                   help="keep every expert in memory even where the model does not fit what is available. "
+                        "Without this or a budget flag the choice is made from the model's bytes and the memory "
+                        "available (resident where it fits, else --cpu-cache auto) and said on stderr")
     g.add_argument("--ring-slots", type=int, metavar="K", help="expert slots in the device ring")
     g.add_argument("--cache-policy", default="next-use", metavar="NAME",
                    help="which expert the CPU cache evicts: next-use (default: the one whose next use is "
@@ -82,9 +86,11 @@ def expert_bytes(path: str) -> int:
                for part in parts)
 
 
-def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":  # noqa: F821
+def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0) -> "EngineConfig":  # noqa: F821
     """EngineConfig from `--device`, `--dtype` and the budget flags; percentages are of the expert bytes
-    of `--model`."""
+    of `--model`. Where no budget flag nor --resident is given, the experts' place is chosen from the
+    model's bytes and the memory available less `keep_bytes` (a server's KV memory); `args.placement`
+    says where they go, in a phrase (`placement_line`)."""
     from inference.engine import EngineConfig
     from inference.memory_guard import CPU_CACHE_AUTO
 
@@ -102,9 +108,49 @@ def engine_config_from_args(args: argparse.Namespace) -> "EngineConfig":  # noqa
         raise UsageError(f"--ring-slots must be >= 1, got {args.ring_slots}")
     if args.cache_policy not in ONLINE_POLICIES:
         raise UsageError(f"--cache-policy must be one of {', '.join(ONLINE_POLICIES)}, got {args.cache_policy!r}")
-    return EngineConfig(device=str(resolve_device(args.device)), dtype=args.dtype, cpu_cache_bytes=cpu,
-                        device_memory_bytes=dev, ring_slots=args.ring_slots, cache_policy=args.cache_policy,
-                        dense=args.dense)
+    budgets = [flag for flag, v in (("--cpu-cache", args.cpu_cache), ("--device-memory", args.device_memory),
+                                    ("--ring-slots", args.ring_slots)) if v is not None]
+    if args.resident and budgets:
+        raise UsageError(f"--resident keeps every expert in memory: {budgets[0]} offloads them (drop one)")
+    config = EngineConfig(device=str(resolve_device(args.device)), dtype=args.dtype, cpu_cache_bytes=cpu,
+                          device_memory_bytes=dev, ring_slots=args.ring_slots, cache_policy=args.cache_policy,
+                          dense=args.dense, keep_bytes=keep_bytes)
+    args.placement = placement_phrase(args, config, budgets)
+    return config
+
+
+def load_engine(args: argparse.Namespace, config: "EngineConfig") -> "Engine":  # noqa: F821
+    """The engine of `--model`, with a progress bar on stderr while its weights load (a terminal only),
+    then the one line `generate` and `serve` print: where the experts went and how a decoding step
+    runs."""
+    import sys
+
+    from inference.engine import Engine
+    from inference.placement import model_bytes
+    from tools.progress import byte_bar
+
+    mb = model_bytes(args.model)
+    with byte_bar(mb.stored - (mb.stored_experts if config.offloaded else 0), "loading weights") as bar:
+        engine = Engine.load(args.model, config, progress=bar.update)
+    print(f"semoe: {args.placement}; decoding through {engine.decode_path()}", file=sys.stderr, flush=True)
+    return engine
+
+
+def placement_phrase(args: argparse.Namespace, config: "EngineConfig", budgets: list[str]) -> str:  # noqa: F821
+    """Where the experts go, said in a phrase; with no budget flag and no --resident, chosen here from the
+    model's bytes and the memory available (`inference.placement`), and set on `config`."""
+    if budgets:
+        return f"experts offloaded to the store as {', '.join(budgets)} set"
+    if args.resident:
+        return "every expert resident (--resident)"
+    import torch
+
+    from inference.placement import choose
+
+    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
+    placement = choose(args.model, device=config.device, compute_itemsize=itemsize, keep_bytes=config.keep_bytes)
+    config.cpu_cache_bytes = placement.cpu_cache
+    return placement.describe()
 
 
 ONLINE_POLICIES = ("next-use", "lfu-aging", "lfu", "lru")  # belady needs the future: simulation only

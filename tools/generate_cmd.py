@@ -1,4 +1,5 @@
-"""`semoe generate`: text from a HuggingFace directory or a store, everything resident on the device."""
+"""`semoe generate`: text from a HuggingFace directory or a store, resident where it fits the memory
+available and offloaded behind a CPU cache where it does not."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import contextlib
 import sys
 
 from tools.common import UsageError, emit_json
-from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args
+from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
+    load_engine
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,7 +65,6 @@ def parse_prompt_ids(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.lean:
         return run_lean(args)
-    from inference.engine import Engine
     from semoe.decode_profile import DecodeProfile, format_report, memory_read_gbps
     from semoe.generate import SamplingConfig
     from semoe.routing_trace import routing_trace
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     if args.greedy and sampling:
         raise UsageError("--greedy cannot be combined with --temperature/--top-p")
     config = engine_config_from_args(args)
-    engine = Engine.load(args.model, config)
+    engine = load_engine(args, config)
     try:
         tok = engine.tokenizer
         if args.prompt_ids is not None:

@@ -12,7 +12,8 @@ import sys
 
 from tools.common import UsageError
 from tools.sizes import parse_size
-from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args
+from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
+    load_engine
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,7 +52,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from inference.chat import load_chat_template
-    from inference.engine import Engine
     from inference.server import serve
     from semoe.routing_trace import routing_trace
 
@@ -68,10 +68,10 @@ def run(args: argparse.Namespace) -> int:
         if not os.path.isdir(where) or os.path.isdir(args.request_log):
             raise UsageError(f"--request-log {args.request_log}: expected a file in an existing directory")
     kv_memory = parse_size(args.kv_memory, flag="--kv-memory") if args.kv_memory is not None else None
-    config = engine_config_from_args(args)
-    config.keep_bytes = kv_memory or 0  # an auto CPU cache leaves the KV caches their memory
+    # an auto CPU cache, and the choice to offload, leave the KV caches their memory
+    config = engine_config_from_args(args, keep_bytes=kv_memory or 0)
     template = load_chat_template(args.model)
-    engine = Engine.load(args.model, config)
+    engine = load_engine(args, config)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
     # exception too, so that engine.close() still removes a temporary store.
     previous = signal.signal(signal.SIGTERM, _interrupt)

@@ -1,0 +1,115 @@
+"""Where a model's experts live when the user names no budget: all in memory where the model fits
+what the machine has available, behind a CPU cache sized from that memory (`--cpu-cache auto`)
+where it does not.
+
+The model's bytes in memory are counted from the store's manifest or the checkpoint's headers, as
+loading would hold them: compact (quantized) tensors as stored, float ones in the compute dtype
+(float32 on CPU: a bfloat16 checkpoint takes twice its file size). It is an upper bound: `--dense
+auto` quantizes the dense weights at load beside compact experts, and a resident model holds its
+KV cache besides. What is available is the kernel's MemAvailable on CPU and the free device memory
+on a GPU, less the reserve `--cpu-cache auto` keeps (`memory_guard`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from inference.memory_guard import CPU_CACHE_AUTO, reserve_bytes
+from storage.envinfo import available_ram_bytes
+
+FLOAT_DTYPES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}  # safetensors dtypes held in the compute dtype
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """A model's bytes in memory once loaded resident, and its experts' share; and both as stored
+    (what a load reads)."""
+
+    total: int
+    experts: int
+    stored: int = 0
+    stored_experts: int = 0
+
+
+def model_bytes(path: str, compute_itemsize: int = 4) -> ModelBytes:
+    """The bytes a resident load of the store or HuggingFace directory at `path` holds, weights only
+    (headers and manifest only; no tensor data is read)."""
+    from semoe.checkpoint import is_store
+
+    def held(dtype: str, numel: int, stored: int, compact: bool) -> int:
+        return stored if compact or dtype not in FLOAT_DTYPES else numel * compute_itemsize
+
+    total = experts = stored = stored_experts = 0
+    if is_store(path):
+        from storage.store import Store
+
+        manifest = Store.open(path).manifest
+        for t in manifest.tensors:
+            if t.kind != "weight":  # a training run's optimizer states: never loaded for inference
+                continue
+            n = 1
+            for d in t.shape:
+                n *= d
+            b = held(t.dtype, n, t.bytes, t.quant is not None)
+            total += b
+            if t.group == "expert":
+                experts += b
+            else:
+                stored += t.bytes
+        # an expert is read as its chunk file: its tensors, each padded to a block
+        stored_experts = sum(c.bytes for c in manifest.chunks if c.kind == "weight")
+        return ModelBytes(total, experts, stored + stored_experts, stored_experts)
+    from semoe.hf_import import open_checkpoint
+
+    ck = open_checkpoint(path)
+    expert_names = {part.ref.name for by_expert in ck.experts.values() for parts in by_expert.values()
+                    for part in parts}
+    for name, ref in ck.tensors.items():
+        n = 1
+        for d in ref.shape:
+            n *= d
+        b = held(ref.dtype, n, ref.nbytes, name in ck.quant)
+        total += b
+        stored += ref.nbytes
+        if name in expert_names:
+            experts += b
+            stored_experts += ref.nbytes
+    return ModelBytes(total, experts, stored, stored_experts)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """The choice for one model: `cpu_cache` is None (every expert resident) or CPU_CACHE_AUTO."""
+
+    cpu_cache: str | None
+    model: ModelBytes
+    available: int
+    where: str  # "memory" on CPU, "device memory" on a GPU
+
+    def describe(self) -> str:
+        """What was chosen and why, in a phrase."""
+        gib = 2 ** 30
+        sizes = f"{self.model.total / gib:.2f} GiB of weights, {self.available / gib:.2f} GiB of {self.where} available"
+        if self.cpu_cache is None:
+            return f"{sizes}: every expert resident"
+        return f"{sizes}: experts offloaded to the store behind a CPU cache sized from the memory left"
+
+
+def choose(path: str, *, device: str = "cpu", compute_itemsize: int = 4, keep_bytes: int = 0,
+           available: Callable[[], int] | None = None) -> Placement:
+    """Resident where the model's bytes fit what is available less the reserve and `keep_bytes` (a
+    server's KV memory); else offloaded behind an auto-sized CPU cache."""
+    mb = model_bytes(path, compute_itemsize)
+    where = "memory"
+    if available is None:
+        if device.startswith("cuda"):
+            import torch
+
+            free, _ = torch.cuda.mem_get_info(torch.device(device))
+            available, where = (lambda: free), "device memory"
+        else:
+            available = available_ram_bytes
+    have = available()
+    fits = mb.total + reserve_bytes(have) + keep_bytes <= have
+    return Placement(None if fits or mb.experts == 0 else CPU_CACHE_AUTO, mb, have, where)
