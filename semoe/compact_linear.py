@@ -190,6 +190,9 @@ def matmul(x_MI: torch.Tensor, w_IO: Weight) -> torch.Tensor:
             raise ValueError(f"a compact weight of logical shape {list(w_IO.shape)} stored out-major cannot be "
                              f"the right operand of x @ w")
         return w_IO.linear(x_MI)
+    if w_IO.dtype == torch.float32 and x_MI.dtype == torch.float32 and _float_kernel_applies(x_MI, w_IO) \
+            and x_MI.numel() // x_MI.shape[-1] <= cpu_kernels.MAX_ROWS:
+        return cpu_kernels.gemv_f32_io(x_MI, w_IO)  # a decoding step's rows: all the threads, not one
     return x_MI @ w_IO
 
 

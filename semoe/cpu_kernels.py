@@ -184,6 +184,17 @@ def gemv_f32(x_MI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     return _gemv_float(x_MI, w_OI, "f32", torch.float32)
 
 
+def gemv_f32_io(x_MI: torch.Tensor, w_IO: torch.Tensor) -> torch.Tensor:
+    """x @ w for a float32 weight laid out (I, O), as gpt-oss's fused experts are; float32 (..., O).
+    torch's x @ w keeps to one core at a decoding step's sizes."""
+    if w_IO.dtype != torch.float32:
+        raise ValueError(f"gemv_f32_io takes a float32 weight, got {w_IO.dtype}")
+    I, O = w_IO.shape
+    x, y = _operands(x_MI, w_IO, I, O)
+    _lib().gemv_f32_io(x.data_ptr(), w_IO.data_ptr(), y.data_ptr(), x.numel() // I, O, I, torch.get_num_threads())
+    return y
+
+
 def _gemv_float(x_MI: torch.Tensor, w_OI: torch.Tensor, short: str, dtype: torch.dtype) -> torch.Tensor:
     if w_OI.dtype != dtype:
         raise ValueError(f"gemv_{short} takes a {str(dtype).removeprefix('torch.')} weight, got {w_OI.dtype}")

@@ -261,3 +261,28 @@ def test_decode_attention_over_a_long_context_splits_heads_over_threads_with_the
     group = torch.arange(H) // (H // G)
     ref = torch.softmax(q.view(H, 1, Dh) @ keys[group].transpose(1, 2) * 0.25, -1) @ values[group]
     assert _relative(outs[0], ref.reshape(-1)) < 1e-5
+
+
+@pytest.mark.parametrize("rows, I, O", [(1, 64, 96), (3, 40, 1536), (16, 128, 35)])
+def test_the_in_major_float32_product_equals_torchs_on_any_thread_count(rows, I, O):
+    """x @ W for W laid out (I, O) (gpt-oss's fused experts): within 1e-6 relative of the float64 product
+    (float32 sums in another order), the same bits on one thread and two (each output sums over the inputs
+    in order), odd widths included; `compact_linear.matmul` takes it for a decoding step's rows."""
+    from semoe.compact_linear import matmul
+
+    torch.manual_seed(0)
+    x, w = torch.randn(rows, I), torch.randn(I, O)
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            outs.append(cpu_kernels.gemv_f32_io(x, w))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
+    assert _relative(outs[0], (x.double() @ w.double()).float()) < 1e-6
+    with torch.no_grad():
+        assert torch.equal(matmul(x, w), cpu_kernels.gemv_f32_io(x, w))
+    with pytest.raises(ValueError, match="float32 weight"):
+        cpu_kernels.gemv_f32_io(x, w.to(torch.bfloat16))
