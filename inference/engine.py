@@ -18,7 +18,8 @@ import torch
 
 from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
 from semoe.compact_linear import stack_projections
-from semoe.decode_plan import DecodePlan, NotPlanned
+from semoe.decode.plan import DecodePlan
+from semoe.decode.support import NotOnFastPath
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.model import KVCache, MoEGPT
 from semoe.tokenizer import default_stop_ids
@@ -51,7 +52,7 @@ class Engine:
         self._unplanned = ""
         try:
             self._plan = DecodePlan(model)
-        except NotPlanned as e:
+        except NotOnFastPath as e:
             self._unplanned = str(e)
 
     @classmethod
@@ -108,9 +109,7 @@ class Engine:
             return f"the model's modules on {self.model.embed.weight.device.type} ({self._unplanned})"
         if self._plan.net is not None:
             return "semoe's CPU kernels, the whole step in one call"
-        why = "experts arrive from the store during the step" if self.offload is not None else \
-            "a part the one-call step does not take"
-        return f"semoe's CPU kernels, kernel by kernel ({why})"
+        return f"semoe's CPU kernels, kernel by kernel ({self._plan.whole_refusal})"
 
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end generation by default (`default_stop_ids`: the config's EOS first)."""

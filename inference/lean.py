@@ -20,7 +20,7 @@ What it takes: the models the one-call step takes (`DecodePlan`'s whole step): g
 attention without q/k norms, clipping, sinks, a window or partial/interleaved rotary, default
 rotary frequencies; softmax-top-k routers over SwiGLU experts without shared experts, or dense
 SwiGLU layers; greedy decoding, one sequence. Anything else is refused with one line naming it
-(`LeanUnsupported`); the engine (`inference.engine`) runs every model.
+(`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
 Its logits are the one-call step's: the same kernels on the same weights, except the rotary tables
 (numpy's cos/sin against torch's, to float32 rounding) and the prompt, which goes through the step
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from semoe import kernel_abi
+from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
 from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
@@ -56,10 +57,6 @@ _KIND = {"F32": kernel_abi.W_F32, "BF16": kernel_abi.W_BF16, "int8": kernel_abi.
 # an expert's parts by the HuggingFace names' last part: gate, up, down
 _PARTS = {"gate": ("w1.weight", "gate_proj.weight"), "up": ("w3.weight", "up_proj.weight"),
           "down": ("w2.weight", "down_proj.weight")}
-
-
-class LeanUnsupported(BadInputError):
-    """The model has a part the lean runner does not take (the message names it)."""
 
 
 @dataclass(kw_only=True)
@@ -153,12 +150,12 @@ class _Store:
         crc32c checked at the end."""
         t = self.tensor(name)
         if t.get("quant"):
-            raise LeanUnsupported(f"{self.root}: dense tensor {name} is stored {t['quant'].get('scheme')}; the lean "
+            raise NotOnFastPath(f"{self.root}: dense tensor {name} is stored {t['quant'].get('scheme')}; the lean "
                                   f"runner reads float dense weights")
         O, I = t["shape"]
         item = {"F32": 4, "BF16": 2}.get(t["dtype"])
         if item is None:
-            raise LeanUnsupported(f"{self.root}: dense tensor {name} is {t['dtype']}; the lean runner reads F32 or BF16")
+            raise NotOnFastPath(f"{self.root}: dense tensor {name} is {t['dtype']}; the lean runner reads F32 or BF16")
         path, crc = self.path(t["file"]), 0
         with open(path, "rb", buffering=0) as f:
             for r in range(0, O, block):
@@ -237,7 +234,7 @@ class LeanModel:
     def __init__(self, path: str, config: LeanConfig) -> None:
         lib = kernel_abi.library()
         if lib is None:
-            raise LeanUnsupported(f"--lean computes with semoe's compiled CPU kernels alone, which are "
+            raise NotOnFastPath(f"--lean computes with semoe's compiled CPU kernels alone, which are "
                                   f"{kernel_abi.status()}; run without --lean")
         self.lib, self.settings = lib, config
         self.store = store = _Store(path)
@@ -298,7 +295,7 @@ class LeanModel:
         self._parts = {lay: self._chunk_parts(lay, 0) for lay in moe_layers}
         for (lay, e) in store.chunks:
             if self._chunk_parts(lay, e) != self._parts[lay]:
-                raise LeanUnsupported(f"{path}: layer {lay}'s expert {e} is laid out unlike its expert 0")
+                raise NotOnFastPath(f"{path}: layer {lay}'s expert {e} is laid out unlike its expert 0")
         sizes = {ch["bytes"] for ch in store.chunks.values()}
         self.slot_bytes = -(-max(sizes) // ALIGN) * ALIGN if sizes else ALIGN
         slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
@@ -315,7 +312,7 @@ class LeanModel:
         # the embedding stays on storage: one row a token
         emb = store.tensor(hf_name(c, "embed.weight"))
         if emb["dtype"] not in ("F32", "BF16") or emb.get("quant"):
-            raise LeanUnsupported(f"{path}: the token embedding is {emb['dtype']}; the lean runner reads F32 or BF16")
+            raise NotOnFastPath(f"{path}: the token embedding is {emb['dtype']}; the lean runner reads F32 or BF16")
         self._emb = emb
         self._emb_fd = os.open(store.path(emb["file"]), os.O_RDONLY)
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
@@ -323,23 +320,13 @@ class LeanModel:
 
     @staticmethod
     def _check(c) -> None:
-        """Refuse, in one line, what the one-call step does not take (`DecodePlan`'s own tests)."""
-        why = None
-        if c.attention != "gqa":
-            why = f"{c.attention} attention"
-        elif c.qk_norm != "none" or c.clip_qkv is not None or c.attention_sinks or c.rope_interleave \
-                or c.rope_dim != c.head_dim:
-            why = "the attention variant (q/k norms, clipping, sinks or partial/interleaved rotary)"
-        elif c.rope_scaling is not None:
+        """Refuse, in one line, what the one-call step does not take (`semoe.decode.support`)."""
+        why = one_call_refusal(c)
+        if why is None and c.rope_scaling is not None:
             why = "scaled rotary frequencies"
-        elif c.num_experts and (c.router != "softmax_topk" or c.shared_expert_size or c.expert_mlp != "swiglu"
-                                or c.router_bias):
-            why = f"the {c.router} router or its experts' kind ({c.expert_mlp}, shared {c.shared_expert_size})"
-        elif c.sliding_window is not None:
-            why = "sliding-window attention"
         if why:
-            raise LeanUnsupported(f"the lean runner does not take {why} ({c.arch}); decode it with the engine "
-                                  f"(without --lean)")
+            raise NotOnFastPath(f"the lean runner does not take {why} ({c.arch}); decode it with the engine "
+                                f"(without --lean)")
 
     def _vector(self, param: str) -> int:
         """A float32 copy of a 1-d parameter (a norm's weight), held; its address."""
@@ -350,7 +337,7 @@ class LeanModel:
     def _read_1d(self, name: str) -> np.ndarray:
         t = self.store.tensor(name)
         if len(t["shape"]) != 1 or t["dtype"] not in ("F32", "BF16") or t.get("quant"):
-            raise LeanUnsupported(f"{self.store.root}: {name} is {t['dtype']} {t['shape']}; expected a float vector")
+            raise NotOnFastPath(f"{self.store.root}: {name} is {t['dtype']} {t['shape']}; expected a float vector")
         path = self.store.path(t["file"])
         raw = np.fromfile(path, dtype=np.uint8, count=t["bytes"], offset=t["offset"])
         if len(raw) != t["bytes"] or crc32c(raw) != t["crc32c"]:
@@ -367,7 +354,7 @@ class LeanModel:
         shapes = [self.store.tensor(n)["shape"] for n in names]
         I = shapes[0][1]
         if any(s[1] != I for s in shapes):
-            raise LeanUnsupported(f"{names}: products of different input sizes")
+            raise NotOnFastPath(f"{names}: products of different input sizes")
         O = sum(s[0] for s in shapes)
         if dense == "int8":
             codes, scales = np.empty((O, I), np.int8), np.empty(O, np.float32)
@@ -423,19 +410,19 @@ class LeanModel:
             t = next((t for t in tensors if t["name"].endswith(suffixes) and "scales_of" not in t.get("quant", {})),
                      None)
             if t is None:
-                raise LeanUnsupported(f"{self.store.root}: layer {layer}'s experts have no {part} weight "
+                raise NotOnFastPath(f"{self.store.root}: layer {layer}'s experts have no {part} weight "
                                       f"({' or '.join(suffixes)})")
             q = t.get("quant") or {}
             scheme = q.get("scheme") or t["dtype"]
             if scheme not in _KIND or q.get("transposed"):
-                raise LeanUnsupported(f"{self.store.root}: expert weight {t['name']} is {scheme}; the lean runner "
+                raise NotOnFastPath(f"{self.store.root}: expert weight {t['name']} is {scheme}; the lean runner "
                                       f"takes F32, BF16, int8 and int4")
             O, I = q["shape"] if q else t["shape"]
             s = scales.get(t["name"])
             out.append((_KIND[scheme], q.get("group_size") or 0 if scheme == "int4" else 0, O, I, t["offset"],
                         s["offset"] if s else -1))
         if out[0][:4] != out[1][:4]:
-            raise LeanUnsupported(f"{self.store.root}: layer {layer}'s gate and up weights differ in kind or shape")
+            raise NotOnFastPath(f"{self.store.root}: layer {layer}'s gate and up weights differ in kind or shape")
         return out
 
     def _point(self, layer: int, expert: int, slot: int) -> None:

@@ -9,7 +9,7 @@ still prefilling, up to `max_batch_tokens` rows in all; a prompt longer than wha
 the next step's room. The forward returns logits only for the rows sampled (each decoding request's
 row and the last prompt row of a prefill that completed), and each request samples with its own
 generator, temperature, top-p, stop ids, stop strings and `max_tokens`. Requests join and leave
-between steps. The forward is `Engine.step` (with one request decoding alone, `semoe.decode_plan`
+between steps. The forward is `Engine.step` (with one request decoding alone, `semoe.decode.plan`
 where it applies, as `Engine.generate` uses).
 
 Every row of a packed batch is computed as it would be alone (per-row kernels, attention against

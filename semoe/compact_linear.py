@@ -307,7 +307,7 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
     feed-forwards) by `CompactLinear`s of `scheme`, quantized here; the routers and the token
     embedding stay as they are (a router's few rows decide which experts run), and so does latent
     attention's kv_b (decoding takes it into the query and the output in the absorbed form,
-    `semoe.decode_plan`, which multiplies float rows, not a latent quantized per block). int4 takes groups of
+    `semoe.decode.plan`, which multiplies float rows, not a latent quantized per block). int4 takes groups of
     `group_size` inputs, or the largest smaller group that divides the input features; the lm_head
     and any weight int4 cannot hold (out features not a multiple of 64) take int8: the
     output layer's errors land on every logit directly (llama.cpp's 4-bit files keep it at 6 bits

@@ -7,7 +7,7 @@ experts, as the provider holds them: compact ones compact) so that the report gi
 effective GB/s beside the machine's measured memory read rate: the gap to the memory bound, part
 by part. On CUDA each hook synchronises the device, so the timings are exact but the profiled run
 is slower than an unprofiled one. On CPU the hooks also keep the steps on the module path: an
-unprofiled decode takes `semoe.decode_plan`'s run of kernel calls where it applies, the same kernels
+unprofiled decode takes `semoe.decode.plan`'s run of kernel calls where it applies, the same kernels
 for the same parts with less per-call overhead in between (the profile's "rest" and part of each
 part's time).
 """

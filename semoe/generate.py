@@ -11,7 +11,7 @@ from typing import Callable, Literal
 
 import torch
 
-from semoe.decode_plan import DecodePlan
+from semoe.decode.plan import DecodePlan
 from semoe.model import KVCache, MoEGPT
 
 

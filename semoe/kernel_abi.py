@@ -4,7 +4,7 @@ take, loaded with ctypes and no torch.
 `library()` loads the best build made at install that this CPU runs (`semoe.kernel_variants`), or
 the one SEMOE_CPU_KERNELS names (`off`: none), checks that `Lin`, `Expert`, `LayerC` and `Net` have
 the layouts of decode_abi.h's structs as the library was compiled, and declares every entry point.
-`semoe.cpu_kernels` and `semoe.decode_plan` call the kernels on torch tensors through these;
+`semoe.cpu_kernels` and `semoe.decode.plan` call the kernels on torch tensors through these;
 `inference.lean` calls them on its own buffers, in a process that never imports torch.
 """
 

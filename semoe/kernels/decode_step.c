@@ -8,7 +8,7 @@
  * through Python calls each kernel in turn, a few hundred calls and small torch ops, which on a
  * 2-core CPU cost a tenth to a fifth of a 4-bit token's time.
  *
- * Every value is the arithmetic of the plan's kernel-by-kernel step (semoe/decode_plan.py) except
+ * Every value is the arithmetic of the plan's kernel-by-kernel step (semoe/decode/plan.py) except
  * two: the router's softmax and the SiLU of float experts use this file's expf where the plan uses
  * torch's ops, so the logits agree to float32 rounding, not to the bit (tests bound the difference).
  */

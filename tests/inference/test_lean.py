@@ -26,10 +26,11 @@ import torch
 from helpers.hf_models import add_word_tokenizer
 from helpers.kernels import needs_kernels
 from inference.engine import Engine, EngineConfig
-from inference.lean import LeanConfig, LeanModel, LeanUnsupported, expert_bytes, quantize_int8_rows
+from inference.lean import LeanConfig, LeanModel, expert_bytes, quantize_int8_rows
 from semoe.attention import KVCache, rope_tables
 from semoe.checkpoint import load_store
-from semoe.decode_plan import DecodePlan
+from semoe.decode.plan import DecodePlan
+from semoe.decode.support import NotOnFastPath
 from semoe.generate import SamplingConfig
 from semoe.hf_import import import_checkpoint
 from semoe.quantize import QuantizeConfig, quantize_store
@@ -193,7 +194,7 @@ def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
     from helpers.hf_models import make_hf_checkpoint
 
     import_checkpoint(str(make_hf_checkpoint("qwen3_moe", tmp_path / "hf")), str(tmp_path / "q3"))
-    with pytest.raises(LeanUnsupported, match="q/k norms") as e:
+    with pytest.raises(NotOnFastPath, match="q/k norms") as e:
         LeanModel(str(tmp_path / "q3"), LeanConfig(cache_bytes=0))
     assert "\n" not in str(e.value)
     with pytest.raises(BadInputError, match=r"--cpu-cache: 4096 bytes hold 0 .* at least top_k = 2"):

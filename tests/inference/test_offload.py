@@ -12,7 +12,7 @@ from helpers.kernels import needs_kernels
 from helpers.store_opens import record_store_opens
 
 from inference.engine import Engine, EngineConfig
-from semoe.decode_plan import DecodePlan
+from semoe.decode.plan import DecodePlan
 from semoe.generate import GenerationResult, SamplingConfig, generate
 from semoe.hf_import import import_checkpoint
 from helpers.procs import ROOT, child_env
@@ -425,7 +425,7 @@ def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_lay
     store one per forward (its ids pick the rows to read). The resident model compared steps kernel
     by kernel, as an offloaded one must (its experts arrive during the step); its one-call step
     (`decode_step`) reads nothing back per layer."""
-    from semoe.decode_plan import DecodePlan
+    from semoe.decode.plan import DecodePlan
     from storage.syncs import HostSyncCounter
 
     arch, store, want = bf16_store

@@ -20,7 +20,8 @@ from inference.engine import Engine, EngineConfig
 from semoe.attention import KVCache
 from semoe.checkpoint import load_store, save_store
 from semoe.config import MoEConfig
-from semoe.decode_plan import DecodePlan, NotPlanned
+from semoe.decode.plan import DecodePlan
+from semoe.decode.support import NotOnFastPath
 from semoe.generate import SamplingConfig, decode_one_token, generate, prefill
 from semoe.model import MoEGPT
 from semoe.quantize import QuantizeConfig, quantize_store
@@ -155,11 +156,11 @@ def test_hooks_send_the_step_through_the_modules():
 
 
 def test_models_the_plan_does_not_take():
-    with pytest.raises(NotPlanned, match="not float32 on CPU"):
+    with pytest.raises(NotOnFastPath, match="not float32 on CPU"):
         DecodePlan(_model().to(torch.bfloat16))
     model = _model(rope_interleave=True)
     assert DecodePlan.build(model) is None
-    with pytest.raises(NotPlanned, match="interleaved pairs"):
+    with pytest.raises(NotOnFastPath, match="interleaved pairs"):
         DecodePlan(model)
 
 
@@ -245,7 +246,7 @@ def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     assert plan is not None
     assert (plan.net is not None) == (arch == "mixtral")
     if arch != "mixtral":
-        with pytest.raises(NotPlanned):
+        with pytest.raises(NotOnFastPath):
             plan._whole(model)
     got, planned = _steps(model, plan)
     want, _ = _steps(model, None)

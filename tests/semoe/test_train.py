@@ -276,7 +276,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path, text_file, states, ranks):
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_generate_from_a_trained_store_offloaded_equals_resident(tmp_path, text_file):
     """The same tokens; log-probs within 1e-5: the resident model decodes through the one-call step
-    (semoe.decode_plan), whose router softmax and SiLU round differently from the call-by-call step
+    (semoe.decode.plan), whose router softmax and SiLU round differently from the call-by-call step
     the offloaded one takes (which is the module path's bits)."""
     out = tmp_path / "run"
     cli("train", *SHAPE_FLAGS, "--data", text_file, "--batch-size", "4", "--seq-len", "32", "--steps", "4",

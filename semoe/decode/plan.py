@@ -31,7 +31,7 @@ agree with the modules' to float32 rounding rather than to the bit. Offloaded ex
 the step, from the ring, so a model with offloaded experts takes the kernel-by-kernel step.
 
 It needs float32 activations on CPU and the compiled kernels. `DecodePlan.build` gives None where
-a model has a part it does not take (`NotPlanned` names it), and a step the plan cannot take (hooks
+a model has a part it does not take (`NotOnFastPath` names it), and a step the plan cannot take (hooks
 on a module, as the decode profile and routing traces add, a full cache) goes through the modules.
 """
 
@@ -47,13 +47,10 @@ from torch import nn
 from semoe import cpu_kernels, kernel_abi
 from semoe.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables
 from semoe.compact_linear import CompactWeight, swiglu_operands
+from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.expert_layout import PackedExperts
 from semoe.experts import ExpertWeights, ResidentExperts, SwiGLU
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
-
-
-class NotPlanned(Exception):
-    """The model has a part the plan does not take (the message says which)."""
 
 
 def _ptr(t: torch.Tensor) -> int:
@@ -72,7 +69,7 @@ def _weight(w: torch.Tensor | CompactWeight) -> tuple[_Lin, tuple[torch.Tensor, 
     if isinstance(w, CompactWeight):
         scheme = w.spec.scheme
         if w.kernel != "auto" or w.codes.device.type != "cpu" or scheme not in ("int8", "int4") or w.spec.transposed:
-            raise NotPlanned(f"a {scheme} weight with the {w.kernel!r} kernel on {w.codes.device}")
+            raise NotOnFastPath(f"a {scheme} weight with the {w.kernel!r} kernel on {w.codes.device}")
         held = (w.codes, cpu_kernels._f32(w.scales))  # kept: the kernel reads them every step
         O, I = w.codes.shape[0], w.codes.shape[1] * (2 if scheme == "int4" else 1)
         g = (w.spec.group_size or 0) if scheme == "int4" else 0
@@ -80,7 +77,7 @@ def _weight(w: torch.Tensor | CompactWeight) -> tuple[_Lin, tuple[torch.Tensor, 
     if isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 \
             and w.device.type == "cpu" and w.is_contiguous():
         return _Lin(_KINDS[w.dtype], w.shape[0], w.shape[1], 0, _ptr(w), None, None), (w,)
-    raise NotPlanned(f"a weight of {type(w).__name__} {getattr(w, 'dtype', '')}")
+    raise NotOnFastPath(f"a weight of {type(w).__name__} {getattr(w, 'dtype', '')}")
 
 
 class _Product:
@@ -94,14 +91,14 @@ class _Product:
         self.O = w.shape[0]
         try:
             self.lin, self.held = _weight(w)
-        except NotPlanned:
+        except NotOnFastPath:
             self.lin, self.held = None, ()
             self._call = None
             return
         self.bias = getattr(module, "bias", None) if bias else None
         if self.bias is not None:
             if self.bias.dtype != torch.float32 or not self.bias.is_contiguous():
-                raise NotPlanned("a bias that is not contiguous float32")
+                raise NotOnFastPath("a bias that is not contiguous float32")
             self.lin.bias = _ptr(self.bias)
         kind, O, I, g, wp, sp = (getattr(self.lin, f) for f in ("kind", "O", "I", "g", "w", "s"))
         if kind == _KINDS["int8"]:
@@ -129,7 +126,7 @@ class _Norm:
 
     def __init__(self, lib: ctypes.CDLL, norm: RMSNorm) -> None:
         if norm.weight.dtype != torch.float32:
-            raise NotPlanned(f"a norm weight of {norm.weight.dtype}")
+            raise NotOnFastPath(f"a norm weight of {norm.weight.dtype}")
         self.weight, self.eps = norm.weight, norm.eps
         wp, eps, D = norm.weight.data_ptr(), norm.eps, norm.weight.numel()
         self.call = lambda x, out, rows=1: lib.rmsnorm_f32(x, wp, eps, out, rows, D)
@@ -141,18 +138,18 @@ class _GQA:
     def __init__(self, plan: "DecodePlan", lib: ctypes.CDLL, a: Attention) -> None:
         c = a.config
         if c.rope_interleave:
-            raise NotPlanned(f"layer {a.layer}: grouped-query attention rotating interleaved pairs")
+            raise NotOnFastPath(f"layer {a.layer}: grouped-query attention rotating interleaved pairs")
         self.lib, self.layer = lib, a.layer
         projs = [a.qkv_proj] if a.qkv_proj is not None else [a.q_proj, a.k_proj, a.v_proj]
         self.qkv, start = [], 0
         for p in projs:
             prod = _Product(lib, p)
             if start + prod.O > plan.qkv.numel():
-                raise NotPlanned(f"layer {a.layer}: q, k and v of more than {plan.qkv.numel()} outputs")
+                raise NotOnFastPath(f"layer {a.layer}: q, k and v of more than {plan.qkv.numel()} outputs")
             self.qkv.append((prod, plan.qkv[start:start + prod.O], _ptr(plan.qkv) + 4 * start))
             start += prod.O
         if start != plan.qkv.numel():
-            raise NotPlanned(f"layer {a.layer}: q, k and v of {start} outputs")
+            raise NotOnFastPath(f"layer {a.layer}: q, k and v of {start} outputs")
         self.qk_norm = c.qk_norm
         self.norms = (_Norm(lib, a.q_norm), _Norm(lib, a.k_norm)) if c.qk_norm != "none" else None
         self.clip = c.clip_qkv
@@ -160,7 +157,7 @@ class _GQA:
         self.sinks = None
         if c.attention_sinks:
             if a.sinks.dtype != torch.float32 or not a.sinks.is_contiguous():
-                raise NotPlanned(f"layer {a.layer}: attention sinks that are not contiguous float32")
+                raise NotOnFastPath(f"layer {a.layer}: attention sinks that are not contiguous float32")
             self.sinks = a.sinks
         self.o_proj = _Product(lib, a.o_proj)
         self.scale = c.head_dim ** -0.5
@@ -267,9 +264,9 @@ class DecodePlan:
         c = self.config = model.config
         self.model = model
         if lib is None:
-            raise NotPlanned(f"semoe's compiled CPU kernels are {kernel_abi.status()}")
+            raise NotOnFastPath(f"semoe's compiled CPU kernels are {kernel_abi.status()}")
         if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
-            raise NotPlanned("activations are not float32 on CPU")
+            raise NotOnFastPath("activations are not float32 on CPU")
         self.lib = lib
         D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         # the step's buffers, made once, and their addresses, taken once (a step takes a few hundred)
@@ -288,15 +285,15 @@ class DecodePlan:
             elif type(a) is LatentAttention:
                 attn = _MLA(self, lib, a)
             else:
-                raise NotPlanned(f"layer {block.layer}: {type(a).__name__}")
+                raise NotOnFastPath(f"layer {block.layer}: {type(a).__name__}")
             router, ffn = None, block.ffn
             if isinstance(ffn, MoEFeedForward):
                 if c.router == "softmax_topk":
                     router = _Product(lib, ffn.router, bias=False)  # the softmax-top-k router takes none
                     if router.lin is None:
-                        raise NotPlanned(f"layer {block.layer}: a router weight the kernels do not take")
+                        raise NotOnFastPath(f"layer {block.layer}: a router weight the kernels do not take")
             elif not isinstance(ffn, DenseFFN):
-                raise NotPlanned(f"layer {block.layer}: {type(ffn).__name__}")
+                raise NotOnFastPath(f"layer {block.layer}: {type(ffn).__name__}")
             self.layers.append(_Layer(_Norm(lib, block.attn_norm), attn, _Norm(lib, block.ffn_norm), ffn, router,
                                       isinstance(ffn, MoEFeedForward) and bool(c.shared_expert_size)))
         self.lm_head = _Product(lib, model.lm_head)
@@ -311,37 +308,41 @@ class DecodePlan:
         self._expert_args: dict[int, tuple[weakref.ref, tuple | None, tuple]] = {}
         # the whole step in one call (`decode_step`), where every layer's weights are in memory
         self.net: _Net | None = None
+        self.whole_refusal = "not asked for"  # why `net` is None, in a phrase
         if whole:
             try:
                 self.net, self._net_held = self._whole(model)
-            except NotPlanned:
-                pass
+            except NotOnFastPath as e:
+                self.whole_refusal = str(e)
 
     def _whole(self, model: MoEGPT) -> tuple[_Net, list]:
-        """decode_step.c's `Net` of the model, and what its pointers point into; NotPlanned where a
+        """decode_step.c's `Net` of the model, and what its pointers point into; NotOnFastPath where a
         layer's experts are not all in memory (offloaded ones arrive during the step), or its weights
         are of a kind the call does not take."""
         c, held = self.config, []
+        why = one_call_refusal(c)
+        if why is not None:
+            raise NotOnFastPath(f"the one-call step does not take {why}")
 
         def expert(parts: tuple) -> _Expert:
             (gate, g_held), (up, u_held), (down, d_held) = (_weight(p) for p in parts)
             if (gate.kind, gate.g, gate.O, gate.I) != (up.kind, up.g, up.O, up.I):
-                raise NotPlanned("gate and up of different kinds")  # they share x's quantization
+                raise NotOnFastPath("gate and up of different kinds")  # they share x's quantization
             held.extend((g_held, u_held, d_held))
             return _Expert(gate, up, down)
 
         layers = (_LayerC * len(self.layers))()
         F = E = 0
         if self.lm_head.lin is None:
-            raise NotPlanned("an output weight the kernels do not take")
+            raise NotOnFastPath("an output weight the kernels do not take")
         for lay, block, lc in zip(self.layers, model.layers, layers):
             attn = lay.attn
             if not attn.plain:
-                raise NotPlanned(f"layer {block.layer}: an attention variant the one-call step does not take")
+                raise NotOnFastPath(f"layer {block.layer}: an attention variant the one-call step does not take")
             if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv) or attn.o_proj.lin is None:
-                raise NotPlanned(f"layer {block.layer}: q/k/v or output weights the one-call step does not take")
+                raise NotOnFastPath(f"layer {block.layer}: q/k/v or output weights the one-call step does not take")
             if isinstance(lay.ffn, MoEFeedForward) and (lay.router is None or lay.shared):
-                raise NotPlanned(f"layer {block.layer}: a router or shared expert the one-call step does not take")
+                raise NotOnFastPath(f"layer {block.layer}: a router or shared expert the one-call step does not take")
             lc.attn_norm, lc.attn_eps = _ptr(lay.attn_norm.weight), lay.attn_norm.eps
             lc.ffn_norm, lc.ffn_eps = _ptr(lay.ffn_norm.weight), lay.ffn_norm.eps
             lc.n_qkv = len(attn.qkv)
@@ -352,7 +353,7 @@ class DecodePlan:
             if lay.router is None:  # a dense layer: DenseFFN (the plan takes no other)
                 experts = [expert(tuple(m.weight for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)))]
                 if any(m.bias is not None for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)):
-                    raise NotPlanned("a dense feed-forward layer with biases")
+                    raise NotOnFastPath("a dense feed-forward layer with biases")
             else:
                 provider = ffn.experts
                 if isinstance(provider, ResidentExperts) and isinstance(provider.mlp, SwiGLU):
@@ -361,7 +362,7 @@ class DecodePlan:
                         and set(provider.weights) == set(range(c.num_experts)):
                     ws = [provider.weights[e] for e in range(c.num_experts)]
                 else:
-                    raise NotPlanned(f"layer {block.layer}: experts not all in memory")
+                    raise NotOnFastPath(f"layer {block.layer}: experts not all in memory (offloaded ones arrive during the step)")
                 experts = [expert(w.parts) for w in ws]
                 lc.E, lc.router = c.num_experts, lay.router.lin
             array = (_Expert * len(experts))(*experts)
@@ -379,7 +380,7 @@ class DecodePlan:
         (`whole` as the constructor's)."""
         try:
             return cls(model, whole=whole)
-        except NotPlanned:
+        except NotOnFastPath:
             return None
 
     def takes(self, cache: KVCache) -> bool:

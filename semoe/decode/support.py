@@ -1,0 +1,40 @@
+"""What each CPU decoding path takes, in one place, and the one error for a model a path does not take.
+
+There are two paths on CPU, both over semoe's compiled kernels (semoe/kernels):
+
+- the plan (`semoe.decode.plan.DecodePlan`), kernel call by kernel call with a little torch between
+  them: every architecture the model implements (`ARCHITECTURES`), in float32 activations, with
+  weights float32/bfloat16, int8/int4, FP8 or MXFP4;
+- the one-call step (`decode_step.c`), the whole step in one C call, and the torch-free runner
+  (`inference.lean`), which calls the same C code in three parts: the common decoder only, what
+  `one_call_refusal` does not name.
+
+This module imports no torch: the torch-free runner checks its models here too.
+"""
+
+from __future__ import annotations
+
+from storage.errors import BadInputError
+
+# the model types the plan takes (every one `semoe.hf_config` builds)
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+
+
+class NotOnFastPath(BadInputError):
+    """A model has a part a decoding path does not take; the message names the part."""
+
+
+def one_call_refusal(c) -> str | None:
+    """What in config `c` (a `semoe.config.MoEConfig`) the one-call step and the torch-free runner do
+    not take, in a phrase; None where they take it all."""
+    if c.attention != "gqa":
+        return f"{c.attention} attention"
+    if c.qk_norm != "none" or c.clip_qkv is not None or c.attention_sinks or c.rope_interleave \
+            or c.rope_dim != c.head_dim:
+        return "the attention variant (q/k norms, clipping, sinks or partial/interleaved rotary)"
+    if c.sliding_window is not None:
+        return "sliding-window attention"
+    if c.num_experts and (c.router != "softmax_topk" or c.shared_expert_size or c.expert_mlp != "swiglu"
+                          or c.router_bias):
+        return f"the {c.router} router or its experts' kind ({c.expert_mlp}, shared {c.shared_expert_size})"
+    return None
