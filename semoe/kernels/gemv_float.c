@@ -152,21 +152,36 @@ void gemv_f32(const float *x, const float *w, float *y, int64_t M, int64_t O, in
 
 /* y (M, O) = x (M, I) @ W for a float32 weight laid out (I, O), in-major, as gpt-oss's fused experts
  * are: each thread takes a strip of the output columns and streams that strip of every weight row
- * once for all rows of x, adding x[m, i] * W[i, strip] into y[m, strip] (a multiply-add per column
- * the compiler vectorizes). Each output sums over i in order, so the result does not depend on the
- * thread count. torch's x @ W keeps to one core at these sizes, as its (O, I) product does. */
-void gemv_f32_io(const float *x, const float *w, float *y, int64_t M, int64_t O, int64_t I, int threads) {
+ * once for all rows of x, four weight rows at a time: y[m, strip] += x[m, i..i+3] . W[i..i+3, strip]
+ * (multiply-adds across the strip, which the compiler vectorizes). Each output sums over i in the
+ * same order whatever the thread count. torch's x @ W keeps to one core at these sizes, as its
+ * (O, I) product does. */
+void gemv_f32_io(const float *restrict x, const float *restrict w, float *restrict y, int64_t M, int64_t O,
+                 int64_t I, int threads) {
     int64_t width = ((O + threads - 1) / threads + 15) / 16 * 16;
     int64_t strips = (O + width - 1) / width;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t s = 0; s < strips; s++) {
-        int64_t c0 = s * width, c1 = c0 + width < O ? c0 + width : O;
-        for (int64_t m = 0; m < M; m++) memset(y + m * O + c0, 0, sizeof(float) * (size_t)(c1 - c0));
-        for (int64_t i = 0; i < I; i++) {
-            const float *wi = w + i * O;
+        int64_t c0 = s * width, n = (c0 + width < O ? c0 + width : O) - c0;
+        for (int64_t m = 0; m < M; m++) memset(y + m * O + c0, 0, sizeof(float) * (size_t)n);
+        int64_t i = 0;
+        for (; i + 4 <= I; i += 4) {
+            const float *restrict w0 = w + i * O + c0, *restrict w1 = w0 + O, *restrict w2 = w1 + O,
+                                  *restrict w3 = w2 + O;
             for (int64_t m = 0; m < M; m++) {
-                float xi = x[m * I + i], *ym = y + m * O;
-                for (int64_t c = c0; c < c1; c++) ym[c] += xi * wi[c];
+                const float x0 = x[m * I + i], x1 = x[m * I + i + 1], x2 = x[m * I + i + 2], x3 = x[m * I + i + 3];
+                float *restrict ym = y + m * O + c0;
+#pragma omp simd
+                for (int64_t c = 0; c < n; c++) ym[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+            }
+        }
+        for (; i < I; i++) {
+            const float *restrict wi = w + i * O + c0;
+            for (int64_t m = 0; m < M; m++) {
+                const float xi = x[m * I + i];
+                float *restrict ym = y + m * O + c0;
+#pragma omp simd
+                for (int64_t c = 0; c < n; c++) ym[c] += xi * wi[c];
             }
         }
     }
