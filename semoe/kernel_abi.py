@@ -82,6 +82,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
     lib.gemv_f32.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
     lib.gemv_f32_io.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
+    lib.gemv_f32_heads.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
     lib.rmsnorm_f32.argtypes = [_P, _P, _F32, _P, _I, _I]
     lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F32, _P, _P, _INT]
     lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _INT]
@@ -94,7 +95,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_attend.argtypes = [_P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _INT]
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
-    for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_f32, lib.gemv_f32_io, lib.rmsnorm_f32,
+    for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads, lib.rmsnorm_f32,
               lib.moe_combine_f32, lib.decode_work_free):
         f.restype = None
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks

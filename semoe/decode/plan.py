@@ -187,17 +187,19 @@ class _GQA:
 class _MLA:
     """A `LatentAttention` layer's step in the absorbed form, over the latent cache the module path
     fills (the normed latent and the rotated rotary key per position): with W_UK and W_UV kv_b's key
-    and value halves per head, q's no-rope part is taken into the latent space once (q_nope W_UK),
+    and value halves per head, q's no-rope part is taken into the latent space once (W_UK^T q_nope),
     the scores are that against the cached latents plus the rotary parts' product, and each head's
     values are summed in the latent space and taken out by W_UV. The module path expands K and V for
-    every cached position at every step; this reads kv_b once. kv_b's halves are kept as float32
-    (dequantized where the weight is compact): 4 bytes for each of its weights, beside the weight."""
+    every cached position at every step; this reads kv_b once. Every product is a kernel call
+    (per-head products: `gemv_f32_heads`; against the cache: `gemv_f32`, `gemv_f32_io`). kv_b's
+    halves are kept as float32 (dequantized where the weight is compact): 4 bytes for each of its
+    weights, beside the weight."""
 
     plain = False
 
     def __init__(self, plan: "DecodePlan", lib: ctypes.CDLL, a: LatentAttention) -> None:
         c = a.config
-        self.layer, self.config, self.scale = a.layer, c, a.scale
+        self.lib, self.layer, self.config, self.scale = lib, a.layer, c, a.scale
         H, nope, rope, L, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
         if c.q_lora_rank is None:
             self.q_a = self.q_a_norm = None
@@ -211,15 +213,17 @@ class _MLA:
         w = a.kv_b_proj.weight
         w = w.dequantize(torch.float32) if isinstance(w, CompactWeight) else w.detach().to(torch.float32)
         w_HdL = w.reshape(H, nope + dv, L)
-        self.w_uk = w_HdL[:, :nope].contiguous()  # (H, nope, L)
-        self.w_uv = w_HdL[:, nope:].contiguous()  # (H, dv, L)
+        self.w_ukT = w_HdL[:, :nope].transpose(1, 2).contiguous()  # (H, L, nope): q_nope into the latent space
+        self.w_uv = w_HdL[:, nope:].contiguous()  # (H, dv, L): a head's latent sum out to its values
         self.qbuf, self.kv = torch.empty(H * (nope + rope)), torch.empty(L + rope)
-        self.att = torch.empty(H * dv)
+        self.q_nope, self.q_rot, self.q_lat = torch.empty(H, nope), torch.empty(H, rope), torch.empty(H, L)
+        self.o_lat, self.att = torch.empty(H, L), torch.empty(H * dv)
+        self.scores = self.rot_scores = torch.empty(0)
 
     def __call__(self, plan: "DecodePlan", cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                  threads: int) -> None:
-        c = self.config
-        H, nope, rope, L = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank
+        c, lib = self.config, self.lib
+        H, nope, rope, L, dv = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
         if self.q_a is None:
             self.q(plan.h, self.qbuf, threads, plan.hp)
         else:
@@ -232,16 +236,23 @@ class _MLA:
         self.kv_norm.call(kvp, kvp)
         q_HQ = self.qbuf.view(H, nope + rope)
         cos_11R, sin_11R = cos.view(1, 1, -1), sin.view(1, 1, -1)
-        q_rot_H1R = apply_rope(q_HQ[None, :, None, nope:], cos_11R, sin_11R, interleave=c.rope_interleave)[0]
+        self.q_rot.copy_(apply_rope(q_HQ[None, :, None, nope:], cos_11R, sin_11R, interleave=c.rope_interleave)
+                         .view(H, rope))
         k_rot = apply_rope(self.kv[L:].view(1, 1, 1, rope), cos_11R, sin_11R, interleave=c.rope_interleave)
         latents, rots = cache.k[self.layer][0, 0], cache.v[self.layer][0, 0]  # (S, L), (S, R)
         latents[pos] = self.kv[:L]
         rots[pos] = k_rot.view(rope)
-        lat_SL, rot_SR = latents[:pos + 1], rots[:pos + 1]
-        q_lat_H1L = torch.bmm(q_HQ[:, None, :nope], self.w_uk)
-        scores_HS = (q_lat_H1L[:, 0] @ lat_SL.T + q_rot_H1R[:, 0] @ rot_SR.T) * self.scale
-        out_H1L = (torch.softmax(scores_HS, dim=-1) @ lat_SL)[:, None]
-        torch.bmm(out_H1L, self.w_uv.transpose(1, 2), out=self.att.view(H, 1, -1))
+        S = pos + 1
+        if self.scores.numel() < H * S:  # room for the cache's positions, made as the sequence grows
+            self.scores, self.rot_scores = torch.empty(H * cache.capacity), torch.empty(H * cache.capacity)
+        scores, rot_scores = self.scores[:H * S].view(H, S), self.rot_scores[:H * S].view(H, S)
+        self.q_nope.copy_(q_HQ[:, :nope])
+        lib.gemv_f32_heads(_ptr(self.q_nope), _ptr(self.w_ukT), _ptr(self.q_lat), H, L, nope, threads)
+        lib.gemv_f32(_ptr(self.q_lat), _ptr(latents), _ptr(scores), H, S, L, threads)
+        lib.gemv_f32(_ptr(self.q_rot), _ptr(rots), _ptr(rot_scores), H, S, rope, threads)
+        probs = torch.softmax(scores.add_(rot_scores).mul_(self.scale), dim=-1)
+        lib.gemv_f32_io(_ptr(probs), _ptr(latents), _ptr(self.o_lat), H, L, S, threads)
+        lib.gemv_f32_heads(_ptr(self.o_lat), _ptr(self.w_uv), _ptr(self.att), H, dv, L, threads)
         self.o_proj(self.att, plan.tmp, threads, None, plan.tmpp)
 
 
