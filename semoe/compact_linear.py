@@ -121,18 +121,24 @@ class CompactWeight:
         # the weight as the checkpoint defines it (its logical dtype and layout), then the product a
         # plain weight of it gets (`linear`: the same bits as the checkpoint's dequantized weights)
         w = self.dequantize().to(x_MI.dtype)
-        return x_MI @ w if self.spec.transposed else linear(x_MI, w)
+        return matmul(x_MI, w) if self.spec.transposed else linear(x_MI, w)
 
 
 Weight = torch.Tensor | CompactWeight
 
 
 def swiglu_operands(gate: Weight, up: Weight, down: Weight) -> tuple | None:
-    """Where one call of semoe's CPU SwiGLU kernel computes this expert (three int8 or three int4
-    weights stored out-major, the `auto` kernel): its operands (bits, (codes, scales) of gate, up and
-    down, gate/up's group, down's group); None elsewhere. The one test the model's experts and
-    `DecodePlan` both make."""
+    """Where one call of semoe's CPU SwiGLU kernel computes this expert: three int8 or three int4
+    weights stored out-major (the `auto` kernel), or three plain float32 or bfloat16 (O, I) weights
+    contiguous on CPU. Its operands (bits: 8, 4, 32 or 16; (codes, scales) of gate, up and down, the
+    scales None for float weights; gate/up's group, down's group); None elsewhere. The one test the
+    model's experts and `DecodePlan` both make."""
     ws = (gate, up, down)
+    if all(isinstance(w, torch.Tensor) for w in ws):
+        if gate.dtype not in (torch.float32, torch.bfloat16) or any(
+                w.dtype != gate.dtype or w.dim() != 2 or w.device.type != "cpu" or not w.is_contiguous() for w in ws):
+            return None
+        return (32 if gate.dtype == torch.float32 else 16, (gate, None), (up, None), (down, None), 0, 0)
     if not all(isinstance(w, CompactWeight) and w.kernel == "auto" and not w.spec.transposed for w in ws):
         return None
     scheme = gate.spec.scheme
@@ -144,10 +150,14 @@ def swiglu_operands(gate: Weight, up: Weight, down: Weight) -> tuple | None:
 
 def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> torch.Tensor | None:
     """down(silu(gate x) * up x) in one call of semoe's CPU kernel where it applies (`swiglu_operands`,
-    and a decoding step's few rows on CPU); None elsewhere, for the caller to compose the three
-    products."""
+    and a decoding step's few rows on CPU, no gradient wanted); None elsewhere, for the caller to
+    compose the three products. Compact weights of the `dequantize` kernel are their float weights
+    (`CompactWeight.linear`), here as in each product."""
+    if all(isinstance(w, CompactWeight) and w.kernel == "dequantize" for w in (gate, up, down)):
+        gate, up, down = (w.dequantize().to(x_MD.dtype) for w in (gate, up, down))
     ops = swiglu_operands(gate, up, down)
-    if ops is None or not cpu_kernels.takes(x_MD):
+    if ops is None or not cpu_kernels.takes(x_MD) or not cpu_kernels.no_grad_wanted(
+            x_MD, *(w for w in (gate, up, down) if isinstance(w, torch.Tensor))):
         return None
     y = cpu_kernels.swiglu(x_MD, *ops)
     return y if y.dtype == x_MD.dtype else y.to(x_MD.dtype)

@@ -205,25 +205,29 @@ def _gemv_float(x_MI: torch.Tensor, w_OI: torch.Tensor, short: str, dtype: torch
     return y
 
 
-def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor], up: tuple[torch.Tensor, torch.Tensor],
-           down: tuple[torch.Tensor, torch.Tensor], group_in: int = 0, group_down: int = 0) -> torch.Tensor:
-    """down(silu(gate x) * up x) for one expert whose three weights are (codes, scales) of one scheme:
-    int8 (bits 8) or int4 (bits 4, groups `group_in` over D for gate and up, `group_down` over F for
-    down); float32 (..., D). The sums of `gemv_i8`/`gemv_i4` in one call: x and the hidden product
-    are each quantized once, and the three products share one parallel region."""
-    if bits not in (8, 4):
-        raise ValueError(f"bits must be 8 or 4, got {bits}")
+def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor | None],
+           up: tuple[torch.Tensor, torch.Tensor | None], down: tuple[torch.Tensor, torch.Tensor | None],
+           group_in: int = 0, group_down: int = 0) -> torch.Tensor:
+    """down(silu(gate x) * up x) for one expert whose three weights are of one kind: (codes, scales)
+    of int8 (bits 8) or int4 (bits 4, groups `group_in` over D for gate and up, `group_down` over F
+    for down), or (weight, None) of float32 (bits 32) or bfloat16 (bits 16); float32 (..., D). The
+    sums of `gemv_i8`/`gemv_i4`/`gemv_f32`/`gemv_bf16` in one call: x and the hidden product are each
+    quantized once (integer kinds), and the three products share one parallel region."""
+    if bits not in (8, 4, 32, 16):
+        raise ValueError(f"bits must be 8, 4, 32 or 16, got {bits}")
     F = gate[0].shape[0]
     D = down[0].shape[0]
-    if up[0].shape != gate[0].shape or (down[0].shape[1] * (2 if bits == 4 else 1)) != F:
+    per_code = 2 if bits == 4 else 1
+    if up[0].shape != gate[0].shape or (down[0].shape[1] * per_code) != F:
         raise ValueError(f"gate {list(gate[0].shape)}, up {list(up[0].shape)} and down {list(down[0].shape)} "
                          f"are not one expert's weights")
-    x, y = _operands(x_MD, gate[0], gate[0].shape[1] * (2 if bits == 4 else 1), D)
+    x, y = _operands(x_MD, gate[0], gate[0].shape[1] * per_code, D)
     _cpu_contiguous(x_MD, up[0], down[0])
-    sg, su, sd = _f32(gate[1]), _f32(up[1]), _f32(down[1])  # held until the call returns
-    _lib().swiglu_q(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], F, bits, gate[0].data_ptr(), sg.data_ptr(),
-                    up[0].data_ptr(), su.data_ptr(), group_in, down[0].data_ptr(), sd.data_ptr(), group_down,
-                    y.data_ptr(), torch.get_num_threads())
+    scales = [None if s is None else _f32(s) for s in (gate[1], up[1], down[1])]  # held until the call returns
+    sg, su, sd = (None if s is None else s.data_ptr() for s in scales)
+    _lib().swiglu_q(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], F, bits, gate[0].data_ptr(), sg,
+                    up[0].data_ptr(), su, group_in, down[0].data_ptr(), sd, group_down, y.data_ptr(),
+                    torch.get_num_threads())
     return y
 
 

@@ -450,8 +450,10 @@ class DecodePlan:
         args = None
         if ops is not None:
             bits, (gc, gs), (uc, us), (dc, ds), g_in, g_down = ops
-            sg, su, sd = held = tuple(cpu_kernels._f32(t) for t in (gs, us, ds))  # held as long as the entry
-            args = (gc.shape[0], bits, _ptr(gc), _ptr(sg), _ptr(uc), _ptr(su), g_in, _ptr(dc), _ptr(sd), g_down)
+            # held as long as the entry (float weights have no scales)
+            held = tuple(None if t is None else cpu_kernels._f32(t) for t in (gs, us, ds))
+            sg, su, sd = (None if t is None else _ptr(t) for t in held)
+            args = (gc.shape[0], bits, _ptr(gc), sg, _ptr(uc), su, g_in, _ptr(dc), sd, g_down)
         key = id(w)
         self._expert_args[key] = (weakref.ref(w, lambda _, k=key, d=self._expert_args: d.pop(k, None)), args, held)
         return args

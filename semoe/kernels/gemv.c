@@ -464,48 +464,61 @@ int gemv_i4(const float *x, const uint8_t *p, const float *sz, float *y, int64_t
     return 0;
 }
 
-/* One block of a weight of either scheme (bits 8 or 4; g: int4's group, which `a` was filled for) */
-static void any_block(int bits, const void *w, const float *s, int64_t O, const Acts *a, int64_t b, float *y) {
+/* One block of a weight of any kind the SwiGLU kernel takes: bits 8 or 4 (int8 or int4 codes and
+ * scales; g: int4's group, which `a` was filled for), 32 or 16 (float32 or bfloat16, against the
+ * float rows x; `a` unused) */
+static void any_block(int bits, const void *w, const float *s, int64_t O, const float *x, const Acts *a, int64_t b,
+                      float *y) {
     if (bits == 8)
         i8_block((const int8_t *)w, s, O, a, b, y);
-    else
+    else if (bits == 4)
         i4_block((const uint8_t *)w, s, O, a, b, y);
+    else if (bits == 32)
+        f32_block(x, (const float *)w, y, a->M, O, a->I, b);
+    else
+        bf16_block(x, (const uint16_t *)w, y, a->M, O, a->I, b);
 }
 
-static int64_t any_blocks(int bits, int64_t O) { return bits == 8 ? i8_blocks(O) : O / I4_BLOCK; }
+static int64_t any_blocks(int bits, int64_t O) { return bits == 4 ? O / I4_BLOCK : i8_blocks(O); }
 
 /* A SwiGLU expert in one call: y (M, D) = down(silu(gate x) * up x), gate and up (F, D) and down
- * (D, F) all int8 (bits 8) or int4 (bits 4, groups g_in over D and g_down over F). The same sums as
- * three gemv calls with silu(h) = h / (1 + exp(-h)) and the product in float32 between them: one
- * parallel region instead of three, and gate and up read in the same pass over x's codes. */
+ * (D, F) all int8 (bits 8), int4 (bits 4, groups g_in over D and g_down over F), float32 (bits 32)
+ * or bfloat16 (bits 16; the float kinds take no scales). The same sums as three gemv calls with
+ * silu(h) = h / (1 + exp(-h)) and the product in float32 between them: one parallel region instead
+ * of three, and gate and up read in the same pass over x (its codes, for the integer kinds). */
 int swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int bits, const void *wg, const float *sg,
              const void *wu, const float *su, int64_t g_in, const void *wd, const float *sd, int64_t g_down, float *y,
              int threads) {
-    Acts ax = acts_alloc(M, D, bits == 4 ? g_in : 0), ah = acts_alloc(M, F, bits == 4 ? g_down : 0);
+    const int quant = bits == 8 || bits == 4;
+    /* float kinds: Acts only says the rows' shape (no codes are made) */
+    Acts ax = quant ? acts_alloc(M, D, bits == 4 ? g_in : 0) : (Acts){.M = M, .I = D},
+         ah = quant ? acts_alloc(M, F, bits == 4 ? g_down : 0) : (Acts){.M = M, .I = F};
     float *hg = malloc(sizeof(float) * (size_t)(M * F)), *hu = malloc(sizeof(float) * (size_t)(M * F));
-    int rc = acts_ok(&ax) && acts_ok(&ah) && hg && hu ? 0 : -1;
+    int rc = (!quant || (acts_ok(&ax) && acts_ok(&ah))) && hg && hu ? 0 : -1;
     if (rc) goto done;
-    acts_fill(&ax, x);
+    if (quant) acts_fill(&ax, x);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < any_blocks(bits, F); b++) {
-            any_block(bits, wg, sg, F, &ax, b, hg);
-            any_block(bits, wu, su, F, &ax, b, hu);
+            any_block(bits, wg, sg, F, x, &ax, b, hg);
+            any_block(bits, wu, su, F, x, &ax, b, hu);
         }
 #pragma omp single
         {
             for (int64_t i = 0; i < M * F; i++) hg[i] = hg[i] / (1.0f + expf(-hg[i])) * hu[i];
-            acts_fill(&ah, hg);
+            if (quant) acts_fill(&ah, hg);
         }
 #pragma omp for schedule(static)
-        for (int64_t b = 0; b < any_blocks(bits, D); b++) any_block(bits, wd, sd, D, &ah, b, y);
+        for (int64_t b = 0; b < any_blocks(bits, D); b++) any_block(bits, wd, sd, D, hg, &ah, b, y);
     }
 done:
     free(hg);
     free(hu);
-    acts_free(&ax);
-    acts_free(&ah);
+    if (quant) {
+        acts_free(&ax);
+        acts_free(&ah);
+    }
     return rc;
 }
 
