@@ -17,8 +17,8 @@ slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT 
 in parallel) and checked against the manifest's crc32c.
 
 What it takes: the models the one-call step takes (`DecodePlan`'s whole step): grouped-query
-attention without q/k norms, clipping, sinks, a window or partial/interleaved rotary, default
-rotary frequencies; softmax-top-k routers over SwiGLU experts without shared experts, or dense
+attention without q/k norms, clipping, sinks or partial/interleaved rotary (sliding windows and
+YaRN included); softmax-top-k routers over SwiGLU experts without shared experts, or dense
 SwiGLU layers; greedy decoding, one sequence. Anything else is refused with one line naming it
 (`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from semoe import kernel_abi
+from semoe.decode import rope
 from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
@@ -264,6 +265,7 @@ class LeanModel:
             lc.attn_norm, lc.attn_eps = self._vector(f"layers.{lay}.attn_norm.weight"), c.rms_norm_eps
             lc.ffn_norm, lc.ffn_eps = self._vector(f"layers.{lay}.ffn_norm.weight"), c.rms_norm_eps
             lc.n_qkv = 1
+            lc.window = c.window(lay) or 0
             lc.qkv[0] = self._linear([f"layers.{lay}.attn.{p}_proj" for p in "qkv"], dense)
             lc.o = self._linear([f"layers.{lay}.attn.o_proj"], dense)
             if lay in moe_layers:
@@ -305,10 +307,8 @@ class LeanModel:
                                 f"{K * self.slot_bytes} bytes")
         self._structs: dict[tuple[int, int], kernel_abi.Expert] = {}
         self._pointed: dict[int, dict[int, int]] = {lay: {} for lay in moe_layers}  # layer -> expert -> slot
-        # rotary frequencies: `semoe.attention.rope_inv_freq`'s float32 operations
-        R = c.rope_dim
-        self.inv_freq = (np.float32(1.0) / (np.float32(c.rope_theta) ** (np.arange(0, R, 2, dtype=np.float32)
-                                                                           / np.float32(R)))).astype(np.float32)
+        # rotary frequencies (plain or YaRN) and the scale of cos and sin, as the model's modules take them
+        self.inv_freq, self.rope_scale = rope.inv_freq(c)
         # the embedding stays on storage: one row a token
         emb = store.tensor(hf_name(c, "embed.weight"))
         if emb["dtype"] not in ("F32", "BF16") or emb.get("quant"):
@@ -322,8 +322,6 @@ class LeanModel:
     def _check(c) -> None:
         """Refuse, in one line, what the one-call step does not take (`semoe.decode.support`)."""
         why = one_call_refusal(c)
-        if why is None and c.rope_scaling is not None:
-            why = "scaled rotary frequencies"
         if why:
             raise NotOnFastPath(f"the lean runner does not take {why} ({c.arch}); decode it with the engine "
                                 f"(without --lean)")
@@ -446,6 +444,9 @@ class LeanModel:
         both = np.concatenate((f, f))
         np.cos(both, out=cos)
         np.sin(both, out=sin)
+        if self.rope_scale != 1.0:  # YaRN's attention factor
+            cos *= np.float32(self.rope_scale)
+            sin *= np.float32(self.rope_scale)
 
     def _embed(self, token: int, x: np.ndarray) -> None:
         e = self._emb

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from semoe import cpu_kernels
+from semoe.decode import rope
 from semoe.compact_linear import CompactLinear, Linear, stacked_float_rows, stacked_rows
 from semoe.config import MoEConfig
 
@@ -50,41 +51,11 @@ class RMSNorm(nn.Module):
 # -- rotary embeddings --------------------------------------------------------------------------
 
 
-def _yarn(config: MoEConfig, base: float, dim: int, device: torch.device | None) -> tuple[torch.Tensor, float]:
-    """YaRN's inverse frequencies and cos/sin scale (Peng et al. 2023, as transformers computes them)."""
-    s = config.rope_scaling or {}
-    factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
-
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
-    attention_factor = s.get("attention_factor")
-    if attention_factor is None:
-        m, m_all = s.get("mscale"), s.get("mscale_all_dim")
-        attention_factor = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
-
-    def correction_dim(rotations: float) -> float:
-        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
-
-    low, high = correction_dim(s.get("beta_fast") or 32), correction_dim(s.get("beta_slow") or 1)
-    if s.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, dim - 1)
-    if low == high:
-        high += 0.001
-    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32, device=device) - low) / (high - low), 0, 1)
-    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
-    extrapolation = 1 - ramp
-    inv_freq = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
-    return inv_freq, float(attention_factor)
-
-
 def rope_inv_freq(config: MoEConfig, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
-    """Inverse frequencies (R/2,) of the rotary dims, made on `device`, and the scale of cos and sin."""
-    dim = config.rope_dim
-    if config.rope_scaling is not None:
-        return _yarn(config, config.rope_theta, dim, device)
-    return 1.0 / (config.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)), 1.0
+    """Inverse frequencies (R/2,) of the rotary dims, made on `device`, and the scale of cos and sin
+    (plain RoPE or YaRN: `semoe.decode.rope`, which the torch-free runner computes them with too)."""
+    inv, scale = rope.inv_freq(config)
+    return torch.from_numpy(inv).to(device), scale
 
 
 # rope_inv_freq's results by what they depend on (rotary dims, base, scaling, device): a decoding

@@ -41,7 +41,7 @@ class Expert(ctypes.Structure):
 
 class LayerC(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
-                ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin), ("experts", ctypes.POINTER(Expert))]
+                ("window", _I), ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin), ("experts", ctypes.POINTER(Expert))]
 
 
 class Net(ctypes.Structure):

@@ -22,7 +22,7 @@ tokens and log-probs are the same bits (tests compare them); where it computes a
 (per-head norms of many heads, latent attention), the logits agree to float32 rounding.
 
 Where every layer's weights are in memory and the model is of the common kind (attention without
-q/k norms, clipping, sinks, windows or partial rotary; softmax-top-k routers over SwiGLU experts
+q/k norms, clipping, sinks or partial rotary, windows and YaRN included; softmax-top-k routers over SwiGLU experts
 without a shared expert, or dense SwiGLU layers; weights the kernels take), the whole step is one
 call instead (`decode_step`, semoe/kernels/decode_step.c): the same kernels inside one parallel
 region, the router's softmax and top-k in C, so that no Python runs between them. Its router softmax
@@ -161,8 +161,7 @@ class _GQA:
             self.sinks = a.sinks
         self.o_proj = _Product(lib, a.o_proj)
         self.scale = c.head_dim ** -0.5
-        self.plain = c.qk_norm == "none" and self.clip is None and not self.window and self.sinks is None \
-            and c.rope_dim == c.head_dim
+        self.plain = c.qk_norm == "none" and self.clip is None and self.sinks is None and c.rope_dim == c.head_dim
 
     def __call__(self, plan: "DecodePlan", cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                  threads: int) -> None:
@@ -357,6 +356,7 @@ class DecodePlan:
             lc.attn_norm, lc.attn_eps = _ptr(lay.attn_norm.weight), lay.attn_norm.eps
             lc.ffn_norm, lc.ffn_eps = _ptr(lay.ffn_norm.weight), lay.ffn_norm.eps
             lc.n_qkv = len(attn.qkv)
+            lc.window = attn.window
             for j, (prod, _, _) in enumerate(attn.qkv):
                 lc.qkv[j] = prod.lin
             lc.o = attn.o_proj.lin

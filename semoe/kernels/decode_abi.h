@@ -25,6 +25,7 @@ typedef struct {
     const float *attn_norm, *ffn_norm;
     float attn_eps, ffn_eps;
     int64_t n_qkv; /* q|k|v as one product or three */
+    int64_t window; /* a query sees this many positions back, itself included; 0: all */
     Lin qkv[3], o;
     int64_t E; /* experts; 0: a dense SwiGLU layer in experts[0], no router */
     Lin router;

@@ -182,7 +182,9 @@ static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *
 #pragma omp single
     attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, Dh, S, pos, s->qr);
 #pragma omp for schedule(static)
-    for (int64_t h = 0; h < H; h++) attend_head(s->qr, kc, vc, H, G, Dh, S, 0, n, net->scale, NULL, s->p, s->att, h);
+    for (int64_t h = 0; h < H; h++)
+        attend_head(s->qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n, net->scale,
+                    NULL, s->p, s->att, h);
     product(&ly->o, s->att, &s->a, s->tmp, &s->oom);
 #pragma omp single
     {
@@ -286,7 +288,8 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
     FIELDS(Lin, OFF(Lin, kind), OFF(Lin, O), OFF(Lin, I), OFF(Lin, g), OFF(Lin, w), OFF(Lin, s), OFF(Lin, bias))
     FIELDS(Expert, OFF(Expert, gate), OFF(Expert, up), OFF(Expert, down))
     FIELDS(Layer, OFF(Layer, attn_norm), OFF(Layer, ffn_norm), OFF(Layer, attn_eps), OFF(Layer, ffn_eps),
-           OFF(Layer, n_qkv), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, E), OFF(Layer, router), OFF(Layer, experts))
+           OFF(Layer, n_qkv), OFF(Layer, window), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, E), OFF(Layer, router),
+           OFF(Layer, experts))
     FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, F), OFF(Net, E),
            OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, scale), OFF(Net, norm_eps), OFF(Net, norm), OFF(Net, layers),
            OFF(Net, head))

@@ -238,3 +238,37 @@ def test_the_command_line_decodes_in_a_process_that_never_loads_torch(stores):
     assert json.loads(res.stderr.strip().splitlines()[-1]) == {"rc": 0, "loaded": []}
     with LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]))) as lean:
         assert json.loads(res.stdout)["tokens"] == lean.generate([3, 17, 5], 8).tokens
+
+
+def test_yarn_and_a_sliding_window_run_torch_free(tmp_path):
+    """A model with YaRN rotary frequencies (cos and sin scaled by its attention factor) and a sliding
+    window of 6 that the steps pass: the runner with the engine's tables gives the one-call step's
+    logits bit for bit, and with its own tables the engine's greedy tokens."""
+    from semoe.checkpoint import save_store
+    from semoe.config import MoEConfig
+    from semoe.model import MoEGPT
+
+    config = MoEConfig(arch="mixtral", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       ffn_size=128, moe_ffn_size=128, num_experts=4, top_k=2, max_position=64, sliding_window=6,
+                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 16})
+    torch.manual_seed(3)
+    save_store(MoEGPT(config).eval(), str(tmp_path / "store"))
+    store = str(tmp_path / "store")
+    model = load_store(store)
+    plan = DecodePlan(model)
+    assert plan.net is not None and model.config.window(0) == 6
+    kv = KVCache.empty(model.config, 1, len(TOKENS))
+    with LeanModel(store, LeanConfig(cache_bytes=0)) as lean, lean.sequence(len(TOKENS)) as seq:
+        assert lean.rope_scale > 1  # YaRN's attention factor
+        lean.rope = _engine_rope(model.config)
+        for t in TOKENS:
+            np.testing.assert_array_equal(seq.step(t), plan.step(t, kv)[0].numpy())
+    engine = Engine.load(store, EngineConfig())
+    try:
+        want = engine.generate(PROMPT, SamplingConfig(max_new_tokens=16, stop_ids=()))
+    finally:
+        engine.close()
+    with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
+        got = lean.generate(PROMPT, 16, ())
+    assert len(PROMPT) + 16 > 6 and got.tokens == want.tokens
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
