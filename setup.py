@@ -31,7 +31,7 @@ def _variants_module():
 
 
 kv = _variants_module()
-SOURCES = ["semoe/kernels/gemv.c", "semoe/kernels/gemv_float.c", "semoe/kernels/decode_step.c"]
+SOURCES = [f"semoe/kernels/{f}.c" for f in ("gemv", "gemv_float", "attend", "decode_step")]
 DEPENDS = ["semoe/kernels/kernels.h", "semoe/kernels/decode_abi.h"]
 KERNELS = [Extension(f"semoe.{v.module}", sources=SOURCES, depends=DEPENDS, optional=True,
                      extra_compile_args=["-O3", "-fopenmp", *kv.cflags(v)], extra_link_args=["-fopenmp"])

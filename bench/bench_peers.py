@@ -450,8 +450,12 @@ ARCH_SHAPES = {
                                          norm_topk_prob=True, decoder_sparse_step=1)),
     "olmoe": ("OlmoeConfig", dict(_COMMON, num_experts_per_tok=4, num_experts=32, intermediate_size=768,
                                   num_key_value_heads=8)),
-    "deepseek_v2": ("DeepseekV2Config", dict(_DEEPSEEK, q_lora_rank=None, topk_method="group_limited_greedy")),
+    # q_lora_rank set as DeepSeek-V2 has it: llama-quantize 0.3.36 refuses V2-Lite's absent one ("key not found
+    # in model: deepseek2.attention.q_lora_rank"); semoe's tests cover that form
+    "deepseek_v2": ("DeepseekV2Config", dict(_DEEPSEEK, q_lora_rank=512, topk_method="group_limited_greedy")),
     "deepseek_v3": ("DeepseekV3Config", dict(_DEEPSEEK, q_lora_rank=512)),
+    # llama.cpp's converter wants GLM's own special tokens ([gMASK], <sop>, ...), which the bench's trained
+    # tokenizer lacks: --arch glm4_moe stops at the conversion
     "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, **_MANY, n_routed_experts=32, n_shared_experts=1,
                                        first_k_dense_replace=1, intermediate_size=3072, head_dim=128,
                                        partial_rotary_factor=0.5, use_qk_norm=True, n_group=1, topk_group=1)),

@@ -163,6 +163,21 @@ def fused_swiglu(x_MD: torch.Tensor, gate: Weight, up: Weight, down: Weight) -> 
     return y if y.dtype == x_MD.dtype else y.to(x_MD.dtype)
 
 
+def fused_clamped_swiglu(x_MD: torch.Tensor, parts: tuple, alpha: float, limit: float) -> torch.Tensor | None:
+    """gpt-oss's expert (`experts.ClampedSwiGLU`: gate_up and its bias, down and its bias) in one call of
+    semoe's CPU kernel where both weights are compact of one scheme the kernels take (int8, int4 or
+    MXFP4, the `auto` kernel) and x is a decoding step's few rows on CPU; None elsewhere."""
+    gate_up, bias_gu, down, bias_d = parts
+    if not all(isinstance(w, CompactWeight) and w.kernel == "auto" and w.spec.transposed for w in (gate_up, down)):
+        return None
+    scheme = gate_up.spec.scheme
+    if scheme not in cpu_kernels.CLAMPED_KINDS or down.spec.scheme != scheme or not cpu_kernels.takes(x_MD):
+        return None
+    y = cpu_kernels.clamped_swiglu(x_MD, scheme, (gate_up.codes, gate_up.scales), bias_gu, (down.codes, down.scales),
+                                   bias_d, gate_up.spec.group_size or 0, down.spec.group_size or 0, alpha, limit)
+    return y if y.dtype == x_MD.dtype else y.to(x_MD.dtype)
+
+
 def _float_kernel_applies(x_MI: torch.Tensor, w_OI: torch.Tensor) -> bool:
     """A bfloat16 or float32 weight on CPU times a decoding step's few rows, no gradient wanted:
     semoe's kernels (`cpu_kernels.gemv_bf16`, `gemv_f32`) stream it at the memory bound on all the

@@ -231,6 +231,33 @@ def swiglu(x_MD: torch.Tensor, bits: int, gate: tuple[torch.Tensor, torch.Tensor
     return y
 
 
+CLAMPED_KINDS = {"int8": 8, "int4": 4, "mxfp4": 1}  # clamped_swiglu_q's kind codes of the compact schemes
+
+
+def clamped_swiglu(x_MD: torch.Tensor, scheme: str, gate_up: tuple[torch.Tensor, torch.Tensor],
+                   bias_gu: torch.Tensor, down: tuple[torch.Tensor, torch.Tensor], bias_d: torch.Tensor,
+                   group_in: int, group_down: int, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss's expert, down(act(gate_up x + b_gu)) + b_d, in one call for (codes, scales) of int8,
+    int4 (groups `group_in`, `group_down`) or MXFP4 (blocks, exponents) stored out-major: gate_up
+    (2F outputs, gate and up interleaved), down (D outputs); act as `experts.ClampedSwiGLU`'s
+    (min(g, limit), u clamped to +-limit, (u + 1) g sigmoid(alpha g)); float32 (..., D)."""
+    kind = CLAMPED_KINDS[scheme]
+    D = down[0].shape[0]
+    F2 = gate_up[0].shape[0]
+    I = x_MD.shape[-1]
+    x, y = _operands(x_MD, gate_up[0], I, D)
+    _cpu_contiguous(x_MD, down[0], gate_up[1], down[1])
+    if F2 % 2 or bias_gu.numel() != F2 or bias_d.numel() != D:
+        raise ValueError(f"gate_up of {F2} outputs with a bias of {bias_gu.numel()}, down of {D} with "
+                         f"{bias_d.numel()}: not one expert's weights")
+    s_gu, s_d = (s if kind == 1 else _f32(s) for s in (gate_up[1], down[1]))  # held until the call returns
+    b_gu, b_d = _f32(bias_gu), _f32(bias_d)
+    _lib().clamped_swiglu_q(x.data_ptr(), x.numel() // I, I, F2 // 2, kind, gate_up[0].data_ptr(), s_gu.data_ptr(),
+                            group_in, b_gu.data_ptr(), down[0].data_ptr(), s_d.data_ptr(), group_down,
+                            b_d.data_ptr(), alpha, limit, y.data_ptr(), torch.get_num_threads())
+    return y
+
+
 def attend_decode(q_H: torch.Tensor, k_G: torch.Tensor, v_G: torch.Tensor, cos_R: torch.Tensor, sin_R: torch.Tensor,
                   k_cache_GSD: torch.Tensor, v_cache_GSD: torch.Tensor, pos: int, scale: float, *,
                   window: int | None = None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:

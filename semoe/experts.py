@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from semoe.compact_linear import Weight, fused_swiglu, linear, matmul
+from semoe.compact_linear import Weight, fused_clamped_swiglu, fused_swiglu, linear, matmul
 from semoe.config import MoEConfig
 
 
@@ -88,6 +88,9 @@ class ClampedSwiGLU(ExpertMLP):
         return (D, 2 * Fh), (2 * Fh,), (Fh, D), (D,)
 
     def apply(self, x_MD: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        fused = fused_clamped_swiglu(x_MD, parts, self.alpha, self.limit)  # compact weights: one kernel call
+        if fused is not None:
+            return fused
         gate_up_D2F, bias_2F, down_FD, bias_D = parts
         gu_M2F = matmul(x_MD, gate_up_D2F) + bias_2F
         gate_MF = gu_M2F[..., ::2].clamp(max=self.limit)

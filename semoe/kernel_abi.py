@@ -41,7 +41,8 @@ class Expert(ctypes.Structure):
 
 class LayerC(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
-                ("window", _I), ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin), ("experts", ctypes.POINTER(Expert))]
+                ("window", _I), ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin),
+                ("experts", ctypes.POINTER(Expert))]
 
 
 class Net(ctypes.Structure):
@@ -87,6 +88,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F32, _P, _P, _INT]
     lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _INT]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _P, _P, _I, _P, _P, _I, _P, _INT]
+    lib.clamped_swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _I, _P, _P, _P, _I, _P, _F32, _F32, _P, _INT]
     lib.moe_combine_f32.argtypes = [_P, _P, _P, _I, _I]
     lib.decode_step.argtypes = [_P, _P, _P, _P, _I, _I, _P, _P, _P, _INT]
     lib.decode_work.argtypes = [_P, _I]
@@ -99,8 +101,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
               lib.moe_combine_f32, lib.decode_work_free):
         f.restype = None
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks
-    for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.attend_decode_f32, lib.decode_step,
-              lib.decode_attend, lib.decode_ffn, lib.decode_head):
+    for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,
+              lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_head):
         f.restype = ctypes.c_int
         f.errcheck = _out_of_memory
     lib.decode_work.errcheck = _no_work

@@ -373,7 +373,8 @@ class DecodePlan:
                         and set(provider.weights) == set(range(c.num_experts)):
                     ws = [provider.weights[e] for e in range(c.num_experts)]
                 else:
-                    raise NotOnFastPath(f"layer {block.layer}: experts not all in memory (offloaded ones arrive during the step)")
+                    raise NotOnFastPath(f"layer {block.layer}: experts not all in memory (offloaded ones arrive "
+                                        "during the step)")
                 experts = [expert(w.parts) for w in ws]
                 lc.E, lc.router = c.num_experts, lay.router.lin
             array = (_Expert * len(experts))(*experts)

@@ -297,3 +297,33 @@ def test_the_per_head_product_equals_torchs():
     y = torch.empty(H, O)
     cpu_kernels._lib().gemv_f32_heads(x.data_ptr(), w.data_ptr(), y.data_ptr(), H, O, I, torch.get_num_threads())
     assert _relative(y, torch.bmm(w.double(), x.double()[:, :, None])[:, :, 0].float()) < 1e-6
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_a_gpt_oss_expert_in_one_call_equals_its_torch_composition(monkeypatch, scheme):
+    """gpt-oss's clamped expert (interleaved gate/up with biases, clamped at `limit`) with compact weights in
+    one kernel call against the module's own composition of the two products and torch's ops: within 1e-5
+    relative (the sigmoid's expf against torch's; values past the clamp included)."""
+    import semoe.experts
+    from semoe.compact_linear import CompactWeight
+    from semoe.experts import ClampedSwiGLU
+    from storage.quant import QuantSpec, quantize
+
+    torch.manual_seed(0)
+    D, F = 64, 64
+    g = 32 if scheme == "int4" else None
+
+    def compact(w_IO):
+        codes, scales = quantize(w_IO, scheme, group_size=g, transposed=True)
+        return CompactWeight(codes, scales, QuantSpec(scheme=scheme, dtype="F32", shape=tuple(w_IO.shape), scales="",
+                                                      transposed=True, group_size=g))
+
+    parts = (compact(torch.randn(D, 2 * F) * 0.5), torch.randn(2 * F), compact(torch.randn(F, D) * 0.1), torch.randn(D))
+    mlp = ClampedSwiGLU(alpha=1.702, limit=1.5)  # a low limit: some gates and ups clamped
+    x = torch.randn(3, D)
+    calls, kernel = [], cpu_kernels.clamped_swiglu
+    monkeypatch.setattr(cpu_kernels, "clamped_swiglu", lambda *a: calls.append(a[1]) or kernel(*a))
+    fused = mlp.apply(x, parts)
+    assert calls == [scheme]
+    monkeypatch.setattr(semoe.experts, "fused_clamped_swiglu", lambda *a: None)
+    assert _relative(fused, mlp.apply(x, parts)) < 1e-5
