@@ -387,6 +387,26 @@ def report(result: dict, as_json: bool) -> None:
             print(line)
 
 
+def _tokenizer_and_stores(workdir: str) -> None:
+    """WORKDIR's checkpoint given a tokenizer (llama.cpp's converter needs one), and its stores: the
+    import, int8 and int4, each made once."""
+    import llama_peer as peer
+    from bench_quant import GROUP_SIZE
+    from semoe.hf_import import import_checkpoint
+    from semoe.quantize import QuantizeConfig, quantize_store
+
+    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
+    peer.add_tokenizer(hf)
+    if not os.path.exists(os.path.join(store, "manifest.json")):
+        print("importing it into a store ...", file=sys.stderr)
+        import_checkpoint(hf, store)
+    for bits in (8, 4):
+        path = os.path.join(workdir, f"store-int{bits}")
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            print(f"quantizing to int{bits} ...", file=sys.stderr)
+            quantize_store(store, path, QuantizeConfig(bits=bits, group_size=GROUP_SIZE))
+
+
 def prepare_wide(workdir: str, experts: int) -> None:
     """`--experts N`: bench_offload's model shape with N experts per layer in bfloat16 (so that 25% of
     its int8 and int4 bytes leaves room beside a Python process: on the 8-expert model 25% of int4
@@ -397,11 +417,8 @@ def prepare_wide(workdir: str, experts: int) -> None:
 
     import llama_peer as peer
     from bench_offload import SHAPE
-    from bench_quant import GROUP_SIZE
-    from semoe.hf_import import import_checkpoint
-    from semoe.quantize import QuantizeConfig, quantize_store
 
-    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
+    hf = os.path.join(workdir, "hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
         print(f"making a Mixtral-shaped bfloat16 checkpoint with {experts} experts a layer ...", file=sys.stderr)
         torch.manual_seed(0)
@@ -410,15 +427,7 @@ def prepare_wide(workdir: str, experts: int) -> None:
         torch.set_default_dtype(torch.float32)
         model.save_pretrained(hf, max_shard_size="1GB")
         del model
-    peer.add_tokenizer(hf)
-    if not os.path.exists(os.path.join(store, "manifest.json")):
-        print("importing it into a store ...", file=sys.stderr)
-        import_checkpoint(hf, store)
-    for bits in (8, 4):
-        path = os.path.join(workdir, f"store-int{bits}")
-        if not os.path.exists(os.path.join(path, "manifest.json")):
-            print(f"quantizing to int{bits} ...", file=sys.stderr)
-            quantize_store(store, path, QuantizeConfig(bits=bits, group_size=GROUP_SIZE))
+    _tokenizer_and_stores(workdir)
     env = peer.ensure_env()
     bf16 = os.path.join(workdir, "llama-bf16.gguf")
     for qtype in ("q8_0", "q4_0"):
@@ -471,11 +480,8 @@ def prepare_arch(workdir: str, arch: str) -> None:
     import transformers
 
     import llama_peer as peer
-    from bench_quant import GROUP_SIZE
-    from semoe.hf_import import import_checkpoint
-    from semoe.quantize import QuantizeConfig, quantize_store
 
-    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
+    hf = os.path.join(workdir, "hf")
     if not os.path.exists(os.path.join(hf, "config.json")):
         cls, fields = ARCH_SHAPES[arch]
         print(f"making a {arch} float32 checkpoint with transformers ...", file=sys.stderr)
@@ -483,15 +489,7 @@ def prepare_arch(workdir: str, arch: str) -> None:
         model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields))
         model.save_pretrained(hf, max_shard_size="1GB")
         del model
-    peer.add_tokenizer(hf)
-    if not os.path.exists(os.path.join(store, "manifest.json")):
-        print("importing it into a store ...", file=sys.stderr)
-        import_checkpoint(hf, store)
-    for bits in (8, 4):
-        path = os.path.join(workdir, f"store-int{bits}")
-        if not os.path.exists(os.path.join(path, "manifest.json")):
-            print(f"quantizing to int{bits} ...", file=sys.stderr)
-            quantize_store(store, path, QuantizeConfig(bits=bits, group_size=GROUP_SIZE))
+    _tokenizer_and_stores(workdir)
     env = peer.ensure_env()
     f32 = os.path.join(workdir, "llama-f32.gguf")
     if not os.path.exists(f32):
