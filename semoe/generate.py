@@ -105,20 +105,25 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def new_cache(model: MoEGPT, prompt: list[int], max_new_tokens: int) -> KVCache:
-    """The KV cache of one sequence for `prompt` and up to `max_new_tokens` more, after checking the
-    prompt (ValueError naming what is wrong)."""
+def check_prompt(config, prompt: list[int], max_new_tokens: int) -> None:
+    """ValueError naming what is wrong with `prompt` and `max_new_tokens` for a model of `config`."""
     if not prompt:
         raise ValueError("the prompt is empty: give at least one token")
-    vocab = model.config.vocab_size
+    vocab = config.vocab_size
     bad = [t for t in prompt if not 0 <= t < vocab]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})")
-    total = len(prompt) + max_new_tokens
-    if total > model.config.max_position:
+    if len(prompt) + max_new_tokens > config.max_position:
         raise ValueError(f"prompt ({len(prompt)}) + max_new_tokens ({max_new_tokens}) exceeds the model's "
-                         f"max_position {model.config.max_position}")
-    return KVCache.empty(model.config, 1, total, device=model.embed.weight.device, dtype=model.embed.weight.dtype)
+                         f"max_position {config.max_position}")
+
+
+def new_cache(model: MoEGPT, prompt: list[int], max_new_tokens: int) -> KVCache:
+    """The KV cache of one sequence for `prompt` and up to `max_new_tokens` more, after checking the
+    prompt (`check_prompt`)."""
+    check_prompt(model.config, prompt, max_new_tokens)
+    return KVCache.empty(model.config, 1, len(prompt) + max_new_tokens, device=model.embed.weight.device,
+                         dtype=model.embed.weight.dtype)
 
 
 def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,

@@ -120,20 +120,22 @@ def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0) ->
 
 
 def load_engine(args: argparse.Namespace, config: "EngineConfig") -> "Engine":  # noqa: F821
-    """The engine of `--model`, with a progress bar on stderr while its weights load (a terminal only),
-    then the one line `generate` and `serve` print: where the experts went and how a decoding step
-    runs."""
-    import sys
-
+    """The engine of `--model`, with a progress bar on stderr while its weights load (a terminal only)."""
     from inference.engine import Engine
     from inference.placement import model_bytes
     from tools.progress import byte_bar
 
     mb = model_bytes(args.model)
     with byte_bar(mb.stored - (mb.stored_experts if config.offloaded else 0), "loading weights") as bar:
-        engine = Engine.load(args.model, config, progress=bar.update)
+        return Engine.load(args.model, config, progress=bar.update)
+
+
+def say_placement(args: argparse.Namespace, engine) -> None:
+    """The one line `generate` and `serve` print on stderr once the request is known good (a bad flag
+    stays a one-line error): where the experts went and how a decoding step runs."""
+    import sys
+
     print(f"semoe: {args.placement}; decoding through {engine.decode_path()}", file=sys.stderr, flush=True)
-    return engine
 
 
 def placement_phrase(args: argparse.Namespace, config: "EngineConfig", budgets: list[str]) -> str:  # noqa: F821

@@ -9,7 +9,7 @@ import sys
 
 from tools.common import UsageError, emit_json
 from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
-    load_engine
+    load_engine, say_placement
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lean:
         return run_lean(args)
     from semoe.decode_profile import DecodeProfile, format_report, memory_read_gbps
-    from semoe.generate import SamplingConfig
+    from semoe.generate import SamplingConfig, check_prompt
     from semoe.routing_trace import routing_trace
 
     sampling = args.temperature is not None or args.top_p is not None
@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
                              temperature=args.temperature if args.temperature is not None else 1.0,
                              top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
                              stop_ids=() if args.ignore_eos else engine.stop_ids())
+        check_prompt(engine.model.config, prompt, args.max_new_tokens)  # a bad prompt: its one line alone
+        say_placement(args, engine)
         # `profile`: the DecodeProfile with --profile; None otherwise (what nullcontext yields)
         with routing_trace(engine.model, args.routing_trace), \
                 (DecodeProfile(engine.model) if args.profile else contextlib.nullcontext()) as profile:

@@ -13,7 +13,7 @@ import sys
 from tools.common import UsageError
 from tools.sizes import parse_size
 from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
-    load_engine
+    load_engine, say_placement
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -72,6 +72,7 @@ def run(args: argparse.Namespace) -> int:
     config = engine_config_from_args(args, keep_bytes=kv_memory or 0)
     template = load_chat_template(args.model)
     engine = load_engine(args, config)
+    say_placement(args, engine)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
     # exception too, so that engine.close() still removes a temporary store.
     previous = signal.signal(signal.SIGTERM, _interrupt)
