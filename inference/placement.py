@@ -12,6 +12,7 @@ on a GPU, less the reserve `--cpu-cache auto` keeps (`memory_guard`).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -48,10 +49,7 @@ def model_bytes(path: str, compute_itemsize: int = 4) -> ModelBytes:
         for t in manifest.tensors:
             if t.kind != "weight":  # a training run's optimizer states: never loaded for inference
                 continue
-            n = 1
-            for d in t.shape:
-                n *= d
-            b = held(t.dtype, n, t.bytes, t.quant is not None)
+            b = held(t.dtype, math.prod(t.shape), t.bytes, t.quant is not None)
             total += b
             if t.group == "expert":
                 experts += b
@@ -66,10 +64,7 @@ def model_bytes(path: str, compute_itemsize: int = 4) -> ModelBytes:
     expert_names = {part.ref.name for by_expert in ck.experts.values() for parts in by_expert.values()
                     for part in parts}
     for name, ref in ck.tensors.items():
-        n = 1
-        for d in ref.shape:
-            n *= d
-        b = held(ref.dtype, n, ref.nbytes, name in ck.quant)
+        b = held(ref.dtype, math.prod(ref.shape), ref.nbytes, name in ck.quant)
         total += b
         stored += ref.nbytes
         if name in expert_names:
@@ -97,10 +92,11 @@ class Placement:
 
 
 def choose(path: str, *, device: str = "cpu", compute_itemsize: int = 4, keep_bytes: int = 0,
-           available: Callable[[], int] | None = None) -> Placement:
+           available: Callable[[], int] | None = None, mb: ModelBytes | None = None) -> Placement:
     """Resident where the model's bytes fit what is available less the reserve and `keep_bytes` (a
-    server's KV memory); else offloaded behind an auto-sized CPU cache."""
-    mb = model_bytes(path, compute_itemsize)
+    server's KV memory); else offloaded behind an auto-sized CPU cache. `mb`: the model's bytes where
+    the caller has them (`model_bytes` with the same `compute_itemsize`)."""
+    mb = mb or model_bytes(path, compute_itemsize)
     where = "memory"
     if available is None:
         if device.startswith("cuda"):

@@ -115,17 +115,26 @@ def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0) ->
     config = EngineConfig(device=str(resolve_device(args.device)), dtype=args.dtype, cpu_cache_bytes=cpu,
                           device_memory_bytes=dev, ring_slots=args.ring_slots, cache_policy=args.cache_policy,
                           dense=args.dense, keep_bytes=keep_bytes)
+    from inference.placement import model_bytes
+
+    args.model_bytes = model_bytes(args.model, torch_itemsize(config.dtype))  # the choice and the load's progress
     args.placement = placement_phrase(args, config, budgets)
     return config
+
+
+def torch_itemsize(dtype: str) -> int:
+    """Bytes of one element of the compute dtype named `dtype`."""
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
 def load_engine(args: argparse.Namespace, config: "EngineConfig") -> "Engine":  # noqa: F821
     """The engine of `--model`, with a progress bar on stderr while its weights load (a terminal only)."""
     from inference.engine import Engine
-    from inference.placement import model_bytes
     from tools.progress import byte_bar
 
-    mb = model_bytes(args.model)
+    mb = args.model_bytes  # engine_config_from_args's
     with byte_bar(mb.stored - (mb.stored_experts if config.offloaded else 0), "loading weights") as bar:
         return Engine.load(args.model, config, progress=bar.update)
 
@@ -145,12 +154,10 @@ def placement_phrase(args: argparse.Namespace, config: "EngineConfig", budgets: 
         return f"experts offloaded to the store as {', '.join(budgets)} set"
     if args.resident:
         return "every expert resident (--resident)"
-    import torch
-
     from inference.placement import choose
 
-    itemsize = torch.empty((), dtype=getattr(torch, config.dtype)).element_size()
-    placement = choose(args.model, device=config.device, compute_itemsize=itemsize, keep_bytes=config.keep_bytes)
+    placement = choose(args.model, device=config.device, compute_itemsize=torch_itemsize(config.dtype),
+                       keep_bytes=config.keep_bytes, mb=args.model_bytes)
     config.cpu_cache_bytes = placement.cpu_cache
     return placement.describe()
 

@@ -161,7 +161,6 @@ class _GQA:
             self.sinks = a.sinks
         self.o_proj = _Product(lib, a.o_proj)
         self.scale = c.head_dim ** -0.5
-        self.plain = c.qk_norm == "none" and self.clip is None and self.sinks is None and c.rope_dim == c.head_dim
 
     def __call__(self, plan: "DecodePlan", cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
                  threads: int) -> None:
@@ -193,8 +192,6 @@ class _MLA:
     (per-head products: `gemv_f32_heads`; against the cache: `gemv_f32`, `gemv_f32_io`). kv_b's
     halves are kept as float32 (dequantized where the weight is compact): 4 bytes for each of its
     weights, beside the weight."""
-
-    plain = False
 
     def __init__(self, plan: "DecodePlan", lib: ctypes.CDLL, a: LatentAttention) -> None:
         c = a.config
@@ -346,13 +343,9 @@ class DecodePlan:
         if self.lm_head.lin is None:
             raise NotOnFastPath("an output weight the kernels do not take")
         for lay, block, lc in zip(self.layers, model.layers, layers):
-            attn = lay.attn
-            if not attn.plain:
-                raise NotOnFastPath(f"layer {block.layer}: an attention variant the one-call step does not take")
+            attn = lay.attn  # grouped-query, plain (`one_call_refusal`)
             if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv) or attn.o_proj.lin is None:
                 raise NotOnFastPath(f"layer {block.layer}: q/k/v or output weights the one-call step does not take")
-            if isinstance(lay.ffn, MoEFeedForward) and (lay.router is None or lay.shared):
-                raise NotOnFastPath(f"layer {block.layer}: a router or shared expert the one-call step does not take")
             lc.attn_norm, lc.attn_eps = _ptr(lay.attn_norm.weight), lay.attn_norm.eps
             lc.ffn_norm, lc.ffn_eps = _ptr(lay.ffn_norm.weight), lay.ffn_norm.eps
             lc.n_qkv = len(attn.qkv)
