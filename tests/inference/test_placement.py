@@ -96,3 +96,17 @@ def test_a_load_reports_every_byte_it_reads(models, which):
     seen: list[int] = []
     load_model(models[which], progress=seen.append)
     assert sum(seen) == model_bytes(models[which]).stored and len(seen) > 1
+
+
+def test_on_a_gpu_the_choice_weighs_the_free_device_memory(models, monkeypatch):
+    """device cuda: what is available is torch.cuda.mem_get_info's free bytes (a fake here, as on a machine
+    without a GPU the line that asks it would otherwise run first on a user's GPU)."""
+    import torch
+
+    total = model_bytes(models["store"]).total
+    asked = []
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: asked.append(dev) or (4 * total + (64 << 20), 1 << 40))
+    roomy = choose(models["store"], device="cuda:0")
+    assert asked == [torch.device("cuda:0")] and roomy.where == "device memory" and roomy.cpu_cache is None
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev: (total // 2, 1 << 40))
+    assert choose(models["store"], device="cuda:0").cpu_cache == CPU_CACHE_AUTO
