@@ -63,9 +63,9 @@ def make_stores(workdir: str) -> dict[str, str]:
 
 
 def expert_bytes(store: str) -> int:
-    from storage.store import Store
+    from storage.reader import StoreReader
 
-    return sum(c.bytes for c in Store.open(store).manifest.chunks if c.kind == "weight")
+    return StoreReader.open(store).manifest.expert_bytes()
 
 
 # -- one decode run (in its own process) -------------------------------------------------------

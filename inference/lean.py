@@ -22,6 +22,12 @@ YaRN included); softmax-top-k routers over SwiGLU experts without shared experts
 SwiGLU layers; greedy decoding, one sequence. Anything else is refused with one line naming it
 (`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
+It is a front-end of the same core as the engine: the store is read through `storage.reader`
+(the torch-free part of `storage.store.Store`), experts are cached in `storage.cache.ExpertCache`
+keyed by `ExpertKey`, what it takes is `semoe.decode.support`'s table, and its `Net` is assembled
+by `kernel_abi.build_net`, as the engine's plan assembles its own. What stays here is what only a
+process without torch needs: reading the weights into numpy, the slots, the rotary tables, the loop.
+
 Its logits are the one-call step's: the same kernels on the same weights, except the rotary tables
 (numpy's cos/sin against torch's, to float32 rounding) and the prompt, which goes through the step
 token by token rather than as one batch.
@@ -45,14 +51,15 @@ from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
 from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
-from storage.crc import crc32c
-from storage.errors import BadInputError, CorruptTensorError
+from storage.cache import ExpertCache, ExpertCacheConfig
+from storage.errors import BadInputError
 from storage.formats import INT8_MAX, QUANTIZE_ROWS
-from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode, ReadRequest
+from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
+from storage.keys import ExpertKey
+from storage.manifest import TensorEntry
 from storage.policies import NextUsePolicy
 from storage.procmem import peak_rss_bytes
-
-MANIFEST = "manifest.json"
+from storage.reader import StoreReader
 DENSE_CHOICES = ("auto", "float", "int8")
 _KIND = {"F32": kernel_abi.W_F32, "BF16": kernel_abi.W_BF16, "int8": kernel_abi.W_INT8, "int4": kernel_abi.W_INT4}
 # an expert's parts by the HuggingFace names' last part: gate, up, down
@@ -103,202 +110,132 @@ def quantize_int8_rows(w_OI: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes, scale
 
 
-def expert_bytes(path: str) -> int:
-    """Bytes of a store's expert chunks (what every expert takes in the cache)."""
-    return sum(c["bytes"] for c in _Store(path).chunks.values())
-
-
-class _Store:
-    """A store's manifest and files, read without the `storage.store` machinery (which imports torch)."""
-
-    def __init__(self, root: str) -> None:
-        self.root = root
-        path = os.path.join(root, MANIFEST)
-        try:
-            with open(path, "rb") as f:
-                m = json.loads(f.read())
-        except FileNotFoundError:
-            raise BadInputError(f"{root}: not a store (no {MANIFEST}); the lean runner reads stores only "
-                                f"(`semoe store import` makes one)") from None
-        except ValueError as e:
-            raise BadInputError(f"{path}: not readable JSON ({e})") from None
-        if m.get("format") != "semoe-store":
-            raise BadInputError(f"{path}: format {m.get('format')!r}, expected 'semoe-store'")
-        self.tensors = {t["name"]: t for t in m["tensors"] if t.get("kind", "weight") == "weight"}
-        self.chunks = {(c["layer"], c["expert"]): c for c in m["chunks"] if c.get("kind", "weight") == "weight"}
-        self.files = {f["name"]: f for f in m["files"]}
-
-    def path(self, rel: str) -> str:
-        return os.path.join(self.root, rel)
-
-    def read_file(self, name: str) -> bytes:
-        entry = self.files[name]
-        with open(self.path(entry["file"]), "rb") as f:
-            data = f.read()
-        if crc32c(data) != entry["crc32c"]:
-            raise CorruptTensorError(f"{self.path(entry['file'])}: crc32c mismatch for side file {name}",
-                                     path=self.path(entry["file"]))
-        return data
-
-    def tensor(self, name: str) -> dict:
-        try:
-            return self.tensors[name]
-        except KeyError:
-            raise BadInputError(f"{self.root}: the store holds no tensor {name}") from None
-
-    def rows(self, name: str, block: int = QUANTIZE_ROWS):
-        """A dense 2-d tensor as float32 blocks of its rows, read in turn (never whole in memory), its
-        crc32c checked at the end."""
-        t = self.tensor(name)
-        if t.get("quant"):
-            raise NotOnFastPath(f"{self.root}: dense tensor {name} is stored {t['quant'].get('scheme')}; the lean "
-                                  f"runner reads float dense weights")
-        O, I = t["shape"]
-        item = {"F32": 4, "BF16": 2}.get(t["dtype"])
-        if item is None:
-            raise NotOnFastPath(f"{self.root}: dense tensor {name} is {t['dtype']}; the lean runner reads F32 or BF16")
-        path, crc = self.path(t["file"]), 0
-        with open(path, "rb", buffering=0) as f:
-            for r in range(0, O, block):
-                n = min(block, O - r)
-                raw = os.pread(f.fileno(), n * I * item, t["offset"] + r * I * item)
-                if len(raw) != n * I * item:
-                    raise CorruptTensorError(f"{path}: shorter than the manifest records for {name}", tensor=name,
-                                             path=path)
-                crc = crc32c(raw, crc)
-                a = np.frombuffer(raw, dtype=np.float32 if item == 4 else np.uint16).reshape(n, I)
-                yield a if item == 4 else _bf16_to_f32(a)
-        if crc != t["crc32c"]:
-            raise CorruptTensorError(f"{path}: crc32c mismatch for {name}", tensor=name, path=path)
+def _float_rows(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 rows of a float tensor's raw bytes (uint8, last axis the row's bytes)."""
+    return raw.view(np.float32) if dtype == "F32" else _bf16_to_f32(raw.view(np.uint16))
 
 
 class _ExpertSlots:
-    """The expert cache: `n` slots of one chunk's bytes in one anonymous mapping (page-aligned, for
-    O_DIRECT), filled by reads of the missing chunks and evicted by next use."""
+    """The expert cache: `storage.cache.ExpertCache` (next-use eviction, keyed by `ExpertKey`) over `n`
+    slots of one chunk's bytes in one anonymous mapping (page-aligned, for O_DIRECT). An entry's
+    payload is its slot, taken from the free list when its chunk is read and given back when it is
+    evicted; the chunks missing for a layer are read at once and checked against the manifest."""
 
-    def __init__(self, store: _Store, n: int, slot_bytes: int, reader: ChunkReader) -> None:
+    def __init__(self, store: StoreReader, n: int, slot_bytes: int, reader: ChunkReader) -> None:
         self.store, self.n, self.slot_bytes, self.reader = store, n, slot_bytes, reader
         self.mem = mmap.mmap(-1, n * slot_bytes)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mem))
         self.view = memoryview(self.mem)
         self.free = list(range(n - 1, -1, -1))
-        self.where: dict[tuple[int, int], int] = {}  # (layer, expert) -> slot
-        self.policy = NextUsePolicy()
-        self.hits = self.misses = self.read_bytes = 0
+        self.cache = ExpertCache(ExpertCacheConfig(capacity_bytes=n * slot_bytes, policy=NextUsePolicy.name),
+                                 on_evict=lambda key, slot: self.free.append(slot))
+        self.read_bytes = 0
         self.read_s = 0.0
 
     def ensure(self, layer: int, experts: list[int]) -> list[int]:
         """The slots of these experts of `layer`, reading the missing ones (all at once)."""
-        keys = [(layer, e) for e in experts]
-        missing = [k for k in dict.fromkeys(keys) if k not in self.where]
-        for k in keys:
-            if k in self.where:
-                self.hits += 1
-        reqs = []
-        for k in missing:
-            if not self.free:
-                victim = self.policy.victim([c for c in self.where if c not in keys])
-                self.policy.on_remove(victim)
-                self.free.append(self.where.pop(victim))
-            slot = self.free.pop()
-            chunk = self.store.chunks[k]
-            tensors = [self.store.tensors[name] for name, _ in chunk["tensors"]]
-            buf = self.view[slot * self.slot_bytes:slot * self.slot_bytes + chunk["bytes"]]
-            reqs.append((k, slot, chunk, tensors, ReadRequest(path=self.store.path(chunk["file"]), buf=buf,
-                                                              nbytes=chunk["bytes"],
-                                                              checks=[(t["offset"], t["bytes"]) for t in tensors])))
-        if reqs:
-            t0 = time.perf_counter()
-            try:
-                crcs = self.reader.read_many([r[-1] for r in reqs])
-            except BaseException:
-                self.free.extend(slot for _, slot, *_ in reqs)
-                raise
-            self.read_s += time.perf_counter() - t0
-            for (k, slot, chunk, tensors, req), got in zip(reqs, crcs):
-                bad = [t["name"] for t, c in zip(tensors, got) if c != t["crc32c"]]
-                if bad:
-                    self.free.append(slot)
-                    raise CorruptTensorError(f"{req.path}: crc32c mismatch for {bad[0]}", tensor=bad[0], path=req.path)
-                self.where[k] = slot
-                self.policy.on_insert(k)
-                self.misses += 1
-                self.read_bytes += chunk["bytes"]
-        for k in keys:
-            self.policy.on_access(k)
-        return [self.where[k] for k in keys]
+        where: dict[ExpertKey, int] = {}  # pinned until the end of the call
+        loads = []  # (key, slot, chunk, request) of entries reserved, not yet complete
+        try:
+            for k in dict.fromkeys(ExpertKey(layer, e) for e in experts):
+                entry, must_load = self.cache.lookup_or_reserve(k, self.slot_bytes)
+                if not must_load:
+                    where[k] = entry.payload
+                    continue
+                slot = self.free.pop()
+                chunk = self.store.manifest.chunk(layer, k.expert)
+                buf = self.view[slot * self.slot_bytes:slot * self.slot_bytes + chunk.bytes]
+                loads.append((k, slot, chunk, self.store.chunk_request(chunk, buf)))
+            if loads:
+                t0 = time.perf_counter()
+                crcs = self.reader.read_many([r[-1] for r in loads])
+                self.read_s += time.perf_counter() - t0
+                for (_, _, chunk, _), got in zip(loads, crcs):
+                    self.store.check_crcs(chunk, got)
+                for k, slot, chunk, _ in loads:
+                    self.cache.complete(k, slot)
+                    where[k] = slot
+                    self.read_bytes += chunk.bytes
+                loads = []
+        except BaseException as e:
+            for k, slot, *_ in loads:  # reserved, never complete: the entry goes, its slot comes back
+                self.cache.fail(k, e)
+                self.free.append(slot)
+            raise
+        finally:
+            for k in where:
+                self.cache.unpin(k)
+        return [where[ExpertKey(layer, e)] for e in experts]
+
+    @property
+    def hits(self) -> int:
+        return self.cache.stats().hits
+
+    @property
+    def misses(self) -> int:
+        return self.cache.stats().insertions
 
 
 class LeanModel:
     """A store's model held for lean decoding (see the module docstring); `close` frees it."""
 
-    def __init__(self, path: str, config: LeanConfig) -> None:
+    def __init__(self, store: str | StoreReader, config: LeanConfig) -> None:
         lib = kernel_abi.library()
         if lib is None:
             raise NotOnFastPath(f"--lean computes with semoe's compiled CPU kernels alone, which are "
                                   f"{kernel_abi.status()}; run without --lean")
         self.lib, self.settings = lib, config
-        self.store = store = _Store(path)
-        if "config.json" not in store.files:
+        self.store = store = store if isinstance(store, StoreReader) else StoreReader.open(store)
+        path, m = store.root, store.manifest
+        if not m.has_file("config.json"):
             raise BadInputError(f"{path}: the store holds no model (no config.json)")
         self.config = c = config_from_json(json.loads(store.read_file("config.json")))
         self._check(c)
         self.held: list = []  # what the Net's pointers point into
         self.tokenizer = None
-        if "tokenizer.json" in store.files:
-            files = {n: store.read_file(n) for n in TOKENIZER_FILES if n in store.files}
+        if m.has_file("tokenizer.json"):
+            files = {n: store.read_file(n) for n in TOKENIZER_FILES if m.has_file(n)}
             self.tokenizer = checked_vocab(HFTokenizer(files=files, where=f"{path} (store)"), c.vocab_size)
         L, E, K = c.num_layers, c.num_experts, max(c.top_k, 1)
-        moe_layers = sorted({lay for lay, _ in store.chunks})
-        kinds = {t["quant"]["scheme"] if t.get("quant", {}).get("scheme") else t["dtype"]
-                 for ch in store.chunks.values() for t in (store.tensors[n] for n, _ in ch["tensors"])
-                 if "scales_of" not in t.get("quant", {})}
+        chunks = [ch for ch in m.chunks if ch.kind == "weight"]
+        moe_layers = sorted(m.expert_layers())
+        kinds = {(t.quant or {}).get("scheme") or t.dtype for ch in chunks for t in m.chunk_tensors(ch)
+                 if "scales_of" not in (t.quant or {})}
         dense = config.dense
         if dense == "auto":
             dense = "int8" if kinds & {"int8", "int4"} else "float"
         self.dense = dense
-        layers = (kernel_abi.LayerC * L)()
-        self.experts_of: dict[int, ctypes.Array] = {}
-        F = 0
+        self.experts_of: dict[int, ctypes.Array] = {}  # layer -> its experts, pointed at slots as chosen
+        parts = []
         for lay in range(L):
-            lc = layers[lay]
-            lc.attn_norm, lc.attn_eps = self._vector(f"layers.{lay}.attn_norm.weight"), c.rms_norm_eps
-            lc.ffn_norm, lc.ffn_eps = self._vector(f"layers.{lay}.ffn_norm.weight"), c.rms_norm_eps
-            lc.n_qkv = 1
-            lc.window = c.window(lay) or 0
-            lc.qkv[0] = self._linear([f"layers.{lay}.attn.{p}_proj" for p in "qkv"], dense)
-            lc.o = self._linear([f"layers.{lay}.attn.o_proj"], dense)
             if lay in moe_layers:
-                lc.E = E
-                lc.router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=False)
-                arr = (kernel_abi.Expert * E)()
-                self.experts_of[lay] = arr
-                lc.experts = arr
-                F = max(F, self._chunk_parts(lay, 0)[0][2])
+                arr = self.experts_of[lay] = (kernel_abi.Expert * E)()
+                router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=False)
+                F = self._chunk_parts(lay, 0)[0][2]
             else:
                 ex = kernel_abi.Expert(*(self._linear([f"layers.{lay}.ffn.{p}_proj"], dense, bias=False)
                                          for p in ("gate", "up", "down")))
-                arr = (kernel_abi.Expert * 1)(ex)
+                arr, router, F = (kernel_abi.Expert * 1)(ex), None, ex.gate.O
                 self.held.append(arr)
-                lc.E, lc.experts = 0, arr
-                F = max(F, ex.gate.O)
+            parts.append(kernel_abi.LayerParts(
+                attn_norm=self._vector(f"layers.{lay}.attn_norm.weight"), attn_eps=c.rms_norm_eps,
+                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight"), ffn_eps=c.rms_norm_eps,
+                qkv=[self._linear([f"layers.{lay}.attn.{p}_proj" for p in "qkv"], dense)],
+                o=self._linear([f"layers.{lay}.attn.o_proj"], dense), window=c.window(lay) or 0, experts=arr,
+                ffn_width=F, router=router))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
-        self.norm = self._vector("norm.weight")
-        self.net = kernel_abi.Net(L, c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim, F, E if moe_layers else 0,
-                                  K, int(bool(c.norm_topk_prob)), c.head_dim ** -0.5, c.rms_norm_eps, self.norm, layers,
-                                  self.head)
-        self.layers = layers
+        self.net, self.layers = kernel_abi.build_net(c, parts, self._vector("norm.weight"), c.rms_norm_eps, self.head)
         # the expert cache: every layer's experts present, of one layout
         for lay in moe_layers:
-            missing = [e for e in range(E) if (lay, e) not in store.chunks]
+            missing = [e for e in range(E) if not m.has_chunk(lay, e)]
             if missing:
                 raise BadInputError(f"{path}: layer {lay} has no chunk for expert {missing[0]} (of {E})")
         self._parts = {lay: self._chunk_parts(lay, 0) for lay in moe_layers}
-        for (lay, e) in store.chunks:
-            if self._chunk_parts(lay, e) != self._parts[lay]:
-                raise NotOnFastPath(f"{path}: layer {lay}'s expert {e} is laid out unlike its expert 0")
-        sizes = {ch["bytes"] for ch in store.chunks.values()}
+        for ch in chunks:
+            if self._chunk_parts(ch.layer, ch.expert) != self._parts[ch.layer]:
+                raise NotOnFastPath(f"{path}: layer {ch.layer}'s expert {ch.expert} is laid out unlike its expert 0")
+        sizes = {ch.bytes for ch in chunks}
         self.slot_bytes = -(-max(sizes) // ALIGN) * ALIGN if sizes else ALIGN
         slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
         if moe_layers and slots < K:
@@ -310,11 +247,11 @@ class LeanModel:
         # rotary frequencies (plain or YaRN) and the scale of cos and sin, as the model's modules take them
         self.inv_freq, self.rope_scale = rope.inv_freq(c)
         # the embedding stays on storage: one row a token
-        emb = store.tensor(hf_name(c, "embed.weight"))
-        if emb["dtype"] not in ("F32", "BF16") or emb.get("quant"):
-            raise NotOnFastPath(f"{path}: the token embedding is {emb['dtype']}; the lean runner reads F32 or BF16")
+        emb = self._tensor(hf_name(c, "embed.weight"))
+        if emb.dtype not in ("F32", "BF16") or emb.quant:
+            raise NotOnFastPath(f"{path}: the token embedding is {emb.dtype}; the lean runner reads F32 or BF16")
         self._emb = emb
-        self._emb_fd = os.open(store.path(emb["file"]), os.O_RDONLY)
+        self._emb_fd = os.open(store.path(emb.file), os.O_RDONLY)
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
         self.cache = _ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader)
 
@@ -332,16 +269,28 @@ class LeanModel:
         self.held.append(a)
         return a.ctypes.data
 
+    def _tensor(self, name: str) -> TensorEntry:
+        try:
+            return self.store.manifest.tensor(name)
+        except KeyError:
+            raise BadInputError(f"{self.store.root}: the store holds no tensor {name}") from None
+
     def _read_1d(self, name: str) -> np.ndarray:
-        t = self.store.tensor(name)
-        if len(t["shape"]) != 1 or t["dtype"] not in ("F32", "BF16") or t.get("quant"):
-            raise NotOnFastPath(f"{self.store.root}: {name} is {t['dtype']} {t['shape']}; expected a float vector")
-        path = self.store.path(t["file"])
-        raw = np.fromfile(path, dtype=np.uint8, count=t["bytes"], offset=t["offset"])
-        if len(raw) != t["bytes"] or crc32c(raw) != t["crc32c"]:
-            raise CorruptTensorError(f"{path}: crc32c mismatch for {name}", tensor=name, path=path)
-        a = raw.view(np.float32) if t["dtype"] == "F32" else _bf16_to_f32(raw.view(np.uint16))
-        return np.ascontiguousarray(a, dtype=np.float32)
+        t = self._tensor(name)
+        if len(t.shape) != 1 or t.dtype not in ("F32", "BF16") or t.quant:
+            raise NotOnFastPath(f"{self.store.root}: {name} is {t.dtype} {t.shape}; expected a float vector")
+        return np.ascontiguousarray(_float_rows(self.store.read_bytes(name), t.dtype), dtype=np.float32)
+
+    def _rows(self, name: str):
+        """A dense 2-d tensor as float32 blocks of its rows, read in turn (never whole in memory), its
+        crc32c checked at the end."""
+        t = self._tensor(name)
+        if t.quant or t.dtype not in ("F32", "BF16"):
+            what = t.quant.get("scheme") if t.quant else t.dtype
+            raise NotOnFastPath(f"{self.store.root}: dense tensor {name} is stored {what}; the lean runner reads "
+                                f"F32 or BF16 dense weights")
+        for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+            yield _float_rows(raw, t.dtype)
 
     def _linear(self, modules: list[str], dense: str, *, bias: bool = True, name: str | None = None
                 ) -> kernel_abi.Lin:
@@ -349,49 +298,36 @@ class LeanModel:
         dense weights: int8 quantized here, or float as stored."""
         c = self.config
         names = [name] if name else [hf_name(c, f"{m}.weight") for m in modules]
-        shapes = [self.store.tensor(n)["shape"] for n in names]
-        I = shapes[0][1]
-        if any(s[1] != I for s in shapes):
+        entries = [self._tensor(n) for n in names]
+        I = entries[0].shape[1]
+        if any(t.shape[1] != I for t in entries):
             raise NotOnFastPath(f"{names}: products of different input sizes")
-        O = sum(s[0] for s in shapes)
+        O = sum(t.shape[0] for t in entries)
         if dense == "int8":
             codes, scales = np.empty((O, I), np.int8), np.empty(O, np.float32)
             r = 0
             for n in names:
-                for block in self.store.rows(n):
+                for block in self._rows(n):
                     codes[r:r + len(block)], scales[r:r + len(block)] = quantize_int8_rows(block)
                     r += len(block)
             self.held += [codes, scales]
             lin = kernel_abi.Lin(kernel_abi.W_INT8, O, I, 0, codes.ctypes.data, scales.ctypes.data, None)
         else:
-            dtypes = {self.store.tensor(n)["dtype"] for n in names}
-            if dtypes == {"BF16"}:
-                w = np.empty((O, I), np.uint16)
-                r = 0
-                for n in names:
-                    t = self.store.tensor(n)
-                    raw = np.fromfile(self.store.path(t["file"]), np.uint16, count=t["bytes"] // 2, offset=t["offset"])
-                    if raw.nbytes != t["bytes"] or crc32c(raw) != t["crc32c"]:
-                        raise CorruptTensorError(f"{self.store.path(t['file'])}: crc32c mismatch for {n}", tensor=n)
-                    w[r:r + t["shape"][0]] = raw.reshape(t["shape"])
-                    r += t["shape"][0]
-                kind = kernel_abi.W_BF16
-            else:  # float32, filled block by block (the weight is never in memory twice)
-                w = np.empty((O, I), np.float32)
-                r = 0
-                for n in names:
-                    for block in self.store.rows(n):
-                        w[r:r + len(block)] = block
-                        r += len(block)
-                kind = kernel_abi.W_F32
+            bf16 = {t.dtype for t in entries} == {"BF16"}
+            w = np.empty((O, I), np.uint16 if bf16 else np.float32)  # filled in turn: never in memory twice
+            r = 0
+            for n, t in zip(names, entries):
+                for block in (self.store.dense_row_bytes(n, QUANTIZE_ROWS) if bf16 else self._rows(n)):
+                    w[r:r + len(block)] = block.view(np.uint16) if bf16 else block
+                    r += len(block)
             self.held.append(w)
-            lin = kernel_abi.Lin(kind, O, I, 0, w.ctypes.data, None, None)
+            lin = kernel_abi.Lin(kernel_abi.W_BF16 if bf16 else kernel_abi.W_F32, O, I, 0, w.ctypes.data, None, None)
         if bias:
             bnames = [hf_name(c, f"{m}.bias") for m in modules]
-            have = [n in self.store.tensors for n in bnames]
+            have = [self.store.manifest.has_tensor(n) for n in bnames]
             if any(have):
-                parts = [self._read_1d(n) if h else np.zeros(s[0], np.float32)
-                         for n, h, s in zip(bnames, have, shapes)]
+                parts = [self._read_1d(n) if h else np.zeros(t.shape[0], np.float32)
+                         for n, h, t in zip(bnames, have, entries)]
                 b = np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
                 self.held.append(b)
                 lin.bias = b.ctypes.data
@@ -400,25 +336,24 @@ class LeanModel:
     def _chunk_parts(self, layer: int, expert: int) -> list[tuple]:
         """(kind, group, O, I, codes offset, scales offset or -1) of gate, up and down within the
         layer's expert chunks (every expert of a layer has the same layout)."""
-        chunk = self.store.chunks[(layer, expert)]
-        tensors = [self.store.tensors[n] for n, _ in chunk["tensors"]]
-        scales = {t["quant"]["scales_of"]: t for t in tensors if "scales_of" in t.get("quant", {})}
+        m = self.store.manifest
+        tensors = m.chunk_tensors(m.chunk(layer, expert))
+        scales = {t.quant["scales_of"]: t for t in tensors if "scales_of" in (t.quant or {})}
         out = []
         for part, suffixes in _PARTS.items():
-            t = next((t for t in tensors if t["name"].endswith(suffixes) and "scales_of" not in t.get("quant", {})),
-                     None)
+            t = next((t for t in tensors if t.name.endswith(suffixes) and "scales_of" not in (t.quant or {})), None)
             if t is None:
                 raise NotOnFastPath(f"{self.store.root}: layer {layer}'s experts have no {part} weight "
-                                      f"({' or '.join(suffixes)})")
-            q = t.get("quant") or {}
-            scheme = q.get("scheme") or t["dtype"]
+                                    f"({' or '.join(suffixes)})")
+            q = t.quant or {}
+            scheme = q.get("scheme") or t.dtype
             if scheme not in _KIND or q.get("transposed"):
-                raise NotOnFastPath(f"{self.store.root}: expert weight {t['name']} is {scheme}; the lean runner "
-                                      f"takes F32, BF16, int8 and int4")
-            O, I = q["shape"] if q else t["shape"]
-            s = scales.get(t["name"])
-            out.append((_KIND[scheme], q.get("group_size") or 0 if scheme == "int4" else 0, O, I, t["offset"],
-                        s["offset"] if s else -1))
+                raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is {scheme}; the lean runner "
+                                    f"takes F32, BF16, int8 and int4")
+            O, I = q["shape"] if q else t.shape
+            s = scales.get(t.name)
+            out.append((_KIND[scheme], q.get("group_size") or 0 if scheme == "int4" else 0, O, I, t.offset,
+                        s.offset if s else -1))
         if out[0][:4] != out[1][:4]:
             raise NotOnFastPath(f"{self.store.root}: layer {layer}'s gate and up weights differ in kind or shape")
         return out
@@ -450,11 +385,11 @@ class LeanModel:
 
     def _embed(self, token: int, x: np.ndarray) -> None:
         e = self._emb
-        V, D = e["shape"]
+        V, D = e.shape
         if not 0 <= token < V:
             raise BadInputError(f"token id {token} is outside the vocabulary (0..{V - 1})")
-        item = 4 if e["dtype"] == "F32" else 2
-        raw = os.pread(self._emb_fd, D * item, e["offset"] + token * D * item)
+        item = 4 if e.dtype == "F32" else 2
+        raw = os.pread(self._emb_fd, D * item, e.offset + token * D * item)
         row = np.frombuffer(raw, np.float32 if item == 4 else np.uint16)
         x[:] = row if item == 4 else _bf16_to_f32(row)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+from dataclasses import dataclass
 from functools import cache
 
 from semoe import kernel_variants
@@ -49,6 +50,43 @@ class Net(ctypes.Structure):
     _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("F", _I), ("E", _I),
                 ("top_k", _I), ("norm_topk", _I), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
+
+
+@dataclass
+class LayerParts:
+    """One layer of a `Net`, as either front-end finds it (the torch plan, the torch-free runner):
+    addresses of its norms' weights, its products, and its experts (one for a dense layer)."""
+
+    attn_norm: int
+    attn_eps: float
+    ffn_norm: int
+    ffn_eps: float
+    qkv: list[Lin]  # q, k and v: one stacked product, or three
+    o: Lin
+    window: int  # sliding window (0: none)
+    experts: ctypes.Array  # of Expert: the layer's E routed experts, or its one dense SwiGLU
+    ffn_width: int  # F, the experts' (or the dense layer's) intermediate size
+    router: Lin | None = None  # None: a dense layer
+
+
+def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head: Lin) -> tuple[Net, ctypes.Array]:
+    """decode_step.c's `Net` of a model (`config`: its `semoe.config.ModelConfig`) over these layers,
+    and the array of `LayerC` it points into (keep it while the Net is used): the one assembly both
+    front-ends share."""
+    arr = (LayerC * len(layers))()
+    for lp, lc in zip(layers, arr):
+        lc.attn_norm, lc.attn_eps, lc.ffn_norm, lc.ffn_eps = lp.attn_norm, lp.attn_eps, lp.ffn_norm, lp.ffn_eps
+        lc.n_qkv, lc.window, lc.o = len(lp.qkv), lp.window, lp.o
+        for j, lin in enumerate(lp.qkv):
+            lc.qkv[j] = lin
+        lc.experts = lp.experts
+        if lp.router is not None:
+            lc.E, lc.router = len(lp.experts), lp.router
+    F, E = max(lp.ffn_width for lp in layers), max(lc.E for lc in arr)
+    Dh = config.head_dim
+    net = Net(len(layers), config.hidden_size, config.num_heads, config.num_kv_heads, Dh, F, E, max(config.top_k, 1),
+              int(bool(config.norm_topk_prob)), Dh ** -0.5, norm_eps, norm, arr, head)
+    return net, arr
 
 
 # decode_abi.h's struct names -> their mirrors, which `check_layout` compares field by field

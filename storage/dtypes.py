@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from storage.errors import BadInputError
-from storage.formats import CAST_CHOICES  # noqa: F401 (re-exported)
+from storage.formats import CAST_CHOICES, itemsize  # noqa: F401 (re-exported)
 
 # name in the manifest and in safetensors headers -> torch dtype
 _SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {
@@ -63,11 +63,6 @@ def dtype_name(dtype: torch.dtype) -> str:
 def zarr_dtype(dtype: torch.dtype) -> str:
     """The zarr v3 data_type name that tensorstore uses for a torch dtype."""
     return _TORCH_TO_ZARR[dtype]
-
-
-def itemsize(name: str) -> int:
-    """Bytes per element of a manifest dtype name."""
-    return torch_dtype(name).itemsize
 
 
 def cast_dtype(choice: str) -> torch.dtype | None:

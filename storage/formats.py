@@ -1,7 +1,10 @@
 """The store's user-facing format choices and quantization constants, without torch: the element
 types `store import --dtype` casts to, int4's group sizes, int8's code range and the rows quantized
-at once. `storage.dtypes` and `storage.quant` (which import torch) take
-them from here, so that the command line can offer them before anything heavy loads."""
+at once, and the bytes of each element type the manifest names. `storage.dtypes` and `storage.quant`
+(which import torch) take them from here, so that the command line can offer them before anything
+heavy loads, and the store's manifest and reader work without torch."""
+
+from storage.errors import BadInputError
 
 CAST_CHOICES = ("keep", "float32", "bfloat16", "float16")  # the names users give on the command line (--dtype)
 INT4_GROUP_SIZES = (32, 64, 128, 256)
@@ -10,3 +13,15 @@ INT8_MAX = 127  # int8 codes lie in [-127, 127], one scale per output row
 # Rows quantized at once: bounds the float32 temporaries (a 32000-row lm_head took four copies of
 # itself, 0.5 GB, when quantized whole); a multiple of int4's 64-row blocks
 QUANTIZE_ROWS = 512
+
+# bytes per element of each element type, in the manifest's (safetensors') spelling
+ITEMSIZE = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+            "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+def itemsize(name: str) -> int:
+    """Bytes per element of a manifest dtype name."""
+    try:
+        return ITEMSIZE[name]
+    except KeyError:
+        raise BadInputError(f"unsupported dtype {name!r}; supported: {', '.join(ITEMSIZE)}") from None

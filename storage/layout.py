@@ -1,6 +1,6 @@
 """Where a store keeps things and how a chunk is laid out: the version folders' names, the expert
-arrays' paths, tensors packed in a chunk (offsets padded for O_DIRECT) and typed views of them, and
-the crc32c checks that name the tensor. Pure helpers under `storage.store` and its writers."""
+arrays' paths, tensors packed in a chunk (offsets padded for O_DIRECT) and typed views of them.
+Pure helpers under `storage.store` and its writers."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import os
 import numpy as np
 import torch
 
-from storage.crc import crc32c
 from storage.dtypes import torch_dtype
-from storage.errors import CorruptTensorError
 from storage.fileio import ALIGN
 from storage.manifest import TensorEntry
 
@@ -44,23 +42,6 @@ def tensor_view(buf: torch.Tensor, entry: TensorEntry, base: int = 0) -> torch.T
     start = entry.offset - base
     raw = buf[start:start + entry.bytes]
     return raw.view(torch_dtype(entry.dtype)).view(entry.shape)
-
-
-def check_crc(entry: TensorEntry, data: np.ndarray, path: str) -> None:
-    """Raise CorruptTensorError naming the tensor when its bytes fail the recorded crc32c."""
-    if len(data) != entry.bytes:
-        raise CorruptTensorError(
-            f"tensor {entry.name} ({entry.kind}): {path} holds {len(data)} bytes, expected {entry.bytes}",
-            tensor=entry.name, path=path)
-    check_crc_value(entry, crc32c(np.ascontiguousarray(data)), path)
-
-
-def check_crc_value(entry: TensorEntry, got: int, path: str) -> None:
-    """Raise CorruptTensorError naming the tensor when `got`, its bytes' crc32c, is not the recorded one."""
-    if got != entry.crc32c:
-        raise CorruptTensorError(
-            f"tensor {entry.name} ({entry.kind}) is corrupt: crc32c {got:08x} != recorded "
-            f"{entry.crc32c:08x} in {path}", tensor=entry.name, path=path)
 
 
 def array_of_chunk(chunk_path: str) -> tuple[str, tuple[int, ...]]:

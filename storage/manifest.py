@@ -14,7 +14,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Iterable
 
-from storage.dtypes import itemsize
+from storage.formats import itemsize
 from storage.errors import NotAStoreError
 
 FORMAT_NAME = "semoe-store"
@@ -157,6 +157,10 @@ class Manifest:
             if c.kind == kind:
                 out[c.layer] = max(out.get(c.layer, 0), c.expert + 1)
         return dict(sorted(out.items()))
+
+    def expert_bytes(self, kind: str = "weight") -> int:
+        """What the experts of this kind take in memory: their chunk files, each tensor padded to a block."""
+        return sum(c.bytes for c in self.chunks if c.kind == kind)
 
     def dense(self, kind: str = "weight") -> list[TensorEntry]:
         """Dense tensor entries of a kind, in manifest order."""

@@ -29,14 +29,12 @@ import torch
 
 from storage import zarrio
 from storage.dtypes import dtype_name, torch_dtype
-from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StorageError, StoreLockedError
+from storage.errors import BadInputError, CorruptTensorError, StorageError, StoreLockedError
 from storage.crc import crc32c
 from storage.durable import fsync_path, fsync_tree, write_atomic
-from storage.fileio import ReadMode, ReadRequest, read_range
+from storage.fileio import ReadMode
 from storage.layout import (
     array_of_chunk,
-    check_crc,
-    check_crc_value,
     chunk_layout,
     expert_array_rel,
     tensor_view,
@@ -44,11 +42,11 @@ from storage.layout import (
     version_of,
 )
 from storage.manifest import KINDS, ChunkEntry, FileEntry, Manifest, TensorEntry
+from storage.reader import MANIFEST, StoreReader, load_manifest
 from storage.quant import QuantSpec, dequantize
 
 log = logging.getLogger(__name__)
 
-MANIFEST = "manifest.json"
 LOCK = ".lock"
 
 
@@ -73,38 +71,9 @@ class GcResult:
     versions_dropped: list[int] = field(default_factory=list)
 
 
-class Store:
-    """A store opened at one committed version; reads never see later commits until `refresh`."""
-
-    def __init__(self, root: str, manifest: Manifest) -> None:
-        self.root = os.path.abspath(root)
-        self.manifest = manifest
-        # called with the bytes of each read of `read_tensor`, `read_chunk` and `read_dense_rows` (a
-        # loader's progress); not by the hot path's `chunk_request` reads
-        self.on_read: Callable[[int], None] | None = None
-
-    def _read(self, path: str, buf: memoryview, offset: int, nbytes: int, mode: ReadMode) -> None:
-        read_range(path, buf, offset, nbytes, mode)
-        if self.on_read is not None:
-            self.on_read(nbytes)
-
-    # -- opening ------------------------------------------------------------------------------
-    @classmethod
-    def open(cls, root: str) -> "Store":
-        """Open the committed version of an existing store."""
-        return cls(root, cls._load(root))
-
-    @staticmethod
-    def _load(root: str) -> Manifest:
-        path = os.path.join(root, MANIFEST)
-        if not os.path.isdir(root):
-            raise NotAStoreError(f"{root}: no such directory")
-        try:
-            with open(path, encoding="utf-8") as f:
-                text = f.read()
-        except FileNotFoundError:
-            raise NotAStoreError(f"{root}: not a semoe store (no {MANIFEST})") from None
-        return Manifest.from_json(text, source=path)
+class Store(StoreReader):
+    """A store opened at one committed version; reads never see later commits until `refresh`. The
+    reads of `StoreReader` as typed torch tensors, plus writes and maintenance."""
 
     @classmethod
     def create(cls, root: str) -> "Store":
@@ -119,42 +88,19 @@ class Store:
         write_atomic(os.path.join(root, MANIFEST), m.to_json().encode())
         return cls(root, m)
 
-    @property
-    def version(self) -> int:
-        """The committed version this handle reads."""
-        return self.manifest.version
-
-    def path(self, rel: str) -> str:
-        """Absolute path of a store-relative file."""
-        return os.path.join(self.root, rel)
-
     # -- reads --------------------------------------------------------------------------------
     def read_tensor(self, name: str, kind: str = "weight", *, stack_index: int | None = None,
                     verify: bool = True, mode: ReadMode = ReadMode.DROP) -> torch.Tensor:
         """Read one tensor straight from its file into a new CPU tensor."""
         e = self.manifest.tensor(name, kind, stack_index)
-        buf = torch.empty(e.bytes, dtype=torch.uint8)
-        if e.bytes:
-            self._read(self.path(e.file), memoryview(buf.numpy()), e.offset, e.bytes, mode)
-        if verify:
-            check_crc(e, buf.numpy(), self.path(e.file))
+        if not e.bytes:  # numpy's empty array has stride 0, which torch cannot view as another type
+            return torch.empty(e.shape, dtype=torch_dtype(e.dtype))
+        buf = torch.from_numpy(self.read_bytes(name, kind, stack_index=stack_index, verify=verify, mode=mode))
         return buf.view(torch_dtype(e.dtype)).view(e.shape)
 
     def check_chunk(self, chunk: ChunkEntry, buf: torch.Tensor) -> None:
         """Check every tensor of a chunk read into `buf`; CorruptTensorError names the first bad one."""
-        raw = buf.numpy()
-        for e in self.manifest.chunk_tensors(chunk):
-            check_crc(e, raw[e.offset:e.offset + e.bytes], self.path(e.file))
-
-    def chunk_request(self, chunk: ChunkEntry, buf: memoryview) -> ReadRequest:
-        """A hot-path read of a whole chunk file that checksums each tensor as it arrives."""
-        return ReadRequest(path=self.path(chunk.file), buf=buf, nbytes=chunk.bytes,
-                           checks=[(e.offset, e.bytes) for e in self.manifest.chunk_tensors(chunk)])
-
-    def check_crcs(self, chunk: ChunkEntry, crcs: list[int]) -> None:
-        """Compare checksums computed during a `chunk_request` read with the manifest."""
-        for e, got in zip(self.manifest.chunk_tensors(chunk), crcs):
-            check_crc_value(e, got, self.path(e.file))
+        self.check_chunk_bytes(chunk, buf.numpy())
 
     def chunk_views(self, chunk: ChunkEntry, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Typed views of a chunk's tensors in a buffer holding the chunk file.
@@ -167,12 +113,7 @@ class Store:
     def read_chunk(self, layer: int, expert: int, kind: str = "weight", *, verify: bool = True,
                    mode: ReadMode = ReadMode.DROP) -> torch.Tensor:
         """One expert's chunk file as a uint8 tensor (one contiguous read), its tensors checked."""
-        c = self.manifest.chunk(layer, expert, kind)
-        buf = torch.empty(c.bytes, dtype=torch.uint8)
-        self._read(self.path(c.file), memoryview(buf.numpy()), 0, c.bytes, mode)
-        if verify:
-            self.check_chunk(c, buf)
-        return buf
+        return torch.from_numpy(self.read_chunk_bytes(layer, expert, kind, verify=verify, mode=mode))
 
     def read_expert(self, layer: int, expert: int, kind: str = "weight", *, verify: bool = True,
                     mode: ReadMode = ReadMode.DROP) -> dict[str, torch.Tensor]:
@@ -205,17 +146,8 @@ class Store:
         if (e.quant is not None and "scheme" in e.quant) or len(e.shape) != 2 or not e.bytes:
             yield self.read_dense(name)
             return
-        row_bytes = e.bytes // e.shape[0]
-        path, crc = self.path(e.file), 0
-        for r in range(0, e.shape[0], rows):
-            n = min(rows, e.shape[0] - r)
-            buf = torch.empty(n * row_bytes, dtype=torch.uint8)
-            self._read(path, memoryview(buf.numpy()), e.offset + r * row_bytes, n * row_bytes, mode)
-            crc = crc32c(buf.numpy(), crc)  # continued over the blocks
-            if r + n == e.shape[0]:
-                check_crc_value(e, crc, path)
-            yield buf.view(torch_dtype(e.dtype)).view(n, e.shape[1])
-            del buf  # before the next block is allocated
+        for block in self.dense_row_bytes(name, rows, mode=mode):
+            yield torch.from_numpy(block).view(torch_dtype(e.dtype))
 
     def read_tensor_ts(self, entry: TensorEntry) -> torch.Tensor:
         """Read a tensor through tensorstore (the checked, slower path used by export and verify)."""
@@ -234,15 +166,6 @@ class Store:
             return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
         row = arr[index[0]].read().result()
         return row[entry.offset:entry.offset + entry.bytes]
-
-    def read_file(self, name: str) -> bytes:
-        """A side file's bytes, checked."""
-        f = self.manifest.file(name)
-        with open(self.path(f.file), "rb") as fh:
-            data = fh.read()
-        if crc32c(data) != f.crc32c or len(data) != f.bytes:
-            raise CorruptTensorError(f"{self.path(f.file)}: side file {name} fails its checksum", path=f.file)
-        return data
 
     # -- writing ------------------------------------------------------------------------------
     def writer(self) -> "StoreWriter":
@@ -295,7 +218,7 @@ class Store:
         if keep < 1:
             raise BadInputError(f"--keep must be >= 1, got {keep}")
         with _WriteLock(self.root):
-            current = self._load(self.root)
+            current = load_manifest(self.root)
             self.manifest = current
             result = GcResult()
             hist_dir = os.path.join(self.root, "history")
@@ -440,7 +363,7 @@ class StoreWriter:
         self.store = store
         self._lock = _WriteLock(store.root)
         try:
-            base = Store._load(store.root)
+            base = load_manifest(store.root)
             self.manifest = Manifest.from_json(base.to_json(), source="(copy)")
             self.version = base.version + 1
             self._vd = vdir(self.version)

@@ -75,10 +75,9 @@ def expert_bytes(path: str) -> int:
     from semoe.checkpoint import is_store
 
     if is_store(path):
-        from storage.store import Store
+        from storage.reader import StoreReader
 
-        # what the experts take in memory: chunk files, each tensor padded to a block
-        return sum(c.bytes for c in Store.open(path).manifest.chunks if c.kind == "weight")
+        return StoreReader.open(path).manifest.expert_bytes()
     from semoe.hf_import import open_checkpoint
 
     ck = open_checkpoint(path)

@@ -127,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
 
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
-    from inference.lean import LeanConfig, LeanModel, expert_bytes
+    from inference.lean import LeanConfig, LeanModel
+    from storage.reader import StoreReader
     from tools.sizes import parse_size
 
     refused = [flag for flag, on in (("--temperature", args.temperature is not None), ("--top-p", args.top_p is not None),
@@ -144,14 +145,15 @@ def run_lean(args: argparse.Namespace) -> int:
         raise UsageError(f"--lean takes --dense auto, float or int8, got {args.dense}")
     if args.cache_policy != "next-use":
         raise UsageError("--lean evicts by next use; --cache-policy is the engine's")
-    total = expert_bytes(args.model)
+    store = StoreReader.open(args.model)  # the manifest, read once: for the cache's size and the model
+    total = store.manifest.expert_bytes()
     if args.cpu_cache is None:
         cache = total
     elif args.cpu_cache.strip() == "auto":
         raise UsageError("--lean takes --cpu-cache as a size (512MiB, 25%); auto is the engine's")
     else:
         cache = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=total)
-    with LeanModel(args.model, LeanConfig(cache_bytes=cache, dense=args.dense)) as model:
+    with LeanModel(store, LeanConfig(cache_bytes=cache, dense=args.dense)) as model:
         tok = model.tokenizer
         if args.prompt_ids is not None:
             prompt = parse_prompt_ids(args.prompt_ids)

@@ -338,21 +338,13 @@ class DecodePlan:
             held.extend((g_held, u_held, d_held))
             return _Expert(gate, up, down)
 
-        layers = (_LayerC * len(self.layers))()
-        F = E = 0
         if self.lm_head.lin is None:
             raise NotOnFastPath("an output weight the kernels do not take")
-        for lay, block, lc in zip(self.layers, model.layers, layers):
+        parts = []
+        for lay, block in zip(self.layers, model.layers):
             attn = lay.attn  # grouped-query, plain (`one_call_refusal`)
             if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv) or attn.o_proj.lin is None:
                 raise NotOnFastPath(f"layer {block.layer}: q/k/v or output weights the one-call step does not take")
-            lc.attn_norm, lc.attn_eps = _ptr(lay.attn_norm.weight), lay.attn_norm.eps
-            lc.ffn_norm, lc.ffn_eps = _ptr(lay.ffn_norm.weight), lay.ffn_norm.eps
-            lc.n_qkv = len(attn.qkv)
-            lc.window = attn.window
-            for j, (prod, _, _) in enumerate(attn.qkv):
-                lc.qkv[j] = prod.lin
-            lc.o = attn.o_proj.lin
             ffn = block.ffn
             if lay.router is None:  # a dense layer: DenseFFN (the plan takes no other)
                 experts = [expert(tuple(m.weight for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)))]
@@ -369,14 +361,14 @@ class DecodePlan:
                     raise NotOnFastPath(f"layer {block.layer}: experts not all in memory (offloaded ones arrive "
                                         "during the step)")
                 experts = [expert(w.parts) for w in ws]
-                lc.E, lc.router = c.num_experts, lay.router.lin
             array = (_Expert * len(experts))(*experts)
             held.append(array)
-            lc.experts = array
-            F, E = max(F, experts[0].gate.O), max(E, lc.E)
-        H, G, Dh = c.num_heads, c.num_kv_heads, c.head_dim
-        net = _Net(len(self.layers), c.hidden_size, H, G, Dh, F, E, max(c.top_k, 1), int(bool(c.norm_topk_prob)),
-                   Dh ** -0.5, self.norm.eps, _ptr(self.norm.weight), layers, self.lm_head.lin)
+            parts.append(kernel_abi.LayerParts(
+                attn_norm=_ptr(lay.attn_norm.weight), attn_eps=lay.attn_norm.eps, ffn_norm=_ptr(lay.ffn_norm.weight),
+                ffn_eps=lay.ffn_norm.eps, qkv=[prod.lin for prod, _, _ in attn.qkv], o=attn.o_proj.lin,
+                window=attn.window, experts=array, ffn_width=experts[0].gate.O,
+                router=None if lay.router is None else lay.router.lin))
+        net, layers = kernel_abi.build_net(c, parts, _ptr(self.norm.weight), self.norm.eps, self.lm_head.lin)
         return net, [layers, *held]
 
     @classmethod

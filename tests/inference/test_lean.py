@@ -26,7 +26,7 @@ import torch
 from helpers.hf_models import add_word_tokenizer
 from helpers.kernels import needs_kernels
 from inference.engine import Engine, EngineConfig
-from inference.lean import LeanConfig, LeanModel, expert_bytes, quantize_int8_rows
+from inference.lean import LeanConfig, LeanModel, quantize_int8_rows
 from semoe.attention import KVCache, rope_tables
 from semoe.checkpoint import load_store
 from semoe.decode.plan import DecodePlan
@@ -34,8 +34,10 @@ from semoe.decode.support import NotOnFastPath
 from semoe.generate import SamplingConfig
 from semoe.hf_import import import_checkpoint
 from semoe.quantize import QuantizeConfig, quantize_store
-from storage.errors import BadInputError, CorruptTensorError
+from storage.errors import BadInputError, CorruptTensorError, NotAStoreError
+from storage.keys import ExpertKey
 from storage.quant import quantize
+from storage.reader import StoreReader
 from tools.cli import main
 
 pytestmark = needs_kernels
@@ -43,6 +45,10 @@ pytestmark = needs_kernels
 PROMPT = [3, 17, 5, 29, 11, 2, 40, 8]
 TOKENS = [1, 7, 61, 23, 4, 90, 12, 33, 5, 71, 18, 2, 44, 9, 60, 31]
 LOGPROB_ATOL = 1e-4
+
+
+def expert_bytes(store: str) -> int:
+    return StoreReader.open(store).manifest.expert_bytes()
 
 
 def _hf_mixtral(path):
@@ -184,10 +190,14 @@ def test_a_corrupt_chunk_is_refused_naming_its_tensor(stores, tmp_path):
     data[entry["offset"] + 5] ^= 0xFF
     path.write_bytes(bytes(data))
     with LeanModel(str(bad), LeanConfig(cache_bytes=expert_bytes(str(bad)))) as lean:
-        free = len(lean.cache.free)
+        slots = lean.cache
         with pytest.raises(CorruptTensorError, match=name.replace(".", r"\.")):
-            lean.cache.ensure(0, [0, 1])
-        assert (0, 1) not in lean.cache.where and len(lean.cache.free) + len(lean.cache.where) == free
+            slots.ensure(0, [0, 1])
+        # neither expert stays cached (both were read in one request), and no slot is lost
+        assert ExpertKey(0, 1) not in slots.cache and ExpertKey(0, 0) not in slots.cache
+        assert len(slots.free) == slots.n and len(slots.cache) == 0
+        slots.ensure(0, [0])  # the sound one reads into a slot of its own
+        assert ExpertKey(0, 0) in slots.cache and len(slots.free) == slots.n - 1
 
 
 def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
@@ -199,7 +209,7 @@ def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
     assert "\n" not in str(e.value)
     with pytest.raises(BadInputError, match=r"--cpu-cache: 4096 bytes hold 0 .* at least top_k = 2"):
         LeanModel(stores[32], LeanConfig(cache_bytes=4096))
-    with pytest.raises(BadInputError, match="not a store"):
+    with pytest.raises(NotAStoreError, match="not a semoe store"):
         LeanModel(str(tmp_path), LeanConfig(cache_bytes=0))
 
 
