@@ -17,9 +17,9 @@ slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT 
 in parallel) and checked against the manifest's crc32c.
 
 What it takes: the models the one-call step takes (`DecodePlan`'s whole step): grouped-query
-attention without q/k norms, clipping, sinks or partial/interleaved rotary (sliding windows and
-YaRN included); softmax-top-k routers over SwiGLU experts without shared experts, or dense
-SwiGLU layers; greedy decoding, one sequence. Anything else is refused with one line naming it
+attention, with q/k norms (over all heads or per head), clipping, sinks, partial rotary, sliding
+windows and YaRN, but not interleaved rotary; softmax-top-k routers over SwiGLU experts without
+shared experts, or dense SwiGLU layers; greedy decoding, one sequence. Anything else is refused with one line naming it
 (`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
 It is a front-end of the same core as the engine: the store is read through `storage.reader`
@@ -222,7 +222,10 @@ class LeanModel:
                 ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight"), ffn_eps=c.rms_norm_eps,
                 qkv=[self._linear([f"layers.{lay}.attn.{p}_proj" for p in "qkv"], dense)],
                 o=self._linear([f"layers.{lay}.attn.o_proj"], dense), window=c.window(lay) or 0, experts=arr,
-                ffn_width=F, router=router))
+                ffn_width=F, router=router, qk_norm=kernel_abi.QK_NORM[c.qk_norm], qk_eps=c.rms_norm_eps,
+                q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if c.qk_norm != "none" else None,
+                k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if c.qk_norm != "none" else None,
+                clip=c.clip_qkv or 0.0, sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
         self.net, self.layers = kernel_abi.build_net(c, parts, self._vector("norm.weight"), c.rms_norm_eps, self.head)
@@ -373,7 +376,7 @@ class LeanModel:
         self._pointed[layer][expert] = slot
 
     def rope(self, pos: int, cos: np.ndarray, sin: np.ndarray) -> None:
-        """The rotary tables (head_dim) of position `pos` into cos and sin: `semoe.attention.rope_tables`'
+        """The rotary tables (rope_dim) of position `pos` into cos and sin: `semoe.attention.rope_tables`'
         float32 operations, with numpy's cos and sin (torch's may differ in the last bit)."""
         f = np.float32(pos) * self.inv_freq
         both = np.concatenate((f, f))
@@ -464,7 +467,7 @@ class LeanSequence:
         self.kc, self.vc = np.zeros((L, G, capacity, Dh), np.float32), np.zeros((L, G, capacity, Dh), np.float32)
         self.x, self.logits = np.empty(c.hidden_size, np.float32), np.empty(model.head.O, np.float32)
         self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)
-        self.cos, self.sin = np.empty(Dh, np.float32), np.empty(Dh, np.float32)
+        self.cos, self.sin = np.empty(c.rope_dim, np.float32), np.empty(c.rope_dim, np.float32)
         P = ctypes.c_void_p
         self._p = [P(a.ctypes.data) for a in (self.x, self.logits, self.ids, self.w, self.cos, self.sin)]
         self._kv = [(P(self.kc[lay].ctypes.data), P(self.vc[lay].ctypes.data)) for lay in range(L)]

@@ -42,12 +42,13 @@ class Expert(ctypes.Structure):
 
 class LayerC(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
-                ("window", _I), ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin),
+                ("window", _I), ("qk_norm", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("clip", _F32),
+                ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin),
                 ("experts", ctypes.POINTER(Expert))]
 
 
 class Net(ctypes.Structure):
-    _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("F", _I), ("E", _I),
+    _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("R", _I), ("F", _I), ("E", _I),
                 ("top_k", _I), ("norm_topk", _I), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
 
@@ -67,6 +68,16 @@ class LayerParts:
     experts: ctypes.Array  # of Expert: the layer's E routed experts, or its one dense SwiGLU
     ffn_width: int  # F, the experts' (or the dense layer's) intermediate size
     router: Lin | None = None  # None: a dense layer
+    qk_norm: int = 0  # QK_NORM's value of the config's q/k norm
+    q_norm: int | None = None  # the q and k norms' weights
+    k_norm: int | None = None
+    qk_eps: float = 0.0
+    clip: float = 0.0  # > 0: q, k and v clamped to [-clip, clip]
+    sinks: int | None = None  # H logits
+
+
+# decode_abi.h's `Layer.qk_norm` for `semoe.config.MoEConfig.qk_norm`
+QK_NORM = {"none": 0, "full": 1, "head": 2}
 
 
 def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head: Lin) -> tuple[Net, ctypes.Array]:
@@ -77,6 +88,8 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
     for lp, lc in zip(layers, arr):
         lc.attn_norm, lc.attn_eps, lc.ffn_norm, lc.ffn_eps = lp.attn_norm, lp.attn_eps, lp.ffn_norm, lp.ffn_eps
         lc.n_qkv, lc.window, lc.o = len(lp.qkv), lp.window, lp.o
+        lc.qk_norm, lc.q_norm, lc.k_norm, lc.qk_eps = lp.qk_norm, lp.q_norm, lp.k_norm, lp.qk_eps
+        lc.clip, lc.sinks = lp.clip, lp.sinks
         for j, lin in enumerate(lp.qkv):
             lc.qkv[j] = lin
         lc.experts = lp.experts
@@ -84,8 +97,8 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
             lc.E, lc.router = len(lp.experts), lp.router
     F, E = max(lp.ffn_width for lp in layers), max(lc.E for lc in arr)
     Dh = config.head_dim
-    net = Net(len(layers), config.hidden_size, config.num_heads, config.num_kv_heads, Dh, F, E, max(config.top_k, 1),
-              int(bool(config.norm_topk_prob)), Dh ** -0.5, norm_eps, norm, arr, head)
+    net = Net(len(layers), config.hidden_size, config.num_heads, config.num_kv_heads, Dh, config.rope_dim, F, E,
+              max(config.top_k, 1), int(bool(config.norm_topk_prob)), Dh ** -0.5, norm_eps, norm, arr, head)
     return net, arr
 
 

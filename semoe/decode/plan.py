@@ -342,9 +342,11 @@ class DecodePlan:
             raise NotOnFastPath("an output weight the kernels do not take")
         parts = []
         for lay, block in zip(self.layers, model.layers):
-            attn = lay.attn  # grouped-query, plain (`one_call_refusal`)
+            attn = lay.attn  # grouped-query (`one_call_refusal`)
             if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv) or attn.o_proj.lin is None:
                 raise NotOnFastPath(f"layer {block.layer}: q/k/v or output weights the one-call step does not take")
+            if attn.norms is not None and attn.norms[0].eps != attn.norms[1].eps:
+                raise NotOnFastPath(f"layer {block.layer}: q and k norms of different epsilons")
             ffn = block.ffn
             if lay.router is None:  # a dense layer: DenseFFN (the plan takes no other)
                 experts = [expert(tuple(m.weight for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)))]
@@ -367,7 +369,11 @@ class DecodePlan:
                 attn_norm=_ptr(lay.attn_norm.weight), attn_eps=lay.attn_norm.eps, ffn_norm=_ptr(lay.ffn_norm.weight),
                 ffn_eps=lay.ffn_norm.eps, qkv=[prod.lin for prod, _, _ in attn.qkv], o=attn.o_proj.lin,
                 window=attn.window, experts=array, ffn_width=experts[0].gate.O,
-                router=None if lay.router is None else lay.router.lin))
+                router=None if lay.router is None else lay.router.lin, qk_norm=kernel_abi.QK_NORM[attn.qk_norm],
+                q_norm=None if attn.norms is None else _ptr(attn.norms[0].weight),
+                k_norm=None if attn.norms is None else _ptr(attn.norms[1].weight),
+                qk_eps=0.0 if attn.norms is None else attn.norms[0].eps, clip=attn.clip or 0.0,
+                sinks=None if attn.sinks is None else _ptr(attn.sinks)))
         net, layers = kernel_abi.build_net(c, parts, _ptr(self.norm.weight), self.norm.eps, self.lm_head.lin)
         return net, [layers, *held]
 

@@ -29,9 +29,8 @@ def one_call_refusal(c) -> str | None:
     not take, in a phrase; None where they take it all."""
     if c.attention != "gqa":
         return f"{c.attention} attention"
-    if c.qk_norm != "none" or c.clip_qkv is not None or c.attention_sinks or c.rope_interleave \
-            or c.rope_dim != c.head_dim:
-        return "the attention variant (q/k norms, clipping, sinks or partial/interleaved rotary)"
+    if c.rope_interleave:
+        return "rotary embeddings over interleaved pairs"
     if c.num_experts and (c.router != "softmax_topk" or c.shared_expert_size or c.expert_mlp != "swiglu"
                           or c.router_bias):
         return f"the {c.router} router or its experts' kind ({c.expert_mlp}, shared {c.shared_expert_size})"

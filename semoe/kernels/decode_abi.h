@@ -26,6 +26,10 @@ typedef struct {
     float attn_eps, ffn_eps;
     int64_t n_qkv; /* q|k|v as one product or three */
     int64_t window; /* a query sees this many positions back, itself included; 0: all */
+    int64_t qk_norm; /* RMSNorm of q and k after their products: 0 none, 1 over all heads, 2 per head */
+    const float *q_norm, *k_norm; /* its weights: H * Dh and G * Dh values (1), or Dh each (2) */
+    float qk_eps, clip; /* the norms' epsilon; clip > 0: q, k and v clamped to [-clip, clip] */
+    const float *sinks; /* NULL, or H logits that join each head's softmax denominator */
     Lin qkv[3], o;
     int64_t E; /* experts; 0: a dense SwiGLU layer in experts[0], no router */
     Lin router;
@@ -33,7 +37,7 @@ typedef struct {
 } Layer;
 
 typedef struct {
-    int64_t L, D, H, G, Dh, F, E, top_k, norm_topk; /* F, E: the most of any layer */
+    int64_t L, D, H, G, Dh, R, F, E, top_k, norm_topk; /* R: rotated dims a head; F, E: the most of any layer */
     float scale, norm_eps;
     const float *norm;
     const Layer *layers;

@@ -180,11 +180,25 @@ static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *
     for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
         product(&ly->qkv[j], s->h, &s->a, s->qkv + off, &s->oom);
 #pragma omp single
-    attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, Dh, S, pos, s->qr);
+    {
+        /* the module's order: norms over all heads, clipping, norms per head; then rotary */
+        float *q = s->qkv, *k = s->qkv + H * Dh;
+        if (ly->qk_norm == 1) {
+            rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, 1, H * Dh);
+            rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, 1, G * Dh);
+        }
+        if (ly->clip > 0)
+            for (int64_t i = 0; i < (H + 2 * G) * Dh; i++) s->qkv[i] = fminf(fmaxf(s->qkv[i], -ly->clip), ly->clip);
+        if (ly->qk_norm == 2) {
+            rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, H, Dh);
+            rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, G, Dh);
+        }
+        attend_rotate(q, k, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, net->R, S, pos, s->qr);
+    }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++)
         attend_head(s->qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n, net->scale,
-                    NULL, s->p, s->att, h);
+                    ly->sinks, s->p, s->att, h);
     product(&ly->o, s->att, &s->a, s->tmp, &s->oom);
 #pragma omp single
     {
@@ -288,9 +302,10 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
     FIELDS(Lin, OFF(Lin, kind), OFF(Lin, O), OFF(Lin, I), OFF(Lin, g), OFF(Lin, w), OFF(Lin, s), OFF(Lin, bias))
     FIELDS(Expert, OFF(Expert, gate), OFF(Expert, up), OFF(Expert, down))
     FIELDS(Layer, OFF(Layer, attn_norm), OFF(Layer, ffn_norm), OFF(Layer, attn_eps), OFF(Layer, ffn_eps),
-           OFF(Layer, n_qkv), OFF(Layer, window), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, E), OFF(Layer, router),
-           OFF(Layer, experts))
-    FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, F), OFF(Net, E),
+           OFF(Layer, n_qkv), OFF(Layer, window), OFF(Layer, qk_norm), OFF(Layer, q_norm), OFF(Layer, k_norm),
+           OFF(Layer, qk_eps), OFF(Layer, clip), OFF(Layer, sinks), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, E),
+           OFF(Layer, router), OFF(Layer, experts))
+    FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, R), OFF(Net, F), OFF(Net, E),
            OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, scale), OFF(Net, norm_eps), OFF(Net, norm), OFF(Net, layers),
            OFF(Net, head))
     *n = 0;

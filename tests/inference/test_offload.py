@@ -426,6 +426,7 @@ def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_lay
     by kernel, as an offloaded one must (its experts arrive during the step); its one-call step
     (`decode_step`) reads nothing back per layer."""
     from semoe.decode.plan import DecodePlan
+    from semoe.decode.support import one_call_refusal
     from storage.syncs import HostSyncCounter
 
     arch, store, want = bf16_store
@@ -436,7 +437,7 @@ def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_lay
         with HostSyncCounter() as syncs:
             engine.generate(PROMPT, SamplingConfig(max_new_tokens=new_tokens))
         counts["resident-one-call"] = syncs.total
-        one_call = engine._plan is not None and engine._plan.net is not None  # Mixtral's shape: the plan's
+        one_call = engine._plan is not None and engine._plan.net is not None  # the one-call step's models
     finally:
         engine.close()
     init = DecodePlan.__init__
@@ -461,7 +462,7 @@ def test_host_syncs_per_decode_step_are_the_resident_models_plus_one_per_moe_lay
         assert counts["resident-one-call"] <= counts["resident"] - (forwards - 1) * moe_layers
     else:
         assert counts["resident-one-call"] == counts["resident"]
-    assert one_call == (arch == "mixtral")
+    assert one_call == (one_call_refusal(engine.model.config) is None)
     assert counts["ring"] - counts["resident"] == forwards * predicting + forwards
 
 

@@ -62,7 +62,8 @@ def test_choose_keeps_the_model_resident_only_where_it_fits_beside_the_reserve(m
 def test_generate_without_flags_chooses_says_so_and_gives_the_same_tokens(models, monkeypatch, capsys):
     """No flag: resident with the memory this machine has; with MemAvailable made smaller than the model,
     offloaded behind an auto CPU cache. Each run prints the one line naming the choice and the decoding
-    path (the fast kernels, kernel by kernel, for qwen3_moe), and both give the same tokens."""
+    path (the fast kernels: qwen3_moe's whole step in one call resident, kernel by kernel offloaded,
+    since its experts arrive during the step), and both give the same tokens."""
     args = ["generate", "--model", models["store"], "--prompt-ids", "3,17,5,29", "--max-new-tokens", "6", "--json",
             "--ignore-eos"]
     outs, lines = [], []
@@ -75,7 +76,8 @@ def test_generate_without_flags_chooses_says_so_and_gives_the_same_tokens(models
         lines.append([line for line in err.splitlines() if line.startswith("semoe: ")])
     assert len(lines[0]) == 1 and "every expert resident" in lines[0][0]
     assert len(lines[1]) == 1 and "offloaded to the store behind a CPU cache" in lines[1][0]
-    assert all("semoe's CPU kernels, kernel by kernel" in ls[0] for ls in lines)
+    assert "semoe's CPU kernels, the whole step in one call" in lines[0][0]
+    assert "semoe's CPU kernels, kernel by kernel" in lines[1][0] and "experts not all in memory" in lines[1][0]
     assert "stats" in outs[1] and "stats" not in outs[0]  # the offloaded engine reports its tiers
     assert outs[0]["tokens"] == outs[1]["tokens"]
 

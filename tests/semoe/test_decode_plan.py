@@ -113,6 +113,28 @@ def test_biases_dense_layers_three_choices_and_a_window(whole, window):
     _agree(got, want, plan.net is not None)
 
 
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("variant", [dict(qk_norm="head"), dict(qk_norm="full", clip_qkv=0.5),
+                                     dict(attention_sinks=True, rope_dim=8, sliding_window=12)],
+                         ids=["head-norms", "full-norms-clip", "sinks-partial-rotary-window"])
+def test_attention_variants_kernel_by_kernel_and_in_one_call(whole, variant):
+    """q/k norms per head (Qwen3-MoE, GLM) and over all heads with clipping (OLMoE), sinks with half of
+    each head's dims rotated and a window the later steps reach: kernel by kernel the modules' bits,
+    within WHOLE_ATOL in one call. Norm weights and sinks are drawn away from their initial values,
+    so that a step leaving one out moves the logits."""
+    model = _model(**variant)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "sinks" in name or "q_norm" in name or "k_norm" in name:
+                p.uniform_(0.5, 1.5)
+    plan = DecodePlan(model, whole=whole)
+    assert (plan.net is not None) == whole
+    got, planned = _steps(model, plan)
+    want, _ = _steps(model, None)
+    assert planned == len(TOKENS)
+    _agree(got, want, plan.net is not None)
+
+
 def test_generation_resident_and_offloaded_equals_the_module_path(stores, monkeypatch):
     """`generate` decodes through the plan; with it switched off, the same tokens and log-probs, for
     the resident int4 model (its step in one call: log-probs within WHOLE_ATOL) and for its experts
@@ -191,6 +213,7 @@ def test_generate_with_a_plan_gives_the_tokens_without():
 # -- every architecture -----------------------------------------------------------------------------
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+ONE_CALL = ("mixtral", "qwen3_moe", "olmoe")  # the architectures the one-call step takes whole
 # shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike
 WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 # float32 sums in another order (per-head norms of many heads, latent attention in the absorbed form
@@ -237,15 +260,14 @@ CASES = [(a, f) for a in ARCHS for f in ("f32", "int8", "int4")] + [("deepseek_v
 @pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     """Each architecture's decoding steps all go through the plan (never the modules), in its stored
-    format: the one-call step for the Mixtral-shaped model, kernel by kernel for the others (per-head
-    or full q/k norms, clipping, shared experts, latent attention, grouped and biased routers, sinks,
-    windows, partial rotary, clamped experts). Logits within ARCH_RTOL of the modules', the same
+    format: the one-call step for ONE_CALL, kernel by kernel for the others (shared experts, latent
+    attention, grouped and biased routers, clamped experts). Logits within ARCH_RTOL of the modules', the same
     greedy tokens."""
     model = load_store(arch_stores(arch, fmt))
     plan = DecodePlan.build(model)
     assert plan is not None
-    assert (plan.net is not None) == (arch == "mixtral")
-    if arch != "mixtral":
+    assert (plan.net is not None) == (arch in ONE_CALL)
+    if arch not in ONE_CALL:
         with pytest.raises(NotOnFastPath):
             plan._whole(model)
     got, planned = _steps(model, plan)
