@@ -18,8 +18,10 @@ in parallel) and checked against the manifest's crc32c.
 
 What it takes: the models the one-call step takes (`DecodePlan`'s whole step): grouped-query
 attention, with q/k norms (over all heads or per head), clipping, sinks, partial rotary, sliding
-windows and YaRN, but not interleaved rotary; softmax-top-k routers over SwiGLU experts without
-shared experts, or dense SwiGLU layers; greedy decoding, one sequence. Anything else is refused with one line naming it
+windows and YaRN, but not interleaved rotary; softmax-top-k, top-k-then-softmax and grouped routers
+over SwiGLU experts, with or without a shared expert, or dense SwiGLU layers: Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE and GLM-4.5, not latent attention (DeepSeek, Kimi) or gpt-oss's clamped experts;
+greedy decoding, one sequence. Anything else is refused with one line naming it
 (`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
 It is a front-end of the same core as the engine: the store is read through `storage.reader`
@@ -208,10 +210,20 @@ class LeanModel:
         self.experts_of: dict[int, ctypes.Array] = {}  # layer -> its experts, pointed at slots as chosen
         parts = []
         for lay in range(L):
+            shared = shared_gate = correction = None
             if lay in moe_layers:
                 arr = self.experts_of[lay] = (kernel_abi.Expert * E)()
-                router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=False)
+                router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=c.router_bias)
                 F = self._chunk_parts(lay, 0)[0][2]
+                if c.score_correction_bias:
+                    correction = self._vector(f"layers.{lay}.ffn.router.e_score_correction_bias")
+                if c.shared_expert_size:  # dense weights, as the engine's (int8 beside compact experts)
+                    shared = (kernel_abi.Expert * 1)(kernel_abi.Expert(*(
+                        self._linear([f"layers.{lay}.ffn.shared.{p}_proj"], dense, bias=False)
+                        for p in ("gate", "up", "down"))))
+                    self.held.append(shared)
+                    if c.shared_expert_gate:  # a router-like row: float, as the engine keeps it
+                        shared_gate = self._linear([f"layers.{lay}.ffn.shared_gate"], "float", bias=False)
             else:
                 ex = kernel_abi.Expert(*(self._linear([f"layers.{lay}.ffn.{p}_proj"], dense, bias=False)
                                          for p in ("gate", "up", "down")))
@@ -225,7 +237,8 @@ class LeanModel:
                 ffn_width=F, router=router, qk_norm=kernel_abi.QK_NORM[c.qk_norm], qk_eps=c.rms_norm_eps,
                 q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if c.qk_norm != "none" else None,
                 k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if c.qk_norm != "none" else None,
-                clip=c.clip_qkv or 0.0, sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None))
+                clip=c.clip_qkv or 0.0, sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None,
+                correction=correction, shared=shared, shared_gate=shared_gate))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
         self.net, self.layers = kernel_abi.build_net(c, parts, self._vector("norm.weight"), c.rms_norm_eps, self.head)

@@ -43,13 +43,14 @@ class Expert(ctypes.Structure):
 class LayerC(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
                 ("window", _I), ("qk_norm", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("clip", _F32),
-                ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin),
-                ("experts", ctypes.POINTER(Expert))]
+                ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin), ("correction", _P),
+                ("experts", ctypes.POINTER(Expert)), ("shared", ctypes.POINTER(Expert)), ("shared_gate", Lin)]
 
 
 class Net(ctypes.Structure):
     _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("R", _I), ("F", _I), ("E", _I),
-                ("top_k", _I), ("norm_topk", _I), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
+                ("top_k", _I), ("norm_topk", _I), ("router", _I), ("sigmoid_scores", _I), ("n_group", _I),
+                ("topk_group", _I), ("group_top2", _I), ("routed_scale", _F32), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
 
 
@@ -74,10 +75,14 @@ class LayerParts:
     qk_eps: float = 0.0
     clip: float = 0.0  # > 0: q, k and v clamped to [-clip, clip]
     sinks: int | None = None  # H logits
+    correction: int | None = None  # E biases on the grouped router's choice
+    shared: ctypes.Array | None = None  # of one Expert: the shared expert
+    shared_gate: Lin | None = None  # its sigmoid gate (O = 1), if it has one
 
 
-# decode_abi.h's `Layer.qk_norm` for `semoe.config.MoEConfig.qk_norm`
+# decode_abi.h's `Layer.qk_norm` for `semoe.config.MoEConfig.qk_norm`, and `Net.router` for its router
 QK_NORM = {"none": 0, "full": 1, "head": 2}
+ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2}
 
 
 def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head: Lin) -> tuple[Net, ctypes.Array]:
@@ -89,16 +94,22 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
         lc.attn_norm, lc.attn_eps, lc.ffn_norm, lc.ffn_eps = lp.attn_norm, lp.attn_eps, lp.ffn_norm, lp.ffn_eps
         lc.n_qkv, lc.window, lc.o = len(lp.qkv), lp.window, lp.o
         lc.qk_norm, lc.q_norm, lc.k_norm, lc.qk_eps = lp.qk_norm, lp.q_norm, lp.k_norm, lp.qk_eps
-        lc.clip, lc.sinks = lp.clip, lp.sinks
+        lc.clip, lc.sinks, lc.correction = lp.clip, lp.sinks, lp.correction
+        if lp.shared is not None:
+            lc.shared = lp.shared
+            if lp.shared_gate is not None:
+                lc.shared_gate = lp.shared_gate
         for j, lin in enumerate(lp.qkv):
             lc.qkv[j] = lin
         lc.experts = lp.experts
         if lp.router is not None:
             lc.E, lc.router = len(lp.experts), lp.router
-    F, E = max(lp.ffn_width for lp in layers), max(lc.E for lc in arr)
-    Dh = config.head_dim
-    net = Net(len(layers), config.hidden_size, config.num_heads, config.num_kv_heads, Dh, config.rope_dim, F, E,
-              max(config.top_k, 1), int(bool(config.norm_topk_prob)), Dh ** -0.5, norm_eps, norm, arr, head)
+    F = max(max(lp.ffn_width, lp.shared[0].gate.O if lp.shared is not None else 0) for lp in layers)
+    E, Dh, c = max(lc.E for lc in arr), config.head_dim, config
+    net = Net(len(layers), c.hidden_size, c.num_heads, c.num_kv_heads, Dh, c.rope_dim, F, E, max(c.top_k, 1),
+              int(bool(c.norm_topk_prob)), ROUTER[c.router], int(c.router_scores == "sigmoid"), c.n_group,
+              c.topk_group, int(c.group_score == "top2"), c.routed_scaling_factor, Dh ** -0.5, norm_eps, norm, arr,
+              head)
     return net, arr
 
 

@@ -348,7 +348,7 @@ class DecodePlan:
             if attn.norms is not None and attn.norms[0].eps != attn.norms[1].eps:
                 raise NotOnFastPath(f"layer {block.layer}: q and k norms of different epsilons")
             ffn = block.ffn
-            if lay.router is None:  # a dense layer: DenseFFN (the plan takes no other)
+            if isinstance(ffn, DenseFFN):  # a dense layer (the plan takes no other kind)
                 experts = [expert(tuple(m.weight for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)))]
                 if any(m.bias is not None for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)):
                     raise NotOnFastPath("a dense feed-forward layer with biases")
@@ -363,17 +363,38 @@ class DecodePlan:
                     raise NotOnFastPath(f"layer {block.layer}: experts not all in memory (offloaded ones arrive "
                                         "during the step)")
                 experts = [expert(w.parts) for w in ws]
+                router = lay.router or _Product(self.lib, ffn.router, bias=c.router_bias)
+                if router.lin is None:
+                    raise NotOnFastPath(f"layer {block.layer}: a router weight the kernels do not take")
+                held.append(router)
             array = (_Expert * len(experts))(*experts)
             held.append(array)
+            shared = shared_gate = correction = None
+            if lay.shared:
+                sh = ffn.shared
+                shared = (_Expert * 1)(expert(tuple(m.weight for m in (sh.gate_proj, sh.up_proj, sh.down_proj))))
+                held.append(shared)
+                if c.shared_expert_gate:
+                    gate = _Product(self.lib, ffn.shared_gate, bias=False)
+                    if gate.lin is None:
+                        raise NotOnFastPath(f"layer {block.layer}: a shared expert's gate the kernels do not take")
+                    shared_gate = gate.lin
+                    held.append(gate)
+            if not isinstance(ffn, DenseFFN) and c.score_correction_bias:
+                bias = ffn.router.e_score_correction_bias
+                if bias.dtype != torch.float32 or not bias.is_contiguous():
+                    raise NotOnFastPath(f"layer {block.layer}: a router correction that is not contiguous float32")
+                correction = _ptr(bias)
             parts.append(kernel_abi.LayerParts(
                 attn_norm=_ptr(lay.attn_norm.weight), attn_eps=lay.attn_norm.eps, ffn_norm=_ptr(lay.ffn_norm.weight),
                 ffn_eps=lay.ffn_norm.eps, qkv=[prod.lin for prod, _, _ in attn.qkv], o=attn.o_proj.lin,
                 window=attn.window, experts=array, ffn_width=experts[0].gate.O,
-                router=None if lay.router is None else lay.router.lin, qk_norm=kernel_abi.QK_NORM[attn.qk_norm],
+                router=None if isinstance(ffn, DenseFFN) else router.lin, qk_norm=kernel_abi.QK_NORM[attn.qk_norm],
                 q_norm=None if attn.norms is None else _ptr(attn.norms[0].weight),
                 k_norm=None if attn.norms is None else _ptr(attn.norms[1].weight),
                 qk_eps=0.0 if attn.norms is None else attn.norms[0].eps, clip=attn.clip or 0.0,
-                sinks=None if attn.sinks is None else _ptr(attn.sinks)))
+                sinks=None if attn.sinks is None else _ptr(attn.sinks), correction=correction, shared=shared,
+                shared_gate=shared_gate))
         net, layers = kernel_abi.build_net(c, parts, _ptr(self.norm.weight), self.norm.eps, self.lm_head.lin)
         return net, [layers, *held]
 

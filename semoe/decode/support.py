@@ -20,6 +20,9 @@ from storage.errors import BadInputError
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
+MAX_GROUPS = 256  # a grouped router's groups the one-call step takes (decode_step.c's `route`)
+
+
 class NotOnFastPath(BadInputError):
     """A model has a part a decoding path does not take; the message names the part."""
 
@@ -31,7 +34,8 @@ def one_call_refusal(c) -> str | None:
         return f"{c.attention} attention"
     if c.rope_interleave:
         return "rotary embeddings over interleaved pairs"
-    if c.num_experts and (c.router != "softmax_topk" or c.shared_expert_size or c.expert_mlp != "swiglu"
-                          or c.router_bias):
-        return f"the {c.router} router or its experts' kind ({c.expert_mlp}, shared {c.shared_expert_size})"
+    if c.num_experts and c.expert_mlp != "swiglu":
+        return f"{c.expert_mlp} experts"
+    if c.num_experts and c.router == "grouped" and c.n_group > MAX_GROUPS:
+        return f"a grouped router of {c.n_group} groups (at most {MAX_GROUPS})"
     return None

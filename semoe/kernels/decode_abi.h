@@ -32,12 +32,19 @@ typedef struct {
     const float *sinks; /* NULL, or H logits that join each head's softmax denominator */
     Lin qkv[3], o;
     int64_t E; /* experts; 0: a dense SwiGLU layer in experts[0], no router */
-    Lin router;
+    Lin router; /* its bias: the logits' (gpt-oss) */
+    const float *correction; /* NULL, or E biases on the grouped router's choice alone (DeepSeek-V3) */
     const Expert *experts;
+    const Expert *shared; /* NULL, or the shared expert, added to the routed experts' sum */
+    Lin shared_gate; /* O = 1: the shared expert's output scaled by sigmoid(shared_gate h); O = 0: none */
 } Layer;
 
 typedef struct {
     int64_t L, D, H, G, Dh, R, F, E, top_k, norm_topk; /* R: rotated dims a head; F, E: the most of any layer */
+    /* the routers: 0 softmax then top-k, 1 top-k then softmax, 2 grouped (DeepSeek, GLM-4.5: softmax or
+     * sigmoid scores, the best topk_group of n_group groups by their best score or best two summed) */
+    int64_t router, sigmoid_scores, n_group, topk_group, group_top2;
+    float routed_scale; /* the chosen experts' weights times this (grouped) */
     float scale, norm_eps;
     const float *norm;
     const Layer *layers;

@@ -61,52 +61,99 @@ static void product(const Lin *l, const float *x, Acts *a, float *y, int *oom) {
     }
 }
 
-/* softmax over E logits (in place), the top_k most probable (the lower index first among equals),
- * their probabilities renormalised to sum to 1 with `norm` */
-static void route(float *p, int64_t E, int64_t K, int64_t norm, int64_t *ids, float *w) {
+/* the index of the largest of E values not yet in ids[0..k) and not masked (the lower index first among equals) */
+static int64_t best_of(const float *v, int64_t E, const int64_t *ids, int64_t k, const unsigned char *masked) {
+    int64_t best = -1;
+    for (int64_t e = 0; e < E; e++) {
+        int taken = masked && masked[e];
+        for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
+        if (!taken && (best < 0 || v[e] > v[best])) best = e;
+    }
+    return best;
+}
+
+static void softmax_inplace(float *p, int64_t n) {
     float mx = -INFINITY, sum = 0.0f;
-    for (int64_t e = 0; e < E; e++) mx = fmaxf(mx, p[e]);
-    for (int64_t e = 0; e < E; e++) sum += (p[e] = expf(p[e] - mx));
-    for (int64_t e = 0; e < E; e++) p[e] = p[e] / sum;
-    for (int64_t k = 0; k < K; k++) {
-        int64_t best = -1;
-        for (int64_t e = 0; e < E; e++) {
-            int taken = 0;
-            for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
-            if (!taken && (best < 0 || p[e] > p[best])) best = e;
+    for (int64_t e = 0; e < n; e++) mx = fmaxf(mx, p[e]);
+    for (int64_t e = 0; e < n; e++) sum += (p[e] = expf(p[e] - mx));
+    for (int64_t e = 0; e < n; e++) p[e] = p[e] / sum;
+}
+
+/* The router's choice from its E logits p (overwritten; `choice`: E floats of room, `masked` E
+ * bytes), as `semoe.gating` routes: top_k ids and their weights. Softmax then top-k (renormalised
+ * with norm); top-k of the logits then softmax over them; or grouped: softmax or sigmoid scores,
+ * chosen on scores + correction among the best topk_group of n_group groups, weighted by their
+ * scores (renormalised with norm) times routed_scale. */
+static void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids,
+                  float *w) {
+    const int64_t E = ly->E, K = net->top_k;
+    if (net->router == 1) {
+        for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(p, E, ids, k, NULL)];
+        softmax_inplace(w, K);
+        return;
+    }
+    if (net->router == 0 || !net->sigmoid_scores)
+        softmax_inplace(p, E);
+    else
+        for (int64_t e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-p[e]));
+    const float *c = p;
+    unsigned char *m = NULL; /* the experts of the groups not kept */
+    if (net->router == 2) {
+        for (int64_t e = 0; e < E; e++) choice[e] = ly->correction ? p[e] + ly->correction[e] : p[e];
+        c = choice;
+        int64_t n = net->n_group, ge = E / n;
+        if (n > 1) {
+            float gs[256];
+            int64_t gids[256];
+            for (int64_t g = 0; g < n && g < 256; g++) {
+                int64_t a = best_of(c + g * ge, ge, NULL, 0, NULL), b = -1;
+                if (net->group_top2 && ge > 1) b = best_of(c + g * ge, ge, &a, 1, NULL);
+                gs[g] = c[g * ge + a] + (b >= 0 ? c[g * ge + b] : 0.0f);
+            }
+            for (int64_t t = 0; t < net->topk_group; t++) gids[t] = best_of(gs, n, gids, t, NULL);
+            m = masked;
+            for (int64_t g = 0; g < n; g++) {
+                int keep = 0;
+                for (int64_t t = 0; t < net->topk_group; t++) keep |= gids[t] == g;
+                for (int64_t e = g * ge; e < (g + 1) * ge; e++) m[e] = (unsigned char)!keep;
+            }
         }
-        ids[k] = best;
-        w[k] = p[best];
     }
-    if (norm) {
-        float s = 0.0f;
-        for (int64_t k = 0; k < K; k++) s += w[k];
-        for (int64_t k = 0; k < K; k++) w[k] = w[k] / s;
+    for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(c, E, ids, k, m)];
+    if (net->norm_topk) {
+        float sum = 0.0f;
+        for (int64_t k = 0; k < K; k++) sum += w[k];
+        if (net->router == 2) sum += 1e-20f;
+        for (int64_t k = 0; k < K; k++) w[k] = w[k] / sum;
     }
+    if (net->router == 2)
+        for (int64_t k = 0; k < K; k++) w[k] = w[k] * net->routed_scale;
 }
 
 typedef struct { /* the step's buffers */
-    float *h, *qkv, *qr, *att, *tmp, *p, *probs, *hg, *hu, *ys, *w;
+    float *h, *qkv, *qr, *att, *tmp, *p, *probs, *choice, *hg, *hu, *ys, *w, gate;
+    unsigned char *masked;
+    const Expert **ex; /* the experts a feed-forward pass runs */
     const float **yp;
     int64_t *ids;
     Acts a, *ax, *ah;
     int oom; /* an allocation during the step failed: its results are not to be used */
 } Work;
 
-/* x += sum_k w_k down_k(silu(gate_k h) * up_k h) over the K chosen experts, by the team: the K
- * experts' blocks of rows shared out together */
-static void experts(const Layer *ly, int64_t K, const float *h, float *x, int64_t D, int64_t F, Work *s) {
-    const Expert *ex = ly->experts;
+/* x += sum_k w_k down_k(silu(gate_k h) * up_k h) over the K experts in s->ex (set by the caller, of
+ * one kind and width), by the team: the K experts' blocks of rows shared out together */
+static void experts(int64_t K, const float *w, const float *h, float *x, int64_t D, int64_t F, Work *s) {
+    const Expert *const *ex = s->ex;
 #pragma omp single
-    for (int64_t k = 0; k < K; k++) acts_for(&ex[s->ids[k]].gate, h, &s->ax[k], &s->oom);
-    int64_t nb = s->oom ? 0 : blocks(&ex[s->ids[0]].gate);
+    for (int64_t k = 0; k < K; k++) acts_for(&ex[k]->gate, h, &s->ax[k], &s->oom);
+    int64_t nb = s->oom ? 0 : blocks(&ex[0]->gate);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++) {
-        const Expert *e = ex + s->ids[t / nb];
+        const Expert *e = ex[t / nb];
         block(&e->gate, h, &s->ax[t / nb], s->hg + t / nb * F, t % nb);
         block(&e->up, h, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
     }
-    int64_t Fe = s->oom ? 0 : ex[s->ids[0]].gate.O;
+    int64_t Fe = s->oom ? 0 : ex[0]->gate.O;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * Fe; t++) {
         float *g = s->hg + t / Fe * F + t % Fe;
@@ -114,20 +161,20 @@ static void experts(const Layer *ly, int64_t K, const float *h, float *x, int64_
     }
 #pragma omp single
     for (int64_t k = 0; k < K; k++) {
-        acts_done(&ex[s->ids[k]].gate, &s->ax[k]);
-        acts_for(&ex[s->ids[k]].down, s->hg + k * F, &s->ah[k], &s->oom);
+        acts_done(&ex[k]->gate, &s->ax[k]);
+        acts_for(&ex[k]->down, s->hg + k * F, &s->ah[k], &s->oom);
     }
-    nb = s->oom ? 0 : blocks(&ex[s->ids[0]].down);
+    nb = s->oom ? 0 : blocks(&ex[0]->down);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++)
-        block(&ex[s->ids[t / nb]].down, s->hg + t / nb * F, &s->ah[t / nb], s->ys + t / nb * D, t % nb);
+        block(&ex[t / nb]->down, s->hg + t / nb * F, &s->ah[t / nb], s->ys + t / nb * D, t % nb);
 #pragma omp single
     {
         for (int64_t k = 0; k < K; k++) {
-            acts_done(&ex[s->ids[k]].down, &s->ah[k]);
+            acts_done(&ex[k]->down, &s->ah[k]);
             s->yp[k] = s->ys + k * D;
         }
-        if (!s->oom) moe_combine_f32(x, s->yp, s->w, K, D);
+        if (!s->oom) moe_combine_f32(x, s->yp, w, K, D);
     }
 }
 
@@ -146,6 +193,9 @@ static Work *work_new(const Net *net, int64_t S) {
     s->tmp = malloc(sizeof(float) * (size_t)D);
     s->p = malloc(sizeof(float) * (size_t)(S * H));
     s->probs = malloc(sizeof(float) * (size_t)(net->E > 1 ? net->E : 1));
+    s->choice = malloc(sizeof(float) * (size_t)(net->E > 1 ? net->E : 1));
+    s->masked = malloc((size_t)(net->E > 1 ? net->E : 1));
+    s->ex = malloc(sizeof(Expert *) * (size_t)Kmax);
     s->hg = malloc(sizeof(float) * (size_t)(Kmax * F));
     s->hu = malloc(sizeof(float) * (size_t)(Kmax * F));
     s->ys = malloc(sizeof(float) * (size_t)(Kmax * D));
@@ -154,7 +204,8 @@ static Work *work_new(const Net *net, int64_t S) {
     s->ids = malloc(sizeof(int64_t) * (size_t)Kmax);
     s->ax = malloc(sizeof(Acts) * (size_t)Kmax);
     s->ah = malloc(sizeof(Acts) * (size_t)Kmax);
-    if (!s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->hg || !s->hu || !s->ys ||
+    if (!s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice || !s->masked ||
+        !s->ex || !s->hg || !s->hu || !s->ys ||
         !s->w || !s->yp || !s->ids || !s->ax || !s->ah) {
         work_free(s);
         return NULL;
@@ -164,6 +215,7 @@ static Work *work_new(const Net *net, int64_t S) {
 
 static void work_free(Work *s) {
     free(s->h), free(s->qkv), free(s->qr), free(s->att), free(s->tmp), free(s->p), free(s->probs);
+    free(s->choice), free(s->masked), free(s->ex);
     free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->yp), free(s->ids), free(s->ax), free(s->ah);
     free(s);
 }
@@ -208,7 +260,7 @@ static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *
     if (ly->E) {
         product(&ly->router, s->h, &s->a, s->probs, &s->oom);
 #pragma omp single
-        if (!s->oom) route(s->probs, ly->E, net->top_k, net->norm_topk, s->ids, s->w);
+        if (!s->oom) route(net, ly, s->probs, s->choice, s->masked, s->ids, s->w);
         else
             for (int64_t k = 0; k < net->top_k; k++) s->ids[k] = 0, s->w[k] = 0.0f; /* unused: the call fails */
     } else {
@@ -220,10 +272,22 @@ static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *
     }
 }
 
-/* layer l's feed-forward on s->h, by the team: the chosen experts (layer_attend's) or the dense one */
+/* layer l's feed-forward on s->h, by the team: the chosen experts (layer_attend's) or the dense one,
+ * then the shared expert, scaled by its gate where it has one */
 static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
     const Layer *ly = net->layers + l;
-    experts(ly, ly->E ? net->top_k : 1, s->h, x, net->D, net->F, s);
+    const int64_t K = ly->E ? net->top_k : 1;
+#pragma omp single
+    for (int64_t k = 0; k < K; k++) s->ex[k] = ly->experts + s->ids[k];
+    experts(K, s->w, s->h, x, net->D, net->F, s);
+    if (!ly->shared) return;
+    if (ly->shared_gate.O) product(&ly->shared_gate, s->h, &s->a, &s->gate, &s->oom);
+#pragma omp single
+    {
+        s->gate = ly->shared_gate.O ? 1.0f / (1.0f + expf(-s->gate)) : 1.0f;
+        s->ex[0] = ly->shared;
+    }
+    experts(1, &s->gate, s->h, x, net->D, net->F, s);
 }
 
 /* the final norm and the output product into logits, by the team */
@@ -304,10 +368,11 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
     FIELDS(Layer, OFF(Layer, attn_norm), OFF(Layer, ffn_norm), OFF(Layer, attn_eps), OFF(Layer, ffn_eps),
            OFF(Layer, n_qkv), OFF(Layer, window), OFF(Layer, qk_norm), OFF(Layer, q_norm), OFF(Layer, k_norm),
            OFF(Layer, qk_eps), OFF(Layer, clip), OFF(Layer, sinks), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, E),
-           OFF(Layer, router), OFF(Layer, experts))
+           OFF(Layer, router), OFF(Layer, correction), OFF(Layer, experts), OFF(Layer, shared), OFF(Layer, shared_gate))
     FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, R), OFF(Net, F), OFF(Net, E),
-           OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, scale), OFF(Net, norm_eps), OFF(Net, norm), OFF(Net, layers),
-           OFF(Net, head))
+           OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, router), OFF(Net, sigmoid_scores), OFF(Net, n_group),
+           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, routed_scale), OFF(Net, scale), OFF(Net, norm_eps),
+           OFF(Net, norm), OFF(Net, layers), OFF(Net, head))
     *n = 0;
     return -1;
 }

@@ -135,6 +135,38 @@ def test_attention_variants_kernel_by_kernel_and_in_one_call(whole, variant):
     _agree(got, want, plan.net is not None)
 
 
+ROUTERS = {
+    "grouped-sigmoid-top2-corrected-shared": dict(router="grouped", router_scores="sigmoid", score_correction_bias=True,
+                                                  n_group=2, topk_group=1, group_score="top2", norm_topk_prob=True,
+                                                  routed_scaling_factor=2.5, shared_expert_size=64,
+                                                  shared_expert_gate=False),
+    "grouped-softmax-max": dict(router="grouped", router_scores="softmax", n_group=2, topk_group=1,
+                                norm_topk_prob=False, routed_scaling_factor=1.5),
+    "topk-softmax-biased-gated-shared": dict(router="topk_softmax", router_bias=True, shared_expert_size=64,
+                                             shared_expert_gate=True),
+}
+
+
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("router", list(ROUTERS))
+def test_routers_and_shared_experts_kernel_by_kernel_and_in_one_call(whole, router):
+    """Grouped routers (sigmoid or softmax scores, groups by their best one or two, a correction
+    bias on the choice, routed scaling), top-k then softmax with a router bias, and shared experts
+    with and without a gate: kernel by kernel the modules' bits, within WHOLE_ATOL in one call.
+    Biases are drawn large enough to change which experts are chosen."""
+    model = _model(**ROUTERS[router])
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "correction" in name or name.endswith("router.bias"):
+                p.copy_(torch.randn(p.shape) * 0.5)
+    plan = DecodePlan(model, whole=whole)
+    assert (plan.net is not None) == whole
+    got, planned = _steps(model, plan)
+    want, _ = _steps(model, None)
+    assert planned == len(TOKENS)
+    _agree(got, want, plan.net is not None)
+
+
 def test_generation_resident_and_offloaded_equals_the_module_path(stores, monkeypatch):
     """`generate` decodes through the plan; with it switched off, the same tokens and log-probs, for
     the resident int4 model (its step in one call: log-probs within WHOLE_ATOL) and for its experts
@@ -213,7 +245,8 @@ def test_generate_with_a_plan_gives_the_tokens_without():
 # -- every architecture -----------------------------------------------------------------------------
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
-ONE_CALL = ("mixtral", "qwen3_moe", "olmoe")  # the architectures the one-call step takes whole
+# the architectures the one-call step takes whole (not: latent attention, clamped experts)
+ONE_CALL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
 # shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike
 WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 # float32 sums in another order (per-head norms of many heads, latent attention in the absorbed form
@@ -260,8 +293,9 @@ CASES = [(a, f) for a in ARCHS for f in ("f32", "int8", "int4")] + [("deepseek_v
 @pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     """Each architecture's decoding steps all go through the plan (never the modules), in its stored
-    format: the one-call step for ONE_CALL, kernel by kernel for the others (shared experts, latent
-    attention, grouped and biased routers, clamped experts). Logits within ARCH_RTOL of the modules', the same
+    format: the one-call step for ONE_CALL (grouped, biased and top-k-then-softmax routers and
+    shared experts included), kernel by kernel for all (latent attention and clamped experts only
+    so). Logits within ARCH_RTOL of the modules' kernel by kernel, WHOLE_ATOL in one call; the same
     greedy tokens."""
     model = load_store(arch_stores(arch, fmt))
     plan = DecodePlan.build(model)
@@ -270,11 +304,12 @@ def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     if arch not in ONE_CALL:
         with pytest.raises(NotOnFastPath):
             plan._whole(model)
-    got, planned = _steps(model, plan)
     want, _ = _steps(model, None)
-    assert planned == len(TOKENS)
-    assert _relative(got, want) < (ARCH_RTOL if plan.net is None else WHOLE_ATOL)
-    assert torch.equal(got.argmax(-1), want.argmax(-1))
+    for p in (plan, DecodePlan(model, whole=False)) if plan.net is not None else (plan,):
+        got, planned = _steps(model, p)
+        assert planned == len(TOKENS)
+        assert _relative(got, want) < (ARCH_RTOL if p.net is None else WHOLE_ATOL)
+        assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
 @pytest.mark.parametrize("arch", ARCHS)
