@@ -12,16 +12,17 @@ over buffers of its own (numpy, ctypes), and imports no torch, so that memory go
 What it holds: the dense weights (attention, routers, norms, lm_head), float32 or bfloat16 as
 stored, or int8 quantized at load with the arithmetic of `storage.quant` (`dense="auto"`: int8
 beside int8/int4 experts, as the engine); the token embedding stays on storage, one row read per
-token; the experts' chunks, as stored (float32, bfloat16, int8 or int4 codes), in `cache_bytes` of
+token; the experts' chunks, as stored (float32, bfloat16, int8, int4 or MXFP4 codes), in `cache_bytes` of
 slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT (a chunk's pieces
 in parallel) and checked against the manifest's crc32c.
 
 What it takes: the models the one-call step takes (`DecodePlan`'s whole step): grouped-query
 attention, with q/k norms (over all heads or per head), clipping, sinks, partial rotary, sliding
 windows and YaRN, but not interleaved rotary; softmax-top-k, top-k-then-softmax and grouped routers
-over SwiGLU experts, with or without a shared expert, or dense SwiGLU layers: Mixtral, Qwen2-MoE,
-Qwen3-MoE, OLMoE and GLM-4.5, not latent attention (DeepSeek, Kimi) or gpt-oss's clamped experts;
-greedy decoding, one sequence. Anything else is refused with one line naming it
+over SwiGLU experts, with or without a shared expert, or dense SwiGLU layers, and gpt-oss's clamped
+experts with their biases (float ones multiplied in-major as stored, MXFP4 ones as MXFP4): Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 and gpt-oss, not latent attention (DeepSeek, Kimi); greedy
+decoding, one sequence. Anything else is refused with one line naming it
 (`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
 It is a front-end of the same core as the engine: the store is read through `storage.reader`
@@ -44,6 +45,7 @@ import mmap
 import os
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import numpy as np
 
@@ -63,10 +65,15 @@ from storage.policies import NextUsePolicy
 from storage.procmem import peak_rss_bytes
 from storage.reader import StoreReader
 DENSE_CHOICES = ("auto", "float", "int8")
-_KIND = {"F32": kernel_abi.W_F32, "BF16": kernel_abi.W_BF16, "int8": kernel_abi.W_INT8, "int4": kernel_abi.W_INT4}
-# an expert's parts by the HuggingFace names' last part: gate, up, down
+_KIND = {"F32": kernel_abi.W_F32, "BF16": kernel_abi.W_BF16, "int8": kernel_abi.W_INT8, "int4": kernel_abi.W_INT4,
+         "mxfp4": kernel_abi.W_MXFP4}
+_IO_KIND = {"F32": kernel_abi.W_F32_IO, "BF16": kernel_abi.W_BF16_IO}  # float weights stored (I, O)
+# an expert's parts by the HuggingFace names' last part: SwiGLU's gate, up, down; gpt-oss's gate_up
+# and down (float, or MXFP4 blocks), then their biases
 _PARTS = {"gate": ("w1.weight", "gate_proj.weight"), "up": ("w3.weight", "up_proj.weight"),
           "down": ("w2.weight", "down_proj.weight")}
+_CLAMPED_PARTS = {"gate_up": ("gate_up_proj", "gate_up_proj_blocks"), "down": ("down_proj", "down_proj_blocks")}
+_CLAMPED_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 
 
 @dataclass(kw_only=True)
@@ -123,8 +130,9 @@ class _ExpertSlots:
     payload is its slot, taken from the free list when its chunk is read and given back when it is
     evicted; the chunks missing for a layer are read at once and checked against the manifest."""
 
-    def __init__(self, store: StoreReader, n: int, slot_bytes: int, reader: ChunkReader) -> None:
-        self.store, self.n, self.slot_bytes, self.reader = store, n, slot_bytes, reader
+    def __init__(self, store: StoreReader, n: int, slot_bytes: int, reader: ChunkReader,
+                 on_load: Callable[[ExpertKey, int], None]) -> None:
+        self.store, self.n, self.slot_bytes, self.reader, self.on_load = store, n, slot_bytes, reader, on_load
         self.mem = mmap.mmap(-1, n * slot_bytes)
         self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mem))
         self.view = memoryview(self.mem)
@@ -155,6 +163,7 @@ class _ExpertSlots:
                 for (_, _, chunk, _), got in zip(loads, crcs):
                     self.store.check_crcs(chunk, got)
                 for k, slot, chunk, _ in loads:
+                    self.on_load(k, slot)
                     self.cache.complete(k, slot)
                     where[k] = slot
                     self.read_bytes += chunk.bytes
@@ -214,7 +223,7 @@ class LeanModel:
             if lay in moe_layers:
                 arr = self.experts_of[lay] = (kernel_abi.Expert * E)()
                 router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=c.router_bias)
-                F = self._chunk_parts(lay, 0)[0][2]
+                F = self._chunk_parts(lay, 0)[0][0][2] // (2 if c.expert_mlp == "clamped_swiglu" else 1)
                 if c.score_correction_bias:
                     correction = self._vector(f"layers.{lay}.ffn.router.e_score_correction_bias")
                 if c.shared_expert_size:  # dense weights, as the engine's (int8 beside compact experts)
@@ -258,6 +267,10 @@ class LeanModel:
             raise BadInputError(f"--cpu-cache: {config.cache_bytes} bytes hold {slots} of this model's expert chunks "
                                 f"({self.slot_bytes} bytes each); decoding needs at least top_k = {K}, "
                                 f"{K * self.slot_bytes} bytes")
+        # the experts' biases (gpt-oss) as float32, a slot's beside it: converted as its chunk is read
+        # where they are stored bfloat16, pointed at in the slot where float32
+        n_bias = max((sum(n for _, dt, n in b) for _, b in self._parts.values()), default=0)
+        self._bias = np.zeros((max(slots, 1), n_bias), np.float32)
         self._structs: dict[tuple[int, int], kernel_abi.Expert] = {}
         self._pointed: dict[int, dict[int, int]] = {lay: {} for lay in moe_layers}  # layer -> expert -> slot
         # rotary frequencies (plain or YaRN) and the scale of cos and sin, as the model's modules take them
@@ -269,7 +282,7 @@ class LeanModel:
         self._emb = emb
         self._emb_fd = os.open(store.path(emb.file), os.O_RDONLY)
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
-        self.cache = _ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader)
+        self.cache = _ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader, self._loaded)
 
     @staticmethod
     def _check(c) -> None:
@@ -349,30 +362,52 @@ class LeanModel:
                 lin.bias = b.ctypes.data
         return lin
 
-    def _chunk_parts(self, layer: int, expert: int) -> list[tuple]:
-        """(kind, group, O, I, codes offset, scales offset or -1) of gate, up and down within the
-        layer's expert chunks (every expert of a layer has the same layout)."""
-        m = self.store.manifest
+    def _chunk_parts(self, layer: int, expert: int) -> tuple[list[tuple], list[tuple]]:
+        """Where an expert's weights lie in the layer's chunks (every expert of a layer has the same
+        layout): (kind, group, O, I, codes offset, scales offset or -1) of gate, up and down (gpt-oss:
+        gate_up, none (O = 0), down), and (offset, dtype, values) of its biases (gpt-oss's two)."""
+        m, clamped = self.store.manifest, self.config.expert_mlp == "clamped_swiglu"
         tensors = m.chunk_tensors(m.chunk(layer, expert))
         scales = {t.quant["scales_of"]: t for t in tensors if "scales_of" in (t.quant or {})}
         out = []
-        for part, suffixes in _PARTS.items():
+        for part, suffixes in (_CLAMPED_PARTS if clamped else _PARTS).items():
             t = next((t for t in tensors if t.name.endswith(suffixes) and "scales_of" not in (t.quant or {})), None)
             if t is None:
                 raise NotOnFastPath(f"{self.store.root}: layer {layer}'s experts have no {part} weight "
                                     f"({' or '.join(suffixes)})")
             q = t.quant or {}
             scheme = q.get("scheme") or t.dtype
-            if scheme not in _KIND or q.get("transposed"):
+            # gpt-oss's weights are (I, O): compact codes out-major all the same, float ones as stored
+            if scheme not in _KIND or bool(q.get("transposed")) != (clamped and bool(q)):
                 raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is {scheme}; the lean runner "
-                                    f"takes F32, BF16, int8 and int4")
-            O, I = q["shape"] if q else t.shape
+                                    f"takes F32, BF16, int8, int4 and MXFP4")
+            if q:
+                (O, I), kind = (q["shape"][::-1] if clamped else q["shape"]), _KIND[scheme]
+            else:
+                (O, I), kind = (t.shape[::-1], _IO_KIND[scheme]) if clamped else (t.shape, _KIND[scheme])
             s = scales.get(t.name)
-            out.append((_KIND[scheme], q.get("group_size") or 0 if scheme == "int4" else 0, O, I, t.offset,
+            out.append((kind, q.get("group_size") or 0 if scheme == "int4" else 0, O, I, t.offset,
                         s.offset if s else -1))
-        if out[0][:4] != out[1][:4]:
+        biases = []
+        if clamped:
+            out.insert(1, (0, 0, 0, 0, -1, -1))  # no up: gate and up interleaved in gate_up
+            for suffix in _CLAMPED_BIASES:
+                t = next((t for t in tensors if t.name.endswith(suffix)), None)
+                if t is None or t.dtype not in ("F32", "BF16") or len(t.shape) != 1:
+                    raise NotOnFastPath(f"{self.store.root}: layer {layer}'s experts have no float {suffix}")
+                biases.append((t.offset, t.dtype, t.shape[0]))
+        elif out[0][:4] != out[1][:4]:
             raise NotOnFastPath(f"{self.store.root}: layer {layer}'s gate and up weights differ in kind or shape")
-        return out
+        return out, biases
+
+    def _loaded(self, key: ExpertKey, slot: int) -> None:
+        """An expert's chunk is in `slot`: its bfloat16 biases as float32 beside the slot."""
+        at = 0
+        for off, dtype, n in self._parts[key.layer][1]:
+            if dtype == "BF16":
+                raw = np.frombuffer(self.cache.mem, np.uint16, n, slot * self.slot_bytes + off)
+                self._bias[slot, at:at + n] = _bf16_to_f32(raw)
+            at += n
 
     def _point(self, layer: int, expert: int, slot: int) -> None:
         """Point the layer's entry for `expert` at the chunk in `slot` (a struct made once per layer
@@ -382,9 +417,14 @@ class LeanModel:
         ex = self._structs.get((layer, slot))
         if ex is None:
             base = self.cache.base + slot * self.slot_bytes
+            lins, biases = self._parts[layer]
             ex = self._structs[(layer, slot)] = kernel_abi.Expert(*(
-                kernel_abi.Lin(kind, O, I, g, base + off, base + soff if soff >= 0 else None, None)
-                for kind, g, O, I, off, soff in self._parts[layer]))
+                kernel_abi.Lin(kind, O, I, g, base + off if off >= 0 else None, base + soff if soff >= 0 else None,
+                               None) for kind, g, O, I, off, soff in lins))
+            at = 0
+            for lin, (off, dtype, n) in zip((ex.gate, ex.down), biases):
+                lin.bias = base + off if dtype == "F32" else self._bias[slot, at:].ctypes.data
+                at += n
         self.experts_of[layer][expert] = ex
         self._pointed[layer][expert] = slot
 

@@ -27,7 +27,7 @@ class KernelABIError(RuntimeError):
 
 
 # decode_abi.h's weight kinds (`Lin.kind`)
-W_F32, W_BF16, W_INT8, W_INT4 = 1, 2, 3, 4
+W_F32, W_BF16, W_INT8, W_INT4, W_MXFP4, W_F32_IO, W_BF16_IO = 1, 2, 3, 4, 5, 6, 7
 
 
 class Lin(ctypes.Structure):
@@ -36,7 +36,9 @@ class Lin(ctypes.Structure):
 
 
 class Expert(ctypes.Structure):
-    """One SwiGLU expert: gate and up (F, D) of one kind and group, down (D, F)."""
+    """One expert: SwiGLU's gate and up (F, D) of one kind and group, down (D, F); or, with up.O = 0,
+    gpt-oss's clamped one: gate its gate_up (2F, D, gate and up interleaved) with its bias, down with
+    its bias."""
     _fields_ = [("gate", Lin), ("up", Lin), ("down", Lin)]
 
 
@@ -50,7 +52,8 @@ class LayerC(ctypes.Structure):
 class Net(ctypes.Structure):
     _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("R", _I), ("F", _I), ("E", _I),
                 ("top_k", _I), ("norm_topk", _I), ("router", _I), ("sigmoid_scores", _I), ("n_group", _I),
-                ("topk_group", _I), ("group_top2", _I), ("routed_scale", _F32), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
+                ("topk_group", _I), ("group_top2", _I), ("routed_scale", _F32), ("alpha", _F32), ("limit", _F32),
+                ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
 
 
@@ -67,7 +70,7 @@ class LayerParts:
     o: Lin
     window: int  # sliding window (0: none)
     experts: ctypes.Array  # of Expert: the layer's E routed experts, or its one dense SwiGLU
-    ffn_width: int  # F, the experts' (or the dense layer's) intermediate size
+    ffn_width: int  # F, the experts' (or the dense layer's) intermediate size (gpt-oss: half gate_up's outputs)
     router: Lin | None = None  # None: a dense layer
     qk_norm: int = 0  # QK_NORM's value of the config's q/k norm
     q_norm: int | None = None  # the q and k norms' weights
@@ -108,8 +111,8 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
     E, Dh, c = max(lc.E for lc in arr), config.head_dim, config
     net = Net(len(layers), c.hidden_size, c.num_heads, c.num_kv_heads, Dh, c.rope_dim, F, E, max(c.top_k, 1),
               int(bool(c.norm_topk_prob)), ROUTER[c.router], int(c.router_scores == "sigmoid"), c.n_group,
-              c.topk_group, int(c.group_score == "top2"), c.routed_scaling_factor, Dh ** -0.5, norm_eps, norm, arr,
-              head)
+              c.topk_group, int(c.group_score == "top2"), c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit,
+              Dh ** -0.5, norm_eps, norm, arr, head)
     return net, arr
 
 

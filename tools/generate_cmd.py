@@ -44,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "kernels over a store, experts read from it into --cpu-cache (default: room for every "
                         "expert) as the router picks them, the token embedding left on storage. For machines where "
                         "memory is shorter than the model: torch's runtime alone would hold 0.15 GiB. Greedy; "
-                        "Mixtral-shaped models (attention without q/k norms or windows, softmax top-k routers over "
-                        "SwiGLU experts); --dense auto, float or int8")
+                        "every architecture but latent attention (DeepSeek, Kimi: decode those without --lean); "
+                        "--dense auto, float or int8")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)

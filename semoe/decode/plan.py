@@ -21,12 +21,12 @@ Where the module path makes the same calls, each value is the same arithmetic in
 tokens and log-probs are the same bits (tests compare them); where it computes attention with torch
 (per-head norms of many heads, latent attention), the logits agree to float32 rounding.
 
-Where every layer's weights are in memory and the model is of the common kind (attention without
-q/k norms, clipping, sinks or partial rotary, windows and YaRN included; softmax-top-k routers over SwiGLU experts
-without a shared expert, or dense SwiGLU layers; weights the kernels take), the whole step is one
-call instead (`decode_step`, semoe/kernels/decode_step.c): the same kernels inside one parallel
-region, the router's softmax and top-k in C, so that no Python runs between them. Its router softmax
-and its SiLU of float experts use C's expf where the step above uses torch's ops, so its logits
+Where every layer's weights are in memory and the model has grouped-query attention (`one_call_refusal`
+says what else it needs: not latent attention), the whole step is one call instead (`decode_step`,
+semoe/kernels/decode_step.c): the same kernels inside one parallel region, q/k norms, clipping,
+sinks, windows, every router, shared experts and gpt-oss's clamped experts (float, int8, int4 or
+MXFP4) included, so that no Python runs between them. Its routers' softmax and sigmoid and its
+activations of float experts use C's expf where the step above uses torch's ops, so its logits
 agree with the modules' to float32 rounding rather than to the bit. Offloaded experts arrive during
 the step, from the ring, so a model with offloaded experts takes the kernel-by-kernel step.
 
@@ -49,7 +49,7 @@ from semoe.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_
 from semoe.compact_linear import CompactWeight, swiglu_operands
 from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.expert_layout import PackedExperts
-from semoe.experts import ExpertWeights, ResidentExperts, SwiGLU
+from semoe.experts import ClampedSwiGLU, ExpertWeights, ResidentExperts, SwiGLU
 from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
 
 
@@ -58,24 +58,30 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 _KINDS = {torch.float32: kernel_abi.W_F32, torch.bfloat16: kernel_abi.W_BF16, "int8": kernel_abi.W_INT8,
-          "int4": kernel_abi.W_INT4}
+          "int4": kernel_abi.W_INT4, "mxfp4": kernel_abi.W_MXFP4}
+_IO_KINDS = {torch.float32: kernel_abi.W_F32_IO, torch.bfloat16: kernel_abi.W_BF16_IO}  # float weights (I, O)
 _Lin, _Expert, _LayerC, _Net = kernel_abi.Lin, kernel_abi.Expert, kernel_abi.LayerC, kernel_abi.Net
 
 
-def _weight(w: torch.Tensor | CompactWeight) -> tuple[_Lin, tuple[torch.Tensor, ...]]:
+def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_Lin, tuple[torch.Tensor, ...]]:
     """The kernels' operands of one weight (O, I) as `compact_linear.linear` multiplies one row by it
     on CPU, and the tensors they point into (the caller holds them as long as it uses the operands:
-    the plan is built for one generation, over weights that stay where they are)."""
+    the plan is built for one generation, over weights that stay where they are). `in_out`: the
+    logical weight is (I, O), as gpt-oss's experts (compact codes are out-major all the same; float
+    ones are taken in-major as they are)."""
     if isinstance(w, CompactWeight):
         scheme = w.spec.scheme
-        if w.kernel != "auto" or w.codes.device.type != "cpu" or scheme not in ("int8", "int4") or w.spec.transposed:
+        if w.kernel != "auto" or w.codes.device.type != "cpu" or scheme not in _KINDS or w.spec.transposed != in_out:
             raise NotOnFastPath(f"a {scheme} weight with the {w.kernel!r} kernel on {w.codes.device}")
-        held = (w.codes, cpu_kernels._f32(w.scales))  # kept: the kernel reads them every step
-        O, I = w.codes.shape[0], w.codes.shape[1] * (2 if scheme == "int4" else 1)
+        # kept: the kernel reads them every step (MXFP4's exponents as they are)
+        held = (w.codes, w.scales if scheme == "mxfp4" else cpu_kernels._f32(w.scales))
+        O, I = w.codes.shape[0], w.codes.shape[1] * {"int8": 1, "int4": 2, "mxfp4": 32}[scheme]
         g = (w.spec.group_size or 0) if scheme == "int4" else 0
         return _Lin(_KINDS[scheme], O, I, g, _ptr(held[0]), _ptr(held[1]), None), held
     if isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 \
             and w.device.type == "cpu" and w.is_contiguous():
+        if in_out:
+            return _Lin(_IO_KINDS[w.dtype], w.shape[1], w.shape[0], 0, _ptr(w), None, None), (w,)
         return _Lin(_KINDS[w.dtype], w.shape[0], w.shape[1], 0, _ptr(w), None, None), (w,)
     raise NotOnFastPath(f"a weight of {type(w).__name__} {getattr(w, 'dtype', '')}")
 
@@ -101,7 +107,9 @@ class _Product:
                 raise NotOnFastPath("a bias that is not contiguous float32")
             self.lin.bias = _ptr(self.bias)
         kind, O, I, g, wp, sp = (getattr(self.lin, f) for f in ("kind", "O", "I", "g", "w", "s"))
-        if kind == _KINDS["int8"]:
+        if kind == _KINDS["mxfp4"]:
+            self._call = lambda x, y, t: lib.gemv_mxfp4(x, wp, sp, y, 1, O, I, t)
+        elif kind == _KINDS["int8"]:
             self._call = lambda x, y, t: lib.gemv_i8(x, wp, sp, y, 1, O, I, t)
         elif kind == _KINDS["int4"]:
             self._call = lambda x, y, t: lib.gemv_i4(x, wp, sp, y, 1, O, I, g, t)
@@ -338,6 +346,13 @@ class DecodePlan:
             held.extend((g_held, u_held, d_held))
             return _Expert(gate, up, down)
 
+        def clamped(parts: tuple) -> _Expert:  # gpt-oss's: gate_up and down (I, O) with their biases
+            (gate_up, gu_held), (down, d_held) = (_weight(p, in_out=True) for p in (parts[0], parts[2]))
+            biases = tuple(cpu_kernels._f32(b) for b in (parts[1], parts[3]))
+            gate_up.bias, down.bias = (_ptr(b) for b in biases)
+            held.extend((gu_held, d_held, biases))
+            return _Expert(gate_up, _Lin(), down)  # up.O = 0: gate and up interleaved in gate_up
+
         if self.lm_head.lin is None:
             raise NotOnFastPath("an output weight the kernels do not take")
         parts = []
@@ -354,15 +369,16 @@ class DecodePlan:
                     raise NotOnFastPath("a dense feed-forward layer with biases")
             else:
                 provider = ffn.experts
-                if isinstance(provider, ResidentExperts) and isinstance(provider.mlp, SwiGLU):
+                mlp = getattr(provider, "mlp", None)
+                if isinstance(provider, ResidentExperts) and isinstance(mlp, (SwiGLU, ClampedSwiGLU)):
                     ws = [w for _, w in provider.stream(ffn.layer, list(range(c.num_experts)), self.h[None])]
-                elif isinstance(provider, PackedExperts) and isinstance(provider.mlp, SwiGLU) \
+                elif isinstance(provider, PackedExperts) and isinstance(mlp, (SwiGLU, ClampedSwiGLU)) \
                         and set(provider.weights) == set(range(c.num_experts)):
                     ws = [provider.weights[e] for e in range(c.num_experts)]
                 else:
                     raise NotOnFastPath(f"layer {block.layer}: experts not all in memory (offloaded ones arrive "
                                         "during the step)")
-                experts = [expert(w.parts) for w in ws]
+                experts = [(clamped if isinstance(mlp, ClampedSwiGLU) else expert)(w.parts) for w in ws]
                 router = lay.router or _Product(self.lib, ffn.router, bias=c.router_bias)
                 if router.lin is None:
                     raise NotOnFastPath(f"layer {block.layer}: a router weight the kernels do not take")
@@ -388,7 +404,7 @@ class DecodePlan:
             parts.append(kernel_abi.LayerParts(
                 attn_norm=_ptr(lay.attn_norm.weight), attn_eps=lay.attn_norm.eps, ffn_norm=_ptr(lay.ffn_norm.weight),
                 ffn_eps=lay.ffn_norm.eps, qkv=[prod.lin for prod, _, _ in attn.qkv], o=attn.o_proj.lin,
-                window=attn.window, experts=array, ffn_width=experts[0].gate.O,
+                window=attn.window, experts=array, ffn_width=experts[0].gate.O // (1 if experts[0].up.O else 2),
                 router=None if isinstance(ffn, DenseFFN) else router.lin, qk_norm=kernel_abi.QK_NORM[attn.qk_norm],
                 q_norm=None if attn.norms is None else _ptr(attn.norms[0].weight),
                 k_norm=None if attn.norms is None else _ptr(attn.norms[1].weight),

@@ -34,8 +34,6 @@ def one_call_refusal(c) -> str | None:
         return f"{c.attention} attention"
     if c.rope_interleave:
         return "rotary embeddings over interleaved pairs"
-    if c.num_experts and c.expert_mlp != "swiglu":
-        return f"{c.expert_mlp} experts"
     if c.num_experts and c.router == "grouped" and c.n_group > MAX_GROUPS:
         return f"a grouped router of {c.n_group} groups (at most {MAX_GROUPS})"
     return None

@@ -7,10 +7,12 @@
 
 #include <stdint.h>
 
-enum { W_F32 = 1, W_BF16 = 2, W_INT8 = 3, W_INT4 = 4 }; /* Lin.kind */
+enum { W_F32 = 1, W_BF16 = 2, W_INT8 = 3, W_INT4 = 4, W_MXFP4 = 5, W_F32_IO = 6, W_BF16_IO = 7 }; /* Lin.kind */
 
-/* y (O) = W x (+ bias): W (O, I) float32, bfloat16, int8 codes with scales (O), or int4 codes with
- * (scale, zero) pairs per group of g inputs (gemv.c's layouts) */
+/* y (O) = W x (+ bias): W (O, I) float32, bfloat16, int8 codes with scales (O), int4 codes with
+ * (scale, zero) pairs per group of g inputs, or MXFP4 blocks with their e8m0 exponents (uint8) in
+ * place of scales (gemv.c's layouts); or W^T laid out (I, O), in-major, float32 or bfloat16
+ * (gpt-oss's float experts) */
 typedef struct {
     int64_t kind, O, I, g;
     const void *w;
@@ -18,7 +20,10 @@ typedef struct {
 } Lin;
 
 typedef struct {
-    Lin gate, up, down; /* gate and up (F, D) of one kind and group, down (D, F) */
+    /* SwiGLU: gate and up (F, D) of one kind and group, down (D, F). up.O = 0: gpt-oss's clamped
+     * expert, gate its gate_up (2F, D), gate j and up j the outputs 2j and 2j + 1, with its bias;
+     * down with its bias */
+    Lin gate, up, down;
 } Expert;
 
 typedef struct {
@@ -45,6 +50,7 @@ typedef struct {
      * sigmoid scores, the best topk_group of n_group groups by their best score or best two summed) */
     int64_t router, sigmoid_scores, n_group, topk_group, group_top2;
     float routed_scale; /* the chosen experts' weights times this (grouped) */
+    float alpha, limit; /* clamped experts' act(g, u) = (clamp(u, +-limit) + 1) min(g, limit) sigmoid(alpha min(g, limit)) */
     float scale, norm_eps;
     const float *norm;
     const Layer *layers;

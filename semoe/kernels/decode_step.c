@@ -1,7 +1,8 @@
 /* A whole decoding step of one sequence in one call, for a model whose weights are all in memory:
  * per layer the attention norm, the q/k/v products, attention, the output product and the residual,
- * the feed-forward norm, the router's product, softmax and top-k, the chosen SwiGLU experts (or the
- * layer's dense SwiGLU) and their weighted sum into the residual; then the final norm and the
+ * the feed-forward norm, the router's product, softmax and top-k, the chosen SwiGLU experts (or
+ * gpt-oss's clamped ones, or the layer's dense SwiGLU) and their weighted sum into the residual, and
+ * the shared expert where there is one; then the final norm and the
  * output product. The same block kernels as gemv.c's products, all inside one OpenMP parallel
  * region: the threads split each product's blocks of rows (and the top-k experts' blocks together)
  * and meet at a barrier between the parts, where one thread does the few serial steps. A step
@@ -9,23 +10,34 @@
  * 2-core CPU cost a tenth to a fifth of a 4-bit token's time.
  *
  * Every value is the arithmetic of the plan's kernel-by-kernel step (semoe/decode/plan.py) except
- * two: the router's softmax and the SiLU of float experts use this file's expf where the plan uses
- * torch's ops, so the logits agree to float32 rounding, not to the bit (tests bound the difference).
+ * where the plan uses torch's ops: the routers' softmax and sigmoid, the SiLU and the clamped
+ * activation of float experts, the shared expert's sum, which here use this file's expf and order,
+ * so the logits agree to float32 rounding, not to the bit (tests bound the difference).
  */
 #include "kernels.h"
 #include "decode_abi.h"
 
 #include <stddef.h>
 
-static int quantized(const Lin *l) { return l->kind == W_INT8 || l->kind == W_INT4; }
+static int quantized(const Lin *l) { return l->kind == W_INT8 || l->kind == W_INT4 || l->kind == W_MXFP4; }
 
-static int64_t blocks(const Lin *l) { return l->kind == W_INT4 ? l->O / I4_BLOCK : i8_blocks(l->O); }
+static int64_t blocks(const Lin *l) {
+    switch (l->kind) {
+    case W_INT4: return l->O / I4_BLOCK;
+    case W_F32_IO:
+    case W_BF16_IO: return io_blocks(l->O);
+    default: return i8_blocks(l->O);
+    }
+}
 
 static void block(const Lin *l, const float *x, const Acts *a, float *y, int64_t b) {
     switch (l->kind) {
     case W_F32: f32_block(x, (const float *)l->w, y, 1, l->O, l->I, b); break;
     case W_BF16: bf16_block(x, (const uint16_t *)l->w, y, 1, l->O, l->I, b); break;
     case W_INT8: i8_block((const int8_t *)l->w, l->s, l->O, a, b, y); break;
+    case W_MXFP4: fp4_block((const uint8_t *)l->w, (const uint8_t *)l->s, l->O, a, b, y); break;
+    case W_F32_IO: io_block(x, l->w, 0, l->O, l->I, b, y); break;
+    case W_BF16_IO: io_block(x, l->w, 1, l->O, l->I, b, y); break;
     default: i4_block((const uint8_t *)l->w, l->s, l->O, a, b, y);
     }
 }
@@ -140,39 +152,58 @@ typedef struct { /* the step's buffers */
     int oom; /* an allocation during the step failed: its results are not to be used */
 } Work;
 
-/* x += sum_k w_k down_k(silu(gate_k h) * up_k h) over the K experts in s->ex (set by the caller, of
- * one kind and width), by the team: the K experts' blocks of rows shared out together */
-static void experts(int64_t K, const float *w, const float *h, float *x, int64_t D, int64_t F, Work *s) {
+/* x += sum_k w_k y_k over the K experts in s->ex (set by the caller, of one kind and width), by the
+ * team, the K experts' blocks of rows shared out together: SwiGLU's y = down(silu(gate h) * up h),
+ * or gpt-oss's y = down(act(gate_up h + b_gu)) + b_d (`Expert`, `Net.alpha`) as gemv.c's
+ * `clamped_swiglu_q` computes it. hg holds 2F values an expert: gate (or gate_up) outputs; the
+ * activation is written in place (SwiGLU) or into hu (clamped: its inputs are read two by two). */
+static void experts(const Net *net, int64_t K, const float *w, const float *h, float *x, int64_t D, int64_t F,
+                    Work *s) {
     const Expert *const *ex = s->ex;
+    const int fused = ex[0]->up.O == 0;
 #pragma omp single
     for (int64_t k = 0; k < K; k++) acts_for(&ex[k]->gate, h, &s->ax[k], &s->oom);
     int64_t nb = s->oom ? 0 : blocks(&ex[0]->gate);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++) {
         const Expert *e = ex[t / nb];
-        block(&e->gate, h, &s->ax[t / nb], s->hg + t / nb * F, t % nb);
-        block(&e->up, h, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
+        block(&e->gate, h, &s->ax[t / nb], s->hg + t / nb * 2 * F, t % nb);
+        if (!fused) block(&e->up, h, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
     }
-    int64_t Fe = s->oom ? 0 : ex[0]->gate.O;
+    int64_t Fe = s->oom ? 0 : fused ? ex[0]->gate.O / 2 : ex[0]->gate.O;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * Fe; t++) {
-        float *g = s->hg + t / Fe * F + t % Fe;
-        *g = *g / (1.0f + expf(-*g)) * s->hu[t / Fe * F + t % Fe];
+        const int64_t k = t / Fe, j = t % Fe;
+        float *g = s->hg + k * 2 * F, *u = s->hu + k * F;
+        if (fused) {
+            const float *b = ex[k]->gate.bias, lim = net->limit;
+            float gv = g[2 * j] + (b ? b[2 * j] : 0.0f), uv = g[2 * j + 1] + (b ? b[2 * j + 1] : 0.0f);
+            gv = fminf(gv, lim);
+            uv = fminf(fmaxf(uv, -lim), lim);
+            u[j] = (uv + 1.0f) * gv * (1.0f / (1.0f + expf(-(gv * net->alpha))));
+        } else {
+            g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        }
     }
+#define DOWN_IN(k) (fused ? s->hu + (k) * F : s->hg + (k) * 2 * F)
 #pragma omp single
     for (int64_t k = 0; k < K; k++) {
         acts_done(&ex[k]->gate, &s->ax[k]);
-        acts_for(&ex[k]->down, s->hg + k * F, &s->ah[k], &s->oom);
+        acts_for(&ex[k]->down, DOWN_IN(k), &s->ah[k], &s->oom);
     }
     nb = s->oom ? 0 : blocks(&ex[0]->down);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++)
-        block(&ex[t / nb]->down, s->hg + t / nb * F, &s->ah[t / nb], s->ys + t / nb * D, t % nb);
+        block(&ex[t / nb]->down, DOWN_IN(t / nb), &s->ah[t / nb], s->ys + t / nb * D, t % nb);
+#undef DOWN_IN
 #pragma omp single
     {
         for (int64_t k = 0; k < K; k++) {
             acts_done(&ex[k]->down, &s->ah[k]);
             s->yp[k] = s->ys + k * D;
+            const float *b = ex[k]->down.bias;
+            if (b)
+                for (int64_t i = 0; i < D; i++) s->ys[k * D + i] += b[i];
         }
         if (!s->oom) moe_combine_f32(x, s->yp, w, K, D);
     }
@@ -196,7 +227,7 @@ static Work *work_new(const Net *net, int64_t S) {
     s->choice = malloc(sizeof(float) * (size_t)(net->E > 1 ? net->E : 1));
     s->masked = malloc((size_t)(net->E > 1 ? net->E : 1));
     s->ex = malloc(sizeof(Expert *) * (size_t)Kmax);
-    s->hg = malloc(sizeof(float) * (size_t)(Kmax * F));
+    s->hg = malloc(sizeof(float) * (size_t)(Kmax * 2 * F));
     s->hu = malloc(sizeof(float) * (size_t)(Kmax * F));
     s->ys = malloc(sizeof(float) * (size_t)(Kmax * D));
     s->w = malloc(sizeof(float) * (size_t)Kmax);
@@ -279,7 +310,7 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
     const int64_t K = ly->E ? net->top_k : 1;
 #pragma omp single
     for (int64_t k = 0; k < K; k++) s->ex[k] = ly->experts + s->ids[k];
-    experts(K, s->w, s->h, x, net->D, net->F, s);
+    experts(net, K, s->w, s->h, x, net->D, net->F, s);
     if (!ly->shared) return;
     if (ly->shared_gate.O) product(&ly->shared_gate, s->h, &s->a, &s->gate, &s->oom);
 #pragma omp single
@@ -287,7 +318,7 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
         s->gate = ly->shared_gate.O ? 1.0f / (1.0f + expf(-s->gate)) : 1.0f;
         s->ex[0] = ly->shared;
     }
-    experts(1, &s->gate, s->h, x, net->D, net->F, s);
+    experts(net, 1, &s->gate, s->h, x, net->D, net->F, s);
 }
 
 /* the final norm and the output product into logits, by the team */
@@ -371,7 +402,8 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
            OFF(Layer, router), OFF(Layer, correction), OFF(Layer, experts), OFF(Layer, shared), OFF(Layer, shared_gate))
     FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, R), OFF(Net, F), OFF(Net, E),
            OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, router), OFF(Net, sigmoid_scores), OFF(Net, n_group),
-           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, routed_scale), OFF(Net, scale), OFF(Net, norm_eps),
+           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, routed_scale), OFF(Net, alpha), OFF(Net, limit),
+           OFF(Net, scale), OFF(Net, norm_eps),
            OFF(Net, norm), OFF(Net, layers), OFF(Net, head))
     *n = 0;
     return -1;

@@ -288,7 +288,7 @@ static inline void fp4_rows(const uint8_t *w, const uint8_t *e, int64_t G, int n
 }
 
 /* mxfp4: block b (ROWS output rows) of y (M, O), blocks (O, G, 16) and e8m0 exponents (O, G) */
-static void fp4_block(const uint8_t *w, const uint8_t *e, int64_t O, const Acts *a, int64_t b, float *y) {
+void fp4_block(const uint8_t *w, const uint8_t *e, int64_t O, const Acts *a, int64_t b, float *y) {
     int64_t G = a->I / QB, o0 = b * ROWS;
     int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
     for (int64_t m = 0; m < a->M; m++) {

@@ -187,6 +187,61 @@ void gemv_f32_io(const float *restrict x, const float *restrict w, float *restri
     }
 }
 
+int64_t io_blocks(int64_t O) { return (O + IO_STRIP - 1) / IO_STRIP; }
+
+static inline float bf16_to_f32(uint16_t h) {
+    union {
+        uint32_t u;
+        float f;
+    } v = {.u = (uint32_t)h << 16};
+    return v.f;
+}
+
+/* One strip of IO_STRIP columns of y (O) = x (I) @ W, W (I, O) in-major, float32 or bfloat16: the
+ * strip of every weight row streamed once, four rows at a time, the rows IO_AHEAD ahead prefetched
+ * (a strip's rows lie a whole row apart, where the hardware's prefetch does not follow). The same
+ * sums in the same order as `gemv_f32_io`'s for one row of x. The one-call step multiplies gpt-oss's
+ * float experts with it, their blocks shared out with the other chosen experts'. */
+#define IO_AHEAD 8
+void io_block(const float *restrict x, const void *w, int bf16, int64_t O, int64_t I, int64_t b, float *restrict y) {
+    const int64_t c0 = b * IO_STRIP, n = (c0 + IO_STRIP < O ? c0 + IO_STRIP : O) - c0, size = bf16 ? 2 : 4;
+    const char *base = (const char *)w + c0 * size;
+    float acc[IO_STRIP];
+    for (int64_t c = 0; c < n; c++) acc[c] = 0.0f;
+    int64_t i = 0;
+    for (; i + 4 <= I; i += 4) {
+        for (int64_t r = i + IO_AHEAD; r < i + IO_AHEAD + 4 && r < I; r++)
+            for (int64_t off = 0; off < n * size; off += 64) __builtin_prefetch(base + (r * O) * size + off);
+        const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
+        if (bf16) {
+            const uint16_t *restrict w0 = (const uint16_t *)base + i * O, *restrict w1 = w0 + O, *restrict w2 = w1 + O,
+                                     *restrict w3 = w2 + O;
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++)
+                acc[c] += x0 * bf16_to_f32(w0[c]) + x1 * bf16_to_f32(w1[c]) + x2 * bf16_to_f32(w2[c]) +
+                          x3 * bf16_to_f32(w3[c]);
+        } else {
+            const float *restrict w0 = (const float *)base + i * O, *restrict w1 = w0 + O, *restrict w2 = w1 + O,
+                                  *restrict w3 = w2 + O;
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++) acc[c] += x0 * w0[c] + x1 * w1[c] + x2 * w2[c] + x3 * w3[c];
+        }
+    }
+    for (; i < I; i++) {
+        const float xi = x[i];
+        if (bf16) {
+            const uint16_t *restrict wi = (const uint16_t *)base + i * O;
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++) acc[c] += xi * bf16_to_f32(wi[c]);
+        } else {
+            const float *restrict wi = (const float *)base + i * O;
+#pragma omp simd
+            for (int64_t c = 0; c < n; c++) acc[c] += xi * wi[c];
+        }
+    }
+    for (int64_t c = 0; c < n; c++) y[c0 + c] = acc[c];
+}
+
 /* y (H, O) with y[h] = W[h] x[h] for H float32 weights (H, O, I) and rows x (H, I): one product per
  * head, as latent attention's absorbed form takes q into the latent space and each head's output
  * out of it (semoe/decode/plan.py). torch's batched product of single rows ran at 3 GB/s on one

@@ -65,6 +65,13 @@ void i8_block(const int8_t *q, const float *scale, int64_t O, const Acts *a, int
 void i4_block(const uint8_t *p, const float *sz, int64_t O, const Acts *a, int64_t b, float *y);
 void f32_block(const float *x, const float *w, float *y, int64_t M, int64_t O, int64_t I, int64_t b);
 void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t O, int64_t I, int64_t b);
+/* MXFP4 blocks (O, I/32, 16) and e8m0 exponents (O, I/32): ROWS rows too, from x's codes in a */
+void fp4_block(const uint8_t *w, const uint8_t *e, int64_t O, const Acts *a, int64_t b, float *y);
+/* block b of y (O) = x (I) @ W for a float32 or bfloat16 (`bf16`) weight laid out (I, O), in-major:
+ * IO_STRIP output columns, `io_blocks(O)` of them */
+#define IO_STRIP 256
+int64_t io_blocks(int64_t O);
+void io_block(const float *x, const void *w, int bf16, int64_t O, int64_t I, int64_t b, float *y);
 
 void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M, int64_t D);
 /* `attend_decode_f32` in two parts: q rotated into qr (H, Dh), k rotated and v copied into the

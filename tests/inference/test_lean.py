@@ -294,6 +294,19 @@ def _arch_store(arch: str, tmp_path) -> str:
     from semoe.model import MoEGPT
 
     store = str(tmp_path / arch)
+    if arch.startswith("gpt_oss"):  # float32 or bfloat16 as imported, its experts int4, or MXFP4 as published
+        from helpers.quantized_checkpoints import write_mxfp4_checkpoint
+        from semoe.quantize import QuantizeConfig, quantize_store
+        hf = make_hf_checkpoint("gpt_oss", tmp_path / "hf", hidden_size=64, intermediate_size=64,
+                                dtype="bfloat16" if arch.endswith("bf16") else "float32")
+        if arch.endswith("mxfp4"):
+            write_mxfp4_checkpoint(hf, tmp_path / "mxfp4")
+            hf = tmp_path / "mxfp4"
+        import_checkpoint(str(hf), store)
+        if arch.endswith("int4"):
+            quantize_store(store, store + "-q", QuantizeConfig(bits=4, group_size=32))
+            store += "-q"
+        return store
     if arch != "variants":
         import_checkpoint(str(make_hf_checkpoint(arch, tmp_path / "hf")), store)
         return store
@@ -310,11 +323,14 @@ def _arch_store(arch: str, tmp_path) -> str:
     return store
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "variants"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "gpt_oss-bf16",
+                                  "gpt_oss-int4", "gpt_oss-mxfp4", "variants"])
 def test_every_architecture_of_the_one_call_step_runs_torch_free(arch, tmp_path):
     """q/k norms per head (Qwen3-MoE, GLM-4.5), over all heads with clipping (OLMoE), sinks with
     partial rotary; shared experts gated (Qwen2-MoE) or not, grouped routers with a correction
-    bias and dense first layers (GLM-4.5): the one-call step takes them (the plan's `net`), the
+    bias and dense first layers (GLM-4.5); gpt-oss's sinks, alternating windows and clamped experts
+    with biases, float32 and bfloat16 (in-major), int4 and MXFP4 (with bfloat16 biases, converted as read): the
+    one-call step takes them (the plan's `net`), the
     runner with the engine's tables gives its logits bit for bit, and with its own tables the
     engine's greedy tokens (log-probs within LOGPROB_ATOL: numpy's cos and sin against torch's)."""
     store = _arch_store(arch, tmp_path)

@@ -176,6 +176,7 @@ def test_offloaded_quantized_experts_give_the_resident_quantized_models_tokens(s
     resident = Engine.load(path, EngineConfig(dtype="float32"))
     try:
         want = resident.generate(PROMPT, sampling)
+        one_call = resident._plan is not None and resident._plan.net is not None
     finally:
         resident.close()
     eb = sum(c.bytes for c in store.manifest.chunks)
@@ -185,8 +186,14 @@ def test_offloaded_quantized_experts_give_the_resident_quantized_models_tokens(s
         got = engine.generate(PROMPT, sampling)
     finally:
         engine.close()
-    # the same bytes through the same kernels: exactly the same tokens and log-probs
-    assert got.tokens == want.tokens and got.logprobs == want.logprobs
+    # the same bytes through the same kernels: exactly the same tokens and log-probs, where the
+    # resident model steps kernel by kernel as the offloaded one does; in one call (its routers'
+    # softmax in C, not torch) within float32 rounding of log-probs of magnitude ~5: 1e-5
+    assert got.tokens == want.tokens
+    if one_call:
+        assert got.logprobs == pytest.approx(want.logprobs, rel=0, abs=1e-5)
+    else:
+        assert got.logprobs == want.logprobs
 
 
 # Decode's log-probs, fast kernels against the reference, along the same tokens. Within a step the

@@ -167,6 +167,41 @@ def test_routers_and_shared_experts_kernel_by_kernel_and_in_one_call(whole, rout
     _agree(got, want, plan.net is not None)
 
 
+def _clamped_model(root, bits: int, limit: float) -> MoEGPT:
+    """A model of gpt-oss's experts with weights and biases drawn large enough for `limit` to bite,
+    through a store: float32, or its experts int8/int4."""
+    model = _model(expert_mlp="clamped_swiglu", swiglu_limit=limit)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("b_gate_up", "b_down")):
+                p.copy_(torch.randn(p.shape) * 0.05)
+            elif name.endswith(("w_gate_up", "w_down")):
+                p.mul_(3.0)
+    save_store(model, str(root / "f32"))
+    if bits == 32:
+        return load_store(str(root / "f32"))
+    quantize_store(str(root / "f32"), str(root / "q"), QuantizeConfig(bits=bits, group_size=32))
+    return load_store(str(root / "q"), dense="float")
+
+
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("bits", [32, 8, 4])
+def test_clamped_experts_kernel_by_kernel_and_in_one_call(tmp_path, whole, bits):
+    """gpt-oss's experts (gate and up interleaved in one weight, with biases; float ones multiplied
+    in-major as stored, int8/int4 ones out-major) under a limit that gate and up cross, up on both
+    sides: kernel by kernel the modules' bits, within WHOLE_ATOL in one call. The limit bites: at
+    the default one the same weights' logits differ by more than a hundred times WHOLE_ATOL."""
+    model = _clamped_model(tmp_path / "tight", bits, 0.05)
+    plan = DecodePlan(model, whole=whole)
+    assert (plan.net is not None) == whole
+    got, planned = _steps(model, plan)
+    want, _ = _steps(model, None)
+    assert planned == len(TOKENS)
+    _agree(got, want, whole)
+    unclamped, _ = _steps(_clamped_model(tmp_path / "default", bits, 7.0), None)
+    assert (unclamped - want).abs().max() > 100 * WHOLE_ATOL
+
+
 def test_generation_resident_and_offloaded_equals_the_module_path(stores, monkeypatch):
     """`generate` decodes through the plan; with it switched off, the same tokens and log-probs, for
     the resident int4 model (its step in one call: log-probs within WHOLE_ATOL) and for its experts
@@ -246,7 +281,7 @@ def test_generate_with_a_plan_gives_the_tokens_without():
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 # the architectures the one-call step takes whole (not: latent attention, clamped experts)
-ONE_CALL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe")
+ONE_CALL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss")
 # shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike
 WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 # float32 sums in another order (per-head norms of many heads, latent attention in the absorbed form

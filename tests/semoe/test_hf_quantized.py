@@ -339,12 +339,14 @@ def test_the_model_runs_a_quantized_directory_as_its_imported_store(dsv3_f32, gp
 
 @needs_kernels
 def test_mxfp4_experts_decode_through_the_cpu_kernel_as_the_reference_does(gpt_oss_f32, tmp_path, monkeypatch):
-    """A decoding step's rows multiply the stored MXFP4 blocks in semoe's CPU kernel, each expert in one
-    call (counted, so the test cannot pass without it); greedy tokens equal the reference kernel's (the
-    same arithmetic: x quantized per block of 32, times the dequantized blocks), log-probs within 1e-4
-    (float32 sums in another order, C's expf in the sigmoid)."""
+    """A decoding step's rows multiply the stored MXFP4 blocks in semoe's CPU kernel: kernel by kernel
+    each expert in one call (counted, so the test cannot pass without it), or the whole step in one
+    call; greedy tokens equal the reference kernel's (the same arithmetic: x quantized per block of
+    32, times the dequantized blocks), log-probs within 1e-4 (float32 sums in another order, C's
+    expf in the sigmoid)."""
     from semoe import cpu_kernels
     from semoe.checkpoint import load_store
+    from semoe.decode.plan import DecodePlan
     from semoe.generate import SamplingConfig, generate
 
     write_mxfp4_checkpoint(gpt_oss_f32, tmp_path / "mxfp4")
@@ -352,8 +354,13 @@ def test_mxfp4_experts_decode_through_the_cpu_kernel_as_the_reference_does(gpt_o
     calls, kernel = [], cpu_kernels.clamped_swiglu
     monkeypatch.setattr(cpu_kernels, "clamped_swiglu", lambda *a: calls.append(a[1]) or kernel(*a))
     prompt, sampling = [1, 5, 9, 2, 7, 30, 4], SamplingConfig(max_new_tokens=12)
-    fast = generate(load_store(store.root), prompt, sampling)
+    model = load_store(store.root)
+    stepped = generate(model, prompt, sampling, plan=DecodePlan(model, whole=False))
     assert calls.count("mxfp4") >= 2 * 2 * 12  # layers x top-k x tokens, at least
+    whole = DecodePlan(model)
+    assert whole.net is not None
+    one_call = generate(model, prompt, sampling, plan=whole)
     ref = generate(load_store(store.root, kernel="reference"), prompt, sampling)
-    assert fast.tokens == ref.tokens
-    assert max(abs(a - b) for a, b in zip(fast.logprobs, ref.logprobs)) < 1e-4
+    for fast in (stepped, one_call):
+        assert fast.tokens == ref.tokens
+        assert max(abs(a - b) for a, b in zip(fast.logprobs, ref.logprobs)) < 1e-4
