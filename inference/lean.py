@@ -49,6 +49,7 @@ from typing import Callable
 
 import numpy as np
 
+from inference.memory_guard import auto_cpu_cache_bytes
 from semoe import kernel_abi
 from semoe.decode import rope
 from semoe.decode.support import NotOnFastPath, one_call_refusal
@@ -80,7 +81,10 @@ _CLAMPED_BIASES = ("gate_up_proj_bias", "down_proj_bias")
 class LeanConfig:
     """How the lean runner holds a model."""
 
-    cache_bytes: int  # the expert cache's slots, in bytes (at least top_k chunks); 0: top_k chunks
+    # the expert cache's slots, in bytes (at least top_k chunks); 0: top_k chunks; None: every expert
+    # where the memory left once the dense weights are held allows, else that memory (as the engine's
+    # `--cpu-cache auto`: `inference.memory_guard.auto_cpu_cache_bytes`), at least top_k chunks
+    cache_bytes: int | None
     dense: str = "auto"  # one of DENSE_CHOICES
     threads: int = 0  # compute threads; 0: every core this process may run on
     read_mode: ReadMode | str = ReadMode.DIRECT
@@ -262,7 +266,10 @@ class LeanModel:
                 raise NotOnFastPath(f"{path}: layer {ch.layer}'s expert {ch.expert} is laid out unlike its expert 0")
         sizes = {ch.bytes for ch in chunks}
         self.slot_bytes = -(-max(sizes) // ALIGN) * ALIGN if sizes else ALIGN
-        slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
+        if config.cache_bytes is None:
+            slots = max(K, auto_cpu_cache_bytes(len(chunks) * self.slot_bytes) // self.slot_bytes)
+        else:
+            slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
         if moe_layers and slots < K:
             raise BadInputError(f"--cpu-cache: {config.cache_bytes} bytes hold {slots} of this model's expert chunks "
                                 f"({self.slot_bytes} bytes each); decoding needs at least top_k = {K}, "

@@ -22,10 +22,12 @@ first time faults make it shrink, the level it shrank to becomes the ceiling.
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from storage.envinfo import available_ram_bytes, major_faults
-from storage.tiered import TieredExpertStore
+from storage.procmem import available_ram_bytes, major_faults
+
+if TYPE_CHECKING:  # the placement's choice imports this module in a process that may never load torch
+    from storage.tiered import TieredExpertStore
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,7 @@ def _spare(free: int, keep_bytes: int) -> int:
 class MemoryGuard:
     """Shrinks a tier's CPU cache while forward steps keep faulting the process's pages in."""
 
-    def __init__(self, tier: TieredExpertStore, *, floor_bytes: int, step_bytes: int,
+    def __init__(self, tier: "TieredExpertStore", *, floor_bytes: int, step_bytes: int,
                  faults: Callable[[], int] = major_faults, faults_per_step: int = FAULTS_PER_STEP,
                  hot_steps: int = HOT_STEPS, ceiling_bytes: int | None = None,
                  available: Callable[[], int] | None = None, calm_steps: int = CALM_STEPS,

@@ -12,12 +12,15 @@ on a GPU, less the reserve `--cpu-cache auto` keeps (`memory_guard`).
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable
 
 from inference.memory_guard import CPU_CACHE_AUTO, reserve_bytes
-from storage.envinfo import available_ram_bytes
+from storage.procmem import available_ram_bytes
+from storage.reader import StoreReader, is_store
 
 FLOAT_DTYPES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}  # safetensors dtypes held in the compute dtype
 
@@ -36,16 +39,12 @@ class ModelBytes:
 def model_bytes(path: str, compute_itemsize: int = 4) -> ModelBytes:
     """The bytes a resident load of the store or HuggingFace directory at `path` holds, weights only
     (headers and manifest only; no tensor data is read)."""
-    from semoe.checkpoint import is_store
-
     def held(dtype: str, numel: int, stored: int, compact: bool) -> int:
         return stored if compact or dtype not in FLOAT_DTYPES else numel * compute_itemsize
 
     total = experts = stored = stored_experts = 0
     if is_store(path):
-        from storage.store import Store
-
-        manifest = Store.open(path).manifest
+        manifest = StoreReader.open(path).manifest
         for t in manifest.tensors:
             if t.kind != "weight":  # a training run's optimizer states: never loaded for inference
                 continue
@@ -90,6 +89,13 @@ class Placement:
             return f"{sizes}: every expert resident"
         return f"{sizes}: experts offloaded to the store behind a CPU cache sized from the memory left"
 
+    def describe_lean(self) -> str:
+        """The same where the torch-free runner takes the model (`lean_refusal`), in a phrase."""
+        gib = 2 ** 30
+        return (f"{self.model.total / gib:.2f} GiB of weights, {self.available / gib:.2f} GiB of memory available: "
+                f"decoding in a process without torch (as --lean), experts read from the store into a cache "
+                f"sized from the memory left (--resident or a budget flag: the engine)")
+
 
 def choose(path: str, *, device: str = "cpu", compute_itemsize: int = 4, keep_bytes: int = 0,
            available: Callable[[], int] | None = None, mb: ModelBytes | None = None) -> Placement:
@@ -109,3 +115,28 @@ def choose(path: str, *, device: str = "cpu", compute_itemsize: int = 4, keep_by
     have = available()
     fits = mb.total + reserve_bytes(have) + keep_bytes <= have
     return Placement(None if fits or mb.experts == 0 else CPU_CACHE_AUTO, mb, have, where)
+
+
+def gpu_present() -> bool:
+    """Whether the machine shows an NVIDIA GPU (its driver's list), asked without loading torch."""
+    gpus = "/proc/driver/nvidia/gpus"
+    return os.path.isdir(gpus) and bool(os.listdir(gpus))
+
+
+def lean_refusal(path: str) -> str | None:
+    """Why the torch-free runner (`inference.lean`) would not decode the model at `path`, in a phrase;
+    None where it would: it reads stores, computes with the compiled CPU kernels, and takes what the
+    one-call step takes (`semoe.decode.support`). Imports no torch."""
+    if not is_store(path):
+        return "it reads stores, not HuggingFace directories"
+    from semoe import kernel_abi
+    from semoe.decode.support import one_call_refusal
+    from semoe.hf_config import config_from_json
+
+    if kernel_abi.library() is None:
+        return f"semoe's compiled CPU kernels are {kernel_abi.status()}"
+    store = StoreReader.open(path)
+    if not store.manifest.has_file("config.json"):
+        return "the store holds no model (no config.json)"
+    why = one_call_refusal(config_from_json(json.loads(store.read_file("config.json"))))
+    return None if why is None else f"it does not take {why}"

@@ -28,6 +28,7 @@ from storage.dtypes import torch_dtype
 from storage.pool import release_free_heap
 from storage.quant import QUANTIZE_ROWS
 from semoe.hf_import import ExpertPart, open_checkpoint
+from storage.reader import is_store  # noqa: F401 (re-exported: the callers ask the model module)
 from storage.store import ExpertTensor, Store
 
 
@@ -333,11 +334,6 @@ def save_store(model: MoEGPT, path: str, *, side_files: dict[str, bytes] | None 
                      "num_layers": c.num_layers, "config": hf_config(c)})
         w.commit()
     return store
-
-
-def is_store(path: str) -> bool:
-    """Whether `path` is a store (else it is taken for a HuggingFace directory)."""
-    return os.path.isfile(os.path.join(path, "manifest.json"))
 
 
 def load_model(path: str | Store, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

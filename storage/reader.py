@@ -19,6 +19,11 @@ from storage.manifest import ChunkEntry, Manifest, TensorEntry
 MANIFEST = "manifest.json"
 
 
+def is_store(path: str) -> bool:
+    """Whether `path` is a store (else it is taken for a HuggingFace directory)."""
+    return os.path.isfile(os.path.join(path, MANIFEST))
+
+
 def check_crc(entry: TensorEntry, data: np.ndarray, path: str) -> None:
     """Raise CorruptTensorError naming the tensor when its bytes fail the recorded crc32c."""
     if len(data) != entry.bytes:

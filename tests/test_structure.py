@@ -184,7 +184,8 @@ def _module_level_imports(path: str) -> set[str]:
 # What `semoe generate --lean` imports before and while decoding: the command line with every
 # command's parser, the lean runner, and the size parser its handler loads
 LEAN_ROOTS = ("tools.cli", "tools.demo_cmd", "tools.env_cmd", "tools.eval_cmd", "tools.generate_cmd", "tools.plan_cmd",
-              "tools.serve_cmd", "tools.store_cmd", "tools.train_cmd", "tools.sizes", "inference.lean")
+              "tools.serve_cmd", "tools.store_cmd", "tools.train_cmd", "tools.sizes", "inference.lean",
+              "inference.placement")
 
 
 def test_the_lean_runner_and_the_command_line_import_no_torch():

@@ -42,8 +42,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--lean", action="store_true",
                    help="decode on CPU in a process that never imports torch (inference/lean.py): the compiled "
                         "kernels over a store, experts read from it into --cpu-cache (default: room for every "
-                        "expert) as the router picks them, the token embedding left on storage. For machines where "
-                        "memory is shorter than the model: torch's runtime alone would hold 0.15 GiB. Greedy; "
+                        "expert where the memory left allows) as the router picks them, the token embedding left on "
+                        "storage. For machines where memory is shorter than the model: torch's runtime alone would "
+                        "hold 0.15 GiB. Taken by itself, without a budget flag, where a store does not fit the memory "
+                        "available and no flag asks for the engine (stderr says so). Greedy; "
                         "every architecture but latent attention (DeepSeek, Kimi: decode those without --lean); "
                         "--dense auto, float or int8")
     add_routing_trace_flag(p)
@@ -64,6 +66,10 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     if args.lean:
+        return run_lean(args)
+    said = lean_by_itself(args)
+    if said is not None:
+        print(f"semoe: {said}", file=sys.stderr, flush=True)
         return run_lean(args)
     from semoe.decode_profile import DecodeProfile, format_report, memory_read_gbps
     from semoe.generate import SamplingConfig, check_prompt
@@ -125,32 +131,59 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _engine_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given that only the engine takes (the torch-free runner refuses them)."""
+    return [flag for flag, on in (("--temperature", args.temperature is not None), ("--top-p", args.top_p is not None),
+                                  ("--chat", args.chat), ("--system", args.system is not None),
+                                  ("--profile", args.profile), ("--routing-trace", args.routing_trace is not None),
+                                  ("--device-memory", args.device_memory is not None),
+                                  ("--ring-slots", args.ring_slots is not None),
+                                  ("--dtype", args.dtype not in (None, "float32")),
+                                  ("--device", args.device not in ("auto", "cpu")),
+                                  ("--dense", args.dense not in ("auto", "float", "int8")),
+                                  ("--cache-policy", args.cache_policy != "next-use")) if on]
+
+
+def lean_by_itself(args: argparse.Namespace) -> str | None:
+    """Where `semoe generate` with no budget flag decodes in the torch-free process by itself, the
+    line saying so on stderr; None where the engine decodes. It does where the model (a store) does
+    not fit the memory available (`inference.placement.choose`, as the engine's own choice between
+    resident and offloaded), the runner takes it (`lean_refusal`), no GPU is asked for or present, and
+    no flag asks for what only the engine does (sampling, chat, profiles, device budgets). Decided
+    before torch is imported: its runtime would hold memory the expert cache then cannot have."""
+    from inference.placement import choose, gpu_present, lean_refusal
+    from storage.reader import is_store
+
+    if args.resident or args.cpu_cache is not None or _engine_flags(args) or not is_store(args.model):
+        return None
+    if args.device == "auto" and gpu_present():
+        return None
+    placement = choose(args.model)
+    if placement.cpu_cache is None or lean_refusal(args.model) is not None:
+        return None
+    return placement.describe_lean()
+
+
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
     from inference.lean import LeanConfig, LeanModel
     from storage.reader import StoreReader
     from tools.sizes import parse_size
 
-    refused = [flag for flag, on in (("--temperature", args.temperature is not None), ("--top-p", args.top_p is not None),
-                                     ("--chat", args.chat), ("--system", args.system is not None),
-                                     ("--profile", args.profile), ("--routing-trace", args.routing_trace is not None),
-                                     ("--device-memory", args.device_memory is not None),
-                                     ("--ring-slots", args.ring_slots is not None),
-                                     ("--dtype", args.dtype not in (None, "float32")),
-                                     ("--device", args.device not in ("auto", "cpu"))) if on]
-    if refused:
-        raise UsageError(f"--lean decodes greedily, in float32 on CPU, from a plain prompt: {refused[0]} is the "
-                         f"engine's (drop --lean)")
+    refused = _engine_flags(args)
     if args.dense not in ("auto", "float", "int8"):
         raise UsageError(f"--lean takes --dense auto, float or int8, got {args.dense}")
     if args.cache_policy != "next-use":
         raise UsageError("--lean evicts by next use; --cache-policy is the engine's")
+    if refused:
+        raise UsageError(f"--lean decodes greedily, in float32 on CPU, from a plain prompt: {refused[0]} is the "
+                         f"engine's (drop --lean)")
+    if args.resident:
+        raise UsageError("--resident is the engine's: --lean reads experts from the store as they are chosen")
     store = StoreReader.open(args.model)  # the manifest, read once: for the cache's size and the model
     total = store.manifest.expert_bytes()
-    if args.cpu_cache is None:
-        cache = total
-    elif args.cpu_cache.strip() == "auto":
-        raise UsageError("--lean takes --cpu-cache as a size (512MiB, 25%); auto is the engine's")
+    if args.cpu_cache is None or args.cpu_cache.strip() == "auto":
+        cache = None  # every expert where the memory left allows
     else:
         cache = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=total)
     with LeanModel(store, LeanConfig(cache_bytes=cache, dense=args.dense)) as model:

@@ -229,6 +229,39 @@ def test_generate_lean_on_the_command_line(stores, capsys):
     assert "--temperature is the engine's" in capsys.readouterr().err
 
 
+def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(stores, capsys, monkeypatch):
+    """`semoe generate` with no budget flag: where the model does not fit the memory available, it
+    decodes in the torch-free runner, says so in one line, and sizes the runner's cache from the memory
+    left (here a third of the experts); where it fits, or a flag asks for the engine's sampling, the
+    engine decodes. The same greedy tokens resident and torch-free."""
+    import inference.lean
+    import inference.memory_guard
+    import inference.placement
+
+    store, mb = stores[4], inference.placement.model_bytes(stores[4])
+    third = expert_bytes(store) // 3
+    monkeypatch.setattr(inference.memory_guard, "available_ram_bytes", lambda: third + (48 << 20))
+    made = []
+    init = inference.lean.LeanModel.__init__
+    monkeypatch.setattr(inference.lean.LeanModel, "__init__",
+                        lambda self, *a, **k: made.append(a[1].cache_bytes) or init(self, *a, **k))
+    args = ["generate", "--model", store, "--prompt-ids", "3,17,5", "--max-new-tokens", "8", "--ignore-eos", "--json"]
+    runs = {}
+    for name, available, extra in (("short", mb.total // 2, []), ("roomy", 8 * mb.total + (1 << 30), []),
+                                   ("sampling", mb.total // 2, ["--top-p", "1.0"])):
+        monkeypatch.setattr(inference.placement, "available_ram_bytes", lambda a=available: a)
+        assert main(args + extra) == 0
+        out = capsys.readouterr()
+        runs[name] = json.loads(out.out), out.err, len(made)
+    out, err, lean_runs = runs["short"]
+    assert lean_runs == 1 and made == [None] and "decoding in a process without torch" in err
+    assert out["stats"]["cache_slots"] == third // StoreReader.open(store).manifest.chunks[0].bytes
+    out_roomy, err_roomy, lean_after = runs["roomy"]
+    assert lean_after == 1 and "every expert resident" in err_roomy and out_roomy["tokens"] == out["tokens"]
+    out_s, err_s, lean_after = runs["sampling"]
+    assert lean_after == 1 and "offloaded" in err_s and len(out_s["tokens"]) == 8  # sampled: the engine's
+
+
 @pytest.mark.slow
 def test_the_command_line_decodes_in_a_process_that_never_loads_torch(stores):
     """`semoe generate --lean` in a process of its own: it runs to the end without torch (nor

@@ -61,25 +61,28 @@ def test_choose_keeps_the_model_resident_only_where_it_fits_beside_the_reserve(m
 @needs_kernels
 def test_generate_without_flags_chooses_says_so_and_gives_the_same_tokens(models, monkeypatch, capsys):
     """No flag: resident with the memory this machine has; with MemAvailable made smaller than the model,
-    offloaded behind an auto CPU cache. Each run prints the one line naming the choice and the decoding
-    path (the fast kernels: qwen3_moe's whole step in one call resident, kernel by kernel offloaded,
-    since its experts arrive during the step), and both give the same tokens."""
+    the torch-free runner, or where a flag asks for the engine (here its cache policy), the engine
+    offloaded behind an auto CPU cache. Each run prints the one line naming the choice (and, for the
+    engine, the decoding path: the fast kernels, qwen3_moe's whole step in one call resident, kernel
+    by kernel offloaded, since its experts arrive during the step), and all give the same tokens."""
     args = ["generate", "--model", models["store"], "--prompt-ids", "3,17,5,29", "--max-new-tokens", "6", "--json",
             "--ignore-eos"]
     outs, lines = [], []
-    for available in (None, model_bytes(models["store"]).total // 2):
+    short = model_bytes(models["store"]).total // 2
+    for available, extra in ((None, []), (short, ["--cache-policy", "lfu"]), (short, [])):
         if available is not None:
             monkeypatch.setattr(inference.placement, "available_ram_bytes", lambda: available)
-        assert main(args) == 0
+        assert main(args + extra) == 0
         out, err = capsys.readouterr()
         outs.append(json.loads(out))
         lines.append([line for line in err.splitlines() if line.startswith("semoe: ")])
     assert len(lines[0]) == 1 and "every expert resident" in lines[0][0]
     assert len(lines[1]) == 1 and "offloaded to the store behind a CPU cache" in lines[1][0]
+    assert len(lines[2]) == 1 and "decoding in a process without torch" in lines[2][0]
     assert "semoe's CPU kernels, the whole step in one call" in lines[0][0]
     assert "semoe's CPU kernels, kernel by kernel" in lines[1][0] and "experts not all in memory" in lines[1][0]
     assert "stats" in outs[1] and "stats" not in outs[0]  # the offloaded engine reports its tiers
-    assert outs[0]["tokens"] == outs[1]["tokens"]
+    assert outs[0]["tokens"] == outs[1]["tokens"] == outs[2]["tokens"]
 
 
 def test_resident_with_a_budget_flag_is_one_usage_error(models, capsys):
