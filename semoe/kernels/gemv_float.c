@@ -198,11 +198,13 @@ static inline float bf16_to_f32(uint16_t h) {
 }
 
 /* One strip of IO_STRIP columns of y (O) = x (I) @ W, W (I, O) in-major, float32 or bfloat16: the
- * strip of every weight row streamed once, four rows at a time, the rows IO_AHEAD ahead prefetched
- * (a strip's rows lie a whole row apart, where the hardware's prefetch does not follow). The same
- * sums in the same order as `gemv_f32_io`'s for one row of x. The one-call step multiplies gpt-oss's
- * float experts with it, their blocks shared out with the other chosen experts'. */
-#define IO_AHEAD 8
+ * strip of every weight row streamed once, four rows at a time. The same sums in the same order as
+ * `gemv_f32_io`'s for one row of x. The one-call step multiplies gpt-oss's float experts with it,
+ * their blocks shared out with the other chosen experts'. A strip's rows lie a whole weight row
+ * apart: on the 2-core bench machine strips of 1024 columns (4 KiB a row) streamed 16 GB/s on one
+ * thread against 14 for 256 columns, and prefetching rows ahead in software slowed both; that is
+ * still under gemv_f32_io's contiguous half-rows (25 GB/s), which cannot share out its work with
+ * the other experts' blocks. */
 void io_block(const float *restrict x, const void *w, int bf16, int64_t O, int64_t I, int64_t b, float *restrict y) {
     const int64_t c0 = b * IO_STRIP, n = (c0 + IO_STRIP < O ? c0 + IO_STRIP : O) - c0, size = bf16 ? 2 : 4;
     const char *base = (const char *)w + c0 * size;
@@ -210,8 +212,6 @@ void io_block(const float *restrict x, const void *w, int bf16, int64_t O, int64
     for (int64_t c = 0; c < n; c++) acc[c] = 0.0f;
     int64_t i = 0;
     for (; i + 4 <= I; i += 4) {
-        for (int64_t r = i + IO_AHEAD; r < i + IO_AHEAD + 4 && r < I; r++)
-            for (int64_t off = 0; off < n * size; off += 64) __builtin_prefetch(base + (r * O) * size + off);
         const float x0 = x[i], x1 = x[i + 1], x2 = x[i + 2], x3 = x[i + 3];
         if (bf16) {
             const uint16_t *restrict w0 = (const uint16_t *)base + i * O, *restrict w1 = w0 + O, *restrict w2 = w1 + O,

@@ -69,7 +69,7 @@ void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t 
 void fp4_block(const uint8_t *w, const uint8_t *e, int64_t O, const Acts *a, int64_t b, float *y);
 /* block b of y (O) = x (I) @ W for a float32 or bfloat16 (`bf16`) weight laid out (I, O), in-major:
  * IO_STRIP output columns, `io_blocks(O)` of them */
-#define IO_STRIP 256
+#define IO_STRIP 1024
 int64_t io_blocks(int64_t O);
 void io_block(const float *x, const void *w, int bf16, int64_t O, int64_t I, int64_t b, float *y);
 
