@@ -52,7 +52,7 @@ import numpy as np
 from inference.memory_guard import auto_cpu_cache_bytes
 from semoe import kernel_abi
 from semoe.decode import rope
-from semoe.decode.support import NotOnFastPath, one_call_refusal
+from semoe.decode.support import NotOnFastPath, lean_refusal
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
 from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
@@ -294,7 +294,7 @@ class LeanModel:
     @staticmethod
     def _check(c) -> None:
         """Refuse, in one line, what the one-call step does not take (`semoe.decode.support`)."""
-        why = one_call_refusal(c)
+        why = lean_refusal(c)
         if why:
             raise NotOnFastPath(f"the lean runner does not take {why} ({c.arch}); decode it with the engine "
                                 f"(without --lean)")

@@ -42,10 +42,16 @@ class Expert(ctypes.Structure):
     _fields_ = [("gate", Lin), ("up", Lin), ("down", Lin)]
 
 
+class LatentC(ctypes.Structure):
+    """decode_abi.h's `Latent`: a layer's latent attention (DeepSeek, Kimi) in its absorbed form."""
+    _fields_ = [("q_a", Lin), ("q_b", Lin), ("kv_a", Lin), ("q_norm", _P), ("kv_norm", _P), ("eps", _F32),
+                ("scale", _F32), ("w_ukT", _P), ("w_uv", _P), ("nope", _I), ("L", _I), ("dv", _I), ("interleave", _I)]
+
+
 class LayerC(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
                 ("window", _I), ("qk_norm", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("clip", _F32),
-                ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("E", _I), ("router", Lin), ("correction", _P),
+                ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("mla", ctypes.POINTER(LatentC)), ("E", _I), ("router", Lin), ("correction", _P),
                 ("experts", ctypes.POINTER(Expert)), ("shared", ctypes.POINTER(Expert)), ("shared_gate", Lin)]
 
 
@@ -66,7 +72,7 @@ class LayerParts:
     attn_eps: float
     ffn_norm: int
     ffn_eps: float
-    qkv: list[Lin]  # q, k and v: one stacked product, or three
+    qkv: list[Lin]  # q, k and v: one stacked product, or three (none: latent attention, `mla`)
     o: Lin
     window: int  # sliding window (0: none)
     experts: ctypes.Array  # of Expert: the layer's E routed experts, or its one dense SwiGLU
@@ -81,6 +87,7 @@ class LayerParts:
     correction: int | None = None  # E biases on the grouped router's choice
     shared: ctypes.Array | None = None  # of one Expert: the shared expert
     shared_gate: Lin | None = None  # its sigmoid gate (O = 1), if it has one
+    mla: LatentC | None = None  # latent attention in place of q/k/v (kept alive by the caller)
 
 
 # decode_abi.h's `Layer.qk_norm` for `semoe.config.MoEConfig.qk_norm`, and `Net.router` for its router
@@ -98,6 +105,8 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
         lc.n_qkv, lc.window, lc.o = len(lp.qkv), lp.window, lp.o
         lc.qk_norm, lc.q_norm, lc.k_norm, lc.qk_eps = lp.qk_norm, lp.q_norm, lp.k_norm, lp.qk_eps
         lc.clip, lc.sinks, lc.correction = lp.clip, lp.sinks, lp.correction
+        if lp.mla is not None:
+            lc.mla = ctypes.pointer(lp.mla)
         if lp.shared is not None:
             lc.shared = lp.shared
             if lp.shared_gate is not None:
@@ -117,7 +126,7 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
 
 
 # decode_abi.h's struct names -> their mirrors, which `check_layout` compares field by field
-STRUCTS = {"Lin": Lin, "Expert": Expert, "Layer": LayerC, "Net": Net}
+STRUCTS = {"Lin": Lin, "Expert": Expert, "Latent": LatentC, "Layer": LayerC, "Net": Net}
 
 
 def check_layout(lib: ctypes.CDLL, path: str, structs: dict[str, type[ctypes.Structure]] = STRUCTS) -> None:

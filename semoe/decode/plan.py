@@ -21,11 +21,11 @@ Where the module path makes the same calls, each value is the same arithmetic in
 tokens and log-probs are the same bits (tests compare them); where it computes attention with torch
 (per-head norms of many heads, latent attention), the logits agree to float32 rounding.
 
-Where every layer's weights are in memory and the model has grouped-query attention (`one_call_refusal`
-says what else it needs: not latent attention), the whole step is one call instead (`decode_step`,
+Where every layer's weights are in memory and the kernels take them (`one_call_refusal` says what
+else it needs; FP8 experts go kernel by kernel), the whole step is one call instead (`decode_step`,
 semoe/kernels/decode_step.c): the same kernels inside one parallel region, q/k norms, clipping,
-sinks, windows, every router, shared experts and gpt-oss's clamped experts (float, int8, int4 or
-MXFP4) included, so that no Python runs between them. Its routers' softmax and sigmoid and its
+sinks, windows, latent attention in the same absorbed form, every router, shared experts and
+gpt-oss's clamped experts (float, int8, int4 or MXFP4) included, so that no Python runs between them. Its routers' softmax and sigmoid and its
 activations of float experts use C's expf where the step above uses torch's ops, so its logits
 agree with the modules' to float32 rounding rather than to the bit. Offloaded experts arrive during
 the step, from the ring, so a model with offloaded experts takes the kernel-by-kernel step.
@@ -260,6 +260,20 @@ class _MLA:
         self.o_proj(self.att, plan.tmp, threads, None, plan.tmpp)
 
 
+def _latent(a: _MLA, layer: int) -> kernel_abi.LatentC:
+    """decode_step.c's `Latent` of an `_MLA` step: its products, norms and absorbed kv_b halves (the
+    caller holds the result, and the `_MLA`, while the Net is used)."""
+    c = a.config
+    if any(p is not None and p.lin is None for p in (a.q_a, a.q, a.kv_a)):
+        raise NotOnFastPath(f"layer {layer}: latent attention weights the one-call step does not take")
+    if a.q_a_norm is not None and a.q_a_norm.eps != a.kv_norm.eps:
+        raise NotOnFastPath(f"layer {layer}: query and latent norms of different epsilons")
+    return kernel_abi.LatentC(
+        a.q_a.lin if a.q_a is not None else _Lin(), a.q.lin, a.kv_a.lin,
+        None if a.q_a_norm is None else _ptr(a.q_a_norm.weight), _ptr(a.kv_norm.weight), a.kv_norm.eps, a.scale,
+        _ptr(a.w_ukT), _ptr(a.w_uv), c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim, int(c.rope_interleave))
+
+
 @dataclass
 class _Layer:
     attn_norm: _Norm
@@ -357,11 +371,24 @@ class DecodePlan:
             raise NotOnFastPath("an output weight the kernels do not take")
         parts = []
         for lay, block in zip(self.layers, model.layers):
-            attn = lay.attn  # grouped-query (`one_call_refusal`)
-            if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv) or attn.o_proj.lin is None:
-                raise NotOnFastPath(f"layer {block.layer}: q/k/v or output weights the one-call step does not take")
-            if attn.norms is not None and attn.norms[0].eps != attn.norms[1].eps:
-                raise NotOnFastPath(f"layer {block.layer}: q and k norms of different epsilons")
+            attn = lay.attn
+            if attn.o_proj.lin is None:
+                raise NotOnFastPath(f"layer {block.layer}: an output weight the one-call step does not take")
+            if isinstance(attn, _MLA):
+                attn_parts = dict(qkv=[], window=0, mla=_latent(attn, block.layer))
+                held.append(attn_parts["mla"])
+            else:
+                if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv):
+                    raise NotOnFastPath(f"layer {block.layer}: q/k/v weights the one-call step does not take")
+                if attn.norms is not None and attn.norms[0].eps != attn.norms[1].eps:
+                    raise NotOnFastPath(f"layer {block.layer}: q and k norms of different epsilons")
+                attn_parts = dict(
+                    qkv=[prod.lin for prod, _, _ in attn.qkv], window=attn.window,
+                    qk_norm=kernel_abi.QK_NORM[attn.qk_norm],
+                    q_norm=None if attn.norms is None else _ptr(attn.norms[0].weight),
+                    k_norm=None if attn.norms is None else _ptr(attn.norms[1].weight),
+                    qk_eps=0.0 if attn.norms is None else attn.norms[0].eps, clip=attn.clip or 0.0,
+                    sinks=None if attn.sinks is None else _ptr(attn.sinks))
             ffn = block.ffn
             if isinstance(ffn, DenseFFN):  # a dense layer (the plan takes no other kind)
                 experts = [expert(tuple(m.weight for m in (ffn.gate_proj, ffn.up_proj, ffn.down_proj)))]
@@ -403,14 +430,10 @@ class DecodePlan:
                 correction = _ptr(bias)
             parts.append(kernel_abi.LayerParts(
                 attn_norm=_ptr(lay.attn_norm.weight), attn_eps=lay.attn_norm.eps, ffn_norm=_ptr(lay.ffn_norm.weight),
-                ffn_eps=lay.ffn_norm.eps, qkv=[prod.lin for prod, _, _ in attn.qkv], o=attn.o_proj.lin,
-                window=attn.window, experts=array, ffn_width=experts[0].gate.O // (1 if experts[0].up.O else 2),
-                router=None if isinstance(ffn, DenseFFN) else router.lin, qk_norm=kernel_abi.QK_NORM[attn.qk_norm],
-                q_norm=None if attn.norms is None else _ptr(attn.norms[0].weight),
-                k_norm=None if attn.norms is None else _ptr(attn.norms[1].weight),
-                qk_eps=0.0 if attn.norms is None else attn.norms[0].eps, clip=attn.clip or 0.0,
-                sinks=None if attn.sinks is None else _ptr(attn.sinks), correction=correction, shared=shared,
-                shared_gate=shared_gate))
+                ffn_eps=lay.ffn_norm.eps, o=attn.o_proj.lin, experts=array,
+                ffn_width=experts[0].gate.O // (1 if experts[0].up.O else 2),
+                router=None if isinstance(ffn, DenseFFN) else router.lin, correction=correction, shared=shared,
+                shared_gate=shared_gate, **attn_parts))
         net, layers = kernel_abi.build_net(c, parts, _ptr(self.norm.weight), self.norm.eps, self.lm_head.lin)
         return net, [layers, *held]
 

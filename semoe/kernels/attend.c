@@ -96,3 +96,34 @@ __attribute__((optimize("fp-contract=off"))) void moe_combine_f32(float *x, cons
         x[i] = x[i] + s;
     }
 }
+
+/* Rotate R dims of x with the position's cos/sin (R each, the frequencies twice over) into y: by
+ * halves (i, i + R/2), or interleaved pairs (2i, 2i + 1) written out as halves (DeepSeek's; the same
+ * permutation for queries and keys, as semoe.attention.apply_rope does). */
+void rope_rotate(const float *x, const float *cos, const float *sin, int64_t R, int interleave, float *y) {
+    const int64_t half = R / 2;
+    for (int64_t i = 0; i < half; i++) {
+        float a = interleave ? x[2 * i] : x[i], b = interleave ? x[2 * i + 1] : x[i + half];
+        y[i] = a * cos[i] - b * sin[i];
+        y[i + half] = b * cos[i + half] + a * sin[i + half];
+    }
+}
+
+/* One head of latent attention's absorbed form (DeepSeek, Kimi) over the n cached positions: the
+ * head's query in the latent space ql (L) and its rotated rotary part qr (R), scores against each
+ * position's latent (S, L) and rotary key (S, R), times `scale`, softmax, and the latents' weighted
+ * sum into out (L); p: n floats of room. */
+void mla_head(const float *ql, const float *qr, const float *latents, const float *rots, int64_t L, int64_t R,
+              int64_t n, float scale, float *p, float *out) {
+    float mx = -INFINITY, sum = 0.0f;
+    for (int64_t t = 0; t < n; t++) {
+        p[t] = (dot_f32(ql, latents + t * L, L) + dot_f32(qr, rots + t * R, R)) * scale;
+        mx = fmaxf(mx, p[t]);
+    }
+    for (int64_t t = 0; t < n; t++) sum += (p[t] = expf(p[t] - mx));
+    memset(out, 0, sizeof(float) * (size_t)L);
+    for (int64_t t = 0; t < n; t++) {
+        float w = p[t] / sum;
+        for (int64_t i = 0; i < L; i++) out[i] += w * latents[t * L + i];
+    }
+}

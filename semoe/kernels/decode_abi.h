@@ -26,6 +26,20 @@ typedef struct {
     Lin gate, up, down;
 } Expert;
 
+/* DeepSeek's latent attention (MLA) of a layer, in its absorbed form over the latent cache (the
+ * normed latent (L) and the rotated rotary key (R) of each position): q from h by q_b, or by q_a,
+ * its norm and q_b where q_a.O > 0; H heads of nope + R values, their no-rope part taken into the
+ * latent space by w_ukT (H, L, nope), the rotary part rotated; the latent and rotary key from h by
+ * kv_a (L + R), the latent normed; each head's softmax over the cached positions of its scores
+ * (times scale) weighs the latents, whose sum w_uv (H, dv, L) takes out to the head's values */
+typedef struct {
+    Lin q_a, q_b, kv_a;
+    const float *q_norm, *kv_norm; /* q_a's RMSNorm weight (q_a.O values), the latent's (L) */
+    float eps, scale;
+    const float *w_ukT, *w_uv; /* float32 */
+    int64_t nope, L, dv, interleave; /* interleave: rotary over pairs (2i, 2i + 1) */
+} Latent;
+
 typedef struct {
     const float *attn_norm, *ffn_norm;
     float attn_eps, ffn_eps;
@@ -36,6 +50,7 @@ typedef struct {
     float qk_eps, clip; /* the norms' epsilon; clip > 0: q, k and v clamped to [-clip, clip] */
     const float *sinks; /* NULL, or H logits that join each head's softmax denominator */
     Lin qkv[3], o;
+    const Latent *mla; /* NULL: grouped-query attention (n_qkv, qkv, the norms, window, sinks); else this */
     int64_t E; /* experts; 0: a dense SwiGLU layer in experts[0], no router */
     Lin router; /* its bias: the logits' (gpt-oss) */
     const float *correction; /* NULL, or E biases on the grouped router's choice alone (DeepSeek-V3) */

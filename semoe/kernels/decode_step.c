@@ -1,5 +1,6 @@
 /* A whole decoding step of one sequence in one call, for a model whose weights are all in memory:
- * per layer the attention norm, the q/k/v products, attention, the output product and the residual,
+ * per layer the attention norm, the q/k/v products and attention (or latent attention in the
+ * absorbed form, `Latent`), the output product and the residual,
  * the feed-forward norm, the router's product, softmax and top-k, the chosen SwiGLU experts (or
  * gpt-oss's clamped ones, or the layer's dense SwiGLU) and their weighted sum into the residual, and
  * the shared expert where there is one; then the final norm and the
@@ -144,6 +145,7 @@ static void route(const Net *net, const Layer *ly, float *p, float *choice, unsi
 
 typedef struct { /* the step's buffers */
     float *h, *qkv, *qr, *att, *tmp, *p, *probs, *choice, *hg, *hu, *ys, *w, gate;
+    float *qa, *qb, *kv, *qn, *qrot, *qlat, *olat, *attm; /* latent attention's (NULL without) */
     unsigned char *masked;
     const Expert **ex; /* the experts a feed-forward pass runs */
     const float **yp;
@@ -235,9 +237,23 @@ static Work *work_new(const Net *net, int64_t S) {
     s->ids = malloc(sizeof(int64_t) * (size_t)Kmax);
     s->ax = malloc(sizeof(Acts) * (size_t)Kmax);
     s->ah = malloc(sizeof(Acts) * (size_t)Kmax);
-    if (!s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice || !s->masked ||
-        !s->ex || !s->hg || !s->hu || !s->ys ||
-        !s->w || !s->yp || !s->ids || !s->ax || !s->ah) {
+    const Latent *m = NULL;
+    for (int64_t l = 0; net->layers && l < net->L && !m; l++) m = net->layers[l].mla;
+    int mla_ok = 1;
+    if (m) {
+        const int64_t R = net->R;
+        s->qa = malloc(sizeof(float) * (size_t)(m->q_a.O > 0 ? m->q_a.O : 1));
+        s->qb = malloc(sizeof(float) * (size_t)(H * (m->nope + R)));
+        s->kv = malloc(sizeof(float) * (size_t)(m->L + R));
+        s->qn = malloc(sizeof(float) * (size_t)(H * m->nope));
+        s->qrot = malloc(sizeof(float) * (size_t)(H * R));
+        s->qlat = malloc(sizeof(float) * (size_t)(H * m->L));
+        s->olat = malloc(sizeof(float) * (size_t)(H * m->L));
+        s->attm = malloc(sizeof(float) * (size_t)(H * m->dv));
+        mla_ok = s->qa && s->qb && s->kv && s->qn && s->qrot && s->qlat && s->olat && s->attm;
+    }
+    if (!mla_ok || !s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice ||
+        !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w || !s->yp || !s->ids || !s->ax || !s->ah) {
         work_free(s);
         return NULL;
     }
@@ -247,19 +263,16 @@ static Work *work_new(const Net *net, int64_t S) {
 static void work_free(Work *s) {
     free(s->h), free(s->qkv), free(s->qr), free(s->att), free(s->tmp), free(s->p), free(s->probs);
     free(s->choice), free(s->masked), free(s->ex);
+    free(s->qa), free(s->qb), free(s->kv), free(s->qn), free(s->qrot), free(s->qlat), free(s->olat), free(s->attm);
     free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->yp), free(s->ids), free(s->ax), free(s->ah);
     free(s);
 }
 
-/* layer l up to its feed-forward, by the team: the attention (k and v written at pos of the layer's
- * caches kc, vc), its residual, the feed-forward norm into s->h and, for an MoE layer, the router's
- * choice into s->ids and s->w */
-static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *vc, int64_t S, int64_t pos,
-                         const float *cos, const float *sin, Work *s) {
-    const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, n = pos + 1;
-    const Layer *ly = net->layers + l;
-#pragma omp single
-    rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
+/* grouped-query attention from the normed row s->h to the output product in s->tmp, by the team:
+ * k and v written at pos of the layer's caches (G, S, Dh) */
+static void gqa_attend(const Net *net, const Layer *ly, float *kc, float *vc, int64_t S, int64_t pos,
+                       const float *cos, const float *sin, Work *s) {
+    const int64_t H = net->H, G = net->G, Dh = net->Dh, n = pos + 1;
     for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
         product(&ly->qkv[j], s->h, &s->a, s->qkv + off, &s->oom);
 #pragma omp single
@@ -283,6 +296,58 @@ static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *
         attend_head(s->qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n, net->scale,
                     ly->sinks, s->p, s->att, h);
     product(&ly->o, s->att, &s->a, s->tmp, &s->oom);
+}
+
+/* latent attention (`Latent`) from the normed row s->h to the output product in s->tmp, by the team:
+ * the latent and rotary key written at pos of the layer's caches (S, L) and (S, R) */
+static void latent_attend(const Net *net, const Latent *m, const Lin *o, float *latents, float *rots, int64_t S,
+                          int64_t pos, const float *cos, const float *sin, Work *s) {
+    const int64_t H = net->H, R = net->R, nope = m->nope, L = m->L, dv = m->dv, Q = nope + R;
+    if (m->q_a.O) {
+        product(&m->q_a, s->h, &s->a, s->qa, &s->oom);
+#pragma omp single
+        rmsnorm_f32(s->qa, m->q_norm, m->eps, s->qa, 1, m->q_a.O);
+        product(&m->q_b, s->qa, &s->a, s->qb, &s->oom);
+    } else {
+        product(&m->q_b, s->h, &s->a, s->qb, &s->oom);
+    }
+    product(&m->kv_a, s->h, &s->a, s->kv, &s->oom);
+#pragma omp single
+    {
+        rmsnorm_f32(s->kv, m->kv_norm, m->eps, latents + pos * L, 1, L);
+        rope_rotate(s->kv + L, cos, sin, R, (int)m->interleave, rots + pos * R);
+        for (int64_t h = 0; h < H; h++) {
+            memcpy(s->qn + h * nope, s->qb + h * Q, sizeof(float) * (size_t)nope);
+            rope_rotate(s->qb + h * Q + nope, cos, sin, R, (int)m->interleave, s->qrot + h * R);
+        }
+    }
+    const int64_t nl = i8_blocks(L), nv = i8_blocks(dv);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < H * nl; t++) /* each head's no-rope query into the latent space */
+        f32_block(s->qn + t / nl * nope, m->w_ukT + t / nl * L * nope, s->qlat + t / nl * L, 1, L, nope, t % nl);
+#pragma omp for schedule(static)
+    for (int64_t h = 0; h < H; h++)
+        mla_head(s->qlat + h * L, s->qrot + h * R, latents, rots, L, R, pos + 1, m->scale, s->p + h * S,
+                 s->olat + h * L);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < H * nv; t++) /* each head's latent sum out to its values */
+        f32_block(s->olat + t / nv * L, m->w_uv + t / nv * dv * L, s->attm + t / nv * dv, 1, dv, L, t % nv);
+    product(o, s->attm, &s->a, s->tmp, &s->oom);
+}
+
+/* layer l up to its feed-forward, by the team: the attention (k and v, or the latent and rotary
+ * key, written at pos of the layer's caches kc, vc), its residual, the feed-forward norm into s->h
+ * and, for an MoE layer, the router's choice into s->ids and s->w */
+static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *vc, int64_t S, int64_t pos,
+                         const float *cos, const float *sin, Work *s) {
+    const int64_t D = net->D;
+    const Layer *ly = net->layers + l;
+#pragma omp single
+    rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
+    if (ly->mla)
+        latent_attend(net, ly->mla, &ly->o, kc, vc, S, pos, cos, sin, s);
+    else
+        gqa_attend(net, ly, kc, vc, S, pos, cos, sin, s);
 #pragma omp single
     {
         for (int64_t i = 0; i < D; i++) x[i] = x[i] + s->tmp[i];
@@ -396,9 +461,13 @@ int decode_head(const Net *net, Work *s, float *x, float *logits, int threads) {
 int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_t *n) {
     FIELDS(Lin, OFF(Lin, kind), OFF(Lin, O), OFF(Lin, I), OFF(Lin, g), OFF(Lin, w), OFF(Lin, s), OFF(Lin, bias))
     FIELDS(Expert, OFF(Expert, gate), OFF(Expert, up), OFF(Expert, down))
+    FIELDS(Latent, OFF(Latent, q_a), OFF(Latent, q_b), OFF(Latent, kv_a), OFF(Latent, q_norm), OFF(Latent, kv_norm),
+           OFF(Latent, eps), OFF(Latent, scale), OFF(Latent, w_ukT), OFF(Latent, w_uv), OFF(Latent, nope),
+           OFF(Latent, L), OFF(Latent, dv), OFF(Latent, interleave))
     FIELDS(Layer, OFF(Layer, attn_norm), OFF(Layer, ffn_norm), OFF(Layer, attn_eps), OFF(Layer, ffn_eps),
            OFF(Layer, n_qkv), OFF(Layer, window), OFF(Layer, qk_norm), OFF(Layer, q_norm), OFF(Layer, k_norm),
-           OFF(Layer, qk_eps), OFF(Layer, clip), OFF(Layer, sinks), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, E),
+           OFF(Layer, qk_eps), OFF(Layer, clip), OFF(Layer, sinks), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, mla),
+           OFF(Layer, E),
            OFF(Layer, router), OFF(Layer, correction), OFF(Layer, experts), OFF(Layer, shared), OFF(Layer, shared_gate))
     FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, R), OFF(Net, F), OFF(Net, E),
            OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, router), OFF(Net, sigmoid_scores), OFF(Net, n_group),

@@ -81,6 +81,10 @@ void attend_rotate(const float *q, const float *k, const float *v, const float *
                    float *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, float *qr);
 void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
                  int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h);
+/* attend.c's pieces of latent attention (decode_step.c) */
+void rope_rotate(const float *x, const float *cos, const float *sin, int64_t R, int interleave, float *y);
+void mla_head(const float *ql, const float *qr, const float *latents, const float *rots, int64_t L, int64_t R,
+              int64_t n, float scale, float *p, float *out);
 void moe_combine_f32(float *x, const float *const *ys, const float *w, int64_t K, int64_t D);
 
 #endif

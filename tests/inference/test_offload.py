@@ -506,7 +506,9 @@ def test_a_needed_expert_waits_for_read_ahead_that_fills_the_cache(tmp_path, mon
         gate.set()
         engine.close()
     assert waited  # the path under test ran: a needed expert found the cache full of reads in flight
-    assert got.tokens == want.tokens and got.logprobs == want.logprobs
+    # resident: the whole step in one call; offloaded: kernel by kernel (the same kernels, the routers'
+    # softmax and the attention's sums in another order): log-probs within float32 rounding
+    assert got.tokens == want.tokens and got.logprobs == pytest.approx(want.logprobs, rel=0, abs=1e-5)
 
 
 def test_a_copying_ring_gets_a_cpu_cache_that_holds_one_expert_per_slot(tmp_path):

@@ -135,6 +135,33 @@ def test_attention_variants_kernel_by_kernel_and_in_one_call(whole, variant):
     _agree(got, want, plan.net is not None)
 
 
+@pytest.mark.parametrize("whole", [False, True])
+@pytest.mark.parametrize("variant", [dict(q_lora_rank=None, rope_interleave=True),
+                                     dict(q_lora_rank=24, rope_interleave=False, attention_bias=True)],
+                         ids=["direct-query-interleaved", "low-rank-query-halves-biased"])
+def test_latent_attention_kernel_by_kernel_and_in_one_call(whole, variant):
+    """DeepSeek's latent attention in the absorbed form, its query straight from h or through a
+    normed low rank, rotary over interleaved pairs or halves: within ARCH_RTOL of the modules
+    kernel by kernel (attention in another order of the same sums), WHOLE_ATOL in one call. The
+    attention weights are drawn eight times larger than at initialisation so that scores, and with
+    them the rotary parts, move the logits (at initialisation each head's softmax is near uniform)."""
+    model = _model(attention="mla", kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
+                   **variant)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if ".attn." in name and p.dim() == 2:
+                p.mul_(8.0)
+            elif ".attn." in name and name.endswith("bias"):
+                p.copy_(torch.randn(p.shape) * 0.1)
+    plan = DecodePlan(model, whole=whole)
+    assert (plan.net is not None) == whole, plan.whole_refusal
+    got, planned = _steps(model, plan)
+    want, _ = _steps(model, None)
+    assert planned == len(TOKENS)
+    assert _relative(got, want) < (WHOLE_ATOL if whole else ARCH_RTOL)
+    assert torch.equal(got.argmax(-1), want.argmax(-1))
+
+
 ROUTERS = {
     "grouped-sigmoid-top2-corrected-shared": dict(router="grouped", router_scores="sigmoid", score_correction_bias=True,
                                                   n_group=2, topk_group=1, group_score="top2", norm_topk_prob=True,
@@ -281,7 +308,7 @@ def test_generate_with_a_plan_gives_the_tokens_without():
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 # the architectures the one-call step takes whole (not: latent attention, clamped experts)
-ONE_CALL = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss")
+ONE_CALL = ARCHS
 # shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike
 WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 # float32 sums in another order (per-head norms of many heads, latent attention in the absorbed form
@@ -335,9 +362,10 @@ def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     model = load_store(arch_stores(arch, fmt))
     plan = DecodePlan.build(model)
     assert plan is not None
-    assert (plan.net is not None) == (arch in ONE_CALL)
-    if arch not in ONE_CALL:
-        with pytest.raises(NotOnFastPath):
+    whole = arch in ONE_CALL and fmt != "fp8"  # FP8 experts: kernel by kernel, through their own apply
+    assert (plan.net is not None) == whole, plan.whole_refusal
+    if not whole:
+        with pytest.raises(NotOnFastPath, match="a weight of CompactWeight|fp8"):
             plan._whole(model)
     want, _ = _steps(model, None)
     for p in (plan, DecodePlan(model, whole=False)) if plan.net is not None else (plan,):
