@@ -20,9 +20,10 @@ What it takes: the models the one-call step takes (`DecodePlan`'s whole step): g
 attention, with q/k norms (over all heads or per head), clipping, sinks, partial rotary, sliding
 windows and YaRN, but not interleaved rotary; softmax-top-k, top-k-then-softmax and grouped routers
 over SwiGLU experts, with or without a shared expert, or dense SwiGLU layers, and gpt-oss's clamped
-experts with their biases (float ones multiplied in-major as stored, MXFP4 ones as MXFP4): Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, GLM-4.5 and gpt-oss, not latent attention (DeepSeek, Kimi); greedy
-decoding, one sequence. Anything else is refused with one line naming it
+experts with their biases (float ones multiplied in-major as stored, MXFP4 ones as MXFP4); DeepSeek's
+latent attention in the absorbed form (kv_b read as float32 and split into its halves at load):
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Kimi, GLM-4.5 and gpt-oss; greedy decoding,
+one sequence. Anything else is refused with one line naming it
 (`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
 It is a front-end of the same core as the engine: the store is read through `storage.reader`
@@ -52,7 +53,7 @@ import numpy as np
 from inference.memory_guard import auto_cpu_cache_bytes
 from semoe import kernel_abi
 from semoe.decode import rope
-from semoe.decode.support import NotOnFastPath, lean_refusal
+from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
 from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
@@ -242,16 +243,21 @@ class LeanModel:
                                          for p in ("gate", "up", "down")))
                 arr, router, F = (kernel_abi.Expert * 1)(ex), None, ex.gate.O
                 self.held.append(arr)
+            if c.attention == "mla":
+                attn = dict(qkv=[], window=0, mla=self._latent(lay, dense))
+            else:
+                attn = dict(
+                    qkv=[self._linear([f"layers.{lay}.attn.{p}_proj" for p in "qkv"], dense)],
+                    window=c.window(lay) or 0, qk_norm=kernel_abi.QK_NORM[c.qk_norm], qk_eps=c.rms_norm_eps,
+                    q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if c.qk_norm != "none" else None,
+                    k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if c.qk_norm != "none" else None,
+                    clip=c.clip_qkv or 0.0,
+                    sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
             parts.append(kernel_abi.LayerParts(
                 attn_norm=self._vector(f"layers.{lay}.attn_norm.weight"), attn_eps=c.rms_norm_eps,
                 ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight"), ffn_eps=c.rms_norm_eps,
-                qkv=[self._linear([f"layers.{lay}.attn.{p}_proj" for p in "qkv"], dense)],
-                o=self._linear([f"layers.{lay}.attn.o_proj"], dense), window=c.window(lay) or 0, experts=arr,
-                ffn_width=F, router=router, qk_norm=kernel_abi.QK_NORM[c.qk_norm], qk_eps=c.rms_norm_eps,
-                q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if c.qk_norm != "none" else None,
-                k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if c.qk_norm != "none" else None,
-                clip=c.clip_qkv or 0.0, sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None,
-                correction=correction, shared=shared, shared_gate=shared_gate))
+                o=self._linear([f"layers.{lay}.attn.o_proj"], dense), experts=arr, ffn_width=F,
+                router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
         self.net, self.layers = kernel_abi.build_net(c, parts, self._vector("norm.weight"), c.rms_norm_eps, self.head)
@@ -294,10 +300,29 @@ class LeanModel:
     @staticmethod
     def _check(c) -> None:
         """Refuse, in one line, what the one-call step does not take (`semoe.decode.support`)."""
-        why = lean_refusal(c)
+        why = one_call_refusal(c)
         if why:
             raise NotOnFastPath(f"the lean runner does not take {why} ({c.arch}); decode it with the engine "
                                 f"(without --lean)")
+
+    def _latent(self, lay: int, dense: str) -> kernel_abi.LatentC:
+        """Layer `lay`'s latent attention as the engine's one-call step holds it (`semoe.decode.plan`):
+        its products dense as the others, kv_b read as float32 and split into its absorbed halves,
+        w_ukT (H, L, nope) and w_uv (H, dv, L)."""
+        c, pre = self.config, f"layers.{lay}.attn."
+        H, nope, L, dv = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim
+        if c.q_lora_rank is None:
+            q_a, q_norm, q_b = kernel_abi.Lin(), None, self._linear([pre + "q_proj"], dense, bias=False)
+        else:
+            q_a, q_norm = self._linear([pre + "q_a_proj"], dense), self._vector(pre + "q_a_layernorm.weight")
+            q_b = self._linear([pre + "q_b_proj"], dense, bias=False)
+        kv_a, kv_norm = self._linear([pre + "kv_a_proj_with_mqa"], dense), self._vector(pre + "kv_a_layernorm.weight")
+        w_HdL = np.concatenate(list(self._rows(hf_name(c, pre + "kv_b_proj.weight")))).reshape(H, nope + dv, L)
+        w_ukT, w_uv = np.ascontiguousarray(w_HdL[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(w_HdL[:, nope:])
+        m = kernel_abi.LatentC(q_a, q_b, kv_a, q_norm, kv_norm, c.rms_norm_eps, rope.softmax_scale(c),
+                               w_ukT.ctypes.data, w_uv.ctypes.data, nope, L, dv, int(c.rope_interleave))
+        self.held += [w_ukT, w_uv, m]
+        return m
 
     def _vector(self, param: str) -> int:
         """A float32 copy of a 1-d parameter (a norm's weight), held; its address."""
@@ -524,7 +549,11 @@ class LeanSequence:
             raise BadInputError(f"a sequence of {capacity} positions: the model takes 1 to {c.max_position}")
         self.model, self.capacity, self.length = model, capacity, 0
         L, G, Dh, K = c.num_layers, c.num_kv_heads, c.head_dim, max(c.top_k, 1)
-        self.kc, self.vc = np.zeros((L, G, capacity, Dh), np.float32), np.zeros((L, G, capacity, Dh), np.float32)
+        if c.attention == "mla":  # the normed latent and the rotated rotary key of each position
+            self.kc = np.zeros((L, capacity, c.kv_lora_rank), np.float32)
+            self.vc = np.zeros((L, capacity, c.rope_dim), np.float32)
+        else:
+            self.kc, self.vc = np.zeros((L, G, capacity, Dh), np.float32), np.zeros((L, G, capacity, Dh), np.float32)
         self.x, self.logits = np.empty(c.hidden_size, np.float32), np.empty(model.head.O, np.float32)
         self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)
         self.cos, self.sin = np.empty(c.rope_dim, np.float32), np.empty(c.rope_dim, np.float32)

@@ -130,7 +130,7 @@ def lean_refusal(path: str) -> str | None:
     if not is_store(path):
         return "it reads stores, not HuggingFace directories"
     from semoe import kernel_abi
-    from semoe.decode.support import lean_refusal as refusal
+    from semoe.decode.support import one_call_refusal
     from semoe.hf_config import config_from_json
 
     if kernel_abi.library() is None:
@@ -138,5 +138,5 @@ def lean_refusal(path: str) -> str | None:
     store = StoreReader.open(path)
     if not store.manifest.has_file("config.json"):
         return "the store holds no model (no config.json)"
-    why = refusal(config_from_json(json.loads(store.read_file("config.json"))))
+    why = one_call_refusal(config_from_json(json.loads(store.read_file("config.json"))))
     return None if why is None else f"it does not take {why}"

@@ -24,6 +24,7 @@ from torch import nn
 
 from semoe import cpu_kernels
 from semoe.decode import rope
+from semoe.decode.rope import softmax_scale
 from semoe.compact_linear import CompactLinear, Linear, stacked_float_rows, stacked_rows
 from semoe.config import MoEConfig
 
@@ -296,16 +297,6 @@ class Attention(nn.Module):
                 and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer], *sinks))
                 and all(t.is_contiguous() for t in (q, k, v, cache.k[self.layer], cache.v[self.layer], *sinks))
                 and cpu_kernels.no_grad_wanted(q, k, v, *sinks) and cpu_kernels.takes(q))
-
-
-def softmax_scale(config: MoEConfig) -> float:
-    """1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 in latent attention."""
-    scale = config.head_dim ** -0.5
-    s = config.rope_scaling
-    if config.attention == "mla" and s and s.get("mscale_all_dim") and float(s["factor"]) > 1:
-        m = 0.1 * float(s["mscale_all_dim"]) * math.log(float(s["factor"])) + 1.0
-        scale *= m * m
-    return scale
 
 
 class LatentAttention(nn.Module):

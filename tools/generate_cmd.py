@@ -46,8 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "storage. For machines where memory is shorter than the model: torch's runtime alone would "
                         "hold 0.15 GiB. Taken by itself, without a budget flag, where a store does not fit the memory "
                         "available and no flag asks for the engine (stderr says so). Greedy; "
-                        "every architecture but latent attention (DeepSeek, Kimi: decode those without --lean); "
-                        "--dense auto, float or int8")
+                        "every architecture semoe loads; --dense auto, float or int8")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)

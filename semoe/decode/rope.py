@@ -44,3 +44,14 @@ def inv_freq(config) -> tuple[np.ndarray, float]:
     inv = (np.float32(1.0) / (np.float32(factor) * pos_freqs)) * (np.float32(1) - extrapolation) \
         + (np.float32(1.0) / pos_freqs) * extrapolation
     return inv.astype(np.float32), float(attention_factor)
+
+
+def softmax_scale(config) -> float:
+    """Attention's softmax scale: 1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 in
+    latent attention."""
+    scale = config.head_dim ** -0.5
+    s = config.rope_scaling
+    if config.attention == "mla" and s and s.get("mscale_all_dim") and float(s["factor"]) > 1:
+        m = 0.1 * float(s["mscale_all_dim"]) * math.log(float(s["factor"])) + 1.0
+        scale *= m * m
+    return scale

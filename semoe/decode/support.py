@@ -5,10 +5,9 @@ There are two paths on CPU, both over semoe's compiled kernels (semoe/kernels):
 - the plan (`semoe.decode.plan.DecodePlan`), kernel call by kernel call with a little torch between
   them: every architecture the model implements (`ARCHITECTURES`), in float32 activations, with
   weights float32/bfloat16, int8/int4, FP8 or MXFP4;
-- the one-call step (`decode_step.c`), the whole step in one C call: what `one_call_refusal` does
-  not name (every architecture semoe loads, with the common rotary layouts);
-- the torch-free runner (`inference.lean`), which calls the same C code in three parts: what
-  `lean_refusal` does not name (not yet latent attention, whose weights it would have to absorb).
+- the one-call step (`decode_step.c`), the whole step in one C call, and the torch-free runner
+  (`inference.lean`), which calls the same C code in three parts: what `one_call_refusal` does not
+  name (every architecture semoe loads, with the common rotary layouts).
 
 This module imports no torch: the torch-free runner checks its models here too.
 """
@@ -29,8 +28,8 @@ class NotOnFastPath(BadInputError):
 
 
 def one_call_refusal(c) -> str | None:
-    """What in config `c` (a `semoe.config.MoEConfig`) the one-call step does not take, in a phrase;
-    None where it takes it all."""
+    """What in config `c` (a `semoe.config.MoEConfig`) the one-call step and the torch-free runner do
+    not take, in a phrase; None where they take it all."""
     if c.attention not in ("gqa", "mla"):
         return f"{c.attention} attention"
     if c.attention == "gqa" and c.rope_interleave:
@@ -39,9 +38,3 @@ def one_call_refusal(c) -> str | None:
         return f"a grouped router of {c.n_group} groups (at most {MAX_GROUPS})"
     return None
 
-
-def lean_refusal(c) -> str | None:
-    """What in config `c` the torch-free runner does not take, in a phrase; None where it takes it all."""
-    if c.attention == "mla":
-        return "mla attention"
-    return one_call_refusal(c)

@@ -201,11 +201,15 @@ def test_a_corrupt_chunk_is_refused_naming_its_tensor(stores, tmp_path):
 
 
 def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
-    from helpers.hf_models import make_hf_checkpoint
+    from semoe.checkpoint import save_store
+    from semoe.config import MoEConfig
+    from semoe.model import MoEGPT
 
-    import_checkpoint(str(make_hf_checkpoint("deepseek_v3", tmp_path / "hf")), str(tmp_path / "v3"))
-    with pytest.raises(NotOnFastPath, match="mla attention") as e:
-        LeanModel(str(tmp_path / "v3"), LeanConfig(cache_bytes=0))
+    config = MoEConfig(arch="mixtral", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       ffn_size=128, moe_ffn_size=128, num_experts=4, top_k=2, max_position=64, rope_interleave=True)
+    save_store(MoEGPT(config), str(tmp_path / "pairs"))
+    with pytest.raises(NotOnFastPath, match="grouped-query attention rotating interleaved pairs") as e:
+        LeanModel(str(tmp_path / "pairs"), LeanConfig(cache_bytes=0))
     assert "\n" not in str(e.value)
     with pytest.raises(BadInputError, match=r"--cpu-cache: 4096 bytes hold 0 .* at least top_k = 2"):
         LeanModel(stores[32], LeanConfig(cache_bytes=4096))
@@ -356,12 +360,13 @@ def _arch_store(arch: str, tmp_path) -> str:
     return store
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "glm4_moe", "gpt_oss", "gpt_oss-bf16",
-                                  "gpt_oss-int4", "gpt_oss-mxfp4", "variants"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+                                  "gpt_oss", "gpt_oss-bf16", "gpt_oss-int4", "gpt_oss-mxfp4", "variants"])
 def test_every_architecture_of_the_one_call_step_runs_torch_free(arch, tmp_path):
     """q/k norms per head (Qwen3-MoE, GLM-4.5), over all heads with clipping (OLMoE), sinks with
     partial rotary; shared experts gated (Qwen2-MoE) or not, grouped routers with a correction
-    bias and dense first layers (GLM-4.5); gpt-oss's sinks, alternating windows and clamped experts
+    bias and dense first layers (GLM-4.5); latent attention with a direct query and no YaRN
+    (DeepSeek-V2), with a low-rank query and YaRN (DeepSeek-V3); gpt-oss's sinks, alternating windows and clamped experts
     with biases, float32 and bfloat16 (in-major), int4 and MXFP4 (with bfloat16 biases, converted as read): the
     one-call step takes them (the plan's `net`), the
     runner with the engine's tables gives its logits bit for bit, and with its own tables the
