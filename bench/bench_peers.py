@@ -93,13 +93,14 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> 
     """Greedy decode of the torch-free runner (`inference.lean`) with a CPU cache of `cpu_cache` bytes
     (0: the least it decodes with), after a warm-up generation."""
     from inference.lean import LeanConfig, LeanModel
+    from semoe.decode.loop import SamplingConfig
     from storage.procmem import major_faults, status_bytes
 
     with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct")) as model:
         cache = model.cache.n * model.slot_bytes
-        model.generate(prompt, 4)
+        model.generate(prompt, SamplingConfig(max_new_tokens=4))
         read0, faults0, wait0, t0 = _read_bytes(), major_faults(), model.cache.read_s, time.perf_counter()
-        res = model.generate(prompt, new_tokens)
+        res = model.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
         wait_share = (model.cache.read_s - wait0) / (time.perf_counter() - t0)
         return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),

@@ -114,14 +114,13 @@ def _pick_template(value: object, where: str) -> str | None:
 
 
 def _side_files(path: str) -> dict[str, bytes]:
-    """The template-bearing files of a HuggingFace directory or a store, those that exist."""
-    from semoe.checkpoint import is_store
+    """The template-bearing files of a HuggingFace directory or a store, those that exist (through the
+    store's torch-free reader: the torch-free runner's --chat reads them too)."""
+    from storage.reader import StoreReader, is_store
 
     out: dict[str, bytes] = {}
     if is_store(path):
-        from storage.store import Store
-
-        store = Store.open(path)
+        store = StoreReader.open(path)
         for name in (_TEMPLATE_FILE, _TOKENIZER_CONFIG):
             if store.manifest.has_file(name):
                 out[name] = store.read_file(name)

@@ -22,15 +22,16 @@ windows and YaRN, but not interleaved rotary; softmax-top-k, top-k-then-softmax 
 over SwiGLU experts, with or without a shared expert, or dense SwiGLU layers, and gpt-oss's clamped
 experts with their biases (float ones multiplied in-major as stored, MXFP4 ones as MXFP4); DeepSeek's
 latent attention in the absorbed form (kv_b read as float32 and split into its halves at load):
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Kimi, GLM-4.5 and gpt-oss; greedy decoding,
-one sequence. Anything else is refused with one line naming it
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Kimi, GLM-4.5 and gpt-oss; one sequence,
+greedy or sampled. Anything else is refused with one line naming it
 (`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
 It is a front-end of the same core as the engine: the store is read through `storage.reader`
 (the torch-free part of `storage.store.Store`), experts are cached in `storage.cache.ExpertCache`
-keyed by `ExpertKey`, what it takes is `semoe.decode.support`'s table, and its `Net` is assembled
-by `kernel_abi.build_net`, as the engine's plan assembles its own. What stays here is what only a
-process without torch needs: reading the weights into numpy, the slots, the rotary tables, the loop.
+keyed by `ExpertKey`, what it takes is `semoe.decode.support`'s table, its `Net` is assembled by
+`kernel_abi.build_net`, as the engine's plan assembles its own, and its generation loop is the
+engine's (`semoe.decode.loop`). What stays here is what only a process without torch needs: reading
+the weights into numpy, the slots, the rotary tables, the sequence's buffers.
 
 Its logits are the one-call step's: the same kernels on the same weights, except the rotary tables
 (numpy's cos/sin against torch's, to float32 rounding) and the prompt, which goes through the step
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import mmap
 import os
 import time
@@ -52,7 +52,8 @@ import numpy as np
 
 from inference.memory_guard import auto_cpu_cache_bytes
 from semoe import kernel_abi
-from semoe.decode import rope
+from semoe.decode import loop, rope
+from semoe.decode.loop import SamplingConfig
 from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
@@ -485,40 +486,29 @@ class LeanModel:
         """A new sequence of up to `capacity` positions (its KV cache and the step's buffers)."""
         return LeanSequence(self, capacity)
 
-    def generate(self, prompt: list[int], max_new_tokens: int, stop_ids: tuple[int, ...] = ()) -> LeanResult:
-        """Greedy decoding after `prompt` (its tokens through the step one by one)."""
+    def generate(self, prompt: list[int], cfg: SamplingConfig,
+                 on_token: Callable[[int, float], None] | None = None) -> LeanResult:
+        """Decoding after `prompt` (its tokens through the step one by one), each token chosen as `cfg`
+        says and handed to `on_token(id, logprob)`: the engine's loop (`semoe.decode.loop`), its draws
+        from numpy's generator seeded with cfg.seed."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
-        if max_new_tokens < 1:
-            raise BadInputError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         cache = self.cache
         reads0, bytes0 = cache.misses, cache.read_bytes
-        tokens, logprobs = [], []
-        t0 = time.perf_counter()
-        t_first = None
-        with self.sequence(len(prompt) + max_new_tokens) as seq:
-            for token in prompt[:-1]:
-                seq.step(token, logits=False)
-            token = prompt[-1]
-            for _ in range(max_new_tokens):
-                logits = seq.step(token)
-                token = int(np.argmax(logits))
-                m = float(logits.max())
-                logprobs.append(float(logits[token]) - m - math.log(float(np.exp(logits - m).sum())))
-                tokens.append(token)
-                if t_first is None:
-                    t_first = time.perf_counter()
-                if token in stop_ids:
-                    break
-        end = time.perf_counter()
-        n = len(tokens)
+        rng = np.random.default_rng(cfg.seed)
+        with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
+            def first() -> np.ndarray:
+                for token in prompt[:-1]:
+                    seq.step(token, logits=False)
+                return seq.step(prompt[-1])
+
+            out = loop.run(first, seq.step, lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
         stats = {"expert_reads": cache.misses - reads0, "ssd_bytes": cache.read_bytes - bytes0,
-                 "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + n - 1),
+                 "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + len(out.tokens) - 1),
                  "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,
                  "cache_bytes": cache.n * self.slot_bytes, "read_s": cache.read_s, "dense": self.dense,
                  "peak_rss_bytes": peak_rss_bytes()}
-        return LeanResult(tokens, logprobs, (t_first or end) - t0,
-                          (n - 1) / (end - t_first) if n > 1 and t_first is not None and end > t_first else 0.0, stats)
+        return LeanResult(out.tokens, out.logprobs, out.ttft_s, out.decode_tok_s, stats)
 
     def stop_ids(self) -> tuple[int, ...]:
         """The ids generation stops at by default, as the engine's (`default_stop_ids`)."""

@@ -5,35 +5,15 @@ Legend: B batch, T prompt tokens, V vocabulary.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 from typing import Callable, Literal
 
 import torch
 
+from semoe.decode import loop
+from semoe.decode.loop import SamplingConfig
 from semoe.decode.plan import DecodePlan
 from semoe.model import KVCache, MoEGPT
-
-
-@dataclass(kw_only=True)
-class SamplingConfig:
-    """How the next token is chosen."""
-
-    max_new_tokens: int
-    greedy: bool = True
-    temperature: float = 1.0
-    top_p: float = 1.0
-    seed: int = 0
-    stop_ids: tuple[int, ...] = ()  # generation ends after emitting one of these
-
-    def __post_init__(self) -> None:
-        if self.max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        if not self.greedy and self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        self.stop_ids = tuple(self.stop_ids)
 
 
 @dataclass(kw_only=True)
@@ -136,30 +116,15 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
     cache = new_cache(model, prompt, cfg.max_new_tokens)
     device = cache.k[0].device
     gen = torch.Generator().manual_seed(cfg.seed)
-    tokens: list[int] = []
-    logprobs: list[float] = []
     if plan == "build":
         plan = DecodePlan.build(model)  # None where the model has a part it does not take
-    t0 = time.perf_counter()
-    logits = prefill(model, torch.tensor([prompt], device=device), cache)
-    t_first = None
-    while True:
-        token, lp, _ = choose(logits, cfg, gen)
-        tokens.append(token)
-        logprobs.append(lp)
-        if on_token is not None:
-            on_token(tokens[-1], logprobs[-1])
-        if t_first is None:
-            sync(device)
-            t_first = time.perf_counter()
-        if len(tokens) == cfg.max_new_tokens or tokens[-1] in cfg.stop_ids:
-            break
+
+    def step(token: int) -> torch.Tensor:
         if plan is not None and plan.takes(cache):
-            logits = plan.step(tokens[-1], cache)
-        else:
-            logits = decode_one_token(model, torch.tensor([[tokens[-1]]], device=device), cache)
-    sync(device)
-    t_end = time.perf_counter()
-    decode_s = t_end - t_first
-    return GenerationResult(tokens=tokens, logprobs=logprobs, prompt_tokens=len(prompt), ttft_s=t_first - t0,
-                            decode_tok_s=(len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0)
+            return plan.step(token, cache)
+        return decode_one_token(model, torch.tensor([[token]], device=device), cache)
+
+    out = loop.run(lambda: prefill(model, torch.tensor([prompt], device=device), cache), step,
+                   lambda logits: choose(logits, cfg, gen)[:2], cfg, on_token, lambda: sync(device))
+    return GenerationResult(tokens=out.tokens, logprobs=out.logprobs, prompt_tokens=len(prompt), ttft_s=out.ttft_s,
+                            decode_tok_s=out.decode_tok_s)

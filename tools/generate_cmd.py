@@ -45,7 +45,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "expert where the memory left allows) as the router picks them, the token embedding left on "
                         "storage. For machines where memory is shorter than the model: torch's runtime alone would "
                         "hold 0.15 GiB. Taken by itself, without a budget flag, where a store does not fit the memory "
-                        "available and no flag asks for the engine (stderr says so). Greedy; "
+                        "available and no flag asks for the engine (stderr says so). Sampling and --chat as the "
+                        "engine's; "
                         "every architecture semoe loads; --dense auto, float or int8")
     add_routing_trace_flag(p)
     add_budget_flags(p)
@@ -71,35 +72,16 @@ def run(args: argparse.Namespace) -> int:
         print(f"semoe: {said}", file=sys.stderr, flush=True)
         return run_lean(args)
     from semoe.decode_profile import DecodeProfile, format_report, memory_read_gbps
-    from semoe.generate import SamplingConfig, check_prompt
+    from semoe.generate import check_prompt
     from semoe.routing_trace import routing_trace
 
-    sampling = args.temperature is not None or args.top_p is not None
-    if (args.chat or args.system is not None) and args.prompt is None:
-        raise UsageError("--chat and --system need --prompt (text), not --prompt-ids")
-    if args.system is not None and not args.chat:
-        raise UsageError("--system needs --chat")
-    if args.greedy and sampling:
-        raise UsageError("--greedy cannot be combined with --temperature/--top-p")
+    check_sampling_flags(args)
     config = engine_config_from_args(args)
     engine = load_engine(args, config)
     try:
+        prompt = build_prompt(args, engine.tokenizer)
         tok = engine.tokenizer
-        if args.prompt_ids is not None:
-            prompt = parse_prompt_ids(args.prompt_ids)
-        elif tok is None:
-            raise UsageError(f"--prompt: {args.model} has no tokenizer (tokenizer.json); give --prompt-ids instead")
-        elif args.chat:
-            from inference.chat import load_chat_template
-
-            messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
-            prompt = load_chat_template(args.model).encode(tok, [*messages, {"role": "user", "content": args.prompt}])
-        else:
-            prompt = tok.encode(args.prompt, add_bos=tok.add_bos_default)
-        cfg = SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=not sampling,
-                             temperature=args.temperature if args.temperature is not None else 1.0,
-                             top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
-                             stop_ids=() if args.ignore_eos else engine.stop_ids())
+        cfg = sampling_config(args, engine.stop_ids())
         check_prompt(engine.model.config, prompt, args.max_new_tokens)  # a bad prompt: its one line alone
         say_placement(args, engine)
         # `profile`: the DecodeProfile with --profile; None otherwise (what nullcontext yields)
@@ -130,11 +112,46 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_sampling_flags(args: argparse.Namespace) -> None:
+    """UsageError for a combination of the prompt and sampling flags that makes no sense."""
+    if (args.chat or args.system is not None) and args.prompt is None:
+        raise UsageError("--chat and --system need --prompt (text), not --prompt-ids")
+    if args.system is not None and not args.chat:
+        raise UsageError("--system needs --chat")
+    if args.greedy and (args.temperature is not None or args.top_p is not None):
+        raise UsageError("--greedy cannot be combined with --temperature/--top-p")
+
+
+def build_prompt(args: argparse.Namespace, tok) -> list[int]:
+    """The prompt's token ids: --prompt-ids as given, or --prompt encoded by the model's tokenizer
+    (`tok`; None where the model has none), through its chat template with --chat."""
+    if args.prompt_ids is not None:
+        return parse_prompt_ids(args.prompt_ids)
+    if tok is None:
+        raise UsageError(f"--prompt: {args.model} has no tokenizer (tokenizer.json); give --prompt-ids instead")
+    if args.chat:
+        from inference.chat import load_chat_template
+
+        messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
+        return load_chat_template(args.model).encode(tok, [*messages, {"role": "user", "content": args.prompt}])
+    return tok.encode(args.prompt, add_bos=tok.add_bos_default)
+
+
+def sampling_config(args: argparse.Namespace, stop_ids: tuple[int, ...]) -> "SamplingConfig":  # noqa: F821
+    """How tokens are chosen, from the flags; generation stops at `stop_ids` (the model's) unless
+    --ignore-eos."""
+    from semoe.decode.loop import SamplingConfig
+
+    sampling = args.temperature is not None or args.top_p is not None
+    return SamplingConfig(max_new_tokens=args.max_new_tokens, greedy=not sampling,
+                          temperature=args.temperature if args.temperature is not None else 1.0,
+                          top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed,
+                          stop_ids=() if args.ignore_eos else stop_ids)
+
+
 def _engine_flags(args: argparse.Namespace) -> list[str]:
     """The flags given that only the engine takes (the torch-free runner refuses them)."""
-    return [flag for flag, on in (("--temperature", args.temperature is not None), ("--top-p", args.top_p is not None),
-                                  ("--chat", args.chat), ("--system", args.system is not None),
-                                  ("--profile", args.profile), ("--routing-trace", args.routing_trace is not None),
+    return [flag for flag, on in (("--profile", args.profile), ("--routing-trace", args.routing_trace is not None),
                                   ("--device-memory", args.device_memory is not None),
                                   ("--ring-slots", args.ring_slots is not None),
                                   ("--dtype", args.dtype not in (None, "float32")),
@@ -148,7 +165,7 @@ def lean_by_itself(args: argparse.Namespace) -> str | None:
     line saying so on stderr; None where the engine decodes. It does where the model (a store) does
     not fit the memory available (`inference.placement.choose`, as the engine's own choice between
     resident and offloaded), the runner takes it (`lean_refusal`), no GPU is asked for or present, and
-    no flag asks for what only the engine does (sampling, chat, profiles, device budgets). Decided
+    no flag asks for what only the engine does (profiles, routing traces, device budgets). Decided
     before torch is imported: its runtime would hold memory the expert cache then cannot have."""
     from inference.placement import choose, gpu_present, lean_refusal
     from storage.reader import is_store
@@ -169,14 +186,15 @@ def run_lean(args: argparse.Namespace) -> int:
     from storage.reader import StoreReader
     from tools.sizes import parse_size
 
+    check_sampling_flags(args)
     refused = _engine_flags(args)
     if args.dense not in ("auto", "float", "int8"):
         raise UsageError(f"--lean takes --dense auto, float or int8, got {args.dense}")
     if args.cache_policy != "next-use":
         raise UsageError("--lean evicts by next use; --cache-policy is the engine's")
     if refused:
-        raise UsageError(f"--lean decodes greedily, in float32 on CPU, from a plain prompt: {refused[0]} is the "
-                         f"engine's (drop --lean)")
+        raise UsageError(f"--lean decodes in float32 on CPU, one sequence, without profiles or traces: {refused[0]} "
+                         f"is the engine's (drop --lean)")
     if args.resident:
         raise UsageError("--resident is the engine's: --lean reads experts from the store as they are chosen")
     store = StoreReader.open(args.model)  # the manifest, read once: for the cache's size and the model
@@ -187,13 +205,8 @@ def run_lean(args: argparse.Namespace) -> int:
         cache = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=total)
     with LeanModel(store, LeanConfig(cache_bytes=cache, dense=args.dense)) as model:
         tok = model.tokenizer
-        if args.prompt_ids is not None:
-            prompt = parse_prompt_ids(args.prompt_ids)
-        elif tok is None:
-            raise UsageError(f"--prompt: {args.model} has no tokenizer (tokenizer.json); give --prompt-ids instead")
-        else:
-            prompt = tok.encode(args.prompt, add_bos=tok.add_bos_default)
-        res = model.generate(prompt, args.max_new_tokens, () if args.ignore_eos else model.stop_ids())
+        prompt = build_prompt(args, tok)
+        res = model.generate(prompt, sampling_config(args, model.stop_ids()))
     text = tok.decode(res.tokens) if tok is not None else ""
     if args.json:
         emit_json({"tokens": res.tokens, "text": text, "logprobs": res.logprobs, "ttft_s": res.ttft_s,

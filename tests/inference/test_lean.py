@@ -29,9 +29,9 @@ from inference.engine import Engine, EngineConfig
 from inference.lean import LeanConfig, LeanModel, quantize_int8_rows
 from semoe.attention import KVCache, rope_tables
 from semoe.checkpoint import load_store
+from semoe.decode.loop import SamplingConfig
 from semoe.decode.plan import DecodePlan
 from semoe.decode.support import NotOnFastPath
-from semoe.generate import SamplingConfig
 from semoe.hf_import import import_checkpoint
 from semoe.quantize import QuantizeConfig, quantize_store
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError
@@ -119,7 +119,7 @@ def test_its_own_tables_give_the_engines_greedy_tokens(stores):
     finally:
         engine.close()
     with LeanModel(stores[32], LeanConfig(cache_bytes=0)) as lean:
-        got = lean.generate(PROMPT, 24)
+        got = lean.generate(PROMPT, SamplingConfig(max_new_tokens=24))
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
 
@@ -151,7 +151,7 @@ def test_both_front_ends_stop_on_the_same_ids_when_eos_is_reached(stores, tmp_pa
     assert stop == (eos,) and want == free[:i + 1]  # stopped on reaching it
     with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
         assert lean.stop_ids() == stop
-        assert lean.generate(PROMPT, 24, lean.stop_ids()).tokens == want
+        assert lean.generate(PROMPT, SamplingConfig(max_new_tokens=24, stop_ids=lean.stop_ids())).tokens == want
 
 
 @pytest.mark.parametrize("shape", [(7, 33), (130, 1), (64, 256)])
@@ -172,7 +172,7 @@ def test_int8_quantization_is_storage_quants_bits(shape):
 def test_reads_are_counted_and_a_smaller_cache_reads_more(stores):
     with LeanModel(stores[4], LeanConfig(cache_bytes=0)) as small, \
             LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]))) as full:
-        a, b = small.generate(PROMPT, 16), full.generate(PROMPT, 16)
+        a, b = (m.generate(PROMPT, SamplingConfig(max_new_tokens=16)) for m in (small, full))
         assert a.tokens == b.tokens  # the same weights, whichever slot holds them
         assert a.stats["ssd_bytes"] == a.stats["expert_reads"] * small.slot_bytes
         assert b.stats["expert_reads"] <= 4 * 3 < a.stats["expert_reads"]
@@ -225,19 +225,54 @@ def test_generate_lean_on_the_command_line(stores, capsys):
     out = json.loads(capsys.readouterr().out)
     with LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]) // 2)) as lean:
         prompt = lean.tokenizer.encode("the cat sat", add_bos=lean.tokenizer.add_bos_default)
-        want = lean.generate(prompt, 6)
+        want = lean.generate(prompt, SamplingConfig(max_new_tokens=6))
         assert out["text"] == lean.tokenizer.decode(want.tokens)
     assert out["tokens"] == want.tokens and out["stats"]["dense"] == "int8"
     assert out["stats"]["cache_slots"] == 6  # half of 12 chunks
-    assert main(["generate", "--model", stores[4], "--prompt-ids", "1,2", "--lean", "--temperature", "0.7"]) == 2
-    assert "--temperature is the engine's" in capsys.readouterr().err
+    assert main(["generate", "--model", stores[4], "--prompt-ids", "1,2", "--lean", "--profile"]) == 2
+    assert "--profile is the engine's" in capsys.readouterr().err
+
+
+def test_the_sampling_distribution_is_the_engines():
+    """The torch-free loop's distribution (temperature, then top-p) equals the engine's
+    `logits_to_probs` within float32 rounding (1e-6 on probabilities of ~1e-2), tokens the top-p cut
+    leaves out included (exactly 0 in both)."""
+    from semoe.decode import loop
+    from semoe.generate import logits_to_probs
+
+    rng = np.random.default_rng(0)
+    for temperature, top_p in ((1.0, 1.0), (0.7, 0.9), (1.3, 0.5), (0.5, 0.05)):
+        logits = rng.normal(size=96).astype(np.float32) * 3
+        want = logits_to_probs(torch.from_numpy(logits)[None], temperature, top_p)[0].numpy()
+        got = loop.probs(logits, temperature, top_p)
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+        assert np.array_equal(got == 0, want == 0)
+
+
+def test_sampling_and_chat_run_torch_free(stores, capsys):
+    """Sampled decoding in the torch-free runner: a seed repeats its draws, another seed draws other
+    tokens than greedy decoding, and a top-p that keeps only the most likely token is greedy. With
+    --chat the command line gives the engine's tokens for the same conversation."""
+    with LeanModel(stores[32], LeanConfig(cache_bytes=None)) as lean:
+        greedy = lean.generate(PROMPT, SamplingConfig(max_new_tokens=12)).tokens
+        sampled = [lean.generate(PROMPT, SamplingConfig(max_new_tokens=12, greedy=False, temperature=1.5,
+                                                        seed=seed)).tokens for seed in (0, 0, 1)]
+        narrow = lean.generate(PROMPT, SamplingConfig(max_new_tokens=12, greedy=False, top_p=1e-6, seed=3)).tokens
+    assert sampled[0] == sampled[1] and sampled[0] != sampled[2] and greedy not in sampled
+    assert narrow == greedy
+    outs = []
+    for extra in (["--lean"], ["--resident"]):
+        assert main(["generate", "--model", stores[32], "--prompt", "the cat", "--chat", "--system", "be brief",
+                     "--max-new-tokens", "6", "--ignore-eos", "--json", *extra]) == 0
+        outs.append(json.loads(capsys.readouterr().out))
+    assert outs[0]["tokens"] == outs[1]["tokens"] and outs[0]["text"] == outs[1]["text"]
 
 
 def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(stores, capsys, monkeypatch):
     """`semoe generate` with no budget flag: where the model does not fit the memory available, it
     decodes in the torch-free runner, says so in one line, and sizes the runner's cache from the memory
-    left (here a third of the experts); where it fits, or a flag asks for the engine's sampling, the
-    engine decodes. The same greedy tokens resident and torch-free."""
+    left (here a third of the experts); where it fits, or a flag asks for what only the engine does
+    (here its cache policy), the engine decodes. The same greedy tokens all three ways."""
     import inference.lean
     import inference.memory_guard
     import inference.placement
@@ -252,7 +287,7 @@ def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(s
     args = ["generate", "--model", store, "--prompt-ids", "3,17,5", "--max-new-tokens", "8", "--ignore-eos", "--json"]
     runs = {}
     for name, available, extra in (("short", mb.total // 2, []), ("roomy", 8 * mb.total + (1 << 30), []),
-                                   ("sampling", mb.total // 2, ["--top-p", "1.0"])):
+                                   ("engine's flag", mb.total // 2, ["--cache-policy", "lfu"])):
         monkeypatch.setattr(inference.placement, "available_ram_bytes", lambda a=available: a)
         assert main(args + extra) == 0
         out = capsys.readouterr()
@@ -262,14 +297,14 @@ def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(s
     assert out["stats"]["cache_slots"] == third // StoreReader.open(store).manifest.chunks[0].bytes
     out_roomy, err_roomy, lean_after = runs["roomy"]
     assert lean_after == 1 and "every expert resident" in err_roomy and out_roomy["tokens"] == out["tokens"]
-    out_s, err_s, lean_after = runs["sampling"]
-    assert lean_after == 1 and "offloaded" in err_s and len(out_s["tokens"]) == 8  # sampled: the engine's
+    out_e, err_e, lean_after = runs["engine's flag"]
+    assert lean_after == 1 and "offloaded" in err_e and out_e["tokens"] == out["tokens"]
 
 
 @pytest.mark.slow
 def test_the_command_line_decodes_in_a_process_that_never_loads_torch(stores):
     """`semoe generate --lean` in a process of its own: it runs to the end without torch (nor
-    tensorstore) ever imported, and gives the in-process runner's tokens."""
+    tensorstore) ever imported, and gives the in-process runner's tokens; so does a sampled chat."""
     import subprocess
     import sys
 
@@ -284,7 +319,36 @@ def test_the_command_line_decodes_in_a_process_that_never_loads_torch(stores):
     assert res.returncode == 0, res.stderr
     assert json.loads(res.stderr.strip().splitlines()[-1]) == {"rc": 0, "loaded": []}
     with LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]))) as lean:
-        assert json.loads(res.stdout)["tokens"] == lean.generate([3, 17, 5], 8).tokens
+        assert json.loads(res.stdout)["tokens"] == lean.generate([3, 17, 5], SamplingConfig(max_new_tokens=8)).tokens
+    chat = subprocess.run([sys.executable, "-c", probe, "generate", "--model", stores[4], "--prompt", "the cat",
+                           "--chat", "--temperature", "0.8", "--max-new-tokens", "8", "--lean", "--json"],
+                          capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    assert chat.returncode == 0, chat.stderr
+    assert json.loads(chat.stderr.strip().splitlines()[-1]) == {"rc": 0, "loaded": []}
+    assert 1 <= len(json.loads(chat.stdout)["tokens"]) <= 8
+
+
+def _lean_is_the_one_call_step(store: str) -> None:
+    """The store's model takes the one-call step; the runner with the engine's rotary tables gives its
+    logits bit for bit, and with its own tables the engine's greedy tokens (log-probs within
+    LOGPROB_ATOL)."""
+    model = load_store(store)
+    plan = DecodePlan(model)
+    assert plan.net is not None, plan.whole_refusal
+    kv = KVCache.empty(model.config, 1, len(TOKENS))
+    with LeanModel(store, LeanConfig(cache_bytes=0)) as lean, lean.sequence(len(TOKENS)) as seq:
+        lean.rope = _engine_rope(model.config)
+        for t in TOKENS:
+            np.testing.assert_array_equal(seq.step(t), plan.step(t, kv)[0].numpy())
+    engine = Engine.load(store, EngineConfig())
+    try:
+        want = engine.generate(PROMPT, SamplingConfig(max_new_tokens=16, stop_ids=()))
+    finally:
+        engine.close()
+    with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
+        got = lean.generate(PROMPT, SamplingConfig(max_new_tokens=16))
+    assert got.tokens == want.tokens
+    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
 
 
 def test_yarn_and_a_sliding_window_run_torch_free(tmp_path):
@@ -301,24 +365,10 @@ def test_yarn_and_a_sliding_window_run_torch_free(tmp_path):
     torch.manual_seed(3)
     save_store(MoEGPT(config).eval(), str(tmp_path / "store"))
     store = str(tmp_path / "store")
-    model = load_store(store)
-    plan = DecodePlan(model)
-    assert plan.net is not None and model.config.window(0) == 6
-    kv = KVCache.empty(model.config, 1, len(TOKENS))
-    with LeanModel(store, LeanConfig(cache_bytes=0)) as lean, lean.sequence(len(TOKENS)) as seq:
-        assert lean.rope_scale > 1  # YaRN's attention factor
-        lean.rope = _engine_rope(model.config)
-        for t in TOKENS:
-            np.testing.assert_array_equal(seq.step(t), plan.step(t, kv)[0].numpy())
-    engine = Engine.load(store, EngineConfig())
-    try:
-        want = engine.generate(PROMPT, SamplingConfig(max_new_tokens=16, stop_ids=()))
-    finally:
-        engine.close()
+    assert load_store(store).config.window(0) == 6 and len(PROMPT) + 16 > 6
     with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
-        got = lean.generate(PROMPT, 16, ())
-    assert len(PROMPT) + 16 > 6 and got.tokens == want.tokens
-    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
+        assert lean.rope_scale > 1  # YaRN's attention factor
+    _lean_is_the_one_call_step(store)
 
 
 def _arch_store(arch: str, tmp_path) -> str:
@@ -367,25 +417,6 @@ def test_every_architecture_of_the_one_call_step_runs_torch_free(arch, tmp_path)
     partial rotary; shared experts gated (Qwen2-MoE) or not, grouped routers with a correction
     bias and dense first layers (GLM-4.5); latent attention with a direct query and no YaRN
     (DeepSeek-V2), with a low-rank query and YaRN (DeepSeek-V3); gpt-oss's sinks, alternating windows and clamped experts
-    with biases, float32 and bfloat16 (in-major), int4 and MXFP4 (with bfloat16 biases, converted as read): the
-    one-call step takes them (the plan's `net`), the
-    runner with the engine's tables gives its logits bit for bit, and with its own tables the
-    engine's greedy tokens (log-probs within LOGPROB_ATOL: numpy's cos and sin against torch's)."""
-    store = _arch_store(arch, tmp_path)
-    model = load_store(store)
-    plan = DecodePlan(model)
-    assert plan.net is not None, plan.whole_refusal
-    kv = KVCache.empty(model.config, 1, len(TOKENS))
-    with LeanModel(store, LeanConfig(cache_bytes=0)) as lean, lean.sequence(len(TOKENS)) as seq:
-        lean.rope = _engine_rope(model.config)
-        for t in TOKENS:
-            np.testing.assert_array_equal(seq.step(t), plan.step(t, kv)[0].numpy())
-    engine = Engine.load(store, EngineConfig())
-    try:
-        want = engine.generate(PROMPT, SamplingConfig(max_new_tokens=16, stop_ids=()))
-    finally:
-        engine.close()
-    with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
-        got = lean.generate(PROMPT, 16, ())
-    assert got.tokens == want.tokens
-    np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
+    with biases, float32 and bfloat16 (in-major), int4 and MXFP4 (with bfloat16 biases, converted as
+    read): `_lean_is_the_one_call_step` (numpy's cos and sin against torch's: LOGPROB_ATOL)."""
+    _lean_is_the_one_call_step(_arch_store(arch, tmp_path))

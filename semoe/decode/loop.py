@@ -1,0 +1,114 @@
+"""One sequence's generation loop, shared by the engine (`semoe.generate.generate`, torch) and the
+torch-free runner (`inference.lean`): how the next token is chosen (`SamplingConfig`), when to stop
+(a stop id emitted, or `max_new_tokens`), what each new token is handed to (`on_token`, for
+streaming) and the timings (time to the first token, decode speed from it on). Each front-end gives
+its first logits, its step and its chooser: the engine's draws with torch's generator
+(`semoe.generate.choose`), the torch-free one with numpy's (`choose`, below), from the same
+distribution (temperature, then nucleus truncation); a seed repeats a front-end's draws, not the
+other's.
+
+This module imports no torch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable, TypeVar
+
+import numpy as np
+
+Logits = TypeVar("Logits")
+
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """How the next token is chosen."""
+
+    max_new_tokens: int
+    greedy: bool = True
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int = 0
+    stop_ids: tuple[int, ...] = ()  # generation ends after emitting one of these
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not self.greedy and self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0 when sampling, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        self.stop_ids = tuple(self.stop_ids)
+
+
+@dataclass
+class Generated:
+    """The loop's tokens, each one's log-probability under the model, and its timings."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    ttft_s: float  # the loop's start (the prompt in) -> first token out
+    decode_tok_s: float  # tokens per second after the first
+
+
+def run(first: Callable[[], Logits], step: Callable[[int], Logits],
+        choose: Callable[[Logits], tuple[int, float]], cfg: SamplingConfig,
+        on_token: Callable[[int, float], None] | None = None, sync: Callable[[], None] | None = None) -> Generated:
+    """Generate after a prompt: `first()` gives the logits after it (the prompt's pass), `step(token)`
+    the logits after one more token, `choose(logits)` the next token and its log-probability;
+    `on_token(id, logprob)` is called as each token is chosen, `sync()` waits for queued device work
+    before a time is read."""
+    t0 = time.perf_counter()
+    logits = first()
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    t_first = None
+    while True:
+        token, lp = choose(logits)
+        tokens.append(token)
+        logprobs.append(lp)
+        if on_token is not None:
+            on_token(token, lp)
+        if t_first is None:
+            if sync is not None:
+                sync()
+            t_first = time.perf_counter()
+        if len(tokens) == cfg.max_new_tokens or token in cfg.stop_ids:
+            break
+        logits = step(token)
+    if sync is not None:
+        sync()
+    decode_s = time.perf_counter() - t_first
+    return Generated(tokens, logprobs, t_first - t0,
+                     (len(tokens) - 1) / decode_s if len(tokens) > 1 and decode_s > 0 else 0.0)
+
+
+def probs(logits_V: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
+    """The sampling distribution of one row of logits, as `semoe.generate.logits_to_probs`: softmax of
+    logits / temperature in float32, then the smallest prefix of the most likely tokens whose mass
+    reaches top_p (always the most likely one), renormalised."""
+    z = logits_V.astype(np.float32) / np.float32(temperature)
+    p = np.exp(z - z.max())
+    p = (p / p.sum()).astype(np.float32)
+    if top_p < 1.0:
+        order = np.argsort(-p, kind="stable")
+        sorted_p = p[order]
+        drop = np.cumsum(sorted_p, dtype=np.float32) - sorted_p >= np.float32(top_p)
+        kept = np.zeros_like(p)
+        kept[order] = np.where(drop, np.float32(0), sorted_p)
+        p = kept / kept.sum()
+    return p
+
+
+def choose(logits_V: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) -> tuple[int, float]:
+    """The next token of one sequence from its logits (V,): the argmax when greedy, else a draw from
+    `probs` with `rng`; and its log-probability under the logits (before temperature and top-p)."""
+    if cfg.greedy:
+        token = int(np.argmax(logits_V))
+    else:
+        p = probs(logits_V, cfg.temperature, cfg.top_p).astype(np.float64)
+        token = int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
+    m = float(logits_V.max())
+    return token, float(logits_V[token]) - m - math.log(float(np.exp(logits_V - m).sum()))
