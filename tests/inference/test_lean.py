@@ -217,6 +217,24 @@ def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
         LeanModel(str(tmp_path), LeanConfig(cache_bytes=0))
 
 
+def test_a_store_it_cannot_read_as_stored_keeps_the_engine(tmp_path):
+    """`semoe generate`'s own choice asks `lean_refusal` first: DeepSeek-V3 as published (FP8 weights
+    with block scales) is not the runner's, so a short memory keeps the engine for it; the same
+    model in float32 is."""
+    from helpers.hf_models import make_hf_checkpoint
+    from helpers.quantized_checkpoints import write_fp8_checkpoint
+    from inference.placement import lean_refusal
+
+    hf = make_hf_checkpoint("deepseek_v3", tmp_path / "hf")
+    write_fp8_checkpoint(hf, tmp_path / "fp8", (16, 16), mtp=False)
+    import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store-fp8"))
+    import_checkpoint(str(hf), str(tmp_path / "store"))
+    why = lean_refusal(str(tmp_path / "store-fp8"))
+    assert why is not None and "fp8" in why and "\n" not in why
+    assert lean_refusal(str(tmp_path / "store")) is None
+    assert lean_refusal(str(hf)) == "it reads stores, not HuggingFace directories"
+
+
 def test_generate_lean_on_the_command_line(stores, capsys):
     """`semoe generate --lean`: the runner's tokens and text, its counters under --json; the engine's
     own flags are refused with one line naming them."""
