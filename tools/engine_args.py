@@ -116,7 +116,10 @@ def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0) ->
                           dense=args.dense, keep_bytes=keep_bytes)
     from inference.placement import model_bytes
 
-    args.model_bytes = model_bytes(args.model, torch_itemsize(config.dtype))  # the choice and the load's progress
+    # the choice and the load's progress; counted once where `generate`'s own choice of front-end
+    # counted them already at float32 (`lean_by_itself`)
+    itemsize, known = torch_itemsize(config.dtype), getattr(args, "model_bytes", None)
+    args.model_bytes = known if known is not None and itemsize == 4 else model_bytes(args.model, itemsize)
     args.placement = placement_phrase(args, config, budgets)
     return config
 

@@ -175,6 +175,7 @@ def lean_by_itself(args: argparse.Namespace) -> str | None:
     if args.device == "auto" and gpu_present():
         return None
     placement = choose(args.model)
+    args.model_bytes = placement.model  # counted at float32: the engine's float32 load reuses them
     if placement.cpu_cache is None or lean_refusal(args.model) is not None:
         return None
     return placement.describe_lean()
