@@ -193,15 +193,28 @@ class _ExpertSlots:
         return self.cache.stats().insertions
 
 
+def dense_load_bytes(store: StoreReader) -> int:
+    """Bytes of dense weights `LeanModel` reads at load (its `progress` total): every 2-d dense tensor
+    but the token embedding, which stays on storage unless it is the head too."""
+    if not store.manifest.has_file("config.json"):
+        return 0
+    c = config_from_json(json.loads(store.read_file("config.json")))
+    emb = None if c.tie_embeddings else hf_name(c, "embed.weight")
+    return sum(t.bytes for t in store.manifest.dense() if len(t.shape) == 2 and t.name != emb)
+
+
 class LeanModel:
     """A store's model held for lean decoding (see the module docstring); `close` frees it."""
 
-    def __init__(self, store: str | StoreReader, config: LeanConfig) -> None:
+    def __init__(self, store: str | StoreReader, config: LeanConfig,
+                 progress: Callable[[int], None] | None = None) -> None:
+        """`progress(n)`: n more bytes of dense weights read (a progress bar's update)."""
         lib = kernel_abi.library()
         if lib is None:
             raise NotOnFastPath(f"--lean computes with semoe's compiled CPU kernels alone, which are "
                                   f"{kernel_abi.status()}; run without --lean")
         self.lib, self.settings = lib, config
+        self._progress = progress or (lambda n: None)
         self.store = store = store if isinstance(store, StoreReader) else StoreReader.open(store)
         path, m = store.root, store.manifest
         if not m.has_file("config.json"):
@@ -352,6 +365,7 @@ class LeanModel:
             raise NotOnFastPath(f"{self.store.root}: dense tensor {name} is stored {what}; the lean runner reads "
                                 f"F32 or BF16 dense weights")
         for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+            self._progress(raw.nbytes)
             yield _float_rows(raw, t.dtype)
 
     def _linear(self, modules: list[str], dense: str, *, bias: bool = True, name: str | None = None
@@ -380,6 +394,8 @@ class LeanModel:
             r = 0
             for n, t in zip(names, entries):
                 for block in (self.store.dense_row_bytes(n, QUANTIZE_ROWS) if bf16 else self._rows(n)):
+                    if bf16:
+                        self._progress(block.nbytes)
                     w[r:r + len(block)] = block.view(np.uint16) if bf16 else block
                     r += len(block)
             self.held.append(w)

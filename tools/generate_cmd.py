@@ -183,8 +183,9 @@ def lean_by_itself(args: argparse.Namespace) -> str | None:
 
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
-    from inference.lean import LeanConfig, LeanModel
+    from inference.lean import LeanConfig, LeanModel, dense_load_bytes
     from storage.reader import StoreReader
+    from tools.progress import byte_bar
     from tools.sizes import parse_size
 
     check_sampling_flags(args)
@@ -204,7 +205,9 @@ def run_lean(args: argparse.Namespace) -> int:
         cache = None  # every expert where the memory left allows
     else:
         cache = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=total)
-    with LeanModel(store, LeanConfig(cache_bytes=cache, dense=args.dense)) as model:
+    with byte_bar(dense_load_bytes(store), "loading weights") as bar:
+        model = LeanModel(store, LeanConfig(cache_bytes=cache, dense=args.dense), progress=bar.update)
+    with model:
         tok = model.tokenizer
         prompt = build_prompt(args, tok)
         res = model.generate(prompt, sampling_config(args, model.stop_ids()))

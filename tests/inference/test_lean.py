@@ -26,7 +26,7 @@ import torch
 from helpers.hf_models import add_word_tokenizer
 from helpers.kernels import needs_kernels
 from inference.engine import Engine, EngineConfig
-from inference.lean import LeanConfig, LeanModel, quantize_int8_rows
+from inference.lean import LeanConfig, LeanModel, dense_load_bytes, quantize_int8_rows
 from semoe.attention import KVCache, rope_tables
 from semoe.checkpoint import load_store
 from semoe.decode.loop import SamplingConfig
@@ -176,6 +176,18 @@ def test_reads_are_counted_and_a_smaller_cache_reads_more(stores):
         assert a.tokens == b.tokens  # the same weights, whichever slot holds them
         assert a.stats["ssd_bytes"] == a.stats["expert_reads"] * small.slot_bytes
         assert b.stats["expert_reads"] <= 4 * 3 < a.stats["expert_reads"]
+
+
+@pytest.mark.parametrize("bits,dense", [(32, "float"), (4, "int8")])
+def test_load_progress_counts_every_dense_byte_it_reads(stores, bits, dense):
+    """The progress callback's updates sum to `dense_load_bytes` (the bar's total), as the dense weights
+    are read as float32 or quantized at load; the embedding, which stays on storage, is not among them."""
+    seen = []
+    with LeanModel(stores[bits], LeanConfig(cache_bytes=0, dense=dense), progress=seen.append):
+        pass
+    store = StoreReader.open(stores[bits])
+    assert len(seen) > 1 and sum(seen) == dense_load_bytes(store)
+    assert dense_load_bytes(store) < sum(t.bytes for t in store.manifest.dense())
 
 
 def test_a_corrupt_chunk_is_refused_naming_its_tensor(stores, tmp_path):
