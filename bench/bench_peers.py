@@ -388,7 +388,12 @@ def report(result: dict, as_json: bool) -> None:
             print(line)
 
 
-def _tokenizer_and_stores(workdir: str) -> None:
+# added tokens llama.cpp's converter looks up by name for an architecture (GLM's chat markers)
+ARCH_SPECIAL_TOKENS = {"glm4_moe": ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>",
+                                    "<|observation|>")}
+
+
+def _tokenizer_and_stores(workdir: str, arch: str | None = None) -> None:
     """WORKDIR's checkpoint given a tokenizer (llama.cpp's converter needs one), and its stores: the
     import, int8 and int4, each made once."""
     import llama_peer as peer
@@ -397,7 +402,7 @@ def _tokenizer_and_stores(workdir: str) -> None:
     from semoe.quantize import QuantizeConfig, quantize_store
 
     hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
-    peer.add_tokenizer(hf)
+    peer.add_tokenizer(hf, extra_special=ARCH_SPECIAL_TOKENS.get(arch, ()))
     if not os.path.exists(os.path.join(store, "manifest.json")):
         print("importing it into a store ...", file=sys.stderr)
         import_checkpoint(hf, store)
@@ -464,8 +469,7 @@ ARCH_SHAPES = {
     # in model: deepseek2.attention.q_lora_rank"); semoe's tests cover that form
     "deepseek_v2": ("DeepseekV2Config", dict(_DEEPSEEK, q_lora_rank=512, topk_method="group_limited_greedy")),
     "deepseek_v3": ("DeepseekV3Config", dict(_DEEPSEEK, q_lora_rank=512)),
-    # llama.cpp's converter wants GLM's own special tokens ([gMASK], <sop>, ...), which the bench's trained
-    # tokenizer lacks: --arch glm4_moe stops at the conversion
+    # llama.cpp's converter wants GLM's own special tokens ([gMASK], <|user|>, ...): ARCH_SPECIAL_TOKENS
     "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, **_MANY, n_routed_experts=32, n_shared_experts=1,
                                        first_k_dense_replace=1, intermediate_size=3072, head_dim=128,
                                        partial_rotary_factor=0.5, use_qk_norm=True, n_group=1, topk_group=1)),
@@ -490,7 +494,7 @@ def prepare_arch(workdir: str, arch: str) -> None:
         model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields))
         model.save_pretrained(hf, max_shard_size="1GB")
         del model
-    _tokenizer_and_stores(workdir)
+    _tokenizer_and_stores(workdir, arch)
     env = peer.ensure_env()
     f32 = os.path.join(workdir, "llama-f32.gguf")
     if not os.path.exists(f32):

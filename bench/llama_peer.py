@@ -250,8 +250,10 @@ def _stdlib_texts(max_bytes: int):
                 return
 
 
-def add_tokenizer(hf_dir: str, vocab_size: int | None = None, max_corpus_bytes: int = 48 << 20) -> str:
-    """Trains a byte-level BPE of exactly vocab_size tokens (default: config.json's) into hf_dir, once."""
+def add_tokenizer(hf_dir: str, vocab_size: int | None = None, max_corpus_bytes: int = 48 << 20,
+                  extra_special: tuple[str, ...] = ()) -> str:
+    """Trains a byte-level BPE of exactly vocab_size tokens (default: config.json's) into hf_dir, once;
+    `extra_special`: added tokens an architecture's converter looks up by name (after ids 0-2)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     path = os.path.join(hf_dir, "tokenizer.json")
@@ -264,7 +266,7 @@ def add_tokenizer(hf_dir: str, vocab_size: int | None = None, max_corpus_bytes: 
     # a plain ByteLevel pre-tokenizer: GPT-2's regex split, which llama.cpp calls "gpt-2"
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_stdlib_texts(max_corpus_bytes), trainer=trainer)
     if tok.get_vocab_size() != vocab_size:
