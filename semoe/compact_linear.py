@@ -86,6 +86,14 @@ class CompactWeight:
         """The logical tensor, in `dtype` (default: the logical dtype)."""
         return dequantize(self.codes, self.scales, self.spec, dtype)
 
+    def fp8_kernel(self, x_MI: torch.Tensor) -> bool:
+        """Whether a product with x is semoe's FP8 CPU kernel's (`cpu_kernels.gemv_fp8`: square tiles of
+        scales, a decoding step's few float32 rows on CPU, the kernels built): each tile's sum in float32 times
+        its scale, where the dequantized weight would round each element to the logical dtype first
+        (the reference kernel then dequantizes to float32, the arithmetic the kernel defines)."""
+        return self.spec.scheme == "fp8" and fp8_tile(self.spec) > 0 and x_MI.dtype == torch.float32 \
+            and cpu_kernels.takes(x_MI)
+
     def quantizes_activations(self, x_MI: torch.Tensor) -> bool:
         """Whether a product with x is defined by semoe's CPU kernels, x quantized per block of 32
         (int8 and int4 weights, a decoding step's few rows on CPU, the kernels built); the reference
@@ -95,7 +103,8 @@ class CompactWeight:
     def linear(self, x_MI: torch.Tensor) -> torch.Tensor:
         """x @ W.T for the out-major W (O, I) the codes hold, in x's dtype."""
         if self.kernel == "reference":
-            w_OI = dequantize_out_in(self.codes, self.scales, self.spec, torch_dtype(self.spec.dtype))
+            as_dtype = torch.float32 if self.fp8_kernel(x_MI) else torch_dtype(self.spec.dtype)
+            w_OI = dequantize_out_in(self.codes, self.scales, self.spec, as_dtype)
             x = x_MI.to(torch.float32)
             if self.quantizes_activations(x_MI):
                 x = cpu_kernels.activations_as_seen(x)  # the arithmetic the decode kernels define
@@ -109,6 +118,8 @@ class CompactWeight:
             else:
                 y = cpu_kernels.gemv_i4(x_MI, self.codes, self.scales, self.spec.group_size)
             return y if y.dtype == x_MI.dtype else y.to(x_MI.dtype)
+        if packed and self.fp8_kernel(x_MI):
+            return cpu_kernels.gemv_fp8(x_MI, self.codes, self.scales, fp8_tile(self.spec))
         if packed and self.spec.scheme == "int8":
             x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))
@@ -125,6 +136,14 @@ class CompactWeight:
 
 
 Weight = torch.Tensor | CompactWeight
+
+
+def fp8_tile(spec: QuantSpec) -> int:
+    """The side of an FP8 weight's square tiles of scales (DeepSeek-V3's and Kimi-K2's 128 x 128), which
+    the FP8 kernel takes; 0 where its blocks are not square, or it is not FP8 or out-major."""
+    if spec.scheme != "fp8" or spec.transposed or spec.block is None or spec.block[0] != spec.block[1]:
+        return 0
+    return int(spec.block[0])
 
 
 def swiglu_operands(gate: Weight, up: Weight, down: Weight) -> tuple | None:

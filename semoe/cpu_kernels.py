@@ -172,6 +172,22 @@ def gemv_mxfp4(x_MI: torch.Tensor, blocks_OG16: torch.Tensor, scales_OG: torch.T
     return y
 
 
+def gemv_fp8(x_MI: torch.Tensor, codes_OI: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    """x @ W.T for FP8 (e4m3) codes (O, I) with scales per block x block tile (ceil(O/block),
+    ceil(I/block)), computed as FP8: each tile's sum of code times x in float32, times its scale; x
+    and the result float32 (..., O)."""
+    O, I = codes_OI.shape
+    if codes_OI.dtype != torch.float8_e4m3fn or tuple(scales.shape) != (-(-O // block), -(-I // block)):
+        raise ValueError(f"FP8 codes (O, I) float8_e4m3fn and scales ({-(-O // block)}, {-(-I // block)}), got "
+                         f"{codes_OI.dtype} and {list(scales.shape)}")
+    x, y = _operands(x_MI, codes_OI, I, O)
+    s = _f32(scales)
+    _cpu_contiguous(x_MI, s)
+    _lib().gemv_fp8(x.data_ptr(), codes_OI.data_ptr(), s.data_ptr(), y.data_ptr(), x.numel() // I, O, I, block,
+                    torch.get_num_threads())
+    return y
+
+
 def gemv_bf16(x_MI: torch.Tensor, w_OI: torch.Tensor) -> torch.Tensor:
     """x @ w.T for a bfloat16 weight (O, I), with x and the sums in float32; float32 (..., O). torch's
     own bfloat16 product widens at half the memory bound on CPU (11.5 against 22.7 GB/s for float32)."""

@@ -27,7 +27,7 @@ class KernelABIError(RuntimeError):
 
 
 # decode_abi.h's weight kinds (`Lin.kind`)
-W_F32, W_BF16, W_INT8, W_INT4, W_MXFP4, W_F32_IO, W_BF16_IO = 1, 2, 3, 4, 5, 6, 7
+W_F32, W_BF16, W_INT8, W_INT4, W_MXFP4, W_F32_IO, W_BF16_IO, W_FP8 = 1, 2, 3, 4, 5, 6, 7, 8
 
 
 class Lin(ctypes.Structure):
@@ -161,6 +161,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.rmsnorm_f32.argtypes = [_P, _P, _F32, _P, _I, _I]
     lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F32, _P, _P, _INT]
     lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _INT]
+    lib.gemv_fp8.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _INT]
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _P, _P, _I, _P, _P, _I, _P, _INT]
     lib.clamped_swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _I, _P, _P, _P, _I, _P, _F32, _F32, _P, _INT]
     lib.moe_combine_f32.argtypes = [_P, _P, _P, _I, _I]
@@ -171,7 +172,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_attend.argtypes = [_P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _INT]
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
-    for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads, lib.rmsnorm_f32,
+    for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_fp8, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads, lib.rmsnorm_f32,
               lib.moe_combine_f32, lib.decode_work_free):
         f.restype = None
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks

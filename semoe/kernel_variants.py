@@ -24,13 +24,13 @@ class Variant(NamedTuple):
     cpu_flags: frozenset[str]
 
 
-_AVX2 = ("-march=x86-64", "-mavx2", "-mfma")
+_AVX2 = ("-march=x86-64", "-mavx2", "-mfma", "-mf16c")  # F16C: FP8 widened through half precision
 # best first: the loader takes the first one the CPU runs
 VARIANTS = (
     Variant("avx512-vnni", "_kernels_avx512_vnni",
             _AVX2 + ("-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vbmi", "-mavx512vnni"),
-            frozenset({"avx2", "fma", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi", "avx512_vnni"})),
-    Variant("avx2", "_kernels_avx2", _AVX2, frozenset({"avx2", "fma"})),
+            frozenset({"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512vbmi", "avx512_vnni"})),
+    Variant("avx2", "_kernels_avx2", _AVX2, frozenset({"avx2", "fma", "f16c"})),
     Variant("portable", "_kernels_portable", ("-march=x86-64",), frozenset()),
 )
 BY_NAME = {v.name: v for v in VARIANTS}

@@ -22,7 +22,8 @@ tokens and log-probs are the same bits (tests compare them); where it computes a
 (per-head norms of many heads, latent attention), the logits agree to float32 rounding.
 
 Where every layer's weights are in memory and the kernels take them (`one_call_refusal` says what
-else it needs; FP8 experts go kernel by kernel), the whole step is one call instead (`decode_step`,
+else it needs; FP8 weights with square tiles of scales, as DeepSeek-V3 and Kimi-K2 ship them, are
+computed as FP8), the whole step is one call instead (`decode_step`,
 semoe/kernels/decode_step.c): the same kernels inside one parallel region, q/k norms, clipping,
 sinks, windows, latent attention in the same absorbed form, every router, shared experts and
 gpt-oss's clamped experts (float, int8, int4 or MXFP4) included, so that no Python runs between them. Its routers' softmax and sigmoid and its
@@ -46,7 +47,7 @@ from torch import nn
 
 from semoe import cpu_kernels, kernel_abi
 from semoe.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables
-from semoe.compact_linear import CompactWeight, swiglu_operands
+from semoe.compact_linear import CompactWeight, fp8_tile, swiglu_operands
 from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.expert_layout import PackedExperts
 from semoe.experts import ClampedSwiGLU, ExpertWeights, ResidentExperts, SwiGLU
@@ -58,7 +59,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 _KINDS = {torch.float32: kernel_abi.W_F32, torch.bfloat16: kernel_abi.W_BF16, "int8": kernel_abi.W_INT8,
-          "int4": kernel_abi.W_INT4, "mxfp4": kernel_abi.W_MXFP4}
+          "int4": kernel_abi.W_INT4, "mxfp4": kernel_abi.W_MXFP4, "fp8": kernel_abi.W_FP8}
 _IO_KINDS = {torch.float32: kernel_abi.W_F32_IO, torch.bfloat16: kernel_abi.W_BF16_IO}  # float weights (I, O)
 _Lin, _Expert, _LayerC, _Net = kernel_abi.Lin, kernel_abi.Expert, kernel_abi.LayerC, kernel_abi.Net
 
@@ -73,10 +74,12 @@ def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_
         scheme = w.spec.scheme
         if w.kernel != "auto" or w.codes.device.type != "cpu" or scheme not in _KINDS or w.spec.transposed != in_out:
             raise NotOnFastPath(f"a {scheme} weight with the {w.kernel!r} kernel on {w.codes.device}")
+        if scheme == "fp8" and not fp8_tile(w.spec):
+            raise NotOnFastPath(f"an fp8 weight with scales per {w.spec.block} block: the kernel takes square tiles")
         # kept: the kernel reads them every step (MXFP4's exponents as they are)
         held = (w.codes, w.scales if scheme == "mxfp4" else cpu_kernels._f32(w.scales))
-        O, I = w.codes.shape[0], w.codes.shape[1] * {"int8": 1, "int4": 2, "mxfp4": 32}[scheme]
-        g = (w.spec.group_size or 0) if scheme == "int4" else 0
+        O, I = w.codes.shape[0], w.codes.shape[1] * {"int8": 1, "int4": 2, "mxfp4": 32, "fp8": 1}[scheme]
+        g = (w.spec.group_size or 0) if scheme == "int4" else fp8_tile(w.spec) if scheme == "fp8" else 0
         return _Lin(_KINDS[scheme], O, I, g, _ptr(held[0]), _ptr(held[1]), None), held
     if isinstance(w, torch.Tensor) and w.dtype in (torch.float32, torch.bfloat16) and w.dim() == 2 \
             and w.device.type == "cpu" and w.is_contiguous():
@@ -89,7 +92,8 @@ def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_
 class _Product:
     """y (O,) = x (I,) @ W.T (+ bias) for one linear module's weight, with the kernel call and
     operands `compact_linear.linear` uses for one row on CPU (`_weight`); a weight the kernels do
-    not take (FP8, a transposed layout) goes through the module's own call (`lin` is then None)."""
+    not take (FP8 with non-square blocks, a transposed layout) goes through the module's own call (`lin`
+    is then None)."""
 
     def __init__(self, lib: ctypes.CDLL, module: nn.Module, *, bias: bool = True) -> None:
         self.module = module
@@ -113,6 +117,8 @@ class _Product:
             self._call = lambda x, y, t: lib.gemv_i8(x, wp, sp, y, 1, O, I, t)
         elif kind == _KINDS["int4"]:
             self._call = lambda x, y, t: lib.gemv_i4(x, wp, sp, y, 1, O, I, g, t)
+        elif kind == _KINDS["fp8"]:
+            self._call = lambda x, y, t: lib.gemv_fp8(x, wp, sp, y, 1, O, I, g, t)
         else:
             fn = lib.gemv_f32 if kind == _KINDS[torch.float32] else lib.gemv_bf16
             self._call = lambda x, y, t: fn(x, wp, y, 1, O, I, t)

@@ -39,6 +39,7 @@ static void block(const Lin *l, const float *x, const Acts *a, float *y, int64_t
     case W_MXFP4: fp4_block((const uint8_t *)l->w, (const uint8_t *)l->s, l->O, a, b, y); break;
     case W_F32_IO: io_block(x, l->w, 0, l->O, l->I, b, y); break;
     case W_BF16_IO: io_block(x, l->w, 1, l->O, l->I, b, y); break;
+    case W_FP8: fp8_block(x, (const uint8_t *)l->w, l->s, y, 1, l->O, l->I, l->g, b); break;
     default: i4_block((const uint8_t *)l->w, l->s, l->O, a, b, y);
     }
 }

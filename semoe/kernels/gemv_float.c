@@ -242,6 +242,73 @@ void io_block(const float *restrict x, const void *w, int bf16, int64_t O, int64
     for (int64_t c = 0; c < n; c++) y[c0 + c] = acc[c];
 }
 
+/* An e4m3 code's value: sign, 4 exponent bits (bias 7), 3 mantissa bits; exponent 0 is subnormal,
+ * m / 8 * 2^-6. (0x7F and 0xFF are e4m3fn's NaN; a weight holds none, and they read as 480 here.) */
+static inline float fp8_value(uint8_t c) {
+    int e = (c >> 3) & 15, m = c & 7;
+    float v = e ? ldexpf(1.0f + (float)m / 8.0f, e - 7) : ldexpf((float)m / 8.0f, -6);
+    return c & 0x80 ? -v : v;
+}
+
+#if defined(__AVX2__) && defined(__F16C__)
+/* 16 e4m3 codes as float32 / 2^8, exactly: each code's 7 magnitude bits moved to half precision's
+ * exponent and mantissa (5 and 10 bits: the exponent bias 15 against e4m3's 7 leaves a factor
+ * 2^-8, subnormals included, which F16C widens exactly), its sign to the half's sign */
+static inline void fp8x16(const uint8_t *c, __m256 *lo, __m256 *hi) {
+    __m256i h = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)c));
+    __m256i sign = _mm256_and_si256(h, _mm256_set1_epi16(0x80));
+    __m256i half = _mm256_or_si256(_mm256_slli_epi16(sign, 8), _mm256_slli_epi16(_mm256_xor_si256(h, sign), 7));
+    *lo = _mm256_cvtph_ps(_mm256_castsi256_si128(half));
+    *hi = _mm256_cvtph_ps(_mm256_extracti128_si256(half, 1));
+}
+#endif
+
+/* FP8 weights computed as FP8: per row, each block of g inputs' sum of code value times x, in
+ * float32, then times the block's scale. That is the dequantized weight's product but for the
+ * rounding: no weight is widened into memory, and none is rounded to bfloat16 first. */
+void fp8_block(const float *x, const uint8_t *w, const float *s, float *y, int64_t M, int64_t O, int64_t I, int64_t g,
+               int64_t b) {
+    const int64_t o0 = b * ROWS, cols = (I + g - 1) / g;
+    const int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
+    for (int64_t m = 0; m < M; m++) {
+        const float *xm = x + m * I;
+        for (int r = 0; r < n; r++) {
+            const uint8_t *wr = w + (o0 + r) * I;
+            const float *sr = s + (o0 + r) / g * cols;
+            float acc = 0.0f;
+            int64_t k0 = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+            if (g % 16 == 0) {
+                __m256 tot = _mm256_setzero_ps();
+                for (; k0 + g <= I; k0 += g) {
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0;
+                    for (int64_t k = k0; k < k0 + g; k += 16) {
+                        __m256 lo, hi;
+                        fp8x16(wr + k, &lo, &hi);
+                        a0 = _mm256_fmadd_ps(lo, _mm256_loadu_ps(xm + k), a0);
+                        a1 = _mm256_fmadd_ps(hi, _mm256_loadu_ps(xm + k + 8), a1);
+                    }
+                    tot = _mm256_fmadd_ps(_mm256_add_ps(a0, a1), _mm256_set1_ps(sr[k0 / g] * 256.0f), tot);
+                }
+                acc = hsum8(tot);
+            }
+#endif
+            for (; k0 < I; k0 += g) {
+                float part = 0.0f;
+                for (int64_t k = k0; k < k0 + g && k < I; k++) part += fp8_value(wr[k]) * xm[k];
+                acc += part * sr[k0 / g];
+            }
+            y[m * O + o0 + r] = acc;
+        }
+    }
+}
+
+void gemv_fp8(const float *x, const uint8_t *w, const float *s, float *y, int64_t M, int64_t O, int64_t I, int64_t g,
+              int threads) {
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t b = 0; b < i8_blocks(O); b++) fp8_block(x, w, s, y, M, O, I, g, b);
+}
+
 /* y (H, O) with y[h] = W[h] x[h] for H float32 weights (H, O, I) and rows x (H, I): one product per
  * head, as latent attention's absorbed form takes q into the latent space and each head's output
  * out of it (semoe/decode/plan.py). torch's batched product of single rows ran at 3 GB/s on one

@@ -17,7 +17,7 @@
 #define SEMOE_AVX2 1
 #endif
 
-#ifdef SEMOE_AVX2
+#ifdef __AVX2__
 /* the sum of a vector's eight lanes, in a fixed order */
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -67,6 +67,10 @@ void f32_block(const float *x, const float *w, float *y, int64_t M, int64_t O, i
 void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t O, int64_t I, int64_t b);
 /* MXFP4 blocks (O, I/32, 16) and e8m0 exponents (O, I/32): ROWS rows too, from x's codes in a */
 void fp4_block(const uint8_t *w, const uint8_t *e, int64_t O, const Acts *a, int64_t b, float *y);
+/* FP8 (e4m3) codes (O, I), one byte each, with float32 scales per g x g block of the weight,
+ * (ceil(O/g), ceil(I/g)): ROWS rows, against float32 x (DeepSeek-V3's and Kimi-K2's experts) */
+void fp8_block(const float *x, const uint8_t *w, const float *s, float *y, int64_t M, int64_t O, int64_t I, int64_t g,
+               int64_t b);
 /* block b of y (O) = x (I) @ W for a float32 or bfloat16 (`bf16`) weight laid out (I, O), in-major:
  * IO_STRIP output columns, `io_blocks(O)` of them */
 #define IO_STRIP 1024

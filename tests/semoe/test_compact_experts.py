@@ -110,6 +110,33 @@ def test_the_fast_path_equals_the_reference(scheme, g, transposed, dtype, rows):
     assert _relative(ref, want) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
+@pytest.mark.parametrize("shape, tile", [((256, 384), 128), ((100, 72), 24), ((96, 64), 32)],
+                         ids=["deepseek-tiles", "ragged-scalar-tail", "small-tiles"])
+@pytest.mark.parametrize("rows", [1, 7, 40], ids=["one-row", "semoe-kernel", "dequantized"])
+def test_fp8_computed_as_fp8_equals_the_reference(shape, tile, rows):
+    """FP8 (e4m3) codes with a scale per square tile, as DeepSeek-V3 ships them, every code value
+    among them (subnormals, zeros of both signs, the largest): semoe's kernel sums each tile in float32,
+    then scales it; the reference kernel dequantizes to float32 and multiplies. Equal to float32's
+    rounding (1e-6 of the largest output) where the kernel applies; with more rows, the dequantized
+    bfloat16 weight's product, within bfloat16's rounding of each weight (2^-9, 1e-2 over a sum)."""
+    torch.manual_seed(0)
+    O, I = shape
+    codes = torch.randint(0, 256, (O, I), dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # e4m3fn's NaN: no weight holds one
+    codes[0, :4] = torch.tensor([0x00, 0x80, 0x01, 0x87], dtype=torch.uint8)
+    codes = codes.view(torch.float8_e4m3fn)
+    scales = torch.rand(-(-O // tile), -(-I // tile)) * 1e-2 + 1e-3
+    spec = QuantSpec(scheme="fp8", dtype="BF16", shape=(O, I), scales="s", block=(tile, tile))
+    x = torch.randn(rows, I)
+    fast = CompactWeight(codes, scales, spec).linear(x)
+    ref = CompactWeight(codes, scales, spec, kernel="reference").linear(x)
+    plain = x.double() @ dequantize(codes, scales, spec, torch.float32).double().T
+    if rows <= cpu_kernels.MAX_ROWS and cpu_kernels.available():
+        assert _relative(fast, plain) < 1e-6 and _relative(ref, plain) < 1e-6
+    else:
+        assert _relative(fast, plain) < 1e-2 and _relative(fast, ref) < 1e-2
+
+
 # -- quantize_store -------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])

@@ -301,8 +301,6 @@ def test_generate_with_a_plan_gives_the_tokens_without():
 # -- every architecture -----------------------------------------------------------------------------
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
-# the architectures the one-call step takes whole (not: latent attention, clamped experts)
-ONE_CALL = ARCHS
 # shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike
 WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 # float32 sums in another order (per-head norms of many heads, latent attention in the absorbed form
@@ -349,18 +347,13 @@ CASES = [(a, f) for a in ARCHS for f in ("f32", "int8", "int4")] + [("deepseek_v
 @pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     """Each architecture's decoding steps all go through the plan (never the modules), in its stored
-    format: the one-call step for ONE_CALL (grouped, biased and top-k-then-softmax routers and
-    shared experts included), kernel by kernel for all (latent attention and clamped experts only
-    so). Logits within ARCH_RTOL of the modules' kernel by kernel, WHOLE_ATOL in one call; the same
+    format: the one-call step (grouped, biased and top-k-then-softmax routers, shared experts, latent
+    attention, clamped experts and FP8 experts included), and kernel by kernel. Logits within ARCH_RTOL of the modules' kernel by kernel, WHOLE_ATOL in one call; the same
     greedy tokens."""
     model = load_store(arch_stores(arch, fmt))
     plan = DecodePlan.build(model)
     assert plan is not None
-    whole = arch in ONE_CALL and fmt != "fp8"  # FP8 experts: kernel by kernel, through their own apply
-    assert (plan.net is not None) == whole, plan.whole_refusal
-    if not whole:
-        with pytest.raises(NotOnFastPath, match="a weight of CompactWeight|fp8"):
-            plan._whole(model)
+    assert plan.net is not None, plan.whole_refusal  # FP8 and MXFP4 experts included, as stored
     want, _ = _steps(model, None)
     for p in (plan, DecodePlan(model, whole=False)) if plan.net is not None else (plan,):
         got, planned = _steps(model, p)

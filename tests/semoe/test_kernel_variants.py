@@ -10,7 +10,7 @@ import pytest
 from semoe import kernel_abi, kernel_variants
 
 ALL = frozenset().union(*(v.cpu_flags for v in kernel_variants.VARIANTS))
-AVX2 = frozenset({"avx2", "fma", "sse4_2"})
+AVX2 = frozenset({"avx2", "fma", "f16c", "sse4_2"})
 
 
 @pytest.mark.parametrize("flags, want", [
@@ -19,6 +19,7 @@ AVX2 = frozenset({"avx2", "fma", "sse4_2"})
     (ALL, "avx512-vnni"),
     (ALL - {"avx512vbmi"}, "avx2"),  # VNNI without VBMI (Cascade Lake): the AVX-512 build needs both
     (ALL - {"fma"}, "portable"),
+    (ALL - {"f16c"}, "portable"),  # the FP8 kernel widens through half precision
 ])
 def test_the_best_build_the_cpu_runs_is_chosen(flags, want):
     builds = {v.name: f"/lib/{v.module}.so" for v in kernel_variants.VARIANTS}
