@@ -10,9 +10,10 @@ decode_step.c, in parts: `decode_attend`, then the chosen experts, `decode_ffn`;
 over buffers of its own (numpy, ctypes), and imports no torch, so that memory goes to the cache.
 
 What it holds: the dense weights (attention, routers, norms, lm_head), float32 or bfloat16 as
-stored, or int8 quantized at load with the arithmetic of `storage.quant` (`dense="auto"`: int8
-beside int8/int4 experts, as the engine); the token embedding stays on storage, one row read per
-token; the experts' chunks, as stored (float32, bfloat16, int8, int4 or MXFP4 codes), in `cache_bytes` of
+stored (FP8 ones dequantized to bfloat16, as the engine loads them), or int8 quantized at load with
+the arithmetic of `storage.quant` (`dense="auto"`: int8 beside int8/int4 experts, as the engine); the
+token embedding stays on storage, one row read per token; the experts' chunks, as stored (float32,
+bfloat16, int8, int4, FP8 or MXFP4 codes, each computed as it is), in `cache_bytes` of
 slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT (a chunk's pieces
 in parallel) and checked against the manifest's crc32c.
 
@@ -60,16 +61,17 @@ from semoe.hf_names import hf_name
 from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
 from storage.cache import ExpertCache, ExpertCacheConfig
 from storage.errors import BadInputError
-from storage.formats import INT8_MAX, QUANTIZE_ROWS
+from storage.formats import QUANTIZE_ROWS
 from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import TensorEntry
+from storage.np_codes import bf16_to_f32, float_rows, fp8_bf16_rows, quantize_int8_rows
 from storage.policies import NextUsePolicy
 from storage.procmem import peak_rss_bytes
 from storage.reader import StoreReader
 DENSE_CHOICES = ("auto", "float", "int8")
 _KIND = {"F32": kernel_abi.W_F32, "BF16": kernel_abi.W_BF16, "int8": kernel_abi.W_INT8, "int4": kernel_abi.W_INT4,
-         "mxfp4": kernel_abi.W_MXFP4}
+         "mxfp4": kernel_abi.W_MXFP4, "fp8": kernel_abi.W_FP8}
 _IO_KIND = {"F32": kernel_abi.W_F32_IO, "BF16": kernel_abi.W_BF16_IO}  # float weights stored (I, O)
 # an expert's parts by the HuggingFace names' last part: SwiGLU's gate, up, down; gpt-oss's gate_up
 # and down (float, or MXFP4 blocks), then their biases
@@ -110,24 +112,6 @@ class LeanResult:
     ttft_s: float
     decode_tok_s: float
     stats: dict = field(default_factory=dict)
-
-
-def _bf16_to_f32(raw: np.ndarray) -> np.ndarray:
-    return (raw.astype(np.uint32) << 16).view(np.float32)
-
-
-def quantize_int8_rows(w_OI: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """int8 codes (O, I) and float32 scales (O,) of float32 rows: `storage.quant`'s int8 scheme, the
-    same float32 operations in the same order (tests compare the bits with it)."""
-    scale = np.maximum(-w_OI.min(axis=1), w_OI.max(axis=1)) / np.float32(INT8_MAX)
-    scale = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
-    codes = np.clip(np.rint(w_OI / scale[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8)
-    return codes, scale
-
-
-def _float_rows(raw: np.ndarray, dtype: str) -> np.ndarray:
-    """float32 rows of a float tensor's raw bytes (uint8, last axis the row's bytes)."""
-    return raw.view(np.float32) if dtype == "F32" else _bf16_to_f32(raw.view(np.uint16))
 
 
 class _ExpertSlots:
@@ -354,19 +338,43 @@ class LeanModel:
         t = self._tensor(name)
         if len(t.shape) != 1 or t.dtype not in ("F32", "BF16") or t.quant:
             raise NotOnFastPath(f"{self.store.root}: {name} is {t.dtype} {t.shape}; expected a float vector")
-        return np.ascontiguousarray(_float_rows(self.store.read_bytes(name), t.dtype), dtype=np.float32)
+        return np.ascontiguousarray(float_rows(self.store.read_bytes(name), t.dtype), dtype=np.float32)
 
     def _rows(self, name: str):
         """A dense 2-d tensor as float32 blocks of its rows, read in turn (never whole in memory), its
-        crc32c checked at the end."""
+        crc32c checked at the end; FP8 ones as the engine holds them (`_bf16_rows`)."""
         t = self._tensor(name)
+        if (t.quant or {}).get("scheme") == "fp8":
+            for rows in self._bf16_rows(name):
+                yield bf16_to_f32(rows)
+            return
         if t.quant or t.dtype not in ("F32", "BF16"):
             what = t.quant.get("scheme") if t.quant else t.dtype
             raise NotOnFastPath(f"{self.store.root}: dense tensor {name} is stored {what}; the lean runner reads "
-                                f"F32 or BF16 dense weights")
+                                f"F32, BF16 or FP8 dense weights")
         for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
             self._progress(raw.nbytes)
-            yield _float_rows(raw, t.dtype)
+            yield float_rows(raw, t.dtype)
+
+    def _bf16_rows(self, name: str):
+        """A BF16 or FP8 dense 2-d tensor as blocks of bfloat16 rows (uint16): BF16 as stored, FP8
+        dequantized as the engine loads it (`fp8_bf16_rows`)."""
+        t = self._tensor(name)
+        q = t.quant or {}
+        if q.get("scheme") == "fp8":
+            scales = self._tensor(q["scales"])
+            if scales.dtype != "F32":
+                raise NotOnFastPath(f"{self.store.root}: {q['scales']} is {scales.dtype}; FP8 scales are read F32")
+            s = self.store.read_bytes(q["scales"]).view(np.float32).reshape(scales.shape)
+            r = 0
+            for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+                self._progress(raw.nbytes)
+                yield fp8_bf16_rows(raw, s, r, tuple(q["block"]))
+                r += len(raw)
+        else:
+            for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+                self._progress(raw.nbytes)
+                yield raw.view(np.uint16)
 
     def _linear(self, modules: list[str], dense: str, *, bias: bool = True, name: str | None = None
                 ) -> kernel_abi.Lin:
@@ -388,15 +396,13 @@ class LeanModel:
                     r += len(block)
             self.held += [codes, scales]
             lin = kernel_abi.Lin(kernel_abi.W_INT8, O, I, 0, codes.ctypes.data, scales.ctypes.data, None)
-        else:
-            bf16 = {t.dtype for t in entries} == {"BF16"}
+        else:  # bfloat16 where all are (FP8 dequantized to it, as the engine's), else float32
+            bf16 = all(t.dtype == "BF16" or (t.quant or {}).get("scheme") == "fp8" for t in entries)
             w = np.empty((O, I), np.uint16 if bf16 else np.float32)  # filled in turn: never in memory twice
             r = 0
             for n, t in zip(names, entries):
-                for block in (self.store.dense_row_bytes(n, QUANTIZE_ROWS) if bf16 else self._rows(n)):
-                    if bf16:
-                        self._progress(block.nbytes)
-                    w[r:r + len(block)] = block.view(np.uint16) if bf16 else block
+                for block in (self._bf16_rows(n) if bf16 else self._rows(n)):
+                    w[r:r + len(block)] = block
                     r += len(block)
             self.held.append(w)
             lin = kernel_abi.Lin(kernel_abi.W_BF16 if bf16 else kernel_abi.W_F32, O, I, 0, w.ctypes.data, None, None)
@@ -429,14 +435,17 @@ class LeanModel:
             # gpt-oss's weights are (I, O): compact codes out-major all the same, float ones as stored
             if scheme not in _KIND or bool(q.get("transposed")) != (clamped and bool(q)):
                 raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is {scheme}; the lean runner "
-                                    f"takes F32, BF16, int8, int4 and MXFP4")
+                                    f"takes F32, BF16, int8, int4, FP8 and MXFP4")
+            s = scales.get(t.name)
+            if scheme == "fp8" and (len(set(q["block"])) != 1 or s is None or s.dtype != "F32"):
+                raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is fp8 with scales per {q['block']} "
+                                    f"block; the kernel takes F32 scales per square tile")
             if q:
                 (O, I), kind = (q["shape"][::-1] if clamped else q["shape"]), _KIND[scheme]
             else:
                 (O, I), kind = (t.shape[::-1], _IO_KIND[scheme]) if clamped else (t.shape, _KIND[scheme])
-            s = scales.get(t.name)
-            out.append((kind, q.get("group_size") or 0 if scheme == "int4" else 0, O, I, t.offset,
-                        s.offset if s else -1))
+            group = q.get("group_size") or 0 if scheme == "int4" else q["block"][0] if scheme == "fp8" else 0
+            out.append((kind, group, O, I, t.offset, s.offset if s else -1))
         biases = []
         if clamped:
             out.insert(1, (0, 0, 0, 0, -1, -1))  # no up: gate and up interleaved in gate_up
@@ -455,7 +464,7 @@ class LeanModel:
         for off, dtype, n in self._parts[key.layer][1]:
             if dtype == "BF16":
                 raw = np.frombuffer(self.cache.mem, np.uint16, n, slot * self.slot_bytes + off)
-                self._bias[slot, at:at + n] = _bf16_to_f32(raw)
+                self._bias[slot, at:at + n] = bf16_to_f32(raw)
             at += n
 
     def _point(self, layer: int, expert: int, slot: int) -> None:
@@ -496,7 +505,7 @@ class LeanModel:
         item = 4 if e.dtype == "F32" else 2
         raw = os.pread(self._emb_fd, D * item, e.offset + token * D * item)
         row = np.frombuffer(raw, np.float32 if item == 4 else np.uint16)
-        x[:] = row if item == 4 else _bf16_to_f32(row)
+        x[:] = row if item == 4 else bf16_to_f32(row)
 
     def sequence(self, capacity: int) -> "LeanSequence":
         """A new sequence of up to `capacity` positions (its KV cache and the step's buffers)."""

@@ -138,11 +138,11 @@ def lean_refusal(path: str) -> str | None:
     store = StoreReader.open(path)
     if not store.manifest.has_file("config.json"):
         return "the store holds no model (no config.json)"
-    for t in store.manifest.tensors:  # what it reads as stored: float dense weights, experts of its kinds
+    for t in store.manifest.tensors:  # what it reads: float or FP8 dense weights, experts of its kinds
         scheme = (t.quant or {}).get("scheme")
-        if t.kind == "weight" and t.group != "expert" and (scheme or t.dtype not in ("F32", "BF16")):
-            return f"it reads dense weights stored F32 or BF16, not {scheme or t.dtype} ({t.name})"
-        if t.kind == "weight" and scheme == "fp8":
-            return f"it does not take fp8 experts ({t.name})"
+        if t.kind == "weight" and t.group != "expert" and scheme != "fp8" and (scheme or t.dtype not in ("F32", "BF16")):
+            return f"it reads dense weights stored F32, BF16 or FP8, not {scheme or t.dtype} ({t.name})"
+        if t.kind == "weight" and t.group == "expert" and scheme == "fp8" and len(set(t.quant["block"])) != 1:
+            return f"it takes fp8 experts with scales per square tile, not per {t.quant['block']} block ({t.name})"
     why = one_call_refusal(config_from_json(json.loads(store.read_file("config.json"))))
     return None if why is None else f"it does not take {why}"

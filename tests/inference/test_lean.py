@@ -26,7 +26,8 @@ import torch
 from helpers.hf_models import add_word_tokenizer
 from helpers.kernels import needs_kernels
 from inference.engine import Engine, EngineConfig
-from inference.lean import LeanConfig, LeanModel, dense_load_bytes, quantize_int8_rows
+from inference.lean import LeanConfig, LeanModel, dense_load_bytes
+from storage.np_codes import quantize_int8_rows
 from semoe.attention import KVCache, rope_tables
 from semoe.checkpoint import load_store
 from semoe.decode.loop import SamplingConfig
@@ -169,6 +170,25 @@ def test_int8_quantization_is_storage_quants_bits(shape):
     np.testing.assert_array_equal(got_scales, scales.numpy())
 
 
+@pytest.mark.parametrize("rows, r0, block", [(64, 0, (16, 16)), (40, 24, (16, 8)), (7, 128, (128, 128))])
+def test_fp8_dequantization_is_the_engines_bits(rows, r0, block):
+    """FP8 rows read from row r0 on, every code among them (subnormals, zeros of both signs, the
+    largest), dequantized to bfloat16 by numpy: `storage.dequant`'s bits (one float32 product
+    rounded to nearest even), the block scales taken from the rows' own place in the weight."""
+    from storage.dequant import dequantize_fp8_blocks
+    from storage.np_codes import fp8_bf16_rows
+
+    g = torch.Generator().manual_seed(rows)
+    O, I = r0 + rows, 256
+    codes = torch.randint(0, 256, (O, I), generator=g, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x7E  # e4m3fn's NaN codes: no weight holds one
+    codes[r0, :2] = torch.tensor([0x00, 0x80], dtype=torch.uint8)
+    scales = torch.rand(-(-O // block[0]), -(-I // block[1]), generator=g) * 3e-3
+    want = dequantize_fp8_blocks(codes.view(torch.float8_e4m3fn), scales, block, torch.bfloat16)[r0:]
+    got = fp8_bf16_rows(codes[r0:].numpy(), scales.numpy(), r0, block)
+    np.testing.assert_array_equal(got, want.view(torch.uint16).numpy())
+
+
 def test_reads_are_counted_and_a_smaller_cache_reads_more(stores):
     with LeanModel(stores[4], LeanConfig(cache_bytes=0)) as small, \
             LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]))) as full:
@@ -230,19 +250,23 @@ def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
 
 
 def test_a_store_it_cannot_read_as_stored_keeps_the_engine(tmp_path):
-    """`semoe generate`'s own choice asks `lean_refusal` first: DeepSeek-V3 as published (FP8 weights
-    with block scales) is not the runner's, so a short memory keeps the engine for it; the same
-    model in float32 is."""
+    """`semoe generate`'s own choice asks `lean_refusal` first: FP8 experts with scales per
+    non-square block are not the runner's kernel's, so a short memory keeps the engine for them;
+    DeepSeek-V3 as published (square tiles) and the same model in float32 are the runner's."""
     from helpers.hf_models import make_hf_checkpoint
     from helpers.quantized_checkpoints import write_fp8_checkpoint
     from inference.placement import lean_refusal
 
     hf = make_hf_checkpoint("deepseek_v3", tmp_path / "hf")
-    write_fp8_checkpoint(hf, tmp_path / "fp8", (16, 16), mtp=False)
-    import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store-fp8"))
+    for block in ((16, 16), (16, 8)):
+        write_fp8_checkpoint(hf, tmp_path / f"fp8-{block[1]}", block, mtp=False)
+        import_checkpoint(str(tmp_path / f"fp8-{block[1]}"), str(tmp_path / f"store-fp8-{block[1]}"))
     import_checkpoint(str(hf), str(tmp_path / "store"))
-    why = lean_refusal(str(tmp_path / "store-fp8"))
-    assert why is not None and "fp8" in why and "\n" not in why
+    why = lean_refusal(str(tmp_path / "store-fp8-8"))
+    assert why is not None and "fp8" in why and "[16, 8]" in why and "\n" not in why
+    with pytest.raises(NotOnFastPath, match=r"fp8 with scales per \[16, 8\] block"):
+        LeanModel(str(tmp_path / "store-fp8-8"), LeanConfig(cache_bytes=0))
+    assert lean_refusal(str(tmp_path / "store-fp8-16")) is None
     assert lean_refusal(str(tmp_path / "store")) is None
     assert lean_refusal(str(hf)) == "it reads stores, not HuggingFace directories"
 
@@ -424,6 +448,13 @@ def _arch_store(arch: str, tmp_path) -> str:
             quantize_store(store, store + "-q", QuantizeConfig(bits=4, group_size=32))
             store += "-q"
         return store
+    if arch == "deepseek_v3-fp8":  # as published: FP8 dense weights and experts with scales per tile
+        from helpers.quantized_checkpoints import write_fp8_checkpoint
+        hf = make_hf_checkpoint("deepseek_v3", tmp_path / "hf", hidden_size=64, intermediate_size=64,
+                                moe_intermediate_size=64)
+        write_fp8_checkpoint(hf, tmp_path / "fp8", (32, 32), mtp=False)
+        import_checkpoint(str(tmp_path / "fp8"), store)
+        return store
     if arch != "variants":
         import_checkpoint(str(make_hf_checkpoint(arch, tmp_path / "hf")), store)
         return store
@@ -440,13 +471,14 @@ def _arch_store(arch: str, tmp_path) -> str:
     return store
 
 
-@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                                  "gpt_oss", "gpt_oss-bf16", "gpt_oss-int4", "gpt_oss-mxfp4", "variants"])
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "deepseek_v3-fp8",
+                                  "glm4_moe", "gpt_oss", "gpt_oss-bf16", "gpt_oss-int4", "gpt_oss-mxfp4", "variants"])
 def test_every_architecture_of_the_one_call_step_runs_torch_free(arch, tmp_path):
     """q/k norms per head (Qwen3-MoE, GLM-4.5), over all heads with clipping (OLMoE), sinks with
     partial rotary; shared experts gated (Qwen2-MoE) or not, grouped routers with a correction
     bias and dense first layers (GLM-4.5); latent attention with a direct query and no YaRN
-    (DeepSeek-V2), with a low-rank query and YaRN (DeepSeek-V3); gpt-oss's sinks, alternating windows and clamped experts
+    (DeepSeek-V2), with a low-rank query and YaRN (DeepSeek-V3), and as published in FP8 (dense
+    weights dequantized to bfloat16 as the engine's, experts computed as FP8); gpt-oss's sinks, alternating windows and clamped experts
     with biases, float32 and bfloat16 (in-major), int4 and MXFP4 (with bfloat16 biases, converted as
     read): `_lean_is_the_one_call_step` (numpy's cos and sin against torch's: LOGPROB_ATOL)."""
     _lean_is_the_one_call_step(_arch_store(arch, tmp_path))
