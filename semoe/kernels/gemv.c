@@ -372,16 +372,16 @@ static inline void i4_group(const uint8_t *pb, int64_t k0, int64_t g, const int8
                 const uint8_t *p = pb + k * I4_HALF;
                 _mm_prefetch((const char *)(p + PREFETCH), _MM_HINT_T0);
                 __m256i c0 = _mm256_loadu_si256((const __m256i *)p), c1 = _mm256_loadu_si256((const __m256i *)(p + 32));
-                __m256i l0 = _mm256_and_si256(c0, low), l1 = _mm256_and_si256(c1, low);
-                __m256i h0 = _mm256_and_si256(_mm256_srli_epi16(c0, 4), low);
-                __m256i h1 = _mm256_and_si256(_mm256_srli_epi16(c1, 4), low);
+                /* the bytes interleaved first, then split into nibbles: two unpacks where four would
+                 * interleave the nibbles */
+                __m256i u0 = _mm256_unpacklo_epi8(c0, c1), u1 = _mm256_unpackhi_epi8(c0, c1);
                 int16_t x2; /* x_k in the low byte, x_k+1 in the high one: one broadcast load */
                 memcpy(&x2, qx + k, 2);
                 __m256i xv = _mm256_set1_epi16(x2);
-                al = _mm256_add_epi16(al, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(l0, l1), xv));
-                bl = _mm256_add_epi16(bl, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(l0, l1), xv));
-                ah = _mm256_add_epi16(ah, _mm256_maddubs_epi16(_mm256_unpacklo_epi8(h0, h1), xv));
-                bh = _mm256_add_epi16(bh, _mm256_maddubs_epi16(_mm256_unpackhi_epi8(h0, h1), xv));
+                al = _mm256_add_epi16(al, _mm256_maddubs_epi16(_mm256_and_si256(u0, low), xv));
+                bl = _mm256_add_epi16(bl, _mm256_maddubs_epi16(_mm256_and_si256(u1, low), xv));
+                ah = _mm256_add_epi16(ah, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(u0, 4), low), xv));
+                bh = _mm256_add_epi16(bh, _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(u1, 4), low), xv));
             }
             /* rows 0-7, 8-15, 16-23, 24-31 of the low nibbles, then of the high ones */
             __m256i acc[4] = {al, bl, ah, bh};
