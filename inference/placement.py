@@ -140,7 +140,8 @@ def lean_refusal(path: str) -> str | None:
         return "the store holds no model (no config.json)"
     for t in store.manifest.tensors:  # what it reads: float or FP8 dense weights, experts of its kinds
         scheme = (t.quant or {}).get("scheme")
-        if t.kind == "weight" and t.group != "expert" and scheme != "fp8" and (scheme or t.dtype not in ("F32", "BF16")):
+        dense = t.kind == "weight" and t.group != "expert"
+        if dense and scheme != "fp8" and (scheme or t.dtype not in ("F32", "BF16")):
             return f"it reads dense weights stored F32, BF16 or FP8, not {scheme or t.dtype} ({t.name})"
         if t.kind == "weight" and t.group == "expert" and scheme == "fp8" and len(set(t.quant["block"])) != 1:
             return f"it takes fp8 experts with scales per square tile, not per {t.quant['block']} block ({t.name})"

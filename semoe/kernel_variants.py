@@ -24,7 +24,8 @@ class Variant(NamedTuple):
     cpu_flags: frozenset[str]
 
 
-_AVX2 = ("-march=x86-64", "-mavx2", "-mfma", "-mf16c")  # F16C: FP8 widened through half precision
+# F16C: the FP8 kernel widens codes through half precision
+_AVX2 = ("-march=x86-64", "-mavx2", "-mfma", "-mf16c")
 # best first: the loader takes the first one the CPU runs
 VARIANTS = (
     Variant("avx512-vnni", "_kernels_avx512_vnni",
