@@ -178,13 +178,12 @@ class _ExpertSlots:
 
 
 def dense_load_bytes(store: StoreReader) -> int:
-    """Bytes of dense weights `LeanModel` reads at load (its `progress` total): every 2-d dense tensor
-    but the token embedding, which stays on storage unless it is the head too."""
-    if not store.manifest.has_file("config.json"):
-        return 0
-    c = config_from_json(json.loads(store.read_file("config.json")))
-    emb = None if c.tie_embeddings else hf_name(c, "embed.weight")
-    return sum(t.bytes for t in store.manifest.dense() if len(t.shape) == 2 and t.name != emb)
+    """Bytes of dense weights `LeanModel` reads at load (its `progress` total), from the manifest alone:
+    every 2-d dense tensor but the token embedding, which stays on storage unless it is the head too."""
+    m = store.manifest
+    # the embedding's name is every architecture's; a model without an lm_head ties it to the embedding
+    emb = hf_name(None, "embed.weight") if m.has_tensor("lm_head.weight") else None
+    return sum(t.bytes for t in m.dense() if len(t.shape) == 2 and t.name != emb)
 
 
 class LeanModel:
@@ -344,24 +343,23 @@ class LeanModel:
         """A dense 2-d tensor as float32 blocks of its rows, read in turn (never whole in memory), its
         crc32c checked at the end; FP8 ones as the engine holds them (`_bf16_rows`)."""
         t = self._tensor(name)
-        if (t.quant or {}).get("scheme") == "fp8":
+        if t.dtype != "F32" or t.quant:
             for rows in self._bf16_rows(name):
                 yield bf16_to_f32(rows)
             return
-        if t.quant or t.dtype not in ("F32", "BF16"):
-            what = t.quant.get("scheme") if t.quant else t.dtype
-            raise NotOnFastPath(f"{self.store.root}: dense tensor {name} is stored {what}; the lean runner reads "
-                                f"F32, BF16 or FP8 dense weights")
         for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
             self._progress(raw.nbytes)
-            yield float_rows(raw, t.dtype)
+            yield raw.view(np.float32)
 
     def _bf16_rows(self, name: str):
         """A BF16 or FP8 dense 2-d tensor as blocks of bfloat16 rows (uint16): BF16 as stored, FP8
         dequantized as the engine loads it (`fp8_bf16_rows`)."""
         t = self._tensor(name)
         q = t.quant or {}
-        if q.get("scheme") == "fp8":
+        if q.get("scheme") != "fp8" and (q or t.dtype != "BF16"):
+            raise NotOnFastPath(f"{self.store.root}: dense tensor {name} is stored {q.get('scheme') or t.dtype}; "
+                                f"the lean runner reads F32, BF16 or FP8 dense weights")
+        if q:
             scales = self._tensor(q["scales"])
             if scales.dtype != "F32":
                 raise NotOnFastPath(f"{self.store.root}: {q['scales']} is {scales.dtype}; FP8 scales are read F32")
