@@ -12,23 +12,28 @@ void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t 
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * I;
 #ifdef SEMOE_VNNI
-        __m512 f[ROWS];
-        for (int r = 0; r < ROWS; r++) f[r] = _mm512_setzero_ps();
-        const uint16_t *w0 = w + o0 * I, *w1 = w0 + (n > 1 ? I : 0), *w2 = w0 + (n > 2 ? 2 * I : 0),
-                       *w3 = w0 + (n > 3 ? 3 * I : 0);
-        for (int64_t k = 0; k < I; k += 16) {
-            __mmask16 km = I - k >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (I - k)) - 1);
-            __m512 xv = _mm512_maskz_loadu_ps(km, xm + k);
-#define ROW(wr, acc)                                                                                  \
-{                                                                                                 \
-    _mm_prefetch((const char *)(wr + k) + PREFETCH, _MM_HINT_T0);                                 \
-    __m512i h = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(km, wr + k));                      \
-    acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h, 16)), xv, acc);                \
-}
-            ROW(w0, f[0]) ROW(w1, f[1]) ROW(w2, f[2]) ROW(w3, f[3])
-#undef ROW
+        /* the float32 kernel's order (one row after another, two accumulators, 32 columns a step,
+         * the rest one by one), so that a bfloat16 weight gives the bits of its float32 widening */
+        int64_t k32 = I / 32 * 32;
+        for (int r = 0; r < n; r++) {
+            const uint16_t *wr = w + (o0 + r) * I;
+            __m512 f0 = _mm512_setzero_ps(), f1 = f0;
+            for (int64_t j = 0; j < k32; j += 32) {
+                _mm_prefetch((const char *)(wr + j) + PREFETCH, _MM_HINT_T0);
+                __m512i h0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + j)));
+                __m512i h1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(wr + j + 16)));
+                f0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h0, 16)), _mm512_loadu_ps(xm + j), f0);
+                f1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(h1, 16)), _mm512_loadu_ps(xm + j + 16), f1);
+            }
+            float acc = _mm512_reduce_add_ps(_mm512_add_ps(f0, f1));
+            for (int64_t t = k32; t < I; t++) {
+                uint32_t bits = (uint32_t)wr[t] << 16;
+                float v;
+                memcpy(&v, &bits, 4);
+                acc = MADD(acc, v, xm[t]);
+            }
+            y[m * O + o0 + r] = acc;
         }
-        for (int r = 0; r < n; r++) y[m * O + o0 + r] = _mm512_reduce_add_ps(f[r]);
 #elif defined(SEMOE_AVX2)
         __m256 f[ROWS];
         for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
@@ -49,7 +54,7 @@ void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t 
                 uint32_t bits = (uint32_t)wr[r][t] << 16;
                 float v;
                 memcpy(&v, &bits, 4);
-                acc += v * xm[t];
+                acc = MADD(acc, v, xm[t]);
             }
             y[m * O + o0 + r] = acc;
         }
@@ -61,7 +66,7 @@ void bf16_block(const float *x, const uint16_t *w, float *y, int64_t M, int64_t 
                 uint32_t bits = (uint32_t)wr[k] << 16;
                 float v;
                 memcpy(&v, &bits, 4);
-                acc += v * xm[k];
+                acc = MADD(acc, v, xm[k]);
             }
             y[m * O + o0 + r] = acc;
         }
@@ -104,7 +109,7 @@ void f32_block(const float *x, const float *w, float *y, int64_t M, int64_t O, i
         for (int r = 0; r < n; r++) {
             float acc[3] = {hsum8(f0[r]), hsum8(f1[r]), hsum8(f2[r])};
             for (int i = 0; i < 3; i++) {
-                for (int64_t t = k; t < I; t++) acc[i] += wr[r][t] * xs[i][t];
+                for (int64_t t = k; t < I; t++) acc[i] = MADD(acc[i], wr[r][t], xs[i][t]);
                 y[(m + i) * O + o0 + r] = acc[i];
             }
         }
@@ -139,7 +144,7 @@ void f32_block(const float *x, const float *w, float *y, int64_t M, int64_t O, i
         for (int r = 0; r < ROWS; r++) acc[r] = hsum8(f[r]);
 #endif
         for (int r = 0; r < n; r++) {
-            for (int64_t t = k; t < I; t++) acc[r] += wr[r][t] * xm[t];
+            for (int64_t t = k; t < I; t++) acc[r] = MADD(acc[r], wr[r][t], xm[t]);
             y[m * O + o0 + r] = acc[r];
         }
     }

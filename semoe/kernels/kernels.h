@@ -27,6 +27,15 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+/* a + b * c for the float kernels' scalar tails: fused wherever the build has FMA, as their vector
+ * bodies are (left to itself the compiler vectorized one kernel's tail into separate multiplies and
+ * adds and fused another's, so a bfloat16 weight and its float32 widening summed to other bits) */
+#ifdef __FMA__
+#define MADD(a, b, c) fmaf((b), (c), (a))
+#else
+#define MADD(a, b, c) ((a) + (b) * (c))
+#endif
+
 #define QB 32 /* inputs per activation block */
 #define ROWS 4 /* int8: output rows computed together, sharing the loads of x */
 #define I4_BLOCK 64

@@ -170,6 +170,16 @@ def test_bfloat16_product_equals_the_widened_reference(M, O, I, threads):
         cpu_kernels.gemv_bf16(x, w.float())
 
 
+@pytest.mark.parametrize("M, O, I", SHAPES + [(5, 9, 40), (3, 6, 17)])
+def test_bfloat16_product_is_its_float32_widenings_bit_for_bit(M, O, I, threads):
+    """A bfloat16 weight gives the bits of the float32 kernel on its widening, on every build: the
+    torch-free runner keeps a bfloat16 checkpoint's weights as they are where the engine widens them
+    on CPU, and the two give the same logits bit for bit."""
+    g = torch.Generator().manual_seed(O * I + 7)
+    x, w = torch.randn(M, I, generator=g), torch.randn(O, I, generator=g).bfloat16()
+    assert torch.equal(cpu_kernels.gemv_bf16(x, w), cpu_kernels.gemv_f32(x, w.float()))
+
+
 @pytest.mark.parametrize("dtype, kernel, tol", [(torch.bfloat16, "gemv_bf16", 1e-2), (torch.float32, "gemv_f32", 1e-5)])
 def test_the_models_linear_takes_the_float_kernels_for_a_decoding_steps_rows_only(monkeypatch, dtype, kernel, tol):
     """`semoe.compact_linear.Linear` (attention, lm_head, dense feed-forwards): bfloat16 and float32
