@@ -80,14 +80,17 @@ class _Probe:
 def _find_consumers(outputs: tuple, inputs: tuple, probe: _Probe) -> None:
     """Walk the layer's graph from its outputs down to its inputs, reading every saved tensor so
     that the unpack hook can name the node that saved it."""
-    stop = {id(t.grad_fn) for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None}
+    # nodes are told apart by id, and an id is unique among live objects only: every node compared
+    # is held until the walk ends (a dropped one's id, reused, hid another node's saved tensors)
+    stops = [t.grad_fn for t in inputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+    stop = {id(n) for n in stops}
     todo = [t.grad_fn for t in outputs if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set[int] = set()
+    seen: dict[int, object] = {}
     while todo:
         node = todo.pop()
         if node is None or id(node) in seen or id(node) in stop:
             continue
-        seen.add(id(node))
+        seen[id(node)] = node
         attrs = [a for a in dir(node) if a.startswith("_saved_")]
         if hasattr(type(node), "saved_tensors"):  # a custom autograd.Function
             attrs.append("saved_tensors")
