@@ -301,6 +301,9 @@ class BatchScheduler:
         """Free r's cache and put it ahead of the queue, in arrival order, to go on when there is room."""
         log.info("KV memory full: request %s preempted after %d tokens", r.job.id, len(r.tokens))
         self._running.remove(r)
+        # the gauges before the answer goes out: a client that reads /metrics after its answer sees
+        # its request gone
+        self.metrics.running.set(len(self._running))
         self.metrics.kv_bytes.dec(r.kv_bytes)
         self.metrics.preempted.inc()
         r.kv_bytes = 0
