@@ -35,6 +35,18 @@ def pytest_collection_modifyitems(config, items):
         item.add_marker(skip)
 
 
+@pytest.fixture
+def machine_without_gpu(monkeypatch):
+    """The test's machine as one without a GPU: `--device auto` resolves to cpu and the placement
+    finds no GPU driver, so that what is chosen for CPU memory is tested on a GPU machine too."""
+    import torch
+
+    import inference.placement
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(inference.placement, "gpu_present", lambda: False)
+
+
 @pytest.fixture(scope="session")
 def hf_mixtral_sharded_bf16(tmp_path_factory):
     """A Mixtral checkpoint in bfloat16, sharded into several files with an index."""

@@ -306,7 +306,7 @@ def test_the_sampling_distribution_is_the_engines():
 def test_sampling_and_chat_run_torch_free(stores, capsys):
     """Sampled decoding in the torch-free runner: a seed repeats its draws, another seed draws other
     tokens than greedy decoding, and a top-p that keeps only the most likely token is greedy. With
-    --chat the command line gives the engine's tokens for the same conversation."""
+    --chat the command line gives the engine's tokens on CPU (float32, as the runner) for the same conversation."""
     with LeanModel(stores[32], LeanConfig(cache_bytes=None)) as lean:
         greedy = lean.generate(PROMPT, SamplingConfig(max_new_tokens=12)).tokens
         sampled = [lean.generate(PROMPT, SamplingConfig(max_new_tokens=12, greedy=False, temperature=1.5,
@@ -317,12 +317,13 @@ def test_sampling_and_chat_run_torch_free(stores, capsys):
     outs = []
     for extra in (["--lean"], ["--resident"]):
         assert main(["generate", "--model", stores[32], "--prompt", "the cat", "--chat", "--system", "be brief",
-                     "--max-new-tokens", "6", "--ignore-eos", "--json", *extra]) == 0
+                     "--max-new-tokens", "6", "--ignore-eos", "--json", "--device", "cpu", *extra]) == 0
         outs.append(json.loads(capsys.readouterr().out))
     assert outs[0]["tokens"] == outs[1]["tokens"] and outs[0]["text"] == outs[1]["text"]
 
 
-def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(stores, capsys, monkeypatch):
+def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(stores, capsys, monkeypatch,
+                                                                              machine_without_gpu):
     """`semoe generate` with no budget flag: where the model does not fit the memory available, it
     decodes in the torch-free runner, says so in one line, and sizes the runner's cache from the memory
     left (here a third of the experts); where it fits, or a flag asks for what only the engine does

@@ -59,7 +59,8 @@ def test_choose_keeps_the_model_resident_only_where_it_fits_beside_the_reserve(m
 
 
 @needs_kernels
-def test_generate_without_flags_chooses_says_so_and_gives_the_same_tokens(models, monkeypatch, capsys):
+def test_generate_without_flags_chooses_says_so_and_gives_the_same_tokens(models, monkeypatch, capsys,
+                                                                         machine_without_gpu):
     """No flag: resident with the memory this machine has; with MemAvailable made smaller than the model,
     the torch-free runner, or where a flag asks for the engine (here its cache policy), the engine
     offloaded behind an auto CPU cache. Each run prints the one line naming the choice (and, for the
