@@ -65,7 +65,7 @@ from storage.formats import QUANTIZE_ROWS
 from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import TensorEntry
-from storage.np_codes import bf16_to_f32, float_rows, fp8_bf16_rows, quantize_int8_rows
+from storage.np_codes import bf16_to_f32, float_rows, fp8_bf16_rows, int8_rows, quantize_int8_rows
 from storage.policies import NextUsePolicy
 from storage.procmem import peak_rss_bytes
 from storage.reader import StoreReader
@@ -343,6 +343,14 @@ class LeanModel:
         """A dense 2-d tensor as float32 blocks of its rows, read in turn (never whole in memory), its
         crc32c checked at the end; FP8 ones as the engine holds them (`_bf16_rows`)."""
         t = self._tensor(name)
+        q = t.quant or {}
+        if q.get("scheme") == "int8" and not q.get("transposed"):  # stored int8 (`semoe store quantize`)
+            r, s = 0, self._scales(q["scales"])
+            for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+                self._progress(raw.nbytes)
+                yield int8_rows(raw.view(np.int8), s[r:r + len(raw)], q["dtype"])
+                r += len(raw)
+            return
         if t.dtype != "F32" or t.quant:
             for rows in self._bf16_rows(name):
                 yield bf16_to_f32(rows)
@@ -350,6 +358,13 @@ class LeanModel:
         for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
             self._progress(raw.nbytes)
             yield raw.view(np.float32)
+
+    def _scales(self, name: str) -> np.ndarray:
+        """A compact dense weight's float32 scales, read whole."""
+        t = self._tensor(name)
+        if t.dtype != "F32":
+            raise NotOnFastPath(f"{self.store.root}: {name} is {t.dtype}; scales are read F32")
+        return self.store.read_bytes(name).view(np.float32).reshape(t.shape)
 
     def _bf16_rows(self, name: str):
         """A BF16 or FP8 dense 2-d tensor as blocks of bfloat16 rows (uint16): BF16 as stored, FP8
@@ -360,11 +375,7 @@ class LeanModel:
             raise NotOnFastPath(f"{self.store.root}: dense tensor {name} is stored {q.get('scheme') or t.dtype}; "
                                 f"the lean runner reads F32, BF16 or FP8 dense weights")
         if q:
-            scales = self._tensor(q["scales"])
-            if scales.dtype != "F32":
-                raise NotOnFastPath(f"{self.store.root}: {q['scales']} is {scales.dtype}; FP8 scales are read F32")
-            s = self.store.read_bytes(q["scales"]).view(np.float32).reshape(scales.shape)
-            r = 0
+            s, r = self._scales(q["scales"]), 0
             for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
                 self._progress(raw.nbytes)
                 yield fp8_bf16_rows(raw, s, r, tuple(q["block"]))
@@ -388,7 +399,15 @@ class LeanModel:
         if dense == "int8":
             codes, scales = np.empty((O, I), np.int8), np.empty(O, np.float32)
             r = 0
-            for n in names:
+            for n, t in zip(names, entries):
+                q = t.quant or {}
+                if q.get("scheme") == "int8" and not q.get("transposed"):  # stored int8: taken as they are
+                    scales[r:r + t.shape[0]] = self._scales(q["scales"])
+                    for raw in self.store.dense_row_bytes(n, QUANTIZE_ROWS):
+                        self._progress(raw.nbytes)
+                        codes[r:r + len(raw)] = raw.view(np.int8)
+                        r += len(raw)
+                    continue
                 for block in self._rows(n):
                     codes[r:r + len(block)], scales[r:r + len(block)] = quantize_int8_rows(block)
                     r += len(block)

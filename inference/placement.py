@@ -138,11 +138,12 @@ def lean_refusal(path: str) -> str | None:
     store = StoreReader.open(path)
     if not store.manifest.has_file("config.json"):
         return "the store holds no model (no config.json)"
-    for t in store.manifest.tensors:  # what it reads: float or FP8 dense weights, experts of its kinds
+    for t in store.manifest.tensors:  # what it reads: float, FP8 or int8 dense weights, experts of its kinds
         scheme = (t.quant or {}).get("scheme")
         dense = t.kind == "weight" and t.group != "expert"
-        if dense and scheme != "fp8" and (scheme or t.dtype not in ("F32", "BF16")):
-            return f"it reads dense weights stored F32, BF16 or FP8, not {scheme or t.dtype} ({t.name})"
+        if dense and not (scheme == "fp8" or (scheme == "int8" and not t.quant.get("transposed"))) \
+                and (scheme or t.dtype not in ("F32", "BF16")):
+            return f"it reads dense weights stored F32, BF16, FP8 or int8, not {scheme or t.dtype} ({t.name})"
         if t.kind == "weight" and t.group == "expert" and scheme == "fp8" and len(set(t.quant["block"])) != 1:
             return f"it takes fp8 experts with scales per square tile, not per {t.quant['block']} block ({t.name})"
     why = one_call_refusal(config_from_json(json.loads(store.read_file("config.json"))))

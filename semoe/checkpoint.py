@@ -235,11 +235,19 @@ def _load_store(store: Store, *, device: torch.device | str, dtype: torch.dtype,
     scheme = resolve_dense(dense, device=device, expert_schemes=store.expert_schemes())
     if scheme != "float":  # quantized as read, a block of rows at a time: no float weight is ever whole
 
-        def weight_rows(name: str) -> Iterator[torch.Tensor]:
-            key = hf_name(config, "embed.weight" if config.tie_embeddings and name == "lm_head" else f"{name}.weight")
-            return store.read_dense_rows(present(key), QUANTIZE_ROWS)
+        def key_of(name: str) -> str:
+            return hf_name(config, "embed.weight" if config.tie_embeddings and name == "lm_head" else f"{name}.weight")
 
-        compact_dense_linears(model, scheme, kernel=kernel, weight_rows=weight_rows)
+        def weight_rows(name: str) -> Iterator[torch.Tensor]:
+            return store.read_dense_rows(present(key_of(name)), QUANTIZE_ROWS)
+
+        def stored_int8(name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+            spec = store.manifest.tensor(present(key_of(name))).quant or {}
+            if spec.get("scheme") != "int8" or spec.get("transposed"):
+                return None
+            return store.read_tensor(key_of(name)), store.read_tensor(spec["scales"])
+
+        compact_dense_linears(model, scheme, kernel=kernel, weight_rows=weight_rows, stored_int8=stored_int8)
     _load(model, dense_tensor, expert, path, adopt=True)
     if compact:
         for ffn in model.moe_layers():

@@ -35,6 +35,7 @@ from torch import nn
 
 from semoe import cpu_kernels
 from storage.dtypes import dtype_name, torch_dtype
+from storage.errors import BadInputError
 from storage.quant import (INT4_BLOCK_ROWS, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits,
                            dequantize, dequantize_out_in, pack_int4, quantize_blocks)
 
@@ -344,9 +345,18 @@ def _fits(shape: tuple[int, ...], dtype: torch.dtype, scheme: str, group_size: i
     return True
 
 
+def dense_linear_names(model: nn.Module) -> list[str]:
+    """The dense linear layers `compact_dense_linears` makes compact (attention, lm_head, dense and
+    shared feed-forwards): every `nn.Linear` but a shared expert's gate and latent attention's kv_b."""
+    return [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
+            and not name.endswith(("shared_gate", "kv_b_proj"))]
+
+
 def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto",
                           group_size: int = INT4_DEFAULT_GROUP,
-                          weight_rows: Callable[[str], Iterable[torch.Tensor]] | None = None) -> None:
+                          weight_rows: Callable[[str], Iterable[torch.Tensor]] | None = None,
+                          stored_int8: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+                          ) -> None:
     """Replace the model's dense `nn.Linear` layers (attention, lm_head, dense and shared
     feed-forwards) by `CompactLinear`s of `scheme`, quantized here; the routers and the token
     embedding stay as they are (a router's few rows decide which experts run), and so does latent
@@ -357,12 +367,14 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
     output layer's errors land on every logit directly (llama.cpp's 4-bit files keep it at 6 bits
     or more too). `weight_rows(name)`: the named layer's weight as blocks of its rows, where a loader
     reads it from storage block by block (the layer's own weight is then never filled, and the float
-    weights are never in memory whole); the layer's own weight by default."""
+    weights are never in memory whole); the layer's own weight by default. `stored_int8(name)`: the
+    named layer's int8 codes and scales where a store holds them so (`semoe store quantize`: what
+    this function would make of the float weight), taken as they are where this function would
+    make int8, else None."""
     if scheme not in ("int8", "int4"):
         raise ValueError(f"dense weights can be quantized to int8 or int4, not {scheme!r}")
-    swaps = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
-             and not name.endswith(("shared_gate", "kv_b_proj"))]
-    for name, mod in swaps:
+    for name in dense_linear_names(model):
+        mod = model.get_submodule(name)
         w = mod.weight.detach()
         choices = [("int8", None)]
         if scheme == "int4" and name != "lm_head":  # the largest group up to group_size dividing the inputs
@@ -372,8 +384,15 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
         if not fitting:
             continue
         this, g = fitting[0]
-        rows = [w] if weight_rows is None else weight_rows(name)
-        codes, scales = quantize_blocks(rows, tuple(w.shape), w.dtype, this, group_size=g)
+        held = stored_int8(name) if this == "int8" and stored_int8 is not None else None
+        if held is not None:
+            codes, scales = held
+            if tuple(codes.shape) != tuple(w.shape) or tuple(scales.shape) != (w.shape[0],):
+                raise BadInputError(f"{name}: int8 codes {list(codes.shape)} and scales {list(scales.shape)} "
+                                    f"stored for a weight of shape {list(w.shape)}")
+        else:
+            rows = [w] if weight_rows is None else weight_rows(name)
+            codes, scales = quantize_blocks(rows, tuple(w.shape), w.dtype, this, group_size=g)
         spec = QuantSpec(scheme=this, dtype=dtype_name(w.dtype), shape=tuple(w.shape), scales="", group_size=g)
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

@@ -1,5 +1,6 @@
 """The store's weight codes in numpy, without torch: bfloat16 widened, FP8 (e4m3) with block scales
-dequantized as the engine dequantizes it, int8 quantized with `storage.quant`'s arithmetic. The
+dequantized as the engine dequantizes it, int8 quantized and dequantized with `storage.quant`'s
+arithmetic. The
 torch-free runner (`inference.lean`) reads its weights through these; tests compare each with the
 torch version bit for bit."""
 
@@ -49,5 +50,17 @@ def fp8_bf16_rows(codes: np.ndarray, scales: np.ndarray, r0: int, block: tuple[i
     n, I = codes.shape
     b0, b1 = block
     s = scales[(r0 + np.arange(n)) // b0][:, np.arange(I) // b1]
-    u = (E4M3[codes] * s).astype(np.float32).view(np.uint32)
+    return f32_to_bf16((E4M3[codes] * s).astype(np.float32))
+
+
+def f32_to_bf16(w: np.ndarray) -> np.ndarray:
+    """bfloat16 bits (uint16) of float32 values, rounded to nearest even, as torch's conversion."""
+    u = w.view(np.uint32)
     return ((u + np.uint32(0x7FFF) + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def int8_rows(codes: np.ndarray, scales: np.ndarray, dtype: str) -> np.ndarray:
+    """float32 rows of int8 codes (n, I) and their float32 scales (n,), as `storage.quant` dequantizes
+    them to the logical dtype (one float32 product, rounded once to bfloat16 where that is BF16)."""
+    w = codes.astype(np.float32) * scales[:, None]
+    return bf16_to_f32(f32_to_bf16(w)) if dtype == "BF16" else w

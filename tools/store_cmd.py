@@ -46,6 +46,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--quantize", choices=("int8", "int4"), metavar="int8|int4",
                    help="store the experts' weights compact, as `semoe store quantize` does (lossy)")
     _add_group_size(q)
+    _add_dense(q)
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(handler=cmd_import)
 
@@ -53,16 +54,21 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                       description="Write a new store OUT with the routed experts' 2-D weights quantized: int8 "
                                   "(symmetric, one scale per output row: a quarter of float32's bytes, plus the "
                                   "scales) or int4 (groups of --group-size weights along the input, a scale and "
-                                  "a zero point each). Dense weights, routers, norms, biases and shared experts "
-                                  "are copied as they are; a weight whose shape the scheme cannot hold stays as "
-                                  "it is and is listed. Codes and scales live in the expert's chunk (one read), "
-                                  "and stay compact in the CPU cache, the device ring and the kernels. A "
-                                  "quantized store is for inference: `store export` writes it dequantized "
-                                  "(lossy), `train --init-from` dequantizes it. On failure nothing is left.")
+                                  "a zero point each). The dense linear weights (attention, lm_head, dense and "
+                                  "shared feed-forwards) are stored int8, one scale per output row, as decoding "
+                                  "on CPU holds them beside compact experts (--dense float: copied as they "
+                                  "are); routers, norms, the token embedding and biases are copied as they are. "
+                                  "A weight whose shape the scheme cannot hold stays as it is and is listed. "
+                                  "Codes and scales live in the expert's chunk (one read), and stay compact in "
+                                  "the CPU cache, the device ring and the kernels. A quantized store is for "
+                                  "inference: `store export` writes it dequantized (lossy), `train --init-from` "
+                                  "dequantizes it. A store quantized with --dense float gets its dense weights "
+                                  "made int8 and its experts copied as they are. On failure nothing is left.")
     q.add_argument("store", metavar="STORE", help="the float store to read")
     q.add_argument("out", metavar="OUT", help="new store directory (must be absent or empty)")
     q.add_argument("--bits", type=int, required=True, metavar="8|4", help="8: int8; 4: int4")
     _add_group_size(q)
+    _add_dense(q)
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(handler=cmd_quantize)
 
@@ -136,12 +142,19 @@ def _add_group_size(q: argparse.ArgumentParser) -> None:
                         f"(default {INT4_DEFAULT_GROUP})")
 
 
+def _add_dense(q: argparse.ArgumentParser) -> None:
+    q.add_argument("--dense", choices=("int8", "float"), default="int8",
+                   help="the dense linear weights beside the quantized experts: int8 (default; what decoding on "
+                        "CPU computes with) or float, as they are (what a GPU computes with: it dequantizes int8 "
+                        "ones at load)")
+
+
 def cmd_import(args: argparse.Namespace) -> int:
     from semoe.hf_import import import_checkpoint, open_checkpoint
     from semoe.quantize import QuantizeConfig, quantize_store
 
-    quant = QuantizeConfig(bits=8 if args.quantize == "int8" else 4, group_size=args.group_size) \
-        if args.quantize else None
+    quant = QuantizeConfig(bits=8 if args.quantize == "int8" else 4, group_size=args.group_size,
+                           dense=args.dense) if args.quantize else None
     _check_target(args.store)
     ck = open_checkpoint(args.hf_dir, dtype=args.dtype)
     total = sum(r.nbytes for r in ck.tensors.values())
@@ -173,7 +186,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from semoe.quantize import QuantizeConfig, quantize_store
 
-    cfg = QuantizeConfig(bits=args.bits, group_size=args.group_size)
+    cfg = QuantizeConfig(bits=args.bits, group_size=args.group_size, dense=args.dense)
     _check_target(args.out)
     source = _open(args.store)
     total = sum(t.bytes for t in source.manifest.tensors if t.kind == "weight")
@@ -185,7 +198,9 @@ def cmd_quantize(args: argparse.Namespace) -> int:
         return 0
     print(f"quantized {source.root} -> {args.out}: {report.quantized} expert weights in {report.scheme}, expert "
           f"bytes {format_size(report.bytes_before)} -> {format_size(report.bytes_after)} "
-          f"({report.bytes_after / max(report.bytes_before, 1):.3f}x)")
+          f"({report.bytes_after / max(report.bytes_before, 1):.3f}x)"
+          + (f"; {report.dense_quantized} dense weights in int8, {format_size(report.dense_bytes_before)} -> "
+             f"{format_size(report.dense_bytes_after)}" if report.dense_quantized else ""))
     return 0
 
 

@@ -189,6 +189,20 @@ def test_fp8_dequantization_is_the_engines_bits(rows, r0, block):
     np.testing.assert_array_equal(got, want.view(torch.uint16).numpy())
 
 
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_int8_dequantization_is_the_engines_bits(dtype):
+    """int8 dense rows (`semoe store quantize`) dequantized by numpy for `--dense float`:
+    `storage.quant.dequantize`'s bits, one float32 product rounded once to a bfloat16 model's dtype."""
+    from storage.np_codes import int8_rows
+    from storage.quant import QuantSpec, dequantize, quantize
+
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(37, 96, generator=g) * 0.02
+    codes, scales = quantize(w, "int8")
+    want = dequantize(codes, scales, QuantSpec(scheme="int8", dtype=dtype, shape=(37, 96), scales="s")).float()
+    np.testing.assert_array_equal(int8_rows(codes.numpy(), scales.numpy(), dtype), want.numpy())
+
+
 def test_reads_are_counted_and_a_smaller_cache_reads_more(stores):
     with LeanModel(stores[4], LeanConfig(cache_bytes=0)) as small, \
             LeanModel(stores[4], LeanConfig(cache_bytes=expert_bytes(stores[4]))) as full:

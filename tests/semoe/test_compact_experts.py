@@ -17,6 +17,7 @@ from helpers.hf_models import load_safetensors_dir
 
 from inference.engine import Engine, EngineConfig
 from semoe import cpu_kernels
+from semoe.checkpoint import read_model_config
 from semoe.compact_linear import CompactWeight
 from semoe.generate import SamplingConfig
 from semoe.hf_import import export_checkpoint, import_checkpoint
@@ -51,18 +52,20 @@ def _hf(arch: str, path):
 
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
-    """(arch, bits) -> store path; 32 is the float32 import."""
+    """(arch, bits, dense) -> store path; 32 is the float32 import; dense: the quantized store's dense
+    linear weights, int8 (`store quantize`'s default) or float."""
     made = {}
 
-    def get(arch: str, bits: int) -> str:
-        if (arch, bits) not in made:
-            root = tmp_path_factory.mktemp(f"{arch}-{bits}")
+    def get(arch: str, bits: int, dense: str = "int8") -> str:
+        if (arch, bits, dense) not in made:
+            root = tmp_path_factory.mktemp(f"{arch}-{bits}-{dense}")
             if bits == 32:
                 import_checkpoint(str(_hf(arch, root / "hf")), str(root / "store"))
             else:
-                quantize_store(get(arch, 32), str(root / "store"), QuantizeConfig(bits=bits, group_size=64))
-            made[(arch, bits)] = str(root / "store")
-        return made[(arch, bits)]
+                quantize_store(get(arch, 32), str(root / "store"),
+                               QuantizeConfig(bits=bits, group_size=64, dense=dense))
+            made[(arch, bits, dense)] = str(root / "store")
+        return made[(arch, bits, dense)]
 
     return get
 
@@ -142,16 +145,34 @@ def test_fp8_computed_as_fp8_equals_the_reference(shape, tile, rows):
 @pytest.mark.parametrize("arch", ["mixtral", "gpt_oss"])
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantize_makes_expert_weights_compact_and_copies_the_rest(stores, arch, bits):
+    """Experts compact; the dense linear weights int8 with the loader's own quantizer (the codes and
+    scales `compact_dense_linears` makes of the float weights); routers, norms, the embedding and
+    biases byte for byte."""
+    from semoe.quantize import dense_int8_names
+
     src, dst = Store.open(stores(arch, 32)), Store.open(stores(arch, bits))
-    for t in src.manifest.dense():  # dense weights, routers, norms: byte for byte
-        assert torch.equal(dst.read_tensor(t.name).view(torch.uint8), src.read_tensor(t.name).view(torch.uint8))
+    linears = dense_int8_names(read_model_config(src))
+    assert "lm_head.weight" in linears and "model.layers.0.self_attn.q_proj.weight" in linears
+    for t in src.manifest.dense():
+        if t.name not in linears:
+            assert torch.equal(dst.read_tensor(t.name).view(torch.uint8), src.read_tensor(t.name).view(torch.uint8))
+            continue
+        spec = QuantSpec.from_json(dst.manifest.tensor(t.name).quant)
+        assert (spec.scheme, spec.dtype, spec.shape, spec.group_size) == ("int8", t.dtype, tuple(t.shape), None)
+        codes, scales = quantize(src.read_tensor(t.name), "int8")
+        assert torch.equal(dst.read_tensor(t.name), codes) and torch.equal(dst.read_tensor(spec.scales), scales)
+    assert dst.manifest.model["quantization"]["dense_tensors"] == len(linears)
     scheme = "int8" if bits == 8 else "int4"
     info = dst.describe()
     n_weights = 2 * (3 if arch == "mixtral" else 2)  # per MoE layer: SwiGLU gate/up/down; fused gate_up/down
-    assert info["schemes"][scheme]["tensors"] == n_weights * (1 if arch == "gpt_oss" else 4)
-    # bits per weight: the codes plus one float32 scale per row (int8) or scale and zero per 64 (int4)
+    n_weights *= 1 if arch == "gpt_oss" else 4
+    assert info["schemes"]["int8"]["tensors"] == len(linears) + (n_weights if bits == 8 else 0)
+    if bits == 4:
+        assert info["schemes"]["int4"]["tensors"] == n_weights
+    # bits per weight: the codes plus one float32 scale per row of 32 to 64 (int8) or scale and zero
+    # per 64 (int4)
     bpw = info["schemes"][scheme]["bits_per_weight"]
-    assert (8.25 < bpw <= 8.5) if bits == 8 else bpw == pytest.approx(4 + 64 / 64)
+    assert (8.25 < bpw <= 9.0) if bits == 8 else bpw == pytest.approx(4 + 64 / 64)
     assert info["quantization"]["format"] == ("int8" if bits == 8 else "int4-g64")
     if arch == "mixtral":  # (gpt-oss's float biases stay float, and weigh at these tiny sizes)
         ratio = info["expert_bytes"] / src.describe()["expert_bytes"]
@@ -331,7 +352,7 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
     V, D = q.config.vocab_size, q.config.hidden_size
     assert weight_bytes(q.lm_head) == V * D + 4 * V  # codes and a float32 scale per row
     # int4 on request: where it holds the shape (out features in blocks of 64), the lm_head int8
-    q4 = load_store(stores(arch, bits), dense="int4")
+    q4 = load_store(stores(arch, bits, "float"), dense="int4")  # from float dense weights
     assert q4.lm_head.weight.spec.scheme == "int8"
     for b in q4.layers:  # q int4, k and v int8 (32 rows here): not stacked
         assert b.attn.qkv_proj is None
@@ -339,10 +360,15 @@ def test_dense_weights_are_int8_on_cpu_beside_quantized_experts_unless_asked_oth
             lin = getattr(b.attn, n)
             assert lin.weight.spec.scheme == ("int4" if lin.out_features % 64 == 0 else "int8"), n
     assert any(getattr(b.attn, "q_proj").weight.spec.scheme == "int4" for b in q4.layers)
-    plain = load_store(stores(arch, bits), dense="float")
+    plain = load_store(stores(arch, bits, "float"), dense="float")  # compact experts, float dense weights
     assert isinstance(plain.lm_head, nn.Linear)
-    # quantized as they were read, a block of rows at a time: the codes of the loaded float weights
-    again = load_store(stores(arch, bits), dense="float")
+    # the store's int8 dense weights are those the loader makes of float ones: the same logits
+    at_load = load_store(stores(arch, bits, "float"))
+    with torch.no_grad():
+        assert torch.equal(q(torch.tensor([PROMPT])).logits, at_load(torch.tensor([PROMPT])).logits)
+    # stored as the loader quantizes float weights a block of rows at a time: the codes and scales of
+    # the float store's weights
+    again = load_store(stores(arch, 32), dense="float")
     compact_dense_linears(again, "int8")
     stack_projections(again)
     for name, lin in q.named_modules():
@@ -491,6 +517,26 @@ def test_quantize_refuses_a_non_empty_target_and_a_quantized_source(stores, tmp_
         QuantizeConfig(bits=16)
 
 
+def test_a_store_quantized_with_float_dense_weights_gets_them_int8_by_quantizing_it_again(stores, tmp_path, capsys):
+    """`store quantize --bits N` of a store quantized to the same format with --dense float: its experts
+    copied as they are, its dense weights made int8: every tensor as quantizing the float store gives;
+    another format is refused."""
+    assert main(["store", "quantize", stores("mixtral", 4, "float"), str(tmp_path / "up"), "--bits", "4",
+                 "--group-size", "64", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["dense_quantized"] > 0 and report["dense_bytes_after"] < report["dense_bytes_before"] / 3
+    up, direct = Store.open(str(tmp_path / "up")), Store.open(stores("mixtral", 4))
+    assert sorted(t.name for t in up.manifest.tensors) == sorted(t.name for t in direct.manifest.tensors)
+    for t in direct.manifest.dense():
+        assert torch.equal(up.read_tensor(t.name).view(torch.uint8), direct.read_tensor(t.name).view(torch.uint8))
+    for c in direct.manifest.chunks:
+        assert torch.equal(up.read_chunk(c.layer, c.expert), direct.read_chunk(c.layer, c.expert))
+    q = up.manifest.model["quantization"]
+    assert (q["format"], q["dense"], q["tensors"]) == ("int4-g64", "int8", direct.manifest.model["quantization"]["tensors"])
+    assert main(["store", "quantize", stores("mixtral", 4, "float"), str(tmp_path / "other"), "--bits", "8"]) == 2
+    assert "its experts are already quantized (int4-g64)" in capsys.readouterr().err
+
+
 def test_import_quantize_verify_ls_gc_and_info_cover_compact_experts(stores, tmp_path, capsys):
     hf = stores("mixtral", 32).replace("store", "hf")
     assert main(["store", "import", hf, str(tmp_path / "q"), "--quantize", "int4", "--group-size", "64"]) == 0
@@ -505,7 +551,7 @@ def test_import_quantize_verify_ls_gc_and_info_cover_compact_experts(stores, tmp
     assert main(["store", "ls", str(tmp_path / "q"), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)["tensors"]
     assert {r["scheme"] for r in rows if r["group"] == "expert"} == {"int4", "scales"}
-    assert {r["scheme"] for r in rows if r["group"] == "dense"} == {None}
+    assert {r["scheme"] for r in rows if r["group"] == "dense"} == {None, "int8", "scales"}
     assert main(["store", "gc", str(tmp_path / "q"), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["removed_files"] == 0
     assert main(["store", "info", str(tmp_path / "q")]) == 0
