@@ -12,7 +12,9 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
               available memory (no swap: it stays resident; it sizes itself after its own start
               and tops up until MemAvailable is SIZE) while one engine runs, SIZE = 50% and
               25% of the model's bytes: semoe with its CPU cache sized so that its own memory (its
-              peak RSS less its file-backed pages) and --margin (64 MiB) for the code it runs fit SIZE
+              peak RSS less its file-backed pages), the int8 dense weights the torch-free runner maps
+              from the store (paged in as used where SIZE leaves them no room beside its least
+              cache) and --margin (64 MiB) for the code it runs fit SIZE
               (--cpu-cache-auto: the engine's `--cpu-cache auto` instead, which sizes it from
               MemAvailable less a reserve and under this balloon took less: 0.03 GiB at int4 50%),
               llama.cpp with mmap and the page cache (and --no-repack: its q4_0 kernels otherwise
@@ -108,7 +110,7 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> 
                 "expert_read_bytes_per_token": res.stats["ssd_bytes"] / len(res.tokens),
                 "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
-                "read_wait_share": wait_share}
+                "read_wait_share": wait_share, "mapped_bytes": model.mapped_bytes}
 
 
 def run_transformers(hf: str, prompt: list[int], new_tokens: int) -> dict:
@@ -271,7 +273,8 @@ def footprint(args: argparse.Namespace, ours: str) -> dict:
         else {"engine": "ours", "path": os.path.join(args.workdir, ours), "cpu_cache": 1, "cold": True, "ring_slots": 2}
     r = _run(args, spec)
     return {"peak_rss_bytes": r["peak_rss_bytes"], "min_cache_bytes": r["cpu_cache_bytes"],
-            "rss_file_bytes": r["rss_file_bytes"], "auto_reserve_bytes": r["auto_reserve_bytes"]}
+            "rss_file_bytes": r["rss_file_bytes"], "auto_reserve_bytes": r["auto_reserve_bytes"],
+            "mapped_bytes": r.get("mapped_bytes", 0)}
 
 
 def limited(args: argparse.Namespace) -> dict:
@@ -281,12 +284,19 @@ def limited(args: argparse.Namespace) -> dict:
         if bits not in args.limited_bits.split(","):
             continue
         fp = footprint(args, ours)
-        base = fp["peak_rss_bytes"] - fp["rss_file_bytes"] - fp["min_cache_bytes"]
+        # its own anonymous memory; the dense weights the runner maps from the store (file-backed, as
+        # llama.cpp's) are given room beside the cache where SIZE allows, else paged as used
+        base, mapped = fp["peak_rss_bytes"] - fp["rss_file_bytes"] - fp["min_cache_bytes"], fp["mapped_bytes"]
         total = model_bytes(args.workdir, ours)
         for share in (int(s) for s in args.memory.split(",")):
             size = total * share // 100
             left = fp["auto_reserve_bytes"] if args.cpu_cache_auto else args.margin << 20
-            cache = size - base - left
+            cache = size - base - mapped - left
+            if mapped and cache < fp["min_cache_bytes"] <= size - base - left:
+                cache = fp["min_cache_bytes"]
+                notes[f"paged-{bits}-{share}%"] = (
+                    f"ours at {share}%: its {mapped / 2**30:.2f} GiB of mapped dense weights do not all fit beside "
+                    f"its least cache: they are paged in as used, as llama.cpp's mapped weights")
             specs = [("llama", {"engine": "llama", "path": os.path.join(args.workdir, f"llama-{gguf}.gguf"),
                                 "repack": False})]
             if cache >= fp["min_cache_bytes"] and args.lean:

@@ -10,8 +10,8 @@ decode_step.c, in parts: `decode_attend`, then the chosen experts, `decode_ffn`;
 over buffers of its own (numpy, ctypes), and imports no torch, so that memory goes to the cache.
 
 What it holds: the dense weights (attention, routers, norms, lm_head), float32 or bfloat16 as
-stored (FP8 ones dequantized to bfloat16, as the engine loads them), or int8 quantized at load with
-the arithmetic of `storage.quant` (`dense="auto"`: int8 beside int8/int4 experts, as the engine); the
+stored (FP8 ones dequantized to bfloat16, as the engine loads them), or int8 (`dense="auto"`: beside
+int8/int4 experts, as the engine): stored so, mapped from the store's files, or quantized here; the
 token embedding stays on storage, one row read per token; the experts' chunks, as stored (float32,
 bfloat16, int8, int4, FP8 or MXFP4 codes, each computed as it is), in `cache_bytes` of
 slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT (a chunk's pieces
@@ -205,6 +205,7 @@ class LeanModel:
         self.config = c = config_from_json(json.loads(store.read_file("config.json")))
         self._check(c)
         self.held: list = []  # what the Net's pointers point into
+        self.mapped_bytes = 0  # of dense weights mapped from the store's files (`_mapped`)
         self.tokenizer = None
         if m.has_file("tokenizer.json"):
             files = {n: store.read_file(n) for n in TOKENIZER_FILES if m.has_file(n)}
@@ -269,8 +270,9 @@ class LeanModel:
                 raise NotOnFastPath(f"{path}: layer {ch.layer}'s expert {ch.expert} is laid out unlike its expert 0")
         sizes = {ch.bytes for ch in chunks}
         self.slot_bytes = -(-max(sizes) // ALIGN) * ALIGN if sizes else ALIGN
-        if config.cache_bytes is None:
-            slots = max(K, auto_cpu_cache_bytes(len(chunks) * self.slot_bytes) // self.slot_bytes)
+        if config.cache_bytes is None:  # room left for the mapped dense weights' pages too
+            spare = auto_cpu_cache_bytes(len(chunks) * self.slot_bytes + self.mapped_bytes) - self.mapped_bytes
+            slots = max(K, min(len(chunks), spare // self.slot_bytes))
         else:
             slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
         if moe_layers and slots < K:
@@ -359,6 +361,17 @@ class LeanModel:
             self._progress(raw.nbytes)
             yield raw.view(np.float32)
 
+    def _mapped(self, name: str) -> np.ndarray:
+        """A stored int8 dense weight's codes mapped read-only from the store's file, checked against
+        its crc32c first (read through once, not kept). The page cache holds them while memory allows
+        and gives them back under pressure, to be read again as used (as llama.cpp maps its weights):
+        they take no anonymous memory, and decoding goes on, slower, where memory cannot hold them."""
+        t = self._tensor(name)
+        for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+            self._progress(raw.nbytes)
+        self.mapped_bytes += t.bytes
+        return np.memmap(self.store.path(t.file), np.int8, "r", t.offset, tuple(t.shape))
+
     def _scales(self, name: str) -> np.ndarray:
         """A compact dense weight's float32 scales, read whole."""
         t = self._tensor(name)
@@ -397,20 +410,23 @@ class LeanModel:
             raise NotOnFastPath(f"{names}: products of different input sizes")
         O = sum(t.shape[0] for t in entries)
         if dense == "int8":
-            codes, scales = np.empty((O, I), np.int8), np.empty(O, np.float32)
-            r = 0
-            for n, t in zip(names, entries):
-                q = t.quant or {}
-                if q.get("scheme") == "int8" and not q.get("transposed"):  # stored int8: taken as they are
-                    scales[r:r + t.shape[0]] = self._scales(q["scales"])
-                    for raw in self.store.dense_row_bytes(n, QUANTIZE_ROWS):
-                        self._progress(raw.nbytes)
-                        codes[r:r + len(raw)] = raw.view(np.int8)
-                        r += len(raw)
-                    continue
-                for block in self._rows(n):
-                    codes[r:r + len(block)], scales[r:r + len(block)] = quantize_int8_rows(block)
-                    r += len(block)
+            stored = [(t.quant or {}).get("scheme") == "int8" and not t.quant.get("transposed") for t in entries]
+            if stored == [True]:  # one weight stored int8: its codes mapped where they are
+                codes, scales = self._mapped(names[0]), self._scales(entries[0].quant["scales"])
+            else:  # stacked (q, k and v) or float: copied, or quantized here
+                codes, scales = np.empty((O, I), np.int8), np.empty(O, np.float32)
+                r = 0
+                for n, t, as_stored in zip(names, entries, stored):
+                    if as_stored:
+                        scales[r:r + t.shape[0]] = self._scales(t.quant["scales"])
+                        for raw in self.store.dense_row_bytes(n, QUANTIZE_ROWS):
+                            self._progress(raw.nbytes)
+                            codes[r:r + len(raw)] = raw.view(np.int8)
+                            r += len(raw)
+                        continue
+                    for block in self._rows(n):
+                        codes[r:r + len(block)], scales[r:r + len(block)] = quantize_int8_rows(block)
+                        r += len(block)
             self.held += [codes, scales]
             lin = kernel_abi.Lin(kernel_abi.W_INT8, O, I, 0, codes.ctypes.data, scales.ctypes.data, None)
         else:  # bfloat16 where all are (FP8 dequantized to it, as the engine's), else float32
