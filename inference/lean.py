@@ -244,8 +244,10 @@ class LeanModel:
             if c.attention == "mla":
                 attn = dict(qkv=[], window=0, mla=self._latent(lay, dense))
             else:
+                qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
+                mapped = dense == "int8" and any(self._stored_int8(hf_name(c, f"{m}.weight")) for m in qkv)
                 attn = dict(
-                    qkv=[self._linear([f"layers.{lay}.attn.{p}_proj" for p in "qkv"], dense)],
+                    qkv=[self._linear([m], dense) for m in qkv] if mapped else [self._linear(qkv, dense)],
                     window=c.window(lay) or 0, qk_norm=kernel_abi.QK_NORM[c.qk_norm], qk_eps=c.rms_norm_eps,
                     q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if c.qk_norm != "none" else None,
                     k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if c.qk_norm != "none" else None,
@@ -361,6 +363,10 @@ class LeanModel:
             self._progress(raw.nbytes)
             yield raw.view(np.float32)
 
+    def _stored_int8(self, name: str) -> bool:
+        q = self._tensor(name).quant or {}
+        return q.get("scheme") == "int8" and not q.get("transposed")
+
     def _mapped(self, name: str) -> np.ndarray:
         """A stored int8 dense weight's codes mapped read-only from the store's file, checked against
         its crc32c first (read through once, not kept). The page cache holds them while memory allows
@@ -410,20 +416,14 @@ class LeanModel:
             raise NotOnFastPath(f"{names}: products of different input sizes")
         O = sum(t.shape[0] for t in entries)
         if dense == "int8":
-            stored = [(t.quant or {}).get("scheme") == "int8" and not t.quant.get("transposed") for t in entries]
-            if stored == [True]:  # one weight stored int8: its codes mapped where they are
+            if len(names) == 1 and self._stored_int8(names[0]):  # stored int8: mapped where they are
                 codes, scales = self._mapped(names[0]), self._scales(entries[0].quant["scales"])
-            else:  # stacked (q, k and v) or float: copied, or quantized here
+            elif any(self._stored_int8(n) for n in names):
+                raise NotOnFastPath(f"{names}: stored int8 weights are mapped one by one, never stacked")
+            else:  # float weights (q, k and v stacked): quantized here
                 codes, scales = np.empty((O, I), np.int8), np.empty(O, np.float32)
                 r = 0
-                for n, t, as_stored in zip(names, entries, stored):
-                    if as_stored:
-                        scales[r:r + t.shape[0]] = self._scales(t.quant["scales"])
-                        for raw in self.store.dense_row_bytes(n, QUANTIZE_ROWS):
-                            self._progress(raw.nbytes)
-                            codes[r:r + len(raw)] = raw.view(np.int8)
-                            r += len(raw)
-                        continue
+                for n in names:
                     for block in self._rows(n):
                         codes[r:r + len(block)], scales[r:r + len(block)] = quantize_int8_rows(block)
                         r += len(block)

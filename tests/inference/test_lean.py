@@ -212,6 +212,16 @@ def test_reads_are_counted_and_a_smaller_cache_reads_more(stores):
         assert b.stats["expert_reads"] <= 4 * 3 < a.stats["expert_reads"]
 
 
+def test_every_dense_weight_stored_int8_is_mapped_not_copied(stores):
+    """`store quantize` stores the dense linear weights int8; the runner maps every one of them (q, k
+    and v as three products rather than one stacked copy), so none takes anonymous memory."""
+    store = StoreReader.open(stores[4])
+    stored = sum(t.bytes for t in store.manifest.dense() if (t.quant or {}).get("scheme") == "int8")
+    with LeanModel(stores[4], LeanConfig(cache_bytes=0)) as lean:
+        assert lean.mapped_bytes == stored > 0
+        assert all(layer.n_qkv == 3 for layer in lean.layers)
+
+
 @pytest.mark.parametrize("bits,dense", [(32, "float"), (4, "int8")])
 def test_load_progress_counts_every_dense_byte_it_reads(stores, bits, dense):
     """The progress callback's updates sum to `dense_load_bytes` (the bar's total), as the dense weights
