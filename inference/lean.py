@@ -61,7 +61,7 @@ from semoe.hf_names import hf_name
 from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
 from storage.cache import ExpertCache, ExpertCacheConfig
 from storage.errors import BadInputError
-from storage.formats import QUANTIZE_ROWS
+from storage.formats import QUANTIZE_ROWS, int8_rows_spec
 from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import TensorEntry
@@ -348,7 +348,7 @@ class LeanModel:
         crc32c checked at the end; FP8 ones as the engine holds them (`_bf16_rows`)."""
         t = self._tensor(name)
         q = t.quant or {}
-        if q.get("scheme") == "int8" and not q.get("transposed"):  # stored int8 (`semoe store quantize`)
+        if int8_rows_spec(q):  # stored int8 (`semoe store quantize`)
             r, s = 0, self._scales(q["scales"])
             for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
                 self._progress(raw.nbytes)
@@ -364,8 +364,7 @@ class LeanModel:
             yield raw.view(np.float32)
 
     def _stored_int8(self, name: str) -> bool:
-        q = self._tensor(name).quant or {}
-        return q.get("scheme") == "int8" and not q.get("transposed")
+        return int8_rows_spec(self._tensor(name).quant)
 
     def _mapped(self, name: str) -> np.ndarray:
         """A stored int8 dense weight's codes mapped read-only from the store's file, checked against

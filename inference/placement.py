@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from inference.memory_guard import CPU_CACHE_AUTO, reserve_bytes
+from storage.formats import int8_rows_spec
 from storage.procmem import available_ram_bytes
 from storage.reader import StoreReader, is_store
 
@@ -141,8 +142,7 @@ def lean_refusal(path: str) -> str | None:
     for t in store.manifest.tensors:  # what it reads: float, FP8 or int8 dense weights, experts of its kinds
         scheme = (t.quant or {}).get("scheme")
         dense = t.kind == "weight" and t.group != "expert"
-        if dense and not (scheme == "fp8" or (scheme == "int8" and not t.quant.get("transposed"))) \
-                and (scheme or t.dtype not in ("F32", "BF16")):
+        if dense and not (scheme == "fp8" or int8_rows_spec(t.quant)) and (scheme or t.dtype not in ("F32", "BF16")):
             return f"it reads dense weights stored F32, BF16, FP8 or int8, not {scheme or t.dtype} ({t.name})"
         if t.kind == "weight" and t.group == "expert" and scheme == "fp8" and len(set(t.quant["block"])) != 1:
             return f"it takes fp8 experts with scales per square tile, not per {t.quant['block']} block ({t.name})"

@@ -26,6 +26,7 @@ from semoe.tokenizer import TOKENIZER_FILES
 from storage.errors import BadInputError
 from storage.dtypes import torch_dtype
 from storage.pool import release_free_heap
+from storage.formats import int8_rows_spec
 from storage.quant import QUANTIZE_ROWS
 from semoe.hf_import import ExpertPart, open_checkpoint
 from storage.reader import is_store  # noqa: F401 (re-exported: the callers ask the model module)
@@ -242,8 +243,8 @@ def _load_store(store: Store, *, device: torch.device | str, dtype: torch.dtype,
             return store.read_dense_rows(present(key_of(name)), QUANTIZE_ROWS)
 
         def stored_int8(name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-            spec = store.manifest.tensor(present(key_of(name))).quant or {}
-            if spec.get("scheme") != "int8" or spec.get("transposed"):
+            spec = store.manifest.tensor(present(key_of(name))).quant
+            if not int8_rows_spec(spec):
                 return None
             return store.read_tensor(key_of(name)), store.read_tensor(spec["scales"])
 

@@ -10,6 +10,12 @@ CAST_CHOICES = ("keep", "float32", "bfloat16", "float16")  # the names users giv
 INT4_GROUP_SIZES = (32, 64, 128, 256)
 INT4_DEFAULT_GROUP = 128
 INT8_MAX = 127  # int8 codes lie in [-127, 127], one scale per output row
+
+
+def int8_rows_spec(quant: dict | None) -> bool:
+    """Whether a manifest entry's `quant` is int8 codes laid out (O, I), one scale per row: what `semoe
+    store quantize` stores dense linear weights as, and what the loaders take as stored."""
+    return bool(quant) and quant.get("scheme") == "int8" and not quant.get("transposed")
 # Rows quantized at once: bounds the float32 temporaries (a 32000-row lm_head took four copies of
 # itself, 0.5 GB, when quantized whole); a multiple of int4's 64-row blocks
 QUANTIZE_ROWS = 512
