@@ -67,7 +67,7 @@ from storage.keys import ExpertKey
 from storage.manifest import TensorEntry
 from storage.np_codes import bf16_to_f32, float_rows, fp8_bf16_rows, int8_rows, quantize_int8_rows
 from storage.policies import NextUsePolicy
-from storage.procmem import peak_rss_bytes
+from storage.procmem import peak_rss_bytes, release_free_heap
 from storage.reader import StoreReader
 DENSE_CHOICES = ("auto", "float", "int8")
 _KIND = {"F32": kernel_abi.W_F32, "BF16": kernel_abi.W_BF16, "int8": kernel_abi.W_INT8, "int4": kernel_abi.W_INT4,
@@ -297,6 +297,7 @@ class LeanModel:
         self._emb_fd = os.open(store.path(emb.file), os.O_RDONLY)
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
         self.cache = _ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader, self._loaded)
+        release_free_heap()  # what loading freed, given back: decoding may run with memory short
 
     @staticmethod
     def _check(c) -> None:
