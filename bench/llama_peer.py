@@ -229,6 +229,7 @@ def _patched_converter(llama_src: str, dest: str) -> str:
 # ---- tokenizer (runs in the project venv) ----
 
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>")  # ids 0, 1, 2: Mixtral's and Llama's unk/bos/eos ids
+TRAINED_VOCAB = 32768  # tokens learnt from the sources at most; larger vocabularies are topped up
 
 
 def _stdlib_texts(max_bytes: int):
@@ -252,7 +253,8 @@ def _stdlib_texts(max_bytes: int):
 
 def add_tokenizer(hf_dir: str, vocab_size: int | None = None, max_corpus_bytes: int = 48 << 20,
                   extra_special: tuple[str, ...] = ()) -> str:
-    """Trains a byte-level BPE of exactly vocab_size tokens (default: config.json's) into hf_dir, once;
+    """Trains a byte-level BPE of exactly vocab_size tokens (default: config.json's) into hf_dir, once:
+    at most TRAINED_VOCAB learnt from the sources, the rest synthetic merges (`_topped_up`);
     `extra_special`: added tokens an architecture's converter looks up by name (after ids 0-2)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
@@ -266,18 +268,44 @@ def add_tokenizer(hf_dir: str, vocab_size: int | None = None, max_corpus_bytes: 
     # a plain ByteLevel pre-tokenizer: GPT-2's regex split, which llama.cpp calls "gpt-2"
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *extra_special],
+    trainer = trainers.BpeTrainer(vocab_size=min(vocab_size, TRAINED_VOCAB), special_tokens=[*SPECIAL_TOKENS, *extra_special],
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
     tok.train_from_iterator(_stdlib_texts(max_corpus_bytes), trainer=trainer)
+    if tok.get_vocab_size() < vocab_size:  # more than the sources give (real models' 150k to 200k)
+        tok = Tokenizer.from_str(_topped_up(tok.to_str(), vocab_size))
     if tok.get_vocab_size() != vocab_size:
         raise RuntimeError(f"the BPE trained on {max_corpus_bytes} bytes of stdlib sources has "
-                           f"{tok.get_vocab_size()} tokens, not vocab_size={vocab_size}: raise max_corpus_bytes")
+                           f"{tok.get_vocab_size()} tokens, not vocab_size={vocab_size}")
     tok.save(path)
     unk, bos, eos = SPECIAL_TOKENS
     with open(os.path.join(hf_dir, "tokenizer_config.json"), "w") as f:
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": unk, "bos_token": bos,
                    "eos_token": eos, "add_bos_token": False, "model_max_length": 1 << 20}, f, indent=1)
     return path
+
+
+def _topped_up(tokenizer_json: str, vocab_size: int) -> str:
+    """A trained BPE (tokenizer.json) given merges up to vocab_size tokens: each appends one byte to a
+    token drawn from those already there (seeded), so every new token is reachable, merge by merge;
+    they come last, so text encodes as before and the ids beyond the trained ones are rare words."""
+    import random
+
+    from tokenizers import pre_tokenizers
+
+    spec = json.loads(tokenizer_json)
+    vocab, merges = spec["model"]["vocab"], spec["model"]["merges"]
+    specials = {t["content"] for t in spec.get("added_tokens", [])}
+    tokens = [t for t in vocab if t not in specials]
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    rng = random.Random(0)
+    while len(vocab) < vocab_size:
+        a, b = tokens[rng.randrange(len(tokens))], alphabet[rng.randrange(len(alphabet))]
+        if a + b in vocab:
+            continue
+        vocab[a + b] = len(vocab)
+        tokens.append(a + b)
+        merges.append([a, b] if not merges or isinstance(merges[0], list) else f"{a} {b}")
+    return json.dumps(spec)
 
 
 # ---- conversion and quantization (tools of the peer env) ----
