@@ -1,0 +1,267 @@
+"""Random-weight checkpoints with the exact configs of the MoE models people run offloaded.
+
+    python bench/make_real.py gpt-oss-20b OUT [--layers N] [--seed 0]
+    python bench/make_real.py qwen3-30b-a3b OUT --layers 12
+
+Each is a HuggingFace directory as the model ships (config.json, safetensors shards with their index,
+generation_config.json) that `semoe store import` and llama.cpp's converter both take, written once:
+- gpt-oss-20b: its config as published (24 layers, 32 experts of 2880, top-4, YaRN, sinks, windows of
+  128), experts in MXFP4 as shipped (blocks and e8m0 scales), everything else in bfloat16;
+- qwen3-30b-a3b: its config as published (48 layers, 128 experts of 768, top-8), all bfloat16.
+A tokenizer of exactly the config's vocabulary is added (`llama_peer.add_tokenizer`: a byte-level BPE
+trained on the standard library's sources, topped up with synthetic merges), and the config's special
+token ids are set to its own (<unk>, <s>, </s> at 0, 1, 2); every other field is the published one.
+`--layers` keeps the first N layers (the config says so); the sizes for each are in --help.
+
+The weights are drawn so that decoding routes as trained models do, spread over the experts: the
+token embedding (std 1) stays the larger part of the residual stream, the products writing into it
+(attention's o_proj, the experts' down_proj) are scaled by 1/sqrt(2 x layers) as GPT-2 initializes
+them, and the routers' logits have a standard deviation of 2. With transformers' own initialization
+(std 0.02 everywhere) attention's averages soon outweigh the embedding: tokens look alike to the
+routers, and greedy decoding falls into short cycles that route alike (4 layers of qwen3-30b-a3b at
+its published width decoded 9 distinct tokens of 96, their top-8 picks at a normalized entropy of
+0.84; these weights: 94 and 0.995), which flatters any cache. bench_peers.py reports the routing
+entropy of the decoding it times beside each of our results.
+
+Shards are written one tensor at a time (never the whole model in memory) into OUT.partial, renamed
+to OUT when complete: an interrupted run leaves no half-written checkpoint behind. The file system
+must hold the model's size (checked before anything is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shutil
+import sys
+from dataclasses import dataclass
+
+import numpy as np
+
+BENCH = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(BENCH))
+sys.path.insert(0, BENCH)
+
+from storage.np_codes import f32_to_bf16  # noqa: E402
+from storage.safetensors_io import OutTensor, write_file  # noqa: E402
+
+# the published configs, field for field (from each model's config.json)
+GPT_OSS_20B = {
+    "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "attention_bias": True,
+    "attention_dropout": 0.0, "eos_token_id": 200002, "pad_token_id": 199999, "experts_per_token": 4,
+    "head_dim": 64, "hidden_act": "silu", "hidden_size": 2880, "initial_context_length": 4096,
+    "initializer_range": 0.02, "intermediate_size": 2880, "max_position_embeddings": 131072,
+    "num_attention_heads": 64, "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 8,
+    "num_local_experts": 32, "output_router_logits": False, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                     "rope_type": "yarn", "truncate": False},
+    "rope_theta": 150000, "router_aux_loss_coef": 0.9, "sliding_window": 128, "swiglu_limit": 7.0,
+    "tie_word_embeddings": False, "use_cache": True, "vocab_size": 201088,
+    "quantization_config": {"modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                       "model.embed_tokens", "lm_head"], "quant_method": "mxfp4"},
+}
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [],
+    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
+    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}
+MODELS = {"gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+
+SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # the added tokenizer's
+ROUTER_LOGIT_STD = 2.0
+FP4_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of a uniformly drawn e2m1 code
+
+
+@dataclass(frozen=True)
+class Planned:
+    """One tensor of the checkpoint: name, shape, safetensors dtype and how it is drawn: ("normal", std),
+    ("ones",), ("mxfp4_blocks",) or ("mxfp4_scales", std of the values the blocks decode to)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: str
+    draw: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * (2 if self.dtype == "BF16" else 1)
+
+
+def config_of(model: str, layers: int | None = None, **overrides) -> dict:
+    """The published config of `model`, with its first `layers` layers, the added tokenizer's special
+    ids and `overrides` (smaller shapes, for tests)."""
+    c = {**MODELS[model], **overrides}
+    for k in SPECIAL_IDS:
+        if k in c:
+            c[k] = SPECIAL_IDS[k]
+    if layers is not None:
+        if not 1 <= layers <= MODELS[model]["num_hidden_layers"]:
+            raise SystemExit(f"--layers: {model} has {MODELS[model]['num_hidden_layers']} layers; got {layers}")
+        c["num_hidden_layers"] = layers
+        if "max_window_layers" in c:
+            c["max_window_layers"] = layers
+    if c["model_type"] == "gpt_oss":  # full attention every other layer, as published
+        c["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
+                            for i in range(c["num_hidden_layers"])]
+    return c
+
+
+def plan(c: dict) -> list[Planned]:
+    """Every tensor of config `c`'s checkpoint, named as the model ships."""
+    H, V, L, E = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"], c.get("num_local_experts") or c["num_experts"]
+    nH, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    std, out_std = c["initializer_range"], c["initializer_range"] / math.sqrt(2 * L)
+    out = [Planned("model.embed_tokens.weight", (V, H), "BF16", ("normal", 1.0))]
+    bias = c.get("attention_bias", False)
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out += [Planned(p + "input_layernorm.weight", (H,), "BF16", ("ones",)),
+                Planned(p + "post_attention_layernorm.weight", (H,), "BF16", ("ones",))]
+        for name, rows, cols, s in (("q_proj", nH * hd, H, std), ("k_proj", kv * hd, H, std),
+                                    ("v_proj", kv * hd, H, std), ("o_proj", H, nH * hd, out_std)):
+            out.append(Planned(p + f"self_attn.{name}.weight", (rows, cols), "BF16", ("normal", s)))
+            if bias:
+                out.append(Planned(p + f"self_attn.{name}.bias", (rows,), "BF16", ("normal", std)))
+        router = ("normal", ROUTER_LOGIT_STD / math.sqrt(H))
+        if c["model_type"] == "gpt_oss":
+            F = c["intermediate_size"]
+            out += [Planned(p + "self_attn.sinks", (nH,), "BF16", ("normal", 1.0)),
+                    Planned(p + "mlp.router.weight", (E, H), "BF16", router),
+                    Planned(p + "mlp.router.bias", (E,), "BF16", ("normal", std))]
+            # (E, out, in / 32, 16) blocks of two codes a byte and (E, out, in / 32) scales, as shipped
+            for name, o, n, s in (("gate_up_proj", 2 * F, H, std), ("down_proj", H, F, out_std)):
+                out += [Planned(p + f"mlp.experts.{name}_blocks", (E, o, n // 32, 16), "U8", ("mxfp4_blocks",)),
+                        Planned(p + f"mlp.experts.{name}_scales", (E, o, n // 32), "U8", ("mxfp4_scales", s)),
+                        Planned(p + f"mlp.experts.{name}_bias", (E, o), "BF16", ("normal", std))]
+        else:
+            F = c["moe_intermediate_size"]
+            out += [Planned(p + "self_attn.q_norm.weight", (hd,), "BF16", ("ones",)),
+                    Planned(p + "self_attn.k_norm.weight", (hd,), "BF16", ("ones",)),
+                    Planned(p + "mlp.gate.weight", (E, H), "BF16", router)]
+            for e in range(E):
+                out += [Planned(p + f"mlp.experts.{e}.gate_proj.weight", (F, H), "BF16", ("normal", std)),
+                        Planned(p + f"mlp.experts.{e}.up_proj.weight", (F, H), "BF16", ("normal", std)),
+                        Planned(p + f"mlp.experts.{e}.down_proj.weight", (H, F), "BF16", ("normal", out_std))]
+    out += [Planned("model.norm.weight", (H,), "BF16", ("ones",)),
+            Planned("lm_head.weight", (V, H), "BF16", ("normal", std))]
+    return out
+
+
+def model_bytes(c: dict) -> int:
+    return sum(t.nbytes for t in plan(c))
+
+
+def draw(t: Planned, rng: np.random.Generator, block: int = 1 << 22) -> np.ndarray:
+    """The tensor's bytes, drawn in blocks of `block` values (float32 only a block at a time)."""
+    n = math.prod(t.shape)
+    kind = t.draw[0]
+    if kind == "ones":
+        return np.full(n, 0x3F80, np.uint16)  # bfloat16 1.0
+    if kind == "mxfp4_blocks":  # two uniformly drawn e2m1 codes a byte
+        return rng.integers(0, 256, n, dtype=np.uint8)
+    if kind == "mxfp4_scales":  # e8m0, biased by 127: the exponent that gives the values this std
+        return np.full(n, 127 + round(math.log2(t.draw[1] / FP4_RMS)), np.uint8)
+    out = np.empty(n, np.uint16)
+    for s in range(0, n, block):
+        m = min(block, n - s)
+        out[s:s + m] = f32_to_bf16(rng.standard_normal(m, dtype=np.float32) * np.float32(t.draw[1]))
+    return out
+
+
+def write(model: str, out: str, layers: int | None = None, seed: int = 0, shard_bytes: int = 4 << 30,
+          overrides: dict | None = None, progress: bool = True) -> str:
+    """Write the checkpoint into `out` (which must not exist); returns `out`."""
+    import llama_peer as peer
+    from tools.progress import byte_bar
+
+    c = config_of(model, layers, **(overrides or {}))
+    tensors = plan(c)
+    total = sum(t.nbytes for t in tensors)
+    if os.path.exists(out):
+        raise SystemExit(f"{out}: exists; give a new directory (a checkpoint is written once)")
+    parent = os.path.dirname(os.path.abspath(out))
+    free = shutil.disk_usage(parent).free
+    if free < total + (256 << 20):
+        raise SystemExit(f"{out}: {model} with {c['num_hidden_layers']} layers needs {total / 2**30:.1f} GiB; "
+                         f"{parent} has {free / 2**30:.1f} GiB free (--layers makes it smaller)")
+    shards, cur, size = [], [], 0
+    for t in tensors:
+        if cur and size + t.nbytes > shard_bytes:
+            shards.append(cur)
+            cur, size = [], 0
+        cur.append(t)
+        size += t.nbytes
+    shards.append(cur)
+    tmp = out + ".partial"
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        rng = np.random.default_rng(seed)
+        weight_map = {}
+        bar = byte_bar(total, f"writing {model}") if progress else None
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+
+            def data(t: Planned) -> np.ndarray:
+                a = draw(t, rng)
+                if bar is not None:
+                    bar.update(t.nbytes)
+                return a
+
+            write_file(os.path.join(tmp, fname), [OutTensor(name=t.name, dtype=t.dtype, shape=t.shape, nbytes=t.nbytes,
+                                                            data=lambda t=t: data(t)) for t in shard],
+                       metadata={"format": "pt"})
+            weight_map.update({t.name: fname for t in shard})
+        if bar is not None:
+            bar.close()
+        with open(os.path.join(tmp, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+        with open(os.path.join(tmp, "config.json"), "w") as f:
+            json.dump(c, f, indent=2)
+        with open(os.path.join(tmp, "generation_config.json"), "w") as f:
+            json.dump({k: c[k] for k in SPECIAL_IDS if k in c}, f, indent=2)
+        peer.add_tokenizer(tmp, c["vocab_size"])
+        os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def _sizes() -> str:
+    lines = []
+    for model in MODELS:
+        full = config_of(model)
+        one = config_of(model, 1)
+        per_layer = model_bytes(full) - model_bytes(one)
+        per_layer //= full["num_hidden_layers"] - 1
+        lines.append(f"  {model}: {model_bytes(full) / 2**30:.1f} GiB with all {full['num_hidden_layers']} layers, "
+                     f"{per_layer / 2**30:.2f} GiB a layer beside {(model_bytes(one) - per_layer) / 2**30:.2f} GiB "
+                     f"of embedding and head")
+    return "sizes (and the disk each needs, checked before writing):\n" + "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=_sizes(),
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", choices=sorted(MODELS))
+    ap.add_argument("out", help="the checkpoint's directory (must not exist)")
+    ap.add_argument("--layers", type=int, help="keep the first N layers (default: all of the published config)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-gib", type=float, default=4.0, help="size of a safetensors shard (default 4)")
+    args = ap.parse_args(argv)
+    path = write(args.model, args.out, args.layers, args.seed, int(args.shard_gib * 2**30))
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
