@@ -101,6 +101,14 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> 
     with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct")) as model:
         cache = model.cache.n * model.slot_bytes
         model.generate(prompt, SamplingConfig(max_new_tokens=4))
+        uses: dict[int, list[int]] = {}  # layer -> the experts asked for in the timed generation (prompt too)
+        ensure = model.cache.ensure
+
+        def counted(layer: int, experts: list[int]) -> list[int]:
+            uses.setdefault(layer, []).extend(experts)
+            return ensure(layer, experts)
+
+        model.cache.ensure = counted
         read0, faults0, wait0, t0 = _read_bytes(), major_faults(), model.cache.read_s, time.perf_counter()
         res = model.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
         wait_share = (model.cache.read_s - wait0) / (time.perf_counter() - t0)
@@ -110,7 +118,21 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> 
                 "expert_read_bytes_per_token": res.stats["ssd_bytes"] / len(res.tokens),
                 "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
-                "read_wait_share": wait_share, "mapped_bytes": model.mapped_bytes}
+                "read_wait_share": wait_share, "mapped_bytes": model.mapped_bytes,
+                "routing_entropy": routing_entropy(uses, model.config.num_experts)}
+
+
+def routing_entropy(uses: dict[int, list[int]], n_experts: int) -> float:
+    """The normalized entropy of each layer's expert picks (1: every expert picked equally often; a few
+    experts taking most tokens, as random weights can route, well under 0.9), the least over layers."""
+    import math
+    from collections import Counter
+
+    least = 1.0
+    for picks in uses.values():
+        p = [n / len(picks) for n in Counter(picks).values()]
+        least = min(least, -sum(x * math.log(x) for x in p) / math.log(n_experts))
+    return least
 
 
 def run_transformers(hf: str, prompt: list[int], new_tokens: int) -> dict:
@@ -370,6 +392,8 @@ def report(result: dict, as_json: bool) -> None:
                 line += f" | reads {r['read_bytes_per_token'] * r['decode_tok_s'] / 1e9:.2f} GB/s"
                 if "read_wait_share" in r:  # the lean runner reads on the decoding thread: its wait is the read's
                     line += f", waiting on them {r['read_wait_share']:.0%} of the time"
+            if "routing_entropy" in r:
+                line += f" | routing entropy {r['routing_entropy']:.3f} (least over layers)"
             if part == "limited" and r.get("cpu_cache_bytes"):
                 line += (f" | CPU cache {r['cpu_cache_start_bytes'] / 2**30:.3f} GiB at the start, "
                          f"{r['cpu_cache_bytes'] / 2**30:.3f} at the end | of the reads, experts "
