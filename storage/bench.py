@@ -6,6 +6,8 @@ kind; with `cold`, the files are dropped from the page cache before every pass.
 
 from __future__ import annotations
 
+import collections
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -25,13 +27,18 @@ from storage.store import Store, iter_expert_chunks
 class BenchResult:
     """GB/s of each reader over the same bytes (medians of `repeats` passes).
 
-    ratio = hot path / plain sequential read. The hot path checks every tensor's crc32c, so
-    `tensorstore_gbps` times tensorstore's read plus the same check (the same guarantee), and
-    `tensorstore_unchecked_gbps` its read alone.
+    ratio = hot path / the faster plain read: `raw_gbps`, one buffered sequential read per file (the
+    kernel's readahead), or, cold, `raw_direct_gbps`, O_DIRECT reads of 1 MiB one after another
+    (`dd iflag=direct bs=1M`). Which of the two a disk favours varies (readahead windows, the host's
+    cache under a VM), so the hot path is held to the better. The passes take turns in a rotating
+    order, so that a disk whose rate drifts during the run does not favour one reader.
+    The hot path checks every tensor's crc32c, so `tensorstore_gbps` times tensorstore's read
+    plus the same check (the same guarantee), and `tensorstore_unchecked_gbps` its read alone.
     """
 
     store_gbps: float
     raw_gbps: float
+    raw_direct_gbps: float | None
     ratio: float
     tensorstore_gbps: float | None
     vs_tensorstore: float | None
@@ -46,6 +53,18 @@ class BenchResult:
 
     def to_json(self) -> dict:
         return asdict(self)
+
+
+DIRECT_IO = 1 << 20  # bytes a read of the O_DIRECT plain pass, as dd's bs=1M
+
+
+def _direct_ok(path: str) -> bool:
+    """Whether the file system takes O_DIRECT (tmpfs does not)."""
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def _gbps(nbytes: int, seconds: float) -> float:
@@ -73,18 +92,26 @@ def run_bench(store: Store, *, cold: bool = False, repeats: int = 3, kind: str =
                 drop_from_page_cache(p)
 
     def hot() -> float:
+        """`inflight` chunks read at all times: a chunk's buffer takes the next one as soon as it is
+        checked (as prefetching streams them), not after a whole group."""
         prepare()
         t0 = time.perf_counter()
-        for i in range(0, len(chunks), inflight):
-            group = chunks[i:i + inflight]
-            if verify:
-                reqs = [store.chunk_request(c, memoryview(b.numpy())) for c, b in zip(group, bufs)]
-                for c, crcs in zip(group, reader.read_many(reqs)):
-                    store.check_crcs(c, crcs)
-            else:
-                reader.read_many([ReadRequest(path=store.path(c.file), buf=memoryview(b.numpy()), nbytes=c.bytes)
-                                  for c, b in zip(group, bufs)])
+        pending: collections.deque = collections.deque()
+        for i, c in enumerate(chunks):
+            if len(pending) == inflight:
+                settle(*pending.popleft())
+            buf = memoryview(bufs[i % inflight].numpy())
+            req = store.chunk_request(c, buf) if verify else \
+                ReadRequest(path=store.path(c.file), buf=buf, nbytes=c.bytes)
+            pending.append((c, req, reader.submit_many([req])[0]))
+        while pending:
+            settle(*pending.popleft())
         return time.perf_counter() - t0
+
+    def settle(chunk, req: ReadRequest, pieces: list) -> None:
+        crcs = reader.settle(req, pieces)
+        if verify:
+            store.check_crcs(chunk, crcs)
 
     raw_buf = aligned_empty(biggest, alignment=ALIGN, pin=False)[1]
 
@@ -101,6 +128,27 @@ def run_bench(store: Store, *, cold: bool = False, repeats: int = 3, kind: str =
                         break
                     n += got
         return time.perf_counter() - t0
+
+    def raw_direct() -> float:
+        """`dd iflag=direct bs=1M` of each file: whole blocks, the last one short at the file's end."""
+        prepare()
+        mv = memoryview(direct_buf.numpy())
+        t0 = time.perf_counter()
+        for p, c in zip(paths, chunks):
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECT)
+            try:
+                n = 0
+                while n < c.bytes:
+                    got = os.preadv(fd, [mv[n:n + DIRECT_IO]], n)
+                    if not got:
+                        break
+                    n += got
+            finally:
+                os.close(fd)
+        return time.perf_counter() - t0
+
+    direct_buf = aligned_empty(-(-biggest // DIRECT_IO) * DIRECT_IO, alignment=ALIGN, pin=False)[1] \
+        if cold and _direct_ok(paths[0]) else None
 
     handles: dict = {}
 
@@ -120,10 +168,12 @@ def run_bench(store: Store, *, cold: bool = False, repeats: int = 3, kind: str =
             checking += time.perf_counter() - t1
         return reading, checking
 
-    times: dict[str, list[float]] = {"hot": [], "raw": [], "ts": [], "ts_read": []}
+    times: dict[str, list[float]] = {"hot": [], "raw": [], "raw_direct": [], "ts": [], "ts_read": []}
+    passes = [("raw", raw), ("hot", hot)] + ([("raw_direct", raw_direct)] if direct_buf is not None else []) \
+        + ([("ts", tstore)] if with_tensorstore else [])
     try:
         for r in range(repeats):
-            for name, fn in (("raw", raw), ("hot", hot)) + ((("ts", tstore),) if with_tensorstore else ()):
+            for name, fn in passes[r % len(passes):] + passes[:r % len(passes)]:
                 if progress:
                     progress(f"pass {r + 1}/{repeats}: {name}")
                 t = fn()
@@ -135,10 +185,12 @@ def run_bench(store: Store, *, cold: bool = False, repeats: int = 3, kind: str =
         reader.close()
     hot = _gbps(total, statistics.median(times["hot"]))
     raw_gbps = _gbps(total, statistics.median(times["raw"]))
+    direct = _gbps(total, statistics.median(times["raw_direct"])) if times["raw_direct"] else None
     ts_gbps = _gbps(total, statistics.median(times["ts"])) if times["ts"] else None
     ts_read = _gbps(total, statistics.median(times["ts_read"])) if times["ts"] else None
 
-    return BenchResult(store_gbps=hot, raw_gbps=raw_gbps, ratio=hot / raw_gbps, tensorstore_gbps=ts_gbps,
+    return BenchResult(store_gbps=hot, raw_gbps=raw_gbps, raw_direct_gbps=direct,
+                       ratio=hot / max(raw_gbps, direct or 0.0), tensorstore_gbps=ts_gbps,
                        vs_tensorstore=ts_gbps and hot / ts_gbps, tensorstore_unchecked_gbps=ts_read,
                        vs_tensorstore_unchecked=ts_read and hot / ts_read, bytes=total, files=len(chunks),
                        cold=cold, mode=read_mode.value, verified=verify, repeats=repeats)

@@ -197,15 +197,18 @@ class ChunkReader:
         if any(isinstance(f.exception(), ReadCancelled) for f, _, _, _ in pieces):
             read = sum(n if f.exception() is None else getattr(f.exception(), "nbytes", 0) for f, _, _, n in pieces)
             raise ReadCancelled(requests[0].path, read)
-        crcs = []
-        for req, pieces in zip(requests, futures):
-            out = [0] * len(req.checks)
-            for f, nbytes, index, _ in pieces:
-                piece_crc = f.result()
-                if index >= 0:
-                    out[index] = crc32c_combine(out[index], piece_crc, nbytes)
-            crcs.append(out)
-        return crcs
+        return [self.settle(req, pieces) for req, pieces in zip(requests, futures)]
+
+    @staticmethod
+    def settle(req: ReadRequest, pieces: list[tuple[Future, int, int, int]]) -> list[int]:
+        """Wait for one request's pieces (as `submit_many` started them); its crc32c per checked range.
+        Raises a piece's error."""
+        out = [0] * len(req.checks)
+        for f, nbytes, index, _ in pieces:
+            piece_crc = f.result()
+            if index >= 0:
+                out[index] = crc32c_combine(out[index], piece_crc, nbytes)
+        return out
 
     def read(self, path: str, buf: memoryview, nbytes: int, offset: int = 0) -> None:
         """Read one range, split into parallel pieces when large."""

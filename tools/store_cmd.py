@@ -333,7 +333,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     else:
         ts = f", tensorstore {r.tensorstore_gbps:.2f} GB/s (x{r.vs_tensorstore:.2f})" if r.tensorstore_gbps else ""
         print(f"{'cold' if r.cold else 'warm'} read of {format_size(r.bytes)} in {r.files} chunk files: hot path "
-              f"{r.store_gbps:.2f} GB/s, plain read {r.raw_gbps:.2f} GB/s, ratio {r.ratio:.2f}{ts}")
+              f"{r.store_gbps:.2f} GB/s, plain read {r.raw_gbps:.2f} GB/s"
+              + (f" (O_DIRECT {r.raw_direct_gbps:.2f} GB/s)" if r.raw_direct_gbps else "")
+              + f", ratio to the faster {r.ratio:.2f}{ts}")
     return 0
 
 

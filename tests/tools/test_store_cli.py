@@ -86,6 +86,7 @@ def test_gc_after_import_removes_nothing_needed(store):
 def test_bench_reads_every_expert_file_once_per_reader(store):
     """The throughputs are timings (bench/bench_store.py's business); what can be checked is that
     the bench read exactly the expert chunk files: 2 layers x 4 experts, as large as they are on disk."""
+    from storage.bench import _direct_ok
     from storage.store import Store
 
     files = {c.file for c in Store.open(str(store)).manifest.chunks}
@@ -96,6 +97,12 @@ def test_bench_reads_every_expert_file_once_per_reader(store):
         assert out["store_gbps"] > 0 and out["raw_gbps"] > 0 and out["tensorstore_gbps"] > 0
         assert out["cold"] is bool(extra) and out["mode"] == ("direct" if extra else "cached")
         assert out["verified"] is True and out["repeats"] == 1
+        # cold, the hot path is held to the faster of the two plain reads (buffered, and O_DIRECT as dd)
+        if extra and _direct_ok(str(store / next(iter(files)))):
+            assert out["raw_direct_gbps"] > 0
+        else:  # warm, or a file system without O_DIRECT
+            assert out["raw_direct_gbps"] is None
+        assert out["ratio"] == pytest.approx(out["store_gbps"] / max(out["raw_gbps"], out["raw_direct_gbps"] or 0))
 
 
 @pytest.mark.slow  # CLI runs of several seconds: CI runs them
