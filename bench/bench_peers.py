@@ -54,7 +54,10 @@ sys.path.insert(0, BENCH)
 # engines, unevenly (llama.cpp's page cache felt it most: 2 tok/s instead of 18 at int4 50%).
 from bench_offload import drop_cache, prompt_ids  # noqa: E402
 
-PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"))
+# (our precision, our store in WORKDIR, llama.cpp's type: WORKDIR/llama-TYPE.gguf); mxfp4: a checkpoint that
+# ships MXFP4 experts (gpt-oss), its import and llama.cpp's conversion, both keeping them as they are
+PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"),
+         ("mxfp4", "store", "mxfp4"))
 MARGIN_MIB = 64  # left in SIZE beside our own memory and cache (--margin): the library code decoding runs
 
 
@@ -400,8 +403,9 @@ def report(result: dict, as_json: bool) -> None:
                          f"{r['expert_read_bytes_per_token'] / 2**20:.2f} MiB/tok | major faults "
                          f"{r['major_faults_per_token']:.1f}/tok")
             print(line)
+        shares = sorted({n.rsplit("-", 1)[1] for n in rows if n.endswith("%")}, key=lambda x: -int(x[:-1]))
         for bits, _, gguf in PAIRS:
-            for suffix in [""] if part == "resident" else [f"-{s}%" for s in ("50", "25")]:
+            for suffix in [""] if part == "resident" else [f"-{s}" for s in shares]:
                 ours, peer = rows.get(f"ours-{bits}{suffix}"), rows.get(f"llama-{gguf}{suffix}")
                 if ours and peer:
                     print(f"{part:8} {bits}{suffix}: ours / llama.cpp {gguf} = "
