@@ -67,15 +67,15 @@ def _read_bytes() -> int:
 
 
 def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | str | None,
-             ring_slots: int | None = None) -> dict:
+             ring_slots: int | None = None, dense: str = "auto") -> dict:
     """Greedy decode of our engine (resident without a cache budget), after a warm-up generation."""
     from inference.engine import Engine, EngineConfig
     from inference.memory_guard import AUTO_RESERVE_BYTES
     from semoe.generate import SamplingConfig
     from storage.envinfo import major_faults, peak_rss_bytes, status_bytes
 
-    cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct") \
-        if cpu_cache else EngineConfig(dtype="float32")
+    cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct",
+                       dense=dense) if cpu_cache else EngineConfig(dtype="float32", dense=dense)
     engine = Engine.load(store, cfg)
     start_cache = engine.offload.tier.cache.capacity_bytes if engine.offload else None
     try:
@@ -94,14 +94,14 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
         engine.close()
 
 
-def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int) -> dict:
+def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int, dense: str = "auto") -> dict:
     """Greedy decode of the torch-free runner (`inference.lean`) with a CPU cache of `cpu_cache` bytes
     (0: the least it decodes with), after a warm-up generation."""
     from inference.lean import LeanConfig, LeanModel
     from semoe.decode.loop import SamplingConfig
     from storage.procmem import major_faults, status_bytes
 
-    with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct")) as model:
+    with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct", dense=dense)) as model:
         cache = model.cache.n * model.slot_bytes
         model.generate(prompt, SamplingConfig(max_new_tokens=4))
         uses: dict[int, list[int]] = {}  # layer -> the experts asked for in the timed generation (prompt too)
@@ -244,11 +244,12 @@ def child(args: argparse.Namespace) -> None:
     if spec["engine"] == "ours":
         if spec.get("cold"):
             drop_cache(spec["path"])
-        r = run_ours(spec["path"], prompt, args.new_tokens, spec.get("cpu_cache"), spec.get("ring_slots"))
+        r = run_ours(spec["path"], prompt, args.new_tokens, spec.get("cpu_cache"), spec.get("ring_slots"),
+                     args.dense)
     elif spec["engine"] == "lean":
         if spec.get("cold"):
             drop_cache(spec["path"])
-        r = run_lean(spec["path"], prompt, args.new_tokens, spec["cpu_cache"])
+        r = run_lean(spec["path"], prompt, args.new_tokens, spec["cpu_cache"], args.dense)
     elif spec["engine"] == "transformers":
         r = run_transformers(spec["path"], prompt, args.new_tokens)
     else:
@@ -259,6 +260,7 @@ def child(args: argparse.Namespace) -> None:
 def _run(args: argparse.Namespace, spec: dict, check: bool = True) -> dict | None:
     """One run in its own process; a failure ends the bench (`check`) or gives None."""
     cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--only", json.dumps(spec),
+           "--dense", args.dense,
            "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     if res.returncode != 0:
@@ -571,6 +573,9 @@ def main() -> int:
                     help="make WORKDIR's checkpoint first (when missing): a 3 GB-class float32 checkpoint of this "
                          "architecture, its stores and llama.cpp's conversions; transformers' greedy tokens join "
                          "the resident part")
+    ap.add_argument("--dense", default="auto", choices=("auto", "float", "int8"),
+                    help="our dense linear weights (`semoe generate --dense`): auto keeps a checkpoint's own "
+                         "FP8/MXFP4 model's as stored (bfloat16) and makes them int8 beside int8/int4 experts")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--prepare-wide", type=int, help=argparse.SUPPRESS)
