@@ -25,7 +25,7 @@ from semoe.model import MoEGPT, ResidentExperts
 from semoe.tokenizer import TOKENIZER_FILES
 from storage.errors import BadInputError
 from storage.dtypes import torch_dtype
-from storage.pool import release_free_heap
+from storage.procmem import release_free_heap
 from storage.formats import int8_rows_spec
 from storage.quant import QUANTIZE_ROWS
 from semoe.hf_import import ExpertPart, open_checkpoint

@@ -31,24 +31,6 @@ _MIN_ALIGNMENT = 512
 _MAX_SLAB_FRACTION = 16
 
 
-def release_free_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere).
-    Loading frees many buffers of a few MB whose pages glibc keeps in its heap once its adaptive
-    mmap threshold has risen past them: after loading the bench model's dense weights that was
-    250 MB resident and unused, which a run with memory short cannot spare."""
-    global _malloc_trim
-    if _malloc_trim is None:
-        try:
-            _malloc_trim = ctypes.CDLL(None).malloc_trim
-        except (OSError, AttributeError):
-            _malloc_trim = False
-    if _malloc_trim:
-        _malloc_trim(0)
-
-
-_malloc_trim = None
-
-
 class PoolError(StorageError, RuntimeError):
     """Base class for errors raised by :class:`HostBufferPool`."""
 

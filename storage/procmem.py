@@ -80,13 +80,19 @@ def major_faults() -> int:
 
 
 def release_free_heap() -> None:
-    """Give the C heap's freed pages back to the kernel (glibc's malloc_trim; nothing elsewhere).
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; nothing elsewhere).
+    Loading frees many buffers of a few MB whose pages glibc keeps in its heap once its adaptive
+    mmap threshold has risen past them: after loading the bench model's dense weights that was
+    250 MB resident and unused, and after the torch-free runner's tokenizer and manifest 20 MB, which
+    a run with memory short cannot spare."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        try:
+            _malloc_trim = ctypes.CDLL(None).malloc_trim
+        except (OSError, AttributeError):
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
 
-    Loading parses JSON and builds tokenizers in C and Rust, whose freed memory glibc keeps in its
-    arenas for reuse: about 20 MiB after a 32000-token tokenizer, anonymous memory that a process
-    decoding with memory short would otherwise hold for nothing."""
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+
+_malloc_trim = None

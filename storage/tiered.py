@@ -22,7 +22,8 @@ from storage.cache import CacheFullError, EntryState, ExpertCache, ExpertCacheCo
 from storage.fileio import ChunkReader, ChunkReaderConfig, ReadCancelled, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import ChunkEntry
-from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig, release_free_heap
+from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig
+from storage.procmem import release_free_heap
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
 from storage.store import Store
 
