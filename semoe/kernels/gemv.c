@@ -207,6 +207,9 @@ int gemv_i8(const float *x, const int8_t *q, const float *scale, float *y, int64
  * block's product with the quantized x is an exact integer sum, as for int8, scaled by
  * d_x * 2^(e - 128); 2^(e - 128) is exact in float32 for every e8m0 exponent. */
 static const int8_t FP4_TWICE[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#ifdef SEMOE_AVX2
+static const uint8_t FP4_OFFSET[16] = {12, 13, 14, 15, 16, 18, 20, 24, 12, 11, 10, 9, 8, 6, 4, 0}; /* twice + 12 */
+#endif
 
 static inline float pow2_e8m0(uint8_t e) { /* 2^(e - 128) from its bits: e 0 and 1 are subnormal */
     union {
@@ -251,22 +254,65 @@ static inline void fp4_rows(const uint8_t *w, const uint8_t *e, int64_t G, int n
     }
     reduce_rows(f0, f1, f2, f3, out);
 #elif defined(SEMOE_AVX2)
-    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_TWICE));
-    const __m128i low4 = _mm_set1_epi8(0x0F);
+    /* Eight blocks (128 bytes of a row) at a time. The codes index twice their value plus 12 (0 to 24,
+     * unsigned), so one maddubs multiplies them by x's signed codes; the 12 * x it adds is the same for
+     * every row and is taken off once per pair of blocks (every int16 sum stays within +-12192). The
+     * eight blocks' integer sums come together in one vector (three hadds) and are scaled at once. */
+    const __m256i lut = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_OFFSET));
+    const __m256i low4 = _mm256_set1_epi8(0x0F), twelve = _mm256_set1_epi8(12), ones = _mm256_set1_epi16(1);
+    const __m256i order = _mm256_setr_epi32(0, 2, 4, 6, 1, 3, 5, 7), one = _mm256_set1_epi32(1);
+    const __m256i sub_one = _mm256_set1_epi32(0x00200000);
+    const int64_t rb = G * 16;
     __m256 f[ROWS];
     for (int r = 0; r < ROWS; r++) f[r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
+    int64_t g = 0;
+    for (; g + 8 <= G; g += 8) {
+        __m256i xa[4], xb[4], c16[4];
+        for (int p = 0; p < 4; p++) { /* x of blocks g + 2p and g + 2p + 1: inputs 0-15 of each, then 16-31 */
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)(qx + (g + 2 * p) * QB));
+            __m256i x1 = _mm256_loadu_si256((const __m256i *)(qx + (g + 2 * p + 1) * QB));
+            xa[p] = _mm256_permute2x128_si256(x0, x1, 0x20);
+            xb[p] = _mm256_permute2x128_si256(x0, x1, 0x31);
+            c16[p] = _mm256_add_epi16(_mm256_maddubs_epi16(twelve, xa[p]), _mm256_maddubs_epi16(twelve, xb[p]));
+        }
+        /* the blocks' order after the hadds: 0, 2, 4, 6 in the low lane, 1, 3, 5, 7 in the high one */
+        const __m256 dv = _mm256_permutevar8x32_ps(_mm256_loadu_ps(dx + g), order);
+        for (int r = 0; r < ROWS; r++) {
+            int64_t row = r < n ? r : 0;
+            const uint8_t *wr = w + row * rb + g * 16;
+            _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
+            _mm_prefetch((const char *)(wr + PREFETCH + 64), _MM_HINT_T0);
+            __m256i s[4];
+            for (int p = 0; p < 4; p++) {
+                __m256i b = _mm256_loadu_si256((const __m256i *)(wr + 32 * p));
+                __m256i lo = _mm256_and_si256(b, low4), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), low4);
+                __m256i wa = _mm256_shuffle_epi8(lut, _mm256_unpacklo_epi8(lo, hi));
+                __m256i wb = _mm256_shuffle_epi8(lut, _mm256_unpackhi_epi8(lo, hi));
+                __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(wa, xa[p]), _mm256_maddubs_epi16(wb, xb[p]));
+                s[p] = _mm256_madd_epi16(_mm256_sub_epi16(t, c16[p]), ones);
+            }
+            __m256i h = _mm256_hadd_epi32(_mm256_hadd_epi32(s[0], s[1]), _mm256_hadd_epi32(s[2], s[3]));
+            /* 2^(e - 128) of the eight exponents, in the same order: (e - 1) << 23, or subnormal for e < 2 */
+            __m256i ev = _mm256_permutevar8x32_epi32(
+                _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(e + row * G + g))), order);
+            __m256i bits = _mm256_blendv_epi8(_mm256_sllv_epi32(sub_one, ev),
+                                              _mm256_slli_epi32(_mm256_sub_epi32(ev, one), 23),
+                                              _mm256_cmpgt_epi32(ev, one));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(h), _mm256_mul_ps(dv, _mm256_castsi256_ps(bits)), f[r]);
+        }
+    }
+    const __m256i lut2 = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_TWICE));
+    const __m128i low4x = _mm_set1_epi8(0x0F);
+    for (; g < G; g++) { /* the last G % 8 blocks, one at a time */
         __m256i xv = _mm256_loadu_si256((const __m256i *)(qx + g * QB));
         for (int r = 0; r < ROWS; r++) {
             int64_t row = r < n ? r : 0;
-            const uint8_t *wr = w + row * G * 16 + g * 16;
-            _mm_prefetch((const char *)(wr + PREFETCH), _MM_HINT_T0);
-            __m128i b = _mm_loadu_si128((const __m128i *)wr);
-            __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+            __m128i b = _mm_loadu_si128((const __m128i *)(w + row * rb + g * 16));
+            __m128i lo = _mm_and_si128(b, low4x), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4x);
             /* codes in input order: the low lane inputs 0-15, the high lane 16-31 */
-            __m256i wv = _mm256_shuffle_epi8(lut, _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
-            __m256 dv = _mm256_set1_ps(dx[g] * pow2_e8m0(e[row * G + g]));
-            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_avx2(wv, xv)), dv, f[r]);
+            __m256i wv = _mm256_shuffle_epi8(lut2, _mm256_set_m128i(_mm_unpackhi_epi8(lo, hi), _mm_unpacklo_epi8(lo, hi)));
+            __m256 d1 = _mm256_set1_ps(dx[g] * pow2_e8m0(e[row * G + g]));
+            f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_avx2(wv, xv)), d1, f[r]);
         }
     }
     for (int r = 0; r < ROWS; r++) out[r] = hsum8(f[r]);
