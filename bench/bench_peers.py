@@ -575,7 +575,7 @@ def main() -> int:
                          "the resident part")
     ap.add_argument("--dense", default="auto", choices=("auto", "float", "int8"),
                     help="our dense linear weights (`semoe generate --dense`): auto keeps a checkpoint's own "
-                         "FP8/MXFP4 model's as stored (bfloat16) and makes them int8 beside int8/int4 experts")
+                         "FP8 model's as stored (bfloat16) and makes them int8 beside int8, int4 or MXFP4 experts")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--prepare-wide", type=int, help=argparse.SUPPRESS)

@@ -43,8 +43,8 @@ class EngineConfig:
     # fill the CPU cache with experts, in layer order, up to its budget while loading (as a
     # resident model reads all its weights before its first request); False: fill it lazily
     preload: bool = True
-    # the weights outside the experts: float, int8, int4, or auto (int8 on CPU beside int8 or int4
-    # experts: decode streams every dense weight for each token, as it does the experts)
+    # the weights outside the experts: float, int8, int4, or auto (int8 on CPU beside int8, int4 or
+    # MXFP4 experts: decode streams every dense weight for each token, as it does the experts)
     dense: str = "auto"
 
     def __post_init__(self) -> None:

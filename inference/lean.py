@@ -11,7 +11,7 @@ over buffers of its own (numpy, ctypes), and imports no torch, so that memory go
 
 What it holds: the dense weights (attention, routers, norms, lm_head), float32 or bfloat16 as
 stored (FP8 ones dequantized to bfloat16, as the engine loads them), or int8 (`dense="auto"`: beside
-int8/int4 experts, as the engine): stored so, mapped from the store's files, or quantized here; the
+compact experts, `storage.formats.auto_dense`): stored so, mapped from the store's files, or quantized here; the
 token embedding stays on storage, one row read per token; the experts' chunks, as stored (float32,
 bfloat16, int8, int4, FP8 or MXFP4 codes, each computed as it is), in `cache_bytes` of
 slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT (a chunk's pieces
@@ -61,7 +61,7 @@ from semoe.hf_names import hf_name
 from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
 from storage.cache import ExpertCache, ExpertCacheConfig
 from storage.errors import BadInputError
-from storage.formats import QUANTIZE_ROWS, int8_rows_spec
+from storage.formats import QUANTIZE_ROWS, auto_dense, int8_rows_spec
 from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import TensorEntry
@@ -217,7 +217,7 @@ class LeanModel:
                  if "scales_of" not in (t.quant or {})}
         dense = config.dense
         if dense == "auto":
-            dense = "int8" if kinds & {"int8", "int4"} else "float"
+            dense = auto_dense(kinds, on_cpu=True)
         self.dense = dense
         self.experts_of: dict[int, ctypes.Array] = {}  # layer -> its experts, pointed at slots as chosen
         parts = []

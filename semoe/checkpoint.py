@@ -192,8 +192,8 @@ def load_store(source: str | Store, *, device: torch.device | str = "cpu", dtype
     placed as an offload ring slot holds them, so resident and offloaded compute alike. Compact
     dense weights are dequantized. `kernel="reference"` computes compact experts by the plain
     dequantize-then-multiply reference. `dense` (`semoe.compact_linear.DENSE_CHOICES`): the weights
-    outside the experts float, or int8 or int4 (quantized here); `auto` is int8 on CPU beside int8 or
-    int4 experts (`resolve_dense`). `embedding_in_store`: leave the token embedding in the store and
+    outside the experts float, or int8 or int4 (quantized here); `auto` is int8 on CPU beside int8,
+    int4 or MXFP4 experts (`resolve_dense`). `embedding_in_store`: leave the token embedding in the store and
     read the rows each step needs (`StoredEmbedding`), as offloaded engines do. `source`: the store,
     open (as a loader that hands it on opens it once) or by path. `progress` is called with the bytes
     of each read from the store."""
@@ -348,8 +348,8 @@ def save_store(model: MoEGPT, path: str, *, side_files: dict[str, bytes] | None 
 def load_model(path: str | Store, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                dense: str = "auto", progress: Callable[[int], None] | None = None) -> MoEGPT:
     """A model, everything resident, from a HuggingFace directory or a store (by path, or open);
-    `dense` as `load_store`'s (a HuggingFace directory's experts are never int8 or int4, so `auto`
-    keeps its dense weights); `progress` called with the bytes of each read."""
+    `dense` as `load_store`'s (`auto` keeps a HuggingFace directory's dense weights as
+    shipped: its import makes the store `auto` chooses from); `progress` called with the bytes of each read."""
     if isinstance(path, Store):
         return load_store(path, device=device, dtype=dtype, dense=dense, progress=progress)
     if not os.path.isdir(path):

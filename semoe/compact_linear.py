@@ -36,6 +36,7 @@ from torch import nn
 from semoe import cpu_kernels
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError
+from storage.formats import auto_dense
 from storage.quant import (INT4_BLOCK_ROWS, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits,
                            dequantize, dequantize_out_in, pack_int4, quantize_blocks)
 
@@ -323,18 +324,12 @@ def weight_bytes(module: nn.Module) -> int:
 
 
 def resolve_dense(dense: str, *, device: torch.device | str, expert_schemes: set[str]) -> str:
-    """`auto`: int8 on CPU where the experts were quantized to int8 or int4 (`store quantize`), since
-    decode streams every dense weight from memory beside them and float ones would take as long as
-    the experts; else as stored (`float`), as for a checkpoint's own FP8 or MXFP4 experts. (int4
-    dense weights save a few percent more of a token's time beside int4 experts but, measured on the
-    bench model, more than double the KL divergence that int4 experts alone cause.)"""
+    """`dense` as asked, or for `auto` what `storage.formats.auto_dense` takes on `device`."""
     if dense not in DENSE_CHOICES:
         raise ValueError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {dense!r}")
     if dense != "auto":
         return dense
-    if torch.device(device).type != "cpu" or not expert_schemes & {"int8", "int4"}:
-        return "float"
-    return "int8"
+    return auto_dense(expert_schemes, torch.device(device).type == "cpu")
 
 
 def _fits(shape: tuple[int, ...], dtype: torch.dtype, scheme: str, group_size: int | None) -> bool:

@@ -12,6 +12,22 @@ INT4_DEFAULT_GROUP = 128
 INT8_MAX = 127  # int8 codes lie in [-127, 127], one scale per output row
 
 
+# expert schemes beside which `--dense auto` takes int8 dense weights on CPU (`auto_dense`)
+INT8_DENSE_BESIDE = frozenset({"int8", "int4", "mxfp4"})
+
+
+def auto_dense(expert_schemes: set[str] | frozenset[str], on_cpu: bool) -> str:
+    """What `--dense auto` takes, for the engine and the torch-free runner alike: int8 on CPU beside
+    compact experts (int8, int4, or a checkpoint's own MXFP4), since decoding streams every dense weight
+    from memory for each token and float ones would take as long as the experts (gpt-oss-20b's bfloat16
+    attention and head are 2.4 GB a token beside 1.3 GB of MXFP4 experts; llama.cpp's own GGUF of it
+    keeps them q8_0). Measured on a 2-layer gpt-oss-20b-shaped checkpoint (bench/make_real.py): KL
+    6.7e-4 nats a token from bfloat16 dense weights. Else `float`, as stored: on a GPU, and beside float
+    or FP8 experts. (int4 dense weights save a few percent more of a token's time beside int4 experts
+    but, measured on the bench model, more than double the KL divergence that int4 experts alone cause.)"""
+    return "int8" if on_cpu and set(expert_schemes) & INT8_DENSE_BESIDE else "float"
+
+
 def int8_rows_spec(quant: dict | None) -> bool:
     """Whether a manifest entry's `quant` is int8 codes laid out (O, I), one scale per row: what `semoe
     store quantize` stores dense linear weights as, and what the loaders take as stored."""

@@ -36,7 +36,7 @@ def add_device_flags(p: argparse.ArgumentParser) -> None:
                    help="the weights outside the experts (attention, lm_head, dense and shared feed-forwards): "
                         "float as stored, or quantized at load as `store quantize` does experts (int4 in groups "
                         "of up to 128; the lm_head and weights int4 cannot hold in int8). Default auto: int8 on "
-                        "CPU when the store's experts are int8 or int4, since decoding reads every dense weight "
+                        "CPU when the store's experts are int8, int4 or MXFP4, since decoding reads every dense weight "
                         "for each token; float otherwise")
 
 

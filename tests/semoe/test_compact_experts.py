@@ -317,6 +317,8 @@ def test_auto_dense_is_int8_only_on_cpu_beside_int8_or_int4_experts():
     assert resolve_dense("auto", device="cpu", expert_schemes={"int8"}) == "int8"
     assert resolve_dense("auto", device="cpu", expert_schemes={"int4"}) == "int8"
     assert resolve_dense("auto", device="cuda", expert_schemes={"int8"}) == "float"
+    assert resolve_dense("auto", device="cpu", expert_schemes={"mxfp4"}) == "int8"  # gpt-oss as shipped
+    assert resolve_dense("auto", device="cuda", expert_schemes={"mxfp4"}) == "float"
     assert resolve_dense("auto", device="cpu", expert_schemes={"fp8"}) == "float"
     assert resolve_dense("auto", device="cpu", expert_schemes=set()) == "float"
     assert resolve_dense("int4", device="cuda:1", expert_schemes=set()) == "int4"
