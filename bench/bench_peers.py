@@ -83,7 +83,7 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
         engine.generate(prompt, SamplingConfig(max_new_tokens=4))
         read0, faults0 = _read_bytes(), major_faults()
         res = engine.generate(prompt, sampling)
-        return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
+        return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
                 "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
                 "expert_read_bytes_per_token": res.stats.get("ssd_bytes_per_token", 0.0),
@@ -115,7 +115,7 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int, den
         read0, faults0, wait0, t0 = _read_bytes(), major_faults(), model.cache.read_s, time.perf_counter()
         res = model.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
         wait_share = (model.cache.read_s - wait0) / (time.perf_counter() - t0)
-        return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s,
+        return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
                 "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
                 "expert_read_bytes_per_token": res.stats["ssd_bytes"] / len(res.tokens),
@@ -367,6 +367,9 @@ def _medians(runs: dict[str, list[dict]]) -> dict:
     for name, rs in runs.items():
         r = dict(sorted(rs, key=lambda r: r["decode_tok_s"])[len(rs) // 2])
         r["decode_tok_s_runs"] = [x["decode_tok_s"] for x in rs]
+        ttfts = sorted(x["ttft_s"] for x in rs if "ttft_s" in x)
+        if ttfts:  # the prompt's evaluation: its own median
+            r["ttft_s"], r["ttft_s_runs"] = ttfts[len(ttfts) // 2], [x.get("ttft_s") for x in rs]
         out[name] = r
     return out
 
@@ -412,6 +415,10 @@ def report(result: dict, as_json: bool) -> None:
                 if ours and peer:
                     print(f"{part:8} {bits}{suffix}: ours / llama.cpp {gguf} = "
                           f"{ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x tok/s")
+                if ours and peer and ours.get("ttft_s") and peer.get("ttft_s"):
+                    print(f"{part:8} {bits}{suffix}: time to the first token after the prompt, ours "
+                          f"{ours['ttft_s']:.2f} s, llama.cpp {peer['ttft_s']:.2f} s: ours / llama.cpp = "
+                          f"{peer['ttft_s'] / ours['ttft_s']:.2f}x prompt tok/s")
     res = result.get("resident", {})
     if "ours-f32" in res and "llama-f32" in res:
         n = _agreement(res["ours-f32"]["tokens"], res["llama-f32"]["tokens"])

@@ -393,7 +393,8 @@ def greedy_decode(gguf_path: str, prompt_tokens: list[int], n_new: int, n_thread
 
 def decode_run(gguf_path: str, prompt_tokens: list[int], n_new: int, n_threads: int = 2, kv_type: str = "f16",
                env: PeerEnv | None = None, repack: bool = True) -> dict:
-    """greedy_decode's run with its measures: tokens, decode_tok_s, read_bytes_per_token (storage reads
+    """greedy_decode's run with its measures: tokens, decode_tok_s, ttft_s (from the start of the timed
+    generation to its first token: the prompt's evaluation), read_bytes_per_token (storage reads
     of the llama.cpp process while decoding, page faults included) and peak_rss_bytes. `repack=False`
     is llama.cpp's --no-repack: q4_0 weights are otherwise copied at load into anonymous memory in its
     kernels' interleaved layout, the whole model, which memory held short cannot give."""
@@ -446,7 +447,7 @@ def _worker(job_path: str) -> None:
 
     def generate(n: int) -> tuple[list[int], list[float]]:
         llm.reset()
-        out, times = [], []
+        out, times = [], [time.perf_counter()]  # the start: times[1] - times[0] is the prompt's evaluation
         for tok in llm.generate(tokens, temp=0.0, repeat_penalty=1.0, reset=True):
             out.append(int(tok))
             times.append(time.perf_counter())
@@ -460,7 +461,8 @@ def _worker(job_path: str) -> None:
     import resource
 
     with open(job["out"], "w") as f:
-        json.dump({"tokens": new, "decode_tok_s": (len(times) - 1) / (times[-1] - times[0]),
+        json.dump({"tokens": new, "decode_tok_s": (len(times) - 2) / (times[-1] - times[1]),
+                   "ttft_s": times[1] - times[0],
                    # storage reads of this process (page faults on the mmapped model included) per token
                    "read_bytes_per_token": (_read_bytes() - read0) / len(new),
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)

@@ -42,6 +42,7 @@ token by token rather than as one batch.
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import mmap
 import os
@@ -51,6 +52,7 @@ from typing import Callable
 
 import numpy as np
 
+from inference.lean_prefill import prefill
 from inference.memory_guard import auto_cpu_cache_bytes
 from semoe import kernel_abi
 from semoe.decode import loop, rope
@@ -546,21 +548,16 @@ class LeanModel:
 
     def generate(self, prompt: list[int], cfg: SamplingConfig,
                  on_token: Callable[[int, float], None] | None = None) -> LeanResult:
-        """Decoding after `prompt` (its tokens through the step one by one), each token chosen as `cfg`
-        says and handed to `on_token(id, logprob)`: the engine's loop (`semoe.decode.loop`), its draws
-        from numpy's generator seeded with cfg.seed."""
+        """Decoding after `prompt` (its tokens through the model a layer at a time, `lean_prefill`), each
+        token chosen as `cfg` says and handed to `on_token(id, logprob)`: the engine's loop
+        (`semoe.decode.loop`), its draws from numpy's generator seeded with cfg.seed."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
         cache = self.cache
         reads0, bytes0 = cache.misses, cache.read_bytes
         rng = np.random.default_rng(cfg.seed)
         with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
-            def first() -> np.ndarray:
-                for token in prompt[:-1]:
-                    seq.step(token, logits=False)
-                return seq.step(prompt[-1])
-
-            out = loop.run(first, seq.step, lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
+            out = loop.run(functools.partial(prefill, seq, prompt), seq.step, lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
         stats = {"expert_reads": cache.misses - reads0, "ssd_bytes": cache.read_bytes - bytes0,
                  "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + len(out.tokens) - 1),
                  "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,

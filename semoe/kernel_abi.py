@@ -172,12 +172,16 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_attend.argtypes = [_P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _INT]
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
+    lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
+    lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
+    lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
     for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_fp8, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads,
-              lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_work_free):
+              lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_work_free, lib.prefill_norm):
         f.restype = None
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks
     for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,
-              lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_head):
+              lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_head, lib.prefill_experts,
+              lib.prefill_finish):
         f.restype = ctypes.c_int
         f.errcheck = _out_of_memory
     lib.decode_work.errcheck = _no_work

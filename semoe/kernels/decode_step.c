@@ -15,14 +15,13 @@
  * activation of float experts, the shared expert's sum, which here use this file's expf and order,
  * so the logits agree to float32 rounding, not to the bit (tests bound the difference).
  */
-#include "kernels.h"
-#include "decode_abi.h"
+#include "lin.h"
 
 #include <stddef.h>
 
-static int quantized(const Lin *l) { return l->kind == W_INT8 || l->kind == W_INT4 || l->kind == W_MXFP4; }
+int lin_quantized(const Lin *l) { return l->kind == W_INT8 || l->kind == W_INT4 || l->kind == W_MXFP4; }
 
-static int64_t blocks(const Lin *l) {
+int64_t lin_blocks(const Lin *l) {
     switch (l->kind) {
     case W_INT4: return l->O / I4_BLOCK;
     case W_F32_IO:
@@ -31,15 +30,17 @@ static int64_t blocks(const Lin *l) {
     }
 }
 
-static void block(const Lin *l, const float *x, const Acts *a, float *y, int64_t b) {
+void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y, int64_t b) {
     switch (l->kind) {
-    case W_F32: f32_block(x, (const float *)l->w, y, 1, l->O, l->I, b); break;
-    case W_BF16: bf16_block(x, (const uint16_t *)l->w, y, 1, l->O, l->I, b); break;
+    case W_F32: f32_block(x, (const float *)l->w, y, M, l->O, l->I, b); break;
+    case W_BF16: bf16_block(x, (const uint16_t *)l->w, y, M, l->O, l->I, b); break;
     case W_INT8: i8_block((const int8_t *)l->w, l->s, l->O, a, b, y); break;
     case W_MXFP4: fp4_block((const uint8_t *)l->w, (const uint8_t *)l->s, l->O, a, b, y); break;
-    case W_F32_IO: io_block(x, l->w, 0, l->O, l->I, b, y); break;
-    case W_BF16_IO: io_block(x, l->w, 1, l->O, l->I, b, y); break;
-    case W_FP8: fp8_block(x, (const uint8_t *)l->w, l->s, y, 1, l->O, l->I, l->g, b); break;
+    case W_F32_IO:
+    case W_BF16_IO:
+        for (int64_t m = 0; m < M; m++) io_block(x + m * l->I, l->w, l->kind == W_BF16_IO, l->O, l->I, b, y + m * l->O);
+        break;
+    case W_FP8: fp8_block(x, (const uint8_t *)l->w, l->s, y, M, l->O, l->I, l->g, b); break;
     default: i4_block((const uint8_t *)l->w, l->s, l->O, a, b, y);
     }
 }
@@ -48,7 +49,7 @@ static void block(const Lin *l, const float *x, const Acts *a, float *y, int64_t
  * allocated (every thread reads it after the barrier that ends the `single` this runs in, so the
  * team skips the products together and the call returns the error) */
 static void acts_for(const Lin *l, const float *x, Acts *a, int *oom) {
-    if (!quantized(l)) return;
+    if (!lin_quantized(l)) return;
     *a = acts_alloc(1, l->I, l->kind == W_INT4 ? l->g : 0);
     if (!acts_ok(a))
         *oom = 1;
@@ -57,7 +58,7 @@ static void acts_for(const Lin *l, const float *x, Acts *a, int *oom) {
 }
 
 static void acts_done(const Lin *l, Acts *a) {
-    if (quantized(l)) acts_free(a);
+    if (lin_quantized(l)) acts_free(a);
 }
 
 /* y = l(x) by the whole team (every thread calls it; a points at one Acts they share) */
@@ -65,8 +66,8 @@ static void product(const Lin *l, const float *x, Acts *a, float *y, int *oom) {
 #pragma omp single
     acts_for(l, x, a, oom);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < blocks(l); b++)
-        if (!*oom) block(l, x, a, y, b);
+    for (int64_t b = 0; b < lin_blocks(l); b++)
+        if (!*oom) lin_block(l, x, 1, a, y, b);
 #pragma omp single
     {
         acts_done(l, a);
@@ -166,12 +167,12 @@ static void experts(const Net *net, int64_t K, const float *w, const float *h, f
     const int fused = ex[0]->up.O == 0;
 #pragma omp single
     for (int64_t k = 0; k < K; k++) acts_for(&ex[k]->gate, h, &s->ax[k], &s->oom);
-    int64_t nb = s->oom ? 0 : blocks(&ex[0]->gate);
+    int64_t nb = s->oom ? 0 : lin_blocks(&ex[0]->gate);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++) {
         const Expert *e = ex[t / nb];
-        block(&e->gate, h, &s->ax[t / nb], s->hg + t / nb * 2 * F, t % nb);
-        if (!fused) block(&e->up, h, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
+        lin_block(&e->gate, h, 1, &s->ax[t / nb], s->hg + t / nb * 2 * F, t % nb);
+        if (!fused) lin_block(&e->up, h, 1, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
     }
     int64_t Fe = s->oom ? 0 : fused ? ex[0]->gate.O / 2 : ex[0]->gate.O;
 #pragma omp for schedule(static)
@@ -194,10 +195,10 @@ static void experts(const Net *net, int64_t K, const float *w, const float *h, f
         acts_done(&ex[k]->gate, &s->ax[k]);
         acts_for(&ex[k]->down, DOWN_IN(k), &s->ah[k], &s->oom);
     }
-    nb = s->oom ? 0 : blocks(&ex[0]->down);
+    nb = s->oom ? 0 : lin_blocks(&ex[0]->down);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++)
-        block(&ex[t / nb]->down, DOWN_IN(t / nb), &s->ah[t / nb], s->ys + t / nb * D, t % nb);
+        lin_block(&ex[t / nb]->down, DOWN_IN(t / nb), 1, &s->ah[t / nb], s->ys + t / nb * D, t % nb);
 #undef DOWN_IN
 #pragma omp single
     {

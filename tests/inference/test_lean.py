@@ -27,6 +27,7 @@ from helpers.hf_models import add_word_tokenizer
 from helpers.kernels import needs_kernels
 from inference.engine import Engine, EngineConfig
 from inference.lean import LeanConfig, LeanModel, dense_load_bytes
+from inference.lean_prefill import prefill
 from storage.np_codes import quantize_int8_rows
 from semoe.attention import KVCache, rope_tables
 from semoe.checkpoint import load_store
@@ -46,6 +47,7 @@ pytestmark = needs_kernels
 PROMPT = [3, 17, 5, 29, 11, 2, 40, 8]
 TOKENS = [1, 7, 61, 23, 4, 90, 12, 33, 5, 71, 18, 2, 44, 9, 60, 31]
 LOGPROB_ATOL = 1e-4
+PREFILL_RTOL = 1e-5  # float32 sums in another order, through a few layers (measured: at most 7e-7)
 
 
 def expert_bytes(store: str) -> int:
@@ -410,10 +412,62 @@ def test_the_command_line_decodes_in_a_process_that_never_loads_torch(stores):
     assert 1 <= len(json.loads(chat.stdout)["tokens"]) <= 8
 
 
+def _prefill_is_the_steps(store: str, cache_bytes: int | None = 0) -> None:
+    """The prompt a layer at a time (`lean_prefill`) against the same tokens stepped one by one, by
+    default with the least cache (top_k slots, so each layer's experts come in several groups): the
+    last position's logits within PREFILL_RTOL of the largest (each routed expert's output is the
+    step's; only their sum's order differs), every layer's KV cache alike, and each expert the prompt
+    chose read from the store once a layer."""
+    with LeanModel(store, LeanConfig(cache_bytes=cache_bytes)) as lean:
+        asked: set[tuple[int, int]] = set()
+        ensure = lean.cache.ensure
+        lean.cache.ensure = lambda layer, experts: asked.update((layer, e) for e in experts) or ensure(layer, experts)
+        with lean.sequence(len(TOKENS)) as a, lean.sequence(len(TOKENS)) as b:
+            got = prefill(a, TOKENS).copy()
+            reads = lean.cache.misses
+            assert reads == len(asked)  # the union of each layer's choices, each read once
+            for t in TOKENS[:-1]:
+                b.step(t, logits=False)
+            want = b.step(TOKENS[-1])
+            scale = np.abs(want).max()
+            np.testing.assert_allclose(got, want, rtol=0, atol=PREFILL_RTOL * scale)
+            np.testing.assert_allclose(a.kc, b.kc, rtol=0, atol=PREFILL_RTOL * np.abs(b.kc).max())
+            np.testing.assert_allclose(a.vc, b.vc, rtol=0, atol=PREFILL_RTOL * np.abs(b.vc).max())
+            assert a.length == b.length == len(TOKENS)
+        if cache_bytes == 0:
+            assert lean.cache.misses - reads > 0  # token by token, the same cache reads again
+
+
+@pytest.mark.parametrize("bits", [32, 8, 4])
+@pytest.mark.parametrize("cache", ["every expert", "top_k experts"])
+def test_the_prompt_pass_is_the_steps_and_reads_each_expert_once_a_layer(stores, bits, cache):
+    _prefill_is_the_steps(stores[bits], expert_bytes(stores[bits]) if cache == "every expert" else 0)
+
+
+def test_the_prompt_pass_continues_a_sequence_and_refuses_what_does_not_fit(stores):
+    """A prompt pass at position 5 (after five steps) gives the logits of stepping all of it; a prompt
+    past the sequence's capacity, or an empty one, is refused in one line with nothing run."""
+    with LeanModel(stores[8], LeanConfig(cache_bytes=None)) as lean, \
+            lean.sequence(len(TOKENS)) as a, lean.sequence(len(TOKENS)) as b:
+        for t in TOKENS[:5]:
+            a.step(t, logits=False)
+        got = prefill(a, TOKENS[5:]).copy()
+        for t in TOKENS:
+            want = b.step(t)
+        np.testing.assert_allclose(got, want, rtol=0, atol=PREFILL_RTOL * np.abs(want).max())
+        with pytest.raises(BadInputError, match="the sequence holds"):
+            prefill(a, [1])
+        assert a.length == len(TOKENS)
+    with LeanModel(stores[8], LeanConfig(cache_bytes=0)) as lean, lean.sequence(4) as c:
+        with pytest.raises(BadInputError, match="empty"):
+            prefill(c, [])
+
+
 def _lean_is_the_one_call_step(store: str) -> None:
     """The store's model takes the one-call step; the runner with the engine's rotary tables gives its
     logits bit for bit, and with its own tables the engine's greedy tokens (log-probs within
-    LOGPROB_ATOL)."""
+    LOGPROB_ATOL); its prompt pass is its step's (`_prefill_is_the_steps`)."""
+    _prefill_is_the_steps(store)
     model = load_store(store)
     plan = DecodePlan(model)
     assert plan.net is not None, plan.whole_refusal

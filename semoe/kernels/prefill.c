@@ -1,0 +1,183 @@
+/* A prompt's feed-forward, one layer at a time for all its positions (the torch-free runner's prompt
+ * pass, inference/lean_prefill.py): every expert the prompt chose in a layer runs once over all the
+ * positions that chose it, so its weights are read from storage once a layer for the whole prompt and
+ * from memory once per PREFILL_ROWS positions, instead of once per position.
+ *
+ * The caller runs each position's attention and router (decode_step.c's `decode_attend`, position
+ * after position, which writes its layer's k and v), then:
+ *   prefill_norm      h (T, D) = the layer's feed-forward norm of x (T, D);
+ *   prefill_experts   s (T, D) += w * expert(h) for every (position, k) whose expert is in a list,
+ *                     as many times as the experts the cache holds at once require (s starts at 0);
+ *   prefill_finish    x += s, then the shared expert (times its gate) where the layer has one.
+ * A dense layer's feed-forward is its expert 0, chosen by every position with weight 1.
+ *
+ * Each product is a block kernel over many rows (lin.h); each row's arithmetic is a one-row
+ * product's, so an expert's output equals the decoding step's. The routed experts' sum is taken in
+ * the order of the list rather than of each position's top-k, so x agrees with token-by-token
+ * decoding to float32 rounding, not to the bit (tests bound the difference). */
+#include "lin.h"
+
+#define PREFILL_ROWS 64 /* rows of one expert computed together: bounds its buffers */
+
+void prefill_norm(const Net *net, int64_t l, const float *x, float *h, int64_t T) {
+    const Layer *ly = net->layers + l;
+    rmsnorm_f32(x, ly->ffn_norm, ly->ffn_eps, h, T, net->D);
+}
+
+/* the rows' activations quantized for l's integer kernel, where it takes them */
+static void acts_rows(const Lin *l, const float *x, int64_t n, Acts *a, int *oom) {
+    memset(a, 0, sizeof(*a)); /* freed whether or not the allocation went through */
+    if (!lin_quantized(l)) return;
+    *a = acts_alloc(n, l->I, l->kind == W_INT4 ? l->g : 0);
+    if (!acts_ok(a))
+        *oom = 1;
+    else
+        acts_fill(a, x);
+}
+
+static void acts_rows_done(const Lin *l, Acts *a) {
+    if (lin_quantized(l)) acts_free(a);
+}
+
+typedef struct {
+    float *hb, *hg, *hu, *yb; /* PREFILL_ROWS rows: inputs (D), gate (2F), activation (F), outputs (D) */
+    int64_t *rows; /* (position * K + k) of the positions that chose the expert */
+    Acts a;
+    int oom;
+} Rows;
+
+/* expert e on n rows p->hb into p->yb, by the team: decode_step.c's `experts` for one expert over
+ * n rows (SwiGLU, or gpt-oss's clamped activation of gate_up with its biases) */
+static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
+    const int64_t D = net->D, Og = e->gate.O;
+    const int fused = e->up.O == 0;
+    const int64_t Fe = fused ? Og / 2 : Og;
+#pragma omp single
+    acts_rows(&e->gate, p->hb, n, &p->a, &p->oom);
+    int64_t nb = p->oom ? 0 : lin_blocks(&e->gate);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; b++) {
+        lin_block(&e->gate, p->hb, n, &p->a, p->hg, b);
+        if (!fused) lin_block(&e->up, p->hb, n, &p->a, p->hu, b);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < (p->oom ? 0 : n * Fe); t++) {
+        const int64_t m = t / Fe, j = t % Fe;
+        float *g = p->hg + m * Og, *u = p->hu + m * Fe;
+        if (fused) {
+            const float *b = e->gate.bias, lim = net->limit;
+            float gv = g[2 * j] + (b ? b[2 * j] : 0.0f), uv = g[2 * j + 1] + (b ? b[2 * j + 1] : 0.0f);
+            gv = fminf(gv, lim);
+            uv = fminf(fmaxf(uv, -lim), lim);
+            u[j] = (uv + 1.0f) * gv * (1.0f / (1.0f + expf(-(gv * net->alpha))));
+        } else {
+            g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+        }
+    }
+    const float *down_in = fused ? p->hu : p->hg; /* n rows of Fe */
+#pragma omp single
+    {
+        acts_rows_done(&e->gate, &p->a);
+        memset(&p->a, 0, sizeof(p->a));
+        if (!p->oom) acts_rows(&e->down, down_in, n, &p->a, &p->oom);
+    }
+    nb = p->oom ? 0 : lin_blocks(&e->down);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; b++) lin_block(&e->down, down_in, n, &p->a, p->yb, b);
+#pragma omp single
+    {
+        acts_rows_done(&e->down, &p->a);
+        const float *bias = e->down.bias;
+        if (bias && !p->oom)
+            for (int64_t m = 0; m < n; m++)
+                for (int64_t i = 0; i < D; i++) p->yb[m * D + i] += bias[i];
+    }
+}
+
+static int rows_new(const Net *net, int64_t T, int64_t K, Rows *p) {
+    const int64_t D = net->D, F = net->F, R = PREFILL_ROWS;
+    memset(p, 0, sizeof(*p));
+    p->hb = malloc(sizeof(float) * (size_t)(R * D));
+    p->yb = malloc(sizeof(float) * (size_t)(R * D));
+    p->hg = malloc(sizeof(float) * (size_t)(R * 2 * F));
+    p->hu = malloc(sizeof(float) * (size_t)(R * F));
+    p->rows = malloc(sizeof(int64_t) * (size_t)(T * K + 1));
+    return p->hb && p->yb && p->hg && p->hu && p->rows;
+}
+
+static void rows_free(Rows *p) {
+    free(p->hb), free(p->yb), free(p->hg), free(p->hu), free(p->rows);
+}
+
+/* s (T, D) += w * expert(h) over the (position, k) of ids (T, K) whose expert is one of list[0..n)
+ * (pointed at in the layer's `experts`; a dense layer: list {0}). 0, or -1 where memory was short. */
+int prefill_experts(const Net *net, int64_t l, const float *h, float *s, int64_t T, const int64_t *ids,
+                    const float *w, const int64_t *list, int64_t n, int threads) {
+    const Layer *ly = net->layers + l;
+    const int64_t D = net->D, K = ly->E ? net->top_k : 1;
+    Rows p;
+    if (!rows_new(net, T, K, &p)) return rows_free(&p), -1;
+    int64_t count = 0;
+#pragma omp parallel num_threads(threads)
+    for (int64_t i = 0; i < n && !p.oom; i++) {
+#pragma omp barrier /* every thread is done with the last expert's count before it is taken again */
+#pragma omp single
+        {
+            count = 0;
+            for (int64_t t = 0; t < T * K; t++)
+                if (ids[t] == list[i]) p.rows[count++] = t;
+        }
+        for (int64_t r0 = 0; r0 < count && !p.oom; r0 += PREFILL_ROWS) {
+            const int64_t nr = count - r0 < PREFILL_ROWS ? count - r0 : PREFILL_ROWS;
+#pragma omp single
+            for (int64_t j = 0; j < nr; j++) memcpy(p.hb + j * D, h + p.rows[r0 + j] / K * D, sizeof(float) * (size_t)D);
+            expert_rows(net, ly->experts + list[i], nr, &p);
+#pragma omp single
+            for (int64_t j = 0; j < nr && !p.oom; j++) {
+                const int64_t t = p.rows[r0 + j];
+                float *st = s + t / K * D, wt = w[t];
+                for (int64_t c = 0; c < D; c++) st[c] += p.yb[j * D + c] * wt;
+            }
+        }
+    }
+    int rc = p.oom ? -1 : 0;
+    rows_free(&p);
+    return rc;
+}
+
+/* x (T, D) += s, then the layer's shared expert on h, times sigmoid(shared_gate h) where it has a
+ * gate, as decoding adds it. 0, or -1 where memory was short. */
+int prefill_finish(const Net *net, int64_t l, float *x, const float *h, const float *s, int64_t T, int threads) {
+    const Layer *ly = net->layers + l;
+    const int64_t D = net->D;
+    for (int64_t i = 0; i < T * D; i++) x[i] = x[i] + s[i];
+    if (!ly->shared) return 0;
+    Rows p;
+    float gate[PREFILL_ROWS];
+    if (!rows_new(net, 1, 1, &p)) return rows_free(&p), -1;
+#pragma omp parallel num_threads(threads)
+    for (int64_t r0 = 0; r0 < T && !p.oom; r0 += PREFILL_ROWS) {
+        const int64_t nr = T - r0 < PREFILL_ROWS ? T - r0 : PREFILL_ROWS;
+#pragma omp single
+        memcpy(p.hb, h + r0 * D, sizeof(float) * (size_t)(nr * D));
+        expert_rows(net, ly->shared, nr, &p);
+        if (ly->shared_gate.O) {
+#pragma omp single
+            acts_rows(&ly->shared_gate, p.hb, nr, &p.a, &p.oom);
+            const int64_t nb = p.oom ? 0 : lin_blocks(&ly->shared_gate);
+#pragma omp for schedule(static)
+            for (int64_t b = 0; b < nb; b++) lin_block(&ly->shared_gate, p.hb, nr, &p.a, gate, b);
+#pragma omp single
+            acts_rows_done(&ly->shared_gate, &p.a);
+        }
+#pragma omp single
+        for (int64_t j = 0; j < nr && !p.oom; j++) {
+            float g = ly->shared_gate.O ? 1.0f / (1.0f + expf(-gate[j])) : 1.0f;
+            const float *yj = p.yb + j * D;
+            moe_combine_f32(x + (r0 + j) * D, &yj, &g, 1, D);
+        }
+    }
+    int rc = p.oom ? -1 : 0;
+    rows_free(&p);
+    return rc;
+}
