@@ -52,8 +52,10 @@ def prefill(seq, tokens: list[int]) -> np.ndarray:
     trig = [(_p(cos[t]), _p(sin[t])) for t in range(T)]
     picks = [(_p(ids[t]), _p(w[t])) for t in range(T)]
     for lay, (kp, vp) in enumerate(seq._kv):
-        for t in range(T):
-            lib.decode_attend(net, work, lay, xs[t], kp, vp, seq.capacity, pos0 + t, *trig[t], *picks[t], threads)
+        if lib.prefill_attend(net, lay, _p(x), T, kp, vp, seq.capacity, pos0, _p(cos), _p(sin), R, _p(ids), _p(w), K,
+                              threads):  # latent attention: position by position
+            for t in range(T):
+                lib.decode_attend(net, work, lay, xs[t], kp, vp, seq.capacity, pos0 + t, *trig[t], *picks[t], threads)
         lib.prefill_norm(net, lay, _p(x), _p(h), T)
         s.fill(0.0)
         if lay in m._parts:

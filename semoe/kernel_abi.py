@@ -173,6 +173,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
     lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
+    lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _INT]
+    lib.prefill_attend.restype = ctypes.c_int
+    lib.prefill_attend.errcheck = _latent_or_out_of_memory
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
     for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_fp8, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads,
@@ -193,6 +196,12 @@ def _out_of_memory(rc: int, fn, args) -> int:
     if rc != 0:
         raise MemoryError(f"semoe's CPU kernels: out of memory for the buffers of {fn.__name__}")
     return rc
+
+
+def _latent_or_out_of_memory(rc: int, fn, args) -> int:
+    if rc < 0:
+        raise MemoryError(f"semoe's CPU kernels: out of memory for the buffers of {fn.__name__}")
+    return rc  # 1: a latent-attention layer, which the caller steps position by position
 
 
 def _no_work(work: int | None, fn, args) -> int:

@@ -99,7 +99,7 @@ static void softmax_inplace(float *p, int64_t n) {
  * with norm); top-k of the logits then softmax over them; or grouped: softmax or sigmoid scores,
  * chosen on scores + correction among the best topk_group of n_group groups, weighted by their
  * scores (renormalised with norm) times routed_scale. */
-static void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids,
+void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids,
                   float *w) {
     const int64_t E = ly->E, K = net->top_k;
     if (net->router == 1) {
@@ -270,6 +270,22 @@ static void work_free(Work *s) {
     free(s);
 }
 
+/* q, k, v (H, G, G heads of Dh) of one position as the module prepares them before rotary: norms over
+ * all heads, clipping, norms per head, in that order */
+void qkv_prepare(const Layer *ly, float *qkv, int64_t H, int64_t G, int64_t Dh) {
+    float *q = qkv, *k = qkv + H * Dh;
+    if (ly->qk_norm == 1) {
+        rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, 1, H * Dh);
+        rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, 1, G * Dh);
+    }
+    if (ly->clip > 0)
+        for (int64_t i = 0; i < (H + 2 * G) * Dh; i++) qkv[i] = fminf(fmaxf(qkv[i], -ly->clip), ly->clip);
+    if (ly->qk_norm == 2) {
+        rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, H, Dh);
+        rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, G, Dh);
+    }
+}
+
 /* grouped-query attention from the normed row s->h to the output product in s->tmp, by the team:
  * k and v written at pos of the layer's caches (G, S, Dh) */
 static void gqa_attend(const Net *net, const Layer *ly, float *kc, float *vc, int64_t S, int64_t pos,
@@ -279,19 +295,8 @@ static void gqa_attend(const Net *net, const Layer *ly, float *kc, float *vc, in
         product(&ly->qkv[j], s->h, &s->a, s->qkv + off, &s->oom);
 #pragma omp single
     {
-        /* the module's order: norms over all heads, clipping, norms per head; then rotary */
-        float *q = s->qkv, *k = s->qkv + H * Dh;
-        if (ly->qk_norm == 1) {
-            rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, 1, H * Dh);
-            rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, 1, G * Dh);
-        }
-        if (ly->clip > 0)
-            for (int64_t i = 0; i < (H + 2 * G) * Dh; i++) s->qkv[i] = fminf(fmaxf(s->qkv[i], -ly->clip), ly->clip);
-        if (ly->qk_norm == 2) {
-            rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, H, Dh);
-            rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, G, Dh);
-        }
-        attend_rotate(q, k, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, net->R, S, pos, s->qr);
+        qkv_prepare(ly, s->qkv, H, G, Dh);
+        attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, net->R, S, pos, s->qr);
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++)

@@ -11,5 +11,9 @@
 int lin_quantized(const Lin *l);
 int64_t lin_blocks(const Lin *l);
 void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y, int64_t b);
+/* decode_step.c's per-position steps that prefill.c's prompt pass shares: q, k and v's norms and
+ * clipping, and the router's choice from its logits p (overwritten; choice: E floats, masked E bytes) */
+void qkv_prepare(const Layer *ly, float *qkv, int64_t H, int64_t G, int64_t Dh);
+void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids, float *w);
 
 #endif

@@ -3,8 +3,9 @@
  * positions that chose it, so its weights are read from storage once a layer for the whole prompt and
  * from memory once per PREFILL_ROWS positions, instead of once per position.
  *
- * The caller runs each position's attention and router (decode_step.c's `decode_attend`, position
- * after position, which writes its layer's k and v), then:
+ * The caller runs the positions' attention and router (`prefill_attend`: the products over many
+ * rows at once, then each row's attention over the positions up to its own; a latent-attention layer
+ * position after position by decode_step.c's `decode_attend`), then:
  *   prefill_norm      h (T, D) = the layer's feed-forward norm of x (T, D);
  *   prefill_experts   s (T, D) += w * expert(h) for every (position, k) whose expert is in a list,
  *                     as many times as the experts the cache holds at once require (s starts at 0);
@@ -92,6 +93,89 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
             for (int64_t m = 0; m < n; m++)
                 for (int64_t i = 0; i < D; i++) p->yb[m * D + i] += bias[i];
     }
+}
+
+/* y (n, O) = l(x) for n rows x (n, I), by the team (`a`: their activations, where l's kernel takes them) */
+static void rows_product(const Lin *l, const float *x, int64_t n, Acts *a, float *y, int *oom) {
+#pragma omp single
+    acts_rows(l, x, n, a, oom);
+    const int64_t nb = *oom ? 0 : lin_blocks(l);
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < nb; b++) lin_block(l, x, n, a, y, b);
+#pragma omp single
+    {
+        acts_rows_done(l, a);
+        if (l->bias && !*oom)
+            for (int64_t m = 0; m < n; m++)
+                for (int64_t i = 0; i < l->O; i++) y[m * l->O + i] += l->bias[i];
+    }
+}
+
+/* Layer l's attention and router for T positions from pos0, as `decode_attend` runs them position
+ * after position: x (T, D) gets the attention's residual, ids and w (T, K) each position's choice (a
+ * dense layer's: expert 0 of weight 1), the layer's caches kc, vc (G, S, Dh) its k and v. The norms
+ * and products take PREFILL_ROWS rows at once; then each row in turn is prepared, rotated (its k and
+ * v written) and attends over the positions up to its own. cos, sin: (T, Rc) the positions' rotary
+ * tables. Returns 0; 1 for a latent-attention layer, which it leaves to decode_attend; -1 where
+ * memory was short. */
+int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, float *vc, int64_t S, int64_t pos0,
+                   const float *cos, const float *sin, int64_t Rc, int64_t *ids, float *w, int64_t K, int threads) {
+    const Layer *ly = net->layers + l;
+    if (ly->mla) return 1;
+    const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, Q = (H + 2 * G) * Dh, R = PREFILL_ROWS;
+    const int64_t E = ly->E > 0 ? ly->E : 1;
+    float *h = malloc(sizeof(float) * (size_t)(R * D)), *qkv = malloc(sizeof(float) * (size_t)(R * Q));
+    float *part = malloc(sizeof(float) * (size_t)(R * Q)), *att = malloc(sizeof(float) * (size_t)(R * H * Dh));
+    float *tmp = malloc(sizeof(float) * (size_t)(R * D)), *qr = malloc(sizeof(float) * (size_t)(H * Dh));
+    float *p = malloc(sizeof(float) * (size_t)(H * S)), *probs = malloc(sizeof(float) * (size_t)(R * E));
+    float *choice = malloc(sizeof(float) * (size_t)E);
+    unsigned char *masked = malloc((size_t)E);
+    Acts a;
+    int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked);
+#pragma omp parallel num_threads(threads)
+    for (int64_t r0 = 0; r0 < T && !oom; r0 += R) {
+        const int64_t nr = T - r0 < R ? T - r0 : R;
+#pragma omp single
+        rmsnorm_f32(x + r0 * D, ly->attn_norm, ly->attn_eps, h, nr, D);
+        for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++) {
+            rows_product(&ly->qkv[j], h, nr, &a, part, &oom);
+#pragma omp single
+            for (int64_t m = 0; m < nr; m++)
+                memcpy(qkv + m * Q + off, part + m * ly->qkv[j].O, sizeof(float) * (size_t)ly->qkv[j].O);
+        }
+        for (int64_t m = 0; m < nr && !oom; m++) {
+            const int64_t pos = pos0 + r0 + m, n = pos + 1;
+            float *row = qkv + m * Q;
+#pragma omp single
+            {
+                qkv_prepare(ly, row, H, G, Dh);
+                attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cos + (r0 + m) * Rc, sin + (r0 + m) * Rc, kc, vc,
+                              H, G, Dh, net->R, S, pos, qr);
+            }
+#pragma omp for schedule(static)
+            for (int64_t hd = 0; hd < H; hd++)
+                attend_head(qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n,
+                            net->scale, ly->sinks, p, att + m * H * Dh, hd);
+        }
+        rows_product(&ly->o, att, nr, &a, tmp, &oom);
+#pragma omp single
+        {
+            for (int64_t i = 0; i < nr * D; i++) x[r0 * D + i] = x[r0 * D + i] + tmp[i];
+            rmsnorm_f32(x + r0 * D, ly->ffn_norm, ly->ffn_eps, h, nr, D);
+        }
+        if (ly->E) rows_product(&ly->router, h, nr, &a, probs, &oom);
+#pragma omp single
+        for (int64_t m = 0; m < nr && !oom; m++) {
+            int64_t *im = ids + (r0 + m) * K;
+            float *wm = w + (r0 + m) * K;
+            if (ly->E)
+                route(net, ly, probs + m * ly->E, choice, masked, im, wm);
+            else
+                im[0] = 0, wm[0] = 1.0f;
+        }
+    }
+    free(h), free(qkv), free(part), free(att), free(tmp), free(qr), free(p), free(probs), free(choice), free(masked);
+    return oom ? -1 : 0;
 }
 
 static int rows_new(const Net *net, int64_t T, int64_t K, Rows *p) {

@@ -66,7 +66,7 @@ def test_int4_product_equals_the_dequantized_reference(M, O, I, group, threads):
 
 
 @pytest.mark.parametrize("M, O, I", [(1, 64, 32), (1, 5760, 2880), (3, 130, 96), (16, 7, 32), (2, 64, 1024),
-                                     (5, 33, 160)])
+                                     (5, 33, 160), (40, 64, 288)])  # a prompt's rows, 9 blocks (8 + 1)
 def test_mxfp4_product_equals_the_dequantized_reference(M, O, I, threads):
     """gpt-oss's MXFP4 blocks as stored (out-major), every code, exponents around 2^0 and a block of
     exponent 0 and one of 1 (subnormal powers of two in float32): each output within 1e-5 of the float64
