@@ -27,6 +27,28 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+#ifdef SEMOE_AVX2
+/* AVX2 has no VNNI: a block of 32 signed bytes w times 32 signed bytes x sums as |w| (unsigned)
+ * times x carrying w's sign, in pairs to int16 (at most 2 * 128 * 127, no saturation), then pairs
+ * of those to int32: eight lanes holding the block's exact sum between them. */
+static inline __m256i dot32_avx2(__m256i w, __m256i x) {
+    __m256i p16 = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+    return _mm256_madd_epi16(p16, _mm256_set1_epi16(1));
+}
+
+/* 32 bytes of row w from k on, zero past I (a copy for the last, partial block: never read past the row) */
+#endif
+
+#ifdef SEMOE_VNNI
+/* the sums of ROWS rows' lane accumulators */
+static inline void reduce_rows(__m512 f0, __m512 f1, __m512 f2, __m512 f3, float *out) {
+    out[0] = _mm512_reduce_add_ps(f0);
+    out[1] = _mm512_reduce_add_ps(f1);
+    out[2] = _mm512_reduce_add_ps(f2);
+    out[3] = _mm512_reduce_add_ps(f3);
+}
+#endif
+
 /* a + b * c for the float kernels' scalar tails: fused wherever the build has FMA, as their vector
  * bodies are (left to itself the compiler vectorized one kernel's tail into separate multiplies and
  * adds and fused another's, so a bfloat16 weight and its float32 widening summed to other bits) */
@@ -58,6 +80,12 @@ typedef struct {
     int64_t M, I, Ip, g, groups;
     int8_t *q;
     float *d, *xsum;
+    /* AVX2, two rows or more (a prompt's): the codes of each pair of blocks as the MXFP4 kernel reads
+     * them (inputs 0-15 of both, then 16-31 of both), twelve times their sums in pairs (int16, 16 a
+     * pair of blocks) and the scales of each eight blocks in the kernel's order; NULL otherwise */
+    int8_t *qp;
+    int16_t *c16;
+    float *dp;
 } Acts;
 
 /* acts_alloc's buffers may be NULL where memory is short: acts_ok says whether all three are there

@@ -17,7 +17,7 @@ from helpers.procs import ROOT, child_env
 from semoe import kernel_variants
 
 KERNELS = os.path.join(ROOT, "semoe", "kernels")
-SOURCES = ("gemv.c", "gemv_float.c", "attend.c", "decode_step.c", "prefill.c")
+SOURCES = ("gemv.c", "gemv_fp4.c", "gemv_float.c", "attend.c", "decode_step.c", "prefill.c")
 TESTS = ("semoe/test_cpu_kernels.py", "semoe/test_decode_plan.py", "inference/test_lean.py")
 
 
