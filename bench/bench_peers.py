@@ -115,6 +115,7 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int, den
         read0, faults0, wait0, t0 = _read_bytes(), major_faults(), model.cache.read_s, time.perf_counter()
         res = model.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
         wait_share = (model.cache.read_s - wait0) / (time.perf_counter() - t0)
+        waited = model.cache.read_s - wait0
         return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
                 "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
                 "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
@@ -122,6 +123,7 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int, den
                 "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
                 "read_wait_share": wait_share, "mapped_bytes": model.mapped_bytes,
+                "read_gbps_waiting": res.stats["ssd_bytes"] / waited / 1e9 if waited > 0 else None,
                 "routing_entropy": routing_entropy(uses, model.config.num_experts)}
 
 
@@ -304,12 +306,30 @@ def footprint(args: argparse.Namespace, ours: str) -> dict:
             "mapped_bytes": r.get("mapped_bytes", 0)}
 
 
+def disk_rate(store: str) -> dict:
+    """The disk's read rate in this run: `semoe store bench --cold` of the store (every expert chunk once
+    by a plain buffered read, a dd-style O_DIRECT read and the store's own hot path, each cold)."""
+    res = subprocess.run([sys.executable, "-m", "tools.cli", "store", "bench", "--cold", "--repeats", "1",
+                          "--no-tensorstore", "--json", store], capture_output=True, text=True, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": ROOT})
+    if res.returncode != 0:
+        print(res.stderr[-2000:], file=sys.stderr)
+        raise SystemExit(f"semoe store bench --cold {store} failed")
+    r = json.loads(res.stdout)
+    return {"raw_gbps": r["raw_gbps"], "raw_direct_gbps": r["raw_direct_gbps"], "store_gbps": r["store_gbps"],
+            "bytes": r["bytes"], "disk_gbps": max(r["raw_gbps"], r["raw_direct_gbps"] or 0.0)}
+
+
 def limited(args: argparse.Namespace) -> dict:
     runs: dict[str, list[dict]] = {}
     notes = {}
+    disk = None
     for bits, ours, gguf in PAIRS:
         if bits not in args.limited_bits.split(","):
             continue
+        if disk is None:
+            print(f"the disk's read rate: semoe store bench --cold {ours} ...", file=sys.stderr)
+            disk = disk_rate(os.path.join(args.workdir, ours))
         fp = footprint(args, ours)
         # its own anonymous memory; the dense weights the runner maps from the store (file-backed, as
         # llama.cpp's) are given room beside the cache where SIZE allows, else paged as used
@@ -358,6 +378,8 @@ def limited(args: argparse.Namespace) -> dict:
                     runs.setdefault(name, []).append(r)
     out = _medians(runs)
     out["notes"] = notes
+    if disk:
+        out["disk"] = disk
     return out
 
 
@@ -390,6 +412,11 @@ def report(result: dict, as_json: bool) -> None:
         return
     for part in ("resident", "limited"):
         rows = dict(result.get(part, {}))
+        disk = rows.pop("disk", None)
+        if disk:
+            print(f"{part:8} the disk in this run (`semoe store bench --cold`, {disk['bytes'] / 2**30:.2f} GiB of "
+                  f"expert chunks): plain read {disk['raw_gbps']:.2f} GB/s, O_DIRECT {disk['raw_direct_gbps'] or 0:.2f}, "
+                  f"the store's hot path {disk['store_gbps']:.2f}")
         for name, why in rows.pop("notes", {}).items():
             print(f"{part:8} {name:18} {why}")
         for name, r in rows.items():
@@ -400,6 +427,9 @@ def report(result: dict, as_json: bool) -> None:
                 line += f" | reads {r['read_bytes_per_token'] * r['decode_tok_s'] / 1e9:.2f} GB/s"
                 if "read_wait_share" in r:  # the lean runner reads on the decoding thread: its wait is the read's
                     line += f", waiting on them {r['read_wait_share']:.0%} of the time"
+                if r.get("read_gbps_waiting") and disk:
+                    line += (f", at {r['read_gbps_waiting']:.2f} GB/s while waiting "
+                             f"({r['read_gbps_waiting'] / disk['disk_gbps']:.2f}x the disk's faster plain read)")
             if "routing_entropy" in r:
                 line += f" | routing entropy {r['routing_entropy']:.3f} (least over layers)"
             if part == "limited" and r.get("cpu_cache_bytes"):
