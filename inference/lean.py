@@ -44,15 +44,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
-import mmap
 import os
-import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from inference.lean_prefill import prefill
+from inference.lean_slots import ExpertSlots
 from inference.memory_guard import auto_cpu_cache_bytes
 from semoe import kernel_abi
 from semoe.decode import loop, rope
@@ -61,14 +60,12 @@ from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.hf_config import config_from_json
 from semoe.hf_names import hf_name
 from semoe.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
-from storage.cache import ExpertCache, ExpertCacheConfig
 from storage.errors import BadInputError
 from storage.formats import QUANTIZE_ROWS, auto_dense, int8_rows_spec
 from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import TensorEntry
 from storage.np_codes import bf16_to_f32, float_rows, fp8_bf16_rows, int8_rows, quantize_int8_rows
-from storage.policies import NextUsePolicy
 from storage.procmem import peak_rss_bytes, release_free_heap
 from storage.reader import StoreReader
 DENSE_CHOICES = ("auto", "float", "int8")
@@ -114,69 +111,6 @@ class LeanResult:
     ttft_s: float
     decode_tok_s: float
     stats: dict = field(default_factory=dict)
-
-
-class _ExpertSlots:
-    """The expert cache: `storage.cache.ExpertCache` (next-use eviction, keyed by `ExpertKey`) over `n`
-    slots of one chunk's bytes in one anonymous mapping (page-aligned, for O_DIRECT). An entry's
-    payload is its slot, taken from the free list when its chunk is read and given back when it is
-    evicted; the chunks missing for a layer are read at once and checked against the manifest."""
-
-    def __init__(self, store: StoreReader, n: int, slot_bytes: int, reader: ChunkReader,
-                 on_load: Callable[[ExpertKey, int], None]) -> None:
-        self.store, self.n, self.slot_bytes, self.reader, self.on_load = store, n, slot_bytes, reader, on_load
-        self.mem = mmap.mmap(-1, n * slot_bytes)
-        self.base = ctypes.addressof(ctypes.c_char.from_buffer(self.mem))
-        self.view = memoryview(self.mem)
-        self.free = list(range(n - 1, -1, -1))
-        self.cache = ExpertCache(ExpertCacheConfig(capacity_bytes=n * slot_bytes, policy=NextUsePolicy.name),
-                                 on_evict=lambda key, slot: self.free.append(slot))
-        self.read_bytes = 0
-        self.read_s = 0.0
-
-    def ensure(self, layer: int, experts: list[int]) -> list[int]:
-        """The slots of these experts of `layer`, reading the missing ones (all at once)."""
-        where: dict[ExpertKey, int] = {}  # pinned until the end of the call
-        loads = []  # (key, slot, chunk, request) of entries reserved, not yet complete
-        try:
-            for k in dict.fromkeys(ExpertKey(layer, e) for e in experts):
-                entry, must_load = self.cache.lookup_or_reserve(k, self.slot_bytes)
-                if not must_load:
-                    where[k] = entry.payload
-                    continue
-                slot = self.free.pop()
-                chunk = self.store.manifest.chunk(layer, k.expert)
-                buf = self.view[slot * self.slot_bytes:slot * self.slot_bytes + chunk.bytes]
-                loads.append((k, slot, chunk, self.store.chunk_request(chunk, buf)))
-            if loads:
-                t0 = time.perf_counter()
-                crcs = self.reader.read_many([r[-1] for r in loads])
-                self.read_s += time.perf_counter() - t0
-                for (_, _, chunk, _), got in zip(loads, crcs):
-                    self.store.check_crcs(chunk, got)
-                for k, slot, chunk, _ in loads:
-                    self.on_load(k, slot)
-                    self.cache.complete(k, slot)
-                    where[k] = slot
-                    self.read_bytes += chunk.bytes
-                loads = []
-        except BaseException as e:
-            for k, slot, *_ in loads:  # reserved, never complete: the entry goes, its slot comes back
-                self.cache.fail(k, e)
-                self.free.append(slot)
-            raise
-        finally:
-            for k in where:
-                self.cache.unpin(k)
-        return [where[ExpertKey(layer, e)] for e in experts]
-
-    @property
-    def hits(self) -> int:
-        return self.cache.stats().hits
-
-    @property
-    def misses(self) -> int:
-        return self.cache.stats().insertions
 
 
 def dense_load_bytes(store: StoreReader) -> int:
@@ -298,7 +232,7 @@ class LeanModel:
         self._emb = emb
         self._emb_fd = os.open(store.path(emb.file), os.O_RDONLY)
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
-        self.cache = _ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader, self._loaded)
+        self.cache = ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader, self._loaded)
         release_free_heap()  # what loading freed, given back: decoding may run with memory short
 
     @staticmethod

@@ -2,13 +2,16 @@
 the model one layer at a time, so that each expert the prompt chose in a layer is read from storage
 once for the whole prompt and computed over all the positions that chose it at once.
 
-Per layer: each position's attention and router in turn (`decode_attend`, as a decoding step runs
-them: position t writes its k and v before t + 1 attends), then the feed-forward of all positions
-(semoe/kernels/prefill.c): the union of the experts they chose, read in as many groups as the expert
-cache holds at once (one group where it holds the layer's union: every expert read at most once a
+Per layer (semoe/kernels/prefill.c): the positions' attention and router (`prefill_attend`: the
+norms and products over many rows at once, then each row's attention over the positions up to its
+own, its k and v written first; latent attention position by position, by `decode_attend`), then
+their feed-forward: the union of the experts they chose, read in groups of half the expert cache (a
+group is computed while the next is read; the groups split the union, so each expert is read once a
 layer), each expert's rows computed together, the weighted outputs summed per position, and the
-shared expert on all rows. Token by token, a prompt of T positions asked the cache for each expert
-up to T times a layer; with memory short, most of those were reads.
+shared expert on all rows. Where the prompt is long enough to choose nearly every expert of a layer,
+the next MoE layer's experts are read while this one computes. Token by token, a prompt of T
+positions asked the cache for each expert up to T times a layer; with memory short, most of those
+were reads.
 
 The residual stream, its normed copy and the experts' sum are held for all T positions (3 * T *
 hidden_size float32: 17 MiB for 512 positions of gpt-oss-20b) beside the KV cache the sequence
@@ -37,39 +40,94 @@ def prefill(seq, tokens: list[int]) -> np.ndarray:
         raise BadInputError(f"a prompt of {T} tokens at position {pos0}: the sequence holds {seq.capacity}")
     if seq._work is None:
         raise BadInputError("the sequence is closed")
-    lib, net, work, threads = m.lib, seq._net, seq._work, m.settings.threads
     D, K = c.hidden_size, max(c.top_k, 1)
-    x, h, s = (np.empty((T, D), np.float32) for _ in range(3))
+    p = _Pass(seq, T, K, D)
     for t, token in enumerate(tokens):
-        m._embed(token, x[t])
-    R = seq.cos.shape[0]
-    cos, sin = np.empty((T, R), np.float32), np.empty((T, R), np.float32)
-    for t in range(T):
-        m.rope(pos0 + t, cos[t], sin[t])
-    ids, w = np.zeros((T, K), np.int64), np.zeros((T, K), np.float32)
-    dense_ids, dense_w = np.zeros(T, np.int64), np.ones(T, np.float32)
-    xs = [_p(x[t]) for t in range(T)]
-    trig = [(_p(cos[t]), _p(sin[t])) for t in range(T)]
-    picks = [(_p(ids[t]), _p(w[t])) for t in range(T)]
-    for lay, (kp, vp) in enumerate(seq._kv):
-        if lib.prefill_attend(net, lay, _p(x), T, kp, vp, seq.capacity, pos0, _p(cos), _p(sin), R, _p(ids), _p(w), K,
-                              threads):  # latent attention: position by position
-            for t in range(T):
-                lib.decode_attend(net, work, lay, xs[t], kp, vp, seq.capacity, pos0 + t, *trig[t], *picks[t], threads)
-        lib.prefill_norm(net, lay, _p(x), _p(h), T)
-        s.fill(0.0)
-        if lay in m._parts:
-            used = sorted(set(ids.ravel().tolist()))
-            for i in range(0, len(used), m.cache.n):  # as many as the cache holds at once
-                group = used[i:i + m.cache.n]
-                for e, slot in zip(group, m.cache.ensure(lay, group)):
-                    m._point(lay, e, slot)
-                chosen = np.array(group, np.int64)
-                lib.prefill_experts(net, lay, _p(h), _p(s), T, _p(ids), _p(w), _p(chosen), len(group), threads)
-        else:  # a dense feed-forward: expert 0, weight 1, for every position (decode_attend's choice)
-            lib.prefill_experts(net, lay, _p(h), _p(s), T, _p(dense_ids), _p(dense_w), _p(dense_ids), 1, threads)
-        lib.prefill_finish(net, lay, _p(x), _p(h), _p(s), T, threads)
+        m._embed(token, p.x[t])
+        m.rope(pos0 + t, p.cos[t], p.sin[t])
+    ahead = None  # the next MoE layer's experts, read while this one computes
+    try:
+        for lay in range(len(seq._kv)):
+            p.attend(lay)
+            ahead = p.feed_forward(lay, ahead)
+    finally:
+        if ahead is not None:
+            m.cache.end(ahead)
     seq.length = pos0 + T
-    seq.x[:] = x[-1]
-    lib.decode_head(net, work, seq._p[0], seq._p[1], threads)
+    seq.x[:] = p.x[-1]
+    m.lib.decode_head(seq._net, seq._work, seq._p[0], seq._p[1], m.settings.threads)
     return seq.logits
+
+
+class _Pass:
+    """The prompt pass's buffers: the residual stream x, its normed copy h and the experts' sum s (T,
+    D), the rotary tables (T, R), each position's choice ids and w (T, K)."""
+
+    def __init__(self, seq, T: int, K: int, D: int) -> None:
+        self.seq, self.m, self.T, self.K = seq, seq.model, T, K
+        self.x, self.h, self.s = (np.empty((T, D), np.float32) for _ in range(3))
+        self.R = seq.cos.shape[0]
+        self.cos, self.sin = np.empty((T, self.R), np.float32), np.empty((T, self.R), np.float32)
+        self.ids, self.w = np.zeros((T, K), np.int64), np.zeros((T, K), np.float32)
+        self.dense_ids, self.dense_w = np.zeros(T, np.int64), np.ones(T, np.float32)
+
+    def attend(self, lay: int) -> None:
+        seq, m, T, K = self.seq, self.m, self.T, self.K
+        lib, net, threads, (kp, vp) = m.lib, seq._net, m.settings.threads, seq._kv[lay]
+        if lib.prefill_attend(net, lay, _p(self.x), T, kp, vp, seq.capacity, seq.length, _p(self.cos), _p(self.sin),
+                              self.R, _p(self.ids), _p(self.w), K, threads):  # latent attention: position by position
+            for t in range(T):
+                lib.decode_attend(net, seq._work, lay, _p(self.x[t]), kp, vp, seq.capacity, seq.length + t,
+                                  _p(self.cos[t]), _p(self.sin[t]), _p(self.ids[t]), _p(self.w[t]), threads)
+
+    def feed_forward(self, lay: int, ahead):
+        """Layer lay's feed-forward of every position; the next MoE layer's read-ahead (a
+        `lean_slots.Pending`, to `end` there), or None. `ahead`: this layer's, or None."""
+        m, T, cache = self.m, self.T, self.m.cache
+        lib, net, threads = m.lib, self.seq._net, m.settings.threads
+        x, h, s = _p(self.x), _p(self.h), _p(self.s)
+        lib.prefill_norm(net, lay, x, h, T)
+        self.s.fill(0.0)
+        if lay not in m._parts:  # a dense feed-forward: expert 0, weight 1, for every position
+            lib.prefill_experts(net, lay, h, s, T, _p(self.dense_ids), _p(self.dense_w), _p(self.dense_ids), 1,
+                                threads)
+            lib.prefill_finish(net, lay, x, h, s, T, threads)
+            return ahead
+        if ahead is not None and ahead.layer == lay:
+            cache.end(ahead)  # what it read ahead is in the cache: hits below
+            ahead = None
+        used = sorted(set(self.ids.ravel().tolist()))
+        size = max(1, cache.n // 2)  # one group computed while the next is read
+        groups = [used[i:i + size] for i in range(0, len(used), size)]
+        pending = cache.begin(lay, groups[0])
+        for i, group in enumerate(groups):
+            done = pending
+            for e, slot in zip(group, cache.end(done, keep=True)):
+                m._point(lay, e, slot)
+            try:
+                if i + 1 < len(groups):
+                    pending = cache.begin(lay, groups[i + 1])
+                elif ahead is None:
+                    ahead = self._read_ahead(lay, cache.n - len(group))
+                chosen = np.array(group, np.int64)
+                lib.prefill_experts(net, lay, h, s, T, _p(self.ids), _p(self.w), _p(chosen), len(group), threads)
+            except BaseException:
+                for started in (pending, ahead):
+                    if started is not None and started is not done:
+                        cache.end(started)  # its reads land before their slots can be given again
+                raise
+            finally:
+                cache.release(done)
+        lib.prefill_finish(net, lay, x, h, s, T, threads)
+        return ahead
+
+    def _read_ahead(self, lay: int, room: int):
+        """Start reading every expert of the next MoE layer where the prompt's picks (positions times
+        top_k) would choose nearly all of them (four picks an expert leave (1 - 1/E)^(4E) < 2% of them
+        unused: the bytes read stay within a few percent of the experts' the prompt uses) and `room`
+        slots hold them; None otherwise. Speculative: what goes unused is evicted first."""
+        later = [lay2 for lay2 in sorted(self.m._parts) if lay2 > lay]
+        E = self.m.config.num_experts
+        if not later or self.T * self.K < 4 * E or E > room:
+            return None
+        return self.m.cache.begin(later[0], list(range(E)), speculative=True)

@@ -417,15 +417,23 @@ def _prefill_is_the_steps(store: str, cache_bytes: int | None = 0) -> None:
     default with the least cache (top_k slots, so each layer's experts come in several groups): the
     last position's logits within PREFILL_RTOL of the largest (each routed expert's output is the
     step's; only their sum's order differs), every layer's KV cache alike, and each expert the prompt
-    chose read from the store once a layer."""
+    chose (or the pass read ahead, guessing the next layer's) read from the store once."""
     with LeanModel(store, LeanConfig(cache_bytes=cache_bytes)) as lean:
         asked: set[tuple[int, int]] = set()
-        ensure = lean.cache.ensure
-        lean.cache.ensure = lambda layer, experts: asked.update((layer, e) for e in experts) or ensure(layer, experts)
+        guessed: set[tuple[int, int]] = set()
+        begin = lean.cache.begin
+
+        def counted(layer, experts, *, speculative=False):
+            (guessed if speculative else asked).update((layer, e) for e in experts)
+            return begin(layer, experts, speculative=speculative)
+
+        lean.cache.begin = counted
         with lean.sequence(len(TOKENS)) as a, lean.sequence(len(TOKENS)) as b:
             got = prefill(a, TOKENS).copy()
             reads = lean.cache.misses
-            assert reads == len(asked)  # the union of each layer's choices, each read once
+            assert reads == len(asked | guessed)  # the union of each layer's choices, each read once
+            if cache_bytes:  # 16 positions choose 2 of 4 experts: every later MoE layer is read ahead
+                assert {lay for lay, _ in guessed} == set(sorted(lean._parts)[1:])
             for t in TOKENS[:-1]:
                 b.step(t, logits=False)
             want = b.step(TOKENS[-1])
