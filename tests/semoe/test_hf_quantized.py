@@ -334,7 +334,9 @@ def test_the_model_runs_a_quantized_directory_as_its_imported_store(dsv3_f32, gp
     store = import_checkpoint(str(q), str(tmp_path / "store"))
     ids = torch.tensor([[1, 5, 9, 2, 7, 30, 4]])
     with torch.no_grad():
-        assert torch.equal(load_hf(str(q))(ids).logits, load_store(store.root, kernel="dequantize")(ids).logits)
+        # dense weights as stored (`auto` makes them int8 beside MXFP4 experts on CPU): the experts' arithmetic alone
+        got = load_store(store.root, kernel="dequantize", dense="float")(ids).logits
+        assert torch.equal(load_hf(str(q))(ids).logits, got)
 
 
 @needs_kernels
