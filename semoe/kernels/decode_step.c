@@ -45,32 +45,35 @@ void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y,
     }
 }
 
-/* x quantized for l's integer kernel, where it takes one; *oom set where its buffers could not be
+/* the M rows of x quantized for l's integer kernel, where it takes them; *oom set where its buffers could not be
  * allocated (every thread reads it after the barrier that ends the `single` this runs in, so the
  * team skips the products together and the call returns the error) */
-static void acts_for(const Lin *l, const float *x, Acts *a, int *oom) {
+void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom) {
+    memset(a, 0, sizeof(*a)); /* freed whether or not the allocation went through */
     if (!lin_quantized(l)) return;
-    *a = acts_alloc(1, l->I, l->kind == W_INT4 ? l->g : 0);
+    *a = acts_alloc(M, l->I, l->kind == W_INT4 ? l->g : 0);
     if (!acts_ok(a))
         *oom = 1;
     else
         acts_fill(a, x);
 }
 
-static void acts_done(const Lin *l, Acts *a) {
+void lin_acts_done(const Lin *l, Acts *a) {
     if (lin_quantized(l)) acts_free(a);
 }
+
+
 
 /* y = l(x) by the whole team (every thread calls it; a points at one Acts they share) */
 static void product(const Lin *l, const float *x, Acts *a, float *y, int *oom) {
 #pragma omp single
-    acts_for(l, x, a, oom);
+    lin_acts(l, x, 1, a, oom);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < lin_blocks(l); b++)
         if (!*oom) lin_block(l, x, 1, a, y, b);
 #pragma omp single
     {
-        acts_done(l, a);
+        lin_acts_done(l, a);
         if (l->bias)
             for (int64_t i = 0; i < l->O; i++) y[i] += l->bias[i];
     }
@@ -166,7 +169,7 @@ static void experts(const Net *net, int64_t K, const float *w, const float *h, f
     const Expert *const *ex = s->ex;
     const int fused = ex[0]->up.O == 0;
 #pragma omp single
-    for (int64_t k = 0; k < K; k++) acts_for(&ex[k]->gate, h, &s->ax[k], &s->oom);
+    for (int64_t k = 0; k < K; k++) lin_acts(&ex[k]->gate, h, 1, &s->ax[k], &s->oom);
     int64_t nb = s->oom ? 0 : lin_blocks(&ex[0]->gate);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++) {
@@ -177,23 +180,14 @@ static void experts(const Net *net, int64_t K, const float *w, const float *h, f
     int64_t Fe = s->oom ? 0 : fused ? ex[0]->gate.O / 2 : ex[0]->gate.O;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * Fe; t++) {
-        const int64_t k = t / Fe, j = t % Fe;
-        float *g = s->hg + k * 2 * F, *u = s->hu + k * F;
-        if (fused) {
-            const float *b = ex[k]->gate.bias, lim = net->limit;
-            float gv = g[2 * j] + (b ? b[2 * j] : 0.0f), uv = g[2 * j + 1] + (b ? b[2 * j + 1] : 0.0f);
-            gv = fminf(gv, lim);
-            uv = fminf(fmaxf(uv, -lim), lim);
-            u[j] = (uv + 1.0f) * gv * (1.0f / (1.0f + expf(-(gv * net->alpha))));
-        } else {
-            g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        }
+        const int64_t k = t / Fe;
+        expert_act(net, ex[k], s->hg + k * 2 * F, s->hu + k * F, t % Fe);
     }
 #define DOWN_IN(k) (fused ? s->hu + (k) * F : s->hg + (k) * 2 * F)
 #pragma omp single
     for (int64_t k = 0; k < K; k++) {
-        acts_done(&ex[k]->gate, &s->ax[k]);
-        acts_for(&ex[k]->down, DOWN_IN(k), &s->ah[k], &s->oom);
+        lin_acts_done(&ex[k]->gate, &s->ax[k]);
+        lin_acts(&ex[k]->down, DOWN_IN(k), 1, &s->ah[k], &s->oom);
     }
     nb = s->oom ? 0 : lin_blocks(&ex[0]->down);
 #pragma omp for schedule(static)
@@ -203,7 +197,7 @@ static void experts(const Net *net, int64_t K, const float *w, const float *h, f
 #pragma omp single
     {
         for (int64_t k = 0; k < K; k++) {
-            acts_done(&ex[k]->down, &s->ah[k]);
+            lin_acts_done(&ex[k]->down, &s->ah[k]);
             s->yp[k] = s->ys + k * D;
             const float *b = ex[k]->down.bias;
             if (b)
@@ -296,7 +290,8 @@ static void gqa_attend(const Net *net, const Layer *ly, float *kc, float *vc, in
 #pragma omp single
     {
         qkv_prepare(ly, s->qkv, H, G, Dh);
-        attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, net->R, S, pos, s->qr);
+        attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, net->R, S, pos,
+                      s->qr);
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++)

@@ -11,9 +11,28 @@
 int lin_quantized(const Lin *l);
 int64_t lin_blocks(const Lin *l);
 void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y, int64_t b);
+/* the M rows of x quantized into a for l's integer kernel, where it takes them (a zeroed otherwise);
+ * *oom set where the buffers could not be had; lin_acts_done frees them either way */
+void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom);
+void lin_acts_done(const Lin *l, Acts *a);
 /* decode_step.c's per-position steps that prefill.c's prompt pass shares: q, k and v's norms and
  * clipping, and the router's choice from its logits p (overwritten; choice: E floats, masked E bytes) */
 void qkv_prepare(const Layer *ly, float *qkv, int64_t H, int64_t G, int64_t Dh);
 void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids, float *w);
+
+/* expert e's activation of its hidden unit j: SwiGLU's g[j] = silu(g[j]) * u[j] (g, u: the gate and up
+ * outputs), or gpt-oss's clamped one of gate_up's outputs g[2j] and g[2j + 1] with its bias, into
+ * u[j] (`Net.alpha`, `Net.limit`) */
+static inline void expert_act(const Net *net, const Expert *e, float *g, float *u, int64_t j) {
+    if (e->up.O == 0) {
+        const float *b = e->gate.bias, lim = net->limit;
+        float gv = g[2 * j] + (b ? b[2 * j] : 0.0f), uv = g[2 * j + 1] + (b ? b[2 * j + 1] : 0.0f);
+        gv = fminf(gv, lim);
+        uv = fminf(fmaxf(uv, -lim), lim);
+        u[j] = (uv + 1.0f) * gv * (1.0f / (1.0f + expf(-(gv * net->alpha))));
+    } else {
+        g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
+    }
+}
 
 #endif

@@ -25,21 +25,6 @@ void prefill_norm(const Net *net, int64_t l, const float *x, float *h, int64_t T
     rmsnorm_f32(x, ly->ffn_norm, ly->ffn_eps, h, T, net->D);
 }
 
-/* the rows' activations quantized for l's integer kernel, where it takes them */
-static void acts_rows(const Lin *l, const float *x, int64_t n, Acts *a, int *oom) {
-    memset(a, 0, sizeof(*a)); /* freed whether or not the allocation went through */
-    if (!lin_quantized(l)) return;
-    *a = acts_alloc(n, l->I, l->kind == W_INT4 ? l->g : 0);
-    if (!acts_ok(a))
-        *oom = 1;
-    else
-        acts_fill(a, x);
-}
-
-static void acts_rows_done(const Lin *l, Acts *a) {
-    if (lin_quantized(l)) acts_free(a);
-}
-
 typedef struct {
     float *hb, *hg, *hu, *yb; /* PREFILL_ROWS rows: inputs (D), gate (2F), activation (F), outputs (D) */
     int64_t *rows; /* (position * K + k) of the positions that chose the expert */
@@ -54,7 +39,7 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
     const int fused = e->up.O == 0;
     const int64_t Fe = fused ? Og / 2 : Og;
 #pragma omp single
-    acts_rows(&e->gate, p->hb, n, &p->a, &p->oom);
+    lin_acts(&e->gate, p->hb, n, &p->a, &p->oom);
     int64_t nb = p->oom ? 0 : lin_blocks(&e->gate);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; b++) {
@@ -63,31 +48,21 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < (p->oom ? 0 : n * Fe); t++) {
-        const int64_t m = t / Fe, j = t % Fe;
-        float *g = p->hg + m * Og, *u = p->hu + m * Fe;
-        if (fused) {
-            const float *b = e->gate.bias, lim = net->limit;
-            float gv = g[2 * j] + (b ? b[2 * j] : 0.0f), uv = g[2 * j + 1] + (b ? b[2 * j + 1] : 0.0f);
-            gv = fminf(gv, lim);
-            uv = fminf(fmaxf(uv, -lim), lim);
-            u[j] = (uv + 1.0f) * gv * (1.0f / (1.0f + expf(-(gv * net->alpha))));
-        } else {
-            g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
-        }
+        const int64_t m = t / Fe;
+        expert_act(net, e, p->hg + m * Og, p->hu + m * Fe, t % Fe);
     }
     const float *down_in = fused ? p->hu : p->hg; /* n rows of Fe */
 #pragma omp single
     {
-        acts_rows_done(&e->gate, &p->a);
-        memset(&p->a, 0, sizeof(p->a));
-        if (!p->oom) acts_rows(&e->down, down_in, n, &p->a, &p->oom);
+        lin_acts_done(&e->gate, &p->a);
+        if (!p->oom) lin_acts(&e->down, down_in, n, &p->a, &p->oom);
     }
     nb = p->oom ? 0 : lin_blocks(&e->down);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; b++) lin_block(&e->down, down_in, n, &p->a, p->yb, b);
 #pragma omp single
     {
-        acts_rows_done(&e->down, &p->a);
+        lin_acts_done(&e->down, &p->a);
         const float *bias = e->down.bias;
         if (bias && !p->oom)
             for (int64_t m = 0; m < n; m++)
@@ -98,13 +73,13 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
 /* y (n, O) = l(x) for n rows x (n, I), by the team (`a`: their activations, where l's kernel takes them) */
 static void rows_product(const Lin *l, const float *x, int64_t n, Acts *a, float *y, int *oom) {
 #pragma omp single
-    acts_rows(l, x, n, a, oom);
+    lin_acts(l, x, n, a, oom);
     const int64_t nb = *oom ? 0 : lin_blocks(l);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; b++) lin_block(l, x, n, a, y, b);
 #pragma omp single
     {
-        acts_rows_done(l, a);
+        lin_acts_done(l, a);
         if (l->bias && !*oom)
             for (int64_t m = 0; m < n; m++)
                 for (int64_t i = 0; i < l->O; i++) y[m * l->O + i] += l->bias[i];
@@ -247,12 +222,12 @@ int prefill_finish(const Net *net, int64_t l, float *x, const float *h, const fl
         expert_rows(net, ly->shared, nr, &p);
         if (ly->shared_gate.O) {
 #pragma omp single
-            acts_rows(&ly->shared_gate, p.hb, nr, &p.a, &p.oom);
+            lin_acts(&ly->shared_gate, p.hb, nr, &p.a, &p.oom);
             const int64_t nb = p.oom ? 0 : lin_blocks(&ly->shared_gate);
 #pragma omp for schedule(static)
             for (int64_t b = 0; b < nb; b++) lin_block(&ly->shared_gate, p.hb, nr, &p.a, gate, b);
 #pragma omp single
-            acts_rows_done(&ly->shared_gate, &p.a);
+            lin_acts_done(&ly->shared_gate, &p.a);
         }
 #pragma omp single
         for (int64_t j = 0; j < nr && !p.oom; j++) {
