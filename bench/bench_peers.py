@@ -112,18 +112,40 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int, den
             return ensure(layer, experts)
 
         model.cache.ensure = counted
-        read0, faults0, wait0, t0 = _read_bytes(), major_faults(), model.cache.read_s, time.perf_counter()
-        res = model.generate(prompt, SamplingConfig(max_new_tokens=new_tokens))
-        wait_share = (model.cache.read_s - wait0) / (time.perf_counter() - t0)
-        waited = model.cache.read_s - wait0
+        used: set[tuple[int, int]] = set()  # (layer, expert) the prompt pass chose (its guesses aside)
+        begin, at_first = model.cache.begin, {}
+
+        def prompt_begin(layer: int, experts: list[int], *, speculative: bool = False):
+            if not at_first and not speculative:
+                used.update((layer, e) for e in experts)
+            return begin(layer, experts, speculative=speculative)
+
+        def first(_token: int, _logprob: float) -> None:  # the prompt is done: decoding's figures from here
+            if not at_first:
+                at_first.update(read=_read_bytes(), expert=model.cache.read_bytes, wait=model.cache.read_s,
+                                t=time.perf_counter())
+
+        model.cache.begin = prompt_begin
+        read0, faults0, expert0 = _read_bytes(), major_faults(), model.cache.read_bytes
+        res = model.generate(prompt, SamplingConfig(max_new_tokens=new_tokens), on_token=first)
+        steps = max(1, len(res.tokens) - 1)
+        waited = model.cache.read_s - at_first["wait"]
+        wait_share = waited / (time.perf_counter() - at_first["t"])
+        decode_expert_bytes = model.cache.read_bytes - at_first["expert"]
+        chunk = model.store.manifest.chunk
         return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
-                "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
+                # decoding's reads per step after the first token; the prompt's apart, against the bytes of
+                # the experts it chose (each read once: 1.0)
+                "read_bytes_per_token": (_read_bytes() - at_first["read"]) / steps,
+                "prompt_read_bytes": at_first["read"] - read0,
+                "prompt_expert_read_bytes": at_first["expert"] - expert0,
+                "prompt_used_expert_bytes": sum(chunk(lay, e).bytes for lay, e in used),
                 "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
-                "expert_read_bytes_per_token": res.stats["ssd_bytes"] / len(res.tokens),
+                "expert_read_bytes_per_token": decode_expert_bytes / steps,
                 "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
                 "read_wait_share": wait_share, "mapped_bytes": model.mapped_bytes,
-                "read_gbps_waiting": res.stats["ssd_bytes"] / waited / 1e9 if waited > 0 else None,
+                "read_gbps_waiting": decode_expert_bytes / waited / 1e9 if waited > 0 else None,
                 "routing_entropy": routing_entropy(uses, model.config.num_experts)}
 
 
@@ -432,6 +454,9 @@ def report(result: dict, as_json: bool) -> None:
                              f"({r['read_gbps_waiting'] / disk['disk_gbps']:.2f}x the disk's faster plain read)")
             if "routing_entropy" in r:
                 line += f" | routing entropy {r['routing_entropy']:.3f} (least over layers)"
+            if r.get("prompt_used_expert_bytes"):
+                line += (f" | the prompt read {r['prompt_read_bytes'] / 2**20:.0f} MiB, its experts "
+                         f"{r['prompt_expert_read_bytes'] / r['prompt_used_expert_bytes']:.2f}x the bytes of those it chose")
             if part == "limited" and r.get("cpu_cache_bytes"):
                 line += (f" | CPU cache {r['cpu_cache_start_bytes'] / 2**30:.3f} GiB at the start, "
                          f"{r['cpu_cache_bytes'] / 2**30:.3f} at the end | of the reads, experts "

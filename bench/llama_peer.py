@@ -445,26 +445,32 @@ def _worker(job_path: str) -> None:
     if op != "decode":
         raise ValueError(f"unknown worker op {op!r}")
 
+    reads = []  # storage reads at the start and at the first token of the last generation
+
     def generate(n: int) -> tuple[list[int], list[float]]:
         llm.reset()
         out, times = [], [time.perf_counter()]  # the start: times[1] - times[0] is the prompt's evaluation
+        reads[:] = [_read_bytes()]
         for tok in llm.generate(tokens, temp=0.0, repeat_penalty=1.0, reset=True):
             out.append(int(tok))
             times.append(time.perf_counter())
+            if len(out) == 1:
+                reads.append(_read_bytes())
             if len(out) == n:
                 break
         return out, times
 
     generate(min(job["n_new"], 4))  # warm-up: page in the weights, allocate the graph
-    read0 = _read_bytes()
     new, times = generate(job["n_new"])
     import resource
 
     with open(job["out"], "w") as f:
         json.dump({"tokens": new, "decode_tok_s": (len(times) - 2) / (times[-1] - times[1]),
                    "ttft_s": times[1] - times[0],
-                   # storage reads of this process (page faults on the mmapped model included) per token
-                   "read_bytes_per_token": (_read_bytes() - read0) / len(new),
+                   # storage reads of this process (page faults on the mmapped model included) per decoding
+                   # step after the first token; the prompt's apart
+                   "read_bytes_per_token": (_read_bytes() - reads[1]) / max(1, len(new) - 1),
+                   "prompt_read_bytes": reads[1] - reads[0],
                    "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
 
 
