@@ -480,18 +480,19 @@ class LeanModel:
         """A new sequence of up to `capacity` positions (its KV cache and the step's buffers)."""
         return LeanSequence(self, capacity)
 
-    def generate(self, prompt: list[int], cfg: SamplingConfig,
-                 on_token: Callable[[int, float], None] | None = None) -> LeanResult:
+    def generate(self, prompt: list[int], cfg: SamplingConfig, on_token: Callable[[int, float], None] | None = None,
+                 on_prompt_layer: Callable[[int, int], None] | None = None) -> LeanResult:
         """Decoding after `prompt` (its tokens through the model a layer at a time, `lean_prefill`), each
         token chosen as `cfg` says and handed to `on_token(id, logprob)`: the engine's loop
-        (`semoe.decode.loop`), its draws from numpy's generator seeded with cfg.seed."""
+        (`semoe.decode.loop`), its draws from numpy's generator seeded with cfg.seed; `on_prompt_layer(done,
+        layers)` after each layer of the prompt's pass."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
         cache = self.cache
         reads0, bytes0 = cache.misses, cache.read_bytes
         rng = np.random.default_rng(cfg.seed)
         with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
-            out = loop.run(functools.partial(prefill, seq, prompt), seq.step, lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
+            out = loop.run(functools.partial(prefill, seq, prompt, on_prompt_layer), seq.step, lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
         stats = {"expert_reads": cache.misses - reads0, "ssd_bytes": cache.read_bytes - bytes0,
                  "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + len(out.tokens) - 1),
                  "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,

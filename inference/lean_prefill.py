@@ -20,6 +20,7 @@ already has. Logits come out of the last position only, as decoding's first step
 from __future__ import annotations
 
 import ctypes
+from typing import Callable
 
 import numpy as np
 
@@ -30,9 +31,10 @@ def _p(a: np.ndarray) -> ctypes.c_void_p:
     return ctypes.c_void_p(a.ctypes.data)
 
 
-def prefill(seq, tokens: list[int]) -> np.ndarray:
+def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None = None) -> np.ndarray:
     """Run `tokens` through the model at the next positions of `seq` (an `inference.lean.LeanSequence`);
-    the logits (V,) of the last (a view, valid until the next step)."""
+    the logits (V,) of the last (a view, valid until the next step). `on_layer(done, layers)` after each
+    layer: a long prompt's progress."""
     m, c, pos0, T = seq.model, seq.model.config, seq.length, len(tokens)
     if not tokens:
         raise BadInputError("the prompt is empty: give at least one token")
@@ -50,6 +52,8 @@ def prefill(seq, tokens: list[int]) -> np.ndarray:
         for lay in range(len(seq._kv)):
             p.attend(lay)
             ahead = p.feed_forward(lay, ahead)
+            if on_layer is not None:
+                on_layer(lay + 1, len(seq._kv))
     finally:
         if ahead is not None:
             m.cache.end(ahead)

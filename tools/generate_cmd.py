@@ -185,7 +185,7 @@ def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
     from inference.lean import LeanConfig, LeanModel, dense_load_bytes
     from storage.reader import StoreReader
-    from tools.progress import byte_bar
+    from tools.progress import byte_bar, count_bar
     from tools.sizes import parse_size
 
     check_sampling_flags(args)
@@ -210,7 +210,13 @@ def run_lean(args: argparse.Namespace) -> int:
     with model:
         tok = model.tokenizer
         prompt = build_prompt(args, tok)
-        res = model.generate(prompt, sampling_config(args, model.stop_ids()))
+        with count_bar(model.config.num_layers, f"prompt of {len(prompt)} tokens", "layer") as bar:
+            def layer_done(done: int, layers: int) -> None:
+                bar.update(1)
+                if done == layers:
+                    bar.close()  # decoding follows: the bar goes
+
+            res = model.generate(prompt, sampling_config(args, model.stop_ids()), on_prompt_layer=layer_done)
     text = tok.decode(res.tokens) if tok is not None else ""
     if args.json:
         emit_json({"tokens": res.tokens, "text": text, "logprobs": res.logprobs, "ttft_s": res.ttft_s,

@@ -459,7 +459,9 @@ def test_the_prompt_pass_continues_a_sequence_and_refuses_what_does_not_fit(stor
             lean.sequence(len(TOKENS)) as a, lean.sequence(len(TOKENS)) as b:
         for t in TOKENS[:5]:
             a.step(t, logits=False)
-        got = prefill(a, TOKENS[5:]).copy()
+        done = []
+        got = prefill(a, TOKENS[5:], lambda n, layers: done.append((n, layers))).copy()
+        assert done == [(n, len(a._kv)) for n in range(1, len(a._kv) + 1)]  # progress after each layer
         for t in TOKENS:
             want = b.step(t)
         np.testing.assert_allclose(got, want, rtol=0, atol=PREFILL_RTOL * np.abs(want).max())
