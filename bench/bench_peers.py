@@ -437,7 +437,8 @@ def report(result: dict, as_json: bool) -> None:
         disk = rows.pop("disk", None)
         if disk:
             print(f"{part:8} the disk in this run (`semoe store bench --cold`, {disk['bytes'] / 2**30:.2f} GiB of "
-                  f"expert chunks): plain read {disk['raw_gbps']:.2f} GB/s, O_DIRECT {disk['raw_direct_gbps'] or 0:.2f}, "
+                  f"expert chunks): plain read {disk['raw_gbps']:.2f} GB/s, "
+                  f"O_DIRECT {disk['raw_direct_gbps'] or 0:.2f}, "
                   f"the store's hot path {disk['store_gbps']:.2f}")
         for name, why in rows.pop("notes", {}).items():
             print(f"{part:8} {name:18} {why}")
@@ -456,7 +457,8 @@ def report(result: dict, as_json: bool) -> None:
                 line += f" | routing entropy {r['routing_entropy']:.3f} (least over layers)"
             if r.get("prompt_used_expert_bytes"):
                 line += (f" | the prompt read {r['prompt_read_bytes'] / 2**20:.0f} MiB, its experts "
-                         f"{r['prompt_expert_read_bytes'] / r['prompt_used_expert_bytes']:.2f}x the bytes of those it chose")
+                         f"{r['prompt_expert_read_bytes'] / r['prompt_used_expert_bytes']:.2f}x the bytes of those "
+                         f"it chose")
             if part == "limited" and r.get("cpu_cache_bytes"):
                 line += (f" | CPU cache {r['cpu_cache_start_bytes'] / 2**30:.3f} GiB at the start, "
                          f"{r['cpu_cache_bytes'] / 2**30:.3f} at the end | of the reads, experts "

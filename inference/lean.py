@@ -492,7 +492,8 @@ class LeanModel:
         reads0, bytes0 = cache.misses, cache.read_bytes
         rng = np.random.default_rng(cfg.seed)
         with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
-            out = loop.run(functools.partial(prefill, seq, prompt, on_prompt_layer), seq.step, lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
+            out = loop.run(functools.partial(prefill, seq, prompt, on_prompt_layer), seq.step,
+                           lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
         stats = {"expert_reads": cache.misses - reads0, "ssd_bytes": cache.read_bytes - bytes0,
                  "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + len(out.tokens) - 1),
                  "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,

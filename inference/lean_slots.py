@@ -77,8 +77,7 @@ class ExpertSlots:
         try:
             if p.loads:
                 t0 = time.perf_counter()
-                crcs = [self.reader.settle(req, pieces) if pieces is not None else None
-                        for _, _, _, req, pieces in p.loads]
+                crcs = [self.reader.settle(req, pieces) for _, _, _, req, pieces in p.loads]
                 self.read_s += time.perf_counter() - t0
                 for (_, _, chunk, _, _), got in zip(p.loads, crcs):
                     self.store.check_crcs(chunk, got)

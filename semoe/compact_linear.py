@@ -100,8 +100,8 @@ class CompactWeight:
         """Whether a product with x is defined by semoe's CPU kernels, x quantized per block of 32
         (int8 and int4 weights with a decoding step's few rows, MXFP4 ones with any number, on CPU,
         the kernels built); the reference kernel then computes the same arithmetic plainly."""
-        rows = cpu_kernels.MAX_MXFP4_ROWS if self.spec.scheme == "mxfp4" else cpu_kernels.MAX_ROWS
-        return self.spec.scheme in ("int8", "int4", "mxfp4") and cpu_kernels.takes(x_MI, rows)
+        scheme = self.spec.scheme
+        return scheme in ("int8", "int4", "mxfp4") and cpu_kernels.takes(x_MI, cpu_kernels.max_rows(scheme))
 
     def linear(self, x_MI: torch.Tensor) -> torch.Tensor:
         """x @ W.T for the out-major W (O, I) the codes hold, in x's dtype."""
@@ -193,8 +193,8 @@ def fused_clamped_swiglu(x_MD: torch.Tensor, parts: tuple, alpha: float, limit: 
     if not all(isinstance(w, CompactWeight) and w.kernel == "auto" and w.spec.transposed for w in (gate_up, down)):
         return None
     scheme = gate_up.spec.scheme
-    rows = cpu_kernels.MAX_MXFP4_ROWS if scheme == "mxfp4" else cpu_kernels.MAX_ROWS
-    if scheme not in cpu_kernels.CLAMPED_KINDS or down.spec.scheme != scheme or not cpu_kernels.takes(x_MD, rows):
+    if scheme not in cpu_kernels.CLAMPED_KINDS or down.spec.scheme != scheme \
+            or not cpu_kernels.takes(x_MD, cpu_kernels.max_rows(scheme)):
         return None
     y = cpu_kernels.clamped_swiglu(x_MD, scheme, (gate_up.codes, gate_up.scales), bias_gu, (down.codes, down.scales),
                                    bias_d, gate_up.spec.group_size or 0, down.spec.group_size or 0, alpha, limit)

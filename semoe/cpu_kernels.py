@@ -37,10 +37,15 @@ MAX_ROWS = 16  # rows of x per call (the int4 kernel's stack bound); more rows g
 # CPU that is 90-120 GFLOP/s from 16 to 64 rows, where torch's (MKL) product reached 25-95; past
 # 64 rows torch's blocked GEMM is faster
 MAX_F32_ROWS = 64
-# MXFP4 weights: any number of rows (a prompt's). The kernel ran at 37-40 GMAC/s from 16 to 256 rows on
+# MXFP4 weights: any number of rows (a prompt's). The kernel ran at 40-70 GMAC/s from 16 to 256 rows on
 # the 2-core AVX2 bench CPU, where torch has no MXFP4 product and dequantizing one of gpt-oss-20b's
-# 5760 x 2880 experts to float32 alone took 0.62 s (the time of about 1500 rows through the kernel)
+# 5760 x 2880 experts to float32 alone took 0.35-0.62 s (the time of hundreds of rows through the kernel)
 MAX_MXFP4_ROWS = 1 << 30
+
+
+def max_rows(scheme: str) -> int:
+    """The rows of x a compact weight of `scheme` takes through these kernels per call (`takes`)."""
+    return MAX_MXFP4_ROWS if scheme == "mxfp4" else MAX_ROWS
 
 
 def _lib() -> ctypes.CDLL | None:

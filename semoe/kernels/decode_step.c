@@ -56,6 +56,7 @@ void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom) {
         *oom = 1;
     else
         acts_fill(a, x);
+    if (l->kind == W_MXFP4 && !*oom) acts_fp4(a);
 }
 
 void lin_acts_done(const Lin *l, Acts *a) {
@@ -64,18 +65,20 @@ void lin_acts_done(const Lin *l, Acts *a) {
 
 
 
-/* y = l(x) by the whole team (every thread calls it; a points at one Acts they share) */
-static void product(const Lin *l, const float *x, Acts *a, float *y, int *oom) {
+/* y (M, O) = l(x) for M rows x (M, I) by the whole team (every thread calls it; a points at one Acts
+ * they share), its bias added */
+void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int *oom) {
 #pragma omp single
-    lin_acts(l, x, 1, a, oom);
+    lin_acts(l, x, M, a, oom);
+    const int64_t nb = *oom ? 0 : lin_blocks(l);
 #pragma omp for schedule(static)
-    for (int64_t b = 0; b < lin_blocks(l); b++)
-        if (!*oom) lin_block(l, x, 1, a, y, b);
+    for (int64_t b = 0; b < nb; b++) lin_block(l, x, M, a, y, b);
 #pragma omp single
     {
         lin_acts_done(l, a);
-        if (l->bias)
-            for (int64_t i = 0; i < l->O; i++) y[i] += l->bias[i];
+        if (l->bias && !*oom)
+            for (int64_t m = 0; m < M; m++)
+                for (int64_t i = 0; i < l->O; i++) y[m * l->O + i] += l->bias[i];
     }
 }
 
@@ -286,7 +289,7 @@ static void gqa_attend(const Net *net, const Layer *ly, float *kc, float *vc, in
                        const float *cos, const float *sin, Work *s) {
     const int64_t H = net->H, G = net->G, Dh = net->Dh, n = pos + 1;
     for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
-        product(&ly->qkv[j], s->h, &s->a, s->qkv + off, &s->oom);
+        lin_product(&ly->qkv[j], s->h, 1, &s->a, s->qkv + off, &s->oom);
 #pragma omp single
     {
         qkv_prepare(ly, s->qkv, H, G, Dh);
@@ -297,7 +300,7 @@ static void gqa_attend(const Net *net, const Layer *ly, float *kc, float *vc, in
     for (int64_t h = 0; h < H; h++)
         attend_head(s->qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n, net->scale,
                     ly->sinks, s->p, s->att, h);
-    product(&ly->o, s->att, &s->a, s->tmp, &s->oom);
+    lin_product(&ly->o, s->att, 1, &s->a, s->tmp, &s->oom);
 }
 
 /* latent attention (`Latent`) from the normed row s->h to the output product in s->tmp, by the team:
@@ -306,14 +309,14 @@ static void latent_attend(const Net *net, const Latent *m, const Lin *o, float *
                           int64_t pos, const float *cos, const float *sin, Work *s) {
     const int64_t H = net->H, R = net->R, nope = m->nope, L = m->L, dv = m->dv, Q = nope + R;
     if (m->q_a.O) {
-        product(&m->q_a, s->h, &s->a, s->qa, &s->oom);
+        lin_product(&m->q_a, s->h, 1, &s->a, s->qa, &s->oom);
 #pragma omp single
         rmsnorm_f32(s->qa, m->q_norm, m->eps, s->qa, 1, m->q_a.O);
-        product(&m->q_b, s->qa, &s->a, s->qb, &s->oom);
+        lin_product(&m->q_b, s->qa, 1, &s->a, s->qb, &s->oom);
     } else {
-        product(&m->q_b, s->h, &s->a, s->qb, &s->oom);
+        lin_product(&m->q_b, s->h, 1, &s->a, s->qb, &s->oom);
     }
-    product(&m->kv_a, s->h, &s->a, s->kv, &s->oom);
+    lin_product(&m->kv_a, s->h, 1, &s->a, s->kv, &s->oom);
 #pragma omp single
     {
         rmsnorm_f32(s->kv, m->kv_norm, m->eps, latents + pos * L, 1, L);
@@ -334,7 +337,7 @@ static void latent_attend(const Net *net, const Latent *m, const Lin *o, float *
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < H * nv; t++) /* each head's latent sum out to its values */
         f32_block(s->olat + t / nv * L, m->w_uv + t / nv * dv * L, s->attm + t / nv * dv, 1, dv, L, t % nv);
-    product(o, s->attm, &s->a, s->tmp, &s->oom);
+    lin_product(o, s->attm, 1, &s->a, s->tmp, &s->oom);
 }
 
 /* layer l up to its feed-forward, by the team: the attention (k and v, or the latent and rotary
@@ -356,7 +359,7 @@ static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *
         rmsnorm_f32(x, ly->ffn_norm, ly->ffn_eps, s->h, 1, D);
     }
     if (ly->E) {
-        product(&ly->router, s->h, &s->a, s->probs, &s->oom);
+        lin_product(&ly->router, s->h, 1, &s->a, s->probs, &s->oom);
 #pragma omp single
         if (!s->oom) route(net, ly, s->probs, s->choice, s->masked, s->ids, s->w);
         else
@@ -379,7 +382,7 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
     for (int64_t k = 0; k < K; k++) s->ex[k] = ly->experts + s->ids[k];
     experts(net, K, s->w, s->h, x, net->D, net->F, s);
     if (!ly->shared) return;
-    if (ly->shared_gate.O) product(&ly->shared_gate, s->h, &s->a, &s->gate, &s->oom);
+    if (ly->shared_gate.O) lin_product(&ly->shared_gate, s->h, 1, &s->a, &s->gate, &s->oom);
 #pragma omp single
     {
         s->gate = ly->shared_gate.O ? 1.0f / (1.0f + expf(-s->gate)) : 1.0f;
@@ -392,7 +395,7 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
 static void head(const Net *net, float *x, float *logits, Work *s) {
 #pragma omp single
     rmsnorm_f32(x, net->norm, net->norm_eps, s->h, 1, net->D);
-    product(&net->head, s->h, &s->a, logits, &s->oom);
+    lin_product(&net->head, s->h, 1, &s->a, logits, &s->oom);
 }
 
 /* One step at position `pos`: x (D) holds the token's embedding; kc, vc the L layers' caches (G, S,

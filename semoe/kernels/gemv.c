@@ -136,20 +136,10 @@ Acts acts_alloc(int64_t M, int64_t I, int64_t g) {
     a.q = malloc((size_t)(M * a.Ip));
     a.d = malloc(sizeof(float) * (size_t)(M * a.Ip / QB));
     a.xsum = malloc(sizeof(float) * (size_t)(M * (a.groups ? a.groups : 1)));
-#ifdef SEMOE_AVX2
-    if (M >= 2) {
-        a.qp = malloc((size_t)(M * a.Ip));
-        a.c16 = malloc(sizeof(int16_t) * (size_t)(M * a.Ip / 4));
-        a.dp = malloc(sizeof(float) * (size_t)(M * a.Ip / QB));
-    }
-#endif
     return a;
 }
 
 int acts_ok(const Acts *a) {
-#ifdef SEMOE_AVX2
-    if (a->M >= 2 && !(a->qp && a->c16 && a->dp)) return 0;
-#endif
     return a->q && a->d && a->xsum;
 }
 
@@ -165,25 +155,6 @@ void acts_fill(Acts *a, const float *x) {
             }
             a->xsum[m * a->groups + gi] = s;
         }
-#ifdef SEMOE_AVX2
-    if (!a->qp) return;
-    const __m256i twelve = _mm256_set1_epi8(12);
-    const int64_t P = a->Ip / 64, B = a->Ip / QB;
-    for (int64_t m = 0; m < a->M; m++) {
-        for (int64_t p = 0; p < P; p++) {
-            const int8_t *x = a->q + m * a->Ip + p * 64;
-            __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 32));
-            __m256i xa = _mm256_permute2x128_si256(x0, x1, 0x20), xb = _mm256_permute2x128_si256(x0, x1, 0x31);
-            _mm256_storeu_si256((__m256i *)(a->qp + m * a->Ip + p * 64), xa);
-            _mm256_storeu_si256((__m256i *)(a->qp + m * a->Ip + p * 64 + 32), xb);
-            _mm256_storeu_si256((__m256i *)(a->c16 + (m * P + p) * 16),
-                                _mm256_add_epi16(_mm256_maddubs_epi16(twelve, xa), _mm256_maddubs_epi16(twelve, xb)));
-        }
-        static const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
-        for (int64_t k = 0; k < B; k++)
-            a->dp[m * B + k] = k / 8 * 8 + 8 <= B ? a->d[m * B + k / 8 * 8 + order[k % 8]] : a->d[m * B + k];
-    }
-#endif
 }
 
 void acts_free(Acts *a) {
@@ -450,6 +421,7 @@ int clamped_swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int kind, 
     int rc = acts_ok(&ax) && acts_ok(&ah) && hgu && h ? 0 : -1;
     if (rc) goto done;
     acts_fill(&ax, x);
+    if (kind == 1) acts_fp4(&ax);
 #pragma omp parallel num_threads(threads)
     {
 #pragma omp for schedule(static)
@@ -469,6 +441,7 @@ int clamped_swiglu_q(const float *x, int64_t M, int64_t D, int64_t F, int kind, 
                     h[m * F + j] = (u + 1.0f) * g * (1.0f / (1.0f + expf(-(g * alpha))));
                 }
             acts_fill(&ah, h);
+            if (kind == 1) acts_fp4(&ah);
         }
 #pragma omp for schedule(static)
         for (int64_t b = 0; b < any_blocks(kind == 1 ? 8 : kind, D); b++) {

@@ -215,11 +215,44 @@ void fp4_block(const uint8_t *w, const uint8_t *e, int64_t O, const Acts *a, int
     }
 }
 
+void acts_fp4(Acts *a) {
+#ifdef SEMOE_AVX2
+    if (a->M < 2) return;
+    a->qp = malloc((size_t)(a->M * a->Ip));
+    a->c16 = malloc(sizeof(int16_t) * (size_t)(a->M * a->Ip / 4));
+    a->dp = malloc(sizeof(float) * (size_t)(a->M * a->Ip / QB));
+    if (!(a->qp && a->c16 && a->dp)) { /* memory short: fp4_block takes the rows one at a time */
+        free(a->qp), free(a->c16), free(a->dp);
+        a->qp = NULL, a->c16 = NULL, a->dp = NULL;
+        return;
+    }
+    const __m256i twelve = _mm256_set1_epi8(12);
+    const int64_t P = a->Ip / 64, B = a->Ip / QB;
+    for (int64_t m = 0; m < a->M; m++) {
+        for (int64_t p = 0; p < P; p++) {
+            const int8_t *x = a->q + m * a->Ip + p * 64;
+            __m256i x0 = _mm256_loadu_si256((const __m256i *)x), x1 = _mm256_loadu_si256((const __m256i *)(x + 32));
+            __m256i xa = _mm256_permute2x128_si256(x0, x1, 0x20), xb = _mm256_permute2x128_si256(x0, x1, 0x31);
+            _mm256_storeu_si256((__m256i *)(a->qp + m * a->Ip + p * 64), xa);
+            _mm256_storeu_si256((__m256i *)(a->qp + m * a->Ip + p * 64 + 32), xb);
+            _mm256_storeu_si256((__m256i *)(a->c16 + (m * P + p) * 16),
+                                _mm256_add_epi16(_mm256_maddubs_epi16(twelve, xa), _mm256_maddubs_epi16(twelve, xb)));
+        }
+        static const int order[8] = {0, 2, 4, 6, 1, 3, 5, 7};
+        for (int64_t k = 0; k < B; k++)
+            a->dp[m * B + k] = k / 8 * 8 + 8 <= B ? a->d[m * B + k / 8 * 8 + order[k % 8]] : a->d[m * B + k];
+    }
+#else
+    (void)a;
+#endif
+}
+
 int gemv_mxfp4(const float *x, const uint8_t *w, const uint8_t *e, float *y, int64_t M, int64_t O, int64_t I,
                int threads) {
     Acts a = acts_alloc(M, I, 0);
     if (!acts_ok(&a)) return acts_free(&a), -1;
     acts_fill(&a, x);
+    acts_fp4(&a);
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t b = 0; b < i8_blocks(O); b++) fp4_block(w, e, O, &a, b, y);
     acts_free(&a);

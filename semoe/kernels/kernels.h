@@ -80,9 +80,10 @@ typedef struct {
     int64_t M, I, Ip, g, groups;
     int8_t *q;
     float *d, *xsum;
-    /* AVX2, two rows or more (a prompt's): the codes of each pair of blocks as the MXFP4 kernel reads
-     * them (inputs 0-15 of both, then 16-31 of both), twelve times their sums in pairs (int16, 16 a
-     * pair of blocks) and the scales of each eight blocks in the kernel's order; NULL otherwise */
+    /* `acts_fp4`'s, for MXFP4 weights on AVX2 and two rows or more (a prompt's): the codes of each pair
+     * of blocks as the kernel reads them (inputs 0-15 of both, then 16-31 of both), twelve times their
+     * sums in pairs (int16, 16 a pair of blocks) and the scales of each eight blocks in the kernel's
+     * order; NULL otherwise (and where memory for them was short: the kernel then goes row by row) */
     int8_t *qp;
     int16_t *c16;
     float *dp;
@@ -94,6 +95,7 @@ Acts acts_alloc(int64_t M, int64_t I, int64_t g);
 int acts_ok(const Acts *a);
 void acts_fill(Acts *a, const float *x);
 void acts_free(Acts *a);
+void acts_fp4(Acts *a); /* after acts_fill: the MXFP4 kernel's layout of the rows (qp, c16, dp) */
 
 /* block b of y (M, O) = x @ W.T: ROWS rows for int8, float32 and bfloat16 weights (`i8_blocks(O)`
  * blocks), I4_BLOCK rows for int4 (O / I4_BLOCK blocks); the integer ones read x from `a` */

@@ -15,6 +15,8 @@ void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y,
  * *oom set where the buffers could not be had; lin_acts_done frees them either way */
 void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom);
 void lin_acts_done(const Lin *l, Acts *a);
+/* y (M, O) = l(x) for M rows, by the whole team (every thread calls it), its bias added */
+void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int *oom);
 /* decode_step.c's per-position steps that prefill.c's prompt pass shares: q, k and v's norms and
  * clipping, and the router's choice from its logits p (overwritten; choice: E floats, masked E bytes) */
 void qkv_prepare(const Layer *ly, float *qkv, int64_t H, int64_t G, int64_t Dh);

@@ -35,7 +35,7 @@ typedef struct {
 /* expert e on n rows p->hb into p->yb, by the team: decode_step.c's `experts` for one expert over
  * n rows (SwiGLU, or gpt-oss's clamped activation of gate_up with its biases) */
 static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
-    const int64_t D = net->D, Og = e->gate.O;
+    const int64_t Og = e->gate.O;
     const int fused = e->up.O == 0;
     const int64_t Fe = fused ? Og / 2 : Og;
 #pragma omp single
@@ -51,39 +51,9 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
         const int64_t m = t / Fe;
         expert_act(net, e, p->hg + m * Og, p->hu + m * Fe, t % Fe);
     }
-    const float *down_in = fused ? p->hu : p->hg; /* n rows of Fe */
 #pragma omp single
-    {
-        lin_acts_done(&e->gate, &p->a);
-        if (!p->oom) lin_acts(&e->down, down_in, n, &p->a, &p->oom);
-    }
-    nb = p->oom ? 0 : lin_blocks(&e->down);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; b++) lin_block(&e->down, down_in, n, &p->a, p->yb, b);
-#pragma omp single
-    {
-        lin_acts_done(&e->down, &p->a);
-        const float *bias = e->down.bias;
-        if (bias && !p->oom)
-            for (int64_t m = 0; m < n; m++)
-                for (int64_t i = 0; i < D; i++) p->yb[m * D + i] += bias[i];
-    }
-}
-
-/* y (n, O) = l(x) for n rows x (n, I), by the team (`a`: their activations, where l's kernel takes them) */
-static void rows_product(const Lin *l, const float *x, int64_t n, Acts *a, float *y, int *oom) {
-#pragma omp single
-    lin_acts(l, x, n, a, oom);
-    const int64_t nb = *oom ? 0 : lin_blocks(l);
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < nb; b++) lin_block(l, x, n, a, y, b);
-#pragma omp single
-    {
-        lin_acts_done(l, a);
-        if (l->bias && !*oom)
-            for (int64_t m = 0; m < n; m++)
-                for (int64_t i = 0; i < l->O; i++) y[m * l->O + i] += l->bias[i];
-    }
+    lin_acts_done(&e->gate, &p->a);
+    if (!p->oom) lin_product(&e->down, fused ? p->hu : p->hg, n, &p->a, p->yb, &p->oom); /* n rows of Fe */
 }
 
 /* Layer l's attention and router for T positions from pos0, as `decode_attend` runs them position
@@ -113,7 +83,7 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
 #pragma omp single
         rmsnorm_f32(x + r0 * D, ly->attn_norm, ly->attn_eps, h, nr, D);
         for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++) {
-            rows_product(&ly->qkv[j], h, nr, &a, part, &oom);
+            lin_product(&ly->qkv[j], h, nr, &a, part, &oom);
 #pragma omp single
             for (int64_t m = 0; m < nr; m++)
                 memcpy(qkv + m * Q + off, part + m * ly->qkv[j].O, sizeof(float) * (size_t)ly->qkv[j].O);
@@ -132,13 +102,13 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
                 attend_head(qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n,
                             net->scale, ly->sinks, p, att + m * H * Dh, hd);
         }
-        rows_product(&ly->o, att, nr, &a, tmp, &oom);
+        lin_product(&ly->o, att, nr, &a, tmp, &oom);
 #pragma omp single
         {
             for (int64_t i = 0; i < nr * D; i++) x[r0 * D + i] = x[r0 * D + i] + tmp[i];
             rmsnorm_f32(x + r0 * D, ly->ffn_norm, ly->ffn_eps, h, nr, D);
         }
-        if (ly->E) rows_product(&ly->router, h, nr, &a, probs, &oom);
+        if (ly->E) lin_product(&ly->router, h, nr, &a, probs, &oom);
 #pragma omp single
         for (int64_t m = 0; m < nr && !oom; m++) {
             int64_t *im = ids + (r0 + m) * K;
@@ -220,15 +190,7 @@ int prefill_finish(const Net *net, int64_t l, float *x, const float *h, const fl
 #pragma omp single
         memcpy(p.hb, h + r0 * D, sizeof(float) * (size_t)(nr * D));
         expert_rows(net, ly->shared, nr, &p);
-        if (ly->shared_gate.O) {
-#pragma omp single
-            lin_acts(&ly->shared_gate, p.hb, nr, &p.a, &p.oom);
-            const int64_t nb = p.oom ? 0 : lin_blocks(&ly->shared_gate);
-#pragma omp for schedule(static)
-            for (int64_t b = 0; b < nb; b++) lin_block(&ly->shared_gate, p.hb, nr, &p.a, gate, b);
-#pragma omp single
-            lin_acts_done(&ly->shared_gate, &p.a);
-        }
+        if (ly->shared_gate.O && !p.oom) lin_product(&ly->shared_gate, p.hb, nr, &p.a, gate, &p.oom);
 #pragma omp single
         for (int64_t j = 0; j < nr && !p.oom; j++) {
             float g = ly->shared_gate.O ? 1.0f / (1.0f + expf(-gate[j])) : 1.0f;
