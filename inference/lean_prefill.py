@@ -1,6 +1,7 @@
-"""The torch-free runner's prompt pass (`LeanSequence.prefill`): the prompt's positions go through
-the model one layer at a time, so that each expert the prompt chose in a layer is read from storage
-once for the whole prompt and computed over all the positions that chose it at once.
+"""The prompt pass of the torch-free runner (`prefill`) and of the engine's resident CPU model
+(`semoe.decode.plan.DecodePlan.prefill`, through `run`): the prompt's positions go through the model
+one layer at a time, so that each expert the prompt chose in a layer is read from storage once for
+the whole prompt (the runner's) and computed over all the positions that chose it at once.
 
 Per layer (semoe/kernels/prefill.c): the positions' attention and router (`prefill_attend`: the
 norms and products over many rows at once, then each row's attention over the positions up to its
@@ -20,6 +21,7 @@ already has. Logits come out of the last position only, as decoding's first step
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
@@ -42,65 +44,105 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
         raise BadInputError(f"a prompt of {T} tokens at position {pos0}: the sequence holds {seq.capacity}")
     if seq._work is None:
         raise BadInputError("the sequence is closed")
-    D, K = c.hidden_size, max(c.top_k, 1)
-    p = _Pass(seq, T, K, D)
+    R = seq.cos.shape[0]
+    x, cos, sin = np.empty((T, c.hidden_size), np.float32), np.empty((T, R), np.float32), np.empty((T, R), np.float32)
     for t, token in enumerate(tokens):
-        m._embed(token, p.x[t])
-        m.rope(pos0 + t, p.cos[t], p.sin[t])
-    ahead = None  # the next MoE layer's experts, read while this one computes
-    try:
-        for lay in range(len(seq._kv)):
-            p.attend(lay)
-            ahead = p.feed_forward(lay, ahead)
-            if on_layer is not None:
-                on_layer(lay + 1, len(seq._kv))
-    finally:
-        if ahead is not None:
-            m.cache.end(ahead)
+        m._embed(token, x[t])
+        m.rope(pos0 + t, cos[t], sin[t])
+    target = Target(m.lib, seq._net, seq._work, seq._kv, seq.capacity, pos0, m.settings.threads, c.top_k,
+                    frozenset(m._parts), m)
+    run(target, x, cos, sin, on_layer)
     seq.length = pos0 + T
-    seq.x[:] = p.x[-1]
+    seq.x[:] = x[-1]
     m.lib.decode_head(seq._net, seq._work, seq._p[0], seq._p[1], m.settings.threads)
     return seq.logits
 
 
-class _Pass:
-    """The prompt pass's buffers: the residual stream x, its normed copy h and the experts' sum s (T,
-    D), the rotary tables (T, R), each position's choice ids and w (T, K)."""
+@dataclass
+class Target:
+    """Where a prompt pass runs: the kernels `lib`, decode_step.c's `net` (a reference) and a `work` of
+    it (`decode_work`), each layer's k and v caches (addresses) of `capacity` positions, the prompt's
+    first position `pos0`, the threads, the routed experts' top_k and which layers route (`moe`).
+    `reader`: the torch-free runner's model (`inference.lean.LeanModel`), whose routed experts are read
+    from storage into its cache as the pass chooses them; None where `net` points at every expert in
+    memory (the engine's resident model, `semoe.decode.plan.DecodePlan.prefill`)."""
 
-    def __init__(self, seq, T: int, K: int, D: int) -> None:
-        self.seq, self.m, self.T, self.K = seq, seq.model, T, K
-        self.x, self.h, self.s = (np.empty((T, D), np.float32) for _ in range(3))
-        self.R = seq.cos.shape[0]
-        self.cos, self.sin = np.empty((T, self.R), np.float32), np.empty((T, self.R), np.float32)
+    lib: ctypes.CDLL
+    net: object
+    work: int
+    kv: list
+    capacity: int
+    pos0: int
+    threads: int
+    top_k: int
+    moe: frozenset
+    reader: object = None
+
+
+def run(target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
+        on_layer: Callable[[int, int], None] | None = None) -> None:
+    """The prompt's T positions through every layer: x (T, D) float32, their embeddings, becomes the
+    residual stream after the last layer (the head's input); cos and sin (T, R) their rotary tables;
+    their k and v written into target's caches from pos0. `on_layer(done, layers)` after each layer."""
+    p = _Pass(target, x, cos, sin)
+    cache = None if target.reader is None else target.reader.cache
+    ahead = None  # the next MoE layer's experts, read while this one computes
+    try:
+        for lay in range(len(target.kv)):
+            p.attend(lay)
+            ahead = p.feed_forward(lay, ahead)
+            if on_layer is not None:
+                on_layer(lay + 1, len(target.kv))
+    finally:
+        if ahead is not None:
+            cache.end(ahead)
+
+
+class _Pass:
+    """The prompt pass's buffers: the residual stream x (the caller's), its normed copy h and the
+    experts' sum s (T, D), the rotary tables (T, R), each position's choice ids and w (T, K)."""
+
+    def __init__(self, target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
+        T, D = x.shape
+        K = max(target.top_k, 1)
+        self.t, self.T, self.K = target, T, K
+        self.x, self.cos, self.sin, self.R = x, cos, sin, cos.shape[1]
+        self.h, self.s = np.empty((T, D), np.float32), np.empty((T, D), np.float32)
         self.ids, self.w = np.zeros((T, K), np.int64), np.zeros((T, K), np.float32)
         self.dense_ids, self.dense_w = np.zeros(T, np.int64), np.ones(T, np.float32)
 
     def attend(self, lay: int) -> None:
-        seq, m, T, K = self.seq, self.m, self.T, self.K
-        lib, net, threads, (kp, vp) = m.lib, seq._net, m.settings.threads, seq._kv[lay]
-        if lib.prefill_attend(net, lay, _p(self.x), T, kp, vp, seq.capacity, seq.length, _p(self.cos), _p(self.sin),
+        t, T, K = self.t, self.T, self.K
+        lib, net, threads, (kp, vp) = t.lib, t.net, t.threads, t.kv[lay]
+        if lib.prefill_attend(net, lay, _p(self.x), T, kp, vp, t.capacity, t.pos0, _p(self.cos), _p(self.sin),
                               self.R, _p(self.ids), _p(self.w), K, threads):  # latent attention: position by position
-            for t in range(T):
-                lib.decode_attend(net, seq._work, lay, _p(self.x[t]), kp, vp, seq.capacity, seq.length + t,
-                                  _p(self.cos[t]), _p(self.sin[t]), _p(self.ids[t]), _p(self.w[t]), threads)
+            for i in range(T):
+                lib.decode_attend(net, t.work, lay, _p(self.x[i]), kp, vp, t.capacity, t.pos0 + i,
+                                  _p(self.cos[i]), _p(self.sin[i]), _p(self.ids[i]), _p(self.w[i]), threads)
 
     def feed_forward(self, lay: int, ahead):
         """Layer lay's feed-forward of every position; the next MoE layer's read-ahead (a
         `lean_slots.Pending`, to `end` there), or None. `ahead`: this layer's, or None."""
-        m, T, cache = self.m, self.T, self.m.cache
-        lib, net, threads = m.lib, self.seq._net, m.settings.threads
+        t, T = self.t, self.T
+        lib, net, threads = t.lib, t.net, t.threads
         x, h, s = _p(self.x), _p(self.h), _p(self.s)
         lib.prefill_norm(net, lay, x, h, T)
         self.s.fill(0.0)
-        if lay not in m._parts:  # a dense feed-forward: expert 0, weight 1, for every position
+        if lay not in t.moe:  # a dense feed-forward: expert 0, weight 1, for every position
             lib.prefill_experts(net, lay, h, s, T, _p(self.dense_ids), _p(self.dense_w), _p(self.dense_ids), 1,
                                 threads)
             lib.prefill_finish(net, lay, x, h, s, T, threads)
             return ahead
+        used = sorted(set(self.ids.ravel().tolist()))
+        if t.reader is None:  # every expert in memory: all of them in one call
+            chosen = np.array(used, np.int64)
+            lib.prefill_experts(net, lay, h, s, T, _p(self.ids), _p(self.w), _p(chosen), len(used), threads)
+            lib.prefill_finish(net, lay, x, h, s, T, threads)
+            return ahead
+        m, cache = t.reader, t.reader.cache
         if ahead is not None and ahead.layer == lay:
             cache.end(ahead)  # what it read ahead is in the cache: hits below
             ahead = None
-        used = sorted(set(self.ids.ravel().tolist()))
         size = max(1, cache.n // 2)  # one group computed while the next is read
         groups = [used[i:i + size] for i in range(0, len(used), size)]
         pending = cache.begin(lay, groups[0])
@@ -130,8 +172,9 @@ class _Pass:
         top_k) would choose nearly all of them (four picks an expert leave (1 - 1/E)^(4E) < 2% of them
         unused: the bytes read stay within a few percent of the experts' the prompt uses) and `room`
         slots hold them; None otherwise. Speculative: what goes unused is evicted first."""
-        later = [lay2 for lay2 in sorted(self.m._parts) if lay2 > lay]
-        E = self.m.config.num_experts
+        m = self.t.reader
+        later = [lay2 for lay2 in sorted(self.t.moe) if lay2 > lay]
+        E = m.config.num_experts
         if not later or self.T * self.K < 4 * E or E > room:
             return None
-        return self.m.cache.begin(later[0], list(range(E)), speculative=True)
+        return m.cache.begin(later[0], list(range(E)), speculative=True)

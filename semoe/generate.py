@@ -124,7 +124,11 @@ def generate(model: MoEGPT, prompt: list[int], cfg: SamplingConfig,
             return plan.step(token, cache)
         return decode_one_token(model, torch.tensor([[token]], device=device), cache)
 
-    out = loop.run(lambda: prefill(model, torch.tensor([prompt], device=device), cache), step,
+    def first() -> torch.Tensor:
+        logits = None if plan is None else plan.prefill(prompt, cache)
+        return prefill(model, torch.tensor([prompt], device=device), cache) if logits is None else logits
+
+    out = loop.run(first, step,
                    lambda logits: choose(logits, cfg, gen)[:2], cfg, on_token, lambda: sync(device))
     return GenerationResult(tokens=out.tokens, logprobs=out.logprobs, prompt_tokens=len(prompt), ttft_s=out.ttft_s,
                             decode_tok_s=out.decode_tok_s)

@@ -452,19 +452,49 @@ class DecodePlan:
         except NotOnFastPath:
             return None
 
-    def takes(self, cache: KVCache) -> bool:
-        """Whether the next step of the sequence in `cache` can go through the plan: no hooks anywhere
-        (they expect the module calls), inference, and the cache's next position within its capacity
-        ."""
+    def takes(self, cache: KVCache, positions: int = 1) -> bool:
+        """Whether the next step of the sequence in `cache` (or its next `positions`, a prompt) can go
+        through the plan: no hooks anywhere (they expect the module calls), inference, and the cache's
+        next positions within its capacity."""
         n = cache.length
         if self.model.training or cache.k[0].shape[0] != 1 \
-                or n + 1 > min(cache.capacity, self.config.max_position):
+                or n + positions > min(cache.capacity, self.config.max_position):
             return False
         if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*cache.k, *cache.v)):
             return False
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return False
         return not any(m._forward_hooks or m._forward_pre_hooks for m in self.modules)
+
+    @torch.no_grad()
+    def prefill(self, tokens: list[int], cache: KVCache) -> torch.Tensor | None:
+        """Logits (1, V) after the prompt `tokens` at the cache's next positions (the cache advances by
+        them), by the torch-free runner's prompt pass (`inference.lean_prefill`: layer after layer, each
+        chosen expert once over all the positions that chose it, the products over many rows at once,
+        with every expert in memory); None, the cache untouched, where the one-call step does not apply
+        (`net` is None) or `takes` refuses the positions: the caller's modules run the prompt then."""
+        T = len(tokens)
+        if self.net is None or not tokens or not self.takes(cache, T):
+            return None
+        from inference import lean_prefill
+
+        c, lib, pos = self.config, self.lib, cache.length
+        threads = torch.get_num_threads()
+        x = self.model.embed(torch.tensor([tokens]))[0].contiguous()
+        cos, sin = (t[0].contiguous() for t in rope_tables(c, torch.arange(pos, pos + T)[None], x.dtype))
+        net = ctypes.byref(self.net)
+        kv = [(ctypes.c_void_p(_ptr(k)), ctypes.c_void_p(_ptr(v))) for k, v in zip(cache.k, cache.v)]
+        moe = frozenset(i for i, lay in enumerate(self.layers) if not isinstance(lay.ffn, DenseFFN))
+        work = lib.decode_work(net, cache.capacity)
+        try:
+            target = lean_prefill.Target(lib, net, work, kv, cache.capacity, pos, threads, c.top_k, moe)
+            lean_prefill.run(target, x.numpy(), cos.numpy(), sin.numpy())
+            logits = torch.empty(1, self.lm_head.O)
+            lib.decode_head(net, work, _ptr(x[-1]), _ptr(logits), threads)
+        finally:
+            lib.decode_work_free(work)
+        cache.length = pos + T
+        return logits
 
     @torch.no_grad()
     def step(self, token: int, cache: KVCache) -> torch.Tensor:

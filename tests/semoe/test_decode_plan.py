@@ -362,15 +362,65 @@ def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
+# 80 positions: past the prompt pass's first block of 64 rows
+LONG = [(7 * i + 3) % 90 for i in range(80)]
+
+
+@pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
+def test_the_prompt_pass_is_the_plans_steps_for_every_architecture(arch_stores, arch, fmt):
+    """`DecodePlan.prefill` (the torch-free runner's layer-major prompt pass over the resident
+    experts) against the plan's one-call step token by token: the last position's logits within
+    WHOLE_ATOL relative to the largest (the same products row by row; attention's sums may run in
+    another order), every layer's k and v within WHOLE_ATOL of the largest, the cache advanced alike,
+    and the steps after it the same. The modules' float prefill is a looser reference for the integer
+    and low-precision formats (the kernels quantize activations to int8 for int8, int4 and MXFP4
+    weights; FP8 weights go through other code there), so it is held to the same greedy token."""
+    model = load_store(arch_stores(arch, fmt))
+    plan = DecodePlan(model)
+    assert plan.net is not None, plan.whole_refusal
+    c = model.config
+    caches = [KVCache.empty(c, 1, len(LONG) + 2) for _ in range(3)]
+    got = plan.prefill(LONG, caches[0])
+    for t in LONG:
+        want = plan.step(t, caches[1])
+    floats = prefill(model, torch.tensor([LONG]), caches[2])
+    assert caches[0].length == caches[1].length == len(LONG)
+    assert _relative(got, want) < WHOLE_ATOL
+    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+        assert _relative(a, b) < WHOLE_ATOL
+    assert torch.equal(got.argmax(-1), floats.argmax(-1))
+    if fmt == "f32":  # float32 throughout: the modules' path within ARCH_RTOL too
+        assert _relative(got, floats) < ARCH_RTOL
+    assert _relative(plan.step(5, caches[0]), plan.step(5, caches[1])) < WHOLE_ATOL
+
+
+def test_the_prompt_pass_leaves_what_it_does_not_take_to_the_modules(arch_stores):
+    """None, the cache untouched, where the prompt does not fit the cache, a hook is set, or the plan
+    has no one-call step; `generate` then runs the modules' prefill and gives the same tokens."""
+    model = load_store(arch_stores("qwen3_moe", "f32"))
+    plan = DecodePlan(model)
+    short = KVCache.empty(model.config, 1, len(PROMPT) - 1)
+    assert plan.prefill(PROMPT, short) is None and short.length == 0
+    assert DecodePlan(model, whole=False).prefill(PROMPT, KVCache.empty(model.config, 1, 16)) is None
+    handle = model.layers[0].register_forward_hook(lambda *a: None)
+    try:
+        cache = KVCache.empty(model.config, 1, 16)
+        assert plan.prefill(PROMPT, cache) is None and cache.length == 0
+    finally:
+        handle.remove()
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_generate_takes_the_plan_for_every_architecture(arch_stores, arch, monkeypatch):
-    """`generate`, with no say from its caller, steps every token after the prefill's through the plan,
-    and gives the tokens the module path gives."""
+    """`generate`, with no say from its caller, runs the prompt through the plan's prompt pass and
+    steps every token after it through the plan, and gives the tokens the module path gives."""
     model = load_store(arch_stores(arch, "int8"))
-    stepped = []
-    step = DecodePlan.step
+    stepped, prompts = [], []
+    step, pass_ = DecodePlan.step, DecodePlan.prefill
     monkeypatch.setattr(DecodePlan, "step", lambda self, token, cache: stepped.append(token) or step(self, token, cache))
+    monkeypatch.setattr(DecodePlan, "prefill",
+                        lambda self, tokens, cache: prompts.append(list(tokens)) or pass_(self, tokens, cache))
     res = generate(model, PROMPT, SamplingConfig(max_new_tokens=8))
-    assert stepped == res.tokens[:-1]
+    assert stepped == res.tokens[:-1] and prompts == [PROMPT]
     ref = generate(model, PROMPT, SamplingConfig(max_new_tokens=8), plan=None)
     assert res.tokens == ref.tokens
