@@ -65,6 +65,17 @@ def test_int4_product_equals_the_dequantized_reference(M, O, I, group, threads):
     assert _relative(cpu_kernels.gemv_i4(x, codes, sz, group), ref) < 1e-5
 
 
+def test_int4_rows_taken_in_pairs_are_each_rows_own_product(threads):
+    """Over many rows the int4 kernel splits each column pair's codes into nibbles once for two rows
+    of x; every row's sums stay its one-row product's, bit for bit (a prompt's positions agree with
+    decoding's steps), the odd last row included."""
+    g = torch.Generator().manual_seed(7)
+    x, w = torch.randn(5, 256, generator=g), torch.randn(128, 256, generator=g)
+    codes, sz = quantize(w, "int4", group_size=64)
+    rows = torch.cat([cpu_kernels.gemv_i4(x[m:m + 1], codes, sz, 64) for m in range(5)])
+    assert torch.equal(cpu_kernels.gemv_i4(x, codes, sz, 64), rows)
+
+
 @pytest.mark.parametrize("M, O, I", [(1, 64, 32), (1, 5760, 2880), (3, 130, 96), (16, 7, 32), (2, 64, 1024),
                                      (5, 33, 160), (40, 64, 288)])  # a prompt's rows, 9 blocks (8 + 1)
 def test_mxfp4_product_equals_the_dequantized_reference(M, O, I, threads):
