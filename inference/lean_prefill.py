@@ -5,7 +5,7 @@ the whole prompt (the runner's) and computed over all the positions that chose i
 
 Per layer (semoe/kernels/prefill.c): the positions' attention and router (`prefill_attend`: the
 norms and products over many rows at once, then each row's attention over the positions up to its
-own, its k and v written first; latent attention position by position, by `decode_attend`), then
+own, its k and v (or latent and rotary key) written first), then
 their feed-forward: the union of the experts they chose, read in groups of half the expert cache (a
 group is computed while the next is read; the groups split the union, so each expert is read once a
 layer), each expert's rows computed together, the weighted outputs summed per position, and the
@@ -49,8 +49,7 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
     for t, token in enumerate(tokens):
         m._embed(token, x[t])
         m.rope(pos0 + t, cos[t], sin[t])
-    target = Target(m.lib, seq._net, seq._work, seq._kv, seq.capacity, pos0, m.settings.threads, c.top_k,
-                    frozenset(m._parts), m)
+    target = Target(m.lib, seq._net, seq._kv, seq.capacity, pos0, m.settings.threads, c.top_k, frozenset(m._parts), m)
     run(target, x, cos, sin, on_layer)
     seq.length = pos0 + T
     seq.x[:] = x[-1]
@@ -60,16 +59,15 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
 
 @dataclass
 class Target:
-    """Where a prompt pass runs: the kernels `lib`, decode_step.c's `net` (a reference) and a `work` of
-    it (`decode_work`), each layer's k and v caches (addresses) of `capacity` positions, the prompt's
-    first position `pos0`, the threads, the routed experts' top_k and which layers route (`moe`).
+    """Where a prompt pass runs: the kernels `lib`, decode_step.c's `net` (a reference), each layer's k
+    and v caches (addresses) of `capacity` positions, the prompt's first position `pos0`, the threads,
+    the routed experts' top_k and which layers route (`moe`).
     `reader`: the torch-free runner's model (`inference.lean.LeanModel`), whose routed experts are read
     from storage into its cache as the pass chooses them; None where `net` points at every expert in
     memory (the engine's resident model, `semoe.decode.plan.DecodePlan.prefill`)."""
 
     lib: ctypes.CDLL
     net: object
-    work: int
     kv: list
     capacity: int
     pos0: int
@@ -114,11 +112,8 @@ class _Pass:
     def attend(self, lay: int) -> None:
         t, T, K = self.t, self.T, self.K
         lib, net, threads, (kp, vp) = t.lib, t.net, t.threads, t.kv[lay]
-        if lib.prefill_attend(net, lay, _p(self.x), T, kp, vp, t.capacity, t.pos0, _p(self.cos), _p(self.sin),
-                              self.R, _p(self.ids), _p(self.w), K, threads):  # latent attention: position by position
-            for i in range(T):
-                lib.decode_attend(net, t.work, lay, _p(self.x[i]), kp, vp, t.capacity, t.pos0 + i,
-                                  _p(self.cos[i]), _p(self.sin[i]), _p(self.ids[i]), _p(self.w[i]), threads)
+        lib.prefill_attend(net, lay, _p(self.x), T, kp, vp, t.capacity, t.pos0, _p(self.cos), _p(self.sin), self.R,
+                           _p(self.ids), _p(self.w), K, threads)
 
     def feed_forward(self, lay: int, ahead):
         """Layer lay's feed-forward of every position; the next MoE layer's read-ahead (a

@@ -174,8 +174,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
     lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
     lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _INT]
-    lib.prefill_attend.restype = ctypes.c_int
-    lib.prefill_attend.errcheck = _latent_or_out_of_memory
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
     for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_fp8, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads,
@@ -183,8 +181,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         f.restype = None
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks
     for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,
-              lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_head, lib.prefill_experts,
-              lib.prefill_finish):
+              lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_head, lib.prefill_attend,
+              lib.prefill_experts, lib.prefill_finish):
         f.restype = ctypes.c_int
         f.errcheck = _out_of_memory
     lib.decode_work.errcheck = _no_work
@@ -196,12 +194,6 @@ def _out_of_memory(rc: int, fn, args) -> int:
     if rc != 0:
         raise MemoryError(f"semoe's CPU kernels: out of memory for the buffers of {fn.__name__}")
     return rc
-
-
-def _latent_or_out_of_memory(rc: int, fn, args) -> int:
-    if rc < 0:
-        raise MemoryError(f"semoe's CPU kernels: out of memory for the buffers of {fn.__name__}")
-    return rc  # 1: a latent-attention layer, which the caller steps position by position
 
 
 def _no_work(work: int | None, fn, args) -> int:

@@ -487,7 +487,7 @@ class DecodePlan:
         moe = frozenset(i for i, lay in enumerate(self.layers) if not isinstance(lay.ffn, DenseFFN))
         work = lib.decode_work(net, cache.capacity)
         try:
-            target = lean_prefill.Target(lib, net, work, kv, cache.capacity, pos, threads, c.top_k, moe)
+            target = lean_prefill.Target(lib, net, kv, cache.capacity, pos, threads, c.top_k, moe)
             lean_prefill.run(target, x.numpy(), cos.numpy(), sin.numpy())
             logits = torch.empty(1, self.lm_head.O)
             lib.decode_head(net, work, _ptr(x[-1]), _ptr(logits), threads)

@@ -308,7 +308,6 @@ static inline void i4_group2(const uint8_t *pb, int64_t k0, int64_t g, const int
 #if defined(SEMOE_AVX2) && !defined(SEMOE_VNNI)
     const __m256i low = _mm256_set1_epi8(0x0F);
     float *lo[2] = {lo0, lo1}, *hi[2] = {hi0, hi1};
-    const int8_t *qx[2] = {qx0, qx1};
     const float *dx[2] = {dx0, dx1};
     for (int r = 0; r < 2; r++) {
         memset(lo[r], 0, sizeof(float) * I4_HALF);

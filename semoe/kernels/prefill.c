@@ -4,8 +4,8 @@
  * from memory once per PREFILL_ROWS positions, instead of once per position.
  *
  * The caller runs the positions' attention and router (`prefill_attend`: the products over many
- * rows at once, then each row's attention over the positions up to its own; a latent-attention layer
- * position after position by decode_step.c's `decode_attend`), then:
+ * rows at once, then each row's attention over the positions up to its own, grouped-query or
+ * latent), then:
  *   prefill_norm      h (T, D) = the layer's feed-forward norm of x (T, D);
  *   prefill_experts   s (T, D) += w * expert(h) for every (position, k) whose expert is in a list,
  *                     as many times as the experts the cache holds at once require (s starts at 0);
@@ -56,51 +56,129 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
     if (!p->oom) lin_product(&e->down, fused ? p->hu : p->hg, n, &p->a, p->yb, &p->oom); /* n rows of Fe */
 }
 
+/* latent attention's buffers for PREFILL_ROWS rows (decode_step.c's `latent_attend` for one) */
+typedef struct {
+    float *qa, *qb, *kv, *qn, *qrot, *qlat, *olat, *attv;
+} LatentRows;
+
+static int latent_rows_new(const Net *net, const Latent *m, LatentRows *b) {
+    const int64_t H = net->H, R = net->R, M = PREFILL_ROWS;
+    b->qa = malloc(sizeof(float) * (size_t)(M * (m->q_a.O > 0 ? m->q_a.O : 1)));
+    b->qb = malloc(sizeof(float) * (size_t)(M * H * (m->nope + R)));
+    b->kv = malloc(sizeof(float) * (size_t)(M * (m->L + R)));
+    b->qn = malloc(sizeof(float) * (size_t)(M * H * m->nope));
+    b->qrot = malloc(sizeof(float) * (size_t)(M * H * R));
+    b->qlat = malloc(sizeof(float) * (size_t)(M * H * m->L));
+    b->olat = malloc(sizeof(float) * (size_t)(M * H * m->L));
+    b->attv = malloc(sizeof(float) * (size_t)(M * H * m->dv));
+    return b->qa && b->qb && b->kv && b->qn && b->qrot && b->qlat && b->olat && b->attv;
+}
+
+static void latent_rows_free(LatentRows *b) {
+    free(b->qa), free(b->qb), free(b->kv), free(b->qn), free(b->qrot), free(b->qlat), free(b->olat), free(b->attv);
+}
+
+/* latent attention of nr normed rows h (positions pos0..) into att (nr, H * dv), by the team: each
+ * row's arithmetic is `latent_attend`'s, its products over the rows at once (per head for the
+ * absorbed ones: qn and qlat, olat and attv are (H, nr, .)); the latents and rotary keys of all nr
+ * positions are written (latents (S, L), rots (S, R)) before any row attends, each over the
+ * positions up to its own. p: H rows of pos0 + nr scores. */
+static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t nr, int64_t pos0, const float *cos,
+                        const float *sin, int64_t Rc, float *latents, float *rots, LatentRows *b, float *p,
+                        float *att, Acts *a, int *oom) {
+    const int64_t H = net->H, R = net->R, nope = m->nope, L = m->L, dv = m->dv, Q = nope + R;
+    if (m->q_a.O) {
+        lin_product(&m->q_a, h, nr, a, b->qa, oom);
+#pragma omp single
+        rmsnorm_f32(b->qa, m->q_norm, m->eps, b->qa, nr, m->q_a.O);
+        lin_product(&m->q_b, b->qa, nr, a, b->qb, oom);
+    } else {
+        lin_product(&m->q_b, h, nr, a, b->qb, oom);
+    }
+    lin_product(&m->kv_a, h, nr, a, b->kv, oom);
+    if (*oom) return;
+#pragma omp single
+    for (int64_t r = 0; r < nr; r++) {
+        const int64_t pos = pos0 + r;
+        const float *kv = b->kv + r * (L + R), *qb = b->qb + r * H * Q;
+        rmsnorm_f32(kv, m->kv_norm, m->eps, latents + pos * L, 1, L);
+        rope_rotate(kv + L, cos + r * Rc, sin + r * Rc, R, (int)m->interleave, rots + pos * R);
+        for (int64_t hd = 0; hd < H; hd++) {
+            memcpy(b->qn + (hd * nr + r) * nope, qb + hd * Q, sizeof(float) * (size_t)nope);
+            rope_rotate(qb + hd * Q + nope, cos + r * Rc, sin + r * Rc, R, (int)m->interleave,
+                        b->qrot + (r * H + hd) * R);
+        }
+    }
+    const int64_t nl = i8_blocks(L), nv = i8_blocks(dv);
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < H * nl; t++) /* each head's no-rope queries into the latent space */
+        f32_block(b->qn + t / nl * nr * nope, m->w_ukT + t / nl * L * nope, b->qlat + t / nl * nr * L, nr, L, nope,
+                  t % nl);
+    for (int64_t r = 0; r < nr; r++) {
+#pragma omp for schedule(static)
+        for (int64_t hd = 0; hd < H; hd++)
+            mla_head(b->qlat + (hd * nr + r) * L, b->qrot + (r * H + hd) * R, latents, rots, L, R, pos0 + r + 1,
+                     m->scale, p + hd * (pos0 + nr), b->olat + (hd * nr + r) * L);
+    }
+#pragma omp for schedule(static)
+    for (int64_t t = 0; t < H * nv; t++) /* each head's latent sums out to its values */
+        f32_block(b->olat + t / nv * nr * L, m->w_uv + t / nv * dv * L, b->attv + t / nv * nr * dv, nr, dv, L, t % nv);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t hd = 0; hd < H; hd++)
+            memcpy(att + (r * H + hd) * dv, b->attv + (hd * nr + r) * dv, sizeof(float) * (size_t)dv);
+}
+
 /* Layer l's attention and router for T positions from pos0, as `decode_attend` runs them position
  * after position: x (T, D) gets the attention's residual, ids and w (T, K) each position's choice (a
- * dense layer's: expert 0 of weight 1), the layer's caches kc, vc (G, S, Dh) its k and v. The norms
- * and products take PREFILL_ROWS rows at once; then each row in turn is prepared, rotated (its k and
- * v written) and attends over the positions up to its own. cos, sin: (T, Rc) the positions' rotary
- * tables. Returns 0; 1 for a latent-attention layer, which it leaves to decode_attend; -1 where
+ * dense layer's: expert 0 of weight 1), the layer's caches kc, vc (G, S, Dh) its k and v (latent
+ * attention: the latents (S, L) and rotary keys (S, R)). The norms and products take PREFILL_ROWS
+ * rows at once; then each row in turn is prepared, rotated (its k and v written) and attends over
+ * the positions up to its own. cos, sin: (T, Rc) the positions' rotary tables. Returns 0; -1 where
  * memory was short. */
 int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, float *vc, int64_t S, int64_t pos0,
                    const float *cos, const float *sin, int64_t Rc, int64_t *ids, float *w, int64_t K, int threads) {
     const Layer *ly = net->layers + l;
-    if (ly->mla) return 1;
-    const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, Q = (H + 2 * G) * Dh, R = PREFILL_ROWS;
+    const Latent *m = ly->mla;
+    const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, R = PREFILL_ROWS;
+    const int64_t Q = m ? 1 : (H + 2 * G) * Dh, A = H * (m ? m->dv : Dh);
     const int64_t E = ly->E > 0 ? ly->E : 1;
     float *h = malloc(sizeof(float) * (size_t)(R * D)), *qkv = malloc(sizeof(float) * (size_t)(R * Q));
-    float *part = malloc(sizeof(float) * (size_t)(R * Q)), *att = malloc(sizeof(float) * (size_t)(R * H * Dh));
+    float *part = malloc(sizeof(float) * (size_t)(R * Q)), *att = malloc(sizeof(float) * (size_t)(R * A));
     float *tmp = malloc(sizeof(float) * (size_t)(R * D)), *qr = malloc(sizeof(float) * (size_t)(H * Dh));
     float *p = malloc(sizeof(float) * (size_t)(H * S)), *probs = malloc(sizeof(float) * (size_t)(R * E));
     float *choice = malloc(sizeof(float) * (size_t)E);
     unsigned char *masked = malloc((size_t)E);
+    LatentRows lb = {0};
     Acts a;
-    int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked);
+    int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked) ||
+              (m && !latent_rows_new(net, m, &lb));
 #pragma omp parallel num_threads(threads)
     for (int64_t r0 = 0; r0 < T && !oom; r0 += R) {
         const int64_t nr = T - r0 < R ? T - r0 : R;
 #pragma omp single
         rmsnorm_f32(x + r0 * D, ly->attn_norm, ly->attn_eps, h, nr, D);
-        for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++) {
+        if (m)
+            latent_rows(net, m, h, nr, pos0 + r0, cos + r0 * Rc, sin + r0 * Rc, Rc, kc, vc, &lb, p, att, &a, &oom);
+        for (int64_t j = 0, off = 0; !m && j < ly->n_qkv; off += ly->qkv[j].O, j++) {
             lin_product(&ly->qkv[j], h, nr, &a, part, &oom);
 #pragma omp single
             for (int64_t m = 0; m < nr; m++)
                 memcpy(qkv + m * Q + off, part + m * ly->qkv[j].O, sizeof(float) * (size_t)ly->qkv[j].O);
         }
-        for (int64_t m = 0; m < nr && !oom; m++) {
-            const int64_t pos = pos0 + r0 + m, n = pos + 1;
-            float *row = qkv + m * Q;
+        for (int64_t r = 0; !m && r < nr && !oom; r++) {
+            const int64_t pos = pos0 + r0 + r, n = pos + 1;
+            float *row = qkv + r * Q;
 #pragma omp single
             {
                 qkv_prepare(ly, row, H, G, Dh);
-                attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cos + (r0 + m) * Rc, sin + (r0 + m) * Rc, kc, vc,
+                attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cos + (r0 + r) * Rc, sin + (r0 + r) * Rc, kc, vc,
                               H, G, Dh, net->R, S, pos, qr);
             }
 #pragma omp for schedule(static)
             for (int64_t hd = 0; hd < H; hd++)
                 attend_head(qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n,
-                            net->scale, ly->sinks, p, att + m * H * Dh, hd);
+                            net->scale, ly->sinks, p, att + r * H * Dh, hd);
         }
         lin_product(&ly->o, att, nr, &a, tmp, &oom);
 #pragma omp single
@@ -110,16 +188,17 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
         }
         if (ly->E) lin_product(&ly->router, h, nr, &a, probs, &oom);
 #pragma omp single
-        for (int64_t m = 0; m < nr && !oom; m++) {
-            int64_t *im = ids + (r0 + m) * K;
-            float *wm = w + (r0 + m) * K;
+        for (int64_t r = 0; r < nr && !oom; r++) {
+            int64_t *ir = ids + (r0 + r) * K;
+            float *wr = w + (r0 + r) * K;
             if (ly->E)
-                route(net, ly, probs + m * ly->E, choice, masked, im, wm);
+                route(net, ly, probs + r * ly->E, choice, masked, ir, wr);
             else
-                im[0] = 0, wm[0] = 1.0f;
+                ir[0] = 0, wr[0] = 1.0f;
         }
     }
     free(h), free(qkv), free(part), free(att), free(tmp), free(qr), free(p), free(probs), free(choice), free(masked);
+    latent_rows_free(&lb);
     return oom ? -1 : 0;
 }
 
