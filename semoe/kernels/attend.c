@@ -16,13 +16,20 @@ void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M,
 }
 
 /* q . k over Dh in 8 independent partial sums (vector lanes, no reassociation needed) added in a
- * fixed order, then the tail: the same value on every build and thread count. */
+ * fixed order (hsum8's), then the tail: the same value on every build and thread count, and in
+ * attend_rows_head's blocked form. */
 static inline float dot_f32(const float *a, const float *b, int64_t n) {
-    float acc[8] = {0};
     int64_t i = 0;
+#ifdef __AVX2__
+    __m256 v = _mm256_setzero_ps();
+    for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
+    float d = hsum8(v);
+#else
+    float acc[8] = {0};
     for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += a[i + j] * b[i + j];
-    float d = ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+        for (int j = 0; j < 8; j++) acc[j] = MADD(acc[j], a[i + j], b[i + j]);
+    float d = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+#endif
     for (; i < n; i++) d += a[i] * b[i];
     return d;
 }
@@ -47,22 +54,172 @@ void attend_rotate(const float *q, const float *k, const float *v, const float *
     for (int64_t g = 0; g < G; g++) memcpy(vc + (g * S + pos) * Dh, v + g * Dh, sizeof(float) * (size_t)Dh);
 }
 
+#ifdef __AVX2__
+/* exp of eight lanes, x <= 0 (a softmax's shifted scores): 2^n times a degree-6 polynomial of the
+ * remainder (Cephes' expf: within 2 ulp of expf); below -87.3, where expf is subnormal or 0, 0 */
+static inline __m256 exp8(__m256 x) {
+    const __m256 lo = _mm256_set1_ps(-87.33f);
+    __m256 under = _mm256_cmp_ps(x, lo, _CMP_LT_OQ);
+    x = _mm256_max_ps(x, lo);
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+#endif
+
+/* p[t] = exp(p[t] - mx) for t in t0..n-1 and their sum, in eight lanes then a fixed order: the same
+ * values for a decoding step's head and a prompt's row (every build and thread count alike) */
+static float softmax_exp(float *p, int64_t t0, int64_t n, float mx) {
+    int64_t t = t0;
+    float sum = 0.0f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps(), m = _mm256_set1_ps(mx);
+    for (; t + 8 <= n; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + t), m));
+        _mm256_storeu_ps(p + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    sum = hsum8(acc);
+#endif
+    for (; t < n; t++) sum += (p[t] = expf(p[t] - mx));
+    return sum;
+}
+
 void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
                  int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h) {
     const float *qh = qr + h * Dh, *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
     float *ph = p + h * n;
-    float mx = sinks ? sinks[h] : -INFINITY, sum = 0.0f;
+    float mx = sinks ? sinks[h] : -INFINITY;
     for (int64_t t = t0; t < n; t++) {
         ph[t] = dot_f32(qh, kg + t * Dh, Dh) * scale;
         mx = fmaxf(mx, ph[t]);
     }
-    for (int64_t t = t0; t < n; t++) sum += (ph[t] = expf(ph[t] - mx));
+    float sum = softmax_exp(ph, t0, n, mx);
     if (sinks) sum += expf(sinks[h] - mx);
     float *o = out + h * Dh;
     memset(o, 0, sizeof(float) * (size_t)Dh);
     for (int64_t t = t0; t < n; t++) {
         float w = ph[t] / sum;
         for (int64_t i = 0; i < Dh; i++) o[i] += w * vg[t * Dh + i];
+    }
+}
+
+#ifdef __AVX2__
+/* scores of two rows' queries qa, qb (Dh, a multiple of 8) against the keys of positions t0..t1-1
+ * into pa, pb, times scale: dot_f32's sums, four positions and two rows at a time (eight independent
+ * chains where one dot alone waits on each add) */
+static void scores2(const float *qa, const float *qb, const float *kg, int64_t Dh, int64_t t0, int64_t t1, float scale,
+                    float *pa, float *pb) {
+    int64_t t = t0;
+    for (; t + 4 <= t1; t += 4) {
+        __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+        const float *k = kg + t * Dh;
+        for (int64_t c = 0; c < Dh; c += 8) {
+            __m256 x = _mm256_loadu_ps(qa + c), y = _mm256_loadu_ps(qb + c), kv = _mm256_loadu_ps(k + c);
+            a0 = _mm256_fmadd_ps(x, kv, a0), b0 = _mm256_fmadd_ps(y, kv, b0);
+            kv = _mm256_loadu_ps(k + Dh + c);
+            a1 = _mm256_fmadd_ps(x, kv, a1), b1 = _mm256_fmadd_ps(y, kv, b1);
+            kv = _mm256_loadu_ps(k + 2 * Dh + c);
+            a2 = _mm256_fmadd_ps(x, kv, a2), b2 = _mm256_fmadd_ps(y, kv, b2);
+            kv = _mm256_loadu_ps(k + 3 * Dh + c);
+            a3 = _mm256_fmadd_ps(x, kv, a3), b3 = _mm256_fmadd_ps(y, kv, b3);
+        }
+        pa[t] = hsum8(a0) * scale, pa[t + 1] = hsum8(a1) * scale, pa[t + 2] = hsum8(a2) * scale;
+        pa[t + 3] = hsum8(a3) * scale;
+        pb[t] = hsum8(b0) * scale, pb[t + 1] = hsum8(b1) * scale, pb[t + 2] = hsum8(b2) * scale;
+        pb[t + 3] = hsum8(b3) * scale;
+    }
+    for (; t < t1; t++) pa[t] = dot_f32(qa, kg + t * Dh, Dh) * scale, pb[t] = dot_f32(qb, kg + t * Dh, Dh) * scale;
+}
+
+/* out_j (Dh, a multiple of 8) = sum over t0..t1-1 of w_j[t] v_t for nj rows (w_j = p + j * P), each
+ * output in t order from 0 (attend_head's sums: a weight of 0 adds nothing), 16 outputs of four
+ * rows at a time held in registers */
+static void weigh4(const float *p, int64_t P, int64_t nj, const float *vg, int64_t Dh, int64_t t0, int64_t t1,
+                   float *out, int64_t stride) {
+    for (int64_t c = 0; c < Dh; c += 16) {
+        const int two = c + 16 <= Dh;
+        __m256 acc[ROW_GROUP][2];
+        for (int64_t j = 0; j < ROW_GROUP; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
+        for (int64_t t = t0; t < t1; t++) {
+            const float *v = vg + t * Dh + c;
+            __m256 v0 = _mm256_loadu_ps(v), v1 = two ? _mm256_loadu_ps(v + 8) : v0;
+            for (int64_t j = 0; j < nj; j++) {
+                __m256 w = _mm256_broadcast_ss(p + j * P + t);
+                acc[j][0] = _mm256_fmadd_ps(w, v0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(w, v1, acc[j][1]);
+            }
+        }
+        for (int64_t j = 0; j < nj; j++) {
+            _mm256_storeu_ps(out + j * stride + c, acc[j][0]);
+            if (two) _mm256_storeu_ps(out + j * stride + c + 8, acc[j][1]);
+        }
+    }
+}
+#endif
+
+/* Head h of a prompt's nr rows at positions pos0.. (their k and v already in the caches), queries
+ * rotated in qr (nr, H, Dh), into out (nr, H * Dh): each row as attend_head computes it (the same
+ * sums in the same order), ROW_GROUP rows at a time reading each position's key and value once for
+ * all of them, and their sums in independent chains. window: 0, or the positions a row sees, itself
+ * included. p: ROW_GROUP * (pos0 + nr) floats of room. */
+void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
+                      int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p, float *out,
+                      int64_t h) {
+    const float *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
+    const int64_t P = pos0 + nr;
+    for (int64_t r0 = 0; r0 < nr; r0 += ROW_GROUP) {
+        const int64_t nj = nr - r0 < ROW_GROUP ? nr - r0 : ROW_GROUP;
+        int64_t t0[ROW_GROUP] = {0}, n[ROW_GROUP] = {0};
+        for (int64_t j = 0; j < nj; j++) {
+            n[j] = pos0 + r0 + j + 1;
+            t0[j] = window > 0 && window < n[j] ? n[j] - window : 0;
+        }
+        const int64_t lo = t0[0], hi = n[nj - 1];
+        const float *q = qr + (r0 * H + h) * Dh;
+#ifdef __AVX2__
+        const int blocked = Dh % 8 == 0;
+#endif
+        for (int64_t j = 0; j < nj; j++) {
+#ifdef __AVX2__
+            if (blocked && j + 1 < nj) {
+                scores2(q + j * H * Dh, q + (j + 1) * H * Dh, kg, Dh, lo, hi, scale, p + j * P, p + (j + 1) * P);
+                j++;
+                continue;
+            }
+#endif
+            for (int64_t t = lo; t < hi; t++) p[j * P + t] = dot_f32(q + j * H * Dh, kg + t * Dh, Dh) * scale;
+        }
+        for (int64_t j = 0; j < nj; j++) { /* each row's softmax over its own positions; 0 elsewhere */
+            float mx = sinks ? sinks[h] : -INFINITY, *pj = p + j * P;
+            for (int64_t t = t0[j]; t < n[j]; t++) mx = fmaxf(mx, pj[t]);
+            float sum = softmax_exp(pj, t0[j], n[j], mx);
+            if (sinks) sum += expf(sinks[h] - mx);
+            for (int64_t t = lo; t < hi; t++) pj[t] = t >= t0[j] && t < n[j] ? pj[t] / sum : 0.0f;
+        }
+        float *o = out + r0 * H * Dh + h * Dh;
+#ifdef __AVX2__
+        if (blocked) { /* else: Dh not a multiple of 8 */
+            weigh4(p, P, nj, vg, Dh, lo, hi, o, H * Dh);
+            continue;
+        }
+#endif
+        for (int64_t j = 0; j < nj; j++) {
+            float *oj = o + j * H * Dh;
+            memset(oj, 0, sizeof(float) * (size_t)Dh);
+            for (int64_t t = lo; t < hi; t++)
+                for (int64_t i = 0; i < Dh; i++) oj[i] = MADD(oj[i], p[j * P + t], vg[t * Dh + i]);
+        }
     }
 }
 
@@ -120,7 +277,7 @@ void mla_head(const float *ql, const float *qr, const float *latents, const floa
         p[t] = (dot_f32(ql, latents + t * L, L) + dot_f32(qr, rots + t * R, R)) * scale;
         mx = fmaxf(mx, p[t]);
     }
-    for (int64_t t = 0; t < n; t++) sum += (p[t] = expf(p[t] - mx));
+    sum = softmax_exp(p, 0, n, mx);
     memset(out, 0, sizeof(float) * (size_t)L);
     for (int64_t t = 0; t < n; t++) {
         float w = p[t] / sum;

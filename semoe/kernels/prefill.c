@@ -133,8 +133,8 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
  * after position: x (T, D) gets the attention's residual, ids and w (T, K) each position's choice (a
  * dense layer's: expert 0 of weight 1), the layer's caches kc, vc (G, S, Dh) its k and v (latent
  * attention: the latents (S, L) and rotary keys (S, R)). The norms and products take PREFILL_ROWS
- * rows at once; then each row in turn is prepared, rotated (its k and v written) and attends over
- * the positions up to its own. cos, sin: (T, Rc) the positions' rotary tables. Returns 0; -1 where
+ * rows at once; then the rows are prepared and rotated (their k and v written), and each attends
+ * over the positions up to its own (a few rows at a time sharing each position's key and value). cos, sin: (T, Rc) the positions' rotary tables. Returns 0; -1 where
  * memory was short. */
 int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, float *vc, int64_t S, int64_t pos0,
                    const float *cos, const float *sin, int64_t Rc, int64_t *ids, float *w, int64_t K, int threads) {
@@ -145,8 +145,8 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
     const int64_t E = ly->E > 0 ? ly->E : 1;
     float *h = malloc(sizeof(float) * (size_t)(R * D)), *qkv = malloc(sizeof(float) * (size_t)(R * Q));
     float *part = malloc(sizeof(float) * (size_t)(R * Q)), *att = malloc(sizeof(float) * (size_t)(R * A));
-    float *tmp = malloc(sizeof(float) * (size_t)(R * D)), *qr = malloc(sizeof(float) * (size_t)(H * Dh));
-    float *p = malloc(sizeof(float) * (size_t)(H * S)), *probs = malloc(sizeof(float) * (size_t)(R * E));
+    float *tmp = malloc(sizeof(float) * (size_t)(R * D)), *qr = malloc(sizeof(float) * (size_t)(R * H * Dh));
+    float *p = malloc(sizeof(float) * (size_t)(ROW_GROUP * H * S)), *probs = malloc(sizeof(float) * (size_t)(R * E));
     float *choice = malloc(sizeof(float) * (size_t)E);
     unsigned char *masked = malloc((size_t)E);
     LatentRows lb = {0};
@@ -166,19 +166,18 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
             for (int64_t m = 0; m < nr; m++)
                 memcpy(qkv + m * Q + off, part + m * ly->qkv[j].O, sizeof(float) * (size_t)ly->qkv[j].O);
         }
-        for (int64_t r = 0; !m && r < nr && !oom; r++) {
-            const int64_t pos = pos0 + r0 + r, n = pos + 1;
-            float *row = qkv + r * Q;
+        if (!m && !oom) {
 #pragma omp single
-            {
+            for (int64_t r = 0; r < nr; r++) { /* every row's k and v into the caches before any row attends */
+                float *row = qkv + r * Q;
                 qkv_prepare(ly, row, H, G, Dh);
                 attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cos + (r0 + r) * Rc, sin + (r0 + r) * Rc, kc, vc,
-                              H, G, Dh, net->R, S, pos, qr);
+                              H, G, Dh, net->R, S, pos0 + r0 + r, qr + r * H * Dh);
             }
 #pragma omp for schedule(static)
             for (int64_t hd = 0; hd < H; hd++)
-                attend_head(qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n,
-                            net->scale, ly->sinks, p, att + r * H * Dh, hd);
+                attend_rows_head(qr, kc, vc, H, G, Dh, S, pos0 + r0, nr, ly->window, net->scale, ly->sinks,
+                                 p + hd * ROW_GROUP * S, att, hd);
         }
         lin_product(&ly->o, att, nr, &a, tmp, &oom);
 #pragma omp single
