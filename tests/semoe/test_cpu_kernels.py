@@ -9,6 +9,8 @@ scale 1e-5 (float32 has 24 bits; a sum of a few thousand terms loses a few more)
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
@@ -348,3 +350,33 @@ def test_a_gpt_oss_expert_in_one_call_equals_its_torch_composition(monkeypatch, 
     assert calls == [scheme]
     monkeypatch.setattr(semoe.experts, "fused_clamped_swiglu", lambda *a: None)
     assert _relative(fused, mlp.apply(x, parts)) < 1e-5
+
+
+@pytest.mark.parametrize("Dh, window, sinks", [(16, 0, False), (16, 5, True), (12, 0, True), (24, 7, False)])
+def test_a_prompts_attention_rows_are_the_decoding_heads(Dh, window, sinks):
+    """attend_rows_head (a prompt's rows, four sharing each key and value; scores two rows by four
+    positions at once where Dh is a multiple of 8, the plain loops otherwise) against attend_head,
+    a decoding step's, for each row and head, with a window and attention sinks: the same bits."""
+    lib, p = cpu_kernels._lib(), lambda t: ctypes.c_void_p(t.data_ptr())
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, F, P, P, P, I]
+    lib.attend_head.argtypes = [P, P, P, I, I, I, I, I, I, F, P, P, P, I]
+    g = torch.Generator().manual_seed(Dh + window)
+    H, G, S, pos0, nr = 4, 2, 40, 9, 11  # 11 rows: two groups of four and a group of three
+    kc, vc = torch.randn(G, S, Dh, generator=g), torch.randn(G, S, Dh, generator=g)
+    qr = torch.randn(nr, H, Dh, generator=g)
+    sk = torch.randn(H, generator=g) if sinks else None
+    scale = Dh ** -0.5
+    got = torch.zeros(nr, H * Dh)
+    scratch = torch.empty(4 * (pos0 + nr))
+    for h in range(H):
+        lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, S, pos0, nr, window, scale,
+                             p(sk) if sinks else None, p(scratch), p(got), h)
+    for r in range(nr):
+        n = pos0 + r + 1
+        t0 = n - window if 0 < window < n else 0
+        want, ph = torch.zeros(H * Dh), torch.empty(H * n)
+        for h in range(H):
+            lib.attend_head(p(qr[r]), p(kc), p(vc), H, G, Dh, S, t0, n, scale, p(sk) if sinks else None, p(ph),
+                            p(want), h)
+        assert torch.equal(got[r], want), r
