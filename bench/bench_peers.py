@@ -23,6 +23,12 @@ new token on (the prompt excluded); the median of --repeats rounds is reported.
 
     python bench/bench_peers.py --workdir /path/of/bench_quant [--repeats 3] [--parts resident,limited]
 
+A memory sweep as a user meets it: --memory 25,33,50,67 --defaults --cold. --defaults adds, at each
+SIZE, `semoe generate` with no budget flag (default-BITS-SIZE: the engine or the torch-free runner
+and its cache as it chooses them from the memory it finds) beside ours on the bench's sizing;
+--cold times each process's first generation in full as well (the page cache dropped before the
+process, so both engines start cold), beside the second in the same process (warm).
+
 --arch ARCH makes WORKDIR's checkpoint first instead (each piece once): a random-weight float32
 checkpoint of that architecture from transformers' own class, about 3 GB (ARCH_SHAPES: 8 layers,
 hidden size 1024, 32000 tokens, 32 experts of 768 where the architecture routes many small
@@ -53,6 +59,7 @@ sys.path.insert(0, BENCH)
 # every memory-limited run, and torch's 150 MiB and mapped code would come out of SIZE for both
 # engines, unevenly (llama.cpp's page cache felt it most: 2 tok/s instead of 18 at int4 50%).
 from bench_offload import drop_cache, prompt_ids  # noqa: E402
+from peer_models import ARCH_SHAPES, prepare_arch, prepare_wide  # noqa: E402
 
 # (our precision, our store in WORKDIR, llama.cpp's type: WORKDIR/llama-TYPE.gguf); mxfp4: a checkpoint that
 # ships MXFP4 experts (gpt-oss), its import and llama.cpp's conversion, both keeping them as they are
@@ -67,8 +74,9 @@ def _read_bytes() -> int:
 
 
 def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | str | None,
-             ring_slots: int | None = None, dense: str = "auto") -> dict:
-    """Greedy decode of our engine (resident without a cache budget), after a warm-up generation."""
+             ring_slots: int | None = None, dense: str = "auto", first: bool = False) -> dict:
+    """Greedy decode of our engine (resident without a cache budget), after a warm-up generation
+    (`first`: after a first generation timed in full, its figures under "first")."""
     from inference.engine import Engine, EngineConfig
     from inference.memory_guard import AUTO_RESERVE_BYTES
     from semoe.generate import SamplingConfig
@@ -80,73 +88,94 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
     start_cache = engine.offload.tier.cache.capacity_bytes if engine.offload else None
     try:
         sampling = SamplingConfig(max_new_tokens=new_tokens)
-        engine.generate(prompt, SamplingConfig(max_new_tokens=4))
-        read0, faults0 = _read_bytes(), major_faults()
-        res = engine.generate(prompt, sampling)
-        return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
-                "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
-                "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
-                "expert_read_bytes_per_token": res.stats.get("ssd_bytes_per_token", 0.0),
-                "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": status_bytes("RssFile") or 0,
+
+        def timed() -> dict:
+            read0, faults0 = _read_bytes(), major_faults()
+            res = engine.generate(prompt, sampling)
+            return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
+                    "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
+                    "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
+                    "expert_read_bytes_per_token": res.stats.get("ssd_bytes_per_token", 0.0)}
+
+        if first:
+            cold = timed()
+        else:
+            engine.generate(prompt, SamplingConfig(max_new_tokens=4))
+        out = timed()
+        if first:
+            out["first"] = cold
+        return {**out, "peak_rss_bytes": peak_rss_bytes(), "rss_file_bytes": status_bytes("RssFile") or 0,
                 "cpu_cache_bytes": engine.offload.tier.cache.capacity_bytes if engine.offload else None,
                 "cpu_cache_start_bytes": start_cache, "auto_reserve_bytes": AUTO_RESERVE_BYTES}
     finally:
         engine.close()
 
 
-def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int, dense: str = "auto") -> dict:
+def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | None, dense: str = "auto",
+             first: bool = False) -> dict:
     """Greedy decode of the torch-free runner (`inference.lean`) with a CPU cache of `cpu_cache` bytes
-    (0: the least it decodes with), after a warm-up generation."""
+    (0: the least it decodes with; None: its own choice, as `semoe generate`'s), after a warm-up
+    generation (`first`: after a first generation timed in full, its figures under "first")."""
     from inference.lean import LeanConfig, LeanModel
     from semoe.decode.loop import SamplingConfig
-    from storage.procmem import major_faults, status_bytes
 
     with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct", dense=dense)) as model:
-        cache = model.cache.n * model.slot_bytes
-        model.generate(prompt, SamplingConfig(max_new_tokens=4))
         uses: dict[int, list[int]] = {}  # layer -> the experts asked for in the timed generation (prompt too)
-        ensure = model.cache.ensure
+        used: set[tuple[int, int]] = set()  # (layer, expert) the prompt pass chose (its guesses aside)
+        ensure, begin, at_first = model.cache.ensure, model.cache.begin, {}
 
         def counted(layer: int, experts: list[int]) -> list[int]:
             uses.setdefault(layer, []).extend(experts)
             return ensure(layer, experts)
-
-        model.cache.ensure = counted
-        used: set[tuple[int, int]] = set()  # (layer, expert) the prompt pass chose (its guesses aside)
-        begin, at_first = model.cache.begin, {}
 
         def prompt_begin(layer: int, experts: list[int], *, speculative: bool = False):
             if not at_first and not speculative:
                 used.update((layer, e) for e in experts)
             return begin(layer, experts, speculative=speculative)
 
-        def first(_token: int, _logprob: float) -> None:  # the prompt is done: decoding's figures from here
-            if not at_first:
-                at_first.update(read=_read_bytes(), expert=model.cache.read_bytes, wait=model.cache.read_s,
-                                t=time.perf_counter())
+        model.cache.ensure, model.cache.begin = counted, prompt_begin
+        cold = _lean_timed(model, prompt, new_tokens, uses, used, at_first) if first else None
+        if not first:
+            model.generate(prompt, SamplingConfig(max_new_tokens=4))
+        out = _lean_timed(model, prompt, new_tokens, uses, used, at_first)
+        return out if cold is None else {**out, "first": cold}
 
-        model.cache.begin = prompt_begin
-        read0, faults0, expert0 = _read_bytes(), major_faults(), model.cache.read_bytes
-        res = model.generate(prompt, SamplingConfig(max_new_tokens=new_tokens), on_token=first)
-        steps = max(1, len(res.tokens) - 1)
-        waited = model.cache.read_s - at_first["wait"]
-        wait_share = waited / (time.perf_counter() - at_first["t"])
-        decode_expert_bytes = model.cache.read_bytes - at_first["expert"]
-        chunk = model.store.manifest.chunk
-        return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
-                # decoding's reads per step after the first token; the prompt's apart, against the bytes of
-                # the experts it chose (each read once: 1.0)
-                "read_bytes_per_token": (_read_bytes() - at_first["read"]) / steps,
-                "prompt_read_bytes": at_first["read"] - read0,
-                "prompt_expert_read_bytes": at_first["expert"] - expert0,
-                "prompt_used_expert_bytes": sum(chunk(lay, e).bytes for lay, e in used),
-                "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
-                "expert_read_bytes_per_token": decode_expert_bytes / steps,
-                "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
-                "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
-                "read_wait_share": wait_share, "mapped_bytes": model.mapped_bytes,
-                "read_gbps_waiting": decode_expert_bytes / waited / 1e9 if waited > 0 else None,
-                "routing_entropy": routing_entropy(uses, model.config.num_experts)}
+
+def _lean_timed(model, prompt: list[int], new_tokens: int, uses: dict, used: set, at_first: dict) -> dict:
+    """One timed generation of run_lean's `model`; `uses`, `used` and `at_first` are what its hooks
+    fill (emptied here first)."""
+    from semoe.decode.loop import SamplingConfig
+    from storage.procmem import major_faults, status_bytes
+
+    uses.clear(), used.clear(), at_first.clear()
+
+    def first(_token: int, _logprob: float) -> None:  # the prompt is done: decoding's figures from here
+        if not at_first:
+            at_first.update(read=_read_bytes(), expert=model.cache.read_bytes, wait=model.cache.read_s,
+                            t=time.perf_counter())
+
+    cache = model.cache.n * model.slot_bytes
+    read0, faults0, expert0 = _read_bytes(), major_faults(), model.cache.read_bytes
+    res = model.generate(prompt, SamplingConfig(max_new_tokens=new_tokens), on_token=first)
+    steps = max(1, len(res.tokens) - 1)
+    waited = model.cache.read_s - at_first["wait"]
+    wait_share = waited / (time.perf_counter() - at_first["t"])
+    decode_expert_bytes = model.cache.read_bytes - at_first["expert"]
+    chunk = model.store.manifest.chunk
+    return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
+            # decoding's reads per step after the first token; the prompt's apart, against the bytes of
+            # the experts it chose (each read once: 1.0)
+            "read_bytes_per_token": (_read_bytes() - at_first["read"]) / steps,
+            "prompt_read_bytes": at_first["read"] - read0,
+            "prompt_expert_read_bytes": at_first["expert"] - expert0,
+            "prompt_used_expert_bytes": sum(chunk(lay, e).bytes for lay, e in used),
+            "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
+            "expert_read_bytes_per_token": decode_expert_bytes / steps,
+            "peak_rss_bytes": res.stats["peak_rss_bytes"], "rss_file_bytes": status_bytes("RssFile") or 0,
+            "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
+            "read_wait_share": wait_share, "mapped_bytes": model.mapped_bytes,
+            "read_gbps_waiting": decode_expert_bytes / waited / 1e9 if waited > 0 else None,
+            "routing_entropy": routing_entropy(uses, model.config.num_experts)}
 
 
 def routing_entropy(uses: dict[int, list[int]], n_experts: int) -> float:
@@ -183,11 +212,11 @@ def run_transformers(hf: str, prompt: list[int], new_tokens: int) -> dict:
             "read_bytes_per_token": 0.0, "peak_rss_bytes": 0}
 
 
-def run_llama(gguf: str, prompt: list[int], new_tokens: int, repack: bool = True) -> dict:
+def run_llama(gguf: str, prompt: list[int], new_tokens: int, repack: bool = True, first: bool = False) -> dict:
     import llama_peer as peer
 
     return peer.decode_run(gguf, prompt, new_tokens, n_threads=2, kv_type="f32", env=peer.ensure_env(),
-                           repack=repack)
+                           repack=repack, first=first)
 
 
 def model_bytes(workdir: str, ours: str) -> int:
@@ -265,20 +294,37 @@ class Balloon:
 def child(args: argparse.Namespace) -> None:
     spec = json.loads(args.only)
     prompt = prompt_ids(args.prompt_tokens)
-    if spec["engine"] == "ours":
+    first = bool(spec.get("first"))
+    if spec["engine"] == "default":  # what `semoe generate` runs with no budget flag, chosen as it chooses
+        drop_cache(spec["path"])
+        if default_is_lean(spec["path"]):
+            r = run_lean(spec["path"], prompt, args.new_tokens, None, args.dense, first)
+        else:
+            r = run_ours(spec["path"], prompt, args.new_tokens, None, None, args.dense, first)
+    elif spec["engine"] == "ours":
         if spec.get("cold"):
             drop_cache(spec["path"])
         r = run_ours(spec["path"], prompt, args.new_tokens, spec.get("cpu_cache"), spec.get("ring_slots"),
-                     args.dense)
+                     args.dense, first)
     elif spec["engine"] == "lean":
         if spec.get("cold"):
             drop_cache(spec["path"])
-        r = run_lean(spec["path"], prompt, args.new_tokens, spec["cpu_cache"], args.dense)
+        r = run_lean(spec["path"], prompt, args.new_tokens, spec["cpu_cache"], args.dense, first)
     elif spec["engine"] == "transformers":
         r = run_transformers(spec["path"], prompt, args.new_tokens)
     else:
-        r = run_llama(spec["path"], prompt, args.new_tokens, spec.get("repack", True))
+        r = run_llama(spec["path"], prompt, args.new_tokens, spec.get("repack", True), first)
     print(json.dumps(r))
+
+
+def default_is_lean(store: str) -> bool:
+    """Whether `semoe generate --model STORE` with no other flag decodes in the torch-free runner
+    (`tools.generate_cmd.lean_by_itself`, asked of its own parser's defaults; no torch imported)."""
+    from tools.cli import build_parser
+    from tools.generate_cmd import lean_by_itself
+
+    args = build_parser().parse_args(["generate", "--model", store, "--prompt-ids", "1"])
+    return lean_by_itself(args) is not None
 
 
 def _run(args: argparse.Namespace, spec: dict, check: bool = True) -> dict | None:
@@ -380,9 +426,13 @@ def limited(args: argparse.Namespace) -> dict:
                     f"does not fit SIZE {size / 2**30:.2f} GiB: it holds {base / 2**30:.2f} GiB of its own besides its "
                     f"cache and {fp['rss_file_bytes'] / 2**30:.2f} GiB of mapped code, leaves {left >> 20} MiB "
                     f"for the code it runs, and its ring needs a cache of {fp['min_cache_bytes'] / 2**30:.2f} GiB")
+            if args.defaults:
+                specs.insert(0, ("default", {"engine": "default", "path": os.path.join(args.workdir, ours)}))
+            for _, spec in specs:
+                spec["first"] = args.cold
             for round_ in range(args.repeats):
                 for engine, spec in specs:
-                    name = f"{engine}-{bits if engine == 'ours' else gguf}-{share}%"
+                    name = f"{engine}-{gguf if engine == 'llama' else bits}-{share}%"
                     if name in notes:
                         continue
                     print(f"limited {name}: SIZE {size / 2**30:.2f} GiB ({round_ + 1}/{args.repeats}) ...",
@@ -428,6 +478,20 @@ def _agreement(a: list[int], b: list[int]) -> int:
     return n
 
 
+def _ratios(part: str, what: str, who: str, ours: dict | None, peer: dict | None, gguf: str) -> None:
+    """The lines setting `ours` (a run of `who`: ours on the bench's flags, or `default`: no budget
+    flag) beside llama.cpp's run `peer`: decode speed and the prompt's, warm and, where timed, cold."""
+    if not (ours and peer):
+        return
+    for when, a, b in (("", ours, peer), (" cold", ours.get("first"), peer.get("first"))):
+        if not (a and b):
+            continue
+        print(f"{part:8} {what}{when}: {who} / llama.cpp {gguf} = {a['decode_tok_s'] / b['decode_tok_s']:.2f}x tok/s")
+        if a.get("ttft_s") and b.get("ttft_s"):
+            print(f"{part:8} {what}{when}: time to the first token after the prompt, {who} {a['ttft_s']:.2f} s, "
+                  f"llama.cpp {b['ttft_s']:.2f} s: {who} / llama.cpp = {b['ttft_s'] / a['ttft_s']:.2f}x prompt tok/s")
+
+
 def report(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=1))
@@ -465,17 +529,17 @@ def report(result: dict, as_json: bool) -> None:
                          f"{r['expert_read_bytes_per_token'] / 2**20:.2f} MiB/tok | major faults "
                          f"{r['major_faults_per_token']:.1f}/tok")
             print(line)
+            cold = r.get("first")
+            if cold:  # the process's first generation: the page cache dropped before it, nothing warm
+                print(f"{part:8} {name + ' cold':18} {cold['decode_tok_s']:7.2f} tok/s | read "
+                      f"{cold['read_bytes_per_token'] / 2**20:8.2f} MiB/tok | time to the first token "
+                      f"{cold['ttft_s']:.2f} s")
         shares = sorted({n.rsplit("-", 1)[1] for n in rows if n.endswith("%")}, key=lambda x: -int(x[:-1]))
         for bits, _, gguf in PAIRS:
             for suffix in [""] if part == "resident" else [f"-{s}" for s in shares]:
-                ours, peer = rows.get(f"ours-{bits}{suffix}"), rows.get(f"llama-{gguf}{suffix}")
-                if ours and peer:
-                    print(f"{part:8} {bits}{suffix}: ours / llama.cpp {gguf} = "
-                          f"{ours['decode_tok_s'] / peer['decode_tok_s']:.2f}x tok/s")
-                if ours and peer and ours.get("ttft_s") and peer.get("ttft_s"):
-                    print(f"{part:8} {bits}{suffix}: time to the first token after the prompt, ours "
-                          f"{ours['ttft_s']:.2f} s, llama.cpp {peer['ttft_s']:.2f} s: ours / llama.cpp = "
-                          f"{peer['ttft_s'] / ours['ttft_s']:.2f}x prompt tok/s")
+                for who in ("ours", "default"):
+                    _ratios(part, f"{bits}{suffix}", who, rows.get(f"{who}-{bits}{suffix}"),
+                            rows.get(f"llama-{gguf}{suffix}"), gguf)
     res = result.get("resident", {})
     if "ours-f32" in res and "llama-f32" in res:
         n = _agreement(res["ours-f32"]["tokens"], res["llama-f32"]["tokens"])
@@ -490,125 +554,6 @@ def report(result: dict, as_json: bool) -> None:
                 line += (f"; at token {n} transformers' two best logits are {ref['logit_gaps'][n]:.2e} apart "
                          f"(its smallest gap before: {min(ref['logit_gaps'][:n], default=float('nan')):.2e})")
             print(line)
-
-
-# added tokens llama.cpp's converter looks up by name for an architecture (GLM's chat markers)
-ARCH_SPECIAL_TOKENS = {"glm4_moe": ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>",
-                                    "<|observation|>")}
-
-
-def _tokenizer_and_stores(workdir: str, arch: str | None = None) -> None:
-    """WORKDIR's checkpoint given a tokenizer (llama.cpp's converter needs one), and its stores: the
-    import, int8 and int4, each made once."""
-    import llama_peer as peer
-    from bench_quant import GROUP_SIZE
-    from semoe.hf_import import import_checkpoint
-    from semoe.quantize import QuantizeConfig, quantize_store
-
-    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
-    peer.add_tokenizer(hf, extra_special=ARCH_SPECIAL_TOKENS.get(arch, ()))
-    if not os.path.exists(os.path.join(store, "manifest.json")):
-        print("importing it into a store ...", file=sys.stderr)
-        import_checkpoint(hf, store)
-    for bits in (8, 4):
-        path = os.path.join(workdir, f"store-int{bits}")
-        if not os.path.exists(os.path.join(path, "manifest.json")):
-            print(f"quantizing to int{bits} ...", file=sys.stderr)
-            quantize_store(store, path, QuantizeConfig(bits=bits, group_size=GROUP_SIZE))
-
-
-def prepare_wide(workdir: str, experts: int) -> None:
-    """`--experts N`: bench_offload's model shape with N experts per layer in bfloat16 (so that 25% of
-    its int8 and int4 bytes leaves room beside a Python process: on the 8-expert model 25% of int4
-    is 0.17 GiB, less than torch alone holds), its stores (the bfloat16 import, int8 and int4) and
-    llama.cpp's q8_0 and q4_0 (its converter to bf16, then llama-quantize), each made once."""
-    import torch
-    import transformers
-
-    import llama_peer as peer
-    from bench_offload import SHAPE
-
-    hf = os.path.join(workdir, "hf")
-    if not os.path.exists(os.path.join(hf, "config.json")):
-        print(f"making a Mixtral-shaped bfloat16 checkpoint with {experts} experts a layer ...", file=sys.stderr)
-        torch.manual_seed(0)
-        torch.set_default_dtype(torch.bfloat16)  # built at its size, never at float32 first
-        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**SHAPE, "num_local_experts": experts}))
-        torch.set_default_dtype(torch.float32)
-        model.save_pretrained(hf, max_shard_size="1GB")
-        del model
-    _tokenizer_and_stores(workdir)
-    env = peer.ensure_env()
-    bf16 = os.path.join(workdir, "llama-bf16.gguf")
-    for qtype in ("q8_0", "q4_0"):
-        gguf = os.path.join(workdir, f"llama-{qtype}.gguf")
-        if not os.path.exists(gguf):
-            if not os.path.exists(bf16):
-                print("converting it with llama.cpp's converter ...", file=sys.stderr)
-                peer.convert(hf, bf16, "bf16", env=env)
-            print(f"llama-quantize to {qtype} ...", file=sys.stderr)
-            peer.quantize(bf16, gguf, qtype, env=env)
-    if os.path.exists(bf16):
-        os.remove(bf16)
-
-
-# --arch: transformers config fields of a 3 GB-class float32 checkpoint per architecture (vocab, hidden
-# size and depth of bench_offload's Mixtral-shaped model; many smaller experts where the architecture
-# routes many, as Qwen3-MoE, DeepSeek, GLM-4.5 and gpt-oss do)
-_COMMON = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
-               max_position_embeddings=4096)
-_MANY = dict(num_experts_per_tok=4, moe_intermediate_size=768)
-_DEEPSEEK = dict(_COMMON, **_MANY, num_key_value_heads=8, n_routed_experts=32, n_shared_experts=1,
-                 first_k_dense_replace=1, intermediate_size=3072, kv_lora_rank=256, qk_rope_head_dim=32,
-                 qk_nope_head_dim=64, v_head_dim=64, n_group=4, topk_group=2, routed_scaling_factor=2.5)
-ARCH_SHAPES = {
-    "mixtral": ("MixtralConfig", dict(_COMMON, intermediate_size=3584, num_local_experts=8, num_experts_per_tok=2)),
-    "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, **_MANY, num_experts=32, intermediate_size=3072,
-                                         shared_expert_intermediate_size=2048, decoder_sparse_step=1)),
-    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, **_MANY, num_experts=32, head_dim=128, intermediate_size=3072,
-                                         norm_topk_prob=True, decoder_sparse_step=1)),
-    "olmoe": ("OlmoeConfig", dict(_COMMON, num_experts_per_tok=4, num_experts=32, intermediate_size=768,
-                                  num_key_value_heads=8)),
-    # q_lora_rank set as DeepSeek-V2 has it: llama-quantize 0.3.36 refuses V2-Lite's absent one ("key not found
-    # in model: deepseek2.attention.q_lora_rank"); semoe's tests cover that form
-    "deepseek_v2": ("DeepseekV2Config", dict(_DEEPSEEK, q_lora_rank=512, topk_method="group_limited_greedy")),
-    "deepseek_v3": ("DeepseekV3Config", dict(_DEEPSEEK, q_lora_rank=512)),
-    # llama.cpp's converter wants GLM's own special tokens ([gMASK], <|user|>, ...): ARCH_SPECIAL_TOKENS
-    "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, **_MANY, n_routed_experts=32, n_shared_experts=1,
-                                       first_k_dense_replace=1, intermediate_size=3072, head_dim=128,
-                                       partial_rotary_factor=0.5, use_qk_norm=True, n_group=1, topk_group=1)),
-    "gpt_oss": ("GptOssConfig", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
-                                     head_dim=64, sliding_window=128)),
-}
-
-
-def prepare_arch(workdir: str, arch: str) -> None:
-    """`--arch`: WORKDIR's float32 checkpoint of `arch`, its stores and llama.cpp's f32, q8_0 and q4_0, each
-    made once."""
-    import torch
-    import transformers
-
-    import llama_peer as peer
-
-    hf = os.path.join(workdir, "hf")
-    if not os.path.exists(os.path.join(hf, "config.json")):
-        cls, fields = ARCH_SHAPES[arch]
-        print(f"making a {arch} float32 checkpoint with transformers ...", file=sys.stderr)
-        torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields))
-        model.save_pretrained(hf, max_shard_size="1GB")
-        del model
-    _tokenizer_and_stores(workdir, arch)
-    env = peer.ensure_env()
-    f32 = os.path.join(workdir, "llama-f32.gguf")
-    if not os.path.exists(f32):
-        print("converting it with llama.cpp's converter ...", file=sys.stderr)
-        peer.convert(hf, f32, "f32", env=env)
-    for qtype in ("q8_0", "q4_0"):
-        gguf = os.path.join(workdir, f"llama-{qtype}.gguf")
-        if not os.path.exists(gguf):
-            print(f"llama-quantize to {qtype} ...", file=sys.stderr)
-            peer.quantize(f32, gguf, qtype, env=env)
 
 
 def main() -> int:
@@ -627,6 +572,12 @@ def main() -> int:
     ap.add_argument("--lean", action="store_true",
                     help="in the memory-limited part, run our torch-free decoder (`semoe generate --lean`, "
                          "inference/lean.py) instead of the engine: its process holds no torch runtime")
+    ap.add_argument("--defaults", action="store_true",
+                    help="in the memory-limited part, also run `semoe generate` as a user would, with no budget "
+                         "flag: its own choice of engine and cache from the memory it finds (default-BITS-SIZE)")
+    ap.add_argument("--cold", action="store_true",
+                    help="in the memory-limited part, time each process's first generation in full too (the page "
+                         "cache dropped before the process: both engines cold), beside its second (warm)")
     ap.add_argument("--resident-bits", default="f32,int8,int4", help="precisions of the resident runs")
     ap.add_argument("--limited-bits", default="f32,int8,int4", help="precisions of the memory-limited runs")
     ap.add_argument("--experts", type=int, default=None,

@@ -392,17 +392,20 @@ def greedy_decode(gguf_path: str, prompt_tokens: list[int], n_new: int, n_thread
 
 
 def decode_run(gguf_path: str, prompt_tokens: list[int], n_new: int, n_threads: int = 2, kv_type: str = "f16",
-               env: PeerEnv | None = None, repack: bool = True) -> dict:
+               env: PeerEnv | None = None, repack: bool = True, first: bool = False) -> dict:
     """greedy_decode's run with its measures: tokens, decode_tok_s, ttft_s (from the start of the timed
     generation to its first token: the prompt's evaluation), read_bytes_per_token (storage reads
     of the llama.cpp process while decoding, page faults included) and peak_rss_bytes. `repack=False`
     is llama.cpp's --no-repack: q4_0 weights are otherwise copied at load into anonymous memory in its
-    kernels' interleaved layout, the whole model, which memory held short cannot give."""
+    kernels' interleaved layout, the whole model, which memory held short cannot give. `first`: the
+    first generation of the process is timed too, in full (under "first": the model cold, as loaded),
+    instead of a short warm-up; the figures at the top are the second's."""
     if n_new < 2:
         raise ValueError(f"n_new={n_new}: decode speed needs at least 2 new tokens")
     _check_kv_type(kv_type)
     return _in_worker({"op": "decode", "gguf": gguf_path, "tokens": list(prompt_tokens), "n_new": n_new,
-                       "n_threads": n_threads, "kv_type": kv_type, "repack": repack}, env, "decode.json",
+                       "n_threads": n_threads, "kv_type": kv_type, "repack": repack, "first": first}, env,
+                      "decode.json",
                       _read_json)
 
 
@@ -460,18 +463,24 @@ def _worker(job_path: str) -> None:
                 break
         return out, times
 
-    generate(min(job["n_new"], 4))  # warm-up: page in the weights, allocate the graph
-    new, times = generate(job["n_new"])
+    def measured(new: list[int], times: list[float]) -> dict:
+        return {"tokens": new, "decode_tok_s": (len(times) - 2) / (times[-1] - times[1]),
+                "ttft_s": times[1] - times[0],
+                # storage reads of this process (page faults on the mmapped model included) per decoding
+                # step after the first token; the prompt's apart
+                "read_bytes_per_token": (_read_bytes() - reads[1]) / max(1, len(new) - 1),
+                "prompt_read_bytes": reads[1] - reads[0]}
+
+    # the first generation: timed in full, or a warm-up (page in the weights, allocate the graph)
+    first = measured(*generate(job["n_new"])) if job.get("first") else generate(min(job["n_new"], 4)) and None
+    out = measured(*generate(job["n_new"]))
     import resource
 
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    if first is not None:
+        out["first"] = first
     with open(job["out"], "w") as f:
-        json.dump({"tokens": new, "decode_tok_s": (len(times) - 2) / (times[-1] - times[1]),
-                   "ttft_s": times[1] - times[0],
-                   # storage reads of this process (page faults on the mmapped model included) per decoding
-                   # step after the first token; the prompt's apart
-                   "read_bytes_per_token": (_read_bytes() - reads[1]) / max(1, len(new) - 1),
-                   "prompt_read_bytes": reads[1] - reads[0],
-                   "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}, f)
+        json.dump(out, f)
 
 
 def _read_bytes() -> int:
