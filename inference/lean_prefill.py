@@ -1,36 +1,16 @@
-"""The prompt pass of the torch-free runner (`prefill`) and of the engine's resident CPU model
-(`semoe.decode.plan.DecodePlan.prefill`, through `run`): the prompt's positions go through the model
-one layer at a time, so that each expert the prompt chose in a layer is read from storage once for
-the whole prompt (the runner's) and computed over all the positions that chose it at once.
-
-Per layer (semoe/kernels/prefill.c): the positions' attention and router (`prefill_attend`: the
-norms and products over many rows at once, then each row's attention over the positions up to its
-own, its k and v (or latent and rotary key) written first), then
-their feed-forward: the union of the experts they chose, read in groups of half the expert cache (a
-group is computed while the next is read; the groups split the union, so each expert is read once a
-layer), each expert's rows computed together, the weighted outputs summed per position, and the
-shared expert on all rows. Where the prompt is long enough to choose nearly every expert of a layer,
-the next MoE layer's experts are read while this one computes. Token by token, a prompt of T
-positions asked the cache for each expert up to T times a layer; with memory short, most of those
-were reads.
-
-The residual stream, its normed copy and the experts' sum are held for all T positions (3 * T *
-hidden_size float32: 17 MiB for 512 positions of gpt-oss-20b) beside the KV cache the sequence
-already has. Logits come out of the last position only, as decoding's first step needs them."""
+"""The torch-free runner's prompt pass (`prefill`): the prompt's positions through the model a layer
+at a time (`semoe.decode.prompt_pass`), its chosen experts read from storage into the runner's cache
+once a layer for the whole prompt. Logits come out of the last position only, as decoding's first
+step needs them."""
 
 from __future__ import annotations
 
-import ctypes
-from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 
+from semoe.decode.prompt_pass import Target, run
 from storage.errors import BadInputError
-
-
-def _p(a: np.ndarray) -> ctypes.c_void_p:
-    return ctypes.c_void_p(a.ctypes.data)
 
 
 def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None = None) -> np.ndarray:
@@ -55,121 +35,3 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
     seq.x[:] = x[-1]
     m.lib.decode_head(seq._net, seq._work, seq._p[0], seq._p[1], m.settings.threads)
     return seq.logits
-
-
-@dataclass
-class Target:
-    """Where a prompt pass runs: the kernels `lib`, decode_step.c's `net` (a reference), each layer's k
-    and v caches (addresses) of `capacity` positions, the prompt's first position `pos0`, the threads,
-    the routed experts' top_k and which layers route (`moe`).
-    `reader`: the torch-free runner's model (`inference.lean.LeanModel`), whose routed experts are read
-    from storage into its cache as the pass chooses them; None where `net` points at every expert in
-    memory (the engine's resident model, `semoe.decode.plan.DecodePlan.prefill`)."""
-
-    lib: ctypes.CDLL
-    net: object
-    kv: list
-    capacity: int
-    pos0: int
-    threads: int
-    top_k: int
-    moe: frozenset
-    reader: object = None
-
-
-def run(target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-        on_layer: Callable[[int, int], None] | None = None) -> None:
-    """The prompt's T positions through every layer: x (T, D) float32, their embeddings, becomes the
-    residual stream after the last layer (the head's input); cos and sin (T, R) their rotary tables;
-    their k and v written into target's caches from pos0. `on_layer(done, layers)` after each layer."""
-    p = _Pass(target, x, cos, sin)
-    cache = None if target.reader is None else target.reader.cache
-    ahead = None  # the next MoE layer's experts, read while this one computes
-    try:
-        for lay in range(len(target.kv)):
-            p.attend(lay)
-            ahead = p.feed_forward(lay, ahead)
-            if on_layer is not None:
-                on_layer(lay + 1, len(target.kv))
-    finally:
-        if ahead is not None:
-            cache.end(ahead)
-
-
-class _Pass:
-    """The prompt pass's buffers: the residual stream x (the caller's), its normed copy h and the
-    experts' sum s (T, D), the rotary tables (T, R), each position's choice ids and w (T, K)."""
-
-    def __init__(self, target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-        T, D = x.shape
-        K = max(target.top_k, 1)
-        self.t, self.T, self.K = target, T, K
-        self.x, self.cos, self.sin, self.R = x, cos, sin, cos.shape[1]
-        self.h, self.s = np.empty((T, D), np.float32), np.empty((T, D), np.float32)
-        self.ids, self.w = np.zeros((T, K), np.int64), np.zeros((T, K), np.float32)
-        self.dense_ids, self.dense_w = np.zeros(T, np.int64), np.ones(T, np.float32)
-
-    def attend(self, lay: int) -> None:
-        t, T, K = self.t, self.T, self.K
-        lib, net, threads, (kp, vp) = t.lib, t.net, t.threads, t.kv[lay]
-        lib.prefill_attend(net, lay, _p(self.x), T, kp, vp, t.capacity, t.pos0, _p(self.cos), _p(self.sin), self.R,
-                           _p(self.ids), _p(self.w), K, threads)
-
-    def feed_forward(self, lay: int, ahead):
-        """Layer lay's feed-forward of every position; the next MoE layer's read-ahead (a
-        `lean_slots.Pending`, to `end` there), or None. `ahead`: this layer's, or None."""
-        t, T = self.t, self.T
-        lib, net, threads = t.lib, t.net, t.threads
-        x, h, s = _p(self.x), _p(self.h), _p(self.s)
-        lib.prefill_norm(net, lay, x, h, T)
-        self.s.fill(0.0)
-        if lay not in t.moe:  # a dense feed-forward: expert 0, weight 1, for every position
-            lib.prefill_experts(net, lay, h, s, T, _p(self.dense_ids), _p(self.dense_w), _p(self.dense_ids), 1,
-                                threads)
-            lib.prefill_finish(net, lay, x, h, s, T, threads)
-            return ahead
-        used = sorted(set(self.ids.ravel().tolist()))
-        if t.reader is None:  # every expert in memory: all of them in one call
-            chosen = np.array(used, np.int64)
-            lib.prefill_experts(net, lay, h, s, T, _p(self.ids), _p(self.w), _p(chosen), len(used), threads)
-            lib.prefill_finish(net, lay, x, h, s, T, threads)
-            return ahead
-        m, cache = t.reader, t.reader.cache
-        if ahead is not None and ahead.layer == lay:
-            cache.end(ahead)  # what it read ahead is in the cache: hits below
-            ahead = None
-        size = max(1, cache.n // 2)  # one group computed while the next is read
-        groups = [used[i:i + size] for i in range(0, len(used), size)]
-        pending = cache.begin(lay, groups[0])
-        for i, group in enumerate(groups):
-            done = pending
-            for e, slot in zip(group, cache.end(done, keep=True)):
-                m._point(lay, e, slot)
-            try:
-                if i + 1 < len(groups):
-                    pending = cache.begin(lay, groups[i + 1])
-                elif ahead is None:
-                    ahead = self._read_ahead(lay, cache.n - len(group))
-                chosen = np.array(group, np.int64)
-                lib.prefill_experts(net, lay, h, s, T, _p(self.ids), _p(self.w), _p(chosen), len(group), threads)
-            except BaseException:
-                for started in (pending, ahead):
-                    if started is not None and started is not done:
-                        cache.end(started)  # its reads land before their slots can be given again
-                raise
-            finally:
-                cache.release(done)
-        lib.prefill_finish(net, lay, x, h, s, T, threads)
-        return ahead
-
-    def _read_ahead(self, lay: int, room: int):
-        """Start reading every expert of the next MoE layer where the prompt's picks (positions times
-        top_k) would choose nearly all of them (four picks an expert leave (1 - 1/E)^(4E) < 2% of them
-        unused: the bytes read stay within a few percent of the experts' the prompt uses) and `room`
-        slots hold them; None otherwise. Speculative: what goes unused is evicted first."""
-        m = self.t.reader
-        later = [lay2 for lay2 in sorted(self.t.moe) if lay2 > lay]
-        E = m.config.num_experts
-        if not later or self.T * self.K < 4 * E or E > room:
-            return None
-        return m.cache.begin(later[0], list(range(E)), speculative=True)

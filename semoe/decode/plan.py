@@ -48,6 +48,7 @@ from torch import nn
 from semoe import cpu_kernels, kernel_abi
 from semoe.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables
 from semoe.compact_linear import CompactWeight, fp8_tile, swiglu_operands
+from semoe.decode import prompt_pass
 from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.expert_layout import PackedExperts
 from semoe.experts import ClampedSwiGLU, ExpertWeights, ResidentExperts, SwiGLU
@@ -469,15 +470,13 @@ class DecodePlan:
     @torch.no_grad()
     def prefill(self, tokens: list[int], cache: KVCache) -> torch.Tensor | None:
         """Logits (1, V) after the prompt `tokens` at the cache's next positions (the cache advances by
-        them), by the torch-free runner's prompt pass (`inference.lean_prefill`: layer after layer, each
+        them), by the torch-free runner's prompt pass (`semoe.decode.prompt_pass`: layer after layer, each
         chosen expert once over all the positions that chose it, the products over many rows at once,
         with every expert in memory); None, the cache untouched, where the one-call step does not apply
         (`net` is None) or `takes` refuses the positions: the caller's modules run the prompt then."""
         T = len(tokens)
         if self.net is None or not tokens or not self.takes(cache, T):
             return None
-        from inference import lean_prefill
-
         c, lib, pos = self.config, self.lib, cache.length
         threads = torch.get_num_threads()
         x = self.model.embed(torch.tensor([tokens]))[0].contiguous()
@@ -487,8 +486,8 @@ class DecodePlan:
         moe = frozenset(i for i, lay in enumerate(self.layers) if not isinstance(lay.ffn, DenseFFN))
         work = lib.decode_work(net, cache.capacity)
         try:
-            target = lean_prefill.Target(lib, net, kv, cache.capacity, pos, threads, c.top_k, moe)
-            lean_prefill.run(target, x.numpy(), cos.numpy(), sin.numpy())
+            target = prompt_pass.Target(lib, net, kv, cache.capacity, pos, threads, c.top_k, moe)
+            prompt_pass.run(target, x.numpy(), cos.numpy(), sin.numpy())
             logits = torch.empty(1, self.lm_head.O)
             lib.decode_head(net, work, _ptr(x[-1]), _ptr(logits), threads)
         finally:
