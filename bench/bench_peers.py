@@ -134,8 +134,10 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
             return begin(layer, experts, speculative=speculative)
 
         model.cache.ensure, model.cache.begin = counted, prompt_begin
-        cold = _lean_timed(model, prompt, new_tokens, uses, used, at_first) if first else None
-        if not first:
+        cold = None
+        if first:
+            cold = _lean_timed(model, prompt, new_tokens, uses, used, at_first)
+        else:
             model.generate(prompt, SamplingConfig(max_new_tokens=4))
         out = _lean_timed(model, prompt, new_tokens, uses, used, at_first)
         return out if cold is None else {**out, "first": cold}
@@ -147,7 +149,8 @@ def _lean_timed(model, prompt: list[int], new_tokens: int, uses: dict, used: set
     from semoe.decode.loop import SamplingConfig
     from storage.procmem import major_faults, status_bytes
 
-    uses.clear(), used.clear(), at_first.clear()
+    for state in (uses, used, at_first):
+        state.clear()
 
     def first(_token: int, _logprob: float) -> None:  # the prompt is done: decoding's figures from here
         if not at_first:

@@ -472,7 +472,11 @@ def _worker(job_path: str) -> None:
                 "prompt_read_bytes": reads[1] - reads[0]}
 
     # the first generation: timed in full, or a warm-up (page in the weights, allocate the graph)
-    first = measured(*generate(job["n_new"])) if job.get("first") else generate(min(job["n_new"], 4)) and None
+    first = None
+    if job.get("first"):
+        first = measured(*generate(job["n_new"]))
+    else:
+        generate(min(job["n_new"], 4))
     out = measured(*generate(job["n_new"]))
     import resource
 
