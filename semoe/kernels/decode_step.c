@@ -49,14 +49,35 @@ void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y,
  * allocated (every thread reads it after the barrier that ends the `single` this runs in, so the
  * team skips the products together and the call returns the error) */
 void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom) {
+    lin_acts_alloc(l, M, a, oom);
+    for (int64_t m = 0; m < M && !*oom && lin_quantized(l); m++) acts_fill_row(a, x, m);
+    if (l->kind == W_MXFP4 && !*oom) acts_fp4(a);
+}
+
+/* lin_acts in three parts for a team: the buffers (by one thread), the rows (split over the threads)
+ * and MXFP4's layout (by one): a prompt's many rows are quantized in parallel */
+void lin_acts_alloc(const Lin *l, int64_t M, Acts *a, int *oom) {
     memset(a, 0, sizeof(*a)); /* freed whether or not the allocation went through */
     if (!lin_quantized(l)) return;
     *a = acts_alloc(M, l->I, l->kind == W_INT4 ? l->g : 0);
-    if (!acts_ok(a))
-        *oom = 1;
-    else
-        acts_fill(a, x);
-    if (l->kind == W_MXFP4 && !*oom) acts_fp4(a);
+    if (!acts_ok(a)) *oom = 1;
+}
+
+void lin_acts_team(const Lin *l, const float *x, int64_t M, Acts *a, int *oom) {
+    if (M < 2) {
+#pragma omp single
+        lin_acts(l, x, M, a, oom);
+        return;
+    }
+#pragma omp single
+    lin_acts_alloc(l, M, a, oom);
+    const int64_t rows = *oom || !lin_quantized(l) ? 0 : M;
+#pragma omp for schedule(static)
+    for (int64_t m = 0; m < rows; m++) acts_fill_row(a, x, m);
+    if (l->kind == W_MXFP4 && !*oom) {
+#pragma omp single
+        acts_fp4(a);
+    }
 }
 
 void lin_acts_done(const Lin *l, Acts *a) {
@@ -68,8 +89,7 @@ void lin_acts_done(const Lin *l, Acts *a) {
 /* y (M, O) = l(x) for M rows x (M, I) by the whole team (every thread calls it; a points at one Acts
  * they share), its bias added */
 void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int *oom) {
-#pragma omp single
-    lin_acts(l, x, M, a, oom);
+    lin_acts_team(l, x, M, a, oom);
     const int64_t nb = *oom ? 0 : lin_blocks(l);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; b++) lin_block(l, x, M, a, y, b);

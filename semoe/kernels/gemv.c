@@ -31,22 +31,53 @@
 
 #include "kernels.h"
 
-/* x (M, I) -> codes q (M, Ip) and scales d (M, Ip / QB), Ip = I rounded up to 64; the padding is 0 */
-static void q8_rows(const float *x, int64_t M, int64_t I, int64_t Ip, int8_t *q, float *d) {
-    memset(q, 0, (size_t)(M * Ip));
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t b = 0; b < Ip / QB; b++) {
-            int64_t k0 = b * QB, n = I - k0 < QB ? I - k0 : QB;
-            const float *xb = x + m * I + k0;
-            float amax = 0.0f;
-            for (int64_t k = 0; k < n; k++) amax = fmaxf(amax, fabsf(xb[k]));
-            float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
-            d[m * (Ip / QB) + b] = db;
-            for (int64_t k = 0; k < n; k++) {
-                float v = nearbyintf(xb[k] * id);
-                q[m * Ip + k0 + k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+/* row m of x (M, I) -> its codes q (Ip) and scales d (Ip / QB), Ip = I rounded up to 64; the padding is 0.
+ * With AVX2 each full block's amax and codes eight at a time: the same max (exact in any order), the
+ * same products and the same rounding to nearest even, so the same codes and scales as the plain loop. */
+static void q8_row(const float *xr, int64_t I, int64_t Ip, int8_t *q, float *d) {
+    memset(q, 0, (size_t)Ip);
+    for (int64_t b = 0; b < Ip / QB; b++) {
+        int64_t k0 = b * QB, n = I - k0 < QB ? (I > k0 ? I - k0 : 0) : QB;
+        const float *xb = xr + k0;
+#ifdef __AVX2__ /* the AVX-512 build too */
+        if (n == QB) {
+            const __m256 sign = _mm256_set1_ps(-0.0f);
+            __m256 v[4], m = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xb + 8 * j);
+                m = _mm256_max_ps(_mm256_andnot_ps(sign, v[j]), m); /* a NaN input is passed over, as fmaxf does */
             }
+            __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+            h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+            h = _mm_max_ss(h, _mm_movehdup_ps(h));
+            float amax = _mm_cvtss_f32(h), db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+            d[b] = db;
+            const __m256 iv = _mm256_set1_ps(id), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+            __m256i c[4];
+            for (int j = 0; j < 4; j++) {
+                __m256 r = _mm256_round_ps(_mm256_mul_ps(v[j], iv), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                c[j] = _mm256_cvtps_epi32(_mm256_max_ps(_mm256_min_ps(r, hi), lo));
+            }
+            /* packs work within 128-bit lanes: the permute puts the 32 codes back in order */
+            __m256i p = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+            p = _mm256_permutevar8x32_epi32(p, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            _mm256_storeu_si256((__m256i *)(q + k0), p);
+            continue;
         }
+#endif
+        float amax = 0.0f;
+        for (int64_t k = 0; k < n; k++) amax = fmaxf(amax, fabsf(xb[k]));
+        float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        d[b] = db;
+        for (int64_t k = 0; k < n; k++) {
+            float v = nearbyintf(xb[k] * id);
+            q[k0 + k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+        }
+    }
+}
+
+static void q8_rows(const float *x, int64_t M, int64_t I, int64_t Ip, int8_t *q, float *d) {
+    for (int64_t m = 0; m < M; m++) q8_row(x + m * I, I, Ip, q + m * Ip, d + m * (Ip / QB));
 }
 
 void quantize_rows_q8(const float *x, int8_t *q, float *d, int64_t M, int64_t I, int64_t Ip) {
@@ -143,18 +174,21 @@ int acts_ok(const Acts *a) {
     return a->q && a->d && a->xsum;
 }
 
-void acts_fill(Acts *a, const float *x) {
-    q8_rows(x, a->M, a->I, a->Ip, a->q, a->d);
-    for (int64_t m = 0; m < a->M; m++)
-        for (int64_t gi = 0; gi < a->groups; gi++) {
-            float s = 0.0f;
-            for (int64_t kb = gi * a->g; kb < (gi + 1) * a->g; kb += QB) {
-                int32_t t = 0;
-                for (int64_t k = kb; k < kb + QB; k++) t += a->q[m * a->Ip + k];
-                s += a->d[m * (a->Ip / QB) + kb / QB] * (float)t;
-            }
-            a->xsum[m * a->groups + gi] = s;
+void acts_fill_row(Acts *a, const float *x, int64_t m) {
+    q8_row(x + m * a->I, a->I, a->Ip, a->q + m * a->Ip, a->d + m * (a->Ip / QB));
+    for (int64_t gi = 0; gi < a->groups; gi++) {
+        float s = 0.0f;
+        for (int64_t kb = gi * a->g; kb < (gi + 1) * a->g; kb += QB) {
+            int32_t t = 0;
+            for (int64_t k = kb; k < kb + QB; k++) t += a->q[m * a->Ip + k];
+            s += a->d[m * (a->Ip / QB) + kb / QB] * (float)t;
         }
+        a->xsum[m * a->groups + gi] = s;
+    }
+}
+
+void acts_fill(Acts *a, const float *x) {
+    for (int64_t m = 0; m < a->M; m++) acts_fill_row(a, x, m);
 }
 
 void acts_free(Acts *a) {
@@ -166,11 +200,71 @@ void acts_free(Acts *a) {
     free(a->dp);
 }
 
-/* int8: block b (ROWS output rows) of y (M, O) */
+#ifdef SEMOE_AVX2
+/* i8_rows for two weight rows w0, w1 against two quantized rows of x (a prompt's): each of the four
+ * sums is i8_rows's own arithmetic (even and odd blocks in two accumulators, the tail in the even one,
+ * then hsum8), the loads of both rows of w and of x shared by the four. out[2 * r + m]: w row r, x row m. */
+static inline void i8_rows2x2(const int8_t *w0, const int8_t *w1, int64_t I, const int8_t *qa, const float *da,
+                              const int8_t *qb, const float *db, float *out) {
+    __m256 f[4][2];
+    for (int i = 0; i < 4; i++) f[i][0] = f[i][1] = _mm256_setzero_ps();
+    int64_t k = 0;
+#define PAIR(i, aw, w, x, d, j) \
+    f[i][j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(x, w)), \
+                                                                   _mm256_set1_epi16(1))), d, f[i][j])
+    for (; k + 2 * QB <= I; k += 2 * QB)
+        for (int j = 0; j < 2; j++) {
+            const int64_t kj = k + j * QB;
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + kj)), v1 = _mm256_loadu_si256((const __m256i *)(w1 + kj));
+            __m256i a0 = _mm256_abs_epi8(v0), a1 = _mm256_abs_epi8(v1);
+            __m256i xa = _mm256_loadu_si256((const __m256i *)(qa + kj)), xb = _mm256_loadu_si256((const __m256i *)(qb + kj));
+            __m256 dva = _mm256_set1_ps(da[kj / QB]), dvb = _mm256_set1_ps(db[kj / QB]);
+            PAIR(0, a0, v0, xa, dva, j);
+            PAIR(1, a0, v0, xb, dvb, j);
+            PAIR(2, a1, v1, xa, dva, j);
+            PAIR(3, a1, v1, xb, dvb, j);
+        }
+    for (; k < I; k += QB) { /* x is padded to 64 with zeros: always readable */
+        __m256i v0 = load32_tail(w0, k, I), v1 = load32_tail(w1, k, I);
+        __m256i a0 = _mm256_abs_epi8(v0), a1 = _mm256_abs_epi8(v1);
+        __m256i xa = _mm256_loadu_si256((const __m256i *)(qa + k)), xb = _mm256_loadu_si256((const __m256i *)(qb + k));
+        __m256 dva = _mm256_set1_ps(da[k / QB]), dvb = _mm256_set1_ps(db[k / QB]);
+        PAIR(0, a0, v0, xa, dva, 0);
+        PAIR(1, a0, v0, xb, dvb, 0);
+        PAIR(2, a1, v1, xa, dva, 0);
+        PAIR(3, a1, v1, xb, dvb, 0);
+    }
+#undef PAIR
+    for (int i = 0; i < 4; i++) out[i] = hsum8(_mm256_add_ps(f[i][0], f[i][1]));
+}
+#endif
+
+/* int8: block b (ROWS output rows) of y (M, O); on AVX2, rows of x in pairs against pairs of weight rows */
 void i8_block(const int8_t *q, const float *scale, int64_t O, const Acts *a, int64_t b, float *y) {
-    int64_t I = a->I, Ip = a->Ip, o0 = b * ROWS;
+    int64_t I = a->I, Ip = a->Ip, o0 = b * ROWS, m = 0;
     int n = (int)(O - o0 < ROWS ? O - o0 : ROWS);
-    for (int64_t m = 0; m < a->M; m++) {
+#if defined(SEMOE_AVX2)
+    for (; m + 1 < a->M; m += 2) {
+        const int8_t *qa = a->q + m * Ip, *qb = qa + Ip;
+        const float *da = a->d + m * (Ip / QB), *db = da + Ip / QB;
+        for (int r = 0; r < n; r += 2) {
+            float out[4];
+            if (r + 1 < n) {
+                i8_rows2x2(q + (o0 + r) * I, q + (o0 + r + 1) * I, I, qa, da, qb, db, out);
+            } else {
+                i8_rows(q + (o0 + r) * I, I, Ip, 1, qa, da, out);
+                i8_rows(q + (o0 + r) * I, I, Ip, 1, qb, db, out + 1);
+            }
+            y[m * O + o0 + r] = out[0] * scale[o0 + r];
+            y[(m + 1) * O + o0 + r] = out[1] * scale[o0 + r];
+            if (r + 1 < n) {
+                y[m * O + o0 + r + 1] = out[2] * scale[o0 + r + 1];
+                y[(m + 1) * O + o0 + r + 1] = out[3] * scale[o0 + r + 1];
+            }
+        }
+    }
+#endif
+    for (; m < a->M; m++) {
         float out[ROWS];
         i8_rows(q + o0 * I, I, Ip, n, a->q + m * Ip, a->d + m * (Ip / QB), out);
         for (int r = 0; r < n; r++) y[m * O + o0 + r] = out[r] * scale[o0 + r];

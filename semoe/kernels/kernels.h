@@ -94,6 +94,7 @@ typedef struct {
 Acts acts_alloc(int64_t M, int64_t I, int64_t g);
 int acts_ok(const Acts *a);
 void acts_fill(Acts *a, const float *x);
+void acts_fill_row(Acts *a, const float *x, int64_t m); /* row m of x alone: rows may be filled in parallel */
 void acts_free(Acts *a);
 void acts_fp4(Acts *a); /* after acts_fill: the MXFP4 kernel's layout of the rows (qp, c16, dp) */
 

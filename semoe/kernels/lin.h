@@ -15,6 +15,9 @@ void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y,
  * *oom set where the buffers could not be had; lin_acts_done frees them either way */
 void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom);
 void lin_acts_done(const Lin *l, Acts *a);
+void lin_acts_alloc(const Lin *l, int64_t M, Acts *a, int *oom);
+/* lin_acts by the whole team (every thread calls it): M rows of two or more split over the threads */
+void lin_acts_team(const Lin *l, const float *x, int64_t M, Acts *a, int *oom);
 /* y (M, O) = l(x) for M rows, by the whole team (every thread calls it), its bias added */
 void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int *oom);
 /* decode_step.c's per-position steps that prefill.c's prompt pass shares: q, k and v's norms and

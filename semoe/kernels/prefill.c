@@ -38,8 +38,7 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
     const int64_t Og = e->gate.O;
     const int fused = e->up.O == 0;
     const int64_t Fe = fused ? Og / 2 : Og;
-#pragma omp single
-    lin_acts(&e->gate, p->hb, n, &p->a, &p->oom);
+    lin_acts_team(&e->gate, p->hb, n, &p->a, &p->oom);
     int64_t nb = p->oom ? 0 : lin_blocks(&e->gate);
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < nb; b++) {

@@ -78,6 +78,19 @@ def test_int4_rows_taken_in_pairs_are_each_rows_own_product(threads):
     assert torch.equal(cpu_kernels.gemv_i4(x, codes, sz, 64), rows)
 
 
+@pytest.mark.parametrize("O, I", [(7, 160), (64, 1024), (6, 40)])
+def test_int8_rows_taken_in_pairs_are_each_rows_own_product(O, I, threads):
+    """Over many rows the int8 kernel takes two rows of x against two weight rows at a time, sharing
+    their loads; every row's sums stay its one-row product's, bit for bit: the odd last row of x, an
+    odd last weight row (7 = 4 + 3 rows), a last block of 32 inputs past the pairs of blocks (160)
+    and one shorter than 32 (40)."""
+    g = torch.Generator().manual_seed(O + I)
+    x, w = torch.randn(5, I, generator=g), torch.randn(O, I, generator=g)
+    codes, scales = quantize(w, "int8")
+    rows = torch.cat([cpu_kernels.gemv_i8(x[m:m + 1], codes, scales) for m in range(5)])
+    assert torch.equal(cpu_kernels.gemv_i8(x, codes, scales), rows)
+
+
 @pytest.mark.parametrize("M, O, I", [(1, 64, 32), (1, 5760, 2880), (3, 130, 96), (16, 7, 32), (2, 64, 1024),
                                      (5, 33, 160), (40, 64, 288)])  # a prompt's rows, 9 blocks (8 + 1)
 def test_mxfp4_product_equals_the_dequantized_reference(M, O, I, threads):
