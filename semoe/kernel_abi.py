@@ -176,6 +176,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _INT]
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
+    lib.prefill_expand_limit.argtypes = [_I]
+    lib.prefill_expand_limit.restype = _I
     for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_fp8, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads,
               lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_work_free, lib.prefill_norm):
         f.restype = None

@@ -168,15 +168,15 @@ static void weigh4(const float *p, int64_t P, int64_t nj, const float *vg, int64
 }
 #endif
 
-/* Head h of a prompt's nr rows at positions pos0.. (their k and v already in the caches), queries
- * rotated in qr (nr, H, Dh), into out (nr, H * Dh): each row as attend_head computes it (the same
+/* Head h of a prompt's nr rows at positions pos0.. (their k and v already in the caches: keys (G, S,
+ * Dh), values (G, S, Dv)), queries rotated in qr (nr, H, Dh), into out (nr, H * Dv): each row as attend_head computes it (the same
  * sums in the same order), ROW_GROUP rows at a time reading each position's key and value once for
  * all of them, and their sums in independent chains. window: 0, or the positions a row sees, itself
  * included. p: ROW_GROUP * (pos0 + nr) floats of room. */
-void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
-                      int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p, float *out,
-                      int64_t h) {
-    const float *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
+void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t Dv,
+                      int64_t S, int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p,
+                      float *out, int64_t h) {
+    const float *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dv;
     const int64_t P = pos0 + nr;
     for (int64_t r0 = 0; r0 < nr; r0 += ROW_GROUP) {
         const int64_t nj = nr - r0 < ROW_GROUP ? nr - r0 : ROW_GROUP;
@@ -188,7 +188,7 @@ void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t
         const int64_t lo = t0[0], hi = n[nj - 1];
         const float *q = qr + (r0 * H + h) * Dh;
 #ifdef __AVX2__
-        const int blocked = Dh % 8 == 0;
+        const int blocked = Dh % 8 == 0, weighed = Dv % 8 == 0;
 #endif
         for (int64_t j = 0; j < nj; j++) {
 #ifdef __AVX2__
@@ -207,18 +207,18 @@ void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t
             if (sinks) sum += expf(sinks[h] - mx);
             for (int64_t t = lo; t < hi; t++) pj[t] = t >= t0[j] && t < n[j] ? pj[t] / sum : 0.0f;
         }
-        float *o = out + r0 * H * Dh + h * Dh;
+        float *o = out + r0 * H * Dv + h * Dv;
 #ifdef __AVX2__
-        if (blocked) { /* else: Dh not a multiple of 8 */
-            weigh4(p, P, nj, vg, Dh, lo, hi, o, H * Dh);
+        if (weighed) { /* else: Dv not a multiple of 8 */
+            weigh4(p, P, nj, vg, Dv, lo, hi, o, H * Dv);
             continue;
         }
 #endif
         for (int64_t j = 0; j < nj; j++) {
-            float *oj = o + j * H * Dh;
-            memset(oj, 0, sizeof(float) * (size_t)Dh);
+            float *oj = o + j * H * Dv;
+            memset(oj, 0, sizeof(float) * (size_t)Dv);
             for (int64_t t = lo; t < hi; t++)
-                for (int64_t i = 0; i < Dh; i++) oj[i] = MADD(oj[i], p[j * P + t], vg[t * Dh + i]);
+                for (int64_t i = 0; i < Dv; i++) oj[i] = MADD(oj[i], p[j * P + t], vg[t * Dv + i]);
         }
     }
 }

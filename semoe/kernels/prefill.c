@@ -55,16 +55,38 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
     if (!p->oom) lin_product(&e->down, fused ? p->hu : p->hg, n, &p->a, p->yb, &p->oom); /* n rows of Fe */
 }
 
-/* latent attention's buffers for PREFILL_ROWS rows (decode_step.c's `latent_attend` for one) */
+/* latent attention's buffers for PREFILL_ROWS rows (decode_step.c's `latent_attend` for one); for its
+ * expanded form also each head's keys ke (H, P, nope + R) and values ve (H, P, dv) of the P = pos0 + T
+ * positions, w_uk laid out (H, nope, L) and the rows' queries qe (PREFILL_ROWS, H, nope + R) */
 typedef struct {
     float *qa, *qb, *kv, *qn, *qrot, *qlat, *olat, *attv;
+    float *ke, *ve, *wuk, *tk, *qe;
 } LatentRows;
 
-static int latent_rows_new(const Net *net, const Latent *m, LatentRows *b) {
-    const int64_t H = net->H, R = net->R, M = PREFILL_ROWS;
+/* The expanded form's most bytes (keys, values and w_uk's copy) for a layer's prompt; past it, the
+ * absorbed form (decoding's), which needs none. `prefill_expand_limit` sets it and returns the one
+ * before (tests take both forms). */
+static int64_t expand_limit = (int64_t)256 << 20;
+
+int64_t prefill_expand_limit(int64_t bytes) {
+    int64_t before = expand_limit;
+    expand_limit = bytes;
+    return before;
+}
+
+static int latent_rows_new(const Net *net, const Latent *m, int64_t P, LatentRows *b) {
+    const int64_t H = net->H, R = net->R, M = PREFILL_ROWS, Dk = m->nope + R;
     b->qa = malloc(sizeof(float) * (size_t)(M * (m->q_a.O > 0 ? m->q_a.O : 1)));
     b->qb = malloc(sizeof(float) * (size_t)(M * H * (m->nope + R)));
     b->kv = malloc(sizeof(float) * (size_t)(M * (m->L + R)));
+    if ((int64_t)sizeof(float) * H * (P * (Dk + m->dv) + m->nope * m->L) <= expand_limit) {
+        b->ke = malloc(sizeof(float) * (size_t)(H * P * Dk));
+        b->ve = malloc(sizeof(float) * (size_t)(H * P * m->dv));
+        b->wuk = malloc(sizeof(float) * (size_t)(H * m->nope * m->L));
+        b->tk = malloc(sizeof(float) * (size_t)(H * M * m->nope));
+        b->qe = malloc(sizeof(float) * (size_t)(M * H * Dk));
+        return b->qa && b->qb && b->kv && b->ke && b->ve && b->wuk && b->tk && b->qe;
+    }
     b->qn = malloc(sizeof(float) * (size_t)(M * H * m->nope));
     b->qrot = malloc(sizeof(float) * (size_t)(M * H * R));
     b->qlat = malloc(sizeof(float) * (size_t)(M * H * m->L));
@@ -75,16 +97,47 @@ static int latent_rows_new(const Net *net, const Latent *m, LatentRows *b) {
 
 static void latent_rows_free(LatentRows *b) {
     free(b->qa), free(b->qb), free(b->kv), free(b->qn), free(b->qrot), free(b->qlat), free(b->olat), free(b->attv);
+    free(b->ke), free(b->ve), free(b->wuk), free(b->tk), free(b->qe);
+}
+
+/* positions e0..e1-1 of the latents (S, L) and rotary keys (S, R) expanded, by the team, into each
+ * head's keys (w_uk times the latent, then the rotary key) and values (w_uv times the latent) */
+static void latent_expand(const Latent *m, int64_t H, int64_t R, const float *latents, const float *rots, int64_t e0,
+                          int64_t e1, int64_t P, LatentRows *b) {
+    const int64_t L = m->L, nope = m->nope, dv = m->dv, Dk = nope + R, M = PREFILL_ROWS;
+    const int64_t nk = i8_blocks(nope), nv = i8_blocks(dv);
+    for (int64_t t0 = e0; t0 < e1; t0 += M) {
+        const int64_t n = e1 - t0 < M ? e1 - t0 : M;
+        const float *c = latents + t0 * L;
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < H * (nk + nv); t++) {
+            const int64_t hd = t / (nk + nv), j = t % (nk + nv);
+            if (j < nk)
+                f32_block(c, b->wuk + hd * nope * L, b->tk + hd * M * nope, n, nope, L, j);
+            else
+                f32_block(c, m->w_uv + hd * dv * L, b->ve + (hd * P + t0) * dv, n, dv, L, j - nk);
+        }
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < H * n; t++) {
+            const int64_t hd = t / n, r = t % n;
+            float *k = b->ke + (hd * P + t0 + r) * Dk;
+            memcpy(k, b->tk + (hd * M + r) * nope, sizeof(float) * (size_t)nope);
+            memcpy(k + nope, rots + (t0 + r) * R, sizeof(float) * (size_t)R);
+        }
+    }
 }
 
 /* latent attention of nr normed rows h (positions pos0..) into att (nr, H * dv), by the team: each
- * row's arithmetic is `latent_attend`'s, its products over the rows at once (per head for the
- * absorbed ones: qn and qlat, olat and attv are (H, nr, .)); the latents and rotary keys of all nr
- * positions are written (latents (S, L), rots (S, R)) before any row attends, each over the
- * positions up to its own. p: H rows of pos0 + nr scores. */
-static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t nr, int64_t pos0, const float *cos,
-                        const float *sin, int64_t Rc, float *latents, float *rots, LatentRows *b, float *p,
-                        float *att, Acts *a, int *oom) {
+ * row's q, latent and rotary key as `latent_attend` makes them, over the rows at once; the latents and
+ * rotary keys of all nr positions are written (latents (S, L), rots (S, R)) before any row attends,
+ * each over the positions up to its own. Expanded (b->ke): the positions' latents taken out to each
+ * head's keys and values once (all earlier positions' too at the first rows, `first`), then attention
+ * as grouped-query attention's with a group a head: nope + R products a score and dv a value, where
+ * the absorbed form (decoding's, with no room for the expanded keys) takes L + R and L (per head:
+ * qn and qlat, olat and attv are (H, nr, .)). p: H rows of P scores (ROW_GROUP each, expanded). */
+static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t nr, int64_t pos0, int first,
+                        int64_t P, const float *cos, const float *sin, int64_t Rc, float *latents, float *rots,
+                        LatentRows *b, float *p, float *att, Acts *a, int *oom) {
     const int64_t H = net->H, R = net->R, nope = m->nope, L = m->L, dv = m->dv, Q = nope + R;
     if (m->q_a.O) {
         lin_product(&m->q_a, h, nr, a, b->qa, oom);
@@ -96,6 +149,7 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
     }
     lin_product(&m->kv_a, h, nr, a, b->kv, oom);
     if (*oom) return;
+    const int expanded = b->ke != NULL;
 #pragma omp single
     for (int64_t r = 0; r < nr; r++) {
         const int64_t pos = pos0 + r;
@@ -103,10 +157,19 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
         rmsnorm_f32(kv, m->kv_norm, m->eps, latents + pos * L, 1, L);
         rope_rotate(kv + L, cos + r * Rc, sin + r * Rc, R, (int)m->interleave, rots + pos * R);
         for (int64_t hd = 0; hd < H; hd++) {
-            memcpy(b->qn + (hd * nr + r) * nope, qb + hd * Q, sizeof(float) * (size_t)nope);
+            float *qn = expanded ? b->qe + (r * H + hd) * Q : b->qn + (hd * nr + r) * nope;
+            memcpy(qn, qb + hd * Q, sizeof(float) * (size_t)nope);
             rope_rotate(qb + hd * Q + nope, cos + r * Rc, sin + r * Rc, R, (int)m->interleave,
-                        b->qrot + (r * H + hd) * R);
+                        expanded ? qn + nope : b->qrot + (r * H + hd) * R);
         }
+    }
+    if (expanded) {
+        latent_expand(m, H, R, latents, rots, first ? 0 : pos0, pos0 + nr, P, b);
+#pragma omp for schedule(static)
+        for (int64_t hd = 0; hd < H; hd++)
+            attend_rows_head(b->qe, b->ke, b->ve, H, H, Q, dv, P, pos0, nr, 0, m->scale, NULL,
+                             p + hd * ROW_GROUP * P, att, hd);
+        return;
     }
     const int64_t nl = i8_blocks(L), nv = i8_blocks(dv);
 #pragma omp for schedule(static)
@@ -151,14 +214,19 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
     LatentRows lb = {0};
     Acts a;
     int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked) ||
-              (m && !latent_rows_new(net, m, &lb));
+              (m && !latent_rows_new(net, m, pos0 + T, &lb));
+    const int64_t nt = lb.wuk && !oom ? H * m->nope : 0; /* w_uk's (L, nope) a head laid out (nope, L) */
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < nt; t++)
+        for (int64_t i = 0; i < m->L; i++) lb.wuk[t * m->L + i] = m->w_ukT[(t / m->nope * m->L + i) * m->nope + t % m->nope];
 #pragma omp parallel num_threads(threads)
     for (int64_t r0 = 0; r0 < T && !oom; r0 += R) {
         const int64_t nr = T - r0 < R ? T - r0 : R;
 #pragma omp single
         rmsnorm_f32(x + r0 * D, ly->attn_norm, ly->attn_eps, h, nr, D);
         if (m)
-            latent_rows(net, m, h, nr, pos0 + r0, cos + r0 * Rc, sin + r0 * Rc, Rc, kc, vc, &lb, p, att, &a, &oom);
+            latent_rows(net, m, h, nr, pos0 + r0, r0 == 0, pos0 + T, cos + r0 * Rc, sin + r0 * Rc, Rc, kc, vc, &lb, p,
+                        att, &a, &oom);
         for (int64_t j = 0, off = 0; !m && j < ly->n_qkv; off += ly->qkv[j].O, j++) {
             lin_product(&ly->qkv[j], h, nr, &a, part, &oom);
 #pragma omp single
@@ -175,7 +243,7 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
             }
 #pragma omp for schedule(static)
             for (int64_t hd = 0; hd < H; hd++)
-                attend_rows_head(qr, kc, vc, H, G, Dh, S, pos0 + r0, nr, ly->window, net->scale, ly->sinks,
+                attend_rows_head(qr, kc, vc, H, G, Dh, Dh, S, pos0 + r0, nr, ly->window, net->scale, ly->sinks,
                                  p + hd * ROW_GROUP * S, att, hd);
         }
         lin_product(&ly->o, att, nr, &a, tmp, &oom);

@@ -128,6 +128,29 @@ def test_the_compiled_activation_quantization_is_torchs_bit_for_bit(M, I):
     assert int(q.abs().max()) == 127
 
 
+def test_a_prompts_attention_rows_with_values_shorter_than_keys():
+    """attend_rows_head with keys of Dh and values of Dv (latent attention's expanded form: a group a
+    head, keys nope + R long, values dv): each row's causal softmax attention against float64's,
+    within 1e-5 relative to the largest output (float32 sums over 31 positions)."""
+    lib, p = cpu_kernels._lib(), lambda t: ctypes.c_void_p(t.data_ptr())
+    P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I]
+    g = torch.Generator().manual_seed(3)
+    H, Dh, Dv, S, pos0, nr = 3, 24, 16, 31, 20, 11
+    kc, vc = torch.randn(H, S, Dh, generator=g), torch.randn(H, S, Dv, generator=g)
+    qr = torch.randn(nr, H, Dh, generator=g)
+    scale = Dh ** -0.5
+    got, scratch = torch.zeros(nr, H * Dv), torch.empty(4 * (pos0 + nr))
+    for h in range(H):
+        lib.attend_rows_head(p(qr), p(kc), p(vc), H, H, Dh, Dv, S, pos0, nr, 0, scale, None, p(scratch), p(got), h)
+    want = torch.zeros(nr, H, Dv, dtype=torch.float64)
+    for r in range(nr):
+        n = pos0 + r + 1
+        w = torch.softmax(torch.einsum("hd,hsd->hs", qr[r].double(), kc[:, :n].double()) * scale, -1)
+        want[r] = torch.einsum("hs,hsd->hd", w, vc[:, :n].double())
+    assert _relative(got, want.reshape(nr, H * Dv).float()) < 1e-5
+
+
 def test_bad_operands_are_refused():
     with pytest.raises(ValueError, match="x has 3 features, the weight 4"):
         cpu_kernels.gemv_i8(torch.randn(1, 3), torch.zeros(2, 4, dtype=torch.int8), torch.ones(2))
@@ -372,7 +395,7 @@ def test_a_prompts_attention_rows_are_the_decoding_heads(Dh, window, sinks):
     a decoding step's, for each row and head, with a window and attention sinks: the same bits."""
     lib, p = cpu_kernels._lib(), lambda t: ctypes.c_void_p(t.data_ptr())
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, F, P, P, P, I]
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I]
     lib.attend_head.argtypes = [P, P, P, I, I, I, I, I, I, F, P, P, P, I]
     g = torch.Generator().manual_seed(Dh + window)
     H, G, S, pos0, nr = 4, 2, 40, 9, 11  # 11 rows: two groups of four and a group of three
@@ -383,7 +406,7 @@ def test_a_prompts_attention_rows_are_the_decoding_heads(Dh, window, sinks):
     got = torch.zeros(nr, H * Dh)
     scratch = torch.empty(4 * (pos0 + nr))
     for h in range(H):
-        lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, S, pos0, nr, window, scale,
+        lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, Dh, S, pos0, nr, window, scale,
                              p(sk) if sinks else None, p(scratch), p(got), h)
     for r in range(nr):
         n = pos0 + r + 1

@@ -394,6 +394,35 @@ def test_the_prompt_pass_is_the_plans_steps_for_every_architecture(arch_stores, 
     assert _relative(plan.step(5, caches[0]), plan.step(5, caches[1])) < WHOLE_ATOL
 
 
+@pytest.mark.parametrize("arch, fmt", [("deepseek_v2", "f32"), ("deepseek_v3", "f32"), ("deepseek_v3", "int4")])
+def test_a_prompts_latent_attention_expanded_and_absorbed(arch_stores, arch, fmt):
+    """Latent attention's prompt rows attend in the expanded form (each position's latent taken out to
+    every head's keys and values once) where its buffers fit `prefill_expand_limit`, and in decoding's
+    absorbed form past it: both within WHOLE_ATOL of the one-call steps (the same products; attention's
+    sums in another order). In float32 they are not the same bits (so each form ran); int4's int8
+    activations may round both to the same codes. The second prompt continues the cache: the expanded
+    form takes the earlier positions' latents out too."""
+    model = load_store(arch_stores(arch, fmt))
+    plan = DecodePlan(model)
+    lib, c = plan.lib, model.config
+    head, rest = LONG[:20], LONG[20:]
+    got, default = {}, lib.prefill_expand_limit(0)
+    try:
+        for limit in (default, 0):
+            lib.prefill_expand_limit(limit)
+            cache = KVCache.empty(c, 1, len(LONG) + 1)
+            plan.prefill(head, cache)
+            got[limit] = plan.prefill(rest, cache)
+    finally:
+        lib.prefill_expand_limit(default)
+    cache = KVCache.empty(c, 1, len(LONG) + 1)
+    for t in LONG:
+        want = plan.step(t, cache)
+    expanded, absorbed = got.values()
+    assert _relative(expanded, want) < WHOLE_ATOL and _relative(absorbed, want) < WHOLE_ATOL
+    assert fmt != "f32" or not torch.equal(expanded, absorbed)
+
+
 def test_the_prompt_pass_leaves_what_it_does_not_take_to_the_modules(arch_stores):
     """None, the cache untouched, where the prompt does not fit the cache, a hook is set, or the plan
     has no one-call step; `generate` then runs the modules' prefill and gives the same tokens."""
