@@ -15,7 +15,9 @@ experts are read while this one computes. Token by token, a prompt of T position
 for each expert up to T times a layer; with memory short, most of those were reads.
 
 The residual stream, its normed copy and the experts' sum are held for all T positions (3 * T *
-hidden_size float32: 17 MiB for 512 positions of gpt-oss-20b) beside the sequence's KV cache.
+hidden_size float32: 17 MiB for 512 positions of gpt-oss-20b) beside the sequence's KV cache; latent
+attention's layers hold their positions' expanded keys and values while they run, up to 256 MiB
+(`prefill_expand_limit`; past it they attend in decoding's absorbed form, which needs none).
 
 This module imports no torch."""
 

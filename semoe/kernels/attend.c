@@ -77,6 +77,24 @@ static inline __m256 exp8(__m256 x) {
 }
 #endif
 
+/* the largest of mx and p[t0..n): fmaxf's result (a maximum is the same in any order), eight at a
+ * time where the build has AVX2 (a NaN score is passed over, as fmaxf passes it) */
+static float max_from(const float *p, int64_t t0, int64_t n, float mx) {
+    int64_t t = t0;
+#ifdef __AVX2__
+    if (n - t0 >= 8) {
+        __m256 m = _mm256_set1_ps(mx);
+        for (; t + 8 <= n; t += 8) m = _mm256_max_ps(_mm256_loadu_ps(p + t), m);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(_mm_movehl_ps(h, h), h);
+        h = _mm_max_ss(_mm_movehdup_ps(h), h);
+        mx = _mm_cvtss_f32(h);
+    }
+#endif
+    for (; t < n; t++) mx = fmaxf(mx, p[t]);
+    return mx;
+}
+
 /* p[t] = exp(p[t] - mx) for t in t0..n-1 and their sum, in eight lanes then a fixed order: the same
  * values for a decoding step's head and a prompt's row (every build and thread count alike) */
 static float softmax_exp(float *p, int64_t t0, int64_t n, float mx) {
@@ -100,10 +118,8 @@ void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, i
     const float *qh = qr + h * Dh, *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
     float *ph = p + h * n;
     float mx = sinks ? sinks[h] : -INFINITY;
-    for (int64_t t = t0; t < n; t++) {
-        ph[t] = dot_f32(qh, kg + t * Dh, Dh) * scale;
-        mx = fmaxf(mx, ph[t]);
-    }
+    for (int64_t t = t0; t < n; t++) ph[t] = dot_f32(qh, kg + t * Dh, Dh) * scale;
+    mx = max_from(ph, t0, n, mx);
     float sum = softmax_exp(ph, t0, n, mx);
     if (sinks) sum += expf(sinks[h] - mx);
     float *o = out + h * Dh;
@@ -202,7 +218,7 @@ void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t
         }
         for (int64_t j = 0; j < nj; j++) { /* each row's softmax over its own positions; 0 elsewhere */
             float mx = sinks ? sinks[h] : -INFINITY, *pj = p + j * P;
-            for (int64_t t = t0[j]; t < n[j]; t++) mx = fmaxf(mx, pj[t]);
+            mx = max_from(pj, t0[j], n[j], mx);
             float sum = softmax_exp(pj, t0[j], n[j], mx);
             if (sinks) sum += expf(sinks[h] - mx);
             for (int64_t t = lo; t < hi; t++) pj[t] = t >= t0[j] && t < n[j] ? pj[t] / sum : 0.0f;
@@ -272,12 +288,8 @@ void rope_rotate(const float *x, const float *cos, const float *sin, int64_t R, 
  * sum into out (L); p: n floats of room. */
 void mla_head(const float *ql, const float *qr, const float *latents, const float *rots, int64_t L, int64_t R,
               int64_t n, float scale, float *p, float *out) {
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t t = 0; t < n; t++) {
-        p[t] = (dot_f32(ql, latents + t * L, L) + dot_f32(qr, rots + t * R, R)) * scale;
-        mx = fmaxf(mx, p[t]);
-    }
-    sum = softmax_exp(p, 0, n, mx);
+    for (int64_t t = 0; t < n; t++) p[t] = (dot_f32(ql, latents + t * L, L) + dot_f32(qr, rots + t * R, R)) * scale;
+    float sum = softmax_exp(p, 0, n, max_from(p, 0, n, -INFINITY));
     memset(out, 0, sizeof(float) * (size_t)L);
     for (int64_t t = 0; t < n; t++) {
         float w = p[t] / sum;

@@ -303,11 +303,12 @@ int prefill_experts(const Net *net, int64_t l, const float *h, float *s, int64_t
         }
         for (int64_t r0 = 0; r0 < count && !p.oom; r0 += PREFILL_ROWS) {
             const int64_t nr = count - r0 < PREFILL_ROWS ? count - r0 : PREFILL_ROWS;
-#pragma omp single
+#pragma omp for schedule(static)
             for (int64_t j = 0; j < nr; j++) memcpy(p.hb + j * D, h + p.rows[r0 + j] / K * D, sizeof(float) * (size_t)D);
             expert_rows(net, ly->experts + list[i], nr, &p);
-#pragma omp single
-            for (int64_t j = 0; j < nr && !p.oom; j++) {
+            /* an expert's rows are distinct positions (a position chooses an expert once): split over the team */
+#pragma omp for schedule(static)
+            for (int64_t j = 0; j < (p.oom ? 0 : nr); j++) {
                 const int64_t t = p.rows[r0 + j];
                 float *st = s + t / K * D, wt = w[t];
                 for (int64_t c = 0; c < D; c++) st[c] += p.yb[j * D + c] * wt;
