@@ -85,7 +85,9 @@ static int latent_rows_new(const Net *net, const Latent *m, int64_t P, LatentRow
         b->wuk = malloc(sizeof(float) * (size_t)(H * m->nope * m->L));
         b->tk = malloc(sizeof(float) * (size_t)(H * M * m->nope));
         b->qe = malloc(sizeof(float) * (size_t)(M * H * Dk));
-        return b->qa && b->qb && b->kv && b->ke && b->ve && b->wuk && b->tk && b->qe;
+        if (b->ke && b->ve && b->wuk && b->tk && b->qe) return b->qa && b->qb && b->kv;
+        free(b->ke), free(b->ve), free(b->wuk), free(b->tk), free(b->qe); /* short of memory: the absorbed form */
+        b->ke = b->ve = b->wuk = b->tk = b->qe = NULL;
     }
     b->qn = malloc(sizeof(float) * (size_t)(M * H * m->nope));
     b->qrot = malloc(sizeof(float) * (size_t)(M * H * R));
