@@ -185,10 +185,10 @@ static void weigh4(const float *p, int64_t P, int64_t nj, const float *vg, int64
 #endif
 
 /* Head h of a prompt's nr rows at positions pos0.. (their k and v already in the caches: keys (G, S,
- * Dh), values (G, S, Dv)), queries rotated in qr (nr, H, Dh), into out (nr, H * Dv): each row as attend_head computes it (the same
- * sums in the same order), ROW_GROUP rows at a time reading each position's key and value once for
- * all of them, and their sums in independent chains. window: 0, or the positions a row sees, itself
- * included. p: ROW_GROUP * (pos0 + nr) floats of room. */
+ * Dh), values (G, S, Dv)), queries rotated in qr (nr, H, Dh), into out (nr, H * Dv): each row as
+ * attend_head computes it where Dv = Dh (the same sums in the same order), ROW_GROUP rows at a time
+ * reading each position's key and value once for all of them, and their sums in independent chains.
+ * window: 0, or the positions a row sees, itself included. p: ROW_GROUP * (pos0 + nr) floats of room. */
 void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t Dv,
                       int64_t S, int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p,
                       float *out, int64_t h) {

@@ -215,9 +215,11 @@ static inline void i8_rows2x2(const int8_t *w0, const int8_t *w1, int64_t I, con
     for (; k + 2 * QB <= I; k += 2 * QB)
         for (int j = 0; j < 2; j++) {
             const int64_t kj = k + j * QB;
-            __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + kj)), v1 = _mm256_loadu_si256((const __m256i *)(w1 + kj));
+            __m256i v0 = _mm256_loadu_si256((const __m256i *)(w0 + kj));
+            __m256i v1 = _mm256_loadu_si256((const __m256i *)(w1 + kj));
             __m256i a0 = _mm256_abs_epi8(v0), a1 = _mm256_abs_epi8(v1);
-            __m256i xa = _mm256_loadu_si256((const __m256i *)(qa + kj)), xb = _mm256_loadu_si256((const __m256i *)(qb + kj));
+            __m256i xa = _mm256_loadu_si256((const __m256i *)(qa + kj));
+            __m256i xb = _mm256_loadu_si256((const __m256i *)(qb + kj));
             __m256 dva = _mm256_set1_ps(da[kj / QB]), dvb = _mm256_set1_ps(db[kj / QB]);
             PAIR(0, a0, v0, xa, dva, j);
             PAIR(1, a0, v0, xb, dvb, j);
