@@ -95,7 +95,6 @@ static inline __m256i load32_tail(const int8_t *w, int64_t k, int64_t I) {
 }
 #endif
 
-
 /* ROWS rows of int8 codes (rows past n are not read), each I long, against one quantized row of x:
  * unscaled sums. Written out for ROWS = 4 so the accumulators stay in registers. */
 static inline void i8_rows(const int8_t *w, int64_t I, int64_t Ip, int n, const int8_t *qx, const float *dx,
