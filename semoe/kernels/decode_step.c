@@ -50,7 +50,7 @@ void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y,
  * team skips the products together and the call returns the error) */
 void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom) {
     lin_acts_alloc(l, M, a, oom);
-    for (int64_t m = 0; m < M && !*oom && lin_quantized(l); m++) acts_fill_row(a, x, m);
+    if (lin_quantized(l) && !*oom) acts_fill(a, x);
     if (l->kind == W_MXFP4 && !*oom) acts_fp4(a);
 }
 

@@ -57,13 +57,13 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
 
 /* latent attention's buffers for PREFILL_ROWS rows (decode_step.c's `latent_attend` for one); for its
  * expanded form also each head's keys ke (H, P, nope + R) and values ve (H, P, dv) of the P = pos0 + T
- * positions, w_uk laid out (H, nope, L) and the rows' queries qe (PREFILL_ROWS, H, nope + R) */
+ * positions and the rows' queries qe (PREFILL_ROWS, H, nope + R) */
 typedef struct {
     float *qa, *qb, *kv, *qn, *qrot, *qlat, *olat, *attv;
-    float *ke, *ve, *wuk, *tk, *qe;
+    float *ke, *ve, *qe;
 } LatentRows;
 
-/* The expanded form's most bytes (keys, values and w_uk's copy) for a layer's prompt; past it, the
+/* The expanded form's most bytes (its keys and values) for a layer's prompt; past it, the
  * absorbed form (decoding's), which needs none. `prefill_expand_limit` sets it and returns the one
  * before (tests take both forms). */
 static int64_t expand_limit = (int64_t)256 << 20;
@@ -79,15 +79,13 @@ static int latent_rows_new(const Net *net, const Latent *m, int64_t P, LatentRow
     b->qa = malloc(sizeof(float) * (size_t)(M * (m->q_a.O > 0 ? m->q_a.O : 1)));
     b->qb = malloc(sizeof(float) * (size_t)(M * H * (m->nope + R)));
     b->kv = malloc(sizeof(float) * (size_t)(M * (m->L + R)));
-    if ((int64_t)sizeof(float) * H * (P * (Dk + m->dv) + m->nope * m->L) <= expand_limit) {
+    if ((int64_t)sizeof(float) * H * P * (Dk + m->dv) <= expand_limit) {
         b->ke = malloc(sizeof(float) * (size_t)(H * P * Dk));
         b->ve = malloc(sizeof(float) * (size_t)(H * P * m->dv));
-        b->wuk = malloc(sizeof(float) * (size_t)(H * m->nope * m->L));
-        b->tk = malloc(sizeof(float) * (size_t)(H * M * m->nope));
         b->qe = malloc(sizeof(float) * (size_t)(M * H * Dk));
-        if (b->ke && b->ve && b->wuk && b->tk && b->qe) return b->qa && b->qb && b->kv;
-        free(b->ke), free(b->ve), free(b->wuk), free(b->tk), free(b->qe); /* short of memory: the absorbed form */
-        b->ke = b->ve = b->wuk = b->tk = b->qe = NULL;
+        if (b->ke && b->ve && b->qe) return b->qa && b->qb && b->kv;
+        free(b->ke), free(b->ve), free(b->qe); /* short of memory: the absorbed form */
+        b->ke = b->ve = b->qe = NULL;
     }
     b->qn = malloc(sizeof(float) * (size_t)(M * H * m->nope));
     b->qrot = malloc(sizeof(float) * (size_t)(M * H * R));
@@ -99,33 +97,25 @@ static int latent_rows_new(const Net *net, const Latent *m, int64_t P, LatentRow
 
 static void latent_rows_free(LatentRows *b) {
     free(b->qa), free(b->qb), free(b->kv), free(b->qn), free(b->qrot), free(b->qlat), free(b->olat), free(b->attv);
-    free(b->ke), free(b->ve), free(b->wuk), free(b->tk), free(b->qe);
+    free(b->ke), free(b->ve), free(b->qe);
 }
 
 /* positions e0..e1-1 of the latents (S, L) and rotary keys (S, R) expanded, by the team, into each
- * head's keys (w_uk times the latent, then the rotary key) and values (w_uv times the latent) */
+ * head's keys (w_uk times the latent, from w_ukT (L, nope) as it is, then the rotary key) and values
+ * (w_uv times the latent) */
 static void latent_expand(const Latent *m, int64_t H, int64_t R, const float *latents, const float *rots, int64_t e0,
                           int64_t e1, int64_t P, LatentRows *b) {
-    const int64_t L = m->L, nope = m->nope, dv = m->dv, Dk = nope + R, M = PREFILL_ROWS;
-    const int64_t nk = i8_blocks(nope), nv = i8_blocks(dv);
-    for (int64_t t0 = e0; t0 < e1; t0 += M) {
-        const int64_t n = e1 - t0 < M ? e1 - t0 : M;
-        const float *c = latents + t0 * L;
+    const int64_t L = m->L, nope = m->nope, dv = m->dv, Dk = nope + R, n = e1 - e0, nv = i8_blocks(dv);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < H * (nk + nv); t++) {
-            const int64_t hd = t / (nk + nv), j = t % (nk + nv);
-            if (j < nk)
-                f32_block(c, b->wuk + hd * nope * L, b->tk + hd * M * nope, n, nope, L, j);
-            else
-                f32_block(c, m->w_uv + hd * dv * L, b->ve + (hd * P + t0) * dv, n, dv, L, j - nk);
-        }
+    for (int64_t t = 0; t < H * nv; t++)
+        f32_block(latents + e0 * L, m->w_uv + t / nv * dv * L, b->ve + (t / nv * P + e0) * dv, n, dv, L, t % nv);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < H * n; t++) {
-            const int64_t hd = t / n, r = t % n;
-            float *k = b->ke + (hd * P + t0 + r) * Dk;
-            memcpy(k, b->tk + (hd * M + r) * nope, sizeof(float) * (size_t)nope);
-            memcpy(k + nope, rots + (t0 + r) * R, sizeof(float) * (size_t)R);
-        }
+    for (int64_t t = 0; t < H * n; t++) {
+        const int64_t hd = t / n, pos = e0 + t % n;
+        float *k = b->ke + (hd * P + pos) * Dk;
+        for (int64_t c = 0; c < io_blocks(nope); c++)
+            io_block(latents + pos * L, m->w_ukT + hd * L * nope, 0, nope, L, c, k);
+        memcpy(k + nope, rots + pos * R, sizeof(float) * (size_t)R);
     }
 }
 
@@ -198,8 +188,8 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
  * dense layer's: expert 0 of weight 1), the layer's caches kc, vc (G, S, Dh) its k and v (latent
  * attention: the latents (S, L) and rotary keys (S, R)). The norms and products take PREFILL_ROWS
  * rows at once; then the rows are prepared and rotated (their k and v written), and each attends
- * over the positions up to its own (a few rows at a time sharing each position's key and value). cos, sin: (T, Rc) the positions' rotary tables. Returns 0; -1 where
- * memory was short. */
+ * over the positions up to its own (a few rows at a time sharing each position's key and value).
+ * cos, sin: (T, Rc) the positions' rotary tables. Returns 0; -1 where memory was short. */
 int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, float *vc, int64_t S, int64_t pos0,
                    const float *cos, const float *sin, int64_t Rc, int64_t *ids, float *w, int64_t K, int threads) {
     const Layer *ly = net->layers + l;
@@ -217,10 +207,6 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
     Acts a;
     int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked) ||
               (m && !latent_rows_new(net, m, pos0 + T, &lb));
-    const int64_t nt = lb.wuk && !oom ? H * m->nope : 0; /* w_uk's (L, nope) a head laid out (nope, L) */
-#pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t t = 0; t < nt; t++)
-        for (int64_t i = 0; i < m->L; i++) lb.wuk[t * m->L + i] = m->w_ukT[(t / m->nope * m->L + i) * m->nope + t % m->nope];
 #pragma omp parallel num_threads(threads)
     for (int64_t r0 = 0; r0 < T && !oom; r0 += R) {
         const int64_t nr = T - r0 < R ? T - r0 : R;
