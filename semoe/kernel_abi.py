@@ -58,8 +58,8 @@ class LayerC(ctypes.Structure):
 class Net(ctypes.Structure):
     _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("R", _I), ("F", _I), ("E", _I),
                 ("top_k", _I), ("norm_topk", _I), ("router", _I), ("sigmoid_scores", _I), ("n_group", _I),
-                ("topk_group", _I), ("group_top2", _I), ("routed_scale", _F32), ("alpha", _F32), ("limit", _F32),
-                ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
+                ("topk_group", _I), ("group_top2", _I), ("kv16", _I), ("routed_scale", _F32), ("alpha", _F32),
+                ("limit", _F32), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
 
 
@@ -93,12 +93,17 @@ class LayerParts:
 # decode_abi.h's `Layer.qk_norm` for `semoe.config.MoEConfig.qk_norm`, and `Net.router` for its router
 QK_NORM = {"none": 0, "full": 1, "head": 2}
 ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2}
+# prefill.c's and kernels.h's sizes, for what a prompt's pass allocates (`inference.lean.sequence_bytes`):
+# the rows of a block (PREFILL_ROWS), the rows sharing a key's load (ROW_GROUP) and the expanded latent
+# attention's default limit a layer (`prefill_expand_limit`)
+PREFILL_ROWS, ROW_GROUP, EXPAND_LIMIT = 64, 4, 256 << 20
 
 
-def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head: Lin) -> tuple[Net, ctypes.Array]:
+def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head: Lin,
+              kv16: bool = False) -> tuple[Net, ctypes.Array]:
     """decode_step.c's `Net` of a model (`config`: its `semoe.config.ModelConfig`) over these layers,
     and the array of `LayerC` it points into (keep it while the Net is used): the one assembly both
-    front-ends share."""
+    front-ends share. `kv16`: grouped-query attention's KV caches hold float16."""
     arr = (LayerC * len(layers))()
     for lp, lc in zip(layers, arr):
         lc.attn_norm, lc.attn_eps, lc.ffn_norm, lc.ffn_eps = lp.attn_norm, lp.attn_eps, lp.ffn_norm, lp.ffn_eps
@@ -120,8 +125,8 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
     E, Dh, c = max(lc.E for lc in arr), config.head_dim, config
     net = Net(len(layers), c.hidden_size, c.num_heads, c.num_kv_heads, Dh, c.rope_dim, F, E, max(c.top_k, 1),
               int(bool(c.norm_topk_prob)), ROUTER[c.router], int(c.router_scores == "sigmoid"), c.n_group,
-              c.topk_group, int(c.group_score == "top2"), c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit,
-              Dh ** -0.5, norm_eps, norm, arr, head)
+              c.topk_group, int(c.group_score == "top2"), int(kv16), c.routed_scaling_factor, c.swiglu_alpha,
+              c.swiglu_limit, Dh ** -0.5, norm_eps, norm, arr, head)
     return net, arr
 
 

@@ -15,23 +15,29 @@ void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M,
     }
 }
 
-/* q . k over Dh in 8 independent partial sums (vector lanes, no reassociation needed) added in a
- * fixed order (hsum8's), then the tail: the same value on every build and thread count, and in
- * attend_rows_head's blocked form. */
-static inline float dot_f32(const float *a, const float *b, int64_t n) {
+/* q . k over n values of a KV cache from its element i0 (float32, or float16 where h16: kv_get) in 8
+ * independent partial sums (vector lanes, no reassociation needed) added in a fixed order (hsum8's),
+ * then the tail: the same value on every build and thread count, and in attend_rows_head's blocked
+ * form. Inlined with h16 a constant, each cache type gets its own loop. */
+static inline __attribute__((always_inline)) float dot_kv(const float *a, const void *b, int64_t i0, int64_t n,
+                                                          int h16) {
     int64_t i = 0;
 #ifdef __AVX2__
     __m256 v = _mm256_setzero_ps();
-    for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), v);
+    for (; i + 8 <= n; i += 8) v = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), kv_load8(b, i0 + i, h16), v);
     float d = hsum8(v);
 #else
     float acc[8] = {0};
     for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] = MADD(acc[j], a[i + j], b[i + j]);
+        for (int j = 0; j < 8; j++) acc[j] = MADD(acc[j], a[i + j], kv_get(b, i0 + i + j, h16));
     float d = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
 #endif
-    for (; i < n; i++) d += a[i] * b[i];
+    for (; i < n; i++) d = MADD(d, a[i], kv_get(b, i0 + i, h16));
     return d;
+}
+
+static inline float dot_f32(const float *a, const float *b, int64_t n) {
+    return dot_kv(a, b, 0, n, 0);
 }
 
 /* One decoding step of grouped-query attention for one sequence, float32: rotate the first R dims
@@ -42,16 +48,18 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
  * NULL), each head's softmax denominator also holds exp(sinks[h]) (gpt-oss), which takes no value.
  * The dozens of small ops this takes in torch cost more than its arithmetic at one token. Heads are
  * split over `threads` threads; each head's sums are its own, so the result does not depend on it. */
-void attend_rotate(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
-                   float *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, float *qr) {
+void attend_rotate(const float *q, const float *k, const float *v, const float *cos, const float *sin, void *kc,
+                   void *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, float *qr, int h16) {
     int64_t half = R / 2;
+    float row[h16 ? Dh : 1]; /* a float16 cache's key, rotated in float32 before it is rounded */
     for (int64_t h = 0; h < H + G; h++) {
         const float *x = h < H ? q + h * Dh : k + (h - H) * Dh;
-        float *y = h < H ? qr + h * Dh : kc + ((h - H) * S + pos) * Dh;
+        float *y = h < H ? qr + h * Dh : h16 ? row : (float *)kc + ((h - H) * S + pos) * Dh;
         for (int64_t i = 0; i < R; i++) y[i] = x[i] * cos[i] + (i < half ? -x[i + half] : x[i - half]) * sin[i];
         for (int64_t i = R; i < Dh; i++) y[i] = x[i];
+        if (h >= H && h16) kv_row_put(kc, ((h - H) * S + pos) * Dh, row, Dh, 1);
     }
-    for (int64_t g = 0; g < G; g++) memcpy(vc + (g * S + pos) * Dh, v + g * Dh, sizeof(float) * (size_t)Dh);
+    for (int64_t g = 0; g < G; g++) kv_row_put(vc, (g * S + pos) * Dh, v + g * Dh, Dh, h16);
 }
 
 #ifdef __AVX2__
@@ -113,12 +121,15 @@ static float softmax_exp(float *p, int64_t t0, int64_t n, float mx) {
     return sum;
 }
 
-void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
-                 int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h) {
-    const float *qh = qr + h * Dh, *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dh;
+static inline __attribute__((always_inline)) void head_of(const float *qr, const void *kc, const void *vc,
+                                                          int64_t H, int64_t G, int64_t Dh, int64_t S, int64_t t0,
+                                                          int64_t n, float scale, const float *sinks, float *p,
+                                                          float *out, int64_t h, int h16) {
+    const float *qh = qr + h * Dh;
+    const int64_t g0 = (h / (H / G)) * S * Dh; /* the group's first key and value */
     float *ph = p + h * n;
     float mx = sinks ? sinks[h] : -INFINITY;
-    for (int64_t t = t0; t < n; t++) ph[t] = dot_f32(qh, kg + t * Dh, Dh) * scale;
+    for (int64_t t = t0; t < n; t++) ph[t] = dot_kv(qh, kc, g0 + t * Dh, Dh, h16) * scale;
     mx = max_from(ph, t0, n, mx);
     float sum = softmax_exp(ph, t0, n, mx);
     if (sinks) sum += expf(sinks[h] - mx);
@@ -126,28 +137,37 @@ void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, i
     memset(o, 0, sizeof(float) * (size_t)Dh);
     for (int64_t t = t0; t < n; t++) {
         float w = ph[t] / sum;
-        for (int64_t i = 0; i < Dh; i++) o[i] += w * vg[t * Dh + i];
+        for (int64_t i = 0; i < Dh; i++) o[i] = MADD(o[i], w, kv_get(vc, g0 + t * Dh + i, h16));
     }
+}
+
+void attend_head(const float *qr, const void *kc, const void *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
+                 int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h, int h16) {
+    if (h16)
+        head_of(qr, kc, vc, H, G, Dh, S, t0, n, scale, sinks, p, out, h, 1);
+    else
+        head_of(qr, kc, vc, H, G, Dh, S, t0, n, scale, sinks, p, out, h, 0);
 }
 
 #ifdef __AVX2__
 /* scores of two rows' queries qa, qb (Dh, a multiple of 8) against the keys of positions t0..t1-1
- * into pa, pb, times scale: dot_f32's sums, four positions and two rows at a time (eight independent
- * chains where one dot alone waits on each add) */
-static void scores2(const float *qa, const float *qb, const float *kg, int64_t Dh, int64_t t0, int64_t t1, float scale,
-                    float *pa, float *pb) {
+ * (a cache's, from its element k0) into pa, pb, times scale: dot_kv's sums, four positions and two
+ * rows at a time (eight independent chains where one dot alone waits on each add) */
+static inline __attribute__((always_inline)) void scores2(const float *qa, const float *qb, const void *kc, int64_t k0,
+                                                          int64_t Dh, int64_t t0, int64_t t1, float scale, float *pa,
+                                                          float *pb, int h16) {
     int64_t t = t0;
     for (; t + 4 <= t1; t += 4) {
         __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
-        const float *k = kg + t * Dh;
+        const int64_t k = k0 + t * Dh;
         for (int64_t c = 0; c < Dh; c += 8) {
-            __m256 x = _mm256_loadu_ps(qa + c), y = _mm256_loadu_ps(qb + c), kv = _mm256_loadu_ps(k + c);
+            __m256 x = _mm256_loadu_ps(qa + c), y = _mm256_loadu_ps(qb + c), kv = kv_load8(kc, k + c, h16);
             a0 = _mm256_fmadd_ps(x, kv, a0), b0 = _mm256_fmadd_ps(y, kv, b0);
-            kv = _mm256_loadu_ps(k + Dh + c);
+            kv = kv_load8(kc, k + Dh + c, h16);
             a1 = _mm256_fmadd_ps(x, kv, a1), b1 = _mm256_fmadd_ps(y, kv, b1);
-            kv = _mm256_loadu_ps(k + 2 * Dh + c);
+            kv = kv_load8(kc, k + 2 * Dh + c, h16);
             a2 = _mm256_fmadd_ps(x, kv, a2), b2 = _mm256_fmadd_ps(y, kv, b2);
-            kv = _mm256_loadu_ps(k + 3 * Dh + c);
+            kv = kv_load8(kc, k + 3 * Dh + c, h16);
             a3 = _mm256_fmadd_ps(x, kv, a3), b3 = _mm256_fmadd_ps(y, kv, b3);
         }
         pa[t] = hsum8(a0) * scale, pa[t + 1] = hsum8(a1) * scale, pa[t + 2] = hsum8(a2) * scale;
@@ -155,25 +175,27 @@ static void scores2(const float *qa, const float *qb, const float *kg, int64_t D
         pb[t] = hsum8(b0) * scale, pb[t + 1] = hsum8(b1) * scale, pb[t + 2] = hsum8(b2) * scale;
         pb[t + 3] = hsum8(b3) * scale;
     }
-    for (; t < t1; t++) pa[t] = dot_f32(qa, kg + t * Dh, Dh) * scale, pb[t] = dot_f32(qb, kg + t * Dh, Dh) * scale;
+    for (; t < t1; t++)
+        pa[t] = dot_kv(qa, kc, k0 + t * Dh, Dh, h16) * scale, pb[t] = dot_kv(qb, kc, k0 + t * Dh, Dh, h16) * scale;
 }
 
-/* out_j (Dh, a multiple of 8) = sum over t0..t1-1 of w_j[t] v_t for nj rows (w_j = p + j * P), each
- * output in t order from 0 (attend_head's sums: a weight of 0 adds nothing), 16 outputs of four
- * rows at a time held in registers */
-static void weigh4(const float *p, int64_t P, int64_t nj, const float *vg, int64_t Dh, int64_t t0, int64_t t1,
-                   float *out, int64_t stride) {
+/* out_j (Dh, a multiple of 8) = sum over t0..t1-1 of w_j[t] v_t for nj rows (w_j = p + j * P; the
+ * values a cache's, from its element v0), each output in t order from 0 (attend_head's sums: a weight
+ * of 0 adds nothing), 16 outputs of four rows at a time held in registers */
+static inline __attribute__((always_inline)) void weigh4(const float *p, int64_t P, int64_t nj, const void *vc,
+                                                         int64_t v0, int64_t Dh, int64_t t0, int64_t t1, float *out,
+                                                         int64_t stride, int h16) {
     for (int64_t c = 0; c < Dh; c += 16) {
         const int two = c + 16 <= Dh;
         __m256 acc[ROW_GROUP][2];
         for (int64_t j = 0; j < ROW_GROUP; j++) acc[j][0] = acc[j][1] = _mm256_setzero_ps();
         for (int64_t t = t0; t < t1; t++) {
-            const float *v = vg + t * Dh + c;
-            __m256 v0 = _mm256_loadu_ps(v), v1 = two ? _mm256_loadu_ps(v + 8) : v0;
+            const int64_t v = v0 + t * Dh + c;
+            __m256 x0 = kv_load8(vc, v, h16), x1 = two ? kv_load8(vc, v + 8, h16) : x0;
             for (int64_t j = 0; j < nj; j++) {
                 __m256 w = _mm256_broadcast_ss(p + j * P + t);
-                acc[j][0] = _mm256_fmadd_ps(w, v0, acc[j][0]);
-                acc[j][1] = _mm256_fmadd_ps(w, v1, acc[j][1]);
+                acc[j][0] = _mm256_fmadd_ps(w, x0, acc[j][0]);
+                acc[j][1] = _mm256_fmadd_ps(w, x1, acc[j][1]);
             }
         }
         for (int64_t j = 0; j < nj; j++) {
@@ -184,15 +206,11 @@ static void weigh4(const float *p, int64_t P, int64_t nj, const float *vg, int64
 }
 #endif
 
-/* Head h of a prompt's nr rows at positions pos0.. (their k and v already in the caches: keys (G, S,
- * Dh), values (G, S, Dv)), queries rotated in qr (nr, H, Dh), into out (nr, H * Dv): each row as
- * attend_head computes it where Dv = Dh (the same sums in the same order), ROW_GROUP rows at a time
- * reading each position's key and value once for all of them, and their sums in independent chains.
- * window: 0, or the positions a row sees, itself included. p: ROW_GROUP * (pos0 + nr) floats of room. */
-void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t Dv,
-                      int64_t S, int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p,
-                      float *out, int64_t h) {
-    const float *kg = kc + (h / (H / G)) * S * Dh, *vg = vc + (h / (H / G)) * S * Dv;
+static inline __attribute__((always_inline)) void rows_of(const float *qr, const void *kc, const void *vc, int64_t H,
+                                                          int64_t G, int64_t Dh, int64_t Dv, int64_t S, int64_t pos0,
+                                                          int64_t nr, int64_t window, float scale, const float *sinks,
+                                                          float *p, float *out, int64_t h, int h16) {
+    const int64_t k0 = (h / (H / G)) * S * Dh, v0 = (h / (H / G)) * S * Dv; /* the group's first key, value */
     const int64_t P = pos0 + nr;
     for (int64_t r0 = 0; r0 < nr; r0 += ROW_GROUP) {
         const int64_t nj = nr - r0 < ROW_GROUP ? nr - r0 : ROW_GROUP;
@@ -209,12 +227,13 @@ void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t
         for (int64_t j = 0; j < nj; j++) {
 #ifdef __AVX2__
             if (blocked && j + 1 < nj) {
-                scores2(q + j * H * Dh, q + (j + 1) * H * Dh, kg, Dh, lo, hi, scale, p + j * P, p + (j + 1) * P);
+                scores2(q + j * H * Dh, q + (j + 1) * H * Dh, kc, k0, Dh, lo, hi, scale, p + j * P, p + (j + 1) * P,
+                        h16);
                 j++;
                 continue;
             }
 #endif
-            for (int64_t t = lo; t < hi; t++) p[j * P + t] = dot_f32(q + j * H * Dh, kg + t * Dh, Dh) * scale;
+            for (int64_t t = lo; t < hi; t++) p[j * P + t] = dot_kv(q + j * H * Dh, kc, k0 + t * Dh, Dh, h16) * scale;
         }
         for (int64_t j = 0; j < nj; j++) { /* each row's softmax over its own positions; 0 elsewhere */
             float mx = sinks ? sinks[h] : -INFINITY, *pj = p + j * P;
@@ -226,7 +245,7 @@ void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t
         float *o = out + r0 * H * Dv + h * Dv;
 #ifdef __AVX2__
         if (weighed) { /* else: Dv not a multiple of 8 */
-            weigh4(p, P, nj, vg, Dv, lo, hi, o, H * Dv);
+            weigh4(p, P, nj, vc, v0, Dv, lo, hi, o, H * Dv, h16);
             continue;
         }
 #endif
@@ -234,9 +253,24 @@ void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t
             float *oj = o + j * H * Dv;
             memset(oj, 0, sizeof(float) * (size_t)Dv);
             for (int64_t t = lo; t < hi; t++)
-                for (int64_t i = 0; i < Dv; i++) oj[i] = MADD(oj[i], p[j * P + t], vg[t * Dv + i]);
+                for (int64_t i = 0; i < Dv; i++) oj[i] = MADD(oj[i], p[j * P + t], kv_get(vc, v0 + t * Dv + i, h16));
         }
     }
+}
+
+/* Head h of a prompt's nr rows at positions pos0.. (their k and v already in the caches: keys (G, S,
+ * Dh), values (G, S, Dv), float16 where h16), queries rotated in qr (nr, H, Dh), into out (nr, H * Dv):
+ * each row as attend_head computes it where Dv = Dh (the same sums in the same order), ROW_GROUP rows
+ * at a time reading each position's key and value once for all of them, and their sums in independent
+ * chains. window: 0, or the positions a row sees, itself included. p: ROW_GROUP * (pos0 + nr) floats
+ * of room. */
+void attend_rows_head(const float *qr, const void *kc, const void *vc, int64_t H, int64_t G, int64_t Dh, int64_t Dv,
+                      int64_t S, int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p,
+                      float *out, int64_t h, int h16) {
+    if (h16)
+        rows_of(qr, kc, vc, H, G, Dh, Dv, S, pos0, nr, window, scale, sinks, p, out, h, 1);
+    else
+        rows_of(qr, kc, vc, H, G, Dh, Dv, S, pos0, nr, window, scale, sinks, p, out, h, 0);
 }
 
 int attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
@@ -245,10 +279,10 @@ int attend_decode_f32(const float *q, const float *k, const float *v, const floa
     int64_t n = pos + 1, t0 = window > 0 && window < n ? n - window : 0;
     float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)(n * H));
     if (!qr || !p) return free(qr), free(p), -1;
-    attend_rotate(q, k, v, cos, sin, kc, vc, H, G, Dh, R, S, pos, qr);
+    attend_rotate(q, k, v, cos, sin, kc, vc, H, G, Dh, R, S, pos, qr, 0);
     /* a short context is not worth waking a second thread for */
 #pragma omp parallel for num_threads((n - t0) * H * Dh >= 32768 ? threads : 1) schedule(static)
-    for (int64_t h = 0; h < H; h++) attend_head(qr, kc, vc, H, G, Dh, S, t0, n, scale, sinks, p, out, h);
+    for (int64_t h = 0; h < H; h++) attend_head(qr, kc, vc, H, G, Dh, S, t0, n, scale, sinks, p, out, h, 0);
     free(qr);
     free(p);
     return 0;

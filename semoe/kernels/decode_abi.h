@@ -64,6 +64,8 @@ typedef struct {
     /* the routers: 0 softmax then top-k, 1 top-k then softmax, 2 grouped (DeepSeek, GLM-4.5: softmax or
      * sigmoid scores, the best topk_group of n_group groups by their best score or best two summed) */
     int64_t router, sigmoid_scores, n_group, topk_group, group_top2;
+    int64_t kv16; /* grouped-query attention's KV caches hold float16 (kernels.h's kv_get); else float32.
+                   * Latent attention's caches are float32 either way. */
     float routed_scale; /* the chosen experts' weights times this (grouped) */
     float alpha, limit; /* clamped experts' act(g, u) = (clamp(u, +-limit) + 1) min(g, limit) sigmoid(alpha min(g, limit)) */
     float scale, norm_eps;

@@ -305,7 +305,7 @@ void qkv_prepare(const Layer *ly, float *qkv, int64_t H, int64_t G, int64_t Dh) 
 
 /* grouped-query attention from the normed row s->h to the output product in s->tmp, by the team:
  * k and v written at pos of the layer's caches (G, S, Dh) */
-static void gqa_attend(const Net *net, const Layer *ly, float *kc, float *vc, int64_t S, int64_t pos,
+static void gqa_attend(const Net *net, const Layer *ly, void *kc, void *vc, int64_t S, int64_t pos,
                        const float *cos, const float *sin, Work *s) {
     const int64_t H = net->H, G = net->G, Dh = net->Dh, n = pos + 1;
     for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
@@ -314,12 +314,12 @@ static void gqa_attend(const Net *net, const Layer *ly, float *kc, float *vc, in
     {
         qkv_prepare(ly, s->qkv, H, G, Dh);
         attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, net->R, S, pos,
-                      s->qr);
+                      s->qr, (int)net->kv16);
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++)
         attend_head(s->qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n, net->scale,
-                    ly->sinks, s->p, s->att, h);
+                    ly->sinks, s->p, s->att, h, (int)net->kv16);
     lin_product(&ly->o, s->att, 1, &s->a, s->tmp, &s->oom);
 }
 
@@ -363,14 +363,14 @@ static void latent_attend(const Net *net, const Latent *m, const Lin *o, float *
 /* layer l up to its feed-forward, by the team: the attention (k and v, or the latent and rotary
  * key, written at pos of the layer's caches kc, vc), its residual, the feed-forward norm into s->h
  * and, for an MoE layer, the router's choice into s->ids and s->w */
-static void layer_attend(const Net *net, int64_t l, float *x, float *kc, float *vc, int64_t S, int64_t pos,
+static void layer_attend(const Net *net, int64_t l, float *x, void *kc, void *vc, int64_t S, int64_t pos,
                          const float *cos, const float *sin, Work *s) {
     const int64_t D = net->D;
     const Layer *ly = net->layers + l;
 #pragma omp single
     rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
     if (ly->mla)
-        latent_attend(net, ly->mla, &ly->o, kc, vc, S, pos, cos, sin, s);
+        latent_attend(net, ly->mla, &ly->o, (float *)kc, (float *)vc, S, pos, cos, sin, s); /* float32 always */
     else
         gqa_attend(net, ly, kc, vc, S, pos, cos, sin, s);
 #pragma omp single
@@ -422,7 +422,7 @@ static void head(const Net *net, float *x, float *logits, Work *s) {
  * Dh each), written at pos; cos, sin (Dh) the position's rotary tables; logits (V) out. Returns 0,
  * or -1 where memory for the step's buffers could not be had (x, the caches and logits are then
  * not to be used). */
-int decode_step(const Net *net, float *x, float *const *kc, float *const *vc, int64_t S, int64_t pos,
+int decode_step(const Net *net, float *x, void *const *kc, void *const *vc, int64_t S, int64_t pos,
                 const float *cos, const float *sin, float *logits, int threads) {
     Work *s = work_new(net, S);
     if (!s) return -1;
@@ -449,7 +449,7 @@ Work *decode_work(const Net *net, int64_t S) { return work_new(net, S); }
 
 void decode_work_free(Work *s) { work_free(s); }
 
-int decode_attend(const Net *net, Work *s, int64_t l, float *x, float *kc, float *vc, int64_t S, int64_t pos,
+int decode_attend(const Net *net, Work *s, int64_t l, float *x, void *kc, void *vc, int64_t S, int64_t pos,
                   const float *cos, const float *sin, int64_t *ids, float *w, int threads) {
     s->oom = 0;
 #pragma omp parallel num_threads(threads)
@@ -496,8 +496,8 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
            OFF(Layer, router), OFF(Layer, correction), OFF(Layer, experts), OFF(Layer, shared), OFF(Layer, shared_gate))
     FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, R), OFF(Net, F), OFF(Net, E),
            OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, router), OFF(Net, sigmoid_scores), OFF(Net, n_group),
-           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, routed_scale), OFF(Net, alpha), OFF(Net, limit),
-           OFF(Net, scale), OFF(Net, norm_eps),
+           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, kv16), OFF(Net, routed_scale), OFF(Net, alpha),
+           OFF(Net, limit), OFF(Net, scale), OFF(Net, norm_eps),
            OFF(Net, norm), OFF(Net, layers), OFF(Net, head))
     *n = 0;
     return -1;

@@ -16,6 +16,9 @@
 #include <immintrin.h>
 #define SEMOE_AVX2 1
 #endif
+#if defined(__F16C__) || defined(__AVX2__)
+#include <immintrin.h>
+#endif
 
 #ifdef __AVX2__
 /* the sum of a vector's eight lanes, in a fixed order */
@@ -46,6 +49,41 @@ static inline void reduce_rows(__m512 f0, __m512 f1, __m512 f2, __m512 f3, float
     out[1] = _mm512_reduce_add_ps(f1);
     out[2] = _mm512_reduce_add_ps(f2);
     out[3] = _mm512_reduce_add_ps(f3);
+}
+#endif
+
+/* A KV cache holds float32, or IEEE float16 where `h16` (half the bytes, as llama.cpp's default
+ * cache): values rounded to nearest even as written, read back exactly; elements counted from c */
+static inline float kv_get(const void *c, int64_t i, int h16) {
+    return h16 ? (float)((const _Float16 *)c)[i] : ((const float *)c)[i];
+}
+
+/* n values of x written at element i of a cache */
+static inline void kv_row_put(void *c, int64_t i, const float *x, int64_t n, int h16) {
+    int64_t j = 0;
+    if (!h16) {
+        memcpy((float *)c + i, x, sizeof(float) * (size_t)n);
+        return;
+    }
+#ifdef __F16C__
+    for (; j + 8 <= n; j += 8)
+        _mm_storeu_si128((__m128i *)((uint16_t *)c + i + j),
+                         _mm256_cvtps_ph(_mm256_loadu_ps(x + j), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+#endif
+    for (; j < n; j++) ((_Float16 *)c)[i + j] = (_Float16)x[j];
+}
+
+#ifdef __AVX2__
+/* eight values of a cache from element i, as float32 */
+static inline __m256 kv_load8(const void *c, int64_t i, int h16) {
+    if (!h16) return _mm256_loadu_ps((const float *)c + i);
+#ifdef __F16C__
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)((const uint16_t *)c + i)));
+#else
+    float t[8];
+    for (int j = 0; j < 8; j++) t[j] = kv_get(c, i + j, 1);
+    return _mm256_loadu_ps(t);
+#endif
 }
 #endif
 
@@ -120,18 +158,18 @@ void io_block(const float *x, const void *w, int bf16, int64_t O, int64_t I, int
 void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M, int64_t D);
 /* `attend_decode_f32` in two parts: q rotated into qr (H, Dh), k rotated and v copied into the
  * caches at `pos` (the first R dims rotated); then one head's attention over positions t0..n-1
- * into out (p: n scores a head; sinks NULL or H logits) */
-void attend_rotate(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
-                   float *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, float *qr);
-void attend_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
-                 int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h);
+ * into out (p: n scores a head; sinks NULL or H logits). The caches hold float16 where h16 (kv_get). */
+void attend_rotate(const float *q, const float *k, const float *v, const float *cos, const float *sin, void *kc,
+                   void *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, float *qr, int h16);
+void attend_head(const float *qr, const void *kc, const void *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
+                 int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h, int h16);
 #define ROW_GROUP 4 /* a prompt's rows that share each key's and value's load (attend_rows_head) */
 /* attend_head for head h of a prompt's nr rows (positions pos0..; queries qr (nr, H, Dh), keys of Dh
  * and values of Dv (Dh where decoding's attend_head gives the same sums), out (nr, H * Dv)), ROW_GROUP
  * rows sharing each position's key and value loads; p: ROW_GROUP * (pos0 + nr) floats */
-void attend_rows_head(const float *qr, const float *kc, const float *vc, int64_t H, int64_t G, int64_t Dh, int64_t Dv,
+void attend_rows_head(const float *qr, const void *kc, const void *vc, int64_t H, int64_t G, int64_t Dh, int64_t Dv,
                       int64_t S, int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p,
-                      float *out, int64_t h);
+                      float *out, int64_t h, int h16);
 /* attend.c's pieces of latent attention (decode_step.c) */
 void rope_rotate(const float *x, const float *cos, const float *sin, int64_t R, int interleave, float *y);
 void mla_head(const float *ql, const float *qr, const float *latents, const float *rots, int64_t L, int64_t R,

@@ -160,7 +160,7 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
 #pragma omp for schedule(static)
         for (int64_t hd = 0; hd < H; hd++)
             attend_rows_head(b->qe, b->ke, b->ve, H, H, Q, dv, P, pos0, nr, 0, m->scale, NULL,
-                             p + hd * ROW_GROUP * P, att, hd);
+                             p + hd * ROW_GROUP * P, att, hd, 0);
         return;
     }
     const int64_t nl = i8_blocks(L), nv = i8_blocks(dv);
@@ -190,7 +190,7 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
  * rows at once; then the rows are prepared and rotated (their k and v written), and each attends
  * over the positions up to its own (a few rows at a time sharing each position's key and value).
  * cos, sin: (T, Rc) the positions' rotary tables. Returns 0; -1 where memory was short. */
-int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, float *vc, int64_t S, int64_t pos0,
+int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *kc, void *vc, int64_t S, int64_t pos0,
                    const float *cos, const float *sin, int64_t Rc, int64_t *ids, float *w, int64_t K, int threads) {
     const Layer *ly = net->layers + l;
     const Latent *m = ly->mla;
@@ -213,8 +213,8 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
 #pragma omp single
         rmsnorm_f32(x + r0 * D, ly->attn_norm, ly->attn_eps, h, nr, D);
         if (m)
-            latent_rows(net, m, h, nr, pos0 + r0, r0 == 0, pos0 + T, cos + r0 * Rc, sin + r0 * Rc, Rc, kc, vc, &lb, p,
-                        att, &a, &oom);
+            latent_rows(net, m, h, nr, pos0 + r0, r0 == 0, pos0 + T, cos + r0 * Rc, sin + r0 * Rc, Rc, (float *)kc,
+                        (float *)vc, &lb, p, att, &a, &oom); /* latent caches: float32 always */
         for (int64_t j = 0, off = 0; !m && j < ly->n_qkv; off += ly->qkv[j].O, j++) {
             lin_product(&ly->qkv[j], h, nr, &a, part, &oom);
 #pragma omp single
@@ -227,12 +227,12 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, float *kc, fl
                 float *row = qkv + r * Q;
                 qkv_prepare(ly, row, H, G, Dh);
                 attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cos + (r0 + r) * Rc, sin + (r0 + r) * Rc, kc, vc,
-                              H, G, Dh, net->R, S, pos0 + r0 + r, qr + r * H * Dh);
+                              H, G, Dh, net->R, S, pos0 + r0 + r, qr + r * H * Dh, (int)net->kv16);
             }
 #pragma omp for schedule(static)
             for (int64_t hd = 0; hd < H; hd++)
                 attend_rows_head(qr, kc, vc, H, G, Dh, Dh, S, pos0 + r0, nr, ly->window, net->scale, ly->sinks,
-                                 p + hd * ROW_GROUP * S, att, hd);
+                                 p + hd * ROW_GROUP * S, att, hd, (int)net->kv16);
         }
         lin_product(&ly->o, att, nr, &a, tmp, &oom);
 #pragma omp single

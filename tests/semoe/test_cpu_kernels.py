@@ -134,7 +134,7 @@ def test_a_prompts_attention_rows_with_values_shorter_than_keys():
     within 1e-5 relative to the largest output (float32 sums over 31 positions)."""
     lib, p = cpu_kernels._lib(), lambda t: ctypes.c_void_p(t.data_ptr())
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I]
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I, ctypes.c_int]
     g = torch.Generator().manual_seed(3)
     H, Dh, Dv, S, pos0, nr = 3, 24, 16, 31, 20, 11
     kc, vc = torch.randn(H, S, Dh, generator=g), torch.randn(H, S, Dv, generator=g)
@@ -142,7 +142,7 @@ def test_a_prompts_attention_rows_with_values_shorter_than_keys():
     scale = Dh ** -0.5
     got, scratch = torch.zeros(nr, H * Dv), torch.empty(4 * (pos0 + nr))
     for h in range(H):
-        lib.attend_rows_head(p(qr), p(kc), p(vc), H, H, Dh, Dv, S, pos0, nr, 0, scale, None, p(scratch), p(got), h)
+        lib.attend_rows_head(p(qr), p(kc), p(vc), H, H, Dh, Dv, S, pos0, nr, 0, scale, None, p(scratch), p(got), h, 0)
     want = torch.zeros(nr, H, Dv, dtype=torch.float64)
     for r in range(nr):
         n = pos0 + r + 1
@@ -395,8 +395,8 @@ def test_a_prompts_attention_rows_are_the_decoding_heads(Dh, window, sinks):
     a decoding step's, for each row and head, with a window and attention sinks: the same bits."""
     lib, p = cpu_kernels._lib(), lambda t: ctypes.c_void_p(t.data_ptr())
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I]
-    lib.attend_head.argtypes = [P, P, P, I, I, I, I, I, I, F, P, P, P, I]
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I, ctypes.c_int]
+    lib.attend_head.argtypes = [P, P, P, I, I, I, I, I, I, F, P, P, P, I, ctypes.c_int]
     g = torch.Generator().manual_seed(Dh + window)
     H, G, S, pos0, nr = 4, 2, 40, 9, 11  # 11 rows: two groups of four and a group of three
     kc, vc = torch.randn(G, S, Dh, generator=g), torch.randn(G, S, Dh, generator=g)
@@ -407,12 +407,67 @@ def test_a_prompts_attention_rows_are_the_decoding_heads(Dh, window, sinks):
     scratch = torch.empty(4 * (pos0 + nr))
     for h in range(H):
         lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, Dh, S, pos0, nr, window, scale,
-                             p(sk) if sinks else None, p(scratch), p(got), h)
+                             p(sk) if sinks else None, p(scratch), p(got), h, 0)
     for r in range(nr):
         n = pos0 + r + 1
         t0 = n - window if 0 < window < n else 0
         want, ph = torch.zeros(H * Dh), torch.empty(H * n)
         for h in range(H):
             lib.attend_head(p(qr[r]), p(kc), p(vc), H, G, Dh, S, t0, n, scale, p(sk) if sinks else None, p(ph),
-                            p(want), h)
+                            p(want), h, 0)
         assert torch.equal(got[r], want), r
+
+
+@pytest.mark.parametrize("Dh, window, sinks", [(16, 0, False), (12, 5, True), (24, 0, True)])
+def test_a_float16_kv_cache_holds_float16s_rounding_and_is_read_as_its_values(Dh, window, sinks):
+    """A float16 KV cache (the runner's --kv-cache f16): attend_rotate writes torch's float16 rounding
+    (to nearest even) of the key and value it writes into a float32 cache; attend_head and
+    attend_rows_head over it give the bits they give over a float32 cache of the same values (every
+    float16 widens to float32 exactly): the loads convert, the arithmetic is the float32 cache's.
+    Dh 12 takes the tails, 16 and 24 the vector loads."""
+    lib, p = cpu_kernels._lib(), lambda t: ctypes.c_void_p(t.data_ptr())
+    P, I, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.attend_rotate.argtypes = [P, P, P, P, P, P, P, I, I, I, I, I, I, P, C]
+    lib.attend_head.argtypes = [P, P, P, I, I, I, I, I, I, F, P, P, P, I, C]
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I, C]
+    g = torch.Generator().manual_seed(Dh)
+    H, G, S, R, pos = 4, 2, 40, 8, 6
+    q, k, v = torch.randn(H, Dh, generator=g), torch.randn(G, Dh, generator=g), torch.randn(G, Dh, generator=g)
+    cos, sin = torch.randn(R, generator=g), torch.randn(R, generator=g)
+    caches = {h16: (torch.zeros(G, S, Dh, dtype=dt), torch.zeros(G, S, Dh, dtype=dt))
+              for h16, dt in ((0, torch.float32), (1, torch.float16))}
+    for h16, (kc, vc) in caches.items():
+        qr = torch.empty(H, Dh)
+        lib.attend_rotate(p(q), p(k), p(v), p(cos), p(sin), p(kc), p(vc), H, G, Dh, R, S, pos, p(qr), h16)
+    (k32, v32), (k16, v16) = caches[0], caches[1]
+    assert torch.equal(k16, k32.half()) and torch.equal(v16, v32.half()) and bool(k32[:, pos].abs().sum() > 0)
+    k16, v16 = torch.randn(G, S, Dh, generator=g).half(), torch.randn(G, S, Dh, generator=g).half()
+    sk = torch.randn(H, generator=g) if sinks else None
+    pos0, nr, scale = 9, 11, Dh ** -0.5
+    qr = torch.randn(nr, H, Dh, generator=g)
+    got = {}
+    for h16, (kc, vc) in ((0, (k16.float(), v16.float())), (1, (k16, v16))):
+        rows, scratch = torch.zeros(nr, H * Dh), torch.empty(4 * (pos0 + nr))
+        for h in range(H):
+            lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, Dh, S, pos0, nr, window, scale,
+                                 p(sk) if sinks else None, p(scratch), p(rows), h, h16)
+        n = pos0 + nr
+        head, ph = torch.zeros(H * Dh), torch.empty(H * n)
+        for h in range(H):
+            lib.attend_head(p(qr[-1]), p(kc), p(vc), H, G, Dh, S, n - window if 0 < window < n else 0, n, scale,
+                            p(sk) if sinks else None, p(ph), p(head), h, h16)
+        got[h16] = rows, head
+    assert torch.equal(got[0][0], got[1][0]) and torch.equal(got[0][1], got[1][1])
+    assert torch.equal(got[1][0][-1], got[1][1])  # the last row is the decoding head's
+
+
+def test_the_row_counts_the_runners_sizing_takes_are_the_kernels():
+    """`kernel_abi.PREFILL_ROWS` and `ROW_GROUP` (what `inference.lean.sequence_bytes` counts a prompt's
+    buffers by) are the kernels' own #defines."""
+    import pathlib
+    import re
+
+    src = pathlib.Path(kernel_abi.__file__).parent / "kernels"
+    text = (src / "prefill.c").read_text() + (src / "kernels.h").read_text()
+    for name in ("PREFILL_ROWS", "ROW_GROUP"):
+        assert int(re.search(rf"#define {name} (\d+)", text).group(1)) == getattr(kernel_abi, name), name

@@ -17,6 +17,7 @@ import torch
 from helpers.kernels import needs_kernels
 
 from inference.engine import Engine, EngineConfig
+from semoe import kernel_abi
 from semoe.attention import KVCache
 from semoe.checkpoint import load_store, save_store
 from semoe.config import MoEConfig
@@ -407,6 +408,7 @@ def test_a_prompts_latent_attention_expanded_and_absorbed(arch_stores, arch, fmt
     lib, c = plan.lib, model.config
     head, rest = LONG[:20], LONG[20:]
     got, default = {}, lib.prefill_expand_limit(0)
+    assert default == kernel_abi.EXPAND_LIMIT  # the runner's sizing counts by it (`sequence_bytes`)
     try:
         for limit in (default, 0):
             lib.prefill_expand_limit(limit)
