@@ -112,14 +112,21 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
 
 
 def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | None, dense: str = "auto",
-             first: bool = False) -> dict:
+             first: bool = False, kv_cache: str = "f32") -> dict:
     """Greedy decode of the torch-free runner (`inference.lean`) with a CPU cache of `cpu_cache` bytes
-    (0: the least it decodes with; None: its own choice, as `semoe generate`'s), after a warm-up
-    generation (`first`: after a first generation timed in full, its figures under "first")."""
-    from inference.lean import LeanConfig, LeanModel
+    (0: the least it decodes with; None: its own choice, as `semoe generate`'s, the sequence's memory
+    left free beside it), after a warm-up generation (`first`: after a first generation timed in full,
+    its figures under "first")."""
+    from inference.lean import LeanConfig, LeanModel, sequence_bytes, store_config
     from semoe.decode.loop import SamplingConfig
+    from storage.reader import StoreReader
 
-    with LeanModel(store, LeanConfig(cache_bytes=cpu_cache, read_mode="direct", dense=dense)) as model:
+    keep = 0
+    if cpu_cache is None:
+        c = store_config(StoreReader.open(store))
+        keep = sequence_bytes(c, len(prompt), len(prompt) + new_tokens, kv_cache)
+    config = LeanConfig(cache_bytes=cpu_cache, keep_bytes=keep, read_mode="direct", dense=dense, kv_cache=kv_cache)
+    with LeanModel(store, config) as model:
         uses: dict[int, list[int]] = {}  # layer -> the experts asked for in the timed generation (prompt too)
         used: set[tuple[int, int]] = set()  # (layer, expert) the prompt pass chose (its guesses aside)
         ensure, begin, at_first = model.cache.ensure, model.cache.begin, {}
@@ -301,7 +308,7 @@ def child(args: argparse.Namespace) -> None:
     if spec["engine"] == "default":  # what `semoe generate` runs with no budget flag, chosen as it chooses
         drop_cache(spec["path"])
         if default_is_lean(spec["path"]):
-            r = run_lean(spec["path"], prompt, args.new_tokens, None, args.dense, first)
+            r = run_lean(spec["path"], prompt, args.new_tokens, None, args.dense, first)  # the CLI's defaults
         else:
             r = run_ours(spec["path"], prompt, args.new_tokens, None, None, args.dense, first)
     elif spec["engine"] == "ours":
@@ -312,7 +319,7 @@ def child(args: argparse.Namespace) -> None:
     elif spec["engine"] == "lean":
         if spec.get("cold"):
             drop_cache(spec["path"])
-        r = run_lean(spec["path"], prompt, args.new_tokens, spec["cpu_cache"], args.dense, first)
+        r = run_lean(spec["path"], prompt, args.new_tokens, spec["cpu_cache"], args.dense, first, args.kv_cache)
     elif spec["engine"] == "transformers":
         r = run_transformers(spec["path"], prompt, args.new_tokens)
     else:
@@ -333,7 +340,7 @@ def default_is_lean(store: str) -> bool:
 def _run(args: argparse.Namespace, spec: dict, check: bool = True) -> dict | None:
     """One run in its own process; a failure ends the bench (`check`) or gives None."""
     cmd = [sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--only", json.dumps(spec),
-           "--dense", args.dense,
+           "--dense", args.dense, "--kv-cache", args.kv_cache,
            "--new-tokens", str(args.new_tokens), "--prompt-tokens", str(args.prompt_tokens)]
     res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": ROOT})
     if res.returncode != 0:
@@ -594,6 +601,9 @@ def main() -> int:
     ap.add_argument("--dense", default="auto", choices=("auto", "float", "int8"),
                     help="our dense linear weights (`semoe generate --dense`): auto keeps a checkpoint's own "
                          "FP8 model's as stored (bfloat16) and makes them int8 beside int8, int4 or MXFP4 experts")
+    ap.add_argument("--kv-cache", default="f32", choices=("f32", "f16"),
+                    help="the KV cache of our torch-free runner in the memory-limited part (`semoe generate "
+                         "--kv-cache`); the default run (--defaults) keeps the command's default, f32")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--prepare-wide", type=int, help=argparse.SUPPRESS)

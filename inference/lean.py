@@ -69,6 +69,7 @@ from storage.np_codes import bf16_to_f32, float_rows, fp8_bf16_rows, int8_rows, 
 from storage.procmem import peak_rss_bytes, release_free_heap
 from storage.reader import StoreReader
 DENSE_CHOICES = ("auto", "float", "int8")
+KV_CACHE_CHOICES = ("f32", "f16")
 _KIND = {"F32": kernel_abi.W_F32, "BF16": kernel_abi.W_BF16, "int8": kernel_abi.W_INT8, "int4": kernel_abi.W_INT4,
          "mxfp4": kernel_abi.W_MXFP4, "fp8": kernel_abi.W_FP8}
 _IO_KIND = {"F32": kernel_abi.W_F32_IO, "BF16": kernel_abi.W_BF16_IO}  # float weights stored (I, O)
@@ -88,7 +89,13 @@ class LeanConfig:
     # where the memory left once the dense weights are held allows, else that memory (as the engine's
     # `--cpu-cache auto`: `inference.memory_guard.auto_cpu_cache_bytes`), at least top_k chunks
     cache_bytes: int | None
+    # what the caller takes once the model is held, which an auto cache (cache_bytes None) leaves free
+    # beside its reserve: a sequence's KV cache and buffers (`sequence_bytes`)
+    keep_bytes: int = 0
     dense: str = "auto"  # one of DENSE_CHOICES
+    # the KV cache's values: "f32", or "f16" (half the bytes, as llama.cpp's default cache: each key and
+    # value rounded to float16 as written; grouped-query attention only, latent attention's is compact)
+    kv_cache: str = "f32"
     threads: int = 0  # compute threads; 0: every core this process may run on
     read_mode: ReadMode | str = ReadMode.DIRECT
     read_threads: int = 4
@@ -96,6 +103,8 @@ class LeanConfig:
     def __post_init__(self) -> None:
         if self.dense not in DENSE_CHOICES:
             raise BadInputError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {self.dense!r}")
+        if self.kv_cache not in KV_CACHE_CHOICES:
+            raise BadInputError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}")
         self.read_mode = ReadMode(self.read_mode)
         if self.threads <= 0:
             self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
@@ -111,6 +120,57 @@ class LeanResult:
     ttft_s: float
     decode_tok_s: float
     stats: dict = field(default_factory=dict)
+
+
+def store_config(store: StoreReader):
+    """The model config of a store (its config.json); one line naming the store where it holds none."""
+    if not store.manifest.has_file("config.json"):
+        raise BadInputError(f"{store.root}: the store holds no model (no config.json)")
+    return config_from_json(json.loads(store.read_file("config.json")))
+
+
+def store_tokenizer(store: StoreReader, c) -> HFTokenizer | None:
+    """The tokenizer a store holds (None where it holds no tokenizer.json), checked against the
+    model's vocabulary (`c`, its config)."""
+    m = store.manifest
+    if not m.has_file("tokenizer.json"):
+        return None
+    files = {n: store.read_file(n) for n in TOKENIZER_FILES if m.has_file(n)}
+    return checked_vocab(HFTokenizer(files=files, where=f"{store.root} (store)"), c.vocab_size)
+
+
+def sequence_bytes(c, prompt_tokens: int, capacity: int, kv_cache: str = "f32") -> int:
+    """The most bytes a sequence of `capacity` positions takes beside the model (config `c`): its KV
+    cache (of `kv_cache` values) and step buffers, and, while its prompt of `prompt_tokens` goes through
+    (`lean_prefill`), the pass's rows (embeddings, residuals, choices) and one layer's buffers of
+    PREFILL_ROWS rows, or the prompt's where fewer (with latent attention's expanded keys and values
+    where they are within the kernels' limit). An auto cache leaves them free (`LeanConfig.keep_bytes`):
+    decoding allocates them after the cache."""
+    return sum(sequence_parts(c, prompt_tokens, capacity, kv_cache).values())
+
+
+def sequence_parts(c, prompt_tokens: int, capacity: int, kv_cache: str = "f32") -> dict[str, int]:
+    """`sequence_bytes` by part: the KV cache ("kv"), the step's buffers ("step"), the prompt pass's rows
+    ("rows"; these three numpy's) and one layer's buffers in the kernels ("layer")."""
+    f, T, S = 4, prompt_tokens, capacity
+    M = min(T, kernel_abi.PREFILL_ROWS)  # the rows of a block a prompt fills
+    D, H, G, L = c.hidden_size, c.num_heads, c.num_kv_heads, c.num_layers
+    Dh, R, K, E = c.head_dim or D // H, c.rope_dim or 0, max(c.top_k, 1), max(c.num_experts, 1)
+    F = max(c.ffn_size, c.moe_ffn_size, c.shared_expert_size)
+    if c.attention == "mla":
+        kv = L * S * (c.kv_lora_rank + c.qk_rope_head_dim) * f
+        Dk, dv = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
+        expand = H * S * (Dk + dv) * f
+        att = expand + M * H * Dk * f if expand <= kernel_abi.EXPAND_LIMIT else \
+            M * H * (c.qk_nope_head_dim + c.qk_rope_head_dim + 2 * c.kv_lora_rank + dv) * f
+        qkv, heads = M * ((c.q_lora_rank or 0) + H * Dk + c.kv_lora_rank + R) * f, H * dv
+    else:
+        kv, att = 2 * L * G * S * Dh * (2 if kv_cache == "f16" else f), 0
+        qkv, heads = 2 * M * (H + 2 * G) * Dh * f, H * Dh
+    step = S * H * f + (3 * D + heads + 3 * F + E + 3 * c.vocab_size) * f  # the logits and the loop's copies
+    rows = T * (5 * D + 2 * R) * f + T * (K * 20 + 12)  # lean_prefill's and prompt_pass's
+    layer = M * (5 * D + 2 * heads + 3 * F + E) * f + qkv + att + kernel_abi.ROW_GROUP * H * S * f
+    return {"kv": kv, "step": step, "rows": rows, "layer": layer}
 
 
 def dense_load_bytes(store: StoreReader) -> int:
@@ -136,16 +196,14 @@ class LeanModel:
         self._progress = progress or (lambda n: None)
         self.store = store = store if isinstance(store, StoreReader) else StoreReader.open(store)
         path, m = store.root, store.manifest
-        if not m.has_file("config.json"):
-            raise BadInputError(f"{path}: the store holds no model (no config.json)")
-        self.config = c = config_from_json(json.loads(store.read_file("config.json")))
+        self.config = c = store_config(store)
         self._check(c)
+        if config.kv_cache == "f16" and c.attention == "mla":
+            raise BadInputError(f"--kv-cache f16: {path} has latent attention ({c.arch}), whose cache of compressed "
+                                f"latents the runner keeps in float32; drop the flag")
         self.held: list = []  # what the Net's pointers point into
         self.mapped_bytes = 0  # of dense weights mapped from the store's files (`_mapped`)
-        self.tokenizer = None
-        if m.has_file("tokenizer.json"):
-            files = {n: store.read_file(n) for n in TOKENIZER_FILES if m.has_file(n)}
-            self.tokenizer = checked_vocab(HFTokenizer(files=files, where=f"{path} (store)"), c.vocab_size)
+        self.tokenizer = store_tokenizer(store, c)
         L, E, K = c.num_layers, c.num_experts, max(c.top_k, 1)
         chunks = [ch for ch in m.chunks if ch.kind == "weight"]
         moe_layers = sorted(m.expert_layers())
@@ -196,7 +254,8 @@ class LeanModel:
                 router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
-        self.net, self.layers = kernel_abi.build_net(c, parts, self._vector("norm.weight"), c.rms_norm_eps, self.head)
+        self.net, self.layers = kernel_abi.build_net(c, parts, self._vector("norm.weight"), c.rms_norm_eps, self.head,
+                                                     kv16=config.kv_cache == "f16")
         # the expert cache: every layer's experts present, of one layout
         for lay in moe_layers:
             missing = [e for e in range(E) if not m.has_chunk(lay, e)]
@@ -208,8 +267,10 @@ class LeanModel:
                 raise NotOnFastPath(f"{path}: layer {ch.layer}'s expert {ch.expert} is laid out unlike its expert 0")
         sizes = {ch.bytes for ch in chunks}
         self.slot_bytes = -(-max(sizes) // ALIGN) * ALIGN if sizes else ALIGN
-        if config.cache_bytes is None:  # room left for the mapped dense weights' pages too
-            spare = auto_cpu_cache_bytes(len(chunks) * self.slot_bytes + self.mapped_bytes) - self.mapped_bytes
+        if config.cache_bytes is None:  # room left for the mapped dense weights' pages and the sequence too
+            release_free_heap()  # what loading freed counts as available
+            spare = auto_cpu_cache_bytes(len(chunks) * self.slot_bytes + self.mapped_bytes,
+                                         keep_bytes=config.keep_bytes) - self.mapped_bytes
             slots = max(K, min(len(chunks), spare // self.slot_bytes))
         else:
             slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
@@ -534,7 +595,8 @@ class LeanSequence:
             self.kc = np.zeros((L, capacity, c.kv_lora_rank), np.float32)
             self.vc = np.zeros((L, capacity, c.rope_dim), np.float32)
         else:
-            self.kc, self.vc = np.zeros((L, G, capacity, Dh), np.float32), np.zeros((L, G, capacity, Dh), np.float32)
+            kv = np.float16 if model.settings.kv_cache == "f16" else np.float32  # the Net's kv16 says which
+            self.kc, self.vc = np.zeros((L, G, capacity, Dh), kv), np.zeros((L, G, capacity, Dh), kv)
         self.x, self.logits = np.empty(c.hidden_size, np.float32), np.empty(model.head.O, np.float32)
         self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)
         self.cos, self.sin = np.empty(c.rope_dim, np.float32), np.empty(c.rope_dim, np.float32)

@@ -48,6 +48,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "available and no flag asks for the engine (stderr says so). Sampling and --chat as the "
                         "engine's; "
                         "every architecture semoe loads; --dense auto, float or int8")
+    p.add_argument("--kv-cache", choices=("f32", "f16"), default="f32",
+                   help="the torch-free runner's KV cache (with --lean, or where generate takes it by itself): f32 "
+                        "(default), or f16, half the bytes (llama.cpp's default), each key and value rounded to "
+                        "float16 as written; grouped-query attention (every architecture but DeepSeek's latent one)")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -76,6 +80,9 @@ def run(args: argparse.Namespace) -> int:
     from semoe.routing_trace import routing_trace
 
     check_sampling_flags(args)
+    if args.kv_cache != "f32":
+        raise UsageError(f"--kv-cache {args.kv_cache} is the torch-free runner's: add --lean (the engine keeps its "
+                         f"KV cache in its --dtype)")
     config = engine_config_from_args(args)
     engine = load_engine(args, config)
     try:
@@ -183,7 +190,7 @@ def lean_by_itself(args: argparse.Namespace) -> str | None:
 
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
-    from inference.lean import LeanConfig, LeanModel, dense_load_bytes
+    from inference.lean import LeanConfig, LeanModel, dense_load_bytes, sequence_bytes, store_config, store_tokenizer
     from storage.reader import StoreReader
     from tools.progress import byte_bar, count_bar
     from tools.sizes import parse_size
@@ -205,11 +212,17 @@ def run_lean(args: argparse.Namespace) -> int:
         cache = None  # every expert where the memory left allows
     else:
         cache = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=total)
+    c = store_config(store)
+    tok = store_tokenizer(store, c)
+    prompt = build_prompt(args, tok)  # before loading: the sequence's memory is kept free beside the cache
+    del tok  # the model loads its own
+    keep = sequence_bytes(c, len(prompt), len(prompt) + args.max_new_tokens, args.kv_cache)
     with byte_bar(dense_load_bytes(store), "loading weights") as bar:
-        model = LeanModel(store, LeanConfig(cache_bytes=cache, dense=args.dense), progress=bar.update)
+        model = LeanModel(store, LeanConfig(cache_bytes=cache, keep_bytes=keep, dense=args.dense,
+                                            kv_cache=args.kv_cache),
+                          progress=bar.update)
     with model:
         tok = model.tokenizer
-        prompt = build_prompt(args, tok)
         with count_bar(model.config.num_layers, f"prompt of {len(prompt)} tokens", "layer") as bar:
             def layer_done(done: int, layers: int) -> None:
                 bar.update(1)

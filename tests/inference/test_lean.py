@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import tracemalloc
 
 import numpy as np
 import pytest
@@ -26,7 +27,7 @@ import torch
 from helpers.hf_models import add_word_tokenizer
 from helpers.kernels import needs_kernels
 from inference.engine import Engine, EngineConfig
-from inference.lean import LeanConfig, LeanModel, dense_load_bytes
+from inference.lean import LeanConfig, LeanModel, dense_load_bytes, sequence_bytes, sequence_parts
 from inference.lean_prefill import prefill
 from storage.np_codes import quantize_int8_rows
 from semoe.attention import KVCache, rope_tables
@@ -48,6 +49,7 @@ PROMPT = [3, 17, 5, 29, 11, 2, 40, 8]
 TOKENS = [1, 7, 61, 23, 4, 90, 12, 33, 5, 71, 18, 2, 44, 9, 60, 31]
 LOGPROB_ATOL = 1e-4
 PREFILL_RTOL = 1e-5  # float32 sums in another order, through a few layers (measured: at most 7e-7)
+KV16_RTOL = 1e-3  # a float16 KV cache's logits against a float32 one's, relative to the largest (measured: 4.1e-5)
 
 
 def expert_bytes(store: str) -> int:
@@ -352,7 +354,9 @@ def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(s
                                                                               machine_without_gpu):
     """`semoe generate` with no budget flag: where the model does not fit the memory available, it
     decodes in the torch-free runner, says so in one line, and sizes the runner's cache from the memory
-    left (here a third of the experts, less room for the dense weights it maps); where it fits, or a flag asks for what only the engine does
+    left (here a third of the experts, less room for the dense weights it maps and for the sequence's
+    KV cache and buffers, `sequence_bytes`, which it leaves free); where it fits, or a flag asks for
+    what only the engine does
     (here its cache policy), the engine decodes. The same greedy tokens all three ways."""
     import inference.lean
     import inference.memory_guard
@@ -360,11 +364,13 @@ def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(s
 
     store, mb = stores[4], inference.placement.model_bytes(stores[4])
     third = expert_bytes(store) // 3
-    monkeypatch.setattr(inference.memory_guard, "available_ram_bytes", lambda: third + (48 << 20))
+    keep = sequence_bytes(load_store(store).config, 3, 3 + 8)  # the prompt and the new tokens
+    assert keep >= StoreReader.open(store).manifest.chunks[0].bytes  # a cache that ignored it would hold more
+    monkeypatch.setattr(inference.memory_guard, "available_ram_bytes", lambda: third + keep + (48 << 20))
     made = []
     init = inference.lean.LeanModel.__init__
     monkeypatch.setattr(inference.lean.LeanModel, "__init__",
-                        lambda self, *a, **k: made.append(a[1].cache_bytes) or init(self, *a, **k))
+                        lambda self, *a, **k: made.append((a[1].cache_bytes, a[1].keep_bytes)) or init(self, *a, **k))
     args = ["generate", "--model", store, "--prompt-ids", "3,17,5", "--max-new-tokens", "8", "--ignore-eos", "--json"]
     runs = {}
     for name, available, extra in (("short", mb.total // 2, []), ("roomy", 8 * mb.total + (1 << 30), []),
@@ -374,7 +380,7 @@ def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(s
         out = capsys.readouterr()
         runs[name] = json.loads(out.out), out.err, len(made)
     out, err, lean_runs = runs["short"]
-    assert lean_runs == 1 and made == [None] and "decoding in a process without torch" in err
+    assert lean_runs == 1 and made == [(None, keep)] and "decoding in a process without torch" in err
     with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
         mapped = lean.mapped_bytes
     assert mapped > 0  # the lm_head and o_proj, stored int8 by `store quantize`
@@ -492,7 +498,21 @@ def _lean_is_the_one_call_step(store: str) -> None:
     finally:
         engine.close()
     with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
-        got = lean.generate(PROMPT, SamplingConfig(max_new_tokens=16))
+        held = []
+
+        def numpy_bytes(done: int, layers: int) -> None:  # the sequence's numpy buffers, the prompt's pass's too
+            snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
+            held.append(sum(t.size for t in snap.traces))
+
+        tracemalloc.start()  # numpy's buffers are traced from here (the kernels' own are not)
+        try:
+            got = lean.generate(PROMPT, SamplingConfig(max_new_tokens=16), on_prompt_layer=numpy_bytes)
+        finally:
+            tracemalloc.stop()
+        # what an auto cache leaves free for the sequence counts at least its numpy buffers (the kernels'
+        # own, "layer", are not traced)
+        part = sequence_parts(lean.config, len(PROMPT), len(PROMPT) + 16)
+        assert part["kv"] + part["step"] + part["rows"] >= max(held) > 0
     assert got.tokens == want.tokens
     np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=0, atol=LOGPROB_ATOL)
 
@@ -574,3 +594,40 @@ def test_every_architecture_of_the_one_call_step_runs_torch_free(arch, tmp_path)
     with biases, float32 and bfloat16 (in-major), int4 and MXFP4 (with bfloat16 biases, converted as
     read): `_lean_is_the_one_call_step` (numpy's cos and sin against torch's: LOGPROB_ATOL)."""
     _lean_is_the_one_call_step(_arch_store(arch, tmp_path))
+
+
+def test_a_float16_kv_cache_holds_half_the_bytes_and_stays_near_float32(tmp_path, capsys):
+    """--kv-cache f16 (`LeanConfig.kv_cache`), on gpt-oss (grouped-query attention with sinks and a
+    sliding window): the cache holds float16, half the float32 cache's bytes. The first layer's keys and
+    values are the float32 run's rounded to float16 (the same inputs); the prompt pass gives the steps'
+    logits and caches over it (within PREFILL_RTOL of the largest, as over float32); the logits stay
+    within KV16_RTOL of the float32 cache's (keys and values to 11 significant bits). The command line
+    takes it with --lean and refuses it for the engine; latent attention (DeepSeek) is refused."""
+    store = _arch_store("gpt_oss", tmp_path)
+    got = {}
+    for kv in ("f32", "f16"):
+        with LeanModel(store, LeanConfig(cache_bytes=None, kv_cache=kv)) as lean, \
+                lean.sequence(len(TOKENS)) as a, lean.sequence(len(TOKENS)) as b:
+            first = prefill(a, TOKENS).copy()
+            for t in TOKENS[:-1]:
+                b.step(t, logits=False)
+            stepped = b.step(TOKENS[-1])
+            np.testing.assert_allclose(first, stepped, rtol=0, atol=PREFILL_RTOL * np.abs(stepped).max())
+            for x, y in ((a.kc, b.kc), (a.vc, b.vc)):
+                np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=0,
+                                           atol=PREFILL_RTOL * np.abs(y.astype(np.float32)).max())
+            got[kv] = stepped.copy(), a.kc.copy(), a.vc.copy()
+    (l32, k32, v32), (l16, k16, v16) = got["f32"], got["f16"]
+    assert k16.dtype == v16.dtype == np.float16 and k16.nbytes * 2 == k32.nbytes
+    assert np.array_equal(k16[0], k32[0].astype(np.float16)) and np.array_equal(v16[0], v32[0].astype(np.float16))
+    assert not np.array_equal(l16, l32)  # the rounding reached the logits
+    np.testing.assert_allclose(l16, l32, rtol=0, atol=KV16_RTOL * np.abs(l32).max())
+    args = ["generate", "--model", store, "--prompt-ids", "3,17,5", "--max-new-tokens", "4", "--ignore-eos", "--json"]
+    assert main(args + ["--lean", "--kv-cache", "f16"]) == 0
+    with LeanModel(store, LeanConfig(cache_bytes=None, kv_cache="f16")) as lean:
+        assert json.loads(capsys.readouterr().out)["tokens"] == \
+            lean.generate([3, 17, 5], SamplingConfig(max_new_tokens=4)).tokens
+    assert main(args + ["--resident", "--kv-cache", "f16"]) == 2
+    assert "--kv-cache f16 is the torch-free runner's" in capsys.readouterr().err
+    with pytest.raises(BadInputError, match="latent attention"):
+        LeanModel(_arch_store("deepseek_v2", tmp_path), LeanConfig(cache_bytes=0, kv_cache="f16"))
