@@ -117,14 +117,17 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
     (0: the least it decodes with; None: its own choice, as `semoe generate`'s, the sequence's memory
     left free beside it), after a warm-up generation (`first`: after a first generation timed in full,
     its figures under "first")."""
-    from inference.lean import LeanConfig, LeanModel, sequence_bytes, store_config
+    from inference.lean import LeanConfig, LeanModel, store_config
+    from inference.lean_memory import auto_kv_cache, sequence_bytes
     from semoe.decode.loop import SamplingConfig
+    from storage.procmem import available_ram_bytes
     from storage.reader import StoreReader
 
-    keep = 0
+    keep, c, positions = 0, store_config(StoreReader.open(store)), len(prompt) + new_tokens
+    if kv_cache == "auto":  # as `semoe generate --kv-cache auto` chooses
+        kv_cache = auto_kv_cache(c, len(prompt), positions, available_ram_bytes())
     if cpu_cache is None:
-        c = store_config(StoreReader.open(store))
-        keep = sequence_bytes(c, len(prompt), len(prompt) + new_tokens, kv_cache)
+        keep = sequence_bytes(c, len(prompt), positions, kv_cache)
     config = LeanConfig(cache_bytes=cpu_cache, keep_bytes=keep, read_mode="direct", dense=dense, kv_cache=kv_cache)
     with LeanModel(store, config) as model:
         uses: dict[int, list[int]] = {}  # layer -> the experts asked for in the timed generation (prompt too)
@@ -308,7 +311,7 @@ def child(args: argparse.Namespace) -> None:
     if spec["engine"] == "default":  # what `semoe generate` runs with no budget flag, chosen as it chooses
         drop_cache(spec["path"])
         if default_is_lean(spec["path"]):
-            r = run_lean(spec["path"], prompt, args.new_tokens, None, args.dense, first)  # the CLI's defaults
+            r = run_lean(spec["path"], prompt, args.new_tokens, None, args.dense, first, "auto")  # the CLI's defaults
         else:
             r = run_ours(spec["path"], prompt, args.new_tokens, None, None, args.dense, first)
     elif spec["engine"] == "ours":
@@ -603,7 +606,7 @@ def main() -> int:
                          "FP8 model's as stored (bfloat16) and makes them int8 beside int8, int4 or MXFP4 experts")
     ap.add_argument("--kv-cache", default="f32", choices=("f32", "f16"),
                     help="the KV cache of our torch-free runner in the memory-limited part (`semoe generate "
-                         "--kv-cache`); the default run (--defaults) keeps the command's default, f32")
+                         "--kv-cache`); the default run (--defaults) keeps the command's default, auto")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--only", help=argparse.SUPPRESS)
     ap.add_argument("--prepare-wide", type=int, help=argparse.SUPPRESS)

@@ -90,7 +90,7 @@ class LeanConfig:
     # `--cpu-cache auto`: `inference.memory_guard.auto_cpu_cache_bytes`), at least top_k chunks
     cache_bytes: int | None
     # what the caller takes once the model is held, which an auto cache (cache_bytes None) leaves free
-    # beside its reserve: a sequence's KV cache and buffers (`sequence_bytes`)
+    # beside its reserve: a sequence's KV cache and buffers (`inference.lean_memory.sequence_bytes`)
     keep_bytes: int = 0
     dense: str = "auto"  # one of DENSE_CHOICES
     # the KV cache's values: "f32", or "f16" (half the bytes, as llama.cpp's default cache: each key and
@@ -137,40 +137,6 @@ def store_tokenizer(store: StoreReader, c) -> HFTokenizer | None:
         return None
     files = {n: store.read_file(n) for n in TOKENIZER_FILES if m.has_file(n)}
     return checked_vocab(HFTokenizer(files=files, where=f"{store.root} (store)"), c.vocab_size)
-
-
-def sequence_bytes(c, prompt_tokens: int, capacity: int, kv_cache: str = "f32") -> int:
-    """The most bytes a sequence of `capacity` positions takes beside the model (config `c`): its KV
-    cache (of `kv_cache` values) and step buffers, and, while its prompt of `prompt_tokens` goes through
-    (`lean_prefill`), the pass's rows (embeddings, residuals, choices) and one layer's buffers of
-    PREFILL_ROWS rows, or the prompt's where fewer (with latent attention's expanded keys and values
-    where they are within the kernels' limit). An auto cache leaves them free (`LeanConfig.keep_bytes`):
-    decoding allocates them after the cache."""
-    return sum(sequence_parts(c, prompt_tokens, capacity, kv_cache).values())
-
-
-def sequence_parts(c, prompt_tokens: int, capacity: int, kv_cache: str = "f32") -> dict[str, int]:
-    """`sequence_bytes` by part: the KV cache ("kv"), the step's buffers ("step"), the prompt pass's rows
-    ("rows"; these three numpy's) and one layer's buffers in the kernels ("layer")."""
-    f, T, S = 4, prompt_tokens, capacity
-    M = min(T, kernel_abi.PREFILL_ROWS)  # the rows of a block a prompt fills
-    D, H, G, L = c.hidden_size, c.num_heads, c.num_kv_heads, c.num_layers
-    Dh, R, K, E = c.head_dim or D // H, c.rope_dim or 0, max(c.top_k, 1), max(c.num_experts, 1)
-    F = max(c.ffn_size, c.moe_ffn_size, c.shared_expert_size)
-    if c.attention == "mla":
-        kv = L * S * (c.kv_lora_rank + c.qk_rope_head_dim) * f
-        Dk, dv = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
-        expand = H * S * (Dk + dv) * f
-        att = expand + M * H * Dk * f if expand <= kernel_abi.EXPAND_LIMIT else \
-            M * H * (c.qk_nope_head_dim + c.qk_rope_head_dim + 2 * c.kv_lora_rank + dv) * f
-        qkv, heads = M * ((c.q_lora_rank or 0) + H * Dk + c.kv_lora_rank + R) * f, H * dv
-    else:
-        kv, att = 2 * L * G * S * Dh * (2 if kv_cache == "f16" else f), 0
-        qkv, heads = 2 * M * (H + 2 * G) * Dh * f, H * Dh
-    step = S * H * f + (3 * D + heads + 3 * F + E + 3 * c.vocab_size) * f  # the logits and the loop's copies
-    rows = T * (5 * D + 2 * R) * f + T * (K * 20 + 12)  # lean_prefill's and prompt_pass's
-    layer = M * (5 * D + 2 * heads + 3 * F + E) * f + qkv + att + kernel_abi.ROW_GROUP * H * S * f
-    return {"kv": kv, "step": step, "rows": rows, "layer": layer}
 
 
 def dense_load_bytes(store: StoreReader) -> int:
@@ -559,6 +525,7 @@ class LeanModel:
                  "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + len(out.tokens) - 1),
                  "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,
                  "cache_bytes": cache.n * self.slot_bytes, "read_s": cache.read_s, "dense": self.dense,
+                 "kv_cache": self.settings.kv_cache,
                  "peak_rss_bytes": peak_rss_bytes()}
         return LeanResult(out.tokens, out.logprobs, out.ttft_s, out.decode_tok_s, stats)
 

@@ -93,7 +93,7 @@ class LayerParts:
 # decode_abi.h's `Layer.qk_norm` for `semoe.config.MoEConfig.qk_norm`, and `Net.router` for its router
 QK_NORM = {"none": 0, "full": 1, "head": 2}
 ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2}
-# prefill.c's and kernels.h's sizes, for what a prompt's pass allocates (`inference.lean.sequence_bytes`):
+# prefill.c's and kernels.h's sizes, for what a prompt's pass allocates (`inference.lean_memory`):
 # the rows of a block (PREFILL_ROWS), the rows sharing a key's load (ROW_GROUP) and the expanded latent
 # attention's default limit a layer (`prefill_expand_limit`)
 PREFILL_ROWS, ROW_GROUP, EXPAND_LIMIT = 64, 4, 256 << 20

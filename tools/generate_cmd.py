@@ -48,10 +48,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "available and no flag asks for the engine (stderr says so). Sampling and --chat as the "
                         "engine's; "
                         "every architecture semoe loads; --dense auto, float or int8")
-    p.add_argument("--kv-cache", choices=("f32", "f16"), default="f32",
-                   help="the torch-free runner's KV cache (with --lean, or where generate takes it by itself): f32 "
-                        "(default), or f16, half the bytes (llama.cpp's default), each key and value rounded to "
-                        "float16 as written; grouped-query attention (every architecture but DeepSeek's latent one)")
+    p.add_argument("--kv-cache", choices=("auto", "f32", "f16"), default="auto",
+                   help="the torch-free runner's KV cache (with --lean, or where generate takes it by itself): f32, "
+                        "or f16, half the bytes (llama.cpp's default), each key and value rounded to float16 as "
+                        "written, for grouped-query attention (every architecture but DeepSeek's latent one); auto "
+                        "(default): f16 where a float32 cache for the prompt and --max-new-tokens would take more "
+                        "than an eighth of the memory available (stderr says so), else f32")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
     from semoe.routing_trace import routing_trace
 
     check_sampling_flags(args)
-    if args.kv_cache != "f32":
+    if args.kv_cache == "f16":
         raise UsageError(f"--kv-cache {args.kv_cache} is the torch-free runner's: add --lean (the engine keeps its "
                          f"KV cache in its --dtype)")
     config = engine_config_from_args(args)
@@ -190,7 +192,9 @@ def lean_by_itself(args: argparse.Namespace) -> str | None:
 
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
-    from inference.lean import LeanConfig, LeanModel, dense_load_bytes, sequence_bytes, store_config, store_tokenizer
+    from inference.lean import LeanConfig, LeanModel, dense_load_bytes, store_config, store_tokenizer
+    from inference.lean_memory import KV16_SHARE, auto_kv_cache, sequence_bytes, sequence_parts
+    from storage.procmem import available_ram_bytes
     from storage.reader import StoreReader
     from tools.progress import byte_bar, count_bar
     from tools.sizes import parse_size
@@ -216,10 +220,17 @@ def run_lean(args: argparse.Namespace) -> int:
     tok = store_tokenizer(store, c)
     prompt = build_prompt(args, tok)  # before loading: the sequence's memory is kept free beside the cache
     del tok  # the model loads its own
-    keep = sequence_bytes(c, len(prompt), len(prompt) + args.max_new_tokens, args.kv_cache)
+    kv_cache, positions = args.kv_cache, len(prompt) + args.max_new_tokens
+    if kv_cache == "auto":
+        kv_cache = auto_kv_cache(c, len(prompt), positions, available_ram_bytes())
+        if kv_cache == "f16":
+            kv = sequence_parts(c, len(prompt), positions)["kv"]
+            print(f"semoe: a float32 KV cache of {positions} positions would take {kv / 2**20:.0f} MiB, more than "
+                  f"1/{KV16_SHARE} of the memory available: keeping it in float16 (--kv-cache f32 keeps float32)",
+                  file=sys.stderr, flush=True)
+    keep = sequence_bytes(c, len(prompt), positions, kv_cache)
     with byte_bar(dense_load_bytes(store), "loading weights") as bar:
-        model = LeanModel(store, LeanConfig(cache_bytes=cache, keep_bytes=keep, dense=args.dense,
-                                            kv_cache=args.kv_cache),
+        model = LeanModel(store, LeanConfig(cache_bytes=cache, keep_bytes=keep, dense=args.dense, kv_cache=kv_cache),
                           progress=bar.update)
     with model:
         tok = model.tokenizer

@@ -27,7 +27,8 @@ import torch
 from helpers.hf_models import add_word_tokenizer
 from helpers.kernels import needs_kernels
 from inference.engine import Engine, EngineConfig
-from inference.lean import LeanConfig, LeanModel, dense_load_bytes, sequence_bytes, sequence_parts
+from inference.lean import LeanConfig, LeanModel, dense_load_bytes
+from inference.lean_memory import KV16_SHARE, auto_kv_cache, sequence_bytes, sequence_parts
 from inference.lean_prefill import prefill
 from storage.np_codes import quantize_int8_rows
 from semoe.attention import KVCache, rope_tables
@@ -629,5 +630,26 @@ def test_a_float16_kv_cache_holds_half_the_bytes_and_stays_near_float32(tmp_path
             lean.generate([3, 17, 5], SamplingConfig(max_new_tokens=4)).tokens
     assert main(args + ["--resident", "--kv-cache", "f16"]) == 2
     assert "--kv-cache f16 is the torch-free runner's" in capsys.readouterr().err
+    latent = _arch_store("deepseek_v2", tmp_path)
     with pytest.raises(BadInputError, match="latent attention"):
-        LeanModel(_arch_store("deepseek_v2", tmp_path), LeanConfig(cache_bytes=0, kv_cache="f16"))
+        LeanModel(latent, LeanConfig(cache_bytes=0, kv_cache="f16"))
+    assert auto_kv_cache(load_store(latent).config, 3, 11, available=0) == "f32"  # auto never asks for it
+
+
+def test_kv_cache_auto_takes_float16_where_a_float32_cache_would_crowd_memory(stores, capsys, monkeypatch):
+    """--kv-cache auto (the default): float16 where a float32 cache for the prompt and the new tokens
+    would take more than 1/KV16_SHARE of the memory available, else float32 (the engine's values); the
+    command says so on stderr where it takes float16, and its stats say which."""
+    import storage.procmem
+
+    c = load_store(stores[4]).config
+    kv = sequence_parts(c, 3, 3 + 8)["kv"]
+    assert auto_kv_cache(c, 3, 11, kv * KV16_SHARE) == "f32" and auto_kv_cache(c, 3, 11, kv * KV16_SHARE - 1) == "f16"
+    args = ["generate", "--model", stores[4], "--prompt-ids", "3,17,5", "--max-new-tokens", "8", "--ignore-eos",
+            "--json", "--lean", "--cpu-cache", "50%"]
+    for available, want in ((kv * KV16_SHARE, "f32"), (kv * KV16_SHARE - 1, "f16")):
+        monkeypatch.setattr(storage.procmem, "available_ram_bytes", lambda a=available: a)
+        assert main(args) == 0
+        out = capsys.readouterr()
+        assert json.loads(out.out)["stats"]["kv_cache"] == want
+        assert ("keeping it in float16" in out.err) == (want == "f16")

@@ -462,7 +462,7 @@ def test_a_float16_kv_cache_holds_float16s_rounding_and_is_read_as_its_values(Dh
 
 
 def test_the_row_counts_the_runners_sizing_takes_are_the_kernels():
-    """`kernel_abi.PREFILL_ROWS` and `ROW_GROUP` (what `inference.lean.sequence_bytes` counts a prompt's
+    """`kernel_abi.PREFILL_ROWS` and `ROW_GROUP` (what `inference.lean_memory.sequence_bytes` counts a prompt's
     buffers by) are the kernels' own #defines."""
     import pathlib
     import re
