@@ -118,16 +118,14 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
     left free beside it), after a warm-up generation (`first`: after a first generation timed in full,
     its figures under "first")."""
     from inference.lean import LeanConfig, LeanModel, store_config
-    from inference.lean_memory import auto_kv_cache, sequence_bytes
+    from inference.lean_memory import sequence_plan
     from semoe.decode.loop import SamplingConfig
     from storage.procmem import available_ram_bytes
     from storage.reader import StoreReader
 
-    keep, c, positions = 0, store_config(StoreReader.open(store)), len(prompt) + new_tokens
-    if kv_cache == "auto":  # as `semoe generate --kv-cache auto` chooses
-        kv_cache = auto_kv_cache(c, len(prompt), positions, available_ram_bytes())
-    if cpu_cache is None:
-        keep = sequence_bytes(c, len(prompt), positions, kv_cache)
+    c = store_config(StoreReader.open(store))  # as `semoe generate` chooses
+    kv_cache, keep = sequence_plan(c, len(prompt), new_tokens, kv_cache, available_ram_bytes())
+    keep = keep if cpu_cache is None else 0
     config = LeanConfig(cache_bytes=cpu_cache, keep_bytes=keep, read_mode="direct", dense=dense, kv_cache=kv_cache)
     with LeanModel(store, config) as model:
         uses: dict[int, list[int]] = {}  # layer -> the experts asked for in the timed generation (prompt too)

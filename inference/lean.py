@@ -152,8 +152,9 @@ class LeanModel:
     """A store's model held for lean decoding (see the module docstring); `close` frees it."""
 
     def __init__(self, store: str | StoreReader, config: LeanConfig,
-                 progress: Callable[[int], None] | None = None) -> None:
-        """`progress(n)`: n more bytes of dense weights read (a progress bar's update)."""
+                 progress: Callable[[int], None] | None = None, tokenizer: HFTokenizer | None = None) -> None:
+        """`progress(n)`: n more bytes of dense weights read (a progress bar's update); `tokenizer`: the
+        store's, where the caller read it already (`store_tokenizer`)."""
         lib = kernel_abi.library()
         if lib is None:
             raise NotOnFastPath(f"--lean computes with semoe's compiled CPU kernels alone, which are "
@@ -169,7 +170,7 @@ class LeanModel:
                                 f"latents the runner keeps in float32; drop the flag")
         self.held: list = []  # what the Net's pointers point into
         self.mapped_bytes = 0  # of dense weights mapped from the store's files (`_mapped`)
-        self.tokenizer = store_tokenizer(store, c)
+        self.tokenizer = tokenizer if tokenizer is not None else store_tokenizer(store, c)
         L, E, K = c.num_layers, c.num_experts, max(c.top_k, 1)
         chunks = [ch for ch in m.chunks if ch.kind == "weight"]
         moe_layers = sorted(m.expert_layers())

@@ -29,6 +29,16 @@ def auto_kv_cache(c, prompt_tokens: int, capacity: int, available: int) -> str:
     return "f16" if sequence_parts(c, prompt_tokens, capacity)["kv"] * KV16_SHARE > available else "f32"
 
 
+def sequence_plan(c, prompt_tokens: int, new_tokens: int, kv_cache: str, available: int) -> tuple[str, int]:
+    """What `semoe generate` takes for a prompt of `prompt_tokens` and `new_tokens` more with no budget
+    flag: the KV cache's type (`kv_cache`, "auto" chosen by `auto_kv_cache` against `available` bytes)
+    and the bytes the sequence takes (`sequence_bytes`), which its auto cache leaves free."""
+    positions = prompt_tokens + new_tokens
+    if kv_cache == "auto":
+        kv_cache = auto_kv_cache(c, prompt_tokens, positions, available)
+    return kv_cache, sequence_bytes(c, prompt_tokens, positions, kv_cache)
+
+
 def sequence_parts(c, prompt_tokens: int, capacity: int, kv_cache: str = "f32") -> dict[str, int]:
     """`sequence_bytes` by part: the KV cache ("kv"), the step's buffers ("step"), the prompt pass's rows
     ("rows"; these three numpy's) and one layer's buffers in the kernels ("layer")."""

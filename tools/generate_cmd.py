@@ -193,7 +193,7 @@ def lean_by_itself(args: argparse.Namespace) -> str | None:
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
     from inference.lean import LeanConfig, LeanModel, dense_load_bytes, store_config, store_tokenizer
-    from inference.lean_memory import KV16_SHARE, auto_kv_cache, sequence_bytes, sequence_parts
+    from inference.lean_memory import KV16_SHARE, sequence_parts, sequence_plan
     from storage.procmem import available_ram_bytes
     from storage.reader import StoreReader
     from tools.progress import byte_bar, count_bar
@@ -219,21 +219,17 @@ def run_lean(args: argparse.Namespace) -> int:
     c = store_config(store)
     tok = store_tokenizer(store, c)
     prompt = build_prompt(args, tok)  # before loading: the sequence's memory is kept free beside the cache
-    del tok  # the model loads its own
-    kv_cache, positions = args.kv_cache, len(prompt) + args.max_new_tokens
-    if kv_cache == "auto":
-        kv_cache = auto_kv_cache(c, len(prompt), positions, available_ram_bytes())
-        if kv_cache == "f16":
-            kv = sequence_parts(c, len(prompt), positions)["kv"]
-            print(f"semoe: a float32 KV cache of {positions} positions would take {kv / 2**20:.0f} MiB, more than "
-                  f"1/{KV16_SHARE} of the memory available: keeping it in float16 (--kv-cache f32 keeps float32)",
-                  file=sys.stderr, flush=True)
-    keep = sequence_bytes(c, len(prompt), positions, kv_cache)
+    kv_cache, keep = sequence_plan(c, len(prompt), args.max_new_tokens, args.kv_cache, available_ram_bytes())
+    if args.kv_cache == "auto" and kv_cache == "f16":
+        positions = len(prompt) + args.max_new_tokens
+        kv = sequence_parts(c, len(prompt), positions)["kv"]
+        print(f"semoe: a float32 KV cache of {positions} positions would take {kv / 2**20:.0f} MiB, more than "
+              f"1/{KV16_SHARE} of the memory available: keeping it in float16 (--kv-cache f32 keeps float32)",
+              file=sys.stderr, flush=True)
     with byte_bar(dense_load_bytes(store), "loading weights") as bar:
         model = LeanModel(store, LeanConfig(cache_bytes=cache, keep_bytes=keep, dense=args.dense, kv_cache=kv_cache),
-                          progress=bar.update)
+                          progress=bar.update, tokenizer=tok)
     with model:
-        tok = model.tokenizer
         with count_bar(model.config.num_layers, f"prompt of {len(prompt)} tokens", "layer") as bar:
             def layer_done(done: int, layers: int) -> None:
                 bar.update(1)
