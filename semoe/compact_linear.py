@@ -43,6 +43,10 @@ from storage.quant import (INT4_BLOCK_ROWS, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES
 # auto: the fast path for the device; dequantize: the one CUDA takes (forced here to test it on CPU);
 # reference: dequantize, then a float32 product (of x as the CPU decode kernels see it, where they apply)
 KERNELS = ("auto", "dequantize", "reference")
+# torch's packed int8 product (`_weight_int8pack_mm`) takes inputs of a multiple of this many features:
+# on an AVX-512 CPU, torch 2.13's kernel crashes the process (SIGSEGV) on four or more rows of any other
+# width; the others go through the dequantized weight
+TORCH_INT8_K = 16
 
 
 @cache
@@ -123,7 +127,7 @@ class CompactWeight:
             return y if y.dtype == x_MI.dtype else y.to(x_MI.dtype)
         if packed and self.fp8_kernel(x_MI):
             return cpu_kernels.gemv_fp8(x_MI, self.codes, self.scales, fp8_tile(self.spec))
-        if packed and self.spec.scheme == "int8":
+        if packed and self.spec.scheme == "int8" and x_MI.shape[-1] % TORCH_INT8_K == 0:
             x = x_MI.reshape(-1, x_MI.shape[-1]).to(torch.bfloat16)
             y = torch.ops.aten._weight_int8pack_mm(x, self.codes, self.scales.to(torch.bfloat16))
             return y.to(x_MI.dtype).view(*x_MI.shape[:-1], -1)

@@ -113,6 +113,22 @@ def test_the_fast_path_equals_the_reference(scheme, g, transposed, dtype, rows):
     assert _relative(ref, want) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
+@pytest.mark.parametrize("width", [24, 40, 48])
+def test_int8_products_of_many_rows_take_any_input_width(width):
+    """Many rows of an int8 weight whose input width is not a multiple of TORCH_INT8_K (latent
+    attention's small ranks, the test models' widths): torch 2.13's packed int8 product crashes the
+    process there on an AVX-512 CPU, so those go through the dequantized weight; every width gives the
+    reference's product (bfloat16 activations and scales on torch's path: 1e-2)."""
+    torch.manual_seed(0)
+    w = torch.randn(64, width)
+    codes, scales = quantize(w, "int8")
+    spec = QuantSpec(scheme="int8", dtype="F32", shape=(64, width), scales="s")
+    x = torch.randn(40, width)
+    fast = CompactWeight(codes, scales, spec).linear(x)
+    ref = CompactWeight(codes, scales, spec, kernel="reference").linear(x)
+    assert fast.shape == (40, 64) and _relative(fast, ref) < 1e-2
+
+
 @pytest.mark.parametrize("shape, tile", [((256, 384), 128), ((100, 72), 24), ((96, 64), 32)],
                          ids=["deepseek-tiles", "ragged-scalar-tail", "small-tiles"])
 @pytest.mark.parametrize("rows", [1, 7, 40], ids=["one-row", "semoe-kernel", "dequantized"])

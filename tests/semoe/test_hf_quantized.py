@@ -356,18 +356,17 @@ def test_mxfp4_experts_decode_through_the_cpu_kernel_as_the_reference_does(gpt_o
     calls, kernel = [], cpu_kernels.clamped_swiglu
     monkeypatch.setattr(cpu_kernels, "clamped_swiglu", lambda *a: calls.append(a[1]) or kernel(*a))
     prompt, sampling = [1, 5, 9, 2, 7, 30, 4], SamplingConfig(max_new_tokens=12)
-    model = load_store(store.root)
-    stepped = generate(model, prompt, sampling, plan=DecodePlan(model, whole=False))
-    assert calls.count("mxfp4") >= 2 * 2 * 12  # layers x top-k x tokens, at least
-    ref = generate(load_store(store.root, kernel="reference"), prompt, sampling)
-    # the one-call step's prompt goes through the prompt pass, whose int8 dense products quantize x per
-    # block of 32 as decoding's do, where torch's many-row products take float x: dense weights as
-    # stored (float) on both sides, so that the experts' arithmetic alone differs
+    # dense weights as stored (float) on every side, so that the experts' arithmetic alone differs: int8
+    # dense ones (`auto` beside MXFP4 experts) quantize each product's x per block of 32, where the
+    # reference's float32 rounding of the same sums (1e-7) can move an activation across a rounding
+    # step and its product by a step's weight (logits apart by 1e-3, seen on an AVX-512 CPU)
     floats = load_store(store.root, dense="float")
+    stepped = generate(floats, prompt, sampling, plan=DecodePlan(floats, whole=False))
+    assert calls.count("mxfp4") >= 2 * 2 * 12  # layers x top-k x tokens, at least
     whole = DecodePlan(floats)
     assert whole.net is not None
     one_call = generate(floats, prompt, sampling, plan=whole)
-    ref_floats = generate(load_store(store.root, kernel="reference", dense="float"), prompt, sampling)
-    for fast, want in ((stepped, ref), (one_call, ref_floats)):
-        assert fast.tokens == want.tokens
-        assert max(abs(a - b) for a, b in zip(fast.logprobs, want.logprobs)) < 1e-4
+    ref = generate(load_store(store.root, kernel="reference", dense="float"), prompt, sampling)
+    for fast in (stepped, one_call):
+        assert fast.tokens == ref.tokens
+        assert max(abs(a - b) for a, b in zip(fast.logprobs, ref.logprobs)) < 1e-4
