@@ -94,10 +94,16 @@ class Engine:
     def step(self, ids: list[int], caches: list[KVCache], counts: list[int], rows: list[int]) -> torch.Tensor:
         """One packed forward of several sequences (`MoEGPT.forward_packed`: sequence i's `counts[i]`
         tokens of `ids` after `caches[i].length`): logits (len(rows), V) of `rows`. A lone decoding
-        token goes through the decode plan where it applies, as `generate` does. The batch
-        scheduler's forward; callers serialise on `lock`."""
-        if counts == [1] and self._plan is not None and self._plan.takes(caches[0]):
-            return self._plan.step(ids[0], caches[0])
+        token goes through the decode plan's step where it applies, as `generate` does; other steps
+        through its batch (`DecodePlan.batch`: the compiled kernels over every row at once, each chosen
+        expert once) where the one-call step applies, else the model's modules. The batch scheduler's
+        forward; callers serialise on `lock`."""
+        if self._plan is not None:
+            if counts == [1] and self._plan.takes(caches[0]):
+                return self._plan.step(ids[0], caches[0])
+            logits = self._plan.batch(ids, caches, counts, rows)
+            if logits is not None:
+                return logits
         with torch.no_grad():
             ids_N = torch.tensor(ids, device=self.model.embed.weight.device)
             return self.model.forward_packed(ids_N, caches, counts, rows=rows).logits[0]

@@ -571,6 +571,7 @@ class LeanSequence:
         P = ctypes.c_void_p
         self._p = [P(a.ctypes.data) for a in (self.x, self.logits, self.ids, self.w, self.cos, self.sin)]
         self._kv = [(P(self.kc[lay].ctypes.data), P(self.vc[lay].ctypes.data)) for lay in range(L)]
+        self.addresses = ([k.value for k, _ in self._kv], [v.value for _, v in self._kv])  # a pass's `sequences`
         self._net = ctypes.byref(model.net)
         self._work = model.lib.decode_work(self._net, capacity)
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 import numpy as np
 
-from semoe.decode.prompt_pass import Target, run
+from semoe.decode.prompt_pass import Target, run, sequences
 from storage.errors import BadInputError
 
 
@@ -29,7 +29,8 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
     for t, token in enumerate(tokens):
         m._embed(token, x[t])
         m.rope(pos0 + t, cos[t], sin[t])
-    target = Target(m.lib, seq._net, seq._kv, seq.capacity, pos0, m.settings.threads, c.top_k, frozenset(m._parts), m)
+    kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [T])
+    target = Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m)
     run(target, x, cos, sin, on_layer)
     seq.length = pos0 + T
     seq.x[:] = x[-1]

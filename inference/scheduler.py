@@ -9,13 +9,16 @@ still prefilling, up to `max_batch_tokens` rows in all; a prompt longer than wha
 the next step's room. The forward returns logits only for the rows sampled (each decoding request's
 row and the last prompt row of a prefill that completed), and each request samples with its own
 generator, temperature, top-p, stop ids, stop strings and `max_tokens`. Requests join and leave
-between steps. The forward is `Engine.step` (with one request decoding alone, `semoe.decode.plan`
-where it applies, as `Engine.generate` uses).
+between steps. The forward is `Engine.step`: with every expert in memory on CPU, the decode plan's
+compiled kernels (`DecodePlan.batch`: every row's products at once, each row's attention over its own
+cache, each chosen expert once over the rows that chose it; one request decoding alone, its one-call
+step, as `Engine.generate` uses), else the model's packed forward.
 
-Every row of a packed batch is computed as it would be alone (per-row kernels, attention against
-its own cache, each MoE layer over the union of the batch's experts), except that more than 16 rows
-go to torch's matrix products, whose sums round differently: tokens then agree with a request run
-alone unless its top two logits nearly tie.
+Every row of a packed batch is computed as it would be alone (per-row arithmetic, attention against
+its own cache, each MoE layer over the union of the batch's experts). A row's experts are summed in
+the order of their ids in a batch and of the router's choice alone, and the modules' packed forward
+hands more than 16 rows to torch's matrix products: tokens agree with a request run alone unless its
+top two logits nearly tie, log-probs to float32 rounding.
 
 KV caches grow: a request holds its prompt and up to `kv_grow_tokens` more positions when admitted,
 and `kv_grow_tokens` more each time it fills them, so one that may run to the end of the context

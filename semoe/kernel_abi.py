@@ -178,7 +178,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
     lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
-    lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _I, _I, _P, _P, _I, _P, _P, _I, _INT]
+    lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _INT]
+    lib.prefill_head.argtypes = [_P, _P, _I, _P, _INT]
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_expand_limit.argtypes = [_I]
@@ -189,7 +190,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks
     for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,
               lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_head, lib.prefill_attend,
-              lib.prefill_experts, lib.prefill_finish):
+              lib.prefill_head, lib.prefill_experts, lib.prefill_finish):
         f.restype = ctypes.c_int
         f.errcheck = _out_of_memory
     lib.decode_work.errcheck = _no_work

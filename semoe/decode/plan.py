@@ -65,6 +65,11 @@ _IO_KINDS = {torch.float32: kernel_abi.W_F32_IO, torch.bfloat16: kernel_abi.W_BF
 _Lin, _Expert, _LayerC, _Net = kernel_abi.Lin, kernel_abi.Expert, kernel_abi.LayerC, kernel_abi.Net
 
 
+def _addresses(cache: KVCache) -> tuple[list[int], list[int]]:
+    """The addresses of a cache's layers' k and v (`prompt_pass.sequences`)."""
+    return [_ptr(k) for k in cache.k], [_ptr(v) for v in cache.v]
+
+
 def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_Lin, tuple[torch.Tensor, ...]]:
     """The kernels' operands of one weight (O, I) as `compact_linear.linear` multiplies one row by it
     on CPU, and the tensors they point into (the caller holds them as long as it uses the operands:
@@ -474,25 +479,38 @@ class DecodePlan:
         chosen expert once over all the positions that chose it, the products over many rows at once,
         with every expert in memory); None, the cache untouched, where the one-call step does not apply
         (`net` is None) or `takes` refuses the positions: the caller's modules run the prompt then."""
-        T = len(tokens)
-        if self.net is None or not tokens or not self.takes(cache, T):
+        if not tokens:
             return None
-        c, lib, pos = self.config, self.lib, cache.length
+        return self.batch(tokens, [cache], [len(tokens)], [len(tokens) - 1])
+
+    @torch.no_grad()
+    def batch(self, ids: list[int], caches: list[KVCache], counts: list[int], rows: list[int]
+              ) -> torch.Tensor | None:
+        """One step of several sequences at once, as `MoEGPT.forward_packed` takes them (sequence i's
+        `counts[i]` tokens of `ids` at its cache's next positions; each cache advances by them): the
+        logits (len(rows), V) of `rows`. The prompt pass over all their rows (`semoe.decode.prompt_pass`):
+        the products over every row at once, each row's attention over its own sequence, each chosen
+        expert once over the rows that chose it, the head over `rows` at once. A row's arithmetic is
+        the same whichever rows share its step. None, nothing touched, where the one-call step does not
+        apply (`net` is None) or `takes` refuses a cache: the caller's modules run the step then."""
+        if self.net is None or not ids or not all(self.takes(k, n) for k, n in zip(caches, counts)):
+            return None
+        c, lib, net = self.config, self.lib, ctypes.byref(self.net)
         threads = torch.get_num_threads()
-        x = self.model.embed(torch.tensor([tokens]))[0].contiguous()
-        cos, sin = (t[0].contiguous() for t in rope_tables(c, torch.arange(pos, pos + T)[None], x.dtype))
-        net = ctypes.byref(self.net)
-        kv = [(ctypes.c_void_p(_ptr(k)), ctypes.c_void_p(_ptr(v))) for k, v in zip(cache.k, cache.v)]
+        starts = [k.length for k in caches]
+        x = self.model.embed(torch.tensor([ids]))[0].contiguous()
+        pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, counts)])
+        cos, sin = (t[0].contiguous() for t in rope_tables(c, pos[None], x.dtype))
+        kc, vc, segs = prompt_pass.sequences([_addresses(k) for k in caches], [k.capacity for k in caches], starts,
+                                             counts)
         moe = frozenset(i for i, lay in enumerate(self.layers) if not isinstance(lay.ffn, DenseFFN))
-        work = lib.decode_work(net, cache.capacity)
-        try:
-            target = prompt_pass.Target(lib, net, kv, cache.capacity, pos, threads, c.top_k, moe)
-            prompt_pass.run(target, x.numpy(), cos.numpy(), sin.numpy())
-            logits = torch.empty(1, self.lm_head.O)
-            lib.decode_head(net, work, _ptr(x[-1]), _ptr(logits), threads)
-        finally:
-            lib.decode_work_free(work)
-        cache.length = pos + T
+        prompt_pass.run(prompt_pass.Target(lib, net, kc, vc, segs, threads, c.top_k, moe), x.numpy(), cos.numpy(),
+                        sin.numpy())
+        h = x[rows].contiguous()
+        logits = torch.empty(len(rows), self.lm_head.O)
+        lib.prefill_head(net, _ptr(h), len(rows), _ptr(logits), threads)
+        for k, p, n in zip(caches, starts, counts):
+            k.length = p + n
         return logits
 
     @torch.no_grad()

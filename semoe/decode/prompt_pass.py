@@ -36,38 +36,57 @@ def _p(a: np.ndarray) -> ctypes.c_void_p:
 
 @dataclass
 class Target:
-    """Where a prompt pass runs: the kernels `lib`, decode_step.c's `net` (a reference), each layer's k
-    and v caches (addresses) of `capacity` positions, the prompt's first position `pos0`, the threads,
-    the routed experts' top_k and which layers route (`moe`).
+    """Where a pass runs: the kernels `lib`, decode_step.c's `net` (a reference), the threads, the routed
+    experts' top_k and which layers route (`moe`), and the sequences whose rows it computes
+    (`sequences`): per layer, their k and v caches' addresses (`kc`, `vc`: ctypes arrays, one address a
+    sequence), and `segs` (n, 3) int64, each sequence's capacity, first position and rows, its rows
+    following the one before's in x. A prompt is one sequence; a batch of decoding ones a row each.
     `reader`: the torch-free runner's model (`inference.lean.LeanModel`), whose routed experts are read
     from storage into its cache as the pass chooses them; None where `net` points at every expert in
-    memory (the engine's resident model, `semoe.decode.plan.DecodePlan.prefill`)."""
+    memory (the engine's resident model, `semoe.decode.plan.DecodePlan`)."""
 
     lib: ctypes.CDLL
     net: object
-    kv: list
-    capacity: int
-    pos0: int
+    kc: list
+    vc: list
+    segs: np.ndarray
     threads: int
     top_k: int
     moe: frozenset
     reader: object = None
 
 
+def sequences(caches: list[tuple[list[int], list[int]]], capacities: list[int], positions: list[int],
+              counts: list[int]) -> tuple[list, list, np.ndarray]:
+    """A `Target`'s (kc, vc, segs) for sequences whose layers' k and v caches are at the addresses
+    `caches[i]` (two lists of a layer's each) of `capacities[i]` positions, their rows `counts[i]` from
+    `positions[i]`."""
+    n, layers = len(caches), len(caches[0][0])
+    for cap, pos, k in zip(capacities, positions, counts):
+        if k < 1 or pos + k > cap:
+            raise ValueError(f"{k} rows at position {pos} of a cache of {cap} positions")
+    kc = [(ctypes.c_void_p * n)(*(c[0][lay] for c in caches)) for lay in range(layers)]
+    vc = [(ctypes.c_void_p * n)(*(c[1][lay] for c in caches)) for lay in range(layers)]
+    return kc, vc, np.array([capacities, positions, counts], np.int64).T.copy()
+
+
 def run(target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
         on_layer: Callable[[int, int], None] | None = None) -> None:
-    """The prompt's T positions through every layer: x (T, D) float32, their embeddings, becomes the
-    residual stream after the last layer (the head's input); cos and sin (T, R) their rotary tables;
-    their k and v written into target's caches from pos0. `on_layer(done, layers)` after each layer."""
+    """The T rows of target's sequences through every layer: x (T, D) float32, their embeddings, becomes
+    the residual stream after the last layer (the head's input); cos and sin (T, R) their rotary tables;
+    their k and v written into their sequences' caches at their positions. `on_layer(done, layers)`
+    after each layer."""
+    if int(target.segs[:, 2].sum()) != len(x):
+        raise ValueError(f"{len(x)} rows for sequences of {target.segs[:, 2].tolist()}")
     p = _Pass(target, x, cos, sin)
     cache = None if target.reader is None else target.reader.cache
     ahead = None  # the next MoE layer's experts, read while this one computes
     try:
-        for lay in range(len(target.kv)):
+        for lay in range(len(target.kc)):
             p.attend(lay)
             ahead = p.feed_forward(lay, ahead)
             if on_layer is not None:
-                on_layer(lay + 1, len(target.kv))
+                on_layer(lay + 1, len(target.kc))
     finally:
         if ahead is not None:
             cache.end(ahead)
@@ -88,9 +107,8 @@ class _Pass:
 
     def attend(self, lay: int) -> None:
         t, T, K = self.t, self.T, self.K
-        lib, net, threads, (kp, vp) = t.lib, t.net, t.threads, t.kv[lay]
-        lib.prefill_attend(net, lay, _p(self.x), T, kp, vp, t.capacity, t.pos0, _p(self.cos), _p(self.sin), self.R,
-                           _p(self.ids), _p(self.w), K, threads)
+        t.lib.prefill_attend(t.net, lay, _p(self.x), T, t.kc[lay], t.vc[lay], _p(t.segs), len(t.segs), _p(self.cos),
+                             _p(self.sin), self.R, _p(self.ids), _p(self.w), K, t.threads)
 
     def feed_forward(self, lay: int, ahead):
         """Layer lay's feed-forward of every position; the next MoE layer's read-ahead (a

@@ -16,6 +16,8 @@
  * product's, so an expert's output equals the decoding step's. The routed experts' sum is taken in
  * the order of the list rather than of each position's top-k, so x agrees with token-by-token
  * decoding to float32 rounding, not to the bit (tests bound the difference). */
+#include <omp.h>
+
 #include "lin.h"
 
 #define PREFILL_ROWS 64 /* rows of one expert computed together: bounds its buffers */
@@ -74,12 +76,12 @@ int64_t prefill_expand_limit(int64_t bytes) {
     return before;
 }
 
-static int latent_rows_new(const Net *net, const Latent *m, int64_t P, LatentRows *b) {
+static int latent_rows_new(const Net *net, const Latent *m, int64_t P, int expand, LatentRows *b) {
     const int64_t H = net->H, R = net->R, M = PREFILL_ROWS, Dk = m->nope + R;
     b->qa = malloc(sizeof(float) * (size_t)(M * (m->q_a.O > 0 ? m->q_a.O : 1)));
     b->qb = malloc(sizeof(float) * (size_t)(M * H * (m->nope + R)));
     b->kv = malloc(sizeof(float) * (size_t)(M * (m->L + R)));
-    if ((int64_t)sizeof(float) * H * P * (Dk + m->dv) <= expand_limit) {
+    if (expand && (int64_t)sizeof(float) * H * P * (Dk + m->dv) <= expand_limit) {
         b->ke = malloc(sizeof(float) * (size_t)(H * P * Dk));
         b->ve = malloc(sizeof(float) * (size_t)(H * P * m->dv));
         b->qe = malloc(sizeof(float) * (size_t)(M * H * Dk));
@@ -119,17 +121,20 @@ static void latent_expand(const Latent *m, int64_t H, int64_t R, const float *la
     }
 }
 
-/* latent attention of nr normed rows h (positions pos0..) into att (nr, H * dv), by the team: each
- * row's q, latent and rotary key as `latent_attend` makes them, over the rows at once; the latents and
- * rotary keys of all nr positions are written (latents (S, L), rots (S, R)) before any row attends,
- * each over the positions up to its own. Expanded (b->ke): the positions' latents taken out to each
- * head's keys and values once (all earlier positions' too at the first rows, `first`), then attention
- * as grouped-query attention's with a group a head: nope + R products a score and dv a value, where
- * the absorbed form (decoding's, with no room for the expanded keys) takes L + R and L (per head:
- * qn and qlat, olat and attv are (H, nr, .)). p: H rows of P scores (ROW_GROUP each, expanded). */
-static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t nr, int64_t pos0, int first,
-                        int64_t P, const float *cos, const float *sin, int64_t Rc, float *latents, float *rots,
-                        LatentRows *b, float *p, float *att, Acts *a, int *oom) {
+/* latent attention of nr normed rows h into att (nr, H * dv), by the team, row r at position pos[r] of
+ * the sequence whose latents (S, L) and rotary keys (S, R) are lat[seg[r]], rot[seg[r]]: each row's q,
+ * latent and rotary key as `latent_attend` makes them, over the rows at once; the latents and rotary
+ * keys of all nr positions are written before any row attends, each row over the positions up to its
+ * own. Expanded (b->ke, one sequence alone, its rows at consecutive positions): the positions'
+ * latents taken out to each head's keys and values once (all earlier positions' too at the first
+ * rows, `first`), then attention as grouped-query attention's with a group a head: nope + R products a
+ * score and dv a value, where the absorbed form (decoding's, with no room for the expanded keys) takes
+ * L + R and L (per head: qn and qlat, olat and attv are (H, nr, .)). P: the expanded keys' positions;
+ * p: ROW_GROUP * Smax floats a thread. */
+static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t nr, const int64_t *seg,
+                        const int64_t *pos, void *const *lat, void *const *rot, int first, int64_t P,
+                        const float *cos, const float *sin, int64_t Rc, LatentRows *b, float *p, int64_t Smax,
+                        float *att, Acts *a, int *oom) {
     const int64_t H = net->H, R = net->R, nope = m->nope, L = m->L, dv = m->dv, Q = nope + R;
     if (m->q_a.O) {
         lin_product(&m->q_a, h, nr, a, b->qa, oom);
@@ -142,12 +147,13 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
     lin_product(&m->kv_a, h, nr, a, b->kv, oom);
     if (*oom) return;
     const int expanded = b->ke != NULL;
+    float *pt = p + (int64_t)omp_get_thread_num() * ROW_GROUP * Smax; /* this thread's scores */
 #pragma omp single
     for (int64_t r = 0; r < nr; r++) {
-        const int64_t pos = pos0 + r;
         const float *kv = b->kv + r * (L + R), *qb = b->qb + r * H * Q;
-        rmsnorm_f32(kv, m->kv_norm, m->eps, latents + pos * L, 1, L);
-        rope_rotate(kv + L, cos + r * Rc, sin + r * Rc, R, (int)m->interleave, rots + pos * R);
+        float *latents = (float *)lat[seg[r]], *rots = (float *)rot[seg[r]];
+        rmsnorm_f32(kv, m->kv_norm, m->eps, latents + pos[r] * L, 1, L);
+        rope_rotate(kv + L, cos + r * Rc, sin + r * Rc, R, (int)m->interleave, rots + pos[r] * R);
         for (int64_t hd = 0; hd < H; hd++) {
             float *qn = expanded ? b->qe + (r * H + hd) * Q : b->qn + (hd * nr + r) * nope;
             memcpy(qn, qb + hd * Q, sizeof(float) * (size_t)nope);
@@ -156,11 +162,10 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
         }
     }
     if (expanded) {
-        latent_expand(m, H, R, latents, rots, first ? 0 : pos0, pos0 + nr, P, b);
+        latent_expand(m, H, R, (const float *)lat[0], (const float *)rot[0], first ? 0 : pos[0], pos[0] + nr, P, b);
 #pragma omp for schedule(static)
         for (int64_t hd = 0; hd < H; hd++)
-            attend_rows_head(b->qe, b->ke, b->ve, H, H, Q, dv, P, pos0, nr, 0, m->scale, NULL,
-                             p + hd * ROW_GROUP * P, att, hd, 0);
+            attend_rows_head(b->qe, b->ke, b->ve, H, H, Q, dv, P, pos[0], nr, 0, m->scale, NULL, pt, att, hd, 0);
         return;
     }
     const int64_t nl = i8_blocks(L), nv = i8_blocks(dv);
@@ -168,11 +173,11 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
     for (int64_t t = 0; t < H * nl; t++) /* each head's no-rope queries into the latent space */
         f32_block(b->qn + t / nl * nr * nope, m->w_ukT + t / nl * L * nope, b->qlat + t / nl * nr * L, nr, L, nope,
                   t % nl);
-    for (int64_t r = 0; r < nr; r++) {
 #pragma omp for schedule(static)
-        for (int64_t hd = 0; hd < H; hd++)
-            mla_head(b->qlat + (hd * nr + r) * L, b->qrot + (r * H + hd) * R, latents, rots, L, R, pos0 + r + 1,
-                     m->scale, p + hd * (pos0 + nr), b->olat + (hd * nr + r) * L);
+    for (int64_t t = 0; t < nr * H; t++) {
+        const int64_t r = t / H, hd = t % H;
+        mla_head(b->qlat + (hd * nr + r) * L, b->qrot + (r * H + hd) * R, (const float *)lat[seg[r]],
+                 (const float *)rot[seg[r]], L, R, pos[r] + 1, m->scale, pt, b->olat + (hd * nr + r) * L);
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < H * nv; t++) /* each head's latent sums out to its values */
@@ -183,38 +188,49 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
             memcpy(att + (r * H + hd) * dv, b->attv + (hd * nr + r) * dv, sizeof(float) * (size_t)dv);
 }
 
-/* Layer l's attention and router for T positions from pos0, as `decode_attend` runs them position
- * after position: x (T, D) gets the attention's residual, ids and w (T, K) each position's choice (a
- * dense layer's: expert 0 of weight 1), the layer's caches kc, vc (G, S, Dh) its k and v (latent
- * attention: the latents (S, L) and rotary keys (S, R)). The norms and products take PREFILL_ROWS
- * rows at once; then the rows are prepared and rotated (their k and v written), and each attends
- * over the positions up to its own (a few rows at a time sharing each position's key and value).
- * cos, sin: (T, Rc) the positions' rotary tables. Returns 0; -1 where memory was short. */
-int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *kc, void *vc, int64_t S, int64_t pos0,
-                   const float *cos, const float *sin, int64_t Rc, int64_t *ids, float *w, int64_t K, int threads) {
+/* Layer l's attention and router for the T rows of a step, as `decode_attend` runs them position after
+ * position: the rows of nseg sequences, sequence i's segs[3i + 2] rows (consecutive in x) at its
+ * positions segs[3i + 1].. of its layer caches kc[i], vc[i] of segs[3i] positions each ((G, S, Dh)
+ * keys and values; latent attention: latents (S, L) and rotary keys (S, R)), written there. A prompt
+ * is one sequence of many rows; a batch of decoding sequences, one row each. x (T, D) gets the
+ * attention's residual, ids and w (T, K) each row's choice (a dense layer's: expert 0 of weight 1).
+ * The norms and products take PREFILL_ROWS rows at once, whichever sequences they are of; then the
+ * rows are prepared and rotated (their k and v written), and each attends over its sequence's
+ * positions up to its own (a sequence's consecutive rows a few at a time sharing each position's key
+ * and value). cos, sin: (T, Rc) the rows' rotary tables. Returns 0; -1 where memory was short. */
+int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *kc, void *const *vc,
+                   const int64_t *segs, int64_t nseg, const float *cos, const float *sin, int64_t Rc, int64_t *ids,
+                   float *w, int64_t K, int threads) {
     const Layer *ly = net->layers + l;
     const Latent *m = ly->mla;
     const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, R = PREFILL_ROWS;
     const int64_t Q = m ? 1 : (H + 2 * G) * Dh, A = H * (m ? m->dv : Dh);
     const int64_t E = ly->E > 0 ? ly->E : 1;
+    int64_t Smax = 1, np = 0, starts[PREFILL_ROWS + 1];
+    for (int64_t i = 0; i < nseg; i++) Smax = segs[3 * i] > Smax ? segs[3 * i] : Smax;
     float *h = malloc(sizeof(float) * (size_t)(R * D)), *qkv = malloc(sizeof(float) * (size_t)(R * Q));
     float *part = malloc(sizeof(float) * (size_t)(R * Q)), *att = malloc(sizeof(float) * (size_t)(R * A));
     float *tmp = malloc(sizeof(float) * (size_t)(R * D)), *qr = malloc(sizeof(float) * (size_t)(R * H * Dh));
-    float *p = malloc(sizeof(float) * (size_t)(ROW_GROUP * H * S)), *probs = malloc(sizeof(float) * (size_t)(R * E));
-    float *choice = malloc(sizeof(float) * (size_t)E);
+    float *p = malloc(sizeof(float) * (size_t)(threads * ROW_GROUP * Smax));
+    float *probs = malloc(sizeof(float) * (size_t)(R * E)), *choice = malloc(sizeof(float) * (size_t)E);
+    int64_t *seg = malloc(sizeof(int64_t) * (size_t)(2 * T + 1)), *pos = seg + T;
     unsigned char *masked = malloc((size_t)E);
     LatentRows lb = {0};
     Acts a;
-    int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked) ||
-              (m && !latent_rows_new(net, m, pos0 + T, &lb));
+    int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked && seg);
+    for (int64_t i = 0, r = 0; !oom && i < nseg; i++)
+        for (int64_t j = 0; j < segs[3 * i + 2] && r < T; j++, r++) seg[r] = i, pos[r] = segs[3 * i + 1] + j;
+    /* the expanded form for one sequence's prompt alone; a decoding row attends in the absorbed form,
+     * alone or beside others, so that its bits do not depend on what shares its step */
+    oom = oom || (m && !latent_rows_new(net, m, segs[1] + T, nseg == 1 && T > 1, &lb));
 #pragma omp parallel num_threads(threads)
     for (int64_t r0 = 0; r0 < T && !oom; r0 += R) {
         const int64_t nr = T - r0 < R ? T - r0 : R;
 #pragma omp single
         rmsnorm_f32(x + r0 * D, ly->attn_norm, ly->attn_eps, h, nr, D);
         if (m)
-            latent_rows(net, m, h, nr, pos0 + r0, r0 == 0, pos0 + T, cos + r0 * Rc, sin + r0 * Rc, Rc, (float *)kc,
-                        (float *)vc, &lb, p, att, &a, &oom); /* latent caches: float32 always */
+            latent_rows(net, m, h, nr, seg + r0, pos + r0, kc, vc, r0 == 0, segs[1] + T, cos + r0 * Rc, sin + r0 * Rc,
+                        Rc, &lb, p, Smax, att, &a, &oom); /* latent caches: float32 always */
         for (int64_t j = 0, off = 0; !m && j < ly->n_qkv; off += ly->qkv[j].O, j++) {
             lin_product(&ly->qkv[j], h, nr, &a, part, &oom);
 #pragma omp single
@@ -223,16 +239,27 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *kc, voi
         }
         if (!m && !oom) {
 #pragma omp single
-            for (int64_t r = 0; r < nr; r++) { /* every row's k and v into the caches before any row attends */
-                float *row = qkv + r * Q;
-                qkv_prepare(ly, row, H, G, Dh);
-                attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cos + (r0 + r) * Rc, sin + (r0 + r) * Rc, kc, vc,
-                              H, G, Dh, net->R, S, pos0 + r0 + r, qr + r * H * Dh, (int)net->kv16);
+            { /* every row's k and v into its caches before any row attends; the runs of a sequence's rows */
+                np = 0;
+                for (int64_t r = 0; r < nr; r++) {
+                    float *row = qkv + r * Q;
+                    const int64_t i = seg[r0 + r];
+                    if (r == 0 || i != seg[r0 + r - 1]) starts[np++] = r;
+                    qkv_prepare(ly, row, H, G, Dh);
+                    attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cos + (r0 + r) * Rc, sin + (r0 + r) * Rc,
+                                  kc[i], vc[i], H, G, Dh, net->R, segs[3 * i], pos[r0 + r], qr + r * H * Dh,
+                                  (int)net->kv16);
+                }
+                starts[np] = nr;
             }
+            float *pt = p + (int64_t)omp_get_thread_num() * ROW_GROUP * Smax;
 #pragma omp for schedule(static)
-            for (int64_t hd = 0; hd < H; hd++)
-                attend_rows_head(qr, kc, vc, H, G, Dh, Dh, S, pos0 + r0, nr, ly->window, net->scale, ly->sinks,
-                                 p + hd * ROW_GROUP * S, att, hd, (int)net->kv16);
+            for (int64_t u = 0; u < np * H; u++) {
+                const int64_t a0 = starts[u / H], i = seg[r0 + a0];
+                attend_rows_head(qr + a0 * H * Dh, kc[i], vc[i], H, G, Dh, Dh, segs[3 * i], pos[r0 + a0],
+                                 starts[u / H + 1] - a0, ly->window, net->scale, ly->sinks, pt, att + a0 * A, u % H,
+                                 (int)net->kv16);
+            }
         }
         lin_product(&ly->o, att, nr, &a, tmp, &oom);
 #pragma omp single
@@ -252,7 +279,26 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *kc, voi
         }
     }
     free(h), free(qkv), free(part), free(att), free(tmp), free(qr), free(p), free(probs), free(choice), free(masked);
+    free(seg);
     latent_rows_free(&lb);
+    return oom ? -1 : 0;
+}
+
+/* The final norm and the output product of n rows x (n, D) into logits (n, V), by the team: each row
+ * as `decode_head` computes it. Returns 0; -1 where memory was short. */
+int prefill_head(const Net *net, const float *x, int64_t n, float *logits, int threads) {
+    const int64_t D = net->D;
+    float *h = malloc(sizeof(float) * (size_t)(PREFILL_ROWS * D));
+    Acts a;
+    int oom = !h;
+#pragma omp parallel num_threads(threads)
+    for (int64_t r0 = 0; r0 < n && !oom; r0 += PREFILL_ROWS) {
+        const int64_t nr = n - r0 < PREFILL_ROWS ? n - r0 : PREFILL_ROWS;
+#pragma omp single
+        rmsnorm_f32(x + r0 * D, net->norm, net->norm_eps, h, nr, D);
+        lin_product(&net->head, h, nr, &a, logits + r0 * net->head.O, &oom);
+    }
+    free(h);
     return oom ? -1 : 0;
 }
 

@@ -273,8 +273,8 @@ def test_concurrent_clients_match_direct_generation(served, reference):
 def test_requests_joining_mid_stream_decode_together_and_get_their_own_tokens(engine, reference):
     """Continuous batching: a long streamed request, then seven more of different prompt and output
     lengths, streamed and not, joining while it streams. Each gets the greedy tokens it gets alone
-    (log-probs within 1e-4: rows of a batch of more than 16 go to torch's products, which round
-    differently), and the steps decoded several requests at once."""
+    (log-probs within 1e-4: a batch sums a row's experts in the order of their ids, a request alone in
+    the router's), and the steps decoded several requests at once."""
     eng = ScriptedEngine(engine)  # no stop ids: every request runs to its max_tokens
     eng.token_delay_s = 0.01  # a step of the tiny model takes a millisecond: slow it so that requests overlap
     server = LiveServer(create_app(eng, max_batch=8, max_batch_tokens=16))

@@ -394,6 +394,47 @@ def test_the_prompt_pass_is_the_plans_steps_for_every_architecture(arch_stores, 
     assert _relative(plan.step(5, caches[0]), plan.step(5, caches[1])) < WHOLE_ATOL
 
 
+@pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
+def test_a_batch_of_sequences_is_each_sequence_alone_for_every_architecture(arch_stores, arch, fmt):
+    """`DecodePlan.batch`, the server's step: two decoding sequences at other positions and a third's
+    prompt in one step, then the three decoding together. Each row's logits and each sequence's k and
+    v are the bits of that sequence stepped alone by `batch` (a row's arithmetic never depends on the
+    rows beside it: the products row by row, attention over its own cache, its experts summed in the
+    order of their ids), and within WHOLE_ATOL relative of the one-call step's and the prompt pass's
+    (which sum a row's experts in the router's order). Latent attention takes a prompt alone in its
+    expanded form and beside other sequences in the absorbed one (decoding's): that sequence's rows
+    and cache within WHOLE_ATOL of alone, the others' the same bits."""
+    model = load_store(arch_stores(arch, fmt))
+    plan, c = DecodePlan(model), model.config
+    prompts = [LONG[:6], LONG[10:19], LONG[30:34]]
+
+    def started() -> list[KVCache]:
+        caches = [KVCache.empty(c, 1, 24) for _ in prompts]
+        for p, k in zip(prompts[:2], caches):
+            plan.prefill(p, k)
+        return caches
+
+    steps = [([3, 9, *prompts[2]], [1, 1, 4], [0, 1, 5]), ([11, 4, 60], [1, 1, 1], [0, 1, 2])]
+    batched, alone, one_call = started(), started(), started()
+    for ids, counts, rows in steps:
+        got = plan.batch(ids, batched, counts, rows)
+        assert got.shape == (3, c.vocab_size)
+        starts = [sum(counts[:i]) for i in range(3)]
+        for i, (k, n) in enumerate(zip(alone, counts)):
+            seq_ids = ids[starts[i]:starts[i] + n]
+            one = plan.batch(seq_ids, [k], [n], [n - 1])[0]
+            if i == 2 and c.attention == "mla":  # its prompt's attention took the other form
+                assert _relative(got[i], one) < WHOLE_ATOL
+            else:
+                assert torch.equal(one, got[i]), i
+            ref = plan.step(seq_ids[0], one_call[i]) if n == 1 else plan.prefill(seq_ids, one_call[i])
+            assert _relative(got[i], ref[0]) < WHOLE_ATOL, i
+    for i, (a, b) in enumerate(zip(batched, alone)):
+        assert a.length == b.length
+        for x, y in zip(a.k + a.v, b.k + b.v):
+            assert _relative(x, y) < WHOLE_ATOL if i == 2 and c.attention == "mla" else torch.equal(x, y)
+
+
 @pytest.mark.parametrize("arch, fmt", [("deepseek_v2", "f32"), ("deepseek_v3", "f32"), ("deepseek_v3", "int4")])
 def test_a_prompts_latent_attention_expanded_and_absorbed(arch_stores, arch, fmt):
     """Latent attention's prompt rows attend in the expanded form (each position's latent taken out to
