@@ -1,8 +1,8 @@
 """semoe serve under load: continuous batching with closed-loop clients, beside its floor and its peer.
 
 A real `semoe serve` process on bench_offload's Mixtral-shaped checkpoint (--workdir's store, float32
-experts by default; --store names another), with every expert in its CPU cache (100%) and with 25%
-of them (--cache). Closed-loop clients (each sends its next request when its last one ends; the
+experts by default; --store names another), with every expert in memory (100%: no budget flag, the
+server's own choice, resident where the model fits) and with a CPU cache of 25% of them (--cache). Closed-loop clients (each sends its next request when its last one ends; the
 server's --max-batch is the largest client count) stream completions of distinct 16-token prompts,
 a fixed --new-tokens each (`ignore_eos`), --rounds requests per client. Per point:
 
@@ -16,6 +16,11 @@ a fixed --new-tokens each (`ignore_eos`), --rounds requests per client. Per poin
                  the disk's raw read rate) = min(tok/s at 100% with B clients, raw rate / bytes/tok),
                  the raw rate measured in the same run (every expert file read as the server reads
                  them: whole chunks in a random order, O_DIRECT, 16 in flight; the best of 3 passes)
+
+The prefix part (--parts prefix) serves --store with no budget flag (the server's own choice, as a
+user runs it) and times a chat's next turn: a --system-tokens system prompt and a user turn, then the
+whole conversation again with a new turn (its KV reused: `--prefix-cache`), then another system
+prompt of the same length.
 
 In the same run: transformers generating one request at a time (the floor: what serving without a
 batching engine gives), and llama.cpp's llama-server (built once from bench/llama_peer.py's sources,
@@ -121,7 +126,7 @@ def _one_request(port: int, prompt: list[int], new_tokens: int) -> dict:
         resp = conn.getresponse()
         if resp.status != 200:
             raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:200]!r}")
-        stamps = []
+        stamps, ids = [], []
         while line := resp.readline():
             if not line.startswith(b"data: ") or line.startswith(b"data: [DONE]"):
                 continue
@@ -129,11 +134,13 @@ def _one_request(port: int, prompt: list[int], new_tokens: int) -> dict:
             choice = (event.get("choices") or [{}])[0]
             n = len(choice.get("token_ids") or []) or (1 if choice.get("text") else 0)
             stamps += [time.perf_counter()] * n
+            ids += choice.get("token_ids") or []
     finally:
         conn.close()
     if not stamps:
         raise RuntimeError("the stream held no tokens")
-    return {"tokens": len(stamps), "ttft": stamps[0] - t0, "gaps": [b - a for a, b in itertools.pairwise(stamps)]}
+    return {"tokens": len(stamps), "ttft": stamps[0] - t0, "gaps": [b - a for a, b in itertools.pairwise(stamps)],
+            "ids": ids}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -179,9 +186,11 @@ def _storage_counter(port: int) -> float:
 
 
 def ours(args: argparse.Namespace, store: str, cache: int, clients: list[int]) -> list[dict]:
-    cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}", "--cpu-cache",
-           f"{cache}%", "--max-batch", str(max(clients)), "--max-batch-tokens", str(max(256, max(clients) * 2)),
-           "--max-queue", str(max(64, max(clients)))]
+    # 100%: no budget flag, the server's own choice (every expert resident where the model fits, its
+    # steps on the compiled kernels), as a user runs it; below, the offload engine's CPU cache
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}",
+           *([] if cache == 100 else ["--cpu-cache", f"{cache}%"]), "--max-batch", str(max(clients)),
+           "--max-batch-tokens", str(max(256, max(clients) * 2)), "--max-queue", str(max(64, max(clients)))]
     drop_cache(store)
     out = []
     with Server(cmd, "/health", os.path.join(args.logs, f"semoe-{cache}.log")) as srv:
@@ -194,6 +203,34 @@ def ours(args: argparse.Namespace, store: str, cache: int, clients: list[int]) -
             r["storage_bytes_per_token"] = (_storage_counter(srv.port) - own0) / r["tokens"]
             out.append({"engine": "semoe", "cache_pct": cache, **r})
     return out
+
+
+def prefix_reuse(args: argparse.Namespace, store: str) -> dict:
+    """A chat's next turn, as clients send it: the whole conversation again. `semoe serve` as a user runs
+    it (no budget flag) gets a --system-tokens system prompt and a 16-token user turn, then the same
+    with its answer and a new turn, then another system prompt of the same length (nothing to reuse);
+    the time to the first token of each."""
+    import random
+
+    from storage.reader import StoreReader
+
+    vocab = json.loads(StoreReader.open(store).read_file("config.json"))["vocab_size"]
+    rng = random.Random(7)
+    words = lambda n: [rng.randrange(3, vocab) for _ in range(n)]  # noqa: E731
+    system, turn, again, other = words(args.system_tokens), words(16), words(16), words(args.system_tokens)
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}"]
+    drop_cache(store)
+    with Server(cmd, "/health", os.path.join(args.logs, "semoe-prefix.log")) as srv:
+        _one_request(srv.port, words(16), 4)  # warm-up
+        print(f"semoe, a {args.system_tokens}-token system prompt and its next turn ...", file=sys.stderr)
+        first = _one_request(srv.port, system + turn, args.new_tokens)
+        second = _one_request(srv.port, system + turn + first["ids"] + again, args.new_tokens)
+        fresh = _one_request(srv.port, other + turn, args.new_tokens)
+        reused = next((float(line.split()[1]) for line in _get(srv.port, "/metrics").decode().splitlines()
+                       if line.startswith("semoe_prefix_cache_reused_tokens_total ")), 0.0)
+    return {"system_tokens": args.system_tokens, "first_ttft_s": first["ttft"], "next_turn_ttft_s": second["ttft"],
+            "fresh_ttft_s": fresh["ttft"], "reused_tokens": reused,
+            "next_turn_prompt_tokens": len(system + turn + first["ids"] + again)}
 
 
 def llama_server(args: argparse.Namespace, clients: list[int]) -> list[dict]:
@@ -267,8 +304,9 @@ def report(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=2))
         return
-    print(f"transformers, one request at a time: {result['transformers_tok_s']:.2f} tok/s; raw disk read "
-          f"{result['raw_disk_bytes_s'] / 1e9:.2f} GB/s")
+    if "transformers_tok_s" in result:
+        print(f"transformers, one request at a time: {result['transformers_tok_s']:.2f} tok/s; raw disk read "
+              f"{result['raw_disk_bytes_s'] / 1e9:.2f} GB/s")
     for r in result["points"]:
         line = (f"{r['engine']:12s} cache {r['cache_pct']:3d}% {r['clients']:3d} clients: {r['tok_s']:7.2f} tok/s | "
                 f"TTFT p50 {r['ttft_p50_s']:.3f} p99 {r['ttft_p99_s']:.3f} s | ITL p50 {r['itl_p50_s'] * 1e3:.1f} "
@@ -281,6 +319,12 @@ def report(result: dict, as_json: bool) -> None:
         print(line)
     for line in result["ratios"]:
         print(line)
+    p = result.get("prefix")
+    if p:
+        print(f"prefix reuse, a {p['system_tokens']}-token system prompt: first turn {p['first_ttft_s']:.2f} s to "
+              f"the first token; the next turn ({p['next_turn_prompt_tokens']} prompt tokens, "
+              f"{p['reused_tokens']:.0f} reused) {p['next_turn_ttft_s']:.2f} s: "
+              f"{p['next_turn_ttft_s'] / p['first_ttft_s']:.3f}x; another system prompt {p['fresh_ttft_s']:.2f} s")
 
 
 def ratios(points: list[dict]) -> list[str]:
@@ -312,8 +356,15 @@ def main() -> int:
                                            "of bench/llama_peer.py's environment)")
     ap.add_argument("--no-peer", action="store_true", help="skip llama-server")
     ap.add_argument("--logs", default=None, help="where the servers' logs go (default WORKDIR/serve-logs)")
+    ap.add_argument("--parts", default="load,prefix",
+                    help="load: the closed-loop clients against each cache and llama-server; prefix: a chat's "
+                         "next turn reusing its system prompt's KV (default both)")
+    ap.add_argument("--system-tokens", type=int, default=1024, help="the prefix part's system prompt (default 1024)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    parts = set(args.parts.split(","))
+    if parts - {"load", "prefix"}:
+        raise SystemExit(f"--parts takes load and prefix, got {args.parts!r}")
     clients = [int(c) for c in args.clients.split(",")]
     caches = [int(c) for c in args.cache.split(",")]
     store = os.path.join(args.workdir, args.store)
@@ -330,6 +381,9 @@ def main() -> int:
             args.llama_server = peer.ensure_server(peer.ensure_env())
     args.logs = args.logs or os.path.join(args.workdir, "serve-logs")
     os.makedirs(args.logs, exist_ok=True)
+    if "load" not in parts:
+        report({"points": [], "ratios": [], "prefix": prefix_reuse(args, store)}, args.json)
+        return 0
     result = {"raw_disk_bytes_s": raw_disk_rate(store), "transformers_tok_s": transformers_floor(args)["tok_s"]}
     points = []
     for cache in sorted(caches, reverse=True):
@@ -342,6 +396,8 @@ def main() -> int:
         points += llama_server(args, clients)
     result["points"] = points
     result["ratios"] = ratios(points)
+    if "prefix" in parts:
+        result["prefix"] = prefix_reuse(args, store)
     report(result, args.json)
     return 0
 

@@ -113,14 +113,15 @@ def _pick_template(value: object, where: str) -> str | None:
     raise BadInputError(f"{where}: chat_template must be a string or a list with a 'default' entry")
 
 
-def _side_files(path: str) -> dict[str, bytes]:
-    """The template-bearing files of a HuggingFace directory or a store, those that exist (through the
-    store's torch-free reader: the torch-free runner's --chat reads them too)."""
+def _side_files(path: str, store=None) -> dict[str, bytes]:
+    """The template-bearing files of a HuggingFace directory or a store (`store`, where the caller opened
+    it), those that exist (through the store's torch-free reader: the torch-free runner's --chat reads
+    them too)."""
     from storage.reader import StoreReader, is_store
 
     out: dict[str, bytes] = {}
-    if is_store(path):
-        store = StoreReader.open(path)
+    if store is not None or is_store(path):
+        store = store or StoreReader.open(path)
         for name in (_TEMPLATE_FILE, _TOKENIZER_CONFIG):
             if store.manifest.has_file(name):
                 out[name] = store.read_file(name)
@@ -133,9 +134,10 @@ def _side_files(path: str) -> dict[str, bytes]:
     return out
 
 
-def load_chat_template(path: str) -> ChatTemplate:
-    """The chat template of the model at `path` (HuggingFace directory or store), else the fallback."""
-    files = _side_files(path)
+def load_chat_template(path: str, store=None) -> ChatTemplate:
+    """The chat template of the model at `path` (HuggingFace directory or store: `store` where the caller
+    opened it), else the fallback."""
+    files = _side_files(path, store)
     config: dict = {}
     if _TOKENIZER_CONFIG in files:
         where = os.path.join(path, _TOKENIZER_CONFIG)

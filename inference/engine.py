@@ -56,16 +56,19 @@ class Engine:
             self._unplanned = str(e)
 
     @classmethod
-    def load(cls, path: str, config: EngineConfig | None = None, *,
+    def load(cls, path: str | Store, config: EngineConfig | None = None, *,
              progress: Callable[[int], None] | None = None) -> "Engine":
-        """Load a HuggingFace directory or a store; offloading needs a store (a directory is imported
-        into a temporary one first). `progress` is called with the bytes of each weight read while the
-        model loads (the offloaded experts' preload excluded)."""
+        """Load a HuggingFace directory or a store (its path, or the store opened); offloading needs a
+        store (a directory is imported into a temporary one first). `progress` is called with the bytes
+        of each weight read while the model loads (the offloaded experts' preload excluded)."""
         config = config or EngineConfig()
         dtype = getattr(torch, config.dtype)
+        opened = path if isinstance(path, Store) else None
+        path = opened.root if opened is not None else path
         name = os.path.basename(os.path.normpath(path))
         if not config.offloaded:
-            source = Store.open(path) if is_store(path) else path  # a store once: model and tokenizer read it
+            # a store once: model and tokenizer read it
+            source = opened or (Store.open(path) if is_store(path) else path)
             model = load_model(source, device=config.device, dtype=dtype, dense=config.dense, progress=progress)
             stack_projections(model)  # float q, k and v too: a model that only serves needs no separate ones
             return cls(model, load_model_tokenizer(source, model.config), name=name, config=config)
@@ -80,7 +83,7 @@ class Engine:
             store_path = os.path.join(cleanup, "store")
             log.warning("%s is not a store: importing it into %s for offloading", path, store_path)
             import_checkpoint(path, store_path)
-        store = Store.open(store_path)  # once: the model loader, the ring and the tokenizer read it
+        store = opened or Store.open(store_path)  # once: the model loader, the ring and the tokenizer read it
         model = load_store(store, device=config.device, dtype=dtype, with_experts=False, dense=config.dense,
                            embedding_in_store=True, progress=progress)
         stack_projections(model)

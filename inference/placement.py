@@ -37,15 +37,15 @@ class ModelBytes:
     stored_experts: int = 0
 
 
-def model_bytes(path: str, compute_itemsize: int = 4) -> ModelBytes:
+def model_bytes(path: str, compute_itemsize: int = 4, manifest=None) -> ModelBytes:
     """The bytes a resident load of the store or HuggingFace directory at `path` holds, weights only
-    (headers and manifest only; no tensor data is read)."""
+    (headers and manifest only, `manifest` where the caller read it; no tensor data is read)."""
     def held(dtype: str, numel: int, stored: int, compact: bool) -> int:
         return stored if compact or dtype not in FLOAT_DTYPES else numel * compute_itemsize
 
     total = experts = stored = stored_experts = 0
-    if is_store(path):
-        manifest = StoreReader.open(path).manifest
+    if manifest is not None or is_store(path):
+        manifest = manifest or StoreReader.open(path).manifest
         for t in manifest.tensors:
             if t.kind != "weight":  # a training run's optimizer states: never loaded for inference
                 continue

@@ -28,6 +28,14 @@ freed, and it waits ahead of the queue until there is room again, then computes 
 tokens it had generated as one prefill and goes on where it stopped, with its own sampler. A request
 whose whole cache fits the budget alone (the server refuses the others) therefore always finishes.
 
+A request that fails fails alone: where a step of several raises, each is stepped again alone
+(from the positions it had) and only those that raise again end with their error; a request whose
+logits are not finite, or whose sampling raises, ends with its error.
+
+Prefixes: a finished request's cache is kept (`inference.prefix_cache`, within `--prefix-cache`, by
+default sharing the KV memory, whose running requests evict kept ones before any waits); a new or
+resumed request copies the positions it shares with one and computes the rest.
+
 Offloaded experts: the offload counters start when the scheduler goes from idle to busy and are read
 (draining queued speculative reads) only when it is idle again, so one request ending does not
 cancel reads the others need.
@@ -37,6 +45,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import logging
 import threading
 import time
@@ -47,6 +56,8 @@ import torch
 
 from inference.events import DoneEvent, ErrorEvent, TokenEvent
 from inference.openai_protocol import GenRequest
+from inference.prefix_cache import PrefixCache
+from inference.serve_config import ServeConfig
 from inference.text_stream import TextAssembler
 from semoe.attention import KVCache
 from semoe.generate import choose, new_cache
@@ -57,6 +68,10 @@ log = logging.getLogger(__name__)
 
 class QueueFullError(Exception):
     """More requests are waiting than the server admits."""
+
+
+class KVMemoryError(ValueError):
+    """A request whose KV cache can never fit the server's KV memory."""
 
 
 @dataclass(kw_only=True, eq=False)
@@ -97,31 +112,24 @@ class _Running:
     t_last: float = 0.0
 
 
-KV_GROW_TOKENS = 256  # positions a request's KV cache holds beyond its prompt at first, and grows by
-
-
 class BatchScheduler:
     """One thread stepping every running request together; at most `max_queue` requests may wait
     for a place among the `max_batch` running ones."""
 
-    def __init__(self, engine, metrics, *, max_queue: int, max_batch: int = 16, max_batch_tokens: int = 256,
-                 kv_memory_bytes: int | None = None, kv_grow_tokens: int = KV_GROW_TOKENS,
+    def __init__(self, engine, metrics, config: ServeConfig,
                  on_finished: Callable[[Job, dict], None] | None = None) -> None:
-        if max_batch < 1 or max_batch_tokens < max_batch:
-            raise ValueError(f"max_batch must be >= 1 and max_batch_tokens >= max_batch, got {max_batch} and "
-                             f"{max_batch_tokens}")
-        if kv_memory_bytes is not None and kv_memory_bytes < 1:
-            raise ValueError(f"kv_memory_bytes must be >= 1, got {kv_memory_bytes}")
-        if kv_grow_tokens < 1:
-            raise ValueError(f"kv_grow_tokens must be >= 1, got {kv_grow_tokens}")
-        self.kv_grow_tokens = kv_grow_tokens
-        self.kv_memory_bytes = kv_memory_bytes  # the running requests' KV caches together; None: no limit
+        self.config = config
+        self.kv_grow_tokens = config.kv_grow_tokens
+        self.kv_memory_bytes = config.kv_memory_bytes  # the running requests' KV caches together; None: no limit
         self.engine = engine
         self.metrics = metrics
-        self.max_queue = max_queue
-        self.max_batch = max_batch
-        self.max_batch_tokens = max_batch_tokens
+        self.max_queue = config.max_queue
+        self.max_batch = config.max_batch
+        self.max_batch_tokens = config.max_batch_tokens
         self.on_finished = on_finished  # (job, record) once a job ends, however it ends
+        # finished requests' KV caches, for prompts that begin with their tokens (the scheduler's thread
+        # alone touches it); within the KV memory where it is limited
+        self.prefix = PrefixCache(config.prefix_bytes, engine.kv_cache_bytes)
         self._pending: collections.deque[Job] = collections.deque()
         self._running: list[_Running] = []  # in admission order: the newest last
         self._preempted: list[_Running] = []  # waiting for room to go on, ahead of `_pending`
@@ -135,9 +143,29 @@ class BatchScheduler:
         """Start the thread."""
         self._thread.start()
 
+    def sized(self, req: GenRequest) -> GenRequest:
+        """The request as the KV memory admits it: one without max_tokens that could never fit its
+        cache runs as far as the memory holds; KVMemoryError where even that, or its max_tokens, cannot
+        fit (it would wait forever)."""
+        budget = self.kv_memory_bytes
+        if budget is None or self.kv_bytes_of(req) <= budget:
+            return req
+        if not req.max_tokens_set:  # no max_tokens: as far as the budget holds, rather than the rest of the context
+            fit = budget // self.engine.kv_cache_bytes(1) - len(req.prompt_ids)
+            if fit >= 1:
+                req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_new_tokens=fit))
+                if self.kv_bytes_of(req) <= budget:
+                    return req
+        raise KVMemoryError(f"this request's KV cache ({self.kv_bytes_of(req)} bytes for {len(req.prompt_ids)} prompt "
+                            f"tokens + max_tokens {req.sampling.max_new_tokens}) exceeds the server's KV memory "
+                            f"limit of {budget} bytes (--kv-memory); ask for fewer max_tokens or a shorter prompt")
+
     def submit(self, *jobs: Job) -> None:
         """Queue jobs (an answer's choices: all or none); QueueFullError when they would make more than
-        `max_queue` wait."""
+        `max_queue` wait, KVMemoryError when one can never fit the KV memory (`sized` says which do)."""
+        for job in jobs:
+            if self.kv_memory_bytes is not None and self.kv_bytes_of(job.request) > self.kv_memory_bytes:
+                self.sized(job.request)  # raises, naming the request's needs
         with self._cv:
             if self._closing:
                 raise QueueFullError("the server is shutting down")
@@ -198,7 +226,7 @@ class BatchScheduler:
             for job in admitted:  # caches are allocated outside the lock: submit() never waits on them
                 try:
                     self._running.append(self._admit(job))
-                except ValueError as e:  # a request the model or the KV budget cannot take: its error alone
+                except ValueError as e:  # a request the model cannot take (`check_prompt`): its error alone
                     self.metrics.failed.inc()
                     job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
                     self._record(job, "error", [], None, time.perf_counter())
@@ -209,12 +237,10 @@ class BatchScheduler:
                     self.engine.offload.begin_request()
             try:
                 self._step()
-            except Exception as e:  # noqa: BLE001 - the batch's failure ends its requests; the server keeps serving
-                log.exception("a generation step failed")
+            except Exception as e:  # noqa: BLE001 - a step of one request, or the step's own work, failed: the
+                log.exception("a generation step failed")  # requests it held end; the server keeps serving
                 for r in list(self._running):
-                    self.metrics.failed.inc()
-                    r.job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
-                    self._end(r, "error")
+                    self._fail(r, e)
             self.metrics.running.set(len(self._running))
 
     def kv_bytes_of(self, req: GenRequest) -> int:
@@ -229,8 +255,8 @@ class BatchScheduler:
     def _take_admissible(self) -> tuple[list[_Running], list[Job]]:
         """Preempted requests, then waiting jobs, in arrival order, while the batch has places and their
         KV caches fit beside the running ones' (the first that does not fit waits, and those behind
-        it); called under the lock. One whose cache cannot fit even alone is taken when nothing runs,
-        to fail at admission rather than block the queue (the server answers it 400 before it queues)."""
+        it); called under the lock. Every queued job's whole cache fits the budget alone (`submit`), so
+        the first always fits when nothing runs."""
         resumed: list[_Running] = []
         taken: list[Job] = []
         reserved = sum(r.kv_bytes for r in self._running)
@@ -245,6 +271,8 @@ class BatchScheduler:
                 need = self.engine.kv_cache_bytes(self._positions(r.job.request, len(r.tokens)))
             else:
                 need = self.engine.kv_cache_bytes(self._positions(self._pending[0].request, 0))
+            if self.kv_memory_bytes is not None and reserved + need + self.prefix.bytes > self.kv_memory_bytes:
+                self.prefix.evict(reserved + need + self.prefix.bytes - self.kv_memory_bytes)  # kept prefixes first
             if self.kv_memory_bytes is not None and reserved + need > self.kv_memory_bytes \
                     and (reserved or taken or resumed):
                 break
@@ -258,18 +286,23 @@ class BatchScheduler:
     def _admit(self, job: Job) -> _Running:
         req = job.request
         tok = self.engine.tokenizer
-        full = self.kv_bytes_of(req)
-        if self.kv_memory_bytes is not None and full > self.kv_memory_bytes:
-            raise ValueError(f"the request's KV cache ({full} bytes) exceeds the KV memory limit of "
-                             f"{self.kv_memory_bytes} bytes")
         positions = self._positions(req, 0)
         cache = new_cache(self.engine.model, req.prompt_ids, positions - len(req.prompt_ids))
         need = self.engine.kv_cache_bytes(positions)
-        self._busy_tokens += len(req.prompt_ids)
+        reused = self._reuse(req.prompt_ids, cache)
+        self._busy_tokens += len(req.prompt_ids) - reused
         self.metrics.kv_bytes.inc(need)
         return _Running(job=job, cache=cache, generator=torch.Generator().manual_seed(req.sampling.seed),
                         text=TextAssembler(tok.decode if tok is not None else (lambda ids: ""), req.stops),
-                        kv_bytes=need, todo=list(req.prompt_ids))
+                        kv_bytes=need, todo=list(req.prompt_ids[reused:]))
+
+    def _reuse(self, tokens: list[int], cache: KVCache) -> int:
+        """Copy into `cache` the positions a kept prefix shares with `tokens` (`PrefixCache.lookup`); how many."""
+        src, n = self.prefix.lookup(tokens)
+        if n:
+            cache.copy_from(src, n)
+            log.info("prefix cache: %d of %d prompt tokens reused", n, len(tokens))
+        return n
 
     def _resume(self, r: _Running) -> None:
         """Readmit a preempted request: a new cache, and its prompt and tokens to compute again (the
@@ -278,7 +311,8 @@ class BatchScheduler:
         positions = self._positions(req, len(r.tokens))
         r.cache = new_cache(self.engine.model, req.prompt_ids, positions - len(req.prompt_ids))
         r.kv_bytes = self.engine.kv_cache_bytes(positions)
-        r.todo = list(req.prompt_ids) + r.tokens
+        todo = list(req.prompt_ids) + r.tokens
+        r.todo = todo[self._reuse(todo, r.cache):]
         self._busy_tokens += len(r.todo)
         self.metrics.kv_bytes.inc(r.kv_bytes)
         self._running.append(r)
@@ -290,6 +324,9 @@ class BatchScheduler:
         req = r.job.request
         positions = min(len(req.prompt_ids) + req.sampling.max_new_tokens, r.cache.capacity + self.kv_grow_tokens)
         extra = self.engine.kv_cache_bytes(positions) - r.kv_bytes
+        held = sum(x.kv_bytes for x in self._running) + extra + self.prefix.bytes
+        if self.kv_memory_bytes is not None and held > self.kv_memory_bytes:
+            self.prefix.evict(held - self.kv_memory_bytes)  # kept prefixes go before a running request waits
         while self.kv_memory_bytes is not None \
                 and sum(x.kv_bytes for x in self._running) + extra > self.kv_memory_bytes:
             victim = self._running[-1]
@@ -326,43 +363,65 @@ class BatchScheduler:
                 self._grow(r)
         if not self._running:
             return
-        ids: list[int] = []
-        caches: list[KVCache] = []
-        counts: list[int] = []
-        rows: list[int] = []
-        sampled: list[_Running] = []
+        parts: list[tuple[_Running, list[int], bool]] = []  # (request, its tokens this step, sampled)
         room = self.max_batch_tokens
         for r in self._running:  # decoding requests first: a long prompt never stalls them
             if not r.todo:
-                ids.append(r.tokens[-1])
-                caches.append(r.cache)
-                counts.append(1)
-                rows.append(len(ids) - 1)
-                sampled.append(r)
+                parts.append((r, [r.tokens[-1]], True))
                 room -= 1
         for r in self._running:
             if r.todo and room > 0:
                 n = min(len(r.todo), room)
-                ids += r.todo[:n]
+                parts.append((r, r.todo[:n], n == len(r.todo)))  # its last prompt row gives its first token
                 del r.todo[:n]
-                caches.append(r.cache)
-                counts.append(n)
                 room -= n
-                if not r.todo:  # its last prompt row gives its first token
-                    rows.append(len(ids) - 1)
-                    sampled.append(r)
-        self.metrics.batch.observe(len(caches))
-        logits_SV = self._forward(ids, caches, counts, rows)
-        for r, logits in zip(sampled, logits_SV):
-            self._emit(r, logits[None])
+        self.metrics.batch.observe(len(parts))
+        starts = [r.cache.length for r, _, _ in parts]
+        try:
+            sampled = list(zip([r for r, _, s in parts if s], self._forward(parts)))
+        except Exception as e:  # noqa: BLE001 - one request's failure is its own: each alone finds whose
+            log.exception("a generation step of %d requests failed", len(parts))
+            sampled = []
+            for part, start in zip(parts, starts):
+                if len(parts) == 1:
+                    self._fail(part[0], e)
+                    break
+                part[0].cache.length = start  # what the failed step wrote is written again
+                try:
+                    sampled += [(part[0], logits) for logits in self._forward([part])]
+                except Exception as alone:  # noqa: BLE001
+                    log.warning("request %s fails alone too: %s", part[0].job.id, alone)
+                    self._fail(part[0], alone)
+        for r, logits in sampled:
+            try:
+                self._emit(r, logits[None])
+            except Exception as e:  # noqa: BLE001 - its sampling's failure (a NaN, a parameter) is its own
+                self._fail(r, e)
 
-    def _forward(self, ids: list[int], caches: list[KVCache], counts: list[int], rows: list[int]) -> torch.Tensor:
+    def _forward(self, parts: list[tuple[_Running, list[int], bool]]) -> torch.Tensor:
+        """The engine's packed forward of the requests' tokens: logits of the rows sampled."""
+        ids, caches, counts, rows = [], [], [], []
+        for r, tokens, sampled in parts:
+            ids += tokens
+            caches.append(r.cache)
+            counts.append(len(tokens))
+            if sampled:
+                rows.append(len(ids) - 1)
         with self.engine.lock:
             return self.engine.step(ids, caches, counts, rows)
+
+    def _fail(self, r: _Running, e: BaseException) -> None:
+        """End r with an error naming e; the others go on."""
+        self.metrics.failed.inc()
+        r.job.post(ErrorEvent(message=f"generation failed: {type(e).__name__}: {e}"))
+        if r in self._running:
+            self._end(r, "error")
 
     def _emit(self, r: _Running, logits_1V: torch.Tensor) -> None:
         """Sample r's next token as `semoe.generate.generate` does, and hand it to the client."""
         req = r.job.request
+        if not bool(torch.isfinite(logits_1V).all()):
+            raise FloatingPointError("the model's logits for this request are not finite (NaN or infinity)")
         token, logprob, top = choose(logits_1V, req.sampling, r.generator, req.top_logprobs)
         r.tops.append(top)
         now = time.perf_counter()
@@ -384,9 +443,12 @@ class BatchScheduler:
             self._end(r, "length")
 
     def _end(self, r: _Running, status: str) -> None:
-        """Take r out of the batch, free its cache, and answer it (stop, length) or record it."""
+        """Take r out of the batch, keep its cache's positions for later prompts that begin with its
+        tokens (unless it failed), free its cache, and answer it (stop, length) or record it."""
         self._running.remove(r)
         self.metrics.kv_bytes.dec(r.kv_bytes)
+        if status != "error" and r.cache is not None:
+            self.prefix.add(list(r.job.request.prompt_ids) + r.tokens, r.cache)
         t_end = time.perf_counter()
         self._record(r.job, status, r.tokens, r.t_first, t_end)
         if status not in ("stop", "length"):

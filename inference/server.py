@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import json
 import logging
 import socket
@@ -27,13 +26,14 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from inference.chat import ChatTemplate
 from inference.openai_protocol import APIError, GenRequest, Reply, choice, parse_chat, parse_completion, sse
 from inference.events import DoneEvent, ErrorEvent, TokenEvent
-from inference.scheduler import KV_GROW_TOKENS, BatchScheduler, Job, QueueFullError
+from inference.scheduler import BatchScheduler, Job, KVMemoryError, QueueFullError
+from inference.serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
 
@@ -97,6 +97,22 @@ class ServerMetrics:
                                           "SSD tier) since the server started", value=read_bytes())
 
         self.registry.register(Reads())
+
+    def count_prefix_cache(self, prefix) -> None:
+        """Export the prefix cache's counters (`inference.prefix_cache.PrefixCache`), read at scrape."""
+
+        class Prefixes:
+            def collect(self):
+                yield CounterMetricFamily("semoe_prefix_cache_hits", "requests whose prompt began with a kept "
+                                          "prefix's tokens", value=prefix.hits)
+                yield CounterMetricFamily("semoe_prefix_cache_reused_tokens", "prompt tokens taken from kept "
+                                          "prefixes instead of computed", value=prefix.tokens_reused)
+                yield CounterMetricFamily("semoe_prefix_cache_evictions", "kept prefixes dropped for room",
+                                          value=prefix.evictions)
+                yield GaugeMetricFamily("semoe_prefix_cache_bytes", "KV bytes of the kept prefixes", value=prefix.bytes)
+                yield GaugeMetricFamily("semoe_prefix_cache_entries", "kept prefixes", value=len(prefix))
+
+        self.registry.register(Prefixes())
 
     def observe(self, *, prompt_tokens: int, tokens: int, seconds: float, ttft_s: float, decode_tok_s: float,
                 stats: dict) -> None:
@@ -227,24 +243,18 @@ class _Answer:
             pump.cancel()
 
 
-def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | None = None,
-               request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256,
-               kv_memory_bytes: int | None = None, kv_grow_tokens: int = KV_GROW_TOKENS) -> FastAPI:
-    """The FastAPI application serving `engine`; `chat_template` defaults to the fallback template
-    (load a model's own with `inference.chat.load_chat_template`); `request_log`: a file that gets
-    one JSON line per finished request (`RequestLog`); `max_batch` requests decode together, in
-    steps of at most `max_batch_tokens` rows, their KV caches within `kv_memory_bytes`, each growing
-    by `kv_grow_tokens` positions (`BatchScheduler`)."""
-    if not isinstance(max_queue, int) or max_queue < 0:
-        raise ValueError(f"max_queue must be an integer >= 0, got {max_queue!r}")
+def create_app(engine, config: ServeConfig | None = None, *, chat_template: ChatTemplate | None = None) -> FastAPI:
+    """The FastAPI application serving `engine` within `config` (`ServeConfig`: queue, batch, KV memory,
+    request log; its defaults where None); `chat_template` defaults to the fallback template (load a
+    model's own with `inference.chat.load_chat_template`)."""
+    config = config or ServeConfig()
     template = chat_template or ChatTemplate.default()
     metrics = ServerMetrics()
     metrics.count_storage_reads(engine.storage_read_bytes)
-    records = RequestLog(request_log) if request_log else None
-    worker = BatchScheduler(engine, metrics, max_queue=max_queue, max_batch=max_batch,
-                            max_batch_tokens=max_batch_tokens, kv_memory_bytes=kv_memory_bytes,
-                            kv_grow_tokens=kv_grow_tokens,
+    records = RequestLog(config.request_log) if config.request_log else None
+    worker = BatchScheduler(engine, metrics, config,
                             on_finished=(lambda job, rec: records.put(job.loop, rec)) if records else None)
+    metrics.count_prefix_cache(worker.prefix)
     started = int(time.time())
     tok = engine.tokenizer
 
@@ -284,18 +294,10 @@ def create_app(engine, *, max_queue: int = 64, chat_template: ChatTemplate | Non
 
     async def answer(request: Request, req: GenRequest) -> Response:
         reply = Reply(req, engine.name, lambda t: tok.decode([t]) if tok is not None else "")
-        need = worker.kv_bytes_of(req)
-        if kv_memory_bytes is not None and need > kv_memory_bytes and not req.max_tokens_set:
-            # no max_tokens: as far as the budget holds, rather than the rest of the context
-            fit = kv_memory_bytes // engine.kv_cache_bytes(1) - len(req.prompt_ids)
-            if fit >= 1:
-                req = dataclasses.replace(req, sampling=dataclasses.replace(req.sampling, max_new_tokens=fit))
-                need = worker.kv_bytes_of(req)
-        if kv_memory_bytes is not None and need > kv_memory_bytes:  # it would wait forever
-            raise APIError(f"this request's KV cache ({need} bytes for {len(req.prompt_ids)} prompt tokens + "
-                           f"max_tokens {req.sampling.max_new_tokens}) exceeds the server's KV memory limit of "
-                           f"{kv_memory_bytes} bytes (--kv-memory); ask for fewer max_tokens or a shorter prompt",
-                           param="max_tokens")
+        try:
+            req = worker.sized(req)  # the scheduler alone decides what the KV memory admits
+        except KVMemoryError as e:  # it would wait forever
+            raise APIError(str(e), param="max_tokens") from None
         loop = asyncio.get_running_loop()
         jobs = [Job(request=choice(req, i), loop=loop, id=reply.id, index=i)
                 for i in range(req.n)]  # the log names the answer's id
@@ -404,19 +406,17 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def serve(engine, host: str = "127.0.0.1", port: int = 8000, *, max_queue: int = 64,
-          chat_template: ChatTemplate | None = None, on_ready: Callable[[str], None] | None = None,
-          request_log: str | None = None, max_batch: int = 16, max_batch_tokens: int = 256,
-          kv_memory_bytes: int | None = None) -> None:
-    """Serve `engine` until interrupted (Ctrl-C shuts down gracefully); `on_ready(url)` once bound."""
+def serve(engine, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None, *,
+          chat_template: ChatTemplate | None = None, on_ready: Callable[[str], None] | None = None) -> None:
+    """Serve `engine` within `config` until interrupted (Ctrl-C shuts down gracefully); `on_ready(url)`
+    once bound."""
     sock = bind_socket(host, port)
-    app = create_app(engine, max_queue=max_queue, chat_template=chat_template, request_log=request_log,
-                     max_batch=max_batch, max_batch_tokens=max_batch_tokens, kv_memory_bytes=kv_memory_bytes)
-    config = uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
+    app = create_app(engine, config, chat_template=chat_template)
+    server = uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
                             timeout_graceful_shutdown=5)
     if on_ready is not None:
         on_ready(url_of(sock))
     try:
-        uvicorn.Server(config).run(sockets=[sock])
+        uvicorn.Server(server).run(sockets=[sock])
     finally:
         sock.close()

@@ -147,6 +147,21 @@ class KVCache:
                 bigger[:, :, :self.length] = t[:, :, :self.length]
                 kv[i] = bigger
 
+    def copy_from(self, src: "KVCache", n: int) -> None:
+        """Take the first n positions of `src` (a sequence sharing this one's first n tokens): every
+        layer's k and v copied; this cache then holds n."""
+        if n > min(self.capacity, src.length):
+            raise ValueError(f"{n} positions: the source holds {src.length}, this cache {self.capacity}")
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            for a, b in zip(mine, theirs):
+                a[:, :, :n] = b[:, :, :n]
+        self.length = n
+
+    def trimmed(self) -> "KVCache":
+        """A copy holding exactly the filled positions (`length`), nothing more."""
+        cut = lambda t: t[:, :, :self.length].clone()  # noqa: E731
+        return KVCache(k=[cut(t) for t in self.k], v=[cut(t) for t in self.v], length=self.length)
+
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this call's T positions after `length`; returns the layer's k and v so far."""
         start, T = self.length, k.shape[2]

@@ -69,11 +69,25 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
                         "rate), lfu-aging, lfu or lru")
 
 
-def expert_bytes(path: str) -> int:
-    """Bytes of the model's expert weights as stored: a store's expert chunk files, or the sum of a
-    HuggingFace checkpoint's expert tensors (headers only)."""
+def open_model(args: argparse.Namespace) -> "Store | None":  # noqa: F821
+    """The store `--model` names, opened once for the sizing and the load (`engine_config_from_args`,
+    `load_engine`); None where it is a HuggingFace directory."""
     from semoe.checkpoint import is_store
 
+    if not is_store(args.model):
+        return None
+    from storage.store import Store
+
+    return Store.open(args.model)
+
+
+def expert_bytes(path: str, store=None) -> int:
+    """Bytes of the model's expert weights as stored: a store's expert chunk files (of `store` where the
+    caller opened it), or the sum of a HuggingFace checkpoint's expert tensors (headers only)."""
+    from semoe.checkpoint import is_store
+
+    if store is not None:
+        return store.manifest.expert_bytes()
     if is_store(path):
         from storage.reader import StoreReader
 
@@ -85,9 +99,10 @@ def expert_bytes(path: str) -> int:
                for part in parts)
 
 
-def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0) -> "EngineConfig":  # noqa: F821
+def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0, store=None
+                            ) -> "EngineConfig":  # noqa: F821
     """EngineConfig from `--device`, `--dtype` and the budget flags; percentages are of the expert bytes
-    of `--model`. Where no budget flag nor --resident is given, the experts' place is chosen from the
+    of `--model` (`store`, where the caller opened it: `open_model`). Where no budget flag nor --resident is given, the experts' place is chosen from the
     model's bytes and the memory available less `keep_bytes` (a server's KV memory); `args.placement`
     says where they go, in a phrase (`placement_line`)."""
     from inference.engine import EngineConfig
@@ -96,7 +111,7 @@ def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0) ->
     sizes = {"--cpu-cache": args.cpu_cache, "--device-memory": args.device_memory}
     total = None
     if any(v is not None and v.strip().endswith("%") for v in sizes.values()):
-        total = expert_bytes(args.model)
+        total = expert_bytes(args.model, store)
         if total == 0:
             raise UsageError(f"--model {args.model}: the model has no expert weights to take a percentage of")
     if args.device_memory is not None and args.device_memory.strip() == CPU_CACHE_AUTO:
@@ -119,7 +134,8 @@ def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0) ->
     # the choice and the load's progress; counted once where `generate`'s own choice of front-end
     # counted them already at float32 (`lean_by_itself`)
     itemsize, known = torch_itemsize(config.dtype), getattr(args, "model_bytes", None)
-    args.model_bytes = known if known is not None and itemsize == 4 else model_bytes(args.model, itemsize)
+    args.model_bytes = known if known is not None and itemsize == 4 else \
+        model_bytes(args.model, itemsize, None if store is None else store.manifest)
     args.placement = placement_phrase(args, config, budgets)
     return config
 
@@ -131,14 +147,15 @@ def torch_itemsize(dtype: str) -> int:
     return torch.empty((), dtype=getattr(torch, dtype)).element_size()
 
 
-def load_engine(args: argparse.Namespace, config: "EngineConfig") -> "Engine":  # noqa: F821
-    """The engine of `--model`, with a progress bar on stderr while its weights load (a terminal only)."""
+def load_engine(args: argparse.Namespace, config: "EngineConfig", store=None) -> "Engine":  # noqa: F821
+    """The engine of `--model` (`store`, where the caller opened it), with a progress bar on stderr while
+    its weights load (a terminal only)."""
     from inference.engine import Engine
     from tools.progress import byte_bar
 
     mb = args.model_bytes  # engine_config_from_args's
     with byte_bar(mb.stored - (mb.stored_experts if config.offloaded else 0), "loading weights") as bar:
-        return Engine.load(args.model, config, progress=bar.update)
+        return Engine.load(args.model if store is None else store, config, progress=bar.update)
 
 
 def say_placement(args: argparse.Namespace, engine) -> None:

@@ -13,7 +13,7 @@ import sys
 from tools.common import UsageError
 from tools.sizes import parse_size
 from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
-    load_engine, say_placement
+    load_engine, open_model, say_placement
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +41,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "generates; new requests wait while it is full, a cache that cannot grow makes the newest "
                         "request wait and recompute its tokens later, a request without max_tokens stops where it "
                         "fills, and one whose max_tokens can never fit gets HTTP 400")
+    p.add_argument("--prefix-cache", metavar="SIZE",
+                   help="memory for finished requests' KV caches, kept so that a prompt beginning with the same "
+                        "tokens (a chat's system prompt and earlier turns) reuses them instead of computing them "
+                        "again (512MiB, 0: off). Default: shared with --kv-memory, whose running requests evict "
+                        "them first, or 1GiB where --kv-memory is not given. /metrics counts hits, reused tokens "
+                        "and evictions")
     p.add_argument("--request-log", metavar="FILE",
                    help="append one JSON line per finished request (or choice of one) to FILE: id, choice, status (stop, length, cancelled, "
                         "error), prompt and generated tokens, time to first token, mean inter-token latency, "
@@ -52,26 +58,31 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from inference.chat import load_chat_template
+    from inference.serve_config import ServeConfig
     from inference.server import serve
     from semoe.routing_trace import routing_trace
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
-    if args.max_queue < 0:
-        raise UsageError(f"--max-queue must be >= 0, got {args.max_queue}")
-    if args.max_batch < 1:
-        raise UsageError(f"--max-batch must be >= 1, got {args.max_batch}")
-    if args.max_batch_tokens < args.max_batch:
-        raise UsageError(f"--max-batch-tokens must be >= --max-batch ({args.max_batch}), got {args.max_batch_tokens}")
     if args.request_log is not None:
         where = os.path.dirname(os.path.abspath(args.request_log))
         if not os.path.isdir(where) or os.path.isdir(args.request_log):
             raise UsageError(f"--request-log {args.request_log}: expected a file in an existing directory")
-    kv_memory = parse_size(args.kv_memory, flag="--kv-memory") if args.kv_memory is not None else None
+    try:  # the server's limits, checked once
+        serve_config = ServeConfig(max_queue=args.max_queue, max_batch=args.max_batch,
+                                   max_batch_tokens=args.max_batch_tokens, request_log=args.request_log,
+                                   kv_memory_bytes=parse_size(args.kv_memory, flag="--kv-memory")
+                                   if args.kv_memory is not None else None,
+                                   prefix_cache_bytes=None if args.prefix_cache is None else 0
+                                   if args.prefix_cache.strip() == "0" else parse_size(args.prefix_cache,
+                                                                                       flag="--prefix-cache"))
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    store = open_model(args)  # the store, where --model is one: opened once, read by the sizing and the load
     # an auto CPU cache, and the choice to offload, leave the KV caches their memory
-    config = engine_config_from_args(args, keep_bytes=kv_memory or 0)
-    template = load_chat_template(args.model)
-    engine = load_engine(args, config)
+    config = engine_config_from_args(args, keep_bytes=serve_config.kv_memory_bytes or 0, store=store)
+    template = load_chat_template(args.model, store)
+    engine = load_engine(args, config, store=store)
     say_placement(args, engine)
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
     # exception too, so that engine.close() still removes a temporary store.
@@ -79,9 +90,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         mode = "offloaded" if config.offloaded else "resident"
         with routing_trace(engine.model, args.routing_trace):
-            serve(engine, args.host, args.port, max_queue=args.max_queue, chat_template=template,
-                  request_log=args.request_log, max_batch=args.max_batch, max_batch_tokens=args.max_batch_tokens,
-                  kv_memory_bytes=kv_memory,
+            serve(engine, args.host, args.port, serve_config, chat_template=template,
                   on_ready=lambda url: print(f"serving {engine.name} ({mode} on {config.device}) at {url}/v1 "
                                              f"(Ctrl-C to stop)", file=sys.stderr, flush=True))
     except KeyboardInterrupt:

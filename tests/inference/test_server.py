@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from inference.chat import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
 from inference.engine import Engine, EngineConfig
+from inference.serve_config import ServeConfig
 from inference.server import bind_socket, create_app
 from inference.text_stream import TextAssembler
 from semoe.generate import SamplingConfig
@@ -57,6 +59,7 @@ class ScriptedEngine:
 
     FAIL_TOKEN = 7  # a prompt starting with this id fails its first step
     FAIL_LATE_TOKEN = 8  # a prompt starting with this id fails the step after its second token
+    NAN_TOKEN = 6  # a prompt starting with this id gets NaN logits from its third token on
 
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
@@ -69,7 +72,8 @@ class ScriptedEngine:
         self.gate.set()
         self.started = threading.Event()
         self.token_delay_s = 0.0
-        self._prompts: dict[int, tuple[int, int]] = {}  # id(cache) -> (first prompt token, prompt length)
+        # id(cache) -> (the cache, its first prompt token computed, its prompt's length)
+        self._prompts: dict[int, tuple[weakref.ref, int, int]] = {}
 
     def stop_ids(self) -> tuple[int, ...]:
         return ()
@@ -86,16 +90,24 @@ class ScriptedEngine:
             raise TimeoutError("gate never opened")
         start = 0
         for cache, n in zip(caches, counts):
-            if cache.length == 0:  # a prompt's (whole) prefill
-                self._prompts[id(cache)] = (ids[start], n)
-            first, length = self._prompts[id(cache)]
+            seen = self._prompts.get(id(cache))
+            if seen is None or seen[0]() is not cache:  # a prompt's (whole) prefill, after a prefix it reused
+                self._prompts[id(cache)] = (weakref.ref(cache), ids[start], cache.length + n)
+            _, first, length = self._prompts[id(cache)]
             if first == self.FAIL_TOKEN:
                 raise RuntimeError("scripted failure")
             if first == self.FAIL_LATE_TOKEN and cache.length == length + 1:  # two tokens out
                 raise RuntimeError("scripted failure mid-stream")
             start += n
         time.sleep(self.token_delay_s)
-        return self._engine.step(ids, caches, counts, rows)
+        logits = self._engine.step(ids, caches, counts, rows)
+        ends = [sum(counts[:i + 1]) for i in range(len(counts))]
+        for j, row in enumerate(rows):  # the sequence whose tokens end at or after the row
+            cache = caches[next(i for i, end in enumerate(ends) if row < end)]
+            _, first, length = self._prompts[id(cache)]
+            if first == self.NAN_TOKEN and cache.length >= length + 3:
+                logits[j] = float("nan")
+        return logits
 
 
 # -- HTTP helpers --------------------------------------------------------------------------------
@@ -199,7 +211,7 @@ def served(engine, model_dir):
 def scripted(engine):
     """A server over ScriptedEngine that runs one request and admits one waiting request."""
     eng = ScriptedEngine(engine)
-    server = LiveServer(create_app(eng, max_queue=1, max_batch=1))
+    server = LiveServer(create_app(eng, ServeConfig(max_queue=1, max_batch=1)))
     server.engine = eng
     yield server
     eng.gate.set()
@@ -277,7 +289,7 @@ def test_requests_joining_mid_stream_decode_together_and_get_their_own_tokens(en
     the router's), and the steps decoded several requests at once."""
     eng = ScriptedEngine(engine)  # no stop ids: every request runs to its max_tokens
     eng.token_delay_s = 0.01  # a step of the tiny model takes a millisecond: slow it so that requests overlap
-    server = LiveServer(create_app(eng, max_batch=8, max_batch_tokens=16))
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=8, max_batch_tokens=16)))
     try:
         # (prompts starting with 7 or 8 fail in ScriptedEngine)
         cases = [([2, 9, 4, 11], 60)] + [([10 + i, 5, 7 + i, 2, 6, 1, 12][:1 + (2 * i) % 7], 4 + 3 * i) for i in range(7)]
@@ -330,7 +342,7 @@ def test_batched_requests_over_offloaded_experts_get_the_resident_tokens(model_d
     most 16 rows: the per-row kernels, so the same bits) get the resident engine's tokens and
     log-probs."""
     eng = Engine.load(str(model_dir), EngineConfig(cpu_cache_bytes=1, ring_slots=2, preload=False))
-    server = LiveServer(create_app(eng, max_batch=4))
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=4)))
     try:
         cases = [([1, 5, 9, 14], 12), ([3, 2], 9), ([20, 11, 4], 15), ([6], 7)]
         want = {i: direct(reference, ids, n) for i, (ids, n) in enumerate(cases)}
@@ -649,7 +661,7 @@ def test_latency_histograms_kv_bytes_and_the_request_log(engine, model_dir, tmp_
     for each finished request, a client that left included."""
     log_path = tmp_path / "requests.jsonl"
     eng = ScriptedEngine(engine)
-    server = LiveServer(create_app(eng, request_log=str(log_path)))
+    server = LiveServer(create_app(eng, ServeConfig(request_log=str(log_path))))
     try:
         before = metrics(server.port)
         eng.gate.clear()
@@ -721,7 +733,7 @@ def test_the_kv_memory_budget_queues_requests_and_refuses_one_that_never_fits(en
     eng = ScriptedEngine(engine)
     body = {"prompt": [3, 4], "max_tokens": 3}
     one = engine.kv_cache_bytes(5)
-    server = LiveServer(create_app(eng, max_batch=4, kv_memory_bytes=one + one // 2))
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=4, kv_memory_bytes=one + one // 2)))
     try:
         eng.gate.clear()
         results = []
@@ -755,7 +767,7 @@ def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engi
     eng = ScriptedEngine(engine)
     prompts = [[3, 4, 5, 6, 7 + i] for i in range(3)]
     want = [reference.generate(p, SamplingConfig(max_new_tokens=20)) for p in prompts]
-    server = LiveServer(create_app(eng, max_batch=4, kv_memory_bytes=engine.kv_cache_bytes(40), kv_grow_tokens=4))
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=4, kv_memory_bytes=engine.kv_cache_bytes(40), kv_grow_tokens=4)))
     try:
         eng.gate.clear()
         results: dict[int, tuple] = {}
@@ -787,8 +799,8 @@ def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engi
 def test_a_chat_without_max_tokens_runs_as_far_as_the_kv_budget_holds(engine, model_dir):
     """No max_tokens: the rest of the context, capped at what --kv-memory holds (a length finish, not a
     400); a max_tokens the budget cannot hold is still refused."""
-    server = LiveServer(create_app(engine, chat_template=load_chat_template(str(model_dir)),
-                                   kv_memory_bytes=engine.kv_cache_bytes(30), kv_grow_tokens=8))
+    server = LiveServer(create_app(engine, ServeConfig(kv_memory_bytes=engine.kv_cache_bytes(30), kv_grow_tokens=8),
+                                   chat_template=load_chat_template(str(model_dir))))
     try:
         status, out = post(server.port, "/v1/chat/completions",
                            {"messages": [{"role": "user", "content": "the cat"}], "ignore_eos": True})
@@ -819,6 +831,102 @@ def test_generation_error_is_500_for_that_request_only(scripted):
     assert status == 200 and len(out["choices"][0]["token_ids"]) == 2
 
 
+def test_a_failing_request_fails_alone_while_others_decode_beside_it(engine, reference):
+    """Requests decoding together, one failing in a step they share (its engine step raises), one
+    failing mid-stream, one whose logits turn NaN: each of those gets its error, the others the
+    tokens and log-probs they get alone (1e-4: see the continuous batching test), and the server
+    serves on."""
+    eng = ScriptedEngine(engine)
+    eng.token_delay_s = 0.01  # so that the requests overlap
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=8, max_batch_tokens=32)))
+    try:
+        good = [([2, 9, 4, 11], 24), ([3, 5], 16), ([12, 1, 10], 20)]
+        bad = {"fails": [ScriptedEngine.FAIL_TOKEN, 3], "late": [ScriptedEngine.FAIL_LATE_TOKEN, 2],
+               "nan": [ScriptedEngine.NAN_TOKEN, 4]}
+        want = [reference.generate(ids, SamplingConfig(max_new_tokens=n)) for ids, n in good]
+        results: dict[object, object] = {}
+
+        def client(key, ids: list[int], n: int) -> None:
+            results[key] = post(server.port, "/v1/completions", {"prompt": ids, "max_tokens": n, "logprobs": 0})
+
+        steps = lambda: metrics(server.port).get(("semoe_batch_requests_count", ()), 0.0)  # noqa: E731
+        threads = [threading.Thread(target=client, args=(i, ids, n)) for i, (ids, n) in enumerate(good)]
+        for t in threads:
+            t.start()
+        wait_for(lambda: steps() >= 3, "the good requests to decode")
+        threads += [threading.Thread(target=client, args=(k, ids, 10)) for k, ids in bad.items()]
+        for t in threads[len(good):]:
+            t.start()
+        for t in threads:
+            t.join(60)
+        for i, res in enumerate(want):
+            status, out = results[i]
+            assert status == 200, out
+            assert out["choices"][0]["token_ids"] == res.tokens, i
+            assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(res.logprobs, abs=1e-4), i
+        for key, message in (("fails", "scripted failure"), ("late", "mid-stream"), ("nan", "not finite")):
+            status, out = results[key]
+            assert status == 500 and message in out["error"]["message"], (key, out)
+        m = metrics(server.port)
+        assert m[("semoe_failed_generations_total", ())] == 3
+        assert m[("semoe_requests_running", ())] == 0 and m[("semoe_kv_cache_bytes", ())] == 0
+        status, out = post(server.port, "/v1/completions", {"prompt": [3, 4], "max_tokens": 2})
+        assert status == 200 and len(out["choices"][0]["token_ids"]) == 2
+    finally:
+        server.close()
+
+
+def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, reference):
+    """Prefix reuse: a conversation's second turn resends the first turn and its answer. The server
+    takes the positions the first request computed (its prompt and answer but the last token) instead
+    of computing them, counts that in /metrics, and answers as from scratch: the same greedy tokens,
+    log-probs within 1e-4 (the reused positions were computed by decoding steps, whose sums run in
+    another order than a prompt pass's). A prompt sharing no token reuses nothing."""
+    server = LiveServer(create_app(engine))
+    try:
+        first = [1, 5, 9, 14, 3, 22, 17, 8, 30, 2, 11, 4, 6, 19, 12, 7]  # a "system prompt" and a turn
+        status, out = post(server.port, "/v1/completions", {"prompt": first, "max_tokens": 6})
+        assert status == 200
+        answer = out["choices"][0]["token_ids"]
+        second = first + answer + [25, 13, 9]
+        status, out = post(server.port, "/v1/completions", {"prompt": second, "max_tokens": 8, "logprobs": 0})
+        assert status == 200
+        want = direct(reference, second, 8)
+        assert out["choices"][0]["token_ids"] == want.tokens
+        assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
+        m = metrics(server.port)
+        # the first request's cache held its prompt and every answer token but the last
+        assert m[("semoe_prefix_cache_hits_total", ())] == 1
+        assert m[("semoe_prefix_cache_reused_tokens_total", ())] == len(first) + len(answer) - 1
+        assert m[("semoe_prefix_cache_entries", ())] >= 1 and m[("semoe_prefix_cache_bytes", ())] > 0
+        status, out = post(server.port, "/v1/completions", {"prompt": [40, 41, 42], "max_tokens": 2})
+        assert status == 200 and metrics(server.port)[("semoe_prefix_cache_hits_total", ())] == 1
+    finally:
+        server.close()
+
+
+def test_kept_prefixes_give_way_to_running_requests_within_the_kv_memory(engine, reference):
+    """Kept prefixes share --kv-memory with the running requests: a request that needs the room evicts
+    them (counted) rather than waiting, and every answer is still the one computed from scratch."""
+    budget = engine.kv_cache_bytes(40)
+    server = LiveServer(create_app(engine, ServeConfig(max_batch=2, kv_memory_bytes=budget, kv_grow_tokens=8)))
+    try:
+        prompts = [[2 + i, 9, 4, 11, 5 + i, 3] for i in range(4)]
+        for ids in prompts:
+            status, out = post(server.port, "/v1/completions", {"prompt": ids, "max_tokens": 8})
+            assert status == 200 and out["choices"][0]["token_ids"] == direct(reference, ids, 8).tokens
+        before = metrics(server.port)
+        assert before[("semoe_prefix_cache_bytes", ())] > budget // 2  # the kept prefixes fill most of it
+        long = [3, 9, 4, 11, 5, 3, 1, 2]
+        status, out = post(server.port, "/v1/completions", {"prompt": long, "max_tokens": 24})
+        assert status == 200 and out["choices"][0]["token_ids"] == direct(reference, long, 24).tokens
+        m = metrics(server.port)
+        assert m[("semoe_prefix_cache_evictions_total", ())] > before[("semoe_prefix_cache_evictions_total", ())]
+        assert m[("semoe_prefix_cache_bytes", ())] + m[("semoe_kv_cache_bytes", ())] <= budget
+    finally:
+        server.close()
+
+
 def test_client_disconnect_mid_stream_does_not_wedge(scripted):
     eng = scripted.engine
     cancelled = metrics(scripted.port).get(("semoe_cancelled_requests_total", ()), 0.0)
@@ -846,7 +954,7 @@ def test_a_client_leaving_an_n_choice_stream_frees_every_choice(engine):
     KV caches are freed."""
     eng = ScriptedEngine(engine)
     eng.token_delay_s = 0.02  # 100 tokens would take 2 s
-    server = LiveServer(create_app(eng, max_batch=4))
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=4)))
     try:
         conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
         conn.request("POST", "/v1/completions", headers={"Content-Type": "application/json"},
@@ -1028,6 +1136,27 @@ def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, 
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def test_serve_reads_a_store_once_and_builds_its_limits_once(model_dir, tmp_path, monkeypatch):
+    """`semoe serve --cpu-cache 25%` on a store: its manifest is read once (the percentage, the
+    placement, the chat template and the load share the store opened), and the server runs with the
+    one ServeConfig the flags made."""
+    import inference.server
+    import storage.reader
+    from semoe.hf_import import import_checkpoint
+    from tools.cli import main
+
+    store = str(tmp_path / "store")
+    import_checkpoint(str(model_dir), store)
+    reads, got = [], {}
+    real = storage.reader.load_manifest
+    monkeypatch.setattr(storage.reader, "load_manifest", lambda root: reads.append(root) or real(root))
+    monkeypatch.setattr(inference.server, "serve", lambda engine, host, port, config, **kw: got.update(
+        config=config, offloaded=engine.offload is not None))
+    assert main(["serve", "--model", store, "--cpu-cache", "25%", "--max-batch", "4", "--kv-memory", "1MiB"]) == 0
+    assert reads == [store]
+    assert got == {"config": ServeConfig(max_batch=4, kv_memory_bytes=1 << 20), "offloaded": True}
 
 
 @pytest.mark.parametrize("flags, message", [
