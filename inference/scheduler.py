@@ -165,7 +165,8 @@ class BatchScheduler:
         `max_queue` wait, KVMemoryError when one can never fit the KV memory (`sized` says which do)."""
         for job in jobs:
             if self.kv_memory_bytes is not None and self.kv_bytes_of(job.request) > self.kv_memory_bytes:
-                self.sized(job.request)  # raises, naming the request's needs
+                raise KVMemoryError(f"a request's KV cache ({self.kv_bytes_of(job.request)} bytes) exceeds the KV "
+                                    f"memory limit of {self.kv_memory_bytes} bytes: queue it as `sized` returns it")
         with self._cv:
             if self._closing:
                 raise QueueFullError("the server is shutting down")

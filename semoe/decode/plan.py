@@ -337,6 +337,7 @@ class DecodePlan:
                 raise NotOnFastPath(f"layer {block.layer}: {type(ffn).__name__}")
             self.layers.append(_Layer(_Norm(lib, block.attn_norm), attn, _Norm(lib, block.ffn_norm), ffn, router,
                                       isinstance(ffn, MoEFeedForward) and bool(c.shared_expert_size)))
+        self._moe = frozenset(i for i, lay in enumerate(self.layers) if not isinstance(lay.ffn, DenseFFN))
         self.lm_head = _Product(lib, model.lm_head)
         self.norm = _Norm(lib, model.norm)
         self.modules = list(model.modules())
@@ -503,9 +504,8 @@ class DecodePlan:
         cos, sin = (t[0].contiguous() for t in rope_tables(c, pos[None], x.dtype))
         kc, vc, segs = prompt_pass.sequences([_addresses(k) for k in caches], [k.capacity for k in caches], starts,
                                              counts)
-        moe = frozenset(i for i, lay in enumerate(self.layers) if not isinstance(lay.ffn, DenseFFN))
-        prompt_pass.run(prompt_pass.Target(lib, net, kc, vc, segs, threads, c.top_k, moe), x.numpy(), cos.numpy(),
-                        sin.numpy())
+        target = prompt_pass.Target(lib, net, kc, vc, segs, threads, c.top_k, self._moe)
+        prompt_pass.run(target, x.numpy(), cos.numpy(), sin.numpy())
         h = x[rows].contiguous()
         logits = torch.empty(len(rows), self.lm_head.O)
         lib.prefill_head(net, _ptr(h), len(rows), _ptr(logits), threads)
