@@ -19,6 +19,11 @@
 #if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
+#if defined(__AVX2__) && defined(__FMA__)
+/* AVX2 and FMA: the avx2 build, and the avx512-vnni one (its CPUs have both), for code whose AVX2 form
+ * the measurements keep in both (gemv_fp4.c's) */
+#define SEMOE_HAS_AVX2 1
+#endif
 
 #ifdef __AVX2__
 /* the sum of a vector's eight lanes, in a fixed order */
@@ -30,7 +35,7 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-#ifdef SEMOE_AVX2
+#ifdef SEMOE_HAS_AVX2
 /* AVX2 has no VNNI: a block of 32 signed bytes w times 32 signed bytes x sums as |w| (unsigned)
  * times x carrying w's sign, in pairs to int16 (at most 2 * 128 * 127, no saturation), then pairs
  * of those to int32: eight lanes holding the block's exact sum between them. */
