@@ -330,9 +330,9 @@ def child(args: argparse.Namespace) -> None:
 
 def default_is_lean(store: str) -> bool:
     """Whether `semoe generate --model STORE` with no other flag decodes in the torch-free runner
-    (`tools.generate_cmd.lean_by_itself`, asked of its own parser's defaults; no torch imported)."""
+    (`tools.engine_args.lean_by_itself`, asked of its own parser's defaults; no torch imported)."""
     from tools.cli import build_parser
-    from tools.generate_cmd import lean_by_itself
+    from tools.engine_args import lean_by_itself
 
     args = build_parser().parse_args(["generate", "--model", store, "--prompt-ids", "1"])
     return lean_by_itself(args) is not None

@@ -22,6 +22,16 @@ user runs it) and times a chat's next turn: a --system-tokens system prompt and 
 whole conversation again with a new turn (its KV reused: `--prefix-cache`), then another system
 prompt of the same length.
 
+The limited part (--parts limited) serves with memory short: a balloon process leaves --memory percent
+of the store's bytes available (33 by default), the page cache dropped, while `semoe serve` with no
+budget flag (its own choice: where the model does not fit, the compiled kernels over the runner's
+expert cache, each step reading the union of its rows' experts once a layer) and then llama-server
+(mmap and the page cache) serve the same clients, each from a cold start; bytes read per token and
+peak RSS beside tok/s.
+
+    python bench/bench_serve.py --workdir DIR --store store-int4 --gguf llama-q4_0.gguf --parts limited \
+        --memory 33 --clients 1,32 --rounds 1
+
 In the same run: transformers generating one request at a time (the floor: what serving without a
 batching engine gives), and llama.cpp's llama-server (built once from bench/llama_peer.py's sources,
 or --llama-server PATH) on the same checkpoint as bench_quant.py converted it (--gguf, f32 for the
@@ -245,6 +255,49 @@ def llama_server(args: argparse.Namespace, clients: list[int]) -> list[dict]:
     return out
 
 
+def peak_rss(pid: int) -> int:
+    """A process's peak resident bytes so far (VmHWM)."""
+    with open(f"/proc/{pid}/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def limited(args: argparse.Namespace, store: str, clients: list[int]) -> list[dict]:
+    """Serving with memory short: at each --memory share of the store's bytes (SIZE), a balloon process
+    leaves SIZE available (bench_peers' `Balloon`, the page cache dropped first) while one server runs
+    from a cold start: `semoe serve` as a user runs it (no budget flag: its own choice; where the model
+    does not fit, the kernels over the runner's expert cache) and llama-server on --gguf (mmap, the page
+    cache). Per client count: tok/s, TTFT, ITL, bytes read from storage per token (/proc/PID/io), peak
+    RSS. A server the kernel's OOM killer stopped, or a balloon it took, is reported as such."""
+    from bench_peers import Balloon, model_bytes
+
+    total = model_bytes(os.path.dirname(store), os.path.basename(store))
+    out = []
+    for share in args.memory:
+        size = total * share // 100
+        servers = [("semoe", [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}",
+                              "--max-batch", str(max(clients)), "--max-batch-tokens", str(max(256, max(clients) * 2)),
+                              "--max-queue", str(max(64, max(clients)))])]
+        if not args.no_peer:
+            servers.append(("llama-server", [args.llama_server, "-m", args.gguf, "--port", "{port}", "--host",
+                                             "127.0.0.1", "-t", "2", "--parallel", str(max(clients)), "-c",
+                                             str(max(clients) * (PROMPT_TOKENS + args.new_tokens + 8)),
+                                             "--no-warmup"]))
+        for engine, cmd in servers:
+            log = os.path.join(args.logs, f"{engine}-limited-{share}.log")
+            with Balloon(size) as balloon, Server(cmd, "/health", log) as srv:
+                _one_request(srv.port, _prompt(999, 0), 4)  # warm-up
+                for n in clients:
+                    print(f"{engine}, {share}% of the model's bytes available ({size / 2**30:.2f} GiB), {n} clients "
+                          f"...", file=sys.stderr)
+                    io0 = srv.read_bytes()
+                    r = load(srv.port, n, args.new_tokens, args.rounds)
+                    r["read_bytes_per_token"] = (srv.read_bytes() - io0) / r["tokens"]
+                    r["peak_rss_bytes"] = peak_rss(srv.proc.pid)
+                    r["balloon_alive"] = balloon.alive
+                    out.append({"engine": engine, "cache_pct": 100, "memory_pct": share, "size_bytes": size, **r})
+    return out
+
+
 def transformers_floor(args: argparse.Namespace) -> dict:
     """One request at a time through transformers' generate (greedy, 2 threads), in its own process."""
     code = f"""
@@ -308,12 +361,16 @@ def report(result: dict, as_json: bool) -> None:
         print(f"transformers, one request at a time: {result['transformers_tok_s']:.2f} tok/s; raw disk read "
               f"{result['raw_disk_bytes_s'] / 1e9:.2f} GB/s")
     for r in result["points"]:
-        line = (f"{r['engine']:12s} cache {r['cache_pct']:3d}% {r['clients']:3d} clients: {r['tok_s']:7.2f} tok/s | "
+        where = f"memory {r['memory_pct']:3d}%" if "memory_pct" in r else f"cache {r['cache_pct']:3d}%"
+        line = (f"{r['engine']:12s} {where} {r['clients']:3d} clients: {r['tok_s']:7.2f} tok/s | "
                 f"TTFT p50 {r['ttft_p50_s']:.3f} p99 {r['ttft_p99_s']:.3f} s | ITL p50 {r['itl_p50_s'] * 1e3:.1f} "
                 f"p99 {r['itl_p99_s'] * 1e3:.1f} ms")
         if "read_bytes_per_token" in r:
             line += (f" | read {r['read_bytes_per_token'] / 2**20:.2f} MiB/tok (own counter "
                      f"{r['storage_bytes_per_token'] / 2**20:.2f})")
+        if "peak_rss_bytes" in r:
+            line += f" | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} of {r['size_bytes'] / 2**30:.2f} GiB" + (
+                "" if r["balloon_alive"] else " (the balloon was killed: more than SIZE was used)")
         if "bound_tok_s" in r:
             line += f" | bound {r['bound_tok_s']:.2f} tok/s ({r['tok_s'] / r['bound_tok_s']:.2f}x)"
         print(line)
@@ -328,8 +385,15 @@ def report(result: dict, as_json: bool) -> None:
 
 
 def ratios(points: list[dict]) -> list[str]:
-    by = {(p["engine"], p["cache_pct"], p["clients"]): p for p in points}
     lines = []
+    short = {(p["engine"], p["memory_pct"], p["clients"]): p for p in points if "memory_pct" in p}
+    for (engine, share, n), p in sorted(short.items()):
+        peer = short.get(("llama-server", share, n))
+        if engine == "semoe" and peer is not None:
+            lines.append(f"{n} clients, {share}% of the model's bytes available: semoe / llama-server = "
+                         f"{p['tok_s'] / peer['tok_s']:.2f}x tok/s, {p['read_bytes_per_token'] / 2**20:.1f} against "
+                         f"{peer['read_bytes_per_token'] / 2**20:.1f} MiB read per token")
+    by = {(p["engine"], p["cache_pct"], p["clients"]): p for p in points if "memory_pct" not in p}
     for (engine, cache, n), p in sorted(by.items()):
         one = by.get((engine, cache, 1))
         if one is not None and n > 1:
@@ -358,13 +422,17 @@ def main() -> int:
     ap.add_argument("--logs", default=None, help="where the servers' logs go (default WORKDIR/serve-logs)")
     ap.add_argument("--parts", default="load,prefix",
                     help="load: the closed-loop clients against each cache and llama-server; prefix: a chat's "
-                         "next turn reusing its system prompt's KV (default both)")
+                         "next turn reusing its system prompt's KV (default both); limited: both servers with "
+                         "--memory of the model's bytes available (a balloon holds the rest)")
+    ap.add_argument("--memory", default="33", help="the limited part's memory available, percent of the store's "
+                                                   "bytes (default 33)")
     ap.add_argument("--system-tokens", type=int, default=1024, help="the prefix part's system prompt (default 1024)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"load", "prefix"}:
-        raise SystemExit(f"--parts takes load and prefix, got {args.parts!r}")
+    if parts - {"load", "prefix", "limited"}:
+        raise SystemExit(f"--parts takes load, prefix and limited, got {args.parts!r}")
+    args.memory = [int(m) for m in args.memory.split(",")]
     clients = [int(c) for c in args.clients.split(",")]
     caches = [int(c) for c in args.cache.split(",")]
     store = os.path.join(args.workdir, args.store)
@@ -381,11 +449,14 @@ def main() -> int:
             args.llama_server = peer.ensure_server(peer.ensure_env())
     args.logs = args.logs or os.path.join(args.workdir, "serve-logs")
     os.makedirs(args.logs, exist_ok=True)
+    # the limited part first: the balloon needs this process free of torch (raw_disk_rate imports it)
+    short = limited(args, store, clients) if "limited" in parts else []
     if "load" not in parts:
-        report({"points": [], "ratios": [], "prefix": prefix_reuse(args, store)}, args.json)
+        report({"points": short, "ratios": ratios(short),
+                **({"prefix": prefix_reuse(args, store)} if "prefix" in parts else {})}, args.json)
         return 0
     result = {"raw_disk_bytes_s": raw_disk_rate(store), "transformers_tok_s": transformers_floor(args)["tok_s"]}
-    points = []
+    points = short
     for cache in sorted(caches, reverse=True):
         points += ours(args, store, cache, clients)
     full = {p["clients"]: p for p in points if p["cache_pct"] == 100}

@@ -20,7 +20,7 @@ from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_st
 from semoe.compact_linear import stack_projections
 from semoe.decode.plan import DecodePlan
 from semoe.decode.support import NotOnFastPath
-from semoe.generate import GenerationResult, SamplingConfig, generate
+from semoe.generate import GenerationResult, SamplingConfig, generate, new_cache
 from semoe.model import KVCache, MoEGPT
 from semoe.tokenizer import default_stop_ids
 from inference.engine_config import EngineConfig
@@ -123,6 +123,15 @@ class Engine:
     def stop_ids(self) -> tuple[int, ...]:
         """Token ids that end generation by default (`default_stop_ids`: the config's EOS first)."""
         return default_stop_ids(self.model.config.eos_token_id, self.tokenizer)
+
+    @property
+    def model_config(self):
+        """The model's config (its vocabulary, positions, layers)."""
+        return self.model.config
+
+    def new_cache(self, prompt: list[int], max_new_tokens: int) -> KVCache:
+        """The KV cache of one sequence for `prompt` and up to `max_new_tokens` more (`new_cache`)."""
+        return new_cache(self.model, prompt, max_new_tokens)
 
     def kv_cache_bytes(self, positions: int) -> int:
         """Bytes of the KV cache a request of `positions` tokens (prompt and new) holds while it generates:

@@ -118,7 +118,7 @@ def _prompt_ids(value: Any, engine, *, param: str) -> list[int]:
         raise APIError(f"{param} must be a string or a list of token ids (one prompt per request)", param=param)
     if not ids:
         raise APIError(f"{param} is empty: give at least one token", param=param)
-    vocab = engine.model.config.vocab_size
+    vocab = engine.model_config.vocab_size
     bad = [i for i in ids if not 0 <= i < vocab]
     if bad:
         raise APIError(f"{param}: token ids {bad[:5]} are outside the vocabulary (0..{vocab - 1})", param=param)
@@ -142,7 +142,7 @@ def _stops(body: dict, engine) -> tuple[str, ...]:
 def _sampling(body: dict, engine, prompt: list[int], *, prompt_param: str, max_tokens: int | None
               ) -> SamplingConfig:
     """Sampling fields shared by both endpoints; `max_tokens` None means the rest of the context."""
-    max_position = engine.model.config.max_position
+    max_position = engine.model_config.max_position
     room = max_position - len(prompt)
     if room < 1:
         raise APIError(f"{prompt_param}: {len(prompt)} tokens leave no room in the model's context of "
@@ -166,7 +166,7 @@ def _sampling(body: dict, engine, prompt: list[int], *, prompt_param: str, max_t
     elif not 0 <= seed < _MAX_SEED:
         raise APIError(f"seed must be in [0, 2**63), got {seed}", param="seed")
     extra = _field(body, "stop_token_ids", "array", [])
-    vocab = engine.model.config.vocab_size
+    vocab = engine.model_config.vocab_size
     if not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab for i in extra):
         raise APIError(f"stop_token_ids must be a list of token ids in 0..{vocab - 1}", param="stop_token_ids")
     ignore_eos = _field(body, "ignore_eos", "boolean", False)

@@ -90,11 +90,12 @@ class Placement:
             return f"{sizes}: every expert resident"
         return f"{sizes}: experts offloaded to the store behind a CPU cache sized from the memory left"
 
-    def describe_lean(self) -> str:
-        """The same where the torch-free runner takes the model (`lean_refusal`), in a phrase."""
+    def describe_lean(self, how: str = "decoding in a process without torch (as --lean)") -> str:
+        """The same where the runner's model takes the model (`lean_refusal`), in a phrase; `how`: the
+        path's words (generate's process without torch, serve's kernels)."""
         gib = 2 ** 30
         return (f"{self.model.total / gib:.2f} GiB of weights, {self.available / gib:.2f} GiB of memory available: "
-                f"decoding in a process without torch (as --lean), experts read from the store into a cache "
+                f"{how}, experts read from the store into a cache "
                 f"sized from the memory left (--resident or a budget flag: the engine)")
 
 

@@ -60,7 +60,7 @@ from inference.prefix_cache import PrefixCache
 from inference.serve_config import ServeConfig
 from inference.text_stream import TextAssembler
 from semoe.attention import KVCache
-from semoe.generate import choose, new_cache
+from semoe.generate import choose
 from storage.envinfo import peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -288,7 +288,7 @@ class BatchScheduler:
         req = job.request
         tok = self.engine.tokenizer
         positions = self._positions(req, 0)
-        cache = new_cache(self.engine.model, req.prompt_ids, positions - len(req.prompt_ids))
+        cache = self.engine.new_cache(req.prompt_ids, positions - len(req.prompt_ids))
         need = self.engine.kv_cache_bytes(positions)
         reused = self._reuse(req.prompt_ids, cache)
         self._busy_tokens += len(req.prompt_ids) - reused
@@ -310,7 +310,7 @@ class BatchScheduler:
         last prompt row's logits then give its next token, as its next decoding step would have)."""
         req = r.job.request
         positions = self._positions(req, len(r.tokens))
-        r.cache = new_cache(self.engine.model, req.prompt_ids, positions - len(req.prompt_ids))
+        r.cache = self.engine.new_cache(req.prompt_ids, positions - len(req.prompt_ids))
         r.kv_bytes = self.engine.kv_cache_bytes(positions)
         todo = list(req.prompt_ids) + r.tokens
         r.todo = todo[self._reuse(todo, r.cache):]

@@ -335,7 +335,7 @@ def create_app(engine, config: ServeConfig | None = None, *, chat_template: Chat
         return await answer(request, parse_chat(await _json_body(request), engine, template))
 
     card = {"id": engine.name, "object": "model", "created": started, "owned_by": "semoe",
-            "max_model_len": engine.model.config.max_position}
+            "max_model_len": engine.model_config.max_position}
 
     @app.get("/v1/models")
     async def models() -> dict:

@@ -147,6 +147,10 @@ class KVCache:
                 bigger[:, :, :self.length] = t[:, :, :self.length]
                 kv[i] = bigger
 
+    def addresses(self) -> tuple[list[int], list[int]]:
+        """The addresses of its layers' k and v (the compiled kernels' view of a batch of one)."""
+        return [k.data_ptr() for k in self.k], [v.data_ptr() for v in self.v]
+
     def copy_from(self, src: "KVCache", n: int) -> None:
         """Take the first n positions of `src` (a sequence sharing this one's first n tokens): every
         layer's k and v copied; this cache then holds n."""

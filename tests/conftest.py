@@ -48,6 +48,15 @@ def machine_without_gpu(monkeypatch):
 
 
 @pytest.fixture(scope="session")
+def arch_stores(tmp_path_factory):
+    """(arch, format) -> a store of a small random checkpoint of `arch` (helpers/arch_stores.py), made
+    once a session: the kernels' tests and the servers' take the same ones."""
+    from helpers.arch_stores import store_maker
+
+    return store_maker(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def hf_mixtral_sharded_bf16(tmp_path_factory):
     """A Mixtral checkpoint in bfloat16, sharded into several files with an index."""
     return make_hf_checkpoint("mixtral", tmp_path_factory.mktemp("hf") / "mixtral", dtype="bfloat16",

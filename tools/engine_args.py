@@ -69,6 +69,41 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
                         "rate), lfu-aging, lfu or lru")
 
 
+def engine_flags(args: argparse.Namespace) -> list[str]:
+    """The flags given that only the engine takes (the runner's model refuses them); `generate`'s and
+    `serve`'s (serve has no --profile)."""
+    return [flag for flag, on in (("--profile", getattr(args, "profile", False)), ("--routing-trace", args.routing_trace is not None),
+                                  ("--device-memory", args.device_memory is not None),
+                                  ("--ring-slots", args.ring_slots is not None),
+                                  ("--dtype", args.dtype not in (None, "float32")),
+                                  ("--device", args.device not in ("auto", "cpu")),
+                                  ("--dense", args.dense not in ("auto", "float", "int8")),
+                                  ("--cache-policy", args.cache_policy != "next-use")) if on]
+
+
+def lean_by_itself(args: argparse.Namespace, keep_bytes: int = 0,
+                   how: str = "decoding in a process without torch (as --lean)") -> str | None:
+    """Where `semoe generate` (or `serve`) with no budget flag decodes through the runner's model by
+    itself, the line saying so on stderr; None where the engine decodes. It does where the model (a
+    store) does not fit the memory available less `keep_bytes` (a server's KV memory;
+    `inference.placement.choose`, as the engine's own choice between resident and offloaded), the
+    runner takes it (`lean_refusal`), no GPU is asked for or present, and no flag asks for what only
+    the engine does (profiles, routing traces, device budgets). `how`: the line's words for the path.
+    Decided before torch is imported: its runtime would hold memory the expert cache then cannot have."""
+    from inference.placement import choose, gpu_present, lean_refusal
+    from storage.reader import is_store
+
+    if args.resident or args.cpu_cache is not None or engine_flags(args) or not is_store(args.model):
+        return None
+    if args.device == "auto" and gpu_present():
+        return None
+    placement = choose(args.model, keep_bytes=keep_bytes)
+    args.model_bytes = placement.model  # counted at float32: the engine's float32 load reuses them
+    if placement.cpu_cache is None or lean_refusal(args.model) is not None:
+        return None
+    return placement.describe_lean(how)
+
+
 def open_model(args: argparse.Namespace) -> "Store | None":  # noqa: F821
     """The store `--model` names, opened once for the sizing and the load (`engine_config_from_args`,
     `load_engine`); None where it is a HuggingFace directory."""

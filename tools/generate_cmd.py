@@ -9,7 +9,7 @@ import sys
 
 from tools.common import UsageError, emit_json
 from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
-    load_engine, say_placement
+    engine_flags, lean_by_itself, load_engine, say_placement
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -158,38 +158,6 @@ def sampling_config(args: argparse.Namespace, stop_ids: tuple[int, ...]) -> "Sam
                           stop_ids=() if args.ignore_eos else stop_ids)
 
 
-def _engine_flags(args: argparse.Namespace) -> list[str]:
-    """The flags given that only the engine takes (the torch-free runner refuses them)."""
-    return [flag for flag, on in (("--profile", args.profile), ("--routing-trace", args.routing_trace is not None),
-                                  ("--device-memory", args.device_memory is not None),
-                                  ("--ring-slots", args.ring_slots is not None),
-                                  ("--dtype", args.dtype not in (None, "float32")),
-                                  ("--device", args.device not in ("auto", "cpu")),
-                                  ("--dense", args.dense not in ("auto", "float", "int8")),
-                                  ("--cache-policy", args.cache_policy != "next-use")) if on]
-
-
-def lean_by_itself(args: argparse.Namespace) -> str | None:
-    """Where `semoe generate` with no budget flag decodes in the torch-free process by itself, the
-    line saying so on stderr; None where the engine decodes. It does where the model (a store) does
-    not fit the memory available (`inference.placement.choose`, as the engine's own choice between
-    resident and offloaded), the runner takes it (`lean_refusal`), no GPU is asked for or present, and
-    no flag asks for what only the engine does (profiles, routing traces, device budgets). Decided
-    before torch is imported: its runtime would hold memory the expert cache then cannot have."""
-    from inference.placement import choose, gpu_present, lean_refusal
-    from storage.reader import is_store
-
-    if args.resident or args.cpu_cache is not None or _engine_flags(args) or not is_store(args.model):
-        return None
-    if args.device == "auto" and gpu_present():
-        return None
-    placement = choose(args.model)
-    args.model_bytes = placement.model  # counted at float32: the engine's float32 load reuses them
-    if placement.cpu_cache is None or lean_refusal(args.model) is not None:
-        return None
-    return placement.describe_lean()
-
-
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
     from inference.lean import LeanConfig, LeanModel, dense_load_bytes, store_config, store_tokenizer
@@ -200,7 +168,7 @@ def run_lean(args: argparse.Namespace) -> int:
     from tools.sizes import parse_size
 
     check_sampling_flags(args)
-    refused = _engine_flags(args)
+    refused = engine_flags(args)
     if args.dense not in ("auto", "float", "int8"):
         raise UsageError(f"--lean takes --dense auto, float or int8, got {args.dense}")
     if args.cache_policy != "next-use":

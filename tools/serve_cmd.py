@@ -6,6 +6,7 @@ The device, dtype and budget flags are shared with `semoe generate` (tools/engin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import sys
@@ -13,7 +14,7 @@ import sys
 from tools.common import UsageError
 from tools.sizes import parse_size
 from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
-    load_engine, open_model, say_placement
+    lean_by_itself, load_engine, open_model, say_placement
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -51,6 +52,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="append one JSON line per finished request (or choice of one) to FILE: id, choice, status (stop, length, cancelled, "
                         "error), prompt and generated tokens, time to first token, mean inter-token latency, "
                         "latency")
+    p.add_argument("--lean", action="store_true",
+                   help="step through semoe's compiled CPU kernels over the runner's expert cache (a store only): "
+                        "each step's rows at once, the union of the experts they chose read from the store once a "
+                        "layer into a cache of --cpu-cache (default: sized from the memory left beside --kv-memory). "
+                        "Taken by itself, with no budget flag, where the model does not fit the memory available")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -78,20 +84,29 @@ def run(args: argparse.Namespace) -> int:
                                                                                        flag="--prefix-cache"))
     except ValueError as e:
         raise UsageError(str(e)) from None
-    store = open_model(args)  # the store, where --model is one: opened once, read by the sizing and the load
-    # an auto CPU cache, and the choice to offload, leave the KV caches their memory
-    config = engine_config_from_args(args, keep_bytes=serve_config.kv_memory_bytes or 0, store=store)
-    template = load_chat_template(args.model, store)
-    engine = load_engine(args, config, store=store)
-    say_placement(args, engine)
+    said = None if args.lean else lean_by_itself(args, keep_bytes=serve_config.kv_memory_bytes or 0,
+                                                 how="serving through the compiled kernels (as --lean)")
+    if args.lean or said is not None:
+        if said is not None:
+            print(f"semoe: {said}", file=sys.stderr, flush=True)
+        engine, serve_config = lean_engine(args, serve_config)
+        template, mode, device, trace = load_chat_template(args.model), "offloaded, compiled kernels", "cpu", None
+        print(f"semoe: decoding through {engine.decode_path()}", file=sys.stderr, flush=True)
+    else:
+        store = open_model(args)  # the store, where --model is one: opened once, read by the sizing and the load
+        # an auto CPU cache, and the choice to offload, leave the KV caches their memory
+        config = engine_config_from_args(args, keep_bytes=serve_config.kv_memory_bytes or 0, store=store)
+        template = load_chat_template(args.model, store)
+        engine = load_engine(args, config, store=store)
+        say_placement(args, engine)
+        mode, device, trace = "offloaded" if config.offloaded else "resident", config.device, engine.model
     # uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal: make SIGTERM an
     # exception too, so that engine.close() still removes a temporary store.
     previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
-        mode = "offloaded" if config.offloaded else "resident"
-        with routing_trace(engine.model, args.routing_trace):
+        with routing_trace(trace, args.routing_trace) if trace is not None else contextlib.nullcontext():
             serve(engine, args.host, args.port, serve_config, chat_template=template,
-                  on_ready=lambda url: print(f"serving {engine.name} ({mode} on {config.device}) at {url}/v1 "
+                  on_ready=lambda url: print(f"serving {engine.name} ({mode} on {device}) at {url}/v1 "
                                              f"(Ctrl-C to stop)", file=sys.stderr, flush=True))
     except KeyboardInterrupt:
         print("semoe serve: stopped", file=sys.stderr)
@@ -99,6 +114,42 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         engine.close()
     return 0
+
+
+def lean_engine(args: argparse.Namespace, serve_config: "ServeConfig"):  # noqa: F821
+    """The engine over the runner's model (`inference.lean_engine.LeanEngine`) for `--model`, a store,
+    and the serve config it runs with: where --kv-memory is not given, the KV memory is an eighth of
+    the memory available (said on stderr); the expert cache leaves it free (the kept prefixes share it)."""
+    from dataclasses import replace
+
+    from inference.lean import LeanConfig, LeanModel, dense_load_bytes
+    from inference.lean_engine import LeanEngine
+    from storage.procmem import available_ram_bytes
+    from storage.reader import StoreReader, is_store
+    from tools.engine_args import engine_flags
+    from tools.progress import byte_bar
+
+    refused = engine_flags(args)
+    if refused:
+        raise UsageError(f"--lean serves in float32 on CPU through the compiled kernels: {refused[0]} is the "
+                         f"engine's (drop --lean)")
+    if args.resident:
+        raise UsageError("--resident is the engine's: --lean reads experts from the store as steps choose them")
+    if not is_store(args.model):
+        raise UsageError(f"--lean serves a store; {args.model} is not one (semoe store import makes one)")
+    store = StoreReader.open(args.model)
+    cache = None if args.cpu_cache is None or args.cpu_cache.strip() == "auto" else \
+        parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=store.manifest.expert_bytes())
+    if serve_config.kv_memory_bytes is None:
+        kv = max(available_ram_bytes() // 8, serve_config.prefix_cache_bytes or 0, 1)
+        serve_config = replace(serve_config, kv_memory_bytes=kv)
+        print(f"semoe: --kv-memory not given: the running requests' KV caches take at most {kv / 2**20:.0f} MiB, "
+              f"an eighth of the memory available", file=sys.stderr, flush=True)
+    keep = serve_config.kv_memory_bytes  # the running requests' caches and the kept prefixes, together
+    with byte_bar(dense_load_bytes(store), "loading weights") as bar:
+        model = LeanModel(store, LeanConfig(cache_bytes=cache, keep_bytes=keep, dense=args.dense, kv_cache="f32"),
+                          progress=bar.update)
+    return LeanEngine(model, name=os.path.basename(os.path.normpath(args.model))), serve_config
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -65,11 +65,6 @@ _IO_KINDS = {torch.float32: kernel_abi.W_F32_IO, torch.bfloat16: kernel_abi.W_BF
 _Lin, _Expert, _LayerC, _Net = kernel_abi.Lin, kernel_abi.Expert, kernel_abi.LayerC, kernel_abi.Net
 
 
-def _addresses(cache: KVCache) -> tuple[list[int], list[int]]:
-    """The addresses of a cache's layers' k and v (`prompt_pass.sequences`)."""
-    return [_ptr(k) for k in cache.k], [_ptr(v) for v in cache.v]
-
-
 def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_Lin, tuple[torch.Tensor, ...]]:
     """The kernels' operands of one weight (O, I) as `compact_linear.linear` multiplies one row by it
     on CPU, and the tensors they point into (the caller holds them as long as it uses the operands:
@@ -502,13 +497,10 @@ class DecodePlan:
         x = self.model.embed(torch.tensor([ids]))[0].contiguous()
         pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, counts)])
         cos, sin = (t[0].contiguous() for t in rope_tables(c, pos[None], x.dtype))
-        kc, vc, segs = prompt_pass.sequences([_addresses(k) for k in caches], [k.capacity for k in caches], starts,
-                                             counts)
-        target = prompt_pass.Target(lib, net, kc, vc, segs, threads, c.top_k, self._moe)
-        prompt_pass.run(target, x.numpy(), cos.numpy(), sin.numpy())
-        h = x[rows].contiguous()
         logits = torch.empty(len(rows), self.lm_head.O)
-        lib.prefill_head(net, _ptr(h), len(rows), _ptr(logits), threads)
+        prompt_pass.packed(lib, net, [k.addresses() for k in caches], [k.capacity for k in caches], starts, counts,
+                           x.numpy(), cos.numpy(), sin.numpy(), rows, logits.numpy(), threads=threads, top_k=c.top_k,
+                           moe=self._moe)
         for k, p, n in zip(caches, starts, counts):
             k.length = p + n
         return logits

@@ -92,6 +92,20 @@ def run(target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
             cache.end(ahead)
 
 
+def packed(lib: ctypes.CDLL, net: object, caches: list[tuple[list[int], list[int]]], capacities: list[int],
+           starts: list[int], counts: list[int], x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rows: list[int],
+           logits: np.ndarray, *, threads: int, top_k: int, moe: frozenset, reader: object = None) -> None:
+    """A server's step: sequence i's `counts[i]` rows of x (their embeddings; cos and sin their rotary
+    tables) at its cache's positions from `starts[i]` (`sequences`' caches and capacities) through every
+    layer (`run`), then the head over `rows` of the residual stream into logits (len(rows), V). The
+    engine's resident model (`DecodePlan.batch`) and the runner's cache (`inference.lean_engine`, with
+    `reader`) step so."""
+    kc, vc, segs = sequences(caches, capacities, starts, counts)
+    run(Target(lib, net, kc, vc, segs, threads, top_k, moe, reader), x, cos, sin)
+    h = np.ascontiguousarray(x[rows])
+    lib.prefill_head(net, _p(h), len(rows), _p(logits), threads)
+
+
 class _Pass:
     """The prompt pass's buffers: the residual stream x (the caller's), its normed copy h and the
     experts' sum s (T, D), the rotary tables (T, R), each position's choice ids and w (T, K)."""

@@ -25,6 +25,7 @@ from inference.serve_config import ServeConfig
 from inference.server import bind_socket, create_app
 from inference.text_stream import TextAssembler
 from semoe.generate import SamplingConfig
+from helpers.kernels import needs_kernels
 from helpers.procs import ROOT, child_env
 
 MAX_POSITION = 128  # of the tiny checkpoints
@@ -64,6 +65,8 @@ class ScriptedEngine:
     def __init__(self, engine: Engine) -> None:
         self._engine = engine
         self.model = engine.model
+        self.model_config = engine.model_config
+        self.new_cache = engine.new_cache
         self.tokenizer = None
         self.offload = None
         self.name = "scripted"
@@ -362,6 +365,57 @@ def test_batched_requests_over_offloaded_experts_get_the_resident_tokens(model_d
             assert status == 200, out
             choice = out["choices"][0]
             assert choice["token_ids"] == res.tokens and choice["logprobs"]["token_logprobs"] == res.logprobs, i
+        m = metrics(server.port)
+        assert m[("semoe_storage_read_bytes_total", ())] > 0
+        assert m[("semoe_batch_requests_count", ())] > m[("semoe_batch_requests_bucket", (("le", "1.0"),))]
+    finally:
+        server.close()
+        eng.close()
+
+
+LOGPROB_ATOL = 1e-4  # the runner's rotary tables (numpy's cos and sin) against torch's: ~1e-7 in a logit here
+
+
+def _concurrent(port: int, cases: list[tuple[list[int], int]]) -> dict[int, tuple[int, object]]:
+    """Each case's completion (prompt ids, max_tokens, with log-probs), all sent at once."""
+    results: dict[int, tuple[int, object]] = {}
+
+    def client(i: int) -> None:
+        ids, n = cases[i]
+        results[i] = post(port, "/v1/completions", {"prompt": ids, "max_tokens": n, "logprobs": 0})
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(cases))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    return results
+
+
+@needs_kernels
+def test_batched_requests_through_the_kernels_over_the_runners_cache_get_their_own_tokens(model_dir, reference,
+                                                                                          tmp_path):
+    """The server's step over `LeanEngine` (the compiled kernels, experts read from the store into the
+    runner's cache of top_k slots as each step chooses them): four concurrent requests, whose steps mix
+    prompts and decoding rows, get the resident engine's greedy tokens, and log-probs within LOGPROB_ATOL;
+    the storage counter shows the reads."""
+    from inference.lean import LeanConfig, LeanModel
+    from inference.lean_engine import LeanEngine
+    from semoe.hf_import import import_checkpoint
+
+    import_checkpoint(str(model_dir), str(tmp_path / "store"))
+    eng = LeanEngine(LeanModel(str(tmp_path / "store"), LeanConfig(cache_bytes=0)), name="lean")
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=4)))
+    try:
+        cases = [([1, 5, 9, 14], 12), ([3, 2], 9), ([20, 11, 4], 15), ([6], 7)]
+        results = _concurrent(server.port, cases)
+        for i, (ids, n) in enumerate(cases):
+            want = direct(reference, ids, n)
+            status, out = results[i]
+            assert status == 200, out
+            choice = out["choices"][0]
+            assert choice["token_ids"] == want.tokens, i
+            assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, rel=0, abs=LOGPROB_ATOL), i
         m = metrics(server.port)
         assert m[("semoe_storage_read_bytes_total", ())] > 0
         assert m[("semoe_batch_requests_count", ())] > m[("semoe_batch_requests_bucket", (("le", "1.0"),))]
@@ -1157,6 +1211,42 @@ def test_serve_reads_a_store_once_and_builds_its_limits_once(model_dir, tmp_path
     assert main(["serve", "--model", store, "--cpu-cache", "25%", "--max-batch", "4", "--kv-memory", "1MiB"]) == 0
     assert reads == [store]
     assert got == {"config": ServeConfig(max_batch=4, kv_memory_bytes=1 << 20), "offloaded": True}
+
+
+@needs_kernels
+def test_serve_takes_the_kernels_by_itself_where_memory_is_short(model_dir, tmp_path, monkeypatch, capsys,
+                                                                   machine_without_gpu):
+    """`semoe serve` with no budget flag on a store: where the model does not fit the memory available
+    less --kv-memory, it serves through the kernels over the runner's cache (`LeanEngine`) and says so;
+    where it fits, the resident engine. Without --kv-memory there, the KV memory is an eighth of the
+    memory available, said on stderr. `--lean` refuses the engine's flags and a HuggingFace directory in
+    one line."""
+    import inference.placement
+    import inference.server
+    from semoe.hf_import import import_checkpoint
+    from tools.cli import main
+
+    store = str(tmp_path / "store")
+    import_checkpoint(str(model_dir), store)
+    mb = inference.placement.model_bytes(store)
+    got = []
+    monkeypatch.setattr(inference.server, "serve", lambda engine, host, port, config, **kw: got.append(
+        (type(engine).__name__, config)))
+    for available in (mb.total // 2, 8 * mb.total + (1 << 30)):
+        monkeypatch.setattr(inference.placement, "available_ram_bytes", lambda a=available: a)
+        assert main(["serve", "--model", store, "--kv-memory", "1MiB", "--max-batch", "4"]) == 0
+        err = capsys.readouterr().err
+        assert ("serving through the compiled kernels" in err) == (available < mb.total)
+    assert got == [("LeanEngine", ServeConfig(max_batch=4, kv_memory_bytes=1 << 20)),
+                   ("Engine", ServeConfig(max_batch=4, kv_memory_bytes=1 << 20))]
+    assert main(["serve", "--model", store, "--lean"]) == 0
+    assert "an eighth of the memory available" in capsys.readouterr().err
+    assert got[-1][0] == "LeanEngine" and got[-1][1].kv_memory_bytes > 0
+    for flags, message in ((["--model", store, "--ring-slots", "2"], "--ring-slots is the engine's"),
+                           (["--model", str(model_dir)], "is not one")):
+        assert main(["serve", "--lean", *flags]) == 2
+        lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("semoe: error:")]
+        assert len(lines) == 1 and message in lines[0], lines
 
 
 @pytest.mark.parametrize("flags, message", [

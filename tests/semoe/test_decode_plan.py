@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from helpers.arch_stores import ARCHS, CASES  # the arch_stores fixture: tests/conftest.py
 from helpers.kernels import needs_kernels
 
 from inference.engine import Engine, EngineConfig
@@ -300,9 +302,6 @@ def test_generate_with_a_plan_gives_the_tokens_without():
 
 # -- every architecture -----------------------------------------------------------------------------
 
-ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
-# shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike
-WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64)
 # float32 sums in another order (per-head norms of many heads, latent attention in the absorbed form
 # against the module path's expanded K and V) move logits of magnitude ~1 by ~1e-7; a wrong weight,
 # scale, bias or mask moves them by 1e-2 or more
@@ -311,37 +310,6 @@ ARCH_RTOL = 1e-5
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
-
-
-@pytest.fixture(scope="module")
-def arch_stores(tmp_path_factory):
-    """(arch, format) -> a store of a small random transformers checkpoint of `arch`: f32 as imported,
-    int8/int4 quantized by semoe, fp8 (DeepSeek-V3) and mxfp4 (gpt-oss) in the published layouts."""
-    from helpers.hf_models import make_hf_checkpoint
-    from helpers.quantized_checkpoints import write_fp8_checkpoint, write_mxfp4_checkpoint
-    from semoe.hf_import import import_checkpoint
-
-    made: dict[tuple[str, str], str] = {}
-
-    def get(arch: str, fmt: str) -> str:
-        if (arch, fmt) not in made:
-            root = tmp_path_factory.mktemp(f"{arch}-{fmt}")
-            hf = make_hf_checkpoint(arch, root / "hf", seed=5, **WIDER)  # fields an arch lacks are ignored
-            if fmt in ("int8", "int4"):
-                quantize_store(get(arch, "f32"), str(root / "store"), QuantizeConfig(bits=int(fmt[3:]), group_size=32))
-            else:
-                if fmt == "fp8":
-                    write_fp8_checkpoint(hf, root / "fp8", (32, 32), mtp=False)
-                elif fmt == "mxfp4":
-                    write_mxfp4_checkpoint(hf, root / "mxfp4")
-                import_checkpoint(str(root / ("hf" if fmt == "f32" else fmt)), str(root / "store"))
-            made[arch, fmt] = str(root / "store")
-        return made[arch, fmt]
-
-    return get
-
-
-CASES = [(a, f) for a in ARCHS for f in ("f32", "int8", "int4")] + [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4")]
 
 
 @pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
