@@ -72,7 +72,8 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
 def engine_flags(args: argparse.Namespace) -> list[str]:
     """The flags given that only the engine takes (the runner's model refuses them); `generate`'s and
     `serve`'s (serve has no --profile)."""
-    return [flag for flag, on in (("--profile", getattr(args, "profile", False)), ("--routing-trace", args.routing_trace is not None),
+    return [flag for flag, on in (("--profile", getattr(args, "profile", False)),
+                                  ("--routing-trace", args.routing_trace is not None),
                                   ("--device-memory", args.device_memory is not None),
                                   ("--ring-slots", args.ring_slots is not None),
                                   ("--dtype", args.dtype not in (None, "float32")),
