@@ -295,6 +295,7 @@ def limited(args: argparse.Namespace, store: str, clients: list[int]) -> list[di
                     r["peak_rss_bytes"] = peak_rss(srv.proc.pid)
                     r["balloon_alive"] = balloon.alive
                     out.append({"engine": engine, "cache_pct": 100, "memory_pct": share, "size_bytes": size, **r})
+                    print(f"  {json.dumps(out[-1])}", file=sys.stderr)  # each point as it is measured
     return out
 
 
@@ -367,8 +368,8 @@ def report(result: dict, as_json: bool) -> None:
                 f"TTFT p50 {r['ttft_p50_s']:.3f} p99 {r['ttft_p99_s']:.3f} s | ITL p50 {r['itl_p50_s'] * 1e3:.1f} "
                 f"p99 {r['itl_p99_s'] * 1e3:.1f} ms")
         if "read_bytes_per_token" in r:
-            line += (f" | read {r['read_bytes_per_token'] / 2**20:.2f} MiB/tok (own counter "
-                     f"{r['storage_bytes_per_token'] / 2**20:.2f})")
+            line += f" | read {r['read_bytes_per_token'] / 2**20:.2f} MiB/tok" + (
+                f" (own counter {r['storage_bytes_per_token'] / 2**20:.2f})" if "storage_bytes_per_token" in r else "")
         if "peak_rss_bytes" in r:
             line += f" | peak RSS {r['peak_rss_bytes'] / 2**30:.2f} of {r['size_bytes'] / 2**30:.2f} GiB" + (
                 "" if r["balloon_alive"] else " (the balloon was killed: more than SIZE was used)")

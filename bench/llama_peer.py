@@ -14,7 +14,8 @@ written last, makes later calls instant):
                      the converter uses)
     src/             the llama-cpp-python sdist, unpacked; vendor/llama.cpp holds the sources
     build/quantize/  cmake build of vendor/llama.cpp, target llama-quantize only (static)
-    build/server/    the same, target llama-server (`ensure_server`, for bench_serve.py; built on first use)
+    build/server-noamx/  the same without AMX (NO_AMX), target llama-server (`ensure_server`, for
+                     bench_serve.py; built on first use)
     converter/       convert_hf_to_gguf.py + its conversion/ package, patched (see below)
     peer.json        the version and the paths above
 
@@ -187,18 +188,25 @@ def ensure_env(env_dir: str | None = None, jobs: int = 2) -> PeerEnv:
     return env
 
 
+# The native build's AMX paths (q8_0, q4_0, MXFP4 weights on a CPU that shows AMX) stopped llama-server
+# with SIGILL as its threads started on an AMX Xeon VM, whose kernel does not grant the tile state; f32
+# GGUFs ran. The server is built without them: what runs there is what a user of that machine gets.
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+
 def ensure_server(env: PeerEnv, jobs: int = 2) -> str:
-    """llama.cpp's llama-server built once from the peer's sources (build/server/, static, CPU as the
-    rest); its path. bench_serve.py's peer."""
+    """llama.cpp's llama-server built once from the peer's sources (build/server-noamx/, static, CPU as
+    the rest, without AMX: NO_AMX); its path. bench_serve.py's peer."""
     llama_src = os.path.join(env.env_dir, "src", f"llama_cpp_python-{env.version}", "vendor", "llama.cpp")
-    build = os.path.join(env.env_dir, "build", "server")
+    build = os.path.join(env.env_dir, "build", "server-noamx")
     binary = os.path.join(build, "bin", "llama-server")
     if not os.path.exists(binary):
         log = os.path.join(env.env_dir, "build.log")
         _progress(f"building llama-server from the peer's sources (several minutes on 2 cores; log: {log})")
         _run(["cmake", "-S", llama_src, "-B", build, *CPU_CMAKE_ARGS, "-DBUILD_SHARED_LIBS=OFF",
               "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=ON",
-              "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"], log)
+              "-DLLAMA_BUILD_UI=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", f"-DCMAKE_C_FLAGS={NO_AMX}",
+              f"-DCMAKE_CXX_FLAGS={NO_AMX}"], log)
         _run(["cmake", "--build", build, "--target", "llama-server", f"-j{jobs}"], log)
     return binary
 

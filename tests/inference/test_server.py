@@ -347,37 +347,17 @@ def test_batched_requests_over_offloaded_experts_get_the_resident_tokens(model_d
     eng = Engine.load(str(model_dir), EngineConfig(cpu_cache_bytes=1, ring_slots=2, preload=False))
     server = LiveServer(create_app(eng, ServeConfig(max_batch=4)))
     try:
-        cases = [([1, 5, 9, 14], 12), ([3, 2], 9), ([20, 11, 4], 15), ([6], 7)]
-        want = {i: direct(reference, ids, n) for i, (ids, n) in enumerate(cases)}
-        results: dict[int, object] = {}
-
-        def client(i: int) -> None:
-            ids, n = cases[i]
-            results[i] = post(server.port, "/v1/completions", {"prompt": ids, "max_tokens": n, "logprobs": 0})
-
-        threads = [threading.Thread(target=client, args=(i,)) for i in range(len(cases))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-        for i, res in want.items():
-            status, out = results[i]
-            assert status == 200, out
-            choice = out["choices"][0]
-            assert choice["token_ids"] == res.tokens and choice["logprobs"]["token_logprobs"] == res.logprobs, i
-        m = metrics(server.port)
-        assert m[("semoe_storage_read_bytes_total", ())] > 0
-        assert m[("semoe_batch_requests_count", ())] > m[("semoe_batch_requests_bucket", (("le", "1.0"),))]
+        _answers_as_alone(server.port, reference, atol=0.0)
     finally:
         server.close()
         eng.close()
 
 
-LOGPROB_ATOL = 1e-4  # the runner's rotary tables (numpy's cos and sin) against torch's: ~1e-7 in a logit here
-
-
-def _concurrent(port: int, cases: list[tuple[list[int], int]]) -> dict[int, tuple[int, object]]:
-    """Each case's completion (prompt ids, max_tokens, with log-probs), all sent at once."""
+def _answers_as_alone(port: int, reference, atol: float) -> None:
+    """Four requests sent at once (steps of prompts and decoding rows together) each get the reference
+    engine's greedy tokens alone and its log-probs within `atol`; the storage counter shows the reads,
+    and steps took several requests."""
+    cases = [([1, 5, 9, 14], 12), ([3, 2], 9), ([20, 11, 4], 15), ([6], 7)]
     results: dict[int, tuple[int, object]] = {}
 
     def client(i: int) -> None:
@@ -389,7 +369,19 @@ def _concurrent(port: int, cases: list[tuple[list[int], int]]) -> dict[int, tupl
         t.start()
     for t in threads:
         t.join(60)
-    return results
+    for i, (ids, n) in enumerate(cases):
+        want = direct(reference, ids, n)
+        status, out = results[i]
+        assert status == 200, out
+        choice = out["choices"][0]
+        assert choice["token_ids"] == want.tokens, i
+        assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, rel=0, abs=atol), i
+    m = metrics(port)
+    assert m[("semoe_storage_read_bytes_total", ())] > 0
+    assert m[("semoe_batch_requests_count", ())] > m[("semoe_batch_requests_bucket", (("le", "1.0"),))]
+
+
+LOGPROB_ATOL = 1e-4  # the runner's rotary tables (numpy's cos and sin) against torch's: ~1e-7 in a logit here
 
 
 @needs_kernels
@@ -407,18 +399,7 @@ def test_batched_requests_through_the_kernels_over_the_runners_cache_get_their_o
     eng = LeanEngine(LeanModel(str(tmp_path / "store"), LeanConfig(cache_bytes=0)), name="lean")
     server = LiveServer(create_app(eng, ServeConfig(max_batch=4)))
     try:
-        cases = [([1, 5, 9, 14], 12), ([3, 2], 9), ([20, 11, 4], 15), ([6], 7)]
-        results = _concurrent(server.port, cases)
-        for i, (ids, n) in enumerate(cases):
-            want = direct(reference, ids, n)
-            status, out = results[i]
-            assert status == 200, out
-            choice = out["choices"][0]
-            assert choice["token_ids"] == want.tokens, i
-            assert choice["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, rel=0, abs=LOGPROB_ATOL), i
-        m = metrics(server.port)
-        assert m[("semoe_storage_read_bytes_total", ())] > 0
-        assert m[("semoe_batch_requests_count", ())] > m[("semoe_batch_requests_bucket", (("le", "1.0"),))]
+        _answers_as_alone(server.port, reference, atol=LOGPROB_ATOL)
     finally:
         server.close()
         eng.close()
