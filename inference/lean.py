@@ -504,6 +504,17 @@ class LeanModel:
         row = np.frombuffer(raw, np.float32 if item == 4 else np.uint16)
         x[:] = row if item == 4 else bf16_to_f32(row)
 
+    def inputs(self, tokens: list[int], positions: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The prompt pass's inputs for rows of `tokens` at `positions`: their embeddings x (T, D) and
+        rotary tables cos, sin (T, rope_dim)."""
+        c, T = self.config, len(tokens)
+        x = np.empty((T, c.hidden_size), np.float32)
+        cos, sin = np.empty((T, c.rope_dim), np.float32), np.empty((T, c.rope_dim), np.float32)
+        for t, (token, pos) in enumerate(zip(tokens, positions)):
+            self._embed(token, x[t])
+            self.rope(pos, cos[t], sin[t])
+        return x, cos, sin
+
     def sequence(self, capacity: int) -> "LeanSequence":
         """A new sequence of up to `capacity` positions (its KV cache and the step's buffers)."""
         return LeanSequence(self, capacity)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import ctypes
 import threading
 
-import numpy as np
 import torch
 
 from inference.lean import LeanModel
@@ -55,19 +54,8 @@ class LeanEngine:
         next positions; each cache advances by them): the logits (len(rows), V) of `rows`. Callers
         serialise on `lock`."""
         m, c = self.lean, self.model_config
-        starts = [k.length for k in caches]
-        for k, p, n in zip(caches, starts, counts):
-            if n < 1 or p + n > k.capacity:
-                raise ValueError(f"{n} tokens at position {p} of a KV cache of {k.capacity} positions")
-        T, R = len(ids), c.rope_dim
-        x = np.empty((T, c.hidden_size), np.float32)
-        cos, sin = np.empty((T, R), np.float32), np.empty((T, R), np.float32)
-        row = 0
-        for p, n in zip(starts, counts):
-            for pos in range(p, p + n):
-                m._embed(ids[row], x[row])
-                m.rope(pos, cos[row], sin[row])
-                row += 1
+        starts = [k.length for k in caches]  # a step past a cache's capacity is refused before anything runs
+        x, cos, sin = m.inputs(ids, [pos for p, n in zip(starts, counts) for pos in range(p, p + n)])
         logits = torch.empty(len(rows), m.head.O)
         prompt_pass.packed(m.lib, self._net, [k.addresses() for k in caches], [k.capacity for k in caches], starts,
                            counts, x, cos, sin, rows, logits.numpy(), threads=m.settings.threads, top_k=c.top_k,

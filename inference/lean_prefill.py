@@ -24,11 +24,7 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
         raise BadInputError(f"a prompt of {T} tokens at position {pos0}: the sequence holds {seq.capacity}")
     if seq._work is None:
         raise BadInputError("the sequence is closed")
-    R = seq.cos.shape[0]
-    x, cos, sin = np.empty((T, c.hidden_size), np.float32), np.empty((T, R), np.float32), np.empty((T, R), np.float32)
-    for t, token in enumerate(tokens):
-        m._embed(token, x[t])
-        m.rope(pos0 + t, cos[t], sin[t])
+    x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
     kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [T])
     target = Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m)
     run(target, x, cos, sin, on_layer)

@@ -272,8 +272,7 @@ class BatchScheduler:
                 need = self.engine.kv_cache_bytes(self._positions(r.job.request, len(r.tokens)))
             else:
                 need = self.engine.kv_cache_bytes(self._positions(self._pending[0].request, 0))
-            if self.kv_memory_bytes is not None and reserved + need + self.prefix.bytes > self.kv_memory_bytes:
-                self.prefix.evict(reserved + need + self.prefix.bytes - self.kv_memory_bytes)  # kept prefixes first
+            self._make_room(reserved + need)
             if self.kv_memory_bytes is not None and reserved + need > self.kv_memory_bytes \
                     and (reserved or taken or resumed):
                 break
@@ -283,6 +282,12 @@ class BatchScheduler:
                 taken.append(self._pending.popleft())
             reserved += need
         return resumed, taken
+
+    def _make_room(self, held: int) -> None:
+        """Evict kept prefixes until `held` bytes of running caches fit beside them in the KV memory: they
+        go before a running request waits or is preempted."""
+        if self.kv_memory_bytes is not None and held + self.prefix.bytes > self.kv_memory_bytes:
+            self.prefix.evict(held + self.prefix.bytes - self.kv_memory_bytes)
 
     def _admit(self, job: Job) -> _Running:
         req = job.request
@@ -325,9 +330,7 @@ class BatchScheduler:
         req = r.job.request
         positions = min(len(req.prompt_ids) + req.sampling.max_new_tokens, r.cache.capacity + self.kv_grow_tokens)
         extra = self.engine.kv_cache_bytes(positions) - r.kv_bytes
-        held = sum(x.kv_bytes for x in self._running) + extra + self.prefix.bytes
-        if self.kv_memory_bytes is not None and held > self.kv_memory_bytes:
-            self.prefix.evict(held - self.kv_memory_bytes)  # kept prefixes go before a running request waits
+        self._make_room(sum(x.kv_bytes for x in self._running) + extra)
         while self.kv_memory_bytes is not None \
                 and sum(x.kv_bytes for x in self._running) + extra > self.kv_memory_bytes:
             victim = self._running[-1]

@@ -105,6 +105,14 @@ def lean_by_itself(args: argparse.Namespace, keep_bytes: int = 0,
     return placement.describe_lean(how)
 
 
+def lean_cache_bytes(args: argparse.Namespace, store) -> int | None:
+    """The runner's expert cache from --cpu-cache (a percentage of `store`'s expert bytes); None for
+    auto or no flag: every expert where the memory left allows."""
+    if args.cpu_cache is None or args.cpu_cache.strip() == "auto":
+        return None
+    return parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=store.manifest.expert_bytes())
+
+
 def open_model(args: argparse.Namespace) -> "Store | None":  # noqa: F821
     """The store `--model` names, opened once for the sizing and the load (`engine_config_from_args`,
     `load_engine`); None where it is a HuggingFace directory."""

@@ -9,7 +9,7 @@ import sys
 
 from tools.common import UsageError, emit_json
 from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
-    engine_flags, lean_by_itself, load_engine, say_placement
+    engine_flags, lean_by_itself, lean_cache_bytes, load_engine, say_placement
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -165,7 +165,6 @@ def run_lean(args: argparse.Namespace) -> int:
     from storage.procmem import available_ram_bytes
     from storage.reader import StoreReader
     from tools.progress import byte_bar, count_bar
-    from tools.sizes import parse_size
 
     check_sampling_flags(args)
     refused = engine_flags(args)
@@ -179,11 +178,7 @@ def run_lean(args: argparse.Namespace) -> int:
     if args.resident:
         raise UsageError("--resident is the engine's: --lean reads experts from the store as they are chosen")
     store = StoreReader.open(args.model)  # the manifest, read once: for the cache's size and the model
-    total = store.manifest.expert_bytes()
-    if args.cpu_cache is None or args.cpu_cache.strip() == "auto":
-        cache = None  # every expert where the memory left allows
-    else:
-        cache = parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=total)
+    cache = lean_cache_bytes(args, store)
     c = store_config(store)
     tok = store_tokenizer(store, c)
     prompt = build_prompt(args, tok)  # before loading: the sequence's memory is kept free beside the cache

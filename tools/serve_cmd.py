@@ -126,7 +126,7 @@ def lean_engine(args: argparse.Namespace, serve_config: "ServeConfig"):  # noqa:
     from inference.lean_engine import LeanEngine
     from storage.procmem import available_ram_bytes
     from storage.reader import StoreReader, is_store
-    from tools.engine_args import engine_flags
+    from tools.engine_args import engine_flags, lean_cache_bytes
     from tools.progress import byte_bar
 
     refused = engine_flags(args)
@@ -138,8 +138,7 @@ def lean_engine(args: argparse.Namespace, serve_config: "ServeConfig"):  # noqa:
     if not is_store(args.model):
         raise UsageError(f"--lean serves a store; {args.model} is not one (semoe store import makes one)")
     store = StoreReader.open(args.model)
-    cache = None if args.cpu_cache is None or args.cpu_cache.strip() == "auto" else \
-        parse_size(args.cpu_cache, flag="--cpu-cache", percent_of=store.manifest.expert_bytes())
+    cache = lean_cache_bytes(args, store)
     if serve_config.kv_memory_bytes is None:
         kv = max(available_ram_bytes() // 8, serve_config.prefix_cache_bytes or 0, 1)
         serve_config = replace(serve_config, kv_memory_bytes=kv)

@@ -74,7 +74,7 @@ def test_bad_steps_and_caches_are_refused(arch_stores):
     with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
         engine = LeanEngine(lean, name="q")
         cache = engine.new_cache([1, 2], 1)
-        with pytest.raises(ValueError, match="4 tokens at position 0 of a KV cache of 3 positions"):
+        with pytest.raises(ValueError, match="4 rows at position 0 of a cache of 3 positions"):
             engine.step([1, 2, 3, 4], [cache], [4], [3])
         assert cache.length == 0
         with pytest.raises(ValueError, match="max_position"):
