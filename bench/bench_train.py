@@ -17,6 +17,14 @@ default) shows how it depends on the compute per step: less compute hides less S
 AdamW moments, measured from the tensors by the trainer and logged per step), their ratio to
 replicated (fsdp's target is about 1/N) and the median step time of each mode.
 
+--peer instead trains the same Mixtral-shaped model (--arch: or a qwen3_moe or gpt_oss one) two
+ways on the same batches: `semoe train --init-from` the store imported from transformers' checkpoint
+(--peer-states device: everything in memory; ssd: states on SSD at --cpu-cache), and transformers'
+own model with torch.optim.AdamW (bench/train_peer.py), alternated --repeats times at each batch
+shape. It prints tokens/s of both and their ratio (the target is >= 1.0), and the loss of both at
+every step with the largest relative difference (first step: before any update, float32 reduction
+order only; later steps: AdamW amplifies that, see LOSS_TOL).
+
 --largest instead trains, with states on SSD, a model whose expert states are at least
 --ram-factor times this machine's RAM (tens of GB written under --workdir) and reports s/step,
 loss per step (it must fall) and peak RSS vs RAM. It refuses (exit 2) if the model is too small
@@ -24,6 +32,7 @@ or the disk too full.
 
     python bench/bench_train.py --workdir DIR [--steps 8] [--repeats 2] [--no-small-batch] [--json]
     python bench/bench_train.py --workdir DIR --dense [--nproc 2] [--steps 8]
+    python bench/bench_train.py --workdir DIR --peer [--arch mixtral] [--peer-states device] [--steps 8]
     python bench/bench_train.py --workdir DIR --largest [--ram-factor 1.5] [--keep]
 """
 
@@ -48,6 +57,11 @@ COMPARE = {"layers": 4, "hidden": 256, "heads": 8, "kv_heads": 4, "ffn": 768, "e
 LARGEST = {"layers": 8, "hidden": 1024, "heads": 16, "kv_heads": 4, "ffn": 4096, "expert_ffn": 4096, "experts": 32,
            "top_k": 2, "batch_size": 4, "seq_len": 128, "steps": 3, "cpu_cache": "4GiB"}
 TARGET_RATIO = 1.3
+PEER_TARGET = 1.0  # semoe's tokens/s over transformers + AdamW's
+# relative loss differences semoe vs transformers: the first step's loss is computed before any update
+# (float32 matmul blocking and reduction order only); later ones after AdamW, whose first steps move
+# every weight by about lr whatever the gradient's size, so rounding differences in small gradients grow
+LOSS_TOL = {"first": 1e-5, "later": 1e-3}
 GIB = 2**30
 
 
@@ -66,8 +80,10 @@ def ram_bytes() -> int:
     return total
 
 
-def train(args: argparse.Namespace, name: str, batch: int, seq: int, extra: list[str]) -> list[dict]:
-    """One `semoe train` run into a fresh --out; its --log-json lines."""
+def train(args: argparse.Namespace, name: str, batch: int, seq: int, extra: list[str], *, shape: bool = True,
+          keep: bool | None = None) -> list[dict]:
+    """One `semoe train` run into a fresh --out (WORKDIR/name); its --log-json lines. `shape`: pass
+    the model's shape flags (not with --init-from); `keep`: keep the run directory (default --keep)."""
     out = os.path.join(args.workdir, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
@@ -75,7 +91,7 @@ def train(args: argparse.Namespace, name: str, batch: int, seq: int, extra: list
     cmd = [sys.executable, "-m", "tools.cli", "train", "--out", os.path.join(out, "run"), "--log-json", log, "-q",
            "--steps", str(args.steps), "--checkpoint-every", str(max(1000, args.steps + 1)),
            "--batch-size", str(batch), "--seq-len", str(seq), *extra]
-    for flag in SHAPE_FLAGS:
+    for flag in SHAPE_FLAGS if shape else ():
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
     print(f"running {name} ...", file=sys.stderr, flush=True)
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, check=False,
@@ -85,7 +101,7 @@ def train(args: argparse.Namespace, name: str, batch: int, seq: int, extra: list
         raise SystemExit(f"{name} failed (exit {res.returncode}); its run directory is {out}")
     with open(log, encoding="utf-8") as f:
         steps = [json.loads(line) for line in f if line.strip()]
-    if not args.keep:
+    if not (args.keep if keep is None else keep):
         shutil.rmtree(out, ignore_errors=True)
     return steps
 
@@ -178,6 +194,69 @@ def print_dense(r: dict) -> None:
           f"(1/N = {1 / r['nproc']:.3f})")
 
 
+def peer(args: argparse.Namespace) -> dict:
+    """semoe (`--init-from` transformers' checkpoint) against transformers + AdamW, alternated, at
+    each batch shape; the peer takes semoe's batches and learning rates of the same step."""
+    import train_peer
+    from semoe.run_store import RunStore
+    from semoe.train_config import TrainConfig
+
+    hf, store = train_peer.make_checkpoint(os.path.join(args.workdir, f"peer-{args.arch}"), args.arch)
+    model = RunStore.open(store).model_config()
+    defaults = TrainConfig(out="")
+    states = ["--expert-states", args.peer_states] + (["--cpu-cache", args.cpu_cache]
+                                                      if args.peer_states == "ssd" else [])
+    shapes = {"default": (args.batch_size, args.seq_len)}
+    if args.small_batch:
+        shapes["small"] = (args.small_batch_size, args.small_seq_len)
+    out = {"arch": args.arch, "states": args.peer_states, "shapes": {}}
+    for label, (batch, seq) in shapes.items():
+        ours, theirs = [], []
+        for rep in range(args.repeats):
+            name = f"peer-{label}-{rep}"
+            steps = train(args, name, batch, seq, ["--init-from", store, *states], shape=False, keep=True)
+            run = os.path.join(args.workdir, name)
+            batches = train_peer.run_batches(os.path.join(run, "run"), batch, seq, defaults.seed, len(steps))
+            if not args.keep:
+                shutil.rmtree(run, ignore_errors=True)
+            print(f"running transformers ({label}, {rep}) ...", file=sys.stderr, flush=True)
+            theirs.append(train_peer.train_transformers(
+                hf, batches, [s["lr"] for s in steps], betas=defaults.betas, eps=defaults.eps,
+                weight_decay=defaults.weight_decay, grad_clip=defaults.grad_clip, aux_coef=model.aux_loss_coef,
+                z_coef=model.z_loss_coef))
+            ours.append(steps)
+        skip = args.warmup_steps_skip
+        med = {k: statistics.median(s["step_s"] for r in runs for s in r[skip:]) for k, runs in
+               (("semoe", ours), ("transformers", theirs))}
+        loss = {"semoe": [s["loss"] for s in ours[0]], "transformers": [s["loss"] for s in theirs[0]]}
+        rel = [abs(a - b) / abs(b) for a, b in zip(loss["semoe"], loss["transformers"])]
+        out["shapes"][label] = {
+            "batch_size": batch, "seq_len": seq, "median_step_s": med,
+            "tokens_per_s": {k: batch * seq / v for k, v in med.items()},
+            "semoe_vs_transformers": med["transformers"] / med["semoe"], "loss": loss,
+            "first_loss_rel_diff": rel[0], "max_later_loss_rel_diff": max(rel[1:], default=0.0),
+            "peak_rss_bytes": max(s["peak_rss_bytes"] for r in ours for s in r)}
+    return out
+
+
+def print_peer(r: dict) -> None:
+    print(f"{r['arch']}: semoe train --init-from (expert states {r['states']}) vs transformers + torch.optim.AdamW, "
+          f"the same batches and learning rates")
+    for label, row in r["shapes"].items():
+        tps = row["tokens_per_s"]
+        verdict = "meets" if row["semoe_vs_transformers"] >= PEER_TARGET else "misses"
+        print(f"batch {row['batch_size']}x{row['seq_len']}: semoe {row['median_step_s']['semoe']:.3f} s/step "
+              f"{tps['semoe']:,.0f} tok/s, transformers {row['median_step_s']['transformers']:.3f} s/step "
+              f"{tps['transformers']:,.0f} tok/s: {row['semoe_vs_transformers']:.2f}x ({verdict} >= {PEER_TARGET})")
+        print("  step  loss semoe  loss transformers  rel diff")
+        for i, (a, b) in enumerate(zip(row["loss"]["semoe"], row["loss"]["transformers"]), 1):
+            print(f"  {i:4d}  {a:10.6f}  {b:17.6f}  {abs(a - b) / abs(b):8.1e}")
+        ok = (row["first_loss_rel_diff"] <= LOSS_TOL["first"] and row["max_later_loss_rel_diff"] <= LOSS_TOL["later"])
+        print(f"  losses {'agree' if ok else 'DIFFER'}: first step {row['first_loss_rel_diff']:.1e} "
+              f"(tolerance {LOSS_TOL['first']:.0e}), later steps at most {row['max_later_loss_rel_diff']:.1e} "
+              f"(tolerance {LOSS_TOL['later']:.0e})")
+
+
 def largest(args: argparse.Namespace) -> dict:
     from semoe.train_config import expert_state_bytes
 
@@ -228,6 +307,12 @@ def main() -> int:
     ap.add_argument("--dense", action="store_true",
                     help="instead compare --dense-states replicated, zero1 and fsdp on --nproc ranks")
     ap.add_argument("--nproc", type=int, default=2, help="--dense: ranks")
+    ap.add_argument("--peer", action="store_true",
+                    help="instead compare with transformers + torch.optim.AdamW on the same model and batches")
+    ap.add_argument("--arch", default="mixtral", choices=("mixtral", "qwen3_moe", "gpt_oss"),
+                    help="--peer: the model's architecture [mixtral]")
+    ap.add_argument("--peer-states", default="device", choices=("device", "cpu", "ssd"),
+                    help="--peer: semoe's --expert-states [device: all in memory]")
     shape = ap.add_argument_group("model and batch (defaults differ with --largest)")
     for flag in (*SHAPE_FLAGS, "batch_size", "seq_len", "steps"):
         shape.add_argument(f"--{flag.replace('_', '-')}", type=int, default=None)
@@ -250,7 +335,11 @@ def main() -> int:
     if not args.largest and args.steps <= args.warmup_steps_skip:
         ap.error(f"--steps ({args.steps}) must exceed --warmup-steps-skip ({args.warmup_steps_skip})")
     os.makedirs(args.workdir, exist_ok=True)
-    if args.dense:
+    if args.peer:
+        out = {"peer": peer(args)}
+        if not args.json:
+            print_peer(out["peer"])
+    elif args.dense:
         out = {"dense": dense_modes(args)}
         if not args.json:
             print_dense(out["dense"])

@@ -174,16 +174,18 @@ class MoEFeedForward(nn.Module):
         # The host needs the counts to slice each expert's rows: with dispatch_order's nonzero, the
         # layer's only host syncs (both data-dependent sizes).
         counts = counts_E.tolist()
-        starts = [0]
-        for n in counts:
-            starts.append(starts[-1] + n)
         # Each (token, choice) gets its own row and the rows are summed over choices at the end, so
-        # the result does not depend on the order in which the provider hands out experts.
-        y_NKD = x_ND.new_zeros(x_ND.shape[0], c.top_k, D)
+        # the result does not depend on the order in which the provider hands out experts. The rows
+        # are gathered once, split into each expert's (views), and the outputs put back once: in
+        # training each of those has one backward op for the layer, not one over all N rows per expert.
+        x_RD = x_ND[token_idx]
+        rows = x_RD.split(counts)
+        y_parts: dict[int, torch.Tensor] = {}
         for e, w in self.experts.stream(self.layer, [e for e, n in enumerate(counts) if n], x_ND):
-            tok, ch = token_idx[starts[e]:starts[e + 1]], choice_idx[starts[e]:starts[e + 1]]
-            y = w.apply(x_ND[tok]) * r.weights_TK[tok, ch, None].to(x_ND.dtype)
-            y_NKD.index_put_((tok, ch), y)
+            y_parts[e] = w.apply(rows[e])
+        y_RD = torch.cat([y_parts[e] for e, n in enumerate(counts) if n]) if y_parts else x_RD
+        y_RD = y_RD * r.weights_TK[token_idx, choice_idx, None].to(x_ND.dtype)
+        y_NKD = x_ND.new_zeros(x_ND.shape[0], c.top_k, D).index_put((token_idx, choice_idx), y_RD)
         out_ND, stats = self.combine(x_ND, y_NKD, r, keep_NK)
         return out_ND.view(B, T, D), stats
 
