@@ -61,14 +61,20 @@ class AdamWConfig:
 
 
 def adamw_(w: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor, *, step: int, lr: float,
-           cfg: AdamWConfig) -> None:
-    """One AdamW update in place, the same arithmetic as `torch.optim.AdamW` (single-tensor path)."""
+           cfg: AdamWConfig, scratch: torch.Tensor | None = None) -> None:
+    """One AdamW update in place, the same arithmetic as `torch.optim.AdamW` (single-tensor path).
+    `scratch`: float32 memory of at least `w.numel()` elements for the denominator, so that an
+    update allocates nothing (an expert-sized temporary per tensor is a page-faulted mapping)."""
     b1, b2 = cfg.betas
     w.mul_(1 - lr * cfg.weight_decay)
     m.lerp_(g, 1 - b1)
     v.mul_(b2).addcmul_(g, g, value=1 - b2)
     bias1, bias2 = 1 - b1 ** step, 1 - b2 ** step
-    denom = (v.sqrt() / math.sqrt(bias2)).add_(cfg.eps)
+    if scratch is None:
+        denom = v.sqrt()
+    else:
+        denom = torch.sqrt(v, out=scratch.view(-1)[:v.numel()].view(v.shape))
+    denom.div_(math.sqrt(bias2)).add_(cfg.eps)
     w.addcdiv_(m, denom, value=-lr / bias1)
 
 
@@ -174,6 +180,11 @@ class ExpertStates(ABC):
     @abstractmethod
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
         """Accumulate a weight gradient (gate, up, down) for this step."""
+
+    def grad_out(self, layer: int, expert: int) -> list[torch.Tensor] | None:
+        """float32 tensors shaped as the expert's weights for backward to compute its gradient into,
+        then handed to `add_grad`; None: backward allocates them."""
+        return None
 
     def prefetch(self, layer: int, experts: list[int], priority: float = 0.0) -> None:
         """A hint: these experts' weights will be fetched soon (lower priority first)."""
@@ -305,8 +316,13 @@ class _ExpertFFN(torch.autograd.Function):
             du_MF = dh_MF * a_MF
             dx_MD = dg_MF @ gate_FD.to(dt) + du_MF @ up_FD.to(dt)
         if x_MD.shape[0]:  # an expert run on no rows (expert parallelism keeps graphs alike) learns nothing
-            states.add_grad(layer, expert, ((dg_MF.t() @ xc_MD).float(), (du_MF.t() @ xc_MD).float(),
-                                            (dy_MD.t() @ h_MF).float()))
+            out = states.grad_out(layer, expert) if dt == torch.float32 else None
+            if out is None:
+                grads = ((dg_MF.t() @ xc_MD).float(), (du_MF.t() @ xc_MD).float(), (dy_MD.t() @ h_MF).float())
+            else:  # into the backend's memory
+                grads = (torch.mm(dg_MF.t(), xc_MD, out=out[0]), torch.mm(du_MF.t(), xc_MD, out=out[1]),
+                         torch.mm(dy_MD.t(), h_MF, out=out[2]))
+            states.add_grad(layer, expert, grads)
         return dx_MD.to(x_MD.dtype), None, None, None, None, None, None
 
 

@@ -48,7 +48,7 @@ from storage.errors import CacheFullError, StorageError
 from storage.fileio import ALIGN, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import ChunkEntry, Manifest, TensorEntry
-from storage.pool import (HostBuffer, HostBufferPool, HostBufferPoolConfig, PoolExhaustedError, aligned_empty,
+from storage.pool import (HostBuffer, HostBufferPool, HostBufferPoolConfig, PoolExhaustedError,
                           round_up)
 from storage.store import Store
 from storage.streams import COMPLETE, CopyHandle, StreamEvent, make_copy_stream
@@ -81,18 +81,24 @@ class GradAccumulator:
     """One step's expert gradients, summed in the order they arrive: in host memory while they fit
     in `budget_bytes`, beyond that in one spill file per expert under `folder`."""
 
-    def __init__(self, fmt: ChunkFormat, budget_bytes: int, folder: str) -> None:
+    def __init__(self, fmt: ChunkFormat, budget_bytes: int, folder: str,
+                 on_io: Callable[[str, int], None] | None = None) -> None:
         self.format = fmt
+        self.on_io = on_io  # told ("read" or "written", bytes) of each spill file read or written
         self.budget_bytes = budget_bytes
         self.folder = folder
         self.held: dict[Key, list[torch.Tensor]] = {}
         self.spilled: set[Key] = set()
         self.nbytes = 0  # of `held`
         self._releases: list[Callable[[], None]] = []  # of the memory the held sums live in
+        self._norms: dict[Key, list[torch.Tensor]] = {}  # of each spilled sum, taken as it is written
+        self._read_buf: torch.Tensor | None = None  # spilled sums are read back into it, one at a time
 
-    def add(self, key: Key, grads: list[torch.Tensor], release: Callable[[], None] | None = None) -> None:
+    def add(self, key: Key, grads: list[torch.Tensor], release: Callable[[], None] | None = None,
+            raw: torch.Tensor | None = None) -> None:
         """Add one gradient (host float32). A first one that fits is kept as the sum itself, and
-        `release` (which frees the memory of `grads`) is called by `discard`; otherwise at once."""
+        `release` (which frees the memory of `grads`) is called by `discard`; otherwise at once.
+        `raw`: the chunk-format bytes `grads` are views of, written as they are if it spills."""
         kept = False
         if key in self.held:
             for acc, g in zip(self.held[key], grads):
@@ -102,7 +108,7 @@ class GradAccumulator:
         else:
             size = sum(g.numel() * g.element_size() for g in grads)
             if self.nbytes + size > self.budget_bytes:
-                self._write(key, grads)
+                self._write(key, grads, raw)
                 self.spilled.add(key)
             else:
                 self.held[key] = list(grads)
@@ -118,8 +124,13 @@ class GradAccumulator:
         return sorted(set(self.held) | self.spilled)
 
     def grads(self, key: Key) -> list[torch.Tensor]:
-        """The summed gradient of `key` (read back if spilled)."""
+        """The summed gradient of `key`; read back if spilled, into memory the next call reuses."""
         return self.held[key] if key in self.held else self._read(key)
+
+    def norms(self, key: Key) -> list[torch.Tensor]:
+        """The float32 norm of each tensor of `key`'s sum, as `torch._foreach_norm` gives it (a
+        spilled sum's were taken when it was written: it is not read back for them)."""
+        return list(torch._foreach_norm(self.held[key])) if key in self.held else self._norms[key]
 
     def path(self, key: Key) -> str:
         return os.path.join(self.folder, f"L{key[0]:04d}.E{key[1]:05d}.grad")
@@ -130,17 +141,25 @@ class GradAccumulator:
             os.unlink(self.path(key))
         for release in self._releases:
             release()
-        self.held, self.spilled, self.nbytes, self._releases = {}, set(), 0, []
+        self.held, self.spilled, self.nbytes, self._releases, self._norms = {}, set(), 0, [], {}
 
-    def _write(self, key: Key, grads: list[torch.Tensor]) -> None:
+    def _write(self, key: Key, grads: list[torch.Tensor], raw: torch.Tensor | None = None) -> None:
         os.makedirs(self.folder, exist_ok=True)
+        self._norms[key] = list(torch._foreach_norm(grads))
         with open(self.path(key), "wb") as f:
-            f.write(memoryview(self.format.pack(grads)))
+            f.write(memoryview(raw.numpy() if raw is not None else self.format.pack(grads)))
+        if self.on_io is not None:
+            self.on_io("written", self.format.nbytes)
 
     def _read(self, key: Key) -> list[torch.Tensor]:
+        if self._read_buf is None:
+            self._read_buf = torch.empty(self.format.nbytes, dtype=torch.uint8)
         with open(self.path(key), "rb") as f:
-            raw = torch.frombuffer(bytearray(f.read()), dtype=torch.uint8)
-        return [t.clone() for t in self.format.views(raw)]
+            if f.readinto(memoryview(self._read_buf.numpy())) != self.format.nbytes:
+                raise StorageError(f"{self.path(key)}: spilled gradient is shorter than {self.format.nbytes} bytes")
+        if self.on_io is not None:
+            self.on_io("read", self.format.nbytes)
+        return self.format.views(self._read_buf)
 
 
 @dataclass(eq=False)
@@ -197,7 +216,10 @@ def _arrive(pending: deque[_GradCopy], into: GradAccumulator, *, block: bool) ->
             if staging is not None:
                 staging.release()
                 staging = None
-        into.add(first.key, grads, None if staging is None else staging.release)
+        if staging is None:
+            into.add(first.key, grads)
+        else:  # the gradient is the staging buffer's bytes, in the chunk's layout
+            into.add(first.key, grads, staging.release, raw=staging.payload)
 
 
 # -- the backend ------------------------------------------------------------------------------------
@@ -268,6 +290,13 @@ class SSDExpertStates(ExpertStates):
         self._staging = HostBufferPool(HostBufferPoolConfig(
             capacity_bytes=(2 * held + GRAD_COPIES_IN_FLIGHT) * round_up(self.format.nbytes, ALIGN), pin=self._pin,
             alignment=ALIGN))
+        # the moments of the tiles in flight (read ahead, updated, being written), reused step after step:
+        # an expert-sized allocation each would be a fresh mapping the kernel zeroes page by page
+        self._moment_bufs = HostBufferPool(HostBufferPoolConfig(
+            capacity_bytes=(prefetch_depth + 1 + write_threads) * 2 * round_up(self.format.nbytes, ALIGN), pin=False,
+            alignment=ALIGN))
+        self._scratch: torch.Tensor | None = None  # the optimizer thread's AdamW denominator
+        self._outs: dict[Key, HostBuffer] = {}  # staging buffers handed to backward by `grad_out`
         self._loans: list[_Loan] = []
         self._loan_lock = threading.Lock()  # fetches and the optimizer thread both free loans
         self._free_slots: deque[_Slot] = deque()  # least recently released first
@@ -276,6 +305,7 @@ class SSDExpertStates(ExpertStates):
         self._writers = ThreadPoolExecutor(write_threads, thread_name_prefix="semoe-expert-write")
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="semoe-moment-read")
         self._bytes_written = self._moment_bytes = 0
+        self._spill_bytes = {"read": 0, "written": 0}  # gradients spilled to and read back from spill_dir
         self._cond = threading.Condition()
         self._pending: set[Key] = set()  # experts whose update is in flight
         self._worker: threading.Thread | None = None
@@ -284,7 +314,12 @@ class SSDExpertStates(ExpertStates):
     def _new_accumulator(self) -> GradAccumulator:
         # two folders taking turns: the optimizer thread reads the last step's spills while this
         # step's backward writes its own
-        return GradAccumulator(self.format, self.grad_budget, os.path.join(self.spill_dir, f"step{self._gen % 2}"))
+        return GradAccumulator(self.format, self.grad_budget, os.path.join(self.spill_dir, f"step{self._gen % 2}"),
+                               on_io=self._count_spill)
+
+    def _count_spill(self, kind: str, nbytes: int) -> None:
+        with self._lock:
+            self._spill_bytes[kind] += nbytes
 
     # -- versions -----------------------------------------------------------------------------
     def begin_version(self, version: int) -> None:
@@ -383,10 +418,22 @@ class SSDExpertStates(ExpertStates):
     def prefetch(self, layer: int, experts: list[int], priority: float = 0.0) -> None:
         self.tier.prefetch([ExpertKey(layer, e) for e in experts if e in self.experts], priority=priority)
 
+    def grad_out(self, layer: int, expert: int) -> list[torch.Tensor] | None:
+        """Where expert memory is used in place: a staging buffer's float32 views for backward to
+        compute the weight gradient into (handed back by `add_grad`), so no step allocates
+        expert-sized gradients. None on the copy path, which stages through the copy stream."""
+        if not self.in_place:
+            return None
+        staging = self._take_staging()
+        self._outs[(layer, expert)] = staging
+        return self.format.views(staging.payload)
+
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
         grads = [g.detach() for g in grads]
-        staging = None
-        if self.in_place and all(g.dtype == torch.float32 for g in grads):
+        staging = self._outs.pop((layer, expert), None)
+        if staging is not None:  # computed into `grad_out`'s buffer
+            copies = [self.stream.copy_to_device(g, in_place_ok=True) for g in grads]
+        elif self.in_place and all(g.dtype == torch.float32 for g in grads):
             copies = [self.stream.copy_to_device(g, in_place_ok=True) for g in grads]
         else:
             staging = self._take_staging()
@@ -420,6 +467,15 @@ class SSDExpertStates(ExpertStates):
         _arrive(self._grad_copies, self.gradients, block=True)
         return self.gradients.keys()
 
+    def grad_sq_sum(self) -> torch.Tensor:
+        """As `ExpertStates.grad_sq_sum` (the same norms, squared and summed in the same order, so the
+        same bits), without reading spilled gradients back: their norms were taken as they were written."""
+        norms = [n for key in self.touched() for n in self.gradients.norms(key)]
+        if not norms:
+            return torch.zeros((), dtype=torch.float64, device=self.device)
+        total = torch.stack(norms).double().square().sum()
+        return total if total.device == torch.device(self.device) else total.to(self.device)
+
     def _grads(self, key: Key) -> list[torch.Tensor]:
         return self.gradients.grads(key)
 
@@ -428,21 +484,23 @@ class SSDExpertStates(ExpertStates):
         _arrive(self._grad_copies, self.gradients, block=True)
         self.gradients.discard()
 
-    def _read_moment(self, key: Key, kind: str) -> torch.Tensor:
-        """A moment's chunk bytes, read past the cache (a moment is used once a step, so caching it
-        would only push weights out), or zeros for one never written."""
+    def _read_moment(self, key: Key, kind: str, into: HostBuffer) -> torch.Tensor:
+        """A moment's chunk bytes in `into`, read past the cache (a moment is used once a step, so
+        caching it would only push weights out), or zeros for one never written."""
         if not self.overlay.has_chunk(key[0], key[1], kind):
-            return torch.zeros(self.format.nbytes, dtype=torch.uint8)
+            return into.payload.zero_()
         chunk = self.overlay.chunk(key[0], key[1], kind)
-        _, buf = aligned_empty(chunk.bytes, alignment=ALIGN, pin=False)  # the view keeps its base alive
-        crcs = self.tier.reader.read_many([self.view.chunk_request(chunk, memoryview(buf.numpy()))])[0]
+        if chunk.bytes != self.format.nbytes:
+            raise StorageError(f"{self.root}: {kind} of expert {key[1]} of layer {key[0]} has {chunk.bytes} bytes, "
+                               f"expected {self.format.nbytes}")
+        crcs = self.tier.reader.read_many([self.view.chunk_request(chunk, into.memoryview())])[0]
         self.view.check_crcs(chunk, crcs)
         with self._lock:
             self._moment_bytes += chunk.bytes
-        return buf
+        return into.payload
 
-    def _read_moments(self, key: Key) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._read_moment(key, "adam_m"), self._read_moment(key, "adam_v")
+    def _read_moments(self, key: Key, into: tuple[HostBuffer, HostBuffer]) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._read_moment(key, "adam_m", into[0]), self._read_moment(key, "adam_v", into[1])
 
     def step(self, lr: float, cfg: AdamWConfig, clip_coef: float = 1.0) -> None:
         """Start the expert optimizer step in the background and return.
@@ -475,13 +533,18 @@ class SSDExpertStates(ExpertStates):
                     loan.copy.synchronize()
                 loan.entry.release()
             _arrive(copies, grads, block=True)
-            moments: dict[Key, Future] = {}
+            moments: dict[Key, tuple[tuple[HostBuffer, HostBuffer], Future]] = {}
             writes: deque[Future] = deque()
+            if self._scratch is None:
+                self._scratch = torch.empty(max(math.prod(s) for s in self.format.shapes), dtype=torch.float32)
             for key, ahead in zip(keys, read_ahead(keys, self.prefetch_depth)):
                 for k in ahead:  # the next tiles are read while this one is updated
-                    moments[k] = self._readers.submit(self._read_moments, k)
+                    # taken here, in update order: the pool holds exactly the tiles in flight
+                    bufs = tuple(self._moment_bufs.acquire(self.format.nbytes) for _ in range(2))
+                    moments[k] = (bufs, self._readers.submit(self._read_moments, k, bufs))
                     self.tier.prefetch([ExpertKey(k[0], k[1])])
-                m_raw, v_raw = moments.pop(key).result()
+                bufs, read = moments.pop(key)
+                m_raw, v_raw = read.result()
                 h = self._get(ExpertKey(key[0], key[1]))
                 try:
                     g = grads.grads(key)
@@ -490,14 +553,15 @@ class SSDExpertStates(ExpertStates):
                                            self.format.views(v_raw)):
                         if clip_coef != 1.0:
                             gt.mul_(clip_coef)
-                        adamw_(w, gt, m, v, step=n, lr=lr, cfg=cfg)
+                        adamw_(w, gt, m, v, step=n, lr=lr, cfg=cfg, scratch=self._scratch)
                 except BaseException:
                     h.release()
                     raise
                 with self._cond:  # usable now; the write below reads the same bytes
                     self._pending.discard(key)
                     self._cond.notify_all()
-                writes.append(self._writers.submit(self._write_tile, key, [(h, h.raw), (None, m_raw), (None, v_raw)]))
+                writes.append(self._writers.submit(self._write_tile, key, [(h.release, h.raw), (bufs[0].release, m_raw),
+                                                                           (bufs[1].release, v_raw)]))
                 while len(writes) > self.write_depth:  # bounded: tiles being written stay pinned
                     writes.popleft().result()
             while writes:
@@ -527,8 +591,8 @@ class SSDExpertStates(ExpertStates):
                 self._cond.wait()
         self._raise_error()
 
-    def _write_tile(self, key: Key, held: list[tuple[ExpertHandle | None, torch.Tensor]]) -> None:
-        """Write one expert's updated states into the staged version, then unpin them."""
+    def _write_tile(self, key: Key, held: list[tuple[Callable[[], None], torch.Tensor]]) -> None:
+        """Write one expert's updated states into the staged version, then unpin or free them."""
         try:
             for kind, (_, raw) in zip(STATE_KINDS, held):
                 buf = raw.numpy()
@@ -538,16 +602,18 @@ class SSDExpertStates(ExpertStates):
                     self.written[ExpertKey(key[0], key[1], kind)] = (entries, chunk)
                     self._bytes_written += buf.nbytes
         finally:
-            for h, _ in held:
-                if h is not None:
-                    h.release()
+            for release, _ in held:
+                release()
 
     # -- reporting and shutdown ---------------------------------------------------------------
     def stats(self) -> dict:
         s = self.tier.stats()
         with self._lock:
-            return {"cpu_hit_rate": s.hit_rate, "ssd_read_bytes": s.ssd_bytes + self._moment_bytes,
-                    "ssd_written_bytes": self._bytes_written, "moment_read_bytes": self._moment_bytes,
+            spill = self._spill_bytes
+            return {"cpu_hit_rate": s.hit_rate, "ssd_read_bytes": s.ssd_bytes + self._moment_bytes + spill["read"],
+                    "ssd_written_bytes": self._bytes_written + spill["written"],
+                    "moment_read_bytes": self._moment_bytes, "spill_read_bytes": spill["read"],
+                    "spill_written_bytes": spill["written"],
                     "grad_staging_bytes": self._staging.in_use_bytes, "cpu_hits": s.hits, "cpu_misses": s.misses}
 
     def close(self) -> None:
@@ -560,3 +626,4 @@ class SSDExpertStates(ExpertStates):
         self._writers.shutdown(wait=True)
         self.tier.close()
         self._staging.close()
+        self._moment_bufs.close()

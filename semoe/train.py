@@ -69,7 +69,7 @@ from semoe.run_store import OPTIMIZER_FILE, TRAINER_FILE, RunStore
 from semoe.ssd_states import SSDExpertStates, SSDStatesConfig
 from semoe.tokenizer import ByteTokenizer
 from semoe.train_config import (Precision, StepLog, TrainConfig, TrainingError, json_line, progress_line,
-                                return_large_frees_to_the_os, training_precision)
+                                training_precision)
 from storage.envinfo import peak_rss_bytes
 from storage.errors import BadInputError
 from storage.store import Store, StoreWriter, chunk_meta
@@ -158,7 +158,6 @@ class Trainer:
         resuming, the `--init-from` store of a new run; used, not opened again, where it is that store."""
         self.cfg = cfg
         self.on_step = on_step
-        return_large_frees_to_the_os()
         self._join()
         self._place(cfg)
         self.writer: StoreWriter | None = None

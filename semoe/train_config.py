@@ -8,7 +8,6 @@ import contextlib
 import json
 import math
 import os
-import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, ContextManager
 
@@ -178,24 +177,3 @@ def progress_line(entry: StepLog, total: int) -> str:
 def expert_state_bytes(config: MoEConfig) -> int:
     """Bytes of every expert's weight and both Adam moments as stored (chunk files)."""
     return 3 * ChunkFormat(config).nbytes * config.num_experts * len(config.moe_layer_ids)
-
-
-def return_large_frees_to_the_os(threshold: int = 4 << 20) -> None:
-    """Have glibc serve allocations of `threshold` bytes and more with mmap, always.
-
-    By default glibc raises its mmap threshold to the size of each large block freed (up to 32 MiB),
-    after which expert-sized tensors come from heap arenas that the main thread and the optimizer
-    thread fragment between them; RSS then drifts gigabytes above the budget. A fixed threshold
-    returns every expert-sized tensor to the OS when it is freed.
-    """
-    if sys.platform != "linux":
-        return
-    import ctypes
-
-    try:
-        # the process's own symbols, libc's among them (find_library would run ldconfig in a child
-        # process each time a trainer starts)
-        libc = ctypes.CDLL(None)
-        libc.mallopt(-3, int(threshold))  # M_MMAP_THRESHOLD (fixing it also stops the dynamic raising)
-    except (OSError, AttributeError):  # not glibc: nothing to tune
-        pass

@@ -247,9 +247,9 @@ def test_moment_reads_run_ahead_of_the_updates_and_writes_follow_layer_order(mak
     events: list[tuple] = []
     submit = states._readers.submit
 
-    def record_submit(fn, key):
+    def record_submit(fn, key, into):
         events.append(("read", key))
-        return submit(fn, key)
+        return submit(fn, key, into)
 
     next_step = states.next_adam_step
 
