@@ -98,12 +98,17 @@ def train_transformers(hf: str, batches: list[tuple], lrs: list[float], *, betas
             group["lr"] = lr
         opt.zero_grad(set_to_none=True)
         res = model(input_ids=ids, output_router_logits=True, use_cache=False)
-        loss, ce = objective(res.logits, tgt, res.router_logits or (), top_k, aux_coef, z_coef)
+        router = res.router_logits or ()
+        loss, ce = objective(res.logits, tgt, router, top_k, aux_coef, z_coef)
+        # experts no token chose: semoe leaves them as they are (sparse AdamW), torch's AdamW on the
+        # stacked expert tensors still moves them by their momentum and weight decay
+        idle = sum(int((torch.bincount(r.topk(top_k, dim=-1).indices.reshape(-1), minlength=r.shape[-1]) == 0).sum())
+                   for r in router)
         loss.backward()
         if grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
         opt.step()
-        out.append({"loss": float(ce.detach()), "step_s": time.perf_counter() - t0})
+        out.append({"loss": float(ce.detach()), "step_s": time.perf_counter() - t0, "idle_experts": idle})
     return out
 
 

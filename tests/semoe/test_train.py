@@ -87,6 +87,9 @@ def test_ssd_states_equal_device_states_bit_for_bit(tmp_path, text_file):
         assert torch.equal(a[k], b[k]), k
     stats = trainer.states.stats()
     assert stats["cpu_misses"] > 0 and stats["ssd_written_bytes"] > 0  # the cache really was too small
+    # gradients computed into staging buffers spilled as they were and came back (the norm from
+    # the norms taken as they were written): the same numbers
+    assert stats["spill_written_bytes"] > 0 and stats["spill_read_bytes"] == stats["spill_written_bytes"]
     assert Store.open(ssd_cfg.store).verify() == []
 
 
