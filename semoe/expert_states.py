@@ -181,6 +181,12 @@ class ExpertStates(ABC):
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
         """Accumulate a weight gradient (gate, up, down) for this step."""
 
+    def add_grad_factors(self, layer: int, expert: int, factors: GradFactors) -> None:
+        """A SwiGLU expert's weight gradient as its products (backward's call). By default made now,
+        into `grad_out`'s memory where the backend offers it, and handed to `add_grad`."""
+        out = self.grad_out(layer, expert) if factors.dtype == torch.float32 else None
+        self.add_grad(layer, expert, factors.grads(out))
+
     def grad_out(self, layer: int, expert: int) -> list[torch.Tensor] | None:
         """float32 tensors shaped as the expert's weights for backward to compute its gradient into,
         then handed to `add_grad`; None: backward allocates them."""
@@ -286,6 +292,36 @@ class Held:
         self.release()
 
 
+@dataclass(frozen=True)
+class GradFactors:
+    """One SwiGLU expert's weight gradient as the products it is made of: (gate, up, down) =
+    (dg^T x, du^T x, dy^T h) over its M rows. Where M is small these hold far fewer bytes than the
+    gradient itself (M x (2D + 3F) against 3 x D x F floats), so a backend may keep them and make the
+    gradient when it steps the expert; made by `grads`, it is the same bits backward would make."""
+
+    x_MD: torch.Tensor
+    dg_MF: torch.Tensor
+    du_MF: torch.Tensor
+    dy_MD: torch.Tensor
+    h_MF: torch.Tensor
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.x_MD, self.dg_MF, self.du_MF, self.dy_MD, self.h_MF))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.dg_MF.dtype
+
+    def grads(self, out: list[torch.Tensor] | None = None) -> tuple[torch.Tensor, ...]:
+        """The float32 gradient (gate, up, down): into `out` (float32 factors only) or allocated."""
+        if out is None:
+            return ((self.dg_MF.t() @ self.x_MD).float(), (self.du_MF.t() @ self.x_MD).float(),
+                    (self.dy_MD.t() @ self.h_MF).float())
+        return (torch.mm(self.dg_MF.t(), self.x_MD, out=out[0]), torch.mm(self.du_MF.t(), self.x_MD, out=out[1]),
+                torch.mm(self.dy_MD.t(), self.h_MF, out=out[2]))
+
+
 class _ExpertFFN(torch.autograd.Function):
     """SwiGLU of one expert whose weights are fetched from the backend in forward and again in
     backward, and whose weight gradient goes to the backend instead of a `.grad`."""
@@ -316,13 +352,7 @@ class _ExpertFFN(torch.autograd.Function):
             du_MF = dh_MF * a_MF
             dx_MD = dg_MF @ gate_FD.to(dt) + du_MF @ up_FD.to(dt)
         if x_MD.shape[0]:  # an expert run on no rows (expert parallelism keeps graphs alike) learns nothing
-            out = states.grad_out(layer, expert) if dt == torch.float32 else None
-            if out is None:
-                grads = ((dg_MF.t() @ xc_MD).float(), (du_MF.t() @ xc_MD).float(), (dy_MD.t() @ h_MF).float())
-            else:  # into the backend's memory
-                grads = (torch.mm(dg_MF.t(), xc_MD, out=out[0]), torch.mm(du_MF.t(), xc_MD, out=out[1]),
-                         torch.mm(dy_MD.t(), h_MF, out=out[2]))
-            states.add_grad(layer, expert, grads)
+            states.add_grad_factors(layer, expert, GradFactors(xc_MD, dg_MF, du_MF, dy_MD, h_MF))
         return dx_MD.to(x_MD.dtype), None, None, None, None, None, None
 
 

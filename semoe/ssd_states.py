@@ -43,7 +43,7 @@ from typing import Callable
 import torch
 
 from semoe.config import MoEConfig
-from semoe.expert_states import STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, Held, Key, adamw_
+from semoe.expert_states import STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, GradFactors, Held, Key, adamw_
 from storage.errors import CacheFullError, StorageError
 from storage.fileio import ALIGN, ReadMode
 from storage.keys import ExpertKey
@@ -61,6 +61,10 @@ DEVICE_SLOTS = 2  # expert weights on the device: one being computed with while 
 # writer holds a weight for the few milliseconds its chunk takes to write)
 PINNED_WAIT_S = 30.0
 GRAD_COPIES_IN_FLIGHT = 8  # staging buffers beyond the budgeted sums; past them backward waits for a copy
+# A gradient is kept as its products (`GradFactors`) where they take at most this fraction of its bytes:
+# made again when the expert is stepped (one more set of its weight-gradient products) instead of
+# being held in memory or written to a spill file and read back.
+FACTORS_MAX_FRACTION = 0.25
 
 
 # -- bookkeeping: plain Python, no streams ----------------------------------------------------------
@@ -91,7 +95,8 @@ class GradAccumulator:
         self.spilled: set[Key] = set()
         self.nbytes = 0  # of `held`
         self._releases: list[Callable[[], None]] = []  # of the memory the held sums live in
-        self._norms: dict[Key, list[torch.Tensor]] = {}  # of each spilled sum, taken as it is written
+        self._norms: dict[Key, list[torch.Tensor]] = {}  # of each spilled or factored sum, taken as it is made
+        self.factors: dict[Key, GradFactors] = {}  # gradients kept as their products (counted in `nbytes`)
         self._read_buf: torch.Tensor | None = None  # spilled sums are read back into it, one at a time
 
     def add(self, key: Key, grads: list[torch.Tensor], release: Callable[[], None] | None = None,
@@ -100,6 +105,11 @@ class GradAccumulator:
         `release` (which frees the memory of `grads`) is called by `discard`; otherwise at once.
         `raw`: the chunk-format bytes `grads` are views of, written as they are if it spills."""
         kept = False
+        if key in self.factors:  # a second gradient: the first made now, then this one added to it, in order
+            f = self.factors.pop(key)
+            self.nbytes -= f.nbytes
+            del self._norms[key]
+            self.add(key, list(f.grads()))
         if key in self.held:
             for acc, g in zip(self.held[key], grads):
                 acc.add_(g)
@@ -119,18 +129,42 @@ class GradAccumulator:
         elif release is not None:
             release()
 
+    def has(self, key: Key) -> bool:
+        return key in self.held or key in self.spilled or key in self.factors
+
+    def room_for(self, nbytes: int) -> bool:
+        return self.nbytes + nbytes <= self.budget_bytes
+
+    def add_factors(self, key: Key, factors: GradFactors, norms: list[torch.Tensor]) -> None:
+        """A first gradient of `key` kept as its products, with the norms of the gradient they make."""
+        if self.has(key):
+            raise ValueError(f"expert {key}: a gradient is held already; add() sums a second one")
+        self.factors[key] = factors
+        self._norms[key] = norms
+        self.nbytes += factors.nbytes
+
     def keys(self) -> list[Key]:
         """Every expert with a gradient, in update order (layer, then expert)."""
-        return sorted(set(self.held) | self.spilled)
+        return sorted(set(self.held) | self.spilled | set(self.factors))
 
     def grads(self, key: Key) -> list[torch.Tensor]:
-        """The summed gradient of `key`; read back if spilled, into memory the next call reuses."""
-        return self.held[key] if key in self.held else self._read(key)
+        """The summed gradient of `key`; read back if spilled or made from its products, into memory
+        the next call reuses."""
+        if key in self.held:
+            return self.held[key]
+        if key in self.factors:
+            return list(self.factors[key].grads(self.format.views(self._buffer())))
+        return self._read(key)
 
     def norms(self, key: Key) -> list[torch.Tensor]:
         """The float32 norm of each tensor of `key`'s sum, as `torch._foreach_norm` gives it (a
         spilled sum's were taken when it was written: it is not read back for them)."""
         return list(torch._foreach_norm(self.held[key])) if key in self.held else self._norms[key]
+
+    def _buffer(self) -> torch.Tensor:
+        if self._read_buf is None:
+            self._read_buf = torch.empty(self.format.nbytes, dtype=torch.uint8)
+        return self._read_buf
 
     def path(self, key: Key) -> str:
         return os.path.join(self.folder, f"L{key[0]:04d}.E{key[1]:05d}.grad")
@@ -142,6 +176,7 @@ class GradAccumulator:
         for release in self._releases:
             release()
         self.held, self.spilled, self.nbytes, self._releases, self._norms = {}, set(), 0, [], {}
+        self.factors = {}
 
     def _write(self, key: Key, grads: list[torch.Tensor], raw: torch.Tensor | None = None) -> None:
         os.makedirs(self.folder, exist_ok=True)
@@ -152,10 +187,8 @@ class GradAccumulator:
             self.on_io("written", self.format.nbytes)
 
     def _read(self, key: Key) -> list[torch.Tensor]:
-        if self._read_buf is None:
-            self._read_buf = torch.empty(self.format.nbytes, dtype=torch.uint8)
         with open(self.path(key), "rb") as f:
-            if f.readinto(memoryview(self._read_buf.numpy())) != self.format.nbytes:
+            if f.readinto(memoryview(self._buffer().numpy())) != self.format.nbytes:
                 raise StorageError(f"{self.path(key)}: spilled gradient is shorter than {self.format.nbytes} bytes")
         if self.on_io is not None:
             self.on_io("read", self.format.nbytes)
@@ -296,6 +329,7 @@ class SSDExpertStates(ExpertStates):
             capacity_bytes=(prefetch_depth + 1 + write_threads) * 2 * round_up(self.format.nbytes, ALIGN), pin=False,
             alignment=ALIGN))
         self._scratch: torch.Tensor | None = None  # the optimizer thread's AdamW denominator
+        self._norm_buf: torch.Tensor | None = None  # backward makes gradients kept as factors here for their norms
         self._outs: dict[Key, HostBuffer] = {}  # staging buffers handed to backward by `grad_out`
         self._loans: list[_Loan] = []
         self._loan_lock = threading.Lock()  # fetches and the optimizer thread both free loans
@@ -306,6 +340,7 @@ class SSDExpertStates(ExpertStates):
         self._readers = ThreadPoolExecutor(2, thread_name_prefix="semoe-moment-read")
         self._bytes_written = self._moment_bytes = 0
         self._spill_bytes = {"read": 0, "written": 0}  # gradients spilled to and read back from spill_dir
+        self._factored = 0  # gradients kept as their products
         self._cond = threading.Condition()
         self._pending: set[Key] = set()  # experts whose update is in flight
         self._worker: threading.Thread | None = None
@@ -417,6 +452,27 @@ class SSDExpertStates(ExpertStates):
 
     def prefetch(self, layer: int, experts: list[int], priority: float = 0.0) -> None:
         self.tier.prefetch([ExpertKey(layer, e) for e in experts if e in self.experts], priority=priority)
+
+    def add_grad_factors(self, layer: int, expert: int, factors: GradFactors) -> None:
+        """Keep the gradient as its products where they are small beside it and it is this step's first
+        for the expert: its norms are taken now, from the gradient made in a scratch buffer, and it is
+        made again when the expert is stepped (the same bits). Otherwise as `ExpertStates` does."""
+        key = (layer, expert)
+        _arrive(self._grad_copies, self.gradients, block=False)  # gradients are summed in arrival order
+        if (self.in_place and factors.dtype == torch.float32 and self.grad_scale == 1.0 and not self._grad_copies
+                and factors.nbytes <= FACTORS_MAX_FRACTION * self.format.nbytes
+                and not self.gradients.has(key) and self.gradients.room_for(factors.nbytes)):
+            if self._norm_buf is None:
+                self._norm_buf = torch.empty(self.format.nbytes, dtype=torch.uint8)
+            grads = factors.grads(self.format.views(self._norm_buf))
+            # a factor that is a view of the layer's rows (x, dy) would keep all of them alive: copied
+            own = GradFactors(*(t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
+                                for t in (factors.x_MD, factors.dg_MF, factors.du_MF, factors.dy_MD, factors.h_MF)))
+            self.gradients.add_factors(key, own, list(torch._foreach_norm(grads)))
+            with self._lock:
+                self._factored += 1
+            return
+        super().add_grad_factors(layer, expert, factors)
 
     def grad_out(self, layer: int, expert: int) -> list[torch.Tensor] | None:
         """Where expert memory is used in place: a staging buffer's float32 views for backward to
@@ -613,7 +669,7 @@ class SSDExpertStates(ExpertStates):
             return {"cpu_hit_rate": s.hit_rate, "ssd_read_bytes": s.ssd_bytes + self._moment_bytes + spill["read"],
                     "ssd_written_bytes": self._bytes_written + spill["written"],
                     "moment_read_bytes": self._moment_bytes, "spill_read_bytes": spill["read"],
-                    "spill_written_bytes": spill["written"],
+                    "spill_written_bytes": spill["written"], "factored_grads": self._factored,
                     "grad_staging_bytes": self._staging.in_use_bytes, "cpu_hits": s.hits, "cpu_misses": s.misses}
 
     def close(self) -> None:

@@ -546,13 +546,18 @@ class Trainer:
         self.step += 1
         dt = time.perf_counter() - t0
         after = self.states.stats()
-        read, written, hits, misses, rss, dense_bytes = self.comm.sum([
+        # what the SSD bytes were: Adam moments read, gradients spilled and read back (the rest of the
+        # reads are expert weights, of the writes the three states)
+        parts = ("moment_read_bytes", "spill_read_bytes", "spill_written_bytes")
+        read, written, hits, misses, rss, dense_bytes, *split = self.comm.sum([
             after.get("ssd_read_bytes", 0) - before.get("ssd_read_bytes", 0),
             after.get("ssd_written_bytes", 0) - before.get("ssd_written_bytes", 0),
             after.get("cpu_hits", 0) - before.get("cpu_hits", 0),
             after.get("cpu_misses", 0) - before.get("cpu_misses", 0), float(peak_rss_bytes()),
-            float(self.dense_states.nbytes()["total"])])
+            float(self.dense_states.nbytes()["total"]), *(after.get(k, 0) - before.get(k, 0) for k in parts)])
         hit_rate = hits / (hits + misses) if hits + misses else None
+        if any(k in after for k in parts):
+            extra = {**dict(zip(parts, (int(x) for x in split))), **(extra or {})}
         return StepLog(step=self.step, loss=ce_mean, aux_loss=aux_mean, lr=lr, grad_norm=grad_norm,
                        tokens_per_s=cfg.batch_size * cfg.seq_len / dt, step_s=dt, cpu_hit_rate=hit_rate,
                        ssd_read_gbps=read / dt / 1e9, ssd_write_gbps=written / dt / 1e9, peak_rss_bytes=int(rss),

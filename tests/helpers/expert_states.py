@@ -26,5 +26,9 @@ class RecordingStates:
     def fetch(self, layer, expert):
         return Held(*self.w)
 
+    def add_grad_factors(self, layer, expert, factors):
+        out = self.grad_out(layer, expert) if factors.dtype == torch.float32 else None
+        self.add_grad(layer, expert, factors.grads(out))
+
     def add_grad(self, layer, expert, grads):
         self.grads[(layer, expert)] = grads

@@ -65,21 +65,27 @@ def test_expert_function_gradients_match_autograd(into):
 
 
 def _run(tmp_path, name, text_file, **kw):
-    cfg = TrainConfig(out=str(tmp_path / name), data=text_file, steps=kw.pop("steps", 5), batch_size=4, seq_len=32,
-                      warmup_steps=2, checkpoint_every=kw.pop("checkpoint_every", 2), **kw)
+    cfg = TrainConfig(out=str(tmp_path / name), data=text_file, steps=kw.pop("steps", 5),
+                      batch_size=kw.pop("batch_size", 4), seq_len=kw.pop("seq_len", 32), warmup_steps=2, checkpoint_every=kw.pop("checkpoint_every", 2), **kw)
     trainer = Trainer(cfg, tiny_config())
     logs = trainer.run()
     return cfg, [(x.loss, x.aux_loss, x.grad_norm) for x in logs], trainer
 
 
-def test_ssd_states_equal_device_states_bit_for_bit(tmp_path, text_file):
+@pytest.mark.parametrize("factors", [0.0, 1.0], ids=["gradients", "and-factors"])
+def test_ssd_states_equal_device_states_bit_for_bit(tmp_path, text_file, monkeypatch, factors):
     """Same seed, float32: identical losses every step and identical stores, even with a cache that
-    holds a fraction of the experts and gradients that spill to disk."""
+    holds a fraction of the experts and gradients that spill to disk; and with gradients kept as
+    their products (`GradFactors`, made again when the expert is stepped) beside those that spill."""
+    import semoe.ssd_states
     from semoe.ssd_states import SSDExpertStates
+    monkeypatch.setattr(semoe.ssd_states, "FACTORS_MAX_FRACTION", factors)
     small = SSDExpertStates.min_cache_bytes(tiny_config())
-    dev_cfg, dev, _ = _run(tmp_path, "device", text_file, expert_states="device")
+    # factors take fewer bytes than a gradient below 44 rows an expert: 2 x 16 tokens give 16 on average
+    batch = dict(batch_size=2, seq_len=16) if factors else {}
+    dev_cfg, dev, _ = _run(tmp_path, "device", text_file, expert_states="device", **batch)
     ssd_cfg, ssd, trainer = _run(tmp_path, "ssd", text_file, expert_states="ssd", cpu_cache_bytes=small,
-                                 grad_budget_bytes=3 * 96 * 64 * 4)
+                                 grad_budget_bytes=3 * 96 * 64 * 4, **batch)
     assert dev == ssd
     a, b = store_tensors(dev_cfg.store), store_tensors(ssd_cfg.store)
     assert a.keys() == b.keys() and any(k[1] == "adam_v" for k in a)
@@ -90,6 +96,7 @@ def test_ssd_states_equal_device_states_bit_for_bit(tmp_path, text_file):
     # gradients computed into staging buffers spilled as they were and came back (the norm from
     # the norms taken as they were written): the same numbers
     assert stats["spill_written_bytes"] > 0 and stats["spill_read_bytes"] == stats["spill_written_bytes"]
+    assert (stats["factored_grads"] > 0) == (factors > 0)
     assert Store.open(ssd_cfg.store).verify() == []
 
 
