@@ -13,7 +13,8 @@ from helpers.training import store_tensors, tiny_config
 
 import semoe.train
 from semoe.expert_states import AdamWConfig, adamw_, init_expert
-from semoe.ssd_states import STATE_KINDS, ChunkFormat, GradAccumulator, SSDExpertStates, SSDStatesConfig, read_ahead
+from semoe.expert_grads import GradAccumulator
+from semoe.ssd_states import STATE_KINDS, ChunkFormat, SSDExpertStates, SSDStatesConfig, read_ahead
 from semoe.train import Trainer
 from semoe.train_config import TrainConfig
 from storage.keys import ExpertKey
@@ -332,7 +333,7 @@ def test_copies_through_a_cuda_like_stream_give_the_in_memory_numbers_bit_for_bi
 
 
 # what the model and the trainer call on an expert-state backend
-BACKEND_CALLS = ("fetch", "add_grad", "prefetch", "begin_forward_layer", "end_forward_layer",
+BACKEND_CALLS = ("fetch", "add_grad_factors", "add_grad", "prefetch", "begin_forward_layer", "end_forward_layer",
                  "begin_backward_layer", "end_backward", "touched", "grad_sq_sum", "step", "wait_idle")
 
 
