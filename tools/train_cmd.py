@@ -78,7 +78,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "rank's expert-state bytes (25%%) [25%%]")
     s.add_argument("--grad-memory", metavar="SIZE", default=None,
                    help="ssd: host memory for expert gradients during a step, bytes or a percentage of the "
-                        "rank's expert-state bytes; the rest spill to OUT/spill [same as --cpu-cache]")
+                        "rank's expert-state bytes; an expert with few rows keeps its gradient as the far "
+                        "smaller products it is made of; the rest spill to OUT/spill [same as --cpu-cache]")
     s.add_argument("--dense-states", choices=("replicated", "zero1", "fsdp"), default=None,
                    help="with --nproc > 1, where dense parameters, gradients and AdamW moments live: every rank "
                         "holds all of them (replicated); each rank keeps the moments of its share only (zero1, "
