@@ -132,11 +132,12 @@ class ChunkFormat:
         return [ExpertTensor(name=n, tensor=torch.empty(s, device="meta"), stacked=self.mlp.stacked) for n, s in
                 zip(self.names(layer, expert), self.shapes)]
 
-    def write(self, root: str, version: int, layer: int, expert: int, kind: str, buf: np.ndarray
-              ) -> tuple[list[TensorEntry], ChunkEntry]:
-        """Write one chunk file into a staged version; returns its manifest entries."""
+    def write(self, root: str, version: int, layer: int, expert: int, kind: str, buf: np.ndarray, *,
+              direct: bool = False) -> tuple[list[TensorEntry], ChunkEntry]:
+        """Write one chunk file into a staged version (`direct`: past the page cache where it can);
+        returns its manifest entries."""
         return write_expert_chunk(root, expert_array_rel(version, layer, kind), version, layer, expert, kind,
-                                  self.meta(layer, expert), buf, self.offsets)
+                                  self.meta(layer, expert), buf, self.offsets, direct=direct)
 
 
 class ExpertStates(ABC):

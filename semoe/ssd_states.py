@@ -196,6 +196,8 @@ class SSDExpertStates(ExpertStates):
         self.stream = make_copy_stream(device)
         self.in_place = torch.device(device).type == "cpu" and not settings.copy_on_cpu
         self.spill_dir = settings.spill_dir
+        # states written back every step bypass the page cache as their reads do (`--read-mode direct`)
+        self.direct_writes = settings.read_mode == ReadMode.DIRECT
         self.grad_budget = cpu_cache_bytes if settings.grad_budget_bytes is None else settings.grad_budget_bytes
         self.prefetch_depth = prefetch_depth
         self.write_depth = write_threads
@@ -539,7 +541,8 @@ class SSDExpertStates(ExpertStates):
         try:
             for kind, (_, raw) in zip(STATE_KINDS, held):
                 buf = raw.numpy()
-                entries, chunk = self.format.write(self.root, self.version, key[0], key[1], kind, buf)
+                entries, chunk = self.format.write(self.root, self.version, key[0], key[1], kind, buf,
+                                                   direct=self.direct_writes)
                 with self._lock:
                     self.overlay.upsert(tensors=entries, chunks=[chunk])
                     self.written[ExpertKey(key[0], key[1], kind)] = (entries, chunk)

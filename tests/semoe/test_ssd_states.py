@@ -260,9 +260,9 @@ def test_moment_reads_run_ahead_of_the_updates_and_writes_follow_layer_order(mak
 
     write = states.format.write
 
-    def record_write(root, version, layer, expert, kind, buf):
+    def record_write(root, version, layer, expert, kind, buf, **kw):
         events.append(("write", (layer, expert), kind))
-        return write(root, version, layer, expert, kind, buf)
+        return write(root, version, layer, expert, kind, buf, **kw)
 
     states._readers.submit, states.next_adam_step, states.format.write = record_submit, record_update, record_write
     l0, l1 = CONFIG.moe_layer_ids
