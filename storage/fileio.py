@@ -101,21 +101,55 @@ def _open(path: str, direct: bool) -> tuple[int, bool]:
             dev = os.stat(path).st_dev
         except FileNotFoundError:
             raise StorageError(f"{path}: file is missing") from None
-        with _direct_lock:
-            ok = _direct_ok.get(dev, True)
-        if ok:
+        if _direct_allowed(dev):
             try:
                 return os.open(path, os.O_RDONLY | os.O_DIRECT), True
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                with _direct_lock:
-                    _direct_ok[dev] = False
-                log.warning("%s: file system refuses O_DIRECT; reading buffered and dropping pages", path)
+                _refuse_direct(dev, path, "reading buffered and dropping pages")
     try:
         return os.open(path, os.O_RDONLY), False
     except FileNotFoundError:
         raise StorageError(f"{path}: file is missing") from None
+
+
+def _direct_allowed(dev: int) -> bool:
+    with _direct_lock:
+        return _direct_ok.get(dev, True)
+
+
+def _refuse_direct(dev: int, path: str, what: str) -> None:
+    with _direct_lock:
+        _direct_ok[dev] = False
+    log.warning("%s: file system refuses O_DIRECT; %s", path, what)
+
+
+def write_file(path: str, data: memoryview, *, direct: bool = False) -> None:
+    """Create or replace `path` with `data`. `direct`: past the page cache (O_DIRECT) where the data's
+    address and length are block-aligned and the file system takes it (remembered per device, as for
+    reads); buffered otherwise."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct and hasattr(os, "O_DIRECT") and not data.readonly and _aligned(data, 0, len(data)):
+        dev = os.stat(os.path.dirname(path) or ".").st_dev
+        if _direct_allowed(dev):
+            try:
+                _write_all(os.open(path, flags | os.O_DIRECT, 0o644), data)
+                return
+            except OSError as e:
+                if e.errno != errno.EINVAL:
+                    raise
+                _refuse_direct(dev, path, "writing buffered")
+    _write_all(os.open(path, flags, 0o644), data)
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    try:
+        done = 0
+        while done < len(data):
+            done += os.write(fd, data[done:])
+    finally:
+        os.close(fd)
 
 
 def _aligned(buf: memoryview, offset: int, nbytes: int) -> bool:

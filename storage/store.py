@@ -17,7 +17,6 @@ version references.
 from __future__ import annotations
 
 import datetime
-import errno
 import fcntl
 import logging
 import os
@@ -33,7 +32,7 @@ from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError, CorruptTensorError, StorageError, StoreLockedError
 from storage.crc import crc32c
 from storage.durable import fsync_path, fsync_tree, write_atomic
-from storage.fileio import ALIGN, ReadMode
+from storage.fileio import ReadMode, write_file
 from storage.layout import (
     array_of_chunk,
     chunk_layout,
@@ -519,16 +518,6 @@ def chunk_meta(tensors: list[ExpertTensor], offsets: list[int]) -> list[dict]:
              "offset": o, "stacked": t.stacked} for t, o in zip(tensors, offsets)]
 
 
-def _write_file(path: str, view: memoryview, direct: bool) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (os.O_DIRECT if direct else 0), 0o644)
-    try:
-        done = 0
-        while done < len(view):
-            done += os.write(fd, view[done:])
-    finally:
-        os.close(fd)
-
-
 def write_expert_chunk(root: str, rel_array: str, version: int, layer: int, expert: int, kind: str,
                        tensors: list[ExpertTensor], buf: np.ndarray, offsets: list[int], *, direct: bool = False
                        ) -> tuple[list[TensorEntry], ChunkEntry]:
@@ -543,15 +532,7 @@ def write_expert_chunk(root: str, rel_array: str, version: int, layer: int, expe
     rel = os.path.join(rel_array, "c", str(expert), "0")
     full = os.path.join(root, rel)
     os.makedirs(os.path.dirname(full), exist_ok=True)
-    view = memoryview(buf).cast("B")
-    direct = (direct and hasattr(os, "O_DIRECT") and buf.nbytes % ALIGN == 0
-              and buf.__array_interface__["data"][0] % ALIGN == 0)
-    try:
-        _write_file(full, view, direct)
-    except OSError as e:
-        if not direct or e.errno != errno.EINVAL:
-            raise
-        _write_file(full, view, False)  # a file system without O_DIRECT: buffered
+    write_file(full, memoryview(buf).cast("B"), direct=direct)
     entries = []
     for t, item in zip(tensors, chunk_meta(tensors, offsets)):
         nbytes = t.tensor.numel() * t.tensor.element_size()

@@ -1,4 +1,5 @@
-"""The hot read path: pieces read in parallel, checksums combined, corruption caught in any piece.
+"""The hot read path: pieces read in parallel, checksums combined, corruption caught in any piece; and
+whole-file writes past the page cache where the file system takes them.
 
 What the reader delivers is checked against the tensors written and a plain `open()` + `read()` of
 the chunk file, never against the store's own reads (which share the reader's `read_range`)."""
@@ -84,3 +85,45 @@ def test_a_gate_that_refuses_abandons_the_read_and_counts_what_was_read(store):
         req.gate = lambda: True
         crcs = reader.read_many([req])[0]
     store.check_crcs(chunk, crcs)
+
+
+def test_write_file_goes_past_the_page_cache_where_it_can_and_buffered_elsewhere(tmp_path, monkeypatch):
+    """`write_file(direct=True)`: O_DIRECT for a block-aligned buffer, buffered for an unaligned one,
+    and on a file system that refuses O_DIRECT (EINVAL, simulated) buffered, remembered so that the
+    next write does not try again; the file holds the bytes every time (read back with `open()`)."""
+    import errno
+    import os
+
+    import storage.fileio as fileio
+
+    opened: list[bool] = []
+    real_open = os.open
+
+    def recording_open(path, flags, *args):
+        opened.append(bool(flags & os.O_DIRECT))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(fileio.os, "open", recording_open)
+    monkeypatch.setattr(fileio, "_direct_ok", {})
+    _, buf = aligned_empty(3 * 4096, alignment=4096, pin=False)
+    buf.copy_(torch.arange(buf.numel()) % 251)
+    data = memoryview(buf.numpy())
+    fileio.write_file(str(tmp_path / "aligned"), data, direct=True)
+    fileio.write_file(str(tmp_path / "unaligned"), data[1:], direct=True)
+    fileio.write_file(str(tmp_path / "buffered"), data)
+    assert opened == [True, False, False]
+    for name, want in (("aligned", data), ("unaligned", data[1:]), ("buffered", data)):
+        assert open(tmp_path / name, "rb").read() == bytes(want), name
+
+    def refusing_open(path, flags, *args):
+        opened.append(bool(flags & os.O_DIRECT))
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(fileio.os, "open", refusing_open)
+    opened.clear()
+    fileio.write_file(str(tmp_path / "refused1"), data, direct=True)
+    fileio.write_file(str(tmp_path / "refused2"), data, direct=True)
+    assert opened == [True, False, False]  # tried once, then buffered for this device
+    assert open(tmp_path / "refused2", "rb").read() == bytes(data)
