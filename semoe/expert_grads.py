@@ -21,8 +21,10 @@ class GradAccumulator:
     """One step's expert gradients, summed in the order they arrive: in host memory while they fit
     in `budget_bytes`, beyond that in one spill file per expert under `folder`."""
 
-    def __init__(self, fmt: ChunkFormat, budget_bytes: int, folder: str,
+    def __init__(self, fmt: ChunkFormat, budget_bytes: int, folder: str, scratch: torch.Tensor | None = None,
                  on_io: Callable[[str, int], None] | None = None) -> None:
+        """`scratch`: uint8 memory of at least one chunk that spilled gradients are read back into
+        and gradients are made in from their products (allocated here where not given)."""
         self.format = fmt
         self.on_io = on_io  # told ("read" or "written", bytes) of each spill file read or written
         self.budget_bytes = budget_bytes
@@ -33,7 +35,7 @@ class GradAccumulator:
         self._releases: list[Callable[[], None]] = []  # of the memory the held sums live in
         self._norms: dict[Key, list[torch.Tensor]] = {}  # of each spilled or factored sum, taken as it is made
         self.factors: dict[Key, GradFactors] = {}  # gradients kept as their products (counted in `nbytes`)
-        self._read_buf: torch.Tensor | None = None  # spilled sums are read back into it, one at a time
+        self._scratch = torch.empty(fmt.nbytes, dtype=torch.uint8) if scratch is None else scratch
 
     def add(self, key: Key, grads: list[torch.Tensor], release: Callable[[], None] | None = None,
             raw: torch.Tensor | None = None) -> None:
@@ -89,7 +91,7 @@ class GradAccumulator:
         if key in self.held:
             return self.held[key]
         if key in self.factors:
-            return list(self.factors[key].grads(self.format.views(self._buffer())))
+            return list(self.factors[key].grads(self.scratch_views()))
         return self._read(key)
 
     def norms(self, key: Key) -> list[torch.Tensor]:
@@ -97,10 +99,9 @@ class GradAccumulator:
         spilled sum's were taken when it was written: it is not read back for them)."""
         return list(torch._foreach_norm(self.held[key])) if key in self.held else self._norms[key]
 
-    def _buffer(self) -> torch.Tensor:
-        if self._read_buf is None:
-            self._read_buf = torch.empty(self.format.nbytes, dtype=torch.uint8)
-        return self._read_buf
+    def scratch_views(self) -> list[torch.Tensor]:
+        """The scratch chunk's float32 views, valid until the next `grads`, `scratch_views` or spill read."""
+        return self.format.views(self._scratch)
 
     def path(self, key: Key) -> str:
         return os.path.join(self.folder, f"L{key[0]:04d}.E{key[1]:05d}.grad")
@@ -124,8 +125,8 @@ class GradAccumulator:
 
     def _read(self, key: Key) -> list[torch.Tensor]:
         with open(self.path(key), "rb") as f:
-            if f.readinto(memoryview(self._buffer().numpy())) != self.format.nbytes:
+            if f.readinto(memoryview(self._scratch.numpy())) != self.format.nbytes:
                 raise StorageError(f"{self.path(key)}: spilled gradient is shorter than {self.format.nbytes} bytes")
         if self.on_io is not None:
             self.on_io("read", self.format.nbytes)
-        return self.format.views(self._read_buf)
+        return self.format.views(self._scratch)

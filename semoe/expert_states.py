@@ -88,9 +88,15 @@ def sum_of_squares(tensors: Sequence[torch.Tensor], device: torch.device) -> tor
     for t in tensors:
         groups.setdefault((t.device, t.dtype), []).append(t)
     for (dev, _), ts in groups.items():
-        sq = torch.stack(torch._foreach_norm(ts)).double().square().sum()
-        total += sq if dev == device else sq.to(device)
+        total += squared_norms_sum(torch._foreach_norm(ts), device)
     return total
+
+
+def squared_norms_sum(norms: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The sum of the squares of `norms` (one device and dtype), in float64 on `device`: the
+    arithmetic `sum_of_squares` applies to each group's norms, for norms taken ahead of time."""
+    sq = torch.stack(list(norms)).double().square().sum()
+    return sq if sq.device == torch.device(device) else sq.to(device)
 
 
 def init_expert(config: MoEConfig, seed: int, layer: int, expert: int) -> tuple[torch.Tensor, ...]:

@@ -44,7 +44,8 @@ import torch
 
 from semoe.config import MoEConfig
 from semoe.expert_grads import GradAccumulator
-from semoe.expert_states import STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, GradFactors, Held, Key, adamw_
+from semoe.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, GradFactors, Held, Key, adamw_,
+                                 squared_norms_sum)
 from storage.errors import CacheFullError, StorageError
 from storage.fileio import ALIGN, ReadMode
 from storage.keys import ExpertKey
@@ -203,6 +204,9 @@ class SSDExpertStates(ExpertStates):
         self.write_depth = write_threads
         self.written: dict[ExpertKey, tuple[list[TensorEntry], ChunkEntry]] = {}
         self._gen = 0  # optimizer steps started: names the spill folder
+        # a step's gradients read back or made from their products, one at a time: one buffer for the
+        # step backward is filling, one for the step the optimizer thread is updating
+        self._grad_bufs = [torch.empty(self.format.nbytes, dtype=torch.uint8) for _ in range(2)]
         self.gradients = self._new_accumulator()
         self._grad_copies: deque[_GradCopy] = deque()
         # Pinned on a GPU and reused step after step. A sum kept in memory stays in the staging
@@ -218,7 +222,6 @@ class SSDExpertStates(ExpertStates):
             capacity_bytes=(prefetch_depth + 1 + write_threads) * 2 * round_up(self.format.nbytes, ALIGN), pin=False,
             alignment=ALIGN))
         self._scratch: torch.Tensor | None = None  # the optimizer thread's AdamW denominator
-        self._norm_buf: torch.Tensor | None = None  # backward makes gradients kept as factors here for their norms
         self._outs: dict[Key, HostBuffer] = {}  # staging buffers handed to backward by `grad_out`
         self._loans: list[_Loan] = []
         self._loan_lock = threading.Lock()  # fetches and the optimizer thread both free loans
@@ -239,7 +242,7 @@ class SSDExpertStates(ExpertStates):
         # two folders taking turns: the optimizer thread reads the last step's spills while this
         # step's backward writes its own
         return GradAccumulator(self.format, self.grad_budget, os.path.join(self.spill_dir, f"step{self._gen % 2}"),
-                               on_io=self._count_spill)
+                               self._grad_bufs[self._gen % 2], on_io=self._count_spill)
 
     def _count_spill(self, kind: str, nbytes: int) -> None:
         with self._lock:
@@ -347,13 +350,12 @@ class SSDExpertStates(ExpertStates):
         for the expert: its norms are taken now, from the gradient made in a scratch buffer, and it is
         made again when the expert is stepped (the same bits). Otherwise as `ExpertStates` does."""
         key = (layer, expert)
-        _arrive(self._grad_copies, self.gradients, block=False)  # gradients are summed in arrival order
-        if (self.in_place and factors.dtype == torch.float32 and self.grad_scale == 1.0 and not self._grad_copies
+        # in place, every earlier gradient has arrived already (its copies complete at issue), so
+        # keeping this one aside keeps the arrival order
+        if (self.in_place and factors.dtype == torch.float32 and self.grad_scale == 1.0
                 and factors.nbytes <= FACTORS_MAX_FRACTION * self.format.nbytes
                 and not self.gradients.has(key) and self.gradients.room_for(factors.nbytes)):
-            if self._norm_buf is None:
-                self._norm_buf = torch.empty(self.format.nbytes, dtype=torch.uint8)
-            grads = factors.grads(self.format.views(self._norm_buf))
+            grads = factors.grads(self.gradients.scratch_views())
             # a factor that is a view of the layer's rows (x, dy) would keep all of them alive: copied
             own = GradFactors(*(t.clone() if t.untyped_storage().nbytes() > t.numel() * t.element_size() else t
                                 for t in (factors.x_MD, factors.dg_MF, factors.du_MF, factors.dy_MD, factors.h_MF)))
@@ -375,10 +377,8 @@ class SSDExpertStates(ExpertStates):
 
     def add_grad(self, layer: int, expert: int, grads: tuple[torch.Tensor, ...]) -> None:
         grads = [g.detach() for g in grads]
-        staging = self._outs.pop((layer, expert), None)
-        if staging is not None:  # computed into `grad_out`'s buffer
-            copies = [self.stream.copy_to_device(g, in_place_ok=True) for g in grads]
-        elif self.in_place and all(g.dtype == torch.float32 for g in grads):
+        staging = self._outs.pop((layer, expert), None)  # set where backward computed into `grad_out`'s buffer
+        if staging is not None or (self.in_place and all(g.dtype == torch.float32 for g in grads)):
             copies = [self.stream.copy_to_device(g, in_place_ok=True) for g in grads]
         else:
             staging = self._take_staging()
@@ -418,8 +418,7 @@ class SSDExpertStates(ExpertStates):
         norms = [n for key in self.touched() for n in self.gradients.norms(key)]
         if not norms:
             return torch.zeros((), dtype=torch.float64, device=self.device)
-        total = torch.stack(norms).double().square().sum()
-        return total if total.device == torch.device(self.device) else total.to(self.device)
+        return squared_norms_sum(norms, self.device)
 
     def _grads(self, key: Key) -> list[torch.Tensor]:
         return self.gradients.grads(key)
