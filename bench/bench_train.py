@@ -89,15 +89,17 @@ def model_config(args: argparse.Namespace):
 
 
 def train(args: argparse.Namespace, name: str, batch: int, seq: int, extra: list[str], *, shape: bool = True,
-          keep: bool | None = None) -> list[dict]:
+          keep: bool | None = None, steps: int | None = None) -> list[dict]:
     """One `semoe train` run into a fresh --out (WORKDIR/name); its --log-json lines. `shape`: pass
-    the model's shape flags (not with --init-from); `keep`: keep the run directory (default --keep)."""
+    the model's shape flags (not with --init-from); `keep`: keep the run directory (default --keep);
+    `steps`: default --steps."""
+    steps = args.steps if steps is None else steps
     out = os.path.join(args.workdir, name)
     shutil.rmtree(out, ignore_errors=True)
     os.makedirs(out)
     log = os.path.join(out, "steps.jsonl")
     cmd = [sys.executable, "-m", "tools.cli", "train", "--out", os.path.join(out, "run"), "--log-json", log, "-q",
-           "--steps", str(args.steps), "--checkpoint-every", str(max(1000, args.steps + 1)),
+           "--steps", str(steps), "--checkpoint-every", str(max(1000, steps + 1)),
            "--batch-size", str(batch), "--seq-len", str(seq), *extra]
     for flag in SHAPE_FLAGS if shape else ():
         cmd += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
@@ -346,9 +348,8 @@ def largest(args: argparse.Namespace) -> dict:
     disk = disk_rates(args.workdir, parse_size(args.disk_probe, flag="--disk-probe"))
     print(f"disk: O_DIRECT write {disk['write_bps'] / 1e9:.2f} GB/s, read {disk['read_bps'] / 1e9:.2f} GB/s",
           file=sys.stderr)
-    saved_steps, args.steps = args.steps, args.memory_steps
-    in_memory = train(args, "in-memory", args.batch_size, args.seq_len, ["--expert-states", "device", *common])
-    args.steps = saved_steps
+    in_memory = train(args, "in-memory", args.batch_size, args.seq_len, ["--expert-states", "device", *common],
+                      steps=args.memory_steps)
     ssd_flags = ["--expert-states", "ssd", "--cpu-cache", args.cpu_cache, "--grad-memory", args.grad_memory, *common]
     with Balloon(memory) as balloon:
         steps = train(args, "ssd", args.batch_size, args.seq_len, ssd_flags)
