@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import enum
 import errno
+import fcntl
 import logging
 import os
 import threading
@@ -134,20 +135,32 @@ def write_file(path: str, data: memoryview, *, direct: bool = False) -> None:
         dev = os.stat(os.path.dirname(path) or ".").st_dev
         if _direct_allowed(dev):
             try:
-                _write_all(os.open(path, flags | os.O_DIRECT, 0o644), data)
-                return
+                fd = os.open(path, flags | os.O_DIRECT, 0o644)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
                 _refuse_direct(dev, path, "writing buffered")
+            else:
+                _write_all(fd, data)
+                return
     _write_all(os.open(path, flags, 0o644), data)
 
 
 def _write_all(fd: int, data: memoryview) -> None:
+    """Write all of `data`. Opened O_DIRECT, a write the kernel cuts short (a file size limit, a full
+    disk) leaves a rest that O_DIRECT refuses as unaligned (EINVAL): the rest goes buffered, so that
+    what fails reports its own error (EFBIG, ENOSPC)."""
+    direct = getattr(os, "O_DIRECT", 0)
     try:
         done = 0
         while done < len(data):
-            done += os.write(fd, data[done:])
+            try:
+                done += os.write(fd, data[done:])
+            except OSError as e:
+                flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+                if e.errno != errno.EINVAL or not flags & direct:
+                    raise
+                fcntl.fcntl(fd, fcntl.F_SETFL, flags & ~direct)
     finally:
         os.close(fd)
 
