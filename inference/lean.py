@@ -66,7 +66,7 @@ from storage.fileio import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import TensorEntry
 from storage.np_codes import bf16_to_f32, float_rows, fp8_bf16_rows, int8_rows, quantize_int8_rows
-from storage.procmem import peak_rss_bytes, release_free_heap
+from storage.procmem import compute_threads, peak_rss_bytes, release_free_heap
 from storage.reader import StoreReader
 DENSE_CHOICES = ("auto", "float", "int8")
 KV_CACHE_CHOICES = ("f32", "f16")
@@ -96,7 +96,7 @@ class LeanConfig:
     # the KV cache's values: "f32", or "f16" (half the bytes, as llama.cpp's default cache: each key and
     # value rounded to float16 as written; grouped-query attention only, latent attention's is compact)
     kv_cache: str = "f32"
-    threads: int = 0  # compute threads; 0: every core this process may run on
+    threads: int = 0  # compute threads; 0: OMP_NUM_THREADS where set, else every core this process may run on
     read_mode: ReadMode | str = ReadMode.DIRECT
     read_threads: int = 4
 
@@ -107,7 +107,7 @@ class LeanConfig:
             raise BadInputError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}")
         self.read_mode = ReadMode(self.read_mode)
         if self.threads <= 0:
-            self.threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+            self.threads = compute_threads()
 
 
 @dataclass

@@ -96,3 +96,14 @@ def release_free_heap() -> None:
 
 
 _malloc_trim = None
+
+
+def compute_threads() -> int:
+    """Compute threads for the compiled kernels: OMP_NUM_THREADS where it is set to a positive number
+    (the first of a nested list), as torch's own ops take it, else every core this process may run on.
+    Processes sharing a machine set it: each taking every core oversubscribes the machine, and the
+    kernels' OpenMP barriers then spin against the other processes' threads."""
+    first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
+    if first.isdigit() and int(first) > 0:
+        return int(first)
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1

@@ -653,3 +653,13 @@ def test_kv_cache_auto_takes_float16_where_a_float32_cache_would_crowd_memory(st
         out = capsys.readouterr()
         assert json.loads(out.out)["stats"]["kv_cache"] == want
         assert ("keeping it in float16" in out.err) == (want == "f16")
+
+
+@pytest.mark.parametrize("omp, want", [("3", 3), ("3,1", 3), (" 4 ", 4), ("0", None), ("many", None), ("", None)])
+def test_the_runners_threads_follow_omp_num_threads_where_it_is_set(monkeypatch, omp, want):
+    """Processes that share a machine (servers side by side, test workers) set OMP_NUM_THREADS, as torch's
+    ops take it; the runner's kernels take it too, else every core the process may run on."""
+    monkeypatch.setenv("OMP_NUM_THREADS", omp)
+    cores = len(os.sched_getaffinity(0))
+    assert LeanConfig(cache_bytes=0).threads == (want or cores)
+    assert LeanConfig(cache_bytes=0, threads=5).threads == 5
