@@ -158,6 +158,7 @@ class ExpertStates(ABC):
         self.adam_steps: dict[Key, int] = {}  # updates each expert has had
         self.grad_scale = 1.0  # applied to every gradient handed in (1/world for data-parallel means)
         self._used: dict[int, list[int]] = {}  # layer -> experts fetched in this step's forward
+        self._last_used: dict[int, list[int]] = {}  # the same, of the step before
         self._backward_seen: set[int] = set()
         self.version: int | None = None  # the staged store version checkpoint writes go to
 
@@ -208,10 +209,12 @@ class ExpertStates(ABC):
         self.prefetch(layer, list(experts), 0.0)
 
     def end_forward_layer(self, layer: int) -> None:
-        """Called when a layer's experts have run: the next layer's are read while attention computes."""
+        """Called when a layer's experts have run: the next layer's are read while attention computes,
+        those it ran last step (routing changes little from step to step; all of them on the first).
+        Reading every expert would read those no token chooses and push out weights backward needs."""
         nxt = [l for l in self.layers if l > layer]
         if nxt:
-            self.prefetch(nxt[0], list(self.experts), 1.0)
+            self.prefetch(nxt[0], list(self._last_used.get(nxt[0], self.experts)), 1.0)
 
     def begin_backward_layer(self, layer: int) -> None:
         """Called once per layer as its backward starts: this layer's experts first, then the previous
@@ -260,6 +263,8 @@ class ExpertStates(ABC):
 
     # -- lifetime -----------------------------------------------------------------------------
     def end_step(self) -> None:
+        if self._used:
+            self._last_used = dict(self._used)
         self._used.clear()
         self._backward_seen.clear()
 

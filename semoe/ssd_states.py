@@ -46,6 +46,7 @@ from semoe.config import MoEConfig
 from semoe.expert_grads import GradAccumulator
 from semoe.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, GradFactors, Held, Key, adamw_,
                                  squared_norms_sum)
+from semoe.state_schedule import BACKWARD, FORWARD, UPDATE, StepSchedule
 from storage.errors import CacheFullError, StorageError
 from storage.fileio import ALIGN, ReadMode
 from storage.keys import ExpertKey
@@ -192,8 +193,12 @@ class SSDExpertStates(ExpertStates):
                              f"{self.min_cache_bytes(config, prefetch_depth, write_threads)} for these experts")
         # host memory a GPU copies from or into is pinned; on a CPU device pinning buys nothing
         self._pin = torch.device(device).type == "cuda"
+        # the cache evicts the weight whose next use in the step's order lies furthest ahead
+        self.schedule = StepSchedule(self.layers)
+        self._phase = FORWARD  # of the main thread: which pass its fetches and read-aheads serve
         self.tier = TieredExpertStore(self.view, TieredStoreConfig(cpu_cache_bytes=cpu_cache_bytes - transient,
-                                                                   read_mode=settings.read_mode, pin_memory=self._pin))
+                                                                   read_mode=settings.read_mode, pin_memory=self._pin),
+                                      policy=self.schedule.policy)
         self.stream = make_copy_stream(device)
         self.in_place = torch.device(device).type == "cpu" and not settings.copy_on_cpu
         self.spill_dir = settings.spill_dir
@@ -323,10 +328,23 @@ class SSDExpertStates(ExpertStates):
             self._free_slots.append(loan.slot)
         self._reap_loans()
 
+    def begin_forward_layer(self, layer: int, experts: list[int]) -> None:
+        self._phase = FORWARD
+        self.schedule.at(FORWARD, self._gen, layer)
+        super().begin_forward_layer(layer, experts)
+
+    def begin_backward_layer(self, layer: int) -> None:
+        if layer not in self._backward_seen:
+            self._phase = BACKWARD
+            self.schedule.at(BACKWARD, self._gen, layer)
+        super().begin_backward_layer(layer)
+
     def fetch(self, layer: int, expert: int) -> Held:
         self._wait_updated((layer, expert))
         self._reap_loans()
-        entry = self._get(ExpertKey(layer, expert))
+        key = ExpertKey(layer, expert)
+        entry = self._get(key)
+        self.schedule.used(key, self._phase, self._gen)
         src = entry.raw
         if src.numel() != self.format.nbytes:
             entry.release()
@@ -343,7 +361,10 @@ class SSDExpertStates(ExpertStates):
         return Held(*self.format.views(copy.wait()), release=lambda: self._return(loan))
 
     def prefetch(self, layer: int, experts: list[int], priority: float = 0.0) -> None:
-        self.tier.prefetch([ExpertKey(layer, e) for e in experts if e in self.experts], priority=priority)
+        keys = [ExpertKey(layer, e) for e in experts if e in self.experts]
+        for key in keys:
+            self.schedule.expect(key, self._phase, self._gen)
+        self.tier.prefetch(keys, priority=priority)
 
     def add_grad_factors(self, layer: int, expert: int, factors: GradFactors) -> None:
         """Keep the gradient as its products where they are small beside it and it is this step's first
@@ -465,12 +486,12 @@ class SSDExpertStates(ExpertStates):
         with self._cond:
             self._pending = set(keys)
         self._worker = threading.Thread(target=self._update_all, name="semoe-expert-adam", daemon=True,
-                                        args=(keys, grads, copies, loans, lr, cfg, clip_coef))
+                                        args=(keys, grads, copies, loans, lr, cfg, clip_coef, self._gen - 1))
         self._worker.start()
 
     @torch.no_grad()
     def _update_all(self, keys: list[Key], grads: GradAccumulator, copies: deque[_GradCopy], loans: list[_Loan],
-                    lr: float, cfg: AdamWConfig, clip_coef: float) -> None:
+                    lr: float, cfg: AdamWConfig, clip_coef: float, step: int) -> None:
         try:
             for loan in loans:
                 if not loan.copy.done():
@@ -486,10 +507,12 @@ class SSDExpertStates(ExpertStates):
                     # taken here, in update order: the pool holds exactly the tiles in flight
                     bufs = tuple(self._moment_bufs.acquire(self.format.nbytes) for _ in range(2))
                     moments[k] = (bufs, self._readers.submit(self._read_moments, k, bufs))
+                    self.schedule.expect(ExpertKey(k[0], k[1]), UPDATE, step)
                     self.tier.prefetch([ExpertKey(k[0], k[1])])
                 bufs, read = moments.pop(key)
                 m_raw, v_raw = read.result()
                 h = self._get(ExpertKey(key[0], key[1]))
+                self.schedule.used(ExpertKey(key[0], key[1]), UPDATE, step)
                 try:
                     g = grads.grads(key)
                     n = self.next_adam_step(key)

@@ -14,6 +14,7 @@ typically the few pinned experts of the current and next layer):
     lfu-aging   as lfu, plus an O(n) halving every `aging_interval` references
     belady      O(log n) amort.  O((p + 1) log n) amortised; O(len(future)) to build
     next-use    O(log n) amort.  O(layers x (p + 1) log n) amortised
+    scheduled   O(1)             O(candidates); its owner's forecasts O(1) each
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import bisect
 import heapq
 import logging
 import math
+import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Callable, Hashable, Iterable, Sequence
@@ -374,6 +376,77 @@ class NextUsePolicy(EvictionPolicy):
         return best
 
 
+class ScheduledPolicy(EvictionPolicy):
+    """Belady's rule over the cache owner's own forecast, for uses that follow a known order.
+
+    A training step uses each expert's weights in a fixed order: forward up the layers, backward
+    down them, the optimizer up again. Its owner knows, at each use, when the next one comes, and
+    says so with `expect(key, when)` (a time in its own units: a position in the repeating
+    schedule); `advance(now)` says where it is. The victim is the candidate whose forecast use lies
+    furthest ahead. A forecast that passed unused (an expert the router did not choose) recurs
+    `period` later, as the schedule repeats; a key with no forecast goes first; ties go to the least
+    recently used. Forecasts outlive evictions: a key read again keeps its own.
+
+    Unlike the others, its owner calls it from threads of its own (the trainer's main thread and its
+    optimizer thread), so it holds a lock for its forecasts.
+    """
+
+    name = "scheduled"
+
+    def __init__(self, period: float) -> None:
+        if not period > 0:
+            raise ValueError(f"period must be > 0, got {period!r}")
+        self.period = period
+        self._lock = threading.Lock()
+        self._when: dict[Key, float] = {}
+        self._recent: OrderedDict[Key, None] = OrderedDict()  # cached keys, least recently used first
+        self._now = -math.inf
+
+    def expect(self, key: Key, when: float) -> None:
+        """`key`'s next use is expected at `when`."""
+        with self._lock:
+            self._when[key] = when
+
+    def advance(self, now: float) -> None:
+        """The schedule has reached `now`: forecasts before it passed unused."""
+        with self._lock:
+            self._now = now
+
+    def next_use(self, key: Key) -> float:
+        """When `key` is expected next (inf without a forecast)."""
+        with self._lock:
+            return self._next_locked(key)
+
+    def _next_locked(self, key: Key) -> float:
+        when = self._when.get(key)
+        if when is None:
+            return math.inf
+        if when < self._now:
+            when += math.ceil((self._now - when) / self.period) * self.period
+        return when
+
+    def on_access(self, key: Key) -> None:
+        self._recent[key] = None
+        self._recent.move_to_end(key)
+
+    def on_remove(self, key: Key) -> None:
+        self._recent.pop(key, None)
+
+    def victim(self, candidates: Iterable[Key]) -> Key:
+        pool = _check_candidates(candidates)
+        best, best_rank = None, None
+        with self._lock:
+            for key in self._recent:  # least recent first: the first of equal forecasts wins
+                if key in pool:
+                    rank = self._next_locked(key)
+                    if best_rank is None or rank > best_rank:
+                        best, best_rank = key, rank
+        if best is None:
+            raise ValueError(f"none of the {len(pool)} candidates is tracked by the policy")
+        return best
+
+
+# `scheduled` is not built by name: it needs an owner that forecasts its uses
 _REGISTRY: dict[str, Callable[..., EvictionPolicy]] = {
     LFUAgingPolicy.name: LFUAgingPolicy,
     LFUPolicy.name: LFUPolicy,

@@ -22,6 +22,7 @@ from storage.cache import CacheFullError, EntryState, ExpertCache, ExpertCacheCo
 from storage.fileio import ChunkReader, ChunkReaderConfig, ReadCancelled, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import ChunkEntry
+from storage.policies import EvictionPolicy
 from storage.pool import HostBuffer, HostBufferPool, HostBufferPoolConfig
 from storage.procmem import release_free_heap
 from storage.prefetch import PrefetchQueue, PrefetchQueueConfig, Priority
@@ -128,7 +129,8 @@ class TieredExpertStore:
     a read like any other; `cancel_guesses` abandons wrong ones after the step in progress.
     """
 
-    def __init__(self, store: Store, config: TieredStoreConfig) -> None:
+    def __init__(self, store: Store, config: TieredStoreConfig, *, policy: EvictionPolicy | None = None) -> None:
+        """`policy`: an eviction policy its owner drives (`ScheduledPolicy`) instead of `config.policy`."""
         self.store = store
         self.config = config
         chunks = store.manifest.chunks
@@ -138,7 +140,7 @@ class TieredExpertStore:
                              f"({biggest} bytes)")
         aging = config.aging_interval or max(8, config.cpu_cache_bytes // biggest)
         self.cache = ExpertCache(ExpertCacheConfig(capacity_bytes=config.cpu_cache_bytes, policy=config.policy,
-                                                   aging_interval=aging), on_evict=self._on_evict)
+                                                   aging_interval=aging), policy=policy, on_evict=self._on_evict)
         # The cache bounds the bytes in use; the slack covers size-class fragmentation in the pool.
         self._slack = 2 * biggest
         self.pool = HostBufferPool(HostBufferPoolConfig(capacity_bytes=config.cpu_cache_bytes + self._slack,

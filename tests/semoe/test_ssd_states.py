@@ -11,6 +11,7 @@ import pytest
 import torch
 from helpers.training import store_tensors, tiny_config
 
+import semoe.ssd_states
 import semoe.train
 from semoe.expert_states import AdamWConfig, adamw_, init_expert
 from semoe.expert_grads import GradAccumulator
@@ -22,6 +23,7 @@ from storage.store import Store, chunk_meta
 from storage.streams import (COMPLETE, CopyHandle, CopyStream, FakeCudaCopyStream, StreamEvent, ThreadCopyStream,
                              copy_stream_factory)
 from storage.syncs import HostSyncCounter
+from storage.tiered import TieredExpertStore
 
 CONFIG = tiny_config()
 FMT = ChunkFormat(CONFIG)
@@ -457,3 +459,41 @@ def test_a_state_waits_for_pins_other_threads_release_without_polling(make_state
     assert waited and all(n == FMT.nbytes for n in waited)
     for h in (*held, *got):
         h.release()
+
+
+class _LFUTier(TieredExpertStore):
+    """The tier with its configured LFU policy instead of the backend's schedule: the reference."""
+
+    def __init__(self, store, config, *, policy=None) -> None:
+        super().__init__(store, config)
+
+
+def _weight_reads(tmp_path, name, text_file, cache_weights: int) -> tuple[list[float], list[tuple]]:
+    """Weights read per step (in chunks) over steps 3-6, with room for `cache_weights` weights."""
+    chunk = 3 * 96 * 64 * 4
+    trainer = _trainer(tmp_path, name, text_file, steps=6, expert_states="ssd",
+                       cpu_cache_bytes=SSDExpertStates.transient_bytes(CONFIG) + cache_weights * chunk)
+    try:
+        logs, reads = [], []
+        for i in range(6):
+            trainer.states.wait_idle()
+            before = trainer.states.tier.stats().ssd_bytes
+            logs.append(trainer.train_step())
+            trainer.states.wait_idle()
+            if i >= 2:
+                reads.append((trainer.states.tier.stats().ssd_bytes - before) / chunk)
+    finally:
+        trainer.close()
+    return reads, [(x.loss, x.grad_norm) for x in logs]
+
+
+def test_the_cache_keeps_the_weights_the_step_needs_next(tmp_path, text_file, monkeypatch):
+    """Forward and backward (two micro-batches) and the update each use every expert's weights, in a
+    known order. With room for 6 of the 8 experts' weights, the backend's schedule (evict the weight
+    needed furthest ahead) reads at most 80% of what LFU reads (measured: 19 against 27 a step), with
+    the same losses and norms."""
+    scheduled, logs = _weight_reads(tmp_path, "scheduled", text_file, 6)
+    monkeypatch.setattr(semoe.ssd_states, "TieredExpertStore", _LFUTier)
+    lfu, lfu_logs = _weight_reads(tmp_path, "lfu", text_file, 6)
+    assert logs == lfu_logs
+    assert sum(scheduled) <= 0.8 * sum(lfu), (scheduled, lfu)

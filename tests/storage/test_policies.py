@@ -12,6 +12,7 @@ from storage.policies import (
     LFUPolicy,
     LRUPolicy,
     NextUsePolicy,
+    ScheduledPolicy,
     make_policy,
 )
 
@@ -257,3 +258,38 @@ def test_next_use_read_ahead_is_not_a_use_and_starts_no_visit():
     assert policy.victim({(1, "guess"), (1, "b"), (0, "a")}) == (1, "guess")
     policy.on_access((1, "guess"))  # the guess was right
     assert policy.rate((1, "guess")) > 0
+
+
+def test_scheduled_evicts_the_furthest_forecast_and_keys_without_one_first():
+    policy = ScheduledPolicy(period=10)
+    _insert(policy, "A", "B", "C", "D")
+    policy.expect("A", 3)
+    policy.expect("B", 7)
+    policy.expect("C", 5)
+    assert policy.victim({"A", "B", "C", "D"}) == "D"  # no forecast: never needed as far as anyone knows
+    assert policy.victim({"A", "B", "C"}) == "B"
+    policy.expect("B", 2)  # a new forecast replaces the old
+    assert policy.victim({"A", "B", "C"}) == "C"
+    with pytest.raises(ValueError):
+        ScheduledPolicy(period=0)
+
+
+def test_scheduled_forecasts_that_passed_recur_a_period_later_and_ties_go_to_the_least_recent():
+    policy = ScheduledPolicy(period=10)
+    _insert(policy, "A", "B", "C")
+    policy.expect("A", 2)
+    policy.expect("B", 8)
+    policy.expect("C", 8)
+    policy.advance(2)
+    assert policy.next_use("A") == 2  # due now, not passed
+    assert policy.victim({"A", "B", "C"}) == "B"  # B and C tie; B was used less recently
+    policy.on_access("B")
+    assert policy.victim({"A", "B", "C"}) == "C"
+    policy.advance(5)  # A's use passed without it: expected again at 12, after B and C
+    assert policy.next_use("A") == 12
+    assert policy.victim({"A", "B", "C"}) == "A"
+    policy.advance(25)
+    assert policy.next_use("A") == 32 and policy.next_use("B") == 28
+    policy.on_remove("A")
+    assert policy.victim({"A", "B", "C"}) == "C"  # A is no longer cached; B and C tie, C the less recent
+    assert policy.next_use("A") == 32  # its forecast outlives the eviction
