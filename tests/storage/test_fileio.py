@@ -127,3 +127,23 @@ def test_write_file_goes_past_the_page_cache_where_it_can_and_buffered_elsewhere
     fileio.write_file(str(tmp_path / "refused2"), data, direct=True)
     assert opened == [True, False, False]  # tried once, then buffered for this device
     assert open(tmp_path / "refused2", "rb").read() == bytes(data)
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_file_over_an_existing_file_leaves_exactly_the_new_bytes(tmp_path, direct):
+    """Rewriting a file overwrites it in place (not truncated first): over one of the same length, a
+    longer one (its tail cut) and a shorter one, the file holds exactly the new bytes each time."""
+    from storage.fileio import write_file
+
+    _, buf = aligned_empty(4 * 4096, alignment=4096, pin=False)
+    buf.copy_(torch.arange(buf.numel()) % 251)
+    path = str(tmp_path / "chunk")
+    write_file(path, memoryview(buf.numpy()), direct=direct)
+    buf.add_(1)
+    write_file(path, memoryview(buf.numpy()), direct=direct)
+    assert open(path, "rb").read() == buf.numpy().tobytes()
+    shorter = memoryview(buf.numpy())[:2 * 4096]
+    write_file(path, shorter, direct=direct)
+    assert open(path, "rb").read() == bytes(shorter)
+    write_file(path, memoryview(buf.numpy()), direct=direct)
+    assert open(path, "rb").read() == buf.numpy().tobytes()
