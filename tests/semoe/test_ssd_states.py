@@ -497,3 +497,24 @@ def test_the_cache_keeps_the_weights_the_step_needs_next(tmp_path, text_file, mo
     lfu, lfu_logs = _weight_reads(tmp_path, "lfu", text_file, 6)
     assert logs == lfu_logs
     assert sum(scheduled) <= 0.8 * sum(lfu), (scheduled, lfu)
+
+
+def test_the_step_schedule_orders_each_layers_uses_as_a_step_makes_them():
+    """Positions: forward up the layers, backward down, the update up, and the next step's forward of a
+    layer after that layer's update; a use forecasts the next phase's, the update the next step's forward."""
+    from semoe.state_schedule import BACKWARD, FORWARD, UPDATE, StepSchedule
+
+    layers = [1, 3, 5]  # a stage's MoE layers need not start at 0 or be contiguous
+    s = StepSchedule(layers)
+    order = ([(FORWARD, 0, layer) for layer in layers] + [(BACKWARD, 0, layer) for layer in reversed(layers)]
+             + [(UPDATE, 0, layer) for layer in layers])
+    positions = [s.position(*p) for p in order]
+    assert positions == sorted(positions) and len(set(positions)) == len(positions)
+    for i, layer in enumerate(layers):
+        assert s.position(UPDATE, 0, layer) < s.position(FORWARD, 1, layer)
+        if i + 1 < len(layers):
+            assert s.position(FORWARD, 1, layer) <= s.position(UPDATE, 0, layers[i + 1])
+    key = ExpertKey(3, 2)
+    for phase, step, nxt in ((FORWARD, 4, (BACKWARD, 4)), (BACKWARD, 4, (UPDATE, 4)), (UPDATE, 4, (FORWARD, 5))):
+        s.used(key, phase, step)
+        assert s.policy.next_use(key) == s.position(*nxt, 3)
