@@ -376,7 +376,7 @@ class NextUsePolicy(EvictionPolicy):
         return best
 
 
-class ScheduledPolicy(EvictionPolicy):
+class ScheduledPolicy(LRUPolicy):
     """Belady's rule over the cache owner's own forecast, for uses that follow a known order.
 
     A training step uses each expert's weights in a fixed order: forward up the layers, backward
@@ -385,7 +385,8 @@ class ScheduledPolicy(EvictionPolicy):
     schedule); `advance(now)` says where it is. The victim is the candidate whose forecast use lies
     furthest ahead. A forecast that passed unused (an expert the router did not choose) recurs
     `period` later, as the schedule repeats; a key with no forecast goes first; ties go to the least
-    recently used. Forecasts outlive evictions: a key read again keeps its own.
+    recently used (LRU's order, kept as LRU keeps it). Forecasts outlive evictions: a key read again
+    keeps its own.
 
     Unlike the others, its owner calls it from threads of its own (the trainer's main thread and its
     optimizer thread), so it holds a lock for its forecasts.
@@ -396,10 +397,10 @@ class ScheduledPolicy(EvictionPolicy):
     def __init__(self, period: float) -> None:
         if not period > 0:
             raise ValueError(f"period must be > 0, got {period!r}")
+        super().__init__()
         self.period = period
         self._lock = threading.Lock()
         self._when: dict[Key, float] = {}
-        self._recent: OrderedDict[Key, None] = OrderedDict()  # cached keys, least recently used first
         self._now = -math.inf
 
     def expect(self, key: Key, when: float) -> None:
@@ -425,18 +426,11 @@ class ScheduledPolicy(EvictionPolicy):
             when += math.ceil((self._now - when) / self.period) * self.period
         return when
 
-    def on_access(self, key: Key) -> None:
-        self._recent[key] = None
-        self._recent.move_to_end(key)
-
-    def on_remove(self, key: Key) -> None:
-        self._recent.pop(key, None)
-
     def victim(self, candidates: Iterable[Key]) -> Key:
         pool = _check_candidates(candidates)
         best, best_rank = None, None
         with self._lock:
-            for key in self._recent:  # least recent first: the first of equal forecasts wins
+            for key in self._order:  # least recent first: the first of equal forecasts wins
                 if key in pool:
                     rank = self._next_locked(key)
                     if best_rank is None or rank > best_rank:

@@ -11,7 +11,6 @@ import pytest
 import torch
 from helpers.training import store_tensors, tiny_config
 
-import semoe.ssd_states
 import semoe.train
 from semoe.expert_states import AdamWConfig, adamw_, init_expert
 from semoe.expert_grads import GradAccumulator
@@ -23,7 +22,6 @@ from storage.store import Store, chunk_meta
 from storage.streams import (COMPLETE, CopyHandle, CopyStream, FakeCudaCopyStream, StreamEvent, ThreadCopyStream,
                              copy_stream_factory)
 from storage.syncs import HostSyncCounter
-from storage.tiered import TieredExpertStore
 
 CONFIG = tiny_config()
 FMT = ChunkFormat(CONFIG)
@@ -297,7 +295,8 @@ class CopyingSSDExpertStates(SSDExpertStates):
 
 def _trainer(tmp_path, name, text_file, **kw) -> Trainer:
     cfg = TrainConfig(out=str(tmp_path / name), data=text_file, steps=kw.pop("steps", 4), batch_size=4,
-                      seq_len=32, warmup_steps=2, checkpoint_every=2, micro_batches=2, grad_clip=0.5, **kw)
+                      seq_len=32, warmup_steps=2, checkpoint_every=2, micro_batches=kw.pop("micro_batches", 2),
+                      grad_clip=0.5, **kw)
     return Trainer(cfg, tiny_config())
 
 
@@ -461,42 +460,28 @@ def test_a_state_waits_for_pins_other_threads_release_without_polling(make_state
         h.release()
 
 
-class _LFUTier(TieredExpertStore):
-    """The tier with its configured LFU policy instead of the backend's schedule: the reference."""
-
-    def __init__(self, store, config, *, policy=None) -> None:
-        super().__init__(store, config)
-
-
-def _weight_reads(tmp_path, name, text_file, cache_weights: int) -> tuple[list[float], list[tuple]]:
-    """Weights read per step (in chunks) over steps 3-6, with room for `cache_weights` weights."""
+def test_the_cache_keeps_the_weights_the_step_needs_next(tmp_path, text_file):
+    """A step uses every expert's weights three times, in a known order: forward up the layers,
+    backward down them, the update up again. With room for 6 of the 8 experts' weights, any policy
+    that ranks by recency or frequency (all experts are used equally often) reads 16 a step (LRU over
+    that sequence; LFU measured 16), Belady's optimum about 6; the backend's schedule (evict the
+    weight needed furthest ahead) reads 12 (measured), where the tiles being updated and written hold
+    two of the six. At most 13 a step over steps 3-6, read-aheads and all."""
     chunk = 3 * 96 * 64 * 4
-    trainer = _trainer(tmp_path, name, text_file, steps=6, expert_states="ssd",
-                       cpu_cache_bytes=SSDExpertStates.transient_bytes(CONFIG) + cache_weights * chunk)
+    trainer = _trainer(tmp_path, "scheduled", text_file, steps=6, micro_batches=1, expert_states="ssd",
+                       cpu_cache_bytes=SSDExpertStates.transient_bytes(CONFIG) + 6 * chunk)
     try:
-        logs, reads = [], []
+        reads = []
         for i in range(6):
             trainer.states.wait_idle()
             before = trainer.states.tier.stats().ssd_bytes
-            logs.append(trainer.train_step())
+            trainer.train_step()
             trainer.states.wait_idle()
             if i >= 2:
                 reads.append((trainer.states.tier.stats().ssd_bytes - before) / chunk)
     finally:
         trainer.close()
-    return reads, [(x.loss, x.grad_norm) for x in logs]
-
-
-def test_the_cache_keeps_the_weights_the_step_needs_next(tmp_path, text_file, monkeypatch):
-    """Forward and backward (two micro-batches) and the update each use every expert's weights, in a
-    known order. With room for 6 of the 8 experts' weights, the backend's schedule (evict the weight
-    needed furthest ahead) reads at most 80% of what LFU reads (measured: 19 against 27 a step), with
-    the same losses and norms."""
-    scheduled, logs = _weight_reads(tmp_path, "scheduled", text_file, 6)
-    monkeypatch.setattr(semoe.ssd_states, "TieredExpertStore", _LFUTier)
-    lfu, lfu_logs = _weight_reads(tmp_path, "lfu", text_file, 6)
-    assert logs == lfu_logs
-    assert sum(scheduled) <= 0.8 * sum(lfu), (scheduled, lfu)
+    assert sum(reads) <= 13 * len(reads), reads
 
 
 def test_the_step_schedule_orders_each_layers_uses_as_a_step_makes_them():
