@@ -1,8 +1,9 @@
-"""Expert training states on SSD: the store behind the LFU CPU cache, written back copy-on-write.
+"""Expert training states on SSD: the store behind a CPU cache, written back copy-on-write.
 
 Every expert has up to three chunk files in the store (`weight`, `adam_m`, `adam_v`; a missing
 moment is zeros). Weights are read through `TieredExpertStore` (its CPU cache, prefetch queue and
-checked direct reads), so forward and backward pay SSD reads only for cache misses.
+checked direct reads), so forward and backward pay SSD reads only for cache misses. The cache evicts
+the weight whose next use in the step's order lies furthest ahead (`semoe.state_schedule`).
 
 Between host and device everything goes through the copy stream (`storage.streams`), on CPU as on
 CUDA, and nothing in forward or backward blocks the host:
