@@ -227,7 +227,6 @@ class SSDExpertStates(ExpertStates):
         self._moment_bufs = HostBufferPool(HostBufferPoolConfig(
             capacity_bytes=(prefetch_depth + 1 + write_threads) * 2 * round_up(self.format.nbytes, ALIGN), pin=False,
             alignment=ALIGN))
-        self._scratch: torch.Tensor | None = None  # the optimizer thread's AdamW denominator
         self._outs: dict[Key, HostBuffer] = {}  # staging buffers handed to backward by `grad_out`
         self._loans: list[_Loan] = []
         self._loan_lock = threading.Lock()  # fetches and the optimizer thread both free loans
@@ -501,8 +500,6 @@ class SSDExpertStates(ExpertStates):
             _arrive(copies, grads, block=True)
             moments: dict[Key, tuple[tuple[HostBuffer, HostBuffer], Future]] = {}
             writes: deque[Future] = deque()
-            if self._scratch is None:
-                self._scratch = torch.empty(max(math.prod(s) for s in self.format.shapes), dtype=torch.float32)
             for key, ahead in zip(keys, read_ahead(keys, self.prefetch_depth)):
                 for k in ahead:  # the next tiles are read while this one is updated
                     # taken here, in update order: the pool holds exactly the tiles in flight
@@ -521,7 +518,7 @@ class SSDExpertStates(ExpertStates):
                                            self.format.views(v_raw)):
                         if clip_coef != 1.0:
                             gt.mul_(clip_coef)
-                        adamw_(w, gt, m, v, step=n, lr=lr, cfg=cfg, scratch=self._scratch)
+                        adamw_(w, gt, m, v, step=n, lr=lr, cfg=cfg)
                 except BaseException:
                     h.release()
                     raise

@@ -25,17 +25,25 @@ from storage.store import Store
 
 
 def test_adamw_is_torch_adamw_bit_for_bit():
+    """The experts' AdamW is torch's fused AdamW exactly (weights and both moments), and torch's
+    single-tensor AdamW within float32 rounding of the update (relative 1e-6 of the weights)."""
     torch.manual_seed(0)
     cfg = AdamWConfig(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-    p = torch.nn.Parameter(torch.randn(7, 5))
+    p, q = (torch.nn.Parameter(torch.randn(7, 5)) for _ in range(2))
+    q.data.copy_(p.data)
     w, m, v = p.detach().clone(), torch.zeros(7, 5), torch.zeros(7, 5)
-    opt = torch.optim.AdamW([p], lr=1e-2, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay, foreach=False)
+    kw = dict(lr=1e-2, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    fused, single = torch.optim.AdamW([p], fused=True, **kw), torch.optim.AdamW([q], foreach=False, **kw)
     for step in range(1, 6):
         g = torch.randn(7, 5)
-        p.grad = g.clone()
-        opt.step()
+        p.grad, q.grad = g.clone(), g.clone()
+        fused.step()
+        single.step()
         adamw_(w, g.clone(), m, v, step=step, lr=1e-2, cfg=cfg)
         assert torch.equal(w, p.detach()), f"step {step}"
+        state = fused.state[p]
+        assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"]), f"step {step}"
+        torch.testing.assert_close(w, q.detach(), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("into", [False, True], ids=["allocated", "into-backend-memory"])
