@@ -153,7 +153,7 @@ def _expert_step_seconds(trainer: StagedTrainer) -> float:
 
     def step() -> None:
         for w, g, m, v in scratch:
-            adamw_(w, g, m, v, step=1, lr=1e-3, cfg=AdamWConfig())
+            adamw_([w], [g], [m], [v], step=1, lr=1e-3, cfg=AdamWConfig())
 
     return best_seconds(step, [w for w, _, _, _ in scratch]) * len(trainer.states.experts)
 

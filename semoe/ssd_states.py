@@ -512,13 +512,9 @@ class SSDExpertStates(ExpertStates):
                 h = self._get(ExpertKey(key[0], key[1]))
                 self.schedule.used(ExpertKey(key[0], key[1]), UPDATE, step)
                 try:
-                    g = grads.grads(key)
-                    n = self.next_adam_step(key)
-                    for w, gt, m, v in zip(self.format.views(h.raw), g, self.format.views(m_raw),
-                                           self.format.views(v_raw)):
-                        if clip_coef != 1.0:
-                            gt.mul_(clip_coef)
-                        adamw_(w, gt, m, v, step=n, lr=lr, cfg=cfg)
+                    adamw_(self.format.views(h.raw), grads.grads(key), self.format.views(m_raw),
+                           self.format.views(v_raw), step=self.next_adam_step(key), lr=lr, cfg=cfg,
+                           clip_coef=clip_coef)
                 except BaseException:
                     h.release()
                     raise

@@ -23,7 +23,7 @@ import torch
 from storage.errors import StorageError
 # the process and memory readers, torch-free in their own module; re-exported for their callers
 from storage.procmem import (available_ram_bytes, major_faults, parse_meminfo, peak_rss_bytes,  # noqa: F401
-                             ram_info, status_bytes)
+                             ram_info, status_bytes, usable_cores)
 from storage.fileio import (
     ALIGN,
     ChunkReader,
@@ -45,8 +45,7 @@ SCRATCH_PREFIX = ".semoe-env-"
 
 def cpu_info() -> dict:
     """{"cpu_cores": cores this process may run on, "cpu_count": cores of the machine}."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return {"cpu_cores": cores or 1, "cpu_count": os.cpu_count()}
+    return {"cpu_cores": usable_cores(), "cpu_count": os.cpu_count()}
 
 
 def shm_info(path: str = "/dev/shm") -> dict:

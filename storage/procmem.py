@@ -106,4 +106,9 @@ def compute_threads() -> int:
     first = os.environ.get("OMP_NUM_THREADS", "").split(",")[0].strip()
     if first.isdigit() and int(first) > 0:
         return int(first)
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return usable_cores()
+
+
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), at least 1."""
+    return (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()) or 1

@@ -191,7 +191,7 @@ def test_states_spill_gradients_past_the_budget_and_step_them_exactly(make_state
             want = [w.clone() for w in init_expert(CONFIG, SEED, layer, e)]
             ms, vs = [torch.zeros_like(w) for w in want], [torch.zeros_like(w) for w in want]
             for w, g, m, v in zip(want, sums, ms, vs):
-                adamw_(w, g, m, v, step=1, lr=1e-2, cfg=cfg)
+                adamw_([w], [g], [m], [v], step=1, lr=1e-2, cfg=cfg)
             written = {kind: states.view.read_expert(layer, e, kind) for kind in STATE_KINDS}
             for kind, ref in (("weight", want), ("adam_m", ms), ("adam_v", vs)):
                 for name, r in zip(FMT.names(layer, e), ref):

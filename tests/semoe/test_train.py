@@ -39,7 +39,7 @@ def test_adamw_is_torch_adamw_bit_for_bit():
         p.grad, q.grad = g.clone(), g.clone()
         fused.step()
         single.step()
-        adamw_(w, g.clone(), m, v, step=step, lr=1e-2, cfg=cfg)
+        adamw_([w], [g.clone()], [m], [v], step=step, lr=1e-2, cfg=cfg)
         assert torch.equal(w, p.detach()), f"step {step}"
         state = fused.state[p]
         assert torch.equal(m, state["exp_avg"]) and torch.equal(v, state["exp_avg_sq"]), f"step {step}"
