@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from semoe.gating import dispatch_order
+from semoe.gating import dispatch_order, gather_rows
 from semoe.model import ExpertProvider, MoEFeedForward, MoEGPT, ResidentExperts, RouterStats
 
 __all__ = ["ExpertParallelMoE", "all_to_all_rows", "expert_major_order", "local_expert_ids", "shard_experts"]
@@ -172,7 +172,8 @@ class ExpertParallelMoE(MoEFeedForward):
         send_splits = [sum(sent_E[w * L:(w + 1) * L]) for w in range(W)]
         recv_splits = [sum(row) for row in received_WL]
         per_expert = [sum(row[l] for row in received_WL) for l in range(L)]
-        x_MD = all_to_all_rows(x_ND[token_idx_R], send_splits, recv_splits, self.group)
+        x_RD = gather_rows(x_ND, token_idx_R, choice_idx_R, c.top_k)
+        x_MD = all_to_all_rows(x_RD, send_splits, recv_splits, self.group)
         y_MD = self._run_local_experts(x_MD, counts_WL, per_expert)
         y_RD = all_to_all_rows(y_MD, recv_splits, send_splits, self.group)
         # One row per (token, choice), summed over choices by the same code as MoEFeedForward, so

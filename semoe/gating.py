@@ -3,7 +3,8 @@
 Every function here is a pure function of router logits (or of what `route_topk` derived from
 them), so the same code runs on CPU and CUDA tensors and is tested without a model. The MoE layer
 composes them: `route_topk` -> `capacity_keep_mask` (training with a capacity factor) ->
-`dispatch_order` to gather tokens expert by expert; the losses are added by the training step.
+`dispatch_order` and `gather_rows` to gather tokens expert by expert; the losses are added by the
+training step.
 
 Shape legend:
     T  tokens (batch and sequence flattened)
@@ -32,6 +33,7 @@ __all__ = [
     "load_balancing_loss",
     "router_z_loss",
     "dispatch_order",
+    "gather_rows",
 ]
 
 
@@ -260,3 +262,29 @@ def dispatch_order(ids_TK: Tensor, keep_TK: Tensor, num_experts: int) -> tuple[T
         0, kept_ids_N, torch.ones_like(kept_ids_N)
     )
     return flat_N // top_k, flat_N % top_k, counts_E
+
+
+class _GatherRows(torch.autograd.Function):
+    """`x_ND[token_idx_R]`, whose backward puts each row's gradient in its own (token, choice) slot
+    and sums over choices. Autograd's backward of the gather is an accumulating index_put, which
+    runs on one thread on CPU and uses atomics on CUDA; each (token, choice) pair is unique, so a
+    plain put and a sum over K give the same gradient, summed in choice order."""
+
+    @staticmethod
+    def forward(ctx, x_ND: Tensor, token_idx_R: Tensor, choice_idx_R: Tensor, top_k: int) -> Tensor:
+        ctx.save_for_backward(token_idx_R, choice_idx_R)
+        ctx.top_k, ctx.rows = top_k, x_ND.shape[0]
+        return x_ND[token_idx_R]
+
+    @staticmethod
+    def backward(ctx, grad_RD: Tensor):
+        token_idx_R, choice_idx_R = ctx.saved_tensors
+        slots_NKD = grad_RD.new_zeros(ctx.rows, ctx.top_k, *grad_RD.shape[1:])
+        slots_NKD.index_put_((token_idx_R, choice_idx_R), grad_RD)
+        return slots_NKD.sum(1) if ctx.top_k > 1 else slots_NKD.squeeze(1), None, None, None
+
+
+def gather_rows(x_ND: Tensor, token_idx_R: Tensor, choice_idx_R: Tensor, top_k: int) -> Tensor:
+    """Row r is `x_ND[token_idx_R[r]]`; the (token, choice) pairs must be unique, as
+    `dispatch_order` gives them (a permutation is the case top_k = 1, choices all 0)."""
+    return _GatherRows.apply(x_ND, token_idx_R, choice_idx_R, top_k)

@@ -23,8 +23,8 @@ from semoe.attention import KVCache, RMSNorm, make_attention, rope_tables
 from semoe.compact_linear import Linear, linear
 from semoe.config import MoEConfig
 from semoe.experts import ExpertProvider, ExpertWeights, ResidentExperts, swiglu
-from semoe.gating import Routing, capacity_keep_mask, dispatch_order, expert_capacity, load_balancing_loss, \
-    route_grouped, route_topk, route_topk_softmax, router_z_loss
+from semoe.gating import Routing, capacity_keep_mask, dispatch_order, expert_capacity, gather_rows, \
+    load_balancing_loss, route_grouped, route_topk, route_topk_softmax, router_z_loss
 
 __all__ = ["MoEGPT", "MoEFeedForward", "Router", "DenseFFN", "Block", "ModelOutput", "RouterStats", "KVCache",
            "RMSNorm", "ExpertProvider", "ExpertWeights", "ResidentExperts", "rope_tables", "swiglu"]
@@ -178,7 +178,7 @@ class MoEFeedForward(nn.Module):
         # the result does not depend on the order in which the provider hands out experts. The rows
         # are gathered once, split into each expert's (views), and the outputs put back once: in
         # training each of those has one backward op for the layer, not one over all N rows per expert.
-        x_RD = x_ND[token_idx]
+        x_RD = gather_rows(x_ND, token_idx, choice_idx, c.top_k)
         rows = x_RD.split(counts)
         y_parts: dict[int, torch.Tensor] = {}
         for e, w in self.experts.stream(self.layer, [e for e, n in enumerate(counts) if n], x_ND):

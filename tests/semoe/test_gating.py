@@ -16,6 +16,7 @@ from semoe.gating import (
     capacity_keep_mask,
     dispatch_order,
     expert_capacity,
+    gather_rows,
     load_balancing_loss,
     route_grouped,
     route_topk,
@@ -320,6 +321,37 @@ def test_dispatch_order_rejects_bad_input():
         dispatch_order(ids_TK, torch.ones(4, 1, dtype=torch.bool), 2)
     with pytest.raises(TypeError, match="bool"):
         dispatch_order(ids_TK, torch.ones(4, 2, dtype=torch.int64), 2)
+
+
+@pytest.mark.parametrize("factor", [0.5, None])  # None: no dropping
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", SHAPES_TEK)
+def test_gather_rows_is_the_plain_gather_with_its_gradient(num_tokens, num_experts, top_k, factor):
+    """Forward: exactly `x[token_idx]`. Backward: autograd's accumulating index_put sums a token's
+    choices in dispatch order, gather_rows in choice order. For K <= 2 that is the same sum bit
+    for bit (float addition commutes; 0 + a is a); for K = 3 and 4 the two orders may differ by the
+    rounding of a sum of K terms, so they are checked to K * eps * the largest term, absolute."""
+    logits_TE = _logits(num_tokens, num_experts, seed=5, skew=1.0)
+    ids_TK = route_topk(logits_TE, top_k, normalize=True).ids_TK
+    keep_TK = (torch.ones_like(ids_TK, dtype=torch.bool) if factor is None else
+               capacity_keep_mask(ids_TK, num_experts, expert_capacity(num_tokens, num_experts, top_k, factor)))
+    token_idx_N, choice_idx_N, _ = dispatch_order(ids_TK, keep_TK, num_experts)
+    for dtype in (torch.float32, torch.float64):
+        gen = torch.Generator().manual_seed(3)
+        x_TD = torch.randn(num_tokens, 6, generator=gen, dtype=dtype)
+        grad_ND = torch.randn(token_idx_N.shape[0], 6, generator=gen, dtype=dtype)
+        plain = x_TD.clone().requires_grad_()
+        ours = x_TD.clone().requires_grad_()
+        rows_plain, rows_ours = plain[token_idx_N], gather_rows(ours, token_idx_N, choice_idx_N, top_k)
+        assert torch.equal(rows_ours, rows_plain)
+        rows_plain.backward(grad_ND)
+        rows_ours.backward(grad_ND)
+        if top_k <= 2:
+            assert torch.equal(ours.grad, plain.grad)
+        else:
+            bound = top_k * torch.finfo(dtype).eps * float(grad_ND.abs().max())
+            torch.testing.assert_close(ours.grad, plain.grad, rtol=0, atol=bound)
+        dropped_T = ~keep_TK.any(1)
+        assert not ours.grad[dropped_T].any()  # a token every expert dropped gets no gradient
 
 
 # --- losses -----------------------------------------------------------------------------------
