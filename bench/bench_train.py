@@ -12,7 +12,11 @@ rest (pooled over repeats). The ratio ssd/device is the cost of keeping expert s
 1.0 means free, the target is <= 1.15 at both batch shapes. The same ratio at a small batch
 (--small-batch, on by default) shows how it depends on the compute per step: less compute hides
 less SSD traffic. Beside it, the disk's own time for the bytes an ssd step moved (O_DIRECT rates
-measured in the same run): where that alone exceeds the target, only fewer bytes can meet it.
+measured in the same run): where that alone exceeds the target, only fewer bytes can meet it. And
+the least step the step's order allows (`least_ssd_step`): the update waits for the whole backward
+(the gradient norm), the next forward for the update, so all the bytes but what memory can hold
+across a backward cross the disk between one backward's end and the next forward's end; the
+in-memory step's forward, backward and update are timed in this process for it.
 
 --dense instead trains the same model on --nproc ranks (default 2) once per --dense-states mode
 (replicated, zero1, fsdp) and prints the dense bytes each rank holds (parameters, gradients and
@@ -129,6 +133,56 @@ def summarize(runs: list[list[dict]], skip: int, tokens_per_step: int) -> dict:
             "peak_rss_bytes": max(s["peak_rss_bytes"] for steps in runs for s in steps)}
 
 
+def phases(args: argparse.Namespace, batch: int, seq: int, steps: int = 10) -> dict:
+    """The in-memory step's forward, backward and the rest (norm, clipping, AdamW), medians over the
+    steps after warm-up, timed in this process on the model compare() trains."""
+    from semoe.train import Trainer
+    from semoe.train_config import TrainConfig
+
+    out = os.path.join(args.workdir, f"phases-{batch}x{seq}")
+    shutil.rmtree(out, ignore_errors=True)
+    trainer = Trainer(TrainConfig(out=out, steps=steps, batch_size=batch, seq_len=seq, checkpoint_every=steps + 1,
+                                  expert_states="device"), model_config(args))
+    marks: dict[str, float] = {}
+    trainer.model.register_forward_hook(lambda *_: marks.__setitem__("forward", time.perf_counter()))
+    end_backward = trainer.states.end_backward
+
+    def timed_end_backward() -> None:
+        marks["backward"] = time.perf_counter()
+        end_backward()
+
+    trainer.states.end_backward = timed_end_backward
+    rows = []
+    try:
+        for i in range(steps):
+            t0 = time.perf_counter()
+            trainer.train_step()
+            if i >= args.warmup_steps_skip:
+                rows.append((marks["forward"] - t0, marks["backward"] - marks["forward"],
+                             time.perf_counter() - marks["backward"]))
+    finally:
+        trainer.close()
+        shutil.rmtree(out, ignore_errors=True)
+    return {k: statistics.median(r[i] for r in rows) for i, k in enumerate(("forward_s", "backward_s", "rest_s"))}
+
+
+def least_ssd_step(ph: dict, read_bytes: float, written_bytes: float, held_bytes: float, disk: dict) -> dict:
+    """The shortest ssd step the step's order allows. The update needs every gradient, so its reads
+    of Adam moments and its writes cannot start before the backward ends, and the next forward
+    needs each layer's updated weights. Bytes moved outside the window from one backward's end to
+    the next forward's end must be held in memory across the backward (moments read ahead, states
+    written late), at most the cache's bytes; the rest crosses the disk within that window, whose
+    compute is the forward and the update. So no step is shorter than
+    backward + max(forward + rest, disk time of (bytes - cache)), with the cache spent on whichever
+    of reads or writes saves more disk time."""
+    r, w = disk["read_bps"], disk["write_bps"]
+    window_s = min(max(0.0, read_bytes - held_bytes) / r + written_bytes / w,
+                   read_bytes / r + max(0.0, written_bytes - held_bytes) / w)
+    least_s = ph["backward_s"] + max(ph["forward_s"] + ph["rest_s"], window_s)
+    return {**ph, "window_disk_s": window_s, "least_s": least_s,
+            "least_vs_device": least_s / (ph["forward_s"] + ph["backward_s"] + ph["rest_s"])}
+
+
 def compare(args: argparse.Namespace, label: str, batch: int, seq: int) -> dict:
     """device vs ssd at one batch shape, alternated --repeats times."""
     modes = {"device": ["--expert-states", "device"], "ssd": ["--expert-states", "ssd", "--cpu-cache", args.cpu_cache]}
@@ -140,7 +194,13 @@ def compare(args: argparse.Namespace, label: str, batch: int, seq: int) -> dict:
     ssd = rows["ssd"]
     disk_s = ssd["median_step_s"] * (ssd["ssd_read_gbps"] * 1e9 / args.disk["read_bps"]
                                      + ssd["ssd_write_gbps"] * 1e9 / args.disk["write_bps"])
-    return {"batch_size": batch, "seq_len": seq, "rows": rows, "disk_s": disk_s,
+    kept = [st for steps in runs["ssd"] for st in steps[args.warmup_steps_skip:]]
+    per_step = {k: statistics.median(st[f"ssd_{k}_gbps"] * 1e9 * st["step_s"] for st in kept)
+                for k in ("read", "write")}
+    least = least_ssd_step(phases(args, batch, seq), per_step["read"], per_step["write"],
+                           expert_ram(args)["ssd_cache_bytes"], args.disk)
+    return {"batch_size": batch, "seq_len": seq, "rows": rows, "disk_s": disk_s, "least": least,
+            "read_bytes_per_step": per_step["read"], "written_bytes_per_step": per_step["write"],
             "disk_vs_device": disk_s / rows["device"]["median_step_s"],
             "ssd_vs_device": ssd["median_step_s"] / rows["device"]["median_step_s"]}
 
@@ -171,6 +231,13 @@ def print_compare(res: dict, ram: dict) -> None:
         print(f"ssd/device median step time, {label} batch {r['batch_size']}x{r['seq_len']}: "
               f"{r['ssd_vs_device']:.2f} ({verdict} the target <= {TARGET_RATIO}); the disk alone needs "
               f"{r['disk_s']:.3f} s for the ssd step's bytes, {r['disk_vs_device']:.2f}x the device step")
+        q = r["least"]
+        print(f"  the step's order at {r['batch_size']}x{r['seq_len']}: in memory, forward {q['forward_s']:.3f} s, "
+              f"backward {q['backward_s']:.3f}, the rest {q['rest_s']:.3f}; of the "
+              f"{r['read_bytes_per_step'] / 1e6:.0f} MB read and {r['written_bytes_per_step'] / 1e6:.0f} MB written a step, all but the cache's "
+              f"{ram['ssd_cache_bytes'] / 1e6:.0f} MB cross the disk between a backward's end and the next forward's "
+              f"end ({q['window_disk_s']:.3f} s): no ssd step under {q['least_s']:.3f} s, "
+              f"{q['least_vs_device']:.2f}x the device step")
     print(f"RAM for expert states ({ram['expert_params']:,} expert params): device {ram['device_bytes'] / GIB:.3f} GiB "
           f"(16 B/param: weight, grad, 2 Adam moments) vs ssd {ram['ssd_cache_bytes'] / GIB:.3f} GiB of CPU cache "
           f"({ram['device_bytes'] / ram['ssd_cache_bytes']:.1f}x less)")
