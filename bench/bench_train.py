@@ -44,8 +44,7 @@ step with every state in memory (--expert-states device, no balloon: the compute
 prints the seconds, the bytes read and written, and the bound max(compute, read bytes / read rate
 + write bytes / write rate) with the step's ratio to it (the target is <= 1.3); the peak RSS
 against SIZE; and each step's loss beside the in-memory run's (the same arithmetic on CPU: they
-must be equal). It refuses (exit 2) if the model is too small for
-the factor or the disk too full.
+must be equal). It refuses (exit 2) if the model is too small for the factor or the disk too full.
 
     python bench/bench_train.py --workdir DIR [--steps 8] [--repeats 2] [--no-small-batch] [--json]
     python bench/bench_train.py --workdir DIR --dense [--nproc 2] [--steps 8]
