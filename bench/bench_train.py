@@ -12,7 +12,7 @@ rest (pooled over repeats). The ratio ssd/device is the cost of keeping expert s
 1.0 means free, the target is <= 1.15 at both batch shapes. The same ratio at a small batch
 (--small-batch, on by default) shows how it depends on the compute per step: less compute hides
 less SSD traffic. Beside it, the disk's own time for the bytes an ssd step moved (O_DIRECT rates
-measured in the same run): where that alone exceeds the target, only fewer bytes can meet it. And
+measured before and after the runs, their means): where that alone exceeds the target, only fewer bytes can meet it. And
 the least step the step's order allows (`least_ssd_step`): the update waits for the whole backward
 (the gradient norm), the next forward for the update, so all the bytes but what memory can hold
 across a backward cross the disk between one backward's end and the next forward's end; the
@@ -191,18 +191,20 @@ def compare(args: argparse.Namespace, label: str, batch: int, seq: int) -> dict:
         for mode, extra in modes.items():
             runs[mode].append(train(args, f"{label}-{mode}-{rep}", batch, seq, extra))
     rows = {m: summarize(r, args.warmup_steps_skip, batch * seq) for m, r in runs.items()}
-    ssd = rows["ssd"]
-    disk_s = ssd["median_step_s"] * (ssd["ssd_read_gbps"] * 1e9 / args.disk["read_bps"]
-                                     + ssd["ssd_write_gbps"] * 1e9 / args.disk["write_bps"])
     kept = [st for steps in runs["ssd"] for st in steps[args.warmup_steps_skip:]]
     per_step = {k: statistics.median(st[f"ssd_{k}_gbps"] * 1e9 * st["step_s"] for st in kept)
                 for k in ("read", "write")}
-    least = least_ssd_step(phases(args, batch, seq), per_step["read"], per_step["write"],
-                           expert_ram(args)["ssd_cache_bytes"], args.disk)
-    return {"batch_size": batch, "seq_len": seq, "rows": rows, "disk_s": disk_s, "least": least,
+    return {"batch_size": batch, "seq_len": seq, "rows": rows, "phases": phases(args, batch, seq),
             "read_bytes_per_step": per_step["read"], "written_bytes_per_step": per_step["write"],
-            "disk_vs_device": disk_s / rows["device"]["median_step_s"],
-            "ssd_vs_device": ssd["median_step_s"] / rows["device"]["median_step_s"]}
+            "ssd_vs_device": rows["ssd"]["median_step_s"] / rows["device"]["median_step_s"]}
+
+
+def against_disk(r: dict, disk: dict, cache_bytes: int) -> None:
+    """Add to compare()'s result the disk's own time for the ssd step's bytes and the least step."""
+    read, written = r["read_bytes_per_step"], r["written_bytes_per_step"]
+    r["disk_s"] = read / disk["read_bps"] + written / disk["write_bps"]
+    r["disk_vs_device"] = r["disk_s"] / r["rows"]["device"]["median_step_s"]
+    r["least"] = least_ssd_step(r["phases"], read, written, cache_bytes, disk)
 
 
 def expert_ram(args: argparse.Namespace) -> dict:
@@ -552,16 +554,24 @@ def main() -> int:
         if not args.json:
             print_largest(out["largest"])
     else:
-        args.disk = disk_rates(args.workdir, 1 << 30)
+        # rated before and after the runs (this VM's disk drifts), the figures on the means
+        before = disk_rates(args.workdir, 1 << 30)
         res = {"default": compare(args, "default", args.batch_size, args.seq_len)}
         if args.small_batch:
             res["small"] = compare(args, "small", args.small_batch_size, args.small_seq_len)
-        out = {"target_ratio": TARGET_RATIO, "expert_ram": expert_ram(args), "disk": args.disk, "compare": res}
+        after = disk_rates(args.workdir, 1 << 30)
+        disk = {k: (before[k] + after[k]) / 2 for k in before}
+        ram = expert_ram(args)
+        for r in res.values():
+            against_disk(r, disk, ram["ssd_cache_bytes"])
+        out = {"target_ratio": TARGET_RATIO, "expert_ram": ram, "disk": disk, "disk_before": before,
+               "disk_after": after, "compare": res}
         if not args.json:
-            print_compare(res, out["expert_ram"])
-            print(f"disk in this run: O_DIRECT read {args.disk['read_bps'] / 1e9:.2f} GB/s, write "
-                  f"{args.disk['write_bps'] / 1e9:.2f} GB/s over a file "
-                  f"(a new one {args.disk['new_write_bps'] / 1e9:.2f})")
+            print_compare(res, ram)
+            print(f"disk in this run, O_DIRECT, before the runs and after: read {before['read_bps'] / 1e9:.2f} and "
+                  f"{after['read_bps'] / 1e9:.2f} GB/s, write {before['write_bps'] / 1e9:.2f} and "
+                  f"{after['write_bps'] / 1e9:.2f} GB/s over a file (a new one {before['new_write_bps'] / 1e9:.2f} "
+                  f"and {after['new_write_bps'] / 1e9:.2f}); the figures above take the means")
     if args.json:
         print(json.dumps(out, indent=1))
     return 0
