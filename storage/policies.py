@@ -14,13 +14,14 @@ typically the few pinned experts of the current and next layer):
     lfu-aging   as lfu, plus an O(n) halving every `aging_interval` references
     belady      O(log n) amort.  O((p + 1) log n) amortised; O(len(future)) to build
     next-use    O(log n) amort.  O(layers x (p + 1) log n) amortised
-    scheduled   O(1)             O(candidates); its owner's forecasts O(1) each
+    scheduled   O(log n) + insertion  O(p + 1); its owner's forecasts O(log n) + insertion each
 """
 
 from __future__ import annotations
 
 import bisect
 import heapq
+import itertools
 import logging
 import math
 import threading
@@ -388,6 +389,13 @@ class ScheduledPolicy(LRUPolicy):
     recently used (LRU's order, kept as LRU keeps it). Forecasts outlive evictions: a key read again
     keeps its own.
 
+    Cached keys with a forecast are kept in two sorted lists, so a victim costs O(p + 1) and a
+    reference or a forecast O(log n) plus a list insertion: those whose forecast is still ahead by
+    that time, and those whose forecast passed by its phase in the period (a passed forecast next
+    recurs at now + ((when - now) mod period), so their order is the phases' read circularly from
+    now's). `advance` moves forecasts that passed from the first list to the second; a step back
+    (micro-batches repeat positions) rebuilds both.
+
     Unlike the others, its owner calls it from threads of its own (the trainer's main thread and its
     optimizer thread), so it holds a lock for its forecasts.
     """
@@ -402,42 +410,117 @@ class ScheduledPolicy(LRUPolicy):
         self._lock = threading.Lock()
         self._when: dict[Key, float] = {}
         self._now = -math.inf
+        self._clock = 0  # references so far: a cached key's tick orders ties least recent first
+        self._tick: dict[Key, int] = {}
+        self._keys: dict[int, Key] = {}  # tick -> cached key
+        self._entry: dict[Key, tuple[list, tuple[float, int]]] = {}  # cached key -> (its list, its item)
+        self._ahead: list[tuple[float, int]] = []  # (when, -tick), forecasts at or after now
+        self._passed: list[tuple[float, int]] = []  # (when mod period, -tick), forecasts before now
+        self._unforecast: OrderedDict[Key, None] = OrderedDict()  # cached keys with no forecast, LRU first
 
+    # -- the cache's hooks -------------------------------------------------------------------------
+    def on_access(self, key: Key) -> None:
+        with self._lock:
+            super().on_access(key)
+            self._unindex(key)
+            self._keys.pop(self._tick.get(key), None)
+            self._clock += 1
+            self._tick[key] = self._clock
+            self._keys[self._clock] = key
+            self._index(key)
+
+    def on_remove(self, key: Key) -> None:
+        with self._lock:
+            super().on_remove(key)
+            self._unindex(key)
+            self._keys.pop(self._tick.pop(key, None), None)
+
+    # -- the owner's forecasts ---------------------------------------------------------------------
     def expect(self, key: Key, when: float) -> None:
         """`key`'s next use is expected at `when`."""
         with self._lock:
+            self._unindex(key)
             self._when[key] = when
+            self._index(key)
 
     def advance(self, now: float) -> None:
         """The schedule has reached `now`: forecasts before it passed unused."""
         with self._lock:
+            back = now < self._now
             self._now = now
+            if back:
+                for key in list(self._entry):
+                    self._unindex(key)
+                    self._index(key)
+                return
+            cut = bisect.bisect_left(self._ahead, (now, -math.inf))
+            for when, neg_tick in self._ahead[:cut]:
+                key = self._keys[-neg_tick]
+                item = (when % self.period, neg_tick)
+                bisect.insort(self._passed, item)
+                self._entry[key] = (self._passed, item)
+            del self._ahead[:cut]
 
     def next_use(self, key: Key) -> float:
         """When `key` is expected next (inf without a forecast)."""
         with self._lock:
-            return self._next_locked(key)
+            when = self._when.get(key)
+            if when is None:
+                return math.inf
+            if when < self._now:
+                when += math.ceil((self._now - when) / self.period) * self.period
+            return when
 
-    def _next_locked(self, key: Key) -> float:
+    # -- the ranking -------------------------------------------------------------------------------
+    def _index(self, key: Key) -> None:
+        if key not in self._tick:  # not cached: only its forecast is kept
+            return
         when = self._when.get(key)
         if when is None:
-            return math.inf
-        if when < self._now:
-            when += math.ceil((self._now - when) / self.period) * self.period
-        return when
+            self._unforecast[key] = None
+            return
+        ahead = when >= self._now
+        target = self._ahead if ahead else self._passed
+        item = (when if ahead else when % self.period, -self._tick[key])
+        bisect.insort(target, item)
+        self._entry[key] = (target, item)
+
+    def _unindex(self, key: Key) -> None:
+        self._unforecast.pop(key, None)
+        found = self._entry.pop(key, None)
+        if found is not None:
+            target, item = found
+            del target[bisect.bisect_left(target, item)]
+
+    def _furthest_first(self):
+        """(rank, tick, key) of every cached key with a forecast, the furthest next use first and
+        ties least recent first: the two lists merged, the passed one read circularly from now."""
+        now, period = self._now, self.period
+        phase = now % period if self._passed else 0.0
+        split = bisect.bisect_left(self._passed, (phase, -math.inf))
+        passed = itertools.chain(range(split - 1, -1, -1), range(len(self._passed) - 1, split - 1, -1))
+        i, b = len(self._ahead) - 1, next(passed, None)
+        while i >= 0 or b is not None:
+            a = self._ahead[i] if i >= 0 else None
+            item = self._passed[b] if b is not None else None
+            # higher rank first; equal ranks by the lower tick (the larger -tick)
+            if item is None or (a is not None and a >= (now + (item[0] - phase) % period, item[1])):
+                i -= 1
+                yield self._keys[-a[1]]
+            else:
+                b = next(passed, None)
+                yield self._keys[-item[1]]
 
     def victim(self, candidates: Iterable[Key]) -> Key:
         pool = _check_candidates(candidates)
-        best, best_rank = None, None
         with self._lock:
-            for key in self._order:  # least recent first: the first of equal forecasts wins
+            for key in self._unforecast:  # no forecast: least recent first
                 if key in pool:
-                    rank = self._next_locked(key)
-                    if best_rank is None or rank > best_rank:
-                        best, best_rank = key, rank
-        if best is None:
-            raise ValueError(f"none of the {len(pool)} candidates is tracked by the policy")
-        return best
+                    return key
+            for key in self._furthest_first():
+                if key in pool:
+                    return key
+        raise ValueError(f"none of the {len(pool)} candidates is tracked by the policy")
 
 
 # `scheduled` is not built by name: it needs an owner that forecasts its uses

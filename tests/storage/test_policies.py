@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import pytest
 
 from storage.policies import (
@@ -293,3 +296,69 @@ def test_scheduled_forecasts_that_passed_recur_a_period_later_and_ties_go_to_the
     policy.on_remove("A")
     assert policy.victim({"A", "B", "C"}) == "C"  # A is no longer cached; B and C tie, C the less recent
     assert policy.next_use("A") == 32  # its forecast outlives the eviction
+
+
+def _scheduled_reference(order: list, when: dict, now: float, period: float, pool: set):
+    """Belady's rule written plainly: among cached candidates, no forecast first, else the furthest
+    next use (a passed forecast recurs a period later); ties to the least recently used."""
+    best, best_rank = None, None
+    for key in order:  # least recent first
+        if key not in pool:
+            continue
+        w = when.get(key)
+        if w is None:
+            rank = math.inf
+        elif w < now:
+            rank = w + math.ceil((now - w) / period) * period
+        else:
+            rank = w
+        if best_rank is None or rank > best_rank:
+            best, best_rank = key, rank
+    return best
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scheduled_picks_what_the_plain_rule_picks_over_random_uses_forecasts_and_steps(seed):
+    """The sorted lists against the plain O(n) rule, op by op: references, removals, forecasts
+    ahead of and behind now, now moving forward by steps and periods and back (micro-batches),
+    candidate sets with keys not cached."""
+    rng = random.Random(seed)
+    period = 9
+    policy = ScheduledPolicy(period=period)
+    order: list = []  # cached keys, least recent first
+    when: dict = {}
+    now = -math.inf
+    for _ in range(3000):
+        op = rng.random()
+        key = rng.randrange(40)
+        if op < 0.3:
+            policy.on_access(key)
+            if key in order:
+                order.remove(key)
+            order.append(key)
+        elif op < 0.4:
+            policy.on_remove(key)
+            if key in order:
+                order.remove(key)
+        elif op < 0.65:
+            base = 0 if now == -math.inf else now
+            w = base + rng.choice([rng.randint(-12, 20), rng.randint(0, 3), 0])
+            policy.expect(key, w)
+            when[key] = w
+        elif op < 0.8:
+            base = 0 if now == -math.inf else now
+            now = base + rng.choice([1, 1, 2, period, 3 * period + 2, -rng.randint(1, 8)])
+            policy.advance(now)
+        else:
+            pool = set(rng.sample(range(45), rng.randint(1, 20)))
+            expected = _scheduled_reference(order, when, now, period, pool)
+            if expected is None:
+                with pytest.raises(ValueError):
+                    policy.victim(pool)
+            else:
+                assert policy.victim(pool) == expected
+        for k in (key,):
+            expected_next = when.get(k, math.inf)
+            if expected_next != math.inf and expected_next < now:
+                expected_next += math.ceil((now - expected_next) / period) * period
+            assert policy.next_use(k) == expected_next
