@@ -14,7 +14,7 @@ typically the few pinned experts of the current and next layer):
     lfu-aging   as lfu, plus an O(n) halving every `aging_interval` references
     belady      O(log n) amort.  O((p + 1) log n) amortised; O(len(future)) to build
     next-use    O(log n) amort.  O(layers x (p + 1) log n) amortised
-    scheduled   O(log n) + insertion  O(p + 1); its owner's forecasts O(log n) + insertion each
+    scheduled   O(log n) + ins.  O(p + 1); each of its owner's forecasts as a reference (ins.: a list insertion)
 """
 
 from __future__ import annotations
@@ -389,11 +389,11 @@ class ScheduledPolicy(LRUPolicy):
     recently used (LRU's order, kept as LRU keeps it). Forecasts outlive evictions: a key read again
     keeps its own.
 
-    Cached keys with a forecast are kept in two sorted lists, so a victim costs O(p + 1) and a
-    reference or a forecast O(log n) plus a list insertion: those whose forecast is still ahead by
-    that time, and those whose forecast passed by its phase in the period (a passed forecast next
+    Cached keys with a forecast sit in two sorted lists: those whose forecast is still ahead, by
+    forecast, and those whose forecast passed, by its phase in the period (a passed forecast next
     recurs at now + ((when - now) mod period), so their order is the phases' read circularly from
-    now's). `advance` moves forecasts that passed from the first list to the second; a step back
+    now's). A victim then costs O(p + 1), a reference or a forecast O(log n) plus a list insertion.
+    `advance` moves the forecasts it passes from the first list to the second; a step back
     (micro-batches repeat positions) rebuilds both.
 
     Unlike the others, its owner calls it from threads of its own (the trainer's main thread and its
