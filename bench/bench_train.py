@@ -12,11 +12,11 @@ rest (pooled over repeats). The ratio ssd/device is the cost of keeping expert s
 1.0 means free, the target is <= 1.15 at both batch shapes. The same ratio at a small batch
 (--small-batch, on by default) shows how it depends on the compute per step: less compute hides
 less SSD traffic. Beside it, the disk's own time for the bytes an ssd step moved (O_DIRECT rates
-measured before and after the runs, their means): where that alone exceeds the target, only fewer bytes can meet it. And
-the least step the step's order allows (`least_ssd_step`): the update waits for the whole backward
-(the gradient norm), the next forward for the update, so all the bytes but what memory can hold
-across a backward cross the disk between one backward's end and the next forward's end; the
-in-memory step's forward, backward and update are timed in this process for it.
+measured before and after the runs, their means): where that alone exceeds the target, only fewer
+bytes can meet it. And the least step the step's order allows (`least_ssd_step`): the update waits
+for the whole backward (the gradient norm), the next forward for the update, so all the bytes but
+what memory can hold across a backward cross the disk between one backward's end and the next
+forward's end; the in-memory step's forward, backward and update are timed in this process for it.
 
 --dense instead trains the same model on --nproc ranks (default 2) once per --dense-states mode
 (replicated, zero1, fsdp) and prints the dense bytes each rank holds (parameters, gradients and
