@@ -1,7 +1,7 @@
 """Install semoe: the packages storage, mpress, semoe, inference, tools and the `semoe` command.
 
-The compiled CPU kernels (semoe/kernels/*.c, loaded with ctypes by semoe/kernel_abi.py) are built once
-per instruction set (semoe/kernel_variants.py), so the environment runs on any CPU of its
+The compiled CPU kernels (semoe/kernels/*.c, loaded with ctypes by semoe/kernels/loader.py) are built once
+per instruction set (semoe/kernels/variants.py), so the environment runs on any CPU of its
 architecture: the loader takes the best build the CPU runs. None of them is required: with no C
 compiler, or one without OpenMP, the install goes on without them, says so in one line, and semoe
 computes with torch's ops instead.
@@ -13,7 +13,7 @@ import shutil
 import sys
 import tempfile
 
-from setuptools import Extension, setup
+from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.errors import CCompilerError, ExecError, PlatformError
 
@@ -23,7 +23,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def _variants_module():
     # read without importing the package, which is not installed yet
     spec = importlib.util.spec_from_file_location("_semoe_kernel_variants",
-                                                  os.path.join(HERE, "semoe", "kernel_variants.py"))
+                                                  os.path.join(HERE, "semoe", "kernels", "variants.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -33,7 +33,7 @@ def _variants_module():
 kv = _variants_module()
 SOURCES = [f"semoe/kernels/{f}.c" for f in ("gemv", "gemv_fp4", "gemv_float", "attend", "decode_step", "prefill")]
 DEPENDS = ["semoe/kernels/kernels.h", "semoe/kernels/decode_abi.h", "semoe/kernels/lin.h"]
-KERNELS = [Extension(f"semoe.{v.module}", sources=SOURCES, depends=DEPENDS, optional=True,
+KERNELS = [Extension(f"semoe.kernels.{v.module}", sources=SOURCES, depends=DEPENDS, optional=True,
                      extra_compile_args=["-O3", "-fopenmp", *kv.cflags(v)], extra_link_args=["-fopenmp"])
            for v in kv.buildable()]
 # measured with `semoe generate` on bench_offload's float32 Mixtral-shaped model, 2 cores: 26.8-28.0
@@ -91,7 +91,7 @@ setup(
     version="0.1.0",
     description="Train and serve Mixture-of-Experts GPT models larger than GPU memory",
     python_requires=">=3.10",
-    packages=["storage", "mpress", "semoe", "inference", "tools"],
+    packages=find_packages(include=["storage*", "mpress*", "semoe*", "inference*", "tools*"]),
     ext_modules=KERNELS,
     cmdclass={"build_ext": BuildKernels},
     install_requires=[

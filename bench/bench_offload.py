@@ -47,7 +47,7 @@ def make_checkpoint(workdir: str) -> tuple[str, str]:
     import torch
     import transformers
 
-    from semoe.hf_import import import_checkpoint
+    from semoe.checkpoints.hf_convert import import_checkpoint
 
     hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
     if not os.path.exists(os.path.join(hf, "config.json")):
@@ -64,7 +64,7 @@ def make_checkpoint(workdir: str) -> tuple[str, str]:
 
 
 def drop_cache(path: str) -> None:
-    from storage.fileio import drop_from_page_cache
+    from storage.chunk_io import drop_from_page_cache
 
     for dirpath, _, files in os.walk(path):
         for f in files:
@@ -119,8 +119,8 @@ def record_routing(store: str, prompt: list[int], new_tokens: int) -> dict:
     """The layer visits of the request and their experts (for ours-N-replay; run in its own process
     so that its memory is not counted in the measured run's peak RSS)."""
     from inference.engine import Engine
-    from inference.ring import RoutingReplay
-    from semoe.generate import SamplingConfig
+    from inference.offload.expert_ring import RoutingReplay
+    from semoe.decode.generate import SamplingConfig
 
     engine = Engine.load(store, _engine_config(store, 0.25))
     try:
@@ -134,8 +134,8 @@ def record_routing(store: str, prompt: list[int], new_tokens: int) -> dict:
 def run_ours(store: str, prompt: list[int], new_tokens: int, cache_fraction: float,
              recorded: list | None = None) -> dict:
     from inference.engine import Engine
-    from inference.ring import RoutingReplay
-    from semoe.generate import SamplingConfig
+    from inference.offload.expert_ring import RoutingReplay
+    from semoe.decode.generate import SamplingConfig
 
     drop_cache(store)
     engine = Engine.load(store, _engine_config(store, cache_fraction))
@@ -166,7 +166,7 @@ def raw_disk_gbps(store: str) -> dict:
     """The disk's read bandwidth over the expert chunk files, cold, two ways: a plain sequential
     read, and O_DIRECT reads of 8 files at a time split into parallel pieces with no checksum
     (a deeper queue, which a virtual disk may serve faster)."""
-    from storage.bench import run_bench
+    from storage.read_throughput import run_bench
     from storage.store import Store
 
     res = run_bench(Store.open(store), cold=True, repeats=1, with_tensorstore=False, verify=False)

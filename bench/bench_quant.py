@@ -47,8 +47,8 @@ EVAL_WINDOWS, EVAL_SEQ = 2, 256  # quality on the 3 GB model: 2 windows of 256 t
 
 def make_stores(workdir: str) -> dict[str, str]:
     """The four stores of the bench checkpoint (each made once)."""
-    from semoe.hf_import import import_checkpoint
-    from semoe.quantize import QuantizeConfig, quantize_store
+    from semoe.checkpoints.hf_convert import import_checkpoint
+    from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 
     hf, f32 = make_checkpoint(workdir)
     paths = {"f32": f32, **{k: os.path.join(workdir, f"store-{k}") for k in STORES[1:]}}
@@ -79,9 +79,9 @@ def run_decode(store: str, budget: int, ids: list[int], prompt_tokens: int, dtyp
     import torch
 
     from inference.engine import Engine, EngineConfig
-    from semoe.generate import decode_one_token, prefill
-    from semoe.model import KVCache
-    from storage.procmem import peak_rss_bytes
+    from semoe.decode.generate import decode_one_token, prefill
+    from semoe.model.moe_gpt import KVCache
+    from storage.process_memory import peak_rss_bytes
 
     drop_cache(store)
     engine = Engine.load(store, EngineConfig(dtype=dtype, cpu_cache_bytes=budget, read_mode="direct"))
@@ -148,8 +148,8 @@ def quality(paths: dict[str, str]) -> dict:
     """KL divergence from float32 and top-token agreement of each store, resident, on eval_ids."""
     import torch
 
-    from semoe.checkpoint import load_store
-    from semoe.evaluate import EvalConfig, evaluate, model_logits
+    from semoe.checkpoints.model_io import load_store
+    from semoe.evaluation.perplexity import EvalConfig, evaluate, model_logits
 
     ref = load_store(paths["f32"])
     ids = eval_ids(ref.config.vocab_size)
@@ -171,7 +171,7 @@ def quality(paths: dict[str, str]) -> dict:
 
 def trained_perplexity(workdir: str, steps: int) -> dict:
     """Perplexity of a model trained here and of its quantizations, with an experts-zeroed floor."""
-    from semoe.quantize import QuantizeConfig, quantize_store
+    from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 
     run = os.path.join(workdir, f"trained-{steps}")
     store = os.path.join(run, "store")

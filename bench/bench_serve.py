@@ -263,12 +263,12 @@ def peak_rss(pid: int) -> int:
 
 def limited(args: argparse.Namespace, store: str, clients: list[int]) -> list[dict]:
     """Serving with memory short: at each --memory share of the store's bytes (SIZE), a balloon process
-    leaves SIZE available (bench_peers' `Balloon`, the page cache dropped first) while one server runs
+    leaves SIZE available (bench_vs_llamacpp' `Balloon`, the page cache dropped first) while one server runs
     from a cold start: `semoe serve` as a user runs it (no budget flag: its own choice; where the model
     does not fit, the kernels over the runner's expert cache) and llama-server on --gguf (mmap, the page
     cache). Per client count: tok/s, TTFT, ITL, bytes read from storage per token (/proc/PID/io), peak
     RSS. A server the kernel's OOM killer stopped, or a balloon it took, is reported as such."""
-    from bench_peers import Balloon, model_bytes
+    from bench_vs_llamacpp import Balloon, model_bytes
 
     total = model_bytes(os.path.dirname(store), os.path.basename(store))
     out = []
@@ -325,14 +325,8 @@ def raw_disk_rate(store: str, passes: int = 3, in_flight: int = 16) -> float:
     reads too, so passes after the first are what the server sees)."""
     import random
 
-    from storage.fileio import (
-        ALIGN,
-        ChunkReader,
-        ChunkReaderConfig,
-        ReadRequest,
-        drop_from_page_cache,
-    )
-    from storage.pool import aligned_empty
+    from storage.chunk_io import ALIGN, ChunkReader, ChunkReaderConfig, ReadRequest, drop_from_page_cache
+    from storage.host_buffers import aligned_empty
     from storage.store import Store, iter_expert_chunks
 
     st = Store.open(store)

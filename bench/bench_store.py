@@ -28,14 +28,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from storage.bench import run_bench  # noqa: E402
+from storage.read_throughput import run_bench  # noqa: E402
 from storage.keys import ExpertKey  # noqa: E402
-from storage.fileio import ALIGN, drop_from_page_cache  # noqa: E402
-from storage.pool import aligned_empty  # noqa: E402
-from semoe.hf_import import import_checkpoint  # noqa: E402
+from storage.chunk_io import ALIGN, drop_from_page_cache  # noqa: E402
+from storage.host_buffers import aligned_empty  # noqa: E402
+from semoe.checkpoints.hf_convert import import_checkpoint  # noqa: E402
 from storage.store import ExpertTensor, Store  # noqa: E402
-from storage.tiered import TieredExpertStore, TieredStoreConfig  # noqa: E402
-from tools.synthetic import SyntheticMoE, write_checkpoint  # noqa: E402
+from storage.tiered_experts import TieredExpertStore, TieredStoreConfig  # noqa: E402
+from tools.synthetic_checkpoint import SyntheticMoE, write_checkpoint  # noqa: E402
 
 
 def median_time(fn, repeats: int) -> float:

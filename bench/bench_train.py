@@ -26,7 +26,7 @@ replicated (fsdp's target is about 1/N) and the median step time of each mode.
 --peer instead trains the same Mixtral-shaped model (--arch: or a qwen3_moe or gpt_oss one) two
 ways on the same batches: `semoe train --init-from` the store imported from transformers' checkpoint
 (--peer-states device: everything in memory; ssd: states on SSD at --cpu-cache), and transformers'
-own model with torch.optim.AdamW (bench/train_peer.py), alternated --repeats times at each batch
+own model with torch.optim.AdamW (bench/train_peer_transformers.py), alternated --repeats times at each batch
 shape. It prints tokens/s of both and their ratio (the target is >= 1.0), and the loss of both at
 every step. The losses must agree within LOSS_TOL while the two optimizers do the same thing: up
 to the step after the first in which some expert was chosen by no token. From there they differ by
@@ -36,7 +36,7 @@ by its momentum and weight decay; the bench prints those steps' differences besi
 idle experts.
 
 --largest instead trains, with states on SSD, a model whose expert states are at least
---state-factor (3) times --memory SIZE (3GiB), while a balloon process (bench_peers' `Balloon`, the
+--state-factor (3) times --memory SIZE (3GiB), while a balloon process (bench_vs_llamacpp' `Balloon`, the
 page cache dropped first) holds all other memory, so that only SIZE is available to the run and
 its page cache. Measured in the same run: the disk's O_DIRECT write and read rates (a file of
 --disk-probe bytes, before and after the run: the bound takes their means) and the same model's
@@ -85,7 +85,7 @@ GIB = 2**30
 
 
 def model_config(args: argparse.Namespace):
-    from semoe.config import named_config
+    from semoe.model.config import named_config
 
     return named_config("gpt-moe-small", num_layers=args.layers, hidden_size=args.hidden, num_heads=args.heads,
                         num_kv_heads=args.kv_heads, ffn_size=args.ffn, moe_ffn_size=args.expert_ffn,
@@ -136,8 +136,8 @@ def summarize(runs: list[list[dict]], skip: int, tokens_per_step: int) -> dict:
 def phases(args: argparse.Namespace, batch: int, seq: int, steps: int = 10) -> dict:
     """The in-memory step's forward, backward and the rest (norm, clipping, AdamW), medians over the
     steps after warm-up, timed in this process on the model compare() trains."""
-    from semoe.train import Trainer
-    from semoe.train_config import TrainConfig
+    from semoe.train.trainer import Trainer
+    from semoe.train.config import TrainConfig
 
     out = os.path.join(args.workdir, f"phases-{batch}x{seq}")
     shutil.rmtree(out, ignore_errors=True)
@@ -209,8 +209,8 @@ def against_disk(r: dict, disk: dict, cache_bytes: int) -> None:
 
 def expert_ram(args: argparse.Namespace) -> dict:
     """Memory the expert states take in each mode."""
-    from semoe.train_config import expert_state_bytes
-    from tools.sizes import parse_size
+    from semoe.train.config import expert_state_bytes
+    from tools.size_flags import parse_size
 
     cfg = model_config(args)
     params = cfg.num_parameters()["experts"]
@@ -282,11 +282,11 @@ def print_dense(r: dict) -> None:
 def peer(args: argparse.Namespace) -> dict:
     """semoe (`--init-from` transformers' checkpoint) against transformers + AdamW, alternated, at
     each batch shape; the peer takes semoe's batches and learning rates of the same step."""
-    import train_peer
-    from semoe.run_store import RunStore
-    from semoe.train_config import TrainConfig
+    import train_peer_transformers
+    from semoe.train.run_store import RunStore
+    from semoe.train.config import TrainConfig
 
-    hf, store = train_peer.make_checkpoint(os.path.join(args.workdir, f"peer-{args.arch}"), args.arch)
+    hf, store = train_peer_transformers.make_checkpoint(os.path.join(args.workdir, f"peer-{args.arch}"), args.arch)
     model = RunStore.open(store).model_config()
     defaults = TrainConfig(out="")
     states = ["--expert-states", args.peer_states] + (["--cpu-cache", args.cpu_cache]
@@ -301,11 +301,12 @@ def peer(args: argparse.Namespace) -> dict:
             name = f"peer-{label}-{rep}"
             steps = train(args, name, batch, seq, ["--init-from", store, *states], shape=False, keep=True)
             run = os.path.join(args.workdir, name)
-            batches = train_peer.run_batches(os.path.join(run, "run"), batch, seq, defaults.seed, len(steps))
+            batches = train_peer_transformers.run_batches(os.path.join(run, "run"), batch, seq, defaults.seed,
+                                                          len(steps))
             if not args.keep:
                 shutil.rmtree(run, ignore_errors=True)
             print(f"running transformers ({label}, {rep}) ...", file=sys.stderr, flush=True)
-            theirs.append(train_peer.train_transformers(
+            theirs.append(train_peer_transformers.train_transformers(
                 hf, batches, [s["lr"] for s in steps], betas=defaults.betas, eps=defaults.eps,
                 weight_decay=defaults.weight_decay, grad_clip=defaults.grad_clip, aux_coef=model.aux_loss_coef,
                 z_coef=model.z_loss_coef))
@@ -353,7 +354,7 @@ def sizes(args: argparse.Namespace) -> dict:
     torch, whose memory would sit beside the balloon's."""
     code = ("import json, sys; sys.path.insert(0, %r)\n"
             "from bench_train import model_config, argparse\n"
-            "from semoe.train_config import expert_state_bytes\n"
+            "from semoe.train.config import expert_state_bytes\n"
             "cfg = model_config(argparse.Namespace(**json.loads(sys.argv[1])))\n"
             "n = cfg.num_parameters()\n"
             "print(json.dumps({'state': expert_state_bytes(cfg), 'dense': n['dense'], 'experts': n['experts']}))\n"
@@ -405,8 +406,8 @@ def disk_rates(folder: str, nbytes: int) -> dict:
 
 
 def largest(args: argparse.Namespace) -> dict:
-    from bench_peers import Balloon
-    from tools.sizes import parse_size
+    from bench_vs_llamacpp import Balloon
+    from tools.size_flags import parse_size
 
     memory = parse_size(args.memory, flag="--memory")
     n = sizes(args)

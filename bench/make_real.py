@@ -20,7 +20,7 @@ them, and the routers' logits have a standard deviation of 2. With transformers'
 (std 0.02 everywhere) attention's averages soon outweigh the embedding: tokens look alike to the
 routers, and greedy decoding falls into short cycles that route alike (4 layers of qwen3-30b-a3b at
 its published width decoded 9 distinct tokens of 96, their top-8 picks at a normalized entropy of
-0.84; these weights: 94 and 0.995), which flatters any cache. bench_peers.py reports the routing
+0.84; these weights: 94 and 0.995), which flatters any cache. bench_vs_llamacpp.py reports the routing
 entropy of the decoding it times beside each of our results.
 
 Shards are written one tensor at a time (never the whole model in memory) into OUT.partial, renamed
@@ -44,7 +44,7 @@ BENCH = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(BENCH))
 sys.path.insert(0, BENCH)
 
-from storage.np_codes import f32_to_bf16  # noqa: E402
+from storage.numpy_codecs import f32_to_bf16  # noqa: E402
 from storage.safetensors_io import OutTensor, write_file  # noqa: E402
 
 # the published configs, field for field (from each model's config.json)

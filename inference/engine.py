@@ -2,7 +2,7 @@
 
 `Engine.generate` is what `semoe generate` and `semoe serve` call. With no budgets the model is
 fully resident; with budgets the experts stay in the store and flow SSD -> CPU cache -> device
-ring (see `inference.ring`).
+ring (see `inference.offload.expert_ring`).
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ from typing import Callable
 
 import torch
 
-from semoe.checkpoint import is_store, load_model, load_model_tokenizer, load_store
-from semoe.compact_linear import stack_projections
+from semoe.checkpoints.model_io import is_store, load_model, load_model_tokenizer, load_store
+from semoe.model.compact_linear import stack_projections
 from semoe.decode.plan import DecodePlan
 from semoe.decode.support import NotOnFastPath
-from semoe.generate import GenerationResult, SamplingConfig, generate, new_cache
-from semoe.model import KVCache, MoEGPT
-from semoe.tokenizer import default_stop_ids
+from semoe.decode.generate import GenerationResult, SamplingConfig, generate, new_cache
+from semoe.model.moe_gpt import KVCache, MoEGPT
+from semoe.checkpoints.tokenizer import default_stop_ids
 from inference.engine_config import EngineConfig
-from storage.envinfo import peak_rss_bytes
+from storage.host_probes import peak_rss_bytes
 from storage.store import Store
 
 log = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.name = name
         self.config = config
-        self.offload = offload  # inference.ring.OffloadedExperts when offloaded
+        self.offload = offload  # inference.offload.expert_ring.OffloadedExperts when offloaded
         self.lock = threading.Lock()
         self._cleanup = cleanup
         # the model's one decode plan, for `generate` and for `step`'s lone decoding token (None: the
@@ -72,12 +72,12 @@ class Engine:
             model = load_model(source, device=config.device, dtype=dtype, dense=config.dense, progress=progress)
             stack_projections(model)  # float q, k and v too: a model that only serves needs no separate ones
             return cls(model, load_model_tokenizer(source, model.config), name=name, config=config)
-        from inference.ring import OffloadedExperts
+        from inference.offload.expert_ring import OffloadedExperts
 
         cleanup = None
         store_path = path
         if not is_store(path):
-            from semoe.hf_import import import_checkpoint
+            from semoe.checkpoints.hf_convert import import_checkpoint
 
             cleanup = tempfile.mkdtemp(prefix="semoe-store-")
             store_path = os.path.join(cleanup, "store")

@@ -8,8 +8,8 @@ from dataclasses import dataclass
 import torch
 
 from inference.memory_guard import CPU_CACHE_AUTO
-from semoe.compact_linear import DENSE_CHOICES
-from storage.fileio import ReadMode
+from semoe.model.compact_linear import DENSE_CHOICES
+from storage.chunk_io import ReadMode
 
 __all__ = ["EngineConfig"]
 

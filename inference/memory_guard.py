@@ -24,10 +24,10 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Callable
 
-from storage.procmem import available_ram_bytes, major_faults
+from storage.process_memory import available_ram_bytes, major_faults
 
 if TYPE_CHECKING:  # the placement's choice imports this module in a process that may never load torch
-    from storage.tiered import TieredExpertStore
+    from storage.tiered_experts import TieredExpertStore
 
 log = logging.getLogger(__name__)
 

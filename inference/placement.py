@@ -20,7 +20,7 @@ from typing import Callable
 
 from inference.memory_guard import CPU_CACHE_AUTO, reserve_bytes
 from storage.formats import int8_rows_spec
-from storage.procmem import available_ram_bytes
+from storage.process_memory import available_ram_bytes
 from storage.reader import StoreReader, is_store
 
 FLOAT_DTYPES = {"F32": 4, "BF16": 2, "F16": 2, "F64": 8}  # safetensors dtypes held in the compute dtype
@@ -58,7 +58,7 @@ def model_bytes(path: str, compute_itemsize: int = 4, manifest=None) -> ModelByt
         # an expert is read as its chunk file: its tensors, each padded to a block
         stored_experts = sum(c.bytes for c in manifest.chunks if c.kind == "weight")
         return ModelBytes(total, experts, stored + stored_experts, stored_experts)
-    from semoe.hf_import import open_checkpoint
+    from semoe.checkpoints.hf_convert import open_checkpoint
 
     ck = open_checkpoint(path)
     expert_names = {part.ref.name for by_expert in ck.experts.values() for parts in by_expert.values()
@@ -126,17 +126,17 @@ def gpu_present() -> bool:
 
 
 def lean_refusal(path: str) -> str | None:
-    """Why the torch-free runner (`inference.lean`) would not decode the model at `path`, in a phrase;
+    """Why the torch-free runner (`inference.torch_free.runner`) would not decode the model at `path`, in a phrase;
     None where it would: it reads stores, computes with the compiled CPU kernels, and takes what the
     one-call step takes (`semoe.decode.support`). Imports no torch."""
     if not is_store(path):
         return "it reads stores, not HuggingFace directories"
-    from semoe import kernel_abi
+    from semoe.kernels import loader
     from semoe.decode.support import one_call_refusal
-    from semoe.hf_config import config_from_json
+    from semoe.checkpoints.hf_config import config_from_json
 
-    if kernel_abi.library() is None:
-        return f"semoe's compiled CPU kernels are {kernel_abi.status()}"
+    if loader.library() is None:
+        return f"semoe's compiled CPU kernels are {loader.status()}"
     store = StoreReader.open(path)
     if not store.manifest.has_file("config.json"):
         return "the store holds no model (no config.json)"

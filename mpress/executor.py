@@ -97,7 +97,7 @@ from mpress.swap_core import (  # noqa: F401
     byte_view,
     dense_stride,
 )
-from storage.pool import HostBufferPool, HostBufferPoolConfig
+from storage.host_buffers import HostBufferPool, HostBufferPoolConfig
 from storage.streams import CopyStream, make_copy_stream, normalize_device
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ import itertools
 from mpress.peer_memory import ALIGNMENT as PEER_ALIGNMENT
 from mpress.profile import LayerProfile, PipelineProfile, Plan
 from mpress.schedule import in_flight_peak
-from storage.pool import round_up
+from storage.host_buffers import round_up
 
 MIN_SWAP_BYTES = 4096
 HOST_ALIGNMENT = 4096  # bytes; every host buffer is rounded up to this

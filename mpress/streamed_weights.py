@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from mpress.swap_core import SwapCore, byte_view, raise_if_failed
-from storage.pool import HostBuffer
+from storage.host_buffers import HostBuffer
 from storage.streams import CopyHandle
 
 

@@ -24,12 +24,7 @@ import torch
 
 from mpress.peer_memory import PeerMemory, PeerMemoryFullError
 from mpress.space import SwapSpaceError, split_bytes
-from storage.pool import (
-    HostBuffer,
-    HostBufferPool,
-    OversizeRequestError,
-    PoolExhaustedError,
-)
+from storage.host_buffers import HostBuffer, HostBufferPool, OversizeRequestError, PoolExhaustedError
 from storage.streams import CopyHandle, CopyStream
 
 logger = logging.getLogger(__name__)

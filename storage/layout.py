@@ -10,7 +10,7 @@ import numpy as np
 import torch
 
 from storage.dtypes import torch_dtype
-from storage.fileio import ALIGN
+from storage.chunk_io import ALIGN
 from storage.manifest import TensorEntry
 
 TENSOR_ALIGN = ALIGN  # tensors in a chunk start on block boundaries: each can be read (O_DIRECT) and

@@ -1,7 +1,7 @@
 """Reading a store without torch: its committed manifest, side files, tensors' bytes, a dense
 tensor's rows in blocks, and the hot path's chunk reads, every byte checked against the manifest's
 crc32c. `storage.store.Store` builds on it (typed torch views, writes, maintenance); the torch-free
-decoding process (`inference.lean`) reads through it directly.
+decoding process (`inference.torch_free.runner`) reads through it directly.
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from storage.crc import crc32c
+from storage.crc_combine import crc32c
 from storage.errors import CorruptTensorError, NotAStoreError
-from storage.fileio import ReadMode, ReadRequest, read_range
+from storage.chunk_io import ReadMode, ReadRequest, read_range
 from storage.manifest import ChunkEntry, Manifest, TensorEntry
 
 MANIFEST = "manifest.json"

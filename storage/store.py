@@ -27,20 +27,13 @@ from typing import Callable, Iterable, Iterator
 import numpy as np
 import torch
 
-from storage import zarrio
+from storage import zarr_arrays
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError, CorruptTensorError, StorageError, StoreLockedError
-from storage.crc import crc32c
+from storage.crc_combine import crc32c
 from storage.durable import fsync_path, fsync_tree, write_atomic
-from storage.fileio import ReadMode, write_file
-from storage.layout import (
-    array_of_chunk,
-    chunk_layout,
-    expert_array_rel,
-    tensor_view,
-    vdir,
-    version_of,
-)
+from storage.chunk_io import ReadMode, write_file
+from storage.layout import array_of_chunk, chunk_layout, expert_array_rel, tensor_view, vdir, version_of
 from storage.manifest import KINDS, ChunkEntry, FileEntry, Manifest, TensorEntry
 from storage.reader import MANIFEST, StoreReader, load_manifest
 from storage.quant import QuantSpec, dequantize
@@ -160,7 +153,7 @@ class Store(StoreReader):
         array_path, index = array_of_chunk(self.path(entry.file))
         arr = handles.get(array_path)
         if arr is None:
-            arr = handles[array_path] = zarrio.open_array(array_path)
+            arr = handles[array_path] = zarr_arrays.open_array(array_path)
         if entry.group == "dense":
             data = arr.read().result()
             return np.ascontiguousarray(data).reshape(-1).view(np.uint8)
@@ -416,9 +409,9 @@ class StoreWriter:
             raise BadInputError(f"kind must be one of {KINDS}, got {kind!r}")
         t = tensor.detach().contiguous().cpu()
         rel_array = self._rel("arrays", self._vd, "dense", f"{name}.{kind}")
-        chunk = zarrio.write_dense(self.store.path(rel_array), t, {"semoe": {"name": name, "kind": kind}})
+        chunk = zarr_arrays.write_dense(self.store.path(rel_array), t, {"semoe": {"name": name, "kind": kind}})
         self._staged = True
-        raw = zarrio.tensor_bytes(t)
+        raw = zarr_arrays.tensor_bytes(t)
         self.manifest.upsert(tensors=[TensorEntry(
             name=name, group="dense", kind=kind, dtype=dtype_name(t.dtype), shape=list(t.shape),
             file=os.path.relpath(chunk, self.store.root), offset=0, bytes=raw.nbytes, crc32c=crc32c(raw),
@@ -438,7 +431,7 @@ class StoreWriter:
         offsets, size = chunk_layout(shapes)
         buf = np.zeros(size, dtype=np.uint8)
         for off, t in zip(offsets, ts_list):
-            raw = zarrio.tensor_bytes(t)
+            raw = zarr_arrays.tensor_bytes(t)
             buf[off:off + raw.nbytes] = raw
         self.put_expert_chunk(layer, expert, tensors, buf, offsets, num_experts=num_experts, kind=kind)
 
@@ -462,7 +455,7 @@ class StoreWriter:
         if key not in self._expert_arrays:
             rel = expert_array_rel(self.version, layer, kind)
             attrs = {"semoe": {"layer": layer, "kind": kind, "layout": layout}}
-            zarrio.create_expert_array(self.store.path(rel), num_experts, chunk_bytes, attrs)
+            zarr_arrays.create_expert_array(self.store.path(rel), num_experts, chunk_bytes, attrs)
             self._expert_arrays[key] = (None, rel, [chunk_bytes, num_experts])
             self._staged = True
         _, rel, (have_bytes, n) = self._expert_arrays[key]

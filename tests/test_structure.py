@@ -1,5 +1,6 @@
 """The tree's shape, checked from its sources (no imports run): no import circle between the
-library's modules and no import up the layers (storage < mpress < semoe < inference < tools), lazy
+library's modules and no import up the layers (storage < mpress < semoe < inference < tools) or up the
+rooms of semoe/ (kernels < model < checkpoints < decode < evaluation < train), lazy
 (function-level) and TYPE_CHECKING imports included; no `from M import name` of a name that M does
 not have, in the library, the benches and the tests; no library file (Python or the kernels' C) over
 MAX_LINES lines, and no test that starts processes outside the `slow` mark."""
@@ -12,6 +13,9 @@ import os
 from helpers.procs import ROOT
 
 PACKAGES = ("storage", "mpress", "semoe", "inference", "tools")  # the layers, lowest first
+# semoe/'s rooms, lowest first: a module imports from its own room and those below it. The package
+# itself holds no module but its empty __init__.py.
+SEMOE_ROOMS = ("kernels", "model", "checkpoints", "decode", "evaluation", "train")
 MAX_LINES = 650
 
 
@@ -90,6 +94,41 @@ def test_no_module_imports_from_a_layer_above_its_own():
     assert climbs == []
 
 
+def _room_climbs(modules: dict[str, str], rooms: tuple[str, ...]) -> list[str]:
+    """Every import in semoe/ from a room above the importer's own (lazy imports included)."""
+    rank = {room: i for i, room in enumerate(rooms)}
+
+    def room(m: str) -> str | None:
+        parts = m.split(".")
+        return parts[1] if parts[0] == "semoe" and len(parts) > 1 else None
+
+    return sorted(f"{m} imports {dep}" for m, p in modules.items() if room(m) is not None
+                  for dep in _imports(p, modules) if room(dep) is not None and rank[room(dep)] > rank[room(m)])
+
+
+def test_semoe_is_rooms_in_order_with_no_module_outside_them():
+    """kernels < model < checkpoints < decode < evaluation < train: each room of semoe/ imports from
+    itself and the rooms below it, never above, so the model can be read without the trainer and
+    the decode core without the checkpoint converters."""
+    modules = _modules()
+    semoe = [m for m in modules if m.startswith("semoe.")]
+    assert sorted({m.split(".")[1] for m in semoe}) == sorted(SEMOE_ROOMS)
+    loose = [m for m in semoe if m.count(".") == 1 and m.split(".")[1] not in SEMOE_ROOMS]
+    assert loose == [] and open(modules["semoe"]).read().strip() == ""
+    assert _room_climbs(modules, SEMOE_ROOMS) == []
+
+
+def test_the_room_order_check_sees_an_upward_import(tmp_path):
+    """The check above reads real imports: the same modules with one planted lazy import of the
+    trainer from the model are caught, and only that one."""
+    modules = _modules()
+    planted = tmp_path / "routing.py"
+    planted.write_text(open(modules["semoe.model.routing"]).read()
+                       + "\n\ndef _planted():\n    from semoe.train.trainer import Trainer\n")
+    modules["semoe.model.routing"] = str(planted)
+    assert _room_climbs(modules, SEMOE_ROOMS) == ["semoe.model.routing imports semoe.train.trainer"]
+
+
 def _defined_names(path: str) -> set[str] | None:
     """The names a module defines or imports at its top level (inside `if`/`try` too); None when it
     computes them at run time (a module `__getattr__` or a star import), where nothing can be said."""
@@ -129,7 +168,7 @@ def _sources_that_import() -> list[str]:
 
 
 def test_every_name_imported_from_a_module_of_the_tree_exists_there():
-    """`from storage.pool import peak_rss_bytes` after the function moved raises ImportError only when
+    """`from storage.host_buffers import peak_rss_bytes` after the function moved raises ImportError only when
     that line runs, which for a bench or a lazy import may be long after a change; this finds it
     from the sources. Modules of the library, the benches (which import each other by file name) and
     the tests' helpers are checked, wherever the import stands."""
@@ -184,8 +223,8 @@ def _module_level_imports(path: str) -> set[str]:
 # What `semoe generate --lean` imports before and while decoding: the command line with every
 # command's parser, the lean runner, and the size parser its handler loads
 LEAN_ROOTS = ("tools.cli", "tools.demo_cmd", "tools.env_cmd", "tools.eval_cmd", "tools.generate_cmd", "tools.plan_cmd",
-              "tools.serve_cmd", "tools.store_cmd", "tools.train_cmd", "tools.sizes", "inference.lean",
-              "inference.placement")
+              "tools.serve_cmd", "tools.store_cmd", "tools.train_cmd", "tools.size_flags",
+              "inference.torch_free.runner", "inference.placement")
 
 
 def test_the_lean_runner_and_the_command_line_import_no_torch():
@@ -203,7 +242,7 @@ def test_the_lean_runner_and_the_command_line_import_no_torch():
             todo.append(dep)
     heavy = sorted(d for d in via if d.split(".")[0] in ("torch", "transformers", "tensorstore"))
     assert heavy == [], {d: via[d] for d in heavy}
-    assert "inference.lean" in seen and "semoe.kernel_abi" in seen and "semoe.hf_config" in seen
+    assert {"inference.torch_free.runner", "semoe.kernels.loader", "semoe.checkpoints.hf_config"} <= seen
 
 
 def test_no_library_file_over_the_line_limit():

@@ -10,9 +10,9 @@ import logging
 import sys
 from typing import Callable, Sequence
 
-from semoe.kernel_abi import KernelABIError
+from semoe.kernels.loader import KernelABIError
 from storage.errors import StorageError
-from tools.common import UsageError
+from tools.cli_output import UsageError
 
 Handler = Callable[[argparse.Namespace], int]
 

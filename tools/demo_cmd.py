@@ -16,7 +16,7 @@ import sys
 import tempfile
 import time
 
-from tools.common import UsageError, emit_json
+from tools.cli_output import UsageError, emit_json
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -43,10 +43,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from inference.engine import Engine, EngineConfig
-    from semoe.generate import SamplingConfig
-    from semoe.config import named_config
-    from semoe.train import Trainer
-    from semoe.train_config import TrainConfig, expert_state_bytes, progress_line
+    from semoe.decode.generate import SamplingConfig
+    from semoe.model.config import named_config
+    from semoe.train.trainer import Trainer
+    from semoe.train.config import TrainConfig, expert_state_bytes, progress_line
     from storage.store import Store
 
     if not 0 < args.cpu_cache <= 1:

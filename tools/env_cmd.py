@@ -1,7 +1,7 @@
 """`semoe env`: what this machine offers semoe, for bug reports and before a long run.
 
 Python, torch, CUDA, cuDNN and NCCL versions; GPUs with their memory and the links between them
-as NVML reports them; pinned memory; and the I/O side from `storage.envinfo` (O_DIRECT and cold
+as NVML reports them; pinned memory; and the I/O side from `storage.host_probes` (O_DIRECT and cold
 read GB/s of the file system that holds the store, /dev/shm, cores, RAM). Every probe reports its
 value or, where it could not, the reason; nothing here needs a GPU to run.
 """
@@ -16,8 +16,8 @@ import platform
 import sys
 
 from mpress.topology import nvml_text, read_nvlinks
-from tools.common import UsageError, emit_json
-from tools.sizes import format_size, parse_size
+from tools.cli_output import UsageError, emit_json
+from tools.size_flags import format_size, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
         path = "." if args.path is None else args.path
         if not os.path.isdir(path):
             raise UsageError(f"--path: {path}: no such directory")
-        from storage.envinfo import probe_directory
+        from storage.host_probes import probe_directory
 
         io = probe_directory(path, nbytes)
     info = gather(io)
@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _probe_store(path: str, nbytes: int) -> dict:
-    from storage.envinfo import probe_store
+    from storage.host_probes import probe_store
     from storage.errors import StorageError
     from storage.store import Store
 
@@ -86,9 +86,9 @@ def _probe_store(path: str, nbytes: int) -> dict:
 
 
 def gather(io: dict) -> dict:
-    """The whole report as one JSON-ready dict, `io` being storage.envinfo's probe of a path."""
-    from semoe import cpu_kernels, kernel_abi
-    from storage import envinfo
+    """The whole report as one JSON-ready dict, `io` being storage.host_probes's probe of a path."""
+    from semoe.kernels import torch_ops, loader
+    from storage import host_probes
 
     torch_fields = torch_info()
     nvml = nvml_info()
@@ -97,11 +97,11 @@ def gather(io: dict) -> dict:
         **python_info(), **torch_fields,
         "nvml_driver": nvml["driver"], "nvml_reason": nvml["reason"],
         "gpus": gpus, "gpus_source": source if gpus else None, "topology": nvml["topology"],
-        **envinfo.probe_pinned_memory(torch_fields["cuda_available"]),
+        **host_probes.probe_pinned_memory(torch_fields["cuda_available"]),
         **io,
-        **envinfo.shm_info(), **envinfo.cpu_info(), **envinfo.ram_info(),
-        "cpu_kernels": cpu_kernels.isa(), "cpu_kernels_status": kernel_abi.status(),
-        "cpu_kernels_installed": sorted(kernel_abi.installed()),
+        **host_probes.shm_info(), **host_probes.cpu_info(), **host_probes.ram_info(),
+        "cpu_kernels": torch_ops.isa(), "cpu_kernels_status": loader.status(),
+        "cpu_kernels_installed": sorted(loader.installed()),
     }
 
 

@@ -1,6 +1,6 @@
 """`semoe eval`: perplexity of a model on text, and its KL divergence from a reference model.
 
-The device, dtype and budget flags are shared with `semoe generate` (tools/engine_args.py); the
+The device, dtype and budget flags are shared with `semoe generate` (tools/engine_flags.py); the
 budgets apply to each model loaded, so a reference too large for memory can be offloaded as well.
 """
 
@@ -10,8 +10,8 @@ import argparse
 import os
 import sys
 
-from tools.common import UsageError, emit_json
-from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args
+from tools.cli_output import UsageError, emit_json
+from tools.engine_flags import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args
 
 DEFAULT_SEQ_LEN = 256
 DEFAULT_MAX_TOKENS = 4096
@@ -64,8 +64,8 @@ def _seq_len(args: argparse.Namespace, max_position: int) -> int:
 
 def _tokens(args: argparse.Namespace, engine) -> list[int]:
     """Token ids of --data (or the default validation text) with the model's tokenizer."""
-    from semoe.data import eval_documents
-    from semoe.evaluate import gather_tokens
+    from semoe.train.data import eval_documents
+    from semoe.evaluation.perplexity import gather_tokens
 
     tok = engine.tokenizer
     if tok is None:
@@ -83,8 +83,8 @@ def _tokens(args: argparse.Namespace, engine) -> list[int]:
 
 def run(args: argparse.Namespace) -> int:
     from inference.engine import Engine
-    from semoe.evaluate import EvalConfig, evaluate, model_logits
-    from semoe.routing_trace import routing_trace
+    from semoe.evaluation.perplexity import EvalConfig, evaluate, model_logits
+    from semoe.evaluation.routing_trace import routing_trace
     from tools.progress import count_bar
 
     _check_args(args)

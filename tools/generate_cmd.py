@@ -7,9 +7,9 @@ import argparse
 import contextlib
 import sys
 
-from tools.common import UsageError, emit_json
-from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
-    engine_flags, lean_by_itself, lean_cache_bytes, load_engine, say_placement
+from tools.cli_output import UsageError, emit_json
+from tools.engine_flags import (add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args,
+                                engine_flags, lean_by_itself, lean_cache_bytes, load_engine, say_placement)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,7 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "the rest, with the GB/s of weights each touched against this machine's memory read rate "
                         "(on stderr; under --json as \"profile\")")
     p.add_argument("--lean", action="store_true",
-                   help="decode on CPU in a process that never imports torch (inference/lean.py): the compiled "
+                   help="decode on CPU in a process that never imports torch (inference/torch_free/): the compiled "
                         "kernels over a store, experts read from it into --cpu-cache (default: room for every "
                         "expert where the memory left allows) as the router picks them, the token embedding left on "
                         "storage. For machines where memory is shorter than the model: torch's runtime alone would "
@@ -77,9 +77,9 @@ def run(args: argparse.Namespace) -> int:
     if said is not None:
         print(f"semoe: {said}", file=sys.stderr, flush=True)
         return run_lean(args)
-    from semoe.decode_profile import DecodeProfile, format_report, memory_read_gbps
-    from semoe.generate import check_prompt
-    from semoe.routing_trace import routing_trace
+    from semoe.decode.profile import DecodeProfile, format_report, memory_read_gbps
+    from semoe.decode.generate import check_prompt
+    from semoe.evaluation.routing_trace import routing_trace
 
     check_sampling_flags(args)
     if args.kv_cache == "f16":
@@ -139,7 +139,7 @@ def build_prompt(args: argparse.Namespace, tok) -> list[int]:
     if tok is None:
         raise UsageError(f"--prompt: {args.model} has no tokenizer (tokenizer.json); give --prompt-ids instead")
     if args.chat:
-        from inference.chat import load_chat_template
+        from inference.chat_template import load_chat_template
 
         messages = ([{"role": "system", "content": args.system}] if args.system is not None else [])
         return load_chat_template(args.model).encode(tok, [*messages, {"role": "user", "content": args.prompt}])
@@ -160,9 +160,9 @@ def sampling_config(args: argparse.Namespace, stop_ids: tuple[int, ...]) -> "Sam
 
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
-    from inference.lean import LeanConfig, LeanModel, dense_load_bytes, store_config, store_tokenizer
-    from inference.lean_memory import KV16_SHARE, sequence_parts, sequence_plan
-    from storage.procmem import available_ram_bytes
+    from inference.torch_free.runner import LeanConfig, LeanModel, dense_load_bytes, store_config, store_tokenizer
+    from inference.torch_free.sequence_memory import KV16_SHARE, sequence_parts, sequence_plan
+    from storage.process_memory import available_ram_bytes
     from storage.reader import StoreReader
     from tools.progress import byte_bar, count_bar
 

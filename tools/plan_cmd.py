@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from tools.common import UsageError, emit_json
-from tools.sizes import parse_size
+from tools.cli_output import UsageError, emit_json
+from tools.size_flags import parse_size
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

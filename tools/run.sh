@@ -5,7 +5,7 @@
 #                                   which fail the run if they fail or outlast SEMOE_SLOW_BUDGET_S seconds
 #   bash tools/run.sh semoe ARGS    any semoe command
 # The virtual environment lives in .venv (override with SEMOE_VENV); the package is reinstalled
-# (and its CPU kernels rebuilt) when setup.py, semoe/kernel_variants.py or semoe/kernels/* change.
+# (and its CPU kernels rebuilt) when setup.py, semoe/kernels/variants.py or semoe/kernels/* change.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${SEMOE_VENV:-$root/.venv}"
@@ -16,7 +16,7 @@ if [ ! -x "$venv/bin/python" ]; then
   "$py" -m venv "$venv"
 fi
 # rebuilt when setup.py or the compiled kernels' sources change
-stamp="$venv/.semoe-setup-$(cat "$root/setup.py" "$root/semoe/kernel_variants.py" "$root"/semoe/kernels/*.[ch] \
+stamp="$venv/.semoe-setup-$(cat "$root/setup.py" "$root/semoe/kernels/variants.py" "$root"/semoe/kernels/*.[ch] \
   | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
   echo "semoe: installing torch==2.13.0 and the package (first run only)" >&2
@@ -31,7 +31,7 @@ if [ ! -f "$stamp" ]; then
     echo "semoe: the install failed; its whole log is $log" >&2
     exit 1
   fi
-  grep -o "semoe: \(compiled CPU kernels are off\|the semoe\._kernels.* kernels were not built\).*" "$log" >&2 || true
+  grep -o "semoe: \(compiled CPU kernels are off\|the semoe\.kernels\._kernels.* kernels were not built\).*" "$log" >&2 || true
   rm -f "$venv"/.semoe-setup-*
   touch "$stamp"
 fi

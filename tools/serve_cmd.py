@@ -1,6 +1,6 @@
 """`semoe serve`: an OpenAI-compatible HTTP server for one model, resident or offloaded.
 
-The device, dtype and budget flags are shared with `semoe generate` (tools/engine_args.py).
+The device, dtype and budget flags are shared with `semoe generate` (tools/engine_flags.py).
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import os
 import signal
 import sys
 
-from tools.common import UsageError
-from tools.sizes import parse_size
-from tools.engine_args import add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args, \
-    lean_by_itself, load_engine, open_model, say_placement
+from tools.cli_output import UsageError
+from tools.size_flags import parse_size
+from tools.engine_flags import (add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args,
+                                lean_by_itself, load_engine, open_model, say_placement)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -63,10 +63,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inference.chat import load_chat_template
-    from inference.serve_config import ServeConfig
-    from inference.server import serve
-    from semoe.routing_trace import routing_trace
+    from inference.chat_template import load_chat_template
+    from inference.serving.serve_config import ServeConfig
+    from inference.serving.http_server import serve
+    from semoe.evaluation.routing_trace import routing_trace
 
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
@@ -117,16 +117,16 @@ def run(args: argparse.Namespace) -> int:
 
 
 def lean_engine(args: argparse.Namespace, serve_config: "ServeConfig"):  # noqa: F821
-    """The engine over the runner's model (`inference.lean_engine.LeanEngine`) for `--model`, a store,
+    """The engine over the runner's model (`inference.serving.torch_free_engine.LeanEngine`) for `--model`, a store,
     and the serve config it runs with: where --kv-memory is not given, the KV memory is an eighth of
     the memory available (said on stderr); the expert cache leaves it free (the kept prefixes share it)."""
     from dataclasses import replace
 
-    from inference.lean import LeanConfig, LeanModel, dense_load_bytes
-    from inference.lean_engine import LeanEngine
-    from storage.procmem import available_ram_bytes
+    from inference.torch_free.runner import LeanConfig, LeanModel, dense_load_bytes
+    from inference.serving.torch_free_engine import LeanEngine
+    from storage.process_memory import available_ram_bytes
     from storage.reader import StoreReader, is_store
-    from tools.engine_args import engine_flags, lean_cache_bytes
+    from tools.engine_flags import engine_flags, lean_cache_bytes
     from tools.progress import byte_bar
 
     refused = engine_flags(args)

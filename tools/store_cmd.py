@@ -10,8 +10,8 @@ import tempfile
 
 from storage.errors import BadInputError
 from storage.formats import CAST_CHOICES, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES
-from tools.common import emit_json
-from tools.sizes import format_size
+from tools.cli_output import emit_json
+from tools.size_flags import format_size
 from tools.progress import byte_bar
 
 
@@ -151,8 +151,8 @@ def _add_dense(q: argparse.ArgumentParser) -> None:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    from semoe.hf_import import import_checkpoint, open_checkpoint
-    from semoe.quantize import QuantizeConfig, quantize_store
+    from semoe.checkpoints.hf_convert import import_checkpoint, open_checkpoint
+    from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 
     quant = QuantizeConfig(bits=8 if args.quantize == "int8" else 4, group_size=args.group_size,
                            dense=args.dense) if args.quantize else None
@@ -185,7 +185,7 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from semoe.quantize import QuantizeConfig, quantize_store
+    from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 
     cfg = QuantizeConfig(bits=args.bits, group_size=args.group_size, dense=args.dense)
     _check_target(args.out)
@@ -218,7 +218,7 @@ def _check_target(path: str) -> None:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from semoe.hf_import import export_checkpoint
+    from semoe.checkpoints.hf_convert import export_checkpoint
 
     store = _open(args.store)
     total = sum(t.bytes for t in store.manifest.tensors if t.kind == "weight")
@@ -321,7 +321,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from storage.bench import run_bench
+    from storage.read_throughput import run_bench
 
     if args.repeats < 1:
         raise ValueError(f"--repeats must be >= 1, got {args.repeats}")

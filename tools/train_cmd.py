@@ -10,8 +10,8 @@ import os
 import socket
 import sys
 
-from tools.common import UsageError, emit_json
-from tools.sizes import parse_size
+from tools.cli_output import UsageError, emit_json
+from tools.size_flags import parse_size
 
 # TrainConfig fields settable by flag (flag default None: "not given", so a resumed run keeps its own)
 _TRAIN_FLAGS = ("data", "steps", "seed", "batch_size", "seq_len", "micro_batches", "lr", "warmup_steps",
@@ -99,7 +99,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _model_config(args: argparse.Namespace, file_cfg: dict):
-    from semoe.config import MoEConfig, named_config
+    from semoe.model.config import MoEConfig, named_config
 
     overrides = {field: getattr(args, flag) for flag, field in _MODEL_FLAGS.items() if getattr(args, flag) is not None}
     if overrides.get("capacity_factor") == 0:
@@ -119,8 +119,8 @@ def build_configs(args: argparse.Namespace):
     """(TrainConfig, MoEConfig or None when resuming without model flags, RunStore): the store of
     the run resumed or of `--init-from`, opened once here for everything the command asks of it
     (None for a new run from scratch)."""
-    from semoe.run_store import PIPELINE_FILE, TRAINER_FILE, RunStore
-    from semoe.train_config import TrainConfig, expert_state_bytes
+    from semoe.train.run_store import PIPELINE_FILE, TRAINER_FILE, RunStore
+    from semoe.train.config import TrainConfig, expert_state_bytes
 
     file_cfg: dict = {}
     if args.config and args.config.endswith(".json"):
@@ -159,7 +159,7 @@ def build_configs(args: argparse.Namespace):
     else:
         model_cfg = _model_config(args, file_cfg)
     if "dense_optimizer" in train:  # a run saved before --dense-states, or an older --config file
-        from semoe.dense_states import LEGACY_DENSE_OPTIMIZER
+        from semoe.train.dense_states import LEGACY_DENSE_OPTIMIZER
 
         old = train.pop("dense_optimizer")
         if old not in LEGACY_DENSE_OPTIMIZER:
@@ -199,7 +199,7 @@ def rank_device(device: str, local_rank: int, local_ranks: int, *, flag: str = "
     named. UsageError, naming `flag` or --device, when the GPUs are not there."""
     import torch
 
-    from semoe.train_config import parse_device
+    from semoe.train.config import parse_device
 
     dev = parse_device(device)
     if dev.type == "cpu":
@@ -273,7 +273,7 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
     import torch
     import torch.distributed as dist
 
-    from semoe.train import run_rank
+    from semoe.train.trainer import run_rank
     from storage.errors import StorageError
 
     logging.basicConfig(level=logging.WARNING - 10 * min(verbose, 2), stream=sys.stderr,
@@ -288,7 +288,7 @@ def _worker(rank: int, world: int, port: int, cfg, model_cfg, quiet: bool, verbo
     code = 0
     try:
         if pipeline is not None:
-            from semoe.pipeline import run_pipeline_rank
+            from semoe.train.pipeline import run_pipeline_rank
 
             logs = run_pipeline_rank(cfg, model_cfg, pipeline, quiet=quiet)
         else:
@@ -323,7 +323,7 @@ def _drop_unstarted_pipeline_store(store: str) -> None:
     cannot be resumed and would block the next attempt: remove it (a later checkpoint is kept)."""
     import shutil
 
-    from semoe.run_store import PIPELINE_FILE, RunStore
+    from semoe.train.run_store import PIPELINE_FILE, RunStore
 
     if not RunStore.exists(store):
         shutil.rmtree(store, ignore_errors=True)  # not even created completely
@@ -347,7 +347,7 @@ def _pipeline_config(args: argparse.Namespace):
     if args.nproc is not None and args.nproc > 1:
         raise UsageError("--pipeline and --nproc > 1 cannot be combined (expert parallelism and pipeline "
                          "parallelism are not used together): give one of them")
-    from semoe.pipeline import PipelineConfig
+    from semoe.train.pipeline import PipelineConfig
 
     schedule = args.schedule
     stage_memory = parse_size(args.stage_memory, flag="--stage-memory") if args.stage_memory else None
@@ -360,7 +360,7 @@ def run(args: argparse.Namespace) -> int:
     if pipeline is not None and args.schedule is None and args.resume:  # a resumed run keeps its schedule
         pipeline = dataclasses.replace(pipeline, schedule=source.saved_schedule() or pipeline.schedule)
     if pipeline is not None:  # checked here, before N ranks start and each reports it
-        from semoe.pipeline import check_pipeline
+        from semoe.train.pipeline import check_pipeline
 
         # a new run from a store, or the run being resumed
         check_pipeline(model_cfg or source.model_config(), args.pipeline, cfg, pipeline)
@@ -406,7 +406,7 @@ def run(args: argparse.Namespace) -> int:
         dist.init_process_group(process_group_backend(cfg.device))
     else:
         cfg = dataclasses.replace(cfg, device=claim_rank_device(cfg.device, 0, 1))
-    from semoe.train import run_rank
+    from semoe.train.trainer import run_rank
 
     logs = run_rank(cfg, model_cfg, quiet=args.quiet, source=source)  # this process's one open of the store
     if args.json and int(os.environ.get("RANK", "0")) == 0:

@@ -1,9 +1,9 @@
-"""One sequence's generation loop, shared by the engine (`semoe.generate.generate`, torch) and the
-torch-free runner (`inference.lean`): how the next token is chosen (`SamplingConfig`), when to stop
+"""One sequence's generation loop, shared by the engine (`semoe.decode.generate.generate`, torch) and the
+torch-free runner (`inference.torch_free.runner`): how the next token is chosen (`SamplingConfig`), when to stop
 (a stop id emitted, or `max_new_tokens`), what each new token is handed to (`on_token`, for
 streaming) and the timings (time to the first token, decode speed from it on). Each front-end gives
 its first logits, its step and its chooser: the engine's draws with torch's generator
-(`semoe.generate.choose`), the torch-free one with numpy's (`choose`, below), from the same
+(`semoe.decode.generate.choose`), the torch-free one with numpy's (`choose`, below), from the same
 distribution (temperature, then nucleus truncation); a seed repeats a front-end's draws, not the
 other's.
 
@@ -86,7 +86,7 @@ def run(first: Callable[[], Logits], step: Callable[[int], Logits],
 
 
 def probs(logits_V: np.ndarray, temperature: float, top_p: float) -> np.ndarray:
-    """The sampling distribution of one row of logits, as `semoe.generate.logits_to_probs`: softmax of
+    """The sampling distribution of one row of logits, as `semoe.decode.generate.logits_to_probs`: softmax of
     logits / temperature in float32, then the smallest prefix of the most likely tokens whose mass
     reaches top_p (always the most likely one), renormalised."""
     z = logits_V.astype(np.float32) / np.float32(temperature)

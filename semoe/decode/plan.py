@@ -45,24 +45,24 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from semoe import cpu_kernels, kernel_abi
-from semoe.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables
-from semoe.compact_linear import CompactWeight, fp8_tile, swiglu_operands
+from semoe.kernels import torch_ops, loader
+from semoe.model.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables
+from semoe.model.compact_linear import CompactWeight, fp8_tile, swiglu_operands
 from semoe.decode import prompt_pass
 from semoe.decode.support import NotOnFastPath, one_call_refusal
-from semoe.expert_layout import PackedExperts
-from semoe.experts import ClampedSwiGLU, ExpertWeights, ResidentExperts, SwiGLU
-from semoe.model import DenseFFN, MoEFeedForward, MoEGPT
+from semoe.model.expert_layout import PackedExperts
+from semoe.model.experts import ClampedSwiGLU, ExpertWeights, ResidentExperts, SwiGLU
+from semoe.model.moe_gpt import DenseFFN, MoEFeedForward, MoEGPT
 
 
 def _ptr(t: torch.Tensor) -> int:
     return t.data_ptr()
 
 
-_KINDS = {torch.float32: kernel_abi.W_F32, torch.bfloat16: kernel_abi.W_BF16, "int8": kernel_abi.W_INT8,
-          "int4": kernel_abi.W_INT4, "mxfp4": kernel_abi.W_MXFP4, "fp8": kernel_abi.W_FP8}
-_IO_KINDS = {torch.float32: kernel_abi.W_F32_IO, torch.bfloat16: kernel_abi.W_BF16_IO}  # float weights (I, O)
-_Lin, _Expert, _LayerC, _Net = kernel_abi.Lin, kernel_abi.Expert, kernel_abi.LayerC, kernel_abi.Net
+_KINDS = {torch.float32: loader.W_F32, torch.bfloat16: loader.W_BF16, "int8": loader.W_INT8,
+          "int4": loader.W_INT4, "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8}
+_IO_KINDS = {torch.float32: loader.W_F32_IO, torch.bfloat16: loader.W_BF16_IO}  # float weights (I, O)
+_Lin, _Expert, _LayerC, _Net = loader.Lin, loader.Expert, loader.LayerC, loader.Net
 
 
 def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_Lin, tuple[torch.Tensor, ...]]:
@@ -78,7 +78,7 @@ def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_
         if scheme == "fp8" and not fp8_tile(w.spec):
             raise NotOnFastPath(f"an fp8 weight with scales per {w.spec.block} block: the kernel takes square tiles")
         # kept: the kernel reads them every step (MXFP4's exponents as they are)
-        held = (w.codes, w.scales if scheme == "mxfp4" else cpu_kernels._f32(w.scales))
+        held = (w.codes, w.scales if scheme == "mxfp4" else torch_ops._f32(w.scales))
         O, I = w.codes.shape[0], w.codes.shape[1] * {"int8": 1, "int4": 2, "mxfp4": 32, "fp8": 1}[scheme]
         g = (w.spec.group_size or 0) if scheme == "int4" else fp8_tile(w.spec) if scheme == "fp8" else 0
         return _Lin(_KINDS[scheme], O, I, g, _ptr(held[0]), _ptr(held[1]), None), held
@@ -267,7 +267,7 @@ class _MLA:
         self.o_proj(self.att, plan.tmp, threads, None, plan.tmpp)
 
 
-def _latent(a: _MLA, layer: int) -> kernel_abi.LatentC:
+def _latent(a: _MLA, layer: int) -> loader.LatentC:
     """decode_step.c's `Latent` of an `_MLA` step: its products, norms and absorbed kv_b halves (the
     caller holds the result, and the `_MLA`, while the Net is used)."""
     c = a.config
@@ -275,7 +275,7 @@ def _latent(a: _MLA, layer: int) -> kernel_abi.LatentC:
         raise NotOnFastPath(f"layer {layer}: latent attention weights the one-call step does not take")
     if a.q_a_norm is not None and a.q_a_norm.eps != a.kv_norm.eps:
         raise NotOnFastPath(f"layer {layer}: query and latent norms of different epsilons")
-    return kernel_abi.LatentC(
+    return loader.LatentC(
         a.q_a.lin if a.q_a is not None else _Lin(), a.q.lin, a.kv_a.lin,
         None if a.q_a_norm is None else _ptr(a.q_a_norm.weight), _ptr(a.kv_norm.weight), a.kv_norm.eps, a.scale,
         _ptr(a.w_ukT), _ptr(a.w_uv), c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim, int(c.rope_interleave))
@@ -296,11 +296,11 @@ class DecodePlan:
     keeps to the kernel-by-kernel step even where the one-call step applies (`net` is then None)."""
 
     def __init__(self, model: MoEGPT, *, whole: bool = True) -> None:
-        lib = cpu_kernels._lib()
+        lib = torch_ops._lib()
         c = self.config = model.config
         self.model = model
         if lib is None:
-            raise NotOnFastPath(f"semoe's compiled CPU kernels are {kernel_abi.status()}")
+            raise NotOnFastPath(f"semoe's compiled CPU kernels are {loader.status()}")
         if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
             raise NotOnFastPath("activations are not float32 on CPU")
         self.lib = lib
@@ -370,7 +370,7 @@ class DecodePlan:
 
         def clamped(parts: tuple) -> _Expert:  # gpt-oss's: gate_up and down (I, O) with their biases
             (gate_up, gu_held), (down, d_held) = (_weight(p, in_out=True) for p in (parts[0], parts[2]))
-            biases = tuple(cpu_kernels._f32(b) for b in (parts[1], parts[3]))
+            biases = tuple(torch_ops._f32(b) for b in (parts[1], parts[3]))
             gate_up.bias, down.bias = (_ptr(b) for b in biases)
             held.extend((gu_held, d_held, biases))
             return _Expert(gate_up, _Lin(), down)  # up.O = 0: gate and up interleaved in gate_up
@@ -392,7 +392,7 @@ class DecodePlan:
                     raise NotOnFastPath(f"layer {block.layer}: q and k norms of different epsilons")
                 attn_parts = dict(
                     qkv=[prod.lin for prod, _, _ in attn.qkv], window=attn.window,
-                    qk_norm=kernel_abi.QK_NORM[attn.qk_norm],
+                    qk_norm=loader.QK_NORM[attn.qk_norm],
                     q_norm=None if attn.norms is None else _ptr(attn.norms[0].weight),
                     k_norm=None if attn.norms is None else _ptr(attn.norms[1].weight),
                     qk_eps=0.0 if attn.norms is None else attn.norms[0].eps, clip=attn.clip or 0.0,
@@ -436,13 +436,13 @@ class DecodePlan:
                 if bias.dtype != torch.float32 or not bias.is_contiguous():
                     raise NotOnFastPath(f"layer {block.layer}: a router correction that is not contiguous float32")
                 correction = _ptr(bias)
-            parts.append(kernel_abi.LayerParts(
+            parts.append(loader.LayerParts(
                 attn_norm=_ptr(lay.attn_norm.weight), attn_eps=lay.attn_norm.eps, ffn_norm=_ptr(lay.ffn_norm.weight),
                 ffn_eps=lay.ffn_norm.eps, o=attn.o_proj.lin, experts=array,
                 ffn_width=experts[0].gate.O // (1 if experts[0].up.O else 2),
                 router=None if isinstance(ffn, DenseFFN) else router.lin, correction=correction, shared=shared,
                 shared_gate=shared_gate, **attn_parts))
-        net, layers = kernel_abi.build_net(c, parts, _ptr(self.norm.weight), self.norm.eps, self.lm_head.lin)
+        net, layers = loader.build_net(c, parts, _ptr(self.norm.weight), self.norm.eps, self.lm_head.lin)
         return net, [layers, *held]
 
     @classmethod
@@ -548,7 +548,7 @@ class DecodePlan:
         if ops is not None:
             bits, (gc, gs), (uc, us), (dc, ds), g_in, g_down = ops
             # held as long as the entry (float weights have no scales)
-            held = tuple(None if t is None else cpu_kernels._f32(t) for t in (gs, us, ds))
+            held = tuple(None if t is None else torch_ops._f32(t) for t in (gs, us, ds))
             sg, su, sd = (None if t is None else _ptr(t) for t in held)
             args = (gc.shape[0], bits, _ptr(gc), sg, _ptr(uc), su, g_in, _ptr(dc), sd, g_down)
         key = id(w)

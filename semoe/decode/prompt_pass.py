@@ -1,5 +1,5 @@
 """A prompt's pass through the model one layer at a time, for the torch-free runner
-(`inference.lean_prefill.prefill`, its experts read from storage into its cache as chosen) and the
+(`inference.torch_free.prompt_prefill.prefill`, its experts read from storage into its cache as chosen) and the
 engine's resident CPU model (`semoe.decode.plan.DecodePlan.prefill`, every expert in memory): each
 expert the prompt chose in a layer is read once for the whole prompt and computed over all the
 positions that chose it at once.
@@ -41,7 +41,7 @@ class Target:
     (`sequences`): per layer, their k and v caches' addresses (`kc`, `vc`: ctypes arrays, one address a
     sequence), and `segs` (n, 3) int64, each sequence's capacity, first position and rows, its rows
     following the one before's in x. A prompt is one sequence; a batch of decoding ones a row each.
-    `reader`: the torch-free runner's model (`inference.lean.LeanModel`), whose routed experts are read
+    `reader`: the torch-free runner's model (`inference.torch_free.runner.LeanModel`), whose routed experts are read
     from storage into its cache as the pass chooses them; None where `net` points at every expert in
     memory (the engine's resident model, `semoe.decode.plan.DecodePlan`)."""
 
@@ -98,7 +98,7 @@ def packed(lib: ctypes.CDLL, net: object, caches: list[tuple[list[int], list[int
     """A server's step: sequence i's `counts[i]` rows of x (their embeddings; cos and sin their rotary
     tables) at its cache's positions from `starts[i]` (`sequences`' caches and capacities) through every
     layer (`run`), then the head over `rows` of the residual stream into logits (len(rows), V). The
-    engine's resident model (`DecodePlan.batch`) and the runner's cache (`inference.lean_engine`, with
+    engine's resident model (`DecodePlan.batch`) and the runner's cache (`inference.serving.torch_free_engine`, with
     `reader`) step so."""
     kc, vc, segs = sequences(caches, capacities, starts, counts)
     run(Target(lib, net, kc, vc, segs, threads, top_k, moe, reader), x, cos, sin)

@@ -6,7 +6,7 @@ There are two paths on CPU, both over semoe's compiled kernels (semoe/kernels):
   them: every architecture the model implements (`ARCHITECTURES`), in float32 activations, with
   weights float32/bfloat16, int8/int4, FP8 or MXFP4;
 - the one-call step (`decode_step.c`), the whole step in one C call, and the torch-free runner
-  (`inference.lean`), which calls the same C code in three parts: what `one_call_refusal` does not
+  (`inference.torch_free.runner`), which calls the same C code in three parts: what `one_call_refusal` does not
   name (every architecture semoe loads, with the common rotary layouts).
 
 This module imports no torch: the torch-free runner checks its models here too.
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from storage.errors import BadInputError
 
-# the model types the plan takes (every one `semoe.hf_config` builds)
+# the model types the plan takes (every one `semoe.checkpoints.hf_config` builds)
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
 
 
@@ -28,7 +28,7 @@ class NotOnFastPath(BadInputError):
 
 
 def one_call_refusal(c) -> str | None:
-    """What in config `c` (a `semoe.config.MoEConfig`) the one-call step and the torch-free runner do
+    """What in config `c` (a `semoe.model.config.MoEConfig`) the one-call step and the torch-free runner do
     not take, in a phrase; None where they take it all."""
     if c.attention not in ("gqa", "mla"):
         return f"{c.attention} attention"

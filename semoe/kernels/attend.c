@@ -306,7 +306,7 @@ __attribute__((optimize("fp-contract=off"))) void moe_combine_f32(float *x, cons
 
 /* Rotate R dims of x with the position's cos/sin (R each, the frequencies twice over) into y: by
  * halves (i, i + R/2), or interleaved pairs (2i, 2i + 1) written out as halves (DeepSeek's; the same
- * permutation for queries and keys, as semoe.attention.apply_rope does). */
+ * permutation for queries and keys, as semoe.model.attention.apply_rope does). */
 void rope_rotate(const float *x, const float *cos, const float *sin, int64_t R, int interleave, float *y) {
     const int64_t half = R / 2;
     for (int64_t i = 0; i < half; i++) {

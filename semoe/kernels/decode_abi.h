@@ -1,5 +1,5 @@
 /* The structures decode_step.c's whole-step calls take, the one place they are declared: Python
- * mirrors them with ctypes in semoe/kernel_abi.py, and `semoe_abi_layout` reports each one's size
+ * mirrors them with ctypes in semoe/kernels/loader.py, and `semoe_abi_layout` reports each one's size
  * and its fields' offsets, which the loader checks against ctypes' before anything is called, so a
  * struct changed on one side only is an error at load, not memory read at the wrong place. */
 #ifndef SEMOE_DECODE_ABI_H

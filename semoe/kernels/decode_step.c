@@ -121,7 +121,7 @@ static void softmax_inplace(float *p, int64_t n) {
 }
 
 /* The router's choice from its E logits p (overwritten; `choice`: E floats of room, `masked` E
- * bytes), as `semoe.gating` routes: top_k ids and their weights. Softmax then top-k (renormalised
+ * bytes), as `semoe.model.routing` routes: top_k ids and their weights. Softmax then top-k (renormalised
  * with norm); top-k of the logits then softmax over them; or grouped: softmax or sigmoid scores,
  * chosen on scores + correction among the best topk_group of n_group groups, weighted by their
  * scores (renormalised with norm) times routed_scale. */

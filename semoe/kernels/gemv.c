@@ -14,7 +14,7 @@
  * inputs, a float32 scale d = amax / 127 per block and codes rint(x / d) (x * (1 / d), rounded to
  * nearest even), so each block's product is an exact integer sum that AVX-512 VNNI computes four
  * products per lane and instruction; the block sums are then scaled in float32. `q8_rows` below is
- * that quantization, and semoe/cpu_kernels.py's reference repeats it in torch, bit for bit.
+ * that quantization, and semoe/kernels/torch_ops.py's reference repeats it in torch, bit for bit.
  * Without VNNI, AVX2 computes the same integer sums two products per lane and instruction (as
  * llama.cpp's AVX2 kernels do), and elsewhere portable loops: the results differ only in the order of
  * the float32 additions.
@@ -24,7 +24,7 @@
  * tokens), so each weight row is read from memory once for all M rows of x. Built with -O3
  * -march=native at install.
  *
- * Loaded through ctypes by semoe/cpu_kernels.py; the Python module init below only lets setuptools
+ * Loaded through ctypes by semoe/kernels/torch_ops.py; the Python module init below only lets setuptools
  * build and place it like any extension.
  */
 #include <Python.h>

@@ -1,5 +1,5 @@
 /* A prompt's feed-forward, one layer at a time for all its positions (the torch-free runner's prompt
- * pass, inference/lean_prefill.py): every expert the prompt chose in a layer runs once over all the
+ * pass, inference/torch_free/prompt_prefill.py): every expert the prompt chose in a layer runs once over all the
  * positions that chose it, so its weights are read from storage once a layer for the whole prompt and
  * from memory once per PREFILL_ROWS positions, instead of once per position.
  *

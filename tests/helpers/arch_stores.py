@@ -15,8 +15,8 @@ def store_maker(tmp_path_factory):
     layouts."""
     from helpers.hf_models import make_hf_checkpoint
     from helpers.quantized_checkpoints import write_fp8_checkpoint, write_mxfp4_checkpoint
-    from semoe.hf_import import import_checkpoint
-    from semoe.quantize import QuantizeConfig, quantize_store
+    from semoe.checkpoints.hf_convert import import_checkpoint
+    from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 
     made: dict[tuple[str, str], str] = {}
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from semoe.expert_states import Held
+from semoe.train.expert_states import Held
 
 
 class RecordingStates:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from semoe import kernel_abi
+from semoe.kernels import loader
 
-needs_kernels = pytest.mark.skipif(kernel_abi.library() is None,
-                                   reason=f"semoe's compiled CPU kernels are {kernel_abi.status()}")
+needs_kernels = pytest.mark.skipif(loader.library() is None,
+                                   reason=f"semoe's compiled CPU kernels are {loader.status()}")

@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from helpers.hf_models import load_safetensors_dir
-from semoe.hf_import import INDEX_FILE
+from semoe.checkpoints.hf_convert import INDEX_FILE
 
 FP8_MAX = 448.0
 # DeepSeek-V3 quantizes every linear of its decoder layers (attention, dense MLP, shared and routed

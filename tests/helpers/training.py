@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from semoe.config import named_config
+from semoe.model.config import named_config
 from storage.store import Store
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -24,7 +24,7 @@ def test_copy_stream_round_trips_a_pinned_tensor():
 def bf16_store(tmp_path_factory):
     from helpers.hf_models import make_hf_checkpoint
 
-    from semoe.hf_import import import_checkpoint
+    from semoe.checkpoints.hf_convert import import_checkpoint
 
     root = tmp_path_factory.mktemp("cuda-offload")
     hf = make_hf_checkpoint("mixtral", root / "hf", seed=7)
@@ -38,8 +38,8 @@ def test_offloaded_generation_on_cuda_equals_resident_cuda(bf16_store, dtype):
     Log-probs within 1e-5 (float32) / 2e-2 (bfloat16): the same kernels, but cuBLAS may pick
     another algorithm for a weight that is a slot view rather than a parameter."""
     from inference.engine import Engine, EngineConfig
-    from inference.ring import OffloadedExperts
-    from semoe.generate import SamplingConfig
+    from inference.offload.expert_ring import OffloadedExperts
+    from semoe.decode.generate import SamplingConfig
 
     prompt = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
     cfg = SamplingConfig(max_new_tokens=24)
@@ -71,10 +71,10 @@ def test_offloaded_compact_experts_on_cuda_equal_resident_cuda(tmp_path, bits):
     import transformers
 
     from inference.engine import Engine, EngineConfig
-    from inference.ring import OffloadedExperts
-    from semoe.generate import SamplingConfig
-    from semoe.hf_import import import_checkpoint
-    from semoe.quantize import QuantizeConfig, quantize_store
+    from inference.offload.expert_ring import OffloadedExperts
+    from semoe.decode.generate import SamplingConfig
+    from semoe.checkpoints.hf_convert import import_checkpoint
+    from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
     from storage.store import Store
 
     cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

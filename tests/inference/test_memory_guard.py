@@ -9,11 +9,11 @@ from helpers.hf_models import make_hf_checkpoint
 from inference.engine import Engine, EngineConfig
 from inference import memory_guard
 from inference.memory_guard import AUTO_RESERVE_BYTES, CPU_CACHE_AUTO, HOT_STEPS, MemoryGuard, auto_cpu_cache_bytes
-from semoe.generate import SamplingConfig
-from semoe.hf_import import import_checkpoint
+from semoe.decode.generate import SamplingConfig
+from semoe.checkpoints.hf_convert import import_checkpoint
 from storage.keys import ExpertKey
 from storage.store import ExpertTensor, Store
-from storage.tiered import TieredExpertStore, TieredStoreConfig
+from storage.tiered_experts import TieredExpertStore, TieredStoreConfig
 
 
 class Faults:

@@ -14,8 +14,8 @@ from helpers.kernels import needs_kernels
 import inference.placement
 from inference.memory_guard import CPU_CACHE_AUTO
 from inference.placement import choose, model_bytes
-from semoe.hf_import import import_checkpoint
-from semoe.quantize import QuantizeConfig, quantize_store
+from semoe.checkpoints.hf_convert import import_checkpoint
+from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 from storage.store import Store
 from tools.cli import main
 
@@ -97,7 +97,7 @@ def test_a_load_reports_every_byte_it_reads(models, which):
     """The progress a resident load reports adds up to the model's bytes as stored: each tensor read once
     (int8 experts' chunks, dense weights quantized block by block as they are read, or a directory's
     tensors)."""
-    from semoe.checkpoint import load_model
+    from semoe.checkpoints.model_io import load_model
 
     seen: list[int] = []
     load_model(models[which], progress=seen.append)

@@ -147,7 +147,7 @@ def test_the_first_step_makes_one_moved_layers_moments_at_a_time(step_on):
 def test_closing_the_executor_gives_back_the_host_space_of_stashed_moments():
     """Stashed moments hold host buffers (pinned on a GPU) until the executor closes; a pool the
     caller owns then has nothing in use, so no page-locked memory outlives the run."""
-    from storage.pool import HostBufferPool, HostBufferPoolConfig
+    from storage.host_buffers import HostBufferPool, HostBufferPoolConfig
 
     layers, grads = layers_and_grads()
     opt = torch.optim.AdamW([p for m in layers for p in m.parameters()], foreach=False)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from storage.errors import BadInputError
-from storage.quant import INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, dequantize, pack_int4, \
-    quantize, scales_name, unpack_int4
+from storage.quant import (INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, dequantize, pack_int4, quantize,
+                           scales_name, unpack_int4)
 
 
 def max_step(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
@@ -69,7 +69,7 @@ def test_the_int4_layout_is_the_cpu_kernels_own():
     """Pinned against torch's packing op where torch packs for AVX-512 (the stored codes are then what
     `_weight_int4pack_mm_for_cpu` reads); elsewhere (AVX2) torch packs otherwise, and the probe the
     fast path asks says so."""
-    from semoe.compact_linear import torch_int4_reads_our_layout
+    from semoe.model.compact_linear import torch_int4_reads_our_layout
 
     q = torch.randint(0, 16, (192, 256), dtype=torch.int32, generator=torch.Generator().manual_seed(2))
     packed = pack_int4(q.to(torch.uint8))
@@ -82,7 +82,7 @@ def test_the_int4_layout_is_the_cpu_kernels_own():
 
 
 def test_the_cpu_int4_kernel_computes_the_reference_dequantization():
-    from semoe.compact_linear import torch_int4_reads_our_layout
+    from semoe.model.compact_linear import torch_int4_reads_our_layout
 
     if not torch_int4_reads_our_layout():
         pytest.skip("torch packs int4 otherwise on this CPU (AVX2 kernels): the fast path does not use its kernel")

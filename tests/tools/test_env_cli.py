@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from storage import envinfo
+from storage import host_probes
 from tools import env_cmd
 from helpers.fake_nvml import fake_pynvml as shared_fake_pynvml
 from helpers.procs import ROOT, child_env
@@ -73,7 +73,7 @@ def test_missing_directory_exits_2_naming_the_flag(tmp_path, flag):
 
 @pytest.mark.slow  # starts processes
 def test_store_is_probed_on_its_own_chunk_files(hf_mixtral_sharded_bf16, tmp_path):
-    from semoe.hf_import import import_checkpoint
+    from semoe.checkpoints.hf_convert import import_checkpoint
 
     store = import_checkpoint(str(hf_mixtral_sharded_bf16), str(tmp_path / "store"))
     before = sorted(os.listdir(store.root))
@@ -90,8 +90,8 @@ def test_scratch_file_is_removed_when_the_read_fails(tmp_path, monkeypatch):
     def broken(requests, mode):
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(envinfo, "cold_read", broken)
-    out = envinfo.probe_directory(str(tmp_path), 1 << 16)
+    monkeypatch.setattr(host_probes, "cold_read", broken)
+    out = host_probes.probe_directory(str(tmp_path), 1 << 16)
     assert out["read_gbps"] is None and "Input/output error" in out["read_reason"]
     assert os.listdir(tmp_path) == []
 
@@ -99,7 +99,7 @@ def test_scratch_file_is_removed_when_the_read_fails(tmp_path, monkeypatch):
 # --- pure helpers ---------------------------------------------------------------------------------
 
 def test_parse_meminfo_gives_bytes():
-    fields = envinfo.parse_meminfo("MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total:       0\n")
+    fields = host_probes.parse_meminfo("MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total:       0\n")
     assert fields == {"MemTotal": 16384 << 10, "MemAvailable": 8192 << 10, "HugePages_Total": 0}
 
 
@@ -107,9 +107,9 @@ def test_filesystem_of_picks_the_longest_mount_point():
     mounts = ("/dev/vda / ext4 rw 0 0\n"
               "tmpfs /dev/shm tmpfs rw 0 0\n"
               "/dev/nvme0n1 /mnt/fast\\040ssd xfs rw 0 0\n")
-    assert envinfo.filesystem_of("/dev/shm/x", mounts) == ("/dev/shm", "tmpfs")
-    assert envinfo.filesystem_of("/mnt/fast ssd/store", mounts) == ("/mnt/fast ssd", "xfs")
-    assert envinfo.filesystem_of("/mnt/fastssd", mounts) == ("/", "ext4")
+    assert host_probes.filesystem_of("/dev/shm/x", mounts) == ("/dev/shm", "tmpfs")
+    assert host_probes.filesystem_of("/mnt/fast ssd/store", mounts) == ("/mnt/fast ssd", "xfs")
+    assert host_probes.filesystem_of("/mnt/fastssd", mounts) == ("/", "ext4")
 
 
 def test_cudnn_version_text():
@@ -171,7 +171,7 @@ def test_nvml_absent_or_failing_is_a_reason_not_a_crash(monkeypatch):
 
 def test_report_of_a_two_gpu_machine(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml([[peer(1)] * 18, [peer(0)] * 18]))
-    info = env_cmd.gather(envinfo.probe_directory(str(tmp_path), 1 << 16))
+    info = env_cmd.gather(host_probes.probe_directory(str(tmp_path), 1 << 16))
     assert info["gpus_source"] == "nvml" and len(info["gpus"]) == 2
     json.dumps(info)  # JSON-ready
     lines = env_cmd.format_report(info).splitlines()

@@ -9,7 +9,7 @@ import random
 import pytest
 from helpers.hf_models import add_word_tokenizer, make_hf_checkpoint, tiny_config
 
-from semoe.hf_import import import_checkpoint
+from semoe.checkpoints.hf_convert import import_checkpoint
 from storage.cache_sim import read_trace
 from tools.cli import main
 from helpers.procs import ROOT, child_env

@@ -86,7 +86,7 @@ def test_gc_after_import_removes_nothing_needed(store):
 def test_bench_reads_every_expert_file_once_per_reader(store):
     """The throughputs are timings (bench/bench_store.py's business); what can be checked is that
     the bench read exactly the expert chunk files: 2 layers x 4 experts, as large as they are on disk."""
-    from storage.bench import _direct_ok
+    from storage.read_throughput import _direct_ok
     from storage.store import Store
 
     files = {c.file for c in Store.open(str(store)).manifest.chunks}

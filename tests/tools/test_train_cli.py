@@ -17,8 +17,8 @@ import sysconfig
 
 import pytest
 
-from semoe.data import prepare_data
-from semoe.tokenizer import ByteTokenizer
+from semoe.train.data import prepare_data
+from semoe.checkpoints.tokenizer import ByteTokenizer
 from storage.store import Store
 from helpers.procs import ROOT, child_env
 

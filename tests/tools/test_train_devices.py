@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from tools import train_cmd
 from tools.cli import build_parser
-from tools.common import UsageError
+from tools.cli_output import UsageError
 from tools.train_cmd import claim_rank_device, process_group_backend, rank_device
 
 TINY = ["--layers", "2", "--hidden", "64", "--heads", "4", "--kv-heads", "2", "--ffn", "128", "--expert-ffn", "96",
@@ -79,9 +79,10 @@ def test_under_torchrun_a_rank_takes_the_gpu_of_its_local_rank(gpus, monkeypatch
     started: list[str] = []
     monkeypatch.setattr(dist, "init_process_group", lambda backend=None, **kw: started.append((backend, list(current))))
     given = []
-    import semoe.train
+    import semoe.train.trainer
 
-    monkeypatch.setattr(semoe.train, "run_rank", lambda cfg, model_cfg, quiet=False, source=None: given.append(cfg.device) or [])
+    monkeypatch.setattr(semoe.train.trainer, "run_rank",
+                        lambda cfg, model_cfg, quiet=False, source=None: given.append(cfg.device) or [])
     args = build_parser().parse_args(["train", "--out", str(tmp_path / "run"), "--device", "cuda", *TINY])
     assert train_cmd.run(args) == 0
     assert started == [("cpu:gloo,cuda:nccl", [1])]

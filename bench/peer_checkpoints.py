@@ -1,0 +1,130 @@
+"""The checkpoints bench_vs_llamacpp.py measures, each piece made once in WORKDIR: `--arch ARCH`, a 3
+GB-class float32 checkpoint of an architecture from transformers' own class (ARCH_SHAPES); `--experts
+N`, bench_offload's Mixtral shape with N experts a layer in bfloat16. Beside each: its stores (the
+import, int8 and int4) and llama.cpp's conversions by its own converter and llama-quantize.
+
+It imports torch (in the functions that make checkpoints): bench_vs_llamacpp runs it in a process of its
+own, so that its own process stays free of torch."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# added tokens llama.cpp's converter looks up by name for an architecture (GLM's chat markers)
+ARCH_SPECIAL_TOKENS = {"glm4_moe": ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>",
+                                    "<|observation|>")}
+
+
+def _tokenizer_and_stores(workdir: str, arch: str | None = None) -> None:
+    """WORKDIR's checkpoint given a tokenizer (llama.cpp's converter needs one), and its stores: the
+    import, int8 and int4, each made once."""
+    import llama_peer as peer
+    from bench_quant import GROUP_SIZE
+    from semoe.checkpoints.hf_convert import import_checkpoint
+    from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
+
+    hf, store = os.path.join(workdir, "hf"), os.path.join(workdir, "store")
+    peer.add_tokenizer(hf, extra_special=ARCH_SPECIAL_TOKENS.get(arch, ()))
+    if not os.path.exists(os.path.join(store, "manifest.json")):
+        print("importing it into a store ...", file=sys.stderr)
+        import_checkpoint(hf, store)
+    for bits in (8, 4):
+        path = os.path.join(workdir, f"store-int{bits}")
+        if not os.path.exists(os.path.join(path, "manifest.json")):
+            print(f"quantizing to int{bits} ...", file=sys.stderr)
+            quantize_store(store, path, QuantizeConfig(bits=bits, group_size=GROUP_SIZE))
+
+
+def prepare_wide(workdir: str, experts: int) -> None:
+    """`--experts N`: bench_offload's model shape with N experts per layer in bfloat16 (so that 25% of
+    its int8 and int4 bytes leaves room beside a Python process: on the 8-expert model 25% of int4
+    is 0.17 GiB, less than torch alone holds), its stores (the bfloat16 import, int8 and int4) and
+    llama.cpp's q8_0 and q4_0 (its converter to bf16, then llama-quantize), each made once."""
+    import torch
+    import transformers
+
+    import llama_peer as peer
+    from bench_offload import SHAPE
+
+    hf = os.path.join(workdir, "hf")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        print(f"making a Mixtral-shaped bfloat16 checkpoint with {experts} experts a layer ...", file=sys.stderr)
+        torch.manual_seed(0)
+        torch.set_default_dtype(torch.bfloat16)  # built at its size, never at float32 first
+        model = transformers.MixtralForCausalLM(transformers.MixtralConfig(**{**SHAPE, "num_local_experts": experts}))
+        torch.set_default_dtype(torch.float32)
+        model.save_pretrained(hf, max_shard_size="1GB")
+        del model
+    _tokenizer_and_stores(workdir)
+    env = peer.ensure_env()
+    bf16 = os.path.join(workdir, "llama-bf16.gguf")
+    for qtype in ("q8_0", "q4_0"):
+        gguf = os.path.join(workdir, f"llama-{qtype}.gguf")
+        if not os.path.exists(gguf):
+            if not os.path.exists(bf16):
+                print("converting it with llama.cpp's converter ...", file=sys.stderr)
+                peer.convert(hf, bf16, "bf16", env=env)
+            print(f"llama-quantize to {qtype} ...", file=sys.stderr)
+            peer.quantize(bf16, gguf, qtype, env=env)
+    if os.path.exists(bf16):
+        os.remove(bf16)
+
+
+# --arch: transformers config fields of a 3 GB-class float32 checkpoint per architecture (vocab, hidden
+# size and depth of bench_offload's Mixtral-shaped model; many smaller experts where the architecture
+# routes many, as Qwen3-MoE, DeepSeek, GLM-4.5 and gpt-oss do)
+_COMMON = dict(vocab_size=32000, hidden_size=1024, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2,
+               max_position_embeddings=4096)
+_MANY = dict(num_experts_per_tok=4, moe_intermediate_size=768)
+_DEEPSEEK = dict(_COMMON, **_MANY, num_key_value_heads=8, n_routed_experts=32, n_shared_experts=1,
+                 first_k_dense_replace=1, intermediate_size=3072, kv_lora_rank=256, qk_rope_head_dim=32,
+                 qk_nope_head_dim=64, v_head_dim=64, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+ARCH_SHAPES = {
+    "mixtral": ("MixtralConfig", dict(_COMMON, intermediate_size=3584, num_local_experts=8, num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, **_MANY, num_experts=32, intermediate_size=3072,
+                                         shared_expert_intermediate_size=2048, decoder_sparse_step=1)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_COMMON, **_MANY, num_experts=32, head_dim=128, intermediate_size=3072,
+                                         norm_topk_prob=True, decoder_sparse_step=1)),
+    "olmoe": ("OlmoeConfig", dict(_COMMON, num_experts_per_tok=4, num_experts=32, intermediate_size=768,
+                                  num_key_value_heads=8)),
+    # q_lora_rank set as DeepSeek-V2 has it: llama-quantize 0.3.36 refuses V2-Lite's absent one ("key not found
+    # in model: deepseek2.attention.q_lora_rank"); semoe's tests cover that form
+    "deepseek_v2": ("DeepseekV2Config", dict(_DEEPSEEK, q_lora_rank=512, topk_method="group_limited_greedy")),
+    "deepseek_v3": ("DeepseekV3Config", dict(_DEEPSEEK, q_lora_rank=512)),
+    # llama.cpp's converter wants GLM's own special tokens ([gMASK], <|user|>, ...): ARCH_SPECIAL_TOKENS
+    "glm4_moe": ("Glm4MoeConfig", dict(_COMMON, **_MANY, n_routed_experts=32, n_shared_experts=1,
+                                       first_k_dense_replace=1, intermediate_size=3072, head_dim=128,
+                                       partial_rotary_factor=0.5, use_qk_norm=True, n_group=1, topk_group=1)),
+    "gpt_oss": ("GptOssConfig", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
+                                     head_dim=64, sliding_window=128)),
+}
+
+
+def prepare_arch(workdir: str, arch: str) -> None:
+    """`--arch`: WORKDIR's float32 checkpoint of `arch`, its stores and llama.cpp's f32, q8_0 and q4_0, each
+    made once."""
+    import torch
+    import transformers
+
+    import llama_peer as peer
+
+    hf = os.path.join(workdir, "hf")
+    if not os.path.exists(os.path.join(hf, "config.json")):
+        cls, fields = ARCH_SHAPES[arch]
+        print(f"making a {arch} float32 checkpoint with transformers ...", file=sys.stderr)
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields))
+        model.save_pretrained(hf, max_shard_size="1GB")
+        del model
+    _tokenizer_and_stores(workdir, arch)
+    env = peer.ensure_env()
+    f32 = os.path.join(workdir, "llama-f32.gguf")
+    if not os.path.exists(f32):
+        print("converting it with llama.cpp's converter ...", file=sys.stderr)
+        peer.convert(hf, f32, "f32", env=env)
+    for qtype in ("q8_0", "q4_0"):
+        gguf = os.path.join(workdir, f"llama-{qtype}.gguf")
+        if not os.path.exists(gguf):
+            print(f"llama-quantize to {qtype} ...", file=sys.stderr)
+            peer.quantize(f32, gguf, qtype, env=env)

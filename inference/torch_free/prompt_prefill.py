@@ -1,0 +1,34 @@
+"""The torch-free runner's prompt pass (`prefill`): the prompt's positions through the model a layer
+at a time (`semoe.decode.prompt_pass`), its chosen experts read from storage into the runner's cache
+once a layer for the whole prompt. Logits come out of the last position only, as decoding's first
+step needs them."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+
+from semoe.decode.prompt_pass import Target, run, sequences
+from storage.errors import BadInputError
+
+
+def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """Run `tokens` through the model at the next positions of `seq` (an `inference.torch_free.runner.LeanSequence`);
+    the logits (V,) of the last (a view, valid until the next step). `on_layer(done, layers)` after each
+    layer: a long prompt's progress."""
+    m, c, pos0, T = seq.model, seq.model.config, seq.length, len(tokens)
+    if not tokens:
+        raise BadInputError("the prompt is empty: give at least one token")
+    if pos0 + T > seq.capacity:
+        raise BadInputError(f"a prompt of {T} tokens at position {pos0}: the sequence holds {seq.capacity}")
+    if seq._work is None:
+        raise BadInputError("the sequence is closed")
+    x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
+    kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [T])
+    target = Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m)
+    run(target, x, cos, sin, on_layer)
+    seq.length = pos0 + T
+    seq.x[:] = x[-1]
+    m.lib.decode_head(seq._net, seq._work, seq._p[0], seq._p[1], m.settings.threads)
+    return seq.logits

@@ -1,0 +1,624 @@
+"""Decoding on CPU in a process without torch: a store's model through the compiled kernels, its
+experts read from storage as the router picks them, into a cache of fixed slots.
+
+Why: where memory is shorter than the model, every byte a process holds besides its expert cache
+is expert data it must read again. torch's runtime alone holds about 0.15 GiB of anonymous memory
+once imported (its operator tables and Python modules), which no eviction gives back: on the 3 GB
+bench model that is half of the memory at 4-bit and 50%, and more than all of it at 4-bit and 25%.
+This runner decodes with the same kernels as the engine's one-call step (semoe/kernels/
+decode_step.c, in parts: `decode_attend`, then the chosen experts, `decode_ffn`; `decode_head`),
+over buffers of its own (numpy, ctypes), and imports no torch, so that memory goes to the cache.
+
+What it holds: the dense weights (attention, routers, norms, lm_head), float32 or bfloat16 as
+stored (FP8 ones dequantized to bfloat16, as the engine loads them), or int8 (`dense="auto"`: beside
+compact experts, `storage.formats.auto_dense`): stored so, mapped from the store's files, or quantized here; the
+token embedding stays on storage, one row read per token; the experts' chunks, as stored (float32,
+bfloat16, int8, int4, FP8 or MXFP4 codes, each computed as it is), in `cache_bytes` of
+slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT (a chunk's pieces
+in parallel) and checked against the manifest's crc32c.
+
+What it takes: the models the one-call step takes (`DecodePlan`'s whole step): grouped-query
+attention, with q/k norms (over all heads or per head), clipping, sinks, partial rotary, sliding
+windows and YaRN, but not interleaved rotary; softmax-top-k, top-k-then-softmax and grouped routers
+over SwiGLU experts, with or without a shared expert, or dense SwiGLU layers, and gpt-oss's clamped
+experts with their biases (float ones multiplied in-major as stored, MXFP4 ones as MXFP4); DeepSeek's
+latent attention in the absorbed form (kv_b read as float32 and split into its halves at load):
+Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Kimi, GLM-4.5 and gpt-oss; one sequence,
+greedy or sampled. Anything else is refused with one line naming it
+(`NotOnFastPath`); the engine (`inference.engine`) runs every model.
+
+It is a front-end of the same core as the engine: the store is read through `storage.reader`
+(the torch-free part of `storage.store.Store`), experts are cached in `storage.cache.ExpertCache`
+keyed by `ExpertKey`, what it takes is `semoe.decode.support`'s table, its `Net` is assembled by
+`loader.build_net`, as the engine's plan assembles its own, and its generation loop is the
+engine's (`semoe.decode.loop`). What stays here is what only a process without torch needs: reading
+the weights into numpy, the slots, the rotary tables, the sequence's buffers.
+
+Its logits are the one-call step's: the same kernels on the same weights, except the rotary tables
+(numpy's cos/sin against torch's, to float32 rounding) and the prompt, which goes through the step
+token by token rather than as one batch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from inference.torch_free.prompt_prefill import prefill
+from inference.torch_free.expert_slots import ExpertSlots
+from inference.memory_guard import auto_cpu_cache_bytes
+from semoe.kernels import loader
+from semoe.decode import loop
+from semoe.model import rope
+from semoe.decode.loop import SamplingConfig
+from semoe.decode.support import NotOnFastPath, one_call_refusal
+from semoe.checkpoints.hf_config import config_from_json
+from semoe.model.hf_names import hf_name
+from semoe.checkpoints.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
+from storage.errors import BadInputError
+from storage.formats import QUANTIZE_ROWS, auto_dense, int8_rows_spec
+from storage.chunk_io import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
+from storage.keys import ExpertKey
+from storage.manifest import TensorEntry
+from storage.numpy_codecs import bf16_to_f32, float_rows, fp8_bf16_rows, int8_rows, quantize_int8_rows
+from storage.process_memory import compute_threads, peak_rss_bytes, release_free_heap
+from storage.reader import StoreReader
+DENSE_CHOICES = ("auto", "float", "int8")
+KV_CACHE_CHOICES = ("f32", "f16")
+_KIND = {"F32": loader.W_F32, "BF16": loader.W_BF16, "int8": loader.W_INT8, "int4": loader.W_INT4,
+         "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8}
+_IO_KIND = {"F32": loader.W_F32_IO, "BF16": loader.W_BF16_IO}  # float weights stored (I, O)
+# an expert's parts by the HuggingFace names' last part: SwiGLU's gate, up, down; gpt-oss's gate_up
+# and down (float, or MXFP4 blocks), then their biases
+_PARTS = {"gate": ("w1.weight", "gate_proj.weight"), "up": ("w3.weight", "up_proj.weight"),
+          "down": ("w2.weight", "down_proj.weight")}
+_CLAMPED_PARTS = {"gate_up": ("gate_up_proj", "gate_up_proj_blocks"), "down": ("down_proj", "down_proj_blocks")}
+_CLAMPED_BIASES = ("gate_up_proj_bias", "down_proj_bias")
+
+
+@dataclass(kw_only=True)
+class LeanConfig:
+    """How the lean runner holds a model."""
+
+    # the expert cache's slots, in bytes (at least top_k chunks); 0: top_k chunks; None: every expert
+    # where the memory left once the dense weights are held allows, else that memory (as the engine's
+    # `--cpu-cache auto`: `inference.memory_guard.auto_cpu_cache_bytes`), at least top_k chunks
+    cache_bytes: int | None
+    # what the caller takes once the model is held, which an auto cache (cache_bytes None) leaves free
+    # beside its reserve: a sequence's KV cache and buffers (`inference.torch_free.sequence_memory.sequence_bytes`)
+    keep_bytes: int = 0
+    dense: str = "auto"  # one of DENSE_CHOICES
+    # the KV cache's values: "f32", or "f16" (half the bytes, as llama.cpp's default cache: each key and
+    # value rounded to float16 as written; grouped-query attention only, latent attention's is compact)
+    kv_cache: str = "f32"
+    threads: int = 0  # compute threads; 0: OMP_NUM_THREADS where set, else every core this process may run on
+    read_mode: ReadMode | str = ReadMode.DIRECT
+    read_threads: int = 4
+
+    def __post_init__(self) -> None:
+        if self.dense not in DENSE_CHOICES:
+            raise BadInputError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {self.dense!r}")
+        if self.kv_cache not in KV_CACHE_CHOICES:
+            raise BadInputError(f"--kv-cache must be one of {', '.join(KV_CACHE_CHOICES)}, got {self.kv_cache!r}")
+        self.read_mode = ReadMode(self.read_mode)
+        if self.threads <= 0:
+            self.threads = compute_threads()
+
+
+@dataclass
+class LeanResult:
+    """A generation: the new tokens, their log-probabilities, time to the first token and decode speed
+    (from the first new token on), and the runner's counters."""
+
+    tokens: list[int]
+    logprobs: list[float]
+    ttft_s: float
+    decode_tok_s: float
+    stats: dict = field(default_factory=dict)
+
+
+def store_config(store: StoreReader):
+    """The model config of a store (its config.json); one line naming the store where it holds none."""
+    if not store.manifest.has_file("config.json"):
+        raise BadInputError(f"{store.root}: the store holds no model (no config.json)")
+    return config_from_json(json.loads(store.read_file("config.json")))
+
+
+def store_tokenizer(store: StoreReader, c) -> HFTokenizer | None:
+    """The tokenizer a store holds (None where it holds no tokenizer.json), checked against the
+    model's vocabulary (`c`, its config)."""
+    m = store.manifest
+    if not m.has_file("tokenizer.json"):
+        return None
+    files = {n: store.read_file(n) for n in TOKENIZER_FILES if m.has_file(n)}
+    return checked_vocab(HFTokenizer(files=files, where=f"{store.root} (store)"), c.vocab_size)
+
+
+def dense_load_bytes(store: StoreReader) -> int:
+    """Bytes of dense weights `LeanModel` reads at load (its `progress` total), from the manifest alone:
+    every 2-d dense tensor but the token embedding, which stays on storage unless it is the head too."""
+    m = store.manifest
+    # the embedding's name is every architecture's; a model without an lm_head ties it to the embedding
+    emb = hf_name(None, "embed.weight") if m.has_tensor("lm_head.weight") else None
+    return sum(t.bytes for t in m.dense() if len(t.shape) == 2 and t.name != emb)
+
+
+class LeanModel:
+    """A store's model held for lean decoding (see the module docstring); `close` frees it."""
+
+    def __init__(self, store: str | StoreReader, config: LeanConfig,
+                 progress: Callable[[int], None] | None = None, tokenizer: HFTokenizer | None = None) -> None:
+        """`progress(n)`: n more bytes of dense weights read (a progress bar's update); `tokenizer`: the
+        store's, where the caller read it already (`store_tokenizer`)."""
+        lib = loader.library()
+        if lib is None:
+            raise NotOnFastPath(f"--lean computes with semoe's compiled CPU kernels alone, which are "
+                                  f"{loader.status()}; run without --lean")
+        self.lib, self.settings = lib, config
+        self._progress = progress or (lambda n: None)
+        self.store = store = store if isinstance(store, StoreReader) else StoreReader.open(store)
+        path, m = store.root, store.manifest
+        self.config = c = store_config(store)
+        self._check(c)
+        if config.kv_cache == "f16" and c.attention == "mla":
+            raise BadInputError(f"--kv-cache f16: {path} has latent attention ({c.arch}), whose cache of compressed "
+                                f"latents the runner keeps in float32; drop the flag")
+        self.held: list = []  # what the Net's pointers point into
+        self.mapped_bytes = 0  # of dense weights mapped from the store's files (`_mapped`)
+        self.tokenizer = tokenizer if tokenizer is not None else store_tokenizer(store, c)
+        L, E, K = c.num_layers, c.num_experts, max(c.top_k, 1)
+        chunks = [ch for ch in m.chunks if ch.kind == "weight"]
+        moe_layers = sorted(m.expert_layers())
+        kinds = {(t.quant or {}).get("scheme") or t.dtype for ch in chunks for t in m.chunk_tensors(ch)
+                 if "scales_of" not in (t.quant or {})}
+        dense = config.dense
+        if dense == "auto":
+            dense = auto_dense(kinds, on_cpu=True)
+        self.dense = dense
+        self.experts_of: dict[int, ctypes.Array] = {}  # layer -> its experts, pointed at slots as chosen
+        parts = []
+        for lay in range(L):
+            shared = shared_gate = correction = None
+            if lay in moe_layers:
+                arr = self.experts_of[lay] = (loader.Expert * E)()
+                router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=c.router_bias)
+                F = self._chunk_parts(lay, 0)[0][0][2] // (2 if c.expert_mlp == "clamped_swiglu" else 1)
+                if c.score_correction_bias:
+                    correction = self._vector(f"layers.{lay}.ffn.router.e_score_correction_bias")
+                if c.shared_expert_size:  # dense weights, as the engine's (int8 beside compact experts)
+                    shared = (loader.Expert * 1)(loader.Expert(*(
+                        self._linear([f"layers.{lay}.ffn.shared.{p}_proj"], dense, bias=False)
+                        for p in ("gate", "up", "down"))))
+                    self.held.append(shared)
+                    if c.shared_expert_gate:  # a router-like row: float, as the engine keeps it
+                        shared_gate = self._linear([f"layers.{lay}.ffn.shared_gate"], "float", bias=False)
+            else:
+                ex = loader.Expert(*(self._linear([f"layers.{lay}.ffn.{p}_proj"], dense, bias=False)
+                                         for p in ("gate", "up", "down")))
+                arr, router, F = (loader.Expert * 1)(ex), None, ex.gate.O
+                self.held.append(arr)
+            if c.attention == "mla":
+                attn = dict(qkv=[], window=0, mla=self._latent(lay, dense))
+            else:
+                qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
+                mapped = dense == "int8" and any(self._stored_int8(hf_name(c, f"{m}.weight")) for m in qkv)
+                attn = dict(
+                    qkv=[self._linear([m], dense) for m in qkv] if mapped else [self._linear(qkv, dense)],
+                    window=c.window(lay) or 0, qk_norm=loader.QK_NORM[c.qk_norm], qk_eps=c.rms_norm_eps,
+                    q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if c.qk_norm != "none" else None,
+                    k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if c.qk_norm != "none" else None,
+                    clip=c.clip_qkv or 0.0,
+                    sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
+            parts.append(loader.LayerParts(
+                attn_norm=self._vector(f"layers.{lay}.attn_norm.weight"), attn_eps=c.rms_norm_eps,
+                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight"), ffn_eps=c.rms_norm_eps,
+                o=self._linear([f"layers.{lay}.attn.o_proj"], dense), experts=arr, ffn_width=F,
+                router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn))
+        head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
+        self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
+        self.net, self.layers = loader.build_net(c, parts, self._vector("norm.weight"), c.rms_norm_eps, self.head,
+                                                     kv16=config.kv_cache == "f16")
+        # the expert cache: every layer's experts present, of one layout
+        for lay in moe_layers:
+            missing = [e for e in range(E) if not m.has_chunk(lay, e)]
+            if missing:
+                raise BadInputError(f"{path}: layer {lay} has no chunk for expert {missing[0]} (of {E})")
+        self._parts = {lay: self._chunk_parts(lay, 0) for lay in moe_layers}
+        for ch in chunks:
+            if self._chunk_parts(ch.layer, ch.expert) != self._parts[ch.layer]:
+                raise NotOnFastPath(f"{path}: layer {ch.layer}'s expert {ch.expert} is laid out unlike its expert 0")
+        sizes = {ch.bytes for ch in chunks}
+        self.slot_bytes = -(-max(sizes) // ALIGN) * ALIGN if sizes else ALIGN
+        if config.cache_bytes is None:  # room left for the mapped dense weights' pages and the sequence too
+            release_free_heap()  # what loading freed counts as available
+            spare = auto_cpu_cache_bytes(len(chunks) * self.slot_bytes + self.mapped_bytes,
+                                         keep_bytes=config.keep_bytes) - self.mapped_bytes
+            slots = max(K, min(len(chunks), spare // self.slot_bytes))
+        else:
+            slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
+        if moe_layers and slots < K:
+            raise BadInputError(f"--cpu-cache: {config.cache_bytes} bytes hold {slots} of this model's expert chunks "
+                                f"({self.slot_bytes} bytes each); decoding needs at least top_k = {K}, "
+                                f"{K * self.slot_bytes} bytes")
+        # the experts' biases (gpt-oss) as float32, a slot's beside it: converted as its chunk is read
+        # where they are stored bfloat16, pointed at in the slot where float32
+        n_bias = max((sum(n for _, dt, n in b) for _, b in self._parts.values()), default=0)
+        self._bias = np.zeros((max(slots, 1), n_bias), np.float32)
+        self._structs: dict[tuple[int, int], loader.Expert] = {}
+        self._pointed: dict[int, dict[int, int]] = {lay: {} for lay in moe_layers}  # layer -> expert -> slot
+        # rotary frequencies (plain or YaRN) and the scale of cos and sin, as the model's modules take them
+        self.inv_freq, self.rope_scale = rope.inv_freq(c)
+        # the embedding stays on storage: one row a token
+        emb = self._tensor(hf_name(c, "embed.weight"))
+        if emb.dtype not in ("F32", "BF16") or emb.quant:
+            raise NotOnFastPath(f"{path}: the token embedding is {emb.dtype}; the lean runner reads F32 or BF16")
+        self._emb = emb
+        self._emb_fd = os.open(store.path(emb.file), os.O_RDONLY)
+        self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
+        self.cache = ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader, self._loaded)
+        release_free_heap()  # what loading freed, given back: decoding may run with memory short
+
+    @staticmethod
+    def _check(c) -> None:
+        """Refuse, in one line, what the one-call step does not take (`semoe.decode.support`)."""
+        why = one_call_refusal(c)
+        if why:
+            raise NotOnFastPath(f"the lean runner does not take {why} ({c.arch}); decode it with the engine "
+                                f"(without --lean)")
+
+    def _latent(self, lay: int, dense: str) -> loader.LatentC:
+        """Layer `lay`'s latent attention as the engine's one-call step holds it (`semoe.decode.plan`):
+        its products dense as the others, kv_b read as float32 and split into its absorbed halves,
+        w_ukT (H, L, nope) and w_uv (H, dv, L)."""
+        c, pre = self.config, f"layers.{lay}.attn."
+        H, nope, L, dv = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim
+        if c.q_lora_rank is None:
+            q_a, q_norm, q_b = loader.Lin(), None, self._linear([pre + "q_proj"], dense, bias=False)
+        else:
+            q_a, q_norm = self._linear([pre + "q_a_proj"], dense), self._vector(pre + "q_a_layernorm.weight")
+            q_b = self._linear([pre + "q_b_proj"], dense, bias=False)
+        kv_a, kv_norm = self._linear([pre + "kv_a_proj_with_mqa"], dense), self._vector(pre + "kv_a_layernorm.weight")
+        w_HdL = np.concatenate(list(self._rows(hf_name(c, pre + "kv_b_proj.weight")))).reshape(H, nope + dv, L)
+        w_ukT, w_uv = np.ascontiguousarray(w_HdL[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(w_HdL[:, nope:])
+        m = loader.LatentC(q_a, q_b, kv_a, q_norm, kv_norm, c.rms_norm_eps, rope.softmax_scale(c),
+                               w_ukT.ctypes.data, w_uv.ctypes.data, nope, L, dv, int(c.rope_interleave))
+        self.held += [w_ukT, w_uv, m]
+        return m
+
+    def _vector(self, param: str) -> int:
+        """A float32 copy of a 1-d parameter (a norm's weight), held; its address."""
+        a = self._read_1d(hf_name(self.config, param))
+        self.held.append(a)
+        return a.ctypes.data
+
+    def _tensor(self, name: str) -> TensorEntry:
+        try:
+            return self.store.manifest.tensor(name)
+        except KeyError:
+            raise BadInputError(f"{self.store.root}: the store holds no tensor {name}") from None
+
+    def _read_1d(self, name: str) -> np.ndarray:
+        t = self._tensor(name)
+        if len(t.shape) != 1 or t.dtype not in ("F32", "BF16") or t.quant:
+            raise NotOnFastPath(f"{self.store.root}: {name} is {t.dtype} {t.shape}; expected a float vector")
+        return np.ascontiguousarray(float_rows(self.store.read_bytes(name), t.dtype), dtype=np.float32)
+
+    def _rows(self, name: str):
+        """A dense 2-d tensor as float32 blocks of its rows, read in turn (never whole in memory), its
+        crc32c checked at the end; FP8 ones as the engine holds them (`_bf16_rows`)."""
+        t = self._tensor(name)
+        q = t.quant or {}
+        if int8_rows_spec(q):  # stored int8 (`semoe store quantize`)
+            r, s = 0, self._scales(q["scales"])
+            for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+                self._progress(raw.nbytes)
+                yield int8_rows(raw.view(np.int8), s[r:r + len(raw)], q["dtype"])
+                r += len(raw)
+            return
+        if t.dtype != "F32" or t.quant:
+            for rows in self._bf16_rows(name):
+                yield bf16_to_f32(rows)
+            return
+        for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+            self._progress(raw.nbytes)
+            yield raw.view(np.float32)
+
+    def _stored_int8(self, name: str) -> bool:
+        return int8_rows_spec(self._tensor(name).quant)
+
+    def _mapped(self, name: str) -> np.ndarray:
+        """A stored int8 dense weight's codes mapped read-only from the store's file, checked against
+        its crc32c first (read through once, not kept). The page cache holds them while memory allows
+        and gives them back under pressure, to be read again as used (as llama.cpp maps its weights):
+        they take no anonymous memory, and decoding goes on, slower, where memory cannot hold them."""
+        t = self._tensor(name)
+        for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+            self._progress(raw.nbytes)
+        self.mapped_bytes += t.bytes
+        return np.memmap(self.store.path(t.file), np.int8, "r", t.offset, tuple(t.shape))
+
+    def _scales(self, name: str) -> np.ndarray:
+        """A compact dense weight's float32 scales, read whole."""
+        t = self._tensor(name)
+        if t.dtype != "F32":
+            raise NotOnFastPath(f"{self.store.root}: {name} is {t.dtype}; scales are read F32")
+        return self.store.read_bytes(name).view(np.float32).reshape(t.shape)
+
+    def _bf16_rows(self, name: str):
+        """A BF16 or FP8 dense 2-d tensor as blocks of bfloat16 rows (uint16): BF16 as stored, FP8
+        dequantized as the engine loads it (`fp8_bf16_rows`)."""
+        t = self._tensor(name)
+        q = t.quant or {}
+        if q.get("scheme") != "fp8" and (q or t.dtype != "BF16"):
+            raise NotOnFastPath(f"{self.store.root}: dense tensor {name} is stored {q.get('scheme') or t.dtype}; "
+                                f"the lean runner reads F32, BF16 or FP8 dense weights")
+        if q:
+            s, r = self._scales(q["scales"]), 0
+            for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+                self._progress(raw.nbytes)
+                yield fp8_bf16_rows(raw, s, r, tuple(q["block"]))
+                r += len(raw)
+        else:
+            for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
+                self._progress(raw.nbytes)
+                yield raw.view(np.uint16)
+
+    def _linear(self, modules: list[str], dense: str, *, bias: bool = True, name: str | None = None
+                ) -> loader.Lin:
+        """One product over the rows of these linear modules stacked (q, k and v: one), as the engine's
+        dense weights: int8 quantized here, or float as stored."""
+        c = self.config
+        names = [name] if name else [hf_name(c, f"{m}.weight") for m in modules]
+        entries = [self._tensor(n) for n in names]
+        I = entries[0].shape[1]
+        if any(t.shape[1] != I for t in entries):
+            raise NotOnFastPath(f"{names}: products of different input sizes")
+        O = sum(t.shape[0] for t in entries)
+        if dense == "int8":
+            if len(names) == 1 and self._stored_int8(names[0]):  # stored int8: mapped where they are
+                codes, scales = self._mapped(names[0]), self._scales(entries[0].quant["scales"])
+            elif any(self._stored_int8(n) for n in names):
+                raise NotOnFastPath(f"{names}: stored int8 weights are mapped one by one, never stacked")
+            else:  # float weights (q, k and v stacked): quantized here
+                codes, scales = np.empty((O, I), np.int8), np.empty(O, np.float32)
+                r = 0
+                for n in names:
+                    for block in self._rows(n):
+                        codes[r:r + len(block)], scales[r:r + len(block)] = quantize_int8_rows(block)
+                        r += len(block)
+            self.held += [codes, scales]
+            lin = loader.Lin(loader.W_INT8, O, I, 0, codes.ctypes.data, scales.ctypes.data, None)
+        else:  # bfloat16 where all are (FP8 dequantized to it, as the engine's), else float32
+            bf16 = all(t.dtype == "BF16" or (t.quant or {}).get("scheme") == "fp8" for t in entries)
+            w = np.empty((O, I), np.uint16 if bf16 else np.float32)  # filled in turn: never in memory twice
+            r = 0
+            for n, t in zip(names, entries):
+                for block in (self._bf16_rows(n) if bf16 else self._rows(n)):
+                    w[r:r + len(block)] = block
+                    r += len(block)
+            self.held.append(w)
+            lin = loader.Lin(loader.W_BF16 if bf16 else loader.W_F32, O, I, 0, w.ctypes.data, None, None)
+        if bias:
+            bnames = [hf_name(c, f"{m}.bias") for m in modules]
+            have = [self.store.manifest.has_tensor(n) for n in bnames]
+            if any(have):
+                parts = [self._read_1d(n) if h else np.zeros(t.shape[0], np.float32)
+                         for n, h, t in zip(bnames, have, entries)]
+                b = np.ascontiguousarray(np.concatenate(parts), dtype=np.float32)
+                self.held.append(b)
+                lin.bias = b.ctypes.data
+        return lin
+
+    def _chunk_parts(self, layer: int, expert: int) -> tuple[list[tuple], list[tuple]]:
+        """Where an expert's weights lie in the layer's chunks (every expert of a layer has the same
+        layout): (kind, group, O, I, codes offset, scales offset or -1) of gate, up and down (gpt-oss:
+        gate_up, none (O = 0), down), and (offset, dtype, values) of its biases (gpt-oss's two)."""
+        m, clamped = self.store.manifest, self.config.expert_mlp == "clamped_swiglu"
+        tensors = m.chunk_tensors(m.chunk(layer, expert))
+        scales = {t.quant["scales_of"]: t for t in tensors if "scales_of" in (t.quant or {})}
+        out = []
+        for part, suffixes in (_CLAMPED_PARTS if clamped else _PARTS).items():
+            t = next((t for t in tensors if t.name.endswith(suffixes) and "scales_of" not in (t.quant or {})), None)
+            if t is None:
+                raise NotOnFastPath(f"{self.store.root}: layer {layer}'s experts have no {part} weight "
+                                    f"({' or '.join(suffixes)})")
+            q = t.quant or {}
+            scheme = q.get("scheme") or t.dtype
+            # gpt-oss's weights are (I, O): compact codes out-major all the same, float ones as stored
+            if scheme not in _KIND or bool(q.get("transposed")) != (clamped and bool(q)):
+                raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is {scheme}; the lean runner "
+                                    f"takes F32, BF16, int8, int4, FP8 and MXFP4")
+            s = scales.get(t.name)
+            if scheme == "fp8" and (len(set(q["block"])) != 1 or s is None or s.dtype != "F32"):
+                raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is fp8 with scales per {q['block']} "
+                                    f"block; the kernel takes F32 scales per square tile")
+            if q:
+                (O, I), kind = (q["shape"][::-1] if clamped else q["shape"]), _KIND[scheme]
+            else:
+                (O, I), kind = (t.shape[::-1], _IO_KIND[scheme]) if clamped else (t.shape, _KIND[scheme])
+            group = q.get("group_size") or 0 if scheme == "int4" else q["block"][0] if scheme == "fp8" else 0
+            out.append((kind, group, O, I, t.offset, s.offset if s else -1))
+        biases = []
+        if clamped:
+            out.insert(1, (0, 0, 0, 0, -1, -1))  # no up: gate and up interleaved in gate_up
+            for suffix in _CLAMPED_BIASES:
+                t = next((t for t in tensors if t.name.endswith(suffix)), None)
+                if t is None or t.dtype not in ("F32", "BF16") or len(t.shape) != 1:
+                    raise NotOnFastPath(f"{self.store.root}: layer {layer}'s experts have no float {suffix}")
+                biases.append((t.offset, t.dtype, t.shape[0]))
+        elif out[0][:4] != out[1][:4]:
+            raise NotOnFastPath(f"{self.store.root}: layer {layer}'s gate and up weights differ in kind or shape")
+        return out, biases
+
+    def _loaded(self, key: ExpertKey, slot: int) -> None:
+        """An expert's chunk is in `slot`: its bfloat16 biases as float32 beside the slot."""
+        at = 0
+        for off, dtype, n in self._parts[key.layer][1]:
+            if dtype == "BF16":
+                raw = np.frombuffer(self.cache.mem, np.uint16, n, slot * self.slot_bytes + off)
+                self._bias[slot, at:at + n] = bf16_to_f32(raw)
+            at += n
+
+    def _point(self, layer: int, expert: int, slot: int) -> None:
+        """Point the layer's entry for `expert` at the chunk in `slot` (a struct made once per layer
+        and slot)."""
+        if self._pointed[layer].get(expert) == slot:
+            return
+        ex = self._structs.get((layer, slot))
+        if ex is None:
+            base = self.cache.base + slot * self.slot_bytes
+            lins, biases = self._parts[layer]
+            ex = self._structs[(layer, slot)] = loader.Expert(*(
+                loader.Lin(kind, O, I, g, base + off if off >= 0 else None, base + soff if soff >= 0 else None,
+                               None) for kind, g, O, I, off, soff in lins))
+            at = 0
+            for lin, (off, dtype, n) in zip((ex.gate, ex.down), biases):
+                lin.bias = base + off if dtype == "F32" else self._bias[slot, at:].ctypes.data
+                at += n
+        self.experts_of[layer][expert] = ex
+        self._pointed[layer][expert] = slot
+
+    def rope(self, pos: int, cos: np.ndarray, sin: np.ndarray) -> None:
+        """The rotary tables (rope_dim) of position `pos` into cos and sin: `semoe.model.attention.rope_tables`'
+        float32 operations, with numpy's cos and sin (torch's may differ in the last bit)."""
+        f = np.float32(pos) * self.inv_freq
+        both = np.concatenate((f, f))
+        np.cos(both, out=cos)
+        np.sin(both, out=sin)
+        if self.rope_scale != 1.0:  # YaRN's attention factor
+            cos *= np.float32(self.rope_scale)
+            sin *= np.float32(self.rope_scale)
+
+    def _embed(self, token: int, x: np.ndarray) -> None:
+        e = self._emb
+        V, D = e.shape
+        if not 0 <= token < V:
+            raise BadInputError(f"token id {token} is outside the vocabulary (0..{V - 1})")
+        item = 4 if e.dtype == "F32" else 2
+        raw = os.pread(self._emb_fd, D * item, e.offset + token * D * item)
+        row = np.frombuffer(raw, np.float32 if item == 4 else np.uint16)
+        x[:] = row if item == 4 else bf16_to_f32(row)
+
+    def inputs(self, tokens: list[int], positions: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The prompt pass's inputs for rows of `tokens` at `positions`: their embeddings x (T, D) and
+        rotary tables cos, sin (T, rope_dim)."""
+        c, T = self.config, len(tokens)
+        x = np.empty((T, c.hidden_size), np.float32)
+        cos, sin = np.empty((T, c.rope_dim), np.float32), np.empty((T, c.rope_dim), np.float32)
+        for t, (token, pos) in enumerate(zip(tokens, positions)):
+            self._embed(token, x[t])
+            self.rope(pos, cos[t], sin[t])
+        return x, cos, sin
+
+    def sequence(self, capacity: int) -> "LeanSequence":
+        """A new sequence of up to `capacity` positions (its KV cache and the step's buffers)."""
+        return LeanSequence(self, capacity)
+
+    def generate(self, prompt: list[int], cfg: SamplingConfig, on_token: Callable[[int, float], None] | None = None,
+                 on_prompt_layer: Callable[[int, int], None] | None = None) -> LeanResult:
+        """Decoding after `prompt` (its tokens through the model a layer at a time, `lean_prefill`), each
+        token chosen as `cfg` says and handed to `on_token(id, logprob)`: the engine's loop
+        (`semoe.decode.loop`), its draws from numpy's generator seeded with cfg.seed; `on_prompt_layer(done,
+        layers)` after each layer of the prompt's pass."""
+        if not prompt:
+            raise BadInputError("the prompt is empty: give at least one token")
+        cache = self.cache
+        reads0, bytes0 = cache.misses, cache.read_bytes
+        rng = np.random.default_rng(cfg.seed)
+        with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
+            out = loop.run(functools.partial(prefill, seq, prompt, on_prompt_layer), seq.step,
+                           lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
+        stats = {"expert_reads": cache.misses - reads0, "ssd_bytes": cache.read_bytes - bytes0,
+                 "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + len(out.tokens) - 1),
+                 "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,
+                 "cache_bytes": cache.n * self.slot_bytes, "read_s": cache.read_s, "dense": self.dense,
+                 "kv_cache": self.settings.kv_cache,
+                 "peak_rss_bytes": peak_rss_bytes()}
+        return LeanResult(out.tokens, out.logprobs, out.ttft_s, out.decode_tok_s, stats)
+
+    def stop_ids(self) -> tuple[int, ...]:
+        """The ids generation stops at by default, as the engine's (`default_stop_ids`)."""
+        return default_stop_ids(self.config.eos_token_id, self.tokenizer)
+
+    def close(self) -> None:
+        self.reader.close()
+        os.close(self._emb_fd)
+        self.cache.view.release()
+        self.experts_of.clear()
+        self.held.clear()
+
+    def __enter__(self) -> "LeanModel":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class LeanSequence:
+    """One sequence's decoding state: its KV cache (capacity positions) and the step's buffers.
+    `step(token)` runs the model on the next position and gives the logits (a view, valid until the
+    next step); `close` frees the buffers."""
+
+    def __init__(self, model: LeanModel, capacity: int) -> None:
+        c = model.config
+        if not 0 < capacity <= c.max_position:
+            raise BadInputError(f"a sequence of {capacity} positions: the model takes 1 to {c.max_position}")
+        self.model, self.capacity, self.length = model, capacity, 0
+        L, G, Dh, K = c.num_layers, c.num_kv_heads, c.head_dim, max(c.top_k, 1)
+        if c.attention == "mla":  # the normed latent and the rotated rotary key of each position
+            self.kc = np.zeros((L, capacity, c.kv_lora_rank), np.float32)
+            self.vc = np.zeros((L, capacity, c.rope_dim), np.float32)
+        else:
+            kv = np.float16 if model.settings.kv_cache == "f16" else np.float32  # the Net's kv16 says which
+            self.kc, self.vc = np.zeros((L, G, capacity, Dh), kv), np.zeros((L, G, capacity, Dh), kv)
+        self.x, self.logits = np.empty(c.hidden_size, np.float32), np.empty(model.head.O, np.float32)
+        self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)
+        self.cos, self.sin = np.empty(c.rope_dim, np.float32), np.empty(c.rope_dim, np.float32)
+        P = ctypes.c_void_p
+        self._p = [P(a.ctypes.data) for a in (self.x, self.logits, self.ids, self.w, self.cos, self.sin)]
+        self._kv = [(P(self.kc[lay].ctypes.data), P(self.vc[lay].ctypes.data)) for lay in range(L)]
+        self.addresses = ([k.value for k, _ in self._kv], [v.value for _, v in self._kv])  # a pass's `sequences`
+        self._net = ctypes.byref(model.net)
+        self._work = model.lib.decode_work(self._net, capacity)
+
+    def step(self, token: int, *, logits: bool = True) -> np.ndarray | None:
+        """The model on `token` at the next position; its logits (V,) unless `logits` is False (a
+        prompt's tokens before its last need none: the output product is skipped)."""
+        m, pos = self.model, self.length
+        if pos >= self.capacity:
+            raise BadInputError(f"the sequence is full ({self.capacity} positions)")
+        if self._work is None:
+            raise BadInputError("the sequence is closed")
+        lib, net, work, T = m.lib, self._net, self._work, m.settings.threads
+        xp, lp, idp, wp, cp, sp = self._p
+        m._embed(token, self.x)
+        m.rope(pos, self.cos, self.sin)
+        for lay, (kp, vp) in enumerate(self._kv):
+            lib.decode_attend(net, work, lay, xp, kp, vp, self.capacity, pos, cp, sp, idp, wp, T)
+            if lay in m._parts:
+                chosen = self.ids.tolist()
+                for e, slot in zip(chosen, m.cache.ensure(lay, chosen)):
+                    m._point(lay, e, slot)
+            lib.decode_ffn(net, work, lay, xp, T)
+        self.length = pos + 1
+        if not logits:
+            return None
+        lib.decode_head(net, work, xp, lp, T)
+        return self.logits
+
+    def close(self) -> None:
+        if self._work is not None:
+            self.model.lib.decode_work_free(self._work)
+            self._work = None
+
+    def __enter__(self) -> "LeanSequence":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,200 @@
+"""`MoEConfig` from a HuggingFace `config.json`: one small builder per model type.
+
+Each builder maps the checkpoint's fields onto the config-driven pieces of the model (attention
+variant, router variant, expert MLP variant, rotary embedding); a field whose value the model does
+not implement is refused with one line naming it, never silently ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from semoe.model.config import MoEConfig
+from semoe.model.hf_names import SEMOE_MODEL_TYPE, model_type_of
+
+_YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+              "attention_factor", "truncate")
+
+
+def _need(cfg: dict, key: str) -> Any:
+    if key not in cfg:
+        raise ValueError(f"config.json: field {key!r} is missing")
+    return cfg[key]
+
+
+def _num_experts(cfg: dict) -> int:
+    """Routed experts per layer, under whichever name the checkpoint (or transformers' writer) uses."""
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    raise ValueError("config.json: the number of experts is missing (num_experts, num_local_experts or "
+                     "n_routed_experts)")
+
+
+def _rope(cfg: dict, default_theta: float) -> dict[str, Any]:
+    """rope_theta and rope_scaling, from `rope_parameters` (transformers 5) or the older top-level
+    `rope_theta` / `rope_scaling` fields that published checkpoints carry."""
+    params = cfg.get("rope_parameters") or {}
+    legacy = cfg.get("rope_scaling") or {}
+    kind = params.get("rope_type") or legacy.get("rope_type") or legacy.get("type") or "default"
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
+    if kind == "default":
+        return {"rope_theta": theta, "rope_scaling": None}
+    if kind != "yarn":
+        raise ValueError(f"config.json: rope type {kind!r} is not supported (default and yarn are)")
+    merged = {**legacy, **params}
+    if "factor" not in merged or "original_max_position_embeddings" not in merged:
+        raise ValueError("config.json: yarn rope scaling needs factor and original_max_position_embeddings")
+    return {"rope_theta": theta, "rope_scaling": {"rope_type": "yarn", **{k: merged[k] for k in _YARN_KEYS
+                                                                          if merged.get(k) is not None}}}
+
+
+def _partial_rotary(cfg: dict, default: float = 1.0) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
+
+
+def _common(cfg: dict) -> dict[str, Any]:
+    return dict(
+        vocab_size=_need(cfg, "vocab_size"), hidden_size=_need(cfg, "hidden_size"),
+        num_layers=_need(cfg, "num_hidden_layers"), num_heads=_need(cfg, "num_attention_heads"),
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), max_position=cfg.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"), top_k=_need(cfg, "num_experts_per_tok"), extra=dict(cfg),
+    )
+
+
+def _mixtral(cfg: dict) -> MoEConfig:
+    if cfg.get("sliding_window"):
+        raise ValueError("config.json: sliding_window attention is not supported for mixtral")
+    return MoEConfig(arch="mixtral", **_common(cfg), head_dim=cfg.get("head_dim"),
+                     ffn_size=_need(cfg, "intermediate_size"), moe_ffn_size=cfg["intermediate_size"],
+                     num_experts=_num_experts(cfg), norm_topk_prob=True, **_rope(cfg, 1e6))
+
+
+def _qwen_moe_layers(cfg: dict) -> tuple[int, ...]:
+    step = cfg.get("decoder_sparse_step", 1)
+    dense_only = set(cfg.get("mlp_only_layers") or [])
+    return tuple(i for i in range(cfg["num_hidden_layers"])
+                 if i not in dense_only and _num_experts(cfg) > 0 and (i + 1) % step == 0)
+
+
+def _qwen2_moe(cfg: dict) -> MoEConfig:
+    if cfg.get("use_sliding_window"):
+        raise ValueError("config.json: use_sliding_window is not supported for qwen2_moe")
+    return MoEConfig(arch="qwen2_moe", **_common(cfg), head_dim=cfg.get("head_dim"),
+                     ffn_size=_need(cfg, "intermediate_size"), moe_ffn_size=_need(cfg, "moe_intermediate_size"),
+                     num_experts=_num_experts(cfg), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     shared_expert_size=cfg.get("shared_expert_intermediate_size", 0),
+                     moe_layers=_qwen_moe_layers(cfg), attention_bias=bool(cfg.get("qkv_bias", True)),
+                     **_rope(cfg, 1e6))
+
+
+def _qwen3_moe(cfg: dict) -> MoEConfig:
+    return MoEConfig(arch="qwen3_moe", **_common(cfg), head_dim=cfg.get("head_dim"),
+                     ffn_size=_need(cfg, "intermediate_size"), moe_ffn_size=_need(cfg, "moe_intermediate_size"),
+                     num_experts=_num_experts(cfg), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     moe_layers=_qwen_moe_layers(cfg), attention_bias=bool(cfg.get("attention_bias", False)),
+                     qk_norm="head", sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window")
+                     else None, **_rope(cfg, 1e6))
+
+
+def _olmoe(cfg: dict) -> MoEConfig:
+    if cfg.get("attention_bias"):
+        raise ValueError("config.json: attention_bias is not supported for olmoe")
+    return MoEConfig(arch="olmoe", **_common(cfg), head_dim=cfg.get("head_dim"),
+                     ffn_size=_need(cfg, "intermediate_size"), moe_ffn_size=cfg["intermediate_size"],
+                     num_experts=_num_experts(cfg), norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                     qk_norm="full", clip_qkv=cfg.get("clip_qkv"), **_rope(cfg, 10000.0))
+
+
+def _deepseek_routing(cfg: dict, *, v3: bool) -> dict[str, Any]:
+    """DeepSeek-style MoE fields (DeepSeek-V2/V3, GLM-4.5): group-limited routing, shared experts
+    without a gate, the first `first_k_dense_replace` layers dense."""
+    n = cfg["num_hidden_layers"]
+    if cfg.get("moe_layer_freq", 1) != 1:
+        raise ValueError(f"config.json: moe_layer_freq {cfg['moe_layer_freq']} is not supported (only 1)")
+    scoring = cfg.get("scoring_func", "sigmoid" if v3 else "softmax")
+    method = cfg.get("topk_method", "noaux_tc" if v3 else "greedy")
+    methods = {"noaux_tc": ("sigmoid", "top2"), "greedy": ("softmax", "max"), "group_limited_greedy": ("softmax", "max")}
+    if method not in methods or methods[method][0] != scoring:
+        raise ValueError(f"config.json: topk_method {method!r} with scoring_func {scoring!r} is not supported "
+                         "(noaux_tc with sigmoid, greedy or group_limited_greedy with softmax)")
+    grouped = method != "greedy"
+    shared = cfg.get("n_shared_experts") or 0
+    return dict(
+        ffn_size=_need(cfg, "intermediate_size"), moe_ffn_size=_need(cfg, "moe_intermediate_size"),
+        num_experts=_num_experts(cfg), shared_expert_size=shared * cfg["moe_intermediate_size"],
+        shared_expert_gate=False, moe_layers=tuple(range(cfg.get("first_k_dense_replace") or 0, n)),
+        router="grouped", router_scores=scoring, score_correction_bias=method == "noaux_tc",
+        n_group=(cfg.get("n_group") or 1) if grouped else 1, topk_group=(cfg.get("topk_group") or 1) if grouped else 1,
+        group_score=methods[method][1], routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        # transformers' DeepSeek-V2 router never renormalises; published V2 configs say false anyway
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", False)) if v3 else False,
+    )
+
+
+def _deepseek(arch: str) -> Callable[[dict], MoEConfig]:
+    v3 = arch == "deepseek_v3"
+
+    def build(cfg: dict) -> MoEConfig:
+        return MoEConfig(arch=arch, **_common(cfg), **_deepseek_routing(cfg, v3=v3), attention="mla",
+                         attention_bias=bool(cfg.get("attention_bias", False)),
+                         o_proj_bias=bool(cfg.get("attention_bias", False)), q_lora_rank=cfg.get("q_lora_rank"),
+                         kv_lora_rank=_need(cfg, "kv_lora_rank"), qk_nope_head_dim=_need(cfg, "qk_nope_head_dim"),
+                         qk_rope_head_dim=_need(cfg, "qk_rope_head_dim"), v_head_dim=_need(cfg, "v_head_dim"),
+                         rope_interleave=bool(cfg.get("rope_interleave", True)) if v3 else True,
+                         **_rope(cfg, 10000.0))
+    return build
+
+
+def _glm4_moe(cfg: dict) -> MoEConfig:
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return MoEConfig(arch="glm4_moe", **_common(cfg), **_deepseek_routing(cfg, v3=True), head_dim=head_dim,
+                     attention_bias=bool(cfg.get("attention_bias", False)),
+                     qk_norm="head" if cfg.get("use_qk_norm") else "none",
+                     rope_dim=int(head_dim * _partial_rotary(cfg, 0.5)), **_rope(cfg, 10000.0))
+
+
+def _gpt_oss(cfg: dict) -> MoEConfig:
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
+    unknown = sorted(set(types) - {"sliding_attention", "full_attention"})
+    if unknown or len(types) != n:
+        raise ValueError(f"config.json: layer_types must list sliding_attention/full_attention for each of {n} "
+                         f"layers, got {types!r}")
+    bias = bool(cfg.get("attention_bias", True))
+    return MoEConfig(arch="gpt_oss", **_common(cfg), head_dim=cfg.get("head_dim"),
+                     ffn_size=_need(cfg, "intermediate_size"), moe_ffn_size=cfg["intermediate_size"],
+                     num_experts=_num_experts(cfg), router="topk_softmax", router_bias=True,
+                     attention_bias=bias, o_proj_bias=bias, attention_sinks=True,
+                     sliding_window=cfg.get("sliding_window"),
+                     sliding_layers=tuple(i for i, t in enumerate(types) if t == "sliding_attention"),
+                     expert_mlp="clamped_swiglu", swiglu_alpha=float(cfg.get("swiglu_alpha", 1.702)),
+                     swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), **_rope(cfg, 150000.0))
+
+
+BUILDERS: dict[str, Callable[[dict], MoEConfig]] = {
+    "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
+    "deepseek_v2": _deepseek("deepseek_v2"), "deepseek_v3": _deepseek("deepseek_v3"), "glm4_moe": _glm4_moe,
+    "gpt_oss": _gpt_oss,
+}
+
+
+def from_hf_config(cfg: dict) -> MoEConfig:
+    """Build a MoEConfig from a HuggingFace config.json of a supported model type."""
+    model_type = model_type_of(cfg)  # an alias (Kimi K2's kimi_k2) builds the architecture it shares
+    if model_type not in BUILDERS:
+        raise ValueError(f"config.json: model_type {model_type!r} is not supported; supported: {', '.join(BUILDERS)}")
+    if model_type != "gpt_oss" and cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
+    return BUILDERS[model_type](cfg)
+
+
+def config_from_json(cfg: dict) -> MoEConfig:
+    """MoEConfig of a config.json written by transformers or by `hf_config`."""
+    if cfg.get("model_type") == SEMOE_MODEL_TYPE:
+        return MoEConfig(**cfg["semoe"])
+    return from_hf_config(cfg)

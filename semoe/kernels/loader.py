@@ -1,0 +1,282 @@
+"""The compiled CPU kernels' library (semoe/kernels/*.c) and the structures its whole-step calls
+take, loaded with ctypes and no torch.
+
+`library()` loads the best build made at install that this CPU runs (`semoe.kernels.variants`), or
+the one SEMOE_CPU_KERNELS names (`off`: none), checks that `Lin`, `Expert`, `LayerC` and `Net` have
+the layouts of decode_abi.h's structs as the library was compiled, and declares every entry point.
+`semoe.kernels.torch_ops` and `semoe.decode.plan` call the kernels on torch tensors through these;
+`inference.torch_free.runner` calls them on its own buffers, in a process that never imports torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import os
+from dataclasses import dataclass
+from functools import cache
+
+from semoe.kernels import variants
+
+_P, _I, _F32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+_INT = ctypes.c_int
+
+class KernelABIError(RuntimeError):
+    """The kernels' library and its ctypes mirrors disagree (a struct changed on one side only, or a
+    library built from older sources): one line naming the library, the struct and both layouts."""
+
+
+# decode_abi.h's weight kinds (`Lin.kind`)
+W_F32, W_BF16, W_INT8, W_INT4, W_MXFP4, W_F32_IO, W_BF16_IO, W_FP8 = 1, 2, 3, 4, 5, 6, 7, 8
+
+
+class Lin(ctypes.Structure):
+    """decode_abi.h's `Lin`: one weight (O, I), its scales and bias."""
+    _fields_ = [("kind", _I), ("O", _I), ("I", _I), ("g", _I), ("w", _P), ("s", _P), ("bias", _P)]
+
+
+class Expert(ctypes.Structure):
+    """One expert: SwiGLU's gate and up (F, D) of one kind and group, down (D, F); or, with up.O = 0,
+    gpt-oss's clamped one: gate its gate_up (2F, D, gate and up interleaved) with its bias, down with
+    its bias."""
+    _fields_ = [("gate", Lin), ("up", Lin), ("down", Lin)]
+
+
+class LatentC(ctypes.Structure):
+    """decode_abi.h's `Latent`: a layer's latent attention (DeepSeek, Kimi) in its absorbed form."""
+    _fields_ = [("q_a", Lin), ("q_b", Lin), ("kv_a", Lin), ("q_norm", _P), ("kv_norm", _P), ("eps", _F32),
+                ("scale", _F32), ("w_ukT", _P), ("w_uv", _P), ("nope", _I), ("L", _I), ("dv", _I), ("interleave", _I)]
+
+
+class LayerC(ctypes.Structure):
+    _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
+                ("window", _I), ("qk_norm", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("clip", _F32),
+                ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("mla", ctypes.POINTER(LatentC)), ("E", _I), ("router", Lin), ("correction", _P),
+                ("experts", ctypes.POINTER(Expert)), ("shared", ctypes.POINTER(Expert)), ("shared_gate", Lin)]
+
+
+class Net(ctypes.Structure):
+    _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("R", _I), ("F", _I), ("E", _I),
+                ("top_k", _I), ("norm_topk", _I), ("router", _I), ("sigmoid_scores", _I), ("n_group", _I),
+                ("topk_group", _I), ("group_top2", _I), ("kv16", _I), ("routed_scale", _F32), ("alpha", _F32),
+                ("limit", _F32), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
+                ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
+
+
+@dataclass
+class LayerParts:
+    """One layer of a `Net`, as either front-end finds it (the torch plan, the torch-free runner):
+    addresses of its norms' weights, its products, and its experts (one for a dense layer)."""
+
+    attn_norm: int
+    attn_eps: float
+    ffn_norm: int
+    ffn_eps: float
+    qkv: list[Lin]  # q, k and v: one stacked product, or three (none: latent attention, `mla`)
+    o: Lin
+    window: int  # sliding window (0: none)
+    experts: ctypes.Array  # of Expert: the layer's E routed experts, or its one dense SwiGLU
+    ffn_width: int  # F, the experts' (or the dense layer's) intermediate size (gpt-oss: half gate_up's outputs)
+    router: Lin | None = None  # None: a dense layer
+    qk_norm: int = 0  # QK_NORM's value of the config's q/k norm
+    q_norm: int | None = None  # the q and k norms' weights
+    k_norm: int | None = None
+    qk_eps: float = 0.0
+    clip: float = 0.0  # > 0: q, k and v clamped to [-clip, clip]
+    sinks: int | None = None  # H logits
+    correction: int | None = None  # E biases on the grouped router's choice
+    shared: ctypes.Array | None = None  # of one Expert: the shared expert
+    shared_gate: Lin | None = None  # its sigmoid gate (O = 1), if it has one
+    mla: LatentC | None = None  # latent attention in place of q/k/v (kept alive by the caller)
+
+
+# decode_abi.h's `Layer.qk_norm` for `semoe.model.config.MoEConfig.qk_norm`, and `Net.router` for its router
+QK_NORM = {"none": 0, "full": 1, "head": 2}
+ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2}
+# prefill.c's and kernels.h's sizes, for what a prompt's pass allocates (`inference.torch_free.sequence_memory`):
+# the rows of a block (PREFILL_ROWS), the rows sharing a key's load (ROW_GROUP) and the expanded latent
+# attention's default limit a layer (`prefill_expand_limit`)
+PREFILL_ROWS, ROW_GROUP, EXPAND_LIMIT = 64, 4, 256 << 20
+
+
+def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head: Lin,
+              kv16: bool = False) -> tuple[Net, ctypes.Array]:
+    """decode_step.c's `Net` of a model (`config`: its `semoe.model.config.ModelConfig`) over these layers,
+    and the array of `LayerC` it points into (keep it while the Net is used): the one assembly both
+    front-ends share. `kv16`: grouped-query attention's KV caches hold float16."""
+    arr = (LayerC * len(layers))()
+    for lp, lc in zip(layers, arr):
+        lc.attn_norm, lc.attn_eps, lc.ffn_norm, lc.ffn_eps = lp.attn_norm, lp.attn_eps, lp.ffn_norm, lp.ffn_eps
+        lc.n_qkv, lc.window, lc.o = len(lp.qkv), lp.window, lp.o
+        lc.qk_norm, lc.q_norm, lc.k_norm, lc.qk_eps = lp.qk_norm, lp.q_norm, lp.k_norm, lp.qk_eps
+        lc.clip, lc.sinks, lc.correction = lp.clip, lp.sinks, lp.correction
+        if lp.mla is not None:
+            lc.mla = ctypes.pointer(lp.mla)
+        if lp.shared is not None:
+            lc.shared = lp.shared
+            if lp.shared_gate is not None:
+                lc.shared_gate = lp.shared_gate
+        for j, lin in enumerate(lp.qkv):
+            lc.qkv[j] = lin
+        lc.experts = lp.experts
+        if lp.router is not None:
+            lc.E, lc.router = len(lp.experts), lp.router
+    F = max(max(lp.ffn_width, lp.shared[0].gate.O if lp.shared is not None else 0) for lp in layers)
+    E, Dh, c = max(lc.E for lc in arr), config.head_dim, config
+    net = Net(len(layers), c.hidden_size, c.num_heads, c.num_kv_heads, Dh, c.rope_dim, F, E, max(c.top_k, 1),
+              int(bool(c.norm_topk_prob)), ROUTER[c.router], int(c.router_scores == "sigmoid"), c.n_group,
+              c.topk_group, int(c.group_score == "top2"), int(kv16), c.routed_scaling_factor, c.swiglu_alpha,
+              c.swiglu_limit, Dh ** -0.5, norm_eps, norm, arr, head)
+    return net, arr
+
+
+# decode_abi.h's struct names -> their mirrors, which `check_layout` compares field by field
+STRUCTS = {"Lin": Lin, "Expert": Expert, "Latent": LatentC, "Layer": LayerC, "Net": Net}
+
+
+def check_layout(lib: ctypes.CDLL, path: str, structs: dict[str, type[ctypes.Structure]] = STRUCTS) -> None:
+    """KernelABIError unless each struct's size and field offsets in the library (its
+    `semoe_abi_layout`) equal its ctypes mirror's."""
+    try:
+        layout = lib.semoe_abi_layout
+    except AttributeError:
+        raise KernelABIError(f"{path}: no semoe_abi_layout, built from older sources than semoe/kernels/loader.py: "
+                             f"reinstall (pip install -e .) to rebuild the kernels") from None
+    layout.argtypes = [ctypes.c_char_p, ctypes.POINTER(_I), _I, ctypes.POINTER(_I)]
+    layout.restype = _I
+    for name, mirror in structs.items():
+        offsets, n = (_I * 64)(), _I()
+        size = layout(name.encode(), offsets, 64, ctypes.byref(n))
+        got = (size, list(offsets[:n.value]))
+        want = (ctypes.sizeof(mirror), [getattr(mirror, f[0]).offset for f in mirror._fields_])
+        if got != want:
+            raise KernelABIError(f"{path}: struct {name} is {got[0]} bytes with fields at {got[1]} in the library "
+                                 f"but {want[0]} bytes with fields at {want[1]} in semoe/kernels/loader.py: change "
+                                 f"semoe/kernels/decode_abi.h and the mirror together, then reinstall")
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    lib.gemv_i8.argtypes = [_P, _P, _P, _P, _I, _I, _I, _INT]
+    lib.gemv_i4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _INT]
+    lib.quantize_rows_q8.argtypes = [_P, _P, _P, _I, _I, _I]
+    lib.gemv_bf16.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
+    lib.gemv_f32.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
+    lib.gemv_f32_io.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
+    lib.gemv_f32_heads.argtypes = [_P, _P, _P, _I, _I, _I, _INT]
+    lib.rmsnorm_f32.argtypes = [_P, _P, _F32, _P, _I, _I]
+    lib.attend_decode_f32.argtypes = [_P, _P, _P, _P, _P, _P, _P, _I, _I, _I, _I, _I, _I, _I, _F32, _P, _P, _INT]
+    lib.gemv_mxfp4.argtypes = [_P, _P, _P, _P, _I, _I, _I, _INT]
+    lib.gemv_fp8.argtypes = [_P, _P, _P, _P, _I, _I, _I, _I, _INT]
+    lib.swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _P, _P, _I, _P, _P, _I, _P, _INT]
+    lib.clamped_swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _I, _P, _P, _P, _I, _P, _F32, _F32, _P, _INT]
+    lib.moe_combine_f32.argtypes = [_P, _P, _P, _I, _I]
+    lib.decode_step.argtypes = [_P, _P, _P, _P, _I, _I, _P, _P, _P, _INT]
+    lib.decode_work.argtypes = [_P, _I]
+    lib.decode_work.restype = _P
+    lib.decode_work_free.argtypes = [_P]
+    lib.decode_attend.argtypes = [_P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _INT]
+    lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
+    lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
+    lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
+    lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _INT]
+    lib.prefill_head.argtypes = [_P, _P, _I, _P, _INT]
+    lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
+    lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
+    lib.prefill_expand_limit.argtypes = [_I]
+    lib.prefill_expand_limit.restype = _I
+    for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_fp8, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads,
+              lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_work_free, lib.prefill_norm):
+        f.restype = None
+    # these allocate: they return 0, or -1 where memory could not be had, which every call checks
+    for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,
+              lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_head, lib.prefill_attend,
+              lib.prefill_head, lib.prefill_experts, lib.prefill_finish):
+        f.restype = ctypes.c_int
+        f.errcheck = _out_of_memory
+    lib.decode_work.errcheck = _no_work
+    lib.kernels_isa.restype = ctypes.c_int
+    return lib
+
+
+def _out_of_memory(rc: int, fn, args) -> int:
+    if rc != 0:
+        raise MemoryError(f"semoe's CPU kernels: out of memory for the buffers of {fn.__name__}")
+    return rc
+
+
+def _no_work(work: int | None, fn, args) -> int:
+    if not work:
+        raise MemoryError("semoe's CPU kernels: out of memory for a decoding step's buffers (decode_work)")
+    return work
+
+
+def load(path: str) -> ctypes.CDLL:
+    """The library at `path`, its structs' layouts checked and its entry points declared."""
+    lib = ctypes.CDLL(path)
+    check_layout(lib, path)
+    return _declare(lib)
+
+
+def installed() -> dict[str, str]:
+    """Variant name -> the path of its library, for every build the install made (on any CPU)."""
+    out = {}
+    for v in variants.VARIANTS:
+        spec = importlib.util.find_spec(f"semoe.kernels.{v.module}")
+        if spec is not None and spec.origin is not None:
+            out[v.name] = spec.origin
+    return out
+
+
+def choose(flags: frozenset[str], builds: dict[str, str], machine: str | None = None) -> tuple[str, str] | None:
+    """(variant, path) of the best build in `builds` that a CPU with these flags (of `machine`, this
+    one's by default) runs; None if none."""
+    for v in variants.runnable(flags, machine):
+        if v.name in builds:
+            return v.name, builds[v.name]
+    return None
+
+
+@cache
+def chosen() -> tuple[str, str] | None:
+    """(variant, path) of the library `library()` loads: SEMOE_CPU_KERNELS's (another build of
+    semoe/kernels/*.c, as the tests load each variant's; `off` for none), or the best installed build
+    this CPU runs; None where there is none."""
+    path = os.environ.get("SEMOE_CPU_KERNELS")
+    if path == "off":
+        return None
+    if path:
+        return "SEMOE_CPU_KERNELS", path
+    return choose(variants.cpu_flags(), installed())
+
+
+@cache
+def library() -> ctypes.CDLL | None:
+    """The kernels' library with its layouts checked and entry points declared; None where no build
+    this CPU runs is installed (the callers then take torch's ops)."""
+    pick = chosen()
+    if pick is None:
+        return None
+    name, path = pick
+    lib = load(path)
+    took = ISAS[lib.kernels_isa()]
+    if name in variants.BY_NAME and took != name:  # CFLAGS at install can add vector flags
+        raise KernelABIError(f"{path}: installed as the {name} kernels but built for {took} (flags from the "
+                             f"environment at install, such as CFLAGS?): reinstall without them")
+    return lib
+
+
+def status() -> str:
+    """One line on the kernels in use, for `semoe env` and the install: the variant and library, or
+    why there are none."""
+    pick = chosen()
+    if pick is not None:
+        return f"{ISAS[library().kernels_isa()]} ({os.path.basename(pick[1])})"
+    if os.environ.get("SEMOE_CPU_KERNELS") == "off":
+        return "off (SEMOE_CPU_KERNELS=off)"
+    builds = installed()
+    if builds:
+        return f"off: this CPU runs none of the installed builds ({', '.join(builds)})"
+    return "off: not built at install (no C compiler with OpenMP)"
+
+
+ISAS = ("portable", "avx2", "avx512-vnni")  # the paths a library's code takes, by its kernels_isa()

@@ -1,0 +1,397 @@
+"""Attention variants with a KV cache, and rotary embeddings.
+
+- `Attention`: grouped-query attention with optional q/k norm (over all heads or per head), qkv
+  clipping, biases, partial rotary dims, a sliding window, and attention sinks (gpt-oss: a learnt
+  per-head logit in each softmax's denominator).
+- `LatentAttention`: DeepSeek's multi-head latent attention. K and V come from a small latent per
+  position (`kv_lora_rank`) plus one shared rotary key (`qk_rope_head_dim`); the cache holds those
+  two, not the per-head K and V.
+
+Rotary embeddings are plain RoPE or YaRN, rotating halves or interleaved pairs (DeepSeek).
+
+Shape legend: B batch, T tokens in this call, S cached + new positions, D hidden size, H query
+heads, G key/value heads, Dh head dim, R rotary dims, L latent (kv_lora_rank), Dv value head dim.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from semoe.kernels import torch_ops
+from semoe.model import rope
+from semoe.model.rope import softmax_scale
+from semoe.model.compact_linear import CompactLinear, Linear, stacked_float_rows, stacked_rows
+from semoe.model.config import MoEConfig
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm, computed in float32 like the reference implementations."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+            # a decoding step on CPU pays for each op it dispatches: semoe's kernel for a step's rows
+            # (no gradient), else torch's fused norm, the formula's bits in one op instead of seven
+            if torch_ops.takes(x) and x.is_contiguous() and torch_ops.no_grad_wanted(x, self.weight):
+                return torch_ops.rms_norm(x, self.weight, self.eps)
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+# -- rotary embeddings --------------------------------------------------------------------------
+
+
+def rope_inv_freq(config: MoEConfig, device: torch.device | None = None) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies (R/2,) of the rotary dims, made on `device`, and the scale of cos and sin
+    (plain RoPE or YaRN: `semoe.model.rope`, which the torch-free runner computes them with too)."""
+    inv, scale = rope.inv_freq(config)
+    return torch.from_numpy(inv).to(device), scale
+
+
+# rope_inv_freq's results by what they depend on (rotary dims, base, scaling, device): a decoding
+# step would otherwise rebuild the same frequencies, four small ops, for each token
+_INV_FREQ: dict[tuple, tuple[torch.Tensor, float]] = {}
+
+
+def rope_tables(config: MoEConfig, positions_BT: torch.Tensor, dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, (B, T, R) each, for integer positions."""
+    key = (config.rope_dim, config.rope_theta, repr(config.rope_scaling), positions_BT.device)
+    if key not in _INV_FREQ:
+        _INV_FREQ[key] = rope_inv_freq(config, positions_BT.device)
+    inv_freq, scale = _INV_FREQ[key]
+    freqs_BTr = positions_BT.float()[..., None] * inv_freq
+    emb = torch.cat((freqs_BTr, freqs_BTr), dim=-1)
+    if scale == 1.0:  # the same values without two products
+        return emb.cos().to(dtype), emb.sin().to(dtype)
+    return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
+
+
+def apply_rope(x_BHTDh: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, *,
+               interleave: bool = False) -> torch.Tensor:
+    """Rotate the first R dims of each head, by halves (i, i + R/2) or interleaved pairs (2i, 2i + 1);
+    the other dims pass through. Interleaved pairs come out as halves (the same permutation for
+    queries and keys, so their dot products are unchanged)."""
+    rot = cos_BTR.shape[-1]
+    x, rest = (x_BHTDh, None) if rot == x_BHTDh.shape[-1] else (x_BHTDh[..., :rot], x_BHTDh[..., rot:])
+    cos, sin = cos_BTR[:, None], sin_BTR[:, None]
+    if interleave:
+        cos, sin = cos[..., :rot // 2], sin[..., :rot // 2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
+        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    else:
+        half = rot // 2
+        out = x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+    return out if rest is None else torch.cat((out, rest), dim=-1)
+
+
+# -- the KV cache and masks ---------------------------------------------------------------------
+
+
+@dataclass
+class KVCache:
+    """Preallocated cache of every layer, filled up to `length`: keys and values (B, G, S_max, Dh)
+    for grouped-query attention; for latent attention the latent (B, 1, S_max, L) in `k` and the
+    rotary key (B, 1, S_max, R) in `v`."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    length: int = 0
+
+    @staticmethod
+    def shapes(config: MoEConfig, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The (k, v) shapes of one layer's cache."""
+        if config.attention == "mla":
+            return (batch, 1, max_len, config.kv_lora_rank), (batch, 1, max_len, config.qk_rope_head_dim)
+        return ((batch, config.num_kv_heads, max_len, config.head_dim),) * 2
+
+    @classmethod
+    def bytes_for(cls, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
+        """Bytes of the cache `empty` allocates."""
+        k, v = cls.shapes(config, batch, max_len)
+        return config.num_layers * (math.prod(k) + math.prod(v)) * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def empty(cls, config: MoEConfig, batch: int, max_len: int, *, device: torch.device | str = "cpu",
+              dtype: torch.dtype = torch.float32) -> "KVCache":
+        """A cache for `max_len` positions."""
+        if max_len > config.max_position:
+            raise ValueError(f"max_len {max_len} exceeds the model's max_position {config.max_position}")
+        k_shape, v_shape = cls.shapes(config, batch, max_len)
+        return cls(k=[torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(config.num_layers)],
+                   v=[torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(config.num_layers)])
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[2]
+
+    def grow(self, max_len: int) -> None:
+        """Room for `max_len` positions (at least the current capacity): every layer's k and v moved
+        into larger tensors, the filled positions copied."""
+        if max_len < self.capacity:
+            raise ValueError(f"a KV cache of {self.capacity} positions cannot shrink to {max_len}")
+        for kv in (self.k, self.v):
+            for i, t in enumerate(kv):
+                bigger = t.new_zeros(*t.shape[:2], max_len, t.shape[3])
+                bigger[:, :, :self.length] = t[:, :, :self.length]
+                kv[i] = bigger
+
+    def addresses(self) -> tuple[list[int], list[int]]:
+        """The addresses of its layers' k and v (the compiled kernels' view of a batch of one)."""
+        return [k.data_ptr() for k in self.k], [v.data_ptr() for v in self.v]
+
+    def copy_from(self, src: "KVCache", n: int) -> None:
+        """Take the first n positions of `src` (a sequence sharing this one's first n tokens): every
+        layer's k and v copied; this cache then holds n."""
+        if n > min(self.capacity, src.length):
+            raise ValueError(f"{n} positions: the source holds {src.length}, this cache {self.capacity}")
+        for mine, theirs in ((self.k, src.k), (self.v, src.v)):
+            for a, b in zip(mine, theirs):
+                a[:, :, :n] = b[:, :, :n]
+        self.length = n
+
+    def trimmed(self) -> "KVCache":
+        """A copy holding exactly the filled positions (`length`), nothing more."""
+        cut = lambda t: t[:, :, :self.length].clone()  # noqa: E731
+        return KVCache(k=[cut(t) for t in self.k], v=[cut(t) for t in self.v], length=self.length)
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Write this call's T positions after `length`; returns the layer's k and v so far."""
+        start, T = self.length, k.shape[2]
+        if start + T > self.capacity:
+            raise ValueError(f"KV cache of {self.capacity} positions cannot take {start + T}")
+        self.k[layer][:, :, start:start + T] = k
+        self.v[layer][:, :, start:start + T] = v
+        return self.k[layer][:, :, :start + T], self.v[layer][:, :, :start + T]
+
+
+def attention_mask(T: int, start: int, window: int | None, device: torch.device
+                   ) -> tuple[torch.Tensor | None, bool]:
+    """(bool mask (T, start + T) or None, is_causal) for T queries after `start` cached positions.
+
+    Query i (position start + i) sees keys j <= start + i, and with a window only start + i - j < window.
+    A square causal mask without a window is left to the kernel (`is_causal`), which flash kernels take."""
+    S = start + T
+    if window is None or window >= S:
+        if T > 1 and start == 0:
+            return None, True
+        if T == 1:  # one new token sees every cached position
+            return None, False
+        return torch.ones(T, S, dtype=torch.bool, device=device).tril(diagonal=start), False
+    q_T1 = torch.arange(start, S, device=device)[:, None]
+    k_1S = torch.arange(S, device=device)[None, :]
+    return (k_1S <= q_T1) & (q_T1 - k_1S < window), False
+
+
+def attend(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask: torch.Tensor | None,
+           causal: bool, *, scale: float | None = None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax attention, (B, H, T, Dv). With sinks, each head's softmax denominator also holds
+    exp(sink): computed explicitly (no fused kernel takes sinks), in float32 like the reference."""
+    H, G = q_BHTD.shape[1], k_BGSD.shape[1]
+    if sinks_H is None:
+        return F.scaled_dot_product_attention(q_BHTD, k_BGSD, v_BGSD, attn_mask=mask, is_causal=causal,
+                                              scale=scale, enable_gqa=G != H)
+    k_BHSD, v_BHSD = k_BGSD.repeat_interleave(H // G, dim=1), v_BGSD.repeat_interleave(H // G, dim=1)
+    scale = q_BHTD.shape[-1] ** -0.5 if scale is None else scale
+    scores_BHTS = (q_BHTD @ k_BHSD.transpose(-1, -2)).float() * scale
+    T, S = scores_BHTS.shape[-2:]
+    if causal:
+        mask = torch.ones(T, S, dtype=torch.bool, device=q_BHTD.device).tril()
+    if mask is not None:
+        scores_BHTS = scores_BHTS.masked_fill(~mask, float("-inf"))
+    sink_BHT1 = sinks_H.float().view(1, H, 1, 1).expand(scores_BHTS.shape[0], H, T, 1)
+    logits = torch.cat((scores_BHTS, sink_BHT1), dim=-1)
+    probs = torch.softmax(logits - logits.max(dim=-1, keepdim=True).values, dim=-1)[..., :-1]
+    return probs.to(v_BHSD.dtype) @ v_BHSD
+
+
+# -- the variants -------------------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Grouped-query attention with rotary embeddings and the options listed in the module docstring."""
+
+    def __init__(self, config: MoEConfig, layer: int) -> None:
+        super().__init__()
+        c, d = config, config.head_dim
+        self.config = config
+        self.layer = layer
+        self.window = config.window(layer)
+        self.q_proj = Linear(c.hidden_size, c.num_heads * d, bias=c.attention_bias)
+        self.k_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
+        self.v_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
+        self.o_proj = Linear(c.num_heads * d, c.hidden_size, bias=c.o_proj_bias)
+        self.qkv_proj: nn.Module | None = None  # q, k and v as one compact product (`stack_qkv`)
+        if c.qk_norm == "full":
+            self.q_norm = RMSNorm(c.num_heads * d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(c.num_kv_heads * d, c.rms_norm_eps)
+        elif c.qk_norm == "head":
+            self.q_norm = RMSNorm(d, c.rms_norm_eps)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps)
+        if c.attention_sinks:
+            self.sinks = nn.Parameter(torch.zeros(c.num_heads))
+
+    def stack_qkv(self) -> None:
+        """Once q, k and v are loaded for inference as compact weights of one kind or as plain ones of
+        one dtype, compute them as one product: a decoding step then makes one kernel call for the
+        three, with the same bits."""
+        if self.qkv_proj is not None:
+            return
+        parts = [self.q_proj, self.k_proj, self.v_proj]
+        if all(isinstance(p, CompactLinear) for p in parts):
+            stacked = stacked_rows(parts)
+        else:
+            stacked = stacked_float_rows(parts)
+        if stacked is not None:
+            self.qkv_proj, self.qkv_sizes = stacked, [p.out_features for p in parts]
+            del self.q_proj, self.k_proj, self.v_proj
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | list[KVCache] | None, counts: list[int] | None = None) -> torch.Tensor:
+        return packed_attention(self, x_BTD, cos, sin, cache, counts)
+
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k and v of every row (the products over all rows at once; `packed_attention`)."""
+        c = self.config
+        if self.qkv_proj is not None:
+            # contiguous as separate products' outputs are (a copy only for several rows), so the
+            # norms and kernels after take the same path, with the same bits, as they do for those
+            q, k, v = (t.contiguous() for t in self.qkv_proj(x_BTD).split(self.qkv_sizes, dim=-1))
+        else:
+            q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if c.qk_norm == "full":
+            q, k = self.q_norm(q), self.k_norm(k)
+        if c.clip_qkv is not None:
+            q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
+        return q, k, v
+
+    def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      cache: KVCache | None) -> torch.Tensor:
+        """One sequence's rows after `project`: per-head norms, rotary, the cache, attention; (B, T, H * Dh)
+        for o_proj."""
+        c = self.config
+        B, T, _ = q.shape
+        if c.qk_norm == "head":
+            q = self.q_norm(q.view(B, T, c.num_heads, c.head_dim)).view(B, T, -1)
+            k = self.k_norm(k.view(B, T, c.num_kv_heads, c.head_dim)).view(B, T, -1)
+        sinks = self.sinks if c.attention_sinks else None
+        if self._one_call_decode(q, k, v, cos, cache):
+            out = torch_ops.attend_decode(q.view(-1), k.view(-1), v.view(-1), cos.view(-1), sin.view(-1),
+                                            cache.k[self.layer][0], cache.v[self.layer][0], cache.length,
+                                            c.head_dim ** -0.5, window=self.window, sinks_H=sinks)
+            return out.view(B, T, -1)
+        q_BHTDh = apply_rope(q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2), cos, sin,
+                             interleave=c.rope_interleave)
+        k_BGTDh = apply_rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin,
+                             interleave=c.rope_interleave)
+        v_BGTDh = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        start = 0
+        if cache is not None:
+            start = cache.length
+            k_BGTDh, v_BGTDh = cache.append(self.layer, k_BGTDh, v_BGTDh)
+        mask, causal = attention_mask(T, start, self.window, q.device)
+        out_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask, causal, sinks_H=sinks)
+        return out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim)
+
+    def _one_call_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
+                         cache: KVCache | None) -> bool:
+        """One token of one sequence on CPU in float32, rotation by halves, room in the cache, no
+        gradient: `torch_ops.attend_decode` does the step in one call (partial rotary, a window
+        and sinks included)."""
+        c = self.config
+        sinks = (self.sinks,) if c.attention_sinks else ()
+        return (cache is not None and q.shape[0] == 1 and q.shape[1] == 1 and not c.rope_interleave
+                and cache.length < cache.capacity
+                and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer], *sinks))
+                and all(t.is_contiguous() for t in (q, k, v, cache.k[self.layer], cache.v[self.layer], *sinks))
+                and torch_ops.no_grad_wanted(q, k, v, *sinks) and torch_ops.takes(q))
+
+
+class LatentAttention(nn.Module):
+    """DeepSeek's multi-head latent attention; the cache holds the normed latent and the rotary key."""
+
+    def __init__(self, config: MoEConfig, layer: int) -> None:
+        super().__init__()
+        c = config
+        self.config = config
+        self.layer = layer
+        qk = c.qk_nope_head_dim + c.qk_rope_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj = Linear(c.hidden_size, c.num_heads * qk, bias=False)
+        else:
+            self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * qk, bias=False)
+        self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
+                                            bias=c.attention_bias)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
+        self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.o_proj_bias)
+        self.scale = softmax_scale(config)
+
+    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | list[KVCache] | None, counts: list[int] | None = None) -> torch.Tensor:
+        return packed_attention(self, x_BTD, cos, sin, cache, counts)
+
+    def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, the normed latent and the rotary key of every row (`packed_attention`)."""
+        c = self.config
+        q = self.q_proj(x_BTD) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        latent_BTL, k_rot_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        return q, self.kv_a_layernorm(latent_BTL), k_rot_BTR
+
+    def attend_cached(self, q: torch.Tensor, latent_BTL: torch.Tensor, k_rot_BTR: torch.Tensor, cos: torch.Tensor,
+                      sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
+        """One sequence's rows after `project`: rotary, the cache, the keys and values from the cached
+        latents, attention; (B, T, H * Dv) for o_proj."""
+        c = self.config
+        B, T, _ = q.shape
+        H, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
+        q_BHTd = q.view(B, T, H, nope + rope).transpose(1, 2)
+        q_rot = apply_rope(q_BHTd[..., nope:], cos, sin, interleave=c.rope_interleave)
+        latent_B1TL = latent_BTL[:, None]
+        k_rot_B1TR = apply_rope(k_rot_BTR[:, None], cos, sin, interleave=c.rope_interleave)
+        start = 0
+        if cache is not None:
+            start = cache.length
+            latent_B1TL, k_rot_B1TR = cache.append(self.layer, latent_B1TL, k_rot_B1TR)
+        S = latent_B1TL.shape[2]
+        kv_BHSd = self.kv_b_proj(latent_B1TL[:, 0]).view(B, S, H, nope + c.v_head_dim).transpose(1, 2)
+        k_nope_BHSd, v_BHSDv = kv_BHSd.split([nope, c.v_head_dim], dim=-1)
+        k_BHSd = torch.cat((k_nope_BHSd, k_rot_B1TR.expand(B, H, S, rope)), dim=-1)
+        q_BHTd = torch.cat((q_BHTd[..., :nope], q_rot), dim=-1)
+        mask, causal = attention_mask(T, start, None, q.device)
+        out_BHTDv = attend(q_BHTd, k_BHSd, v_BHSDv, mask, causal, scale=self.scale)
+        return out_BHTDv.transpose(1, 2).reshape(B, T, H * c.v_head_dim)
+
+
+def packed_attention(attn: nn.Module, x_1ND: torch.Tensor, cos_1NR: torch.Tensor, sin_1NR: torch.Tensor,
+                     caches: KVCache | list[KVCache] | None, counts: list[int] | None) -> torch.Tensor:
+    """Either variant's forward. With `counts`, x's rows are the packed tokens of several sequences
+    (`MoEGPT.forward_packed`): the projections over all rows at once, then each sequence's rows
+    against its own cache in `caches`; without, one batch against one cache (or none)."""
+    parts = attn.project(x_1ND)
+    if counts is None or len(counts) == 1:
+        return attn.o_proj(attn.attend_cached(*parts, cos_1NR, sin_1NR, caches if counts is None else caches[0]))
+    outs, s = [], 0
+    for cache, n in zip(caches, counts):
+        outs.append(attn.attend_cached(*(p[:, s:s + n] for p in parts), cos_1NR[:, s:s + n], sin_1NR[:, s:s + n],
+                                       cache))
+        s += n
+    return attn.o_proj(torch.cat(outs, dim=1))
+
+
+def make_attention(config: MoEConfig, layer: int) -> nn.Module:
+    """The attention variant `config` names, for `layer`."""
+    return LatentAttention(config, layer) if config.attention == "mla" else Attention(config, layer)

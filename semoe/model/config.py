@@ -1,0 +1,203 @@
+"""One typed config for every MoE GPT semoe runs, and builders from HuggingFace `config.json`.
+
+The same `MoEConfig` describes a model trained here from scratch (`gpt_moe`) and the HuggingFace
+architectures semoe loads (Mixtral, Qwen2-MoE, OLMoE). Fields that only some architectures use
+have neutral defaults (no shared expert, no q/k norm, no attention bias).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
+
+# One list with `store import`: every HuggingFace model type it accepts, plus models trained here.
+ARCHITECTURES = ("gpt_moe", *(t for t in SUPPORTED_MODEL_TYPES if t != "semoe_gpt"))
+ATTENTIONS = ("gqa", "mla")  # grouped-query attention; DeepSeek's multi-head latent attention
+# "full": RMSNorm over all heads' q (and k) before splitting (OLMoE); "head": per head (Qwen3, GLM-4.5)
+QK_NORMS = ("none", "full", "head")
+# "softmax_topk": softmax, then top-k (Mixtral, Qwen, OLMoE); "topk_softmax": top-k logits, then a
+# softmax over them (gpt-oss); "grouped": DeepSeek's group-limited top-k on softmax or sigmoid scores
+ROUTERS = ("softmax_topk", "topk_softmax", "grouped")
+ROUTER_SCORES = ("softmax", "sigmoid")
+GROUP_SCORES = ("max", "top2")  # a group's score: its best expert (V2), or its best two summed (V3)
+# "swiglu": down(silu(gate x) * up x); "clamped_swiglu": gpt-oss's, with biases and clamping
+EXPERT_MLPS = ("swiglu", "clamped_swiglu")
+
+
+@dataclass(kw_only=True)
+class MoEConfig:
+    """Shape and behaviour of a decoder-only MoE transformer."""
+
+    arch: str = "gpt_moe"
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None  # default hidden_size // num_heads
+    ffn_size: int  # intermediate size of dense (non-MoE) feed-forward layers
+    moe_ffn_size: int  # intermediate size of one expert
+    num_experts: int
+    top_k: int
+    norm_topk_prob: bool = True  # renormalise the top-k router probabilities to sum to 1
+    shared_expert_size: int = 0  # 0: no shared expert
+    shared_expert_gate: bool = True  # a sigmoid gate on the shared expert (Qwen2-MoE); DeepSeek has none
+    # which layers are MoE; the rest use a dense feed-forward layer
+    moe_layers: tuple[int, ...] | None = None  # None: every layer
+    rms_norm_eps: float = 1e-6
+    max_position: int = 4096
+    # -- attention
+    attention: str = "gqa"
+    attention_bias: bool = False  # bias on q, k, v projections (Qwen2-MoE, GLM-4.5, gpt-oss)
+    o_proj_bias: bool = False  # bias on the output projection (gpt-oss)
+    qk_norm: str = "none"
+    clip_qkv: float | None = None
+    sliding_window: int | None = None  # a query sees this many positions back, itself included
+    sliding_layers: tuple[int, ...] | None = None  # layers with the window; None: all (when set)
+    attention_sinks: bool = False  # a learnt per-head logit in every softmax's denominator (gpt-oss)
+    # multi-head latent attention (attention="mla"): the cache holds a kv_lora_rank latent per position
+    q_lora_rank: int | None = None  # None: q is one projection (DeepSeek-V2-Lite)
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    # -- rotary embeddings
+    rope_theta: float = 10000.0
+    rope_dim: int | None = None  # rotated dims of each head (default: all of head_dim; MLA: qk_rope_head_dim)
+    rope_interleave: bool = False  # rotate pairs (x0, x1), (x2, x3)... (DeepSeek) instead of halves
+    rope_scaling: dict[str, Any] | None = None  # YaRN parameters (rope_type "yarn"); None: plain RoPE
+    # -- routing
+    router: str = "softmax_topk"
+    router_bias: bool = False  # a bias on the router's logits (gpt-oss)
+    router_scores: str = "softmax"  # grouped router: softmax (DeepSeek-V2) or sigmoid (V3, GLM-4.5)
+    score_correction_bias: bool = False  # grouped router: a per-expert bias on choice only (V3)
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: str = "max"
+    routed_scaling_factor: float = 1.0
+    # -- experts
+    expert_mlp: str = "swiglu"
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
+    tie_embeddings: bool = False
+    # training-only routing behaviour
+    capacity_factor: float | None = None  # None: no token dropping
+    aux_loss_coef: float = 0.01
+    z_loss_coef: float = 0.001
+    # token ids the tokenizer defines, carried for generation
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # the source config, kept for export
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHITECTURES:
+            raise ValueError(f"arch must be one of {', '.join(ARCHITECTURES)}, got {self.arch!r}")
+        for name in ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "ffn_size",
+                     "moe_ffn_size", "num_experts", "top_k", "max_position"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ValueError(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        for name, allowed in (("attention", ATTENTIONS), ("qk_norm", QK_NORMS), ("router", ROUTERS),
+                              ("router_scores", ROUTER_SCORES), ("group_score", GROUP_SCORES),
+                              ("expert_mlp", EXPERT_MLPS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+        if self.attention == "mla":
+            for name in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+                if getattr(self, name) < 1:
+                    raise ValueError(f"attention 'mla' needs {name} >= 1, got {getattr(self, name)}")
+            self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+            self.rope_dim = self.qk_rope_head_dim
+        if self.head_dim is None:
+            if self.hidden_size % self.num_heads:
+                raise ValueError(f"hidden_size ({self.hidden_size}) must divide by num_heads ({self.num_heads}) "
+                                 "unless head_dim is given")
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.rope_dim is None:
+            self.rope_dim = self.head_dim
+        if not 2 <= self.rope_dim <= self.head_dim or self.rope_dim % 2:
+            raise ValueError(f"rope_dim must be even and in 2..head_dim ({self.head_dim}), got {self.rope_dim}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must divide by num_kv_heads ({self.num_kv_heads})")
+        if not 1 <= self.top_k <= self.num_experts:
+            raise ValueError(f"top_k must be in 1..num_experts ({self.num_experts}), got {self.top_k}")
+        if self.num_experts % self.n_group or not 1 <= self.topk_group <= self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts}) and "
+                             f"topk_group ({self.topk_group}) be in 1..n_group")
+        if self.topk_group * (self.num_experts // self.n_group) < self.top_k:
+            raise ValueError(f"topk_group ({self.topk_group}) groups of {self.num_experts // self.n_group} experts "
+                             f"cannot hold top_k ({self.top_k}) experts")
+        if self.shared_expert_size < 0:
+            raise ValueError(f"shared_expert_size must be >= 0, got {self.shared_expert_size}")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "yarn":
+            raise ValueError(f"rope_scaling must be YaRN (rope_type 'yarn') or None, got {self.rope_scaling!r}")
+        for name in ("moe_layers", "sliding_layers"):
+            layers = getattr(self, name)
+            if layers is not None:
+                layers = tuple(sorted(set(int(i) for i in layers)))
+                bad = [i for i in layers if not 0 <= i < self.num_layers]
+                if bad:
+                    raise ValueError(f"{name} has layers {bad} outside 0..{self.num_layers - 1}")
+                setattr(self, name, layers)
+
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer` has a MoE feed-forward block (else a dense one)."""
+        return self.moe_layers is None or layer in self.moe_layers
+
+    def window(self, layer: int) -> int | None:
+        """The sliding window of `layer`'s attention, or None for full causal attention."""
+        if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
+            return None
+        return self.sliding_window
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        """The MoE layers, in order."""
+        return [i for i in range(self.num_layers) if self.is_moe_layer(i)]
+
+    def replace(self, **changes: Any) -> "MoEConfig":
+        """A copy with some fields changed (validated again)."""
+        return dataclasses.replace(self, **changes)
+
+    def num_parameters(self) -> dict[str, int]:
+        """Parameter counts: dense (everything outside experts) and experts (biases and norms left out)."""
+        h, d = self.hidden_size, self.head_dim or 0
+        if self.attention == "mla":
+            q = h * self.num_heads * d if self.q_lora_rank is None else \
+                self.q_lora_rank * (h + self.num_heads * d)
+            kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + \
+                self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
+            attn = q + kv + self.num_heads * self.v_head_dim * h
+        else:
+            attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        expert = 3 * h * self.moe_ffn_size
+        moe = len(self.moe_layer_ids)
+        dense_ffn = (self.num_layers - moe) * 3 * h * self.ffn_size
+        shared = moe * (3 * h * self.shared_expert_size + (h if self.shared_expert_size and self.shared_expert_gate
+                                                            else 0))
+        router = moe * self.num_experts * h
+        emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
+        dense = self.num_layers * (attn + 2 * h) + dense_ffn + shared + router + emb + h
+        return {"dense": dense, "experts": moe * self.num_experts * expert}
+
+
+# Named configs: tiny ones for tests, a small one for training from scratch on this machine.
+NAMED: dict[str, dict[str, Any]] = {
+    "tiny": dict(vocab_size=259, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=128,
+                 moe_ffn_size=64, num_experts=4, top_k=2),
+    "gpt-moe-small": dict(vocab_size=259, hidden_size=256, num_layers=4, num_heads=8, num_kv_heads=4, ffn_size=768,
+                          moe_ffn_size=384, num_experts=8, top_k=2, max_position=1024, capacity_factor=1.25),
+}
+
+
+def named_config(name: str, **overrides: Any) -> MoEConfig:
+    """A named config (see NAMED), optionally with fields changed."""
+    if name not in NAMED:
+        raise ValueError(f"unknown config {name!r}; named configs: {', '.join(NAMED)}")
+    return MoEConfig(**{**NAMED[name], **overrides})

@@ -1,0 +1,59 @@
+"""What a HuggingFace checkpoint's names and model types mean here, without torch.
+
+The model types the store and the models accept (and the aliases that are one of them under another
+name), and the HuggingFace name of each of the model's non-expert parameters. Importing this module
+(and `semoe.model.config`, `semoe.checkpoints.hf_config`, which build on it) loads no torch, so a process that only
+decodes with the compiled kernels (`inference.torch_free.runner`) reads a store's model the same way the model
+does.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Protocol
+
+
+class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names depend on (it imports this module)
+    arch: str
+    shared_expert_gate: bool
+
+SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
+                         "gpt_oss", "semoe_gpt")
+SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
+# model types that are another one under a new name: (architecture they must declare, the type they are)
+ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
+
+
+def model_type_of(config: dict) -> str:
+    """The supported model type a config stands for (an alias such as kimi_k2 gives the type it is)."""
+    model_type = str(config.get("model_type", ""))
+    alias = ALIASES.get(model_type)
+    if alias and alias[0] in (config.get("architectures") or []):
+        return alias[1]
+    return model_type
+
+
+def moe_prefix(config: _Arch) -> str:
+    """The HuggingFace name of a MoE layer's module."""
+    return "block_sparse_moe" if config.arch == "mixtral" else "mlp"
+
+
+def hf_name(config: _Arch, param: str) -> str:
+    """The HuggingFace name of a non-expert model parameter."""
+    m = re.match(r"^layers\.(\d+)\.(.+)$", param)
+    if not m:
+        return {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
+    layer, rest = m.group(1), m.group(2)
+    p = f"model.layers.{layer}."
+    moe = moe_prefix(config)
+    router = "router" if config.arch == "gpt_oss" else "gate"
+    shared = "shared_experts" if not config.shared_expert_gate else "shared_expert"
+    rules = [
+        (r"^attn_norm\.", "input_layernorm."), (r"^ffn_norm\.", "post_attention_layernorm."),
+        (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.{router}."),
+        (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."), (r"^ffn\.shared\.", f"mlp.{shared}."), (r"^ffn\.", "mlp."),
+    ]
+    for pattern, repl in rules:
+        if re.match(pattern, rest):
+            return p + re.sub(pattern, repl, rest)
+    raise KeyError(param)
