@@ -45,7 +45,8 @@ from torch.utils.checkpoint import checkpoint
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from mpress.analytic import analytic_profile  # noqa: E402
-from mpress.executor import Executor, host_pool_bytes_for  # noqa: E402
+from mpress.executor import Executor  # noqa: E402
+from mpress.space import host_pool_bytes_for  # noqa: E402
 from mpress.planner import plan  # noqa: E402
 from mpress.profile import PipelineProfile, Plan, StageProfile  # noqa: E402
 from mpress.profiler import measure_runtime, profile_layers  # noqa: E402

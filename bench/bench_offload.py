@@ -106,7 +106,7 @@ def run_transformers(hf: str, prompt: list[int], new_tokens: int, accelerate_dir
 
 
 def _engine_config(store: str, cache_fraction: float):
-    from inference.engine import EngineConfig
+    from inference.engine_config import EngineConfig
     from storage.store import Store
 
     chunks = Store.open(store).manifest.chunks
@@ -119,8 +119,8 @@ def record_routing(store: str, prompt: list[int], new_tokens: int) -> dict:
     """The layer visits of the request and their experts (for ours-N-replay; run in its own process
     so that its memory is not counted in the measured run's peak RSS)."""
     from inference.engine import Engine
-    from inference.offload.expert_ring import RoutingReplay
-    from semoe.decode.generate import SamplingConfig
+    from inference.offload.ring_bookkeeping import RoutingReplay
+    from semoe.decode.loop import SamplingConfig
 
     engine = Engine.load(store, _engine_config(store, 0.25))
     try:
@@ -134,8 +134,8 @@ def record_routing(store: str, prompt: list[int], new_tokens: int) -> dict:
 def run_ours(store: str, prompt: list[int], new_tokens: int, cache_fraction: float,
              recorded: list | None = None) -> dict:
     from inference.engine import Engine
-    from inference.offload.expert_ring import RoutingReplay
-    from semoe.decode.generate import SamplingConfig
+    from inference.offload.ring_bookkeeping import RoutingReplay
+    from semoe.decode.loop import SamplingConfig
 
     drop_cache(store)
     engine = Engine.load(store, _engine_config(store, cache_fraction))
@@ -174,7 +174,7 @@ def raw_disk_gbps(store: str) -> dict:
 
 
 def child(args: argparse.Namespace) -> None:
-    from inference.engine import peak_rss_bytes
+    from storage.process_memory import peak_rss_bytes
 
     prompt = prompt_ids(args.prompt_tokens)
     hf, store = os.path.join(args.workdir, "hf"), os.path.join(args.workdir, "store")

@@ -78,9 +78,10 @@ def run_decode(store: str, budget: int, ids: list[int], prompt_tokens: int, dtyp
     part of TTFT); `argmax` are the model's own next-token choices."""
     import torch
 
-    from inference.engine import Engine, EngineConfig
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
     from semoe.decode.generate import decode_one_token, prefill
-    from semoe.model.moe_gpt import KVCache
+    from semoe.model.attention import KVCache
     from storage.process_memory import peak_rss_bytes
 
     drop_cache(store)

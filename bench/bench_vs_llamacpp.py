@@ -77,10 +77,11 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
              ring_slots: int | None = None, dense: str = "auto", first: bool = False) -> dict:
     """Greedy decode of our engine (resident without a cache budget), after a warm-up generation
     (`first`: after a first generation timed in full, its figures under "first")."""
-    from inference.engine import Engine, EngineConfig
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
     from inference.memory_guard import AUTO_RESERVE_BYTES
-    from semoe.decode.generate import SamplingConfig
-    from storage.host_probes import major_faults, peak_rss_bytes, status_bytes
+    from semoe.decode.loop import SamplingConfig
+    from storage.process_memory import major_faults, peak_rss_bytes, status_bytes
 
     cfg = EngineConfig(dtype="float32", cpu_cache_bytes=cpu_cache, ring_slots=ring_slots, read_mode="direct",
                        dense=dense) if cpu_cache else EngineConfig(dtype="float32", dense=dense)
@@ -117,13 +118,14 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
     (0: the least it decodes with; None: its own choice, as `semoe generate`'s, the sequence's memory
     left free beside it), after a warm-up generation (`first`: after a first generation timed in full,
     its figures under "first")."""
-    from inference.torch_free.runner import LeanConfig, LeanModel, store_config
+    from inference.torch_free.runner import LeanConfig, LeanModel
+    from semoe.checkpoints.hf_config import store_model_config
     from inference.torch_free.sequence_memory import sequence_plan
     from semoe.decode.loop import SamplingConfig
     from storage.process_memory import available_ram_bytes
     from storage.reader import StoreReader
 
-    c = store_config(StoreReader.open(store))  # as `semoe generate` chooses
+    c = store_model_config(StoreReader.open(store))  # as `semoe generate` chooses
     kv_cache, keep = sequence_plan(c, len(prompt), new_tokens, kv_cache, available_ram_bytes())
     keep = keep if cpu_cache is None else 0
     config = LeanConfig(cache_bytes=cpu_cache, keep_bytes=keep, read_mode="direct", dense=dense, kv_cache=kv_cache)

@@ -16,15 +16,18 @@ from typing import Callable
 
 import torch
 
-from semoe.checkpoints.model_io import is_store, load_model, load_model_tokenizer, load_store
+from storage.reader import is_store
+from semoe.checkpoints.model_io import load_model, load_model_tokenizer, load_store
 from semoe.model.compact_linear import stack_projections
 from semoe.decode.plan import DecodePlan
 from semoe.decode.support import NotOnFastPath
-from semoe.decode.generate import GenerationResult, SamplingConfig, generate, new_cache
-from semoe.model.moe_gpt import KVCache, MoEGPT
+from semoe.decode.generate import GenerationResult, generate, new_cache
+from semoe.decode.loop import SamplingConfig
+from semoe.model.attention import KVCache
+from semoe.model.moe_gpt import MoEGPT
 from semoe.checkpoints.tokenizer import default_stop_ids
 from inference.engine_config import EngineConfig
-from storage.host_probes import peak_rss_bytes
+from storage.process_memory import peak_rss_bytes
 from storage.store import Store
 
 log = logging.getLogger(__name__)

@@ -12,13 +12,13 @@ on a GPU, less the reserve `--cpu-cache auto` keeps (`memory_guard`).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 from inference.memory_guard import CPU_CACHE_AUTO, reserve_bytes
+from storage.errors import BadInputError
 from storage.formats import int8_rows_spec
 from storage.process_memory import available_ram_bytes
 from storage.reader import StoreReader, is_store
@@ -133,13 +133,15 @@ def lean_refusal(path: str) -> str | None:
         return "it reads stores, not HuggingFace directories"
     from semoe.kernels import loader
     from semoe.decode.support import one_call_refusal
-    from semoe.checkpoints.hf_config import config_from_json
+    from semoe.checkpoints.hf_config import store_model_config
 
     if loader.library() is None:
         return f"semoe's compiled CPU kernels are {loader.status()}"
     store = StoreReader.open(path)
-    if not store.manifest.has_file("config.json"):
-        return "the store holds no model (no config.json)"
+    try:
+        config = store_model_config(store)
+    except BadInputError as e:
+        return str(e).removeprefix(f"{store.root}: ")
     for t in store.manifest.tensors:  # what it reads: float, FP8 or int8 dense weights, experts of its kinds
         scheme = (t.quant or {}).get("scheme")
         dense = t.kind == "weight" and t.group != "expert"
@@ -147,5 +149,5 @@ def lean_refusal(path: str) -> str | None:
             return f"it reads dense weights stored F32, BF16, FP8 or int8, not {scheme or t.dtype} ({t.name})"
         if t.kind == "weight" and t.group == "expert" and scheme == "fp8" and len(set(t.quant["block"])) != 1:
             return f"it takes fp8 experts with scales per square tile, not per {t.quant['block']} block ({t.name})"
-    why = one_call_refusal(config_from_json(json.loads(store.read_file("config.json"))))
+    why = one_call_refusal(config)
     return None if why is None else f"it does not take {why}"

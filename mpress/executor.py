@@ -73,30 +73,9 @@ from mpress.model_tensors import ModelDataTensors
 from mpress.peer_memory import PeerMemory
 from mpress.planned_layer import LayerCalls, PlannedLayer
 from mpress.profile import Plan
-from mpress.space import (  # noqa: F401  (importable from here, as before the split)
-    HOST_ALIGNMENT,
-    MIN_SWAP_BYTES,
-    SLACK_FRACTION,
-    SwapSpaceError,
-    host_pool_bytes_for,
-    host_swap_bytes,
-    model_host_bytes,
-    moved_model_bytes,
-    peer_capacity_bytes_for,
-    split_bytes,
-    stage_on_device,
-)
+from mpress.space import HOST_ALIGNMENT, MIN_SWAP_BYTES, stage_on_device
 from mpress.streamed_weights import WeightStreamer
-from mpress.swap_core import (  # noqa: F401
-    BudgetExceededError,
-    Chunk,
-    ExecutorStats,
-    SavedRecord,
-    State,
-    SwapCore,
-    byte_view,
-    dense_stride,
-)
+from mpress.swap_core import ExecutorStats, SavedRecord, State, SwapCore, byte_view, dense_stride
 from storage.host_buffers import HostBufferPool, HostBufferPoolConfig
 from storage.streams import CopyStream, make_copy_stream, normalize_device
 

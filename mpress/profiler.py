@@ -26,7 +26,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mpress.executor import Executor, host_pool_bytes_for
+from mpress.executor import Executor
+from mpress.space import host_pool_bytes_for
 from mpress.model_tensors import ModelDataTensors
 from mpress.profile import Decision, LayerProfile, PipelineProfile, Plan, SavedTensor, StageProfile
 

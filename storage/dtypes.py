@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from storage.errors import BadInputError
-from storage.formats import CAST_CHOICES, itemsize  # noqa: F401 (re-exported)
+from storage.formats import CAST_CHOICES
 
 # name in the manifest and in safetensors headers -> torch dtype
 _SAFETENSORS_TO_TORCH: dict[str, torch.dtype] = {

@@ -21,9 +21,7 @@ from typing import Iterator, Sequence
 import torch
 
 from storage.errors import StorageError
-# the process and memory readers, torch-free in their own module; re-exported for their callers
-from storage.process_memory import (available_ram_bytes, major_faults, parse_meminfo, peak_rss_bytes,  # noqa: F401
-                             ram_info, status_bytes, usable_cores)
+from storage.process_memory import usable_cores
 from storage.chunk_io import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode, ReadRequest, drop_from_page_cache
 from storage.host_buffers import aligned_empty
 from storage.store import Store, iter_expert_chunks

@@ -32,7 +32,7 @@ import torch
 from storage.dequant import dequantize_fp8_blocks, dequantize_mxfp4
 from storage.dtypes import torch_dtype
 from storage.errors import BadInputError
-from storage.formats import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, INT8_MAX, QUANTIZE_ROWS  # noqa: F401 (re-exported)
+from storage.formats import INT4_GROUP_SIZES, INT8_MAX, QUANTIZE_ROWS
 
 SCHEMES = ("int8", "int4", "fp8", "mxfp4")
 INT4_BLOCK_ROWS = 64  # rows per block of the CPU int4 kernel's packed layout

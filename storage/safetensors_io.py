@@ -17,7 +17,8 @@ from typing import Callable, Iterable
 
 import numpy as np
 
-from storage.dtypes import itemsize, torch_dtype
+from storage.formats import itemsize
+from storage.dtypes import torch_dtype
 from storage.errors import BadInputError
 
 MAX_HEADER_BYTES = 100 << 20

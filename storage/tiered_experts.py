@@ -18,7 +18,8 @@ from typing import Iterable
 
 import torch
 
-from storage.cache import CacheFullError, EntryState, ExpertCache, ExpertCacheConfig
+from storage.errors import CacheFullError
+from storage.cache import EntryState, ExpertCache, ExpertCacheConfig
 from storage.chunk_io import ChunkReader, ChunkReaderConfig, ReadCancelled, ReadMode
 from storage.keys import ExpertKey
 from storage.manifest import ChunkEntry

@@ -42,8 +42,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from inference.engine import Engine, EngineConfig
-    from semoe.decode.generate import SamplingConfig
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+    from semoe.decode.loop import SamplingConfig
     from semoe.model.config import named_config
     from semoe.train.trainer import Trainer
     from semoe.train.config import TrainConfig, expert_state_bytes, progress_line

@@ -116,7 +116,7 @@ def lean_cache_bytes(args: argparse.Namespace, store) -> int | None:
 def open_model(args: argparse.Namespace) -> "Store | None":  # noqa: F821
     """The store `--model` names, opened once for the sizing and the load (`engine_config_from_args`,
     `load_engine`); None where it is a HuggingFace directory."""
-    from semoe.checkpoints.model_io import is_store
+    from storage.reader import is_store
 
     if not is_store(args.model):
         return None
@@ -128,7 +128,7 @@ def open_model(args: argparse.Namespace) -> "Store | None":  # noqa: F821
 def expert_bytes(path: str, store=None) -> int:
     """Bytes of the model's expert weights as stored: a store's expert chunk files (of `store` where the
     caller opened it), or the sum of a HuggingFace checkpoint's expert tensors (headers only)."""
-    from semoe.checkpoints.model_io import is_store
+    from storage.reader import is_store
 
     if store is not None:
         return store.manifest.expert_bytes()
@@ -149,7 +149,7 @@ def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0, st
     of `--model` (`store`, where the caller opened it: `open_model`). Where no budget flag nor --resident is given, the experts' place is chosen from the
     model's bytes and the memory available less `keep_bytes` (a server's KV memory); `args.placement`
     says where they go, in a phrase (`placement_line`)."""
-    from inference.engine import EngineConfig
+    from inference.engine_config import EngineConfig
     from inference.memory_guard import CPU_CACHE_AUTO
 
     sizes = {"--cpu-cache": args.cpu_cache, "--device-memory": args.device_memory}

@@ -160,7 +160,9 @@ def sampling_config(args: argparse.Namespace, stop_ids: tuple[int, ...]) -> "Sam
 
 def run_lean(args: argparse.Namespace) -> int:
     """`semoe generate --lean`: the torch-free runner (no module imported here may import torch)."""
-    from inference.torch_free.runner import LeanConfig, LeanModel, dense_load_bytes, store_config, store_tokenizer
+    from inference.torch_free.runner import LeanConfig, LeanModel, dense_load_bytes
+    from semoe.checkpoints.hf_config import store_model_config
+    from semoe.checkpoints.tokenizer import store_tokenizer
     from inference.torch_free.sequence_memory import KV16_SHARE, sequence_parts, sequence_plan
     from storage.process_memory import available_ram_bytes
     from storage.reader import StoreReader
@@ -179,8 +181,8 @@ def run_lean(args: argparse.Namespace) -> int:
         raise UsageError("--resident is the engine's: --lean reads experts from the store as they are chosen")
     store = StoreReader.open(args.model)  # the manifest, read once: for the cache's size and the model
     cache = lean_cache_bytes(args, store)
-    c = store_config(store)
-    tok = store_tokenizer(store, c)
+    c = store_model_config(store)
+    tok = store_tokenizer(store, c.vocab_size)
     prompt = build_prompt(args, tok)  # before loading: the sequence's memory is kept free beside the cache
     kv_cache, keep = sequence_plan(c, len(prompt), args.max_new_tokens, args.kv_cache, available_ram_bytes())
     if args.kv_cache == "auto" and kv_cache == "f16":

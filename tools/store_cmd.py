@@ -342,7 +342,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_cache_sim(args: argparse.Namespace) -> int:
-    from storage.cache_sim import POLICY_NAMES, read_trace, simulate_all
+    from storage.policies import POLICY_NAMES
+    from storage.cache_sim import read_trace, simulate_all
 
     policies = POLICY_NAMES if args.policy == "all" else (args.policy,)
     for p in policies:

@@ -61,7 +61,7 @@ from inference.serving.serve_config import ServeConfig
 from inference.serving.incremental_text import TextAssembler
 from semoe.model.attention import KVCache
 from semoe.decode.generate import choose
-from storage.host_probes import peak_rss_bytes
+from storage.process_memory import peak_rss_bytes
 
 log = logging.getLogger(__name__)
 

@@ -27,7 +27,7 @@ from fastapi.responses import JSONResponse
 
 from inference.chat_template import ROLES, ChatTemplate, ChatTemplateError
 from inference.serving.scheduler_events import DoneEvent
-from semoe.decode.generate import SamplingConfig
+from semoe.decode.loop import SamplingConfig
 
 _MAX_STOPS = 4  # as OpenAI
 _MAX_SEED = 2**63

@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import os
 from dataclasses import dataclass, field
 from typing import Callable
@@ -58,9 +57,9 @@ from semoe.decode import loop
 from semoe.model import rope
 from semoe.decode.loop import SamplingConfig
 from semoe.decode.support import NotOnFastPath, one_call_refusal
-from semoe.checkpoints.hf_config import config_from_json
 from semoe.model.hf_names import hf_name
-from semoe.checkpoints.tokenizer import TOKENIZER_FILES, HFTokenizer, checked_vocab, default_stop_ids
+from semoe.checkpoints.hf_config import store_model_config
+from semoe.checkpoints.tokenizer import HFTokenizer, default_stop_ids, store_tokenizer
 from storage.errors import BadInputError
 from storage.formats import QUANTIZE_ROWS, auto_dense, int8_rows_spec
 from storage.chunk_io import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
@@ -123,23 +122,6 @@ class LeanResult:
     stats: dict = field(default_factory=dict)
 
 
-def store_config(store: StoreReader):
-    """The model config of a store (its config.json); one line naming the store where it holds none."""
-    if not store.manifest.has_file("config.json"):
-        raise BadInputError(f"{store.root}: the store holds no model (no config.json)")
-    return config_from_json(json.loads(store.read_file("config.json")))
-
-
-def store_tokenizer(store: StoreReader, c) -> HFTokenizer | None:
-    """The tokenizer a store holds (None where it holds no tokenizer.json), checked against the
-    model's vocabulary (`c`, its config)."""
-    m = store.manifest
-    if not m.has_file("tokenizer.json"):
-        return None
-    files = {n: store.read_file(n) for n in TOKENIZER_FILES if m.has_file(n)}
-    return checked_vocab(HFTokenizer(files=files, where=f"{store.root} (store)"), c.vocab_size)
-
-
 def dense_load_bytes(store: StoreReader) -> int:
     """Bytes of dense weights `LeanModel` reads at load (its `progress` total), from the manifest alone:
     every 2-d dense tensor but the token embedding, which stays on storage unless it is the head too."""
@@ -164,14 +146,14 @@ class LeanModel:
         self._progress = progress or (lambda n: None)
         self.store = store = store if isinstance(store, StoreReader) else StoreReader.open(store)
         path, m = store.root, store.manifest
-        self.config = c = store_config(store)
+        self.config = c = store_model_config(store)
         self._check(c)
         if config.kv_cache == "f16" and c.attention == "mla":
             raise BadInputError(f"--kv-cache f16: {path} has latent attention ({c.arch}), whose cache of compressed "
                                 f"latents the runner keeps in float32; drop the flag")
         self.held: list = []  # what the Net's pointers point into
         self.mapped_bytes = 0  # of dense weights mapped from the store's files (`_mapped`)
-        self.tokenizer = tokenizer if tokenizer is not None else store_tokenizer(store, c)
+        self.tokenizer = tokenizer if tokenizer is not None else store_tokenizer(store, c.vocab_size)
         L, E, K = c.num_layers, c.num_experts, max(c.top_k, 1)
         chunks = [ch for ch in m.chunks if ch.kind == "weight"]
         moe_layers = sorted(m.expert_layers())
@@ -570,13 +552,15 @@ class LeanSequence:
         if not 0 < capacity <= c.max_position:
             raise BadInputError(f"a sequence of {capacity} positions: the model takes 1 to {c.max_position}")
         self.model, self.capacity, self.length = model, capacity, 0
-        L, G, Dh, K = c.num_layers, c.num_kv_heads, c.head_dim, max(c.top_k, 1)
-        if c.attention == "mla":  # the normed latent and the rotated rotary key of each position
-            self.kc = np.zeros((L, capacity, c.kv_lora_rank), np.float32)
-            self.vc = np.zeros((L, capacity, c.rope_dim), np.float32)
+        L, K = c.num_layers, max(c.top_k, 1)
+        # the model's layout (`MoEConfig.kv_shapes`) of one sequence; latent attention's head axis of one
+        # dropped: (S, L) and (S, R) a layer, float32; (G, S, Dh) a layer, as the Net's kv16 says
+        (_, *k), (_, *v) = c.kv_shapes(1, capacity)
+        if c.attention == "mla":
+            self.kc, self.vc = np.zeros((L, *k[1:]), np.float32), np.zeros((L, *v[1:]), np.float32)
         else:
-            kv = np.float16 if model.settings.kv_cache == "f16" else np.float32  # the Net's kv16 says which
-            self.kc, self.vc = np.zeros((L, G, capacity, Dh), kv), np.zeros((L, G, capacity, Dh), kv)
+            kv = np.float16 if model.settings.kv_cache == "f16" else np.float32
+            self.kc, self.vc = np.zeros((L, *k), kv), np.zeros((L, *v), kv)
         self.x, self.logits = np.empty(c.hidden_size, np.float32), np.empty(model.head.O, np.float32)
         self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)
         self.cos, self.sin = np.empty(c.rope_dim, np.float32), np.empty(c.rope_dim, np.float32)

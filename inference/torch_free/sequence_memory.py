@@ -44,18 +44,18 @@ def sequence_parts(c, prompt_tokens: int, capacity: int, kv_cache: str = "f32") 
     ("rows"; these three numpy's) and one layer's buffers in the kernels ("layer")."""
     f, T, S = 4, prompt_tokens, capacity
     M = min(T, loader.PREFILL_ROWS)  # the rows of a block a prompt fills
-    D, H, G, L = c.hidden_size, c.num_heads, c.num_kv_heads, c.num_layers
+    D, H, G = c.hidden_size, c.num_heads, c.num_kv_heads
     Dh, R, K, E = c.head_dim or D // H, c.rope_dim or 0, max(c.top_k, 1), max(c.num_experts, 1)
     F = max(c.ffn_size, c.moe_ffn_size, c.shared_expert_size)
     if c.attention == "mla":
-        kv = L * S * (c.kv_lora_rank + c.qk_rope_head_dim) * f
+        kv = c.kv_bytes(1, S, f)
         Dk, dv = c.qk_nope_head_dim + c.qk_rope_head_dim, c.v_head_dim
         expand = H * S * (Dk + dv) * f
         att = expand + M * H * Dk * f if expand <= loader.EXPAND_LIMIT else \
             M * H * (c.qk_nope_head_dim + c.qk_rope_head_dim + 2 * c.kv_lora_rank + dv) * f
         qkv, heads = M * ((c.q_lora_rank or 0) + H * Dk + c.kv_lora_rank + R) * f, H * dv
     else:
-        kv, att = 2 * L * G * S * Dh * (2 if kv_cache == "f16" else f), 0
+        kv, att = c.kv_bytes(1, S, 2 if kv_cache == "f16" else f), 0
         qkv, heads = 2 * M * (H + 2 * G) * Dh * f, H * Dh
     step = S * H * f + (3 * D + heads + 3 * F + E + 3 * c.vocab_size) * f  # the logits and the loop's copies
     rows = T * (5 * D + 2 * R) * f + T * (K * 20 + 12)  # lean_prefill's and prompt_pass's

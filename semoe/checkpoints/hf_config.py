@@ -7,10 +7,12 @@ not implement is refused with one line naming it, never silently ignored.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Callable
 
 from semoe.model.config import MoEConfig
 from semoe.model.hf_names import SEMOE_MODEL_TYPE, model_type_of
+from storage.errors import BadInputError
 
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
               "attention_factor", "truncate")
@@ -198,3 +200,12 @@ def config_from_json(cfg: dict) -> MoEConfig:
     if cfg.get("model_type") == SEMOE_MODEL_TYPE:
         return MoEConfig(**cfg["semoe"])
     return from_hf_config(cfg)
+
+
+def store_model_config(store, what: str | None = None) -> MoEConfig:
+    """The model config a store keeps (its config.json side file), from a `storage.reader.StoreReader`
+    or a `storage.store.Store`: the one reader of it. BadInputError naming `what` (default: the
+    store's path) where the store holds no model."""
+    if not store.manifest.has_file("config.json"):
+        raise BadInputError(f"{what or store.root}: the store holds no model (no config.json)")
+    return config_from_json(json.loads(store.read_file("config.json")))

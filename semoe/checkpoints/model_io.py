@@ -18,16 +18,16 @@ from torch.overrides import TorchFunctionMode
 
 from semoe.model.compact_linear import compact_dense_linears, resolve_dense, stack_projections
 from semoe.model.config import MoEConfig
-from semoe.checkpoints.hf_config import config_from_json, from_hf_config  # noqa: F401 (re-exported)
+from semoe.checkpoints.hf_config import config_from_json, store_model_config
 from semoe.model.expert_layout import chunk_layout_of, hf_expert_names, packed_layer
 from semoe.model.hf_names import SEMOE_MODEL_TYPE, hf_name  # noqa: F401 (re-exported)
-from semoe.model.moe_gpt import MoEGPT, ResidentExperts
-from semoe.checkpoints.tokenizer import TOKENIZER_FILES
+from semoe.model.moe_gpt import MoEGPT
+from semoe.model.experts import ResidentExperts
 from storage.errors import BadInputError
 from storage.dtypes import torch_dtype
 from storage.process_memory import release_free_heap
 from storage.formats import int8_rows_spec
-from storage.quant import QUANTIZE_ROWS
+from storage.formats import QUANTIZE_ROWS
 from semoe.checkpoints.hf_convert import ExpertPart, open_checkpoint
 from storage.reader import is_store  # noqa: F401 (re-exported: the callers ask the model module)
 from storage.store import ExpertTensor, Store
@@ -41,14 +41,6 @@ def hf_config(config: MoEConfig) -> dict:
     fields = {k: v for k, v in config.__dict__.items() if k != "extra"}
     fields["moe_layers"] = list(config.moe_layers) if config.moe_layers is not None else None
     return {"model_type": SEMOE_MODEL_TYPE, "architectures": ["SemoeGPTForCausalLM"], "semoe": fields}
-
-
-def read_model_config(store: Store, what: str | None = None) -> MoEConfig:
-    """The model config of `store` (its config.json side file): the one reader of it. BadInputError
-    naming `what` (default: the store's path) when the store holds no model."""
-    if not store.manifest.has_file("config.json"):
-        raise BadInputError(f"{what or store.root}: the store holds no model (no config.json)")
-    return config_from_json(json.loads(store.read_file("config.json")))
 
 
 def _dense_params(model: MoEGPT) -> Iterator[tuple[str, nn.Parameter]]:
@@ -210,7 +202,7 @@ def _load_store(store: Store, *, device: torch.device | str, dtype: torch.dtype,
                 dense: str, embedding_in_store: bool) -> MoEGPT:
     """`load_store`'s work on an open store."""
     path = store.root
-    config = read_model_config(store)
+    config = store_model_config(store)
     compact = with_experts and store.is_compact()
     model = _empty_model(config, device, dtype, with_experts=with_experts and not compact)
 
@@ -368,14 +360,13 @@ def load_model_tokenizer(source: str | Store, config: MoEConfig):
     """The model's tokenizer: its tokenizer.json (from the directory, or the side files of the store,
     given open or by path), the byte tokenizer for models trained here, or None when a checkpoint has
     neither."""
-    from semoe.checkpoints.tokenizer import ByteTokenizer, HFTokenizer, checked_vocab, load_tokenizer
+    from semoe.checkpoints.tokenizer import ByteTokenizer, load_tokenizer, store_tokenizer
 
     if isinstance(source, str) and is_store(source):
         source = Store.open(source)
     if isinstance(source, Store):
-        if source.manifest.has_file("tokenizer.json"):
-            files = {name: source.read_file(name) for name in TOKENIZER_FILES if source.manifest.has_file(name)}
-            return checked_vocab(HFTokenizer(files=files, where=f"{source.root} (store)"), config.vocab_size)
+        if (tok := store_tokenizer(source, config.vocab_size)) is not None:
+            return tok
     elif os.path.isfile(os.path.join(source, "tokenizer.json")):
         return load_tokenizer(source, vocab_size=config.vocab_size)
     tok = ByteTokenizer()

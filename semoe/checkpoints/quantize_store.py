@@ -19,7 +19,7 @@ from typing import Callable
 
 import torch
 
-from semoe.checkpoints.model_io import read_model_config
+from semoe.checkpoints.hf_config import store_model_config
 from semoe.model.compact_linear import dense_linear_names
 from semoe.model.experts import expert_mlp
 from semoe.model.hf_names import hf_name
@@ -27,8 +27,8 @@ from semoe.model.moe_gpt import MoEGPT
 from storage.dtypes import dtype_name, torch_dtype
 from storage.durable import undo_create
 from storage.errors import BadInputError
-from storage.quant import (INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QUANTIZE_ROWS, QuantShapeError, QuantSpec, check_fits,
-                           quantize, quantize_blocks, scales_name)
+from storage.formats import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QUANTIZE_ROWS
+from storage.quant import QuantShapeError, QuantSpec, check_fits, quantize, quantize_blocks, scales_name
 from storage.store import ExpertTensor, Store, iter_expert_chunks
 
 log = logging.getLogger(__name__)
@@ -145,7 +145,7 @@ def quantize_store(src: str, dst: str, cfg: QuantizeConfig, *, progress: Progres
     On any failure `dst` is removed again (or left empty), so nothing half-written stays behind."""
     source = Store.open(src)
     m = source.manifest
-    config = read_model_config(source, src)
+    config = store_model_config(source, src)
     was = (m.model.get("quantization") or {}).get("format", "compact")
     copy_experts = source.is_compact() and was == cfg.name
     if source.is_compact() and not copy_experts:

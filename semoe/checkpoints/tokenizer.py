@@ -212,6 +212,16 @@ def checked_vocab(tok: HFTokenizer, vocab_size: int | None) -> HFTokenizer:
     return tok
 
 
+def store_tokenizer(store, vocab_size: int | None) -> HFTokenizer | None:
+    """The tokenizer a store keeps as side files (a `storage.reader.StoreReader` or `storage.store.Store`),
+    checked against the model's vocabulary; None where the store has no tokenizer.json."""
+    m = store.manifest
+    if not m.has_file("tokenizer.json"):
+        return None
+    files = {name: store.read_file(name) for name in TOKENIZER_FILES if m.has_file(name)}
+    return checked_vocab(HFTokenizer(files=files, where=f"{store.root} (store)"), vocab_size)
+
+
 def load_tokenizer(path: str | None, *, vocab_size: int | None = None) -> Tokenizer:
     """`path`/tokenizer.json as an HFTokenizer; the ByteTokenizer when `path` is None or has no tokenizer.json.
 

@@ -13,7 +13,8 @@ import torch
 from semoe.decode import loop
 from semoe.decode.loop import SamplingConfig
 from semoe.decode.plan import DecodePlan
-from semoe.model.moe_gpt import KVCache, MoEGPT
+from semoe.model.attention import KVCache
+from semoe.model.moe_gpt import MoEGPT
 
 
 @dataclass(kw_only=True)

@@ -15,7 +15,6 @@ heads, G key/value heads, Dh head dim, R rotary dims, L latent (kv_lora_rank), D
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
@@ -109,18 +108,10 @@ class KVCache:
     v: list[torch.Tensor]
     length: int = 0
 
-    @staticmethod
-    def shapes(config: MoEConfig, batch: int, max_len: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """The (k, v) shapes of one layer's cache."""
-        if config.attention == "mla":
-            return (batch, 1, max_len, config.kv_lora_rank), (batch, 1, max_len, config.qk_rope_head_dim)
-        return ((batch, config.num_kv_heads, max_len, config.head_dim),) * 2
-
     @classmethod
     def bytes_for(cls, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
         """Bytes of the cache `empty` allocates."""
-        k, v = cls.shapes(config, batch, max_len)
-        return config.num_layers * (math.prod(k) + math.prod(v)) * torch.empty((), dtype=dtype).element_size()
+        return config.kv_bytes(batch, max_len, torch.empty((), dtype=dtype).element_size())
 
     @classmethod
     def empty(cls, config: MoEConfig, batch: int, max_len: int, *, device: torch.device | str = "cpu",
@@ -128,7 +119,7 @@ class KVCache:
         """A cache for `max_len` positions."""
         if max_len > config.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position {config.max_position}")
-        k_shape, v_shape = cls.shapes(config, batch, max_len)
+        k_shape, v_shape = config.kv_shapes(batch, max_len)
         return cls(k=[torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(config.num_layers)],
                    v=[torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(config.num_layers)])
 

@@ -37,8 +37,9 @@ from semoe.kernels import torch_ops
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError
 from storage.formats import auto_dense
-from storage.quant import (INT4_BLOCK_ROWS, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QuantShapeError, QuantSpec,
-                           check_fits, dequantize, dequantize_out_in, pack_int4, quantize_blocks)
+from storage.quant import (INT4_BLOCK_ROWS, QuantShapeError, QuantSpec, check_fits, dequantize, dequantize_out_in,
+                           pack_int4, quantize_blocks)
+from storage.formats import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES
 
 # auto: the fast path for the device; dequantize: the one CUDA takes (forced here to test it on CPU);
 # reference: dequantize, then a float32 product (of x as the CPU decode kernels see it, where they apply)

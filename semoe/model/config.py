@@ -8,6 +8,7 @@ have neutral defaults (no shared expert, no q/k norm, no attention bias).
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,6 +165,19 @@ class MoEConfig:
     def replace(self, **changes: Any) -> "MoEConfig":
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
+
+    def kv_shapes(self, batch: int, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One layer's KV cache as (k, v) shapes, the one layout every path keeps: keys and values
+        (B, G, S, Dh) for grouped-query attention; for latent attention the normed latent (B, 1, S, L)
+        in k and the rotated rotary key (B, 1, S, R) in v."""
+        if self.attention == "mla":
+            return (batch, 1, positions, self.kv_lora_rank), (batch, 1, positions, self.qk_rope_head_dim)
+        return ((batch, self.num_kv_heads, positions, self.head_dim),) * 2
+
+    def kv_bytes(self, batch: int, positions: int, itemsize: int) -> int:
+        """Bytes of every layer's KV cache (`kv_shapes`) in elements of `itemsize` bytes."""
+        k, v = self.kv_shapes(batch, positions)
+        return self.num_layers * (math.prod(k) + math.prod(v)) * itemsize
 
     def num_parameters(self) -> dict[str, int]:
         """Parameter counts: dense (everything outside experts) and experts (biases and norms left out)."""

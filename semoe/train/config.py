@@ -14,7 +14,7 @@ from typing import Any, ContextManager
 import torch
 
 from semoe.model.config import MoEConfig
-from semoe.train.ssd_states import ChunkFormat
+from semoe.train.expert_states import ChunkFormat
 from storage.errors import BadInputError, StorageError
 from storage.chunk_io import ReadMode
 

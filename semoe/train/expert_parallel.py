@@ -32,7 +32,8 @@ import torch.distributed as dist
 from torch import nn
 
 from semoe.model.routing import dispatch_order, gather_rows
-from semoe.model.moe_gpt import ExpertProvider, MoEFeedForward, MoEGPT, ResidentExperts, RouterStats
+from semoe.model.experts import ExpertProvider, ResidentExperts
+from semoe.model.moe_gpt import MoEFeedForward, MoEGPT, RouterStats
 
 __all__ = ["ExpertParallelMoE", "all_to_all_rows", "expert_major_order", "local_expert_ids", "shard_experts"]
 

@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from semoe.checkpoints.model_io import hf_expert_names
+from semoe.model.expert_layout import hf_expert_names
 from semoe.model.config import MoEConfig
 from semoe.model.experts import ExpertMLP, ExpertWeights, SwiGLU, expert_mlp
 from storage.errors import StorageError

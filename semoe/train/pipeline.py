@@ -44,10 +44,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from mpress.swap_core import ExecutorStats
-from semoe.checkpoints.model_io import _dense_params, hf_name
+from semoe.checkpoints.model_io import _dense_params
+from semoe.model.hf_names import hf_name
 from semoe.model.config import MoEConfig
 from semoe.train.expert_states import ExpertStates, sum_of_squares
-from semoe.model.moe_gpt import MoEGPT, rope_tables
+from semoe.model.moe_gpt import MoEGPT
+from semoe.model.attention import rope_tables
 from semoe.train.pipeline_memory import StageMemory, compact, install
 from semoe.train.run_store import PIPELINE_FILE, PIPELINE_OPTIMIZER_FILE, RunStore
 from semoe.train.trainer import Trainer, build_model, init_dense, run_rank, to_device

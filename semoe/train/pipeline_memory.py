@@ -34,8 +34,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from mpress.executor import (Executor, host_pool_bytes_for, host_swap_bytes, model_host_bytes, moved_model_bytes,
-                             peer_capacity_bytes_for)
+from mpress.executor import Executor
+from mpress.space import (host_pool_bytes_for, host_swap_bytes, model_host_bytes, moved_model_bytes,
+                          peer_capacity_bytes_for)
 from mpress.model_data import ModelDataRunner
 from mpress.model_tensors import ModelDataTensors
 from mpress.peer_memory import CudaIpcPeers, PeerMemory, SharedMemoryPeers, SharedMemorySpaceError, peer_memory_class
@@ -44,8 +45,8 @@ from mpress.profile import PipelineProfile, Plan, StageProfile
 from mpress.profiler import best_seconds, measure_runtime, profile_layers
 from mpress.topology import cuda_pci_address, from_nvml, measure_cpu
 from semoe.train.expert_states import AdamWConfig, adamw_
-from semoe.model.moe_gpt import rope_tables
-from storage.host_probes import available_ram_bytes
+from semoe.model.attention import rope_tables
+from storage.process_memory import available_ram_bytes
 from storage.errors import BadInputError
 
 log = logging.getLogger(__name__)

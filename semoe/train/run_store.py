@@ -14,11 +14,12 @@ from __future__ import annotations
 import json
 import os
 
-from semoe.checkpoints.model_io import read_model_config
+from semoe.checkpoints.hf_config import store_model_config
 from semoe.model.config import MoEConfig
 from semoe.train.config import TrainingError
 from storage.errors import BadInputError
-from storage.store import MANIFEST, GcResult, Store, StoreWriter
+from storage.reader import MANIFEST
+from storage.store import GcResult, Store, StoreWriter
 
 TRAINER_FILE = "trainer.json"  # the side file that makes a store a run of the trainer
 OPTIMIZER_FILE = "optimizer.pt"
@@ -54,7 +55,7 @@ class RunStore:
     def model_config(self, what: str | None = None) -> MoEConfig:
         """The model the store holds (`what` names it in errors; default the store's path)."""
         if self._config is None:
-            self._config = read_model_config(self.store, what)
+            self._config = store_model_config(self.store, what)
         return self._config
 
     def state(self, run_file: str) -> dict | None:

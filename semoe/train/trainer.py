@@ -55,7 +55,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from semoe.model.attention import Attention
-from semoe.checkpoints.model_io import _dense_params, hf_config, hf_name
+from semoe.checkpoints.model_io import _dense_params, hf_config
+from semoe.model.hf_names import hf_name
 from semoe.train.collectives import Collectives, object_group
 from semoe.model.config import MoEConfig
 from semoe.train.data import BatchSampler, prepare_data
@@ -64,13 +65,14 @@ from semoe.model.expert_layout import read_dequantized
 from semoe.train.expert_parallel import local_expert_ids, shard_experts
 from semoe.train.expert_states import (STATE_KINDS, AdamWConfig, ChunkFormat, ExpertStates, ResidentExpertStates,
                                        TrainingExperts, init_expert)
-from semoe.model.moe_gpt import MoEGPT, RMSNorm, Router
+from semoe.model.moe_gpt import MoEGPT, Router
+from semoe.model.attention import RMSNorm
 from semoe.train.run_store import OPTIMIZER_FILE, TRAINER_FILE, RunStore
 from semoe.train.ssd_states import SSDExpertStates, SSDStatesConfig
 from semoe.checkpoints.tokenizer import ByteTokenizer
 from semoe.train.config import (Precision, StepLog, TrainConfig, TrainingError, json_line, progress_line,
                                 training_precision)
-from storage.host_probes import peak_rss_bytes
+from storage.process_memory import peak_rss_bytes
 from storage.errors import BadInputError
 from storage.store import Store, StoreWriter, chunk_meta
 

@@ -37,9 +37,10 @@ def test_offloaded_generation_on_cuda_equals_resident_cuda(bf16_store, dtype):
     buffers, compute ordered by events; the same tokens as the resident model on the same GPU.
     Log-probs within 1e-5 (float32) / 2e-2 (bfloat16): the same kernels, but cuBLAS may pick
     another algorithm for a weight that is a slot view rather than a parameter."""
-    from inference.engine import Engine, EngineConfig
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
     from inference.offload.expert_ring import OffloadedExperts
-    from semoe.decode.generate import SamplingConfig
+    from semoe.decode.loop import SamplingConfig
 
     prompt = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
     cfg = SamplingConfig(max_new_tokens=24)
@@ -70,9 +71,10 @@ def test_offloaded_compact_experts_on_cuda_equal_resident_cuda(tmp_path, bits):
     same placed bytes, so the tokens are the same."""
     import transformers
 
-    from inference.engine import Engine, EngineConfig
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
     from inference.offload.expert_ring import OffloadedExperts
-    from semoe.decode.generate import SamplingConfig
+    from semoe.decode.loop import SamplingConfig
     from semoe.checkpoints.hf_convert import import_checkpoint
     from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
     from storage.store import Store

@@ -6,10 +6,11 @@ import pytest
 import torch
 from helpers.hf_models import make_hf_checkpoint
 
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
 from inference import memory_guard
 from inference.memory_guard import AUTO_RESERVE_BYTES, CPU_CACHE_AUTO, HOT_STEPS, MemoryGuard, auto_cpu_cache_bytes
-from semoe.decode.generate import SamplingConfig
+from semoe.decode.loop import SamplingConfig
 from semoe.checkpoints.hf_convert import import_checkpoint
 from storage.keys import ExpertKey
 from storage.store import ExpertTensor, Store

@@ -23,8 +23,10 @@ from helpers.gated_stream import GatedStream
 from helpers.mlp_blocks import D, H, LAYERS, T, cuda_step, make_input, make_layers
 from torch import nn
 
-from mpress.executor import (HOST_ALIGNMENT, MIN_SWAP_BYTES, BudgetExceededError, Executor, State, SwapSpaceError,
-                             byte_view, host_pool_bytes_for, host_swap_bytes, peer_capacity_bytes_for, split_bytes)
+from mpress.space import (HOST_ALIGNMENT, MIN_SWAP_BYTES, SwapSpaceError, host_pool_bytes_for, host_swap_bytes,
+                          peer_capacity_bytes_for, split_bytes)
+from mpress.swap_core import BudgetExceededError, State, byte_view
+from mpress.executor import Executor
 from mpress.peer_memory import InProcessPeers, PeerMemoryFullError, SharedMemoryPeers, SliceAllocator, segment_path
 from mpress.profile import Decision, LayerProfile, PipelineProfile, Plan, SavedTensor, StageProfile, Stripe
 from mpress.model_tensors import is_parameter, param_storages

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import mpress.profiler
-from mpress.executor import State
+from mpress.swap_core import State
 from mpress.profile import LayerProfile, SavedTensor
 from mpress.profiler import measure_runtime, profile_layers, stage_peak_bytes
 from mpress.swap_core import SwapCore

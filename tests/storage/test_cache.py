@@ -8,12 +8,8 @@ import time
 
 import pytest
 
-from storage.cache import (
-    CacheFullError,
-    EntryState,
-    ExpertCache,
-    ExpertCacheConfig,
-)
+from storage.errors import CacheFullError
+from storage.cache import EntryState, ExpertCache, ExpertCacheConfig
 from storage.errors import StorageError
 from storage.policies import BeladyPolicy
 

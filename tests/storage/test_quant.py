@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from storage.errors import BadInputError
-from storage.quant import (INT4_GROUP_SIZES, QuantShapeError, QuantSpec, check_fits, dequantize, pack_int4, quantize,
-                           scales_name, unpack_int4)
+from storage.formats import INT4_GROUP_SIZES
+from storage.quant import (QuantShapeError, QuantSpec, check_fits, dequantize, pack_int4, quantize, scales_name,
+                           unpack_int4)
 
 
 def max_step(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

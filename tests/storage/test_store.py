@@ -14,7 +14,8 @@ import zarr
 
 from storage.errors import BadInputError, CorruptTensorError, NotAStoreError, StoreLockedError
 from storage.layout import array_of_chunk
-from storage.store import MANIFEST, ExpertTensor, Store
+from storage.reader import MANIFEST
+from storage.store import ExpertTensor, Store
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int8]
 

@@ -11,9 +11,11 @@ from helpers.hf_models import make_hf_checkpoint
 from helpers.kernels import needs_kernels
 from helpers.store_opens import record_store_opens
 
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
 from semoe.decode.plan import DecodePlan
-from semoe.decode.generate import GenerationResult, SamplingConfig, generate
+from semoe.decode.generate import GenerationResult, generate
+from semoe.decode.loop import SamplingConfig
 from semoe.checkpoints.hf_convert import import_checkpoint
 from helpers.procs import ROOT, child_env
 
@@ -320,7 +322,7 @@ def test_routing_replay_predicts_every_expert_and_changes_no_number(model_store)
     """A replay of the request's recorded routing is a perfect next-layer predictor (the ceiling the
     benchmark reports); the tokens stay the resident model's. A record that does not match stops
     the predictions instead of steering reads wrongly for the rest of the request."""
-    from inference.offload.expert_ring import RoutingReplay
+    from inference.offload.ring_bookkeeping import RoutingReplay
 
     arch, store, expert_bytes, biggest, want = model_store
     config = EngineConfig(cpu_cache_bytes=expert_bytes // 4, preload=False)

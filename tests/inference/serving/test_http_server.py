@@ -20,11 +20,12 @@ from helpers.hf_models import add_word_tokenizer, make_hf_checkpoint
 from prometheus_client.parser import text_string_to_metric_families
 
 from inference.chat_template import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
 from inference.serving.serve_config import ServeConfig
 from inference.serving.http_server import bind_socket, create_app
 from inference.serving.incremental_text import TextAssembler
-from semoe.decode.generate import SamplingConfig
+from semoe.decode.loop import SamplingConfig
 from helpers.kernels import needs_kernels
 from helpers.procs import ROOT, child_env
 

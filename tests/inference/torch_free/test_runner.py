@@ -26,7 +26,8 @@ import torch
 
 from helpers.hf_models import add_word_tokenizer
 from helpers.kernels import needs_kernels
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
 from inference.torch_free.runner import LeanConfig, LeanModel, dense_load_bytes
 from inference.torch_free.sequence_memory import KV16_SHARE, auto_kv_cache, sequence_bytes, sequence_parts
 from inference.torch_free.prompt_prefill import prefill

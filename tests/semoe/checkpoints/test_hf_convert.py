@@ -11,9 +11,10 @@ import torch
 from helpers.hf_models import assert_bit_exact, load_safetensors_dir
 
 from storage.errors import BadInputError
-from inference.engine import Engine, EngineConfig
-from semoe.checkpoints.hf_convert import (INDEX_FILE, SUPPORTED_MODEL_TYPES, export_checkpoint, import_checkpoint,
-                                          open_checkpoint)
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
+from semoe.checkpoints.hf_convert import INDEX_FILE, export_checkpoint, import_checkpoint, open_checkpoint
+from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
 from storage.safetensors_io import OutTensor, write_file
 from storage.store import Store
 

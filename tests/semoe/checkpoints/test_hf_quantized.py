@@ -20,8 +20,8 @@ from helpers.kernels import needs_kernels
 from safetensors.torch import save_file
 
 from storage.errors import BadInputError
-from semoe.checkpoints.hf_convert import (INDEX_FILE, SUPPORTED_MODEL_TYPES, check_supported, export_checkpoint,
-                                          import_checkpoint)
+from semoe.checkpoints.hf_convert import INDEX_FILE, check_supported, export_checkpoint, import_checkpoint
+from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
 from storage.store import Store
 
 # -- checkpoints ----------------------------------------------------------------------------------
@@ -350,7 +350,8 @@ def test_mxfp4_experts_decode_through_the_cpu_kernel_as_the_reference_does(gpt_o
     from semoe.kernels import torch_ops
     from semoe.checkpoints.model_io import load_store
     from semoe.decode.plan import DecodePlan
-    from semoe.decode.generate import SamplingConfig, generate
+    from semoe.decode.loop import SamplingConfig
+    from semoe.decode.generate import generate
 
     write_mxfp4_checkpoint(gpt_oss_f32, tmp_path / "mxfp4")
     store = import_checkpoint(str(tmp_path / "mxfp4"), str(tmp_path / "store"))

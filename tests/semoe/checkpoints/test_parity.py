@@ -20,10 +20,12 @@ from helpers.hf_models import make_hf_checkpoint
 
 from semoe.checkpoints.model_io import load_hf, load_model, load_store
 from semoe.model.config import ARCHITECTURES
-from semoe.decode.generate import SamplingConfig, generate
-from semoe.model.moe_gpt import KVCache
+from semoe.decode.loop import SamplingConfig
+from semoe.decode.generate import generate
+from semoe.model.attention import KVCache
 from storage.errors import BadInputError
-from semoe.checkpoints.hf_convert import SUPPORTED_MODEL_TYPES, import_checkpoint
+from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
+from semoe.checkpoints.hf_convert import import_checkpoint
 from helpers.procs import ROOT, child_env
 
 ATOL = 1e-5

@@ -18,14 +18,16 @@ import torch
 from helpers.arch_stores import ARCHS, CASES  # the arch_stores fixture: tests/conftest.py
 from helpers.kernels import needs_kernels
 
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
 from semoe.kernels import loader
 from semoe.model.attention import KVCache
 from semoe.checkpoints.model_io import load_store, save_store
 from semoe.model.config import MoEConfig
 from semoe.decode.plan import DecodePlan
 from semoe.decode.support import NotOnFastPath
-from semoe.decode.generate import SamplingConfig, decode_one_token, generate, prefill
+from semoe.decode.loop import SamplingConfig
+from semoe.decode.generate import decode_one_token, generate, prefill
 from semoe.model.moe_gpt import MoEGPT
 from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 from storage.store import Store

@@ -7,7 +7,8 @@ import torch
 
 from semoe.model.config import named_config
 from semoe.decode.profile import DecodeProfile, format_report
-from semoe.decode.generate import SamplingConfig, generate
+from semoe.decode.loop import SamplingConfig
+from semoe.decode.generate import generate
 from semoe.model.moe_gpt import MoEGPT
 
 

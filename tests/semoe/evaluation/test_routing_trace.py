@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from semoe.model.config import named_config
-from semoe.decode.generate import SamplingConfig, generate
+from semoe.decode.loop import SamplingConfig
+from semoe.decode.generate import generate
 from semoe.model.moe_gpt import MoEGPT
 from semoe.evaluation.routing_trace import RoutingTraceRecorder, routing_record, routing_trace
 from storage.cache_sim import read_trace

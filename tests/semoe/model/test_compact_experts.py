@@ -15,11 +15,12 @@ import torch
 
 from helpers.hf_models import load_safetensors_dir
 
-from inference.engine import Engine, EngineConfig
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
 from semoe.kernels import torch_ops
-from semoe.checkpoints.model_io import read_model_config
+from semoe.checkpoints.hf_config import store_model_config
 from semoe.model.compact_linear import CompactWeight
-from semoe.decode.generate import SamplingConfig
+from semoe.decode.loop import SamplingConfig
 from semoe.checkpoints.hf_convert import export_checkpoint, import_checkpoint
 from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 from storage.errors import BadInputError
@@ -167,7 +168,7 @@ def test_quantize_makes_expert_weights_compact_and_copies_the_rest(stores, arch,
     from semoe.checkpoints.quantize_store import dense_int8_names
 
     src, dst = Store.open(stores(arch, 32)), Store.open(stores(arch, bits))
-    linears = dense_int8_names(read_model_config(src))
+    linears = dense_int8_names(store_model_config(src))
     assert "lm_head.weight" in linears and "model.layers.0.self_attn.q_proj.weight" in linears
     for t in src.manifest.dense():
         if t.name not in linears:

@@ -8,7 +8,8 @@ import torch
 from semoe.checkpoints.model_io import load_store, save_store
 from semoe.model.config import MoEConfig, named_config
 from semoe.checkpoints.hf_config import from_hf_config
-from semoe.model.moe_gpt import DenseFFN, MoEFeedForward, MoEGPT, swiglu
+from semoe.model.moe_gpt import DenseFFN, MoEFeedForward, MoEGPT
+from semoe.model.experts import swiglu
 
 
 def _reference_moe(ffn: MoEFeedForward, x_BTD: torch.Tensor, keep_NK: torch.Tensor | None = None) -> torch.Tensor:
@@ -196,7 +197,7 @@ def test_attention_asks_for_the_causal_kernel_unless_the_cache_is_offset(monkeyp
     """No cache offset (training, first prefill): is_causal and no mask, which flash attention
     takes; a chunk after cached positions needs the explicit offset mask; one token needs neither.
     The three give the full forward's logits (float32, atol 1e-5)."""
-    from semoe.model.moe_gpt import KVCache
+    from semoe.model.attention import KVCache
 
     torch.manual_seed(0)
     cfg = named_config("tiny")
@@ -234,7 +235,7 @@ def test_the_packed_forward_gives_each_sequence_its_own_forwards_logits_and_cach
     logits and each cache's keys and values are what that sequence's own forward gives (float32 sums
     over other row counts: 1e-5 relative), the caches advance by their counts, and only the rows
     asked for get logits."""
-    from semoe.model.moe_gpt import KVCache
+    from semoe.model.attention import KVCache
 
     torch.manual_seed(6)
     cfg = named_config("tiny", max_position=32, **PACKED_VARIANTS[variant])

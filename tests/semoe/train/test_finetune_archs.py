@@ -116,7 +116,8 @@ def test_generate_chat_applies_the_checkpoints_template_as_transformers_does(tmp
     from transformers import AutoTokenizer
 
     from semoe.checkpoints.model_io import load_hf
-    from semoe.decode.generate import SamplingConfig, generate
+    from semoe.decode.loop import SamplingConfig
+    from semoe.decode.generate import generate
     from tools.cli import main
 
     chat = make_hf_checkpoint("gpt_oss", tmp_path / "hf", seed=5)

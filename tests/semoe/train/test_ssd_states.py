@@ -14,7 +14,8 @@ from helpers.training import store_tensors, tiny_config
 import semoe.train.trainer
 from semoe.train.expert_states import AdamWConfig, adamw_, init_expert
 from semoe.train.expert_grads import GradAccumulator
-from semoe.train.ssd_states import STATE_KINDS, ChunkFormat, SSDExpertStates, SSDStatesConfig, read_ahead
+from semoe.train.expert_states import STATE_KINDS, ChunkFormat
+from semoe.train.ssd_states import SSDExpertStates, SSDStatesConfig, read_ahead
 from semoe.train.trainer import Trainer
 from semoe.train.config import TrainConfig
 from storage.keys import ExpertKey

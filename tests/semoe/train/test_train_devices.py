@@ -13,7 +13,7 @@ from helpers.expert_states import RecordingStates
 from semoe.train.collectives import Collectives
 from semoe.model.config import named_config
 from semoe.train.expert_states import _ExpertFFN, sum_of_squares
-from semoe.model.moe_gpt import swiglu
+from semoe.model.experts import swiglu
 from semoe.train.trainer import Trainer
 from semoe.train.config import Precision, TrainConfig, training_precision
 from storage.errors import BadInputError

@@ -15,7 +15,8 @@ from helpers.training import (SHAPE_FLAGS, Tol, assert_stores_close, checkpoint_
 
 from semoe.checkpoints.model_io import load_store
 from semoe.train.expert_states import AdamWConfig, _ExpertFFN, adamw_, init_expert
-from semoe.model.moe_gpt import MoEGPT, ResidentExperts, swiglu
+from semoe.model.moe_gpt import MoEGPT
+from semoe.model.experts import ResidentExperts, swiglu
 from semoe.train.trainer import Trainer, init_dense
 from semoe.train.config import TrainConfig
 from storage.store import Store
