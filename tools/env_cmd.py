@@ -88,7 +88,7 @@ def _probe_store(path: str, nbytes: int) -> dict:
 def gather(io: dict) -> dict:
     """The whole report as one JSON-ready dict, `io` being storage.host_probes's probe of a path."""
     from semoe.kernels import torch_ops, loader
-    from storage import host_probes
+    from storage import host_probes, process_memory
 
     torch_fields = torch_info()
     nvml = nvml_info()
@@ -99,7 +99,7 @@ def gather(io: dict) -> dict:
         "gpus": gpus, "gpus_source": source if gpus else None, "topology": nvml["topology"],
         **host_probes.probe_pinned_memory(torch_fields["cuda_available"]),
         **io,
-        **host_probes.shm_info(), **host_probes.cpu_info(), **host_probes.ram_info(),
+        **host_probes.shm_info(), **host_probes.cpu_info(), **process_memory.ram_info(),
         "cpu_kernels": torch_ops.isa(), "cpu_kernels_status": loader.status(),
         "cpu_kernels_installed": sorted(loader.installed()),
     }

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from storage import host_probes
+from storage import host_probes, process_memory
 from tools import env_cmd
 from helpers.fake_nvml import fake_pynvml as shared_fake_pynvml
 from helpers.procs import ROOT, child_env
@@ -99,7 +99,7 @@ def test_scratch_file_is_removed_when_the_read_fails(tmp_path, monkeypatch):
 # --- pure helpers ---------------------------------------------------------------------------------
 
 def test_parse_meminfo_gives_bytes():
-    fields = host_probes.parse_meminfo("MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total:       0\n")
+    fields = process_memory.parse_meminfo("MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total:       0\n")
     assert fields == {"MemTotal": 16384 << 10, "MemAvailable": 8192 << 10, "HugePages_Total": 0}
 
 
