@@ -47,7 +47,25 @@ def auto_cpu_cache_bytes(expert_bytes: int, *, keep_bytes: int = 0, available: C
     default the kernel's MemAvailable) less the reserve and `keep_bytes` (memory the process will
     take later: a server's KV caches); 0 where nothing is left (the caller raises it to what its ring
     needs)."""
-    return max(0, min(expert_bytes, _spare((available or available_ram_bytes)(), keep_bytes)))
+    return max(0, min(expert_bytes, spare_bytes((available or available_ram_bytes)(), keep_bytes)))
+
+
+def cpu_cache_size(requested: int | str | None, *, expert_bytes: int, least_bytes: int, keep_bytes: int = 0,
+                   available: Callable[[], int] | None = None, flag: str = "--cpu-cache") -> int:
+    """The CPU cache's bytes, the one rule of every path that decodes over one (the engine's ring, the
+    torch-free runner): `requested` None holds every expert; CPU_CACHE_AUTO takes `auto_cpu_cache_bytes`;
+    a number is taken as given, 0 meaning the least. Never under `least_bytes`, the least the path
+    decodes with: a smaller size named by `flag` is raised to it, and a warning says so."""
+    if requested is None:
+        size = expert_bytes
+    elif requested == CPU_CACHE_AUTO:
+        size = auto_cpu_cache_bytes(expert_bytes, keep_bytes=keep_bytes, available=available)
+    else:
+        size = int(requested)
+        if 0 < size < least_bytes:
+            log.warning("%s %d bytes is under the %d bytes decoding needs (%s); taking %d", flag, size, least_bytes,
+                        "the experts a step may use at once", least_bytes)
+    return max(size, least_bytes)
 
 
 def reserve_bytes(free: int) -> int:
@@ -55,7 +73,8 @@ def reserve_bytes(free: int) -> int:
     return max(AUTO_RESERVE_BYTES, free // 16)
 
 
-def _spare(free: int, keep_bytes: int) -> int:
+def spare_bytes(free: int, keep_bytes: int) -> int:
+    """What a model or a cache may take of `free` bytes available: the reserve and `keep_bytes` left."""
     return free - reserve_bytes(free) - keep_bytes
 
 
@@ -110,7 +129,7 @@ class MemoryGuard:
         """Raise an auto cache by a quarter (at least one expert), within what MemAvailable shows beyond
         the reserve `auto_cpu_cache_bytes` keeps; the bytes added."""
         self._calm = 0
-        spare = _spare(self.available(), self.keep_bytes)
+        spare = spare_bytes(self.available(), self.keep_bytes)
         target = min(self.ceiling_bytes, capacity + min(max(self.step_bytes, capacity // 4), spare))
         if target - capacity < min(self.step_bytes, self.ceiling_bytes - capacity):
             return 0

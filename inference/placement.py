@@ -17,7 +17,7 @@ import os
 from dataclasses import dataclass
 from typing import Callable
 
-from inference.memory_guard import CPU_CACHE_AUTO, reserve_bytes
+from inference.memory_guard import CPU_CACHE_AUTO, spare_bytes
 from storage.errors import BadInputError
 from storage.formats import int8_rows_spec
 from storage.process_memory import available_ram_bytes
@@ -115,7 +115,7 @@ def choose(path: str, *, device: str = "cpu", compute_itemsize: int = 4, keep_by
         else:
             available = available_ram_bytes
     have = available()
-    fits = mb.total + reserve_bytes(have) + keep_bytes <= have
+    fits = mb.total <= spare_bytes(have, keep_bytes)
     return Placement(None if fits or mb.experts == 0 else CPU_CACHE_AUTO, mb, have, where)
 
 
@@ -123,6 +123,24 @@ def gpu_present() -> bool:
     """Whether the machine shows an NVIDIA GPU (its driver's list), asked without loading torch."""
     gpus = "/proc/driver/nvidia/gpus"
     return os.path.isdir(gpus) and bool(os.listdir(gpus))
+
+
+def tensor_refusal(t) -> str | None:
+    """Why the torch-free runner would not read a store's tensor (`t`, a `storage.manifest.TensorEntry`)
+    as stored, in a phrase; None where it would: float32, bfloat16, FP8 or int8 dense weights, and
+    experts stored as its kernels take them (`EXPERT_KINDS`), FP8 with scales per square tile only."""
+    from inference.torch_free.runner import EXPERT_KINDS
+
+    scheme = (t.quant or {}).get("scheme")
+    dense = t.kind == "weight" and t.group != "expert"
+    if dense and not (scheme == "fp8" or int8_rows_spec(t.quant)) and (scheme or t.dtype not in ("F32", "BF16")):
+        return f"it reads dense weights stored F32, BF16, FP8 or int8, not {scheme or t.dtype} ({t.name})"
+    scales = "scales_of" in (t.quant or {})  # a compact weight's scales, read with its codes
+    if t.kind == "weight" and t.group == "expert" and not scales and (scheme or t.dtype) not in EXPERT_KINDS:
+        return f"it reads experts stored {', '.join(EXPERT_KINDS)}, not {scheme or t.dtype} ({t.name})"
+    if t.kind == "weight" and t.group == "expert" and scheme == "fp8" and len(set(t.quant["block"])) != 1:
+        return f"it takes fp8 experts with scales per square tile, not per {t.quant['block']} block ({t.name})"
+    return None
 
 
 def lean_refusal(path: str) -> str | None:
@@ -142,12 +160,8 @@ def lean_refusal(path: str) -> str | None:
         config = store_model_config(store)
     except BadInputError as e:
         return str(e).removeprefix(f"{store.root}: ")
-    for t in store.manifest.tensors:  # what it reads: float, FP8 or int8 dense weights, experts of its kinds
-        scheme = (t.quant or {}).get("scheme")
-        dense = t.kind == "weight" and t.group != "expert"
-        if dense and not (scheme == "fp8" or int8_rows_spec(t.quant)) and (scheme or t.dtype not in ("F32", "BF16")):
-            return f"it reads dense weights stored F32, BF16, FP8 or int8, not {scheme or t.dtype} ({t.name})"
-        if t.kind == "weight" and t.group == "expert" and scheme == "fp8" and len(set(t.quant["block"])) != 1:
-            return f"it takes fp8 experts with scales per square tile, not per {t.quant['block']} block ({t.name})"
+    for t in store.manifest.tensors:
+        if why := tensor_refusal(t):
+            return why
     why = one_call_refusal(config)
     return None if why is None else f"it does not take {why}"

@@ -70,16 +70,31 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
 
 
 def engine_flags(args: argparse.Namespace) -> list[str]:
-    """The flags given that only the engine takes (the runner's model refuses them); `generate`'s and
-    `serve`'s (serve has no --profile)."""
+    """The flags given that only the engine takes (the runner's model refuses them), with the value
+    where only some values are the engine's; `generate`'s and `serve`'s (serve has no --profile)."""
     return [flag for flag, on in (("--profile", getattr(args, "profile", False)),
                                   ("--routing-trace", args.routing_trace is not None),
                                   ("--device-memory", args.device_memory is not None),
                                   ("--ring-slots", args.ring_slots is not None),
-                                  ("--dtype", args.dtype not in (None, "float32")),
-                                  ("--device", args.device not in ("auto", "cpu")),
-                                  ("--dense", args.dense not in ("auto", "float", "int8")),
-                                  ("--cache-policy", args.cache_policy != "next-use")) if on]
+                                  (f"--dtype {args.dtype}", args.dtype not in (None, "float32")),
+                                  (f"--device {args.device}", args.device not in ("auto", "cpu")),
+                                  (f"--dense {args.dense}", args.dense not in ("auto", "float", "int8")),
+                                  (f"--cache-policy {args.cache_policy}", args.cache_policy != "next-use")) if on]
+
+
+def refuse_for_lean(args: argparse.Namespace, how: str) -> None:
+    """`--lean`'s one check of the other flags, for `generate` and `serve` alike: a flag only the
+    engine takes, --resident, or a --model that is not a store is refused in one line. `how`: what
+    the command does with --lean, in a phrase ("serves in float32 on CPU")."""
+    from storage.reader import is_store
+
+    refused = engine_flags(args)
+    if refused:
+        raise UsageError(f"--lean {how}: {refused[0]} is the engine's (drop --lean)")
+    if args.resident:
+        raise UsageError("--resident is the engine's: --lean reads experts from the store as they are chosen")
+    if not is_store(args.model):
+        raise UsageError(f"--lean reads a store; {args.model} is not one (semoe store import makes one)")
 
 
 def lean_by_itself(args: argparse.Namespace, keep_bytes: int = 0,

@@ -9,7 +9,7 @@ import sys
 
 from tools.cli_output import UsageError, emit_json
 from tools.engine_flags import (add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args,
-                                engine_flags, lean_by_itself, lean_cache_bytes, load_engine, say_placement)
+                                lean_by_itself, lean_cache_bytes, load_engine, refuse_for_lean, say_placement)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -169,16 +169,7 @@ def run_lean(args: argparse.Namespace) -> int:
     from tools.progress import byte_bar, count_bar
 
     check_sampling_flags(args)
-    refused = engine_flags(args)
-    if args.dense not in ("auto", "float", "int8"):
-        raise UsageError(f"--lean takes --dense auto, float or int8, got {args.dense}")
-    if args.cache_policy != "next-use":
-        raise UsageError("--lean evicts by next use; --cache-policy is the engine's")
-    if refused:
-        raise UsageError(f"--lean decodes in float32 on CPU, one sequence, without profiles or traces: {refused[0]} "
-                         f"is the engine's (drop --lean)")
-    if args.resident:
-        raise UsageError("--resident is the engine's: --lean reads experts from the store as they are chosen")
+    refuse_for_lean(args, "decodes in float32 on CPU, one sequence, evicting by next use, without profiles or traces")
     store = StoreReader.open(args.model)  # the manifest, read once: for the cache's size and the model
     cache = lean_cache_bytes(args, store)
     c = store_model_config(store)

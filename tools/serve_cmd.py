@@ -125,18 +125,11 @@ def lean_engine(args: argparse.Namespace, serve_config: "ServeConfig"):  # noqa:
     from inference.torch_free.runner import LeanConfig, LeanModel, dense_load_bytes
     from inference.serving.torch_free_engine import LeanEngine
     from storage.process_memory import available_ram_bytes
-    from storage.reader import StoreReader, is_store
-    from tools.engine_flags import engine_flags, lean_cache_bytes
+    from storage.reader import StoreReader
+    from tools.engine_flags import lean_cache_bytes, refuse_for_lean
     from tools.progress import byte_bar
 
-    refused = engine_flags(args)
-    if refused:
-        raise UsageError(f"--lean serves in float32 on CPU through the compiled kernels: {refused[0]} is the "
-                         f"engine's (drop --lean)")
-    if args.resident:
-        raise UsageError("--resident is the engine's: --lean reads experts from the store as steps choose them")
-    if not is_store(args.model):
-        raise UsageError(f"--lean serves a store; {args.model} is not one (semoe store import makes one)")
+    refuse_for_lean(args, "serves in float32 on CPU through the compiled kernels")
     store = StoreReader.open(args.model)
     cache = lean_cache_bytes(args, store)
     if serve_config.kv_memory_bytes is None:

@@ -30,7 +30,7 @@ from typing import Iterator
 import torch
 
 from inference.engine_config import EngineConfig
-from inference.memory_guard import CPU_CACHE_AUTO, MemoryGuard, auto_cpu_cache_bytes
+from inference.memory_guard import CPU_CACHE_AUTO, MemoryGuard, cpu_cache_size
 from inference.offload.next_layer_predictor import NextLayerPredictor
 from inference.offload.ring_bookkeeping import GuessTracker, RingBook, RingCounters, RoutingReplay, SlotRecord
 from semoe.model.expert_layout import ExpertLayout, TensorSlice, expert_layouts, expert_weights, place, placed_bytes
@@ -202,17 +202,13 @@ class OffloadedExperts:
             slots = 2 * top_k
         # a budget of device memory is a ring in memory of its own, on CPU too
         copies = config.device_memory_bytes is not None or cls.must_copy(store, device, dtype)
-        cpu = config.cpu_cache_bytes if config.cpu_cache_bytes is not None else expert_bytes
-        grow_to = None
-        if cpu == CPU_CACHE_AUTO:
-            cpu, grow_to = auto_cpu_cache_bytes(expert_bytes, keep_bytes=config.keep_bytes), expert_bytes
-            log.info("offload: --cpu-cache auto: %d bytes (the memory available now less a reserve; %d bytes "
-                     "of experts)", cpu, expert_bytes)
         least = cls.least_cpu_cache(slots, top_k, biggest, copies=copies)
-        if cpu < least:
-            log.info("offload: CPU cache raised from %d to %d bytes, the least a ring of %d slots works with",
-                     cpu, least, slots)
-            cpu = least
+        cpu = cpu_cache_size(config.cpu_cache_bytes, expert_bytes=expert_bytes, least_bytes=least,
+                             keep_bytes=config.keep_bytes)
+        grow_to = expert_bytes if config.cpu_cache_bytes == CPU_CACHE_AUTO else None
+        if grow_to is not None:
+            log.info("offload: --cpu-cache auto: %d bytes (the memory available now less a reserve, at least %d; "
+                     "%d bytes of experts)", cpu, least, expert_bytes)
         self = cls(model, store, config, cpu_cache_bytes=cpu, ring_slots=slots, copies=copies, grow_to=grow_to)
         for ffn in model.moe_layers():
             ffn.use_experts(self)

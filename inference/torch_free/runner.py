@@ -51,7 +51,7 @@ import numpy as np
 
 from inference.torch_free.prompt_prefill import prefill
 from inference.torch_free.expert_slots import ExpertSlots
-from inference.memory_guard import auto_cpu_cache_bytes
+from inference.memory_guard import CPU_CACHE_AUTO, cpu_cache_size
 from semoe.kernels import loader
 from semoe.decode import loop
 from semoe.model import rope
@@ -70,8 +70,9 @@ from storage.process_memory import compute_threads, peak_rss_bytes, release_free
 from storage.reader import StoreReader
 DENSE_CHOICES = ("auto", "float", "int8")
 KV_CACHE_CHOICES = ("f32", "f16")
-_KIND = {"F32": loader.W_F32, "BF16": loader.W_BF16, "int8": loader.W_INT8, "int4": loader.W_INT4,
-         "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8}
+# the kernels' weight kind of each way an expert's weights are stored (a quant scheme, or a float dtype)
+EXPERT_KINDS = {"F32": loader.W_F32, "BF16": loader.W_BF16, "int8": loader.W_INT8, "int4": loader.W_INT4,
+                "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8}
 _IO_KIND = {"F32": loader.W_F32_IO, "BF16": loader.W_BF16_IO}  # float weights stored (I, O)
 # an expert's parts by the HuggingFace names' last part: SwiGLU's gate, up, down; gpt-oss's gate_up
 # and down (float, or MXFP4 blocks), then their biases
@@ -186,20 +187,18 @@ class LeanModel:
                 arr, router, F = (loader.Expert * 1)(ex), None, ex.gate.O
                 self.held.append(arr)
             if c.attention == "mla":
-                attn = dict(qkv=[], window=0, mla=self._latent(lay, dense))
+                attn = dict(qkv=[], mla=self._latent(lay, dense))
             else:
                 qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
                 mapped = dense == "int8" and any(self._stored_int8(hf_name(c, f"{m}.weight")) for m in qkv)
                 attn = dict(
                     qkv=[self._linear([m], dense) for m in qkv] if mapped else [self._linear(qkv, dense)],
-                    window=c.window(lay) or 0, qk_norm=loader.QK_NORM[c.qk_norm], qk_eps=c.rms_norm_eps,
                     q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if c.qk_norm != "none" else None,
                     k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if c.qk_norm != "none" else None,
-                    clip=c.clip_qkv or 0.0,
                     sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
-            parts.append(loader.LayerParts(
-                attn_norm=self._vector(f"layers.{lay}.attn_norm.weight"), attn_eps=c.rms_norm_eps,
-                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight"), ffn_eps=c.rms_norm_eps,
+            parts.append(loader.layer_parts(
+                c, lay, attn_norm=self._vector(f"layers.{lay}.attn_norm.weight"),
+                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight"),
                 o=self._linear([f"layers.{lay}.attn.o_proj"], dense), experts=arr, ffn_width=F,
                 router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
@@ -217,17 +216,12 @@ class LeanModel:
                 raise NotOnFastPath(f"{path}: layer {ch.layer}'s expert {ch.expert} is laid out unlike its expert 0")
         sizes = {ch.bytes for ch in chunks}
         self.slot_bytes = -(-max(sizes) // ALIGN) * ALIGN if sizes else ALIGN
-        if config.cache_bytes is None:  # room left for the mapped dense weights' pages and the sequence too
+        if config.cache_bytes is None:
             release_free_heap()  # what loading freed counts as available
-            spare = auto_cpu_cache_bytes(len(chunks) * self.slot_bytes + self.mapped_bytes,
-                                         keep_bytes=config.keep_bytes) - self.mapped_bytes
-            slots = max(K, min(len(chunks), spare // self.slot_bytes))
-        else:
-            slots = config.cache_bytes // self.slot_bytes if config.cache_bytes else K
-        if moe_layers and slots < K:
-            raise BadInputError(f"--cpu-cache: {config.cache_bytes} bytes hold {slots} of this model's expert chunks "
-                                f"({self.slot_bytes} bytes each); decoding needs at least top_k = {K}, "
-                                f"{K * self.slot_bytes} bytes")
+        # auto leaves room for the mapped dense weights' pages and the sequence too
+        slots = cpu_cache_size(CPU_CACHE_AUTO if config.cache_bytes is None else config.cache_bytes,
+                               expert_bytes=len(chunks) * self.slot_bytes, least_bytes=K * self.slot_bytes,
+                               keep_bytes=config.keep_bytes + self.mapped_bytes) // self.slot_bytes
         # the experts' biases (gpt-oss) as float32, a slot's beside it: converted as its chunk is read
         # where they are stored bfloat16, pointed at in the slot where float32
         n_bias = max((sum(n for _, dt, n in b) for _, b in self._parts.values()), default=0)
@@ -413,7 +407,7 @@ class LeanModel:
             q = t.quant or {}
             scheme = q.get("scheme") or t.dtype
             # gpt-oss's weights are (I, O): compact codes out-major all the same, float ones as stored
-            if scheme not in _KIND or bool(q.get("transposed")) != (clamped and bool(q)):
+            if scheme not in EXPERT_KINDS or bool(q.get("transposed")) != (clamped and bool(q)):
                 raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is {scheme}; the lean runner "
                                     f"takes F32, BF16, int8, int4, FP8 and MXFP4")
             s = scales.get(t.name)
@@ -421,9 +415,9 @@ class LeanModel:
                 raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is fp8 with scales per {q['block']} "
                                     f"block; the kernel takes F32 scales per square tile")
             if q:
-                (O, I), kind = (q["shape"][::-1] if clamped else q["shape"]), _KIND[scheme]
+                (O, I), kind = (q["shape"][::-1] if clamped else q["shape"]), EXPERT_KINDS[scheme]
             else:
-                (O, I), kind = (t.shape[::-1], _IO_KIND[scheme]) if clamped else (t.shape, _KIND[scheme])
+                (O, I), kind = (t.shape[::-1], _IO_KIND[scheme]) if clamped else (t.shape, EXPERT_KINDS[scheme])
             group = q.get("group_size") or 0 if scheme == "int4" else q["block"][0] if scheme == "fp8" else 0
             out.append((kind, group, O, I, t.offset, s.offset if s else -1))
         biases = []
@@ -467,15 +461,8 @@ class LeanModel:
         self._pointed[layer][expert] = slot
 
     def rope(self, pos: int, cos: np.ndarray, sin: np.ndarray) -> None:
-        """The rotary tables (rope_dim) of position `pos` into cos and sin: `semoe.model.attention.rope_tables`'
-        float32 operations, with numpy's cos and sin (torch's may differ in the last bit)."""
-        f = np.float32(pos) * self.inv_freq
-        both = np.concatenate((f, f))
-        np.cos(both, out=cos)
-        np.sin(both, out=sin)
-        if self.rope_scale != 1.0:  # YaRN's attention factor
-            cos *= np.float32(self.rope_scale)
-            sin *= np.float32(self.rope_scale)
+        """The rotary tables (rope_dim) of position `pos` into cos and sin (`semoe.model.rope.cos_sin`)."""
+        rope.cos_sin(pos, self.inv_freq, self.rope_scale, cos, sin)
 
     def _embed(self, token: int, x: np.ndarray) -> None:
         e = self._emb

@@ -383,19 +383,15 @@ class DecodePlan:
             if attn.o_proj.lin is None:
                 raise NotOnFastPath(f"layer {block.layer}: an output weight the one-call step does not take")
             if isinstance(attn, _MLA):
-                attn_parts = dict(qkv=[], window=0, mla=_latent(attn, block.layer))
+                attn_parts = dict(qkv=[], mla=_latent(attn, block.layer))
                 held.append(attn_parts["mla"])
             else:
                 if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv):
                     raise NotOnFastPath(f"layer {block.layer}: q/k/v weights the one-call step does not take")
-                if attn.norms is not None and attn.norms[0].eps != attn.norms[1].eps:
-                    raise NotOnFastPath(f"layer {block.layer}: q and k norms of different epsilons")
                 attn_parts = dict(
-                    qkv=[prod.lin for prod, _, _ in attn.qkv], window=attn.window,
-                    qk_norm=loader.QK_NORM[attn.qk_norm],
+                    qkv=[prod.lin for prod, _, _ in attn.qkv],
                     q_norm=None if attn.norms is None else _ptr(attn.norms[0].weight),
                     k_norm=None if attn.norms is None else _ptr(attn.norms[1].weight),
-                    qk_eps=0.0 if attn.norms is None else attn.norms[0].eps, clip=attn.clip or 0.0,
                     sinks=None if attn.sinks is None else _ptr(attn.sinks))
             ffn = block.ffn
             if isinstance(ffn, DenseFFN):  # a dense layer (the plan takes no other kind)
@@ -436,9 +432,9 @@ class DecodePlan:
                 if bias.dtype != torch.float32 or not bias.is_contiguous():
                     raise NotOnFastPath(f"layer {block.layer}: a router correction that is not contiguous float32")
                 correction = _ptr(bias)
-            parts.append(loader.LayerParts(
-                attn_norm=_ptr(lay.attn_norm.weight), attn_eps=lay.attn_norm.eps, ffn_norm=_ptr(lay.ffn_norm.weight),
-                ffn_eps=lay.ffn_norm.eps, o=attn.o_proj.lin, experts=array,
+            parts.append(loader.layer_parts(
+                c, block.layer, attn_norm=_ptr(lay.attn_norm.weight), ffn_norm=_ptr(lay.ffn_norm.weight),
+                o=attn.o_proj.lin, experts=array,
                 ffn_width=experts[0].gate.O // (1 if experts[0].up.O else 2),
                 router=None if isinstance(ffn, DenseFFN) else router.lin, correction=correction, shared=shared,
                 shared_gate=shared_gate, **attn_parts))

@@ -92,6 +92,18 @@ class LayerParts:
 
 # decode_abi.h's `Layer.qk_norm` for `semoe.model.config.MoEConfig.qk_norm`, and `Net.router` for its router
 QK_NORM = {"none": 0, "full": 1, "head": 2}
+
+
+def layer_parts(config, layer: int, **found) -> LayerParts:
+    """Layer `layer`'s `LayerParts` as both front-ends make it: the config decides the norms' epsilon,
+    the sliding window, the q/k norm's kind and epsilon and the clip; `found` holds what the caller
+    found in its weights (addresses, products, experts: the other fields)."""
+    gqa = config.attention != "mla"
+    return LayerParts(attn_eps=config.rms_norm_eps, ffn_eps=config.rms_norm_eps,
+                      window=(config.window(layer) or 0) if gqa else 0,
+                      qk_norm=QK_NORM[config.qk_norm] if gqa else 0,
+                      qk_eps=config.rms_norm_eps if gqa and config.qk_norm != "none" else 0.0,
+                      clip=(config.clip_qkv or 0.0) if gqa else 0.0, **found)
 ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2}
 # prefill.c's and kernels.h's sizes, for what a prompt's pass allocates (`inference.torch_free.sequence_memory`):
 # the rows of a block (PREFILL_ROWS), the rows sharing a key's load (ROW_GROUP) and the expanded latent

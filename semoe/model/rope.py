@@ -46,12 +46,26 @@ def inv_freq(config) -> tuple[np.ndarray, float]:
     return inv.astype(np.float32), float(attention_factor)
 
 
+def cos_sin(pos: int, inv_freq_r: np.ndarray, scale: float, cos_R: np.ndarray, sin_R: np.ndarray) -> None:
+    """The rotary tables of position `pos` into `cos_R` and `sin_R` (float32, rope_dim each), from
+    `inv_freq`'s frequencies and scale: the same float32 operations as the torch model's
+    `semoe.model.attention.rope_tables`, which keeps its own for tensors on the device (numpy's cos
+    and sin may differ from torch's in the last bit)."""
+    f = np.float32(pos) * inv_freq_r
+    both = np.concatenate((f, f))
+    np.cos(both, out=cos_R)
+    np.sin(both, out=sin_R)
+    if scale != 1.0:  # YaRN's attention factor
+        cos_R *= np.float32(scale)
+        sin_R *= np.float32(scale)
+
+
 def softmax_scale(config) -> float:
     """Attention's softmax scale: 1/sqrt(qk head dim), times YaRN's mscale(factor, mscale_all_dim)^2 in
     latent attention."""
     scale = config.head_dim ** -0.5
     s = config.rope_scaling
-    if config.attention == "mla" and s and s.get("mscale_all_dim") and float(s["factor"]) > 1:
-        m = 0.1 * float(s["mscale_all_dim"]) * math.log(float(s["factor"])) + 1.0
+    if config.attention == "mla" and s and s.get("mscale_all_dim"):
+        m = _mscale(float(s["factor"]), float(s["mscale_all_dim"]))
         scale *= m * m
     return scale

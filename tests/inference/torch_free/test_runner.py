@@ -273,16 +273,31 @@ def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
     with pytest.raises(NotOnFastPath, match="grouped-query attention rotating interleaved pairs") as e:
         LeanModel(str(tmp_path / "pairs"), LeanConfig(cache_bytes=0))
     assert "\n" not in str(e.value)
-    with pytest.raises(BadInputError, match=r"--cpu-cache: 4096 bytes hold 0 .* at least top_k = 2"):
-        LeanModel(stores[32], LeanConfig(cache_bytes=4096))
     with pytest.raises(NotAStoreError, match="not a semoe store"):
         LeanModel(str(tmp_path), LeanConfig(cache_bytes=0))
 
 
+def test_a_cache_under_top_k_is_raised_to_it_with_a_warning_as_the_engines(stores, caplog):
+    """One rule for every path (`inference.memory_guard.cpu_cache_size`): a budget under what a step
+    may use at once is raised to it and said in one warning; 0 asks for that least quietly."""
+    with caplog.at_level("WARNING", logger="inference.memory_guard"):
+        with LeanModel(stores[32], LeanConfig(cache_bytes=4096)) as model:
+            least = model.config.top_k * model.slot_bytes
+            assert model.cache.n == model.config.top_k
+        assert [r.getMessage() for r in caplog.records] == [
+            f"--cpu-cache 4096 bytes is under the {least} bytes decoding needs (the experts a step may use at "
+            f"once); taking {least}"]
+        caplog.clear()
+        with LeanModel(stores[32], LeanConfig(cache_bytes=0)) as model:
+            assert model.cache.n == model.config.top_k
+        assert caplog.records == []
+
+
 def test_a_store_it_cannot_read_as_stored_keeps_the_engine(tmp_path):
     """`semoe generate`'s own choice asks `lean_refusal` first: FP8 experts with scales per
-    non-square block are not the runner's kernel's, so a short memory keeps the engine for them;
-    DeepSeek-V3 as published (square tiles) and the same model in float32 are the runner's."""
+    non-square block, and float16 experts, are not the runner's kernels', so a short memory keeps the
+    engine for them; DeepSeek-V3 as published (square tiles) and the same model in float32 are the
+    runner's. What the refusal says and what the runner refuses agree."""
     from helpers.hf_models import make_hf_checkpoint
     from helpers.quantized_checkpoints import write_fp8_checkpoint
     from inference.placement import lean_refusal
@@ -298,6 +313,21 @@ def test_a_store_it_cannot_read_as_stored_keeps_the_engine(tmp_path):
         LeanModel(str(tmp_path / "store-fp8-8"), LeanConfig(cache_bytes=0))
     assert lean_refusal(str(tmp_path / "store-fp8-16")) is None
     assert lean_refusal(str(tmp_path / "store")) is None
+    import_checkpoint(str(hf), str(tmp_path / "store-f16"), dtype="float16")
+    why = lean_refusal(str(tmp_path / "store-f16"))
+    assert why is not None and why.startswith("it reads dense weights stored F32, BF16, FP8 or int8, not F16")
+    with pytest.raises(NotOnFastPath, match="F16"):
+        LeanModel(str(tmp_path / "store-f16"), LeanConfig(cache_bytes=0))
+    # experts alone in float16 (dense weights it takes): refused by the expert rule, as the runner's
+    # chunk reader refuses a scheme outside EXPERT_KINDS
+    from types import SimpleNamespace
+
+    from inference.placement import tensor_refusal
+    from inference.torch_free.runner import EXPERT_KINDS
+
+    expert = SimpleNamespace(kind="weight", group="expert", dtype="F16", quant=None, name="e")
+    assert "F16" not in EXPERT_KINDS and tensor_refusal(expert) == (
+        "it reads experts stored F32, BF16, int8, int4, mxfp4, fp8, not F16 (e)")
     assert lean_refusal(str(hf)) == "it reads stores, not HuggingFace directories"
 
 
