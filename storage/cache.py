@@ -38,7 +38,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "CacheEntry",
-    "CacheFullError",  # defined in storage.errors; re-exported for the cache's users
     "CacheStats",
     "EntryState",
     "ExpertCache",

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from semoe.model.hf_names import ALIASES, SUPPORTED_MODEL_TYPES, model_type_of  # noqa: F401 (re-exported)
+from semoe.model.hf_names import ALIASES, SUPPORTED_MODEL_TYPES, model_type_of
 from storage.dequant import DequantizedRef, QuantScheme, pair_quantized, quant_scheme
 from storage.quant import QuantSpec, dequantize
 from storage.dtypes import cast_dtype, dtype_name, torch_dtype

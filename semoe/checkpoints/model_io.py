@@ -20,7 +20,7 @@ from semoe.model.compact_linear import compact_dense_linears, resolve_dense, sta
 from semoe.model.config import MoEConfig
 from semoe.checkpoints.hf_config import config_from_json, store_model_config
 from semoe.model.expert_layout import chunk_layout_of, hf_expert_names, packed_layer
-from semoe.model.hf_names import SEMOE_MODEL_TYPE, hf_name  # noqa: F401 (re-exported)
+from semoe.model.hf_names import SEMOE_MODEL_TYPE, hf_name
 from semoe.model.moe_gpt import MoEGPT
 from semoe.model.experts import ResidentExperts
 from storage.errors import BadInputError
@@ -29,7 +29,7 @@ from storage.process_memory import release_free_heap
 from storage.formats import int8_rows_spec
 from storage.formats import QUANTIZE_ROWS
 from semoe.checkpoints.hf_convert import ExpertPart, open_checkpoint
-from storage.reader import is_store  # noqa: F401 (re-exported: the callers ask the model module)
+from storage.reader import is_store
 from storage.store import ExpertTensor, Store
 
 
