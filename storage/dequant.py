@@ -65,7 +65,7 @@ def quant_scheme(config: dict, source: str) -> QuantScheme | None:
         raise BadInputError(f"{source}: quantization_config.quant_method={method!r} is not supported; "
                             f"supported: {', '.join(QUANT_METHODS)}")
     fmt = q.get("fmt", "e4m3")
-    if fmt != "e4m3":
+    if fmt not in ("e4m3", "float8_e4m3fn"):  # DeepSeek-V3's spelling, MiniMax-M2's
         raise BadInputError(f"{source}: quantization_config.fmt={fmt!r} is not supported; supported: 'e4m3'")
     block = q.get("weight_block_size")
     if not (isinstance(block, (list, tuple)) and len(block) == 2

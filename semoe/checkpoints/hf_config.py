@@ -52,8 +52,14 @@ def _rope(cfg: dict, default_theta: float) -> dict[str, Any]:
 
 
 def _partial_rotary(cfg: dict, default: float = 1.0) -> float:
+    """The share of each head's dims that rotate: `partial_rotary_factor`, or the older `rotary_dim`
+    (dims, not a share) that published configs give alone."""
     params = cfg.get("rope_parameters") or {}
-    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", default)))
+    factor = params.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if factor is None and cfg.get("rotary_dim"):
+        heads = cfg["num_attention_heads"]
+        factor = cfg["rotary_dim"] / (cfg.get("head_dim") or cfg["hidden_size"] // heads)
+    return float(default if factor is None else factor)
 
 
 def _common(cfg: dict) -> dict[str, Any]:
@@ -178,10 +184,48 @@ def _gpt_oss(cfg: dict) -> MoEConfig:
                      swiglu_limit=float(cfg.get("swiglu_limit", 7.0)), **_rope(cfg, 150000.0))
 
 
+def _minimax_m2(cfg: dict) -> MoEConfig:
+    """MiniMax-M2: GQA with q/k norms over all heads and partial rotary, a sigmoid router whose
+    correction bias only chooses (DeepSeek-V3's with one group), always renormalised; Mixtral's names."""
+    for key, want in (("scoring_func", "sigmoid"), ("qk_norm_type", "per_layer"), ("use_qk_norm", True),
+                      ("use_routing_bias", True)):
+        if cfg.get(key, want) != want:
+            raise ValueError(f"config.json: {key} {cfg[key]!r} is not supported for minimax_m2 (only {want!r})")
+    if any(t != 1 for t in cfg.get("attn_type_list") or []):
+        raise ValueError("config.json: attn_type_list names lightning (linear) attention layers; minimax_m2 is "
+                         "supported with full attention in every layer (1)")
+    if cfg.get("shared_intermediate_size"):
+        raise ValueError("config.json: shared_intermediate_size > 0 (a shared expert) is not supported for minimax_m2")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    return MoEConfig(arch="minimax_m2", **_common(cfg), head_dim=head_dim, ffn_size=_need(cfg, "intermediate_size"),
+                     moe_ffn_size=cfg["intermediate_size"], num_experts=_num_experts(cfg), qk_norm="full",
+                     router="grouped", router_scores="sigmoid", score_correction_bias=True, n_group=1, topk_group=1,
+                     group_score="top2", norm_topk_prob=True, routed_scaling_factor=1.0,
+                     rope_dim=int(head_dim * _partial_rotary(cfg)), **_rope(cfg, 5e6))
+
+
+def _dots1(cfg: dict) -> MoEConfig:
+    """dots.llm1: DeepSeek-V3's routing and FFN (transformers hard-wires sigmoid with a correction bias)
+    over Qwen3's attention (q/k norms per head), windows only where `layer_types` says."""
+    if cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        raise ValueError(f"config.json: scoring_func {cfg['scoring_func']!r} is not supported for dots1 (only sigmoid)")
+    n = cfg["num_hidden_layers"]
+    window, after = cfg.get("sliding_window"), cfg.get("max_window_layers", n)
+    types = cfg.get("layer_types") or ["sliding_attention" if window is not None and i >= after else "full_attention"
+                                       for i in range(n)]
+    sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+    bias = bool(cfg.get("attention_bias", False))
+    return MoEConfig(arch="dots1", **_common(cfg), **_deepseek_routing({"topk_method": "noaux_tc", **cfg}, v3=True),
+                     head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
+                     qk_norm="head", attention_bias=bias, o_proj_bias=bias,
+                     sliding_window=window if sliding else None, sliding_layers=sliding if sliding else None,
+                     **_rope(cfg, 10000.0))
+
+
 BUILDERS: dict[str, Callable[[dict], MoEConfig]] = {
     "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
     "deepseek_v2": _deepseek("deepseek_v2"), "deepseek_v3": _deepseek("deepseek_v3"), "glm4_moe": _glm4_moe,
-    "gpt_oss": _gpt_oss,
+    "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "dots1": _dots1,
 }
 
 

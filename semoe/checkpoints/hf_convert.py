@@ -205,7 +205,8 @@ def _skip_extra_layers(tensors: dict[str, TensorRef], config: dict,
     n = config.get("num_hidden_layers")
     if not isinstance(n, int):
         return tensors, None
-    mtp = config.get("num_nextn_predict_layers") or 0
+    # DeepSeek-V3's count of them, MiniMax-M2's
+    mtp = config.get("num_nextn_predict_layers") or (config.get("num_mtp_modules") if config.get("use_mtp") else 0) or 0
     kept: dict[str, TensorRef] = {}
     layers: set[int] = set()
     count = nbytes = 0

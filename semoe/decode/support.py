@@ -17,7 +17,8 @@ from __future__ import annotations
 from storage.errors import BadInputError
 
 # the model types the plan takes (every one `semoe.checkpoints.hf_config` builds)
-ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
+                 "minimax_m2", "dots1")
 
 
 MAX_GROUPS = 256  # a grouped router's groups the one-call step takes (decode_step.c's `route`)

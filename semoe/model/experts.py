@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semoe.model.hf_names import MIXTRAL_NAMES
 from semoe.model.compact_linear import Weight, fused_clamped_swiglu, fused_swiglu, linear, matmul
 from semoe.model.config import MoEConfig
 
@@ -60,7 +61,7 @@ class SwiGLU(ExpertMLP):
     """gate (F, D), up (F, D), down (D, F), named `w1`, `w3`, `w2` in Mixtral and `*_proj` elsewhere."""
 
     def names(self, config: MoEConfig, prefix: str) -> tuple[str, ...]:
-        parts = ("w1", "w3", "w2") if config.arch == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        parts = ("w1", "w3", "w2") if config.arch in MIXTRAL_NAMES else ("gate_proj", "up_proj", "down_proj")
         return tuple(f"{prefix}{p}.weight" for p in parts)
 
     def shapes(self, config: MoEConfig) -> tuple[tuple[int, ...], ...]:

@@ -18,7 +18,9 @@ class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names
     shared_expert_gate: bool
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                         "gpt_oss", "semoe_gpt")
+                         "gpt_oss", "minimax_m2", "dots1", "semoe_gpt")
+# model types whose checkpoints name a MoE layer `block_sparse_moe` and its experts' products w1/w3/w2
+MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
 # model types that are another one under a new name: (architecture they must declare, the type they are)
 ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
@@ -35,7 +37,7 @@ def model_type_of(config: dict) -> str:
 
 def moe_prefix(config: _Arch) -> str:
     """The HuggingFace name of a MoE layer's module."""
-    return "block_sparse_moe" if config.arch == "mixtral" else "mlp"
+    return "block_sparse_moe" if config.arch in MIXTRAL_NAMES else "mlp"
 
 
 def hf_name(config: _Arch, param: str) -> str:
@@ -48,7 +50,10 @@ def hf_name(config: _Arch, param: str) -> str:
     moe = moe_prefix(config)
     router = "router" if config.arch == "gpt_oss" else "gate"
     shared = "shared_experts" if not config.shared_expert_gate else "shared_expert"
+    # MiniMax-M2 keeps the router's correction bias on the MoE block, not on its gate
+    bias_on = moe if config.arch == "minimax_m2" else f"{moe}.{router}"
     rules = [
+        (r"^ffn\.router\.e_score_correction_bias$", f"{bias_on}.e_score_correction_bias"),
         (r"^attn_norm\.", "input_layernorm."), (r"^ffn_norm\.", "post_attention_layernorm."),
         (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.{router}."),
         (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."), (r"^ffn\.shared\.", f"mlp.{shared}."), (r"^ffn\.", "mlp."),

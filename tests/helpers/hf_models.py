@@ -52,6 +52,19 @@ def tiny_config(arch: str, **over):
                 "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False}
         cls, kw = transformers.GptOssConfig, dict(TINY, num_hidden_layers=3, num_local_experts=4, num_experts_per_tok=2,
                                                   head_dim=16, sliding_window=6, rope_parameters=yarn)
+    elif arch == "minimax_m2":
+        # q/k norms over all heads, half of each head rotating (as rotary_dim 64 of 128), a
+        # sigmoid router with a correction bias; heads * head_dim wider than the hidden size, as published
+        cls, kw = transformers.MiniMaxM2Config, dict(TINY, num_local_experts=4, num_experts_per_tok=2, head_dim=16,
+                                                     bos_token_id=1, eos_token_id=2,
+                                                     rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                                      "partial_rotary_factor": 0.5})
+    elif arch == "dots1":
+        # DeepSeek-V3's routing (groups, scaling, renormalised) over Qwen3's attention; one dense layer
+        cls, kw = transformers.Dots1Config, dict(TINY, num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+                                                 moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1,
+                                                 n_group=4, topk_group=2, norm_topk_prob=True, head_dim=16,
+                                                 routed_scaling_factor=2.5)
     else:
         raise ValueError(arch)
     return cls(**{**kw, **over})

@@ -69,7 +69,7 @@ def test_olmoe_round_trip(hf_olmoe, tmp_path):
     assert (tmp_path / "out" / "config.json").read_bytes() == (hf_olmoe / "config.json").read_bytes()
 
 
-NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"]
+NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1"]
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])

@@ -314,6 +314,20 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).abs().max() / b.abs().max()).item()
 
 
+# the kernels quantize activations to int8 for int8, int4 and MXFP4 weights, where the modules keep
+# them float: the prompt pass's last logits sit up to 1.4% of the largest from the modules' (measured
+# over every architecture and format of CASES); twice that, and still far under a wrong weight's move
+LOW_PRECISION_RTOL = 3e-2
+
+
+def _same_greedy_or_near_tie(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """The same greedy token as `ref`, or one `ref` scores within the two paths' largest difference of
+    its own best: a near tie that int8 activations can flip (random weights make a few)."""
+    mine, best = got.argmax(-1), ref.argmax(-1)
+    margin = (ref.gather(-1, best[..., None]) - ref.gather(-1, mine[..., None])).max().item()
+    assert torch.equal(mine, best) or margin <= (got - ref).abs().max().item(), (mine, best, margin)
+
+
 @pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     """Each architecture's decoding steps all go through the plan (never the modules), in its stored
@@ -358,9 +372,11 @@ def test_the_prompt_pass_is_the_plans_steps_for_every_architecture(arch_stores, 
     assert _relative(got, want) < WHOLE_ATOL
     for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
         assert _relative(a, b) < WHOLE_ATOL
-    assert torch.equal(got.argmax(-1), floats.argmax(-1))
     if fmt == "f32":  # float32 throughout: the modules' path within ARCH_RTOL too
         assert _relative(got, floats) < ARCH_RTOL
+    else:
+        assert _relative(got, floats) < LOW_PRECISION_RTOL
+    _same_greedy_or_near_tie(got, floats)
     assert _relative(plan.step(5, caches[0]), plan.step(5, caches[1])) < WHOLE_ATOL
 
 
