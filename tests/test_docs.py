@@ -181,7 +181,7 @@ def support_table() -> str:
     from helpers.hf_models import tiny_config
     from semoe.checkpoints.hf_config import from_hf_config
     from semoe.decode.support import ARCHITECTURES, one_call_refusal
-    from semoe.model.hf_names import ALIASES, SEMOE_MODEL_TYPE, SUPPORTED_MODEL_TYPES
+    from semoe.model.hf_names import ALIASES, SEMOE_MODEL_TYPE, SUPPORTED_MODEL_TYPES, TEXT_MODELS, model_type_of
 
     def yes(ok: bool, why: str | None = None) -> str:
         return "yes" if ok else f"no ({why})" if why else "no"
@@ -193,6 +193,7 @@ def support_table() -> str:
             continue
         why = one_call_refusal(from_hf_config(tiny_config(arch).to_dict()))
         also = [f"`{a}`" for a, (_, to) in ALIASES.items() if to == arch]
+        also += [f"`{m}` (its text model)" for m in TEXT_MODELS if model_type_of(tiny_config(m).to_dict()) == arch]
         name = f"`{arch}`" + (f" (and {', '.join(also)})" if also else "")
         plan = arch in ARCHITECTURES
         rows.append(f"| {name} | {yes(plan)} | {yes(plan)} | {yes(why is None, why)} | "

@@ -125,11 +125,13 @@ class LeanResult:
 
 def dense_load_bytes(store: StoreReader) -> int:
     """Bytes of dense weights `LeanModel` reads at load (its `progress` total), from the manifest alone:
-    every 2-d dense tensor but the token embedding, which stays on storage unless it is the head too."""
-    m = store.manifest
-    # the embedding's name is every architecture's; a model without an lm_head ties it to the embedding
-    emb = hf_name(None, "embed.weight") if m.has_tensor("lm_head.weight") else None
-    return sum(t.bytes for t in m.dense() if len(t.shape) == 2 and t.name != emb)
+    every 2-d dense tensor of the model (a multimodal checkpoint's vision tower is not read) but the
+    token embedding, which stays on storage unless it is the head too."""
+    m, c = store.manifest, store_model_config(store)
+    # a model without an lm_head ties it to the embedding
+    emb = hf_name(c, "embed.weight") if m.has_tensor(hf_name(c, "lm_head.weight")) else None
+    return sum(t.bytes for t in m.dense()
+               if len(t.shape) == 2 and t.name != emb and t.name.startswith(c.weights_prefix))
 
 
 class LeanModel:

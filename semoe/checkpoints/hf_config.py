@@ -11,7 +11,7 @@ import json
 from typing import Any, Callable
 
 from semoe.model.config import MoEConfig
-from semoe.model.hf_names import SEMOE_MODEL_TYPE, model_type_of
+from semoe.model.hf_names import SEMOE_MODEL_TYPE, TEXT_MODELS, model_type_of, text_config_of
 from storage.errors import BadInputError
 
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
@@ -234,9 +234,16 @@ def from_hf_config(cfg: dict) -> MoEConfig:
     model_type = model_type_of(cfg)  # an alias (Kimi K2's kimi_k2) builds the architecture it shares
     if model_type not in BUILDERS:
         raise ValueError(f"config.json: model_type {model_type!r} is not supported; supported: {', '.join(BUILDERS)}")
-    if model_type != "gpt_oss" and cfg.get("hidden_act", "silu") != "silu":
-        raise ValueError(f"config.json: hidden_act {cfg.get('hidden_act')!r} is not supported (only silu)")
-    return BUILDERS[model_type](cfg)
+    text = text_config_of(cfg)  # a multimodal checkpoint's text model (Kimi-K2.5's DeepSeek-V3)
+    if model_type != "gpt_oss" and text.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {text.get('hidden_act')!r} is not supported (only silu)")
+    config = BUILDERS[model_type](text)
+    wrapped = TEXT_MODELS.get(str(cfg.get("model_type", "")))
+    if wrapped is None:
+        return config
+    # the whole config is kept for export; the head is tied as the multimodal model ties it
+    tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+    return config.replace(weights_prefix=wrapped[1], extra=dict(cfg), tie_embeddings=tied)
 
 
 def config_from_json(cfg: dict) -> MoEConfig:

@@ -32,7 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from semoe.model.hf_names import ALIASES, SUPPORTED_MODEL_TYPES, model_type_of
+from semoe.model.hf_names import ALIASES, SUPPORTED_MODEL_TYPES, TEXT_MODELS, model_type_of, text_config_of
 from storage.dequant import DequantizedRef, QuantScheme, pair_quantized, quant_scheme
 from storage.quant import QuantSpec, dequantize
 from storage.dtypes import cast_dtype, dtype_name, torch_dtype
@@ -106,7 +106,7 @@ def check_supported(config: dict, source: str) -> None:
     archs = [str(a) for a in config.get("architectures") or []]
     why = next((k for k in _MULTIMODAL_KEYS if k in config), None) or next(
         (f"architecture {a}" for a in archs if "ForConditionalGeneration" in a), None)
-    if why:
+    if why and model_type not in TEXT_MODELS:  # where semoe knows the text model, it runs that
         raise BadInputError(f"{source}: multimodal checkpoint ({why}) is not supported: multimodal towers are not "
                             f"implemented")
     if model_type == "qwen3_next":
@@ -162,7 +162,8 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False)
     side = sorted(n for n in os.listdir(path)
                   if n not in weights and not n.startswith(".") and os.path.isfile(os.path.join(path, n))
                   and not n.endswith((".bin", ".pt", ".pth", ".safetensors")))
-    tensors, skipped = _skip_extra_layers(tensors, config, cfg_path)
+    tensors, skipped = _skip_extra_layers(tensors, text_config_of(config), cfg_path)
+    _say_kept_towers(tensors, config)
     ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side,
                     skipped=skipped)
     scheme = quant_scheme(config, cfg_path)
@@ -197,6 +198,19 @@ def _quant_entries(paired: dict[str, TensorRef | DequantizedRef], scheme: QuantS
         out[codes.name] = spec.to_json()
         out[scales.name] = {"scales_of": codes.name}
     return out
+
+
+def _say_kept_towers(tensors: dict[str, TensorRef], config: dict) -> None:
+    """One line on stderr where a multimodal checkpoint's tensors outside its text model (a vision
+    tower, a projector) stay in the store as they are: semoe runs the text model, export writes them back."""
+    wrapped = TEXT_MODELS.get(str(config.get("model_type", "")))
+    if wrapped is None:
+        return
+    outside = [n for n in tensors if not n.startswith(wrapped[1])]
+    if outside:
+        tops = sorted({n.split(".", 1)[0] for n in outside})
+        log.warning("%s: %d tensors outside the text model (%s) are kept in the store as they are; semoe runs "
+                    "the text model", config["model_type"], len(outside), ", ".join(tops))
 
 
 def _skip_extra_layers(tensors: dict[str, TensorRef], config: dict,
@@ -256,7 +270,8 @@ def _classify(ck: Checkpoint) -> None:
                 experts[int(m.group(1))][e].append(ExpertPart(ref=ref, stacked=True))
             continue
         ck.dense.append(name)
-    want = next((int(ck.config[k]) for k in _NUM_EXPERT_KEYS if isinstance(ck.config.get(k), int)), None)
+    text = text_config_of(ck.config)
+    want = next((int(text[k]) for k in _NUM_EXPERT_KEYS if isinstance(text.get(k), int)), None)
     for layer, by_expert in experts.items():
         n = max(by_expert) + 1
         if want is not None and n != want:

@@ -92,6 +92,9 @@ class MoEConfig:
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # the source config, kept for export
+    # what the checkpoint's tensor names start with: "" for a causal LM, the text model's prefix in a
+    # multimodal one (`semoe.model.hf_names.TEXT_MODELS`)
+    weights_prefix: str = ""
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:

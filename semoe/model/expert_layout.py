@@ -73,7 +73,8 @@ def hf_expert_names(config: MoEConfig, layer: int, expert: int) -> tuple[str, ..
     """HuggingFace names of one expert's tensors, in its MLP variant's order (for a fused
     checkpoint layout, the names of the (E, ...) tensors that hold every expert of the layer)."""
     mlp = expert_mlp(config)
-    prefix = f"model.layers.{layer}.{moe_prefix(config)}.experts." + ("" if mlp.stacked else f"{expert}.")
+    prefix = (f"{config.weights_prefix}model.layers.{layer}.{moe_prefix(config)}.experts."
+              + ("" if mlp.stacked else f"{expert}."))
     return mlp.names(config, prefix)
 
 

@@ -16,6 +16,7 @@ from typing import Protocol
 class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names depend on (it imports this module)
     arch: str
     shared_expert_gate: bool
+    weights_prefix: str
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
                          "gpt_oss", "minimax_m2", "dots1", "semoe_gpt")
@@ -24,15 +25,28 @@ MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
 # model types that are another one under a new name: (architecture they must declare, the type they are)
 ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
+# multimodal model types whose text model semoe runs: (the text model's config key, the prefix of its
+# tensors' names). The rest (a vision tower, a projector) stays in the store as it is, for export.
+TEXT_MODELS = {"kimi_k25": ("text_config", "language_model.")}
 
 
 def model_type_of(config: dict) -> str:
-    """The supported model type a config stands for (an alias such as kimi_k2 gives the type it is)."""
+    """The supported model type a config stands for (an alias such as kimi_k2 gives the type it is; a
+    multimodal one, its text model's)."""
     model_type = str(config.get("model_type", ""))
+    if model_type in TEXT_MODELS:
+        text = config.get(TEXT_MODELS[model_type][0]) or {}
+        return "deepseek_v3" if text.get("model_type") == "kimi_k2" else model_type_of(text)
     alias = ALIASES.get(model_type)
     if alias and alias[0] in (config.get("architectures") or []):
         return alias[1]
     return model_type
+
+
+def text_config_of(config: dict) -> dict:
+    """The config of the model semoe runs: a multimodal checkpoint's text model's, else `config`."""
+    wrapped = TEXT_MODELS.get(str(config.get("model_type", "")))
+    return dict(config.get(wrapped[0]) or {}) if wrapped else config
 
 
 def moe_prefix(config: _Arch) -> str:
@@ -44,9 +58,10 @@ def hf_name(config: _Arch, param: str) -> str:
     """The HuggingFace name of a non-expert model parameter."""
     m = re.match(r"^layers\.(\d+)\.(.+)$", param)
     if not m:
-        return {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
+        top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
+        return config.weights_prefix + top
     layer, rest = m.group(1), m.group(2)
-    p = f"model.layers.{layer}."
+    p = f"{config.weights_prefix}model.layers.{layer}."
     moe = moe_prefix(config)
     router = "router" if config.arch == "gpt_oss" else "gate"
     shared = "shared_experts" if not config.shared_expert_gate else "shared_expert"

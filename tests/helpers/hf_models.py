@@ -16,6 +16,13 @@ def tiny_config(arch: str, **over):
     hidden_size=64, intermediate sizes 64, for shapes int4's row blocks and groups take)."""
     import transformers
 
+    if arch == "kimi_k25":  # DeepSeek-V3's text model (as its hub config names it, kimi_k2) beside a vision tower
+        text = tiny_config("deepseek_v3", **over).to_dict()
+        text["model_type"] = "kimi_k2"
+        vision = dict(patch_size=2, pos_emb_height=4, pos_emb_width=4, pos_emb_time=2, num_attention_heads=2,
+                      num_hidden_layers=1, hidden_size=16, intermediate_size=32)
+        return transformers.Kimi_K25Config(text_config=text, vision_config=vision, projection_hidden_size=16,
+                                           tie_word_embeddings=False)
     if arch == "mixtral":
         cls, kw = transformers.MixtralConfig, dict(TINY, num_local_experts=4, num_experts_per_tok=2)
     elif arch == "qwen2_moe":
@@ -75,6 +82,23 @@ def tiny_config(arch: str, **over):
 _PERTURB = {"e_score_correction_bias": 0.05, "sinks": 0.5, "router.bias": 0.5, "_bias": 0.05, ".bias": 0.02}
 
 
+def hf_model_class(model_type: str):
+    """transformers' class of a whole checkpoint of `model_type`: its causal LM, or the multimodal
+    model around the text model semoe runs (Kimi-K2.5), whose logits from token ids are the text model's."""
+    import transformers
+
+    if model_type == "kimi_k25":
+        return transformers.Kimi_K25ForConditionalGeneration
+    return transformers.AutoModelForCausalLM
+
+
+def load_hf_model(path, **kw):
+    """transformers' model of the checkpoint directory `path` (`hf_model_class`), `kw` to from_pretrained."""
+    with open(pathlib.Path(path) / "config.json", encoding="utf-8") as f:
+        model_type = json.load(f)["model_type"]
+    return hf_model_class(model_type).from_pretrained(str(path), **kw)
+
+
 def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
                        seed: int = 0, **over) -> pathlib.Path:
     """Save a tiny random model of `arch` with save_pretrained (`over` as `tiny_config`'s); returns the
@@ -83,7 +107,8 @@ def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32",
 
     cfg = tiny_config(arch, **over)
     torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    cls = hf_model_class(cfg.model_type)
+    model = cls.from_config(cfg) if cls is transformers.AutoModelForCausalLM else cls(cfg)
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
@@ -92,7 +117,31 @@ def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32",
                 t.copy_(torch.randn(t.shape, generator=g) * std)
     model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
+    if arch == "kimi_k25":
+        _rename_tensors(path, "language_model.model.blocks.", "language_model.model.layers.")
     return path
+
+
+def _rename_tensors(path: pathlib.Path, old: str, new: str) -> None:
+    """Tensors whose names start with `old` renamed to start with `new`, in every file and the index.
+    transformers 5.25 saves Kimi-K2.5's text layers as `blocks` (its vision tower's rename, reversed,
+    reaches them too); the published checkpoint names them `layers`, as DeepSeek-V3 does, and
+    transformers loads that."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    def renamed(name: str) -> str:
+        return new + name[len(old):] if name.startswith(old) else name
+
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), "pt") as f:
+            metadata, tensors = f.metadata(), {renamed(k): f.get_tensor(k) for k in f.keys()}
+        save_file(tensors, str(file), metadata=metadata)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"] = {renamed(k): v for k, v in data["weight_map"].items()}
+        index.write_text(json.dumps(data, indent=2))
 
 
 def load_safetensors_dir(path) -> dict[str, torch.Tensor]:

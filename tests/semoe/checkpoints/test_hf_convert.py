@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from helpers.hf_models import assert_bit_exact, load_safetensors_dir
+from helpers.hf_models import assert_bit_exact, load_hf_model, load_safetensors_dir
 
 from storage.errors import BadInputError
 from inference.engine import Engine
@@ -28,11 +28,9 @@ def _round_trip(src, tmp_path) -> Store:
 
 def _assert_transformers_computes_the_same_logits(src, out) -> None:
     """transformers loads the export and computes exactly the logits it computes from the original."""
-    import transformers
 
     ids = torch.tensor([[1, 5, 9, 2, 33, 7]])
-    a = transformers.AutoModelForCausalLM.from_pretrained(str(src)).eval()
-    b = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    a, b = load_hf_model(src).eval(), load_hf_model(out).eval()
     with torch.no_grad():
         assert torch.equal(a(ids).logits, b(ids).logits)
 
@@ -69,7 +67,7 @@ def test_olmoe_round_trip(hf_olmoe, tmp_path):
     assert (tmp_path / "out" / "config.json").read_bytes() == (hf_olmoe / "config.json").read_bytes()
 
 
-NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1"]
+NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25"]
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
@@ -281,3 +279,23 @@ def test_index_naming_a_missing_tensor(hf_mixtral_sharded_bf16, tmp_path):
     (ck / INDEX_FILE).write_text(json.dumps(index))
     with pytest.raises(BadInputError, match=r"tensor model\.layers\.9\.ghost\.weight listed in"):
         open_checkpoint(str(ck))
+
+
+def test_a_multimodal_checkpoint_gives_its_text_model_and_keeps_the_rest(tmp_path, caplog):
+    """Kimi-K2.5: its DeepSeek-V3 text model (`language_model.*`, as published) is imported and runs;
+    the vision tower and the projector stay in the store as they are (one warning says so), and
+    export writes the whole checkpoint back bit for bit."""
+    from helpers.hf_models import make_hf_checkpoint
+    from semoe.checkpoints.model_io import load_store
+
+    hf = make_hf_checkpoint("kimi_k25", tmp_path / "hf")
+    with caplog.at_level("WARNING", logger="semoe.checkpoints.hf_convert"):
+        store = import_checkpoint(str(hf), str(tmp_path / "store"))
+    lines = [r.getMessage() for r in caplog.records]
+    outside = [t.name for t in store.manifest.tensors if not t.name.startswith("language_model.")]
+    assert len(lines) == 1 and lines[0].startswith(f"kimi_k25: {len(outside)} tensors outside the text model")
+    assert any(n.startswith("vision_tower.") for n in outside) and any("mm_projector" in n for n in outside)
+    model = load_store(store)
+    assert model.config.arch == "deepseek_v3" and model.config.weights_prefix == "language_model."
+    export_checkpoint(store, str(tmp_path / "out"))
+    assert_bit_exact(load_safetensors_dir(hf), load_safetensors_dir(tmp_path / "out"))

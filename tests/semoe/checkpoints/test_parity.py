@@ -16,7 +16,7 @@ import sys
 
 import pytest
 import torch
-from helpers.hf_models import make_hf_checkpoint
+from helpers.hf_models import load_hf_model, make_hf_checkpoint
 
 from semoe.checkpoints.model_io import load_hf, load_model, load_store
 from semoe.model.config import ARCHITECTURES
@@ -30,7 +30,7 @@ from helpers.procs import ROOT, child_env
 
 ATOL = 1e-5
 ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2",
-         "dots1"]
+         "dots1", "kimi_k25"]
 PROMPTS = [[1, 5, 9, 2], [7], list(range(3, 40, 3)), [11, 12, 13, 14, 15, 16, 17, 18]]
 
 
@@ -48,9 +48,8 @@ def checkpoint(request, tmp_path_factory):
 
 
 def _hf_model(path):
-    import transformers
 
-    m = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    m = load_hf_model(path, dtype=torch.float32).eval()
     m.generation_config.eos_token_id = None
     m.generation_config.pad_token_id = 0
     return m

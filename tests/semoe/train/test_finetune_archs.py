@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers.hf_models import add_word_tokenizer, make_hf_checkpoint
+from helpers.hf_models import add_word_tokenizer, load_hf_model, make_hf_checkpoint
 
 from semoe.train.data import BatchSampler, ShardSet
 from semoe.train.trainer import Trainer
@@ -20,7 +20,7 @@ from semoe.train.config import TrainConfig
 from semoe.checkpoints.hf_convert import import_checkpoint
 from storage.store import Store
 
-ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1"]
+ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25"]
 WORDS = "the cat sat on a mat and dog ran to big red blue one two three four five six seven".split()
 
 
@@ -49,12 +49,10 @@ def _train(out, store: str, words: str, steps: int, **kw) -> tuple[TrainConfig, 
 
 @pytest.mark.slow  # a long run (20 steps per architecture): CI runs it with -m slow
 def test_twenty_steps_lower_the_loss_from_transformers_first_loss(imported, words, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     arch, hf, store = imported
     cfg, losses = _train(tmp_path / "run", store, words, 20, expert_states="device")
     ids, tgt = BatchSampler(ShardSet.open(str(tmp_path / "run" / "data" / "train")), 4, 16, seed=0).batch(0)
-    model = AutoModelForCausalLM.from_pretrained(str(hf), dtype=torch.float32).eval()
+    model = load_hf_model(hf, dtype=torch.float32).eval()
     with torch.no_grad():
         logits = model(ids).logits
     want = float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1)))
