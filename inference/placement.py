@@ -37,6 +37,14 @@ class ModelBytes:
     stored_experts: int = 0
 
 
+def _text_prefix(config: dict) -> str:
+    """What the names of the tensors the model loads start with: a multimodal checkpoint's text
+    model's prefix (`semoe.model.hf_names.TEXT_MODELS`), else ""."""
+    from semoe.model.hf_names import TEXT_MODELS
+
+    return TEXT_MODELS.get(str(config.get("model_type", "")), (None, ""))[1]
+
+
 def model_bytes(path: str, compute_itemsize: int = 4, manifest=None) -> ModelBytes:
     """The bytes a resident load of the store or HuggingFace directory at `path` holds, weights only
     (headers and manifest only, `manifest` where the caller read it; no tensor data is read)."""
@@ -46,8 +54,10 @@ def model_bytes(path: str, compute_itemsize: int = 4, manifest=None) -> ModelByt
     total = experts = stored = stored_experts = 0
     if manifest is not None or is_store(path):
         manifest = manifest or StoreReader.open(path).manifest
+        prefix = _text_prefix((manifest.model or {}).get("config") or {})
         for t in manifest.tensors:
-            if t.kind != "weight":  # a training run's optimizer states: never loaded for inference
+            # a training run's optimizer states, and a multimodal checkpoint's vision tower: never loaded
+            if t.kind != "weight" or not t.name.startswith(prefix):
                 continue
             b = held(t.dtype, math.prod(t.shape), t.bytes, t.quant is not None)
             total += b
@@ -63,7 +73,10 @@ def model_bytes(path: str, compute_itemsize: int = 4, manifest=None) -> ModelByt
     ck = open_checkpoint(path)
     expert_names = {part.ref.name for by_expert in ck.experts.values() for parts in by_expert.values()
                     for part in parts}
+    prefix = _text_prefix(ck.config)
     for name, ref in ck.tensors.items():
+        if not name.startswith(prefix):
+            continue
         b = held(ref.dtype, math.prod(ref.shape), ref.nbytes, name in ck.quant)
         total += b
         stored += ref.nbytes

@@ -297,5 +297,11 @@ def test_a_multimodal_checkpoint_gives_its_text_model_and_keeps_the_rest(tmp_pat
     assert any(n.startswith("vision_tower.") for n in outside) and any("mm_projector" in n for n in outside)
     model = load_store(store)
     assert model.config.arch == "deepseek_v3" and model.config.weights_prefix == "language_model."
+    # the memory a resident load takes counts the text model only (float32 as stored: its bytes)
+    from inference.placement import model_bytes
+
+    text = sum(t.bytes for t in store.manifest.tensors if t.name.startswith("language_model."))
+    assert model_bytes(store.root).total == model_bytes(str(hf)).total == text
+    assert text == sum(p.numel() * 4 for p in model.parameters()) < sum(t.bytes for t in store.manifest.tensors)
     export_checkpoint(store, str(tmp_path / "out"))
     assert_bit_exact(load_safetensors_dir(hf), load_safetensors_dir(tmp_path / "out"))
