@@ -63,8 +63,8 @@ def cpu_cache_size(requested: int | str | None, *, expert_bytes: int, least_byte
     else:
         size = int(requested)
         if 0 < size < least_bytes:
-            log.warning("%s %d bytes is under the %d bytes decoding needs (%s); taking %d", flag, size, least_bytes,
-                        "the experts a step may use at once", least_bytes)
+            log.warning("%s %d bytes is under the %d bytes decoding needs (the experts a step may use at once); "
+                        "taking %d", flag, size, least_bytes, least_bytes)
     return max(size, least_bytes)
 
 

@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 from inference.memory_guard import CPU_CACHE_AUTO, spare_bytes
-from storage.errors import BadInputError
 from storage.formats import int8_rows_spec
 from storage.process_memory import available_ram_bytes
 from storage.reader import StoreReader, is_store
@@ -144,14 +143,17 @@ def tensor_refusal(t) -> str | None:
     experts stored as its kernels take them (`EXPERT_KINDS`), FP8 with scales per square tile only."""
     from inference.torch_free.runner import EXPERT_KINDS
 
+    if t.kind != "weight":
+        return None
     scheme = (t.quant or {}).get("scheme")
-    dense = t.kind == "weight" and t.group != "expert"
-    if dense and not (scheme == "fp8" or int8_rows_spec(t.quant)) and (scheme or t.dtype not in ("F32", "BF16")):
-        return f"it reads dense weights stored F32, BF16, FP8 or int8, not {scheme or t.dtype} ({t.name})"
+    if t.group != "expert":
+        if not (scheme == "fp8" or int8_rows_spec(t.quant)) and (scheme or t.dtype not in ("F32", "BF16")):
+            return f"it reads dense weights stored F32, BF16, FP8 or int8, not {scheme or t.dtype} ({t.name})"
+        return None
     scales = "scales_of" in (t.quant or {})  # a compact weight's scales, read with its codes
-    if t.kind == "weight" and t.group == "expert" and not scales and (scheme or t.dtype) not in EXPERT_KINDS:
+    if not scales and (scheme or t.dtype) not in EXPERT_KINDS:
         return f"it reads experts stored {', '.join(EXPERT_KINDS)}, not {scheme or t.dtype} ({t.name})"
-    if t.kind == "weight" and t.group == "expert" and scheme == "fp8" and len(set(t.quant["block"])) != 1:
+    if scheme == "fp8" and len(set(t.quant["block"])) != 1:
         return f"it takes fp8 experts with scales per square tile, not per {t.quant['block']} block ({t.name})"
     return None
 
@@ -169,10 +171,9 @@ def lean_refusal(path: str) -> str | None:
     if loader.library() is None:
         return f"semoe's compiled CPU kernels are {loader.status()}"
     store = StoreReader.open(path)
-    try:
-        config = store_model_config(store)
-    except BadInputError as e:
-        return str(e).removeprefix(f"{store.root}: ")
+    if not store.manifest.has_file("config.json"):
+        return "the store holds no model (no config.json)"
+    config = store_model_config(store)
     for t in store.manifest.tensors:
         if why := tensor_refusal(t):
             return why

@@ -43,8 +43,9 @@ def test_a_non_editable_install_into_a_fresh_venv_runs(tmp_path):
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     semoe = str(tmp_path / "venv" / "bin" / "semoe")
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SEMOE_CPU_KERNELS")}
-    where = subprocess.run([python, "-c", "import semoe.decode.plan, inference.torch_free.runner as r; print(r.__file__)"],
-                           capture_output=True, text=True, env=env, cwd=tmp_path, check=True).stdout
+    probe = "import semoe.decode.plan, inference.torch_free.runner as r; print(r.__file__)"
+    where = subprocess.run([python, "-c", probe], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           check=True).stdout
     assert where.startswith(str(tmp_path / "venv")), where  # the installed copy, not a source tree
 
     info = json.loads(subprocess.run([semoe, "env", "--json"], capture_output=True, text=True, env=env, cwd=tmp_path,
@@ -60,6 +61,7 @@ def test_a_non_editable_install_into_a_fresh_venv_runs(tmp_path):
 
     store = next(p.parent for p in work.rglob("manifest.json"))
     res = subprocess.run([semoe, "generate", "--model", str(store), "--prompt-ids", "100,101,102,32",
-                          "--max-new-tokens", "4", "--lean", "--json"], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+                          "--max-new-tokens", "4", "--lean", "--json"], capture_output=True, text=True, env=env,
+                         cwd=tmp_path, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     assert len(json.loads(res.stdout)["tokens"]) == 4, res.stdout

@@ -215,7 +215,7 @@ def _dots1(cfg: dict) -> MoEConfig:
                                        for i in range(n)]
     sliding = tuple(i for i, t in enumerate(types) if t == "sliding_attention")
     bias = bool(cfg.get("attention_bias", False))
-    return MoEConfig(arch="dots1", **_common(cfg), **_deepseek_routing({"topk_method": "noaux_tc", **cfg}, v3=True),
+    return MoEConfig(arch="dots1", **_common(cfg), **_deepseek_routing(cfg, v3=True),
                      head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
                      qk_norm="head", attention_bias=bias, o_proj_bias=bias,
                      sliding_window=window if sliding else None, sliding_layers=sliding if sliding else None,

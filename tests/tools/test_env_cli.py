@@ -99,7 +99,8 @@ def test_scratch_file_is_removed_when_the_read_fails(tmp_path, monkeypatch):
 # --- pure helpers ---------------------------------------------------------------------------------
 
 def test_parse_meminfo_gives_bytes():
-    fields = process_memory.parse_meminfo("MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total:       0\n")
+    text = "MemTotal:       16384 kB\nMemAvailable:    8192 kB\nHugePages_Total:       0\n"
+    fields = process_memory.parse_meminfo(text)
     assert fields == {"MemTotal": 16384 << 10, "MemAvailable": 8192 << 10, "HugePages_Total": 0}
 
 

@@ -29,8 +29,8 @@ from semoe.checkpoints.hf_convert import import_checkpoint
 from helpers.procs import ROOT, child_env
 
 ATOL = 1e-5
-ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2",
-         "dots1", "kimi_k25"]
+ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
+         "minimax_m2", "dots1", "kimi_k25"]
 PROMPTS = [[1, 5, 9, 2], [7], list(range(3, 40, 3)), [11, 12, 13, 14, 15, 16, 17, 18]]
 
 
