@@ -39,6 +39,8 @@ def hf_config(config: MoEConfig) -> dict:
     if config.arch != "gpt_moe" and config.extra:
         return dict(config.extra)
     fields = {k: v for k, v in config.__dict__.items() if k != "extra"}
+    if not fields["weights_prefix"]:  # a model trained here has none; left out, older readers read the store
+        del fields["weights_prefix"]
     fields["moe_layers"] = list(config.moe_layers) if config.moe_layers is not None else None
     return {"model_type": SEMOE_MODEL_TYPE, "architectures": ["SemoeGPTForCausalLM"], "semoe": fields}
 

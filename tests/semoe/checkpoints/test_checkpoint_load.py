@@ -95,3 +95,15 @@ def test_loading_leaves_torch_nn_init_as_torch_made_it(tmp_path):
     assert after == before
     assert all(f.__module__ == "torch.nn.init" and not hasattr(f, "__wrapped__") for f in after.values()
                if callable(f))
+
+
+def test_a_model_trained_here_keeps_its_config_json_readable_by_the_previous_release():
+    """The config a store of a model trained here carries names only fields a reader before
+    `weights_prefix` (the multimodal text model's prefix) knows, and reads back as the same config."""
+    from semoe.checkpoints.hf_config import config_from_json
+    from semoe.checkpoints.model_io import hf_config
+
+    config = named_config("tiny")
+    doc = hf_config(config)
+    assert "weights_prefix" not in doc["semoe"]
+    assert config_from_json(doc) == config
