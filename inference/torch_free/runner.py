@@ -18,12 +18,12 @@ slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT 
 in parallel) and checked against the manifest's crc32c.
 
 What it takes: the models the one-call step takes (`DecodePlan`'s whole step): grouped-query
-attention, with q/k norms (over all heads or per head), clipping, sinks, partial rotary, sliding
-windows and YaRN, but not interleaved rotary; softmax-top-k, top-k-then-softmax and grouped routers
+attention, with q/k norms (over all heads, or per head before or after the rotation), clipping, sinks,
+partial or interleaved rotary, sliding windows and YaRN; softmax-top-k, top-k-then-softmax and grouped routers
 over SwiGLU experts, with or without a shared expert, or dense SwiGLU layers, and gpt-oss's clamped
 experts with their biases (float ones multiplied in-major as stored, MXFP4 ones as MXFP4); DeepSeek's
 latent attention in the absorbed form (kv_b read as float32 and split into its halves at load):
-Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V2/V3, Kimi, GLM-4.5 and gpt-oss; one sequence,
+every architecture semoe loads (`semoe.decode.support.ARCHITECTURES`); one sequence,
 greedy or sampled. Anything else is refused with one line naming it
 (`NotOnFastPath`); the engine (`inference.engine`) runs every model.
 
@@ -283,7 +283,8 @@ class LeanModel:
 
     def _read_1d(self, name: str) -> np.ndarray:
         t = self._tensor(name)
-        if len(t.shape) != 1 or t.dtype not in ("F32", "BF16") or t.quant:
+        # a vector, or one row of a table (ERNIE's correction bias, (1, E))
+        if len([n for n in t.shape if n != 1]) > 1 or t.dtype not in ("F32", "BF16") or t.quant:
             raise NotOnFastPath(f"{self.store.root}: {name} is {t.dtype} {t.shape}; expected a float vector")
         return np.ascontiguousarray(float_rows(self.store.read_bytes(name), t.dtype), dtype=np.float32)
 

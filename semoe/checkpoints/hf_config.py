@@ -26,11 +26,11 @@ def _need(cfg: dict, key: str) -> Any:
 
 def _num_experts(cfg: dict) -> int:
     """Routed experts per layer, under whichever name the checkpoint (or transformers' writer) uses."""
-    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+    for key in ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"):
         if isinstance(cfg.get(key), int):
             return cfg[key]
-    raise ValueError("config.json: the number of experts is missing (num_experts, num_local_experts or "
-                     "n_routed_experts)")
+    raise ValueError("config.json: the number of experts is missing (num_experts, num_local_experts, "
+                     "n_routed_experts or moe_num_experts)")
 
 
 def _rope(cfg: dict, default_theta: float) -> dict[str, Any]:
@@ -222,10 +222,77 @@ def _dots1(cfg: dict) -> MoEConfig:
                      **_rope(cfg, 10000.0))
 
 
+def _ernie4_5_moe(cfg: dict) -> MoEConfig:
+    """ERNIE-4.5-MoE: GQA rotating interleaved pairs; a softmax router whose correction bias only
+    chooses (DeepSeek-V3's with softmax scores and one group), renormalised; shared experts without a
+    gate; MoE layers from `moe_layer_start_index` to `moe_layer_end_index`, every `moe_layer_interval`."""
+    if cfg.get("use_bias"):
+        raise ValueError("config.json: use_bias true (biases on every product) is not supported for ernie4_5_moe")
+    n = _need(cfg, "num_hidden_layers")
+    start, end, every = (cfg.get(k, d) for k, d in (("moe_layer_start_index", 1), ("moe_layer_end_index", -1),
+                                                    ("moe_layer_interval", 1)))
+    if not all(isinstance(v, int) for v in (start, end, every)) or every < 1:
+        raise ValueError(f"config.json: moe_layer_start_index/end_index/interval ({start}, {end}, {every}) must be "
+                         "integers, the interval >= 1 (a list per modality is a vision-language model's)")
+    end = n - 1 if end == -1 else end
+    moe = tuple(i for i in range(n) if (i + 1) % every == 0 and start <= i <= end)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    shared = cfg.get("moe_num_shared_experts", 0) * _need(cfg, "moe_intermediate_size")
+    common = _common({"num_experts_per_tok": cfg.get("moe_k"), "tie_word_embeddings": True, **cfg})
+    return MoEConfig(arch="ernie4_5_moe", **common, head_dim=head_dim, ffn_size=_need(cfg, "intermediate_size"),
+                     moe_ffn_size=cfg["moe_intermediate_size"], num_experts=_num_experts(cfg), moe_layers=moe,
+                     shared_expert_size=shared, shared_expert_gate=False, router="grouped", router_scores="softmax",
+                     score_correction_bias=True, n_group=1, topk_group=1, norm_topk_prob=True,
+                     rope_interleave=True, **_rope(cfg, 10000.0))
+
+
+def _per_layer(cfg: dict, key: str) -> Any:
+    """A field published as one value or as a list of one value per layer (Hunyuan's), as one value."""
+    v = cfg.get(key)
+    if isinstance(v, list):
+        if len(set(v)) != 1:
+            raise ValueError(f"config.json: {key} differs between layers ({v}); it must be the same in every layer")
+        return v[0]
+    return v
+
+
+def _hunyuan_rope(cfg: dict) -> dict[str, Any]:
+    """Hunyuan's rotary: plain, or its fixed NTK alpha (published as rope type "dynamic" with an
+    `alpha`), which only stretches the base to theta * alpha ** (d / (d - 2))."""
+    params = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
+    alpha = params.get("alpha")
+    if not alpha:
+        return _rope(cfg, 10000.0)
+    if params.get("factor") not in (None, 1.0):
+        raise ValueError(f"config.json: rope alpha {alpha} with factor {params['factor']} is not supported for "
+                         "hunyuan_v1_moe (the factor must be 1.0)")
+    d = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
+    return {"rope_theta": theta * float(alpha) ** (d / (d - 2)), "rope_scaling": None}
+
+
+def _hunyuan_v1_moe(cfg: dict) -> MoEConfig:
+    """Hunyuan-MoE: GQA with per-head q/k norms after the rotation; a softmax top-k router; a shared
+    expert as wide as the routed ones, without a gate, in every layer."""
+    for key, want in (("use_cla", False), ("use_qk_norm", True), ("use_mixed_mlp_moe", True)):
+        if cfg.get(key, want) != want:
+            raise ValueError(f"config.json: {key} {cfg[key]!r} is not supported for hunyuan_v1_moe (only {want!r})")
+    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
+        raise ValueError("config.json: attention_bias or mlp_bias true is not supported for hunyuan_v1_moe")
+    top_k, experts = _per_layer(cfg, "moe_topk"), _per_layer(cfg, "num_experts")
+    common = _common({**cfg, "num_experts_per_tok": top_k})
+    ffn = _need(cfg, "intermediate_size")
+    return MoEConfig(arch="hunyuan_v1_moe", **common, head_dim=cfg.get("head_dim") or cfg.get("attention_head_dim"),
+                     ffn_size=ffn, moe_ffn_size=ffn, num_experts=_num_experts({"num_experts": experts}),
+                     shared_expert_size=ffn, shared_expert_gate=False, qk_norm="head_after_rope",
+                     norm_topk_prob=True, **_hunyuan_rope(cfg))
+
+
 BUILDERS: dict[str, Callable[[dict], MoEConfig]] = {
     "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
     "deepseek_v2": _deepseek("deepseek_v2"), "deepseek_v3": _deepseek("deepseek_v3"), "glm4_moe": _glm4_moe,
-    "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "dots1": _dots1,
+    "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
+    "hunyuan_v1_moe": _hunyuan_v1_moe,
 }
 
 

@@ -52,7 +52,7 @@ _LAYER_RE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.")  # the first layers.N of a
 MTP_REASON = "multi-token prediction layers"
 _EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
 _FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.([A-Za-z0-9_]+)$")
-_NUM_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+_NUM_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 Progress = Callable[[int], None]
 Ref = TensorRef | DequantizedRef  # a tensor as it is read: straight from a file, or dequantized

@@ -152,8 +152,6 @@ class _GQA:
 
     def __init__(self, plan: "DecodePlan", lib: ctypes.CDLL, a: Attention) -> None:
         c = a.config
-        if c.rope_interleave:
-            raise NotOnFastPath(f"layer {a.layer}: grouped-query attention rotating interleaved pairs")
         self.lib, self.layer = lib, a.layer
         projs = [a.qkv_proj] if a.qkv_proj is not None else [a.q_proj, a.k_proj, a.v_proj]
         self.qkv, start = [], 0
@@ -191,8 +189,16 @@ class _GQA:
         if self.norms is not None and self.qk_norm == "head":
             self.norms[0].call(plan.qp, plan.qp, H)
             self.norms[1].call(plan.kp, plan.kp, G)
+        R = cos.numel()
+        if c.rope_interleave or self.qk_norm == "head_after_rope":  # rotated here, as the module does, then normed
+            qk = plan.qkv[:(H + G) * Dh].view(1, H + G, 1, Dh)
+            qk.copy_(apply_rope(qk, cos.view(1, 1, R), sin.view(1, 1, R), interleave=c.rope_interleave))
+            if self.qk_norm == "head_after_rope":
+                self.norms[0].call(plan.qp, plan.qp, H)
+                self.norms[1].call(plan.kp, plan.kp, G)
+            R = 0
         self.lib.attend_decode_f32(plan.qp, plan.kp, plan.vp, _ptr(cos), _ptr(sin), _ptr(cache.k[self.layer]),
-                                   _ptr(cache.v[self.layer]), H, G, Dh, cos.numel(), cache.capacity, pos, self.window,
+                                   _ptr(cache.v[self.layer]), H, G, Dh, R, cache.capacity, pos, self.window,
                                    self.scale, None if self.sinks is None else _ptr(self.sinks), plan.attp, threads)
         self.o_proj(plan.att, plan.tmp, threads, plan.attp, plan.tmpp)
 

@@ -7,7 +7,7 @@ There are two paths on CPU, both over semoe's compiled kernels (semoe/kernels):
   weights float32/bfloat16, int8/int4, FP8 or MXFP4;
 - the one-call step (`decode_step.c`), the whole step in one C call, and the torch-free runner
   (`inference.torch_free.runner`), which calls the same C code in three parts: what `one_call_refusal` does not
-  name (every architecture semoe loads, with the common rotary layouts).
+  name (every architecture semoe loads).
 
 This module imports no torch: the torch-free runner checks its models here too.
 """
@@ -18,7 +18,7 @@ from storage.errors import BadInputError
 
 # the model types the plan takes (every one `semoe.checkpoints.hf_config` builds)
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
-                 "minimax_m2", "dots1")
+                 "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe")
 
 
 MAX_GROUPS = 256  # a grouped router's groups the one-call step takes (decode_step.c's `route`)
@@ -33,8 +33,6 @@ def one_call_refusal(c) -> str | None:
     not take, in a phrase; None where they take it all."""
     if c.attention not in ("gqa", "mla"):
         return f"{c.attention} attention"
-    if c.attention == "gqa" and c.rope_interleave:
-        return "grouped-query attention rotating interleaved pairs"
     if c.num_experts and c.router == "grouped" and c.n_group > MAX_GROUPS:
         return f"a grouped router of {c.n_group} groups (at most {MAX_GROUPS})"
     return None

@@ -45,8 +45,9 @@ typedef struct {
     float attn_eps, ffn_eps;
     int64_t n_qkv; /* q|k|v as one product or three */
     int64_t window; /* a query sees this many positions back, itself included; 0: all */
-    int64_t qk_norm; /* RMSNorm of q and k after their products: 0 none, 1 over all heads, 2 per head */
-    const float *q_norm, *k_norm; /* its weights: H * Dh and G * Dh values (1), or Dh each (2) */
+    int64_t qk_norm; /* RMSNorm of q and k after their products: 0 none, 1 over all heads, 2 per head;
+                      * 3 per head after the rotation (Hunyuan) */
+    const float *q_norm, *k_norm; /* its weights: H * Dh and G * Dh values (1), or Dh each (2, 3) */
     float qk_eps, clip; /* the norms' epsilon; clip > 0: q, k and v clamped to [-clip, clip] */
     const float *sinks; /* NULL, or H logits that join each head's softmax denominator */
     Lin qkv[3], o;
@@ -66,6 +67,7 @@ typedef struct {
     int64_t router, sigmoid_scores, n_group, topk_group, group_top2;
     int64_t kv16; /* grouped-query attention's KV caches hold float16 (kernels.h's kv_get); else float32.
                    * Latent attention's caches are float32 either way. */
+    int64_t rope_pairs; /* grouped-query attention rotates pairs (2i, 2i + 1) (ERNIE), written out as halves */
     float routed_scale; /* the chosen experts' weights times this (grouped) */
     float alpha, limit; /* clamped experts' act(g, u) = (clamp(u, +-limit) + 1) min(g, limit) sigmoid(alpha min(g, limit)) */
     float scale, norm_eps;

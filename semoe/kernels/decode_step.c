@@ -288,8 +288,11 @@ static void work_free(Work *s) {
 }
 
 /* q, k, v (H, G, G heads of Dh) of one position as the module prepares them before rotary: norms over
- * all heads, clipping, norms per head, in that order */
-void qkv_prepare(const Layer *ly, float *qkv, int64_t H, int64_t G, int64_t Dh) {
+ * all heads, clipping, norms per head, in that order. Where attend_rotate's rotation by halves does
+ * not apply (interleaved pairs, or norms after the rotation), q and k are rotated here with the
+ * position's cos/sin, then normed; returns the dims attend_rotate still rotates (net->R or 0). */
+int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin) {
+    const int64_t H = net->H, G = net->G, Dh = net->Dh, R = net->R;
     float *q = qkv, *k = qkv + H * Dh;
     if (ly->qk_norm == 1) {
         rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, 1, H * Dh);
@@ -301,6 +304,17 @@ void qkv_prepare(const Layer *ly, float *qkv, int64_t H, int64_t G, int64_t Dh) 
         rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, H, Dh);
         rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, G, Dh);
     }
+    if (!net->rope_pairs && ly->qk_norm != 3) return R;
+    float row[R];
+    for (int64_t h = 0; h < H + G; h++) {
+        rope_rotate(qkv + h * Dh, cos, sin, R, (int)net->rope_pairs, row);
+        memcpy(qkv + h * Dh, row, sizeof(float) * (size_t)R);
+    }
+    if (ly->qk_norm == 3) {
+        rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, H, Dh);
+        rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, G, Dh);
+    }
+    return 0;
 }
 
 /* grouped-query attention from the normed row s->h to the output product in s->tmp, by the team:
@@ -312,9 +326,9 @@ static void gqa_attend(const Net *net, const Layer *ly, void *kc, void *vc, int6
         lin_product(&ly->qkv[j], s->h, 1, &s->a, s->qkv + off, &s->oom);
 #pragma omp single
     {
-        qkv_prepare(ly, s->qkv, H, G, Dh);
-        attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, net->R, S, pos,
-                      s->qr, (int)net->kv16);
+        const int64_t R = qkv_prepare(net, ly, s->qkv, cos, sin);
+        attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, R, S, pos, s->qr,
+                      (int)net->kv16);
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++)
@@ -496,7 +510,8 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
            OFF(Layer, router), OFF(Layer, correction), OFF(Layer, experts), OFF(Layer, shared), OFF(Layer, shared_gate))
     FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, R), OFF(Net, F), OFF(Net, E),
            OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, router), OFF(Net, sigmoid_scores), OFF(Net, n_group),
-           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, kv16), OFF(Net, routed_scale), OFF(Net, alpha),
+           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, kv16), OFF(Net, rope_pairs), OFF(Net, routed_scale),
+           OFF(Net, alpha),
            OFF(Net, limit), OFF(Net, scale), OFF(Net, norm_eps),
            OFF(Net, norm), OFF(Net, layers), OFF(Net, head))
     *n = 0;

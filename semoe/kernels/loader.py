@@ -58,7 +58,8 @@ class LayerC(ctypes.Structure):
 class Net(ctypes.Structure):
     _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("R", _I), ("F", _I), ("E", _I),
                 ("top_k", _I), ("norm_topk", _I), ("router", _I), ("sigmoid_scores", _I), ("n_group", _I),
-                ("topk_group", _I), ("group_top2", _I), ("kv16", _I), ("routed_scale", _F32), ("alpha", _F32),
+                ("topk_group", _I), ("group_top2", _I), ("kv16", _I), ("rope_pairs", _I), ("routed_scale", _F32),
+                ("alpha", _F32),
                 ("limit", _F32), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
 
@@ -91,7 +92,7 @@ class LayerParts:
 
 
 # decode_abi.h's `Layer.qk_norm` for `semoe.model.config.MoEConfig.qk_norm`, and `Net.router` for its router
-QK_NORM = {"none": 0, "full": 1, "head": 2}
+QK_NORM = {"none": 0, "full": 1, "head": 2, "head_after_rope": 3}
 
 
 def layer_parts(config, layer: int, **found) -> LayerParts:
@@ -137,8 +138,8 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
     E, Dh, c = max(lc.E for lc in arr), config.head_dim, config
     net = Net(len(layers), c.hidden_size, c.num_heads, c.num_kv_heads, Dh, c.rope_dim, F, E, max(c.top_k, 1),
               int(bool(c.norm_topk_prob)), ROUTER[c.router], int(c.router_scores == "sigmoid"), c.n_group,
-              c.topk_group, int(c.group_score == "top2"), int(kv16), c.routed_scaling_factor, c.swiglu_alpha,
-              c.swiglu_limit, Dh ** -0.5, norm_eps, norm, arr, head)
+              c.topk_group, int(c.group_score == "top2"), int(kv16), int(c.rope_interleave and c.attention == "gqa"),
+              c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit, Dh ** -0.5, norm_eps, norm, arr, head)
     return net, arr
 
 

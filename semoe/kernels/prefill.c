@@ -245,9 +245,9 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
                     float *row = qkv + r * Q;
                     const int64_t i = seg[r0 + r];
                     if (r == 0 || i != seg[r0 + r - 1]) starts[np++] = r;
-                    qkv_prepare(ly, row, H, G, Dh);
-                    attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cos + (r0 + r) * Rc, sin + (r0 + r) * Rc,
-                                  kc[i], vc[i], H, G, Dh, net->R, segs[3 * i], pos[r0 + r], qr + r * H * Dh,
+                    const float *cr = cos + (r0 + r) * Rc, *sr = sin + (r0 + r) * Rc;
+                    attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cr, sr, kc[i], vc[i], H, G, Dh,
+                                  qkv_prepare(net, ly, row, cr, sr), segs[3 * i], pos[r0 + r], qr + r * H * Dh,
                                   (int)net->kv16);
                 }
                 starts[np] = nr;

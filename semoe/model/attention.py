@@ -1,13 +1,13 @@
 """Attention variants with a KV cache, and rotary embeddings.
 
-- `Attention`: grouped-query attention with optional q/k norm (over all heads or per head), qkv
-  clipping, biases, partial rotary dims, a sliding window, and attention sinks (gpt-oss: a learnt
-  per-head logit in each softmax's denominator).
+- `Attention`: grouped-query attention with optional q/k norm (over all heads, or per head before or
+  after the rotation), qkv clipping, biases, partial rotary dims, a sliding window, and attention
+  sinks (gpt-oss: a learnt per-head logit in each softmax's denominator).
 - `LatentAttention`: DeepSeek's multi-head latent attention. K and V come from a small latent per
   position (`kv_lora_rank`) plus one shared rotary key (`qk_rope_head_dim`); the cache holds those
   two, not the per-head K and V.
 
-Rotary embeddings are plain RoPE or YaRN, rotating halves or interleaved pairs (DeepSeek).
+Rotary embeddings are plain RoPE or YaRN, rotating halves or interleaved pairs (DeepSeek, ERNIE).
 
 Shape legend: B batch, T tokens in this call, S cached + new positions, D hidden size, H query
 heads, G key/value heads, Dh head dim, R rotary dims, L latent (kv_lora_rank), Dv value head dim.
@@ -227,7 +227,7 @@ class Attention(nn.Module):
         if c.qk_norm == "full":
             self.q_norm = RMSNorm(c.num_heads * d, c.rms_norm_eps)
             self.k_norm = RMSNorm(c.num_kv_heads * d, c.rms_norm_eps)
-        elif c.qk_norm == "head":
+        elif c.qk_norm in ("head", "head_after_rope"):
             self.q_norm = RMSNorm(d, c.rms_norm_eps)
             self.k_norm = RMSNorm(d, c.rms_norm_eps)
         if c.attention_sinks:
@@ -286,6 +286,8 @@ class Attention(nn.Module):
                              interleave=c.rope_interleave)
         k_BGTDh = apply_rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin,
                              interleave=c.rope_interleave)
+        if c.qk_norm == "head_after_rope":
+            q_BHTDh, k_BGTDh = self.q_norm(q_BHTDh), self.k_norm(k_BGTDh)
         v_BGTDh = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
         start = 0
         if cache is not None:
@@ -297,12 +299,13 @@ class Attention(nn.Module):
 
     def _one_call_decode(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor,
                          cache: KVCache | None) -> bool:
-        """One token of one sequence on CPU in float32, rotation by halves, room in the cache, no
-        gradient: `torch_ops.attend_decode` does the step in one call (partial rotary, a window
+        """One token of one sequence on CPU in float32, rotation by halves and no norm after it, room in
+        the cache, no gradient: `torch_ops.attend_decode` does the step in one call (partial rotary, a window
         and sinks included)."""
         c = self.config
         sinks = (self.sinks,) if c.attention_sinks else ()
         return (cache is not None and q.shape[0] == 1 and q.shape[1] == 1 and not c.rope_interleave
+                and c.qk_norm != "head_after_rope"
                 and cache.length < cache.capacity
                 and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer], *sinks))
                 and all(t.is_contiguous() for t in (q, k, v, cache.k[self.layer], cache.v[self.layer], *sinks))

@@ -17,8 +17,9 @@ from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
 # One list with `store import`: every HuggingFace model type it accepts, plus models trained here.
 ARCHITECTURES = ("gpt_moe", *(t for t in SUPPORTED_MODEL_TYPES if t != "semoe_gpt"))
 ATTENTIONS = ("gqa", "mla")  # grouped-query attention; DeepSeek's multi-head latent attention
-# "full": RMSNorm over all heads' q (and k) before splitting (OLMoE); "head": per head (Qwen3, GLM-4.5)
-QK_NORMS = ("none", "full", "head")
+# "full": RMSNorm over all heads' q (and k) before splitting (OLMoE); "head": per head (Qwen3, GLM-4.5);
+# "head_after_rope": per head, after the rotation (Hunyuan)
+QK_NORMS = ("none", "full", "head", "head_after_rope")
 # "softmax_topk": softmax, then top-k (Mixtral, Qwen, OLMoE); "topk_softmax": top-k logits, then a
 # softmax over them (gpt-oss); "grouped": DeepSeek's group-limited top-k on softmax or sigmoid scores
 ROUTERS = ("softmax_topk", "topk_softmax", "grouped")
@@ -68,7 +69,7 @@ class MoEConfig:
     # -- rotary embeddings
     rope_theta: float = 10000.0
     rope_dim: int | None = None  # rotated dims of each head (default: all of head_dim; MLA: qk_rope_head_dim)
-    rope_interleave: bool = False  # rotate pairs (x0, x1), (x2, x3)... (DeepSeek) instead of halves
+    rope_interleave: bool = False  # rotate pairs (x0, x1), (x2, x3)... (DeepSeek, ERNIE) instead of halves
     rope_scaling: dict[str, Any] | None = None  # YaRN parameters (rope_type "yarn"); None: plain RoPE
     # -- routing
     router: str = "softmax_topk"

@@ -19,7 +19,7 @@ class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names
     weights_prefix: str
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                         "gpt_oss", "minimax_m2", "dots1", "semoe_gpt")
+                         "gpt_oss", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "semoe_gpt")
 # model types whose checkpoints name a MoE layer `block_sparse_moe` and its experts' products w1/w3/w2
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
@@ -63,13 +63,16 @@ def hf_name(config: _Arch, param: str) -> str:
     layer, rest = m.group(1), m.group(2)
     p = f"{config.weights_prefix}model.layers.{layer}."
     moe = moe_prefix(config)
-    router = "router" if config.arch == "gpt_oss" else "gate"
-    shared = "shared_experts" if not config.shared_expert_gate else "shared_expert"
-    # MiniMax-M2 keeps the router's correction bias on the MoE block, not on its gate
-    bias_on = moe if config.arch == "minimax_m2" else f"{moe}.{router}"
+    router = {"gpt_oss": "router", "hunyuan_v1_moe": "gate.wg"}.get(config.arch, "gate")
+    shared = "shared_mlp" if config.arch == "hunyuan_v1_moe" else \
+        "shared_experts" if not config.shared_expert_gate else "shared_expert"
+    # MiniMax-M2 keeps the router's correction bias on the MoE block, ERNIE in its statistics, not on its gate
+    bias_on = {"minimax_m2": moe, "ernie4_5_moe": f"{moe}.moe_statics"}.get(config.arch, f"{moe}.{router}")
     rules = [
         (r"^ffn\.router\.e_score_correction_bias$", f"{bias_on}.e_score_correction_bias"),
         (r"^attn_norm\.", "input_layernorm."), (r"^ffn_norm\.", "post_attention_layernorm."),
+        *([(r"^attn\.q_norm\.", "self_attn.query_layernorm."), (r"^attn\.k_norm\.", "self_attn.key_layernorm.")]
+          if config.arch == "hunyuan_v1_moe" else []),
         (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.{router}."),
         (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."), (r"^ffn\.shared\.", f"mlp.{shared}."), (r"^ffn\.", "mlp."),
     ]

@@ -56,8 +56,10 @@ class Router(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
         self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
         if config.score_correction_bias:
-            # DeepSeek-V3 adjusts it from expert loads, not by gradient: a frozen parameter here
-            self.e_score_correction_bias = nn.Parameter(torch.zeros(config.num_experts), requires_grad=False)
+            # DeepSeek-V3 adjusts it from expert loads, not by gradient: a frozen parameter here. ERNIE's
+            # checkpoints hold it as one row of a (groups, experts) table, with one group.
+            shape = (1, config.num_experts) if config.arch == "ernie4_5_moe" else (config.num_experts,)
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(shape), requires_grad=False)
 
     def forward(self, x_ND: torch.Tensor) -> Routing:
         c = self.config

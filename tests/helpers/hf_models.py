@@ -72,6 +72,16 @@ def tiny_config(arch: str, **over):
                                                  moe_intermediate_size=24, n_shared_experts=2, first_k_dense_replace=1,
                                                  n_group=4, topk_group=2, norm_topk_prob=True, head_dim=16,
                                                  routed_scaling_factor=2.5)
+    elif arch == "ernie4_5_moe":
+        # interleaved rotary; a dense first layer, then MoE layers with a shared expert; tied embeddings
+        cls, kw = transformers.Ernie4_5_MoeConfig, dict(TINY, num_hidden_layers=3, moe_num_experts=4, moe_k=2,
+                                                        moe_intermediate_size=24, moe_num_shared_experts=1,
+                                                        moe_layer_start_index=1, head_dim=16)
+    elif arch == "hunyuan_v1_moe":
+        # per-head q/k norms after the rotation; its fixed NTK alpha stretching the rotary base
+        rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0, "alpha": 1000.0}
+        cls, kw = transformers.HunYuanMoEV1Config, dict(TINY, num_experts=4, moe_topk=2, head_dim=16,
+                                                        rope_parameters=rope)
     else:
         raise ValueError(arch)
     return cls(**{**kw, **over})

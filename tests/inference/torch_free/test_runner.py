@@ -267,11 +267,13 @@ def test_what_it_does_not_take_is_refused_in_one_line(tmp_path, stores):
     from semoe.model.config import MoEConfig
     from semoe.model.moe_gpt import MoEGPT
 
-    config = MoEConfig(arch="mixtral", vocab_size=96, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
-                       ffn_size=128, moe_ffn_size=128, num_experts=4, top_k=2, max_position=64, rope_interleave=True)
-    save_store(MoEGPT(config), str(tmp_path / "pairs"))
-    with pytest.raises(NotOnFastPath, match="grouped-query attention rotating interleaved pairs") as e:
-        LeanModel(str(tmp_path / "pairs"), LeanConfig(cache_bytes=0))
+    # more groups than the compiled router takes (`semoe.decode.support.MAX_GROUPS`)
+    config = MoEConfig(arch="glm4_moe", vocab_size=96, hidden_size=64, num_layers=1, num_heads=4, num_kv_heads=2,
+                       ffn_size=128, moe_ffn_size=8, num_experts=257, top_k=1, max_position=64, router="grouped",
+                       router_scores="sigmoid", n_group=257, topk_group=1)
+    save_store(MoEGPT(config), str(tmp_path / "groups"))
+    with pytest.raises(NotOnFastPath, match=r"a grouped router of 257 groups \(at most 256\)") as e:
+        LeanModel(str(tmp_path / "groups"), LeanConfig(cache_bytes=0))
     assert "\n" not in str(e.value)
     with pytest.raises(NotAStoreError, match="not a semoe store"):
         LeanModel(str(tmp_path), LeanConfig(cache_bytes=0))
@@ -617,7 +619,8 @@ def _arch_store(arch: str, tmp_path) -> str:
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
                                   "deepseek_v3-fp8", "glm4_moe", "gpt_oss", "gpt_oss-bf16", "gpt_oss-int4",
-                                  "gpt_oss-mxfp4", "minimax_m2", "dots1", "kimi_k25", "variants"])
+                                  "gpt_oss-mxfp4", "minimax_m2", "dots1", "kimi_k25", "ernie4_5_moe",
+                                  "hunyuan_v1_moe", "variants"])
 def test_every_architecture_of_the_one_call_step_runs_torch_free(arch, tmp_path):
     """q/k norms per head (Qwen3-MoE, GLM-4.5), over all heads with clipping (OLMoE), sinks with
     partial rotary; shared experts gated (Qwen2-MoE) or not, grouped routers with a correction

@@ -67,7 +67,8 @@ def test_olmoe_round_trip(hf_olmoe, tmp_path):
     assert (tmp_path / "out" / "config.json").read_bytes() == (hf_olmoe / "config.json").read_bytes()
 
 
-NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25"]
+NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25",
+               "ernie4_5_moe", "hunyuan_v1_moe"]
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
