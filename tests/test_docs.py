@@ -180,24 +180,26 @@ def support_table() -> str:
     the server's `--lean`) refuses for each one's config, and the aliases."""
     from helpers.hf_models import tiny_config
     from semoe.checkpoints.hf_config import from_hf_config
-    from semoe.decode.support import ARCHITECTURES, one_call_refusal
+    from semoe.decode.support import ARCHITECTURES, one_call_refusal, plan_refusal
+    from semoe.model.config import ARCHITECTURES as MODEL_ARCHITECTURES
     from semoe.model.hf_names import ALIASES, SEMOE_MODEL_TYPE, SUPPORTED_MODEL_TYPES, TEXT_MODELS, model_type_of
 
     def yes(ok: bool, why: str | None = None) -> str:
         return "yes" if ok else f"no ({why})" if why else "no"
 
-    rows = ["| `model_type` | resident | offloaded | torch-free (`--lean`) | server (engine / `--lean`) |",
-            "| --- | --- | --- | --- | --- |"]
+    rows = ["| `model_type` | resident | offloaded | fast core (C kernels) | torch-free (`--lean`) "
+            "| server (engine / `--lean`) |", "| --- | --- | --- | --- | --- | --- |"]
     for arch in SUPPORTED_MODEL_TYPES:
         if arch == SEMOE_MODEL_TYPE:
             continue
-        why = one_call_refusal(from_hf_config(tiny_config(arch).to_dict()))
+        config = from_hf_config(tiny_config(arch).to_dict())
+        why, fast = one_call_refusal(config), plan_refusal(config) if arch in ARCHITECTURES else "not listed"
         also = [f"`{a}`" for a, (_, to) in ALIASES.items() if to == arch]
         also += [f"`{m}` (its text model)" for m in TEXT_MODELS if model_type_of(tiny_config(m).to_dict()) == arch]
         name = f"`{arch}`" + (f" (and {', '.join(also)})" if also else "")
-        plan = arch in ARCHITECTURES
-        rows.append(f"| {name} | {yes(plan)} | {yes(plan)} | {yes(why is None, why)} | "
-                    f"yes / {yes(why is None, why)} |")
+        modules = arch in MODEL_ARCHITECTURES
+        rows.append(f"| {name} | {yes(modules)} | {yes(modules)} | {yes(fast is None, fast)} | "
+                    f"{yes(why is None, why)} | yes / {yes(why is None, why)} |")
     return "\n".join(rows)
 
 

@@ -42,9 +42,15 @@ def _rope(cfg: dict, default_theta: float) -> dict[str, Any]:
     theta = float(params.get("rope_theta", cfg.get("rope_theta", default_theta)))
     if kind == "default":
         return {"rope_theta": theta, "rope_scaling": None}
-    if kind != "yarn":
-        raise ValueError(f"config.json: rope type {kind!r} is not supported (default and yarn are)")
     merged = {**legacy, **params}
+    if kind == "llama3":
+        keys = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+        missing = [k for k in keys if merged.get(k) is None]
+        if missing:
+            raise ValueError(f"config.json: llama3 rope scaling needs {', '.join(missing)}")
+        return {"rope_theta": theta, "rope_scaling": {"rope_type": "llama3", **{k: merged[k] for k in keys}}}
+    if kind != "yarn":
+        raise ValueError(f"config.json: rope type {kind!r} is not supported (default, yarn and llama3 are)")
     if "factor" not in merged or "original_max_position_embeddings" not in merged:
         raise ValueError("config.json: yarn rope scaling needs factor and original_max_position_embeddings")
     return {"rope_theta": theta, "rope_scaling": {"rope_type": "yarn", **{k: merged[k] for k in _YARN_KEYS
@@ -288,11 +294,46 @@ def _hunyuan_v1_moe(cfg: dict) -> MoEConfig:
                      norm_topk_prob=True, **_hunyuan_rope(cfg))
 
 
+def _llama4_text(cfg: dict) -> MoEConfig:
+    """Llama-4's text model: rotary over interleaved pairs, with chunked local attention and q/k norms
+    without weights, on the layers `no_rope_layers` marks 1; full attention without position encoding,
+    under a temperature, on the rest; MoE every `interleave_moe_layer_step` layers (or `moe_layers`),
+    top-k of the router's logits whose sigmoids scale the experts' input, an ungated shared expert,
+    and the experts' gate and up as halves of one (in, out) tensor."""
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported for llama4_text (only silu)")
+    n = _need(cfg, "num_hidden_layers")
+    interval = cfg.get("no_rope_layer_interval", 4)
+    rotates = cfg.get("no_rope_layers") or [int((i + 1) % interval != 0) for i in range(n)]
+    chunk = cfg.get("attention_chunk_size")
+    types = cfg.get("layer_types") or ["chunked_attention" if r and chunk else "full_attention" for r in rotates]
+    if len(rotates) != n or len(types) != n or set(types) - {"chunked_attention", "full_attention"}:
+        raise ValueError(f"config.json: no_rope_layers and layer_types must give each of the {n} layers "
+                         "chunked_attention or full_attention")
+    chunked = tuple(i for i, t in enumerate(types) if t == "chunked_attention")
+    step = cfg.get("interleave_moe_layer_step", 1)
+    moe = cfg.get("moe_layers")
+    moe = tuple(moe) if moe is not None else tuple(range(step - 1, n, step))
+    bias = bool(cfg.get("attention_bias", False))
+    moe_ffn = _need(cfg, "intermediate_size")
+    temperature = (float(cfg.get("attn_scale", 0.1)), float(cfg.get("floor_scale", 8192))) \
+        if cfg.get("attn_temperature_tuning", True) else None
+    return MoEConfig(arch="llama4_text", **_common(cfg), head_dim=cfg.get("head_dim"),
+                     ffn_size=cfg.get("intermediate_size_mlp", moe_ffn), moe_ffn_size=moe_ffn,
+                     num_experts=_num_experts(cfg), moe_layers=moe, shared_expert_size=moe_ffn,
+                     shared_expert_gate=False, router="topk_sigmoid_input", expert_mlp="fused_swiglu",
+                     attention_bias=bias, o_proj_bias=bias, rope_interleave=True,
+                     rope_layers=tuple(i for i, r in enumerate(rotates) if r),
+                     attention_chunk=chunk if chunked else None, chunked_layers=chunked or None,
+                     qk_norm="unit_after_rope" if cfg.get("use_qk_norm", True) else "none",
+                     attn_temperature=temperature, **_rope(cfg, 500000.0))
+
+
 BUILDERS: dict[str, Callable[[dict], MoEConfig]] = {
     "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
     "deepseek_v2": _deepseek("deepseek_v2"), "deepseek_v3": _deepseek("deepseek_v3"), "glm4_moe": _glm4_moe,
     "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
-    "hunyuan_v1_moe": _hunyuan_v1_moe,
+    "hunyuan_v1_moe": _hunyuan_v1_moe, "llama4_text": _llama4_text,
 }
 
 

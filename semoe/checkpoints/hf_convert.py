@@ -50,8 +50,8 @@ _MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config")
 _INDEXER_KEYS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek sparse attention's indexer
 _LAYER_RE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.")  # the first layers.N of a name
 MTP_REASON = "multi-token prediction layers"
-_EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.(\d+)\.(.+)$")
-_FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp)\.experts\.([A-Za-z0-9_]+)$")
+_EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\.(\d+)\.(.+)$")
+_FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\.([A-Za-z0-9_]+)$")
 _NUM_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 Progress = Callable[[int], None]
@@ -163,7 +163,7 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False)
                   if n not in weights and not n.startswith(".") and os.path.isfile(os.path.join(path, n))
                   and not n.endswith((".bin", ".pt", ".pth", ".safetensors")))
     tensors, skipped = _skip_extra_layers(tensors, text_config_of(config), cfg_path)
-    _say_kept_towers(tensors, config)
+    _say_kept_towers(os.path.abspath(path), tensors, config)
     ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side,
                     skipped=skipped)
     scheme = quant_scheme(config, cfg_path)
@@ -200,12 +200,17 @@ def _quant_entries(paired: dict[str, TensorRef | DequantizedRef], scheme: QuantS
     return out
 
 
-def _say_kept_towers(tensors: dict[str, TensorRef], config: dict) -> None:
-    """One line on stderr where a multimodal checkpoint's tensors outside its text model (a vision
-    tower, a projector) stay in the store as they are: semoe runs the text model, export writes them back."""
+_TOWERS_SAID: set[str] = set()  # the checkpoints `_say_kept_towers` spoke of (a command opens one more than once)
+
+
+def _say_kept_towers(path: str, tensors: dict[str, TensorRef], config: dict) -> None:
+    """One line on stderr, once a process, where a multimodal checkpoint's tensors outside its text
+    model (a vision tower, a projector) stay in the store as they are: semoe runs the text model,
+    export writes them back."""
     wrapped = TEXT_MODELS.get(str(config.get("model_type", "")))
-    if wrapped is None:
+    if wrapped is None or path in _TOWERS_SAID:
         return
+    _TOWERS_SAID.add(path)
     outside = [n for n in tensors if not n.startswith(wrapped[1])]
     if outside:
         tops = sorted({n.split(".", 1)[0] for n in outside})

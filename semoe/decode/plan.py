@@ -49,7 +49,7 @@ from semoe.kernels import torch_ops, loader
 from semoe.model.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables
 from semoe.model.compact_linear import CompactWeight, fp8_tile, swiglu_operands
 from semoe.decode import prompt_pass
-from semoe.decode.support import NotOnFastPath, one_call_refusal
+from semoe.decode.support import NotOnFastPath, one_call_refusal, plan_refusal
 from semoe.model.expert_layout import PackedExperts
 from semoe.model.experts import ClampedSwiGLU, ExpertWeights, ResidentExperts, SwiGLU
 from semoe.model.moe_gpt import DenseFFN, MoEFeedForward, MoEGPT
@@ -309,6 +309,9 @@ class DecodePlan:
             raise NotOnFastPath(f"semoe's compiled CPU kernels are {loader.status()}")
         if model.embed.weight.device.type != "cpu" or model.embed.weight.dtype != torch.float32:
             raise NotOnFastPath("activations are not float32 on CPU")
+        why = plan_refusal(c)
+        if why is not None:
+            raise NotOnFastPath(f"the decoding plan does not take {why}")
         self.lib = lib
         D, H, G, Dh = c.hidden_size, c.num_heads, c.num_kv_heads, c.head_dim
         # the step's buffers, made once, and their addresses, taken once (a step takes a few hundred)

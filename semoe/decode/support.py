@@ -3,11 +3,11 @@
 There are two paths on CPU, both over semoe's compiled kernels (semoe/kernels):
 
 - the plan (`semoe.decode.plan.DecodePlan`), kernel call by kernel call with a little torch between
-  them: every architecture the model implements (`ARCHITECTURES`), in float32 activations, with
-  weights float32/bfloat16, int8/int4, FP8 or MXFP4;
+  them: every architecture the model implements (`ARCHITECTURES`) but the parts `plan_refusal`
+  names, in float32 activations, with weights float32/bfloat16, int8/int4, FP8 or MXFP4;
 - the one-call step (`decode_step.c`), the whole step in one C call, and the torch-free runner
   (`inference.torch_free.runner`), which calls the same C code in three parts: what `one_call_refusal` does not
-  name (every architecture semoe loads).
+  name.
 
 This module imports no torch: the torch-free runner checks its models here too.
 """
@@ -16,9 +16,10 @@ from __future__ import annotations
 
 from storage.errors import BadInputError
 
-# the model types the plan takes (every one `semoe.checkpoints.hf_config` builds)
+# the model types the plan knows (every one `semoe.checkpoints.hf_config` builds; `plan_refusal` names the parts
+# it does not take yet)
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
-                 "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe")
+                 "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text")
 
 
 MAX_GROUPS = 256  # a grouped router's groups the one-call step takes (decode_step.c's `route`)
@@ -28,11 +29,29 @@ class NotOnFastPath(BadInputError):
     """A model has a part a decoding path does not take; the message names the part."""
 
 
+def plan_refusal(c) -> str | None:
+    """What in config `c` no fast path takes yet (neither the plan's kernel-by-kernel step, nor the
+    one-call step, nor the torch-free runner), in a phrase naming the parts; None where they take it.
+    The modules run those models."""
+    parts = [
+        *(["attention without rotary on some layers"] if c.rope_layers is not None else []),
+        *(["chunked local attention"] if c.attention_chunk is not None else []),
+        *(["attention temperature tuning"] if c.attn_temperature is not None else []),
+        *(["q/k norms without weights"] if c.qk_norm == "unit_after_rope" else []),
+        *(["a router whose weights scale the experts' input"] if c.router == "topk_sigmoid_input" else []),
+        *(["experts with gate and up fused as halves"] if c.expert_mlp == "fused_swiglu" else []),
+    ]
+    return f"{c.arch}'s " + ", ".join(parts) if parts else None
+
+
 def one_call_refusal(c) -> str | None:
     """What in config `c` (a `semoe.model.config.MoEConfig`) the one-call step and the torch-free runner do
     not take, in a phrase; None where they take it all."""
     if c.attention not in ("gqa", "mla"):
         return f"{c.attention} attention"
+    why = plan_refusal(c)
+    if why is not None:
+        return why
     if c.num_experts and c.router == "grouped" and c.n_group > MAX_GROUPS:
         return f"a grouped router of {c.n_group} groups (at most {MAX_GROUPS})"
     return None

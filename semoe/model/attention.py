@@ -77,6 +77,12 @@ def rope_tables(config: MoEConfig, positions_BT: torch.Tensor, dtype: torch.dtyp
     return (emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype)
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """An RMSNorm without weights over the last dim, in float32 (Llama-4's q/k norm)."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 def apply_rope(x_BHTDh: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, *,
                interleave: bool = False) -> torch.Tensor:
     """Rotate the first R dims of each head, by halves (i, i + R/2) or interleaved pairs (2i, 2i + 1);
@@ -167,13 +173,18 @@ class KVCache:
         return self.k[layer][:, :, :start + T], self.v[layer][:, :, :start + T]
 
 
-def attention_mask(T: int, start: int, window: int | None, device: torch.device
+def attention_mask(T: int, start: int, window: int | None, device: torch.device, chunk: int | None = None
                    ) -> tuple[torch.Tensor | None, bool]:
     """(bool mask (T, start + T) or None, is_causal) for T queries after `start` cached positions.
 
-    Query i (position start + i) sees keys j <= start + i, and with a window only start + i - j < window.
-    A square causal mask without a window is left to the kernel (`is_causal`), which flash kernels take."""
+    Query i (position start + i) sees keys j <= start + i, with a window only start + i - j < window,
+    and with a chunk only keys of its own chunk (j // chunk == (start + i) // chunk). A square causal
+    mask without either is left to the kernel (`is_causal`), which flash kernels take."""
     S = start + T
+    if chunk is not None and chunk < S:
+        q_T1 = torch.arange(start, S, device=device)[:, None]
+        k_1S = torch.arange(S, device=device)[None, :]
+        return (k_1S <= q_T1) & (k_1S // chunk == q_T1 // chunk), False
     if window is None or window >= S:
         if T > 1 and start == 0:
             return None, True
@@ -218,7 +229,9 @@ class Attention(nn.Module):
         c, d = config, config.head_dim
         self.config = config
         self.layer = layer
-        self.window = config.window(layer)
+        self.window, self.chunk, self.rotates = config.window(layer), config.chunk(layer), config.rotates(layer)
+        if self.window is not None and self.chunk is not None:
+            raise ValueError(f"layer {layer}: a sliding window and chunked attention together are not supported")
         self.q_proj = Linear(c.hidden_size, c.num_heads * d, bias=c.attention_bias)
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
         self.v_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
@@ -282,18 +295,25 @@ class Attention(nn.Module):
                                             cache.k[self.layer][0], cache.v[self.layer][0], cache.length,
                                             c.head_dim ** -0.5, window=self.window, sinks_H=sinks)
             return out.view(B, T, -1)
-        q_BHTDh = apply_rope(q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2), cos, sin,
-                             interleave=c.rope_interleave)
-        k_BGTDh = apply_rope(k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2), cos, sin,
-                             interleave=c.rope_interleave)
-        if c.qk_norm == "head_after_rope":
-            q_BHTDh, k_BGTDh = self.q_norm(q_BHTDh), self.k_norm(k_BGTDh)
+        q_BHTDh = q.view(B, T, c.num_heads, c.head_dim).transpose(1, 2)
+        k_BGTDh = k.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        if self.rotates:
+            q_BHTDh = apply_rope(q_BHTDh, cos, sin, interleave=c.rope_interleave)
+            k_BGTDh = apply_rope(k_BGTDh, cos, sin, interleave=c.rope_interleave)
+            if c.qk_norm == "head_after_rope":
+                q_BHTDh, k_BGTDh = self.q_norm(q_BHTDh), self.k_norm(k_BGTDh)
+            elif c.qk_norm == "unit_after_rope":
+                q_BHTDh, k_BGTDh = unit_rms(q_BHTDh, c.rms_norm_eps), unit_rms(k_BGTDh, c.rms_norm_eps)
+        start = cache.length if cache is not None else 0
+        if c.attn_temperature is not None and not self.rotates:
+            attn_scale, floor_scale = c.attn_temperature
+            p_T = torch.arange(start, start + T, device=q.device, dtype=torch.float32)
+            t_T1 = torch.log1p(torch.floor((p_T + 1.0) / floor_scale)) * attn_scale + 1.0
+            q_BHTDh = (q_BHTDh * t_T1[:, None]).to(q.dtype)
         v_BGTDh = v.view(B, T, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        start = 0
         if cache is not None:
-            start = cache.length
             k_BGTDh, v_BGTDh = cache.append(self.layer, k_BGTDh, v_BGTDh)
-        mask, causal = attention_mask(T, start, self.window, q.device)
+        mask, causal = attention_mask(T, start, self.window, q.device, self.chunk)
         out_BHTDh = attend(q_BHTDh, k_BGTDh, v_BGTDh, mask, causal, sinks_H=sinks)
         return out_BHTDh.transpose(1, 2).reshape(B, T, c.num_heads * c.head_dim)
 
@@ -305,7 +325,8 @@ class Attention(nn.Module):
         c = self.config
         sinks = (self.sinks,) if c.attention_sinks else ()
         return (cache is not None and q.shape[0] == 1 and q.shape[1] == 1 and not c.rope_interleave
-                and c.qk_norm != "head_after_rope"
+                and c.qk_norm not in ("head_after_rope", "unit_after_rope") and self.rotates
+                and self.chunk is None and c.attn_temperature is None
                 and cache.length < cache.capacity
                 and all(t.dtype == torch.float32 for t in (q, k, v, cos, cache.k[self.layer], *sinks))
                 and all(t.is_contiguous() for t in (q, k, v, cache.k[self.layer], cache.v[self.layer], *sinks))

@@ -18,15 +18,19 @@ from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
 ARCHITECTURES = ("gpt_moe", *(t for t in SUPPORTED_MODEL_TYPES if t != "semoe_gpt"))
 ATTENTIONS = ("gqa", "mla")  # grouped-query attention; DeepSeek's multi-head latent attention
 # "full": RMSNorm over all heads' q (and k) before splitting (OLMoE); "head": per head (Qwen3, GLM-4.5);
-# "head_after_rope": per head, after the rotation (Hunyuan)
-QK_NORMS = ("none", "full", "head", "head_after_rope")
+# "head_after_rope": per head, after the rotation (Hunyuan); "unit_after_rope": per head after the
+# rotation, without weights, on the layers that rotate (Llama-4)
+QK_NORMS = ("none", "full", "head", "head_after_rope", "unit_after_rope")
 # "softmax_topk": softmax, then top-k (Mixtral, Qwen, OLMoE); "topk_softmax": top-k logits, then a
-# softmax over them (gpt-oss); "grouped": DeepSeek's group-limited top-k on softmax or sigmoid scores
-ROUTERS = ("softmax_topk", "topk_softmax", "grouped")
+# softmax over them (gpt-oss); "grouped": DeepSeek's group-limited top-k on softmax or sigmoid scores;
+# "topk_sigmoid_input": the top-k logits' sigmoids, which scale each chosen expert's input, not its
+# output (Llama-4)
+ROUTERS = ("softmax_topk", "topk_softmax", "grouped", "topk_sigmoid_input")
 ROUTER_SCORES = ("softmax", "sigmoid")
 GROUP_SCORES = ("max", "top2")  # a group's score: its best expert (V2), or its best two summed (V3)
-# "swiglu": down(silu(gate x) * up x); "clamped_swiglu": gpt-oss's, with biases and clamping
-EXPERT_MLPS = ("swiglu", "clamped_swiglu")
+# "swiglu": down(silu(gate x) * up x); "clamped_swiglu": gpt-oss's, with biases and clamping;
+# "fused_swiglu": SwiGLU with gate and up as the halves of one (in, 2 * out) tensor (Llama-4)
+EXPERT_MLPS = ("swiglu", "clamped_swiglu", "fused_swiglu")
 
 
 @dataclass(kw_only=True)
@@ -60,6 +64,15 @@ class MoEConfig:
     sliding_window: int | None = None  # a query sees this many positions back, itself included
     sliding_layers: tuple[int, ...] | None = None  # layers with the window; None: all (when set)
     attention_sinks: bool = False  # a learnt per-head logit in every softmax's denominator (gpt-oss)
+    # chunked local attention (Llama-4): on `chunked_layers`, a query sees only the positions of its
+    # own chunk of `attention_chunk` (positions p with p // chunk equal to its own), itself included
+    attention_chunk: int | None = None
+    chunked_layers: tuple[int, ...] | None = None  # None: all (when attention_chunk is set)
+    # the layers that rotate q and k; None: all (Llama-4's other layers use no position encoding)
+    rope_layers: tuple[int, ...] | None = None
+    # attention temperature on the layers that do not rotate (Llama-4): each query times
+    # log1p(floor((p + 1) / floor_scale)) * attn_scale + 1 at position p; (attn_scale, floor_scale)
+    attn_temperature: tuple[float, float] | None = None
     # multi-head latent attention (attention="mla"): the cache holds a kv_lora_rank latent per position
     q_lora_rank: int | None = None  # None: q is one projection (DeepSeek-V2-Lite)
     kv_lora_rank: int = 0
@@ -140,9 +153,16 @@ class MoEConfig:
             raise ValueError(f"capacity_factor must be > 0 or None, got {self.capacity_factor}")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise ValueError(f"sliding_window must be >= 1 or None, got {self.sliding_window}")
-        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") != "yarn":
-            raise ValueError(f"rope_scaling must be YaRN (rope_type 'yarn') or None, got {self.rope_scaling!r}")
-        for name in ("moe_layers", "sliding_layers"):
+        if self.rope_scaling is not None and self.rope_scaling.get("rope_type") not in ("yarn", "llama3"):
+            raise ValueError(f"rope_scaling must be YaRN or Llama-3's (rope_type 'yarn' or 'llama3') or None, got "
+                             f"{self.rope_scaling!r}")
+        if self.attention_chunk is not None and self.attention_chunk < 1:
+            raise ValueError(f"attention_chunk must be >= 1 or None, got {self.attention_chunk}")
+        if self.attn_temperature is not None:
+            self.attn_temperature = tuple(float(v) for v in self.attn_temperature)
+            if len(self.attn_temperature) != 2 or self.attn_temperature[1] <= 0:
+                raise ValueError(f"attn_temperature must be (attn_scale, floor_scale > 0), got {self.attn_temperature}")
+        for name in ("moe_layers", "sliding_layers", "chunked_layers", "rope_layers"):
             layers = getattr(self, name)
             if layers is not None:
                 layers = tuple(sorted(set(int(i) for i in layers)))
@@ -160,6 +180,16 @@ class MoEConfig:
         if self.sliding_window is None or (self.sliding_layers is not None and layer not in self.sliding_layers):
             return None
         return self.sliding_window
+
+    def chunk(self, layer: int) -> int | None:
+        """The chunk of `layer`'s chunked local attention, or None."""
+        if self.attention_chunk is None or (self.chunked_layers is not None and layer not in self.chunked_layers):
+            return None
+        return self.attention_chunk
+
+    def rotates(self, layer: int) -> bool:
+        """Whether `layer` rotates q and k (every layer but Llama-4's no-position ones)."""
+        return self.rope_layers is None or layer in self.rope_layers
 
     @property
     def moe_layer_ids(self) -> list[int]:

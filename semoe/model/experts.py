@@ -6,6 +6,7 @@ the tensors, gives their shapes and applies them:
 
 - `SwiGLU`: gate (F, D), up (F, D), down (D, F): down(silu(gate x) * up x). Mixtral, Qwen, OLMoE,
   DeepSeek, GLM-4.5.
+- `FusedSwiGLU`: Llama-4's, gate_up (D, 2F) with gate and up its halves, down (F, D), both (in, out).
 - `ClampedSwiGLU`: gpt-oss's fused layout, gate_up (D, 2F) with gate and up interleaved column by
   column, its bias (2F), down (F, D) and its bias (D); gate clamped above and up on both sides at
   `limit`, then (up + 1) * gate * sigmoid(alpha * gate).
@@ -99,10 +100,32 @@ class ClampedSwiGLU(ExpertMLP):
         return matmul((up_MF + 1) * gate_MF * torch.sigmoid(gate_MF * self.alpha), down_FD) + bias_D
 
 
+class FusedSwiGLU(ExpertMLP):
+    """Llama-4's experts: SwiGLU with gate and up the two halves of one gate_up (D, 2F), down (F, D),
+    both (in, out) and fused over the experts."""
+
+    stacked = True
+    in_out = True
+
+    def names(self, config: MoEConfig, prefix: str) -> tuple[str, ...]:
+        return prefix + "gate_up_proj", prefix + "down_proj"
+
+    def shapes(self, config: MoEConfig) -> tuple[tuple[int, ...], ...]:
+        D, Fh = config.hidden_size, config.moe_ffn_size
+        return (D, 2 * Fh), (Fh, D)
+
+    def apply(self, x_MD: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        gate_up_D2F, down_FD = parts
+        gate_MF, up_MF = matmul(x_MD, gate_up_D2F).chunk(2, dim=-1)
+        return matmul(F.silu(gate_MF) * up_MF, down_FD)
+
+
 def expert_mlp(config: MoEConfig) -> ExpertMLP:
     """The expert MLP variant of `config`."""
     if config.expert_mlp == "clamped_swiglu":
         return ClampedSwiGLU(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
+    if config.expert_mlp == "fused_swiglu":
+        return FusedSwiGLU()
     return SwiGLU()
 
 
@@ -132,9 +155,10 @@ class ResidentExperts(nn.Module):
     """All experts of one layer as parameters on the module's device, one (E, ...) tensor per part.
 
     SwiGLU: w_gate/w_up (E, F, D), w_down (E, D, F); gpt-oss: w_gate_up (E, D, 2F), b_gate_up
-    (E, 2F), w_down (E, F, D), b_down (E, D)."""
+    (E, 2F), w_down (E, F, D), b_down (E, D); Llama-4: w_gate_up (E, D, 2F), w_down (E, F, D)."""
 
-    PARAMS = {SwiGLU: ("w_gate", "w_up", "w_down"), ClampedSwiGLU: ("w_gate_up", "b_gate_up", "w_down", "b_down")}
+    PARAMS = {SwiGLU: ("w_gate", "w_up", "w_down"), ClampedSwiGLU: ("w_gate_up", "b_gate_up", "w_down", "b_down"),
+              FusedSwiGLU: ("w_gate_up", "w_down")}
 
     def __init__(self, config: MoEConfig, num_experts: int | None = None) -> None:
         super().__init__()

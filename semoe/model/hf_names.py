@@ -19,7 +19,8 @@ class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names
     weights_prefix: str
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                         "gpt_oss", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "semoe_gpt")
+                         "gpt_oss", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
+                         "semoe_gpt")
 # model types whose checkpoints name a MoE layer `block_sparse_moe` and its experts' products w1/w3/w2
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
@@ -27,7 +28,7 @@ SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
 ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
 # multimodal model types whose text model semoe runs: (the text model's config key, the prefix of its
 # tensors' names). The rest (a vision tower, a projector) stays in the store as it is, for export.
-TEXT_MODELS = {"kimi_k25": ("text_config", "language_model.")}
+TEXT_MODELS = {"kimi_k25": ("text_config", "language_model."), "llama4": ("text_config", "language_model.")}
 
 
 def model_type_of(config: dict) -> str:
@@ -50,8 +51,9 @@ def text_config_of(config: dict) -> dict:
 
 
 def moe_prefix(config: _Arch) -> str:
-    """The HuggingFace name of a MoE layer's module."""
-    return "block_sparse_moe" if config.arch in MIXTRAL_NAMES else "mlp"
+    """The HuggingFace name of a MoE layer's module (and of a dense layer's, Mixtral's aside)."""
+    return "block_sparse_moe" if config.arch in MIXTRAL_NAMES else "feed_forward" if config.arch == "llama4_text" \
+        else "mlp"
 
 
 def hf_name(config: _Arch, param: str) -> str:
@@ -63,9 +65,10 @@ def hf_name(config: _Arch, param: str) -> str:
     layer, rest = m.group(1), m.group(2)
     p = f"{config.weights_prefix}model.layers.{layer}."
     moe = moe_prefix(config)
-    router = {"gpt_oss": "router", "hunyuan_v1_moe": "gate.wg"}.get(config.arch, "gate")
-    shared = "shared_mlp" if config.arch == "hunyuan_v1_moe" else \
-        "shared_experts" if not config.shared_expert_gate else "shared_expert"
+    router = {"gpt_oss": "router", "llama4_text": "router", "hunyuan_v1_moe": "gate.wg"}.get(config.arch, "gate")
+    dense = "feed_forward" if config.arch == "llama4_text" else "mlp"
+    shared = {"hunyuan_v1_moe": "shared_mlp", "llama4_text": "shared_expert"}.get(
+        config.arch, "shared_experts" if not config.shared_expert_gate else "shared_expert")
     # MiniMax-M2 keeps the router's correction bias on the MoE block, ERNIE in its statistics, not on its gate
     bias_on = {"minimax_m2": moe, "ernie4_5_moe": f"{moe}.moe_statics"}.get(config.arch, f"{moe}.{router}")
     rules = [
@@ -74,7 +77,8 @@ def hf_name(config: _Arch, param: str) -> str:
         *([(r"^attn\.q_norm\.", "self_attn.query_layernorm."), (r"^attn\.k_norm\.", "self_attn.key_layernorm.")]
           if config.arch == "hunyuan_v1_moe" else []),
         (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.{router}."),
-        (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."), (r"^ffn\.shared\.", f"mlp.{shared}."), (r"^ffn\.", "mlp."),
+        (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."), (r"^ffn\.shared\.", f"{dense}.{shared}."),
+        (r"^ffn\.", f"{dense}."),
     ]
     for pattern, repl in rules:
         if re.match(pattern, rest):

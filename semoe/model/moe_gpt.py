@@ -24,7 +24,8 @@ from semoe.model.compact_linear import Linear, linear
 from semoe.model.config import MoEConfig
 from semoe.model.experts import ExpertProvider, ExpertWeights, ResidentExperts, swiglu
 from semoe.model.routing import (Routing, capacity_keep_mask, dispatch_order, expert_capacity, gather_rows,
-                                 load_balancing_loss, route_grouped, route_topk, route_topk_softmax, router_z_loss)
+                                 load_balancing_loss, route_grouped, route_topk, route_topk_sigmoid, route_topk_softmax,
+                                 router_z_loss)
 
 __all__ = ["MoEGPT", "MoEFeedForward", "Router", "DenseFFN", "Block", "ModelOutput", "RouterStats", "KVCache",
            "RMSNorm", "ExpertProvider", "ExpertWeights", "ResidentExperts", "rope_tables", "swiglu"]
@@ -68,6 +69,8 @@ class Router(nn.Module):
             return route_topk(linear(x_ND, self.weight), c.top_k, normalize=c.norm_topk_prob)
         if c.router == "topk_softmax":
             return route_topk_softmax(linear(x_ND, self.weight, self.bias), c.top_k)
+        if c.router == "topk_sigmoid_input":
+            return route_topk_sigmoid(linear(x_ND, self.weight), c.top_k)
         # DeepSeek computes these logits in float32 whatever the model's dtype
         logits = nn.functional.linear(x_ND.float(), self.weight.float())
         return route_grouped(logits, c.top_k, scores=c.router_scores,
@@ -95,6 +98,7 @@ class MoEFeedForward(nn.Module):
         self.config = config
         self.layer = layer
         self.router = Router(config)
+        self.scales_input = config.router == "topk_sigmoid_input"  # the weights scale the experts' input
         self.experts: ExpertProvider = ResidentExperts(config)
         if config.shared_expert_size:
             self.shared = DenseFFN(config.hidden_size, config.shared_expert_size)
@@ -153,9 +157,9 @@ class MoEFeedForward(nn.Module):
         weights_K = r.weights_TK[0].to(x_1D.dtype)
         rows: list[torch.Tensor | None] = [None] * len(ids)
         for e, w in self.experts.stream(self.layer, sorted(set(ids)), x_1D):
-            y = w.apply(x_1D)
+            y = None if self.scales_input else w.apply(x_1D)
             for ch in (k for k, i in enumerate(ids) if i == e):
-                rows[ch] = y * weights_K[ch]
+                rows[ch] = w.apply(x_1D * weights_K[ch]) if self.scales_input else y * weights_K[ch]
         # the sum over choices in choice order: forward's sum of one row's choices for one or two (and,
         # as torch sums, for more at the hidden sizes of real models); DecodePlan's combine repeats it
         out_1D = rows[0]
@@ -181,12 +185,16 @@ class MoEFeedForward(nn.Module):
         # are gathered once, split into each expert's (views), and the outputs put back once: in
         # training each of those has one backward op for the layer, not one over all N rows per expert.
         x_RD = gather_rows(x_ND, token_idx, choice_idx, c.top_k)
+        w_R1 = r.weights_TK[token_idx, choice_idx, None].to(x_ND.dtype)
+        if self.scales_input:  # Llama-4: each row into its expert times its weight, the output as it is
+            x_RD = x_RD * w_R1
         rows = x_RD.split(counts)
         y_parts: dict[int, torch.Tensor] = {}
         for e, w in self.experts.stream(self.layer, [e for e, n in enumerate(counts) if n], x_ND):
             y_parts[e] = w.apply(rows[e])
         y_RD = torch.cat([y_parts[e] for e, n in enumerate(counts) if n]) if y_parts else x_RD
-        y_RD = y_RD * r.weights_TK[token_idx, choice_idx, None].to(x_ND.dtype)
+        if not self.scales_input:
+            y_RD = y_RD * w_R1
         y_NKD = x_ND.new_zeros(x_ND.shape[0], c.top_k, D).index_put((token_idx, choice_idx), y_RD)
         out_ND, stats = self.combine(x_ND, y_NKD, r, keep_NK)
         return out_ND.view(B, T, D), stats

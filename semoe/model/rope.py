@@ -1,4 +1,4 @@
-"""Rotary frequencies, plain RoPE or YaRN, computed once for the model's modules (`semoe.model.attention`)
+"""Rotary frequencies, plain RoPE, YaRN or Llama-3's scaling, computed once for the model's modules (`semoe.model.attention`)
 and the torch-free runner (`inference.torch_free.runner`) alike: numpy, float32, no torch.
 
 YaRN (Peng et al. 2023) as transformers computes it: the low-frequency dims interpolated by the
@@ -24,6 +24,8 @@ def inv_freq(config) -> tuple[np.ndarray, float]:
     s = config.rope_scaling
     if s is None:
         return (np.float32(1.0) / pos_freqs).astype(np.float32), 1.0
+    if s.get("rope_type") == "llama3":
+        return _llama3(s, (np.float32(1.0) / pos_freqs).astype(np.float32)), 1.0
     factor, original = float(s["factor"]), float(s["original_max_position_embeddings"])
     attention_factor = s.get("attention_factor")
     if attention_factor is None:
@@ -44,6 +46,20 @@ def inv_freq(config) -> tuple[np.ndarray, float]:
     inv = (np.float32(1.0) / (np.float32(factor) * pos_freqs)) * (np.float32(1) - extrapolation) \
         + (np.float32(1.0) / pos_freqs) * extrapolation
     return inv.astype(np.float32), float(attention_factor)
+
+
+def _llama3(s: dict, inv: np.ndarray) -> np.ndarray:
+    """Llama-3's (and Llama-4's) scaling of plain frequencies: wavelengths past the original context
+    over `low_freq_factor` divided by `factor`, those under it over `high_freq_factor` kept, a
+    linear blend between, as transformers computes it (float32)."""
+    factor, low, high = (np.float32(s[k]) for k in ("factor", "low_freq_factor", "high_freq_factor"))
+    original = np.float32(s["original_max_position_embeddings"])
+    wavelen = np.float32(2 * math.pi) / inv
+    scaled = np.where(wavelen > original / low, inv / factor, inv).astype(np.float32)
+    smooth = (original / wavelen - low) / (high - low)
+    blended = (np.float32(1) - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < original / high) & ~(wavelen > original / low)
+    return np.where(medium, blended, scaled).astype(np.float32)
 
 
 def cos_sin(pos: int, inv_freq_r: np.ndarray, scale: float, cos_R: np.ndarray, sin_R: np.ndarray) -> None:

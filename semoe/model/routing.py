@@ -28,6 +28,7 @@ __all__ = [
     "route_topk",
     "route_topk_softmax",
     "route_grouped",
+    "route_topk_sigmoid",
     "expert_capacity",
     "capacity_keep_mask",
     "load_balancing_loss",
@@ -109,6 +110,20 @@ def route_topk_softmax(logits_TE: Tensor, top_k: int) -> Routing:
         raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
     top_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
     weights_TK = torch.softmax(top_TK.to(_router_dtype(logits_TE.dtype)), dim=-1)
+    probs_TE = torch.softmax(logits_TE.to(_router_dtype(logits_TE.dtype)), dim=-1)
+    return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
+
+
+def route_topk_sigmoid(logits_TE: Tensor, top_k: int) -> Routing:
+    """Llama-4's router: the `top_k` largest logits, each chosen expert weighted by its logit's sigmoid
+    (computed in float32); the MoE layer scales the expert's input by it, not its output.
+    `probs_TE` (for the load-balancing loss) is the softmax over all experts."""
+    _check_logits(logits_TE)
+    num_experts = logits_TE.shape[1]
+    if not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
+    top_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
+    weights_TK = torch.sigmoid(top_TK.to(_router_dtype(logits_TE.dtype)))
     probs_TE = torch.softmax(logits_TE.to(_router_dtype(logits_TE.dtype)), dim=-1)
     return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
 

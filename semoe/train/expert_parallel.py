@@ -131,7 +131,7 @@ class ExpertParallelMoE(MoEFeedForward):
         self.world = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.expert_ids = local_expert_ids(moe.config.num_experts, self.rank, self.world)
-        self.router = moe.router
+        self.router, self.scales_input = moe.router, moe.scales_input
         if moe.config.shared_expert_size:
             self.shared = moe.shared
             if moe.config.shared_expert_gate:
@@ -174,12 +174,16 @@ class ExpertParallelMoE(MoEFeedForward):
         recv_splits = [sum(row) for row in received_WL]
         per_expert = [sum(row[l] for row in received_WL) for l in range(L)]
         x_RD = gather_rows(x_ND, token_idx_R, choice_idx_R, c.top_k)
+        w_R1 = r.weights_TK[token_idx_R, choice_idx_R, None].to(x_ND.dtype)
+        if self.scales_input:  # as MoEFeedForward: the weights scale the rows into the experts (Llama-4)
+            x_RD = x_RD * w_R1
         x_MD = all_to_all_rows(x_RD, send_splits, recv_splits, self.group)
         y_MD = self._run_local_experts(x_MD, counts_WL, per_expert)
         y_RD = all_to_all_rows(y_MD, recv_splits, send_splits, self.group)
         # One row per (token, choice), summed over choices by the same code as MoEFeedForward, so
         # the result matches the single-device layer.
-        y_RD = y_RD * r.weights_TK[token_idx_R, choice_idx_R, None].to(x_ND.dtype)
+        if not self.scales_input:
+            y_RD = y_RD * w_R1
         y_NKD = x_ND.new_zeros(x_ND.shape[0], c.top_k, D).index_put((token_idx_R, choice_idx_R), y_RD)
         out_ND, stats = self.combine(x_ND, y_NKD, r, keep_NK)
         return out_ND.view(B, T, D), stats

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import pathlib
+import warnings
 
 import torch
 
@@ -82,6 +83,21 @@ def tiny_config(arch: str, **over):
         rope = {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 1.0, "alpha": 1000.0}
         cls, kw = transformers.HunYuanMoEV1Config, dict(TINY, num_experts=4, moe_topk=2, head_dim=16,
                                                         rope_parameters=rope)
+    elif arch == "llama4":  # the text model of a multimodal checkpoint, as Llama-4 Scout and Maverick ship
+        text = tiny_config("llama4_text", **over).to_dict()
+        vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
+                      patch_size=14, vision_output_dim=16, projector_input_dim=16, projector_output_dim=16)
+        return transformers.Llama4Config(text_config=text, vision_config=vision)
+    elif arch == "llama4_text":
+        # MoE every other layer, a position-free layer every other one (temperature tuned), chunks of 4
+        # positions on the rotating ones with their q/k norms, Llama-3's rope scaling; top-1 routing
+        rope = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0, "original_max_position_embeddings": 16}
+        cls, kw = transformers.Llama4TextConfig, dict(TINY, num_hidden_layers=4, intermediate_size=24,
+                                                      intermediate_size_mlp=48, head_dim=16, num_local_experts=4,
+                                                      num_experts_per_tok=1, interleave_moe_layer_step=2,
+                                                      no_rope_layer_interval=2, attention_chunk_size=4, floor_scale=2,
+                                                      attn_scale=0.5, rope_parameters=rope)
     else:
         raise ValueError(arch)
     return cls(**{**kw, **over})
@@ -99,6 +115,8 @@ def hf_model_class(model_type: str):
 
     if model_type == "kimi_k25":
         return transformers.Kimi_K25ForConditionalGeneration
+    if model_type == "llama4":
+        return transformers.Llama4ForConditionalGeneration
     return transformers.AutoModelForCausalLM
 
 
@@ -125,7 +143,9 @@ def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32",
             std = next((v for k, v in _PERTURB.items() if name.endswith(k)), None)
             if std is not None:
                 t.copy_(torch.randn(t.shape, generator=g) * std)
-    model = model.to(getattr(torch, dtype))
+    with warnings.catch_warnings():  # Llama-4's complex rotary buffer, which is not saved
+        warnings.filterwarnings("ignore", message="Casting complex values to real")
+        model = model.to(getattr(torch, dtype))
     model.save_pretrained(str(path), max_shard_size=max_shard_size)
     if arch == "kimi_k25":
         _rename_tensors(path, "language_model.model.blocks.", "language_model.model.layers.")

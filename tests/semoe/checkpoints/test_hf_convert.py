@@ -68,7 +68,7 @@ def test_olmoe_round_trip(hf_olmoe, tmp_path):
 
 
 NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25",
-               "ernie4_5_moe", "hunyuan_v1_moe"]
+               "ernie4_5_moe", "hunyuan_v1_moe", "llama4"]
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])
@@ -282,22 +282,27 @@ def test_index_naming_a_missing_tensor(hf_mixtral_sharded_bf16, tmp_path):
         open_checkpoint(str(ck))
 
 
-def test_a_multimodal_checkpoint_gives_its_text_model_and_keeps_the_rest(tmp_path, caplog):
-    """Kimi-K2.5: its DeepSeek-V3 text model (`language_model.*`, as published) is imported and runs;
-    the vision tower and the projector stay in the store as they are (one warning says so), and
-    export writes the whole checkpoint back bit for bit."""
+@pytest.mark.parametrize("arch, text_arch, tower, projector", [
+    ("kimi_k25", "deepseek_v3", "vision_tower.", "mm_projector"),
+    ("llama4", "llama4_text", "vision_model.", "multi_modal_projector")])
+def test_a_multimodal_checkpoint_gives_its_text_model_and_keeps_the_rest(tmp_path, caplog, arch, text_arch, tower,
+                                                                          projector):
+    """Kimi-K2.5 and Llama-4: the text model (`language_model.*`, as published) is imported and runs;
+    the vision tower and the projector stay in the store as they are (one warning says so, though
+    the checkpoint is opened twice), and export writes the whole checkpoint back bit for bit."""
     from helpers.hf_models import make_hf_checkpoint
     from semoe.checkpoints.model_io import load_store
 
-    hf = make_hf_checkpoint("kimi_k25", tmp_path / "hf")
+    hf = make_hf_checkpoint(arch, tmp_path / "hf")
     with caplog.at_level("WARNING", logger="semoe.checkpoints.hf_convert"):
+        open_checkpoint(str(hf))
         store = import_checkpoint(str(hf), str(tmp_path / "store"))
     lines = [r.getMessage() for r in caplog.records]
     outside = [t.name for t in store.manifest.tensors if not t.name.startswith("language_model.")]
-    assert len(lines) == 1 and lines[0].startswith(f"kimi_k25: {len(outside)} tensors outside the text model")
-    assert any(n.startswith("vision_tower.") for n in outside) and any("mm_projector" in n for n in outside)
+    assert len(lines) == 1 and lines[0].startswith(f"{arch}: {len(outside)} tensors outside the text model")
+    assert any(n.startswith(tower) for n in outside) and any(projector in n for n in outside)
     model = load_store(store)
-    assert model.config.arch == "deepseek_v3" and model.config.weights_prefix == "language_model."
+    assert model.config.arch == text_arch and model.config.weights_prefix == "language_model."
     # the memory a resident load takes counts the text model only (float32 as stored: its bytes)
     from inference.placement import model_bytes
 
