@@ -57,6 +57,7 @@ from semoe.decode import loop
 from semoe.model import rope
 from semoe.decode.loop import SamplingConfig
 from semoe.decode.support import NotOnFastPath, one_call_refusal
+from semoe.model.config import LATENT_NORM_EPS
 from semoe.model.hf_names import hf_name
 from semoe.checkpoints.hf_config import store_model_config
 from semoe.checkpoints.tokenizer import HFTokenizer, default_stop_ids, store_tokenizer
@@ -264,7 +265,7 @@ class LeanModel:
         kv_a, kv_norm = self._linear([pre + "kv_a_proj_with_mqa"], dense), self._vector(pre + "kv_a_layernorm.weight")
         w_HdL = np.concatenate(list(self._rows(hf_name(c, pre + "kv_b_proj.weight")))).reshape(H, nope + dv, L)
         w_ukT, w_uv = np.ascontiguousarray(w_HdL[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(w_HdL[:, nope:])
-        m = loader.LatentC(q_a, q_b, kv_a, q_norm, kv_norm, c.rms_norm_eps, rope.softmax_scale(c),
+        m = loader.LatentC(q_a, q_b, kv_a, q_norm, kv_norm, LATENT_NORM_EPS, rope.softmax_scale(c),
                                w_ukT.ctypes.data, w_uv.ctypes.data, nope, L, dv, int(c.rope_interleave))
         self.held += [w_ukT, w_uv, m]
         return m

@@ -163,6 +163,26 @@ def _deepseek(arch: str) -> Callable[[dict], MoEConfig]:
     return build
 
 
+def _dsa(arch: str) -> Callable[[dict], MoEConfig]:
+    """DeepSeek-V3.2 and GLM-5 (`glm_moe_dsa`): DeepSeek-V3's latent attention and routing, with DeepSeek
+    sparse attention's indexer in every layer; its rotary over halves (V3.2) or pairs (GLM-5). MoE
+    layers after `first_k_dense_replace`, or where `mlp_layer_types` says sparse."""
+    v3 = _deepseek("deepseek_v3")
+
+    def build(cfg: dict) -> MoEConfig:
+        shared = [i for i, t in enumerate(cfg.get("indexer_types") or []) if t != "full"]
+        if shared:
+            raise ValueError(f"config.json: indexer_types marks layers {shared} 'shared' (reusing an earlier layer's "
+                             "choice of positions); only 'full' layers, each with its own indexer, are supported")
+        base = v3(cfg)
+        types = cfg.get("mlp_layer_types")
+        moe = tuple(i for i, t in enumerate(types) if t == "sparse") if types else base.moe_layers
+        return base.replace(arch=arch, moe_layers=moe, index_topk=_need(cfg, "index_topk"),
+                            index_heads=_need(cfg, "index_n_heads"), index_head_dim=_need(cfg, "index_head_dim"),
+                            index_rope_interleave=arch == "glm_moe_dsa", rope_interleave=True)
+    return build
+
+
 def _glm4_moe(cfg: dict) -> MoEConfig:
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
@@ -333,7 +353,8 @@ BUILDERS: dict[str, Callable[[dict], MoEConfig]] = {
     "mixtral": _mixtral, "qwen2_moe": _qwen2_moe, "qwen3_moe": _qwen3_moe, "olmoe": _olmoe,
     "deepseek_v2": _deepseek("deepseek_v2"), "deepseek_v3": _deepseek("deepseek_v3"), "glm4_moe": _glm4_moe,
     "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
-    "hunyuan_v1_moe": _hunyuan_v1_moe, "llama4_text": _llama4_text,
+    "hunyuan_v1_moe": _hunyuan_v1_moe, "llama4_text": _llama4_text, "deepseek_v32": _dsa("deepseek_v32"),
+    "glm_moe_dsa": _dsa("glm_moe_dsa"),
 }
 
 

@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config")
 _INDEXER_KEYS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek sparse attention's indexer
+_DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")  # the model types that have one
 _LAYER_RE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.")  # the first layers.N of a name
 MTP_REASON = "multi-token prediction layers"
 _EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\.(\d+)\.(.+)$")
@@ -112,10 +113,10 @@ def check_supported(config: dict, source: str) -> None:
     if model_type == "qwen3_next":
         raise BadInputError(f"{source}: model_type='qwen3_next' is not supported: hybrid linear attention (Gated "
                             f"DeltaNet layers) is not implemented")
-    why = next((f"{k}={config[k]!r}" for k in _INDEXER_KEYS if k in config), None)
-    if model_type == "deepseek_v32" or why:
-        raise BadInputError(f"{source}: sparse-attention indexer ({why or f'model_type={model_type!r}'}) is not "
-                            f"supported: DeepSeek sparse attention is not implemented")
+    why = next((f"{k}={config[k]!r}" for k in _INDEXER_KEYS if k in text_config_of(config)), None)
+    if why and model_type_of(config) not in _DSA_TYPES:
+        raise BadInputError(f"{source}: sparse-attention indexer ({why}) in a {model_type} config is not supported: "
+                            f"DeepSeek sparse attention is taken for model types {', '.join(_DSA_TYPES)}")
     if model_type_of(config) not in SUPPORTED_MODEL_TYPES:
         alias = ALIASES.get(model_type)
         hint = f" ({model_type} is supported with architectures {[alias[0]]})" if alias else ""

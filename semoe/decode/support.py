@@ -19,7 +19,8 @@ from storage.errors import BadInputError
 # the model types the plan knows (every one `semoe.checkpoints.hf_config` builds; `plan_refusal` names the parts
 # it does not take yet)
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
-                 "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text")
+                 "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
+                 "deepseek_v32", "glm_moe_dsa")
 
 
 MAX_GROUPS = 256  # a grouped router's groups the one-call step takes (decode_step.c's `route`)
@@ -40,6 +41,7 @@ def plan_refusal(c) -> str | None:
         *(["q/k norms without weights"] if c.qk_norm == "unit_after_rope" else []),
         *(["a router whose weights scale the experts' input"] if c.router == "topk_sigmoid_input" else []),
         *(["experts with gate and up fused as halves"] if c.expert_mlp == "fused_swiglu" else []),
+        *(["DeepSeek sparse attention's indexer"] if c.index_topk is not None else []),
     ]
     return f"{c.arch}'s " + ", ".join(parts) if parts else None
 

@@ -25,7 +25,7 @@ from semoe.kernels import torch_ops
 from semoe.model import rope
 from semoe.model.rope import softmax_scale
 from semoe.model.compact_linear import CompactLinear, Linear, stacked_float_rows, stacked_rows
-from semoe.model.config import MoEConfig
+from semoe.model.config import LATENT_NORM_EPS, MoEConfig
 
 
 class RMSNorm(nn.Module):
@@ -333,8 +333,52 @@ class Attention(nn.Module):
                 and torch_ops.no_grad_wanted(q, k, v, *sinks) and torch_ops.takes(q))
 
 
+class Indexer(nn.Module):
+    """DeepSeek sparse attention's lightning indexer (DeepSeek-V3.2, GLM-5): for each query, a score of
+    every position it sees, sum over its heads h of w_h * relu(q_h . k / sqrt(Di)) / sqrt(Hi), from
+    its own small query heads (from the latent query), one key per position (normed, its first R dims
+    rotated) and a weight per head; attention then reads the `index_topk` best positions. The scores
+    are float32, as the reference computes them (its Hadamard rotation and FP8 rounding aside: the
+    rotation keeps dot products, the rounding is the kernel's precision)."""
+
+    def __init__(self, config: MoEConfig) -> None:
+        super().__init__()
+        c = config
+        self.config = config
+        self.wq_b = Linear(c.q_lora_rank, c.index_heads * c.index_head_dim, bias=False)
+        self.wk = Linear(c.hidden_size, c.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(c.index_head_dim, eps=1e-6)
+        self.weights_proj = Linear(c.hidden_size, c.index_heads, bias=False)
+
+    def project(self, x_BTD: torch.Tensor, q_resid_BTQ: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Each row's query heads (B, T, Hi * Di), key (B, T, Di, not rotated yet) and head weights (B, T, Hi)."""
+        return self.wq_b(q_resid_BTQ), self.k_norm(self.wk(x_BTD)), self.weights_proj(x_BTD)
+
+    def rotate(self, x_BHTDi: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x_BHTDi, cos, sin, interleave=self.config.index_rope_interleave)
+
+    def choose(self, q_BTX: torch.Tensor, w_BTH: torch.Tensor, k_B1SDi: torch.Tensor, cos: torch.Tensor,
+               sin: torch.Tensor, start: int) -> torch.Tensor:
+        """Which of the S cached positions (the keys k, rotated) each of the T queries at positions
+        start.. reads: (B, T, S) bool, the `index_topk` best scores among those it sees (all it sees
+        where they are fewer)."""
+        c = self.config
+        B, T, _ = q_BTX.shape
+        S = k_B1SDi.shape[2]
+        q_BHTDi = self.rotate(q_BTX.view(B, T, c.index_heads, c.index_head_dim).transpose(1, 2), cos, sin)
+        scores_BHTS = torch.relu((q_BHTDi.float() @ k_B1SDi.float().transpose(-1, -2)) * c.index_head_dim ** -0.5)
+        w_BHT1 = (w_BTH.float() * c.index_heads ** -0.5).transpose(1, 2)[..., None]
+        index_BTS = (w_BHT1 * scores_BHTS).sum(dim=1)
+        seen_TS = torch.arange(S, device=q_BTX.device)[None, :] <= torch.arange(start, start + T,
+                                                                                 device=q_BTX.device)[:, None]
+        index_BTS = index_BTS.masked_fill(~seen_TS, float("-inf"))
+        best_BTK = index_BTS.topk(min(c.index_topk, S), dim=-1).indices
+        return torch.zeros(B, T, S, dtype=torch.bool, device=q_BTX.device).scatter_(-1, best_BTK, True) & seen_TS
+
+
 class LatentAttention(nn.Module):
-    """DeepSeek's multi-head latent attention; the cache holds the normed latent and the rotary key."""
+    """DeepSeek's multi-head latent attention; the cache holds the normed latent and the rotary key
+    (and, with DeepSeek sparse attention, the indexer's key after it)."""
 
     def __init__(self, config: MoEConfig, layer: int) -> None:
         super().__init__()
@@ -346,30 +390,36 @@ class LatentAttention(nn.Module):
             self.q_proj = Linear(c.hidden_size, c.num_heads * qk, bias=False)
         else:
             self.q_a_proj = Linear(c.hidden_size, c.q_lora_rank, bias=c.attention_bias)
-            self.q_a_layernorm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+            self.q_a_layernorm = RMSNorm(c.q_lora_rank, LATENT_NORM_EPS)
             self.q_b_proj = Linear(c.q_lora_rank, c.num_heads * qk, bias=False)
         self.kv_a_proj_with_mqa = Linear(c.hidden_size, c.kv_lora_rank + c.qk_rope_head_dim,
                                             bias=c.attention_bias)
-        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, c.rms_norm_eps)
+        self.kv_a_layernorm = RMSNorm(c.kv_lora_rank, LATENT_NORM_EPS)
         self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.o_proj_bias)
         self.scale = softmax_scale(config)
+        self.indexer = Indexer(config) if c.index_topk is not None else None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | list[KVCache] | None, counts: list[int] | None = None) -> torch.Tensor:
         return packed_attention(self, x_BTD, cos, sin, cache, counts)
 
     def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, the normed latent and the rotary key of every row (`packed_attention`)."""
+        """q, the normed latent and the rotary key of every row (`packed_attention`), and with an
+        indexer its query heads, key and head weights (`Indexer.project`)."""
         c = self.config
-        q = self.q_proj(x_BTD) if c.q_lora_rank is None else self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_BTD)))
+        q_resid = None if c.q_lora_rank is None else self.q_a_layernorm(self.q_a_proj(x_BTD))
+        q = self.q_proj(x_BTD) if q_resid is None else self.q_b_proj(q_resid)
         latent_BTL, k_rot_BTR = self.kv_a_proj_with_mqa(x_BTD).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
-        return q, self.kv_a_layernorm(latent_BTL), k_rot_BTR
+        index = () if self.indexer is None else self.indexer.project(x_BTD, q_resid)
+        return q, self.kv_a_layernorm(latent_BTL), k_rot_BTR, *index
 
-    def attend_cached(self, q: torch.Tensor, latent_BTL: torch.Tensor, k_rot_BTR: torch.Tensor, cos: torch.Tensor,
-                      sin: torch.Tensor, cache: KVCache | None) -> torch.Tensor:
-        """One sequence's rows after `project`: rotary, the cache, the keys and values from the cached
-        latents, attention; (B, T, H * Dv) for o_proj."""
+    def attend_cached(self, q: torch.Tensor, latent_BTL: torch.Tensor, k_rot_BTR: torch.Tensor, *rest
+                      ) -> torch.Tensor:
+        """One sequence's rows after `project` (then cos, sin and the cache, or None): rotary, the
+        cache, the indexer's choice of positions, the keys and values from the cached latents,
+        attention; (B, T, H * Dv) for o_proj."""
+        *index, cos, sin, cache = rest
         c = self.config
         B, T, _ = q.shape
         H, nope, rope = c.num_heads, c.qk_nope_head_dim, c.qk_rope_head_dim
@@ -377,16 +427,24 @@ class LatentAttention(nn.Module):
         q_rot = apply_rope(q_BHTd[..., nope:], cos, sin, interleave=c.rope_interleave)
         latent_B1TL = latent_BTL[:, None]
         k_rot_B1TR = apply_rope(k_rot_BTR[:, None], cos, sin, interleave=c.rope_interleave)
+        if index:  # the indexer's key, rotated, is cached after the rotary key
+            k_rot_B1TR = torch.cat((k_rot_B1TR, self.indexer.rotate(index[1][:, None], cos, sin)), dim=-1)
         start = 0
         if cache is not None:
             start = cache.length
             latent_B1TL, k_rot_B1TR = cache.append(self.layer, latent_B1TL, k_rot_B1TR)
+        chosen_BTS = None
+        if index:
+            k_rot_B1TR, k_index_B1SDi = k_rot_B1TR.split([rope, c.index_head_dim], dim=-1)
+            chosen_BTS = self.indexer.choose(index[0], index[2], k_index_B1SDi, cos, sin, start)
         S = latent_B1TL.shape[2]
         kv_BHSd = self.kv_b_proj(latent_B1TL[:, 0]).view(B, S, H, nope + c.v_head_dim).transpose(1, 2)
         k_nope_BHSd, v_BHSDv = kv_BHSd.split([nope, c.v_head_dim], dim=-1)
         k_BHSd = torch.cat((k_nope_BHSd, k_rot_B1TR.expand(B, H, S, rope)), dim=-1)
         q_BHTd = torch.cat((q_BHTd[..., :nope], q_rot), dim=-1)
         mask, causal = attention_mask(T, start, None, q.device)
+        if chosen_BTS is not None:  # the positions the indexer chose (each among those its query sees)
+            mask, causal = chosen_BTS[:, None], False
         out_BHTDv = attend(q_BHTd, k_BHSd, v_BHSDv, mask, causal, scale=self.scale)
         return out_BHTDv.transpose(1, 2).reshape(B, T, H * c.v_head_dim)
 

@@ -31,6 +31,9 @@ GROUP_SCORES = ("max", "top2")  # a group's score: its best expert (V2), or its 
 # "swiglu": down(silu(gate x) * up x); "clamped_swiglu": gpt-oss's, with biases and clamping;
 # "fused_swiglu": SwiGLU with gate and up as the halves of one (in, 2 * out) tensor (Llama-4)
 EXPERT_MLPS = ("swiglu", "clamped_swiglu", "fused_swiglu")
+# latent attention's query and latent norms take this epsilon whatever the model's `rms_norm_eps`, as the
+# reference implementations build them (GLM-5's 1e-5 elsewhere, 1e-6 there)
+LATENT_NORM_EPS = 1e-6
 
 
 @dataclass(kw_only=True)
@@ -79,6 +82,13 @@ class MoEConfig:
     qk_nope_head_dim: int = 0
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
+    # DeepSeek sparse attention (DSA, over latent attention): a lightning indexer of `index_heads` heads
+    # of `index_head_dim` scores the cached positions for each query from its own cache of keys (kept
+    # beside the rotary key), and attention reads only the `index_topk` best; None: no indexer
+    index_topk: int | None = None
+    index_heads: int = 0
+    index_head_dim: int = 0
+    index_rope_interleave: bool = False  # the indexer rotates pairs (GLM-5) or halves (DeepSeek-V3.2)
     # -- rotary embeddings
     rope_theta: float = 10000.0
     rope_dim: int | None = None  # rotated dims of each head (default: all of head_dim; MLA: qk_rope_head_dim)
@@ -128,6 +138,12 @@ class MoEConfig:
                     raise ValueError(f"attention 'mla' needs {name} >= 1, got {getattr(self, name)}")
             self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
             self.rope_dim = self.qk_rope_head_dim
+        if self.index_topk is not None:
+            if self.attention != "mla" or self.q_lora_rank is None:
+                raise ValueError("index_topk (DeepSeek sparse attention) needs attention 'mla' with a q_lora_rank")
+            if self.index_topk < 1 or self.index_heads < 1 or self.index_head_dim < self.qk_rope_head_dim:
+                raise ValueError(f"index_topk ({self.index_topk}) and index_heads ({self.index_heads}) must be >= 1 and "
+                                 f"index_head_dim ({self.index_head_dim}) >= qk_rope_head_dim ({self.qk_rope_head_dim})")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must divide by num_heads ({self.num_heads}) "
@@ -203,9 +219,12 @@ class MoEConfig:
     def kv_shapes(self, batch: int, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One layer's KV cache as (k, v) shapes, the one layout every path keeps: keys and values
         (B, G, S, Dh) for grouped-query attention; for latent attention the normed latent (B, 1, S, L)
-        in k and the rotated rotary key (B, 1, S, R) in v."""
+        in k and the rotated rotary key (B, 1, S, R) in v, followed there by the indexer's rotated key
+        (index_head_dim more) under DeepSeek sparse attention, so that whatever keeps, copies, swaps or
+        counts a KV cache keeps, copies, swaps and counts the indexer's keys with it."""
         if self.attention == "mla":
-            return (batch, 1, positions, self.kv_lora_rank), (batch, 1, positions, self.qk_rope_head_dim)
+            index = self.index_head_dim if self.index_topk is not None else 0
+            return (batch, 1, positions, self.kv_lora_rank), (batch, 1, positions, self.qk_rope_head_dim + index)
         return ((batch, self.num_kv_heads, positions, self.head_dim),) * 2
 
     def kv_bytes(self, batch: int, positions: int, itemsize: int) -> int:
@@ -222,6 +241,9 @@ class MoEConfig:
             kv = h * (self.kv_lora_rank + self.qk_rope_head_dim) + \
                 self.kv_lora_rank * self.num_heads * (self.qk_nope_head_dim + self.v_head_dim)
             attn = q + kv + self.num_heads * self.v_head_dim * h
+            if self.index_topk is not None:  # the indexer's query, key and head weights
+                attn += self.index_heads * self.index_head_dim * self.q_lora_rank + h * (self.index_head_dim
+                                                                                      + self.index_heads)
         else:
             attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
         expert = 3 * h * self.moe_ffn_size

@@ -20,7 +20,7 @@ class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
                          "gpt_oss", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
-                         "semoe_gpt")
+                         "deepseek_v32", "glm_moe_dsa", "semoe_gpt")
 # model types whose checkpoints name a MoE layer `block_sparse_moe` and its experts' products w1/w3/w2
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here

@@ -912,12 +912,27 @@ def test_a_failing_request_fails_alone_while_others_decode_beside_it(engine, ref
         server.close()
 
 
-def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, reference):
+@pytest.fixture(scope="module")
+def dsa_engines(tmp_path_factory):
+    """An engine and a reference on DeepSeek-V3.2 (sparse attention: its indexer reads the top 4 of the
+    cached positions, from the indexer's keys the KV cache keeps beside the latents)."""
+    path = make_hf_checkpoint("deepseek_v32", tmp_path_factory.mktemp("dsa") / "tiny", seed=5)
+    engines = [Engine.load(str(path), EngineConfig()) for _ in range(2)]
+    yield engines
+    for e in engines:
+        e.close()
+
+
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32"])
+def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, reference, dsa_engines, model):
     """Prefix reuse: a conversation's second turn resends the first turn and its answer. The server
     takes the positions the first request computed (its prompt and answer but the last token) instead
     of computing them, counts that in /metrics, and answers as from scratch: the same greedy tokens,
     log-probs within 1e-4 (the reused positions were computed by decoding steps, whose sums run in
-    another order than a prompt pass's). A prompt sharing no token reuses nothing."""
+    another order than a prompt pass's). A prompt sharing no token reuses nothing. With sparse
+    attention (DeepSeek-V3.2), the reused positions bring the indexer's keys with them."""
+    if model == "deepseek_v32":
+        engine, reference = dsa_engines
     server = LiveServer(create_app(engine))
     try:
         first = [1, 5, 9, 14, 3, 22, 17, 8, 30, 2, 11, 4, 6, 19, 12, 7]  # a "system prompt" and a turn

@@ -237,11 +237,11 @@ def test_store_info_says_what_import_kept(dsv3_f32, tmp_path, capsys):
 REFUSALS = [
     ({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},
      "hybrid linear attention (Gated DeltaNet layers) is not implemented"),
-    ({"model_type": "deepseek_v32", "architectures": ["DeepseekV32ForCausalLM"]},
-     "sparse-attention indexer (model_type='deepseek_v32') is not supported: DeepSeek sparse attention is not "
-     "implemented"),
     ({"model_type": "deepseek_v3", "index_topk": 2048},
-     "sparse-attention indexer (index_topk=2048) is not supported: DeepSeek sparse attention is not implemented"),
+     "sparse-attention indexer (index_topk=2048) in a deepseek_v3 config is not supported: DeepSeek sparse attention "
+     "is taken for model types deepseek_v32, glm_moe_dsa"),
+    ({"model_type": "deepseek_v4", "architectures": ["DeepseekV4ForCausalLM"]},
+     "unknown architecture model_type='deepseek_v4'"),
     ({"model_type": "qwen3_moe", "vision_config": {}},
      "multimodal checkpoint (vision_config) is not supported: multimodal towers are not implemented"),
     ({"model_type": "gpt_oss", "architectures": ["GptOssForConditionalGeneration"]},

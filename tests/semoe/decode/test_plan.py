@@ -303,6 +303,10 @@ def test_models_the_plan_does_not_take(tmp_path):
         "the decoding plan does not take llama4_text's attention without rotary on some layers, chunked local "
         "attention, attention temperature tuning, q/k norms without weights, a router whose weights scale the "
         "experts' input, experts with gate and up fused as halves")
+    dsa = load_hf(str(make_hf_checkpoint("deepseek_v32", tmp_path / "dsa")))
+    with pytest.raises(NotOnFastPath, match="^the decoding plan does not take deepseek_v32's DeepSeek sparse "
+                                            "attention's indexer$"):
+        DecodePlan(dsa)
 
 
 def test_the_engine_generates_with_its_own_plan(stores, monkeypatch):
