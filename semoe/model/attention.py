@@ -438,6 +438,14 @@ class LatentAttention(nn.Module):
             k_rot_B1TR, k_index_B1SDi = k_rot_B1TR.split([rope, c.index_head_dim], dim=-1)
             chosen_BTS = self.indexer.choose(index[0], index[2], k_index_B1SDi, cos, sin, start)
         S = latent_B1TL.shape[2]
+        if chosen_BTS is not None and T == 1 and c.index_topk < S:
+            # decoding: each sequence's query reads only its chosen rows, gathered (in position order);
+            # the others' latents are never expanded, so a step's cost past the indexer does not grow
+            # with the context
+            sel_BK1 = chosen_BTS[:, 0].nonzero()[:, 1].view(B, -1, 1)
+            latent_B1TL = latent_B1TL[:, 0].gather(1, sel_BK1.expand(-1, -1, c.kv_lora_rank))[:, None]
+            k_rot_B1TR = k_rot_B1TR[:, 0].gather(1, sel_BK1.expand(-1, -1, rope))[:, None]
+            S, chosen_BTS = sel_BK1.shape[1], torch.ones(B, 1, sel_BK1.shape[1], dtype=torch.bool, device=q.device)
         kv_BHSd = self.kv_b_proj(latent_B1TL[:, 0]).view(B, S, H, nope + c.v_head_dim).transpose(1, 2)
         k_nope_BHSd, v_BHSDv = kv_BHSd.split([nope, c.v_head_dim], dim=-1)
         k_BHSd = torch.cat((k_nope_BHSd, k_rot_B1TR.expand(B, H, S, rope)), dim=-1)
