@@ -1,8 +1,9 @@
 """The compiled CPU kernels' library (semoe/kernels/*.c) and the structures its whole-step calls
 take, loaded with ctypes and no torch.
 
-`library()` loads the best build made at install that this CPU runs (`semoe.kernels.variants`), or
-the one SEMOE_CPU_KERNELS names (`off`: none), checks that `Lin`, `Expert`, `LayerC` and `Net` have
+`library()` loads the build made at install that runs fastest on this CPU: the best its flags allow
+(`semoe.kernels.variants`), unless another vector build it runs was measured faster here (once per
+machine, kept in ~/.cache/semoe/kernel-choice.json); or the one SEMOE_CPU_KERNELS names (`off`: none), checks that `Lin`, `Expert`, `LayerC` and `Net` have
 the layouts of decode_abi.h's structs as the library was compiled, and declares every entry point.
 `semoe.kernels.torch_ops` and `semoe.decode.plan` call the kernels on torch tensors through these;
 `inference.torch_free.runner` calls them on its own buffers, in a process that never imports torch.
@@ -249,17 +250,128 @@ def choose(flags: frozenset[str], builds: dict[str, str], machine: str | None = 
     return None
 
 
+# a vector build measured faster than the best one the CPU's flags allow replaces it only by this much,
+# so that timing noise never flips the choice between two builds that run alike
+MEASURED_MARGIN = 0.05
+# the workload `measure` times: decoding's products, float32, int8 and int4 codes (groups of 32), one
+# row through an (O, I) weight larger than a core's L2, as a decoding step streams its weights
+_WORK_O, _WORK_I, _WORK_G = 1024, 4096, 32
+
+
+def measure(paths: list[str], rounds: int = 25) -> list[float]:
+    """Seconds each library in `paths` takes for one pass of the workload (float32, int8 and int4
+    products of one row), on every core this process may use: the fastest of `rounds` rounds, each
+    running every library in turn, so that what else the machine does falls on all of them alike."""
+    import time
+
+    libs = [load(p) for p in paths]
+    threads = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    O, I, g = _WORK_O, _WORK_I, _WORK_G
+    x, y = (ctypes.c_float * I)(), (ctypes.c_float * O)()
+    w32, w8, w4 = (ctypes.c_float * (O * I))(), (ctypes.c_int8 * (O * I))(), (ctypes.c_uint8 * (O * I // 2))()
+    s8, s4 = (ctypes.c_float * O)(), (ctypes.c_float * (2 * O * (I // g)))()
+    for buf in (x, w32, w8, w4, s8, s4):  # written, so that every page is memory of its own (a zeroed
+        ctypes.memset(buf, 0x3C, ctypes.sizeof(buf))  # one maps the one zero page); floats of 0.0115
+    ptr = ctypes.addressof
+
+    def once(lib) -> float:
+        start = time.perf_counter()
+        lib.gemv_f32(ptr(x), ptr(w32), ptr(y), 1, O, I, threads)
+        lib.gemv_i8(ptr(x), ptr(w8), ptr(s8), ptr(y), 1, O, I, threads)
+        lib.gemv_i4(ptr(x), ptr(w4), ptr(s4), ptr(y), 1, O, I, g, threads)
+        return time.perf_counter() - start
+
+    for lib in libs:  # warm-up: the weights into the page tables, the threads started
+        once(lib)
+    best = [float("inf")] * len(libs)
+    for _ in range(rounds):
+        for i, lib in enumerate(libs):
+            best[i] = min(best[i], once(lib))
+    return best
+
+
+def _choice_file() -> str:
+    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(root, "semoe", "kernel-choice.json")
+
+
+def _cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
+def measured_choice(candidates: list[tuple[str, str]], flags: frozenset[str]) -> tuple[str, str]:
+    """Of the vector builds this CPU runs (`candidates`, best by flags first), the one that runs the
+    decoding workload fastest here: measured once per machine and set of builds, the result kept in
+    ~/.cache/semoe/kernel-choice.json (`XDG_CACHE_HOME`), read back by every later process. Where the
+    file cannot be written, each process measures for itself."""
+    import hashlib
+    import json
+    import tempfile
+
+    def stamp(path: str) -> list:
+        st = os.stat(path)
+        return [os.path.basename(path), st.st_size, int(st.st_mtime)]
+
+    key = hashlib.sha256(json.dumps([_cpu_name(), sorted(flags), [(n, stamp(p)) for n, p in candidates]]
+                                    ).encode()).hexdigest()[:16]
+    file = _choice_file()
+    try:
+        with open(file, encoding="utf-8") as f:
+            known = json.load(f)
+    except (OSError, ValueError):
+        known = {}
+    entry = known.get(key) if isinstance(known, dict) else None
+    names = dict(candidates)
+    if isinstance(entry, dict) and entry.get("choice") in names:
+        return entry["choice"], names[entry["choice"]]
+    loadable = []
+    for name, path in candidates:
+        try:
+            load(path)
+            loadable.append((name, path))
+        except (OSError, KernelABIError):
+            continue  # a build that does not load is not chosen; loading the choice says why
+    seconds = dict(zip((n for n, _ in loadable), measure([p for _, p in loadable]))) if loadable else {}
+    first = candidates[0][0]
+    pick = first
+    if first in seconds:
+        faster = min(seconds, key=seconds.get)
+        if seconds[faster] < (1 - MEASURED_MARGIN) * seconds[first]:
+            pick = faster
+    known = known if isinstance(known, dict) else {}
+    known[key] = {"cpu": _cpu_name(), "choice": pick, "seconds": {n: round(t, 6) for n, t in seconds.items()}}
+    try:
+        os.makedirs(os.path.dirname(file), exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), prefix=".kernel-choice-")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(known, f, indent=1)
+        os.replace(tmp, file)
+    except OSError:
+        pass
+    return pick, names[pick]
+
+
 @cache
 def chosen() -> tuple[str, str] | None:
     """(variant, path) of the library `library()` loads: SEMOE_CPU_KERNELS's (another build of
-    semoe/kernels/*.c, as the tests load each variant's; `off` for none), or the best installed build
-    this CPU runs; None where there is none."""
+    semoe/kernels/*.c, as the tests load each variant's; `off` for none), or the installed build this
+    CPU runs fastest: the best its flags allow, unless another vector build it runs was measured
+    faster here (`measured_choice`; the portable build is the fallback, never measured); None where
+    there is none."""
     path = os.environ.get("SEMOE_CPU_KERNELS")
     if path == "off":
         return None
     if path:
         return "SEMOE_CPU_KERNELS", path
-    return choose(variants.cpu_flags(), installed())
+    flags, builds = variants.cpu_flags(), installed()
+    vector = [(v.name, builds[v.name]) for v in variants.runnable(flags) if v.name in builds and v.cpu_flags]
+    if len(vector) > 1:
+        return measured_choice(vector, flags)
+    return choose(flags, builds)
 
 
 @cache
@@ -283,7 +395,10 @@ def status() -> str:
     why there are none."""
     pick = chosen()
     if pick is not None:
-        return f"{ISAS[library().kernels_isa()]} ({os.path.basename(pick[1])})"
+        best = choose(variants.cpu_flags(), installed())
+        why = f", measured faster here than {best[0]}" if best is not None and best[0] != pick[0] and \
+            pick[0] in variants.BY_NAME else ""
+        return f"{ISAS[library().kernels_isa()]} ({os.path.basename(pick[1])}{why})"
     if os.environ.get("SEMOE_CPU_KERNELS") == "off":
         return "off (SEMOE_CPU_KERNELS=off)"
     builds = installed()

@@ -4,6 +4,7 @@ kernels' allocation failures, in this process (the builds themselves: test_cpu_k
 from __future__ import annotations
 
 import ctypes
+import json
 
 import pytest
 
@@ -61,6 +62,43 @@ def fresh_loader(monkeypatch):
     yield loaded
     loader.chosen.cache_clear()
     loader.library.cache_clear()
+
+
+def test_a_build_measured_faster_here_is_chosen_once_per_machine(fresh_loader, monkeypatch, tmp_path):
+    """Of the vector builds the CPU runs, the loader takes one measured faster than the best its flags
+    allow by more than MEASURED_MARGIN (on a CPU whose wider vectors do not pay, say), else the best by
+    flags; measured once, the choice kept in the cache file and read back without measuring again,
+    and said by `status`. The timings are given here: which build is faster is this machine's to say."""
+    builds = loader.installed()
+    if not {"avx2", "avx512-vnni"} <= set(builds):
+        pytest.skip(f"the install built {sorted(builds)}: the AVX2 and AVX-512 builds are x86-64's, with a compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(variants, "cpu_flags", lambda *a: ALL)
+    timings = {builds["avx512-vnni"]: 1.0, builds["avx2"]: 0.9}
+    calls = []
+    monkeypatch.setattr(loader, "measure", lambda paths: calls.append(paths) or [timings[p] for p in paths])
+    assert loader.chosen() == ("avx2", builds["avx2"])
+    assert calls == [[builds["avx512-vnni"], builds["avx2"]]]  # the portable build is never measured
+    assert loader.status().endswith(", measured faster here than avx512-vnni)")
+    saved = json.loads((tmp_path / "semoe" / "kernel-choice.json").read_text())
+    (entry,) = saved.values()
+    assert entry["choice"] == "avx2" and entry["seconds"] == {"avx512-vnni": 1.0, "avx2": 0.9}
+    loader.chosen.cache_clear()
+    loader.library.cache_clear()
+    assert loader.chosen() == ("avx2", builds["avx2"]) and len(calls) == 1  # read back, not measured
+    # within the margin the best by flags stays (measured anew where the file is gone)
+    (tmp_path / "semoe" / "kernel-choice.json").unlink()
+    timings[builds["avx2"]] = 0.97
+    loader.chosen.cache_clear()
+    loader.library.cache_clear()
+    assert loader.chosen() == ("avx512-vnni", builds["avx512-vnni"]) and len(calls) == 2
+    assert ", measured" not in loader.status()
+
+
+def test_the_measured_workload_runs_every_build_it_is_given():
+    builds = loader.installed()
+    seconds = loader.measure(list(builds.values()), rounds=2)
+    assert len(seconds) == len(builds) and all(0 < t < 10 for t in seconds)
 
 
 def test_a_build_the_cpu_cannot_run_is_never_loaded(fresh_loader, monkeypatch):
