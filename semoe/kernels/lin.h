@@ -21,7 +21,8 @@ void lin_acts_team(const Lin *l, const float *x, int64_t M, Acts *a, int *oom);
 /* y (M, O) = l(x) for M rows, by the whole team (every thread calls it), its bias added */
 void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int *oom);
 /* decode_step.c's per-position steps that prefill.c's prompt pass shares: q, k and v's norms and
- * clipping (and rotation where attend_rotate's does not apply), and the router's choice from its logits p (overwritten; choice: E floats, masked E bytes) */
+ * clipping (and rotation where attend_rotate's does not apply), and the router's choice from its
+ * logits p (overwritten; choice: E floats, masked E bytes) */
 int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin);
 void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids, float *w);
 

@@ -3,8 +3,9 @@ take, loaded with ctypes and no torch.
 
 `library()` loads the build made at install that runs fastest on this CPU: the best its flags allow
 (`semoe.kernels.variants`), unless another vector build it runs was measured faster here (once per
-machine, kept in ~/.cache/semoe/kernel-choice.json); or the one SEMOE_CPU_KERNELS names (`off`: none), checks that `Lin`, `Expert`, `LayerC` and `Net` have
-the layouts of decode_abi.h's structs as the library was compiled, and declares every entry point.
+machine, kept in ~/.cache/semoe/kernel-choice.json); or the one SEMOE_CPU_KERNELS names (`off`: none),
+checks that `Lin`, `Expert`, `LayerC` and `Net` have the layouts of decode_abi.h's structs as the
+library was compiled, and declares every entry point.
 `semoe.kernels.torch_ops` and `semoe.decode.plan` call the kernels on torch tensors through these;
 `inference.torch_free.runner` calls them on its own buffers, in a process that never imports torch.
 """

@@ -142,8 +142,9 @@ class MoEConfig:
             if self.attention != "mla" or self.q_lora_rank is None:
                 raise ValueError("index_topk (DeepSeek sparse attention) needs attention 'mla' with a q_lora_rank")
             if self.index_topk < 1 or self.index_heads < 1 or self.index_head_dim < self.qk_rope_head_dim:
-                raise ValueError(f"index_topk ({self.index_topk}) and index_heads ({self.index_heads}) must be >= 1 and "
-                                 f"index_head_dim ({self.index_head_dim}) >= qk_rope_head_dim ({self.qk_rope_head_dim})")
+                raise ValueError(f"index_topk ({self.index_topk}) and index_heads ({self.index_heads}) must be >= 1 "
+                                 f"and index_head_dim ({self.index_head_dim}) >= qk_rope_head_dim "
+                                 f"({self.qk_rope_head_dim})")
         if self.head_dim is None:
             if self.hidden_size % self.num_heads:
                 raise ValueError(f"hidden_size ({self.hidden_size}) must divide by num_heads ({self.num_heads}) "

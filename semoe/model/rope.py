@@ -1,5 +1,6 @@
-"""Rotary frequencies, plain RoPE, YaRN or Llama-3's scaling, computed once for the model's modules (`semoe.model.attention`)
-and the torch-free runner (`inference.torch_free.runner`) alike: numpy, float32, no torch.
+"""Rotary frequencies, plain RoPE, YaRN or Llama-3's scaling, computed once for the model's modules
+(`semoe.model.attention`) and the torch-free runner (`inference.torch_free.runner`) alike: numpy,
+float32, no torch.
 
 YaRN (Peng et al. 2023) as transformers computes it: the low-frequency dims interpolated by the
 scaling factor, the high-frequency ones kept, a linear ramp between, and cos and sin scaled by an
