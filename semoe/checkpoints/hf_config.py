@@ -165,21 +165,26 @@ def _deepseek(arch: str) -> Callable[[dict], MoEConfig]:
 
 def _dsa(arch: str) -> Callable[[dict], MoEConfig]:
     """DeepSeek-V3.2 and GLM-5 (`glm_moe_dsa`): DeepSeek-V3's latent attention and routing, with DeepSeek
-    sparse attention's indexer in every layer; its rotary over halves (V3.2) or pairs (GLM-5). MoE
-    layers after `first_k_dense_replace`, or where `mlp_layer_types` says sparse."""
+    sparse attention's indexer in every layer, or (GLM-5) in those `indexer_types` marks full, the
+    others reading the choice of the nearest one before them; its rotary over halves (V3.2) or pairs
+    (GLM-5). MoE layers after `first_k_dense_replace`, or where `mlp_layer_types` says sparse."""
     v3 = _deepseek("deepseek_v3")
 
     def build(cfg: dict) -> MoEConfig:
-        shared = [i for i, t in enumerate(cfg.get("indexer_types") or []) if t != "full"]
-        if shared:
-            raise ValueError(f"config.json: indexer_types marks layers {shared} 'shared' (reusing an earlier layer's "
-                             "choice of positions); only 'full' layers, each with its own indexer, are supported")
+        indexers = cfg.get("indexer_types")
+        if indexers is not None and (len(indexers) != cfg["num_hidden_layers"] or set(indexers) - {"full", "shared"}):
+            raise ValueError(f"config.json: indexer_types must give each of the {cfg['num_hidden_layers']} layers "
+                             "'full' or 'shared'")
+        if indexers and indexers[0] != "full":
+            raise ValueError("config.json: indexer_types must start with 'full' (a 'shared' layer reads the choice "
+                             "of a 'full' one before it)")
         base = v3(cfg)
         types = cfg.get("mlp_layer_types")
         moe = tuple(i for i, t in enumerate(types) if t == "sparse") if types else base.moe_layers
         return base.replace(arch=arch, moe_layers=moe, index_topk=_need(cfg, "index_topk"),
                             index_heads=_need(cfg, "index_n_heads"), index_head_dim=_need(cfg, "index_head_dim"),
-                            index_rope_interleave=arch == "glm_moe_dsa", rope_interleave=True)
+                            index_rope_interleave=arch == "glm_moe_dsa", rope_interleave=True,
+                            index_layers=tuple(i for i, t in enumerate(indexers) if t == "full") if indexers else None)
     return build
 
 

@@ -398,10 +398,15 @@ class LatentAttention(nn.Module):
         self.kv_b_proj = Linear(c.kv_lora_rank, c.num_heads * (c.qk_nope_head_dim + c.v_head_dim), bias=False)
         self.o_proj = Linear(c.num_heads * c.v_head_dim, c.hidden_size, bias=c.o_proj_bias)
         self.scale = softmax_scale(config)
-        self.indexer = Indexer(config) if c.index_topk is not None else None
+        self.indexer = Indexer(config) if c.indexes(layer) else None
+        # under sparse attention: the choice of positions this layer last made, by sequence (`_read`), and
+        # for a layer without an indexer, the layer whose choice it reads (set by the model)
+        self.choices: dict[int, torch.Tensor] = {}
+        self.chooser: "LatentAttention | None" = None
 
     def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 cache: KVCache | list[KVCache] | None, counts: list[int] | None = None) -> torch.Tensor:
+        self.choices = {}  # this step's, by sequence: the layers reading them run before the next step
         return packed_attention(self, x_BTD, cos, sin, cache, counts)
 
     def project(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -427,16 +432,24 @@ class LatentAttention(nn.Module):
         q_rot = apply_rope(q_BHTd[..., nope:], cos, sin, interleave=c.rope_interleave)
         latent_B1TL = latent_BTL[:, None]
         k_rot_B1TR = apply_rope(k_rot_BTR[:, None], cos, sin, interleave=c.rope_interleave)
-        if index:  # the indexer's key, rotated, is cached after the rotary key
-            k_rot_B1TR = torch.cat((k_rot_B1TR, self.indexer.rotate(index[1][:, None], cos, sin)), dim=-1)
+        if c.index_topk is not None:  # the indexer's key, rotated, is cached after the rotary key (zeros where
+            # the layer reads another's choice and has no indexer)
+            ik = self.indexer.rotate(index[1][:, None], cos, sin) if index else k_rot_B1TR.new_zeros(B, 1, T,
+                                                                                                     c.index_head_dim)
+            k_rot_B1TR = torch.cat((k_rot_B1TR, ik), dim=-1)
         start = 0
         if cache is not None:
             start = cache.length
             latent_B1TL, k_rot_B1TR = cache.append(self.layer, latent_B1TL, k_rot_B1TR)
         chosen_BTS = None
-        if index:
+        if c.index_topk is not None:
             k_rot_B1TR, k_index_B1SDi = k_rot_B1TR.split([rope, c.index_head_dim], dim=-1)
-            chosen_BTS = self.indexer.choose(index[0], index[2], k_index_B1SDi, cos, sin, start)
+            key = id(cache)  # one sequence (or one batch) of this forward, as every layer sees it in turn
+            if index:
+                chosen_BTS = self.choices[key] = self.indexer.choose(index[0], index[2], k_index_B1SDi, cos, sin,
+                                                                     start)
+            else:  # GLM-5's shared layers: the nearest indexing layer before this one chose
+                chosen_BTS = self.chooser.choices[key]
         S = latent_B1TL.shape[2]
         if chosen_BTS is not None and T == 1 and c.index_topk < S:
             # decoding: each sequence's query reads only its chosen rows, gathered (in position order);

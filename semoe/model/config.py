@@ -89,6 +89,9 @@ class MoEConfig:
     index_heads: int = 0
     index_head_dim: int = 0
     index_rope_interleave: bool = False  # the indexer rotates pairs (GLM-5) or halves (DeepSeek-V3.2)
+    # the layers with an indexer of their own; the others read the positions the nearest such layer
+    # before them chose (GLM-5's "shared" layers); None: every layer
+    index_layers: tuple[int, ...] | None = None
     # -- rotary embeddings
     rope_theta: float = 10000.0
     rope_dim: int | None = None  # rotated dims of each head (default: all of head_dim; MLA: qk_rope_head_dim)
@@ -179,7 +182,10 @@ class MoEConfig:
             self.attn_temperature = tuple(float(v) for v in self.attn_temperature)
             if len(self.attn_temperature) != 2 or self.attn_temperature[1] <= 0:
                 raise ValueError(f"attn_temperature must be (attn_scale, floor_scale > 0), got {self.attn_temperature}")
-        for name in ("moe_layers", "sliding_layers", "chunked_layers", "rope_layers"):
+        if self.index_layers is not None and self.index_topk is not None and 0 not in self.index_layers:
+            raise ValueError(f"index_layers {self.index_layers} must include layer 0 (a layer without an indexer "
+                             "reads the choice of one before it)")
+        for name in ("moe_layers", "sliding_layers", "chunked_layers", "rope_layers", "index_layers"):
             layers = getattr(self, name)
             if layers is not None:
                 layers = tuple(sorted(set(int(i) for i in layers)))
@@ -203,6 +209,10 @@ class MoEConfig:
         if self.attention_chunk is None or (self.chunked_layers is not None and layer not in self.chunked_layers):
             return None
         return self.attention_chunk
+
+    def indexes(self, layer: int) -> bool:
+        """Whether `layer` has DeepSeek sparse attention's indexer of its own."""
+        return self.index_topk is not None and (self.index_layers is None or layer in self.index_layers)
 
     def rotates(self, layer: int) -> bool:
         """Whether `layer` rotates q and k (every layer but Llama-4's no-position ones)."""

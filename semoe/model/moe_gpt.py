@@ -246,6 +246,11 @@ class MoEGPT(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
+        if config.index_topk is not None:  # a layer without an indexer reads the nearest one's before it
+            for i, block in enumerate(self.layers):
+                if not config.indexes(i):
+                    chooser = self.layers[max(j for j in range(i) if config.indexes(j))].attn
+                    object.__setattr__(block.attn, "chooser", chooser)  # a reference, not a submodule
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:

@@ -19,6 +19,19 @@ HUNYUAN = dict(BASE, model_type="hunyuan_v1_moe", num_experts=8, moe_topk=[2] * 
                rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 1.0, "beta_fast": 32})
 
 
+# as GLM-5's: DeepSeek-V3's latent attention and routing with the sparse-attention indexer
+GLM5 = dict(BASE, model_type="glm_moe_dsa", num_hidden_layers=3, n_routed_experts=8, num_experts_per_tok=2,
+            moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24,
+            qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12, index_topk=4, index_n_heads=4, index_head_dim=16)
+
+
+def test_glm5_full_and_shared_indexer_layers():
+    c = from_hf_config(dict(GLM5, indexer_types=["full", "shared", "full"]))
+    assert c.index_layers == (0, 2) and [c.indexes(i) for i in range(3)] == [True, False, True]
+    assert c.index_rope_interleave and c.index_topk == 4
+    assert from_hf_config(GLM5).index_layers is None
+
+
 def test_ernie_moe_layers_shared_experts_and_rotary():
     c = from_hf_config(ERNIE)
     # layer i is MoE where (i + 1) % interval == 0, from the start index to the end (-1: the last)
@@ -43,8 +56,10 @@ def test_hunyuan_lists_and_ntk_alpha():
     (dict(HUNYUAN, moe_topk=[2, 2, 2, 4, 2, 2]), "moe_topk differs between layers"),
     (dict(HUNYUAN, rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 2.0}), "rope alpha"),
     (dict(HUNYUAN, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope type 'dynamic' is not supported"),
+    (dict(GLM5, indexer_types=["full", "shared"]), "indexer_types must give each of the 3 layers"),
+    (dict(GLM5, indexer_types=["shared", "full", "full"]), "indexer_types must start with 'full'"),
 ], ids=["ernie-bias", "ernie-vl-layers", "hunyuan-cla", "hunyuan-topk-list", "hunyuan-alpha-factor",
-        "hunyuan-dynamic"])
+        "hunyuan-dynamic", "glm5-indexer-types", "glm5-first-shared"])
 def test_values_the_model_does_not_implement_are_refused_in_one_line(cfg, field):
     with pytest.raises(ValueError) as e:
         from_hf_config(cfg)

@@ -138,3 +138,28 @@ def test_attend_takes_a_per_row_mask_of_the_batch():
     mask[..., 0] = True
     want = (q @ k.transpose(-1, -2) / 8 ** 0.5).masked_fill(~mask, float("-inf")).softmax(-1) @ v
     torch.testing.assert_close(attend(q, k, v, mask, False), want, rtol=RTOL, atol=1e-6)
+
+
+def test_glm5_shared_layers_read_the_choice_of_the_indexing_layer_before_them(tmp_path):
+    """GLM-5's `indexer_types`: a "shared" layer has no indexer and reads the positions the nearest
+    "full" layer before it chose, in the same step. Against transformers' own model: float32 logits
+    within 1e-5 relative over a prompt longer than index_topk, and greedy decoding with the KV cache
+    (prompt, then token by token) giving transformers' tokens."""
+    from helpers.hf_models import load_hf_model, make_hf_checkpoint
+    from semoe.checkpoints.model_io import load_hf
+    from semoe.decode.generate import generate
+    from semoe.decode.loop import SamplingConfig
+
+    path = make_hf_checkpoint("glm_moe_dsa", tmp_path / "glm5", num_hidden_layers=4,
+                              indexer_types=["full", "shared", "full", "shared"])
+    ours, ref = load_hf(str(path)).eval(), load_hf_model(path, dtype=torch.float32).eval()
+    assert [b.attn.indexer is not None for b in ours.layers] == [True, False, True, False]
+    assert [b.attn.chooser is ours.layers[i - 1].attn for i, b in enumerate(ours.layers) if i % 2]
+    ids = torch.tensor([[3, 17, 5, 29, 11, 2, 40, 8, 19, 23, 7, 31]])
+    with torch.no_grad():
+        want, got = ref(ids).logits, ours(ids).logits
+    assert float((got - want).abs().max() / want.abs().max()) < RTOL
+    with torch.no_grad():
+        hf_tokens = ref.generate(ids, max_new_tokens=12, do_sample=False)[0, ids.shape[1]:].tolist()
+    res = generate(ours, ids[0].tolist(), SamplingConfig(max_new_tokens=12))
+    assert res.tokens == hf_tokens
