@@ -1,6 +1,7 @@
-"""Quantized checkpoint tensors read back as plain floating-point ones: FP8 block-scale and MXFP4.
+"""Quantized checkpoint tensors read back as plain floating-point ones: FP8 block-scale, MXFP4, and
+compressed-tensors' pack-quantized int4 (`storage.compressed_tensors`).
 
-Two published layouts are understood, both as transformers reads them:
+Two more published layouts are understood, both as transformers reads them:
 
 - FP8 block-scale (DeepSeek-V3, `quant_method: fp8`): `X` in float8_e4m3fn, (..., O, I), next to
   `X_scale_inv` in float32, (..., ceil(O/b0), ceil(I/b1)); each (b0, b1) block of `X` is multiplied by
@@ -25,6 +26,7 @@ import torch
 
 from storage.dtypes import dtype_name, torch_dtype
 from storage.errors import BadInputError
+from storage.formats import INT4_GROUP_SIZES
 from storage.safetensors_io import TensorRef
 
 FP8_SCALE_SUFFIX = "_scale_inv"  # `X.weight` -> `X.weight_scale_inv`, as transformers names it
@@ -33,21 +35,24 @@ MXFP4_GROUP = 32  # values per e8m0 scale
 MXFP4_BIAS = 127
 # the 16 e2m1 codes, as transformers.integrations.mxfp4.FP4_VALUES lists them
 FP4_E2M1 = (+0.0, +0.5, +1.0, +1.5, +2.0, +3.0, +4.0, +6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-QUANT_METHODS = ("fp8 (block-scale, e4m3)", "mxfp4")
+QUANT_METHODS = ("fp8 (block-scale, e4m3)", "mxfp4", "compressed-tensors (pack-quantized int4)")
 
 
 @dataclass(kw_only=True, frozen=True)
 class QuantScheme:
     """How a checkpoint's `quantization_config` says its weights are stored."""
 
-    method: str  # "fp8" or "mxfp4"
+    method: str  # "fp8", "mxfp4", or "int4-ct" (compressed-tensors' pack-quantized int4)
     block: tuple[int, int] | None = None  # fp8: (rows, cols) covered by one scale
+    group: int | None = None  # int4-ct: inputs per scale
 
     @property
     def name(self) -> str:
         """The format as recorded in a store's model info."""
         if self.method == "fp8":
             return f"fp8-e4m3-block{self.block[0]}x{self.block[1]}"
+        if self.method == "int4-ct":
+            return f"int4-compressed-tensors-group{self.group}"
         return self.method
 
 
@@ -61,6 +66,8 @@ def quant_scheme(config: dict, source: str) -> QuantScheme | None:
     method = q.get("quant_method")
     if method == "mxfp4":
         return QuantScheme(method="mxfp4")
+    if method == "compressed-tensors":  # Kimi-K2.5's int4 experts
+        return _ct_scheme(q, source)
     if method != "fp8":
         raise BadInputError(f"{source}: quantization_config.quant_method={method!r} is not supported; "
                             f"supported: {', '.join(QUANT_METHODS)}")
@@ -77,6 +84,60 @@ def quant_scheme(config: dict, source: str) -> QuantScheme | None:
         raise BadInputError(f"{source}: quantization_config.activation_scheme={scheme!r} is not supported; "
                             f"supported: 'dynamic'")
     return QuantScheme(method="fp8", block=(block[0], block[1]))
+
+
+def _ct_scheme(q: dict, source: str) -> QuantScheme:
+    """compressed-tensors' `pack-quantized` format with weight-only int4 in symmetric groups (Kimi-K2.5's
+    experts; `storage.compressed_tensors`); anything else is refused in one line naming the field."""
+    fmt = q.get("format")
+    if fmt != "pack-quantized":
+        raise BadInputError(f"{source}: quantization_config.format={fmt!r} is not supported for compressed-tensors; "
+                            "supported: 'pack-quantized'")
+    groups = q.get("config_groups")
+    if not isinstance(groups, dict) or not groups:
+        raise BadInputError(f"{source}: quantization_config.config_groups is missing or empty")
+    sizes = set()
+    for name, group in groups.items():
+        w = (group or {}).get("weights") or {}
+        field = f"quantization_config.config_groups.{name}"
+        for key, want in (("num_bits", 4), ("type", "int"), ("symmetric", True), ("strategy", "group"),
+                          ("dynamic", False)):
+            if w.get(key, want) != want:
+                raise BadInputError(f"{source}: {field}.weights.{key}={w.get(key)!r} is not supported; supported: "
+                                    f"{want!r} (weight-only int4 in symmetric groups)")
+        if w.get("actorder") not in (None, False):
+            raise BadInputError(f"{source}: {field}.weights.actorder={w['actorder']!r} is not supported (groups in "
+                                "input order only)")
+        for key in ("input_activations", "output_activations"):
+            if group.get(key) is not None:
+                raise BadInputError(f"{source}: {field}.{key} is set; only weight-only quantization is supported")
+        if w.get("group_size") not in INT4_GROUP_SIZES:
+            raise BadInputError(f"{source}: {field}.weights.group_size={w.get('group_size')!r} is not supported; "
+                                f"supported: {', '.join(map(str, INT4_GROUP_SIZES))}")
+        sizes.add(w["group_size"])
+    if len(sizes) != 1:
+        raise BadInputError(f"{source}: quantization_config.config_groups use group sizes {sorted(sizes)}; one size "
+                            "for every group is supported")
+    return QuantScheme(method="int4-ct", group=sizes.pop())
+
+
+CT_PER_INT32 = 8  # compressed-tensors' 4-bit codes per int32 word
+
+
+def unpack_ct_int4(packed_OP: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' int4 codes: uint8 0..15 (O, 8P) of int32 words (O, P), the first code of each
+    word in its lowest bits (each the signed value q plus 8)."""
+    words = packed_OP.contiguous().view(torch.int32)
+    nibbles = [((words >> (4 * i)) & 0xF).to(torch.uint8) for i in range(CT_PER_INT32)]
+    return torch.stack(nibbles, dim=-1).reshape(words.shape[0], -1)
+
+
+def dequantize_ct_int4(packed_OP: torch.Tensor, scale_OG: torch.Tensor, group: int, dtype: torch.dtype
+                       ) -> torch.Tensor:
+    """q * scale (O, I) in `dtype`: each product in float32, rounded once."""
+    q = unpack_ct_int4(packed_OP).to(torch.float32) - 8
+    o, i = q.shape
+    return (q.view(o, i // group, group) * scale_OG.to(torch.float32)[..., None]).view(o, i).to(dtype)
 
 
 def dequantize_fp8_blocks(w_OI: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int],
@@ -151,6 +212,8 @@ class DequantizedRef:
         to = torch_dtype(self.dtype)
         if self.scheme.method == "fp8":
             t = dequantize_fp8_blocks(values, scales, self.scheme.block, to)
+        elif self.scheme.method == "int4-ct":
+            t = dequantize_ct_int4(values, scales, self.scheme.group, to)
         else:
             t = dequantize_mxfp4(values, scales, to)
         np.frombuffer(out, dtype=np.uint8, count=n)[:] = t.reshape(-1).view(torch.uint8).numpy()

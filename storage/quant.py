@@ -58,6 +58,10 @@ class QuantSpec:
     transposed: bool = False  # the logical tensor is codes' (O, I) transposed
     group_size: int | None = None  # int4
     block: tuple[int, int] | None = None  # fp8: (rows, cols) per scale
+    # int4 a checkpoint shipped packed another way (`storage.compressed_tensors`): the packing, which
+    # export writes back, and the dtype the checkpoint stored the scales in
+    packing: str | None = None
+    packed_scales: str | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:

@@ -32,6 +32,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from storage import compressed_tensors
 from semoe.model.hf_names import ALIASES, SUPPORTED_MODEL_TYPES, TEXT_MODELS, model_type_of, text_config_of
 from storage.dequant import DequantizedRef, QuantScheme, pair_quantized, quant_scheme
 from storage.quant import QuantSpec, dequantize
@@ -170,14 +171,19 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False)
     scheme = quant_scheme(config, cfg_path)
     if scheme is not None:
         to = cast_dtype(dtype) or torch.bfloat16
-        paired = pair_quantized(tensors, scheme, to)  # checks every codes tensor against its scales
+        # checks every codes tensor against its scales
+        paired = compressed_tensors.pair(tensors, scheme, to) if scheme.method == compressed_tensors.METHOD else \
+            pair_quantized(tensors, scheme, to)
         if dequantize:
             ck.tensors = paired
             ck.config = {k: v for k, v in config.items() if k != "quantization_config"}
             ck.dequantized = {"format": scheme.name, "to": str(to).removeprefix("torch."),
                               "tensors": sum(isinstance(r, DequantizedRef) for r in ck.tensors.values())}
         else:
-            ck.quant = _quant_entries(paired, scheme, to)
+            if scheme.method == compressed_tensors.METHOD:  # kept as semoe's int4, repacked (the same numbers)
+                ck.tensors, ck.quant = compressed_tensors.kept_compact(tensors, scheme, to)
+            else:
+                ck.quant = _quant_entries(paired, scheme, to)
             ck.quantization = {"format": scheme.name, "source": "checkpoint",
                                "tensors": sum("scheme" in q for q in ck.quant.values())}
     _classify(ck)
@@ -436,9 +442,11 @@ def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None =
             with open(os.path.join(tmp, f.name), "wb") as fh:
                 fh.write(store.read_file(f.name))
         by_name: dict[str, list[TensorEntry]] = defaultdict(list)
-        made_here = {t.name for t in m.tensors if _made_here(t)}
+        # codes whose scales are not written as a tensor of their own: quantized here (dequantized on the
+        # way out), or int4 the checkpoint shipped packed (packed back, scales with them)
+        folded = {t.name for t in m.tensors if _made_here(t) or (t.quant or {}).get("packing")}
         for t in m.tensors:
-            if t.kind == "weight" and (t.quant or {}).get("scales_of") not in made_here:
+            if t.kind == "weight" and (t.quant or {}).get("scales_of") not in folded:
                 by_name[t.name].append(t)
         hf = m.model.get("hf", {})
         files = {f: info["tensors"] for f, info in hf.get("files", {}).items()}
@@ -449,7 +457,7 @@ def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None =
         weight_map = {}
         total = 0
         for fname, names in files.items():
-            outs = [_out_tensor(store, n, by_name[n], progress) for n in names if n in by_name]
+            outs = [o for n in names if n in by_name for o in _out_tensors(store, n, by_name[n], progress)]
             write_file(os.path.join(tmp, fname), outs,
                        hf.get("files", {}).get(fname, {}).get("metadata") or {"format": "pt"})
             total += sum(o.nbytes for o in outs)
@@ -470,7 +478,24 @@ def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None =
 
 def _made_here(t: TensorEntry) -> bool:
     """Codes of a weight quantized by `semoe store quantize` (not a checkpoint's own format)."""
-    return bool(t.quant) and t.quant.get("scheme") in ("int8", "int4")
+    return bool(t.quant) and t.quant.get("scheme") in ("int8", "int4") and not t.quant.get("packing")
+
+
+def _out_tensors(store: Store, name: str, entries: list[TensorEntry], progress: Progress | None
+                 ) -> list[OutTensor]:
+    """What export writes for the store's tensor `name`: itself (dequantized where quantized here), or
+    for int4 a checkpoint shipped packed, its packed codes, scales and shape."""
+    first = entries[0]
+    if not (first.quant or {}).get("packing"):
+        return [_out_tensor(store, name, entries, progress)]
+    spec = QuantSpec.from_json(first.quant)
+    index = first.expert if first.stacked else None
+    codes = store.read_tensor(name, "weight", stack_index=index)
+    parts = compressed_tensors.export(name, codes, store.read_tensor(spec.scales, "weight", stack_index=index), spec)
+    if progress:
+        progress(first.bytes)
+    return [OutTensor(name=n, dtype=dtype_name(t.dtype), shape=tuple(t.shape), nbytes=t.numel() * t.element_size(),
+                      data=lambda t=t: t.contiguous().reshape(-1).view(torch.uint8).numpy()) for n, t in parts]
 
 
 def _out_tensor(store: Store, name: str, entries: list[TensorEntry], progress: Progress | None) -> OutTensor:

@@ -372,3 +372,128 @@ def test_mxfp4_experts_decode_through_the_cpu_kernel_as_the_reference_does(gpt_o
     for fast in (stepped, one_call):
         assert fast.tokens == ref.tokens
         assert max(abs(a - b) for a, b in zip(fast.logprobs, ref.logprobs)) < 1e-4
+
+
+# -- compressed-tensors int4 (Kimi-K2.5 as published) ---------------------------------------------
+
+CT_CONFIG = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                           "weights": {"num_bits": 4, "type": "int", "symmetric": True,
+                                                       "strategy": "group", "group_size": 32, "dynamic": False,
+                                                       "actorder": None}}},
+             "ignore": ["lm_head"]}
+
+
+def _ct_pack(q_OI: torch.Tensor) -> torch.Tensor:
+    """compressed-tensors' packing, written out here from its description: q + 8 in 4 bits, eight
+    to an int32, the first in the lowest bits."""
+    u = (q_OI + 8).to(torch.int64).view(q_OI.shape[0], -1, 8)
+    words = torch.zeros(u.shape[:2], dtype=torch.int64)
+    for i in range(8):
+        words |= u[..., i] << (4 * i)
+    return words.to(torch.uint32).view(torch.int32)
+
+
+@pytest.fixture(scope="module")
+def kimi_ct(tmp_path_factory):
+    """Kimi-K2.5 (a DeepSeek-V3 text model beside a vision tower) with its routed experts in
+    compressed-tensors' pack-quantized int4 (groups of 32, bf16 scales), and the oracle: the same
+    checkpoint in float32 with those experts dequantized. Scales are powers of two, so that q * scale
+    is exact in bfloat16 as in float32 and every path's weights are the same numbers."""
+    from helpers.hf_models import make_hf_checkpoint
+
+    root = tmp_path_factory.mktemp("kimi_ct")
+    src = make_hf_checkpoint("kimi_k25", root / "f32", hidden_size=64, intermediate_size=64, moe_intermediate_size=64)
+    tensors = load_safetensors_dir(src)
+    quantized, oracle = {}, {}
+    for name, w in tensors.items():
+        if ".mlp.experts." not in name or not name.endswith(".weight"):
+            quantized[name] = oracle[name] = w
+            continue
+        o, i = w.shape
+        amax = w.view(o, i // 32, 32).abs().amax(-1).clamp_min(1e-8)
+        scale = torch.exp2(torch.ceil(torch.log2(amax / 7)))  # (O, G), powers of two
+        q = torch.clamp(torch.round(w.view(o, i // 32, 32) / scale[..., None]), -8, 7)
+        oracle[name] = (q * scale[..., None]).view(o, i)
+        quantized[name + "_packed"] = _ct_pack(q.view(o, i).to(torch.int8))
+        quantized[name + "_scale"] = scale.to(torch.bfloat16)
+        quantized[name + "_shape"] = torch.tensor([o, i], dtype=torch.int32)
+    cfg = json.loads((src / "config.json").read_text())
+    paths = {}
+    for kind, weights, config in (("ct", quantized, {**cfg, "quantization_config": CT_CONFIG}),
+                                  ("oracle", oracle, cfg)):
+        path = root / kind
+        path.mkdir()
+        save_file(weights, str(path / "model.safetensors"), metadata={"format": "pt"})
+        (path / "config.json").write_text(json.dumps(config))
+        paths[kind] = path
+    return paths
+
+
+def test_ct_int4_experts_are_kept_as_semoes_int4_and_compute_the_checkpoints_weights(kimi_ct, tmp_path):
+    """Import keeps each packed expert weight as semoe int4 (codes in the kernel's layout, the
+    checkpoint's scales, zero points 0), which dequantize to the checkpoint's own weights bit for bit.
+    Reading the checkpoint in place (`load_hf`, dequantized) gives the oracle's float32 logits (relative
+    1e-5); the store's int4 kernels, fast and reference, are within their activation quantization of
+    them (2e-2, dense weights kept float as the oracle's)."""
+    from helpers.hf_models import load_hf_model
+    from semoe.checkpoints.model_io import load_hf, load_store
+    from storage.quant import QuantSpec, dequantize
+
+    store = import_checkpoint(str(kimi_ct["ct"]), str(tmp_path / "store"), dtype="float32")
+    assert store.manifest.model["quantization"]["format"] == "int4-compressed-tensors-group32"
+    name = "language_model.model.layers.1.mlp.experts.0.gate_proj.weight"
+    q = quant_of(store, name)
+    assert q["scheme"] == "int4" and q["group_size"] == 32 and q["packing"] == "compressed-tensors"
+    assert q["packed_scales"] == "BF16" and quant_of(store, name + "_scale_zero") == {"scales_of": name}
+    assert not any(t.name.endswith(("_packed", "_shape")) for t in store.manifest.tensors)
+    oracle, kept = load_safetensors_dir(kimi_ct["oracle"]), stored(store)
+    packed = [n for n in oracle if ".mlp.experts." in n]
+    assert packed and all(quant_of(store, n)["packing"] == "compressed-tensors" for n in packed)
+    for n in packed:
+        spec = QuantSpec.from_json(quant_of(store, n))
+        assert torch.equal(dequantize(kept[n], kept[spec.scales], spec), oracle[n]), n
+    ids = torch.tensor([[3, 17, 5, 29, 11, 2, 40, 8, 19, 23]])
+    with torch.no_grad():
+        want = load_hf_model(kimi_ct["oracle"], dtype=torch.float32).eval()(ids).logits
+        in_place = load_hf(str(kimi_ct["ct"]))(ids).logits  # dequantized to bfloat16: exact here
+        fast = load_store(store, dense="float")(ids).logits
+        ref = load_store(store, kernel="reference", dense="float")(ids).logits
+    scale = float(want.abs().max())
+    assert float((in_place - want).abs().max()) / scale < 1e-5
+    assert float((fast - want).abs().max()) / scale < 2e-2
+    assert float((ref - want).abs().max()) / scale < 2e-2
+
+
+def test_ct_int4_import_then_export_is_bit_exact(kimi_ct, tmp_path):
+    """Export packs the codes back: weight_packed int32, weight_scale bfloat16 and weight_shape as
+    the checkpoint has them, every other tensor as it was."""
+    store = import_checkpoint(str(kimi_ct["ct"]), str(tmp_path / "store"))
+    export_checkpoint(store, str(tmp_path / "out"))
+    want, got = load_safetensors_dir(kimi_ct["ct"]), load_safetensors_dir(tmp_path / "out")
+    assert sorted(want) == sorted(got)
+    for name in want:
+        assert_bitwise_equal(got[name], want[name], name)
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"format": "int-quantized"}, "quantization_config.format='int-quantized' is not supported"),
+    ({"weights": {"symmetric": False}}, "weights.symmetric=False is not supported"),
+    ({"weights": {"num_bits": 8}}, "weights.num_bits=8 is not supported"),
+    ({"weights": {"actorder": "group"}}, "weights.actorder='group' is not supported"),
+    ({"weights": {"group_size": 16}}, "weights.group_size=16 is not supported"),
+    ({"input_activations": {"num_bits": 8}}, "input_activations is set"),
+], ids=["format", "asymmetric", "int8", "actorder", "group16", "activations"])
+def test_ct_configs_other_than_weight_only_int4_groups_are_refused_in_one_line(kimi_ct, tmp_path, change, message):
+    q = json.loads(json.dumps(CT_CONFIG))
+    group = q["config_groups"]["group_0"]
+    if "format" in change:
+        q["format"] = change["format"]
+    elif "weights" in change:
+        group["weights"].update(change["weights"])
+    else:
+        group.update(change)
+    cfg = json.loads((kimi_ct["ct"] / "config.json").read_text())
+    with pytest.raises(BadInputError) as e:
+        check_supported({**cfg, "quantization_config": q}, "config.json")
+    assert message in str(e.value) and "\n" not in str(e.value)
