@@ -123,7 +123,15 @@ def check_supported(config: dict, source: str) -> None:
         hint = f" ({model_type} is supported with architectures {[alias[0]]})" if alias else ""
         raise BadInputError(f"{source}: unknown architecture model_type={model_type!r}{hint}; supported: "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
-    quant_scheme(config, source)
+    quant_scheme(_with_quantization(config), source)
+
+
+def _with_quantization(config: dict) -> dict:
+    """`config` with the quantization_config of its text model where a multimodal checkpoint gives it
+    there rather than at the top."""
+    if "quantization_config" in config or not isinstance(text_config_of(config).get("quantization_config"), dict):
+        return config
+    return {**config, "quantization_config": text_config_of(config)["quantization_config"]}
 
 
 def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False) -> Checkpoint:
@@ -168,7 +176,7 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False)
     _say_kept_towers(os.path.abspath(path), tensors, config)
     ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side,
                     skipped=skipped)
-    scheme = quant_scheme(config, cfg_path)
+    scheme = quant_scheme(_with_quantization(config), cfg_path)
     if scheme is not None:
         to = cast_dtype(dtype) or torch.bfloat16
         # checks every codes tensor against its scales

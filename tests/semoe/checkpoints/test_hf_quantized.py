@@ -465,12 +465,24 @@ def test_ct_int4_experts_are_kept_as_semoes_int4_and_compute_the_checkpoints_wei
     assert float((ref - want).abs().max()) / scale < 2e-2
 
 
-def test_ct_int4_import_then_export_is_bit_exact(kimi_ct, tmp_path):
+@pytest.mark.parametrize("where", ["top", "text_config"])
+def test_ct_int4_import_then_export_is_bit_exact(kimi_ct, tmp_path, where):
     """Export packs the codes back: weight_packed int32, weight_scale bfloat16 and weight_shape as
-    the checkpoint has them, every other tensor as it was."""
-    store = import_checkpoint(str(kimi_ct["ct"]), str(tmp_path / "store"))
+    the checkpoint has them, every other tensor as it was; the quantization_config read at the top
+    of the multimodal config or in its text model's."""
+    import shutil
+
+    src = kimi_ct["ct"]
+    if where == "text_config":
+        src = tmp_path / "ct"
+        shutil.copytree(kimi_ct["ct"], src)
+        cfg = json.loads((src / "config.json").read_text())
+        cfg["text_config"]["quantization_config"] = cfg.pop("quantization_config")
+        (src / "config.json").write_text(json.dumps(cfg))
+    store = import_checkpoint(str(src), str(tmp_path / "store"))
+    assert store.manifest.model["quantization"]["format"] == "int4-compressed-tensors-group32"
     export_checkpoint(store, str(tmp_path / "out"))
-    want, got = load_safetensors_dir(kimi_ct["ct"]), load_safetensors_dir(tmp_path / "out")
+    want, got = load_safetensors_dir(src), load_safetensors_dir(tmp_path / "out")
     assert sorted(want) == sorted(got)
     for name in want:
         assert_bitwise_equal(got[name], want[name], name)
