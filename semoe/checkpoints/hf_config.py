@@ -311,6 +311,9 @@ def _hunyuan_v1_moe(cfg: dict) -> MoEConfig:
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
         raise ValueError("config.json: attention_bias or mlp_bias true is not supported for hunyuan_v1_moe")
     top_k, experts = _per_layer(cfg, "moe_topk"), _per_layer(cfg, "num_experts")
+    if _per_layer(cfg, "num_shared_expert") not in (None, 1):
+        raise ValueError(f"config.json: num_shared_expert {cfg['num_shared_expert']} is not supported for "
+                         "hunyuan_v1_moe (one shared expert, as wide as a routed one)")
     common = _common({**cfg, "num_experts_per_tok": top_k})
     ffn = _need(cfg, "intermediate_size")
     return MoEConfig(arch="hunyuan_v1_moe", **common, head_dim=cfg.get("head_dim") or cfg.get("attention_head_dim"),

@@ -25,7 +25,8 @@ SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
 # model types that are another one under a new name: (architecture they must declare, the type they are)
-ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3")}
+ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3"),
+           "hunyuan": ("HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe")}  # Hunyuan-A13B's remote-code config
 # multimodal model types whose text model semoe runs: (the text model's config key, the prefix of its
 # tensors' names). The rest (a vision tower, a projector) stays in the store as it is, for export.
 TEXT_MODELS = {"kimi_k25": ("text_config", "language_model."), "llama4": ("text_config", "language_model.")}

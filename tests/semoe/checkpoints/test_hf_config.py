@@ -43,6 +43,9 @@ def test_ernie_moe_layers_shared_experts_and_rotary():
 
 
 def test_hunyuan_lists_and_ntk_alpha():
+    # also as Hunyuan-A13B's remote-code config names itself: model type hunyuan, its architecture
+    remote = dict(HUNYUAN, model_type="hunyuan", architectures=["HunYuanMoEV1ForCausalLM"], num_shared_expert=[1] * 6)
+    assert from_hf_config(remote).arch == "hunyuan_v1_moe"
     c = from_hf_config(HUNYUAN)
     assert (c.top_k, c.num_experts, c.moe_ffn_size, c.shared_expert_size) == (2, 8, 48, 48)
     assert c.qk_norm == "head_after_rope" and c.rope_scaling is None
@@ -54,11 +57,12 @@ def test_hunyuan_lists_and_ntk_alpha():
     (dict(ERNIE, moe_layer_end_index=[5, 5]), "moe_layer_start_index/end_index/interval"),
     (dict(HUNYUAN, use_cla=True), "use_cla"),
     (dict(HUNYUAN, moe_topk=[2, 2, 2, 4, 2, 2]), "moe_topk differs between layers"),
+    (dict(HUNYUAN, num_shared_expert=[2] * 6), "num_shared_expert [2, 2, 2, 2, 2, 2] is not supported"),
     (dict(HUNYUAN, rope_scaling={"type": "dynamic", "alpha": 1000.0, "factor": 2.0}), "rope alpha"),
     (dict(HUNYUAN, rope_scaling={"type": "dynamic", "factor": 2.0}), "rope type 'dynamic' is not supported"),
     (dict(GLM5, indexer_types=["full", "shared"]), "indexer_types must give each of the 3 layers"),
     (dict(GLM5, indexer_types=["shared", "full", "full"]), "indexer_types must start with 'full'"),
-], ids=["ernie-bias", "ernie-vl-layers", "hunyuan-cla", "hunyuan-topk-list", "hunyuan-alpha-factor",
+], ids=["ernie-bias", "ernie-vl-layers", "hunyuan-cla", "hunyuan-topk-list", "hunyuan-shared", "hunyuan-alpha-factor",
         "hunyuan-dynamic", "glm5-indexer-types", "glm5-first-shared"])
 def test_values_the_model_does_not_implement_are_refused_in_one_line(cfg, field):
     with pytest.raises(ValueError) as e:
