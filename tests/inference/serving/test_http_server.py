@@ -794,12 +794,19 @@ def test_the_kv_memory_budget_queues_requests_and_refuses_one_that_never_fits(en
         server.close()
 
 
-def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engine, reference):
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32"])
+def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engine, reference, dsa_engines, model):
     """Caches start at the prompt and 4 positions and grow by 4: three requests that together need more
     than the budget all run at first; when a cache cannot grow, the newest is preempted and, once
     there is room, computes its prompt and tokens again and goes on. Each gets the tokens it gets
     alone (log-probs within 1e-4: its recomputed positions sum in another order); preemptions are
-    counted and every byte is given back."""
+    counted and every byte is given back. With sparse attention (DeepSeek-V3.2) the budget counts
+    the indexer's keys, which grow and come back with the rest of the cache."""
+    if model == "deepseek_v32":
+        engine, reference = dsa_engines
+        c = engine.model.config
+        assert engine.kv_cache_bytes(10) == 10 * c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim
+                                                                 + c.index_head_dim) * 4
     eng = ScriptedEngine(engine)
     prompts = [[3, 4, 5, 6, 7 + i] for i in range(3)]
     want = [reference.generate(p, SamplingConfig(max_new_tokens=20)) for p in prompts]
