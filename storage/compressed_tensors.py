@@ -53,12 +53,12 @@ class RepackedRef:
     codes: bool  # the codes, or the scales
 
     @property
-    def path(self) -> str:
-        return self.parts[0].path
+    def path(self) -> str:  # the file (and below, the place in it) of the tensor it stands for
+        return self.parts[0 if self.codes else 1].path
 
     @property
     def start(self) -> int:
-        return self.parts[0].start if self.codes else self.parts[1].start
+        return self.parts[0 if self.codes else 1].start
 
     @property
     def nbytes(self) -> int:
