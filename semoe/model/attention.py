@@ -79,8 +79,7 @@ def rope_tables(config: MoEConfig, positions_BT: torch.Tensor, dtype: torch.dtyp
 
 def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """An RMSNorm without weights over the last dim, in float32 (Llama-4's q/k norm)."""
-    xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def apply_rope(x_BHTDh: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tensor, *,
@@ -455,17 +454,18 @@ class LatentAttention(nn.Module):
             # decoding: each sequence's query reads only its chosen rows, gathered (in position order);
             # the others' latents are never expanded, so a step's cost past the indexer does not grow
             # with the context
+            # (the query reads every gathered row: no mask)
             sel_BK1 = chosen_BTS[:, 0].nonzero()[:, 1].view(B, -1, 1)
             latent_B1TL = latent_B1TL[:, 0].gather(1, sel_BK1.expand(-1, -1, c.kv_lora_rank))[:, None]
             k_rot_B1TR = k_rot_B1TR[:, 0].gather(1, sel_BK1.expand(-1, -1, rope))[:, None]
-            S, chosen_BTS = sel_BK1.shape[1], torch.ones(B, 1, sel_BK1.shape[1], dtype=torch.bool, device=q.device)
+            S, chosen_BTS = sel_BK1.shape[1], None
         kv_BHSd = self.kv_b_proj(latent_B1TL[:, 0]).view(B, S, H, nope + c.v_head_dim).transpose(1, 2)
         k_nope_BHSd, v_BHSDv = kv_BHSd.split([nope, c.v_head_dim], dim=-1)
         k_BHSd = torch.cat((k_nope_BHSd, k_rot_B1TR.expand(B, H, S, rope)), dim=-1)
         q_BHTd = torch.cat((q_BHTd[..., :nope], q_rot), dim=-1)
-        mask, causal = attention_mask(T, start, None, q.device)
-        if chosen_BTS is not None:  # the positions the indexer chose (each among those its query sees)
-            mask, causal = chosen_BTS[:, None], False
+        # the positions the indexer chose (each among those its query sees), else causal ones
+        mask, causal = (chosen_BTS[:, None], False) if chosen_BTS is not None else \
+            attention_mask(T, S - T, None, q.device)
         out_BHTDv = attend(q_BHTd, k_BHSd, v_BHSDv, mask, causal, scale=self.scale)
         return out_BHTDv.transpose(1, 2).reshape(B, T, H * c.v_head_dim)
 

@@ -98,34 +98,29 @@ def route_topk(logits_TE: Tensor, top_k: int, *, normalize: bool) -> Routing:
     return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
 
 
-def route_topk_softmax(logits_TE: Tensor, top_k: int) -> Routing:
-    """gpt-oss's router: the `top_k` largest logits, then a softmax over those alone.
-
-    The logits already carry the router's bias. `probs_TE` (for the load-balancing loss) is the
-    softmax over all experts.
-    """
+def _top_logits(logits_TE: Tensor, top_k: int, weigh) -> Routing:
+    """The `top_k` largest logits, weighted by `weigh` of them (in at least float32); `probs_TE` (for
+    the load-balancing loss) is the softmax over all experts."""
     _check_logits(logits_TE)
     num_experts = logits_TE.shape[1]
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
     top_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
-    weights_TK = torch.softmax(top_TK.to(_router_dtype(logits_TE.dtype)), dim=-1)
+    weights_TK = weigh(top_TK.to(_router_dtype(logits_TE.dtype)))
     probs_TE = torch.softmax(logits_TE.to(_router_dtype(logits_TE.dtype)), dim=-1)
     return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
+
+
+def route_topk_softmax(logits_TE: Tensor, top_k: int) -> Routing:
+    """gpt-oss's router: the `top_k` largest logits, then a softmax over those alone. The logits
+    already carry the router's bias."""
+    return _top_logits(logits_TE, top_k, lambda top_TK: torch.softmax(top_TK, dim=-1))
 
 
 def route_topk_sigmoid(logits_TE: Tensor, top_k: int) -> Routing:
-    """Llama-4's router: the `top_k` largest logits, each chosen expert weighted by its logit's sigmoid
-    (computed in float32); the MoE layer scales the expert's input by it, not its output.
-    `probs_TE` (for the load-balancing loss) is the softmax over all experts."""
-    _check_logits(logits_TE)
-    num_experts = logits_TE.shape[1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), got {top_k}")
-    top_TK, ids_TK = torch.topk(logits_TE, top_k, dim=-1)
-    weights_TK = torch.sigmoid(top_TK.to(_router_dtype(logits_TE.dtype)))
-    probs_TE = torch.softmax(logits_TE.to(_router_dtype(logits_TE.dtype)), dim=-1)
-    return Routing(weights_TK=weights_TK, ids_TK=ids_TK, probs_TE=probs_TE, logits_TE=logits_TE)
+    """Llama-4's router: the `top_k` largest logits, each chosen expert weighted by its logit's sigmoid;
+    the MoE layer scales the expert's input by it, not its output."""
+    return _top_logits(logits_TE, top_k, torch.sigmoid)
 
 
 def route_grouped(logits_TE: Tensor, top_k: int, *, scores: str, correction_bias_E: Tensor | None = None,
