@@ -105,48 +105,41 @@ def _check(packed: TensorRef, scale: TensorRef | None, shape: TensorRef | None, 
     return o, i
 
 
+def _packed_weights(tensors: dict[str, TensorRef], group: int
+                    ) -> tuple[dict[str, TensorRef], list[tuple[str, TensorRef, TensorRef, int, int]]]:
+    """The checkpoint's tensors that are not part of a packed weight, and each packed weight as
+    (X.weight, its weight_packed, its weight_scale, O, I), checked."""
+    rest, packed = {}, []
+    for name, ref in tensors.items():
+        base = next((name[:-len(s)] for s in (PACKED, SCALE, SHAPE)
+                     if name.endswith(s) and name[:-len(s)] + PACKED in tensors), None)
+        if base is None:
+            rest[name] = ref
+        elif name.endswith(PACKED):
+            scale = tensors.get(base + SCALE)
+            packed.append((base, ref, scale, *_check(ref, scale, tensors.get(base + SHAPE), group)))
+    return rest, packed
+
+
 def pair(tensors: dict[str, TensorRef], scheme: QuantScheme, dtype: torch.dtype
          ) -> dict[str, TensorRef | DequantizedRef]:
     """The checkpoint's tensors with each packed weight, its scales and shape replaced by one
     DequantizedRef named X.weight (O, I) in `dtype`; the rest as they are."""
-    out: dict[str, TensorRef | DequantizedRef] = {}
-    for name, ref in tensors.items():
-        base = _base(name, tensors)
-        if base is not None and not name.endswith(PACKED):
-            continue  # a packed weight's scales or shape
-        if base is None:
-            out[name] = ref
-            continue
-        o, i = _check(ref, tensors.get(base + SCALE), tensors.get(base + SHAPE), scheme.group)
-        out[base] = DequantizedRef(name=base, dtype=dtype_name(dtype), shape=(o, i),
-                                   parts=(ref, tensors[base + SCALE]), scheme=scheme)
+    out: dict[str, TensorRef | DequantizedRef]
+    out, packed = _packed_weights(tensors, scheme.group)
+    for base, ref, scale, o, i in packed:
+        out[base] = DequantizedRef(name=base, dtype=dtype_name(dtype), shape=(o, i), parts=(ref, scale), scheme=scheme)
     return out
-
-
-def _base(name: str, tensors: dict) -> str | None:
-    """X.weight where `name` is X.weight_packed, X.weight_scale or X.weight_shape of a packed weight."""
-    for suffix in (PACKED, SCALE, SHAPE):
-        if name.endswith(suffix) and name[:-len(suffix)] + PACKED in tensors:
-            return name[:-len(suffix)]
-    return None
 
 
 def kept_compact(tensors: dict[str, TensorRef], scheme: QuantScheme, dtype: torch.dtype
                  ) -> tuple[dict[str, TensorRef | RepackedRef], dict[str, dict]]:
     """The checkpoint's tensors with each packed weight as semoe int4 codes X.weight and scales
-    X.weight_scale_zero (`RepackedRef`, in the packed tensor's place in its file), and their manifest
+    X.weight_scale_zero (`RepackedRef`, in the packed tensors' places in their files), and their manifest
     `quant` entries (the logical dtype `dtype`; `packing` so that export packs them back)."""
-    out: dict[str, TensorRef | RepackedRef] = {}
+    out, packed = _packed_weights(tensors, scheme.group)
     quant: dict[str, dict] = {}
-    for name, ref in tensors.items():
-        base = _base(name, tensors)
-        if base is None:
-            out[name] = ref
-            continue
-        if not name.endswith(PACKED):
-            continue
-        scale = tensors.get(base + SCALE)
-        o, i = _check(ref, scale, tensors.get(base + SHAPE), scheme.group)
+    for base, ref, scale, o, i in packed:
         scales = base + SCALE_SUFFIX["int4"]
         out[base] = RepackedRef(name=base, dtype="U8", shape=(o, i // 2), parts=(ref, scale), codes=True)
         out[scales] = RepackedRef(name=scales, dtype="F32", shape=(i // scheme.group, o, 2), parts=(ref, scale),
