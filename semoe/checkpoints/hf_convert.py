@@ -179,18 +179,18 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False)
     scheme = quant_scheme(_with_quantization(config), cfg_path)
     if scheme is not None:
         to = cast_dtype(dtype) or torch.bfloat16
-        # checks every codes tensor against its scales
-        paired = compressed_tensors.pair(tensors, scheme, to) if scheme.method == compressed_tensors.METHOD else \
-            pair_quantized(tensors, scheme, to)
+        packed = scheme.method == compressed_tensors.METHOD
+        if packed and not dequantize:  # kept as semoe's int4, repacked (the same numbers), each weight checked
+            ck.tensors, ck.quant = compressed_tensors.kept_compact(tensors, scheme, to)
+        else:  # checks every codes tensor against its scales
+            paired = compressed_tensors.pair(tensors, scheme, to) if packed else pair_quantized(tensors, scheme, to)
         if dequantize:
             ck.tensors = paired
             ck.config = {k: v for k, v in config.items() if k != "quantization_config"}
             ck.dequantized = {"format": scheme.name, "to": str(to).removeprefix("torch."),
                               "tensors": sum(isinstance(r, DequantizedRef) for r in ck.tensors.values())}
         else:
-            if scheme.method == compressed_tensors.METHOD:  # kept as semoe's int4, repacked (the same numbers)
-                ck.tensors, ck.quant = compressed_tensors.kept_compact(tensors, scheme, to)
-            else:
+            if not packed:
                 ck.quant = _quant_entries(paired, scheme, to)
             ck.quantization = {"format": scheme.name, "source": "checkpoint",
                                "tensors": sum("scheme" in q for q in ck.quant.values())}
