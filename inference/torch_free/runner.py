@@ -18,10 +18,12 @@ slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT 
 in parallel) and checked against the manifest's crc32c.
 
 What it takes: the models the one-call step takes (`DecodePlan`'s whole step): grouped-query
-attention, with q/k norms (over all heads, or per head before or after the rotation), clipping, sinks,
-partial or interleaved rotary, sliding windows and YaRN; softmax-top-k, top-k-then-softmax and grouped routers
-over SwiGLU experts, with or without a shared expert, or dense SwiGLU layers, and gpt-oss's clamped
-experts with their biases (float ones multiplied in-major as stored, MXFP4 ones as MXFP4); DeepSeek's
+attention, with q/k norms (over all heads, or per head before or after the rotation, with or without
+weights), clipping, sinks, partial or interleaved rotary, layers without rotary (with Llama-4's temperature),
+sliding windows, chunked local attention, YaRN and Llama-3's scaling; softmax-top-k, top-k-then-softmax,
+grouped and Llama-4's input-scaling routers over SwiGLU experts, with or without a shared expert, or
+dense SwiGLU layers, gpt-oss's clamped experts with their biases (float ones multiplied in-major as
+stored, MXFP4 ones as MXFP4) and Llama-4's experts of one gate_up (I, O); DeepSeek's
 latent attention in the absorbed form (kv_b read as float32 and split into its halves at load):
 every architecture semoe loads (`semoe.decode.support.ARCHITECTURES`); one sequence,
 greedy or sampled. Anything else is refused with one line naming it
@@ -76,7 +78,7 @@ EXPERT_KINDS = {"F32": loader.W_F32, "BF16": loader.W_BF16, "int8": loader.W_INT
                 "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8}
 _IO_KIND = {"F32": loader.W_F32_IO, "BF16": loader.W_BF16_IO}  # float weights stored (I, O)
 # an expert's parts by the HuggingFace names' last part: SwiGLU's gate, up, down; gpt-oss's gate_up
-# and down (float, or MXFP4 blocks), then their biases
+# and down (float, or MXFP4 blocks), then their biases; Llama-4's gate_up (its halves) and down
 _PARTS = {"gate": ("w1.weight", "gate_proj.weight"), "up": ("w3.weight", "up_proj.weight"),
           "down": ("w2.weight", "down_proj.weight")}
 _CLAMPED_PARTS = {"gate_up": ("gate_up_proj", "gate_up_proj_blocks"), "down": ("down_proj", "down_proj_blocks")}
@@ -159,6 +161,8 @@ class LeanModel:
         self.mapped_bytes = 0  # of dense weights mapped from the store's files (`_mapped`)
         self.tokenizer = tokenizer if tokenizer is not None else store_tokenizer(store, c.vocab_size)
         L, E, K = c.num_layers, c.num_experts, max(c.top_k, 1)
+        # experts whose gate and up are one gate_up (I, O): gpt-oss's clamped pairs, Llama-4's halves
+        self._fused = c.expert_mlp in ("clamped_swiglu", "fused_swiglu")
         chunks = [ch for ch in m.chunks if ch.kind == "weight"]
         moe_layers = sorted(m.expert_layers())
         kinds = {(t.quant or {}).get("scheme") or t.dtype for ch in chunks for t in m.chunk_tensors(ch)
@@ -174,7 +178,7 @@ class LeanModel:
             if lay in moe_layers:
                 arr = self.experts_of[lay] = (loader.Expert * E)()
                 router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=c.router_bias)
-                F = self._chunk_parts(lay, 0)[0][0][2] // (2 if c.expert_mlp == "clamped_swiglu" else 1)
+                F = self._chunk_parts(lay, 0)[0][0][2] // (2 if self._fused else 1)
                 if c.score_correction_bias:
                     correction = self._vector(f"layers.{lay}.ffn.router.e_score_correction_bias")
                 if c.shared_expert_size:  # dense weights, as the engine's (int8 beside compact experts)
@@ -194,10 +198,11 @@ class LeanModel:
             else:
                 qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
                 mapped = dense == "int8" and any(self._stored_int8(hf_name(c, f"{m}.weight")) for m in qkv)
+                weighted = c.qk_norm not in ("none", "unit_after_rope")  # Llama-4's norms have no weights
                 attn = dict(
                     qkv=[self._linear([m], dense) for m in qkv] if mapped else [self._linear(qkv, dense)],
-                    q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if c.qk_norm != "none" else None,
-                    k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if c.qk_norm != "none" else None,
+                    q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if weighted else None,
+                    k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if weighted else None,
                     sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
             parts.append(loader.layer_parts(
                 c, lay, attn_norm=self._vector(f"layers.{lay}.attn_norm.weight"),
@@ -397,21 +402,22 @@ class LeanModel:
 
     def _chunk_parts(self, layer: int, expert: int) -> tuple[list[tuple], list[tuple]]:
         """Where an expert's weights lie in the layer's chunks (every expert of a layer has the same
-        layout): (kind, group, O, I, codes offset, scales offset or -1) of gate, up and down (gpt-oss:
-        gate_up, none (O = 0), down), and (offset, dtype, values) of its biases (gpt-oss's two)."""
-        m, clamped = self.store.manifest, self.config.expert_mlp == "clamped_swiglu"
+        layout): (kind, group, O, I, codes offset, scales offset or -1) of gate, up and down (gpt-oss,
+        Llama-4: gate_up, none (O = 0), down), and (offset, dtype, values) of its biases (gpt-oss's two)."""
+        m, fused = self.store.manifest, self._fused
+        clamped = self.config.expert_mlp == "clamped_swiglu"
         tensors = m.chunk_tensors(m.chunk(layer, expert))
         scales = {t.quant["scales_of"]: t for t in tensors if "scales_of" in (t.quant or {})}
         out = []
-        for part, suffixes in (_CLAMPED_PARTS if clamped else _PARTS).items():
+        for part, suffixes in (_CLAMPED_PARTS if fused else _PARTS).items():
             t = next((t for t in tensors if t.name.endswith(suffixes) and "scales_of" not in (t.quant or {})), None)
             if t is None:
                 raise NotOnFastPath(f"{self.store.root}: layer {layer}'s experts have no {part} weight "
                                     f"({' or '.join(suffixes)})")
             q = t.quant or {}
             scheme = q.get("scheme") or t.dtype
-            # gpt-oss's weights are (I, O): compact codes out-major all the same, float ones as stored
-            if scheme not in EXPERT_KINDS or bool(q.get("transposed")) != (clamped and bool(q)):
+            # gpt-oss's and Llama-4's weights are (I, O): compact codes out-major all the same, float ones as stored
+            if scheme not in EXPERT_KINDS or bool(q.get("transposed")) != (fused and bool(q)):
                 raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is {scheme}; the lean runner "
                                     f"takes F32, BF16, int8, int4, FP8 and MXFP4")
             s = scales.get(t.name)
@@ -419,20 +425,21 @@ class LeanModel:
                 raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is fp8 with scales per {q['block']} "
                                     f"block; the kernel takes F32 scales per square tile")
             if q:
-                (O, I), kind = (q["shape"][::-1] if clamped else q["shape"]), EXPERT_KINDS[scheme]
+                (O, I), kind = (q["shape"][::-1] if fused else q["shape"]), EXPERT_KINDS[scheme]
             else:
-                (O, I), kind = (t.shape[::-1], _IO_KIND[scheme]) if clamped else (t.shape, EXPERT_KINDS[scheme])
+                (O, I), kind = (t.shape[::-1], _IO_KIND[scheme]) if fused else (t.shape, EXPERT_KINDS[scheme])
             group = q.get("group_size") or 0 if scheme == "int4" else q["block"][0] if scheme == "fp8" else 0
             out.append((kind, group, O, I, t.offset, s.offset if s else -1))
         biases = []
+        if fused:
+            out.insert(1, (0, 0, 0, 0, -1, -1))  # no up: gate and up both in gate_up
         if clamped:
-            out.insert(1, (0, 0, 0, 0, -1, -1))  # no up: gate and up interleaved in gate_up
             for suffix in _CLAMPED_BIASES:
                 t = next((t for t in tensors if t.name.endswith(suffix)), None)
                 if t is None or t.dtype not in ("F32", "BF16") or len(t.shape) != 1:
                     raise NotOnFastPath(f"{self.store.root}: layer {layer}'s experts have no float {suffix}")
                 biases.append((t.offset, t.dtype, t.shape[0]))
-        elif out[0][:4] != out[1][:4]:
+        elif not fused and out[0][:4] != out[1][:4]:
             raise NotOnFastPath(f"{self.store.root}: layer {layer}'s gate and up weights differ in kind or shape")
         return out, biases
 

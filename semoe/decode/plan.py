@@ -46,12 +46,12 @@ import torch
 from torch import nn
 
 from semoe.kernels import torch_ops, loader
-from semoe.model.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables
+from semoe.model.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, rope_tables, unit_rms
 from semoe.model.compact_linear import CompactWeight, fp8_tile, swiglu_operands
 from semoe.decode import prompt_pass
 from semoe.decode.support import NotOnFastPath, one_call_refusal, plan_refusal
 from semoe.model.expert_layout import PackedExperts
-from semoe.model.experts import ClampedSwiGLU, ExpertWeights, ResidentExperts, SwiGLU
+from semoe.model.experts import ClampedSwiGLU, ExpertWeights, FusedSwiGLU, ResidentExperts, SwiGLU
 from semoe.model.moe_gpt import DenseFFN, MoEFeedForward, MoEGPT
 
 
@@ -164,9 +164,10 @@ class _GQA:
         if start != plan.qkv.numel():
             raise NotOnFastPath(f"layer {a.layer}: q, k and v of {start} outputs")
         self.qk_norm = c.qk_norm
-        self.norms = (_Norm(lib, a.q_norm), _Norm(lib, a.k_norm)) if c.qk_norm != "none" else None
+        weighted = c.qk_norm not in ("none", "unit_after_rope")
+        self.norms = (_Norm(lib, a.q_norm), _Norm(lib, a.k_norm)) if weighted else None
         self.clip = c.clip_qkv
-        self.window = a.window or 0
+        self.window, self.chunk, self.rotates = a.window or 0, a.chunk, a.rotates
         self.sinks = None
         if c.attention_sinks:
             if a.sinks.dtype != torch.float32 or not a.sinks.is_contiguous():
@@ -190,15 +191,25 @@ class _GQA:
             self.norms[0].call(plan.qp, plan.qp, H)
             self.norms[1].call(plan.kp, plan.kp, G)
         R = cos.numel()
-        if c.rope_interleave or self.qk_norm == "head_after_rope":  # rotated here, as the module does, then normed
-            qk = plan.qkv[:(H + G) * Dh].view(1, H + G, 1, Dh)
+        if not self.rotates:  # Llama-4's position-free layers: no rotation, q times its temperature
+            R = 0
+            if c.attn_temperature is not None:  # the module's ops on the same values
+                attn_scale, floor_scale = c.attn_temperature
+                p = torch.tensor([float(pos)])
+                plan.q.mul_(torch.log1p(torch.floor((p + 1.0) / floor_scale)) * attn_scale + 1.0)
+        elif c.rope_interleave or self.qk_norm in ("head_after_rope", "unit_after_rope"):
+            qk = plan.qkv[:(H + G) * Dh].view(1, H + G, 1, Dh)  # rotated here, as the module does, then normed
             qk.copy_(apply_rope(qk, cos.view(1, 1, R), sin.view(1, 1, R), interleave=c.rope_interleave))
             if self.qk_norm == "head_after_rope":
                 self.norms[0].call(plan.qp, plan.qp, H)
                 self.norms[1].call(plan.kp, plan.kp, G)
+            elif self.qk_norm == "unit_after_rope":
+                qk.copy_(unit_rms(qk, c.rms_norm_eps))
             R = 0
+        # a chunk as the window that reaches back to its first position, for this one query
+        window = pos % self.chunk + 1 if self.chunk else self.window
         self.lib.attend_decode_f32(plan.qp, plan.kp, plan.vp, _ptr(cos), _ptr(sin), _ptr(cache.k[self.layer]),
-                                   _ptr(cache.v[self.layer]), H, G, Dh, R, cache.capacity, pos, self.window,
+                                   _ptr(cache.v[self.layer]), H, G, Dh, R, cache.capacity, pos, window,
                                    self.scale, None if self.sinks is None else _ptr(self.sinks), plan.attp, threads)
         self.o_proj(plan.att, plan.tmp, threads, plan.attp, plan.tmpp)
 
@@ -384,6 +395,11 @@ class DecodePlan:
             held.extend((gu_held, d_held, biases))
             return _Expert(gate_up, _Lin(), down)  # up.O = 0: gate and up interleaved in gate_up
 
+        def halves(parts: tuple) -> _Expert:  # Llama-4's: gate_up (gate and up its halves) and down, (I, O)
+            (gate_up, gu_held), (down, d_held) = (_weight(p, in_out=True) for p in parts)
+            held.extend((gu_held, d_held))
+            return _Expert(gate_up, _Lin(), down)  # up.O = 0 and Net.halves
+
         if self.lm_head.lin is None:
             raise NotOnFastPath("an output weight the kernels do not take")
         parts = []
@@ -410,15 +426,17 @@ class DecodePlan:
             else:
                 provider = ffn.experts
                 mlp = getattr(provider, "mlp", None)
-                if isinstance(provider, ResidentExperts) and isinstance(mlp, (SwiGLU, ClampedSwiGLU)):
+                kinds = (SwiGLU, ClampedSwiGLU, FusedSwiGLU)
+                if isinstance(provider, ResidentExperts) and isinstance(mlp, kinds):
                     ws = [w for _, w in provider.stream(ffn.layer, list(range(c.num_experts)), self.h[None])]
-                elif isinstance(provider, PackedExperts) and isinstance(mlp, (SwiGLU, ClampedSwiGLU)) \
+                elif isinstance(provider, PackedExperts) and isinstance(mlp, kinds) \
                         and set(provider.weights) == set(range(c.num_experts)):
                     ws = [provider.weights[e] for e in range(c.num_experts)]
                 else:
                     raise NotOnFastPath(f"layer {block.layer}: experts not all in memory (offloaded ones arrive "
                                         "during the step)")
-                experts = [(clamped if isinstance(mlp, ClampedSwiGLU) else expert)(w.parts) for w in ws]
+                make = clamped if isinstance(mlp, ClampedSwiGLU) else halves if isinstance(mlp, FusedSwiGLU) else expert
+                experts = [make(w.parts) for w in ws]
                 router = lay.router or _Product(self.lib, ffn.router, bias=c.router_bias)
                 if router.lin is None:
                     raise NotOnFastPath(f"layer {block.layer}: a router weight the kernels do not take")
@@ -576,8 +594,15 @@ class DecodePlan:
         ids = ids_t[0].tolist()
         experts = sorted(set(ids))
         outs: dict[int, int] = {}  # expert -> the address of its output
+        outs_K: list[int] = [0] * len(ids)  # choice -> the address of its output, where the input is scaled
         kept = []
         for j, (e, w) in enumerate(ffn.experts.stream(ffn.layer, experts, h_1D)):
+            if ffn.scales_input:  # Llama-4: each choice's expert on the input times its weight (`_one_token`)
+                for k in (k for k, i in enumerate(ids) if i == e):
+                    kept.append(w.apply(h_1D * weights[0, k].to(h_1D.dtype)).reshape(-1).to(torch.float32)
+                                .contiguous())
+                    outs_K[k] = _ptr(kept[-1])
+                continue
             # the module path's own choice (`fused_swiglu`): one kernel call, here into a buffer of
             # the plan's and without the wrapper's checks, where it applies; else the expert's apply
             args = self._swiglu_args(w)
@@ -587,7 +612,11 @@ class DecodePlan:
                 continue
             self.lib.swiglu_q(self.hp, 1, D, *args, self.ysp[j], threads)
             outs[e] = self.ysp[j]
-        ys = (ctypes.c_void_p * len(ids))(*(outs[e] for e in ids))
+        if ffn.scales_input:  # the outputs summed as they are
+            weights = torch.ones_like(weights)
+        else:
+            outs_K = [outs[e] for e in ids]
+        ys = (ctypes.c_void_p * len(ids))(*outs_K)
         if not lay.shared:
             self.lib.moe_combine_f32(self.xp, ys, _ptr(weights), len(ids), D)
             return

@@ -148,15 +148,19 @@ class _Pass:
             cache.end(ahead)  # what it read ahead is in the cache: hits below
             ahead = None
         size = max(1, cache.n // 2)  # one group computed while the next is read
+        overlap = cache.n >= 2 * size  # else (one slot: top-1 routing at its least cache) one after the other
         groups = [used[i:i + size] for i in range(0, len(used), size)]
         pending = cache.begin(lay, groups[0])
         for i, group in enumerate(groups):
             done = pending
             for e, slot in zip(group, cache.end(done, keep=True)):
                 m._point(lay, e, slot)
+            if not overlap:
+                pending = None
             try:
                 if i + 1 < len(groups):
-                    pending = cache.begin(lay, groups[i + 1])
+                    if overlap:
+                        pending = cache.begin(lay, groups[i + 1])
                 elif ahead is None:
                     ahead = self._read_ahead(lay, cache.n - len(group))
                 chosen = np.array(group, np.int64)
@@ -168,6 +172,8 @@ class _Pass:
                 raise
             finally:
                 cache.release(done)
+            if not overlap and i + 1 < len(groups):
+                pending = cache.begin(lay, groups[i + 1])
         lib.prefill_finish(net, lay, x, h, s, T, threads)
         return ahead
 

@@ -35,12 +35,6 @@ def plan_refusal(c) -> str | None:
     one-call step, nor the torch-free runner), in a phrase naming the parts; None where they take it.
     The modules run those models."""
     parts = [
-        *(["attention without rotary on some layers"] if c.rope_layers is not None else []),
-        *(["chunked local attention"] if c.attention_chunk is not None else []),
-        *(["attention temperature tuning"] if c.attn_temperature is not None else []),
-        *(["q/k norms without weights"] if c.qk_norm == "unit_after_rope" else []),
-        *(["a router whose weights scale the experts' input"] if c.router == "topk_sigmoid_input" else []),
-        *(["experts with gate and up fused as halves"] if c.expert_mlp == "fused_swiglu" else []),
         *(["DeepSeek sparse attention's indexer"] if c.index_topk is not None else []),
     ]
     return f"{c.arch}'s " + ", ".join(parts) if parts else None

@@ -3,15 +3,18 @@
  * residual stream. */
 #include "kernels.h"
 
-/* RMS norm of M rows of D, float32: y = x / sqrt(mean(x^2) + eps) * w (torch's seven small ops of a
- * norm cost more than the norm at one token) */
+/* RMS norm of M rows of D, float32: y = x / sqrt(mean(x^2) + eps) * w, or without w where it is NULL
+ * (torch's seven small ops of a norm cost more than the norm at one token) */
 void rmsnorm_f32(const float *x, const float *w, float eps, float *y, int64_t M, int64_t D) {
     for (int64_t m = 0; m < M; m++) {
         const float *xm = x + m * D;
         float ss = 0.0f;
         for (int64_t i = 0; i < D; i++) ss += xm[i] * xm[i];
         float r = 1.0f / sqrtf(ss / (float)D + eps);
-        for (int64_t i = 0; i < D; i++) y[m * D + i] = xm[i] * r * w[i];
+        if (w)
+            for (int64_t i = 0; i < D; i++) y[m * D + i] = xm[i] * r * w[i];
+        else /* a norm without weights (Llama-4's q/k norm) */
+            for (int64_t i = 0; i < D; i++) y[m * D + i] = xm[i] * r;
     }
 }
 
@@ -208,8 +211,9 @@ static inline __attribute__((always_inline)) void weigh4(const float *p, int64_t
 
 static inline __attribute__((always_inline)) void rows_of(const float *qr, const void *kc, const void *vc, int64_t H,
                                                           int64_t G, int64_t Dh, int64_t Dv, int64_t S, int64_t pos0,
-                                                          int64_t nr, int64_t window, float scale, const float *sinks,
-                                                          float *p, float *out, int64_t h, int h16) {
+                                                          int64_t nr, int64_t window, int64_t chunk, float scale,
+                                                          const float *sinks, float *p, float *out, int64_t h,
+                                                          int h16) {
     const int64_t k0 = (h / (H / G)) * S * Dh, v0 = (h / (H / G)) * S * Dv; /* the group's first key, value */
     const int64_t P = pos0 + nr;
     for (int64_t r0 = 0; r0 < nr; r0 += ROW_GROUP) {
@@ -217,7 +221,7 @@ static inline __attribute__((always_inline)) void rows_of(const float *qr, const
         int64_t t0[ROW_GROUP] = {0}, n[ROW_GROUP] = {0};
         for (int64_t j = 0; j < nj; j++) {
             n[j] = pos0 + r0 + j + 1;
-            t0[j] = window > 0 && window < n[j] ? n[j] - window : 0;
+            t0[j] = chunk > 0 ? (n[j] - 1) - (n[j] - 1) % chunk : window > 0 && window < n[j] ? n[j] - window : 0;
         }
         const int64_t lo = t0[0], hi = n[nj - 1];
         const float *q = qr + (r0 * H + h) * Dh;
@@ -262,15 +266,15 @@ static inline __attribute__((always_inline)) void rows_of(const float *qr, const
  * Dh), values (G, S, Dv), float16 where h16), queries rotated in qr (nr, H, Dh), into out (nr, H * Dv):
  * each row as attend_head computes it where Dv = Dh (the same sums in the same order), ROW_GROUP rows
  * at a time reading each position's key and value once for all of them, and their sums in independent
- * chains. window: 0, or the positions a row sees, itself included. p: ROW_GROUP * (pos0 + nr) floats
- * of room. */
+ * chains. window: 0, or the positions a row sees, itself included; chunk: 0, or a row at p sees only
+ * p - p % chunk..p. p: ROW_GROUP * (pos0 + nr) floats of room. */
 void attend_rows_head(const float *qr, const void *kc, const void *vc, int64_t H, int64_t G, int64_t Dh, int64_t Dv,
-                      int64_t S, int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p,
-                      float *out, int64_t h, int h16) {
+                      int64_t S, int64_t pos0, int64_t nr, int64_t window, int64_t chunk, float scale,
+                      const float *sinks, float *p, float *out, int64_t h, int h16) {
     if (h16)
-        rows_of(qr, kc, vc, H, G, Dh, Dv, S, pos0, nr, window, scale, sinks, p, out, h, 1);
+        rows_of(qr, kc, vc, H, G, Dh, Dv, S, pos0, nr, window, chunk, scale, sinks, p, out, h, 1);
     else
-        rows_of(qr, kc, vc, H, G, Dh, Dv, S, pos0, nr, window, scale, sinks, p, out, h, 0);
+        rows_of(qr, kc, vc, H, G, Dh, Dv, S, pos0, nr, window, chunk, scale, sinks, p, out, h, 0);
 }
 
 int attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,

@@ -20,9 +20,9 @@ typedef struct {
 } Lin;
 
 typedef struct {
-    /* SwiGLU: gate and up (F, D) of one kind and group, down (D, F). up.O = 0: gpt-oss's clamped
-     * expert, gate its gate_up (2F, D), gate j and up j the outputs 2j and 2j + 1, with its bias;
-     * down with its bias */
+    /* SwiGLU: gate and up (F, D) of one kind and group, down (D, F). up.O = 0: gate is gate_up (2F, D):
+     * gpt-oss's clamped expert, gate j and up j the outputs 2j and 2j + 1, with its bias, down with its
+     * bias; or, where `Net.halves`, SwiGLU with gate j and up j the outputs j and F + j (Llama-4) */
     Lin gate, up, down;
 } Expert;
 
@@ -46,8 +46,12 @@ typedef struct {
     int64_t n_qkv; /* q|k|v as one product or three */
     int64_t window; /* a query sees this many positions back, itself included; 0: all */
     int64_t qk_norm; /* RMSNorm of q and k after their products: 0 none, 1 over all heads, 2 per head;
-                      * 3 per head after the rotation (Hunyuan) */
+                      * 3 per head after the rotation (Hunyuan); 4 the same without weights (Llama-4) */
     const float *q_norm, *k_norm; /* its weights: H * Dh and G * Dh values (1), or Dh each (2, 3) */
+    int64_t norope; /* 1: q and k are neither rotated nor normed after (Llama-4's position-free layers),
+                     * q scaled by the temperature where temp_floor > 0 */
+    int64_t chunk; /* > 0: a query sees only the positions of its own chunk (p - p % chunk up to p) */
+    float temp_scale, temp_floor; /* q times log1p(floor((p + 1) / temp_floor)) * temp_scale + 1 at position p */
     float qk_eps, clip; /* the norms' epsilon; clip > 0: q, k and v clamped to [-clip, clip] */
     const float *sinks; /* NULL, or H logits that join each head's softmax denominator */
     Lin qkv[3], o;
@@ -63,11 +67,14 @@ typedef struct {
 typedef struct {
     int64_t L, D, H, G, Dh, R, F, E, top_k, norm_topk; /* R: rotated dims a head; F, E: the most of any layer */
     /* the routers: 0 softmax then top-k, 1 top-k then softmax, 2 grouped (DeepSeek, GLM-4.5: softmax or
-     * sigmoid scores, the best topk_group of n_group groups by their best score or best two summed) */
+     * sigmoid scores, the best topk_group of n_group groups by their best score or best two summed), 3 the
+     * top-k logits' sigmoids, which scale each chosen expert's input rather than its output (Llama-4) */
     int64_t router, sigmoid_scores, n_group, topk_group, group_top2;
     int64_t kv16; /* grouped-query attention's KV caches hold float16 (kernels.h's kv_get); else float32.
                    * Latent attention's caches are float32 either way. */
     int64_t rope_pairs; /* grouped-query attention rotates pairs (2i, 2i + 1) (ERNIE), written out as halves */
+    int64_t halves; /* experts with up.O = 0 hold gate and up as the halves of gate (Llama-4), not gpt-oss's
+                     * clamped pairs */
     float routed_scale; /* the chosen experts' weights times this (grouped) */
     float alpha, limit; /* clamped experts' act(g, u) = (clamp(u, +-limit) + 1) min(g, limit) sigmoid(alpha min(g, limit)) */
     float scale, norm_eps;

@@ -122,12 +122,17 @@ static void softmax_inplace(float *p, int64_t n) {
 
 /* The router's choice from its E logits p (overwritten; `choice`: E floats of room, `masked` E
  * bytes), as `semoe.model.routing` routes: top_k ids and their weights. Softmax then top-k (renormalised
- * with norm); top-k of the logits then softmax over them; or grouped: softmax or sigmoid scores,
+ * with norm); top-k of the logits then softmax over them, or their sigmoids; or grouped: softmax or sigmoid scores,
  * chosen on scores + correction among the best topk_group of n_group groups, weighted by their
  * scores (renormalised with norm) times routed_scale. */
 void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids,
                   float *w) {
     const int64_t E = ly->E, K = net->top_k;
+    if (net->router == 3) { /* the top-k logits' sigmoids (they scale the experts' input: `experts`) */
+        for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(p, E, ids, k, NULL)];
+        for (int64_t k = 0; k < K; k++) w[k] = 1.0f / (1.0f + expf(-w[k]));
+        return;
+    }
     if (net->router == 1) {
         for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(p, E, ids, k, NULL)];
         softmax_inplace(w, K);
@@ -173,6 +178,7 @@ void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned ch
 
 typedef struct { /* the step's buffers */
     float *h, *qkv, *qr, *att, *tmp, *p, *probs, *choice, *hg, *hu, *ys, *w, gate;
+    float *hin, *ones; /* experts whose input the router's weights scale: their inputs (K, D), K ones */
     float *qa, *qb, *kv, *qn, *qrot, *qlat, *olat, *attm; /* latent attention's (NULL without) */
     unsigned char *masked;
     const Expert **ex; /* the experts a feed-forward pass runs */
@@ -184,22 +190,29 @@ typedef struct { /* the step's buffers */
 
 /* x += sum_k w_k y_k over the K experts in s->ex (set by the caller, of one kind and width), by the
  * team, the K experts' blocks of rows shared out together: SwiGLU's y = down(silu(gate h) * up h),
- * or gpt-oss's y = down(act(gate_up h + b_gu)) + b_d (`Expert`, `Net.alpha`) as gemv.c's
- * `clamped_swiglu_q` computes it. hg holds 2F values an expert: gate (or gate_up) outputs; the
- * activation is written in place (SwiGLU) or into hu (clamped: its inputs are read two by two). */
+ * gpt-oss's y = down(act(gate_up h + b_gu)) + b_d (`Expert`, `Net.alpha`) as gemv.c's
+ * `clamped_swiglu_q` computes it, or SwiGLU of gate_up's halves. hg holds 2F values an expert: gate
+ * (or gate_up) outputs; the activation is written in place (SwiGLU) or into hu (of gate_up). `scaled`:
+ * expert k's input is h * w_k and x += sum_k y_k (Llama-4's router). */
 static void experts(const Net *net, int64_t K, const float *w, const float *h, float *x, int64_t D, int64_t F,
-                    Work *s) {
+                    Work *s, int scaled) {
     const Expert *const *ex = s->ex;
     const int fused = ex[0]->up.O == 0;
+#define IN(k) (scaled ? s->hin + (k) * D : h)
 #pragma omp single
-    for (int64_t k = 0; k < K; k++) lin_acts(&ex[k]->gate, h, 1, &s->ax[k], &s->oom);
+    for (int64_t k = 0; k < K; k++) {
+        if (scaled) /* the module's x * w, rounded to float32 */
+            for (int64_t i = 0; i < D; i++) s->hin[k * D + i] = h[i] * w[k];
+        lin_acts(&ex[k]->gate, IN(k), 1, &s->ax[k], &s->oom);
+    }
     int64_t nb = s->oom ? 0 : lin_blocks(&ex[0]->gate);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * nb; t++) {
         const Expert *e = ex[t / nb];
-        lin_block(&e->gate, h, 1, &s->ax[t / nb], s->hg + t / nb * 2 * F, t % nb);
-        if (!fused) lin_block(&e->up, h, 1, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
+        lin_block(&e->gate, IN(t / nb), 1, &s->ax[t / nb], s->hg + t / nb * 2 * F, t % nb);
+        if (!fused) lin_block(&e->up, IN(t / nb), 1, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
     }
+#undef IN
     int64_t Fe = s->oom ? 0 : fused ? ex[0]->gate.O / 2 : ex[0]->gate.O;
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < K * Fe; t++) {
@@ -226,7 +239,7 @@ static void experts(const Net *net, int64_t K, const float *w, const float *h, f
             if (b)
                 for (int64_t i = 0; i < D; i++) s->ys[k * D + i] += b[i];
         }
-        if (!s->oom) moe_combine_f32(x, s->yp, w, K, D);
+        if (!s->oom) moe_combine_f32(x, s->yp, scaled ? s->ones : w, K, D);
     }
 }
 
@@ -252,6 +265,9 @@ static Work *work_new(const Net *net, int64_t S) {
     s->hu = malloc(sizeof(float) * (size_t)(Kmax * F));
     s->ys = malloc(sizeof(float) * (size_t)(Kmax * D));
     s->w = malloc(sizeof(float) * (size_t)Kmax);
+    s->hin = malloc(sizeof(float) * (size_t)(Kmax * D));
+    s->ones = malloc(sizeof(float) * (size_t)Kmax);
+    for (int64_t k = 0; s->ones && k < Kmax; k++) s->ones[k] = 1.0f;
     s->yp = malloc(sizeof(float *) * (size_t)Kmax);
     s->ids = malloc(sizeof(int64_t) * (size_t)Kmax);
     s->ax = malloc(sizeof(Acts) * (size_t)Kmax);
@@ -272,7 +288,7 @@ static Work *work_new(const Net *net, int64_t S) {
         mla_ok = s->qa && s->qb && s->kv && s->qn && s->qrot && s->qlat && s->olat && s->attm;
     }
     if (!mla_ok || !s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice ||
-        !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w || !s->yp || !s->ids || !s->ax || !s->ah) {
+        !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w || !s->hin || !s->ones || !s->yp || !s->ids || !s->ax || !s->ah) {
         work_free(s);
         return NULL;
     }
@@ -283,15 +299,16 @@ static void work_free(Work *s) {
     free(s->h), free(s->qkv), free(s->qr), free(s->att), free(s->tmp), free(s->p), free(s->probs);
     free(s->choice), free(s->masked), free(s->ex);
     free(s->qa), free(s->qb), free(s->kv), free(s->qn), free(s->qrot), free(s->qlat), free(s->olat), free(s->attm);
-    free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->yp), free(s->ids), free(s->ax), free(s->ah);
+    free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->hin), free(s->ones), free(s->yp), free(s->ids), free(s->ax), free(s->ah);
     free(s);
 }
 
-/* q, k, v (H, G, G heads of Dh) of one position as the module prepares them before rotary: norms over
- * all heads, clipping, norms per head, in that order. Where attend_rotate's rotation by halves does
- * not apply (interleaved pairs, or norms after the rotation), q and k are rotated here with the
- * position's cos/sin, then normed; returns the dims attend_rotate still rotates (net->R or 0). */
-int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin) {
+/* q, k, v (H, G, G heads of Dh) of the position pos as the module prepares them before rotary: norms
+ * over all heads, clipping, norms per head, in that order. A layer without rotary stops there, q
+ * times its temperature where it has one. Where attend_rotate's rotation by halves does not apply
+ * (interleaved pairs, or norms after the rotation), q and k are rotated here with the position's
+ * cos/sin, then normed; returns the dims attend_rotate still rotates (net->R or 0). */
+int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin, int64_t pos) {
     const int64_t H = net->H, G = net->G, Dh = net->Dh, R = net->R;
     float *q = qkv, *k = qkv + H * Dh;
     if (ly->qk_norm == 1) {
@@ -304,17 +321,30 @@ int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *co
         rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, H, Dh);
         rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, G, Dh);
     }
-    if (!net->rope_pairs && ly->qk_norm != 3) return R;
+    if (ly->norope) {
+        if (ly->temp_floor > 0) { /* the module's float32 ops: log1p(floor((p + 1) / floor)) * scale + 1 */
+            const float t = log1pf(floorf(((float)pos + 1.0f) / ly->temp_floor)) * ly->temp_scale + 1.0f;
+            for (int64_t i = 0; i < H * Dh; i++) q[i] = q[i] * t;
+        }
+        return 0;
+    }
+    if (!net->rope_pairs && ly->qk_norm < 3) return R;
     float row[R];
     for (int64_t h = 0; h < H + G; h++) {
         rope_rotate(qkv + h * Dh, cos, sin, R, (int)net->rope_pairs, row);
         memcpy(qkv + h * Dh, row, sizeof(float) * (size_t)R);
     }
-    if (ly->qk_norm == 3) {
+    if (ly->qk_norm >= 3) { /* 4: without weights (q_norm, k_norm NULL) */
         rmsnorm_f32(q, ly->q_norm, ly->qk_eps, q, H, Dh);
         rmsnorm_f32(k, ly->k_norm, ly->qk_eps, k, G, Dh);
     }
     return 0;
+}
+
+/* the first position a query at pos sees: its chunk's first, or the window's, or 0 */
+int64_t attend_from(const Layer *ly, int64_t pos) {
+    if (ly->chunk > 0) return pos - pos % ly->chunk;
+    return ly->window > 0 && ly->window <= pos ? pos + 1 - ly->window : 0;
 }
 
 /* grouped-query attention from the normed row s->h to the output product in s->tmp, by the team:
@@ -326,13 +356,13 @@ static void gqa_attend(const Net *net, const Layer *ly, void *kc, void *vc, int6
         lin_product(&ly->qkv[j], s->h, 1, &s->a, s->qkv + off, &s->oom);
 #pragma omp single
     {
-        const int64_t R = qkv_prepare(net, ly, s->qkv, cos, sin);
+        const int64_t R = qkv_prepare(net, ly, s->qkv, cos, sin, pos);
         attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, R, S, pos, s->qr,
                       (int)net->kv16);
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++)
-        attend_head(s->qr, kc, vc, H, G, Dh, S, ly->window > 0 && ly->window < n ? n - ly->window : 0, n, net->scale,
+        attend_head(s->qr, kc, vc, H, G, Dh, S, attend_from(ly, pos), n, net->scale,
                     ly->sinks, s->p, s->att, h, (int)net->kv16);
     lin_product(&ly->o, s->att, 1, &s->a, s->tmp, &s->oom);
 }
@@ -414,7 +444,7 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
     const int64_t K = ly->E ? net->top_k : 1;
 #pragma omp single
     for (int64_t k = 0; k < K; k++) s->ex[k] = ly->experts + s->ids[k];
-    experts(net, K, s->w, s->h, x, net->D, net->F, s);
+    experts(net, K, s->w, s->h, x, net->D, net->F, s, ly->E && net->router == 3);
     if (!ly->shared) return;
     if (ly->shared_gate.O) lin_product(&ly->shared_gate, s->h, 1, &s->a, &s->gate, &s->oom);
 #pragma omp single
@@ -422,7 +452,7 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
         s->gate = ly->shared_gate.O ? 1.0f / (1.0f + expf(-s->gate)) : 1.0f;
         s->ex[0] = ly->shared;
     }
-    experts(net, 1, &s->gate, s->h, x, net->D, net->F, s);
+    experts(net, 1, &s->gate, s->h, x, net->D, net->F, s, 0);
 }
 
 /* the final norm and the output product into logits, by the team */
@@ -505,12 +535,12 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
            OFF(Latent, L), OFF(Latent, dv), OFF(Latent, interleave))
     FIELDS(Layer, OFF(Layer, attn_norm), OFF(Layer, ffn_norm), OFF(Layer, attn_eps), OFF(Layer, ffn_eps),
            OFF(Layer, n_qkv), OFF(Layer, window), OFF(Layer, qk_norm), OFF(Layer, q_norm), OFF(Layer, k_norm),
-           OFF(Layer, qk_eps), OFF(Layer, clip), OFF(Layer, sinks), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, mla),
-           OFF(Layer, E),
+           OFF(Layer, norope), OFF(Layer, chunk), OFF(Layer, temp_scale), OFF(Layer, temp_floor), OFF(Layer, qk_eps),
+           OFF(Layer, clip), OFF(Layer, sinks), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, mla), OFF(Layer, E),
            OFF(Layer, router), OFF(Layer, correction), OFF(Layer, experts), OFF(Layer, shared), OFF(Layer, shared_gate))
     FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, R), OFF(Net, F), OFF(Net, E),
            OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, router), OFF(Net, sigmoid_scores), OFF(Net, n_group),
-           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, kv16), OFF(Net, rope_pairs), OFF(Net, routed_scale),
+           OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, kv16), OFF(Net, rope_pairs), OFF(Net, halves), OFF(Net, routed_scale),
            OFF(Net, alpha),
            OFF(Net, limit), OFF(Net, scale), OFF(Net, norm_eps),
            OFF(Net, norm), OFF(Net, layers), OFF(Net, head))

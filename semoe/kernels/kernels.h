@@ -171,10 +171,11 @@ void attend_head(const float *qr, const void *kc, const void *vc, int64_t H, int
 #define ROW_GROUP 4 /* a prompt's rows that share each key's and value's load (attend_rows_head) */
 /* attend_head for head h of a prompt's nr rows (positions pos0..; queries qr (nr, H, Dh), keys of Dh
  * and values of Dv (Dh where decoding's attend_head gives the same sums), out (nr, H * Dv)), ROW_GROUP
- * rows sharing each position's key and value loads; p: ROW_GROUP * (pos0 + nr) floats */
+ * rows sharing each position's key and value loads; window or chunk (0: none) as decoding's; p:
+ * ROW_GROUP * (pos0 + nr) floats */
 void attend_rows_head(const float *qr, const void *kc, const void *vc, int64_t H, int64_t G, int64_t Dh, int64_t Dv,
-                      int64_t S, int64_t pos0, int64_t nr, int64_t window, float scale, const float *sinks, float *p,
-                      float *out, int64_t h, int h16);
+                      int64_t S, int64_t pos0, int64_t nr, int64_t window, int64_t chunk, float scale,
+                      const float *sinks, float *p, float *out, int64_t h, int h16);
 /* attend.c's pieces of latent attention (decode_step.c) */
 void rope_rotate(const float *x, const float *cos, const float *sin, int64_t R, int interleave, float *y);
 void mla_head(const float *ql, const float *qr, const float *latents, const float *rots, int64_t L, int64_t R,

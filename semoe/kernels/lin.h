@@ -21,16 +21,21 @@ void lin_acts_team(const Lin *l, const float *x, int64_t M, Acts *a, int *oom);
 /* y (M, O) = l(x) for M rows, by the whole team (every thread calls it), its bias added */
 void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int *oom);
 /* decode_step.c's per-position steps that prefill.c's prompt pass shares: q, k and v's norms and
- * clipping (and rotation where attend_rotate's does not apply), and the router's choice from its
- * logits p (overwritten; choice: E floats, masked E bytes) */
-int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin);
+ * clipping (and rotation where attend_rotate's does not apply, the temperature at position pos), the
+ * first position a query at pos sees (`attend_from`), and the router's choice from its logits p
+ * (overwritten; choice: E floats, masked E bytes) */
+int64_t attend_from(const Layer *ly, int64_t pos);
+int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin, int64_t pos);
 void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids, float *w);
 
 /* expert e's activation of its hidden unit j: SwiGLU's g[j] = silu(g[j]) * u[j] (g, u: the gate and up
- * outputs), or gpt-oss's clamped one of gate_up's outputs g[2j] and g[2j + 1] with its bias, into
- * u[j] (`Net.alpha`, `Net.limit`) */
+ * outputs); where gate is gate_up (up.O = 0), into u[j]: SwiGLU of its halves g[j] and g[F + j]
+ * (`Net.halves`), or gpt-oss's clamped one of g[2j] and g[2j + 1] with its bias (`Net.alpha`, `Net.limit`) */
 static inline void expert_act(const Net *net, const Expert *e, float *g, float *u, int64_t j) {
-    if (e->up.O == 0) {
+    if (e->up.O == 0 && net->halves) {
+        const float gv = g[j];
+        u[j] = gv / (1.0f + expf(-gv)) * g[e->gate.O / 2 + j];
+    } else if (e->up.O == 0) {
         const float *b = e->gate.bias, lim = net->limit;
         float gv = g[2 * j] + (b ? b[2 * j] : 0.0f), uv = g[2 * j + 1] + (b ? b[2 * j + 1] : 0.0f);
         gv = fminf(gv, lim);

@@ -52,7 +52,8 @@ class LatentC(ctypes.Structure):
 
 class LayerC(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
-                ("window", _I), ("qk_norm", _I), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("clip", _F32),
+                ("window", _I), ("qk_norm", _I), ("q_norm", _P), ("k_norm", _P), ("norope", _I), ("chunk", _I),
+                ("temp_scale", _F32), ("temp_floor", _F32), ("qk_eps", _F32), ("clip", _F32),
                 ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("mla", ctypes.POINTER(LatentC)), ("E", _I), ("router", Lin), ("correction", _P),
                 ("experts", ctypes.POINTER(Expert)), ("shared", ctypes.POINTER(Expert)), ("shared_gate", Lin)]
 
@@ -60,7 +61,7 @@ class LayerC(ctypes.Structure):
 class Net(ctypes.Structure):
     _fields_ = [("L", _I), ("D", _I), ("H", _I), ("G", _I), ("Dh", _I), ("R", _I), ("F", _I), ("E", _I),
                 ("top_k", _I), ("norm_topk", _I), ("router", _I), ("sigmoid_scores", _I), ("n_group", _I),
-                ("topk_group", _I), ("group_top2", _I), ("kv16", _I), ("rope_pairs", _I), ("routed_scale", _F32),
+                ("topk_group", _I), ("group_top2", _I), ("kv16", _I), ("rope_pairs", _I), ("halves", _I), ("routed_scale", _F32),
                 ("alpha", _F32),
                 ("limit", _F32), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
@@ -91,23 +92,32 @@ class LayerParts:
     shared: ctypes.Array | None = None  # of one Expert: the shared expert
     shared_gate: Lin | None = None  # its sigmoid gate (O = 1), if it has one
     mla: LatentC | None = None  # latent attention in place of q/k/v (kept alive by the caller)
+    norope: int = 0  # 1: no rotary on this layer (Llama-4), q times the temperature where temp_floor > 0
+    chunk: int = 0  # chunked local attention's chunk (0: none)
+    temp_scale: float = 0.0
+    temp_floor: float = 0.0
 
 
 # decode_abi.h's `Layer.qk_norm` for `semoe.model.config.MoEConfig.qk_norm`, and `Net.router` for its router
-QK_NORM = {"none": 0, "full": 1, "head": 2, "head_after_rope": 3}
+QK_NORM = {"none": 0, "full": 1, "head": 2, "head_after_rope": 3, "unit_after_rope": 4}
 
 
 def layer_parts(config, layer: int, **found) -> LayerParts:
     """Layer `layer`'s `LayerParts` as both front-ends make it: the config decides the norms' epsilon,
-    the sliding window, the q/k norm's kind and epsilon and the clip; `found` holds what the caller
-    found in its weights (addresses, products, experts: the other fields)."""
+    the sliding window or chunk, the q/k norm's kind and epsilon, the clip, whether the layer rotates
+    and its temperature; `found` holds what the caller found in its weights (addresses, products,
+    experts: the other fields)."""
     gqa = config.attention != "mla"
+    norope = gqa and not config.rotates(layer)
+    temp = config.attn_temperature if norope and config.attn_temperature is not None else (0.0, 0.0)
     return LayerParts(attn_eps=config.rms_norm_eps, ffn_eps=config.rms_norm_eps,
                       window=(config.window(layer) or 0) if gqa else 0,
+                      chunk=(config.chunk(layer) or 0) if gqa else 0,
                       qk_norm=QK_NORM[config.qk_norm] if gqa else 0,
                       qk_eps=config.rms_norm_eps if gqa and config.qk_norm != "none" else 0.0,
-                      clip=(config.clip_qkv or 0.0) if gqa else 0.0, **found)
-ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2}
+                      clip=(config.clip_qkv or 0.0) if gqa else 0.0, norope=int(norope), temp_scale=temp[0],
+                      temp_floor=temp[1], **found)
+ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2, "topk_sigmoid_input": 3}
 # prefill.c's and kernels.h's sizes, for what a prompt's pass allocates (`inference.torch_free.sequence_memory`):
 # the rows of a block (PREFILL_ROWS), the rows sharing a key's load (ROW_GROUP) and the expanded latent
 # attention's default limit a layer (`prefill_expand_limit`)
@@ -125,6 +135,7 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
         lc.n_qkv, lc.window, lc.o = len(lp.qkv), lp.window, lp.o
         lc.qk_norm, lc.q_norm, lc.k_norm, lc.qk_eps = lp.qk_norm, lp.q_norm, lp.k_norm, lp.qk_eps
         lc.clip, lc.sinks, lc.correction = lp.clip, lp.sinks, lp.correction
+        lc.norope, lc.chunk, lc.temp_scale, lc.temp_floor = lp.norope, lp.chunk, lp.temp_scale, lp.temp_floor
         if lp.mla is not None:
             lc.mla = ctypes.pointer(lp.mla)
         if lp.shared is not None:
@@ -141,7 +152,7 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
     net = Net(len(layers), c.hidden_size, c.num_heads, c.num_kv_heads, Dh, c.rope_dim, F, E, max(c.top_k, 1),
               int(bool(c.norm_topk_prob)), ROUTER[c.router], int(c.router_scores == "sigmoid"), c.n_group,
               c.topk_group, int(c.group_score == "top2"), int(kv16), int(c.rope_interleave and c.attention == "gqa"),
-              c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit, Dh ** -0.5, norm_eps, norm, arr, head)
+              int(c.expert_mlp == "fused_swiglu"), c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit, Dh ** -0.5, norm_eps, norm, arr, head)
     return net, arr
 
 

@@ -7,7 +7,8 @@
  * rows at once, then each row's attention over the positions up to its own, grouped-query or
  * latent), then:
  *   prefill_norm      h (T, D) = the layer's feed-forward norm of x (T, D);
- *   prefill_experts   s (T, D) += w * expert(h) for every (position, k) whose expert is in a list,
+ *   prefill_experts   s (T, D) += w * expert(h) for every (position, k) whose expert is in a list
+ *                     (expert(w * h) where the router's weights scale the input),
  *                     as many times as the experts the cache holds at once require (s starts at 0);
  *   prefill_finish    x += s, then the shared expert (times its gate) where the layer has one.
  * A dense layer's feed-forward is its expert 0, chosen by every position with weight 1.
@@ -165,7 +166,7 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
         latent_expand(m, H, R, (const float *)lat[0], (const float *)rot[0], first ? 0 : pos[0], pos[0] + nr, P, b);
 #pragma omp for schedule(static)
         for (int64_t hd = 0; hd < H; hd++)
-            attend_rows_head(b->qe, b->ke, b->ve, H, H, Q, dv, P, pos[0], nr, 0, m->scale, NULL, pt, att, hd, 0);
+            attend_rows_head(b->qe, b->ke, b->ve, H, H, Q, dv, P, pos[0], nr, 0, 0, m->scale, NULL, pt, att, hd, 0);
         return;
     }
     const int64_t nl = i8_blocks(L), nv = i8_blocks(dv);
@@ -247,7 +248,8 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
                     if (r == 0 || i != seg[r0 + r - 1]) starts[np++] = r;
                     const float *cr = cos + (r0 + r) * Rc, *sr = sin + (r0 + r) * Rc;
                     attend_rotate(row, row + H * Dh, row + (H + G) * Dh, cr, sr, kc[i], vc[i], H, G, Dh,
-                                  qkv_prepare(net, ly, row, cr, sr), segs[3 * i], pos[r0 + r], qr + r * H * Dh,
+                                  qkv_prepare(net, ly, row, cr, sr, pos[r0 + r]), segs[3 * i], pos[r0 + r],
+                                  qr + r * H * Dh,
                                   (int)net->kv16);
                 }
                 starts[np] = nr;
@@ -257,8 +259,8 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
             for (int64_t u = 0; u < np * H; u++) {
                 const int64_t a0 = starts[u / H], i = seg[r0 + a0];
                 attend_rows_head(qr + a0 * H * Dh, kc[i], vc[i], H, G, Dh, Dh, segs[3 * i], pos[r0 + a0],
-                                 starts[u / H + 1] - a0, ly->window, net->scale, ly->sinks, pt, att + a0 * A, u % H,
-                                 (int)net->kv16);
+                                 starts[u / H + 1] - a0, ly->window, ly->chunk, net->scale, ly->sinks, pt,
+                                 att + a0 * A, u % H, (int)net->kv16);
             }
         }
         lin_product(&ly->o, att, nr, &a, tmp, &oom);
@@ -323,6 +325,7 @@ int prefill_experts(const Net *net, int64_t l, const float *h, float *s, int64_t
                     const float *w, const int64_t *list, int64_t n, int threads) {
     const Layer *ly = net->layers + l;
     const int64_t D = net->D, K = ly->E ? net->top_k : 1;
+    const int scaled = ly->E && net->router == 3;
     Rows p;
     if (!rows_new(net, T, K, &p)) return rows_free(&p), -1;
     int64_t count = 0;
@@ -338,13 +341,19 @@ int prefill_experts(const Net *net, int64_t l, const float *h, float *s, int64_t
         for (int64_t r0 = 0; r0 < count && !p.oom; r0 += PREFILL_ROWS) {
             const int64_t nr = count - r0 < PREFILL_ROWS ? count - r0 : PREFILL_ROWS;
 #pragma omp for schedule(static)
-            for (int64_t j = 0; j < nr; j++) memcpy(p.hb + j * D, h + p.rows[r0 + j] / K * D, sizeof(float) * (size_t)D);
+            for (int64_t j = 0; j < nr; j++) {
+                const int64_t t = p.rows[r0 + j];
+                if (scaled) /* the router's weight scales the expert's input (decode_step.c's `experts`) */
+                    for (int64_t c = 0; c < D; c++) p.hb[j * D + c] = h[t / K * D + c] * w[t];
+                else
+                    memcpy(p.hb + j * D, h + t / K * D, sizeof(float) * (size_t)D);
+            }
             expert_rows(net, ly->experts + list[i], nr, &p);
             /* an expert's rows are distinct positions (a position chooses an expert once): split over the team */
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < (p.oom ? 0 : nr); j++) {
                 const int64_t t = p.rows[r0 + j];
-                float *st = s + t / K * D, wt = w[t];
+                float *st = s + t / K * D, wt = scaled ? 1.0f : w[t];
                 for (int64_t c = 0; c < D; c++) st[c] += p.yb[j * D + c] * wt;
             }
         }

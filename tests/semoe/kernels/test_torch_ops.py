@@ -128,13 +128,16 @@ def test_the_compiled_activation_quantization_is_torchs_bit_for_bit(M, I):
     assert int(q.abs().max()) == 127
 
 
-def test_a_prompts_attention_rows_with_values_shorter_than_keys():
+@pytest.mark.parametrize("chunk", [0, 4, 7])
+def test_a_prompts_attention_rows_with_values_shorter_than_keys(chunk):
     """attend_rows_head with keys of Dh and values of Dv (latent attention's expanded form: a group a
     head, keys nope + R long, values dv): each row's causal softmax attention against float64's,
-    within 1e-5 relative to the largest output (float32 sums over 31 positions)."""
+    within 1e-5 relative to the largest output (float32 sums over 31 positions); with a chunk, each
+    row over its own chunk's positions alone (Llama-4's chunked attention: rows 20..30 cross chunk
+    boundaries within a group of rows)."""
     lib, p = torch_ops._lib(), lambda t: ctypes.c_void_p(t.data_ptr())
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I, ctypes.c_int]
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, I, F, P, P, P, I, ctypes.c_int]
     g = torch.Generator().manual_seed(3)
     H, Dh, Dv, S, pos0, nr = 3, 24, 16, 31, 20, 11
     kc, vc = torch.randn(H, S, Dh, generator=g), torch.randn(H, S, Dv, generator=g)
@@ -142,12 +145,14 @@ def test_a_prompts_attention_rows_with_values_shorter_than_keys():
     scale = Dh ** -0.5
     got, scratch = torch.zeros(nr, H * Dv), torch.empty(4 * (pos0 + nr))
     for h in range(H):
-        lib.attend_rows_head(p(qr), p(kc), p(vc), H, H, Dh, Dv, S, pos0, nr, 0, scale, None, p(scratch), p(got), h, 0)
+        lib.attend_rows_head(p(qr), p(kc), p(vc), H, H, Dh, Dv, S, pos0, nr, 0, chunk, scale, None, p(scratch),
+                             p(got), h, 0)
     want = torch.zeros(nr, H, Dv, dtype=torch.float64)
     for r in range(nr):
         n = pos0 + r + 1
-        w = torch.softmax(torch.einsum("hd,hsd->hs", qr[r].double(), kc[:, :n].double()) * scale, -1)
-        want[r] = torch.einsum("hs,hsd->hd", w, vc[:, :n].double())
+        t0 = (n - 1) - (n - 1) % chunk if chunk else 0
+        w = torch.softmax(torch.einsum("hd,hsd->hs", qr[r].double(), kc[:, t0:n].double()) * scale, -1)
+        want[r] = torch.einsum("hs,hsd->hd", w, vc[:, t0:n].double())
     assert _relative(got, want.reshape(nr, H * Dv).float()) < 1e-5
 
 
@@ -388,14 +393,16 @@ def test_a_gpt_oss_expert_in_one_call_equals_its_torch_composition(monkeypatch, 
     assert _relative(fused, mlp.apply(x, parts)) < 1e-5
 
 
-@pytest.mark.parametrize("Dh, window, sinks", [(16, 0, False), (16, 5, True), (12, 0, True), (24, 7, False)])
-def test_a_prompts_attention_rows_are_the_decoding_heads(Dh, window, sinks):
+@pytest.mark.parametrize("Dh, window, chunk, sinks", [(16, 0, 0, False), (16, 5, 0, True), (12, 0, 0, True),
+                                                      (24, 7, 0, False), (16, 0, 4, False), (12, 0, 3, True)])
+def test_a_prompts_attention_rows_are_the_decoding_heads(Dh, window, chunk, sinks):
     """attend_rows_head (a prompt's rows, four sharing each key and value; scores two rows by four
     positions at once where Dh is a multiple of 8, the plain loops otherwise) against attend_head,
-    a decoding step's, for each row and head, with a window and attention sinks: the same bits."""
+    a decoding step's, for each row and head, with a window, a chunk (rows of one group in different
+    chunks) and attention sinks: the same bits."""
     lib, p = torch_ops._lib(), lambda t: ctypes.c_void_p(t.data_ptr())
     P, I, F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I, ctypes.c_int]
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, I, F, P, P, P, I, ctypes.c_int]
     lib.attend_head.argtypes = [P, P, P, I, I, I, I, I, I, F, P, P, P, I, ctypes.c_int]
     g = torch.Generator().manual_seed(Dh + window)
     H, G, S, pos0, nr = 4, 2, 40, 9, 11  # 11 rows: two groups of four and a group of three
@@ -406,11 +413,11 @@ def test_a_prompts_attention_rows_are_the_decoding_heads(Dh, window, sinks):
     got = torch.zeros(nr, H * Dh)
     scratch = torch.empty(4 * (pos0 + nr))
     for h in range(H):
-        lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, Dh, S, pos0, nr, window, scale,
+        lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, Dh, S, pos0, nr, window, chunk, scale,
                              p(sk) if sinks else None, p(scratch), p(got), h, 0)
     for r in range(nr):
         n = pos0 + r + 1
-        t0 = n - window if 0 < window < n else 0
+        t0 = (n - 1) - (n - 1) % chunk if chunk else n - window if 0 < window < n else 0
         want, ph = torch.zeros(H * Dh), torch.empty(H * n)
         for h in range(H):
             lib.attend_head(p(qr[r]), p(kc), p(vc), H, G, Dh, S, t0, n, scale, p(sk) if sinks else None, p(ph),
@@ -429,7 +436,7 @@ def test_a_float16_kv_cache_holds_float16s_rounding_and_is_read_as_its_values(Dh
     P, I, F, C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
     lib.attend_rotate.argtypes = [P, P, P, P, P, P, P, I, I, I, I, I, I, P, C]
     lib.attend_head.argtypes = [P, P, P, I, I, I, I, I, I, F, P, P, P, I, C]
-    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, F, P, P, P, I, C]
+    lib.attend_rows_head.argtypes = [P, P, P, I, I, I, I, I, I, I, I, I, F, P, P, P, I, C]
     g = torch.Generator().manual_seed(Dh)
     H, G, S, R, pos = 4, 2, 40, 8, 6
     q, k, v = torch.randn(H, Dh, generator=g), torch.randn(G, Dh, generator=g), torch.randn(G, Dh, generator=g)
@@ -449,7 +456,7 @@ def test_a_float16_kv_cache_holds_float16s_rounding_and_is_read_as_its_values(Dh
     for h16, (kc, vc) in ((0, (k16.float(), v16.float())), (1, (k16, v16))):
         rows, scratch = torch.zeros(nr, H * Dh), torch.empty(4 * (pos0 + nr))
         for h in range(H):
-            lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, Dh, S, pos0, nr, window, scale,
+            lib.attend_rows_head(p(qr), p(kc), p(vc), H, G, Dh, Dh, S, pos0, nr, window, 0, scale,
                                  p(sk) if sinks else None, p(scratch), p(rows), h, h16)
         n = pos0 + nr
         head, ph = torch.zeros(H * Dh), torch.empty(H * n)
