@@ -59,7 +59,7 @@ class LeanEngine:
         logits = torch.empty(len(rows), m.head.O)
         prompt_pass.packed(m.lib, self._net, [k.addresses() for k in caches], [k.capacity for k in caches], starts,
                            counts, x, cos, sin, rows, logits.numpy(), threads=m.settings.threads, top_k=c.top_k,
-                           moe=self._moe, reader=m)
+                           moe=self._moe, reader=m, index_topk=c.index_topk or 0)
         for k, p, n in zip(caches, starts, counts):
             k.length = p + n
         return logits

@@ -26,7 +26,8 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
         raise BadInputError("the sequence is closed")
     x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
     kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [T])
-    target = Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m)
+    target = Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m,
+                    c.index_topk or 0)
     run(target, x, cos, sin, on_layer)
     seq.length = pos0 + T
     seq.x[:] = x[-1]

@@ -272,7 +272,14 @@ class LeanModel:
         w_ukT, w_uv = np.ascontiguousarray(w_HdL[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(w_HdL[:, nope:])
         m = loader.LatentC(q_a, q_b, kv_a, q_norm, kv_norm, LATENT_NORM_EPS, rope.softmax_scale(c),
                                w_ukT.ctypes.data, w_uv.ctypes.data, nope, L, dv, int(c.rope_interleave))
-        self.held += [w_ukT, w_uv, m]
+        ix = None
+        if c.indexes(lay):  # DeepSeek sparse attention's indexer: its products dense as the others
+            ix = loader.IndexerC(*(self._linear([pre + f"indexer.{p}"], dense, bias=False)
+                                   for p in ("wq_b", "wk", "weights_proj")),
+                                 self._vector(pre + "indexer.k_norm.weight"), self._vector(pre + "indexer.k_norm.bias"),
+                                 c.index_heads, c.index_head_dim, int(c.index_rope_interleave))
+        loader.sparse_attention(m, c, ix)
+        self.held += [w_ukT, w_uv, m, ix]
         return m
 
     def _vector(self, param: str) -> int:

@@ -58,6 +58,8 @@ def sequence_parts(c, prompt_tokens: int, capacity: int, kv_cache: str = "f32") 
         kv, att = c.kv_bytes(1, S, 2 if kv_cache == "f16" else f), 0
         qkv, heads = 2 * M * (H + 2 * G) * Dh * f, H * Dh
     step = S * H * f + (3 * D + heads + 3 * F + E + 3 * c.vocab_size) * f  # the logits and the loop's copies
-    rows = T * (5 * D + 2 * R) * f + T * (K * 20 + 12)  # lean_prefill's and prompt_pass's
+    step += 3 * S * f if c.index_topk else 0  # DeepSeek sparse attention's scores, their copy and the choice
+    # lean_prefill's and prompt_pass's (with DeepSeek sparse attention's choices, int32 a position a row)
+    rows = T * (5 * D + 2 * R) * f + T * (K * 20 + 12) + T * (c.index_topk or 0) * 4
     layer = M * (5 * D + 2 * heads + 3 * F + E) * f + qkv + att + loader.ROW_GROUP * H * S * f
     return {"kv": kv, "step": step, "rows": rows, "layer": layer}

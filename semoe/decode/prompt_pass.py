@@ -54,6 +54,7 @@ class Target:
     top_k: int
     moe: frozenset
     reader: object = None
+    index_topk: int = 0  # DeepSeek sparse attention's positions a row reads (0: none)
 
 
 def sequences(caches: list[tuple[list[int], list[int]]], capacities: list[int], positions: list[int],
@@ -94,14 +95,15 @@ def run(target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
 
 def packed(lib: ctypes.CDLL, net: object, caches: list[tuple[list[int], list[int]]], capacities: list[int],
            starts: list[int], counts: list[int], x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rows: list[int],
-           logits: np.ndarray, *, threads: int, top_k: int, moe: frozenset, reader: object = None) -> None:
+           logits: np.ndarray, *, threads: int, top_k: int, moe: frozenset, reader: object = None,
+           index_topk: int = 0) -> None:
     """A server's step: sequence i's `counts[i]` rows of x (their embeddings; cos and sin their rotary
     tables) at its cache's positions from `starts[i]` (`sequences`' caches and capacities) through every
     layer (`run`), then the head over `rows` of the residual stream into logits (len(rows), V). The
     engine's resident model (`DecodePlan.batch`) and the runner's cache (`inference.serving.torch_free_engine`, with
     `reader`) step so."""
     kc, vc, segs = sequences(caches, capacities, starts, counts)
-    run(Target(lib, net, kc, vc, segs, threads, top_k, moe, reader), x, cos, sin)
+    run(Target(lib, net, kc, vc, segs, threads, top_k, moe, reader, index_topk), x, cos, sin)
     h = np.ascontiguousarray(x[rows])
     lib.prefill_head(net, _p(h), len(rows), _p(logits), threads)
 
@@ -116,13 +118,19 @@ class _Pass:
         self.t, self.T, self.K = target, T, K
         self.x, self.cos, self.sin, self.R = x, cos, sin, cos.shape[1]
         self.h, self.s = np.empty((T, D), np.float32), np.empty((T, D), np.float32)
+        # each row's chosen positions under DeepSeek sparse attention, kept from a layer with an indexer
+        # for the shared layers after it
+        self.choices = np.empty((T, target.index_topk), np.int32) if target.index_topk else None
         self.ids, self.w = np.zeros((T, K), np.int64), np.zeros((T, K), np.float32)
         self.dense_ids, self.dense_w = np.zeros(T, np.int64), np.ones(T, np.float32)
 
     def attend(self, lay: int) -> None:
         t, T, K = self.t, self.T, self.K
-        t.lib.prefill_attend(t.net, lay, _p(self.x), T, t.kc[lay], t.vc[lay], _p(t.segs), len(t.segs), _p(self.cos),
-                             _p(self.sin), self.R, _p(self.ids), _p(self.w), K, t.threads)
+        rc = t.lib.prefill_attend(t.net, lay, _p(self.x), T, t.kc[lay], t.vc[lay], _p(t.segs), len(t.segs),
+                                  _p(self.cos), _p(self.sin), self.R, _p(self.ids), _p(self.w), K,
+                                  None if self.choices is None else _p(self.choices), t.threads)
+        if rc != 0:
+            raise MemoryError(f"layer {lay}: the prompt pass's attention could not allocate its buffers for {T} rows")
 
     def feed_forward(self, lay: int, ahead):
         """Layer lay's feed-forward of every position; the next MoE layer's read-ahead (a

@@ -320,17 +320,90 @@ void rope_rotate(const float *x, const float *cos, const float *sin, int64_t R, 
     }
 }
 
-/* One head of latent attention's absorbed form (DeepSeek, Kimi) over the n cached positions: the
- * head's query in the latent space ql (L) and its rotated rotary part qr (R), scores against each
- * position's latent (S, L) and rotary key (S, R), times `scale`, softmax, and the latents' weighted
- * sum into out (L); p: n floats of room. */
+/* One head of latent attention's absorbed form (DeepSeek, Kimi) over n cached positions (0..n-1, or
+ * idx[0..n) where idx is not NULL: the positions DeepSeek sparse attention chose, in order): the head's
+ * query in the latent space ql (L) and its rotated rotary part qr (R), scores against each position's
+ * latent (rows of L) and rotary key (the first R of rows of rs), times `scale`, softmax, and the
+ * latents' weighted sum into out (L); p: n floats of room. */
 void mla_head(const float *ql, const float *qr, const float *latents, const float *rots, int64_t L, int64_t R,
-              int64_t n, float scale, float *p, float *out) {
-    for (int64_t t = 0; t < n; t++) p[t] = (dot_f32(ql, latents + t * L, L) + dot_f32(qr, rots + t * R, R)) * scale;
+              int64_t rs, const int32_t *idx, int64_t n, float scale, float *p, float *out) {
+#define POS(i) (idx ? (int64_t)idx[i] : (i))
+    for (int64_t i = 0; i < n; i++)
+        p[i] = (dot_f32(ql, latents + POS(i) * L, L) + dot_f32(qr, rots + POS(i) * rs, R)) * scale;
     float sum = softmax_exp(p, 0, n, max_from(p, 0, n, -INFINITY));
     memset(out, 0, sizeof(float) * (size_t)L);
-    for (int64_t t = 0; t < n; t++) {
-        float w = p[t] / sum;
-        for (int64_t i = 0; i < L; i++) out[i] += w * latents[t * L + i];
+    for (int64_t i = 0; i < n; i++) {
+        const float w = p[i] / sum, *lat = latents + POS(i) * L;
+        for (int64_t j = 0; j < L; j++) out[j] += w * lat[j];
     }
+#undef POS
+}
+
+/* LayerNorm of one row of D: (x - mean) / sqrt(var + eps) * w + b, the variance biased, as torch's */
+void layernorm_f32(const float *x, const float *w, const float *b, float eps, float *y, int64_t D) {
+    float mean = 0.0f, var = 0.0f;
+    for (int64_t i = 0; i < D; i++) mean += x[i];
+    mean /= (float)D;
+    for (int64_t i = 0; i < D; i++) var += (x[i] - mean) * (x[i] - mean);
+    const float r = 1.0f / sqrtf(var / (float)D + eps);
+    for (int64_t i = 0; i < D; i++) y[i] = (x[i] - mean) * r * w[i] + b[i];
+}
+
+/* The indexer's score of one position for one query: the sum over Hi heads of iw[h] * relu(iq_h . k
+ * / sqrt(Di)), iw the head weights already over sqrt(Hi) (decode_abi.h's `Indexer`) */
+float index_score(const float *iq, const float *iw, int64_t Hi, int64_t Di, const float *k) {
+    const float ds = (float)(1.0 / sqrt((double)Di)); /* the module's Di ** -0.5 */
+    float sc = 0.0f;
+    for (int64_t h = 0; h < Hi; h++) {
+        const float d = dot_f32(iq + h * Di, k, Di) * ds;
+        sc += iw[h] * (d > 0.0f ? d : 0.0f);
+    }
+    return sc;
+}
+
+/* the k-th largest of v[0..n) (1 <= k <= n), found in place (v is reordered): Hoare's selection */
+static float kth_largest(float *v, int64_t n, int64_t k) {
+    int64_t lo = 0, hi = n - 1, want = k - 1;
+    while (lo < hi) {
+        const float pivot = v[lo + (hi - lo) / 2];
+        int64_t i = lo, j = hi;
+        while (i <= j) {
+            while (v[i] > pivot) i++;
+            while (v[j] < pivot) j--;
+            if (i <= j) {
+                const float t = v[i];
+                v[i] = v[j], v[j] = t;
+                i++, j--;
+            }
+        }
+        if (want <= j)
+            hi = j;
+        else if (want >= i)
+            lo = i;
+        else
+            break;
+    }
+    return v[want];
+}
+
+/* Which of n positions with scores sc a query reads: all where n <= k, else the k of the best scores
+ * (among equal scores at the threshold the earliest), into idx in position order; returns how many
+ * (min(n, k)). scratch: n floats. A NaN score (none from finite weights) counts as the lowest. */
+int64_t choose_top(const float *sc, int64_t n, int64_t k, int32_t *idx, float *scratch) {
+    if (n <= k) {
+        for (int64_t t = 0; t < n; t++) idx[t] = (int32_t)t;
+        return n;
+    }
+#define VAL(t) (sc[t] == sc[t] ? sc[t] : -INFINITY)
+    for (int64_t t = 0; t < n; t++) scratch[t] = VAL(t);
+    const float thr = kth_largest(scratch, n, k);
+    int64_t above = 0, m = 0;
+    for (int64_t t = 0; t < n; t++) above += VAL(t) > thr;
+    for (int64_t t = 0, ties = k - above; t < n && m < k; t++) {
+        const int tie = VAL(t) == thr && ties > 0;
+        ties -= tie;
+        if (VAL(t) > thr || tie) idx[m++] = (int32_t)t;
+    }
+#undef VAL
+    return m; /* k: `above` < k scores exceed the k-th, and at least k - above equal it */
 }

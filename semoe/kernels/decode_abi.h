@@ -26,6 +26,18 @@ typedef struct {
     Lin gate, up, down;
 } Expert;
 
+/* DeepSeek sparse attention's lightning indexer of a latent-attention layer (DeepSeek-V3.2, GLM-5): Hi
+ * query heads of Di from the normed q_a by wq (Hi * Di, q_a.O), a key of Di from h by wk, normed
+ * (LayerNorm with k_norm, k_bias, epsilon 1e-6), the first R dims of both rotated (pairs where
+ * interleave), and Hi head weights from h by wp. A query's score of a position t is the sum over
+ * heads of w_h / sqrt(Hi) * relu(q_h . k_t / sqrt(Di)); attention reads the `Latent.topk` best of the
+ * positions the query sees. */
+typedef struct {
+    Lin wq, wk, wp;
+    const float *k_norm, *k_bias;
+    int64_t Hi, Di, interleave;
+} Indexer;
+
 /* DeepSeek's latent attention (MLA) of a layer, in its absorbed form over the latent cache (the
  * normed latent (L) and the rotated rotary key (R) of each position): q from h by q_b, or by q_a,
  * its norm and q_b where q_a.O > 0; H heads of nope + R values, their no-rope part taken into the
@@ -38,6 +50,12 @@ typedef struct {
     float eps, scale;
     const float *w_ukT, *w_uv; /* float32 */
     int64_t nope, L, dv, interleave; /* interleave: rotary over pairs (2i, 2i + 1) */
+    /* DeepSeek sparse attention: topk > 0 reads the topk positions the indexer scores best, whose
+     * rotated keys of Di follow each position's rotary key in its cache (rows of R + Di); `index` NULL:
+     * the layer has no indexer of its own (GLM-5's shared layers; zeros in its cache's index keys) and
+     * reads the positions the last layer with one chose in the same step */
+    const Indexer *index;
+    int64_t topk, Di;
 } Latent;
 
 typedef struct {

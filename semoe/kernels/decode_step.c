@@ -180,6 +180,9 @@ typedef struct { /* the step's buffers */
     float *h, *qkv, *qr, *att, *tmp, *p, *probs, *choice, *hg, *hu, *ys, *w, gate;
     float *hin, *ones; /* experts whose input the router's weights scale: their inputs (K, D), K ones */
     float *qa, *qb, *kv, *qn, *qrot, *qlat, *olat, *attm; /* latent attention's (NULL without) */
+    float *iq, *ik, *iw, *isc, *isel; /* the indexer's query heads, key, head weights, scores and their copy */
+    int32_t *chosen; /* the positions the last indexer of the step chose (nchosen of them), in order */
+    int64_t nchosen;
     unsigned char *masked;
     const Expert **ex; /* the experts a feed-forward pass runs */
     const float **yp;
@@ -286,6 +289,17 @@ static Work *work_new(const Net *net, int64_t S) {
         s->olat = malloc(sizeof(float) * (size_t)(H * m->L));
         s->attm = malloc(sizeof(float) * (size_t)(H * m->dv));
         mla_ok = s->qa && s->qb && s->kv && s->qn && s->qrot && s->qlat && s->olat && s->attm;
+        const Indexer *ix = NULL;
+        for (int64_t l = 0; net->layers && l < net->L && !ix; l++) ix = net->layers[l].mla ? net->layers[l].mla->index : NULL;
+        if (ix) {
+            s->iq = malloc(sizeof(float) * (size_t)(ix->Hi * ix->Di));
+            s->ik = malloc(sizeof(float) * (size_t)ix->Di);
+            s->iw = malloc(sizeof(float) * (size_t)ix->Hi);
+            s->isc = malloc(sizeof(float) * (size_t)S);
+            s->isel = malloc(sizeof(float) * (size_t)S);
+            s->chosen = malloc(sizeof(int32_t) * (size_t)S);
+            mla_ok = mla_ok && s->iq && s->ik && s->iw && s->isc && s->isel && s->chosen;
+        }
     }
     if (!mla_ok || !s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice ||
         !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w || !s->hin || !s->ones || !s->yp || !s->ids || !s->ax || !s->ah) {
@@ -299,6 +313,7 @@ static void work_free(Work *s) {
     free(s->h), free(s->qkv), free(s->qr), free(s->att), free(s->tmp), free(s->p), free(s->probs);
     free(s->choice), free(s->masked), free(s->ex);
     free(s->qa), free(s->qb), free(s->kv), free(s->qn), free(s->qrot), free(s->qlat), free(s->olat), free(s->attm);
+    free(s->iq), free(s->ik), free(s->iw), free(s->isc), free(s->isel), free(s->chosen);
     free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->hin), free(s->ones), free(s->yp), free(s->ids), free(s->ax), free(s->ah);
     free(s);
 }
@@ -367,11 +382,41 @@ static void gqa_attend(const Net *net, const Layer *ly, void *kc, void *vc, int6
     lin_product(&ly->o, s->att, 1, &s->a, s->tmp, &s->oom);
 }
 
+/* the indexer's key of the normed row h into k (Di) as the cache keeps it: from wk's product in ik,
+ * normed, its first R dims rotated with the position's cos/sin; zeros for a layer without an indexer */
+void index_key(const Latent *m, int64_t R, const float *ik, const float *cos, const float *sin, float *k) {
+    const Indexer *ix = m->index;
+    if (!ix) {
+        memset(k, 0, sizeof(float) * (size_t)m->Di);
+        return;
+    }
+    float row[ix->Di];
+    layernorm_f32(ik, ix->k_norm, ix->k_bias, 1e-6f, row, ix->Di);
+    memcpy(k, row, sizeof(float) * (size_t)ix->Di);
+    rope_rotate(row, cos, sin, R, (int)ix->interleave, k);
+}
+
+/* the indexer's query heads iq (Hi * Di, wq's product) rotated in place, and its head weights iw (Hi,
+ * wp's product) over sqrt(Hi), as `index_score` takes them */
+void index_query(const Indexer *ix, int64_t R, float *iq, float *iw, const float *cos, const float *sin) {
+    float row[R];
+    for (int64_t h = 0; h < ix->Hi; h++) {
+        rope_rotate(iq + h * ix->Di, cos, sin, R, (int)ix->interleave, row);
+        memcpy(iq + h * ix->Di, row, sizeof(float) * (size_t)R);
+    }
+    const float ws = (float)(1.0 / sqrt((double)ix->Hi)); /* the module's Hi ** -0.5 */
+    for (int64_t h = 0; h < ix->Hi; h++) iw[h] = iw[h] * ws;
+}
+
 /* latent attention (`Latent`) from the normed row s->h to the output product in s->tmp, by the team:
- * the latent and rotary key written at pos of the layer's caches (S, L) and (S, R) */
+ * the latent and rotary key written at pos of the layer's caches (S, L) and (S, R), or, under
+ * DeepSeek sparse attention, (S, R + Di) with the indexer's key after the rotary key; then every
+ * position's score by the indexer and attention over the topk best (`Latent.topk`) */
 static void latent_attend(const Net *net, const Latent *m, const Lin *o, float *latents, float *rots, int64_t S,
                           int64_t pos, const float *cos, const float *sin, Work *s) {
     const int64_t H = net->H, R = net->R, nope = m->nope, L = m->L, dv = m->dv, Q = nope + R;
+    const int64_t rs = R + (m->topk ? m->Di : 0); /* a position's row in the rotary cache */
+    const Indexer *ix = m->index;
     if (m->q_a.O) {
         lin_product(&m->q_a, s->h, 1, &s->a, s->qa, &s->oom);
 #pragma omp single
@@ -381,22 +426,37 @@ static void latent_attend(const Net *net, const Latent *m, const Lin *o, float *
         lin_product(&m->q_b, s->h, 1, &s->a, s->qb, &s->oom);
     }
     lin_product(&m->kv_a, s->h, 1, &s->a, s->kv, &s->oom);
+    if (ix) {
+        lin_product(&ix->wq, s->qa, 1, &s->a, s->iq, &s->oom);
+        lin_product(&ix->wk, s->h, 1, &s->a, s->ik, &s->oom);
+        lin_product(&ix->wp, s->h, 1, &s->a, s->iw, &s->oom);
+    }
 #pragma omp single
     {
         rmsnorm_f32(s->kv, m->kv_norm, m->eps, latents + pos * L, 1, L);
-        rope_rotate(s->kv + L, cos, sin, R, (int)m->interleave, rots + pos * R);
+        rope_rotate(s->kv + L, cos, sin, R, (int)m->interleave, rots + pos * rs);
+        if (m->topk) index_key(m, R, s->ik, cos, sin, rots + pos * rs + R);
+        if (ix) index_query(ix, R, s->iq, s->iw, cos, sin);
         for (int64_t h = 0; h < H; h++) {
             memcpy(s->qn + h * nope, s->qb + h * Q, sizeof(float) * (size_t)nope);
             rope_rotate(s->qb + h * Q + nope, cos, sin, R, (int)m->interleave, s->qrot + h * R);
         }
     }
+    if (ix && !s->oom) { /* every position's score, then the best topk (a layer without an indexer reads them) */
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t <= pos; t++) s->isc[t] = index_score(s->iq, s->iw, ix->Hi, ix->Di, rots + t * rs + R);
+#pragma omp single
+        s->nchosen = choose_top(s->isc, pos + 1, m->topk, s->chosen, s->isel);
+    }
+    const int32_t *idx = m->topk ? s->chosen : NULL;
+    const int64_t n = m->topk ? s->nchosen : pos + 1;
     const int64_t nl = i8_blocks(L), nv = i8_blocks(dv);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < H * nl; t++) /* each head's no-rope query into the latent space */
         f32_block(s->qn + t / nl * nope, m->w_ukT + t / nl * L * nope, s->qlat + t / nl * L, 1, L, nope, t % nl);
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++)
-        mla_head(s->qlat + h * L, s->qrot + h * R, latents, rots, L, R, pos + 1, m->scale, s->p + h * S,
+        mla_head(s->qlat + h * L, s->qrot + h * R, latents, rots, L, R, rs, idx, n, m->scale, s->p + h * S,
                  s->olat + h * L);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < H * nv; t++) /* each head's latent sum out to its values */
@@ -532,7 +592,10 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
     FIELDS(Expert, OFF(Expert, gate), OFF(Expert, up), OFF(Expert, down))
     FIELDS(Latent, OFF(Latent, q_a), OFF(Latent, q_b), OFF(Latent, kv_a), OFF(Latent, q_norm), OFF(Latent, kv_norm),
            OFF(Latent, eps), OFF(Latent, scale), OFF(Latent, w_ukT), OFF(Latent, w_uv), OFF(Latent, nope),
-           OFF(Latent, L), OFF(Latent, dv), OFF(Latent, interleave))
+           OFF(Latent, L), OFF(Latent, dv), OFF(Latent, interleave), OFF(Latent, index), OFF(Latent, topk),
+           OFF(Latent, Di))
+    FIELDS(Indexer, OFF(Indexer, wq), OFF(Indexer, wk), OFF(Indexer, wp), OFF(Indexer, k_norm), OFF(Indexer, k_bias),
+           OFF(Indexer, Hi), OFF(Indexer, Di), OFF(Indexer, interleave))
     FIELDS(Layer, OFF(Layer, attn_norm), OFF(Layer, ffn_norm), OFF(Layer, attn_eps), OFF(Layer, ffn_eps),
            OFF(Layer, n_qkv), OFF(Layer, window), OFF(Layer, qk_norm), OFF(Layer, q_norm), OFF(Layer, k_norm),
            OFF(Layer, norope), OFF(Layer, chunk), OFF(Layer, temp_scale), OFF(Layer, temp_floor), OFF(Layer, qk_eps),

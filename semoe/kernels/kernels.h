@@ -179,7 +179,11 @@ void attend_rows_head(const float *qr, const void *kc, const void *vc, int64_t H
 /* attend.c's pieces of latent attention (decode_step.c) */
 void rope_rotate(const float *x, const float *cos, const float *sin, int64_t R, int interleave, float *y);
 void mla_head(const float *ql, const float *qr, const float *latents, const float *rots, int64_t L, int64_t R,
-              int64_t n, float scale, float *p, float *out);
+              int64_t rs, const int32_t *idx, int64_t n, float scale, float *p, float *out);
+/* DeepSeek sparse attention's pieces (decode_abi.h's `Indexer`) */
+void layernorm_f32(const float *x, const float *w, const float *b, float eps, float *y, int64_t D);
+float index_score(const float *iq, const float *iw, int64_t Hi, int64_t Di, const float *k);
+int64_t choose_top(const float *sc, int64_t n, int64_t k, int32_t *idx, float *scratch);
 void moe_combine_f32(float *x, const float *const *ys, const float *w, int64_t K, int64_t D);
 
 #endif

@@ -25,6 +25,10 @@ void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int
  * first position a query at pos sees (`attend_from`), and the router's choice from its logits p
  * (overwritten; choice: E floats, masked E bytes) */
 int64_t attend_from(const Layer *ly, int64_t pos);
+/* the indexer's key of a position as its cache keeps it, and its query heads and weights as scored
+ * (decode_step.c) */
+void index_key(const Latent *m, int64_t R, const float *ik, const float *cos, const float *sin, float *k);
+void index_query(const Indexer *ix, int64_t R, float *iq, float *iw, const float *cos, const float *sin);
 int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin, int64_t pos);
 void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids, float *w);
 

@@ -44,10 +44,28 @@ class Expert(ctypes.Structure):
     _fields_ = [("gate", Lin), ("up", Lin), ("down", Lin)]
 
 
+class IndexerC(ctypes.Structure):
+    """decode_abi.h's `Indexer`: DeepSeek sparse attention's lightning indexer of a layer."""
+    _fields_ = [("wq", Lin), ("wk", Lin), ("wp", Lin), ("k_norm", _P), ("k_bias", _P), ("Hi", _I), ("Di", _I),
+                ("interleave", _I)]
+
+
 class LatentC(ctypes.Structure):
-    """decode_abi.h's `Latent`: a layer's latent attention (DeepSeek, Kimi) in its absorbed form."""
+    """decode_abi.h's `Latent`: a layer's latent attention (DeepSeek, Kimi) in its absorbed form, with
+    DeepSeek sparse attention's choice of positions where `topk` > 0."""
     _fields_ = [("q_a", Lin), ("q_b", Lin), ("kv_a", Lin), ("q_norm", _P), ("kv_norm", _P), ("eps", _F32),
-                ("scale", _F32), ("w_ukT", _P), ("w_uv", _P), ("nope", _I), ("L", _I), ("dv", _I), ("interleave", _I)]
+                ("scale", _F32), ("w_ukT", _P), ("w_uv", _P), ("nope", _I), ("L", _I), ("dv", _I), ("interleave", _I),
+                ("index", ctypes.POINTER(IndexerC)), ("topk", _I), ("Di", _I)]
+
+
+def sparse_attention(latent: LatentC, config, indexer: IndexerC | None) -> None:
+    """Set `latent`'s DeepSeek sparse attention from the model's config: its top-k and the indexer's key
+    dims after each rotary key, and its own indexer (None: a layer reading another's choice)."""
+    if config.index_topk is None:
+        return
+    latent.topk, latent.Di = config.index_topk, config.index_head_dim
+    if indexer is not None:
+        latent.index = ctypes.pointer(indexer)
 
 
 class LayerC(ctypes.Structure):
@@ -157,7 +175,7 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
 
 
 # decode_abi.h's struct names -> their mirrors, which `check_layout` compares field by field
-STRUCTS = {"Lin": Lin, "Expert": Expert, "Latent": LatentC, "Layer": LayerC, "Net": Net}
+STRUCTS = {"Lin": Lin, "Expert": Expert, "Indexer": IndexerC, "Latent": LatentC, "Layer": LayerC, "Net": Net}
 
 
 def check_layout(lib: ctypes.CDLL, path: str, structs: dict[str, type[ctypes.Structure]] = STRUCTS) -> None:
@@ -204,7 +222,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
     lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
-    lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _INT]
+    lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _INT]
     lib.prefill_head.argtypes = [_P, _P, _I, _P, _INT]
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]

@@ -64,6 +64,7 @@ static void expert_rows(const Net *net, const Expert *e, int64_t n, Rows *p) {
 typedef struct {
     float *qa, *qb, *kv, *qn, *qrot, *qlat, *olat, *attv;
     float *ke, *ve, *qe;
+    float *iq, *ik, *iw; /* the indexer's query heads, key and head weights of the rows (DeepSeek sparse attention) */
 } LatentRows;
 
 /* The expanded form's most bytes (its keys and values) for a layer's prompt; past it, the
@@ -82,6 +83,12 @@ static int latent_rows_new(const Net *net, const Latent *m, int64_t P, int expan
     b->qa = malloc(sizeof(float) * (size_t)(M * (m->q_a.O > 0 ? m->q_a.O : 1)));
     b->qb = malloc(sizeof(float) * (size_t)(M * H * (m->nope + R)));
     b->kv = malloc(sizeof(float) * (size_t)(M * (m->L + R)));
+    if (m->index) {
+        b->iq = malloc(sizeof(float) * (size_t)(M * m->index->Hi * m->index->Di));
+        b->ik = malloc(sizeof(float) * (size_t)(M * m->index->Di));
+        b->iw = malloc(sizeof(float) * (size_t)(M * m->index->Hi));
+        if (!b->iq || !b->ik || !b->iw) return 0;
+    }
     if (expand && (int64_t)sizeof(float) * H * P * (Dk + m->dv) <= expand_limit) {
         b->ke = malloc(sizeof(float) * (size_t)(H * P * Dk));
         b->ve = malloc(sizeof(float) * (size_t)(H * P * m->dv));
@@ -100,7 +107,7 @@ static int latent_rows_new(const Net *net, const Latent *m, int64_t P, int expan
 
 static void latent_rows_free(LatentRows *b) {
     free(b->qa), free(b->qb), free(b->kv), free(b->qn), free(b->qrot), free(b->qlat), free(b->olat), free(b->attv);
-    free(b->ke), free(b->ve), free(b->qe);
+    free(b->ke), free(b->ve), free(b->qe), free(b->iq), free(b->ik), free(b->iw);
 }
 
 /* positions e0..e1-1 of the latents (S, L) and rotary keys (S, R) expanded, by the team, into each
@@ -135,8 +142,10 @@ static void latent_expand(const Latent *m, int64_t H, int64_t R, const float *la
 static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t nr, const int64_t *seg,
                         const int64_t *pos, void *const *lat, void *const *rot, int first, int64_t P,
                         const float *cos, const float *sin, int64_t Rc, LatentRows *b, float *p, int64_t Smax,
-                        float *att, Acts *a, int *oom) {
+                        int32_t *choices, float *att, Acts *a, int *oom) {
     const int64_t H = net->H, R = net->R, nope = m->nope, L = m->L, dv = m->dv, Q = nope + R;
+    const int64_t rs = R + (m->topk ? m->Di : 0); /* a position's row in the rotary cache */
+    const Indexer *ix = m->index;
     if (m->q_a.O) {
         lin_product(&m->q_a, h, nr, a, b->qa, oom);
 #pragma omp single
@@ -146,6 +155,11 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
         lin_product(&m->q_b, h, nr, a, b->qb, oom);
     }
     lin_product(&m->kv_a, h, nr, a, b->kv, oom);
+    if (ix) {
+        lin_product(&ix->wq, b->qa, nr, a, b->iq, oom);
+        lin_product(&ix->wk, h, nr, a, b->ik, oom);
+        lin_product(&ix->wp, h, nr, a, b->iw, oom);
+    }
     if (*oom) return;
     const int expanded = b->ke != NULL;
     float *pt = p + (int64_t)omp_get_thread_num() * ROW_GROUP * Smax; /* this thread's scores */
@@ -154,7 +168,9 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
         const float *kv = b->kv + r * (L + R), *qb = b->qb + r * H * Q;
         float *latents = (float *)lat[seg[r]], *rots = (float *)rot[seg[r]];
         rmsnorm_f32(kv, m->kv_norm, m->eps, latents + pos[r] * L, 1, L);
-        rope_rotate(kv + L, cos + r * Rc, sin + r * Rc, R, (int)m->interleave, rots + pos[r] * R);
+        rope_rotate(kv + L, cos + r * Rc, sin + r * Rc, R, (int)m->interleave, rots + pos[r] * rs);
+        if (m->topk) index_key(m, R, ix ? b->ik + r * ix->Di : NULL, cos + r * Rc, sin + r * Rc, rots + pos[r] * rs + R);
+        if (ix) index_query(ix, R, b->iq + r * ix->Hi * ix->Di, b->iw + r * ix->Hi, cos + r * Rc, sin + r * Rc);
         for (int64_t hd = 0; hd < H; hd++) {
             float *qn = expanded ? b->qe + (r * H + hd) * Q : b->qn + (hd * nr + r) * nope;
             memcpy(qn, qb + hd * Q, sizeof(float) * (size_t)nope);
@@ -169,6 +185,14 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
             attend_rows_head(b->qe, b->ke, b->ve, H, H, Q, dv, P, pos[0], nr, 0, 0, m->scale, NULL, pt, att, hd, 0);
         return;
     }
+    if (ix) { /* each row's scores of the positions it sees (its sequence's, its own included), the best topk */
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < nr; r++) {
+            const float *rots = (const float *)rot[seg[r]], *iq = b->iq + r * ix->Hi * ix->Di, *iw = b->iw + r * ix->Hi;
+            for (int64_t t = 0; t <= pos[r]; t++) pt[t] = index_score(iq, iw, ix->Hi, ix->Di, rots + t * rs + R);
+            choose_top(pt, pos[r] + 1, m->topk, choices + r * m->topk, pt + Smax);
+        }
+    }
     const int64_t nl = i8_blocks(L), nv = i8_blocks(dv);
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < H * nl; t++) /* each head's no-rope queries into the latent space */
@@ -177,8 +201,10 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < nr * H; t++) {
         const int64_t r = t / H, hd = t % H;
+        const int64_t seen = pos[r] + 1, n = m->topk && m->topk < seen ? m->topk : seen;
         mla_head(b->qlat + (hd * nr + r) * L, b->qrot + (r * H + hd) * R, (const float *)lat[seg[r]],
-                 (const float *)rot[seg[r]], L, R, pos[r] + 1, m->scale, pt, b->olat + (hd * nr + r) * L);
+                 (const float *)rot[seg[r]], L, R, rs, m->topk ? choices + r * m->topk : NULL, n, m->scale, pt,
+                 b->olat + (hd * nr + r) * L);
     }
 #pragma omp for schedule(static)
     for (int64_t t = 0; t < H * nv; t++) /* each head's latent sums out to its values */
@@ -198,10 +224,12 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
  * The norms and products take PREFILL_ROWS rows at once, whichever sequences they are of; then the
  * rows are prepared and rotated (their k and v written), and each attends over its sequence's
  * positions up to its own (a sequence's consecutive rows a few at a time sharing each position's key
- * and value). cos, sin: (T, Rc) the rows' rotary tables. Returns 0; -1 where memory was short. */
+ * and value). cos, sin: (T, Rc) the rows' rotary tables. choices: (T, topk) int32 under DeepSeek sparse
+ * attention (each row's chosen positions, written by a layer with an indexer, read by the shared ones
+ * after it), else NULL. Returns 0; -1 where memory was short (or choices is missing). */
 int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *kc, void *const *vc,
                    const int64_t *segs, int64_t nseg, const float *cos, const float *sin, int64_t Rc, int64_t *ids,
-                   float *w, int64_t K, int threads) {
+                   float *w, int64_t K, int32_t *choices, int threads) {
     const Layer *ly = net->layers + l;
     const Latent *m = ly->mla;
     const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, R = PREFILL_ROWS;
@@ -223,7 +251,9 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
         for (int64_t j = 0; j < segs[3 * i + 2] && r < T; j++, r++) seg[r] = i, pos[r] = segs[3 * i + 1] + j;
     /* the expanded form for one sequence's prompt alone; a decoding row attends in the absorbed form,
      * alone or beside others, so that its bits do not depend on what shares its step */
-    oom = oom || (m && !latent_rows_new(net, m, segs[1] + T, nseg == 1 && T > 1, &lb));
+    /* (DeepSeek sparse attention: each row's own choice of positions, in decoding's absorbed form) */
+    oom = oom || (m && !latent_rows_new(net, m, segs[1] + T, nseg == 1 && T > 1 && !m->topk, &lb));
+    oom = oom || (m && m->topk && !choices);
 #pragma omp parallel num_threads(threads)
     for (int64_t r0 = 0; r0 < T && !oom; r0 += R) {
         const int64_t nr = T - r0 < R ? T - r0 : R;
@@ -231,7 +261,7 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
         rmsnorm_f32(x + r0 * D, ly->attn_norm, ly->attn_eps, h, nr, D);
         if (m)
             latent_rows(net, m, h, nr, seg + r0, pos + r0, kc, vc, r0 == 0, segs[1] + T, cos + r0 * Rc, sin + r0 * Rc,
-                        Rc, &lb, p, Smax, att, &a, &oom); /* latent caches: float32 always */
+                        Rc, &lb, p, Smax, m->topk ? choices + r0 * m->topk : NULL, att, &a, &oom); /* float32 caches */
         for (int64_t j = 0, off = 0; !m && j < ly->n_qkv; off += ly->qkv[j].O, j++) {
             lin_product(&ly->qkv[j], h, nr, &a, part, &oom);
 #pragma omp single

@@ -371,8 +371,13 @@ class Indexer(nn.Module):
         seen_TS = torch.arange(S, device=q_BTX.device)[None, :] <= torch.arange(start, start + T,
                                                                                  device=q_BTX.device)[:, None]
         index_BTS = index_BTS.masked_fill(~seen_TS, float("-inf"))
-        best_BTK = index_BTS.topk(min(c.index_topk, S), dim=-1).indices
-        return torch.zeros(B, T, S, dtype=torch.bool, device=q_BTX.device).scatter_(-1, best_BTK, True) & seen_TS
+        # the k best, and among scores equal to the k-th the earliest positions (as the fast core's
+        # `choose_top`; the reference's top-k leaves ties, as when every head's relu is 0, to chance)
+        k = min(c.index_topk, S)
+        kth_BT1 = index_BTS.topk(k, dim=-1).values[..., -1:]
+        above_BTS, tie_BTS = index_BTS > kth_BT1, index_BTS == kth_BT1
+        room_BT1 = k - above_BTS.sum(dim=-1, keepdim=True)
+        return (above_BTS | (tie_BTS & (tie_BTS.cumsum(dim=-1) <= room_BT1))) & seen_TS
 
 
 class LatentAttention(nn.Module):

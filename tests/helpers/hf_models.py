@@ -84,12 +84,15 @@ def tiny_config(arch: str, **over):
         cls, kw = transformers.HunYuanMoEV1Config, dict(TINY, num_experts=4, moe_topk=2, head_dim=16,
                                                         rope_parameters=rope)
     elif arch in ("deepseek_v32", "glm_moe_dsa"):
-        # DeepSeek-V3's MLA and routing with the sparse-attention indexer: its top 4 positions of 8 heads,
-        # so that prompts longer than 4 read a choice; GLM-5's rotates the indexer over pairs
+        # DeepSeek-V3's MLA and routing with the sparse-attention indexer: its top 4 positions of 32 heads,
+        # so that prompts longer than 4 read a choice; GLM-5's rotates the indexer over pairs. With 8
+        # heads, every head's relu was 0 for a position now and then (a score of exactly 0), and
+        # transformers' top-k breaks such ties by chance where semoe takes the earliest position.
+        # 32 heads make a tie at the k-th score improbable (1 in 2**32 a position)
         dsa = dict(TINY, num_hidden_layers=3, num_key_value_heads=4, n_routed_experts=8, num_experts_per_tok=2,
                    moe_intermediate_size=24, n_shared_experts=1, first_k_dense_replace=1, n_group=4, topk_group=2,
                    kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=12,
-                   routed_scaling_factor=2.5, index_topk=4, index_n_heads=8, index_head_dim=16)
+                   routed_scaling_factor=2.5, index_topk=4, index_n_heads=32, index_head_dim=16)
         cls = transformers.DeepseekV32Config if arch == "deepseek_v32" else transformers.GlmMoeDsaConfig
         kw = dsa
     elif arch == "llama4":  # the text model of a multimodal checkpoint, as Llama-4 Scout and Maverick ship

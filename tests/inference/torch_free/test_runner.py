@@ -601,6 +601,10 @@ def _arch_store(arch: str, tmp_path) -> str:
         write_fp8_checkpoint(hf, tmp_path / "fp8", (32, 32), mtp=False)
         import_checkpoint(str(tmp_path / "fp8"), store)
         return store
+    if arch == "glm5-shared":  # GLM-5 with "shared" layers, which read the choice of the indexing layer before
+        import_checkpoint(str(make_hf_checkpoint("glm_moe_dsa", tmp_path / "hf",
+                                                 indexer_types=["full", "shared", "shared"])), store)
+        return store
     if arch != "variants":
         import_checkpoint(str(make_hf_checkpoint(arch, tmp_path / "hf")), store)
         return store
@@ -620,7 +624,8 @@ def _arch_store(arch: str, tmp_path) -> str:
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3",
                                   "deepseek_v3-fp8", "glm4_moe", "gpt_oss", "gpt_oss-bf16", "gpt_oss-int4",
                                   "gpt_oss-mxfp4", "minimax_m2", "dots1", "kimi_k25", "ernie4_5_moe",
-                                  "hunyuan_v1_moe", "llama4", "variants"])
+                                  "hunyuan_v1_moe", "llama4", "deepseek_v32", "glm_moe_dsa",
+                                  "glm5-shared", "variants"])
 def test_every_architecture_of_the_one_call_step_runs_torch_free(arch, tmp_path):
     """q/k norms per head (Qwen3-MoE, GLM-4.5), over all heads with clipping (OLMoE), sinks with
     partial rotary; shared experts gated (Qwen2-MoE) or not, grouped routers with a correction

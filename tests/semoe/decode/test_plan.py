@@ -288,16 +288,9 @@ def test_hooks_send_the_step_through_the_modules():
     assert not plan.takes(cache)
 
 
-def test_models_the_plan_does_not_take(tmp_path):
+def test_models_the_plan_does_not_take():
     with pytest.raises(NotOnFastPath, match="not float32 on CPU"):
         DecodePlan(_model().to(torch.bfloat16))
-    from helpers.hf_models import make_hf_checkpoint
-    from semoe.checkpoints.model_io import load_hf
-
-    dsa = load_hf(str(make_hf_checkpoint("deepseek_v32", tmp_path / "dsa")))
-    with pytest.raises(NotOnFastPath, match="^the decoding plan does not take deepseek_v32's DeepSeek sparse "
-                                            "attention's indexer$"):
-        DecodePlan(dsa)
 
 
 def test_the_engine_generates_with_its_own_plan(stores, monkeypatch):
@@ -350,12 +343,22 @@ def _same_greedy_or_near_tie(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(mine, best) or margin <= (got - ref).abs().max().item(), (mine, best, margin)
 
 
+# int8, int4 and MXFP4 weights multiply int8 activations: an activation within float32 rounding of a
+# code boundary can round to the next code in one path and not the other, which moves that step's
+# logits by up to 0.7% of the largest (measured: glm_moe_dsa int8, step 0, its last layer's output
+# product after latent attention's absorbed sums). Such a flip is rare; a wrong weight moves every step.
+FLIP_RTOL = 2e-2
+QUANTIZED_ACTIVATIONS = ("int8", "int4", "mxfp4")
+
+
 @pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])
 def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     """Each architecture's decoding steps all go through the plan (never the modules), in its stored
     format: the one-call step (grouped, biased and top-k-then-softmax routers, shared experts, latent
-    attention, clamped experts and FP8 experts included), and kernel by kernel. Logits within ARCH_RTOL of the modules' kernel by kernel, WHOLE_ATOL in one call; the same
-    greedy tokens."""
+    attention, DeepSeek sparse attention's indexer, Llama-4's parts, clamped experts and FP8 experts
+    included), and kernel by kernel. Logits within ARCH_RTOL of the modules' kernel by kernel,
+    WHOLE_ATOL in one call (with int8 activations: every step within FLIP_RTOL and most within
+    WHOLE_ATOL); the same greedy tokens."""
     model = load_store(arch_stores(arch, fmt))
     plan = DecodePlan.build(model)
     assert plan is not None
@@ -364,7 +367,13 @@ def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     for p in (plan, DecodePlan(model, whole=False)) if plan.net is not None else (plan,):
         got, planned = _steps(model, p)
         assert planned == len(TOKENS)
-        assert _relative(got, want) < (ARCH_RTOL if p.net is None else WHOLE_ATOL)
+        if p.net is None:
+            assert _relative(got, want) < ARCH_RTOL
+        elif fmt in QUANTIZED_ACTIVATIONS:
+            steps = [_relative(g, w) for g, w in zip(got, want)]
+            assert max(steps) < FLIP_RTOL and sorted(steps)[len(steps) // 2] < WHOLE_ATOL, steps
+        else:
+            assert _relative(got, want) < WHOLE_ATOL
         assert torch.equal(got.argmax(-1), want.argmax(-1))
 
 
@@ -396,9 +405,14 @@ def test_the_prompt_pass_is_the_plans_steps_for_every_architecture(arch_stores, 
         assert _relative(a, b) < WHOLE_ATOL
     if fmt == "f32":  # float32 throughout: the modules' path within ARCH_RTOL too
         assert _relative(got, floats) < ARCH_RTOL
-    else:
+        _same_greedy_or_near_tie(got, floats)
+    elif c.index_topk is None:
         assert _relative(got, floats) < LOW_PRECISION_RTOL
-    _same_greedy_or_near_tie(got, floats)
+        _same_greedy_or_near_tie(got, floats)
+    # (else: DeepSeek sparse attention reads the top 4 of the indexer's scores, which the modules' float
+    # activations move by about 1%: enough to choose other positions, so the float prefill is no
+    # reference for the quantized kernels there; the steps above are, and the f32 store holds it to
+    # the modules)
     assert _relative(plan.step(5, caches[0]), plan.step(5, caches[1])) < WHOLE_ATOL
 
 

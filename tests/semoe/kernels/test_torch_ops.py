@@ -156,6 +156,38 @@ def test_a_prompts_attention_rows_with_values_shorter_than_keys(chunk):
     assert _relative(got, want.reshape(nr, H * Dv).float()) < 1e-5
 
 
+def test_the_indexers_choice_is_the_best_scores_in_position_order():
+    """choose_top (DeepSeek sparse attention's top-k): the k best of distinct scores are torch.topk's, in
+    position order; all positions where there are no more than k; among equal scores at the k-th the
+    earliest; a NaN score the lowest. index_score: the sum over heads of weight * relu(q . k / sqrt(Di)),
+    against float64's within 1e-6 relative (float32 dots of 64)."""
+    lib = torch_ops._lib()
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.choose_top.argtypes, lib.choose_top.restype = [P, I, I, P, P], I
+    lib.index_score.argtypes, lib.index_score.restype = [P, P, I, I, P], ctypes.c_float
+
+    def choose(scores: list[float] | torch.Tensor, k: int) -> list[int]:
+        sc = torch.as_tensor(scores, dtype=torch.float32).contiguous()
+        idx, scratch = torch.zeros(len(sc), dtype=torch.int32), torch.empty(len(sc))
+        n = lib.choose_top(sc.data_ptr(), len(sc), k, idx.data_ptr(), scratch.data_ptr())
+        return idx[:n].tolist()
+
+    g = torch.Generator().manual_seed(7)
+    for n, k in ((50, 8), (2048, 64), (9, 4)):
+        sc = torch.randn(n, generator=g)
+        assert choose(sc, k) == sorted(torch.topk(sc, k).indices.tolist())
+    assert choose([0.3, -1.0, 2.0], 4) == [0, 1, 2]
+    assert choose([1.0, 1.0, 1.0, 0.0, 2.0], 2) == [0, 4]
+    assert choose([float("nan"), 0.5, 0.2], 2) == [1, 2]
+    assert choose([0.0, 0.0, 0.0], 2) == [0, 1]
+    Hi, Di = 4, 64
+    iq, iw, key = torch.randn(Hi, Di, generator=g), torch.randn(Hi, generator=g), torch.randn(Di, generator=g)
+    got = lib.index_score(iq.data_ptr(), iw.data_ptr(), Hi, Di, key.data_ptr())
+    want = (iw.double() * torch.relu(iq.double() @ key.double() / Di ** 0.5)).sum().item()
+    scale = (iw.double().abs() * (iq.double() @ key.double()).abs() / Di ** 0.5).sum().item()  # the terms' size
+    assert abs(got - want) <= 1e-6 * scale
+
+
 def test_bad_operands_are_refused():
     with pytest.raises(ValueError, match="x has 3 features, the weight 4"):
         torch_ops.gemv_i8(torch.randn(1, 3), torch.zeros(2, 4, dtype=torch.int8), torch.ones(2))

@@ -95,6 +95,23 @@ def test_the_choice_follows_the_index_scores_written_out():
         assert set(torch.nonzero(chosen[0, t]).view(-1).tolist()) == set(best), t
 
 
+def test_equal_scores_at_the_kth_are_taken_earliest_first():
+    """Positions whose scores tie at the k-th best (every head's relu 0 gives a score of exactly 0) are
+    taken earliest first, as the fast core's choose_top takes them: of 7 positions, 2, 4 and 6 score
+    above 0 and the rest exactly 0; with top 4 the query reads 2, 4, 6 and position 0."""
+    layer = _layer(_config())
+    c = layer.config
+    Hi, Di = c.index_heads, c.index_head_dim
+    cos, sin = rope_tables(c, torch.tensor([[6]]), torch.float32)
+    q = torch.zeros(1, 1, Hi, Di)
+    q[..., Di - 1] = 1.0  # every head reads the keys' last dim, past the rotated ones
+    keys = torch.zeros(1, 1, 7, Di)
+    keys[0, 0, [2, 4, 6], Di - 1] = torch.tensor([2.0, 3.0, 1.5])
+    with torch.no_grad():
+        chosen = layer.indexer.choose(q.view(1, 1, -1), torch.ones(1, 1, Hi), keys, cos, sin, 6)
+    assert torch.nonzero(chosen[0, 0]).view(-1).tolist() == [0, 2, 4, 6]
+
+
 def test_a_topk_covering_every_position_is_latent_attention_without_an_indexer():
     """index_topk at least the sequence: every seen position is read, so the layer is DeepSeek-V3's
     latent attention with the same weights (the indexer's parameters aside)."""
