@@ -38,6 +38,14 @@ decoding at float32, the reference both engines' tokens are held to; where a tok
 report gives transformers' gap between its two best logits at that step (a near-tie, or not).
 
     python bench/bench_vs_llamacpp.py --workdir /path/qwen3 --arch qwen3_moe [--parts resident]
+
+--shape NAME=N,... changes that checkpoint's shape (hidden, layers, heads, kv_heads, head_dim,
+experts, top_k, expert_width, in each architecture's own config fields); a sweep of shapes is a
+WORKDIR each:
+
+    for s in head_dim=64,experts=64 head_dim=256,heads=4 experts=128,top_k=8,expert_width=256; do
+      python bench/bench_vs_llamacpp.py --workdir /path/qwen3-$s --arch qwen3_moe --shape $s --parts resident
+    done
 """
 
 from __future__ import annotations
@@ -59,7 +67,7 @@ sys.path.insert(0, BENCH)
 # every memory-limited run, and torch's 150 MiB and mapped code would come out of SIZE for both
 # engines, unevenly (llama.cpp's page cache felt it most: 2 tok/s instead of 18 at int4 50%).
 from bench_offload import drop_cache, prompt_ids  # noqa: E402
-from peer_checkpoints import ARCH_SHAPES, prepare_arch, prepare_wide  # noqa: E402
+from peer_checkpoints import ARCH_SHAPES, SHAPE_FIELDS, parse_shape, prepare_arch, prepare_wide  # noqa: E402
 
 # (our precision, our store in WORKDIR, llama.cpp's type: WORKDIR/llama-TYPE.gguf); mxfp4: a checkpoint that
 # ships MXFP4 experts (gpt-oss), its import and llama.cpp's conversion, both keeping them as they are
@@ -602,6 +610,10 @@ def main() -> int:
                     help="make WORKDIR's checkpoint first (when missing): a 3 GB-class float32 checkpoint of this "
                          "architecture, its stores and llama.cpp's conversions; transformers' greedy tokens join "
                          "the resident part")
+    ap.add_argument("--shape", default="",
+                    help="with --arch: the checkpoint's shape changed from ARCH_SHAPES', as NAME=N,... with NAME one "
+                         f"of {', '.join(SHAPE_FIELDS)} (e.g. hidden=2048,head_dim=64,experts=128,top_k=8,"
+                         "expert_width=256); a sweep is one WORKDIR a shape")
     ap.add_argument("--dense", default="auto", choices=("auto", "float", "int8"),
                     help="our dense linear weights (`semoe generate --dense`): auto keeps a checkpoint's own "
                          "FP8 model's as stored (bfloat16) and makes them int8 beside int8, int4 or MXFP4 experts")
@@ -619,8 +631,14 @@ def main() -> int:
     if args.prepare_wide:
         prepare_wide(args.workdir, args.prepare_wide)
         return 0
+    try:
+        shape = parse_shape(args.shape)
+    except ValueError as e:
+        ap.error(str(e))
+    if shape and args.arch is None:
+        ap.error("--shape changes an --arch checkpoint's shape: give --arch too")
     if args.prepare_arch:
-        prepare_arch(args.workdir, args.prepare_arch)
+        prepare_arch(args.workdir, args.prepare_arch, shape)
         return 0
     if args.arch is not None:
         if args.experts is not None:
@@ -628,7 +646,7 @@ def main() -> int:
         os.makedirs(args.workdir, exist_ok=True)
         # in a process of its own: making the checkpoint imports torch, which this one must not
         subprocess.run([sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--prepare-arch",
-                        args.arch], check=True, env={**os.environ, "PYTHONPATH": ROOT})
+                        args.arch, "--shape", args.shape], check=True, env={**os.environ, "PYTHONPATH": ROOT})
     bits = {b for part, flag in (("resident", args.resident_bits), ("limited", args.limited_bits))
             if part in args.parts.split(",") for b in flag.split(",")}
     if args.experts is not None:

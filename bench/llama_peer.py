@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -93,6 +94,7 @@ class PeerEnv:
     python: str
     convert_script: str
     quantize_bin: str
+    no_amx: bool = False  # llama-cpp-python built without AMX (`amx_denied`)
 
     @classmethod
     def load(cls, env_dir: str) -> PeerEnv | None:
@@ -104,6 +106,8 @@ class PeerEnv:
             return None
         paths = (env.python, env.convert_script, env.quantize_bin)
         if env.version != LLAMA_CPP_PYTHON_VERSION or not all(os.path.exists(p) for p in paths):
+            return None
+        if env.no_amx != amx_denied():  # built for a CPU that runs AMX, on one that does not (or back)
             return None
         return env
 
@@ -162,10 +166,20 @@ def ensure_env(env_dir: str | None = None, jobs: int = 2) -> PeerEnv:
         # torch pinned again so that no requirement pulls a different one
         _run(pip + [TORCH_REQUIREMENT, *CONVERTER_REQUIREMENTS, os.path.join(llama_src, "gguf-py")], log)
 
+    no_amx = amx_denied()
+    record = os.path.join(env_dir, "peer.json")
+    if _has_module(python, "llama_cpp") and os.path.exists(record):
+        with open(record) as f:
+            if json.load(f).get("no_amx", False) != no_amx:  # built for the other kind of CPU: again
+                _run(pip[:3] + ["uninstall", "-y", "llama-cpp-python"], log)
     if not _has_module(python, "llama_cpp"):
-        _progress(f"building llama-cpp-python {version} from source (about 12 minutes on 2 cores; log: {log})")
+        _progress(f"building llama-cpp-python {version} from source (about 12 minutes on 2 cores; log: {log})"
+                  + (": without AMX, which this CPU shows but stops with SIGILL" if no_amx else ""))
+        # (CMake starts its C and C++ flags from CFLAGS and CXXFLAGS; gcc keeps an explicit -mno-amx-*
+        # over what -march=native would enable)
+        flags = dict(CFLAGS=NO_AMX, CXXFLAGS=NO_AMX) if no_amx else {}
         build_env = dict(os.environ, CMAKE_ARGS=" ".join(CPU_CMAKE_ARGS + ("-DLLAVA_BUILD=OFF",)),
-                         CMAKE_BUILD_PARALLEL_LEVEL=str(jobs))
+                         CMAKE_BUILD_PARALLEL_LEVEL=str(jobs), **flags)
         # a kept build dir makes a rerun after a failure incremental
         _run(pip + [TORCH_REQUIREMENT, "-C", f"build-dir={os.path.join(env_dir, 'build', 'pip')}", sdist],
              log, env=build_env)
@@ -181,7 +195,7 @@ def ensure_env(env_dir: str | None = None, jobs: int = 2) -> PeerEnv:
 
     convert_script = _patched_converter(llama_src, os.path.join(env_dir, "converter"))
     env = PeerEnv(env_dir=env_dir, version=version, python=python, convert_script=convert_script,
-                  quantize_bin=quantize_bin)
+                  quantize_bin=quantize_bin, no_amx=no_amx)
     with open(os.path.join(env_dir, "peer.json"), "w") as f:
         json.dump(dataclasses.asdict(env), f, indent=1)
     _progress(f"peer ready in {time.perf_counter() - t0:.0f} s: {env_dir}")
@@ -191,7 +205,49 @@ def ensure_env(env_dir: str | None = None, jobs: int = 2) -> PeerEnv:
 # The native build's AMX paths (q8_0, q4_0, MXFP4 weights on a CPU that shows AMX) stopped llama-server
 # with SIGILL as its threads started on an AMX Xeon VM, whose kernel does not grant the tile state; f32
 # GGUFs ran. The server is built without them: what runs there is what a user of that machine gets.
+# llama-cpp-python (the decode benches' peer) too, where `amx_denied` finds the same.
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+
+# a tile configured, zeroed and released: SIGILL where the CPU shows AMX but its tile state is not
+# usable (a VM's hypervisor that does not pass it, whatever arch_prctl grants)
+_AMX_PROBE = r"""
+#include <immintrin.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+int main(void) {
+    unsigned char cfg[64];
+    syscall(SYS_arch_prctl, 0x1023, 18); /* ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA */
+    memset(cfg, 0, sizeof cfg);
+    cfg[0] = 1, cfg[16] = 64, cfg[48] = 16; /* palette 1; tile 0: 16 rows of 64 bytes */
+    _tile_loadconfig(cfg);
+    _tile_zero(0);
+    _tile_release();
+    return 0;
+}
+"""
+
+
+@functools.lru_cache(maxsize=1)
+def amx_denied() -> bool:
+    """Whether this CPU shows AMX (/proc/cpuinfo's amx_tile) and a tile instruction stops a process with
+    SIGILL all the same: a probe compiled with gcc and run once."""
+    import tempfile
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            if "amx_tile" not in f.read():
+                return False
+    except OSError:
+        return False
+    with tempfile.TemporaryDirectory() as tmp:
+        src, exe = os.path.join(tmp, "probe.c"), os.path.join(tmp, "probe")
+        with open(src, "w") as f:
+            f.write(_AMX_PROBE)
+        if subprocess.call(["gcc", "-O1", "-mamx-tile", src, "-o", exe], stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL) != 0:
+            return False  # no compiler that knows AMX: the build will not use it either
+        return subprocess.call([exe], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) != 0
 
 
 def ensure_server(env: PeerEnv, jobs: int = 2) -> str:

@@ -12,8 +12,8 @@ import os
 import sys
 
 # added tokens llama.cpp's converter looks up by name for an architecture (GLM's chat markers)
-ARCH_SPECIAL_TOKENS = {"glm4_moe": ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>",
-                                    "<|observation|>")}
+_GLM_TOKENS = ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|observation|>")
+ARCH_SPECIAL_TOKENS = {"glm4_moe": _GLM_TOKENS, "glm_moe_dsa": _GLM_TOKENS}
 
 
 def _tokenizer_and_stores(workdir: str, arch: str | None = None) -> None:
@@ -98,20 +98,95 @@ ARCH_SHAPES = {
                                        partial_rotary_factor=0.5, use_qk_norm=True, n_group=1, topk_group=1)),
     "gpt_oss": ("GptOssConfig", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
                                      head_dim=64, sliding_window=128)),
+    # this year's families, each with its own parts at the same size
+    "minimax_m2": ("MiniMaxM2Config", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
+                                           head_dim=128, bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                                                          "partial_rotary_factor": 0.5})),
+    "dots1": ("Dots1Config", dict(_COMMON, **_MANY, n_routed_experts=32, n_shared_experts=1, first_k_dense_replace=1,
+                                  intermediate_size=3072, head_dim=128, n_group=1, topk_group=1, norm_topk_prob=True,
+                                  routed_scaling_factor=2.5)),
+    "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(_COMMON, moe_num_experts=32, moe_k=4, moe_intermediate_size=768,
+                                                moe_num_shared_experts=1, moe_layer_start_index=1,
+                                                intermediate_size=3072, head_dim=128)),
+    "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(_COMMON, num_experts=32, moe_topk=4, moe_intermediate_size=768,
+                                                  intermediate_size=768, head_dim=128)),
+    # MoE every other layer (the dense ones twice as wide), no rope on every fourth, chunks of 8192
+    "llama4_text": ("Llama4TextConfig", dict(_COMMON, num_local_experts=32, num_experts_per_tok=1,
+                                             intermediate_size=1536, intermediate_size_mlp=3072, head_dim=128,
+                                             interleave_moe_layer_step=2, attention_chunk_size=8192)),
+    # DeepSeek sparse attention: the indexer's top 2048 of 64 heads of 128, as published
+    "deepseek_v32": ("DeepseekV32Config", dict(_DEEPSEEK, q_lora_rank=512, index_topk=2048, index_n_heads=64,
+                                               index_head_dim=128)),
+    "glm_moe_dsa": ("GlmMoeDsaConfig", dict(_DEEPSEEK, q_lora_rank=512, index_topk=2048, index_n_heads=32,
+                                            index_head_dim=128)),
 }
 
 
-def prepare_arch(workdir: str, arch: str) -> None:
-    """`--arch`: WORKDIR's float32 checkpoint of `arch`, its stores and llama.cpp's f32, q8_0 and q4_0, each
-    made once."""
+# --shape: a shape's names (as bench_vs_llamacpp takes them) -> each architecture's config field; an
+# architecture missing from a name's map keeps the common field, None: it has no such field
+_EXPERTS = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "minimax_m2": "num_local_experts",
+            "llama4_text": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts",
+            "olmoe": "num_experts", "hunyuan_v1_moe": "num_experts", "ernie4_5_moe": "moe_num_experts"}
+_WIDTH = {a: "intermediate_size" for a in ("mixtral", "gpt_oss", "minimax_m2", "olmoe", "llama4_text")}
+_LATENT = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # latent attention: no head_dim
+SHAPE_FIELDS = {
+    "hidden": ({}, "hidden_size"), "layers": ({}, "num_hidden_layers"), "heads": ({}, "num_attention_heads"),
+    "kv_heads": ({}, "num_key_value_heads"), "head_dim": ({a: None for a in _LATENT}, "head_dim"),
+    "experts": (_EXPERTS, "n_routed_experts"),
+    "top_k": ({"ernie4_5_moe": "moe_k", "hunyuan_v1_moe": "moe_topk"}, "num_experts_per_tok"),
+    "expert_width": (_WIDTH, "moe_intermediate_size"),
+}
+
+
+def parse_shape(text: str) -> dict[str, int]:
+    """--shape's NAME=N,... (names: SHAPE_FIELDS) as a dict; ValueError naming what is wrong."""
+    shape = {}
+    for item in filter(None, text.split(",")):
+        name, _, value = item.partition("=")
+        if name not in SHAPE_FIELDS:
+            raise ValueError(f"--shape: unknown name {name!r} (one of {', '.join(SHAPE_FIELDS)})")
+        if not value.isdigit() or int(value) < 1:
+            raise ValueError(f"--shape: {name} needs a positive integer, got {value!r}")
+        shape[name] = int(value)
+    return shape
+
+
+def shaped_fields(arch: str, shape: dict[str, int]) -> tuple[str, dict]:
+    """ARCH_SHAPES[arch] with `shape`'s values in the architecture's own fields."""
+    cls, fields = ARCH_SHAPES[arch]
+    fields = dict(fields)
+    for name, value in shape.items():
+        per_arch, common = SHAPE_FIELDS[name]
+        field = per_arch.get(arch, common)
+        if field is None:
+            raise ValueError(f"--shape: {arch} has no {name} (latent attention's heads are set by its ranks)")
+        fields[field] = value
+    return cls, fields
+
+
+def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None) -> None:
+    """`--arch`: WORKDIR's float32 checkpoint of `arch` (ARCH_SHAPES, with `shape`'s changes), its stores and
+    llama.cpp's f32, q8_0 and q4_0, each made once. A WORKDIR made for another architecture or shape is
+    refused."""
+    import json
+
     import torch
     import transformers
 
     import llama_peer as peer
 
     hf = os.path.join(workdir, "hf")
+    made = {"arch": arch, "shape": shape or {}}
+    record = os.path.join(workdir, "shape.json")
+    if os.path.exists(record):
+        with open(record, encoding="utf-8") as f:
+            before = json.load(f)
+        if before != made:
+            raise SystemExit(f"{workdir} holds a checkpoint of {before}, not {made}: give another --workdir")
     if not os.path.exists(os.path.join(hf, "config.json")):
-        cls, fields = ARCH_SHAPES[arch]
+        cls, fields = shaped_fields(arch, shape or {})
+        with open(record, "w", encoding="utf-8") as f:
+            json.dump(made, f)
         print(f"making a {arch} float32 checkpoint with transformers ...", file=sys.stderr)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields))
