@@ -25,7 +25,9 @@ vocab_size tokens on the Python standard library's sources. The converter identi
 pre-tokenizer by hashing how it splits a fixed text and refuses hashes it does not know; ours is
 a plain ByteLevel pre-tokenizer, whose split is llama.cpp's "gpt-2". The converter has no
 override flag, so the copy in env_dir/converter/ is patched: an unknown hash maps to "gpt-2"
-instead of raising. The project's files and the sdist stay untouched.
+instead of raising (and DeepSeek-V3.2's assertion that the tokenizer adds a BOS, which no
+tokenizer.json passes under transformers 5, is dropped). The project's files and the sdist stay
+untouched.
 
 Work in the peer venv (logits, greedy decoding) runs this same file as a worker:
 `<venv>/bin/python llama_peer.py _worker <job.json>`; it needs only numpy and llama_cpp there.
@@ -131,7 +133,9 @@ def ensure_env(env_dir: str | None = None, jobs: int = 2) -> PeerEnv:
     """Builds the peer venv, converter and llama-quantize in env_dir once; later calls read peer.json."""
     env_dir = os.path.abspath(env_dir or default_env_dir())
     env = PeerEnv.load(env_dir)
-    if env is not None:
+    if env is not None:  # (the converter's copy made again where its patches are older than these)
+        _patched_converter(os.path.join(env_dir, "src", f"llama_cpp_python-{env.version}", "vendor", "llama.cpp"),
+                           os.path.dirname(env.convert_script))
         return env
     os.makedirs(env_dir, exist_ok=True)
     log = os.path.join(env_dir, "build.log")
@@ -267,10 +271,19 @@ def ensure_server(env: PeerEnv, jobs: int = 2) -> str:
     return binary
 
 
+# DeepSeek-V3.2's converter asserts its tokenizer adds a BOS; transformers 5 drops tokenizer_config's
+# add_bos_token wherever a tokenizer.json is given, so no checkpoint passes it (the bench prompts are ids)
+_DSV32_BOS = ('assert getattr(tokenizer, "add_bos_token", False), "Change value of add_bos_token to true in '
+              'tokenizer_config.json file."')
+_PATCHES = "2"  # the patches' version, kept in the copy: a copy of an older one is made again
+
+
 def _patched_converter(llama_src: str, dest: str) -> str:
-    """A copy of the converter that maps an unknown BPE pre-tokenizer hash to "gpt-2"."""
+    """A copy of the converter that maps an unknown BPE pre-tokenizer hash to "gpt-2", and takes
+    DeepSeek-V3.2 without its BOS assertion."""
     script = os.path.join(dest, "convert_hf_to_gguf.py")
-    if os.path.exists(script):
+    stamp = os.path.join(dest, "semoe-patches")
+    if os.path.exists(script) and os.path.exists(stamp) and open(stamp).read() == _PATCHES:
         return script
     tmp = dest + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -286,6 +299,15 @@ def _patched_converter(llama_src: str, dest: str) -> str:
     text = text.replace(_PRETOK_RAISE, 'res = "gpt-2"  # patched by semoe bench/llama_peer.py')
     with open(base, "w") as f:
         f.write(text)
+    deepseek = os.path.join(tmp, "conversion", "deepseek.py")
+    with open(deepseek) as f:
+        text = f.read()
+    if text.count(_DSV32_BOS) == 1:  # (a later converter may have dropped it)
+        with open(deepseek, "w") as f:
+            f.write(text.replace(_DSV32_BOS, "pass  # patched by semoe bench/llama_peer.py"))
+    with open(os.path.join(tmp, "semoe-patches"), "w") as f:
+        f.write(_PATCHES)
+    shutil.rmtree(dest, ignore_errors=True)
     os.replace(tmp, dest)
     return script
 

@@ -114,11 +114,12 @@ ARCH_SHAPES = {
     "llama4_text": ("Llama4TextConfig", dict(_COMMON, num_local_experts=32, num_experts_per_tok=1,
                                              intermediate_size=1536, intermediate_size_mlp=3072, head_dim=128,
                                              interleave_moe_layer_step=2, attention_chunk_size=8192)),
-    # DeepSeek sparse attention: the indexer's top 2048 of 64 heads of 128, as published
+    # DeepSeek sparse attention: the indexer's top 2048 of 64 heads of 128, as published (with the published
+    # config's scoring_func, which transformers' class leaves out and llama.cpp's loader requires)
     "deepseek_v32": ("DeepseekV32Config", dict(_DEEPSEEK, q_lora_rank=512, index_topk=2048, index_n_heads=64,
-                                               index_head_dim=128)),
+                                               index_head_dim=128, scoring_func="sigmoid")),
     "glm_moe_dsa": ("GlmMoeDsaConfig", dict(_DEEPSEEK, q_lora_rank=512, index_topk=2048, index_n_heads=32,
-                                            index_head_dim=128)),
+                                            index_head_dim=128, scoring_func="sigmoid")),
 }
 
 
