@@ -635,7 +635,7 @@ def main() -> int:
         shape = parse_shape(args.shape)
     except ValueError as e:
         ap.error(str(e))
-    if shape and args.arch is None:
+    if shape and args.arch is None and args.prepare_arch is None:
         ap.error("--shape changes an --arch checkpoint's shape: give --arch too")
     if args.prepare_arch:
         prepare_arch(args.workdir, args.prepare_arch, shape)
