@@ -9,6 +9,7 @@ own, so that its own process stays free of torch."""
 from __future__ import annotations
 
 import os
+import shutil
 import sys
 
 # added tokens llama.cpp's converter looks up by name for an architecture (GLM's chat markers)
@@ -98,9 +99,11 @@ ARCH_SHAPES = {
                                        partial_rotary_factor=0.5, use_qk_norm=True, n_group=1, topk_group=1)),
     "gpt_oss": ("GptOssConfig", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
                                      head_dim=64, sliding_window=128)),
-    # this year's families, each with its own parts at the same size
+    # this year's families, each with its own parts at the same size (MiniMax-M2 with its published
+    # rotary_dim beside the factor: llama.cpp's converter reads that one)
     "minimax_m2": ("MiniMaxM2Config", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
-                                           head_dim=128, bos_token_id=1, eos_token_id=2, rope_parameters={"rope_type": "default", "rope_theta": 5e6,
+                                           head_dim=128, bos_token_id=1, eos_token_id=2, rotary_dim=64,
+                                           rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                                                           "partial_rotary_factor": 0.5})),
     "dots1": ("Dots1Config", dict(_COMMON, **_MANY, n_routed_experts=32, n_shared_experts=1, first_k_dense_replace=1,
                                   intermediate_size=3072, head_dim=128, n_group=1, topk_group=1, norm_topk_prob=True,
@@ -165,6 +168,12 @@ def shaped_fields(arch: str, shape: dict[str, int]) -> tuple[str, dict]:
     return cls, fields
 
 
+# what a WORKDIR of --arch holds against the float32 model's bytes: the checkpoint, its import, the int8
+# and int4 stores (their dense weights int8), llama.cpp's f32, q8_0 and q4_0 (measured: 10-12 GiB for
+# the 2.4-2.9 GiB models), with a margin
+WORKDIR_BYTES_PER_MODEL_BYTE = 4.5
+
+
 def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None) -> None:
     """`--arch`: WORKDIR's float32 checkpoint of `arch` (ARCH_SHAPES, with `shape`'s changes), its stores and
     llama.cpp's f32, q8_0 and q4_0, each made once. A WORKDIR made for another architecture or shape is
@@ -186,11 +195,18 @@ def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None) -
             raise SystemExit(f"{workdir} holds a checkpoint of {before}, not {made}: give another --workdir")
     if not os.path.exists(os.path.join(hf, "config.json")):
         cls, fields = shaped_fields(arch, shape or {})
+        config = getattr(transformers, cls)(**fields)
+        with torch.device("meta"):  # its size, before anything is written
+            nbytes = 4 * sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        need, free = int(WORKDIR_BYTES_PER_MODEL_BYTE * nbytes), shutil.disk_usage(workdir).free
+        if need > free:
+            raise SystemExit(f"{workdir}: a {nbytes / 2**30:.2f} GiB {arch} checkpoint, its stores and llama.cpp's "
+                             f"files take about {need / 2**30:.1f} GiB; the disk has {free / 2**30:.1f} GiB free")
         with open(record, "w", encoding="utf-8") as f:
             json.dump(made, f)
-        print(f"making a {arch} float32 checkpoint with transformers ...", file=sys.stderr)
+        print(f"making a {arch} float32 checkpoint of {nbytes / 2**30:.2f} GiB with transformers ...", file=sys.stderr)
         torch.manual_seed(0)
-        model = transformers.AutoModelForCausalLM.from_config(getattr(transformers, cls)(**fields))
+        model = transformers.AutoModelForCausalLM.from_config(config)
         model.save_pretrained(hf, max_shard_size="1GB")
         del model
     _tokenizer_and_stores(workdir, arch)
