@@ -141,10 +141,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     print(f"DSA decode step, one layer ({args.heads} heads, hidden {args.hidden}, {torch.get_num_threads()} threads, "
           "float32)")
-    print(f"{'positions':>10} {'path':>8} {'sparse ms':>10} {'dense ms':>10} {'dense/sparse':>13} {'KV read sparse':>15} "
-          f"{'KV read dense':>14}")
+    print(f"{'positions':>10} {'path':>8} {'sparse ms':>10} {'dense ms':>10} {'dense/sparse':>13} "
+          f"{'KV read sparse':>15} {'KV read dense':>14}")
     for r in rows:
-        print(f"{r['positions']:>10} {r['path']:>8} {r['sparse_ms']:>10.1f} {r['dense_ms']:>10.1f} {r['speedup']:>12.2f}x "
+        print(f"{r['positions']:>10} {r['path']:>8} {r['sparse_ms']:>10.1f} {r['dense_ms']:>10.1f} "
+              f"{r['speedup']:>12.2f}x "
               f"{r['sparse_kv_bytes'] / 2**20:>12.1f} MiB {r['dense_kv_bytes'] / 2**20:>11.1f} MiB")
     return 0
 

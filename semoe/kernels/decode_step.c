@@ -290,7 +290,8 @@ static Work *work_new(const Net *net, int64_t S) {
         s->attm = malloc(sizeof(float) * (size_t)(H * m->dv));
         mla_ok = s->qa && s->qb && s->kv && s->qn && s->qrot && s->qlat && s->olat && s->attm;
         const Indexer *ix = NULL;
-        for (int64_t l = 0; net->layers && l < net->L && !ix; l++) ix = net->layers[l].mla ? net->layers[l].mla->index : NULL;
+        for (int64_t l = 0; net->layers && l < net->L && !ix; l++)
+            ix = net->layers[l].mla ? net->layers[l].mla->index : NULL;
         if (ix) {
             s->iq = malloc(sizeof(float) * (size_t)(ix->Hi * ix->Di));
             s->ik = malloc(sizeof(float) * (size_t)ix->Di);
@@ -302,7 +303,8 @@ static Work *work_new(const Net *net, int64_t S) {
         }
     }
     if (!mla_ok || !s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice ||
-        !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w || !s->hin || !s->ones || !s->yp || !s->ids || !s->ax || !s->ah) {
+        !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w || !s->hin || !s->ones || !s->yp || !s->ids ||
+        !s->ax || !s->ah) {
         work_free(s);
         return NULL;
     }
@@ -314,7 +316,8 @@ static void work_free(Work *s) {
     free(s->choice), free(s->masked), free(s->ex);
     free(s->qa), free(s->qb), free(s->kv), free(s->qn), free(s->qrot), free(s->qlat), free(s->olat), free(s->attm);
     free(s->iq), free(s->ik), free(s->iw), free(s->isc), free(s->isel), free(s->chosen);
-    free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->hin), free(s->ones), free(s->yp), free(s->ids), free(s->ax), free(s->ah);
+    free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->hin), free(s->ones), free(s->yp), free(s->ids);
+    free(s->ax), free(s->ah);
     free(s);
 }
 

@@ -169,7 +169,8 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
         float *latents = (float *)lat[seg[r]], *rots = (float *)rot[seg[r]];
         rmsnorm_f32(kv, m->kv_norm, m->eps, latents + pos[r] * L, 1, L);
         rope_rotate(kv + L, cos + r * Rc, sin + r * Rc, R, (int)m->interleave, rots + pos[r] * rs);
-        if (m->topk) index_key(m, R, ix ? b->ik + r * ix->Di : NULL, cos + r * Rc, sin + r * Rc, rots + pos[r] * rs + R);
+        if (m->topk)
+            index_key(m, R, ix ? b->ik + r * ix->Di : NULL, cos + r * Rc, sin + r * Rc, rots + pos[r] * rs + R);
         if (ix) index_query(ix, R, b->iq + r * ix->Hi * ix->Di, b->iw + r * ix->Hi, cos + r * Rc, sin + r * Rc);
         for (int64_t hd = 0; hd < H; hd++) {
             float *qn = expanded ? b->qe + (r * H + hd) * Q : b->qn + (hd * nr + r) * nope;
