@@ -149,17 +149,16 @@ class DecodePlan:
             held.extend((g_held, u_held, d_held))
             return _Expert(gate, up, down)
 
-        def clamped(parts: tuple) -> _Expert:  # gpt-oss's: gate_up and down (I, O) with their biases
-            (gate_up, gu_held), (down, d_held) = (_weight(p, in_out=True) for p in (parts[0], parts[2]))
-            biases = tuple(torch_ops._f32(b) for b in (parts[1], parts[3]))
-            gate_up.bias, down.bias = (_ptr(b) for b in biases)
+        def gate_up(parts: tuple) -> _Expert:
+            """gate_up and down (I, O) as one Expert with up.O = 0: gpt-oss's (gate_up, its bias, down, its
+            bias), gate and up interleaved; Llama-4's (gate_up, down), its halves (`Net.halves`)."""
+            clamped = len(parts) == 4
+            biases = tuple(torch_ops._f32(b) for b in parts[1::2]) if clamped else ()
+            (gu, gu_held), (down, d_held) = (_weight(p, in_out=True) for p in parts[::2 if clamped else 1])
+            if biases:
+                gu.bias, down.bias = (_ptr(b) for b in biases)
             held.extend((gu_held, d_held, biases))
-            return _Expert(gate_up, _Lin(), down)  # up.O = 0: gate and up interleaved in gate_up
-
-        def halves(parts: tuple) -> _Expert:  # Llama-4's: gate_up (gate and up its halves) and down, (I, O)
-            (gate_up, gu_held), (down, d_held) = (_weight(p, in_out=True) for p in parts)
-            held.extend((gu_held, d_held))
-            return _Expert(gate_up, _Lin(), down)  # up.O = 0 and Net.halves
+            return _Expert(gu, _Lin(), down)
 
         if self.lm_head.lin is None:
             raise NotOnFastPath("an output weight the kernels do not take")
@@ -196,7 +195,7 @@ class DecodePlan:
                 else:
                     raise NotOnFastPath(f"layer {block.layer}: experts not all in memory (offloaded ones arrive "
                                         "during the step)")
-                make = clamped if isinstance(mlp, ClampedSwiGLU) else halves if isinstance(mlp, FusedSwiGLU) else expert
+                make = gate_up if isinstance(mlp, (ClampedSwiGLU, FusedSwiGLU)) else expert
                 experts = [make(w.parts) for w in ws]
                 router = lay.router or _Product(self.lib, ffn.router, bias=c.router_bias)
                 if router.lin is None:

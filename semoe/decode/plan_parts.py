@@ -26,7 +26,7 @@ def _ptr(t: torch.Tensor) -> int:
 _KINDS = {torch.float32: loader.W_F32, torch.bfloat16: loader.W_BF16, "int8": loader.W_INT8,
           "int4": loader.W_INT4, "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8}
 _IO_KINDS = {torch.float32: loader.W_F32_IO, torch.bfloat16: loader.W_BF16_IO}  # float weights (I, O)
-_Lin, _Expert, _LayerC, _Net = loader.Lin, loader.Expert, loader.LayerC, loader.Net
+_Lin = loader.Lin
 
 
 def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_Lin, tuple[torch.Tensor, ...]]:

@@ -221,7 +221,7 @@ static inline __attribute__((always_inline)) void rows_of(const float *qr, const
         int64_t t0[ROW_GROUP] = {0}, n[ROW_GROUP] = {0};
         for (int64_t j = 0; j < nj; j++) {
             n[j] = pos0 + r0 + j + 1;
-            t0[j] = chunk > 0 ? (n[j] - 1) - (n[j] - 1) % chunk : window > 0 && window < n[j] ? n[j] - window : 0;
+            t0[j] = first_seen(window, chunk, n[j] - 1);
         }
         const int64_t lo = t0[0], hi = n[nj - 1];
         const float *q = qr + (r0 * H + h) * Dh;
@@ -280,7 +280,7 @@ void attend_rows_head(const float *qr, const void *kc, const void *vc, int64_t H
 int attend_decode_f32(const float *q, const float *k, const float *v, const float *cos, const float *sin, float *kc,
                       float *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, int64_t window,
                       float scale, const float *sinks, float *out, int threads) {
-    int64_t n = pos + 1, t0 = window > 0 && window < n ? n - window : 0;
+    int64_t n = pos + 1, t0 = first_seen(window, 0, pos);
     float *qr = malloc(sizeof(float) * (size_t)(H * Dh)), *p = malloc(sizeof(float) * (size_t)(n * H));
     if (!qr || !p) return free(qr), free(p), -1;
     attend_rotate(q, k, v, cos, sin, kc, vc, H, G, Dh, R, S, pos, qr, 0);
@@ -350,9 +350,9 @@ void layernorm_f32(const float *x, const float *w, const float *b, float eps, fl
 }
 
 /* The indexer's score of one position for one query: the sum over Hi heads of iw[h] * relu(iq_h . k
- * / sqrt(Di)), iw the head weights already over sqrt(Hi) (decode_abi.h's `Indexer`) */
-float index_score(const float *iq, const float *iw, int64_t Hi, int64_t Di, const float *k) {
-    const float ds = (float)(1.0 / sqrt((double)Di)); /* the module's Di ** -0.5 */
+ * * ds), iw the head weights already over sqrt(Hi) and ds 1 / sqrt(Di) (decode_abi.h's `Indexer`;
+ * `index_dim_scale`) */
+float index_score(const float *iq, const float *iw, int64_t Hi, int64_t Di, float ds, const float *k) {
     float sc = 0.0f;
     for (int64_t h = 0; h < Hi; h++) {
         const float d = dot_f32(iq + h * Di, k, Di) * ds;

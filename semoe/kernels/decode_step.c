@@ -359,12 +359,6 @@ int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *co
     return 0;
 }
 
-/* the first position a query at pos sees: its chunk's first, or the window's, or 0 */
-int64_t attend_from(const Layer *ly, int64_t pos) {
-    if (ly->chunk > 0) return pos - pos % ly->chunk;
-    return ly->window > 0 && ly->window <= pos ? pos + 1 - ly->window : 0;
-}
-
 /* grouped-query attention from the normed row s->h to the output product in s->tmp, by the team:
  * k and v written at pos of the layer's caches (G, S, Dh) */
 static void gqa_attend(const Net *net, const Layer *ly, void *kc, void *vc, int64_t S, int64_t pos,
@@ -380,7 +374,7 @@ static void gqa_attend(const Net *net, const Layer *ly, void *kc, void *vc, int6
     }
 #pragma omp for schedule(static)
     for (int64_t h = 0; h < H; h++)
-        attend_head(s->qr, kc, vc, H, G, Dh, S, attend_from(ly, pos), n, net->scale,
+        attend_head(s->qr, kc, vc, H, G, Dh, S, first_seen(ly->window, ly->chunk, pos), n, net->scale,
                     ly->sinks, s->p, s->att, h, (int)net->kv16);
     lin_product(&ly->o, s->att, 1, &s->a, s->tmp, &s->oom);
 }
@@ -446,8 +440,9 @@ static void latent_attend(const Net *net, const Latent *m, const Lin *o, float *
         }
     }
     if (ix && !s->oom) { /* every position's score, then the best topk (a layer without an indexer reads them) */
+        const float ds = index_dim_scale(ix->Di);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t <= pos; t++) s->isc[t] = index_score(s->iq, s->iw, ix->Hi, ix->Di, rots + t * rs + R);
+        for (int64_t t = 0; t <= pos; t++) s->isc[t] = index_score(s->iq, s->iw, ix->Hi, ix->Di, ds, rots + t * rs + R);
 #pragma omp single
         s->nchosen = choose_top(s->isc, pos + 1, m->topk, s->chosen, s->isel);
     }

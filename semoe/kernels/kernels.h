@@ -168,6 +168,13 @@ void attend_rotate(const float *q, const float *k, const float *v, const float *
                    void *vc, int64_t H, int64_t G, int64_t Dh, int64_t R, int64_t S, int64_t pos, float *qr, int h16);
 void attend_head(const float *qr, const void *kc, const void *vc, int64_t H, int64_t G, int64_t Dh, int64_t S,
                  int64_t t0, int64_t n, float scale, const float *sinks, float *p, float *out, int64_t h, int h16);
+/* the first position a query at pos sees: its chunk's first (chunk > 0), the window's (window > 0: that
+ * many positions, itself included), or 0 */
+static inline int64_t first_seen(int64_t window, int64_t chunk, int64_t pos) {
+    if (chunk > 0) return pos - pos % chunk;
+    return window > 0 && window <= pos ? pos + 1 - window : 0;
+}
+
 #define ROW_GROUP 4 /* a prompt's rows that share each key's and value's load (attend_rows_head) */
 /* attend_head for head h of a prompt's nr rows (positions pos0..; queries qr (nr, H, Dh), keys of Dh
  * and values of Dv (Dh where decoding's attend_head gives the same sums), out (nr, H * Dv)), ROW_GROUP
@@ -182,7 +189,9 @@ void mla_head(const float *ql, const float *qr, const float *latents, const floa
               int64_t rs, const int32_t *idx, int64_t n, float scale, float *p, float *out);
 /* DeepSeek sparse attention's pieces (decode_abi.h's `Indexer`) */
 void layernorm_f32(const float *x, const float *w, const float *b, float eps, float *y, int64_t D);
-float index_score(const float *iq, const float *iw, int64_t Hi, int64_t Di, const float *k);
+float index_score(const float *iq, const float *iw, int64_t Hi, int64_t Di, float ds, const float *k);
+/* the module's Di ** -0.5, rounded to float32 as torch rounds the scalar */
+static inline float index_dim_scale(int64_t Di) { return (float)(1.0 / sqrt((double)Di)); }
 int64_t choose_top(const float *sc, int64_t n, int64_t k, int32_t *idx, float *scratch);
 void moe_combine_f32(float *x, const float *const *ys, const float *w, int64_t K, int64_t D);
 

@@ -21,10 +21,8 @@ void lin_acts_team(const Lin *l, const float *x, int64_t M, Acts *a, int *oom);
 /* y (M, O) = l(x) for M rows, by the whole team (every thread calls it), its bias added */
 void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int *oom);
 /* decode_step.c's per-position steps that prefill.c's prompt pass shares: q, k and v's norms and
- * clipping (and rotation where attend_rotate's does not apply, the temperature at position pos), the
- * first position a query at pos sees (`attend_from`), and the router's choice from its logits p
- * (overwritten; choice: E floats, masked E bytes) */
-int64_t attend_from(const Layer *ly, int64_t pos);
+ * clipping (and rotation where attend_rotate's does not apply, the temperature at position pos), and
+ * the router's choice from its logits p (overwritten; choice: E floats, masked E bytes) */
 /* the indexer's key of a position as its cache keeps it, and its query heads and weights as scored
  * (decode_step.c) */
 void index_key(const Latent *m, int64_t R, const float *ik, const float *cos, const float *sin, float *k);

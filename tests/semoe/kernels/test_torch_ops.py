@@ -164,7 +164,7 @@ def test_the_indexers_choice_is_the_best_scores_in_position_order():
     lib = torch_ops._lib()
     P, I = ctypes.c_void_p, ctypes.c_int64
     lib.choose_top.argtypes, lib.choose_top.restype = [P, I, I, P, P], I
-    lib.index_score.argtypes, lib.index_score.restype = [P, P, I, I, P], ctypes.c_float
+    lib.index_score.argtypes, lib.index_score.restype = [P, P, I, I, ctypes.c_float, P], ctypes.c_float
 
     def choose(scores: list[float] | torch.Tensor, k: int) -> list[int]:
         sc = torch.as_tensor(scores, dtype=torch.float32).contiguous()
@@ -182,7 +182,7 @@ def test_the_indexers_choice_is_the_best_scores_in_position_order():
     assert choose([0.0, 0.0, 0.0], 2) == [0, 1]
     Hi, Di = 4, 64
     iq, iw, key = torch.randn(Hi, Di, generator=g), torch.randn(Hi, generator=g), torch.randn(Di, generator=g)
-    got = lib.index_score(iq.data_ptr(), iw.data_ptr(), Hi, Di, key.data_ptr())
+    got = lib.index_score(iq.data_ptr(), iw.data_ptr(), Hi, Di, Di ** -0.5, key.data_ptr())
     want = (iw.double() * torch.relu(iq.double() @ key.double() / Di ** 0.5)).sum().item()
     scale = (iw.double().abs() * (iq.double() @ key.double()).abs() / Di ** 0.5).sum().item()  # the terms' size
     assert abs(got - want) <= 1e-6 * scale
