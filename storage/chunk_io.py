@@ -42,9 +42,10 @@ class ChunkReaderConfig:
 
     mode: ReadMode | str = ReadMode.DIRECT
     # concurrent reads; None picks by mode: direct reads wait on the device and want a queue depth
-    # of several, buffered reads of cached data are memory copies and want one thread per core
+    # of 16 or more (one 44 MB expert read cold on a virtual disk: 2.1 GB/s with 4 in flight, 2.5 with
+    # 16 of 2 MiB), buffered reads of cached data are memory copies and want one thread per core
     threads: int | None = None
-    piece_bytes: int = 4 << 20  # reads are split into pieces of this size, run in parallel (queue depth)
+    piece_bytes: int = 2 << 20  # reads are split into pieces of this size, run in parallel (queue depth)
     io_bytes: int = 1 << 20  # bytes per preadv: small enough that a piece is checksummed from cache
 
     def __post_init__(self) -> None:
@@ -54,7 +55,7 @@ class ChunkReaderConfig:
             raise ValueError(f"mode must be one of {[m.value for m in ReadMode]}, got {self.mode!r}") from None
         if self.threads is None:
             cores = os.cpu_count() or 2
-            self.threads = max(4, cores) if self.mode is ReadMode.DIRECT else max(2, cores)
+            self.threads = max(16, cores) if self.mode is ReadMode.DIRECT else max(2, cores)
         if self.threads < 1:
             raise ValueError(f"threads must be >= 1, got {self.threads}")
         if self.piece_bytes < ALIGN or self.piece_bytes % ALIGN:

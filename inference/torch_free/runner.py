@@ -102,7 +102,7 @@ class LeanConfig:
     kv_cache: str = "f32"
     threads: int = 0  # compute threads; 0: OMP_NUM_THREADS where set, else every core this process may run on
     read_mode: ReadMode | str = ReadMode.DIRECT
-    read_threads: int = 4
+    read_threads: int | None = None  # the reader's own choice by mode (`ChunkReaderConfig`)
 
     def __post_init__(self) -> None:
         if self.dense not in DENSE_CHOICES:
