@@ -104,7 +104,8 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
             return {"tokens": res.tokens, "decode_tok_s": res.decode_tok_s, "ttft_s": res.ttft_s,
                     "read_bytes_per_token": (_read_bytes() - read0) / len(res.tokens),
                     "major_faults_per_token": (major_faults() - faults0) / len(res.tokens),
-                    "expert_read_bytes_per_token": res.stats.get("ssd_bytes_per_token", 0.0)}
+                    "expert_read_bytes_per_token": res.stats.get("ssd_bytes_per_token", 0.0),
+                    "process_read_bytes": _read_bytes()}  # since the process started: its load too
 
         if first:
             cold = timed()
@@ -196,7 +197,8 @@ def _lean_timed(model, prompt: list[int], new_tokens: int, uses: dict, used: set
             "cpu_cache_bytes": cache, "cpu_cache_start_bytes": cache, "auto_reserve_bytes": 0,
             "read_wait_share": wait_share, "mapped_bytes": model.mapped_bytes,
             "read_gbps_waiting": decode_expert_bytes / waited / 1e9 if waited > 0 else None,
-            "routing_entropy": routing_entropy(uses, model.config.num_experts)}
+            "routing_entropy": routing_entropy(uses, model.config.num_experts),
+            "process_read_bytes": _read_bytes()}  # since the process started: its load too
 
 
 def routing_entropy(uses: dict[int, list[int]], n_experts: int) -> float:
@@ -469,6 +471,8 @@ def limited(args: argparse.Namespace) -> dict:
                         runs.pop(name, None)
                         continue
                     r["size_bytes"] = size
+                    # the model once, against which a cold run's reads since its start are held
+                    r["model_bytes"] = total if engine != "llama" else os.path.getsize(spec["path"])
                     runs.setdefault(name, []).append(r)
     out = _medians(runs)
     out["notes"] = notes
@@ -553,9 +557,14 @@ def report(result: dict, as_json: bool) -> None:
             print(line)
             cold = r.get("first")
             if cold:  # the process's first generation: the page cache dropped before it, nothing warm
-                print(f"{part:8} {name + ' cold':18} {cold['decode_tok_s']:7.2f} tok/s | read "
-                      f"{cold['read_bytes_per_token'] / 2**20:8.2f} MiB/tok | time to the first token "
-                      f"{cold['ttft_s']:.2f} s")
+                line = (f"{part:8} {name + ' cold':18} {cold['decode_tok_s']:7.2f} tok/s | read "
+                        f"{cold['read_bytes_per_token'] / 2**20:8.2f} MiB/tok | time to the first token "
+                        f"{cold['ttft_s']:.2f} s")
+                if cold.get("process_read_bytes") and r.get("model_bytes"):
+                    line += (f" | read {cold['process_read_bytes'] / 2**30:.3f} GiB from its start to its last token, "
+                             f"{cold['process_read_bytes'] / r['model_bytes']:.3f}x the model's "
+                             f"{r['model_bytes'] / 2**30:.3f} GiB")
+                print(line)
         shares = sorted({n.rsplit("-", 1)[1] for n in rows if n.endswith("%")}, key=lambda x: -int(x[:-1]))
         for bits, _, gguf in PAIRS:
             for suffix in [""] if part == "resident" else [f"-{s}" for s in shares]:
@@ -637,18 +646,21 @@ def main() -> int:
         ap.error(str(e))
     if shape and args.arch is None and args.prepare_arch is None:
         ap.error("--shape changes an --arch checkpoint's shape: give --arch too")
+    bits = {b for part, flag in (("resident", args.resident_bits), ("limited", args.limited_bits))
+            if part in args.parts.split(",") for b in flag.split(",")}
     if args.prepare_arch:
-        prepare_arch(args.workdir, args.prepare_arch, shape)
+        prepare_arch(args.workdir, args.prepare_arch, shape, tuple(sorted(bits)))
         return 0
     if args.arch is not None:
         if args.experts is not None:
             raise SystemExit("--arch and --experts each make WORKDIR's checkpoint: give one")
         os.makedirs(args.workdir, exist_ok=True)
-        # in a process of its own: making the checkpoint imports torch, which this one must not
+        # in a process of its own: making the checkpoint imports torch, which this one must not; the
+        # precisions measured go with it (the stores and GGUF files of no other are made)
         subprocess.run([sys.executable, os.path.abspath(__file__), "--workdir", args.workdir, "--prepare-arch",
-                        args.arch, "--shape", args.shape], check=True, env={**os.environ, "PYTHONPATH": ROOT})
-    bits = {b for part, flag in (("resident", args.resident_bits), ("limited", args.limited_bits))
-            if part in args.parts.split(",") for b in flag.split(",")}
+                        args.arch, "--shape", args.shape, "--parts", args.parts, "--resident-bits",
+                        args.resident_bits, "--limited-bits", args.limited_bits], check=True,
+                       env={**os.environ, "PYTHONPATH": ROOT})
     if args.experts is not None:
         if "f32" in bits:
             raise SystemExit("--experts makes a bfloat16 checkpoint: measure int8 and int4 there "

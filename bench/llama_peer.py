@@ -555,7 +555,8 @@ def _worker(job_path: str) -> None:
                 # storage reads of this process (page faults on the mmapped model included) per decoding
                 # step after the first token; the prompt's apart
                 "read_bytes_per_token": (_read_bytes() - reads[1]) / max(1, len(new) - 1),
-                "prompt_read_bytes": reads[1] - reads[0]}
+                "prompt_read_bytes": reads[1] - reads[0],
+                "process_read_bytes": _read_bytes()}  # since the process started: its load too
 
     # the first generation: timed in full, or a warm-up (page in the weights, allocate the graph)
     first = None

@@ -17,9 +17,9 @@ _GLM_TOKENS = ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>",
 ARCH_SPECIAL_TOKENS = {"glm4_moe": _GLM_TOKENS, "glm_moe_dsa": _GLM_TOKENS}
 
 
-def _tokenizer_and_stores(workdir: str, arch: str | None = None) -> None:
+def _tokenizer_and_stores(workdir: str, arch: str | None = None, quantized: tuple[int, ...] = (8, 4)) -> None:
     """WORKDIR's checkpoint given a tokenizer (llama.cpp's converter needs one), and its stores: the
-    import, int8 and int4, each made once."""
+    import and those of `quantized` (int8, int4), each made once."""
     import llama_peer as peer
     from bench_quant import GROUP_SIZE
     from semoe.checkpoints.hf_convert import import_checkpoint
@@ -30,7 +30,7 @@ def _tokenizer_and_stores(workdir: str, arch: str | None = None) -> None:
     if not os.path.exists(os.path.join(store, "manifest.json")):
         print("importing it into a store ...", file=sys.stderr)
         import_checkpoint(hf, store)
-    for bits in (8, 4):
+    for bits in quantized:
         path = os.path.join(workdir, f"store-int{bits}")
         if not os.path.exists(os.path.join(path, "manifest.json")):
             print(f"quantizing to int{bits} ...", file=sys.stderr)
@@ -174,9 +174,11 @@ def shaped_fields(arch: str, shape: dict[str, int]) -> tuple[str, dict]:
 WORKDIR_BYTES_PER_MODEL_BYTE = 4.5
 
 
-def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None) -> None:
+def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None,
+                 bits: tuple[str, ...] = ("f32", "int8", "int4")) -> None:
     """`--arch`: WORKDIR's float32 checkpoint of `arch` (ARCH_SHAPES, with `shape`'s changes), its stores and
-    llama.cpp's f32, q8_0 and q4_0, each made once. A WORKDIR made for another architecture or shape is
+    llama.cpp's f32, q8_0 and q4_0, each made once; only the quantized ones `bits` names (a float32-only
+    sweep of shapes makes neither int8 nor int4). A WORKDIR made for another architecture or shape is
     refused."""
     import json
 
@@ -209,13 +211,13 @@ def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None) -
         model = transformers.AutoModelForCausalLM.from_config(config)
         model.save_pretrained(hf, max_shard_size="1GB")
         del model
-    _tokenizer_and_stores(workdir, arch)
+    _tokenizer_and_stores(workdir, arch, tuple(b for b in (8, 4) if f"int{b}" in bits))
     env = peer.ensure_env()
     f32 = os.path.join(workdir, "llama-f32.gguf")
     if not os.path.exists(f32):
         print("converting it with llama.cpp's converter ...", file=sys.stderr)
         peer.convert(hf, f32, "f32", env=env)
-    for qtype in ("q8_0", "q4_0"):
+    for qtype in (q for b, q in (("int8", "q8_0"), ("int4", "q4_0")) if b in bits):
         gguf = os.path.join(workdir, f"llama-{qtype}.gguf")
         if not os.path.exists(gguf):
             print(f"llama-quantize to {qtype} ...", file=sys.stderr)
