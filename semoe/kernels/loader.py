@@ -283,15 +283,20 @@ def choose(flags: frozenset[str], builds: dict[str, str], machine: str | None = 
 # a vector build measured faster than the best one the CPU's flags allow replaces it only by this much,
 # so that timing noise never flips the choice between two builds that run alike
 MEASURED_MARGIN = 0.05
+# a measurement whose rounds had less than this share of the cores (another heavy job running) picks
+# for its own process only: it is not kept, and the next process measures again
+QUIET_SHARE = 0.8
 # the workload `measure` times: decoding's products, float32, int8 and int4 codes (groups of 32), one
 # row through an (O, I) weight larger than a core's L2, as a decoding step streams its weights
 _WORK_O, _WORK_I, _WORK_G = 1024, 4096, 32
 
 
-def measure(paths: list[str], rounds: int = 25) -> list[float]:
+def measure(paths: list[str], rounds: int = 25) -> tuple[list[float], float]:
     """Seconds each library in `paths` takes for one pass of the workload (float32, int8 and int4
     products of one row), on every core this process may use: the fastest of `rounds` rounds, each
-    running every library in turn, so that what else the machine does falls on all of them alike."""
+    running every library in turn, so that what else the machine does falls on all of them alike.
+    Also the share of those cores the rounds had: CPU time over wall time times the cores (near 1 on
+    an idle machine; well under it while other work takes cores)."""
     import time
 
     libs = [load(p) for p in paths]
@@ -314,10 +319,12 @@ def measure(paths: list[str], rounds: int = 25) -> list[float]:
     for lib in libs:  # warm-up: the weights into the page tables, the threads started
         once(lib)
     best = [float("inf")] * len(libs)
+    wall, cpu = time.perf_counter(), time.process_time()
     for _ in range(rounds):
         for i, lib in enumerate(libs):
             best[i] = min(best[i], once(lib))
-    return best
+    share = (time.process_time() - cpu) / max((time.perf_counter() - wall) * threads, 1e-9)
+    return best, share
 
 
 def _choice_file() -> str:
@@ -337,7 +344,8 @@ def measured_choice(candidates: list[tuple[str, str]], flags: frozenset[str]) ->
     """Of the vector builds this CPU runs (`candidates`, best by flags first), the one that runs the
     decoding workload fastest here: measured once per machine and set of builds, the result kept in
     ~/.cache/semoe/kernel-choice.json (`XDG_CACHE_HOME`), read back by every later process. Where the
-    file cannot be written, each process measures for itself."""
+    file cannot be written, or other work took the cores while measuring (`QUIET_SHARE`), each process
+    measures for itself."""
     import hashlib
     import json
     import tempfile
@@ -365,15 +373,19 @@ def measured_choice(candidates: list[tuple[str, str]], flags: frozenset[str]) ->
             loadable.append((name, path))
         except (OSError, KernelABIError):
             continue  # a build that does not load is not chosen; loading the choice says why
-    seconds = dict(zip((n for n, _ in loadable), measure([p for _, p in loadable]))) if loadable else {}
+    timings, share = measure([p for _, p in loadable]) if loadable else ([], 1.0)
+    seconds = dict(zip((n for n, _ in loadable), timings))
     first = candidates[0][0]
     pick = first
     if first in seconds:
         faster = min(seconds, key=seconds.get)
         if seconds[faster] < (1 - MEASURED_MARGIN) * seconds[first]:
             pick = faster
+    if share < QUIET_SHARE:  # timed while other work took the cores: good for this process, not kept
+        return pick, names[pick]
     known = known if isinstance(known, dict) else {}
-    known[key] = {"cpu": _cpu_name(), "choice": pick, "seconds": {n: round(t, 6) for n, t in seconds.items()}}
+    known[key] = {"cpu": _cpu_name(), "choice": pick, "seconds": {n: round(t, 6) for n, t in seconds.items()},
+                  "cpu_share": round(share, 3)}
     try:
         os.makedirs(os.path.dirname(file), exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), prefix=".kernel-choice-")

@@ -76,13 +76,14 @@ def test_a_build_measured_faster_here_is_chosen_once_per_machine(fresh_loader, m
     monkeypatch.setattr(variants, "cpu_flags", lambda *a: ALL)
     timings = {builds["avx512-vnni"]: 1.0, builds["avx2"]: 0.9}
     calls = []
-    monkeypatch.setattr(loader, "measure", lambda paths: calls.append(paths) or [timings[p] for p in paths])
+    monkeypatch.setattr(loader, "measure", lambda paths: calls.append(paths) or ([timings[p] for p in paths], 0.97))
     assert loader.chosen() == ("avx2", builds["avx2"])
     assert calls == [[builds["avx512-vnni"], builds["avx2"]]]  # the portable build is never measured
     assert loader.status().endswith(", measured faster here than avx512-vnni)")
     saved = json.loads((tmp_path / "semoe" / "kernel-choice.json").read_text())
     (entry,) = saved.values()
     assert entry["choice"] == "avx2" and entry["seconds"] == {"avx512-vnni": 1.0, "avx2": 0.9}
+    assert entry["cpu_share"] == 0.97
     loader.chosen.cache_clear()
     loader.library.cache_clear()
     assert loader.chosen() == ("avx2", builds["avx2"]) and len(calls) == 1  # read back, not measured
@@ -95,10 +96,31 @@ def test_a_build_measured_faster_here_is_chosen_once_per_machine(fresh_loader, m
     assert ", measured" not in loader.status()
 
 
+def test_a_choice_measured_while_other_work_took_the_cores_is_not_kept(fresh_loader, monkeypatch, tmp_path):
+    """Timed with less than QUIET_SHARE of the cores (a heavy job beside it), the pick serves its own
+    process only: no file is written, and the next process measures again, then keeps its choice."""
+    builds = loader.installed()
+    if not {"avx2", "avx512-vnni"} <= set(builds):
+        pytest.skip(f"the install built {sorted(builds)}: the AVX2 and AVX-512 builds are x86-64's, with a compiler")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(variants, "cpu_flags", lambda *a: ALL)
+    shares, calls = [0.55, 0.95], []
+    monkeypatch.setattr(loader, "measure", lambda paths: calls.append(paths) or (
+        [{builds["avx512-vnni"]: 1.0, builds["avx2"]: 0.9}[p] for p in paths], shares[len(calls) - 1]))
+    assert loader.chosen() == ("avx2", builds["avx2"])
+    assert not (tmp_path / "semoe" / "kernel-choice.json").exists()
+    loader.chosen.cache_clear()
+    loader.library.cache_clear()
+    assert loader.chosen() == ("avx2", builds["avx2"]) and len(calls) == 2  # measured again
+    (entry,) = json.loads((tmp_path / "semoe" / "kernel-choice.json").read_text()).values()
+    assert entry["cpu_share"] == 0.95
+
+
 def test_the_measured_workload_runs_every_build_it_is_given():
     builds = loader.installed()
-    seconds = loader.measure(list(builds.values()), rounds=2)
+    seconds, share = loader.measure(list(builds.values()), rounds=2)
     assert len(seconds) == len(builds) and all(0 < t < 10 for t in seconds)
+    assert 0 < share < 1.5  # CPU time over wall time times cores: a share, whatever else runs
 
 
 def test_a_build_the_cpu_cannot_run_is_never_loaded(fresh_loader, monkeypatch):
