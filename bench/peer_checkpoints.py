@@ -165,6 +165,10 @@ def shaped_fields(arch: str, shape: dict[str, int]) -> tuple[str, dict]:
         if field is None:
             raise ValueError(f"--shape: {arch} has no {name} (latent attention's heads are set by its ranks)")
         fields[field] = value
+    if arch in _LATENT and "heads" in shape and "kv_heads" not in shape:
+        # latent attention expands the latent to every head: llama.cpp's converter splits kv_b by the
+        # config's key-value heads, which must be the heads
+        fields["num_key_value_heads"] = shape["heads"]
     return cls, fields
 
 

@@ -38,6 +38,11 @@ def test_a_shape_lands_in_each_architectures_own_fields():
     assert (ernie["moe_num_experts"], ernie["moe_k"]) == (64, 8)
     _, mixtral = pc.shaped_fields("mixtral", shape)
     assert (mixtral["num_local_experts"], mixtral["intermediate_size"]) == (64, 256)
+    # latent attention: as many key-value heads as heads (llama.cpp's converter splits kv_b by them)
+    _, dsa = pc.shaped_fields("deepseek_v32", pc.parse_shape("heads=16,experts=64"))
+    assert (dsa["num_attention_heads"], dsa["num_key_value_heads"], dsa["n_routed_experts"]) == (16, 16, 64)
+    _, gqa = pc.shaped_fields("qwen3_moe", pc.parse_shape("heads=16"))
+    assert gqa["num_key_value_heads"] == pc.ARCH_SHAPES["qwen3_moe"][1]["num_key_value_heads"]
     assert pc.ARCH_SHAPES["qwen3_moe"][1]["num_experts"] == 32  # the table itself is left as it was
     with pytest.raises(ValueError, match="deepseek_v3 has no head_dim"):
         pc.shaped_fields("deepseek_v3", shape)
