@@ -6,7 +6,9 @@ is expert data it must read again. torch's runtime alone holds about 0.15 GiB of
 once imported (its operator tables and Python modules), which no eviction gives back: on the 3 GB
 bench model that is half of the memory at 4-bit and 50%, and more than all of it at 4-bit and 25%.
 This runner decodes with the same kernels as the engine's one-call step (semoe/kernels/
-decode_step.c, in parts: `decode_attend`, then the chosen experts, `decode_ffn`; `decode_head`),
+decode_step.c, in parts: `decode_attend`, then the chosen experts, `decode_ffn` (or, where some are
+cached and others are being read, `decode_experts` of the cached ones meanwhile, of the rest once
+read, and `decode_ffn_done`); `decode_head`),
 over buffers of its own (numpy, ctypes), and imports no torch, so that memory goes to the cache.
 
 What it holds: the dense weights (attention, routers, norms, lm_head), float32 or bfloat16 as
@@ -236,6 +238,7 @@ class LeanModel:
         self._bias = np.zeros((max(slots, 1), n_bias), np.float32)
         self._structs: dict[tuple[int, int], loader.Expert] = {}
         self._pointed: dict[int, dict[int, int]] = {lay: {} for lay in moe_layers}  # layer -> expert -> slot
+        self.computed_while_reading = 0  # decoding's MoE layers that computed cached experts while reading others
         # rotary frequencies (plain or YaRN) and the scale of cos and sin, as the model's modules take them
         self.inv_freq, self.rope_scale = rope.inv_freq(c)
         # the embedding stays on storage: one row a token
@@ -516,7 +519,7 @@ class LeanModel:
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
         cache = self.cache
-        reads0, bytes0 = cache.misses, cache.read_bytes
+        reads0, bytes0, overlapped0 = cache.misses, cache.read_bytes, self.computed_while_reading
         rng = np.random.default_rng(cfg.seed)
         with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
             out = loop.run(functools.partial(prefill, seq, prompt, on_prompt_layer), seq.step,
@@ -525,6 +528,7 @@ class LeanModel:
                  "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + len(out.tokens) - 1),
                  "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,
                  "cache_bytes": cache.n * self.slot_bytes, "read_s": cache.read_s, "dense": self.dense,
+                 "computed_while_reading": self.computed_while_reading - overlapped0,
                  "kv_cache": self.settings.kv_cache,
                  "peak_rss_bytes": peak_rss_bytes()}
         return LeanResult(out.tokens, out.logprobs, out.ttft_s, out.decode_tok_s, stats)
@@ -591,15 +595,39 @@ class LeanSequence:
         for lay, (kp, vp) in enumerate(self._kv):
             lib.decode_attend(net, work, lay, xp, kp, vp, self.capacity, pos, cp, sp, idp, wp, T)
             if lay in m._parts:
-                chosen = self.ids.tolist()
-                for e, slot in zip(chosen, m.cache.ensure(lay, chosen)):
-                    m._point(lay, e, slot)
-            lib.decode_ffn(net, work, lay, xp, T)
+                self._experts(lay)
+            else:
+                lib.decode_ffn(net, work, lay, xp, T)
         self.length = pos + 1
         if not logits:
             return None
         lib.decode_head(net, work, xp, lp, T)
         return self.logits
+
+    def _experts(self, lay: int) -> None:
+        """MoE layer `lay`'s feed-forward on the step's x: its chosen experts read where missing, and
+        where some are cached and others are being read, the cached ones computed meanwhile
+        (`decode_experts`, then the rest, then `decode_ffn_done`: `decode_ffn`'s bits)."""
+        m, lib, net, work, T = self.model, self.model.lib, self._net, self._work, self.model.settings.threads
+        chosen = self.ids.tolist()
+        pending = m.cache.begin(lay, chosen)
+        early = [k for k, e in enumerate(chosen) if ExpertKey(lay, e) in pending.where] if pending.loads else []
+        try:
+            for k in early:
+                m._point(lay, chosen[k], pending.where[ExpertKey(lay, chosen[k])])
+            if early:
+                lib.decode_experts(net, work, lay, (ctypes.c_int64 * len(early))(*early), len(early), T)
+        finally:
+            slots = m.cache.end(pending)  # the reads done (and the pins let go) whatever the compute did
+        for e, slot in zip(chosen, slots):
+            m._point(lay, e, slot)
+        if not early:
+            lib.decode_ffn(net, work, lay, self._p[0], T)
+            return
+        late = [k for k in range(len(chosen)) if k not in early]
+        lib.decode_experts(net, work, lay, (ctypes.c_int64 * len(late))(*late), len(late), T)
+        lib.decode_ffn_done(net, work, lay, self._p[0], T)
+        m.computed_while_reading += 1
 
     def close(self) -> None:
         if self._work is not None:

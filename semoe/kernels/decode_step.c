@@ -191,59 +191,78 @@ typedef struct { /* the step's buffers */
     int oom; /* an allocation during the step failed: its results are not to be used */
 } Work;
 
-/* x += sum_k w_k y_k over the K experts in s->ex (set by the caller, of one kind and width), by the
- * team, the K experts' blocks of rows shared out together: SwiGLU's y = down(silu(gate h) * up h),
- * gpt-oss's y = down(act(gate_up h + b_gu)) + b_d (`Expert`, `Net.alpha`) as gemv.c's
- * `clamped_swiglu_q` computes it, or SwiGLU of gate_up's halves. hg holds 2F values an expert: gate
- * (or gate_up) outputs; the activation is written in place (SwiGLU) or into hu (of gate_up). `scaled`:
- * expert k's input is h * w_k and x += sum_k y_k (Llama-4's router). */
-static void experts(const Net *net, int64_t K, const float *w, const float *h, float *x, int64_t D, int64_t F,
-                    Work *s, int scaled) {
+/* The outputs y_k (s->ys + k D) of the experts ks[0..n) of the K in s->ex (0..n-1 where ks is NULL; set by
+ * the caller, of one kind and width), by the team, their blocks of rows shared out together: SwiGLU's
+ * y = down(silu(gate h) * up h), gpt-oss's y = down(act(gate_up h + b_gu)) + b_d (`Expert`, `Net.alpha`)
+ * as gemv.c's `clamped_swiglu_q` computes it, or SwiGLU of gate_up's halves. hg holds 2F values an
+ * expert: gate (or gate_up) outputs; the activation is written in place (SwiGLU) or into hu (of
+ * gate_up). `scaled`: expert k's input is h * w_k (Llama-4's router). Each output is its expert's alone,
+ * every row summed by one thread in one order: computed in several calls, the same bits as in one. */
+static void experts_out(const Net *net, const int64_t *ks, int64_t n, const float *w, const float *h, int64_t D,
+                        int64_t F, Work *s, int scaled) {
     const Expert *const *ex = s->ex;
-    const int fused = ex[0]->up.O == 0;
+#define KK(j) (ks ? ks[j] : (j))
+    const Expert *first = ex[KK(0)];
+    const int fused = first->up.O == 0;
 #define IN(k) (scaled ? s->hin + (k) * D : h)
 #pragma omp single
-    for (int64_t k = 0; k < K; k++) {
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t k = KK(j);
         if (scaled) /* the module's x * w, rounded to float32 */
             for (int64_t i = 0; i < D; i++) s->hin[k * D + i] = h[i] * w[k];
         lin_acts(&ex[k]->gate, IN(k), 1, &s->ax[k], &s->oom);
     }
-    int64_t nb = s->oom ? 0 : lin_blocks(&ex[0]->gate);
+    int64_t nb = s->oom ? 0 : lin_blocks(&first->gate);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < K * nb; t++) {
-        const Expert *e = ex[t / nb];
-        lin_block(&e->gate, IN(t / nb), 1, &s->ax[t / nb], s->hg + t / nb * 2 * F, t % nb);
-        if (!fused) lin_block(&e->up, IN(t / nb), 1, &s->ax[t / nb], s->hu + t / nb * F, t % nb);
+    for (int64_t t = 0; t < n * nb; t++) {
+        const int64_t k = KK(t / nb);
+        lin_block(&ex[k]->gate, IN(k), 1, &s->ax[k], s->hg + k * 2 * F, t % nb);
+        if (!fused) lin_block(&ex[k]->up, IN(k), 1, &s->ax[k], s->hu + k * F, t % nb);
     }
 #undef IN
-    int64_t Fe = s->oom ? 0 : fused ? ex[0]->gate.O / 2 : ex[0]->gate.O;
+    int64_t Fe = s->oom ? 0 : fused ? first->gate.O / 2 : first->gate.O;
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < K * Fe; t++) {
-        const int64_t k = t / Fe;
+    for (int64_t t = 0; t < n * Fe; t++) {
+        const int64_t k = KK(t / Fe);
         expert_act(net, ex[k], s->hg + k * 2 * F, s->hu + k * F, t % Fe);
     }
 #define DOWN_IN(k) (fused ? s->hu + (k) * F : s->hg + (k) * 2 * F)
 #pragma omp single
-    for (int64_t k = 0; k < K; k++) {
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t k = KK(j);
         lin_acts_done(&ex[k]->gate, &s->ax[k]);
         lin_acts(&ex[k]->down, DOWN_IN(k), 1, &s->ah[k], &s->oom);
     }
-    nb = s->oom ? 0 : lin_blocks(&ex[0]->down);
+    nb = s->oom ? 0 : lin_blocks(&first->down);
 #pragma omp for schedule(static)
-    for (int64_t t = 0; t < K * nb; t++)
-        lin_block(&ex[t / nb]->down, DOWN_IN(t / nb), 1, &s->ah[t / nb], s->ys + t / nb * D, t % nb);
+    for (int64_t t = 0; t < n * nb; t++) {
+        const int64_t k = KK(t / nb);
+        lin_block(&ex[k]->down, DOWN_IN(k), 1, &s->ah[k], s->ys + k * D, t % nb);
+    }
 #undef DOWN_IN
 #pragma omp single
-    {
-        for (int64_t k = 0; k < K; k++) {
-            lin_acts_done(&ex[k]->down, &s->ah[k]);
-            s->yp[k] = s->ys + k * D;
-            const float *b = ex[k]->down.bias;
-            if (b)
-                for (int64_t i = 0; i < D; i++) s->ys[k * D + i] += b[i];
-        }
-        if (!s->oom) moe_combine_f32(x, s->yp, scaled ? s->ones : w, K, D);
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t k = KK(j);
+        lin_acts_done(&ex[k]->down, &s->ah[k]);
+        s->yp[k] = s->ys + k * D;
+        const float *b = ex[k]->down.bias;
+        if (b)
+            for (int64_t i = 0; i < D; i++) s->ys[k * D + i] += b[i];
     }
+#undef KK
+}
+
+/* x += sum_k w_k y_k over the K outputs `experts_out` left (x += sum_k y_k where `scaled`), by the team */
+static void experts_sum(int64_t K, const float *w, float *x, int64_t D, Work *s, int scaled) {
+#pragma omp single
+    if (!s->oom) moe_combine_f32(x, s->yp, scaled ? s->ones : w, K, D);
+}
+
+/* x += sum_k w_k y_k over the K experts in s->ex: `experts_out` of all, then `experts_sum` */
+static void experts(const Net *net, int64_t K, const float *w, const float *h, float *x, int64_t D, int64_t F,
+                    Work *s, int scaled) {
+    experts_out(net, NULL, K, w, h, D, F, s, scaled);
+    experts_sum(K, w, x, D, s, scaled);
 }
 
 static void work_free(Work *s);
@@ -497,12 +516,24 @@ static void layer_attend(const Net *net, int64_t l, float *x, void *kc, void *vc
 
 /* layer l's feed-forward on s->h, by the team: the chosen experts (layer_attend's) or the dense one,
  * then the shared expert, scaled by its gate where it has one */
-static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
+/* the outputs of the layer's chosen experts ks[0..n) (indices into the router's choice; all K where
+ * ks is NULL), by the team */
+static void layer_ffn_part(const Net *net, int64_t l, const int64_t *ks, int64_t n, Work *s) {
+    const Layer *ly = net->layers + l;
+#pragma omp single
+    for (int64_t j = 0; j < n; j++) {
+        const int64_t k = ks ? ks[j] : j;
+        s->ex[k] = ly->experts + s->ids[k];
+    }
+    experts_out(net, ks, n, s->w, s->h, net->D, net->F, s, ly->E && net->router == 3);
+}
+
+/* the chosen experts' outputs (every one computed by `layer_ffn_part`) summed into x, then the shared
+ * expert's, by the team */
+static void layer_ffn_done(const Net *net, int64_t l, float *x, Work *s) {
     const Layer *ly = net->layers + l;
     const int64_t K = ly->E ? net->top_k : 1;
-#pragma omp single
-    for (int64_t k = 0; k < K; k++) s->ex[k] = ly->experts + s->ids[k];
-    experts(net, K, s->w, s->h, x, net->D, net->F, s, ly->E && net->router == 3);
+    experts_sum(K, s->w, x, net->D, s, ly->E && net->router == 3);
     if (!ly->shared) return;
     if (ly->shared_gate.O) lin_product(&ly->shared_gate, s->h, 1, &s->a, &s->gate, &s->oom);
 #pragma omp single
@@ -511,6 +542,11 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
         s->ex[0] = ly->shared;
     }
     experts(net, 1, &s->gate, s->h, x, net->D, net->F, s, 0);
+}
+
+static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
+    layer_ffn_part(net, l, NULL, net->layers[l].E ? net->top_k : 1, s);
+    layer_ffn_done(net, l, x, s);
 }
 
 /* the final norm and the output product into logits, by the team */
@@ -565,6 +601,25 @@ int decode_ffn(const Net *net, Work *s, int64_t l, float *x, int threads) {
     s->oom = 0;
 #pragma omp parallel num_threads(threads)
     layer_ffn(net, l, x, s);
+    return s->oom ? -1 : 0;
+}
+
+/* `decode_ffn` in two or more calls, for a step that computes the experts it holds while others are
+ * read: `decode_experts` the outputs of the chosen experts ks[0..n) (indices into `decode_attend`'s
+ * choice, whose `experts` entries the caller has pointed), as many calls as it takes until every one is
+ * computed once; then `decode_ffn_done` sums them into x and adds the shared expert. The same bits as
+ * `decode_ffn`. Each returns 0, or -1 where an allocation failed. */
+int decode_experts(const Net *net, Work *s, int64_t l, const int64_t *ks, int64_t n, int threads) {
+    s->oom = 0;
+#pragma omp parallel num_threads(threads)
+    layer_ffn_part(net, l, ks, n, s);
+    return s->oom ? -1 : 0;
+}
+
+int decode_ffn_done(const Net *net, Work *s, int64_t l, float *x, int threads) {
+    s->oom = 0;
+#pragma omp parallel num_threads(threads)
+    layer_ffn_done(net, l, x, s);
     return s->oom ? -1 : 0;
 }
 

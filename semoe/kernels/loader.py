@@ -220,6 +220,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_work_free.argtypes = [_P]
     lib.decode_attend.argtypes = [_P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _INT]
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
+    lib.decode_experts.argtypes = [_P, _P, _I, _P, _I, _INT]
+    lib.decode_ffn_done.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
     lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
     lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _INT]
@@ -233,7 +235,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
         f.restype = None
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks
     for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,
-              lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_head, lib.prefill_attend,
+              lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_experts, lib.decode_ffn_done,
+              lib.decode_head, lib.prefill_attend,
               lib.prefill_head, lib.prefill_experts, lib.prefill_finish):
         f.restype = ctypes.c_int
         f.errcheck = _out_of_memory
