@@ -514,8 +514,6 @@ static void layer_attend(const Net *net, int64_t l, float *x, void *kc, void *vc
     }
 }
 
-/* layer l's feed-forward on s->h, by the team: the chosen experts (layer_attend's) or the dense one,
- * then the shared expert, scaled by its gate where it has one */
 /* the outputs of the layer's chosen experts ks[0..n) (indices into the router's choice; all K where
  * ks is NULL), by the team */
 static void layer_ffn_part(const Net *net, int64_t l, const int64_t *ks, int64_t n, Work *s) {
@@ -544,6 +542,8 @@ static void layer_ffn_done(const Net *net, int64_t l, float *x, Work *s) {
     experts(net, 1, &s->gate, s->h, x, net->D, net->F, s, 0);
 }
 
+/* layer l's feed-forward on s->h, by the team: the chosen experts (layer_attend's) or the dense one,
+ * then the shared expert, scaled by its gate where it has one */
 static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
     layer_ffn_part(net, l, NULL, net->layers[l].E ? net->top_k : 1, s);
     layer_ffn_done(net, l, x, s);
