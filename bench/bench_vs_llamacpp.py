@@ -139,20 +139,18 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
     keep = keep if cpu_cache is None else 0
     config = LeanConfig(cache_bytes=cpu_cache, keep_bytes=keep, read_mode="direct", dense=dense, kv_cache=kv_cache)
     with LeanModel(store, config) as model:
-        uses: dict[int, list[int]] = {}  # layer -> the experts asked for in the timed generation (prompt too)
+        uses: dict[int, list[int]] = {}  # layer -> the experts decoding steps chose in the timed generation
         used: set[tuple[int, int]] = set()  # (layer, expert) the prompt pass chose (its guesses aside)
-        ensure, begin, at_first = model.cache.ensure, model.cache.begin, {}
+        begin, at_first = model.cache.begin, {}
 
-        def counted(layer: int, experts: list[int]) -> list[int]:
-            uses.setdefault(layer, []).extend(experts)
-            return ensure(layer, experts)
-
-        def prompt_begin(layer: int, experts: list[int], *, speculative: bool = False):
-            if not at_first and not speculative:
+        def counted(layer: int, experts: list[int], *, speculative: bool = False):
+            if not speculative and not at_first:  # the prompt's pass
                 used.update((layer, e) for e in experts)
+            elif not speculative:  # a decoding step (the first token is out)
+                uses.setdefault(layer, []).extend(experts)
             return begin(layer, experts, speculative=speculative)
 
-        model.cache.ensure, model.cache.begin = counted, prompt_begin
+        model.cache.begin = counted
         cold = None
         if first:
             cold = _lean_timed(model, prompt, new_tokens, uses, used, at_first)
