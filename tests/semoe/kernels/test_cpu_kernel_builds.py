@@ -17,7 +17,7 @@ from helpers.procs import ROOT, child_env
 from semoe.kernels import variants
 
 KERNELS = os.path.join(ROOT, "semoe", "kernels")
-SOURCES = ("gemv.c", "gemv_fp4.c", "gemv_float.c", "attend.c", "decode_step.c", "prefill.c")
+SOURCES = ("gemv.c", "gemv_fp4.c", "gemv_float.c", "attend.c", "decode_step.c", "decode_abi.c", "prefill.c")
 TESTS = ("semoe/kernels/test_torch_ops.py", "semoe/decode/test_plan.py", "inference/torch_free/test_runner.py")
 
 
