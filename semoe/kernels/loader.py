@@ -261,7 +261,11 @@ def load(path: str) -> ctypes.CDLL:
     """The library at `path`, its structs' layouts checked and its entry points declared."""
     lib = ctypes.CDLL(path)
     check_layout(lib, path)
-    return _declare(lib)
+    try:
+        return _declare(lib)
+    except AttributeError as e:  # an entry point this loader declares is missing: an older build
+        raise KernelABIError(f"{path}: {str(e).rsplit(': ', 1)[-1]}, built from older sources than "
+                             f"semoe/kernels/loader.py: reinstall (pip install -e .) to rebuild the kernels") from None
 
 
 def installed() -> dict[str, str]:

@@ -186,6 +186,26 @@ def test_a_library_without_the_layout_report_is_refused():
         loader.check_layout(Old(), "old.so")
 
 
+@needs_kernels
+def test_a_library_missing_an_entry_point_is_refused_naming_it(monkeypatch):
+    """A build from older sources (installed before a kernel was added) is refused in one line that
+    names the missing entry point and says to reinstall, not with ctypes' own AttributeError."""
+    lib, (_, path) = loader.library(), loader.chosen()
+
+    class Older:  # the real library but for one entry point
+        def __getattr__(self, name):
+            if name == "decode_ffn_done":
+                raise AttributeError(f"{path}: undefined symbol: decode_ffn_done")
+            return getattr(lib, name)
+
+    monkeypatch.setattr(loader.ctypes, "CDLL", lambda p: Older())
+    with pytest.raises(loader.KernelABIError) as err:
+        loader.load(path)
+    msg = str(err.value)
+    assert "\n" not in msg and msg.startswith(f"{path}: decode_ffn_done, built from older sources")
+    assert "reinstall" in msg
+
+
 def _overcommits_everything() -> bool:
     try:
         with open("/proc/sys/vm/overcommit_memory") as f:
