@@ -290,8 +290,8 @@ def choose(flags: frozenset[str], builds: dict[str, str], machine: str | None = 
 # a vector build measured faster than the best one the CPU's flags allow replaces it only by this much,
 # so that timing noise never flips the choice between two builds that run alike
 MEASURED_MARGIN = 0.05
-# a measurement whose rounds had less than this share of the cores (another heavy job running) picks
-# for its own process only: it is not kept, and the next process measures again
+# a measurement whose rounds had less than this share of the cores (another heavy job running) is not
+# trusted: that process takes the best build by flags, nothing is kept, and the next process measures again
 QUIET_SHARE = 0.8
 # the workload `measure` times: decoding's products, float32, int8 and int4 codes (groups of 32), one
 # row through an (O, I) weight larger than a core's L2, as a decoding step streams its weights
@@ -351,8 +351,8 @@ def measured_choice(candidates: list[tuple[str, str]], flags: frozenset[str]) ->
     """Of the vector builds this CPU runs (`candidates`, best by flags first), the one that runs the
     decoding workload fastest here: measured once per machine and set of builds, the result kept in
     ~/.cache/semoe/kernel-choice.json (`XDG_CACHE_HOME`), read back by every later process. Where the
-    file cannot be written, or other work took the cores while measuring (`QUIET_SHARE`), each process
-    measures for itself."""
+    file cannot be written, each process measures for itself; where other work took the cores while
+    measuring (`QUIET_SHARE`), the process takes the best build by flags and keeps nothing."""
     import hashlib
     import json
     import tempfile
@@ -388,8 +388,8 @@ def measured_choice(candidates: list[tuple[str, str]], flags: frozenset[str]) ->
         faster = min(seconds, key=seconds.get)
         if seconds[faster] < (1 - MEASURED_MARGIN) * seconds[first]:
             pick = faster
-    if share < QUIET_SHARE:  # timed while other work took the cores: good for this process, not kept
-        return pick, names[pick]
+    if share < QUIET_SHARE:  # timed while other work took the cores: not to be trusted, nor kept
+        return first, names[first]
     known = known if isinstance(known, dict) else {}
     known[key] = {"cpu": _cpu_name(), "choice": pick, "seconds": {n: round(t, 6) for n, t in seconds.items()},
                   "cpu_share": round(share, 3)}

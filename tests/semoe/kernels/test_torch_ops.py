@@ -10,6 +10,7 @@ scale 1e-5 (float32 has 24 bits; a sum of a few thousand terms loses a few more)
 from __future__ import annotations
 
 import ctypes
+import json
 
 import pytest
 import torch
@@ -31,7 +32,11 @@ def test_the_best_installed_build_this_cpu_runs_is_loaded():
     if name != "SEMOE_CPU_KERNELS":  # else a build the environment names (the per-build slow test's)
         builds = loader.installed()
         best = next(v.name for v in variants.runnable(variants.cpu_flags()) if v.name in builds)
-        assert name == best and torch_ops.isa() == name
+        if name != best:  # only where another vector build was timed faster here, quietly (`measured_choice`)
+            with open(loader._choice_file()) as f:
+                kept = [e for e in json.load(f).values() if e.get("choice") == name]
+            assert any(e["seconds"][name] < (1 - loader.MEASURED_MARGIN) * e["seconds"][best] for e in kept)
+        assert torch_ops.isa() == name
 
 
 SHAPES = [(1, 64, 16), (1, 3584, 1024), (3, 1024, 3584), (16, 7, 5), (5, 130, 333), (2, 1, 17)]

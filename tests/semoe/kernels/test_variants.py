@@ -97,8 +97,9 @@ def test_a_build_measured_faster_here_is_chosen_once_per_machine(fresh_loader, m
 
 
 def test_a_choice_measured_while_other_work_took_the_cores_is_not_kept(fresh_loader, monkeypatch, tmp_path):
-    """Timed with less than QUIET_SHARE of the cores (a heavy job beside it), the pick serves its own
-    process only: no file is written, and the next process measures again, then keeps its choice."""
+    """Timed with less than QUIET_SHARE of the cores (a heavy job beside it), the timings are not
+    trusted: the process takes the best build by flags, no file is written, and the next process
+    measures again, then keeps its choice."""
     builds = loader.installed()
     if not {"avx2", "avx512-vnni"} <= set(builds):
         pytest.skip(f"the install built {sorted(builds)}: the AVX2 and AVX-512 builds are x86-64's, with a compiler")
@@ -107,7 +108,7 @@ def test_a_choice_measured_while_other_work_took_the_cores_is_not_kept(fresh_loa
     shares, calls = [0.55, 0.95], []
     monkeypatch.setattr(loader, "measure", lambda paths: calls.append(paths) or (
         [{builds["avx512-vnni"]: 1.0, builds["avx2"]: 0.9}[p] for p in paths], shares[len(calls) - 1]))
-    assert loader.chosen() == ("avx2", builds["avx2"])
+    assert loader.chosen() == ("avx512-vnni", builds["avx512-vnni"])  # avx2 timed faster, under load
     assert not (tmp_path / "semoe" / "kernel-choice.json").exists()
     loader.chosen.cache_clear()
     loader.library.cache_clear()
