@@ -172,18 +172,15 @@ def reader_gbps(store: str, seed: int, nbytes: int = 512 << 20) -> float:
     (its default settings, O_DIRECT) and checksummed."""
     import random
 
-    import numpy as np
-
     from storage.chunk_io import ALIGN, ChunkReader, ChunkReaderConfig
+    from storage.host_buffers import aligned_empty, round_up
     from storage.store import Store
 
     st = Store.open(store)
     chunks = [c for c in st.manifest.chunks if c.kind == "weight"]
     big = max(c.bytes for c in chunks)
-    raw = np.empty(2 * big + 2 * ALIGN, dtype=np.uint8)
-    start = (-raw.ctypes.data) % ALIGN
-    step = -(-big // ALIGN) * ALIGN
-    bufs = [memoryview(raw[start + i * step:start + (i + 1) * step]) for i in range(2)]
+    held = [aligned_empty(round_up(big, ALIGN), alignment=ALIGN, pin=False)[1] for _ in range(2)]
+    bufs = [memoryview(t.numpy()) for t in held]
     picked = random.Random(seed).choices(chunks, k=max(2, nbytes // big))
     with ChunkReader(ChunkReaderConfig(mode="direct")) as reader:
         t0 = time.perf_counter()
