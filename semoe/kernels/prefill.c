@@ -187,10 +187,10 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
         return;
     }
     if (ix) { /* each row's scores of the positions it sees (its sequence's, its own included), the best topk */
+        const float ds = index_dim_scale(ix->Di);
 #pragma omp for schedule(static)
         for (int64_t r = 0; r < nr; r++) {
             const float *rots = (const float *)rot[seg[r]], *iq = b->iq + r * ix->Hi * ix->Di, *iw = b->iw + r * ix->Hi;
-            const float ds = index_dim_scale(ix->Di);
             for (int64_t t = 0; t <= pos[r]; t++) pt[t] = index_score(iq, iw, ix->Hi, ix->Di, ds, rots + t * rs + R);
             choose_top(pt, pos[r] + 1, m->topk, choices + r * m->topk, pt + Smax);
         }
