@@ -102,13 +102,15 @@ class Placement:
             return f"{sizes}: every expert resident"
         return f"{sizes}: experts offloaded to the store behind a CPU cache sized from the memory left"
 
-    def describe_lean(self, how: str = "decoding in a process without torch (as --lean)") -> str:
+    def describe_lean(self, how: str = "decoding in a process without torch (as --lean)", cache: str | None = None,
+                      engine: str = "--resident or a budget flag") -> str:
         """The same where the runner's model takes the model (`lean_refusal`), in a phrase; `how`: the
-        path's words (generate's process without torch, serve's kernels)."""
+        path's words (generate's process without torch, serve's kernels); `cache`: the flag that sized the
+        runner's cache, where one did; `engine`: the flags that would have kept the engine."""
         gib = 2 ** 30
+        sized = f"sized as {cache} asks" if cache else "sized from the memory left"
         return (f"{self.model.total / gib:.2f} GiB of weights, {self.available / gib:.2f} GiB of memory available: "
-                f"{how}, experts read from the store into a cache "
-                f"sized from the memory left (--resident or a budget flag: the engine)")
+                f"{how}, experts read from the store into a cache {sized} ({engine}: the engine)")
 
 
 def choose(path: str, *, device: str = "cpu", compute_itemsize: int = 4, keep_bytes: int = 0,

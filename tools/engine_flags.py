@@ -98,26 +98,32 @@ def refuse_for_lean(args: argparse.Namespace, how: str) -> None:
 
 
 def lean_by_itself(args: argparse.Namespace, keep_bytes: int = 0,
-                   how: str = "decoding in a process without torch (as --lean)") -> str | None:
-    """Where `semoe generate` (or `serve`) with no budget flag decodes through the runner's model by
-    itself, the line saying so on stderr; None where the engine decodes. It does where the model (a
-    store) does not fit the memory available less `keep_bytes` (a server's KV memory;
-    `inference.placement.choose`, as the engine's own choice between resident and offloaded), the
-    runner takes it (`lean_refusal`), no GPU is asked for or present, and no flag asks for what only
-    the engine does (profiles, routing traces, device budgets). `how`: the line's words for the path.
-    Decided before torch is imported: its runtime would hold memory the expert cache then cannot have."""
+                   how: str = "decoding in a process without torch (as --lean)", sized_cache: bool = False) -> str | None:
+    """Where `semoe generate` (or `serve`) decodes through the runner's model by itself, the line saying
+    so on stderr; None where the engine decodes. It does where the model is a store the runner takes
+    (`lean_refusal`), no GPU is asked for or present, no flag asks for what only the engine does
+    (profiles, routing traces, device budgets, --resident), and either no budget flag is given and the
+    store does not fit the memory available less `keep_bytes` (a server's KV memory;
+    `inference.placement.choose`, as the engine's own choice between resident and offloaded) or
+    `sized_cache` (generate's) and --cpu-cache names the cache: the runner then sizes its cache from it
+    (`lean_cache_bytes`), as it decodes offloaded CPU steps in less time than the engine. `how`: the
+    line's words for the path. Decided before torch is imported: its runtime would hold memory the expert
+    cache then cannot have."""
     from inference.placement import choose, gpu_present, lean_refusal
     from storage.reader import is_store
 
-    if args.resident or args.cpu_cache is not None or engine_flags(args) or not is_store(args.model):
+    named = args.cpu_cache is not None
+    if args.resident or (named and not sized_cache) or engine_flags(args) or not is_store(args.model):
         return None
     if args.device == "auto" and gpu_present():
         return None
     placement = choose(args.model, keep_bytes=keep_bytes)
     args.model_bytes = placement.model  # counted at float32: the engine's float32 load reuses them
-    if placement.cpu_cache is None or lean_refusal(args.model) is not None:
+    if (placement.cpu_cache is None and not named) or lean_refusal(args.model) is not None:
         return None
-    return placement.describe_lean(how)
+    engine = "--resident or an engine flag such as --cache-policy" if sized_cache else "--resident or a budget flag"
+    return placement.describe_lean(how, cache=f"--cpu-cache {args.cpu_cache.strip()}" if named else None,
+                                   engine=engine)
 
 
 def lean_cache_bytes(args: argparse.Namespace, store) -> int | None:

@@ -44,8 +44,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "kernels over a store, experts read from it into --cpu-cache (default: room for every "
                         "expert where the memory left allows) as the router picks them, the token embedding left on "
                         "storage. For machines where memory is shorter than the model: torch's runtime alone would "
-                        "hold 0.15 GiB. Taken by itself, without a budget flag, where a store does not fit the memory "
-                        "available and no flag asks for the engine (stderr says so). Sampling and --chat as the "
+                        "hold 0.15 GiB. Taken by itself where a store does not fit the memory available, or with "
+                        "--cpu-cache alone on CPU, and no flag asks for the engine (stderr says so). Sampling and --chat as the "
                         "engine's; "
                         "every architecture semoe loads; --dense auto, float or int8")
     p.add_argument("--kv-cache", choices=("auto", "f32", "f16"), default="auto",
@@ -73,7 +73,7 @@ def parse_prompt_ids(text: str) -> list[int]:
 def run(args: argparse.Namespace) -> int:
     if args.lean:
         return run_lean(args)
-    said = lean_by_itself(args)
+    said = lean_by_itself(args, sized_cache=True)
     if said is not None:
         print(f"semoe: {said}", file=sys.stderr, flush=True)
         return run_lean(args)

@@ -17,6 +17,7 @@ from semoe.decode.plan import DecodePlan
 from semoe.decode.generate import GenerationResult, generate
 from semoe.decode.loop import SamplingConfig
 from semoe.checkpoints.hf_convert import import_checkpoint
+from storage.reader import StoreReader
 from helpers.procs import ROOT, child_env
 
 OLDER_ARCHS = ["mixtral", "qwen2_moe", "olmoe"]
@@ -181,6 +182,10 @@ def test_corrupt_expert_fails_the_request_and_names_the_tensor(tmp_path):
 
 @pytest.mark.slow  # several processes or CLI runs: CI runs it with -m slow
 def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
+    """`semoe generate --cpu-cache SIZE` alone on CPU decodes in the torch-free runner with that cache
+    (stderr says so); with an engine flag beside it, or another budget flag, the engine's offloaded
+    path. Every way gives the resident greedy tokens; the engine's logprobs are the resident engine's
+    bit for bit, the runner's within 1e-6 (it takes the log-softmax in float64, the engine in float32)."""
     import json
     import subprocess
     import sys
@@ -193,18 +198,27 @@ def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
                               "4,8,15,16,23,42", "--max-new-tokens", "12", "--ignore-eos", "--device", "cpu", "--json",
                               *flags], capture_output=True, text=True, env=child_env(), cwd=ROOT)
         assert res.returncode == 0, res.stderr
-        return json.loads(res.stdout)
+        return json.loads(res.stdout), res.stderr
 
-    resident = run()
+    resident, _ = run()
     assert "stats" not in resident
-    for flags in (["--cpu-cache", "25%"], ["--cpu-cache", "50%", "--ring-slots", "2"], ["--device-memory", "1MiB"],
-                  ["--cpu-cache", "auto"]):
-        out = run(*flags)
+    for flags in (["--cpu-cache", "25%", "--cache-policy", "lfu"], ["--cpu-cache", "50%", "--ring-slots", "2"],
+                  ["--device-memory", "1MiB"]):
+        out, err = run(*flags)
+        assert "without torch" not in err
         assert out["tokens"] == resident["tokens"] and out["logprobs"] == resident["logprobs"]
         assert sorted(out["stats"]) == sorted(["ring_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token",
                                                "device_copy_bytes_per_token", "ideal_bytes_per_token",
                                                "prefetch_precision", "prefetch_recall", "cpu_cache_bytes",
                                               "peak_rss_bytes"])
+    expert_bytes = StoreReader.open(store.root).manifest.expert_bytes()
+    for size, cache in (("25%", expert_bytes // 4), ("auto", None)):
+        out, err = run("--cpu-cache", size)
+        assert f"sized as --cpu-cache {size} asks" in err and "decoding in a process without torch" in err, err
+        assert out["tokens"] == resident["tokens"]
+        assert out["logprobs"] == pytest.approx(resident["logprobs"], rel=1e-6, abs=1e-6)
+        if cache is not None:  # slots of whole experts within the named bytes, less the dense weights it maps
+            assert 0 < out["stats"]["cache_slots"] * StoreReader.open(store.root).manifest.chunks[0].bytes <= cache
 
 
 @ON_OLDER_ARCHS

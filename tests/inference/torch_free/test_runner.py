@@ -396,8 +396,8 @@ def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(s
     decodes in the torch-free runner, says so in one line, and sizes the runner's cache from the memory
     left (here a third of the experts, less room for the dense weights it maps and for the sequence's
     KV cache and buffers, `sequence_bytes`, which it leaves free); where it fits, or a flag asks for
-    what only the engine does
-    (here its cache policy), the engine decodes. The same greedy tokens all three ways."""
+    what only the engine does (here its cache policy), the engine decodes; `--cpu-cache SIZE` alone takes
+    the runner with that cache, fitting or not. The same greedy tokens all four ways."""
     import inference.torch_free.runner
     import inference.memory_guard
     import inference.placement
@@ -414,13 +414,14 @@ def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(s
     args = ["generate", "--model", store, "--prompt-ids", "3,17,5", "--max-new-tokens", "8", "--ignore-eos", "--json"]
     runs = {}
     for name, available, extra in (("short", mb.total // 2, []), ("roomy", 8 * mb.total + (1 << 30), []),
-                                   ("engine's flag", mb.total // 2, ["--cache-policy", "lfu"])):
+                                   ("engine's flag", mb.total // 2, ["--cache-policy", "lfu"]),
+                                   ("named cache", 8 * mb.total + (1 << 30), ["--cpu-cache", "25%"])):
         monkeypatch.setattr(inference.placement, "available_ram_bytes", lambda a=available: a)
         assert main(args + extra) == 0
         out = capsys.readouterr()
         runs[name] = json.loads(out.out), out.err, len(made)
     out, err, lean_runs = runs["short"]
-    assert lean_runs == 1 and made == [(None, keep)] and "decoding in a process without torch" in err
+    assert lean_runs == 1 and made[0] == (None, keep) and "decoding in a process without torch" in err
     with LeanModel(store, LeanConfig(cache_bytes=0)) as lean:
         mapped = lean.mapped_bytes
     assert mapped > 0  # the lm_head and o_proj, stored int8 by `store quantize`
@@ -429,6 +430,10 @@ def test_generate_takes_the_torch_free_process_by_itself_where_memory_is_short(s
     assert lean_after == 1 and "every expert resident" in err_roomy and out_roomy["tokens"] == out["tokens"]
     out_e, err_e, lean_after = runs["engine's flag"]
     assert lean_after == 1 and "offloaded" in err_e and out_e["tokens"] == out["tokens"]
+    # --cpu-cache alone: the runner, with the cache the flag names, where the model fits as well
+    out_n, err_n, lean_after = runs["named cache"]
+    assert lean_after == 2 and made[1][0] == expert_bytes(store) // 4 and "sized as --cpu-cache 25% asks" in err_n
+    assert out_n["tokens"] == out["tokens"]
 
 
 @pytest.mark.slow
