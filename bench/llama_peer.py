@@ -27,7 +27,10 @@ a plain ByteLevel pre-tokenizer, whose split is llama.cpp's "gpt-2". The convert
 override flag, so the copy in env_dir/converter/ is patched: an unknown hash maps to "gpt-2"
 instead of raising (and DeepSeek-V3.2's assertion that the tokenizer adds a BOS, which no
 tokenizer.json passes under transformers 5, is dropped). The project's files and the sdist stay
-untouched.
+untouched. Two converters read other tokenizers: ERNIE-4.5's only a sentencepiece tokenizer.model
+(add_sentencepiece() trains one in the peer venv, which has sentencepiece; ids 0-2 as the BPE's), and
+Hunyuan's a remote-code tokenizer's tiktoken ranks and Tencent's config of per-layer lists: its copy
+takes the BPE through the gpt-2 path and the transformers config's integers instead.
 
 Work in the peer venv (logits, greedy decoding) runs this same file as a worker:
 `<venv>/bin/python llama_peer.py _worker <job.json>`; it needs only numpy and llama_cpp there.
@@ -43,7 +46,7 @@ load (a test run beside the bench) slows decoding several-fold. Time on an idle 
 Shapes: x_TV is (tokens, vocab).
 
     python bench/llama_peer.py setup [--env-dir DIR]
-    python bench/llama_peer.py add-tokenizer HF_DIR
+    python bench/llama_peer.py add-tokenizer HF_DIR [--sentencepiece]
     python bench/llama_peer.py convert HF_DIR OUT.gguf --outtype f32
     python bench/llama_peer.py quantize F32.gguf OUT.gguf q4_0
     python bench/llama_peer.py selfcheck --workdir /tmp/llama-peer-work/small
@@ -275,12 +278,26 @@ def ensure_server(env: PeerEnv, jobs: int = 2) -> str:
 # add_bos_token wherever a tokenizer.json is given, so no checkpoint passes it (the bench prompts are ids)
 _DSV32_BOS = ('assert getattr(tokenizer, "add_bos_token", False), "Change value of add_bos_token to true in '
               'tokenizer_config.json file."')
-_PATCHES = "2"  # the patches' version, kept in the copy: a copy of an older one is made again
+# Hunyuan's converter reads Tencent's remote-code tokenizer (tiktoken ranks) and config (per-layer lists of
+# expert widths, top-k and shared experts); transformers' hunyuan_v1_moe has a tokenizer.json and integers:
+# one shared expert, experts as wide as `intermediate_size`
+_HY_VOCAB = "        tokenizer = AutoTokenizer.from_pretrained(self.dir_model, trust_remote_code=True)\n"
+_HY_VOCAB_NEW = _HY_VOCAB + ('        if not hasattr(tokenizer, "mergeable_ranks"):  # patched by semoe bench/llama_peer.py\n'
+                             '            self._set_vocab_gpt2()\n'
+                             '            return\n')
+_HY_PARAMS = "        hparams = self.hparams\n\n        self.gguf_writer.add_expert_shared_feed_forward_length("
+_HY_PARAMS_NEW = ("        hparams = self.hparams\n"
+                  "        for key, default in ((\"moe_intermediate_size\", hparams[\"intermediate_size\"]), (\"moe_topk\", 1),\n"
+                  "                             (\"num_shared_expert\", 1)):  # patched by semoe bench/llama_peer.py\n"
+                  "            v = hparams.get(key, default)\n"
+                  "            hparams[key] = v if isinstance(v, list) else [v] * hparams[\"num_hidden_layers\"]\n"
+                  "\n        self.gguf_writer.add_expert_shared_feed_forward_length(")
+_PATCHES = "3"  # the patches' version, kept in the copy: a copy of an older one is made again
 
 
 def _patched_converter(llama_src: str, dest: str) -> str:
-    """A copy of the converter that maps an unknown BPE pre-tokenizer hash to "gpt-2", and takes
-    DeepSeek-V3.2 without its BOS assertion."""
+    """A copy of the converter that maps an unknown BPE pre-tokenizer hash to "gpt-2", takes
+    DeepSeek-V3.2 without its BOS assertion, and Hunyuan from transformers' files (`_HY_VOCAB`)."""
     script = os.path.join(dest, "convert_hf_to_gguf.py")
     stamp = os.path.join(dest, "semoe-patches")
     if os.path.exists(script) and os.path.exists(stamp) and open(stamp).read() == _PATCHES:
@@ -305,6 +322,15 @@ def _patched_converter(llama_src: str, dest: str) -> str:
     if text.count(_DSV32_BOS) == 1:  # (a later converter may have dropped it)
         with open(deepseek, "w") as f:
             f.write(text.replace(_DSV32_BOS, "pass  # patched by semoe bench/llama_peer.py"))
+    hunyuan = os.path.join(tmp, "conversion", "hunyuan.py")
+    with open(hunyuan) as f:
+        text = f.read()
+    for old, new in ((_HY_VOCAB, _HY_VOCAB_NEW), (_HY_PARAMS, _HY_PARAMS_NEW)):
+        if text.count(old) != 1:
+            raise RuntimeError(f"{hunyuan}: cannot find the line to patch ({old.strip()!r})")
+        text = text.replace(old, new)
+    with open(hunyuan, "w") as f:
+        f.write(text)
     with open(os.path.join(tmp, "semoe-patches"), "w") as f:
         f.write(_PATCHES)
     shutil.rmtree(dest, ignore_errors=True)
@@ -368,6 +394,42 @@ def add_tokenizer(hf_dir: str, vocab_size: int | None = None, max_corpus_bytes: 
         json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "unk_token": unk, "bos_token": bos,
                    "eos_token": eos, "add_bos_token": False, "model_max_length": 1 << 20}, f, indent=1)
     return path
+
+
+SENTENCEPIECE_PIECES = 8000  # pieces learnt at most; the converter pads the vocabulary to vocab_size
+
+
+def add_sentencepiece(hf_dir: str, env: PeerEnv | None = None, max_corpus_bytes: int = 8 << 20) -> str:
+    """A sentencepiece BPE (byte fallback) as hf_dir/tokenizer.model, once, for converters that read only
+    that (ERNIE-4.5's): trained in the peer venv on the standard library's sources, with unk, bos and
+    eos at ids 0-2 as the BPE of `add_tokenizer` has them, and at most SENTENCEPIECE_PIECES pieces (the
+    converter fills the ids up to vocab_size with unused pads; the benches give prompts as ids)."""
+    path = os.path.join(hf_dir, "tokenizer.model")
+    if os.path.exists(path):
+        return path
+    with open(os.path.join(hf_dir, "config.json")) as f:
+        vocab_size = json.load(f)["vocab_size"]
+    env = env or ensure_env()
+    _check_call([env.python, os.path.abspath(__file__), "_sentencepiece", path,
+                 str(min(vocab_size, SENTENCEPIECE_PIECES)), str(max_corpus_bytes)],
+                f"training a sentencepiece tokenizer for {hf_dir}")
+    return path
+
+
+def _train_sentencepiece(path: str, pieces: int, max_corpus_bytes: int) -> None:
+    """The peer-venv side of `add_sentencepiece`: writes path.part, then moves it to path."""
+    import tempfile
+
+    import sentencepiece
+
+    with tempfile.TemporaryDirectory() as tmp:
+        prefix = os.path.join(tmp, "spm")
+        lines = (line for text in _stdlib_texts(max_corpus_bytes) for line in text.splitlines() if line.strip())
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=lines, model_prefix=prefix, vocab_size=pieces, model_type="bpe", byte_fallback=True,
+            character_coverage=1.0, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, minloglevel=2)
+        shutil.copy(prefix + ".model", path + ".part")
+    os.replace(path + ".part", path)
 
 
 def _topped_up(tokenizer_json: str, vocab_size: int) -> str:
@@ -667,6 +729,8 @@ def main(argv: list[str] | None = None) -> None:
     sub.add_parser("setup", help="build the peer env (once; about 18 minutes on 2 cores)")
     p = sub.add_parser("add-tokenizer", help="train a byte-level BPE into a checkpoint without a tokenizer")
     p.add_argument("hf_dir")
+    p.add_argument("--sentencepiece", action="store_true",
+                   help="also a sentencepiece tokenizer.model, for converters that read only that (ERNIE-4.5's)")
     p = sub.add_parser("convert", help="HuggingFace checkpoint -> GGUF")
     p.add_argument("hf_dir")
     p.add_argument("out_gguf")
@@ -681,9 +745,14 @@ def main(argv: list[str] | None = None) -> None:
     if argv[:1] == ["_worker"]:  # the peer-venv side, kept out of --help
         _worker(argv[1])
         return
+    if argv[:1] == ["_sentencepiece"]:  # the same
+        _train_sentencepiece(argv[1], int(argv[2]), int(argv[3]))
+        return
     args = ap.parse_args(argv)
     if args.cmd == "add-tokenizer":
         print(add_tokenizer(args.hf_dir))
+        if args.sentencepiece:
+            print(add_sentencepiece(args.hf_dir, ensure_env(args.env_dir)))
     else:
         env = ensure_env(args.env_dir)
         if args.cmd == "setup":

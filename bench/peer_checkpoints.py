@@ -15,6 +15,8 @@ import sys
 # added tokens llama.cpp's converter looks up by name for an architecture (GLM's chat markers)
 _GLM_TOKENS = ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|observation|>")
 ARCH_SPECIAL_TOKENS = {"glm4_moe": _GLM_TOKENS, "glm_moe_dsa": _GLM_TOKENS}
+# architectures whose converter reads only a sentencepiece tokenizer.model (`llama_peer.add_sentencepiece`)
+SENTENCEPIECE_ARCHS = ("ernie4_5_moe",)
 
 
 def _tokenizer_and_stores(workdir: str, arch: str | None = None, quantized: tuple[int, ...] = (8, 4)) -> None:
@@ -217,6 +219,8 @@ def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None,
         del model
     _tokenizer_and_stores(workdir, arch, tuple(b for b in (8, 4) if f"int{b}" in bits))
     env = peer.ensure_env()
+    if arch in SENTENCEPIECE_ARCHS:
+        peer.add_sentencepiece(hf, env)
     f32 = os.path.join(workdir, "llama-f32.gguf")
     if not os.path.exists(f32):
         print("converting it with llama.cpp's converter ...", file=sys.stderr)
