@@ -281,7 +281,8 @@ _DSV32_BOS = ('assert getattr(tokenizer, "add_bos_token", False), "Change value 
 # Hunyuan's converter reads Tencent's remote-code tokenizer (tiktoken ranks) and config (per-layer lists of
 # expert widths, top-k and shared experts); transformers' hunyuan_v1_moe has a tokenizer.json and integers:
 # one shared expert, experts as wide as `intermediate_size`
-_HY_VOCAB = "        tokenizer = AutoTokenizer.from_pretrained(self.dir_model, trust_remote_code=True)\n"
+# (the dense Hunyuan's converter has the same line deeper in: the newline before it tells them apart)
+_HY_VOCAB = "\n        tokenizer = AutoTokenizer.from_pretrained(self.dir_model, trust_remote_code=True)\n"
 _HY_VOCAB_NEW = _HY_VOCAB + ('        if not hasattr(tokenizer, "mergeable_ranks"):  # patched by semoe bench/llama_peer.py\n'
                              '            self._set_vocab_gpt2()\n'
                              '            return\n')

@@ -107,11 +107,15 @@ ARCH_SHAPES = {
                                            head_dim=128, bos_token_id=1, eos_token_id=2, rotary_dim=64,
                                            rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                                                           "partial_rotary_factor": 0.5})),
-    "dots1": ("Dots1Config", dict(_COMMON, **_MANY, n_routed_experts=32, n_shared_experts=1, first_k_dense_replace=1,
+    # as many key-value heads as heads, as published (dots.llm1): llama.cpp's loader takes no fewer
+    "dots1": ("Dots1Config", dict(_COMMON, **_MANY, num_key_value_heads=8, n_routed_experts=32, n_shared_experts=1,
+                                  first_k_dense_replace=1,
                                   intermediate_size=3072, head_dim=128, n_group=1, topk_group=1, norm_topk_prob=True,
                                   routed_scaling_factor=2.5)),
+    # two shared experts as published (ERNIE-4.5-21B-A3B); the dense first layer's width follows them
+    # (`shaped_fields`)
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(_COMMON, moe_num_experts=32, moe_k=4, moe_intermediate_size=768,
-                                                moe_num_shared_experts=1, moe_layer_start_index=1,
+                                                moe_num_shared_experts=2, moe_layer_start_index=1,
                                                 intermediate_size=3072, head_dim=128)),
     "hunyuan_v1_moe": ("HunYuanMoEV1Config", dict(_COMMON, num_experts=32, moe_topk=4, moe_intermediate_size=768,
                                                   intermediate_size=768, head_dim=128)),
@@ -167,10 +171,20 @@ def shaped_fields(arch: str, shape: dict[str, int]) -> tuple[str, dict]:
         if field is None:
             raise ValueError(f"--shape: {arch} has no {name} (latent attention's heads are set by its ranks)")
         fields[field] = value
+    if arch == "dots1" and "kv_heads" in shape and shape["kv_heads"] != fields["num_attention_heads"]:
+        raise ValueError("--shape: dots1 has as many key-value heads as heads (llama.cpp's loader takes no fewer)")
+    if arch == "dots1":
+        fields["num_key_value_heads"] = fields["num_attention_heads"]
     if arch in _LATENT and "heads" in shape and "kv_heads" not in shape:
         # latent attention expands the latent to every head: llama.cpp's converter splits kv_b by the
         # config's key-value heads, which must be the heads
         fields["num_key_value_heads"] = shape["heads"]
+    if arch == "ernie4_5_moe":
+        # llama.cpp's converter takes the shared experts' width as intermediate_size / key-value heads
+        # (true of the published configs: 12288 / 4 = 2 x 1536), transformers as their count x the
+        # experts' width: the dense layer's width is set so that both read the same
+        fields["intermediate_size"] = (fields["num_key_value_heads"] * fields["moe_intermediate_size"]
+                                       * fields["moe_num_shared_experts"])
     return cls, fields
 
 

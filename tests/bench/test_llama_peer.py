@@ -24,6 +24,15 @@ class HunYuanMoEModel:
     def set_gguf_parameters(self):
 {peer._HY_PARAMS}hparams["intermediate_size"])
         self.out = (hparams["moe_intermediate_size"], hparams["moe_topk"], hparams["num_shared_expert"])
+
+
+class HunYuanModel:  # the dense one: the same line, deeper in, left as it is
+    def set_vocab(self):
+        if False:
+            pass
+        else:
+            from transformers import AutoTokenizer
+    {peer._HY_VOCAB.lstrip(chr(10))}            self.vocab = "ranks"
 '''
 
 
@@ -48,6 +57,8 @@ def test_the_converter_copy_takes_transformers_hunyuan_files(tmp_path, monkeypat
     script = peer._patched_converter(_llama_src(tmp_path / "src"), dest)
     assert os.path.exists(script) and open(os.path.join(dest, "semoe-patches")).read() == peer._PATCHES
     assert 'res = "gpt-2"' in open(os.path.join(dest, "conversion", "base.py")).read()
+    patched = open(os.path.join(dest, "conversion", "hunyuan.py")).read()
+    assert patched.count('hasattr(tokenizer, "mergeable_ranks")') == 1  # the MoE class's only
     model = _hunyuan_class(dest)()
     written = []
     model.gguf_writer = types.SimpleNamespace(add_expert_shared_feed_forward_length=written.append)

@@ -36,6 +36,12 @@ def test_a_shape_lands_in_each_architectures_own_fields():
             qwen["head_dim"]) == (2048, 64, 8, 256, 64)
     _, ernie = pc.shaped_fields("ernie4_5_moe", shape)
     assert (ernie["moe_num_experts"], ernie["moe_k"]) == (64, 8)
+    _, dots = pc.shaped_fields("dots1", {"heads": 16})  # llama.cpp's loader takes dots1 without grouped heads
+    assert dots["num_key_value_heads"] == dots["num_attention_heads"] == 16
+    with pytest.raises(ValueError, match="dots1 has as many key-value heads as heads"):
+        pc.shaped_fields("dots1", {"kv_heads": 2})
+    # the shared experts' width as llama.cpp's converter reads it equals transformers'
+    assert ernie["intermediate_size"] // ernie["num_key_value_heads"] == 256 * ernie["moe_num_shared_experts"]
     _, mixtral = pc.shaped_fields("mixtral", shape)
     assert (mixtral["num_local_experts"], mixtral["intermediate_size"]) == (64, 256)
     # latent attention: as many key-value heads as heads (llama.cpp's converter splits kv_b by them)
