@@ -102,16 +102,18 @@ ARCH_SHAPES = {
     "gpt_oss": ("GptOssConfig", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
                                      head_dim=64, sliding_window=128)),
     # this year's families, each with its own parts at the same size (MiniMax-M2 with its published
-    # rotary_dim beside the factor: llama.cpp's converter reads that one)
+    # rotary_dim beside the factor: llama.cpp's converter reads that one; it and dots1 with the published
+    # scoring_func, which transformers' classes leave out and llama.cpp's graph needs to build at all)
     "minimax_m2": ("MiniMaxM2Config", dict(_COMMON, num_local_experts=32, num_experts_per_tok=4, intermediate_size=768,
                                            head_dim=128, bos_token_id=1, eos_token_id=2, rotary_dim=64,
+                                           scoring_func="sigmoid",
                                            rope_parameters={"rope_type": "default", "rope_theta": 5e6,
                                                                           "partial_rotary_factor": 0.5})),
     # as many key-value heads as heads, as published (dots.llm1): llama.cpp's loader takes no fewer
     "dots1": ("Dots1Config", dict(_COMMON, **_MANY, num_key_value_heads=8, n_routed_experts=32, n_shared_experts=1,
                                   first_k_dense_replace=1,
                                   intermediate_size=3072, head_dim=128, n_group=1, topk_group=1, norm_topk_prob=True,
-                                  routed_scaling_factor=2.5)),
+                                  routed_scaling_factor=2.5, scoring_func="sigmoid")),
     # two shared experts as published (ERNIE-4.5-21B-A3B); the dense first layer's width follows them
     # (`shaped_fields`)
     "ernie4_5_moe": ("Ernie4_5_MoeConfig", dict(_COMMON, moe_num_experts=32, moe_k=4, moe_intermediate_size=768,
