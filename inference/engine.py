@@ -53,6 +53,10 @@ class Engine:
         # its buffers are shared
         self._plan: DecodePlan | None = None
         self._unplanned = ""
+        if config.offloaded and config.hybrid:
+            # hybrid decode is the device's path (its modules), on CPU too, where tests run it
+            self._unplanned = f"hybrid decode: {offload.describe(model)}"
+            return
         try:
             self._plan = DecodePlan(model)
         except NotOnFastPath as e:
@@ -90,7 +94,12 @@ class Engine:
         model = load_store(store, device=config.device, dtype=dtype, with_experts=False, dense=config.dense,
                            embedding_in_store=True, progress=progress)
         stack_projections(model)
-        offload = OffloadedExperts.attach(model, store, config)
+        if config.hybrid:
+            from inference.offload.hybrid import HybridExperts
+
+            offload = HybridExperts.attach(model, store, config)
+        else:
+            offload = OffloadedExperts.attach(model, store, config)
         if config.preload:
             offload.warm_idle(in_request=False)
             offload.tier.drain()
@@ -117,6 +126,8 @@ class Engine:
     def decode_path(self) -> str:
         """How a decoding step runs, in a phrase: the plan's kernels (the whole step in one call, or
         kernel by kernel) or the model's modules, and why."""
+        if self._plan is None and self._unplanned.startswith("hybrid decode"):
+            return self._unplanned
         if self._plan is None:
             return f"the model's modules on {self.model.embed.weight.device.type} ({self._unplanned})"
         if self._plan.net is not None:

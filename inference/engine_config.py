@@ -46,6 +46,13 @@ class EngineConfig:
     # the weights outside the experts: float, int8, int4, or auto (int8 on CPU beside int8, int4 or
     # MXFP4 experts: decode streams every dense weight for each token, as it does the experts)
     dense: str = "auto"
+    # where routed experts run when offloaded (`inference.offload.hybrid`): hybrid (each where it costs
+    # less: the device's cache, the CPU's kernels, or copied for many rows), cpu (every routed expert on
+    # the CPU), device (every one streamed to the device through the ring), or auto: hybrid on a GPU,
+    # the ring on CPU
+    experts_on: str = "auto"
+    # hybrid decode's rates (`inference.offload.hybrid_placement.HybridRates`); None: measured at load
+    hybrid_rates: object | None = None
 
     def __post_init__(self) -> None:
         if self.dtype is None:
@@ -58,6 +65,8 @@ class EngineConfig:
             raise ValueError(f"read_mode must be one of {[m.value for m in ReadMode]}, got {self.read_mode!r}") from None
         if self.dense not in DENSE_CHOICES:
             raise ValueError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {self.dense!r}")
+        if self.experts_on not in ("auto", "hybrid", "cpu", "device"):
+            raise ValueError(f"experts_on must be auto, hybrid, cpu or device, got {self.experts_on!r}")
         if self.cache_policy == "belady":
             raise ValueError("cache_policy belady needs the future accesses: it is for simulation only")
         if isinstance(self.cpu_cache_bytes, str) and self.cpu_cache_bytes != CPU_CACHE_AUTO:
@@ -67,6 +76,14 @@ class EngineConfig:
             v = getattr(self, name)
             if v is not None and v != CPU_CACHE_AUTO and v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether offloaded experts run where each costs less (or all on the CPU) rather than all
+        streamed through the device ring: asked for, or by default on a GPU."""
+        if self.experts_on == "auto":
+            return torch.device(self.device).type == "cuda"
+        return self.experts_on in ("hybrid", "cpu")
 
     @property
     def offloaded(self) -> bool:

@@ -90,6 +90,8 @@ class _Loaded:
 class OffloadedExperts:
     """The expert provider of an offloaded model (one instance serves every MoE layer)."""
 
+    ALWAYS_COPIES = False  # a subclass whose slots are device memory on CPU too (`inference.offload.hybrid`)
+
     def __init__(self, model: MoEGPT, store: Store, settings: EngineConfig, *, cpu_cache_bytes: int, ring_slots: int,
                  copies: bool, grow_to: int | None = None) -> None:
         """`settings`: the engine's config (device, dtype, read mode, cache policy, prefetch,
@@ -198,10 +200,10 @@ class OffloadedExperts:
             if slots < 2:
                 raise ValueError(f"--device-memory {config.device_memory_bytes} bytes holds {slots} expert(s) of "
                                  f"{slot} bytes; at least 2 are needed")
-        else:  # the current layer's experts plus the next layer's predicted ones
-            slots = 2 * top_k
+        else:
+            slots = cls.default_slots(store, config, dtype, top_k)
         # a budget of device memory is a ring in memory of its own, on CPU too
-        copies = config.device_memory_bytes is not None or cls.must_copy(store, device, dtype)
+        copies = cls.ALWAYS_COPIES or config.device_memory_bytes is not None or cls.must_copy(store, device, dtype)
         least = cls.least_cpu_cache(slots, top_k, biggest, copies=copies)
         cpu = cpu_cache_size(config.cpu_cache_bytes, expert_bytes=expert_bytes, least_bytes=least,
                              keep_bytes=config.keep_bytes)
@@ -215,6 +217,11 @@ class OffloadedExperts:
         log.info("offload: %d ring slots, CPU cache %d bytes, %s", slots, cpu,
                  "in place" if self.in_place else f"copies to {device} in {dtype}")
         return self
+
+    @classmethod
+    def default_slots(cls, store: Store, config: EngineConfig, dtype: torch.dtype, top_k: int) -> int:
+        """Ring slots with no budget given: the current layer's experts plus the next layer's predicted ones."""
+        return 2 * top_k
 
     def expert_nbytes(self, layer: int, expert: int) -> int:
         """Bytes of one expert's weights as compute reads them: placed in a slot, or in the CPU cache."""

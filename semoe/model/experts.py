@@ -147,7 +147,11 @@ class ExpertProvider(Protocol):
     def stream(self, layer: int, experts: list[int], x_ND: torch.Tensor) -> Iterator[tuple[int, ExpertWeights]]:
         """Yield each of `experts` once, in any order, with its weights; weights are valid until the
         next item is requested. `x_ND` is the layer's routed input, which an offloading provider
-        may use to predict and prefetch later layers' experts."""
+        may use to predict and prefetch later layers' experts.
+
+        A provider may also compute its experts itself: `run(layer, [(expert, its rows), ...], x_ND)`
+        returning {expert: its output rows}, which the MoE layer then calls instead (hybrid decode,
+        `inference.offload.hybrid`, splits them between the device and the CPU)."""
         ...
 
 

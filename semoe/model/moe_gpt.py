@@ -156,10 +156,19 @@ class MoEFeedForward(nn.Module):
         ids = r.ids_TK[0].tolist()  # the layer's one host sync, as dispatch_order's
         weights_K = r.weights_TK[0].to(x_1D.dtype)
         rows: list[torch.Tensor | None] = [None] * len(ids)
-        for e, w in self.experts.stream(self.layer, sorted(set(ids)), x_1D):
-            y = None if self.scales_input else w.apply(x_1D)
-            for ch in (k for k, i in enumerate(ids) if i == e):
-                rows[ch] = w.apply(x_1D * weights_K[ch]) if self.scales_input else y * weights_K[ch]
+        run = getattr(self.experts, "run", None)
+        if run is not None:  # a provider that computes its experts itself (hybrid decode)
+            choices = {e: [k for k, i in enumerate(ids) if i == e] for e in sorted(set(ids))}
+            outs = run(self.layer, [(e, torch.cat([x_1D * weights_K[ch] for ch in chs]) if self.scales_input
+                                     else x_1D) for e, chs in choices.items()], x_1D)
+            for e, chs in choices.items():
+                for j, ch in enumerate(chs):
+                    rows[ch] = outs[e][j:j + 1] if self.scales_input else outs[e] * weights_K[ch]
+        else:
+            for e, w in self.experts.stream(self.layer, sorted(set(ids)), x_1D):
+                y = None if self.scales_input else w.apply(x_1D)
+                for ch in (k for k, i in enumerate(ids) if i == e):
+                    rows[ch] = w.apply(x_1D * weights_K[ch]) if self.scales_input else y * weights_K[ch]
         # the sum over choices in choice order: forward's sum of one row's choices for one or two (and,
         # as torch sums, for more at the hidden sizes of real models); DecodePlan's combine repeats it
         out_1D = rows[0]
@@ -190,8 +199,12 @@ class MoEFeedForward(nn.Module):
             x_RD = x_RD * w_R1
         rows = x_RD.split(counts)
         y_parts: dict[int, torch.Tensor] = {}
-        for e, w in self.experts.stream(self.layer, [e for e, n in enumerate(counts) if n], x_ND):
-            y_parts[e] = w.apply(rows[e])
+        run = getattr(self.experts, "run", None)
+        if run is not None:  # a provider that computes its experts itself (hybrid decode)
+            y_parts = run(self.layer, [(e, rows[e]) for e, n in enumerate(counts) if n], x_ND)
+        else:
+            for e, w in self.experts.stream(self.layer, [e for e, n in enumerate(counts) if n], x_ND):
+                y_parts[e] = w.apply(rows[e])
         y_RD = torch.cat([y_parts[e] for e, n in enumerate(counts) if n]) if y_parts else x_RD
         if not self.scales_input:
             y_RD = y_RD * w_R1

@@ -230,6 +230,8 @@ BUDGETS = {
     "cache-25%-in-place": lambda eb, slot: dict(cpu_cache_bytes=eb // 4, ring_slots=2),
     "device-ring-3": lambda eb, slot: dict(device_memory_bytes=3 * slot),
     "cache-25%-no-prefetch": lambda eb, slot: dict(cpu_cache_bytes=eb // 4, prefetch=False),
+    # hybrid decode (`inference.offload.hybrid`), every routed expert on the CPU's kernels in its stored format
+    "hybrid-cpu": lambda eb, slot: dict(cpu_cache_bytes=eb // 4, device_memory_bytes=3 * slot, experts_on="cpu"),
 }
 
 
@@ -259,7 +261,10 @@ def test_offloaded_quantized_experts_give_the_resident_quantized_models_tokens(s
     # resident model steps kernel by kernel as the offloaded one does; in one call (its routers'
     # softmax in C, not torch) within float32 rounding of log-probs of magnitude ~5: 1e-5
     assert got.tokens == want.tokens
-    if one_call:
+    if budget.startswith("hybrid"):
+        # the model's modules around the same expert kernels: float32 sums in other orders, 1e-4
+        assert got.logprobs == pytest.approx(want.logprobs, rel=0, abs=1e-4)
+    elif one_call:
         assert got.logprobs == pytest.approx(want.logprobs, rel=0, abs=1e-5)
     else:
         assert got.logprobs == want.logprobs
