@@ -63,6 +63,12 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
                         "Without this or a budget flag the choice is made from the model's bytes and the memory "
                         "available (resident where it fits, else --cpu-cache auto) and said on stderr")
     g.add_argument("--ring-slots", type=int, metavar="K", help="expert slots in the device ring")
+    g.add_argument("--experts-on", default="auto", choices=("auto", "hybrid", "cpu", "device"),
+                   help="where offloaded routed experts run: hybrid (each where it costs less, from rates measured "
+                        "at load: the device's cache of experts, the CPU's kernels over the CPU cache and the store, "
+                        "or copied to the device when its rows make that cheaper), cpu (every one on the CPU), "
+                        "device (every one streamed to the device's ring of slots). Default auto: hybrid on a GPU, "
+                        "the ring on CPU")
     g.add_argument("--cache-policy", default="next-use", metavar="NAME",
                    help="which expert the CPU cache evicts: next-use (default: the one whose next use is "
                         "expected furthest away, from its layer's place in the cycle and its aged use "
@@ -79,7 +85,9 @@ def engine_flags(args: argparse.Namespace) -> list[str]:
                                   (f"--dtype {args.dtype}", args.dtype not in (None, "float32")),
                                   (f"--device {args.device}", args.device not in ("auto", "cpu")),
                                   (f"--dense {args.dense}", args.dense not in ("auto", "float", "int8")),
-                                  (f"--cache-policy {args.cache_policy}", args.cache_policy != "next-use")) if on]
+                                  (f"--cache-policy {args.cache_policy}", args.cache_policy != "next-use"),
+                                  (f"--experts-on {getattr(args, 'experts_on', 'auto')}",
+                                   getattr(args, "experts_on", "auto") != "auto")) if on]
 
 
 def refuse_for_lean(args: argparse.Namespace, how: str) -> None:
@@ -193,7 +201,7 @@ def engine_config_from_args(args: argparse.Namespace, *, keep_bytes: int = 0, st
         raise UsageError(f"--resident keeps every expert in memory: {budgets[0]} offloads them (drop one)")
     config = EngineConfig(device=str(resolve_device(args.device)), dtype=args.dtype, cpu_cache_bytes=cpu,
                           device_memory_bytes=dev, ring_slots=args.ring_slots, cache_policy=args.cache_policy,
-                          dense=args.dense, keep_bytes=keep_bytes)
+                          dense=args.dense, keep_bytes=keep_bytes, experts_on=getattr(args, "experts_on", "auto"))
     from inference.placement import model_bytes
 
     # the choice and the load's progress; counted once where `generate`'s own choice of front-end
