@@ -181,6 +181,12 @@ def shaped_fields(arch: str, shape: dict[str, int]) -> tuple[str, dict]:
         # latent attention expands the latent to every head: llama.cpp's converter splits kv_b by the
         # config's key-value heads, which must be the heads
         fields["num_key_value_heads"] = shape["heads"]
+    if arch == "minimax_m2":  # llama.cpp's converter reads rotary_dim, transformers the factor: both the same
+        fields["rotary_dim"] = int(fields["head_dim"] * fields["rope_parameters"]["partial_rotary_factor"])
+    if arch == "hunyuan_v1_moe":
+        # transformers' experts are `intermediate_size` wide (as its shared expert); llama.cpp's converter
+        # reads moe_intermediate_size where the config has it: both the same
+        fields["intermediate_size"] = fields["moe_intermediate_size"]
     if arch == "ernie4_5_moe":
         # llama.cpp's converter takes the shared experts' width as intermediate_size / key-value heads
         # (true of the published configs: 12288 / 4 = 2 x 1536), transformers as their count x the

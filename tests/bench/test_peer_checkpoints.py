@@ -36,6 +36,8 @@ def test_a_shape_lands_in_each_architectures_own_fields():
             qwen["head_dim"]) == (2048, 64, 8, 256, 64)
     _, ernie = pc.shaped_fields("ernie4_5_moe", shape)
     assert (ernie["moe_num_experts"], ernie["moe_k"]) == (64, 8)
+    _, hunyuan = pc.shaped_fields("hunyuan_v1_moe", shape)  # transformers' experts are intermediate_size wide
+    assert hunyuan["intermediate_size"] == hunyuan["moe_intermediate_size"] == 256
     _, dots = pc.shaped_fields("dots1", {"heads": 16})  # llama.cpp's loader takes dots1 without grouped heads
     assert dots["num_key_value_heads"] == dots["num_attention_heads"] == 16
     with pytest.raises(ValueError, match="dots1 has as many key-value heads as heads"):
