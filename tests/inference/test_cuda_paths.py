@@ -51,7 +51,7 @@ def test_offloaded_generation_on_cuda_equals_resident_cuda(bf16_store, dtype):
         resident.close()
     slot = OffloadedExperts.slot_bytes(bf16_store, getattr(torch, dtype))
     for budget in (dict(device_memory_bytes=3 * slot), dict(ring_slots=2, cpu_cache_bytes=4 * slot)):
-        engine = Engine.load(bf16_store.root, EngineConfig(device="cuda", dtype=dtype, **budget))
+        engine = Engine.load(bf16_store.root, EngineConfig(device="cuda", dtype=dtype, experts_on="device", **budget))
         try:
             assert engine.offload.copies and engine.offload.tier.pool.pinned_bytes > 0
             got = engine.generate(prompt, cfg)
@@ -62,6 +62,62 @@ def test_offloaded_generation_on_cuda_equals_resident_cuda(bf16_store, dtype):
         assert got.logprobs == pytest.approx(want.logprobs, abs=tol, rel=0)
         assert got.stats["device_copy_bytes_per_token"] > 0
 
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("mode", ["hybrid", "cpu"])
+def test_hybrid_generation_on_cuda_equals_resident_cuda(bf16_store, dtype, mode):
+    """Hybrid decode on a GPU (the default for an offloaded engine there): the CPU's share crosses to
+    pinned host memory on the copy stream and back, computed by semoe's kernels on the bfloat16 experts
+    as stored, while the GPU computes its own; the resident model's tokens on the same GPU. Rates that
+    put one decoding row on the CPU and a prompt's several rows on the GPU, so both sides run. Log-probs
+    within 1e-4 (float32: the CPU kernels' sums against cuBLAS's) / 2e-2 (bfloat16)."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+    from inference.offload.expert_ring import OffloadedExperts
+    from inference.offload.hybrid_placement import HybridRates
+    from semoe.decode.loop import SamplingConfig
+
+    prompt = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
+    cfg = SamplingConfig(max_new_tokens=24)
+    resident = Engine.load(bf16_store.root, EngineConfig(device="cuda", dtype=dtype))
+    try:
+        want = resident.generate(prompt, cfg)
+    finally:
+        resident.close()
+    slot = OffloadedExperts.slot_bytes(bf16_store, getattr(torch, dtype))
+    c = resident.model.config
+    T, flops = 1e-3, 6 * c.hidden_size * c.moe_ffn_size
+    rates = HybridRates(h2d_bytes_s=slot / (1.5 * T), cpu_bytes_s=1e30, cpu_flops_s=flops / T, device_bytes_s=1e30,
+                        device_flops_s=1e30)
+    engine = Engine.load(bf16_store.root, EngineConfig(device="cuda", dtype=dtype, device_memory_bytes=3 * slot,
+                                                       cpu_cache_bytes=8 * slot, experts_on=mode, hybrid_rates=rates))
+    try:
+        assert engine.decode_path().startswith("hybrid decode: dense and attention on cuda")
+        assert engine.offload.tier.pool.pinned_bytes > 0
+        got = engine.generate(prompt, cfg)
+    finally:
+        engine.close()
+    assert got.tokens == want.tokens
+    tol = 1e-4 if dtype == "float32" else 2e-2
+    assert got.logprobs == pytest.approx(want.logprobs, abs=tol, rel=0)
+    h = got.stats["hybrid"]
+    assert h["cpu_share"] > 0 and (mode == "cpu" or h["device_copy_share"] > 0)
+
+
+def test_hybrid_measures_its_rates_on_the_gpu(bf16_store):
+    """At load, with no rates given: the link, the CPU's kernels and the GPU, each positive; the link's
+    from a 32 MiB pinned copy, above 1 GB/s on any PCIe (the tiny model's experts time launches, not
+    bytes, on the other sides)."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+
+    engine = Engine.load(bf16_store.root, EngineConfig(device="cuda", cpu_cache_bytes=1 << 30))
+    try:
+        r = engine.offload.rates
+        assert r.h2d_bytes_s > 1e9 and min(r.cpu_bytes_s, r.cpu_flops_s, r.device_bytes_s, r.device_flops_s) > 0
+    finally:
+        engine.close()
 
 
 @pytest.mark.parametrize("bits", [8, 4])
@@ -93,7 +149,7 @@ def test_offloaded_compact_experts_on_cuda_equal_resident_cuda(tmp_path, bits):
     finally:
         resident.close()
     slot = OffloadedExperts.slot_bytes(Store.open(str(tmp_path / "q")), torch.float32)
-    engine = Engine.load(str(tmp_path / "q"), EngineConfig(device="cuda", dtype="float32",
+    engine = Engine.load(str(tmp_path / "q"), EngineConfig(device="cuda", dtype="float32", experts_on="device",
                                                            device_memory_bytes=3 * slot))
     try:
         got = engine.generate(prompt, sampling)
