@@ -23,8 +23,12 @@ states in device memory (bench_train.py's comparison at a mid-size shape; its ow
 of the hybrid gets every expert of the model in its cache (`--cpu-cache`, default all): the machine
 this measures has a big CPU memory beside a small GPU.
 
-llama.cpp with `--n-cpu-moe` (the peer users pick on such a machine) is not built here: its CUDA build
-does not fit this script's time, and the machine has no package index. Run it by hand beside this.
+(e) llama.cpp with `--n-cpu-moe` (the peer users pick on such a machine) at the same cap: built from
+`--llama-src` (a llama.cpp source tree, such as llama_peer.py's sdist's vendor/llama.cpp, carried to the
+machine, which has no network) with CUDA for `--cuda-arch` (90: H100/H200) only, within
+`--llama-build-timeout` (the row says how long the build took, or that it did not finish); its GGUF
+made by the tree's own converter (llama_peer's patched copy) and llama-quantize (q4_0 for Qwen3,
+gpt-oss's MXFP4 as converted); `--n-cpu-moe` is the layers whose experts do not fit the cap's room.
 
 `--dry-run` runs every step on CPU (the engine's device "cpu", whose copy stream is a worker thread)
 with make_real's configs shrunk to a few MiB, and skips what needs a GPU (the cuda tests, accelerate):
@@ -158,6 +162,68 @@ def run_accelerate(hf: str, cap_gib: float, new_tokens: int) -> dict:
     return {"decode_tok_s": new_tokens / (time.perf_counter() - t)}
 
 
+def build_llama(llama_src: str, workdir: str, arch: str, timeout_s: float) -> dict:
+    """(e)'s binaries: llama-bench and llama-quantize built with CUDA for `arch` only, once; the seconds
+    the build took, or why there are none."""
+    if not os.path.exists(os.path.join(llama_src, "CMakeLists.txt")):
+        return {"skipped": f"--llama-src {llama_src}: no llama.cpp source tree there"}
+    if shutil.which("nvcc") is None or shutil.which("cmake") is None:
+        return {"skipped": "no nvcc or cmake on this machine"}
+    build = os.path.join(workdir, f"llama-cuda-sm{arch}")
+    bins = {t: os.path.join(build, "bin", t) for t in ("llama-bench", "llama-quantize")}
+    if all(os.path.exists(b) for b in bins.values()):
+        return {"bins": bins, "build_s": 0.0}
+    t0 = time.perf_counter()
+    try:
+        subprocess.run(["cmake", "-S", llama_src, "-B", build, "-DGGML_CUDA=ON", f"-DCMAKE_CUDA_ARCHITECTURES={arch}",
+                        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DBUILD_SHARED_LIBS=OFF",
+                        "-DLLAMA_BUILD_TESTS=OFF", "-DCMAKE_BUILD_TYPE=Release"],
+                       check=True, capture_output=True, timeout=timeout_s)
+        left = timeout_s - (time.perf_counter() - t0)
+        subprocess.run(["cmake", "--build", build, "--target", "llama-bench", "llama-quantize",
+                        f"-j{os.cpu_count() or 2}"], check=True, capture_output=True, timeout=max(left, 1))
+    except subprocess.TimeoutExpired:
+        return {"skipped": f"its CUDA build did not finish in {timeout_s:.0f} s"}
+    except subprocess.CalledProcessError as e:
+        return {"skipped": f"its CUDA build failed: {(e.stderr or b'').decode(errors='replace').strip()[-300:]}"}
+    return {"bins": bins, "build_s": time.perf_counter() - t0}
+
+
+def run_llama(built: dict, llama_src: str, model: str, workdir: str, store: str, cache: int, prompts: list[int],
+              new_tokens: int) -> dict:
+    """(e) llama-bench with every layer on the GPU but `--n-cpu-moe` layers' experts, those that do not fit
+    the room the cap leaves for experts (`cache` bytes, as semoe's device cache has): decode and prefill
+    tok/s, or why not."""
+    if "bins" not in built:
+        return {"skipped": built["skipped"]}
+    import llama_peer as peer
+    from storage.store import Store
+
+    hf, gguf = os.path.join(workdir, f"{model}-hf"), os.path.join(workdir, f"{model}-llama.gguf")
+    if not os.path.exists(gguf):
+        script = peer._patched_converter(llama_src, os.path.join(workdir, "llama-converter"))
+        env = dict(os.environ, PYTHONPATH=os.path.join(llama_src, "gguf-py"))
+        out = gguf if not model.startswith("qwen3") else gguf + ".bf16"
+        subprocess.run([sys.executable, script, hf, "--outfile", out, "--outtype", "bf16"], check=True, env=env,
+                       capture_output=True)
+        if out != gguf:
+            subprocess.run([built["bins"]["llama-quantize"], out, gguf, "q4_0"], check=True, capture_output=True)
+    m = Store.open(store).manifest
+    layers = sorted({c.layer for c in m.chunks if c.kind == "weight"})
+    per_layer = sum(c.bytes for c in m.chunks if c.kind == "weight") / len(layers)
+    n_cpu_moe = max(0, min(len(layers), len(layers) - int(cache // per_layer)))
+    res = subprocess.run([built["bins"]["llama-bench"], "-m", gguf, "-ngl", "99", "--n-cpu-moe", str(n_cpu_moe),
+                          "-p", ",".join(map(str, prompts)), "-n", str(new_tokens), "-r", "2", "-o", "json"],
+                         capture_output=True, text=True)
+    if res.returncode != 0:
+        return {"skipped": f"llama-bench failed: {res.stderr.strip()[-300:]}"}
+    out = {"n_cpu_moe": n_cpu_moe, "build_s": built["build_s"]}
+    for r in json.loads(res.stdout):
+        key = "decode_tok_s" if r.get("n_gen") else f"prefill_{r.get('n_prompt')}_tok_s"
+        out[key] = r["avg_ts"]
+    return out
+
+
 def cuda_tests() -> dict:
     """`pytest -m cuda`: its last line and exit code."""
     t = time.perf_counter()
@@ -192,13 +258,15 @@ def ratio(a: float | None, b: float | None) -> str:
 def table(rows: list[dict]) -> str:
     """The one table: per model, cap and part, the hybrid against (a), (b), (c) and (d)."""
     head = ("| model | cap | part | hybrid | (a) all CPU | (b) all streamed | hybrid / best of (a), (b) | "
-            "(c) bound | hybrid / (c) | (d) accelerate |\n" + "|---" * 10 + "|")
+            "(c) bound | hybrid / (c) | (d) accelerate | (e) llama.cpp --n-cpu-moe | hybrid / (e) |\n" + "|---" * 12 + "|")
     lines = [head]
     for r in rows:
         best = max((r.get("cpu"), r.get("device")), key=lambda v: v or 0)
         lines.append(f"| {r['model']} | {r['cap']} | {r['part']} | {_f(r.get('hybrid'))} | {_f(r.get('cpu'))} | "
                      f"{_f(r.get('device'))} | {ratio(r.get('hybrid'), best)} | {_f(r.get('bound'))} | "
-                     f"{ratio(r.get('hybrid'), r.get('bound'))} | {r.get('accelerate', '-')} |")
+                     f"{ratio(r.get('hybrid'), r.get('bound'))} | {r.get('accelerate', '-')} | "
+                     f"{_f(r['llama']) if isinstance(r.get('llama'), float) else r.get('llama', '-')} | "
+                     f"{ratio(r.get('hybrid'), r.get('llama')) if isinstance(r.get('llama'), float) else '-'} |")
     return "\n".join(lines)
 
 
@@ -220,12 +288,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cpu-cache", default=None, help="the CPU cache in bytes [every expert]")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
                     help="the CPU kernels' threads [all cores but one]")
-    ap.add_argument("--parts", default="cuda-tests,decode,accelerate,train",
-                    help="of cuda-tests, decode (decode and prefill), accelerate, train [all]")
+    ap.add_argument("--parts", default="cuda-tests,decode,accelerate,llama,train",
+                    help="of cuda-tests, decode (decode and prefill), accelerate, llama, train [all]")
+    ap.add_argument("--llama-src", help="(e): a llama.cpp source tree to build with CUDA [none: (e) skipped]")
+    ap.add_argument("--cuda-arch", default="90", help="(e): the CUDA architecture built for [90]")
+    ap.add_argument("--llama-build-timeout", type=float, default=240, help="(e): seconds the build may take [240]")
     ap.add_argument("--json", metavar="FILE", help="also write every number to FILE")
     args = ap.parse_args(argv)
     parts = set(args.parts.split(","))
-    if unknown := parts - {"cuda-tests", "decode", "accelerate", "train"}:
+    if unknown := parts - {"cuda-tests", "decode", "accelerate", "llama", "train"}:
         ap.error(f"--parts: unknown {', '.join(sorted(unknown))}")
     models = args.models.split(",")
     if unknown := set(models) - set(MODELS):
@@ -245,7 +316,14 @@ def main(argv: list[str] | None = None) -> int:
     if "cuda-tests" in parts:
         report["cuda_tests"] = {"skipped": "dry run: no GPU"} if dry else cuda_tests()
         print(f"cuda tests: {report['cuda_tests']}", file=sys.stderr, flush=True)
-    for model in models if "decode" in parts or "accelerate" in parts else []:
+    built = {"skipped": "not asked (--parts)"}
+    if "llama" in parts:
+        built = {"skipped": "dry run: no GPU"} if dry else \
+            {"skipped": "--llama-src not given"} if not args.llama_src else \
+            build_llama(args.llama_src, args.workdir, args.cuda_arch, args.llama_build_timeout)
+        report["llama_build"] = {k: v for k, v in built.items() if k != "bins"}
+        print(f"llama.cpp: {report['llama_build']}", file=sys.stderr, flush=True)
+    for model in models if parts & {"decode", "accelerate", "llama"} else []:
         store = prepare(model, args.workdir, layers, dry)
         from storage.store import Store
 
@@ -268,12 +346,18 @@ def main(argv: list[str] | None = None) -> int:
                     run_accelerate(os.path.join(args.workdir, f"{model}-hf"), cap, args.new_tokens)
                 report["runs"].append({"model": model, "cap": cap, "mode": "accelerate", **d})
                 acc = _f(d.get("decode_tok_s")) if "decode_tok_s" in d else d["skipped"]
+            lcpp = {}
+            if "llama" in parts:
+                lcpp = run_llama(built, args.llama_src, model, args.workdir, store, cache, prompts, args.new_tokens)
+                report["runs"].append({"model": model, "cap": cap, "mode": "llama.cpp", **lcpp})
+            skip = lcpp.get("skipped", "-")
             if got:
                 rows.append({"model": model, "cap": label, "part": "decode tok/s", "accelerate": acc,
-                             "bound": got["hybrid"].get("bound_tok_s"),
+                             "bound": got["hybrid"].get("bound_tok_s"), "llama": lcpp.get("decode_tok_s", skip),
                              **{m: got[m]["decode_tok_s"] for m in MODES}})
                 for n in prompts:
                     rows.append({"model": model, "cap": label, "part": f"prefill {n} tok/s",
+                                 "llama": lcpp.get(f"prefill_{n}_tok_s", skip),
                                  **{m: got[m][f"prefill_{n}_tok_s"] for m in MODES}})
     if "train" in parts:
         print("training step: expert states on SSD against in device memory ...", file=sys.stderr, flush=True)

@@ -24,8 +24,10 @@ def _run(tmp_path, capsys, parts: str) -> tuple[str, dict]:
 
 
 def test_the_dry_run_decodes_every_model_on_every_side(tmp_path, capsys):
-    table, report = _run(tmp_path, capsys, "cuda-tests,decode,accelerate")
+    table, report = _run(tmp_path, capsys, "cuda-tests,decode,accelerate,llama")
     assert report["cuda_tests"] == {"skipped": "dry run: no GPU"}
+    assert report["llama_build"] == {"skipped": "dry run: no GPU"}
+    assert all(r["skipped"] == "dry run: no GPU" for r in report["runs"] if r["mode"] in ("llama.cpp", "accelerate"))
     runs = [r for r in report["runs"] if r["mode"] in bench_hybrid.MODES]
     assert {(r["model"], r["mode"]) for r in runs} == {(m, mode) for m in bench_hybrid.MODELS
                                                        for mode in bench_hybrid.MODES}

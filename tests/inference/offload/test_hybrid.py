@@ -252,3 +252,12 @@ def test_the_servers_packed_steps_split_their_experts_alike(arch, _stores):
     finally:
         engine.close()
         resident.close()
+
+
+def test_hybrid_is_what_an_offloaded_engine_takes_on_a_gpu_by_default():
+    assert EngineConfig(device="cuda", cpu_cache_bytes=1).hybrid
+    assert not EngineConfig(device="cpu", cpu_cache_bytes=1).hybrid  # the ring, or the torch-free runner
+    assert EngineConfig(device="cpu", experts_on="cpu").hybrid and EngineConfig(experts_on="hybrid").hybrid
+    assert not EngineConfig(device="cuda", experts_on="device").hybrid
+    with pytest.raises(ValueError, match="experts_on must be auto, hybrid, cpu or device, got 'gpu'"):
+        EngineConfig(experts_on="gpu")
