@@ -237,7 +237,7 @@ def train_step(workdir: str, dry: bool) -> dict:
     """bench_train.py's ssd-vs-device step comparison (a mid-size model; tiny with --dry-run)."""
     shape = ["--layers", "2", "--hidden", "64", "--experts", "4", "--expert-ffn", "64", "--ffn", "128",
              "--batch-size", "2", "--seq-len", "32", "--steps", "3", "--repeats", "1", "--no-small-batch",
-             "--warmup-steps-skip", "1"] if dry else \
+             "--warmup-steps-skip", "1", "--cpu-cache", "50%"] if dry else \
         ["--layers", "8", "--hidden", "1024", "--heads", "16", "--kv-heads", "4", "--experts", "16",
          "--expert-ffn", "2048", "--ffn", "4096", "--batch-size", "8", "--seq-len", "512", "--steps", "6",
          "--repeats", "1", "--no-small-batch"]
