@@ -372,7 +372,7 @@ class OffloadedExperts:
             return key, self._loaded[self.book.get(key).index]
 
     def _predict(self, layer: int, x_ND: torch.Tensor) -> None:
-        """Prefetch the experts the predictor expects the next MoE layer to use."""
+        """Prefetch the experts the predictor expects the next MoE layer to use (`_stage_guesses`)."""
         predicted = self.predictor.predict(layer, x_ND)
         if predicted is None:
             return
@@ -386,6 +386,10 @@ class OffloadedExperts:
             # switch guessing off for a model whose guesses are mostly wrong. Guesses already in
             # the CPU cache cost no SSD bandwidth and are always staged when the ring copies.
             speculate = self.guesses.speculate(self.predictor.known)
+        self._stage_guesses(nxt, picked, cached, speculate)
+
+    def _stage_guesses(self, nxt: int, picked: list[int], cached: dict[int, bool], speculate: bool) -> None:
+        """Bring layer `nxt`'s guessed experts into ring slots (read from SSD only where `speculate`)."""
         for rank, e in enumerate(picked[:self.ring_slots]):
             key = ExpertKey(nxt, e)
             if key in self.book or not (speculate or (cached[e] and self.copies)):

@@ -135,7 +135,7 @@ class HybridExperts(OffloadedExperts):
         out: dict[int, torch.Tensor] = {}
         try:
             # the ring's own call: the device's experts as they become usable, and the next layer's
-            # prediction (read ahead into the CPU cache, `_predict`)
+            # prediction (read ahead into the CPU cache, `_stage_guesses`)
             for e, w in self.stream(layer, sorted(on_device), x_ND):
                 out[e] = w.apply(on_device[e])
         finally:
@@ -201,16 +201,8 @@ class HybridExperts(OffloadedExperts):
                 self.hybrid.admitted += 1
                 self._request(key, Priority.IDLE, demand=False)
 
-    def _predict(self, layer: int, x_ND: torch.Tensor) -> None:
-        """Read the next MoE layer's predicted experts ahead into the CPU cache (not the device's)."""
-        predicted = self.predictor.predict(layer, x_ND)
-        if predicted is None:
-            return
-        nxt, picked = predicted
-        with self._cond:
-            cached = {e: self.tier.cached(ExpertKey(nxt, e)) for e in picked}
-            self.guesses.predicted(nxt, cached)
-            speculate = self.guesses.speculate(self.predictor.known)
+    def _stage_guesses(self, nxt: int, picked: list[int], cached: dict[int, bool], speculate: bool) -> None:
+        """Read the next MoE layer's guessed experts ahead into the CPU cache (not into the device's)."""
         keys = [ExpertKey(nxt, e) for e in picked if not cached[e]]
         if speculate and keys:
             started = self.tier.prefetch(keys, priority=Priority.NEXT, speculative=True)

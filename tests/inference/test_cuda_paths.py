@@ -31,6 +31,21 @@ def bf16_store(tmp_path_factory):
     return import_checkpoint(str(hf), str(root / "store"), dtype="bfloat16")
 
 
+PROMPT = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
+
+
+def _resident(store, dtype: str, cfg):
+    """What the resident model generates on the GPU after PROMPT, and its config."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+
+    resident = Engine.load(store.root, EngineConfig(device="cuda", dtype=dtype))
+    try:
+        return resident.generate(PROMPT, cfg), resident.model.config
+    finally:
+        resident.close()
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_offloaded_generation_on_cuda_equals_resident_cuda(bf16_store, dtype):
     """The ring on a GPU: slots in device memory, copies on the copy stream from pinned CPU-cache
@@ -42,13 +57,8 @@ def test_offloaded_generation_on_cuda_equals_resident_cuda(bf16_store, dtype):
     from inference.offload.expert_ring import OffloadedExperts
     from semoe.decode.loop import SamplingConfig
 
-    prompt = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
-    cfg = SamplingConfig(max_new_tokens=24)
-    resident = Engine.load(bf16_store.root, EngineConfig(device="cuda", dtype=dtype))
-    try:
-        want = resident.generate(prompt, cfg)
-    finally:
-        resident.close()
+    prompt, cfg = PROMPT, SamplingConfig(max_new_tokens=24)
+    want, config = _resident(bf16_store, dtype, cfg)
     slot = OffloadedExperts.slot_bytes(bf16_store, getattr(torch, dtype))
     for budget in (dict(device_memory_bytes=3 * slot), dict(ring_slots=2, cpu_cache_bytes=4 * slot)):
         engine = Engine.load(bf16_store.root, EngineConfig(device="cuda", dtype=dtype, experts_on="device", **budget))
@@ -78,15 +88,10 @@ def test_hybrid_generation_on_cuda_equals_resident_cuda(bf16_store, dtype, mode)
     from inference.offload.hybrid_placement import HybridRates
     from semoe.decode.loop import SamplingConfig
 
-    prompt = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
-    cfg = SamplingConfig(max_new_tokens=24)
-    resident = Engine.load(bf16_store.root, EngineConfig(device="cuda", dtype=dtype))
-    try:
-        want = resident.generate(prompt, cfg)
-    finally:
-        resident.close()
+    prompt, cfg = PROMPT, SamplingConfig(max_new_tokens=24)
+    want, config = _resident(bf16_store, dtype, cfg)
     slot = OffloadedExperts.slot_bytes(bf16_store, getattr(torch, dtype))
-    c = resident.model.config
+    c = config
     T, flops = 1e-3, 6 * c.hidden_size * c.moe_ffn_size
     rates = HybridRates(h2d_bytes_s=slot / (1.5 * T), cpu_bytes_s=1e30, cpu_flops_s=flops / T, device_bytes_s=1e30,
                         device_flops_s=1e30)
