@@ -1,0 +1,97 @@
+"""semoe/model/linear_attention.py: the gated delta rule's chunked prompt pass equals its token-by-token
+recurrence, both equal transformers' own reference (the oracle), a prompt split anywhere carries its
+state exactly, and the causal convolution's state does the same."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+from semoe.model.linear_attention import causal_conv, delta_rule_chunked, delta_rule_recurrent, l2_unit
+
+
+def _inputs(B=2, H=3, T=70, Dk=16, Dv=8, dtype=torch.float64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = l2_unit(torch.randn(B, H, T, Dk, generator=g, dtype=dtype)) / Dk ** 0.5
+    k = l2_unit(torch.randn(B, H, T, Dk, generator=g, dtype=dtype))
+    v = torch.randn(B, H, T, Dv, generator=g, dtype=dtype)
+    a = -torch.nn.functional.softplus(torch.randn(B, H, T, generator=g, dtype=dtype))  # log-decays <= 0
+    beta = torch.sigmoid(torch.randn(B, H, T, generator=g, dtype=dtype))
+    state = torch.randn(B, H, Dk, Dv, generator=g, dtype=dtype) * 0.1
+    return q, k, v, a, beta, state
+
+
+@pytest.mark.parametrize("T, chunk", [(1, 64), (5, 64), (64, 64), (70, 16), (130, 64), (33, 1)])
+def test_the_chunked_form_equals_the_recurrence(T, chunk):
+    """In float64 to 1e-10 (the same arithmetic reassociated); from zeros and from a given state."""
+    q, k, v, a, beta, state = _inputs(T=T)
+    for s in (None, state):
+        want, want_S = delta_rule_recurrent(q, k, v, a, beta, s)
+        got, got_S = delta_rule_chunked(q, k, v, a, beta, s, chunk=chunk)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-10)
+        torch.testing.assert_close(got_S, want_S, rtol=0, atol=1e-10)
+
+
+def test_float32_inputs_keep_a_float32_state_within_1e_5():
+    q, k, v, a, beta, state = (x.float() for x in _inputs(T=130))
+    want, want_S = delta_rule_recurrent(q, k, v, a, beta, state)
+    got, got_S = delta_rule_chunked(q, k, v, a, beta, state)
+    assert got.dtype == got_S.dtype == torch.float32
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(got_S, want_S, rtol=0, atol=1e-5)
+
+
+def test_both_forms_equal_transformers_reference():
+    """transformers' Qwen3-Next functions take (B, T, H, D), raw q and k (normalised inside) and the
+    log-decay as `g`: the same rule, to float32 rounding (1e-5)."""
+    B, H, T, Dk, Dv = 1, 2, 40, 16, 8
+    g = torch.Generator().manual_seed(3)
+    q_raw, k_raw = torch.randn(B, T, H, Dk, generator=g), torch.randn(B, T, H, Dk, generator=g)
+    v = torch.randn(B, T, H, Dv, generator=g)
+    a = -torch.nn.functional.softplus(torch.randn(B, T, H, generator=g))
+    beta = torch.sigmoid(torch.randn(B, T, H, generator=g))
+    want, want_S = hf.torch_recurrent_gated_delta_rule(q_raw, k_raw, v, a, beta, output_final_state=True,
+                                                       use_qk_l2norm_in_kernel=True)
+    ours = dict(q_BHTK=l2_unit(q_raw.transpose(1, 2)) / Dk ** 0.5, k_BHTK=l2_unit(k_raw.transpose(1, 2)),
+                v_BHTV=v.transpose(1, 2), a_BHT=a.transpose(1, 2), beta_BHT=beta.transpose(1, 2))
+    for fn in (delta_rule_recurrent, delta_rule_chunked):
+        got, got_S = fn(**ours)
+        torch.testing.assert_close(got.transpose(1, 2), want, rtol=0, atol=1e-5)
+        torch.testing.assert_close(got_S, want_S, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("split", [1, 17, 64, 69])
+def test_a_prompt_split_anywhere_carries_its_state(split):
+    """A prefix's chunked pass, then the rest (chunked or token by token) from its state: the whole's
+    outputs and state (what a reused prefix or decoding after a prompt relies on)."""
+    q, k, v, a, beta, _ = _inputs(T=70)
+    want, want_S = delta_rule_chunked(q, k, v, a, beta)
+    head, S = delta_rule_chunked(*(x[:, :, :split] for x in (q, k, v, a, beta)))
+    for fn in (delta_rule_chunked, delta_rule_recurrent):
+        tail, tail_S = fn(*(x[:, :, split:] for x in (q, k, v, a, beta)), S)
+        torch.testing.assert_close(torch.cat([head, tail], dim=2), want, rtol=0, atol=1e-10)
+        torch.testing.assert_close(tail_S, want_S, rtol=0, atol=1e-10)
+
+
+def test_a_wrong_state_is_refused_by_shape():
+    q, k, v, a, beta, state = _inputs(T=4)
+    with pytest.raises(ValueError, match=r"state of shape \(2, 3, 8, 8\), expected \(2, 3, 16, 8\)"):
+        delta_rule_chunked(q, k, v, a, beta, state[:, :, :8])
+
+
+def test_the_causal_convolution_carries_its_state_and_equals_transformers():
+    B, C, T, K = 2, 6, 11, 4
+    g = torch.Generator().manual_seed(1)
+    x, w = torch.randn(B, C, T, generator=g), torch.randn(C, K, generator=g)
+    whole, state = causal_conv(x, w)
+    torch.testing.assert_close(whole, hf.causal_conv1d_fn(x, w, activation="silu"), rtol=0, atol=1e-6)
+    torch.testing.assert_close(state, x[:, :, -(K - 1):])
+    # a prompt of 5, then one step at a time: the whole's outputs and its state
+    out, s = causal_conv(x[:, :, :5], w)
+    steps = [out]
+    for t in range(5, T):
+        y, s = causal_conv(x[:, :, t:t + 1], w, s)
+        steps.append(y)
+    torch.testing.assert_close(torch.cat(steps, dim=-1), whole, rtol=0, atol=1e-6)
+    torch.testing.assert_close(s, state)
