@@ -32,8 +32,11 @@ Dk and Dv the key and value head dimensions, C channels of the convolution.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 
 def delta_rule_recurrent(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTV: torch.Tensor, a_BHT: torch.Tensor,
@@ -113,3 +116,82 @@ def causal_conv(x_BCT: torch.Tensor, weight_CK: torch.Tensor, state_BCk: torch.T
 def l2_unit(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """x over its last dimension's length (with `eps` under the root, as the published models' kernels)."""
     return x * torch.rsqrt((x * x).sum(-1, keepdim=True) + eps)
+
+
+# -- the layer --------------------------------------------------------------------------------------
+
+
+@dataclass
+class DeltaNetState:
+    """One Gated DeltaNet layer's state for a batch: the convolution's last K-1 inputs (B, C, K-1) and each
+    value head's delta-rule state (B, Hv, Dk, Dv), float32. Its size does not grow with the sequence."""
+
+    conv: torch.Tensor
+    recurrent: torch.Tensor
+
+    def clone(self) -> "DeltaNetState":
+        return DeltaNetState(self.conv.clone(), self.recurrent.clone())
+
+
+class GatedDeltaNet(nn.Module):
+    """A Gated DeltaNet token mixer as Qwen3-Next and Qwen3.5-MoE publish it (their tensors' names):
+    projections to q, k, v per key-head group with an output gate z (`in_proj_qkvz`) and the write
+    strength and decay inputs (`in_proj_ba`); the short causal convolution over q, k and v; the delta
+    rule per value head (keys and queries shared by `num_v // num_k` value heads), with the decay
+    exp(-exp(A_log) softplus(a + dt_bias)); an RMS norm of each head's output gated by SiLU(z); `out_proj`.
+    A prompt runs in chunks, a decoding token one state update."""
+
+    def __init__(self, hidden: int, num_k: int, num_v: int, dk: int, dv: int, conv_kernel: int, eps: float) -> None:
+        super().__init__()
+        if num_v % num_k:
+            raise ValueError(f"value heads ({num_v}) must be a multiple of key heads ({num_k})")
+        self.num_k, self.num_v, self.dk, self.dv, self.eps = num_k, num_v, dk, dv, eps
+        self.conv_dim = 2 * num_k * dk + num_v * dv
+        self.in_proj_qkvz = nn.Linear(hidden, 2 * num_k * dk + 2 * num_v * dv, bias=False)
+        self.in_proj_ba = nn.Linear(hidden, 2 * num_v, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(num_v))
+        self.A_log = nn.Parameter(torch.zeros(num_v))
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(torch.ones(dv))
+        self.out_proj = nn.Linear(num_v * dv, hidden, bias=False)
+
+    def empty_state(self, batch: int, device: torch.device | str = "cpu") -> DeltaNetState:
+        """The state before a sequence's first token: zeros."""
+        return DeltaNetState(torch.zeros(batch, self.conv_dim, self.conv1d.kernel_size[0] - 1, device=device),
+                             torch.zeros(batch, self.num_v, self.dk, self.dv, device=device))
+
+    def _split(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k (B, T, num_k, dk), v and z (B, T, num_v, dv), b and a (B, T, num_v): the projections laid
+        out per key-head group, as the published checkpoints store them."""
+        B, T, _ = x_BTD.shape
+        per = self.num_v // self.num_k
+        qkvz = self.in_proj_qkvz(x_BTD).view(B, T, self.num_k, 2 * self.dk + 2 * per * self.dv)
+        q, k, v, z = qkvz.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
+        b, a = self.in_proj_ba(x_BTD).view(B, T, self.num_k, 2 * per).split([per, per], dim=-1)
+        return (q, k, v.reshape(B, T, self.num_v, self.dv), z.reshape(B, T, self.num_v, self.dv),
+                b.reshape(B, T, self.num_v), a.reshape(B, T, self.num_v))
+
+    def forward(self, x_BTD: torch.Tensor, state: DeltaNetState | None = None, chunk: int = 64
+                ) -> tuple[torch.Tensor, DeltaNetState]:
+        """The layer's output (B, T, hidden) for T tokens after `state` (None: a sequence's start), and
+        the state after them."""
+        B, T, _ = x_BTD.shape
+        q, k, v, z, b, a = self._split(x_BTD)
+        mixed = torch.cat([q.reshape(B, T, -1), k.reshape(B, T, -1), v.reshape(B, T, -1)], dim=-1).transpose(1, 2)
+        conv, conv_state = causal_conv(mixed, self.conv1d.weight[:, 0], None if state is None else state.conv)
+        q, k, v = conv.transpose(1, 2).split([self.num_k * self.dk, self.num_k * self.dk, self.num_v * self.dv], -1)
+        per = self.num_v // self.num_k
+        heads = lambda t, d: t.reshape(B, T, -1, d).transpose(1, 2)  # noqa: E731
+        q = l2_unit(heads(q, self.dk).float()).repeat_interleave(per, dim=1) / self.dk ** 0.5
+        k = l2_unit(heads(k, self.dk).float()).repeat_interleave(per, dim=1)
+        v = heads(v, self.dv)
+        log_decay = -self.A_log.float().exp() * F.softplus(a.float() + self.dt_bias)  # (B, T, num_v)
+        rule = delta_rule_recurrent if T == 1 and state is not None else \
+            lambda *args: delta_rule_chunked(*args, chunk=chunk)
+        o, S = rule(q, k, v, log_decay.transpose(1, 2), b.float().sigmoid().transpose(1, 2),
+                    None if state is None else state.recurrent)
+        o = o.transpose(1, 2)  # (B, T, num_v, dv), float32
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.eps)
+        o = (self.norm.weight * o.to(x_BTD.dtype)).float() * F.silu(z.float())
+        return self.out_proj(o.to(x_BTD.dtype).reshape(B, T, -1)), DeltaNetState(conv_state, S)

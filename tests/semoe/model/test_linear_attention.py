@@ -95,3 +95,41 @@ def test_the_causal_convolution_carries_its_state_and_equals_transformers():
         steps.append(y)
     torch.testing.assert_close(torch.cat(steps, dim=-1), whole, rtol=0, atol=1e-6)
     torch.testing.assert_close(s, state)
+
+
+def _layers(seed: int = 0):
+    """transformers' Qwen3-Next Gated DeltaNet (2 key heads, 4 value heads) and ours with its weights."""
+    from transformers import Qwen3NextConfig
+
+    from semoe.model.linear_attention import GatedDeltaNet
+
+    cfg = Qwen3NextConfig(hidden_size=48, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                          linear_value_head_dim=8, linear_conv_kernel_dim=4, num_hidden_layers=1,
+                          layer_types=["linear_attention"], rms_norm_eps=1e-6)
+    torch.manual_seed(seed)
+    theirs = hf.Qwen3NextGatedDeltaNet(cfg, 0).eval()
+    with torch.no_grad():  # the norm's weight and dt_bias away from their ones, as trained ones are
+        theirs.norm.weight.uniform_(0.5, 1.5)
+        theirs.dt_bias.uniform_(-1, 1)
+    ours = GatedDeltaNet(48, 2, 4, 16, 8, 4, 1e-6)
+    missing, unexpected = ours.load_state_dict(theirs.state_dict(), strict=False)
+    assert missing == [] and unexpected == []  # the published tensors' names and shapes
+    return theirs, ours
+
+
+def test_the_layer_equals_transformers_and_decodes_from_its_state():
+    """A 70-token prompt through transformers' layer and ours: the same outputs (1e-5, float32). Then the
+    prompt's first 50 tokens, and the other 20 one at a time from the state: the whole's outputs."""
+    theirs, ours = _layers()
+    x = torch.randn(2, 70, 48)
+    with torch.no_grad():
+        want = theirs(x)
+        got, _ = ours(x)
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+        out, state = ours(x[:, :50])
+        outs = [out]
+        for t in range(50, 70):
+            y, state = ours(x[:, t:t + 1], state)
+            outs.append(y)
+    torch.testing.assert_close(torch.cat(outs, dim=1), want, rtol=0, atol=1e-5)
+    assert state.recurrent.shape == (2, 4, 16, 8) and state.conv.shape == (2, ours.conv_dim, 3)
