@@ -1,0 +1,59 @@
+"""semoe/model/hyper_connections.py against transformers' DeepSeek-V4 modules (the oracle): the same
+mixing weights, block input and merged streams, and Sinkhorn's result doubly stochastic."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import DeepseekV4Config
+from transformers.models.deepseek_v4 import modeling_deepseek_v4 as hf
+
+from semoe.model.hyper_connections import HyperConnection, HyperHead, sinkhorn
+
+
+def _config(**kw) -> DeepseekV4Config:
+    return DeepseekV4Config(hidden_size=32, **kw)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_hyper_connection_equals_transformers(dtype):
+    cfg = _config()
+    torch.manual_seed(0)
+    theirs = hf.DeepseekV4HyperConnection(cfg)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.5)
+    ours = HyperConnection(32, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    ours.load_state_dict(theirs.state_dict())  # the published names and shapes
+    x = torch.randn(2, 5, cfg.hc_mult, 32).to(dtype)
+    with torch.no_grad():
+        want, got = theirs(x), ours(x)
+        for w, g in zip(want, got):
+            assert g.dtype == w.dtype
+            torch.testing.assert_close(g, w, rtol=0, atol=0)  # the same operations in the same order
+        post, comb, collapsed = got
+        block = torch.randn(2, 5, 32).to(dtype)
+        merged = HyperConnection.merge(post, comb, block, x)
+        reference = post.to(dtype).unsqueeze(-1) * block.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), x)
+        torch.testing.assert_close(merged, reference, rtol=0, atol=0)
+
+
+def test_sinkhorn_makes_rows_and_columns_sum_to_one():
+    m = torch.rand(3, 4, 4) + 0.1
+    out = sinkhorn(m, 20, 1e-6)
+    torch.testing.assert_close(out.sum(-1), torch.ones(3, 4), rtol=0, atol=1e-4)
+    torch.testing.assert_close(out.sum(-2), torch.ones(3, 4), rtol=0, atol=1e-4)
+
+
+def test_the_head_equals_transformers():
+    cfg = _config()
+    torch.manual_seed(1)
+    theirs = hf.DeepseekV4HyperHead(cfg)
+    with torch.no_grad():
+        for p in theirs.parameters():
+            p.normal_(0, 0.5)
+    ours = HyperHead(32, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
+    ours.load_state_dict(theirs.state_dict())
+    x = torch.randn(2, 3, cfg.hc_mult, 32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
