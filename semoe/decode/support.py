@@ -46,6 +46,8 @@ def one_call_refusal(c) -> str | None:
     why = plan_refusal(c)
     if why is not None:
         return why
+    if c.num_experts and c.router == "grouped" and c.router_scores not in ("softmax", "sigmoid"):
+        return f"a router of {c.router_scores} scores"
     if c.num_experts and c.router == "grouped" and c.n_group > MAX_GROUPS:
         return f"a grouped router of {c.n_group} groups (at most {MAX_GROUPS})"
     return None

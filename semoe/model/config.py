@@ -26,7 +26,7 @@ QK_NORMS = ("none", "full", "head", "head_after_rope", "unit_after_rope")
 # "topk_sigmoid_input": the top-k logits' sigmoids, which scale each chosen expert's input, not its
 # output (Llama-4)
 ROUTERS = ("softmax_topk", "topk_softmax", "grouped", "topk_sigmoid_input")
-ROUTER_SCORES = ("softmax", "sigmoid")
+ROUTER_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")  # sqrtsoftplus: DeepSeek-V4
 GROUP_SCORES = ("max", "top2")  # a group's score: its best expert (V2), or its best two summed (V3)
 # "swiglu": down(silu(gate x) * up x); "clamped_swiglu": gpt-oss's, with biases and clamping;
 # "fused_swiglu": SwiGLU with gate and up as the halves of one (in, 2 * out) tensor (Llama-4)

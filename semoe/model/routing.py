@@ -123,12 +123,41 @@ def route_topk_sigmoid(logits_TE: Tensor, top_k: int) -> Routing:
     return _top_logits(logits_TE, top_k, torch.sigmoid)
 
 
+SCORES = ("softmax", "sigmoid", "sqrtsoftplus")  # a grouped or hashed router's scores of its logits
+
+
+def scores_of(x_TE: Tensor, scores: str) -> Tensor:
+    """The routers' scores of float32 logits: softmax over experts, sigmoid, or sqrt(softplus) (DeepSeek-V4)."""
+    if scores == "softmax":
+        return torch.softmax(x_TE, dim=-1)
+    if scores == "sigmoid":
+        return torch.sigmoid(x_TE)
+    return torch.sqrt(F.softplus(x_TE))
+
+
+def route_hashed(logits_TE: Tensor, ids_TK: Tensor, *, scores: str, normalize: bool, scale: float = 1.0) -> Routing:
+    """DeepSeek-V4's hash routing (its first MoE layers): the experts are fixed per token id (`ids_TK`, the
+    checkpoint's frozen `tid2eid` table at the tokens' ids); the learned router only weighs them, by their
+    scores, renormalised with `normalize`, times `scale`."""
+    _check_logits(logits_TE)
+    _check_ids(ids_TK, logits_TE.shape[1])
+    if scores not in SCORES:
+        raise ValueError(f"scores must be one of {', '.join(SCORES)}, got {scores!r}")
+    scores_TE = scores_of(logits_TE.to(_router_dtype(logits_TE.dtype)), scores)
+    weights_TK = scores_TE.gather(1, ids_TK)
+    if normalize:
+        weights_TK = weights_TK / (weights_TK.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(weights_TK=weights_TK * scale, ids_TK=ids_TK, probs_TE=scores_TE / scores_TE.sum(-1, keepdim=True),
+                   logits_TE=logits_TE)
+
+
 def route_grouped(logits_TE: Tensor, top_k: int, *, scores: str, correction_bias_E: Tensor | None = None,
                   n_group: int = 1, topk_group: int = 1, group_score: str = "max", normalize: bool,
                   scale: float = 1.0) -> Routing:
     """DeepSeek's group-limited top-k (also GLM-4.5's; with one group, plain top-k).
 
-    Scores are the softmax (DeepSeek-V2) or the sigmoid (V3) of the float32 logits. Experts are
+    Scores are the softmax (DeepSeek-V2), the sigmoid (V3) or sqrt(softplus) (V4, `scores_of`) of the
+    float32 logits. Experts are
     chosen on `scores + correction_bias_E` (V3's load-balancing bias, which never enters the
     weights), among the `topk_group` best of `n_group` equal groups: a group's score is its best
     expert's (`"max"`) or its best two summed (`"top2"`). The weights are the chosen experts'
@@ -143,11 +172,11 @@ def route_grouped(logits_TE: Tensor, top_k: int, *, scores: str, correction_bias
     if n_group < 1 or num_experts % n_group or not 1 <= topk_group <= n_group:
         raise ValueError(f"n_group ({n_group}) must divide the {num_experts} experts and topk_group ({topk_group}) "
                          "be in 1..n_group")
-    if scores not in ("softmax", "sigmoid") or group_score not in ("max", "top2"):
-        raise ValueError(f"scores must be softmax or sigmoid and group_score max or top2, got {scores!r}, "
+    if scores not in SCORES or group_score not in ("max", "top2"):
+        raise ValueError(f"scores must be one of {', '.join(SCORES)} and group_score max or top2, got {scores!r}, "
                          f"{group_score!r}")
     x_TE = logits_TE.to(_router_dtype(logits_TE.dtype))
-    scores_TE = torch.softmax(x_TE, dim=-1) if scores == "softmax" else torch.sigmoid(x_TE)
+    scores_TE = scores_of(x_TE, scores)
     choice_TE = scores_TE if correction_bias_E is None else scores_TE + correction_bias_E.to(x_TE.dtype)
     if n_group > 1:
         grouped_TGe = choice_TE.view(num_tokens, n_group, num_experts // n_group)

@@ -642,5 +642,5 @@ def test_grouped_router_rejects_bad_groups():
         route_grouped(logits, 2, scores="sigmoid", n_group=3, topk_group=1, normalize=True)
     with pytest.raises(ValueError, match="topk_group"):
         route_grouped(logits, 2, scores="sigmoid", n_group=4, topk_group=5, normalize=True)
-    with pytest.raises(ValueError, match="scores must be softmax or sigmoid"):
+    with pytest.raises(ValueError, match="scores must be one of softmax, sigmoid, sqrtsoftplus"):
         route_grouped(logits, 2, scores="tanh", normalize=True)
