@@ -195,6 +195,18 @@ def attention_mask(T: int, start: int, window: int | None, device: torch.device,
     return (k_1S <= q_T1) & (q_T1 - k_1S < window), False
 
 
+def grouped_output(x_BTHD: torch.Tensor, o_a_GRI: torch.Tensor, o_b: nn.Linear | torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V4's grouped output projection: the heads' outputs (B, T, H, Dh) split into G groups of
+    H Dh / G, each projected apart to a rank R (`o_a_proj`'s weight viewed (G, R, H Dh / G)), then the G R
+    values mixed to the hidden size by `o_b_proj`."""
+    B, T = x_BTHD.shape[:2]
+    G = o_a_GRI.shape[0]
+    groups_BTGI = x_BTHD.reshape(B, T, G, -1)
+    low_BTGR = torch.einsum("btgi,gri->btgr", groups_BTGI, o_a_GRI.to(x_BTHD.dtype))
+    flat = low_BTGR.reshape(B, T, -1)
+    return o_b(flat) if isinstance(o_b, nn.Module) else F.linear(flat, o_b)
+
+
 def attend(q_BHTD: torch.Tensor, k_BGSD: torch.Tensor, v_BGSD: torch.Tensor, mask: torch.Tensor | None,
            causal: bool, *, scale: float | None = None, sinks_H: torch.Tensor | None = None) -> torch.Tensor:
     """Softmax attention, (B, H, T, Dv). With sinks, each head's softmax denominator also holds

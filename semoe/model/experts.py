@@ -37,6 +37,12 @@ def swiglu(x_ND: torch.Tensor, w_gate_FD: Weight, w_up_FD: Weight, w_down_DF: We
     return linear(F.silu(linear(x_ND, w_gate_FD)) * linear(x_ND, w_up_FD), w_down_DF)
 
 
+def clamped_silu_glu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """DeepSeek-V4's experts' and shared expert's activation: SiLU of the gate clamped above at `limit`,
+    times the up clamped to [-limit, limit] (unlike gpt-oss's, no sigmoid slope and no +1)."""
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
 class ExpertMLP:
     """One expert MLP variant: its tensors' checkpoint names and shapes, and how they are applied."""
 

@@ -85,3 +85,4 @@ class HyperHead(nn.Module):
         mixes = F.linear(_unit_rms(streams_BTND.reshape(B, T, -1).float(), self.norm_eps), self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
         return (pre[..., None] * streams_BTND).sum(dim=2).to(streams_BTND.dtype)
+

@@ -1,5 +1,6 @@
-"""semoe/model/hyper_connections.py against transformers' DeepSeek-V4 modules (the oracle): the same
-mixing weights, block input and merged streams, and Sinkhorn's result doubly stochastic."""
+"""DeepSeek-V4's parts against transformers' modules (the oracle): the hyper-connections
+(semoe/model/hyper_connections.py: the same mixing weights, block input and merged streams, and
+Sinkhorn's result doubly stochastic), the grouped output projection and the clamped activation."""
 
 from __future__ import annotations
 
@@ -57,3 +58,31 @@ def test_the_head_equals_transformers():
     x = torch.randn(2, 3, cfg.hc_mult, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
+
+
+def test_the_grouped_output_projection_equals_transformers():
+    from semoe.model.attention import grouped_output
+
+    H, Dh, G, R, D = 8, 16, 4, 12, 32
+    torch.manual_seed(2)
+    o_a = hf.DeepseekV4GroupedLinear(H * Dh // G, G * R, G)
+    o_b = torch.nn.Linear(G * R, D, bias=False)
+    x = torch.randn(2, 3, H, Dh)
+    with torch.no_grad():
+        want = o_b(o_a(x.reshape(2, 3, G, -1)).flatten(2))
+        got = grouped_output(x, o_a.weight.view(G, R, -1), o_b)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+
+
+def test_the_clamped_activation_equals_transformers_shared_expert():
+    from semoe.model.experts import clamped_silu_glu
+
+    cfg = DeepseekV4Config(hidden_size=32, intermediate_size=48, swiglu_limit=0.5)
+    torch.manual_seed(3)
+    mlp = hf.DeepseekV4MLP(cfg)
+    x = torch.randn(5, 32) * 3  # past the limit on both sides
+    with torch.no_grad():
+        want = mlp(x)
+        got = mlp.down_proj(clamped_silu_glu(mlp.gate_proj(x), mlp.up_proj(x), cfg.swiglu_limit))
+        assert (mlp.up_proj(x).abs() > cfg.swiglu_limit).any() and (mlp.gate_proj(x) > cfg.swiglu_limit).any()
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
