@@ -108,16 +108,14 @@ class HybridExperts(OffloadedExperts):
             held = {e for e, _ in inputs if (r := self.book.get(ExpertKey(layer, e))) is not None and r.usable}
         on_device: dict[int, torch.Tensor] = {}
         on_cpu: list[tuple[int, torch.Tensor]] = []
-        for e, rows in inputs:
-            key = ExpertKey(layer, e)
+        keys = [ExpertKey(layer, e) for e, _ in inputs]
+        if self.mode == "hybrid":
+            sides = self.placement.assign([(self.chunk_bytes[k], self.device_bytes[k], self.flops_per_row,
+                                            rows.shape[0], k.expert in held) for k, (_, rows) in zip(keys, inputs)])
+        else:
+            sides = [self.mode] * len(inputs)
+        for key, (e, rows), side in zip(keys, inputs, sides):
             self.admission.used(key)
-            if self.mode == "cpu":
-                side = "cpu"
-            elif self.mode == "device":
-                side = "device"
-            else:
-                side = self.placement.side(self.chunk_bytes[key], self.device_bytes[key], self.flops_per_row,
-                                           rows.shape[0], resident=e in held)
             if side == "device":
                 on_device[e] = rows
                 self.hybrid.device_rows += rows.shape[0]
@@ -240,6 +238,12 @@ class HybridExperts(OffloadedExperts):
         return (f"dense and attention on {self.device}{dense}; {min(self.ring_slots, experts):,} of {experts:,} "
                 f"experts in device memory; the rest on CPU ({kernels}, {torch.get_num_threads()} threads) behind a "
                 f"CPU cache of {self.tier.cache.capacity_bytes / 2**30:.2f} GiB; {where}")
+
+    @staticmethod
+    def least_cpu_cache(slots: int, top_k: int, biggest: int, *, copies: bool) -> int:
+        """The smallest CPU cache hybrid decode works with: each device slot's source pinned until its
+        copy lands (the ring's floor), and beside them the CPU side's expert and a layer's reads."""
+        return (slots + top_k) * biggest
 
     @classmethod
     def default_slots(cls, store: Store, config: EngineConfig, dtype: torch.dtype, top_k: int) -> int:

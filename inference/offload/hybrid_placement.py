@@ -10,6 +10,8 @@ Plain Python, no threads and no tensors: the decisions `inference.offload.hybrid
   expert the device cache holds runs on the device. Many rows (a prompt, a large batch) make the
   copy worth its time; one decoding row rarely does. No fixed row threshold: the crossing point
   follows the rates, so it moves with the link, the CPU and the expert's format.
+- `Placement.assign`: a layer's experts together. The two sides run at once, so an expert cheaper on
+  the busy side may still be better on the idle one: experts move while that shortens the layer.
 - `DeviceAdmission`: which experts computed on the CPU earn a place in the device cache. Uses are
   counted with aging, an expert is admitted after `min_uses` recent uses, and at most
   `per_step` experts are admitted a step: a burst of new experts (one prompt's) does not flush the
@@ -73,6 +75,34 @@ class Placement:
             return "device"
         on_device = self.device_seconds(device_bytes, flops_per_row, rows, resident=False)
         return "device" if on_device < self.cpu_seconds(host_bytes, flops_per_row, rows) else "cpu"
+
+    def assign(self, experts: list[tuple[int, int, int, int, bool]]) -> list[str]:
+        """The side of each of one layer's experts ((host bytes, device bytes, flops a row, rows, resident)
+        each), for the least time of the layer: both sides run at once, so the layer takes the longer
+        side's total. Each expert starts on its cheaper side (`side`); then, while it shortens the layer,
+        the expert whose move to the other side leaves the longer total least is moved there. Never
+        longer than every expert on its cheaper side, nor than either side alone (the ends)."""
+        cost = [(self.cpu_seconds(h, f, n), self.device_seconds(d, f, n, resident=r)) for h, d, f, n, r in experts]
+        sides = ["device" if r or c_dev < c_cpu else "cpu" for (c_cpu, c_dev), (*_, r) in zip(cost, experts)]
+        total = {"cpu": sum(c for (c, _), s in zip(cost, sides) if s == "cpu"),
+                 "device": sum(d for (_, d), s in zip(cost, sides) if s == "device")}
+        while True:
+            busy = max(total, key=total.get)
+            idle = "device" if busy == "cpu" else "cpu"
+            best, best_i = max(total.values()), None
+            for i, s in enumerate(sides):
+                if s != busy:
+                    continue
+                here, there = (cost[i][0], cost[i][1]) if busy == "cpu" else (cost[i][1], cost[i][0])
+                after = max(total[busy] - here, total[idle] + there)
+                if after < best - 1e-15:
+                    best, best_i = after, i
+            if best_i is None:
+                return sides
+            here, there = (cost[best_i][0], cost[best_i][1]) if busy == "cpu" else (cost[best_i][1], cost[best_i][0])
+            total[busy] -= here
+            total[idle] += there
+            sides[best_i] = idle
 
     def crossing_rows(self, host_bytes: int, device_bytes: int, flops_per_row: int, limit: int = 1 << 16) -> int | None:
         """The fewest rows at which an expert not on the device is copied there (None: not up to `limit`)."""

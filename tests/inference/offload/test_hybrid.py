@@ -261,3 +261,32 @@ def test_hybrid_is_what_an_offloaded_engine_takes_on_a_gpu_by_default():
     assert not EngineConfig(device="cuda", experts_on="device").hybrid
     with pytest.raises(ValueError, match="experts_on must be auto, hybrid, cpu or device, got 'gpu'"):
         EngineConfig(experts_on="gpu")
+
+
+def test_a_layers_experts_are_balanced_between_the_two_sides():
+    """Both sides run at once: the layer takes the longer side's total. `assign` never takes longer than
+    each expert on its cheaper side, nor than either side alone, over random layers; and where every
+    expert is cheaper on the CPU but eight of them there take longer than moving some, it moves them."""
+    import random
+
+    p = Placement(RATES)
+    flops = 2 * 3 * 2048 * 768
+
+    def makespan(experts, sides):
+        cpu = sum(p.cpu_seconds(h, f, n) for (h, d, f, n, r), s in zip(experts, sides) if s == "cpu")
+        dev = sum(p.device_seconds(d, f, n, resident=r) for (h, d, f, n, r), s in zip(experts, sides) if s == "device")
+        return max(cpu, dev)
+
+    rng = random.Random(0)
+    for _ in range(200):
+        experts = [(b := rng.choice([3 << 20, 9 << 20]), b, flops, rng.choice([1, 1, 2, 8, 64, 512]), rng.random() < 0.2)
+                   for _ in range(rng.randint(1, 12))]
+        got = makespan(experts, p.assign(experts))
+        cheaper = [p.side(h, d, f, n, resident=r) for h, d, f, n, r in experts]
+        assert got <= makespan(experts, cheaper) + 1e-12
+        assert got <= makespan(experts, ["cpu"] * len(experts)) + 1e-12
+        assert got <= makespan(experts, ["device" if r else "device" for *_, r in experts]) + 1e-12
+    eight = [(9 << 20, 9 << 20, flops, 1, False)] * 8  # one decoding row each: each cheaper on the CPU
+    assert all(p.side(*e[:4], resident=False) == "cpu" for e in eight)
+    sides = p.assign(eight)
+    assert 0 < sides.count("device") < 8 and makespan(eight, sides) < makespan(eight, ["cpu"] * 8)
