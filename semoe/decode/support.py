@@ -34,7 +34,9 @@ def plan_refusal(c) -> str | None:
     """What in config `c` no fast path takes yet (neither the plan's kernel-by-kernel step, nor the
     one-call step, nor the torch-free runner), in a phrase naming the parts; None where they take it.
     The modules run those models."""
-    parts: list[str] = []  # every part of every architecture semoe loads is on the fast paths
+    parts: list[str] = []  # every part of every architecture semoe loads is on the fast paths, but:
+    if c.attn_output_gate:
+        parts.append("gated attention output")
     return f"{c.arch}'s " + ", ".join(parts) if parts else None
 
 

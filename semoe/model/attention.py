@@ -256,6 +256,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, c.rms_norm_eps)
         if c.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(c.num_heads))
+        self.g_proj = Linear(c.hidden_size, c.num_heads * d, bias=False) if c.attn_output_gate else None
 
     def stack_qkv(self) -> None:
         """Once q, k and v are loaded for inference as compact weights of one kind or as plain ones of
@@ -494,13 +495,17 @@ def packed_attention(attn: nn.Module, x_1ND: torch.Tensor, cos_1NR: torch.Tensor
     against its own cache in `caches`; without, one batch against one cache (or none)."""
     parts = attn.project(x_1ND)
     if counts is None or len(counts) == 1:
-        return attn.o_proj(attn.attend_cached(*parts, cos_1NR, sin_1NR, caches if counts is None else caches[0]))
-    outs, s = [], 0
-    for cache, n in zip(caches, counts):
-        outs.append(attn.attend_cached(*(p[:, s:s + n] for p in parts), cos_1NR[:, s:s + n], sin_1NR[:, s:s + n],
-                                       cache))
-        s += n
-    return attn.o_proj(torch.cat(outs, dim=1))
+        out = attn.attend_cached(*parts, cos_1NR, sin_1NR, caches if counts is None else caches[0])
+    else:
+        outs, s = [], 0
+        for cache, n in zip(caches, counts):
+            outs.append(attn.attend_cached(*(p[:, s:s + n] for p in parts), cos_1NR[:, s:s + n],
+                                           sin_1NR[:, s:s + n], cache))
+            s += n
+        out = torch.cat(outs, dim=1)
+    if getattr(attn, "g_proj", None) is not None:  # the output gate, per head and dimension
+        out = out * torch.sigmoid(attn.g_proj(x_1ND))
+    return attn.o_proj(out)
 
 
 def make_attention(config: MoEConfig, layer: int) -> nn.Module:

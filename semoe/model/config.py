@@ -67,6 +67,9 @@ class MoEConfig:
     sliding_window: int | None = None  # a query sees this many positions back, itself included
     sliding_layers: tuple[int, ...] | None = None  # layers with the window; None: all (when set)
     attention_sinks: bool = False  # a learnt per-head logit in every softmax's denominator (gpt-oss)
+    # each head's output times the sigmoid of its own projection of the layer's input (`g_proj`), before
+    # o_proj (Qwen3-Next's and Qwen3.5's full-attention layers, whose checkpoints interleave it in q_proj)
+    attn_output_gate: bool = False
     # chunked local attention (Llama-4): on `chunked_layers`, a query sees only the positions of its
     # own chunk of `attention_chunk` (positions p with p // chunk equal to its own), itself included
     attention_chunk: int | None = None

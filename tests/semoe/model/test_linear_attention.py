@@ -133,3 +133,44 @@ def test_the_layer_equals_transformers_and_decodes_from_its_state():
             outs.append(y)
     torch.testing.assert_close(torch.cat(outs, dim=1), want, rtol=0, atol=1e-5)
     assert state.recurrent.shape == (2, 4, 16, 8) and state.conv.shape == (2, ours.conv_dim, 3)
+
+
+def test_gated_full_attention_equals_transformers():
+    """Qwen3-Next's full-attention layer: q_proj's interleaved halves split into q and the output gate
+    (`g_proj`), its zero-centred q/k norms as 1 + w, a quarter of each head rotated. The same output as
+    transformers' layer (1e-5); the fast paths name the gate they do not compute."""
+    from transformers import Qwen3NextConfig
+
+    from semoe.decode.support import plan_refusal
+    from semoe.model.attention import Attention, rope_tables
+    from semoe.model.config import MoEConfig
+
+    H, G, Dh, D, T = 4, 2, 32, 64, 9
+    hc = Qwen3NextConfig(hidden_size=D, num_attention_heads=H, num_key_value_heads=G, head_dim=Dh,
+                         partial_rotary_factor=0.25, num_hidden_layers=1, layer_types=["full_attention"])
+    hc._attn_implementation = "eager"
+    torch.manual_seed(0)
+    theirs = hf.Qwen3NextAttention(hc, 0).eval()
+    with torch.no_grad():
+        theirs.q_norm.weight.normal_(0, 0.2)
+        theirs.k_norm.weight.normal_(0, 0.2)
+    c = MoEConfig(vocab_size=32, hidden_size=D, num_layers=1, num_heads=H, num_kv_heads=G, head_dim=Dh, ffn_size=64,
+                  moe_ffn_size=32, num_experts=4, top_k=2, qk_norm="head", rope_dim=Dh // 4,
+                  rope_theta=hc.rope_parameters["rope_theta"], attn_output_gate=True, rms_norm_eps=hc.rms_norm_eps)
+    ours = Attention(c, 0).eval()
+    with torch.no_grad():
+        q, gate = theirs.q_proj.weight.view(H, 2 * Dh, D).split(Dh, dim=1)
+        ours.q_proj.weight.copy_(q.reshape(H * Dh, D))
+        ours.g_proj.weight.copy_(gate.reshape(H * Dh, D))
+        for name in ("k_proj", "v_proj", "o_proj"):
+            getattr(ours, name).weight.copy_(getattr(theirs, name).weight)
+        ours.q_norm.weight.copy_(1 + theirs.q_norm.weight)
+        ours.k_norm.weight.copy_(1 + theirs.k_norm.weight)
+        x = torch.randn(1, T, D)
+        pos = torch.arange(T)[None]
+        cos, sin = hf.Qwen3NextRotaryEmbedding(hc)(x, pos)
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        want, _ = theirs(x, (cos, sin), mask)
+        got = ours(x, *rope_tables(c, pos, torch.float32), None)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert plan_refusal(c) == "gpt_moe's gated attention output"
