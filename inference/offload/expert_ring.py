@@ -248,13 +248,7 @@ class OffloadedExperts:
             record.use_seen = demand
             layout, dst = self.layouts[key], self.compute_slices[key]
             if self.memory is None:  # in place: the slot holds the CPU-cache entry
-                with self._cond:
-                    weights = self._entry_weights.get(host.payload)
-                if weights is None:
-                    weights = expert_weights(host.raw, layout, dst, self.mlp)
-                    with self._cond:
-                        self._entry_weights[host.payload] = weights
-                loaded = _Loaded(weights=weights, copies=[], host=host)
+                loaded = _Loaded(weights=self._weights_in_place(key, host), copies=[], host=host)
             else:
                 copies = self.memory.fill(record.index, host.raw, layout, dst)
                 weights = expert_weights(self.memory.buffers[record.index], layout, dst, self.mlp)
@@ -291,6 +285,17 @@ class OffloadedExperts:
             if not abandoned:
                 raise
         return True
+
+    def _weights_in_place(self, key: ExpertKey, host: ExpertHandle) -> ExpertWeights:
+        """`key`'s weights as views of its CPU-cache entry `host`, built once per entry."""
+        with self._cond:
+            weights = self._entry_weights.get(host.payload)
+        if weights is None:
+            layout = self.layouts[key]
+            weights = expert_weights(host.raw, layout, layout.tensors, self.mlp)
+            with self._cond:
+                self._entry_weights[host.payload] = weights
+        return weights
 
     def _vacate(self, record: SlotRecord) -> None:
         """Forget an evicted slot's contents (caller holds the lock)."""

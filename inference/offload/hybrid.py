@@ -166,23 +166,12 @@ class HybridExperts(OffloadedExperts):
             key = ExpertKey(layer, e)
             host = self.tier.get(key)
             try:
-                w = self._cpu_weights(key, host)
+                w = self._weights_in_place(key, host)
                 out[start:start + n] = w.apply(x_RD[start:start + n].to(_input_dtype(w))).to(dtype)
             finally:
                 host.release()
             start += n
         return self.memory.copier.copy(out)
-
-    def _cpu_weights(self, key: ExpertKey, host) -> ExpertWeights:
-        """The expert's weights as views of its CPU-cache entry (built once per entry)."""
-        with self._cond:
-            w = self._entry_weights.get(host.payload)
-        if w is None:
-            layout = self.layouts[key]
-            w = expert_weights(host.raw, layout, layout.tensors, self.mlp)
-            with self._cond:
-                self._entry_weights[host.payload] = w
-        return w
 
     def _collect(self, job: _CpuJob) -> dict[int, torch.Tensor]:
         """The CPU's outputs on the device, compute ordered after their copy (by its event only)."""
@@ -282,7 +271,7 @@ def measure_rates(experts: HybridExperts, *, rows: int = 32, rounds: int = 3) ->
     key = min(experts.layouts)
     entry = experts.tier.get(key)
     try:
-        cpu_w = experts._cpu_weights(key, entry)
+        cpu_w = experts._weights_in_place(key, entry)
         dtype = _input_dtype(cpu_w)
         x1, xr = (torch.randn(n, experts.config.hidden_size).to(dtype) for n in (1, rows))
         cpu_1 = _best(lambda: cpu_w.apply(x1), rounds)
