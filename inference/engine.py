@@ -126,8 +126,8 @@ class Engine:
     def decode_path(self) -> str:
         """How a decoding step runs, in a phrase: the plan's kernels (the whole step in one call, or
         kernel by kernel) or the model's modules, and why."""
-        if self._plan is None and self._unplanned.startswith("hybrid decode"):
-            return self._unplanned
+        if self.config.offloaded and self.config.hybrid:
+            return self._unplanned  # "hybrid decode: ..." (`__init__`)
         if self._plan is None:
             return f"the model's modules on {self.model.embed.weight.device.type} ({self._unplanned})"
         if self._plan.net is not None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from inference.memory_guard import CPU_CACHE_AUTO
+from inference.offload.hybrid_placement import EXPERTS_ON
 from semoe.model.compact_linear import DENSE_CHOICES
 from storage.chunk_io import ReadMode
 
@@ -65,8 +66,9 @@ class EngineConfig:
             raise ValueError(f"read_mode must be one of {[m.value for m in ReadMode]}, got {self.read_mode!r}") from None
         if self.dense not in DENSE_CHOICES:
             raise ValueError(f"dense must be one of {', '.join(DENSE_CHOICES)}, got {self.dense!r}")
-        if self.experts_on not in ("auto", "hybrid", "cpu", "device"):
-            raise ValueError(f"experts_on must be auto, hybrid, cpu or device, got {self.experts_on!r}")
+        if self.experts_on not in EXPERTS_ON:
+            raise ValueError(f"experts_on must be {', '.join(EXPERTS_ON[:-1])} or {EXPERTS_ON[-1]}, "
+                             f"got {self.experts_on!r}")
         if self.cache_policy == "belady":
             raise ValueError("cache_policy belady needs the future accesses: it is for simulation only")
         if isinstance(self.cpu_cache_bytes, str) and self.cpu_cache_bytes != CPU_CACHE_AUTO:

@@ -63,7 +63,9 @@ def add_budget_flags(p: argparse.ArgumentParser) -> None:
                         "Without this or a budget flag the choice is made from the model's bytes and the memory "
                         "available (resident where it fits, else --cpu-cache auto) and said on stderr")
     g.add_argument("--ring-slots", type=int, metavar="K", help="expert slots in the device ring")
-    g.add_argument("--experts-on", default="auto", choices=("auto", "hybrid", "cpu", "device"),
+    from inference.offload.hybrid_placement import EXPERTS_ON
+
+    g.add_argument("--experts-on", default="auto", choices=EXPERTS_ON,
                    help="where offloaded routed experts run: hybrid (each where it costs less, from rates measured "
                         "at load: the device's cache of experts, the CPU's kernels over the CPU cache and the store, "
                         "or copied to the device when its rows make that cheaper), cpu (every one on the CPU), "

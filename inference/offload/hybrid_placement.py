@@ -22,10 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SIDES = ("cpu", "device")
-# where routed experts run: hybrid (per expert per step, `Placement`), every routed expert on the CPU,
-# every routed expert on the device (streamed through its ring, SE-MoE's design)
-EXPERTS_ON = ("hybrid", "cpu", "device")
+# where offloaded routed experts run (`EngineConfig.experts_on`, `--experts-on`): auto (hybrid on a GPU,
+# the ring on CPU), hybrid (per expert per step, `Placement`), every routed expert on the CPU, every routed
+# expert on the device (streamed through its ring, SE-MoE's design)
+EXPERTS_ON = ("auto", "hybrid", "cpu", "device")
 
 
 @dataclass(frozen=True)
@@ -82,26 +82,23 @@ class Placement:
         side's total. Each expert starts on its cheaper side (`side`); then, while it shortens the layer,
         the expert whose move to the other side leaves the longer total least is moved there. Never
         longer than every expert on its cheaper side, nor than either side alone (the ends)."""
-        cost = [(self.cpu_seconds(h, f, n), self.device_seconds(d, f, n, resident=r)) for h, d, f, n, r in experts]
-        sides = ["device" if r or c_dev < c_cpu else "cpu" for (c_cpu, c_dev), (*_, r) in zip(cost, experts)]
-        total = {"cpu": sum(c for (c, _), s in zip(cost, sides) if s == "cpu"),
-                 "device": sum(d for (_, d), s in zip(cost, sides) if s == "device")}
+        # each expert's seconds on each side
+        cost = [{"cpu": self.cpu_seconds(h, f, n), "device": self.device_seconds(d, f, n, resident=r)}
+                for h, d, f, n, r in experts]
+        sides = ["device" if r or c["device"] < c["cpu"] else "cpu" for c, (*_, r) in zip(cost, experts)]  # `side`'s
+        total = {side: sum(c[side] for c, s in zip(cost, sides) if s == side) for side in ("cpu", "device")}
         while True:
             busy = max(total, key=total.get)
             idle = "device" if busy == "cpu" else "cpu"
-            best, best_i = max(total.values()), None
+            best, best_i = total[busy], None
             for i, s in enumerate(sides):
-                if s != busy:
-                    continue
-                here, there = (cost[i][0], cost[i][1]) if busy == "cpu" else (cost[i][1], cost[i][0])
-                after = max(total[busy] - here, total[idle] + there)
+                after = max(total[busy] - cost[i][busy], total[idle] + cost[i][idle]) if s == busy else best
                 if after < best - 1e-15:
                     best, best_i = after, i
             if best_i is None:
                 return sides
-            here, there = (cost[best_i][0], cost[best_i][1]) if busy == "cpu" else (cost[best_i][1], cost[best_i][0])
-            total[busy] -= here
-            total[idle] += there
+            total[busy] -= cost[best_i][busy]
+            total[idle] += cost[best_i][idle]
             sides[best_i] = idle
 
     def crossing_rows(self, host_bytes: int, device_bytes: int, flops_per_row: int, limit: int = 1 << 16) -> int | None:
