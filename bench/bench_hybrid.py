@@ -61,7 +61,8 @@ DRY_SHAPES = {
                           num_key_value_heads=2, head_dim=32, vocab_size=512, intermediate_size=256),
 }
 MODES = ("hybrid", "cpu", "device")
-DRY_CAPS = (0.25, 0.5, 1.0)  # --dry-run: the device cache as a share of the expert bytes
+CAPS, PROMPTS = (4, 8, 16), (512, 4096)  # device memory caps (GiB), prompt lengths of the prefill part
+DRY_CAPS, DRY_PROMPTS = (0.25, 0.5, 1.0), (16, 64)  # --dry-run: the device cache as a share of the expert bytes
 GROUP_SIZE = 64  # int4 groups of the Qwen3 store
 
 
@@ -281,9 +282,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="on CPU, small shapes: every step, no meaningful time")
     ap.add_argument("--models", default=",".join(MODELS), help=f"of {', '.join(MODELS)} [both]")
     ap.add_argument("--layers", type=int, default=None, help="layers of each model [4; --dry-run 2]")
-    ap.add_argument("--caps", default="4,8,16", help="device memory caps in GiB [4,8,16]; --dry-run: shares of the "
-                                                    "expert bytes for the device's cache [0.25,0.5,1]")
-    ap.add_argument("--prompts", default="512,4096", help="prompt lengths of the prefill part [512,4096]")
+    ap.add_argument("--caps", help="device memory caps in GiB [4,8,16]; --dry-run: shares of the expert bytes for "
+                                   "the device's cache [0.25,0.5,1]")
+    ap.add_argument("--prompts", help="prompt lengths of the prefill part [512,4096; --dry-run 16,64]")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--cpu-cache", default=None, help="the CPU cache in bytes [every expert]")
     ap.add_argument("--threads", type=int, default=max(1, (os.cpu_count() or 2) - 1),
@@ -308,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("no GPU on this machine: --dry-run runs the same steps on CPU")
     device = "cpu" if dry else "cuda"
     layers = args.layers or (2 if dry else 4)
-    caps = [float(c) for c in args.caps.split(",")] if args.caps != "4,8,16" or not dry else list(DRY_CAPS)
-    prompts = [int(p) for p in args.prompts.split(",")] if not dry else [16, 64]
+    caps = [float(c) for c in args.caps.split(",")] if args.caps else list(DRY_CAPS if dry else CAPS)
+    prompts = [int(p) for p in args.prompts.split(",")] if args.prompts else list(DRY_PROMPTS if dry else PROMPTS)
     os.makedirs(args.workdir, exist_ok=True)
     report: dict = {"device": torch.cuda.get_device_name() if not dry else "cpu (dry run)", "runs": []}
     rows = []
