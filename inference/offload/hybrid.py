@@ -243,9 +243,15 @@ class HybridExperts(OffloadedExperts):
         if device.type != "cuda":
             return super().default_slots(store, config, dtype, top_k)
         free, _ = torch.cuda.mem_get_info(device)
-        room = free - max(free // 8, 1 << 30) - config.keep_bytes
         experts = sum(1 for c in store.manifest.chunks if c.kind == "weight")
-        return max(2, min(experts, room // cls.slot_bytes(store, dtype)))
+        return cls.cache_slots(free, config.keep_bytes, cls.slot_bytes(store, dtype), experts)
+
+    @staticmethod
+    def cache_slots(free: int, keep: int, slot: int, experts: int) -> int:
+        """Slots of `slot` bytes in `free` bytes of device memory less the reserve (an eighth, at least
+        1 GiB) and `keep`: at least 2, at most one per expert."""
+        room = free - max(free // 8, 1 << 30) - keep
+        return max(2, min(experts, room // slot))
 
     def close(self) -> None:
         self._cpu.shutdown(wait=True)

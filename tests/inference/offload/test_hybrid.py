@@ -290,3 +290,15 @@ def test_a_layers_experts_are_balanced_between_the_two_sides():
     assert all(p.side(*e[:4], resident=False) == "cpu" for e in eight)
     sides = p.assign(eight)
     assert 0 < sides.count("device") < 8 and makespan(eight, sides) < makespan(eight, ["cpu"] * 8)
+
+
+def test_the_device_cache_takes_the_free_device_memory_less_its_reserve():
+    """`default_slots` on a GPU asks the device for its free memory (the one CUDA-only line) and sizes the
+    cache with `cache_slots`: an eighth kept back (at least 1 GiB) and the server's KV memory."""
+    from inference.offload.hybrid import HybridExperts
+
+    gib, mib = 1 << 30, 1 << 20
+    assert HybridExperts.cache_slots(16 * gib, 0, 100 * mib, 10_000) == (14 * gib) // (100 * mib)  # 1/8 = 2 GiB
+    assert HybridExperts.cache_slots(4 * gib, 512 * mib, 100 * mib, 10_000) == (2 * gib + 512 * mib) // (100 * mib)
+    assert HybridExperts.cache_slots(80 * gib, 0, 100 * mib, 300) == 300  # one slot per expert at most
+    assert HybridExperts.cache_slots(gib, 0, 100 * mib, 300) == 2  # no room: the ring's least
