@@ -173,7 +173,7 @@ def run_lean(args: argparse.Namespace) -> int:
     store = StoreReader.open(args.model)  # the manifest, read once: for the cache's size and the model
     cache = lean_cache_bytes(args, store)
     c = store_model_config(store)
-    tok = store_tokenizer(store, c.vocab_size)
+    tok = store_tokenizer(store, c.vocab_size, c.arch)
     prompt = build_prompt(args, tok)  # before loading: the sequence's memory is kept free beside the cache
     kv_cache, keep = sequence_plan(c, len(prompt), args.max_new_tokens, args.kv_cache, available_ram_bytes())
     if args.kv_cache == "auto" and kv_cache == "f16":

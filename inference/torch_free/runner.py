@@ -64,7 +64,7 @@ from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.model.config import LATENT_NORM_EPS
 from semoe.model.hf_names import hf_name
 from semoe.checkpoints.hf_config import store_model_config
-from semoe.checkpoints.tokenizer import HFTokenizer, default_stop_ids, store_tokenizer
+from semoe.checkpoints.tokenizer import Tokenizer, default_stop_ids, store_tokenizer
 from storage.errors import BadInputError
 from storage.formats import QUANTIZE_ROWS, auto_dense, int8_rows_spec
 from storage.chunk_io import ALIGN, ChunkReader, ChunkReaderConfig, ReadMode
@@ -143,7 +143,7 @@ class LeanModel:
     """A store's model held for lean decoding (see the module docstring); `close` frees it."""
 
     def __init__(self, store: str | StoreReader, config: LeanConfig,
-                 progress: Callable[[int], None] | None = None, tokenizer: HFTokenizer | None = None) -> None:
+                 progress: Callable[[int], None] | None = None, tokenizer: Tokenizer | None = None) -> None:
         """`progress(n)`: n more bytes of dense weights read (a progress bar's update); `tokenizer`: the
         store's, where the caller read it already (`store_tokenizer`)."""
         lib = loader.library()
@@ -161,7 +161,7 @@ class LeanModel:
                                 f"latents the runner keeps in float32; drop the flag")
         self.held: list = []  # what the Net's pointers point into
         self.mapped_bytes = 0  # of dense weights mapped from the store's files (`_mapped`)
-        self.tokenizer = tokenizer if tokenizer is not None else store_tokenizer(store, c.vocab_size)
+        self.tokenizer = tokenizer if tokenizer is not None else store_tokenizer(store, c.vocab_size, c.arch)
         L, E, K = c.num_layers, c.num_experts, max(c.top_k, 1)
         # experts whose gate and up are one gate_up (I, O): gpt-oss's clamped pairs, Llama-4's halves
         self._fused = c.expert_mlp in ("clamped_swiglu", "fused_swiglu")

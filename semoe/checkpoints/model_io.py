@@ -362,14 +362,12 @@ def load_model_tokenizer(source: str | Store, config: MoEConfig):
     """The model's tokenizer: its tokenizer.json (from the directory, or the side files of the store,
     given open or by path), the byte tokenizer for models trained here, or None when a checkpoint has
     neither."""
-    from semoe.checkpoints.tokenizer import ByteTokenizer, load_tokenizer, store_tokenizer
+    from semoe.checkpoints.tokenizer import load_tokenizer, store_tokenizer, trained_here_tokenizer
 
     if isinstance(source, str) and is_store(source):
         source = Store.open(source)
     if isinstance(source, Store):
-        if (tok := store_tokenizer(source, config.vocab_size)) is not None:
-            return tok
-    elif os.path.isfile(os.path.join(source, "tokenizer.json")):
+        return store_tokenizer(source, config.vocab_size, config.arch)
+    if os.path.isfile(os.path.join(source, "tokenizer.json")):
         return load_tokenizer(source, vocab_size=config.vocab_size)
-    tok = ByteTokenizer()
-    return tok if config.vocab_size == tok.vocab_size and config.arch == "gpt_moe" else None
+    return trained_here_tokenizer(config.arch, config.vocab_size)

@@ -212,12 +212,19 @@ def checked_vocab(tok: HFTokenizer, vocab_size: int | None) -> HFTokenizer:
     return tok
 
 
-def store_tokenizer(store, vocab_size: int | None) -> HFTokenizer | None:
+def trained_here_tokenizer(arch: str, vocab_size: int | None) -> ByteTokenizer | None:
+    """The byte tokenizer for a model trained here (`gpt_moe` with its 259 embeddings), which ships no
+    tokenizer.json; None for any other model."""
+    return ByteTokenizer() if arch == "gpt_moe" and vocab_size == ByteTokenizer.VOCAB_SIZE else None
+
+
+def store_tokenizer(store, vocab_size: int | None, arch: str | None = None) -> Tokenizer | None:
     """The tokenizer a store keeps as side files (a `storage.reader.StoreReader` or `storage.store.Store`),
-    checked against the model's vocabulary; None where the store has no tokenizer.json."""
+    checked against the model's vocabulary. Without a tokenizer.json: the byte tokenizer where `arch`
+    says the model was trained here, else None."""
     m = store.manifest
     if not m.has_file("tokenizer.json"):
-        return None
+        return trained_here_tokenizer(arch, vocab_size) if arch is not None else None
     files = {name: store.read_file(name) for name in TOKENIZER_FILES if m.has_file(name)}
     return checked_vocab(HFTokenizer(files=files, where=f"{store.root} (store)"), vocab_size)
 

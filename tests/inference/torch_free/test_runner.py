@@ -355,6 +355,33 @@ def test_generate_lean_on_the_command_line(stores, capsys):
     assert "--profile is the engine's" in capsys.readouterr().err
 
 
+def test_a_model_trained_here_takes_prompt_text_torch_free(tmp_path, capsys):
+    """A store of a model trained here (`gpt_moe`, 259 embeddings, no tokenizer.json) takes --prompt
+    text in the runner as in the engine: the byte tokenizer encodes it and its end-of-sequence id
+    stops both, so `--cpu-cache` alone (the runner) gives the engine's tokens and text."""
+    from semoe.checkpoints.model_io import load_model_tokenizer, save_store
+    from semoe.checkpoints.tokenizer import ByteTokenizer
+    from semoe.model.config import MoEConfig
+    from semoe.model.moe_gpt import MoEGPT
+
+    config = MoEConfig(vocab_size=ByteTokenizer.VOCAB_SIZE, hidden_size=32, num_layers=2, num_heads=2,
+                       num_kv_heads=2, ffn_size=64, moe_ffn_size=64, num_experts=4, top_k=2, max_position=64)
+    torch.manual_seed(5)
+    store = str(tmp_path / "store")
+    save_store(MoEGPT(config).eval(), store)
+    assert isinstance(load_model_tokenizer(store, config), ByteTokenizer)
+    args = ["generate", "--model", store, "--prompt", "def main(", "--max-new-tokens", "8", "--json"]
+    assert main([*args, "--resident"]) == 0
+    engine = json.loads(capsys.readouterr().out)
+    assert main([*args, "--cpu-cache", "50%"]) == 0
+    captured = capsys.readouterr()
+    assert "without torch" in captured.err
+    lean = json.loads(captured.out)
+    assert lean["tokens"] == engine["tokens"] and lean["text"] == engine["text"]
+    with LeanModel(store, LeanConfig(cache_bytes=0)) as model:
+        assert isinstance(model.tokenizer, ByteTokenizer) and ByteTokenizer.EOS in model.stop_ids()
+
+
 def test_the_sampling_distribution_is_the_engines():
     """The torch-free loop's distribution (temperature, then top-p) equals the engine's
     `logits_to_probs` within float32 rounding (1e-6 on probabilities of ~1e-2), tokens the top-p cut
