@@ -12,7 +12,13 @@ used first, before it makes a running request wait for KV memory.
 The positions reused hold what the earlier request computed for those tokens: the same values a
 prompt pass computes for them, up to the rounding of the step that computed each (a decoding step
 or a prompt pass sums in another order), so an answer from a reused prefix is the answer from scratch
-to float32 rounding."""
+to float32 rounding.
+
+A model with linear-attention layers (Qwen3-Next's Gated DeltaNet) keeps, for those layers, one state
+that holds all of a sequence's tokens at once, not one entry per position: a kept cache's state is that
+of its whole length, and no state of a shorter prefix is kept (no snapshots at block boundaries). Such
+an entry is reused only where all of its tokens begin the prompt, which is a chat's next turn (the
+conversation so far, then the new message); a prompt that leaves it earlier computes from scratch."""
 
 from __future__ import annotations
 
@@ -50,6 +56,8 @@ class PrefixCache:
         best, n = None, 0
         for key, e in self._entries.items():
             k = _common(e.tokens, prompt, len(prompt) - 1)
+            if e.cache.states is not None and k < len(e.tokens):  # a state holds the whole entry, or nothing
+                continue
             if k > n:
                 best, n = key, k
         if best is None:
@@ -68,7 +76,8 @@ class PrefixCache:
             return
         key = tuple(tokens[:n])
         for k, e in list(self._entries.items()):
-            if e.tokens[:n] == key:  # as long, or longer, with these tokens: kept already
+            if e.tokens[:n] == key and (cache.states is None or len(e.tokens) == n):  # kept already (a longer
+                # entry's recurrent state is not this one's)
                 self._entries.move_to_end(k)
                 return
             if key[:len(e.tokens)] == e.tokens:  # a prefix of the new one: superseded

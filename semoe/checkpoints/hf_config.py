@@ -114,6 +114,43 @@ def _qwen3_moe(cfg: dict) -> MoEConfig:
                      else None, **_rope(cfg, 1e6))
 
 
+def _layer_types(cfg: dict) -> list[str]:
+    """Each layer's token mixer, "linear_attention" or "full_attention": `layer_types`, or every
+    `full_attention_interval`-th layer full as older configs say it."""
+    n = cfg["num_hidden_layers"]
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(cfg.get("full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if len(types) != n or set(types) - {"linear_attention", "full_attention"}:
+        raise ValueError(f"config.json: layer_types must name linear_attention or full_attention for each of the "
+                         f"{n} layers, got {types!r}")
+    return list(types)
+
+
+def _qwen3_next(cfg: dict, arch: str = "qwen3_next", layout: str = "qkvz") -> MoEConfig:
+    """Qwen3-Next (and Qwen3.5-MoE's text model, `layout` "split"): Gated DeltaNet on three of four layers,
+    gated full attention with a partial rotary on the fourth, zero-centred norms, a gated shared expert."""
+    types = _layer_types(cfg)
+    if cfg.get("attn_output_gate", True) is not True:
+        raise ValueError("config.json: attn_output_gate false is not supported (the published models gate)")
+    return MoEConfig(arch=arch, **_common(cfg), head_dim=cfg.get("head_dim"),
+                     ffn_size=cfg.get("intermediate_size") or _need(cfg, "moe_intermediate_size"),
+                     moe_ffn_size=_need(cfg, "moe_intermediate_size"), num_experts=_num_experts(cfg),
+                     norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                     shared_expert_size=cfg.get("shared_expert_intermediate_size", 0),
+                     moe_layers=_qwen_moe_layers(cfg), attention_bias=bool(cfg.get("attention_bias", False)),
+                     qk_norm="head", attn_output_gate=True, norm_plus_one=True,
+                     linear_layers=tuple(i for i, t in enumerate(types) if t == "linear_attention"),
+                     linear_key_heads=_need(cfg, "linear_num_key_heads"),
+                     linear_value_heads=_need(cfg, "linear_num_value_heads"),
+                     linear_key_dim=_need(cfg, "linear_key_head_dim"),
+                     linear_value_dim=_need(cfg, "linear_value_head_dim"),
+                     linear_conv_kernel=cfg.get("linear_conv_kernel_dim", 4), linear_layout=layout,
+                     rope_dim=int((cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"])
+                                  * _partial_rotary(cfg, 0.25)), **_rope(cfg, 10000.0))
+
+
 def _olmoe(cfg: dict) -> MoEConfig:
     if cfg.get("attention_bias"):
         raise ValueError("config.json: attention_bias is not supported for olmoe")
@@ -362,7 +399,7 @@ BUILDERS: dict[str, Callable[[dict], MoEConfig]] = {
     "deepseek_v2": _deepseek("deepseek_v2"), "deepseek_v3": _deepseek("deepseek_v3"), "glm4_moe": _glm4_moe,
     "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
     "hunyuan_v1_moe": _hunyuan_v1_moe, "llama4_text": _llama4_text, "deepseek_v32": _dsa("deepseek_v32"),
-    "glm_moe_dsa": _dsa("glm_moe_dsa"),
+    "glm_moe_dsa": _dsa("glm_moe_dsa"), "qwen3_next": _qwen3_next,
 }
 
 

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from storage import compressed_tensors
+from semoe.checkpoints.hf_config import from_hf_config
 from semoe.model.hf_names import ALIASES, SUPPORTED_MODEL_TYPES, TEXT_MODELS, model_type_of, text_config_of
 from storage.dequant import DequantizedRef, QuantScheme, pair_quantized, quant_scheme
 from storage.quant import QuantSpec, dequantize
@@ -52,6 +53,7 @@ _INDEXER_KEYS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek sp
 _DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")  # the model types that have one
 _LAYER_RE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.")  # the first layers.N of a name
 MTP_REASON = "multi-token prediction layers"
+_MTP_PREFIX = "mtp."  # where Qwen3-Next and Qwen3.5 keep theirs
 _EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\.(\d+)\.(.+)$")
 _FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\.([A-Za-z0-9_]+)$")
 _NUM_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
@@ -111,9 +113,6 @@ def check_supported(config: dict, source: str) -> None:
     if why and model_type not in TEXT_MODELS:  # where semoe knows the text model, it runs that
         raise BadInputError(f"{source}: multimodal checkpoint ({why}) is not supported: multimodal towers are not "
                             f"implemented")
-    if model_type == "qwen3_next":
-        raise BadInputError(f"{source}: model_type='qwen3_next' is not supported: hybrid linear attention (Gated "
-                            f"DeltaNet layers) is not implemented")
     why = next((f"{k}={config[k]!r}" for k in _INDEXER_KEYS if k in text_config_of(config)), None)
     if why and model_type_of(config) not in _DSA_TYPES:
         raise BadInputError(f"{source}: sparse-attention indexer ({why}) in a {model_type} config is not supported: "
@@ -124,6 +123,10 @@ def check_supported(config: dict, source: str) -> None:
         raise BadInputError(f"{source}: unknown architecture model_type={model_type!r}{hint}; supported: "
                             f"{', '.join(SUPPORTED_MODEL_TYPES)}")
     quant_scheme(_with_quantization(config), source)
+    try:  # a config the model cannot be built from is refused before anything is read or written
+        from_hf_config(config)
+    except ValueError as e:
+        raise BadInputError(f"{source}: {str(e).removeprefix('config.json: ')}") from None
 
 
 def _with_quantization(config: dict) -> dict:
@@ -247,6 +250,9 @@ def _skip_extra_layers(tensors: dict[str, TensorRef], config: dict,
     for name, ref in tensors.items():
         m = _LAYER_RE.match(name)
         layer = int(m.group(1)) if m else -1
+        if name.startswith(_MTP_PREFIX):  # Qwen3-Next's module, under a name of its own: the layer after the last
+            layer = n
+            mtp = max(mtp, 1)
         if layer < n:
             kept[name] = ref
             continue

@@ -140,7 +140,7 @@ def load_hf(path: str, *, device: torch.device | str = "cpu", dtype: torch.dtype
     try:
         config = config_from_json(ck.config)
     except ValueError as e:
-        raise BadInputError(f"{os.path.join(path, 'config.json')}: {e}") from None
+        raise BadInputError(f"{os.path.join(path, 'config.json')}: {str(e).removeprefix('config.json: ')}") from None
     model = _empty_model(config, device, dtype)
 
     def dense(key: str) -> torch.Tensor:

@@ -20,7 +20,7 @@ from storage.errors import BadInputError
 # it does not take yet)
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
                  "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
-                 "deepseek_v32", "glm_moe_dsa")
+                 "deepseek_v32", "glm_moe_dsa", "qwen3_next")
 
 
 MAX_GROUPS = 256  # a grouped router's groups the one-call step takes (decode_step.c's `route`)
@@ -35,8 +35,12 @@ def plan_refusal(c) -> str | None:
     one-call step, nor the torch-free runner), in a phrase naming the parts; None where they take it.
     The modules run those models."""
     parts: list[str] = []  # every part of every architecture semoe loads is on the fast paths, but:
+    if c.linear_layers is not None:
+        parts.append("Gated DeltaNet linear attention")
     if c.attn_output_gate:
         parts.append("gated attention output")
+    if c.norm_plus_one:
+        parts.append("zero-centred norms")
     return f"{c.arch}'s " + ", ".join(parts) if parts else None
 
 

@@ -26,25 +26,30 @@ from semoe.model import rope
 from semoe.model.rope import softmax_scale
 from semoe.model.compact_linear import CompactLinear, Linear, stacked_float_rows, stacked_rows
 from semoe.model.config import LATENT_NORM_EPS, MoEConfig
+from semoe.model.linear_attention import DeltaNetState
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm, computed in float32 like the reference implementations."""
+    """Root-mean-square norm, computed in float32 like the reference implementations. `plus_one`: the
+    weight is stored zero-centred and scales by 1 + w (Qwen3-Next's), as its checkpoints hold it."""
 
-    def __init__(self, dim: int, eps: float) -> None:
+    def __init__(self, dim: int, eps: float, plus_one: bool = False) -> None:
         super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps, self.plus_one = eps, plus_one
+        self.weight = nn.Parameter(torch.zeros(dim) if plus_one else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32 and self.weight.dtype == torch.float32:
+        w = self.weight.float() + 1 if self.plus_one else self.weight
+        if x.dtype == torch.float32 and w.dtype == torch.float32:
             # a decoding step on CPU pays for each op it dispatches: semoe's kernel for a step's rows
             # (no gradient), else torch's fused norm, the formula's bits in one op instead of seven
-            if torch_ops.takes(x) and x.is_contiguous() and torch_ops.no_grad_wanted(x, self.weight):
-                return torch_ops.rms_norm(x, self.weight, self.eps)
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
+            if torch_ops.takes(x) and x.is_contiguous() and torch_ops.no_grad_wanted(x, w):
+                return torch_ops.rms_norm(x, w, self.eps)
+            return F.rms_norm(x, w.shape, w, self.eps)
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.plus_one:  # as the published model: the product in float32, then its dtype
+            return (x32 * w).to(x.dtype)
         return self.weight * x32.to(x.dtype)
 
 
@@ -107,11 +112,14 @@ def apply_rope(x_BHTDh: torch.Tensor, cos_BTR: torch.Tensor, sin_BTR: torch.Tens
 class KVCache:
     """Preallocated cache of every layer, filled up to `length`: keys and values (B, G, S_max, Dh)
     for grouped-query attention; for latent attention the latent (B, 1, S_max, L) in `k` and the
-    rotary key (B, 1, S_max, R) in `v`."""
+    rotary key (B, 1, S_max, R) in `v`. A linear-attention layer caches no positions (its k and v hold
+    no elements) and keeps its fixed-size state in `states[layer]` (None for the other layers), the
+    state after exactly `length` tokens."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     length: int = 0
+    states: list[DeltaNetState | None] | None = None
 
     @classmethod
     def bytes_for(cls, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
@@ -124,13 +132,23 @@ class KVCache:
         """A cache for `max_len` positions."""
         if max_len > config.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position {config.max_position}")
-        k_shape, v_shape = config.kv_shapes(batch, max_len)
-        return cls(k=[torch.zeros(k_shape, device=device, dtype=dtype) for _ in range(config.num_layers)],
-                   v=[torch.zeros(v_shape, device=device, dtype=dtype) for _ in range(config.num_layers)])
+        shapes = [config.layer_kv_shapes(i, batch, max_len) for i in range(config.num_layers)]
+        states = None
+        if config.linear_layers is not None:  # zeros: the state before a sequence's first token
+            conv, rec = config.linear_state_shapes(batch)
+            states = [DeltaNetState(torch.zeros(conv, device=device, dtype=torch.float32),
+                                    torch.zeros(rec, device=device, dtype=torch.float32))
+                      if config.is_linear(i) else None for i in range(config.num_layers)]
+        return cls(k=[torch.zeros(k, device=device, dtype=dtype) for k, _ in shapes],
+                   v=[torch.zeros(v, device=device, dtype=dtype) for _, v in shapes], states=states)
 
     @property
     def capacity(self) -> int:
         return self.k[0].shape[2]
+
+    def state_bytes(self) -> int:
+        """Bytes of the linear layers' states (fixed, whatever the length)."""
+        return sum(s.conv.nbytes + s.recurrent.nbytes for s in self.states or () if s is not None)
 
     def grow(self, max_len: int) -> None:
         """Room for `max_len` positions (at least the current capacity): every layer's k and v moved
@@ -152,15 +170,21 @@ class KVCache:
         layer's k and v copied; this cache then holds n."""
         if n > min(self.capacity, src.length):
             raise ValueError(f"{n} positions: the source holds {src.length}, this cache {self.capacity}")
+        if src.states is not None and n != src.length:  # a recurrent state holds all its tokens at once
+            raise ValueError(f"{n} positions: the source's linear-attention state is that of its {src.length} "
+                             "tokens, not of a prefix")
         for mine, theirs in ((self.k, src.k), (self.v, src.v)):
             for a, b in zip(mine, theirs):
                 a[:, :, :n] = b[:, :, :n]
+        if src.states is not None:
+            self.states = [None if s is None else s.clone() for s in src.states]
         self.length = n
 
     def trimmed(self) -> "KVCache":
         """A copy holding exactly the filled positions (`length`), nothing more."""
         cut = lambda t: t[:, :, :self.length].clone()  # noqa: E731
-        return KVCache(k=[cut(t) for t in self.k], v=[cut(t) for t in self.v], length=self.length)
+        states = None if self.states is None else [None if s is None else s.clone() for s in self.states]
+        return KVCache(k=[cut(t) for t in self.k], v=[cut(t) for t in self.v], length=self.length, states=states)
 
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Write this call's T positions after `length`; returns the layer's k and v so far."""
@@ -243,20 +267,21 @@ class Attention(nn.Module):
         self.window, self.chunk, self.rotates = config.window(layer), config.chunk(layer), config.rotates(layer)
         if self.window is not None and self.chunk is not None:
             raise ValueError(f"layer {layer}: a sliding window and chunked attention together are not supported")
-        self.q_proj = Linear(c.hidden_size, c.num_heads * d, bias=c.attention_bias)
+        # with the output gate, q_proj gives each head's query and then its gate (as the checkpoints hold it)
+        self.gated = c.attn_output_gate
+        self.q_proj = Linear(c.hidden_size, c.num_heads * d * (2 if self.gated else 1), bias=c.attention_bias)
         self.k_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
         self.v_proj = Linear(c.hidden_size, c.num_kv_heads * d, bias=c.attention_bias)
         self.o_proj = Linear(c.num_heads * d, c.hidden_size, bias=c.o_proj_bias)
         self.qkv_proj: nn.Module | None = None  # q, k and v as one compact product (`stack_qkv`)
         if c.qk_norm == "full":
-            self.q_norm = RMSNorm(c.num_heads * d, c.rms_norm_eps)
-            self.k_norm = RMSNorm(c.num_kv_heads * d, c.rms_norm_eps)
+            self.q_norm = RMSNorm(c.num_heads * d, c.rms_norm_eps, c.norm_plus_one)
+            self.k_norm = RMSNorm(c.num_kv_heads * d, c.rms_norm_eps, c.norm_plus_one)
         elif c.qk_norm in ("head", "head_after_rope"):
-            self.q_norm = RMSNorm(d, c.rms_norm_eps)
-            self.k_norm = RMSNorm(d, c.rms_norm_eps)
+            self.q_norm = RMSNorm(d, c.rms_norm_eps, c.norm_plus_one)
+            self.k_norm = RMSNorm(d, c.rms_norm_eps, c.norm_plus_one)
         if c.attention_sinks:
             self.sinks = nn.Parameter(torch.zeros(c.num_heads))
-        self.g_proj = Linear(c.hidden_size, c.num_heads * d, bias=False) if c.attn_output_gate else None
 
     def stack_qkv(self) -> None:
         """Once q, k and v are loaded for inference as compact weights of one kind or as plain ones of
@@ -286,11 +311,14 @@ class Attention(nn.Module):
             q, k, v = (t.contiguous() for t in self.qkv_proj(x_BTD).split(self.qkv_sizes, dim=-1))
         else:
             q, k, v = self.q_proj(x_BTD), self.k_proj(x_BTD), self.v_proj(x_BTD)
+        if self.gated:  # each head's query, then its output gate: the gate goes last, `packed_attention` takes it
+            q, gate = q.unflatten(-1, (c.num_heads, 2, c.head_dim)).unbind(-2)
+            q, gate = q.flatten(-2), gate.flatten(-2)
         if c.qk_norm == "full":
             q, k = self.q_norm(q), self.k_norm(k)
         if c.clip_qkv is not None:
             q, k, v = (t.clamp(-c.clip_qkv, c.clip_qkv) for t in (q, k, v))
-        return q, k, v
+        return (q, k, v, gate) if self.gated else (q, k, v)
 
     def attend_cached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                       cache: KVCache | None) -> torch.Tensor:
@@ -494,6 +522,9 @@ def packed_attention(attn: nn.Module, x_1ND: torch.Tensor, cos_1NR: torch.Tensor
     (`MoEGPT.forward_packed`): the projections over all rows at once, then each sequence's rows
     against its own cache in `caches`; without, one batch against one cache (or none)."""
     parts = attn.project(x_1ND)
+    gate = None
+    if getattr(attn, "gated", False):  # the output gate, per head and dimension, applied before o_proj
+        *parts, gate = parts
     if counts is None or len(counts) == 1:
         out = attn.attend_cached(*parts, cos_1NR, sin_1NR, caches if counts is None else caches[0])
     else:
@@ -503,8 +534,8 @@ def packed_attention(attn: nn.Module, x_1ND: torch.Tensor, cos_1NR: torch.Tensor
                                            sin_1NR[:, s:s + n], cache))
             s += n
         out = torch.cat(outs, dim=1)
-    if getattr(attn, "g_proj", None) is not None:  # the output gate, per head and dimension
-        out = out * torch.sigmoid(attn.g_proj(x_1ND))
+    if gate is not None:
+        out = out * torch.sigmoid(gate)
     return attn.o_proj(out)
 
 

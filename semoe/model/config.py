@@ -31,6 +31,8 @@ GROUP_SCORES = ("max", "top2")  # a group's score: its best expert (V2), or its 
 # "swiglu": down(silu(gate x) * up x); "clamped_swiglu": gpt-oss's, with biases and clamping;
 # "fused_swiglu": SwiGLU with gate and up as the halves of one (in, 2 * out) tensor (Llama-4)
 EXPERT_MLPS = ("swiglu", "clamped_swiglu", "fused_swiglu")
+# Gated DeltaNet's input projections as Qwen3-Next ("qkvz": grouped per key head) and Qwen3.5 ("split") store them
+LINEAR_LAYOUTS = ("qkvz", "split")
 # latent attention's query and latent norms take this epsilon whatever the model's `rms_norm_eps`, as the
 # reference implementations build them (GLM-5's 1e-5 elsewhere, 1e-6 there)
 LATENT_NORM_EPS = 1e-6
@@ -70,6 +72,20 @@ class MoEConfig:
     # each head's output times the sigmoid of its own projection of the layer's input (`g_proj`), before
     # o_proj (Qwen3-Next's and Qwen3.5's full-attention layers, whose checkpoints interleave it in q_proj)
     attn_output_gate: bool = False
+    # Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5-MoE) on `linear_layers` (None: none): key and value
+    # heads of their own widths, a causal convolution of `linear_conv_kernel` taps; its state per sequence is
+    # fixed in size (`linear_state_bytes`), kept beside the KV cache, which those layers do not fill.
+    # `linear_layout`: the projections as Qwen3-Next publishes them (q, k, v and z interleaved per key head
+    # in `in_proj_qkvz`, b and a in `in_proj_ba`) or as Qwen3.5 does (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)
+    linear_layers: tuple[int, ...] | None = None
+    linear_key_heads: int = 0
+    linear_value_heads: int = 0
+    linear_key_dim: int = 0
+    linear_value_dim: int = 0
+    linear_conv_kernel: int = 4
+    linear_layout: str = "qkvz"
+    # RMSNorm weights stored zero-centred, each used as 1 + w (Qwen3-Next's layer, final and q/k norms)
+    norm_plus_one: bool = False
     # chunked local attention (Llama-4): on `chunked_layers`, a query sees only the positions of its
     # own chunk of `attention_chunk` (positions p with p // chunk equal to its own), itself included
     attention_chunk: int | None = None
@@ -185,10 +201,22 @@ class MoEConfig:
             self.attn_temperature = tuple(float(v) for v in self.attn_temperature)
             if len(self.attn_temperature) != 2 or self.attn_temperature[1] <= 0:
                 raise ValueError(f"attn_temperature must be (attn_scale, floor_scale > 0), got {self.attn_temperature}")
+        if self.linear_layers is not None:
+            if self.attention != "gqa":
+                raise ValueError("linear_layers (Gated DeltaNet) need attention 'gqa' on the other layers")
+            for name in ("linear_key_heads", "linear_value_heads", "linear_key_dim", "linear_value_dim",
+                         "linear_conv_kernel"):
+                if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                    raise ValueError(f"linear_layers need {name} >= 1, got {getattr(self, name)!r}")
+            if self.linear_value_heads % self.linear_key_heads:
+                raise ValueError(f"linear_value_heads ({self.linear_value_heads}) must be a multiple of "
+                                 f"linear_key_heads ({self.linear_key_heads})")
+            if self.linear_layout not in LINEAR_LAYOUTS:
+                raise ValueError(f"linear_layout must be one of {LINEAR_LAYOUTS}, got {self.linear_layout!r}")
         if self.index_layers is not None and self.index_topk is not None and 0 not in self.index_layers:
             raise ValueError(f"index_layers {self.index_layers} must include layer 0 (a layer without an indexer "
                              "reads the choice of one before it)")
-        for name in ("moe_layers", "sliding_layers", "chunked_layers", "rope_layers", "index_layers"):
+        for name in ("moe_layers", "sliding_layers", "chunked_layers", "rope_layers", "index_layers", "linear_layers"):
             layers = getattr(self, name)
             if layers is not None:
                 layers = tuple(sorted(set(int(i) for i in layers)))
@@ -217,6 +245,24 @@ class MoEConfig:
         """Whether `layer` has DeepSeek sparse attention's indexer of its own."""
         return self.index_topk is not None and (self.index_layers is None or layer in self.index_layers)
 
+    def is_linear(self, layer: int) -> bool:
+        """Whether `layer` mixes tokens with Gated DeltaNet linear attention (a fixed-size state, no KV cache)."""
+        return self.linear_layers is not None and layer in self.linear_layers
+
+    def linear_state_shapes(self, batch: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """One Gated DeltaNet layer's state (`semoe.model.linear_attention.DeltaNetState`): the causal
+        convolution's last K-1 inputs (B, channels, K-1) and each value head's delta-rule state (B, Hv, Dk, Dv)."""
+        channels = 2 * self.linear_key_heads * self.linear_key_dim + self.linear_value_heads * self.linear_value_dim
+        return ((batch, channels, self.linear_conv_kernel - 1),
+                (batch, self.linear_value_heads, self.linear_key_dim, self.linear_value_dim))
+
+    def linear_state_bytes(self, batch: int) -> int:
+        """Bytes of every linear layer's state (float32, as the delta rule keeps it), whatever the length."""
+        if self.linear_layers is None:
+            return 0
+        conv, rec = self.linear_state_shapes(batch)
+        return len(self.linear_layers) * (math.prod(conv) + math.prod(rec)) * 4
+
     def rotates(self, layer: int) -> bool:
         """Whether `layer` rotates q and k (every layer but Llama-4's no-position ones)."""
         return self.rope_layers is None or layer in self.rope_layers
@@ -230,6 +276,13 @@ class MoEConfig:
         """A copy with some fields changed (validated again)."""
         return dataclasses.replace(self, **changes)
 
+    def layer_kv_shapes(self, layer: int, batch: int, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """`layer`'s KV cache as (k, v) shapes: `kv_shapes`, or for a linear layer, which caches no
+        positions, shapes of no elements (B, 1, S, 0) that grow, copy and trim with the others."""
+        if self.is_linear(layer):
+            return ((batch, 1, positions, 0),) * 2
+        return self.kv_shapes(batch, positions)
+
     def kv_shapes(self, batch: int, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """One layer's KV cache as (k, v) shapes, the one layout every path keeps: keys and values
         (B, G, S, Dh) for grouped-query attention; for latent attention the normed latent (B, 1, S, L)
@@ -242,9 +295,11 @@ class MoEConfig:
         return ((batch, self.num_kv_heads, positions, self.head_dim),) * 2
 
     def kv_bytes(self, batch: int, positions: int, itemsize: int) -> int:
-        """Bytes of every layer's KV cache (`kv_shapes`) in elements of `itemsize` bytes."""
+        """Bytes of every layer's KV cache (`layer_kv_shapes`) in elements of `itemsize` bytes, and the
+        linear layers' fixed-size states (float32) beside them."""
         k, v = self.kv_shapes(batch, positions)
-        return self.num_layers * (math.prod(k) + math.prod(v)) * itemsize
+        attending = self.num_layers - (len(self.linear_layers) if self.linear_layers is not None else 0)
+        return attending * (math.prod(k) + math.prod(v)) * itemsize + self.linear_state_bytes(batch)
 
     def num_parameters(self) -> dict[str, int]:
         """Parameter counts: dense (everything outside experts) and experts (biases and norms left out)."""
@@ -259,7 +314,12 @@ class MoEConfig:
                 attn += self.index_heads * self.index_head_dim * self.q_lora_rank + h * (self.index_head_dim
                                                                                       + self.index_heads)
         else:
-            attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+            attn = h * d * (self.num_heads * (3 if self.attn_output_gate else 2) + self.num_kv_heads * 2)
+        mixers = self.num_layers * attn
+        if self.linear_layers is not None:  # q, k, v, z and b, a projections, the output projection
+            kd, vd = self.linear_key_heads * self.linear_key_dim, self.linear_value_heads * self.linear_value_dim
+            linear = h * (2 * kd + 2 * vd + 2 * self.linear_value_heads) + vd * h
+            mixers += len(self.linear_layers) * (linear - attn)
         expert = 3 * h * self.moe_ffn_size
         moe = len(self.moe_layer_ids)
         dense_ffn = (self.num_layers - moe) * 3 * h * self.ffn_size
@@ -267,7 +327,7 @@ class MoEConfig:
                                                             else 0))
         router = moe * self.num_experts * h
         emb = self.vocab_size * h * (1 if self.tie_embeddings else 2)
-        dense = self.num_layers * (attn + 2 * h) + dense_ffn + shared + router + emb + h
+        dense = mixers + self.num_layers * 2 * h + dense_ffn + shared + router + emb + h
         return {"dense": dense, "experts": moe * self.num_experts * expert}
 
 

@@ -17,10 +17,11 @@ class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names
     arch: str
     shared_expert_gate: bool
     weights_prefix: str
+    linear_layers: tuple[int, ...] | None
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
                          "gpt_oss", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
-                         "deepseek_v32", "glm_moe_dsa", "semoe_gpt")
+                         "deepseek_v32", "glm_moe_dsa", "qwen3_next", "semoe_gpt")
 # model types whose checkpoints name a MoE layer `block_sparse_moe` and its experts' products w1/w3/w2
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
@@ -77,7 +78,8 @@ def hf_name(config: _Arch, param: str) -> str:
         (r"^attn_norm\.", "input_layernorm."), (r"^ffn_norm\.", "post_attention_layernorm."),
         *([(r"^attn\.q_norm\.", "self_attn.query_layernorm."), (r"^attn\.k_norm\.", "self_attn.key_layernorm.")]
           if config.arch == "hunyuan_v1_moe" else []),
-        (r"^attn\.", "self_attn."), (r"^ffn\.router\.", f"{moe}.{router}."),
+        (r"^attn\.", "linear_attn." if config.linear_layers is not None and int(layer) in config.linear_layers
+         else "self_attn."), (r"^ffn\.router\.", f"{moe}.{router}."),
         (r"^ffn\.shared_gate\.", "mlp.shared_expert_gate."), (r"^ffn\.shared\.", f"{dense}.{shared}."),
         (r"^ffn\.", f"{dense}."),
     ]

@@ -38,6 +38,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from semoe.model.compact_linear import Linear
+
 
 def delta_rule_recurrent(q_BHTK: torch.Tensor, k_BHTK: torch.Tensor, v_BHTV: torch.Tensor, a_BHT: torch.Tensor,
                          beta_BHT: torch.Tensor, state_BHKV: torch.Tensor | None = None
@@ -135,26 +137,36 @@ class DeltaNetState:
 
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet token mixer as Qwen3-Next and Qwen3.5-MoE publish it (their tensors' names):
-    projections to q, k, v per key-head group with an output gate z (`in_proj_qkvz`) and the write
-    strength and decay inputs (`in_proj_ba`); the short causal convolution over q, k and v; the delta
-    rule per value head (keys and queries shared by `num_v // num_k` value heads), with the decay
-    exp(-exp(A_log) softplus(a + dt_bias)); an RMS norm of each head's output gated by SiLU(z); `out_proj`.
-    A prompt runs in chunks, a decoding token one state update."""
+    projections to q, k, v and the output gate z, and to the write strength b and decay input a (layout
+    "qkvz": Qwen3-Next's `in_proj_qkvz` and `in_proj_ba`, laid out per key-head group; "split": Qwen3.5's
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`); the short causal convolution over q, k and v;
+    the delta rule per value head (keys and queries shared by `num_v // num_k` value heads), with the
+    decay exp(-exp(A_log) softplus(a + dt_bias)); an RMS norm of each head's output gated by SiLU(z);
+    `out_proj`. A prompt runs in chunks, a decoding token one state update."""
 
-    def __init__(self, hidden: int, num_k: int, num_v: int, dk: int, dv: int, conv_kernel: int, eps: float) -> None:
+    def __init__(self, hidden: int, num_k: int, num_v: int, dk: int, dv: int, conv_kernel: int, eps: float,
+                 layout: str = "qkvz") -> None:
         super().__init__()
         if num_v % num_k:
             raise ValueError(f"value heads ({num_v}) must be a multiple of key heads ({num_k})")
-        self.num_k, self.num_v, self.dk, self.dv, self.eps = num_k, num_v, dk, dv, eps
+        self.num_k, self.num_v, self.dk, self.dv, self.eps, self.layout = num_k, num_v, dk, dv, eps, layout
         self.conv_dim = 2 * num_k * dk + num_v * dv
-        self.in_proj_qkvz = nn.Linear(hidden, 2 * num_k * dk + 2 * num_v * dv, bias=False)
-        self.in_proj_ba = nn.Linear(hidden, 2 * num_v, bias=False)
+        if layout == "qkvz":
+            self.in_proj_qkvz = Linear(hidden, 2 * num_k * dk + 2 * num_v * dv, bias=False)
+            self.in_proj_ba = Linear(hidden, 2 * num_v, bias=False)
+        elif layout == "split":
+            self.in_proj_qkv = Linear(hidden, self.conv_dim, bias=False)
+            self.in_proj_z = Linear(hidden, num_v * dv, bias=False)
+            self.in_proj_b = Linear(hidden, num_v, bias=False)
+            self.in_proj_a = Linear(hidden, num_v, bias=False)
+        else:
+            raise ValueError(f"layout must be 'qkvz' or 'split', got {layout!r}")
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, conv_kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(num_v))
         self.A_log = nn.Parameter(torch.zeros(num_v))
         self.norm = nn.Module()
         self.norm.weight = nn.Parameter(torch.ones(dv))
-        self.out_proj = nn.Linear(num_v * dv, hidden, bias=False)
+        self.out_proj = Linear(num_v * dv, hidden, bias=False)
 
     def empty_state(self, batch: int, device: torch.device | str = "cpu") -> DeltaNetState:
         """The state before a sequence's first token: zeros."""
@@ -165,6 +177,11 @@ class GatedDeltaNet(nn.Module):
         """q, k (B, T, num_k, dk), v and z (B, T, num_v, dv), b and a (B, T, num_v): the projections laid
         out per key-head group, as the published checkpoints store them."""
         B, T, _ = x_BTD.shape
+        if self.layout == "split":
+            q, k, v = self.in_proj_qkv(x_BTD).split([self.num_k * self.dk] * 2 + [self.num_v * self.dv], dim=-1)
+            return (q.view(B, T, self.num_k, self.dk), k.view(B, T, self.num_k, self.dk),
+                    v.view(B, T, self.num_v, self.dv), self.in_proj_z(x_BTD).view(B, T, self.num_v, self.dv),
+                    self.in_proj_b(x_BTD), self.in_proj_a(x_BTD))
         per = self.num_v // self.num_k
         qkvz = self.in_proj_qkvz(x_BTD).view(B, T, self.num_k, 2 * self.dk + 2 * per * self.dv)
         q, k, v, z = qkvz.split([self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)

@@ -22,6 +22,7 @@ from torch import nn
 from semoe.model.attention import KVCache, RMSNorm, make_attention, rope_tables
 from semoe.model.compact_linear import Linear, linear
 from semoe.model.config import MoEConfig
+from semoe.model.linear_attention import GatedDeltaNet
 from semoe.model.experts import ExpertProvider, ExpertWeights, ResidentExperts, swiglu
 from semoe.model.routing import (Routing, capacity_keep_mask, dispatch_order, expert_capacity, gather_rows,
                                  load_balancing_loss, route_grouped, route_topk, route_topk_sigmoid, route_topk_softmax,
@@ -221,10 +222,14 @@ class Block(nn.Module):
 
     def __init__(self, config: MoEConfig, layer: int) -> None:
         super().__init__()
+        c = config
         self.layer = layer
-        self.attn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.attn = make_attention(config, layer)
-        self.ffn_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_plus_one)
+        self.linear = c.is_linear(layer)  # Gated DeltaNet in place of attention: a state, not a KV cache
+        self.attn = GatedDeltaNet(c.hidden_size, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
+                                  c.linear_value_dim, c.linear_conv_kernel, c.rms_norm_eps, c.linear_layout) \
+            if self.linear else make_attention(c, layer)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_plus_one)
         self.ffn: nn.Module = (MoEFeedForward(config, layer) if config.is_moe_layer(layer)
                                else DenseFFN(config.hidden_size, config.ffn_size))
 
@@ -233,12 +238,33 @@ class Block(nn.Module):
                 ) -> tuple[torch.Tensor, RouterStats | None]:
         """With `counts`, x's rows are the packed tokens of the sequences whose caches `cache` lists
         (`MoEGPT.forward_packed`)."""
-        x_BTD = x_BTD + self.attn(self.attn_norm(x_BTD), cos, sin, cache, counts)
+        h = self.attn_norm(x_BTD)
+        x_BTD = x_BTD + (self._mix_linear(h, cache, counts) if self.linear else self.attn(h, cos, sin, cache, counts))
         h = self.ffn_norm(x_BTD)
         if isinstance(self.ffn, MoEFeedForward):
             y, stats = self.ffn(h)
             return x_BTD + y, stats
         return x_BTD + self.ffn(h), None
+
+
+    def _mix_linear(self, x_BTD: torch.Tensor, cache: KVCache | list[KVCache] | None, counts: list[int] | None
+                    ) -> torch.Tensor:
+        """The linear-attention layer over this call's rows, each sequence's from the state its cache holds
+        (a sequence's start without one), which the call's last row's state then replaces."""
+        if cache is None:
+            return self.attn(x_BTD)[0]
+        if counts is None:
+            cache = [cache]
+            counts = [x_BTD.shape[1]]
+        outs, s = [], 0
+        for c, n in zip(cache, counts):
+            if c.states is None:
+                raise ValueError(f"layer {self.layer}: a KV cache without linear-attention states (made for "
+                                 "another model)")
+            y, c.states[self.layer] = self.attn(x_BTD[:, s:s + n], c.states[self.layer] if c.length else None)
+            outs.append(y)
+            s += n
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
 
 
 @dataclass
@@ -264,7 +290,7 @@ class MoEGPT(nn.Module):
                 if not config.indexes(i):
                     chooser = self.layers[max(j for j in range(i) if config.indexes(j))].attn
                     object.__setattr__(block.attn, "chooser", chooser)  # a reference, not a submodule
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight

@@ -95,6 +95,15 @@ def tiny_config(arch: str, **over):
                    routed_scaling_factor=2.5, index_topk=4, index_n_heads=32, index_head_dim=16)
         cls = transformers.DeepseekV32Config if arch == "deepseek_v32" else transformers.GlmMoeDsaConfig
         kw = dsa
+    elif arch == "qwen3_next":
+        # Gated DeltaNet on three layers of four (two key heads shared by four value heads), gated full
+        # attention rotating a quarter of each head on the fourth, a gated shared expert in every layer
+        cls, kw = transformers.Qwen3NextConfig, dict(TINY, num_hidden_layers=4, num_experts=4, num_experts_per_tok=2,
+                                                     moe_intermediate_size=24, shared_expert_intermediate_size=40,
+                                                     head_dim=16, partial_rotary_factor=0.25, linear_num_key_heads=2,
+                                                     linear_num_value_heads=4, linear_key_head_dim=8,
+                                                     linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                                     layer_types=["linear_attention"] * 3 + ["full_attention"])
     elif arch == "llama4":  # the text model of a multimodal checkpoint, as Llama-4 Scout and Maverick ship
         text = tiny_config("llama4_text", **over).to_dict()
         vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
@@ -118,6 +127,10 @@ def tiny_config(arch: str, **over):
 # Parameters that transformers initialises to zeros (or not at all); random here so that a model
 # ignoring them cannot pass a parity test.
 _PERTURB = {"e_score_correction_bias": 0.05, "sinks": 0.5, "router.bias": 0.5, "_bias": 0.05, ".bias": 0.02}
+# and by architecture: Qwen3-Next's zero-centred norms, zeros as made, so that a model that used w, not 1 + w,
+# could not pass
+_PERTURB_ARCH = {"qwen3_next": {"layernorm.weight": 0.2, "model.norm.weight": 0.2, "q_norm.weight": 0.2,
+                                "k_norm.weight": 0.2}}
 
 
 def hf_model_class(model_type: str):
@@ -152,7 +165,7 @@ def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32",
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            std = next((v for k, v in _PERTURB.items() if name.endswith(k)), None)
+            std = next((v for k, v in {**_PERTURB, **_PERTURB_ARCH.get(arch, {})}.items() if name.endswith(k)), None)
             if std is not None:
                 t.copy_(torch.randn(t.shape, generator=g) * std)
     with warnings.catch_warnings():  # Llama-4's complex rotary buffer, which is not saved

@@ -14,6 +14,7 @@ from helpers.store_opens import record_store_opens
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
 from semoe.decode.plan import DecodePlan
+from semoe.decode.support import plan_refusal
 from semoe.decode.generate import GenerationResult, generate
 from semoe.decode.loop import SamplingConfig
 from semoe.checkpoints.hf_convert import import_checkpoint
@@ -23,7 +24,7 @@ from helpers.procs import ROOT, child_env
 OLDER_ARCHS = ["mixtral", "qwen2_moe", "olmoe"]
 NEWER_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25",
                "ernie4_5_moe", "hunyuan_v1_moe", "llama4",
-               "deepseek_v32", "glm_moe_dsa"]
+               "deepseek_v32", "glm_moe_dsa", "qwen3_next"]
 PROMPT = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
 
 
@@ -39,10 +40,12 @@ def _resident_answer(hf) -> GenerationResult:
     """The resident model's answer through the decode plan's kernel-by-kernel step, the one the
     offloaded engine takes. Resident, the plan would take the one-call C step where it applies, whose
     softmax and SiLU use C's expf where the loop uses torch's ops: the two agree to float32 rounding
-    (bounded in tests/semoe/decode/test_plan.py), not to the bit, so exactness is asked of the same step."""
+    (bounded in tests/semoe/decode/test_plan.py), not to the bit, so exactness is asked of the same step.
+    A model no plan takes (`plan_refusal`: Qwen3-Next's linear attention) decodes on the module path, resident
+    and offloaded alike."""
     engine = Engine.load(str(hf), EngineConfig())
     try:
-        plan = DecodePlan.build(engine.model, whole=False)
+        plan = None if plan_refusal(engine.model.config) else DecodePlan.build(engine.model, whole=False)
         return generate(engine.model, PROMPT, SamplingConfig(max_new_tokens=24), plan=plan)
     finally:
         engine.close()

@@ -794,23 +794,37 @@ def test_the_kv_memory_budget_queues_requests_and_refuses_one_that_never_fits(en
         server.close()
 
 
-@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32"])
-def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engine, reference, dsa_engines, model):
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32", "qwen3_next"])
+def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engine, reference, family_engines, model):
     """Caches start at the prompt and 4 positions and grow by 4: three requests that together need more
     than the budget all run at first; when a cache cannot grow, the newest is preempted and, once
     there is room, computes its prompt and tokens again and goes on. Each gets the tokens it gets
     alone (log-probs within 1e-4: its recomputed positions sum in another order); preemptions are
     counted and every byte is given back. With sparse attention (DeepSeek-V3.2) the budget counts
-    the indexer's keys, which grow and come back with the rest of the cache."""
-    if model == "deepseek_v32":
-        engine, reference = dsa_engines
+    the indexer's keys, which grow and come back with the rest of the cache. With linear attention
+    (Qwen3-Next) it counts each Gated DeltaNet layer's state, whose size does not grow; a preempted
+    request's state is computed again with its positions."""
+    if model != "mixtral":
+        engine, reference = family_engines(model)
         c = engine.model.config
+    if model == "deepseek_v32":
         assert engine.kv_cache_bytes(10) == 10 * c.num_layers * (c.kv_lora_rank + c.qk_rope_head_dim
                                                                  + c.index_head_dim) * 4
+    if model == "qwen3_next":
+        (_, conv, k), (_, hv, dk, dv) = c.linear_state_shapes(1)
+        state = len(c.linear_layers) * (conv * k + hv * dk * dv) * 4
+        attending = c.num_layers - len(c.linear_layers)
+        for n in (10, 40):
+            assert engine.kv_cache_bytes(n) == attending * 2 * n * c.num_kv_heads * c.head_dim * 4 + state
+            cache = engine.new_cache(list(range(n // 2)), n - n // 2)
+            held = sum(t.nbytes for t in (*cache.k, *cache.v)) + cache.state_bytes()
+            assert held == engine.kv_cache_bytes(n) and cache.state_bytes() == state
     eng = ScriptedEngine(engine)
     prompts = [[3, 4, 5, 6, 7 + i] for i in range(3)]
     want = [reference.generate(p, SamplingConfig(max_new_tokens=20)) for p in prompts]
-    server = LiveServer(create_app(eng, ServeConfig(max_batch=4, kv_memory_bytes=engine.kv_cache_bytes(40), kv_grow_tokens=4)))
+    # 40 positions among the three requests, beside the states of all three (each request holds one)
+    budget = engine.kv_cache_bytes(40) + (2 * state if model == "qwen3_next" else 0)
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=4, kv_memory_bytes=budget, kv_grow_tokens=4)))
     try:
         eng.gate.clear()
         results: dict[int, tuple] = {}
@@ -920,26 +934,37 @@ def test_a_failing_request_fails_alone_while_others_decode_beside_it(engine, ref
 
 
 @pytest.fixture(scope="module")
-def dsa_engines(tmp_path_factory):
-    """An engine and a reference on DeepSeek-V3.2 (sparse attention: its indexer reads the top 4 of the
-    cached positions, from the indexer's keys the KV cache keeps beside the latents)."""
-    path = make_hf_checkpoint("deepseek_v32", tmp_path_factory.mktemp("dsa") / "tiny", seed=5)
-    engines = [Engine.load(str(path), EngineConfig()) for _ in range(2)]
-    yield engines
-    for e in engines:
-        e.close()
+def family_engines(tmp_path_factory):
+    """arch -> an engine and a reference on a tiny checkpoint of `arch`, made on first use: DeepSeek-V3.2
+    (sparse attention: its indexer reads the top 4 of the cached positions, from the indexer's keys the
+    KV cache keeps beside the latents), Qwen3-Next (linear attention's fixed-size state beside the KV
+    cache of its full-attention layers)."""
+    made: dict[str, list[Engine]] = {}
+
+    def get(arch: str) -> list[Engine]:
+        if arch not in made:
+            path = make_hf_checkpoint(arch, tmp_path_factory.mktemp(arch) / "tiny", seed=5)
+            made[arch] = [Engine.load(str(path), EngineConfig()) for _ in range(2)]
+        return made[arch]
+
+    yield get
+    for engines in made.values():
+        for e in engines:
+            e.close()
 
 
-@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32"])
-def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, reference, dsa_engines, model):
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32", "qwen3_next"])
+def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, reference, family_engines, model):
     """Prefix reuse: a conversation's second turn resends the first turn and its answer. The server
     takes the positions the first request computed (its prompt and answer but the last token) instead
     of computing them, counts that in /metrics, and answers as from scratch: the same greedy tokens,
     log-probs within 1e-4 (the reused positions were computed by decoding steps, whose sums run in
     another order than a prompt pass's). A prompt sharing no token reuses nothing. With sparse
-    attention (DeepSeek-V3.2), the reused positions bring the indexer's keys with them."""
-    if model == "deepseek_v32":
-        engine, reference = dsa_engines
+    attention (DeepSeek-V3.2), the reused positions bring the indexer's keys with them. With linear
+    attention (Qwen3-Next), whose kept state is that of the whole first conversation, a prompt that
+    leaves it part way computes from scratch; a model with positions alone reuses the shared part."""
+    if model != "mixtral":
+        engine, reference = family_engines(model)
     server = LiveServer(create_app(engine))
     try:
         first = [1, 5, 9, 14, 3, 22, 17, 8, 30, 2, 11, 4, 6, 19, 12, 7]  # a "system prompt" and a turn
@@ -959,6 +984,15 @@ def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, r
         assert m[("semoe_prefix_cache_entries", ())] >= 1 and m[("semoe_prefix_cache_bytes", ())] > 0
         status, out = post(server.port, "/v1/completions", {"prompt": [40, 41, 42], "max_tokens": 2})
         assert status == 200 and metrics(server.port)[("semoe_prefix_cache_hits_total", ())] == 1
+        branch = first[:8] + [50, 51, 52]  # the first conversation's start, then elsewhere
+        status, out = post(server.port, "/v1/completions", {"prompt": branch, "max_tokens": 6, "logprobs": 0})
+        want = direct(reference, branch, 6)
+        assert status == 200 and out["choices"][0]["token_ids"] == want.tokens
+        assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
+        m = metrics(server.port)
+        assert m[("semoe_prefix_cache_hits_total", ())] == (1 if model == "qwen3_next" else 2)
+        assert m[("semoe_prefix_cache_reused_tokens_total", ())] == len(first) + len(answer) - 1 + (
+            0 if model == "qwen3_next" else 8)
     finally:
         server.close()
 

@@ -235,8 +235,6 @@ def test_store_info_says_what_import_kept(dsv3_f32, tmp_path, capsys):
 # -- refusals -------------------------------------------------------------------------------------
 
 REFUSALS = [
-    ({"model_type": "qwen3_next", "architectures": ["Qwen3NextForCausalLM"]},
-     "hybrid linear attention (Gated DeltaNet layers) is not implemented"),
     ({"model_type": "deepseek_v3", "index_topk": 2048},
      "sparse-attention indexer (index_topk=2048) in a deepseek_v3 config is not supported: DeepSeek sparse attention "
      "is taken for model types deepseek_v32, glm_moe_dsa"),

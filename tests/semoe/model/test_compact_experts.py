@@ -36,10 +36,12 @@ SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_h
 def _hf(arch: str, path):
     import transformers
 
-    if arch == "llama4":  # experts (in, out) with gate and up as halves; its input scaled by the router
+    if arch in ("llama4", "qwen3_next"):  # Llama-4: experts (in, out) with gate and up as halves, its input scaled
+        # by the router; Qwen3-Next: its linear-attention layers' projections compact too
         from helpers.hf_models import make_hf_checkpoint
 
-        return make_hf_checkpoint("llama4", path, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64)
+        return make_hf_checkpoint(arch, path, hidden_size=64, intermediate_size=64, intermediate_size_mlp=64,
+                                  moe_intermediate_size=64, shared_expert_intermediate_size=64)
     if arch == "mixtral":
         cfg = transformers.MixtralConfig(**SHAPE, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
     else:
@@ -235,7 +237,7 @@ BUDGETS = {
 }
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "llama4", "qwen3_next"])
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("budget", list(BUDGETS))
 def test_offloaded_quantized_experts_give_the_resident_quantized_models_tokens(stores, arch, bits, budget):
@@ -314,7 +316,7 @@ def test_decode_with_the_fast_kernels_follows_the_reference_kernels(stores, arch
     assert torch.equal(fast.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "llama4"])
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "llama4", "qwen3_next"])
 def test_the_resident_quantized_model_follows_the_reference_kernel(stores, arch):
     from semoe.checkpoints.model_io import load_store
 

@@ -136,9 +136,9 @@ def test_the_layer_equals_transformers_and_decodes_from_its_state():
 
 
 def test_gated_full_attention_equals_transformers():
-    """Qwen3-Next's full-attention layer: q_proj's interleaved halves split into q and the output gate
-    (`g_proj`), its zero-centred q/k norms as 1 + w, a quarter of each head rotated. The same output as
-    transformers' layer (1e-5); the fast paths name the gate they do not compute."""
+    """Qwen3-Next's full-attention layer: q_proj giving each head's query and then its output gate, as the
+    checkpoint holds it, its zero-centred q/k norms used as 1 + w, a quarter of each head rotated. The
+    same output as transformers' layer (1e-5); the fast paths name the parts they do not compute."""
     from transformers import Qwen3NextConfig
 
     from semoe.decode.support import plan_refusal
@@ -156,16 +156,12 @@ def test_gated_full_attention_equals_transformers():
         theirs.k_norm.weight.normal_(0, 0.2)
     c = MoEConfig(vocab_size=32, hidden_size=D, num_layers=1, num_heads=H, num_kv_heads=G, head_dim=Dh, ffn_size=64,
                   moe_ffn_size=32, num_experts=4, top_k=2, qk_norm="head", rope_dim=Dh // 4,
-                  rope_theta=hc.rope_parameters["rope_theta"], attn_output_gate=True, rms_norm_eps=hc.rms_norm_eps)
+                  rope_theta=hc.rope_parameters["rope_theta"], attn_output_gate=True, rms_norm_eps=hc.rms_norm_eps,
+                  norm_plus_one=True)
     ours = Attention(c, 0).eval()
     with torch.no_grad():
-        q, gate = theirs.q_proj.weight.view(H, 2 * Dh, D).split(Dh, dim=1)
-        ours.q_proj.weight.copy_(q.reshape(H * Dh, D))
-        ours.g_proj.weight.copy_(gate.reshape(H * Dh, D))
-        for name in ("k_proj", "v_proj", "o_proj"):
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj", "q_norm", "k_norm"):
             getattr(ours, name).weight.copy_(getattr(theirs, name).weight)
-        ours.q_norm.weight.copy_(1 + theirs.q_norm.weight)
-        ours.k_norm.weight.copy_(1 + theirs.k_norm.weight)
         x = torch.randn(1, T, D)
         pos = torch.arange(T)[None]
         cos, sin = hf.Qwen3NextRotaryEmbedding(hc)(x, pos)
@@ -173,4 +169,4 @@ def test_gated_full_attention_equals_transformers():
         want, _ = theirs(x, (cos, sin), mask)
         got = ours(x, *rope_tables(c, pos, torch.float32), None)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert plan_refusal(c) == "gpt_moe's gated attention output"
+    assert plan_refusal(c) == "gpt_moe's gated attention output, zero-centred norms"

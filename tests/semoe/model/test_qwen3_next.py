@@ -1,0 +1,138 @@
+"""Qwen3-Next in the model: Gated DeltaNet layers beside gated full attention, their state in the KV cache.
+
+Parity with transformers from the directory and the store is in tests/semoe/checkpoints/test_parity.py,
+offloaded in tests/inference/offload/test_expert_ring.py, int8/int4 in tests/semoe/model/test_compact_experts.py,
+the server's budget, preemption and prefix reuse in tests/inference/serving/test_http_server.py. Here: the
+cache's state (its size fixed, counted, copied only whole), several sequences in one packed call, and the
+path each front-end takes, said by name. Logits of float32 models within 1e-5 (as the parity tests: the
+paths differ in summation order only).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.hf_models import make_hf_checkpoint
+
+from inference.engine import Engine
+from inference.engine_config import EngineConfig
+from inference.placement import lean_refusal
+from semoe.checkpoints.hf_convert import import_checkpoint
+from semoe.checkpoints.model_io import load_hf
+from semoe.decode.generate import generate
+from semoe.decode.loop import SamplingConfig
+from semoe.decode.plan import DecodePlan
+from semoe.decode.support import NotOnFastPath
+from semoe.model.attention import KVCache
+from tools.cli import main
+
+ATOL = 1e-5
+PROMPT = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
+
+
+@pytest.fixture(scope="module")
+def hf(tmp_path_factory):
+    return make_hf_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "hf", seed=5)
+
+
+@pytest.fixture(scope="module")
+def store(hf, tmp_path_factory):
+    return import_checkpoint(str(hf), str(tmp_path_factory.mktemp("qwen3_next") / "store")).root
+
+
+def test_the_cache_keeps_a_fixed_state_for_linear_layers_and_positions_for_the_others(hf):
+    """Linear layers cache no positions (k and v of no elements) and hold a state of the configured
+    shape; the bytes counted are what the cache holds, and only the attention layers' part grows."""
+    model = load_hf(str(hf))
+    c = model.config
+    assert c.linear_layers == (0, 1, 2)
+    cache = KVCache.empty(c, 1, 8)
+    for i in range(c.num_layers):
+        if c.is_linear(i):
+            assert cache.k[i].numel() == 0 and cache.states[i].recurrent.shape == (1, 4, 8, 8)
+            assert cache.states[i].conv.shape == (1, 2 * 2 * 8 + 4 * 8, 3)
+        else:
+            assert cache.k[i].shape == (1, c.num_kv_heads, 8, c.head_dim) and cache.states[i] is None
+    held = lambda k: sum(t.nbytes for t in (*k.k, *k.v)) + k.state_bytes()  # noqa: E731
+    assert held(cache) == KVCache.bytes_for(c, 1, 8, torch.float32)
+    cache.grow(20)
+    assert held(cache) == KVCache.bytes_for(c, 1, 20, torch.float32)
+    assert cache.state_bytes() == c.linear_state_bytes(1) == 3 * (64 * 3 + 4 * 8 * 8) * 4
+
+
+def test_a_copied_or_trimmed_cache_answers_as_the_original_and_a_prefix_is_refused(hf):
+    """The state goes with a whole copy (`copy_from` of every position, `trimmed`); the state of a
+    prefix is not kept, so taking fewer positions than the source holds is refused."""
+    model = load_hf(str(hf))
+    c = model.config
+    with torch.no_grad():
+        cache = KVCache.empty(c, 1, 16)
+        model(torch.tensor([PROMPT]), cache)
+        copy, trimmed = KVCache.empty(c, 1, 16), cache.trimmed()
+        copy.copy_from(cache, cache.length)
+        trimmed.grow(16)
+        outs = [model(torch.tensor([[7]]), k).logits for k in (cache, copy, trimmed)]
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+    with pytest.raises(ValueError, match="linear-attention state is that of its 11 tokens, not of a prefix"):
+        KVCache.empty(c, 1, 16).copy_from(cache, 5)
+
+
+def test_packed_sequences_are_each_sequence_alone(hf):
+    """Three sequences in one packed call (two continuing their caches, one starting), then one token
+    each: every sequence's logits those it gets alone, and its state advanced by its own tokens only."""
+    model = load_hf(str(hf))
+    c = model.config
+    seqs = [PROMPT, [9, 8, 7], [4, 4, 21, 30, 1]]
+    with torch.no_grad():
+        alone = []
+        for s in seqs:
+            k = KVCache.empty(c, 1, 20)
+            first = model(torch.tensor([s[:2]]), k).logits[0] if len(s) > 3 else None
+            rest = model(torch.tensor([s[2:] if first is not None else s]), k).logits[0]
+            alone.append((rest, model(torch.tensor([[6]]), k).logits[0]))
+        caches = [KVCache.empty(c, 1, 20) for _ in seqs]
+        for k, s in zip(caches, seqs):
+            if len(s) > 3:
+                model(torch.tensor([s[:2]]), k)
+        todo = [s[2:] if len(s) > 3 else s for s in seqs]
+        packed = model.forward_packed(torch.tensor(sum(todo, [])), caches, [len(t) for t in todo]).logits[0]
+        step = model.forward_packed(torch.tensor([6, 6, 6]), caches, [1, 1, 1]).logits[0]
+    at = 0
+    for i, t in enumerate(todo):
+        torch.testing.assert_close(packed[at:at + len(t)], alone[i][0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(step[i:i + 1], alone[i][1], atol=ATOL, rtol=0)
+        at += len(t)
+
+
+def test_each_path_says_it_takes_the_modules_and_gives_their_tokens(hf, store, capsys):
+    """No fast path takes linear attention yet, and each says so by name: the plan refuses, the engine's
+    decode path names the modules and why, resident and offloaded give the module path's tokens, the
+    torch-free runner refuses the store, `--lean` fails with one line, and `--cpu-cache` alone (which
+    picks the runner where it can) decodes in the engine."""
+    model = load_hf(str(hf))
+    want = generate(model, PROMPT, SamplingConfig(max_new_tokens=12))
+    with pytest.raises(NotOnFastPath, match="does not take qwen3_next's Gated DeltaNet linear attention, "
+                                            "gated attention output, zero-centred norms"):
+        DecodePlan(model)
+    for config in (EngineConfig(), EngineConfig(cpu_cache_bytes=1)):
+        engine = Engine.load(store, config)
+        try:
+            assert "the model's modules on cpu" in engine.decode_path()
+            assert "Gated DeltaNet linear attention" in engine.decode_path()
+            got = engine.generate(PROMPT, SamplingConfig(max_new_tokens=12))
+        finally:
+            engine.close()
+        assert got.tokens == want.tokens
+        assert got.logprobs == pytest.approx(want.logprobs, abs=ATOL)
+    assert lean_refusal(store) == ("it does not take qwen3_next's Gated DeltaNet linear attention, gated attention "
+                                   "output, zero-centred norms")
+    args = ["generate", "--model", store, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
+            "--json"]
+    assert main([*args, "--lean"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "Gated DeltaNet linear attention" in err
+    assert main([*args, "--cpu-cache", "50%"]) == 0
+    out = capsys.readouterr()
+    assert "without torch" not in out.err and json.loads(out.out)["tokens"] == want.tokens
