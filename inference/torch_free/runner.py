@@ -62,7 +62,7 @@ from semoe.model import rope
 from semoe.decode.loop import SamplingConfig
 from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.model.config import LATENT_NORM_EPS
-from semoe.model.hf_names import hf_name
+from semoe.model.hf_names import hf_name, text_name
 from semoe.checkpoints.hf_config import store_model_config
 from semoe.checkpoints.tokenizer import Tokenizer, default_stop_ids, store_tokenizer
 from storage.errors import BadInputError
@@ -136,7 +136,8 @@ def dense_load_bytes(store: StoreReader) -> int:
     # a model without an lm_head ties it to the embedding
     emb = hf_name(c, "embed.weight") if m.has_tensor(hf_name(c, "lm_head.weight")) else None
     return sum(t.bytes for t in m.dense()
-               if len(t.shape) == 2 and t.name != emb and t.name.startswith(c.weights_prefix))
+               if len(t.shape) == 2 and t.name != emb and (not c.weights_prefix or t.name == hf_name(c, "lm_head.weight")
+                                                           or t.name.startswith(text_name(c, "model."))))
 
 
 class LeanModel:
@@ -256,8 +257,8 @@ class LeanModel:
         """Refuse, in one line, what the one-call step does not take (`semoe.decode.support`)."""
         why = one_call_refusal(c)
         if why:
-            raise NotOnFastPath(f"the lean runner does not take {why} ({c.arch}); decode it with the engine "
-                                f"(without --lean)")
+            named = why if c.arch in why else f"{why} ({c.arch})"
+            raise NotOnFastPath(f"the lean runner does not take {named}; decode it with the engine (without --lean)")
 
     def _latent(self, lay: int, dense: str) -> loader.LatentC:
         """Layer `lay`'s latent attention as the engine's one-call step holds it (`semoe.decode.plan`):

@@ -400,6 +400,7 @@ BUILDERS: dict[str, Callable[[dict], MoEConfig]] = {
     "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
     "hunyuan_v1_moe": _hunyuan_v1_moe, "llama4_text": _llama4_text, "deepseek_v32": _dsa("deepseek_v32"),
     "glm_moe_dsa": _dsa("glm_moe_dsa"), "qwen3_next": _qwen3_next,
+    "qwen3_5_moe_text": lambda cfg: _qwen3_next(cfg, "qwen3_5_moe_text", "split"),
 }
 
 

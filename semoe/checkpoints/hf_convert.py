@@ -229,9 +229,10 @@ def _say_kept_towers(path: str, tensors: dict[str, TensorRef], config: dict) -> 
     if wrapped is None or path in _TOWERS_SAID:
         return
     _TOWERS_SAID.add(path)
-    outside = [n for n in tensors if not n.startswith(wrapped[1])]
+    outside = [n for n in tensors if not n.startswith(wrapped[1]) and n != "lm_head.weight"]  # (Qwen3.5's head)
     if outside:
-        tops = sorted({n.split(".", 1)[0] for n in outside})
+        depth = wrapped[1].count(".")  # named as deep as the text model's prefix: Qwen3.5's model.visual
+        tops = sorted({".".join(n.split(".")[:depth]) for n in outside})
         log.warning("%s: %d tensors outside the text model (%s) are kept in the store as they are; semoe runs "
                     "the text model", config["model_type"], len(outside), ", ".join(tops))
 

@@ -20,7 +20,7 @@ from storage.errors import BadInputError
 # it does not take yet)
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
                  "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
-                 "deepseek_v32", "glm_moe_dsa", "qwen3_next")
+                 "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text")
 
 
 MAX_GROUPS = 256  # a grouped router's groups the one-call step takes (decode_step.c's `route`)

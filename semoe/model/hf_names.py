@@ -21,7 +21,7 @@ class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
                          "gpt_oss", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
-                         "deepseek_v32", "glm_moe_dsa", "qwen3_next", "semoe_gpt")
+                         "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text", "semoe_gpt")
 # model types whose checkpoints name a MoE layer `block_sparse_moe` and its experts' products w1/w3/w2
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
@@ -29,8 +29,9 @@ SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
 ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3"),
            "hunyuan": ("HunYuanMoEV1ForCausalLM", "hunyuan_v1_moe")}  # Hunyuan-A13B's remote-code config
 # multimodal model types whose text model semoe runs: (the text model's config key, the prefix of its
-# tensors' names). The rest (a vision tower, a projector) stays in the store as it is, for export.
-TEXT_MODELS = {"kimi_k25": ("text_config", "language_model."), "llama4": ("text_config", "language_model.")}
+# tensors' names: `text_name`). The rest (a vision tower, a projector) stays in the store as it is, for export.
+TEXT_MODELS = {"kimi_k25": ("text_config", "language_model."), "llama4": ("text_config", "language_model."),
+               "qwen3_5_moe": ("text_config", "model.language_model.")}
 
 
 def model_type_of(config: dict) -> str:
@@ -52,6 +53,18 @@ def text_config_of(config: dict) -> dict:
     return dict(config.get(wrapped[0]) or {}) if wrapped else config
 
 
+def text_name(config: _Arch, name: str) -> str:
+    """The checkpoint's name of a causal LM's tensor `name` ("model.layers.3.mlp.gate.weight", "lm_head.weight")
+    in the model semoe runs: as it is in a causal LM; in a multimodal one, under the text model's prefix,
+    which goes before the whole name (Kimi-K2.5's "language_model.model.layers...") or, where it begins
+    with "model.", in place of the body's "model." with the head left at the top (Qwen3.5's
+    "model.language_model.layers...", "lm_head.weight")."""
+    prefix = config.weights_prefix
+    if not prefix.startswith("model."):
+        return prefix + name
+    return prefix + name.removeprefix("model.") if name.startswith("model.") else name
+
+
 def moe_prefix(config: _Arch) -> str:
     """The HuggingFace name of a MoE layer's module (and of a dense layer's, Mixtral's aside)."""
     return "block_sparse_moe" if config.arch in MIXTRAL_NAMES else "feed_forward" if config.arch == "llama4_text" \
@@ -63,9 +76,9 @@ def hf_name(config: _Arch, param: str) -> str:
     m = re.match(r"^layers\.(\d+)\.(.+)$", param)
     if not m:
         top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
-        return config.weights_prefix + top
+        return text_name(config, top)
     layer, rest = m.group(1), m.group(2)
-    p = f"{config.weights_prefix}model.layers.{layer}."
+    p = text_name(config, f"model.layers.{layer}.")
     moe = moe_prefix(config)
     router = {"gpt_oss": "router", "llama4_text": "router", "hunyuan_v1_moe": "gate.wg"}.get(config.arch, "gate")
     dense = "feed_forward" if config.arch == "llama4_text" else "mlp"

@@ -104,6 +104,16 @@ def tiny_config(arch: str, **over):
                                                      linear_num_value_heads=4, linear_key_head_dim=8,
                                                      linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                                      layer_types=["linear_attention"] * 3 + ["full_attention"])
+    elif arch == "qwen3_5_moe_text":  # Qwen3-Next's text model with the linear layers' projections apart
+        kw = {k: v for k, v in tiny_config("qwen3_next").to_dict().items()
+              if k in transformers.Qwen3_5MoeTextConfig().to_dict() and k not in ("model_type", "transformers_version")}
+        cls, kw = transformers.Qwen3_5MoeTextConfig, dict(kw, rope_parameters={
+            "rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.25})
+    elif arch == "qwen3_5_moe":  # its text model beside a vision tower
+        text = tiny_config("qwen3_5_moe_text", **over).to_dict()
+        vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=32, out_hidden_size=text["hidden_size"],
+                      patch_size=2, spatial_merge_size=1, temporal_patch_size=1)
+        return transformers.Qwen3_5MoeConfig(text_config=text, vision_config=vision)
     elif arch == "llama4":  # the text model of a multimodal checkpoint, as Llama-4 Scout and Maverick ship
         text = tiny_config("llama4_text", **over).to_dict()
         vision = dict(hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32, image_size=28,
@@ -129,8 +139,9 @@ def tiny_config(arch: str, **over):
 _PERTURB = {"e_score_correction_bias": 0.05, "sinks": 0.5, "router.bias": 0.5, "_bias": 0.05, ".bias": 0.02}
 # and by architecture: Qwen3-Next's zero-centred norms, zeros as made, so that a model that used w, not 1 + w,
 # could not pass
-_PERTURB_ARCH = {"qwen3_next": {"layernorm.weight": 0.2, "model.norm.weight": 0.2, "q_norm.weight": 0.2,
-                                "k_norm.weight": 0.2}}
+_ZERO_CENTRED = {"layernorm.weight": 0.2, "model.norm.weight": 0.2, "language_model.norm.weight": 0.2,
+                 "q_norm.weight": 0.2, "k_norm.weight": 0.2}
+_PERTURB_ARCH = {"qwen3_next": _ZERO_CENTRED, "qwen3_5_moe": _ZERO_CENTRED}
 
 
 def hf_model_class(model_type: str):
@@ -142,6 +153,8 @@ def hf_model_class(model_type: str):
         return transformers.Kimi_K25ForConditionalGeneration
     if model_type == "llama4":
         return transformers.Llama4ForConditionalGeneration
+    if model_type == "qwen3_5_moe":
+        return transformers.Qwen3_5MoeForConditionalGeneration
     return transformers.AutoModelForCausalLM
 
 

@@ -36,7 +36,7 @@ SHAPE = dict(vocab_size=96, hidden_size=64, num_hidden_layers=2, num_attention_h
 def _hf(arch: str, path):
     import transformers
 
-    if arch in ("llama4", "qwen3_next"):  # Llama-4: experts (in, out) with gate and up as halves, its input scaled
+    if arch in ("llama4", "qwen3_next", "qwen3_5_moe"):  # Llama-4: experts (in, out) with gate and up as halves, its input scaled
         # by the router; Qwen3-Next: its linear-attention layers' projections compact too
         from helpers.hf_models import make_hf_checkpoint
 
@@ -316,7 +316,7 @@ def test_decode_with_the_fast_kernels_follows_the_reference_kernels(stores, arch
     assert torch.equal(fast.argmax(-1)[clear], ref.argmax(-1)[clear])
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "llama4", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["mixtral", "gpt_oss", "llama4", "qwen3_next", "qwen3_5_moe"])
 def test_the_resident_quantized_model_follows_the_reference_kernel(stores, arch):
     from semoe.checkpoints.model_io import load_store
 

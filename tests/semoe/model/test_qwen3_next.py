@@ -33,13 +33,24 @@ PROMPT = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
 
 
 @pytest.fixture(scope="module")
-def hf(tmp_path_factory):
-    return make_hf_checkpoint("qwen3_next", tmp_path_factory.mktemp("qwen3_next") / "hf", seed=5)
+def checkpoints(tmp_path_factory):
+    """family -> (its tiny checkpoint, its store), made on first use: Qwen3-Next, and Qwen3.5-MoE's
+    multimodal checkpoint (the same text model with its projections apart, beside a vision tower)."""
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            root = tmp_path_factory.mktemp(family)
+            hf = make_hf_checkpoint(family, root / "hf", seed=5)
+            made[family] = hf, import_checkpoint(str(hf), str(root / "store")).root
+        return made[family]
+
+    return get
 
 
-@pytest.fixture(scope="module")
-def store(hf, tmp_path_factory):
-    return import_checkpoint(str(hf), str(tmp_path_factory.mktemp("qwen3_next") / "store")).root
+@pytest.fixture
+def hf(checkpoints):
+    return checkpoints("qwen3_next")[0]
 
 
 def test_the_cache_keeps_a_fixed_state_for_linear_layers_and_positions_for_the_others(hf):
@@ -106,14 +117,17 @@ def test_packed_sequences_are_each_sequence_alone(hf):
         at += len(t)
 
 
-def test_each_path_says_it_takes_the_modules_and_gives_their_tokens(hf, store, capsys):
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_each_path_says_it_takes_the_modules_and_gives_their_tokens(checkpoints, family, capsys):
     """No fast path takes linear attention yet, and each says so by name: the plan refuses, the engine's
     decode path names the modules and why, resident and offloaded give the module path's tokens, the
     torch-free runner refuses the store, `--lean` fails with one line, and `--cpu-cache` alone (which
     picks the runner where it can) decodes in the engine."""
+    hf, store = checkpoints(family)
     model = load_hf(str(hf))
+    arch = model.config.arch
     want = generate(model, PROMPT, SamplingConfig(max_new_tokens=12))
-    with pytest.raises(NotOnFastPath, match="does not take qwen3_next's Gated DeltaNet linear attention, "
+    with pytest.raises(NotOnFastPath, match=f"does not take {arch}'s Gated DeltaNet linear attention, "
                                             "gated attention output, zero-centred norms"):
         DecodePlan(model)
     for config in (EngineConfig(), EngineConfig(cpu_cache_bytes=1)):
@@ -126,8 +140,9 @@ def test_each_path_says_it_takes_the_modules_and_gives_their_tokens(hf, store, c
             engine.close()
         assert got.tokens == want.tokens
         assert got.logprobs == pytest.approx(want.logprobs, abs=ATOL)
-    assert lean_refusal(store) == ("it does not take qwen3_next's Gated DeltaNet linear attention, gated attention "
+    assert lean_refusal(store) == (f"it does not take {arch}'s Gated DeltaNet linear attention, gated attention "
                                    "output, zero-centred norms")
+    capsys.readouterr()  # what making the checkpoint printed
     args = ["generate", "--model", store, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
             "--json"]
     assert main([*args, "--lean"]) == 2
