@@ -175,9 +175,7 @@ def lean_refusal(path: str) -> str | None:
     store = StoreReader.open(path)
     if not store.manifest.has_file("config.json"):
         return "the store holds no model (no config.json)"
-    config = store_model_config(store)
-    for t in store.manifest.tensors:
-        if why := tensor_refusal(t):
-            return why
-    why = one_call_refusal(config)
-    return None if why is None else f"it does not take {why}"
+    why = one_call_refusal(store_model_config(store))  # the model's parts first: what it is, then how it is stored
+    if why is not None:
+        return f"it does not take {why}"
+    return next((why for t in store.manifest.tensors if (why := tensor_refusal(t))), None)

@@ -151,6 +151,50 @@ def _qwen3_next(cfg: dict, arch: str = "qwen3_next", layout: str = "qkvz") -> Mo
                                   * _partial_rotary(cfg, 0.25)), **_rope(cfg, 10000.0))
 
 
+_V4_KINDS = {"sliding_attention": "sliding", "compressed_sparse_attention": "csa", "heavily_compressed_attention": "hca"}
+
+
+def _deepseek_v4(cfg: dict) -> MoEConfig:
+    """DeepSeek-V4: compressed attention beside a sliding window (`semoe.model.compressed_attention`), hash routing
+    on its first MoE layers, hyper-connections, the grouped output projection, clamped SwiGLU experts."""
+    n = _need(cfg, "num_hidden_layers")
+    types, mlp_types = cfg.get("layer_types") or [], cfg.get("mlp_layer_types") or ["moe"] * n
+    if len(types) != n or set(types) - set(_V4_KINDS):
+        raise ValueError(f"config.json: layer_types must name one of {', '.join(_V4_KINDS)} for each of the {n} "
+                         f"layers, got {types!r}")
+    if len(mlp_types) != n or set(mlp_types) - {"moe", "hash_moe"}:
+        raise ValueError(f"config.json: mlp_layer_types must be moe or hash_moe for each of the {n} layers")
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key):
+            raise ValueError(f"config.json: {key} is not supported for deepseek_v4")
+    params = cfg.get("rope_parameters") or {}
+    main = params.get("main") or {"rope_theta": cfg.get("rope_theta", 10000.0)}
+    compress = params.get("compress") or {"rope_theta": cfg.get("compress_rope_theta", 160000.0)}
+    head_dim = _need(cfg, "head_dim")
+    rates = cfg.get("compress_rates") or {}
+    main_rope, compress_rope = _rope({"rope_parameters": main}, 10000.0), _rope({"rope_parameters": compress}, 160000.0)
+    moe = _need(cfg, "moe_intermediate_size")
+    # one key-value head, shared by every query head, whatever num_key_value_heads says (as the published model)
+    return MoEConfig(arch="deepseek_v4", **{**_common(cfg), "num_kv_heads": 1}, head_dim=head_dim, ffn_size=moe, moe_ffn_size=moe,
+                     num_experts=_num_experts(cfg), norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                     shared_expert_size=cfg.get("n_shared_experts", 1) * moe, shared_expert_gate=False,
+                     attention="compressed", layer_kinds=tuple(_V4_KINDS[t] for t in types),
+                     compress_rates=(int(rates.get("compressed_sparse_attention", 4)),
+                                     int(rates.get("heavily_compressed_attention", 128))),
+                     compress_rope_theta=compress_rope["rope_theta"], compress_rope_scaling=compress_rope["rope_scaling"],
+                     q_lora_rank=_need(cfg, "q_lora_rank"), sliding_window=_need(cfg, "sliding_window"),
+                     o_groups=_need(cfg, "o_groups"), o_lora_rank=_need(cfg, "o_lora_rank"),
+                     hc_mult=cfg.get("hc_mult", 1), hc_sinkhorn_iters=cfg.get("hc_sinkhorn_iters", 20),
+                     hc_eps=cfg.get("hc_eps", 1e-6), index_topk=cfg.get("index_topk"),
+                     index_heads=cfg.get("index_n_heads", 0), index_head_dim=cfg.get("index_head_dim", 0),
+                     router="grouped", router_scores=cfg.get("scoring_func", "sqrtsoftplus"),
+                     score_correction_bias=True, routed_scaling_factor=cfg.get("routed_scaling_factor", 1.0),
+                     hash_layers=tuple(i for i, t in enumerate(mlp_types) if t == "hash_moe"),
+                     expert_mlp="limited_swiglu", swiglu_limit=float(cfg.get("swiglu_limit", 10.0)),
+                     rope_dim=int(head_dim * float(main.get("partial_rotary_factor",
+                                                            cfg.get("partial_rotary_factor", 1.0)))), **main_rope)
+
+
 def _olmoe(cfg: dict) -> MoEConfig:
     if cfg.get("attention_bias"):
         raise ValueError("config.json: attention_bias is not supported for olmoe")
@@ -400,7 +444,7 @@ BUILDERS: dict[str, Callable[[dict], MoEConfig]] = {
     "gpt_oss": _gpt_oss, "minimax_m2": _minimax_m2, "dots1": _dots1, "ernie4_5_moe": _ernie4_5_moe,
     "hunyuan_v1_moe": _hunyuan_v1_moe, "llama4_text": _llama4_text, "deepseek_v32": _dsa("deepseek_v32"),
     "glm_moe_dsa": _dsa("glm_moe_dsa"), "qwen3_next": _qwen3_next,
-    "qwen3_5_moe_text": lambda cfg: _qwen3_next(cfg, "qwen3_5_moe_text", "split"),
+    "qwen3_5_moe_text": lambda cfg: _qwen3_next(cfg, "qwen3_5_moe_text", "split"), "deepseek_v4": _deepseek_v4,
 }
 
 

@@ -50,12 +50,12 @@ log = logging.getLogger(__name__)
 INDEX_FILE = "model.safetensors.index.json"
 _MULTIMODAL_KEYS = ("vision_config", "audio_config", "text_config")
 _INDEXER_KEYS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek sparse attention's indexer
-_DSA_TYPES = ("deepseek_v32", "glm_moe_dsa")  # the model types that have one
+_DSA_TYPES = ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")  # the model types that have one
 _LAYER_RE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.")  # the first layers.N of a name
 MTP_REASON = "multi-token prediction layers"
 _MTP_PREFIX = "mtp."  # where Qwen3-Next and Qwen3.5 keep theirs
-_EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\.(\d+)\.(.+)$")
-_FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward)\.experts\.([A-Za-z0-9_]+)$")
+_EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward|ffn)\.experts\.(\d+)\.(.+)$")
+_FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward|ffn)\.experts\.([A-Za-z0-9_]+)$")
 _NUM_EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 
 Progress = Callable[[int], None]

@@ -20,7 +20,8 @@ from storage.errors import BadInputError
 # it does not take yet)
 ARCHITECTURES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
                  "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
-                 "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text")
+                 "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text",
+                 "deepseek_v4")
 
 
 MAX_GROUPS = 256  # a grouped router's groups the one-call step takes (decode_step.c's `route`)
@@ -35,6 +36,8 @@ def plan_refusal(c) -> str | None:
     one-call step, nor the torch-free runner), in a phrase naming the parts; None where they take it.
     The modules run those models."""
     parts: list[str] = []  # every part of every architecture semoe loads is on the fast paths, but:
+    if c.attention == "compressed":
+        parts.append("compressed attention, hyper-connections, hash routing")
     if c.linear_layers is not None:
         parts.append("Gated DeltaNet linear attention")
     if c.attn_output_gate:
@@ -47,8 +50,6 @@ def plan_refusal(c) -> str | None:
 def one_call_refusal(c) -> str | None:
     """What in config `c` (a `semoe.model.config.MoEConfig`) the one-call step and the torch-free runner do
     not take, in a phrase; None where they take it all."""
-    if c.attention not in ("gqa", "mla"):
-        return f"{c.attention} attention"
     why = plan_refusal(c)
     if why is not None:
         return why

@@ -114,12 +114,13 @@ class KVCache:
     for grouped-query attention; for latent attention the latent (B, 1, S_max, L) in `k` and the
     rotary key (B, 1, S_max, R) in `v`. A linear-attention layer caches no positions (its k and v hold
     no elements) and keeps its fixed-size state in `states[layer]` (None for the other layers), the
-    state after exactly `length` tokens."""
+    state after exactly `length` tokens; so does a DeepSeek-V4 layer, its `CompressedState`
+    (`semoe.model.compressed_attention`; None until its first token)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     length: int = 0
-    states: list[DeltaNetState | None] | None = None
+    states: list | None = None  # of DeltaNetState, CompressedState or None
 
     @classmethod
     def bytes_for(cls, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
@@ -133,7 +134,7 @@ class KVCache:
         if max_len > config.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position {config.max_position}")
         shapes = [config.layer_kv_shapes(i, batch, max_len) for i in range(config.num_layers)]
-        states = None
+        states = [None] * config.num_layers if config.attention == "compressed" else None
         if config.linear_layers is not None:  # zeros: the state before a sequence's first token
             conv, rec = config.linear_state_shapes(batch)
             states = [DeltaNetState(torch.zeros(conv, device=device, dtype=torch.float32),
@@ -148,7 +149,7 @@ class KVCache:
 
     def state_bytes(self) -> int:
         """Bytes of the linear layers' states (fixed, whatever the length)."""
-        return sum(s.conv.nbytes + s.recurrent.nbytes for s in self.states or () if s is not None)
+        return sum(s.nbytes() for s in self.states or () if s is not None)
 
     def grow(self, max_len: int) -> None:
         """Room for `max_len` positions (at least the current capacity): every layer's k and v moved
@@ -171,7 +172,7 @@ class KVCache:
         if n > min(self.capacity, src.length):
             raise ValueError(f"{n} positions: the source holds {src.length}, this cache {self.capacity}")
         if src.states is not None and n != src.length:  # a recurrent state holds all its tokens at once
-            raise ValueError(f"{n} positions: the source's linear-attention state is that of its {src.length} "
+            raise ValueError(f"{n} positions: the source's per-layer state is that of its {src.length} "
                              "tokens, not of a prefix")
         for mine, theirs in ((self.k, src.k), (self.v, src.v)):
             for a, b in zip(mine, theirs):

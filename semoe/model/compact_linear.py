@@ -349,9 +349,10 @@ def _fits(shape: tuple[int, ...], dtype: torch.dtype, scheme: str, group_size: i
 
 def dense_linear_names(model: nn.Module) -> list[str]:
     """The dense linear layers `compact_dense_linears` makes compact (attention, lm_head, dense and
-    shared feed-forwards): every `nn.Linear` but a shared expert's gate and latent attention's kv_b."""
+    shared feed-forwards): every `nn.Linear` but a shared expert's gate, latent attention's kv_b and
+    DeepSeek-V4's grouped output projection (`wo_a`, applied per group as a (groups, rank, in) view)."""
     return [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
-            and not name.endswith(("shared_gate", "kv_b_proj"))]
+            and not name.endswith(("shared_gate", "kv_b_proj", "wo_a"))]
 
 
 def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto",

@@ -16,7 +16,12 @@ from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
 
 # One list with `store import`: every HuggingFace model type it accepts, plus models trained here.
 ARCHITECTURES = ("gpt_moe", *(t for t in SUPPORTED_MODEL_TYPES if t != "semoe_gpt"))
-ATTENTIONS = ("gqa", "mla")  # grouped-query attention; DeepSeek's multi-head latent attention
+# grouped-query attention; DeepSeek's multi-head latent attention; DeepSeek-V4's one shared key-value head over a
+# sliding window, with compressed entries of the sequence on some layers (`semoe.model.compressed_attention`)
+ATTENTIONS = ("gqa", "mla", "compressed")
+# DeepSeek-V4's layers: the sliding window alone, or with compressed sparse attention (entries of 2m tokens every
+# m, an indexer choosing the top-k) or heavily compressed attention (one entry per m' tokens, all read)
+COMPRESSED_KINDS = ("sliding", "csa", "hca")
 # "full": RMSNorm over all heads' q (and k) before splitting (OLMoE); "head": per head (Qwen3, GLM-4.5);
 # "head_after_rope": per head, after the rotation (Hunyuan); "unit_after_rope": per head after the
 # rotation, without weights, on the layers that rotate (Llama-4)
@@ -30,7 +35,8 @@ ROUTER_SCORES = ("softmax", "sigmoid", "sqrtsoftplus")  # sqrtsoftplus: DeepSeek
 GROUP_SCORES = ("max", "top2")  # a group's score: its best expert (V2), or its best two summed (V3)
 # "swiglu": down(silu(gate x) * up x); "clamped_swiglu": gpt-oss's, with biases and clamping;
 # "fused_swiglu": SwiGLU with gate and up as the halves of one (in, 2 * out) tensor (Llama-4)
-EXPERT_MLPS = ("swiglu", "clamped_swiglu", "fused_swiglu")
+# "limited_swiglu": SwiGLU with the gate clamped above and the up clamped both ways at `swiglu_limit` (DeepSeek-V4)
+EXPERT_MLPS = ("swiglu", "clamped_swiglu", "fused_swiglu", "limited_swiglu")
 # Gated DeltaNet's input projections as Qwen3-Next ("qkvz": grouped per key head) and Qwen3.5 ("split") store them
 LINEAR_LAYOUTS = ("qkvz", "split")
 # latent attention's query and latent norms take this epsilon whatever the model's `rms_norm_eps`, as the
@@ -111,6 +117,20 @@ class MoEConfig:
     # the layers with an indexer of their own; the others read the positions the nearest such layer
     # before them chose (GLM-5's "shared" layers); None: every layer
     index_layers: tuple[int, ...] | None = None
+    # DeepSeek-V4 (attention "compressed"): each layer's kind (COMPRESSED_KINDS), the tokens per compressed entry
+    # (csa, hca), the rotary base of the compressed layers (the sliding ones take rope_theta) and its scaling; the
+    # output projection in `o_groups` groups of rank `o_lora_rank`; `hc_mult` residual streams mixed by
+    # hyper-connections (1: a plain residual); the MoE layers routed by the token's id (`hash_layers`)
+    layer_kinds: tuple[str, ...] | None = None
+    compress_rates: tuple[int, int] = (4, 128)
+    compress_rope_theta: float = 160000.0
+    compress_rope_scaling: dict[str, Any] | None = None
+    o_groups: int = 1
+    o_lora_rank: int = 0
+    hc_mult: int = 1
+    hc_sinkhorn_iters: int = 20
+    hc_eps: float = 1e-6
+    hash_layers: tuple[int, ...] | None = None
     # -- rotary embeddings
     rope_theta: float = 10000.0
     rope_dim: int | None = None  # rotated dims of each head (default: all of head_dim; MLA: qk_rope_head_dim)
@@ -160,7 +180,20 @@ class MoEConfig:
                     raise ValueError(f"attention 'mla' needs {name} >= 1, got {getattr(self, name)}")
             self.head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
             self.rope_dim = self.qk_rope_head_dim
-        if self.index_topk is not None:
+        self.compress_rates = tuple(int(r) for r in self.compress_rates)  # (a list, as JSON gives it back)
+        if self.attention == "compressed":
+            kinds = tuple(self.layer_kinds or ())
+            if len(kinds) != self.num_layers or set(kinds) - set(COMPRESSED_KINDS):
+                raise ValueError(f"attention 'compressed' needs layer_kinds, one of {COMPRESSED_KINDS} for each of "
+                                 f"the {self.num_layers} layers, got {self.layer_kinds!r}")
+            self.layer_kinds = kinds
+            if self.q_lora_rank is None or self.sliding_window is None or self.o_lora_rank < 1 or \
+                    self.num_kv_heads != 1 or (self.num_heads * (self.head_dim or 0)) % self.o_groups:
+                raise ValueError("attention 'compressed' needs q_lora_rank, sliding_window, o_lora_rank >= 1, one key-value "
+                                 "head and num_heads * head_dim divisible by o_groups")
+            if "csa" in kinds and (self.index_topk is None or self.index_heads < 1 or self.index_head_dim < 1):
+                raise ValueError("compressed sparse attention layers need index_topk, index_heads and index_head_dim")
+        if self.index_topk is not None and self.attention != "compressed":
             if self.attention != "mla" or self.q_lora_rank is None:
                 raise ValueError("index_topk (DeepSeek sparse attention) needs attention 'mla' with a q_lora_rank")
             if self.index_topk < 1 or self.index_heads < 1 or self.index_head_dim < self.qk_rope_head_dim:
@@ -213,10 +246,12 @@ class MoEConfig:
                                  f"linear_key_heads ({self.linear_key_heads})")
             if self.linear_layout not in LINEAR_LAYOUTS:
                 raise ValueError(f"linear_layout must be one of {LINEAR_LAYOUTS}, got {self.linear_layout!r}")
-        if self.index_layers is not None and self.index_topk is not None and 0 not in self.index_layers:
+        if self.index_layers is not None and self.index_topk is not None and 0 not in self.index_layers \
+                and self.attention == "mla":
             raise ValueError(f"index_layers {self.index_layers} must include layer 0 (a layer without an indexer "
                              "reads the choice of one before it)")
-        for name in ("moe_layers", "sliding_layers", "chunked_layers", "rope_layers", "index_layers", "linear_layers"):
+        for name in ("moe_layers", "sliding_layers", "chunked_layers", "rope_layers", "index_layers", "linear_layers",
+                     "hash_layers"):
             layers = getattr(self, name)
             if layers is not None:
                 layers = tuple(sorted(set(int(i) for i in layers)))
@@ -243,7 +278,29 @@ class MoEConfig:
 
     def indexes(self, layer: int) -> bool:
         """Whether `layer` has DeepSeek sparse attention's indexer of its own."""
-        return self.index_topk is not None and (self.index_layers is None or layer in self.index_layers)
+        return self.index_topk is not None and self.attention == "mla" and (self.index_layers is None
+                                                                            or layer in self.index_layers)
+
+    def kind(self, layer: int) -> str | None:
+        """DeepSeek-V4's kind of `layer` (COMPRESSED_KINDS), None for other attentions."""
+        return self.layer_kinds[layer] if self.attention == "compressed" else None
+
+    def compressed_state_bytes(self, batch: int, positions: int, itemsize: int) -> int:
+        """Bytes of DeepSeek-V4's per-sequence state after `positions` tokens, every layer: the sliding window's
+        last keys, each compressed entry (and under CSA its indexer's key), the tokens waiting to fill an
+        entry and CSA's overlap with the last full window (`semoe.model.compressed_attention.CompressedState`)."""
+        if self.attention != "compressed":
+            return 0
+        Dh, total = self.head_dim, 0
+        for kind in self.layer_kinds:
+            total += min(positions, self.sliding_window - 1) * Dh
+            if kind == "hca":
+                m = self.compress_rates[1]
+                total += positions // m * Dh + 2 * (m - 1) * Dh
+            elif kind == "csa":
+                m, Di = self.compress_rates[0], self.index_head_dim
+                total += positions // m * (Dh + Di) + 2 * (m - 1) * 2 * (Dh + Di) + 2 * m * (Dh + Di)
+        return batch * total * itemsize
 
     def is_linear(self, layer: int) -> bool:
         """Whether `layer` mixes tokens with Gated DeltaNet linear attention (a fixed-size state, no KV cache)."""
@@ -277,9 +334,9 @@ class MoEConfig:
         return dataclasses.replace(self, **changes)
 
     def layer_kv_shapes(self, layer: int, batch: int, positions: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        """`layer`'s KV cache as (k, v) shapes: `kv_shapes`, or for a linear layer, which caches no
-        positions, shapes of no elements (B, 1, S, 0) that grow, copy and trim with the others."""
-        if self.is_linear(layer):
+        """`layer`'s KV cache as (k, v) shapes: `kv_shapes`, or for a linear layer or a DeepSeek-V4 one, which keep
+        a state of their own instead, shapes of no elements (B, 1, S, 0) that grow, copy and trim with the others."""
+        if self.is_linear(layer) or self.attention == "compressed":
             return ((batch, 1, positions, 0),) * 2
         return self.kv_shapes(batch, positions)
 
@@ -297,6 +354,8 @@ class MoEConfig:
     def kv_bytes(self, batch: int, positions: int, itemsize: int) -> int:
         """Bytes of every layer's KV cache (`layer_kv_shapes`) in elements of `itemsize` bytes, and the
         linear layers' fixed-size states (float32) beside them."""
+        if self.attention == "compressed":
+            return self.compressed_state_bytes(batch, positions, itemsize)
         k, v = self.kv_shapes(batch, positions)
         attending = self.num_layers - (len(self.linear_layers) if self.linear_layers is not None else 0)
         return attending * (math.prod(k) + math.prod(v)) * itemsize + self.linear_state_bytes(batch)

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from semoe.model.hf_names import MIXTRAL_NAMES
+from semoe.model.hf_names import W_NAMES
 from semoe.model.compact_linear import Weight, fused_clamped_swiglu, fused_swiglu, linear, matmul
 from semoe.model.config import MoEConfig
 
@@ -68,7 +68,7 @@ class SwiGLU(ExpertMLP):
     """gate (F, D), up (F, D), down (D, F), named `w1`, `w3`, `w2` in Mixtral and `*_proj` elsewhere."""
 
     def names(self, config: MoEConfig, prefix: str) -> tuple[str, ...]:
-        parts = ("w1", "w3", "w2") if config.arch in MIXTRAL_NAMES else ("gate_proj", "up_proj", "down_proj")
+        parts = ("w1", "w3", "w2") if config.arch in W_NAMES else ("gate_proj", "up_proj", "down_proj")
         return tuple(f"{prefix}{p}.weight" for p in parts)
 
     def shapes(self, config: MoEConfig) -> tuple[tuple[int, ...], ...]:
@@ -77,6 +77,24 @@ class SwiGLU(ExpertMLP):
 
     def apply(self, x_MD: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
         return swiglu(x_MD, *parts)
+
+
+@dataclass(frozen=True)
+class LimitedSwiGLU(ExpertMLP):
+    """DeepSeek-V4's experts: SwiGLU's tensors (`w1`, `w3`, `w2`), the gate clamped above and the up both ways
+    at `limit` (`clamped_silu_glu`). Not a `SwiGLU`: the paths that compute SwiGLU in one kernel call skip it."""
+
+    limit: float
+
+    def names(self, config: MoEConfig, prefix: str) -> tuple[str, ...]:
+        return SwiGLU().names(config, prefix)
+
+    def shapes(self, config: MoEConfig) -> tuple[tuple[int, ...], ...]:
+        return SwiGLU().shapes(config)
+
+    def apply(self, x_MD: torch.Tensor, parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        gate_FD, up_FD, down_DF = parts
+        return linear(clamped_silu_glu(linear(x_MD, gate_FD), linear(x_MD, up_FD), self.limit), down_DF)
 
 
 @dataclass(frozen=True)
@@ -132,6 +150,8 @@ def expert_mlp(config: MoEConfig) -> ExpertMLP:
         return ClampedSwiGLU(alpha=config.swiglu_alpha, limit=config.swiglu_limit)
     if config.expert_mlp == "fused_swiglu":
         return FusedSwiGLU()
+    if config.expert_mlp == "limited_swiglu":
+        return LimitedSwiGLU(limit=config.swiglu_limit)
     return SwiGLU()
 
 
@@ -167,7 +187,7 @@ class ResidentExperts(nn.Module):
     SwiGLU: w_gate/w_up (E, F, D), w_down (E, D, F); gpt-oss: w_gate_up (E, D, 2F), b_gate_up
     (E, 2F), w_down (E, F, D), b_down (E, D); Llama-4: w_gate_up (E, D, 2F), w_down (E, F, D)."""
 
-    PARAMS = {SwiGLU: ("w_gate", "w_up", "w_down"), ClampedSwiGLU: ("w_gate_up", "b_gate_up", "w_down", "b_down"),
+    PARAMS = {SwiGLU: ("w_gate", "w_up", "w_down"), LimitedSwiGLU: ("w_gate", "w_up", "w_down"), ClampedSwiGLU: ("w_gate_up", "b_gate_up", "w_down", "b_down"),
               FusedSwiGLU: ("w_gate_up", "w_down")}
 
     def __init__(self, config: MoEConfig, num_experts: int | None = None) -> None:

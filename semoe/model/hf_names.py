@@ -21,9 +21,10 @@ class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
                          "gpt_oss", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
-                         "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text", "semoe_gpt")
+                         "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text", "deepseek_v4", "semoe_gpt")
 # model types whose checkpoints name a MoE layer `block_sparse_moe` and its experts' products w1/w3/w2
 MIXTRAL_NAMES = ("mixtral", "minimax_m2")
+W_NAMES = (*MIXTRAL_NAMES, "deepseek_v4")  # and whose experts' products are w1/w3/w2 (DeepSeek-V4's under `ffn`)
 SEMOE_MODEL_TYPE = "semoe_gpt"  # a config.json written for a model trained here
 # model types that are another one under a new name: (architecture they must declare, the type they are)
 ALIASES = {"kimi_k2": ("DeepseekV3ForCausalLM", "deepseek_v3"),
@@ -68,11 +69,42 @@ def text_name(config: _Arch, name: str) -> str:
 def moe_prefix(config: _Arch) -> str:
     """The HuggingFace name of a MoE layer's module (and of a dense layer's, Mixtral's aside)."""
     return "block_sparse_moe" if config.arch in MIXTRAL_NAMES else "feed_forward" if config.arch == "llama4_text" \
-        else "mlp"
+        else "ffn" if config.arch == "deepseek_v4" else "mlp"
+
+
+# DeepSeek-V4's names that are not another architecture's, as transformers writes its checkpoints: the model's
+# name's tail -> the checkpoint's (the layer's hyper-connections, the shared expert's products, the head)
+_V4_TOP = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+           "lm_head.weight": "head.weight", "hc_head.hc_fn": "model.hc_head.hc_fn",
+           "hc_head.hc_base": "model.hc_head.hc_base", "hc_head.hc_scale": "model.hc_head.hc_scale"}
+
+
+def _v4_name(param: str) -> str:
+    """`hf_name` of a DeepSeek-V4 parameter: the attention's tensors keep their names under `attn.`, the MoE's
+    under `ffn.` (its router's correction bias as `gate.bias`)."""
+    m = re.match(r"^layers\.(\d+)\.(.+)$", param)
+    if not m:
+        if param in _V4_TOP:
+            return _V4_TOP[param]
+        raise KeyError(param)
+    rest = m.group(2)
+    for pattern, repl in ((r"^hc_(attn|ffn)\.(fn|base|scale)$", r"hc_\1_\2"),
+                          (r"^ffn\.router\.e_score_correction_bias$", "ffn.gate.bias"),
+                          (r"^ffn\.router\.", "ffn.gate."),
+                          (r"^ffn\.shared\.gate_proj\.", "ffn.shared_experts.w1."),
+                          (r"^ffn\.shared\.up_proj\.", "ffn.shared_experts.w3."),
+                          (r"^ffn\.shared\.down_proj\.", "ffn.shared_experts.w2.")):
+        if re.match(pattern, rest):
+            return f"model.layers.{m.group(1)}." + re.sub(pattern, repl, rest)
+    if rest.startswith(("attn.", "attn_norm.", "ffn_norm.")):
+        return f"model.layers.{m.group(1)}.{rest}"
+    raise KeyError(param)
 
 
 def hf_name(config: _Arch, param: str) -> str:
     """The HuggingFace name of a non-expert model parameter."""
+    if config.arch == "deepseek_v4":
+        return _v4_name(param)
     m = re.match(r"^layers\.(\d+)\.(.+)$", param)
     if not m:
         top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)

@@ -134,6 +134,9 @@ class DeltaNetState:
     def clone(self) -> "DeltaNetState":
         return DeltaNetState(self.conv.clone(), self.recurrent.clone())
 
+    def nbytes(self) -> int:
+        return self.conv.nbytes + self.recurrent.nbytes
+
 
 class GatedDeltaNet(nn.Module):
     """A Gated DeltaNet token mixer as Qwen3-Next and Qwen3.5-MoE publish it (their tensors' names):

@@ -23,25 +23,30 @@ from semoe.model.attention import KVCache, RMSNorm, make_attention, rope_tables
 from semoe.model.compact_linear import Linear, linear
 from semoe.model.config import MoEConfig
 from semoe.model.linear_attention import GatedDeltaNet
-from semoe.model.experts import ExpertProvider, ExpertWeights, ResidentExperts, swiglu
+from semoe.model.compressed_attention import CompressedAttention
+from semoe.model.experts import ExpertProvider, ExpertWeights, ResidentExperts, clamped_silu_glu, swiglu
+from semoe.model.hyper_connections import HyperConnection, HyperHead
 from semoe.model.routing import (Routing, capacity_keep_mask, dispatch_order, expert_capacity, gather_rows,
-                                 load_balancing_loss, route_grouped, route_topk, route_topk_sigmoid, route_topk_softmax,
-                                 router_z_loss)
+                                 load_balancing_loss, route_grouped, route_hashed, route_topk, route_topk_sigmoid,
+                                 route_topk_softmax, router_z_loss)
 
 __all__ = ["MoEGPT", "MoEFeedForward", "Router", "DenseFFN", "Block", "ModelOutput", "RouterStats", "KVCache",
            "RMSNorm", "ExpertProvider", "ExpertWeights", "ResidentExperts", "rope_tables", "swiglu"]
 
 
 class DenseFFN(nn.Module):
-    """A SwiGLU feed-forward layer (dense layers and shared experts)."""
+    """A SwiGLU feed-forward layer (dense layers and shared experts); with `limit`, DeepSeek-V4's clamped one."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, limit: float | None = None) -> None:
         super().__init__()
+        self.limit = limit
         self.gate_proj = Linear(dim, hidden, bias=False)
         self.up_proj = Linear(dim, hidden, bias=False)
         self.down_proj = Linear(hidden, dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.limit is not None:
+            return self.down_proj(clamped_silu_glu(self.gate_proj(x), self.up_proj(x), self.limit))
         return swiglu(x, self.gate_proj.weight, self.up_proj.weight, self.down_proj.weight)
 
 
@@ -51,20 +56,34 @@ class DenseFFN(nn.Module):
 class Router(nn.Module):
     """A MoE layer's router: its parameters, and the routing function `config.router` names."""
 
-    def __init__(self, config: MoEConfig) -> None:
+    def __init__(self, config: MoEConfig, layer: int = 0) -> None:
         super().__init__()
         self.config = config
         self.weight = nn.Parameter(torch.empty(config.num_experts, config.hidden_size))
         nn.init.normal_(self.weight, std=0.02)
         self.bias = nn.Parameter(torch.zeros(config.num_experts)) if config.router_bias else None
-        if config.score_correction_bias:
+        # DeepSeek-V4's first layers choose each token's experts by its id, from a frozen table
+        self.hashed = config.hash_layers is not None and layer in config.hash_layers
+        if self.hashed:
+            self.tid2eid = nn.Parameter(torch.zeros(config.vocab_size, config.top_k, dtype=torch.long),
+                                        requires_grad=False)
+            self.ids: torch.Tensor | None = None  # the token ids of the model's call under way (`MoEGPT._blocks`)
+        elif config.score_correction_bias:
             # DeepSeek-V3 adjusts it from expert loads, not by gradient: a frozen parameter here. ERNIE's
             # checkpoints hold it as one row of a (groups, experts) table, with one group.
             shape = (1, config.num_experts) if config.arch == "ernie4_5_moe" else (config.num_experts,)
             self.e_score_correction_bias = nn.Parameter(torch.zeros(shape), requires_grad=False)
 
-    def forward(self, x_ND: torch.Tensor) -> Routing:
+    def forward(self, x_ND: torch.Tensor, ids_N: torch.Tensor | None = None) -> Routing:
+        """The routing of rows `x_ND`; `ids_N`, their token ids, for a layer that routes by them."""
         c = self.config
+        if self.hashed:
+            ids_N = self.ids if ids_N is None else ids_N  # the model's call's, for a guess of this layer's experts
+            if ids_N is None or ids_N.numel() != x_ND.shape[0]:
+                raise ValueError("a hash-routed MoE layer needs the tokens' ids")
+            logits = nn.functional.linear(x_ND.float(), self.weight.float())
+            return route_hashed(logits, self.tid2eid[ids_N.reshape(-1)], scores=c.router_scores,
+                                normalize=c.norm_topk_prob, scale=c.routed_scaling_factor)
         # `linear`: a decoding step's rows on semoe's CPU kernel, torch's product otherwise
         if c.router == "softmax_topk":
             return route_topk(linear(x_ND, self.weight), c.top_k, normalize=c.norm_topk_prob)
@@ -98,11 +117,12 @@ class MoEFeedForward(nn.Module):
         super().__init__()
         self.config = config
         self.layer = layer
-        self.router = Router(config)
+        self.router = Router(config, layer)
         self.scales_input = config.router == "topk_sigmoid_input"  # the weights scale the experts' input
         self.experts: ExpertProvider = ResidentExperts(config)
         if config.shared_expert_size:
-            self.shared = DenseFFN(config.hidden_size, config.shared_expert_size)
+            limit = config.swiglu_limit if config.expert_mlp == "limited_swiglu" else None
+            self.shared = DenseFFN(config.hidden_size, config.shared_expert_size, limit)
             if config.shared_expert_gate:
                 self.shared_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
@@ -115,14 +135,16 @@ class MoEFeedForward(nn.Module):
         else:
             object.__setattr__(self, "experts", provider)
 
-    def route(self, x_ND: torch.Tensor) -> Routing:
-        """Routing of flattened tokens (the same function the offload engine uses to predict)."""
-        return self.router(x_ND)
+    def route(self, x_ND: torch.Tensor, ids_N: torch.Tensor | None = None) -> Routing:
+        """Routing of flattened tokens (the same function the offload engine uses to predict); `ids_N`
+        their token ids, which a hash-routed layer needs."""
+        return self.router(x_ND, ids_N)
 
-    def route_and_keep(self, x_ND: torch.Tensor) -> tuple[Routing, torch.Tensor]:
+    def route_and_keep(self, x_ND: torch.Tensor, ids_N: torch.Tensor | None = None
+                       ) -> tuple[Routing, torch.Tensor]:
         """Routing and, in training with a capacity factor, which (token, choice) pairs are kept."""
         c = self.config
-        r = self.route(x_ND)
+        r = self.route(x_ND, ids_N)
         keep_NK = torch.ones_like(r.ids_TK, dtype=torch.bool)
         if self.training and c.capacity_factor is not None:
             cap = expert_capacity(x_ND.shape[0], c.num_experts, c.top_k, c.capacity_factor)
@@ -178,14 +200,15 @@ class MoEFeedForward(nn.Module):
         zero = x_1D.new_zeros((), dtype=torch.float32)  # inference needs the routing, not the losses
         return self.combine_shared(x_1D, out_1D), RouterStats(aux_loss=zero, z_loss=zero, ids_NK=r.ids_TK)
 
-    def forward(self, x_BTD: torch.Tensor) -> tuple[torch.Tensor, RouterStats]:
+    def forward(self, x_BTD: torch.Tensor, ids: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterStats]:
+        """The layer on x's rows; `ids`, their token ids (any shape of B T elements), for hash routing."""
         c = self.config
         B, T, D = x_BTD.shape
         x_ND = x_BTD.reshape(-1, D)
         if x_ND.shape[0] == 1 and not self.training:
-            out_ND, stats = self._one_token(x_ND, self.route(x_ND))
+            out_ND, stats = self._one_token(x_ND, self.route(x_ND, ids))
             return out_ND.view(B, T, D), stats
-        r, keep_NK = self.route_and_keep(x_ND)
+        r, keep_NK = self.route_and_keep(x_ND, ids)
         token_idx, choice_idx, counts_E = dispatch_order(r.ids_TK, keep_NK, c.num_experts)
         # The host needs the counts to slice each expert's rows: with dispatch_order's nonzero, the
         # layer's only host syncs (both data-dependent sizes).
@@ -218,53 +241,74 @@ class MoEFeedForward(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: attention, then a dense or MoE feed-forward layer."""
+    """Pre-norm transformer block: attention, then a dense or MoE feed-forward layer. With `hc_mult` > 1
+    (DeepSeek-V4) the residual is that many streams, and a hyper-connection around each of the two
+    (`hc_attn`, `hc_ffn`) collapses them into its input and spreads its output back."""
 
     def __init__(self, config: MoEConfig, layer: int) -> None:
         super().__init__()
         c = config
         self.layer = layer
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_plus_one)
-        self.linear = c.is_linear(layer)  # Gated DeltaNet in place of attention: a state, not a KV cache
-        self.attn = GatedDeltaNet(c.hidden_size, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
-                                  c.linear_value_dim, c.linear_conv_kernel, c.rms_norm_eps, c.linear_layout) \
-            if self.linear else make_attention(c, layer)
+        # a token mixer that keeps a state of its own per sequence (in the cache's `states`), not positions:
+        # Gated DeltaNet (Qwen3-Next), DeepSeek-V4's window and compressed entries
+        self.linear = c.is_linear(layer)
+        self.stateful = self.linear or c.attention == "compressed"
+        if self.linear:
+            self.attn = GatedDeltaNet(c.hidden_size, c.linear_key_heads, c.linear_value_heads, c.linear_key_dim,
+                                      c.linear_value_dim, c.linear_conv_kernel, c.rms_norm_eps, c.linear_layout)
+        elif c.attention == "compressed":
+            self.attn = CompressedAttention(c, layer)
+        else:
+            self.attn = make_attention(c, layer)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps, c.norm_plus_one)
         self.ffn: nn.Module = (MoEFeedForward(config, layer) if config.is_moe_layer(layer)
                                else DenseFFN(config.hidden_size, config.ffn_size))
+        if c.hc_mult > 1:
+            self.hc_attn, self.hc_ffn = (HyperConnection(c.hidden_size, c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
+                                                         c.rms_norm_eps) for _ in range(2))
 
-    def forward(self, x_BTD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                cache: KVCache | list[KVCache] | None, counts: list[int] | None = None
-                ) -> tuple[torch.Tensor, RouterStats | None]:
-        """With `counts`, x's rows are the packed tokens of the sequences whose caches `cache` lists
-        (`MoEGPT.forward_packed`)."""
-        h = self.attn_norm(x_BTD)
-        x_BTD = x_BTD + (self._mix_linear(h, cache, counts) if self.linear else self.attn(h, cos, sin, cache, counts))
-        h = self.ffn_norm(x_BTD)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                cache: KVCache | list[KVCache] | None, counts: list[int] | None = None,
+                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, RouterStats | None]:
+        """x (B, T, D), or (B, T, streams, D) with hyper-connections. With `counts`, x's rows are the packed
+        tokens of the sequences whose caches `cache` lists (`MoEGPT.forward_packed`); `ids` are the rows'
+        token ids (a hash-routed MoE layer's input)."""
+        hc = getattr(self, "hc_attn", None) is not None
+        post, comb, h = self.hc_attn(x) if hc else (None, None, x)
+        h = self.attn_norm(h)
+        y = self._mix_stateful(h, cache, counts) if self.stateful else self.attn(h, cos, sin, cache, counts)
+        x = HyperConnection.merge(post, comb, y, x) if hc else x + y
+        post, comb, h = self.hc_ffn(x) if hc else (None, None, x)
+        h = self.ffn_norm(h)
+        stats = None
         if isinstance(self.ffn, MoEFeedForward):
-            y, stats = self.ffn(h)
-            return x_BTD + y, stats
-        return x_BTD + self.ffn(h), None
+            y, stats = self.ffn(h, ids)
+        else:
+            y = self.ffn(h)
+        return (HyperConnection.merge(post, comb, y, x) if hc else x + y), stats
 
-
-    def _mix_linear(self, x_BTD: torch.Tensor, cache: KVCache | list[KVCache] | None, counts: list[int] | None
-                    ) -> torch.Tensor:
-        """The linear-attention layer over this call's rows, each sequence's from the state its cache holds
+    def _mix_stateful(self, x_BTD: torch.Tensor, cache: KVCache | list[KVCache] | None, counts: list[int] | None
+                      ) -> torch.Tensor:
+        """The stateful token mixer over this call's rows, each sequence's from the state its cache holds
         (a sequence's start without one), which the call's last row's state then replaces."""
         if cache is None:
-            return self.attn(x_BTD)[0]
+            return self._mix(x_BTD, None, 0)[0]
         if counts is None:
             cache = [cache]
             counts = [x_BTD.shape[1]]
         outs, s = [], 0
         for c, n in zip(cache, counts):
             if c.states is None:
-                raise ValueError(f"layer {self.layer}: a KV cache without linear-attention states (made for "
-                                 "another model)")
-            y, c.states[self.layer] = self.attn(x_BTD[:, s:s + n], c.states[self.layer] if c.length else None)
+                raise ValueError(f"layer {self.layer}: a KV cache without per-layer states (made for another model)")
+            y, c.states[self.layer] = self._mix(x_BTD[:, s:s + n], c.states[self.layer] if c.length else None,
+                                                c.length)
             outs.append(y)
             s += n
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+    def _mix(self, x_BTD: torch.Tensor, state, start: int):
+        return self.attn(x_BTD, state) if self.linear else self.attn(x_BTD, state, start)
 
 
 @dataclass
@@ -285,12 +329,15 @@ class MoEGPT(nn.Module):
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(Block(config, i) for i in range(config.num_layers))
-        if config.index_topk is not None:  # a layer without an indexer reads the nearest one's before it
+        if config.index_topk is not None and config.attention == "mla":  # a layer without an indexer reads the
+            # nearest one's before it
             for i, block in enumerate(self.layers):
                 if not config.indexes(i):
                     chooser = self.layers[max(j for j in range(i) if config.indexes(j))].attn
                     object.__setattr__(block.attn, "chooser", chooser)  # a reference, not a submodule
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, config.norm_plus_one)
+        if config.hc_mult > 1:  # the last layer's streams collapsed into one before the norm
+            self.hc_head = HyperHead(config.hidden_size, config.hc_mult, config.hc_eps, config.rms_norm_eps)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         if config.tie_embeddings:
             self.lm_head.weight = self.embed.weight
@@ -334,7 +381,7 @@ class MoEGPT(nn.Module):
         positions_1N = (spans[0] if len(spans) == 1 else torch.cat(spans))[None]
         x_1ND = self.embed(ids_N[None])
         cos, sin = rope_tables(self.config, positions_1N, x_1ND.dtype)
-        x_1ND, router = self._blocks(x_1ND, cos, sin, caches, counts)
+        x_1ND, router = self._blocks(x_1ND, cos, sin, caches, counts, ids_N)
         for c, n in zip(caches, counts):
             c.length += n
         if rows is not None:  # a run of rows is a slice: no index tensor to build (and copy to a GPU)
@@ -356,20 +403,28 @@ class MoEGPT(nn.Module):
         x_BTD = self.embed(ids_BT)
         positions_BT = torch.arange(start, start + T, device=ids_BT.device).expand(B, T)
         cos, sin = rope_tables(self.config, positions_BT, x_BTD.dtype)
-        x_BTD, router = self._blocks(x_BTD, cos, sin, cache, None)
+        x_BTD, router = self._blocks(x_BTD, cos, sin, cache, None, ids_BT)
         if cache is not None:
             cache.length = start + T
         return self._output(self.lm_head(self.norm(x_BTD)), router)
 
-    def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, counts: list[int] | None
-                ) -> tuple[torch.Tensor, dict[int, RouterStats]]:
-        """Every block in order, and each MoE layer's router stats."""
+    def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, counts: list[int] | None,
+                ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, RouterStats]]:
+        """Every block in order (over `hc_mult` copies of the embedding as the streams, collapsed after the
+        last, where the model has hyper-connections), and each MoE layer's router stats."""
         router: dict[int, RouterStats] = {}
+        hc = self.config.hc_mult > 1
+        if hc:
+            x = x[..., None, :].expand(*x.shape[:-1], self.config.hc_mult, x.shape[-1]).contiguous()
+        if self.config.hash_layers is not None:  # where the offload engine guesses a hash-routed layer's experts
+            for ffn in self.moe_layers():
+                if ffn.router.hashed:
+                    ffn.router.ids = ids
         for block in self.layers:
-            x, stats = block(x, cos, sin, cache, counts)
+            x, stats = block(x, cos, sin, cache, counts, ids)
             if stats is not None:
                 router[block.layer] = stats
-        return x, router
+        return (self.hc_head(x) if hc else x), router
 
     def _output(self, logits: torch.Tensor, router: dict[int, RouterStats]) -> ModelOutput:
         zero = logits.new_zeros(())

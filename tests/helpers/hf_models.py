@@ -104,6 +104,16 @@ def tiny_config(arch: str, **over):
                                                      linear_num_value_heads=4, linear_key_head_dim=8,
                                                      linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                                      layer_types=["linear_attention"] * 3 + ["full_attention"])
+    elif arch == "deepseek_v4":
+        # every kind of layer: heavily compressed (one entry per 4 tokens), compressed sparse (an entry every 2
+        # tokens from 4, the indexer's top 2), the window of 4 alone; hash routing on the first two; two streams
+        rates = {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}
+        cls, kw = transformers.DeepseekV4Config, dict(
+            TINY, num_hidden_layers=4, head_dim=16, q_lora_rank=24, moe_intermediate_size=24, n_routed_experts=4,
+            num_experts_per_tok=2, o_groups=2, o_lora_rank=8, index_n_heads=4, index_head_dim=8, index_topk=2,
+            sliding_window=4, compress_rates=rates, hc_mult=2, partial_rotary_factor=0.25,
+            layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
+                         "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"])
     elif arch == "qwen3_5_moe_text":  # Qwen3-Next's text model with the linear layers' projections apart
         kw = {k: v for k, v in tiny_config("qwen3_next").to_dict().items()
               if k in transformers.Qwen3_5MoeTextConfig().to_dict() and k not in ("model_type", "transformers_version")}
@@ -141,7 +151,8 @@ _PERTURB = {"e_score_correction_bias": 0.05, "sinks": 0.5, "router.bias": 0.5, "
 # could not pass
 _ZERO_CENTRED = {"layernorm.weight": 0.2, "model.norm.weight": 0.2, "language_model.norm.weight": 0.2,
                  "q_norm.weight": 0.2, "k_norm.weight": 0.2}
-_PERTURB_ARCH = {"qwen3_next": _ZERO_CENTRED, "qwen3_5_moe": _ZERO_CENTRED}
+_PERTURB_ARCH = {"qwen3_next": _ZERO_CENTRED, "qwen3_5_moe": _ZERO_CENTRED,
+                 "deepseek_v4": {"sinks": 0.5, "position_bias": 0.3, "_hc.base": 0.3, "hc_base": 0.3}}
 
 
 def hf_model_class(model_type: str):
@@ -178,6 +189,10 @@ def make_hf_checkpoint(arch: str, path: pathlib.Path, *, dtype: str = "float32",
     g = torch.Generator().manual_seed(seed + 1)
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith("tid2eid"):  # hash routing's table: distinct experts per token
+                t.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=g)[:t.shape[1]]
+                                     for _ in range(t.shape[0])]))
+                continue
             std = next((v for k, v in {**_PERTURB, **_PERTURB_ARCH.get(arch, {})}.items() if name.endswith(k)), None)
             if std is not None:
                 t.copy_(torch.randn(t.shape, generator=g) * std)

@@ -41,10 +41,16 @@ def dequantize_fp8_reference(q: torch.Tensor, scale_inv: torch.Tensor, block: tu
     return (q.to(torch.float32) * expand_blocks(scale_inv, block, q.shape)).to(dtype)
 
 
-def write_fp8_checkpoint(src, dst, block: tuple[int, int], *, mtp: bool = True) -> dict[str, torch.Tensor]:
-    """DeepSeek-V3's published layout: FP8 weights with float32 `weight_scale_inv`, sharded, and (with
-    `mtp`, for the 2-layer model of hidden size 32 that test_hf_quantized makes) a multi-token-prediction
-    layer (layer 2 of 2) spread over both shards. Returns what was written."""
+# DeepSeek-V4's products, as its checkpoints name them: the attention's and every expert's (shared included)
+FP8_QUANTIZED_V4 = re.compile(r"^model\.layers\.\d+\.(attn\.w(q_a|q_b|kv|o_b)|ffn\.(experts\.\d+|shared_experts)"
+                              r"\.w[123])\.weight$")
+
+
+def write_fp8_checkpoint(src, dst, block: tuple[int, int], *, mtp: bool = True,
+                         quantized: re.Pattern = FP8_QUANTIZED) -> dict[str, torch.Tensor]:
+    """DeepSeek-V3's published layout: FP8 weights (those `quantized` names) with float32 `weight_scale_inv`,
+    sharded, and (with `mtp`, for the 2-layer model of hidden size 32 that test_hf_quantized makes) a
+    multi-token-prediction layer (layer 2 of 2) spread over both shards. Returns what was written."""
     dst.mkdir()
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": list(block),
@@ -54,7 +60,7 @@ def write_fp8_checkpoint(src, dst, block: tuple[int, int], *, mtp: bool = True) 
     if not mtp:
         written = {}
         for name, t in plain.items():
-            if FP8_QUANTIZED.match(name):
+            if quantized.match(name):
                 written[name], written[name + "_scale_inv"] = quantize_fp8(t, block)
             else:
                 written[name] = t

@@ -24,7 +24,7 @@ from helpers.procs import ROOT, child_env
 OLDER_ARCHS = ["mixtral", "qwen2_moe", "olmoe"]
 NEWER_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25",
                "ernie4_5_moe", "hunyuan_v1_moe", "llama4",
-               "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe"]
+               "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe", "deepseek_v4"]
 PROMPT = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
 
 

@@ -794,7 +794,7 @@ def test_the_kv_memory_budget_queues_requests_and_refuses_one_that_never_fits(en
         server.close()
 
 
-@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32", "qwen3_next"])
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32", "qwen3_next", "deepseek_v4"])
 def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engine, reference, family_engines, model):
     """Caches start at the prompt and 4 positions and grow by 4: three requests that together need more
     than the budget all run at first; when a cache cannot grow, the newest is preempted and, once
@@ -803,7 +803,8 @@ def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engi
     counted and every byte is given back. With sparse attention (DeepSeek-V3.2) the budget counts
     the indexer's keys, which grow and come back with the rest of the cache. With linear attention
     (Qwen3-Next) it counts each Gated DeltaNet layer's state, whose size does not grow; a preempted
-    request's state is computed again with its positions."""
+    request's state is computed again with its positions. DeepSeek-V4's count bounds what its layers hold
+    (the window's keys, an entry per m tokens, the tokens waiting for the next)."""
     if model != "mixtral":
         engine, reference = family_engines(model)
         c = engine.model.config
@@ -819,11 +820,17 @@ def test_kv_caches_grow_and_a_preempted_request_goes_on_with_its_own_tokens(engi
             cache = engine.new_cache(list(range(n // 2)), n - n // 2)
             held = sum(t.nbytes for t in (*cache.k, *cache.v)) + cache.state_bytes()
             assert held == engine.kv_cache_bytes(n) and cache.state_bytes() == state
+    if model == "deepseek_v4":
+        for n in (3, 9, 40):
+            cache = engine.new_cache(list(range(1, n)), 1)
+            engine.model(torch.tensor([list(range(1, n + 1))]), cache)
+            held, bound = cache.state_bytes(), engine.kv_cache_bytes(n)
+            assert 0 < held <= bound <= held + c.compressed_state_bytes(1, 0, 4), (n, held, bound)
     eng = ScriptedEngine(engine)
     prompts = [[3, 4, 5, 6, 7 + i] for i in range(3)]
     want = [reference.generate(p, SamplingConfig(max_new_tokens=20)) for p in prompts]
-    # 40 positions among the three requests, beside the states of all three (each request holds one)
-    budget = engine.kv_cache_bytes(40) + (2 * state if model == "qwen3_next" else 0)
+    # 40 positions among the three requests, beside what each holds whatever its length (a state of fixed size)
+    budget = engine.kv_cache_bytes(40) + 2 * engine.kv_cache_bytes(0)
     server = LiveServer(create_app(eng, ServeConfig(max_batch=4, kv_memory_bytes=budget, kv_grow_tokens=4)))
     try:
         eng.gate.clear()
@@ -953,7 +960,7 @@ def family_engines(tmp_path_factory):
             e.close()
 
 
-@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32", "qwen3_next"])
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32", "qwen3_next", "deepseek_v4"])
 def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, reference, family_engines, model):
     """Prefix reuse: a conversation's second turn resends the first turn and its answer. The server
     takes the positions the first request computed (its prompt and answer but the last token) instead
@@ -961,8 +968,9 @@ def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, r
     log-probs within 1e-4 (the reused positions were computed by decoding steps, whose sums run in
     another order than a prompt pass's). A prompt sharing no token reuses nothing. With sparse
     attention (DeepSeek-V3.2), the reused positions bring the indexer's keys with them. With linear
-    attention (Qwen3-Next), whose kept state is that of the whole first conversation, a prompt that
-    leaves it part way computes from scratch; a model with positions alone reuses the shared part."""
+    attention (Qwen3-Next) or compressed attention (DeepSeek-V4), whose kept state is that of the whole first
+    conversation, a prompt that leaves it part way computes from scratch; a model with positions alone reuses
+    the shared part."""
     if model != "mixtral":
         engine, reference = family_engines(model)
     server = LiveServer(create_app(engine))
@@ -990,9 +998,10 @@ def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, r
         assert status == 200 and out["choices"][0]["token_ids"] == want.tokens
         assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
         m = metrics(server.port)
-        assert m[("semoe_prefix_cache_hits_total", ())] == (1 if model == "qwen3_next" else 2)
+        whole_only = model in ("qwen3_next", "deepseek_v4")  # a state of all the entry's tokens, not per position
+        assert m[("semoe_prefix_cache_hits_total", ())] == (1 if whole_only else 2)
         assert m[("semoe_prefix_cache_reused_tokens_total", ())] == len(first) + len(answer) - 1 + (
-            0 if model == "qwen3_next" else 8)
+            0 if whole_only else 8)
     finally:
         server.close()
 

@@ -69,7 +69,7 @@ def test_olmoe_round_trip(hf_olmoe, tmp_path):
 
 NEW_ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25",
                "ernie4_5_moe", "hunyuan_v1_moe", "llama4",
-               "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe"]
+               "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe", "deepseek_v4"]
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-file", "sharded"])

@@ -31,7 +31,7 @@ from helpers.procs import ROOT, child_env
 ATOL = 1e-5
 ARCHS = ["mixtral", "qwen2_moe", "olmoe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
          "minimax_m2", "dots1", "kimi_k25", "ernie4_5_moe", "hunyuan_v1_moe", "llama4", "deepseek_v32",
-         "glm_moe_dsa", "qwen3_next", "qwen3_5_moe"]
+         "glm_moe_dsa", "qwen3_next", "qwen3_5_moe", "deepseek_v4"]
 PROMPTS = [[1, 5, 9, 2], [7], list(range(3, 40, 3)), [11, 12, 13, 14, 15, 16, 17, 18]]
 
 

@@ -86,7 +86,7 @@ def test_a_copied_or_trimmed_cache_answers_as_the_original_and_a_prefix_is_refus
         trimmed.grow(16)
         outs = [model(torch.tensor([[7]]), k).logits for k in (cache, copy, trimmed)]
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    with pytest.raises(ValueError, match="linear-attention state is that of its 11 tokens, not of a prefix"):
+    with pytest.raises(ValueError, match="per-layer state is that of its 11 tokens, not of a prefix"):
         KVCache.empty(c, 1, 16).copy_from(cache, 5)
 
 

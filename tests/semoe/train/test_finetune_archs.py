@@ -22,7 +22,7 @@ from storage.store import Store
 
 ARCHS = ["qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss", "minimax_m2", "dots1", "kimi_k25",
                "ernie4_5_moe", "hunyuan_v1_moe", "llama4",
-               "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe"]
+               "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe", "deepseek_v4"]
 WORDS = "the cat sat on a mat and dog ran to big red blue one two three four five six seven".split()
 
 
