@@ -151,7 +151,9 @@ def test_import_peak_memory_stays_near_the_largest_tensor(tmp_path):
 
     src = tmp_path / "big"
     src.mkdir()
-    (src / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8}))
+    (src / "config.json").write_text(json.dumps({"model_type": "mixtral", "num_local_experts": 8, "vocab_size": 32,
+                                                 "hidden_size": 512, "intermediate_size": 512, "num_hidden_layers": 3,
+                                                 "num_attention_heads": 8, "num_experts_per_tok": 2}))
     outs = []
     for layer in range(3):
         for e in range(8):
