@@ -7,7 +7,9 @@ Each is a HuggingFace directory as the model ships (config.json, safetensors sha
 generation_config.json) that `semoe store import` and llama.cpp's converter both take, written once:
 - gpt-oss-20b: its config as published (24 layers, 32 experts of 2880, top-4, YaRN, sinks, windows of
   128), experts in MXFP4 as shipped (blocks and e8m0 scales), everything else in bfloat16;
-- qwen3-30b-a3b: its config as published (48 layers, 128 experts of 768, top-8), all bfloat16.
+- qwen3-30b-a3b: its config as published (48 layers, 128 experts of 768, top-8), all bfloat16;
+- qwen3.5-35b-a3b: Qwen3.5-35B-A3B's text model as a causal LM (40 layers, three Gated DeltaNet to one gated
+  attention, 256 experts of 512 and a shared one, top-8), all bfloat16.
 A tokenizer of exactly the config's vocabulary is added (`llama_peer.add_tokenizer`: a byte-level BPE
 trained on the standard library's sources, topped up with synthetic merges), and the config's special
 token ids are set to its own (<unk>, <s>, </s> at 0, 1, 2); every other field is the published one.
@@ -73,7 +75,24 @@ QWEN3_30B_A3B = {
     "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
     "use_sliding_window": False, "vocab_size": 151936,
 }
-MODELS = {"gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# Qwen3.5-35B-A3B's text model (Gated DeltaNet on three layers of four, gated attention on the fourth, 256
+# experts of 512 and a shared one in every layer), as a causal LM: its multimodal release wraps this text model
+# beside a vision tower that neither semoe nor llama.cpp's text decoding reads. The shape is that of
+# transformers' Qwen3_5MoeTextConfig, whose defaults follow the release.
+QWEN3_5_35B_A3B = {
+    "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 248044, "eos_token_id": 248046, "head_dim": 256, "hidden_act": "silu",
+    "hidden_size": 2048, "initializer_range": 0.02, "layer_types": None, "linear_conv_kernel_dim": 4,
+    "linear_key_head_dim": 128, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+    "linear_value_head_dim": 128, "max_position_embeddings": 262144, "moe_intermediate_size": 512,
+    "num_attention_heads": 16, "num_experts": 256, "num_experts_per_tok": 8, "num_hidden_layers": 40,
+    "num_key_value_heads": 2, "output_router_logits": False, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
+                        "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
+    "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 248320,
+}
+MODELS = {"gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
 
 SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # the added tokenizer's
 ROUTER_LOGIT_STD = 2.0
@@ -83,7 +102,7 @@ FP4_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of a
 @dataclass(frozen=True)
 class Planned:
     """One tensor of the checkpoint: name, shape, safetensors dtype and how it is drawn: ("normal", std),
-    ("ones",), ("mxfp4_blocks",) or ("mxfp4_scales", std of the values the blocks decode to)."""
+    ("ones",), ("zeros",), ("mxfp4_blocks",) or ("mxfp4_scales", std of the values the blocks decode to)."""
 
     name: str
     shape: tuple[int, ...]
@@ -111,6 +130,9 @@ def config_of(model: str, layers: int | None = None, **overrides) -> dict:
     if c["model_type"] == "gpt_oss":  # full attention every other layer, as published
         c["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                             for i in range(c["num_hidden_layers"])]
+    if c["model_type"] == "qwen3_5_moe_text":  # full attention every fourth layer, as published
+        c["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                            for i in range(c["num_hidden_layers"])]
     return c
 
 
@@ -121,10 +143,16 @@ def plan(c: dict) -> list[Planned]:
     std, out_std = c["initializer_range"], c["initializer_range"] / math.sqrt(2 * L)
     out = [Planned("model.embed_tokens.weight", (V, H), "BF16", ("normal", 1.0))]
     bias = c.get("attention_bias", False)
+    qwen35 = c["model_type"] == "qwen3_5_moe_text"
+    norm = ("zeros",) if qwen35 else ("ones",)  # Qwen3.5 stores its norms zero-centred (used as 1 + w)
     for i in range(L):
         p = f"model.layers.{i}."
-        out += [Planned(p + "input_layernorm.weight", (H,), "BF16", ("ones",)),
-                Planned(p + "post_attention_layernorm.weight", (H,), "BF16", ("ones",))]
+        out += [Planned(p + "input_layernorm.weight", (H,), "BF16", norm),
+                Planned(p + "post_attention_layernorm.weight", (H,), "BF16", norm)]
+        if qwen35:
+            out += _qwen35_mixer(c, p, i, std, out_std)
+            out += _qwen_moe(c, p, E, std, out_std, shared=True)
+            continue
         for name, rows, cols, s in (("q_proj", nH * hd, H, std), ("k_proj", kv * hd, H, std),
                                     ("v_proj", kv * hd, H, std), ("o_proj", H, nH * hd, out_std)):
             out.append(Planned(p + f"self_attn.{name}.weight", (rows, cols), "BF16", ("normal", s)))
@@ -142,17 +170,56 @@ def plan(c: dict) -> list[Planned]:
                         Planned(p + f"mlp.experts.{name}_scales", (E, o, n // 32), "U8", ("mxfp4_scales", s)),
                         Planned(p + f"mlp.experts.{name}_bias", (E, o), "BF16", ("normal", std))]
         else:
-            F = c["moe_intermediate_size"]
             out += [Planned(p + "self_attn.q_norm.weight", (hd,), "BF16", ("ones",)),
-                    Planned(p + "self_attn.k_norm.weight", (hd,), "BF16", ("ones",)),
-                    Planned(p + "mlp.gate.weight", (E, H), "BF16", router)]
-            for e in range(E):
-                out += [Planned(p + f"mlp.experts.{e}.gate_proj.weight", (F, H), "BF16", ("normal", std)),
-                        Planned(p + f"mlp.experts.{e}.up_proj.weight", (F, H), "BF16", ("normal", std)),
-                        Planned(p + f"mlp.experts.{e}.down_proj.weight", (H, F), "BF16", ("normal", out_std))]
-    out += [Planned("model.norm.weight", (H,), "BF16", ("ones",)),
+                    Planned(p + "self_attn.k_norm.weight", (hd,), "BF16", ("ones",))]
+            out += _qwen_moe(c, p, E, std, out_std, shared=False)
+    out += [Planned("model.norm.weight", (H,), "BF16", norm),
             Planned("lm_head.weight", (V, H), "BF16", ("normal", std))]
     return out
+
+
+def _qwen_moe(c: dict, p: str, E: int, std: float, out_std: float, shared: bool) -> list[Planned]:
+    """A Qwen MoE layer's router and experts (per expert, as released), and Qwen3.5's gated shared expert."""
+    H, F = c["hidden_size"], c["moe_intermediate_size"]
+    out = [Planned(p + "mlp.gate.weight", (E, H), "BF16", ("normal", ROUTER_LOGIT_STD / math.sqrt(H)))]
+    for e in range(E):
+        out += [Planned(p + f"mlp.experts.{e}.gate_proj.weight", (F, H), "BF16", ("normal", std)),
+                Planned(p + f"mlp.experts.{e}.up_proj.weight", (F, H), "BF16", ("normal", std)),
+                Planned(p + f"mlp.experts.{e}.down_proj.weight", (H, F), "BF16", ("normal", out_std))]
+    if shared:
+        S = c["shared_expert_intermediate_size"]
+        out += [Planned(p + "mlp.shared_expert.gate_proj.weight", (S, H), "BF16", ("normal", std)),
+                Planned(p + "mlp.shared_expert.up_proj.weight", (S, H), "BF16", ("normal", std)),
+                Planned(p + "mlp.shared_expert.down_proj.weight", (H, S), "BF16", ("normal", out_std)),
+                Planned(p + "mlp.shared_expert_gate.weight", (1, H), "BF16", ("normal", std))]
+    return out
+
+
+def _qwen35_mixer(c: dict, p: str, i: int, std: float, out_std: float) -> list[Planned]:
+    """Qwen3.5's token mixer of layer i: Gated DeltaNet (its projections apart, the causal convolution,
+    the decay's parameters, the gated norm), or gated full attention (q_proj gives each head's query and
+    gate) with zero-centred q/k norms."""
+    H, nH, kv, hd = c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
+    if c["layer_types"][i] == "full_attention":
+        return [Planned(p + "self_attn.q_proj.weight", (2 * nH * hd, H), "BF16", ("normal", std)),
+                Planned(p + "self_attn.k_proj.weight", (kv * hd, H), "BF16", ("normal", std)),
+                Planned(p + "self_attn.v_proj.weight", (kv * hd, H), "BF16", ("normal", std)),
+                Planned(p + "self_attn.o_proj.weight", (H, nH * hd), "BF16", ("normal", out_std)),
+                Planned(p + "self_attn.q_norm.weight", (hd,), "BF16", ("zeros",)),
+                Planned(p + "self_attn.k_norm.weight", (hd,), "BF16", ("zeros",))]
+    nk, nv = c["linear_num_key_heads"], c["linear_num_value_heads"]
+    kd, vd, K = nk * c["linear_key_head_dim"], nv * c["linear_value_head_dim"], c["linear_conv_kernel_dim"]
+    a = p + "linear_attn."
+    return [Planned(a + "in_proj_qkv.weight", (2 * kd + vd, H), "BF16", ("normal", std)),
+            Planned(a + "in_proj_z.weight", (vd, H), "BF16", ("normal", std)),
+            Planned(a + "in_proj_b.weight", (nv, H), "BF16", ("normal", std)),
+            Planned(a + "in_proj_a.weight", (nv, H), "BF16", ("normal", std)),
+            Planned(a + "conv1d.weight", (2 * kd + vd, 1, K), "BF16", ("normal", 1 / math.sqrt(K))),
+            Planned(a + "dt_bias", (nv,), "BF16", ("ones",)),
+            # the decay rate exp(A_log) spread around 1 (the released models' span 0.01..16)
+            Planned(a + "A_log", (nv,), "BF16", ("normal", 1.0)),
+            Planned(a + "norm.weight", (c["linear_value_head_dim"],), "BF16", ("ones",)),
+            Planned(a + "out_proj.weight", (H, vd), "BF16", ("normal", out_std))]
 
 
 def model_bytes(c: dict) -> int:
@@ -165,6 +232,8 @@ def draw(t: Planned, rng: np.random.Generator, block: int = 1 << 22) -> np.ndarr
     kind = t.draw[0]
     if kind == "ones":
         return np.full(n, 0x3F80, np.uint16)  # bfloat16 1.0
+    if kind == "zeros":
+        return np.zeros(n, np.uint16)
     if kind == "mxfp4_blocks":  # two uniformly drawn e2m1 codes a byte
         return rng.integers(0, 256, n, dtype=np.uint8)
     if kind == "mxfp4_scales":  # e8m0, biased by 127: the exponent that gives the values this std

@@ -21,7 +21,12 @@ SMALL = {
                         head_dim=16, num_local_experts=8, vocab_size=640, sliding_window=8),
     "qwen3-30b-a3b": dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=16, num_experts=16, vocab_size=640),
+    "qwen3.5-35b-a3b": dict(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, vocab_size=640,
+                            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                            linear_value_head_dim=16),
 }
+LAYERS = {"qwen3.5-35b-a3b": 4}  # a full-attention layer after three linear ones; the others 3
 
 
 def load(model: str, path: str, **kw):
@@ -36,15 +41,15 @@ def load(model: str, path: str, **kw):
 @pytest.fixture(scope="module", params=sorted(SMALL))
 def small(request, tmp_path_factory):
     out = str(tmp_path_factory.mktemp("real") / request.param)
-    make_real.write(request.param, out, layers=3, overrides=SMALL[request.param], shard_bytes=64 << 10,
-                    progress=False)
+    make_real.write(request.param, out, layers=LAYERS.get(request.param, 3), overrides=SMALL[request.param],
+                    shard_bytes=64 << 10, progress=False)
     return request.param, out
 
 
 def test_the_checkpoint_loads_in_transformers_with_every_weight_and_decodes(small):
     model, path = small
     cfg = json.load(open(os.path.join(path, "config.json")))
-    assert cfg["num_hidden_layers"] == 3 and cfg["model_type"] == make_real.MODELS[model]["model_type"]
+    assert cfg["num_hidden_layers"] == LAYERS.get(model, 3) and cfg["model_type"] == make_real.MODELS[model]["model_type"]
     index = json.load(open(os.path.join(path, "model.safetensors.index.json")))
     assert len(set(index["weight_map"].values())) > 1  # written shard by shard
     m, info = load(model, path, output_loading_info=True)
@@ -61,14 +66,15 @@ def test_the_checkpoint_loads_in_transformers_with_every_weight_and_decodes(smal
 @pytest.mark.slow  # 40 s: transformers decoding at the published width
 @pytest.mark.parametrize("model", sorted(SMALL))
 def test_decoding_routes_over_every_expert_at_the_published_width(model, tmp_path):
-    """At the published hidden size, heads and expert width (2 layers, 8 experts, a small vocabulary),
+    """At the published hidden size, heads and expert width (2 layers, Qwen3.5's 4, 8 experts, a small vocabulary),
     64 greedily decoded tokens do not fall into a short cycle, and every layer's top-k picks over them
     have a normalized entropy of at least 0.95 (1: every expert picked equally). With transformers'
     own initialization, 4 such layers of qwen3-30b-a3b decoded 9 distinct tokens of 96 and routed
     them with an entropy of 0.84; make_real's weights, 94 and 0.995."""
     E = 8
     ov = {"num_local_experts" if model == "gpt-oss-20b" else "num_experts": E, "vocab_size": 2048}
-    path = make_real.write(model, str(tmp_path / "m"), layers=2, overrides=ov, progress=False)
+    layers = LAYERS.get(model, 2)  # (transformers' cache needs Qwen3.5's full-attention layer)
+    path = make_real.write(model, str(tmp_path / "m"), layers=layers, overrides=ov, progress=False)
     m = load(model, path).eval()
     cfg = json.load(open(os.path.join(path, "config.json")))
     prompt = torch.randint(3, 2048, (1, 16), generator=torch.Generator().manual_seed(1))
@@ -77,7 +83,7 @@ def test_decoding_routes_over_every_expert_at_the_published_width(model, tmp_pat
         out = m(new, output_router_logits=True)  # the decoded tokens' routing
     assert len(set(new[0].tolist())) >= 48
     K = cfg["num_experts_per_tok"]
-    assert len(out.router_logits) == 2
+    assert len(out.router_logits) == layers
     for layer, logits in enumerate(out.router_logits):
         counts = torch.bincount(logits.reshape(-1, E).topk(K, dim=-1).indices.flatten(), minlength=E).double()
         p = counts / counts.sum()
