@@ -9,7 +9,10 @@ generation_config.json) that `semoe store import` and llama.cpp's converter both
   128), experts in MXFP4 as shipped (blocks and e8m0 scales), everything else in bfloat16;
 - qwen3-30b-a3b: its config as published (48 layers, 128 experts of 768, top-8), all bfloat16;
 - qwen3.5-35b-a3b: Qwen3.5-35B-A3B's text model as a causal LM (40 layers, three Gated DeltaNet to one gated
-  attention, 256 experts of 512 and a shared one, top-8), all bfloat16.
+  attention, 256 experts of 512 and a shared one, top-8), all bfloat16;
+- deepseek-v4-flash: DeepSeek-V4-Flash (43 layers of compressed attention beside a window of 128, 256
+  experts of 2048 and a shared one, top-6, hash routing on the first three, four residual streams), all
+  bfloat16, named as transformers writes it (llama.cpp's converter reads the release's own names).
 A tokenizer of exactly the config's vocabulary is added (`llama_peer.add_tokenizer`: a byte-level BPE
 trained on the standard library's sources, topped up with synthetic merges), and the config's special
 token ids are set to its own (<unk>, <s>, </s> at 0, 1, 2); every other field is the published one.
@@ -92,7 +95,30 @@ QWEN3_5_35B_A3B = {
     "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 248320,
 }
-MODELS = {"gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
+# DeepSeek-V4-Flash: compressed attention (HCA and CSA layers alternating after three HCA ones) beside a window
+# of 128, hash routing on its first three MoE layers, four hyper-connection streams, 256 experts of 2048, top-6.
+# The shape is that of transformers' DeepseekV4Config, whose defaults follow the release; the tensors are named
+# as transformers writes them and all bfloat16 (the release's own low-precision formats are not reproduced).
+_V4_TYPES = ["heavily_compressed_attention"] * 3 + ["compressed_sparse_attention", "heavily_compressed_attention"] * 20
+DEEPSEEK_V4_FLASH = {
+    "architectures": ["DeepseekV4ForCausalLM"], "model_type": "deepseek_v4", "attention_bias": False,
+    "attention_dropout": 0.0, "bos_token_id": 0, "eos_token_id": 1, "compress_rates": {
+        "compressed_sparse_attention": 4, "heavily_compressed_attention": 128}, "compress_rope_theta": 160000.0,
+    "hc_eps": 1e-06, "hc_mult": 4, "hc_sinkhorn_iters": 20, "head_dim": 512, "hidden_act": "silu",
+    "hidden_size": 4096, "index_head_dim": 128, "index_n_heads": 64, "index_topk": 512, "initializer_range": 0.02,
+    "layer_types": _V4_TYPES, "max_position_embeddings": 1048576, "mlp_bias": False,
+    "mlp_layer_types": ["hash_moe"] * 3 + ["moe"] * 40, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+    "n_shared_experts": 1, "norm_topk_prob": True, "num_attention_heads": 64, "num_experts_per_tok": 6,
+    "num_hidden_layers": 43, "num_key_value_heads": 1, "num_nextn_predict_layers": 1, "o_groups": 8,
+    "o_lora_rank": 1024, "partial_rotary_factor": 0.125, "q_lora_rank": 1024, "rms_norm_eps": 1e-06,
+    "rope_parameters": {"main": {"rope_type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.125},
+                        "compress": {"rope_type": "default", "rope_theta": 160000.0, "partial_rotary_factor": 0.125}},
+    "routed_scaling_factor": 1.5, "scoring_func": "sqrtsoftplus", "sliding_window": 128, "swiglu_limit": 10.0,
+    "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 129280,
+}
+MODELS = {"gpt-oss-20b": GPT_OSS_20B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+          "deepseek-v4-flash": DEEPSEEK_V4_FLASH}
+DTYPE_BYTES = {"BF16": 2, "U8": 1, "I64": 8}
 
 SPECIAL_IDS = {"bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 0}  # the added tokenizer's
 ROUTER_LOGIT_STD = 2.0
@@ -102,7 +128,8 @@ FP4_RMS = math.sqrt(sum(v * v for v in (0, .5, 1, 1.5, 2, 3, 4, 6)) / 8)  # of a
 @dataclass(frozen=True)
 class Planned:
     """One tensor of the checkpoint: name, shape, safetensors dtype and how it is drawn: ("normal", std),
-    ("ones",), ("zeros",), ("mxfp4_blocks",) or ("mxfp4_scales", std of the values the blocks decode to)."""
+    ("ones",), ("zeros",), ("mxfp4_blocks",), ("mxfp4_scales", std of the values the blocks decode to) or
+    ("tid2eid", experts)."""
 
     name: str
     shape: tuple[int, ...]
@@ -111,7 +138,7 @@ class Planned:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * (2 if self.dtype == "BF16" else 1)
+        return math.prod(self.shape) * DTYPE_BYTES[self.dtype]
 
 
 def config_of(model: str, layers: int | None = None, **overrides) -> dict:
@@ -130,6 +157,9 @@ def config_of(model: str, layers: int | None = None, **overrides) -> dict:
     if c["model_type"] == "gpt_oss":  # full attention every other layer, as published
         c["layer_types"] = ["sliding_attention" if i % 2 == 0 else "full_attention"
                             for i in range(c["num_hidden_layers"])]
+    if c["model_type"] == "deepseek_v4":  # each kept layer's own kinds
+        c["layer_types"] = c["layer_types"][:c["num_hidden_layers"]]
+        c["mlp_layer_types"] = c["mlp_layer_types"][:c["num_hidden_layers"]]
     if c["model_type"] == "qwen3_5_moe_text":  # full attention every fourth layer, as published
         c["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
                             for i in range(c["num_hidden_layers"])]
@@ -138,6 +168,8 @@ def config_of(model: str, layers: int | None = None, **overrides) -> dict:
 
 def plan(c: dict) -> list[Planned]:
     """Every tensor of config `c`'s checkpoint, named as the model ships."""
+    if c["model_type"] == "deepseek_v4":
+        return _v4_plan(c)
     H, V, L, E = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"], c.get("num_local_experts") or c["num_experts"]
     nH, kv, hd = c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"]
     std, out_std = c["initializer_range"], c["initializer_range"] / math.sqrt(2 * L)
@@ -222,6 +254,59 @@ def _qwen35_mixer(c: dict, p: str, i: int, std: float, out_std: float) -> list[P
             Planned(a + "out_proj.weight", (H, vd), "BF16", ("normal", out_std))]
 
 
+def _v4_plan(c: dict) -> list[Planned]:
+    """DeepSeek-V4's tensors, named as transformers writes them: each layer's hyper-connections (`hc_attn_*`,
+    `hc_ffn_*`), attention (`attn.wq_a` ... `attn.wo_b`, `attn_sink`) with its compressor and, on CSA layers,
+    its indexer, the MoE under `ffn` (hash layers' frozen `gate.tid2eid`, the others' `gate.bias`)."""
+    H, V, L, E = c["hidden_size"], c["vocab_size"], c["num_hidden_layers"], c["n_routed_experts"]
+    nH, hd, Q, G, R = c["num_attention_heads"], c["head_dim"], c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+    N, F, K = c["hc_mult"], c["moe_intermediate_size"], c["num_experts_per_tok"]
+    std, out_std = c["initializer_range"], c["initializer_range"] / math.sqrt(2 * L)
+    bf = lambda name, shape, draw: Planned(name, shape, "BF16", draw)  # noqa: E731
+    hc = lambda p: [bf(p + "_fn", ((2 + N) * N, N * H), ("normal", std)), bf(p + "_base", ((2 + N) * N,), ("zeros",)),  # noqa: E731
+                    bf(p + "_scale", (3,), ("ones",))]
+
+    def compressor(p: str, dim: int, rate: int, overlap: bool) -> list[Planned]:
+        w = 2 * dim if overlap else dim
+        return [bf(p + "wkv.weight", (w, H), ("normal", std)), bf(p + "wgate.weight", (w, H), ("normal", std)),
+                bf(p + "ape", (rate, w), ("normal", std)), bf(p + "norm.weight", (dim,), ("ones",))]
+
+    out = [bf("model.embed_tokens.weight", (V, H), ("normal", 1.0))]
+    rates = c["compress_rates"]
+    for i in range(L):
+        p = f"model.layers.{i}."
+        out += [bf(p + "attn_norm.weight", (H,), ("ones",)), bf(p + "ffn_norm.weight", (H,), ("ones",)),
+                *hc(p + "hc_attn"), *hc(p + "hc_ffn")]
+        a = p + "attn."
+        out += [bf(a + "wq_a.weight", (Q, H), ("normal", std)), bf(a + "q_norm.weight", (Q,), ("ones",)),
+                bf(a + "wq_b.weight", (nH * hd, Q), ("normal", std)), bf(a + "wkv.weight", (hd, H), ("normal", std)),
+                bf(a + "norm.weight", (hd,), ("ones",)), bf(a + "wo_a.weight", (G * R, nH * hd // G), ("normal", std)),
+                bf(a + "wo_b.weight", (H, G * R), ("normal", out_std)), bf(a + "attn_sink", (nH,), ("normal", 1.0))]
+        kind = c["layer_types"][i]
+        if kind == "heavily_compressed_attention":
+            out += compressor(a + "compressor.", hd, rates[kind], False)
+        elif kind == "compressed_sparse_attention":
+            Di = c["index_head_dim"]
+            out += compressor(a + "compressor.", hd, rates[kind], True)
+            out += [*compressor(a + "indexer.compressor.", Di, rates[kind], True),
+                    bf(a + "indexer.wq_b.weight", (c["index_n_heads"] * Di, Q), ("normal", std)),
+                    bf(a + "indexer.weights_proj.weight", (c["index_n_heads"], H), ("normal", std))]
+        f = p + "ffn."
+        out.append(bf(f + "gate.weight", (E, H), ("normal", ROUTER_LOGIT_STD / math.sqrt(H))))
+        if c["mlp_layer_types"][i] == "hash_moe":
+            out.append(Planned(f + "gate.tid2eid", (V, K), "I64", ("tid2eid", E)))
+        else:
+            out.append(bf(f + "gate.bias", (E,), ("zeros",)))
+        for e in [*range(E), "shared"]:
+            q = f + (f"experts.{e}." if e != "shared" else "shared_experts.")
+            out += [bf(q + "w1.weight", (F, H), ("normal", std)), bf(q + "w3.weight", (F, H), ("normal", std)),
+                    bf(q + "w2.weight", (H, F), ("normal", out_std))]
+    out += [bf("model.norm.weight", (H,), ("ones",)), bf("model.hc_head.hc_fn", (N, N * H), ("normal", std)),
+            bf("model.hc_head.hc_base", (N,), ("zeros",)), bf("model.hc_head.hc_scale", (1,), ("ones",)),
+            bf("head.weight", (V, H), ("normal", std))]
+    return out
+
+
 def model_bytes(c: dict) -> int:
     return sum(t.nbytes for t in plan(c))
 
@@ -234,6 +319,9 @@ def draw(t: Planned, rng: np.random.Generator, block: int = 1 << 22) -> np.ndarr
         return np.full(n, 0x3F80, np.uint16)  # bfloat16 1.0
     if kind == "zeros":
         return np.zeros(n, np.uint16)
+    if kind == "tid2eid":  # hash routing's table: distinct experts for each token id, as a trained table holds
+        rows, k = t.shape
+        return np.argsort(rng.random((rows, t.draw[1])), axis=1)[:, :k].astype(np.int64).reshape(-1)
     if kind == "mxfp4_blocks":  # two uniformly drawn e2m1 codes a byte
         return rng.integers(0, 256, n, dtype=np.uint8)
     if kind == "mxfp4_scales":  # e8m0, biased by 127: the exponent that gives the values this std

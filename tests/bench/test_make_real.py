@@ -25,8 +25,13 @@ SMALL = {
                             num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, vocab_size=640,
                             linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                             linear_value_head_dim=16),
+    "deepseek-v4-flash": dict(hidden_size=64, num_attention_heads=4, head_dim=16, q_lora_rank=32, o_groups=2,
+                              o_lora_rank=16, n_routed_experts=16, moe_intermediate_size=32, vocab_size=640,
+                              index_n_heads=4, index_head_dim=16, index_topk=4, hc_mult=2, sliding_window=8,
+                              compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}),
 }
-LAYERS = {"qwen3.5-35b-a3b": 4}  # a full-attention layer after three linear ones; the others 3
+# Qwen3.5: a full-attention layer after three linear ones; DeepSeek-V4: a CSA layer after three HCA ones
+LAYERS = {"qwen3.5-35b-a3b": 4, "deepseek-v4-flash": 4}
 
 
 def load(model: str, path: str, **kw):
@@ -72,7 +77,8 @@ def test_decoding_routes_over_every_expert_at_the_published_width(model, tmp_pat
     own initialization, 4 such layers of qwen3-30b-a3b decoded 9 distinct tokens of 96 and routed
     them with an entropy of 0.84; make_real's weights, 94 and 0.995."""
     E = 8
-    ov = {"num_local_experts" if model == "gpt-oss-20b" else "num_experts": E, "vocab_size": 2048}
+    key = {"gpt-oss-20b": "num_local_experts", "deepseek-v4-flash": "n_routed_experts"}.get(model, "num_experts")
+    ov = {key: E, "vocab_size": 2048}
     layers = LAYERS.get(model, 2)  # (transformers' cache needs Qwen3.5's full-attention layer)
     path = make_real.write(model, str(tmp_path / "m"), layers=layers, overrides=ov, progress=False)
     m = load(model, path).eval()
@@ -83,7 +89,8 @@ def test_decoding_routes_over_every_expert_at_the_published_width(model, tmp_pat
         out = m(new, output_router_logits=True)  # the decoded tokens' routing
     assert len(set(new[0].tolist())) >= 48
     K = cfg["num_experts_per_tok"]
-    assert len(out.router_logits) == layers
+    hashed = cfg.get("mlp_layer_types", []).count("hash_moe")  # (DeepSeek-V4's first layers route by token id)
+    assert len(out.router_logits) == layers - hashed
     for layer, logits in enumerate(out.router_logits):
         counts = torch.bincount(logits.reshape(-1, E).topk(K, dim=-1).indices.flatten(), minlength=E).double()
         p = counts / counts.sum()
