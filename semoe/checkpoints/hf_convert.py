@@ -175,6 +175,10 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False)
     side = sorted(n for n in os.listdir(path)
                   if n not in weights and not n.startswith(".") and os.path.isfile(os.path.join(path, n))
                   and not n.endswith((".bin", ".pt", ".pth", ".safetensors")))
+    if model_type_of(config) == "deepseek_v4" and "embed.weight" in tensors:
+        raise BadInputError(f"{path}: tensor embed.weight: DeepSeek-V4's release names (embed.weight, layers.N.attn...) "
+                            "are not read yet, only those transformers writes (model.embed_tokens.weight, "
+                            "model.layers.N.attn...): load it with transformers and save_pretrained a copy")
     tensors, skipped = _skip_extra_layers(tensors, text_config_of(config), cfg_path)
     _say_kept_towers(os.path.abspath(path), tensors, config)
     ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side,

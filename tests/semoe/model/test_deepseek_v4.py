@@ -188,3 +188,24 @@ def test_the_checkpoints_fp8_experts_stay_compact_and_compute_as_their_dequantiz
         resident.close()
         offloaded.close()
     assert a.tokens == b.tokens
+
+
+def test_the_release_names_are_refused_in_one_line_naming_the_way_round(checkpoint, tmp_path, capsys):
+    """A checkpoint under DeepSeek-V4's release names (`embed.weight`, `layers.N...`, not the names
+    transformers writes): one line naming the tensor and what to do, exit 2, no store left."""
+    from safetensors.torch import load_file, save_file
+
+    from tools.cli import main
+
+    hf = checkpoint[0]
+    src = tmp_path / "release"
+    src.mkdir()
+    (src / "config.json").write_text((hf / "config.json").read_text())
+    tensors = load_file(str(hf / "model.safetensors"))
+    renamed = {("embed.weight" if n == "model.embed_tokens.weight" else n.removeprefix("model.")): t
+               for n, t in tensors.items()}
+    save_file(renamed, str(src / "model.safetensors"))
+    assert main(["store", "import", str(src), str(tmp_path / "store")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "tensor embed.weight: DeepSeek-V4's release names" in err and "save_pretrained" in err
+    assert not (tmp_path / "store").exists()
