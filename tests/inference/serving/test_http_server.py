@@ -960,7 +960,7 @@ def family_engines(tmp_path_factory):
             e.close()
 
 
-@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32", "qwen3_next", "deepseek_v4"])
+@pytest.mark.parametrize("model", ["mixtral", "deepseek_v32", "qwen3_next", "qwen3_5_moe", "deepseek_v4"])
 def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, reference, family_engines, model):
     """Prefix reuse: a conversation's second turn resends the first turn and its answer. The server
     takes the positions the first request computed (its prompt and answer but the last token) instead
@@ -998,7 +998,7 @@ def test_a_prompt_beginning_with_an_earlier_conversation_reuses_its_kv(engine, r
         assert status == 200 and out["choices"][0]["token_ids"] == want.tokens
         assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-4)
         m = metrics(server.port)
-        whole_only = model in ("qwen3_next", "deepseek_v4")  # a state of all the entry's tokens, not per position
+        whole_only = model in ("qwen3_next", "qwen3_5_moe", "deepseek_v4")  # a state of the entry's whole tokens
         assert m[("semoe_prefix_cache_hits_total", ())] == (1 if whole_only else 2)
         assert m[("semoe_prefix_cache_reused_tokens_total", ())] == len(first) + len(answer) - 1 + (
             0 if whole_only else 8)
