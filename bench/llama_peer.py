@@ -477,10 +477,32 @@ def convert(hf_dir: str, out_gguf: str, outtype: str = "f32", env: PeerEnv | Non
         raise FileNotFoundError(f"{hf_dir} has no tokenizer.json or tokenizer.model; add_tokenizer() makes one")
     env = env or ensure_env()
     part = out_gguf + ".part"  # a killed run leaves no file that looks finished
-    _check_call([env.python, env.convert_script, hf_dir, "--outfile", part, "--outtype", outtype],
-                f"converting {hf_dir} to {outtype}")
+    _check_call([env.python, env.convert_script, hf_dir, "--outfile", part, "--outtype", outtype,
+                 *_mtp_flags(hf_dir)], f"converting {hf_dir} to {outtype}")
     os.replace(part, out_gguf)
     return out_gguf
+
+
+# model types whose converter counts multi-token-prediction layers it must be told are absent (Qwen3-Next's
+# config never says how many it has)
+_MTP_TYPES = ("qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
+def _mtp_flags(hf_dir: str) -> list[str]:
+    """`--no-mtp` for a checkpoint of `_MTP_TYPES` without `mtp.*` tensors; nothing otherwise."""
+    with open(os.path.join(hf_dir, "config.json"), encoding="utf-8") as f:
+        if json.load(f).get("model_type") not in _MTP_TYPES:
+            return []
+    index = os.path.join(hf_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            names = list(json.load(f)["weight_map"])
+    else:
+        from safetensors import safe_open
+
+        with safe_open(os.path.join(hf_dir, "model.safetensors"), "np") as f:
+            names = list(f.keys())
+    return [] if any(n.startswith("mtp.") for n in names) else ["--no-mtp"]
 
 
 def quantize(src_gguf: str, out_gguf: str, qtype: str, env: PeerEnv | None = None, n_threads: int = 2) -> str:

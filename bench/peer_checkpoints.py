@@ -83,6 +83,10 @@ _MANY = dict(num_experts_per_tok=4, moe_intermediate_size=768)
 _DEEPSEEK = dict(_COMMON, **_MANY, num_key_value_heads=8, n_routed_experts=32, n_shared_experts=1,
                  first_k_dense_replace=1, intermediate_size=3072, kv_lora_rank=256, qk_rope_head_dim=32,
                  qk_nope_head_dim=64, v_head_dim=64, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+_QWEN_NEXT = dict(_COMMON, **_MANY, num_experts=32, head_dim=128, shared_expert_intermediate_size=768,
+                  intermediate_size=3072, decoder_sparse_step=1, norm_topk_prob=True, linear_num_key_heads=4,
+                  linear_num_value_heads=8, linear_key_head_dim=128, linear_value_head_dim=128,
+                  rope_parameters={"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25})
 ARCH_SHAPES = {
     "mixtral": ("MixtralConfig", dict(_COMMON, intermediate_size=3584, num_local_experts=8, num_experts_per_tok=2)),
     "qwen2_moe": ("Qwen2MoeConfig", dict(_COMMON, **_MANY, num_experts=32, intermediate_size=3072,
@@ -131,6 +135,11 @@ ARCH_SHAPES = {
                                                index_head_dim=128, scoring_func="sigmoid")),
     "glm_moe_dsa": ("GlmMoeDsaConfig", dict(_DEEPSEEK, q_lora_rank=512, index_topk=2048, index_n_heads=32,
                                             index_head_dim=128, scoring_func="sigmoid")),
+    # Gated DeltaNet on three layers of four (value heads twice the key heads, as published), gated full
+    # attention rotating a quarter of each head on the fourth, a gated shared expert in every layer; Qwen3.5's
+    # text model the same with its linear projections apart
+    "qwen3_next": ("Qwen3NextConfig", dict(_QWEN_NEXT)),
+    "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(_QWEN_NEXT)),
 }
 
 
@@ -138,7 +147,8 @@ ARCH_SHAPES = {
 # architecture missing from a name's map keeps the common field, None: it has no such field
 _EXPERTS = {"mixtral": "num_local_experts", "gpt_oss": "num_local_experts", "minimax_m2": "num_local_experts",
             "llama4_text": "num_local_experts", "qwen2_moe": "num_experts", "qwen3_moe": "num_experts",
-            "olmoe": "num_experts", "hunyuan_v1_moe": "num_experts", "ernie4_5_moe": "moe_num_experts"}
+            "olmoe": "num_experts", "hunyuan_v1_moe": "num_experts", "ernie4_5_moe": "moe_num_experts",
+            "qwen3_next": "num_experts", "qwen3_5_moe_text": "num_experts"}
 _WIDTH = {a: "intermediate_size" for a in ("mixtral", "gpt_oss", "minimax_m2", "olmoe", "llama4_text")}
 _LATENT = ("deepseek_v2", "deepseek_v3", "deepseek_v32", "glm_moe_dsa")  # latent attention: no head_dim
 SHAPE_FIELDS = {
@@ -183,6 +193,9 @@ def shaped_fields(arch: str, shape: dict[str, int]) -> tuple[str, dict]:
         fields["num_key_value_heads"] = shape["heads"]
     if arch == "minimax_m2":  # llama.cpp's converter reads rotary_dim, transformers the factor: both the same
         fields["rotary_dim"] = int(fields["head_dim"] * fields["rope_parameters"]["partial_rotary_factor"])
+    if arch in ("qwen3_next", "qwen3_5_moe_text"):  # full attention every fourth layer, whatever the depth
+        fields["layer_types"] = ["full_attention" if (i + 1) % 4 == 0 else "linear_attention"
+                                 for i in range(fields["num_hidden_layers"])]
     if arch == "hunyuan_v1_moe":
         # transformers' experts are `intermediate_size` wide (as its shared expert); llama.cpp's converter
         # reads moe_intermediate_size where the config has it: both the same

@@ -3,6 +3,7 @@ and the patched Hunyuan parameters take transformers' integers as Tencent's per-
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import types
@@ -90,3 +91,19 @@ def test_a_converter_without_a_line_to_patch_is_refused_by_name(tmp_path):
     with pytest.raises(RuntimeError, match=r"hunyuan\.py: cannot find the line to patch"):
         peer._patched_converter(src, str(tmp_path / "converter"))
     assert not os.path.exists(tmp_path / "converter")  # nothing half-made where the copy goes
+
+
+def test_the_converter_is_told_when_a_qwen3_next_checkpoint_has_no_mtp_layers(tmp_path):
+    """llama.cpp's converter counts Qwen3-Next's multi-token-prediction layers from its `mtp.*` tensors and
+    stops where there are none unless told (`--no-mtp`); other model types get no such flag."""
+    import torch
+    from safetensors.torch import save_file
+
+    for model_type, names, want in (("qwen3_next", ["model.embed_tokens.weight"], ["--no-mtp"]),
+                                    ("qwen3_5_moe_text", ["model.embed_tokens.weight", "mtp.fc.weight"], []),
+                                    ("mixtral", ["model.embed_tokens.weight"], [])):
+        d = tmp_path / model_type
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": model_type}))
+        save_file({n: torch.zeros(1) for n in names}, str(d / "model.safetensors"))
+        assert peer._mtp_flags(str(d)) == want, model_type
