@@ -354,6 +354,15 @@ def _pipeline_config(args: argparse.Namespace):
     return PipelineConfig(schedule=schedule or "1f1b", stage_memory_bytes=stage_memory)
 
 
+def parallel_refusal(config, flag: str) -> None:
+    """UsageError naming `flag` for a model the multi-rank trainers do not split yet: DeepSeek-V4's residual
+    streams (a stage's boundary carries one stream) and hash routing (an expert-parallel layer routes rows
+    without their token ids)."""
+    if config.hc_mult > 1 or config.hash_layers:
+        raise UsageError(f"{flag} does not take {config.arch}'s hyper-connection streams and hash routing yet; "
+                         "train it on one rank")
+
+
 def run(args: argparse.Namespace) -> int:
     pipeline = _pipeline_config(args)
     cfg, model_cfg, source = build_configs(args)
@@ -369,7 +378,9 @@ def run(args: argparse.Namespace) -> int:
     nproc = args.pipeline if pipeline is not None else args.nproc
     spawn = pipeline is not None or bool(nproc and nproc > 1)
     if spawn:  # checked before N ranks start and each reports it
-        rank_device(cfg.device, 0, nproc, flag="--pipeline" if pipeline is not None else "--nproc")
+        flag = "--pipeline" if pipeline is not None else "--nproc"
+        rank_device(cfg.device, 0, nproc, flag=flag)
+        parallel_refusal(model_cfg or source.model_config(), flag)
     os.makedirs(args.out, exist_ok=True)
     if spawn:
         import shutil

@@ -282,8 +282,8 @@ class Block(nn.Module):
         post, comb, h = self.hc_ffn(x) if hc else (None, None, x)
         h = self.ffn_norm(h)
         stats = None
-        if isinstance(self.ffn, MoEFeedForward):
-            y, stats = self.ffn(h, ids)
+        if isinstance(self.ffn, MoEFeedForward):  # (the token ids only where they route: a parallel layer takes x)
+            y, stats = self.ffn(h, ids) if self.ffn.router.hashed else self.ffn(h)
         else:
             y = self.ffn(h)
         return (HyperConnection.merge(post, comb, y, x) if hc else x + y), stats
