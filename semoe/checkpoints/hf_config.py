@@ -117,7 +117,7 @@ def _qwen3_moe(cfg: dict) -> MoEConfig:
 def _layer_types(cfg: dict) -> list[str]:
     """Each layer's token mixer, "linear_attention" or "full_attention": `layer_types`, or every
     `full_attention_interval`-th layer full as older configs say it."""
-    n = cfg["num_hidden_layers"]
+    n = _need(cfg, "num_hidden_layers")
     types = cfg.get("layer_types")
     if types is None:
         every = int(cfg.get("full_attention_interval", 4))

@@ -127,6 +127,8 @@ def check_supported(config: dict, source: str) -> None:
         from_hf_config(config)
     except ValueError as e:
         raise BadInputError(f"{source}: {str(e).removeprefix('config.json: ')}") from None
+    except (KeyError, TypeError) as e:  # a builder's field read as the published configs have it
+        raise BadInputError(f"{source}: field {e} is missing or not of the published type") from None
 
 
 def _with_quantization(config: dict) -> dict:

@@ -13,7 +13,7 @@ from helpers.hf_models import assert_bit_exact, load_hf_model, load_safetensors_
 from storage.errors import BadInputError
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
-from semoe.checkpoints.hf_convert import INDEX_FILE, export_checkpoint, import_checkpoint, open_checkpoint
+from semoe.checkpoints.hf_convert import INDEX_FILE, check_supported, export_checkpoint, import_checkpoint, open_checkpoint
 from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
 from storage.safetensors_io import OutTensor, write_file
 from storage.store import Store
@@ -316,3 +316,13 @@ def test_a_multimodal_checkpoint_gives_its_text_model_and_keeps_the_rest(tmp_pat
     assert text == sum(p.numel() * 4 for p in model.parameters()) < sum(t.bytes for t in store.manifest.tensors)
     export_checkpoint(store, str(tmp_path / "out"))
     assert_bit_exact(load_safetensors_dir(hf), load_safetensors_dir(tmp_path / "out"))
+
+
+@pytest.mark.parametrize("model_type", [t for t in SUPPORTED_MODEL_TYPES if t != "semoe_gpt"]
+                         + ["kimi_k25", "llama4", "qwen3_5_moe"])
+def test_a_config_without_its_fields_is_refused_in_one_line_for_every_model_type(model_type):
+    """Every model type import takes, from a config.json that names only the type: one BadInputError line
+    naming the file (never a KeyError from deep in a builder)."""
+    with pytest.raises(BadInputError) as e:
+        check_supported({"model_type": model_type}, "ck/config.json")
+    assert str(e.value).startswith("ck/config.json: ") and "\n" not in str(e.value)
