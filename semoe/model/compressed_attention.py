@@ -205,6 +205,7 @@ class CompressedAttention(nn.Module):
         self.inv_freq, self.rope_scale = rope.inv_freq(spec)
         self.index_inv_freq, self.index_scale = rope.inv_freq(SimpleNamespace(
             rope_dim=c.rope_dim, rope_theta=c.compress_rope_theta, rope_scaling=c.compress_rope_scaling))
+        self._on_device: dict[tuple[str, torch.device], torch.Tensor] = {}
 
     def empty_state(self, batch: int, like: torch.Tensor) -> CompressedState:
         """The state before a sequence's first token."""
@@ -212,11 +213,20 @@ class CompressedAttention(nn.Module):
                                None if self.compressor is None else self.compressor.empty(batch, like),
                                None if self.indexer is None else self.indexer.compressor.empty(batch, like))
 
+    def _freqs(self, which: str, device: torch.device) -> torch.Tensor:
+        """The inverse frequencies `which` names ("inv_freq", "index_inv_freq") as a tensor on `device`, made
+        once per device (a decoding step rotates four times a layer)."""
+        key = (which, device)
+        cached = self._on_device.get(key)
+        if cached is None:
+            cached = self._on_device[key] = torch.from_numpy(getattr(self, which)).to(device)
+        return cached
+
     def _rotate(self, x: torch.Tensor, positions_T: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        return rotate_pairs(x, positions_T, torch.from_numpy(self.inv_freq).to(x.device), self.rope_scale, inverse)
+        return rotate_pairs(x, positions_T, self._freqs("inv_freq", x.device), self.rope_scale, inverse)
 
     def _rotate_index(self, x: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        return rotate_pairs(x, positions_T, torch.from_numpy(self.index_inv_freq).to(x.device), self.index_scale)
+        return rotate_pairs(x, positions_T, self._freqs("index_inv_freq", x.device), self.index_scale)
 
     def forward(self, x_BTD: torch.Tensor, state: CompressedState | None, start: int
                 ) -> tuple[torch.Tensor, CompressedState]:

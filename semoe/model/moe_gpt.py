@@ -380,7 +380,7 @@ class MoEGPT(nn.Module):
         spans = [torch.arange(c.length, c.length + n, device=device) for c, n in zip(caches, counts)]
         positions_1N = (spans[0] if len(spans) == 1 else torch.cat(spans))[None]
         x_1ND = self.embed(ids_N[None])
-        cos, sin = rope_tables(self.config, positions_1N, x_1ND.dtype)
+        cos, sin = self._rope(positions_1N, x_1ND.dtype)
         x_1ND, router = self._blocks(x_1ND, cos, sin, caches, counts, ids_N)
         for c, n in zip(caches, counts):
             c.length += n
@@ -402,11 +402,17 @@ class MoEGPT(nn.Module):
             raise ValueError(f"sequence of {start + T} positions exceeds max_position {self.config.max_position}")
         x_BTD = self.embed(ids_BT)
         positions_BT = torch.arange(start, start + T, device=ids_BT.device).expand(B, T)
-        cos, sin = rope_tables(self.config, positions_BT, x_BTD.dtype)
+        cos, sin = self._rope(positions_BT, x_BTD.dtype)
         x_BTD, router = self._blocks(x_BTD, cos, sin, cache, None, ids_BT)
         if cache is not None:
             cache.length = start + T
         return self._output(self.lm_head(self.norm(x_BTD)), router)
+
+    def _rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """The blocks' rotary tables; none where every layer rotates by its own (DeepSeek-V4's two bases)."""
+        if self.config.attention == "compressed":
+            return None, None
+        return rope_tables(self.config, positions, dtype)
 
     def _blocks(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache, counts: list[int] | None,
                 ids: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[int, RouterStats]]:

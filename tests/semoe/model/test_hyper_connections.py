@@ -16,16 +16,23 @@ def _config(**kw) -> DeepseekV4Config:
     return DeepseekV4Config(hidden_size=32, **kw)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_hyper_connection_equals_transformers(dtype):
-    cfg = _config()
-    torch.manual_seed(0)
-    theirs = hf.DeepseekV4HyperConnection(cfg)
+def _pair(theirs_cls, ours, seed: int):
+    """transformers' module with every parameter drawn from N(0, 0.5), and `ours` holding the same tensors
+    under the published names."""
+    torch.manual_seed(seed)
+    theirs = theirs_cls(_config())
     with torch.no_grad():
         for p in theirs.parameters():
             p.normal_(0, 0.5)
-    ours = HyperConnection(32, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
     ours.load_state_dict(theirs.state_dict())  # the published names and shapes
+    return theirs, ours
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_hyper_connection_equals_transformers(dtype):
+    cfg = _config()
+    theirs, ours = _pair(hf.DeepseekV4HyperConnection,
+                         HyperConnection(32, cfg.hc_mult, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps), 0)
     x = torch.randn(2, 5, cfg.hc_mult, 32).to(dtype)
     with torch.no_grad():
         want, got = theirs(x), ours(x)
@@ -48,13 +55,7 @@ def test_sinkhorn_makes_rows_and_columns_sum_to_one():
 
 def test_the_head_equals_transformers():
     cfg = _config()
-    torch.manual_seed(1)
-    theirs = hf.DeepseekV4HyperHead(cfg)
-    with torch.no_grad():
-        for p in theirs.parameters():
-            p.normal_(0, 0.5)
-    ours = HyperHead(32, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
-    ours.load_state_dict(theirs.state_dict())
+    theirs, ours = _pair(hf.DeepseekV4HyperHead, HyperHead(32, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps), 1)
     x = torch.randn(2, 3, cfg.hc_mult, 32)
     with torch.no_grad():
         torch.testing.assert_close(ours(x), theirs(x), rtol=0, atol=0)
