@@ -53,6 +53,7 @@ from typing import Callable
 
 import numpy as np
 
+from inference.torch_free import linear_layers
 from inference.torch_free.prompt_prefill import prefill
 from inference.torch_free.expert_slots import ExpertSlots
 from inference.memory_guard import CPU_CACHE_AUTO, cpu_cache_size
@@ -196,7 +197,10 @@ class LeanModel:
                                          for p in ("gate", "up", "down")))
                 arr, router, F = (loader.Expert * 1)(ex), None, ex.gate.O
                 self.held.append(arr)
-            if c.attention == "mla":
+            o = f"layers.{lay}.attn.{'out_proj' if c.is_linear(lay) else 'o_proj'}"
+            if c.is_linear(lay):
+                attn = dict(qkv=[], dn=linear_layers.deltanet(self, lay, dense))
+            elif c.attention == "mla":
                 attn = dict(qkv=[], mla=self._latent(lay, dense))
             else:
                 qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
@@ -204,17 +208,16 @@ class LeanModel:
                 weighted = c.qk_norm not in ("none", "unit_after_rope")  # Llama-4's norms have no weights
                 attn = dict(
                     qkv=[self._linear([m], dense) for m in qkv] if mapped else [self._linear(qkv, dense)],
-                    q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight") if weighted else None,
-                    k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight") if weighted else None,
+                    q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight", norm=True) if weighted else None,
+                    k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight", norm=True) if weighted else None,
                     sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
             parts.append(loader.layer_parts(
-                c, lay, attn_norm=self._vector(f"layers.{lay}.attn_norm.weight"),
-                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight"),
-                o=self._linear([f"layers.{lay}.attn.o_proj"], dense), experts=arr, ffn_width=F,
+                c, lay, attn_norm=self._vector(f"layers.{lay}.attn_norm.weight", norm=True),
+                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight", norm=True), o=self._linear([o], dense), experts=arr, ffn_width=F,
                 router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
-        self.net, self.layers = loader.build_net(c, parts, self._vector("norm.weight"), c.rms_norm_eps, self.head,
+        self.net, self.layers = loader.build_net(c, parts, self._vector("norm.weight", norm=True), c.rms_norm_eps, self.head,
                                                      kv16=config.kv_cache == "f16")
         # the expert cache: every layer's experts present, of one layout
         for lay in moe_layers:
@@ -286,9 +289,12 @@ class LeanModel:
         self.held += [w_ukT, w_uv, m, ix]
         return m
 
-    def _vector(self, param: str) -> int:
-        """A float32 copy of a 1-d parameter (a norm's weight), held; its address."""
+    def _vector(self, param: str, norm: bool = False) -> int:
+        """A float32 copy of a 1-d parameter, held; its address. `norm`: a block's RMSNorm weight, which
+        a zero-centred model (`norm_plus_one`) scales by as 1 + w, made here once."""
         a = self._read_1d(hf_name(self.config, param))
+        if norm and self.config.norm_plus_one:
+            a = a + np.float32(1)
         self.held.append(a)
         return a.ctypes.data
 
@@ -563,20 +569,16 @@ class LeanSequence:
             raise BadInputError(f"a sequence of {capacity} positions: the model takes 1 to {c.max_position}")
         self.model, self.capacity, self.length = model, capacity, 0
         L, K = c.num_layers, max(c.top_k, 1)
-        # the model's layout (`MoEConfig.kv_shapes`) of one sequence; latent attention's head axis of one
-        # dropped: (S, L) and (S, R) a layer, float32; (G, S, Dh) a layer, as the Net's kv16 says
-        (_, *k), (_, *v) = c.kv_shapes(1, capacity)
-        if c.attention == "mla":
-            self.kc, self.vc = np.zeros((L, *k[1:]), np.float32), np.zeros((L, *v[1:]), np.float32)
-        else:
-            kv = np.float16 if model.settings.kv_cache == "f16" else np.float32
-            self.kc, self.vc = np.zeros((L, *k), kv), np.zeros((L, *v), kv)
+        # the model's layout (`MoEConfig.kv_shapes`) of one sequence a layer, as the Net's kv16 says, or a
+        # linear layer's state
+        self.caches = linear_layers.sequence_caches(c, capacity, np.float16 if model.settings.kv_cache == "f16"
+                                                    else np.float32)
         self.x, self.logits = np.empty(c.hidden_size, np.float32), np.empty(model.head.O, np.float32)
         self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)
         self.cos, self.sin = np.empty(c.rope_dim, np.float32), np.empty(c.rope_dim, np.float32)
         P = ctypes.c_void_p
         self._p = [P(a.ctypes.data) for a in (self.x, self.logits, self.ids, self.w, self.cos, self.sin)]
-        self._kv = [(P(self.kc[lay].ctypes.data), P(self.vc[lay].ctypes.data)) for lay in range(L)]
+        self._kv = [(P(k.ctypes.data), P(v.ctypes.data)) for k, v in self.caches]
         self.addresses = ([k.value for k, _ in self._kv], [v.value for _, v in self._kv])  # a pass's `sequences`
         self._net = ctypes.byref(model.net)
         self._work = model.lib.decode_work(self._net, capacity)

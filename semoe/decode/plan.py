@@ -49,9 +49,10 @@ from semoe.kernels import torch_ops, loader
 from semoe.model.attention import Attention, KVCache, LatentAttention, rope_tables
 from semoe.model.compact_linear import swiglu_operands
 from semoe.decode import prompt_pass
-from semoe.decode.plan_parts import _GQA, _MLA, _Norm, _Product, _latent, _ptr, _weight
+from semoe.decode.plan_parts import _GQA, _MLA, _DeltaNet, _Norm, _Product, _latent, _ptr, _weight
 from semoe.decode.support import NotOnFastPath, one_call_refusal, plan_refusal
 from semoe.model.expert_layout import PackedExperts
+from semoe.model.linear_attention import GatedDeltaNet
 from semoe.model.experts import ClampedSwiGLU, ExpertWeights, FusedSwiGLU, ResidentExperts, SwiGLU
 from semoe.model.moe_gpt import DenseFFN, MoEFeedForward, MoEGPT
 
@@ -90,6 +91,8 @@ class DecodePlan:
         self.q, self.k, self.v = self.qkv.split([H * Dh, G * Dh, G * Dh])
         self.x, self.h, self.tmp, self.routed = torch.empty(D), torch.empty(D), torch.empty(D), torch.empty(D)
         self.att = torch.empty(H * Dh)
+        # a gated attention layer's products (each head's query then its gate, k, v) and its gate
+        self.qg, self.gate = torch.empty((2 * H + 2 * G) * Dh), torch.empty(H * Dh)
         ptr = _ptr
         self.qp, self.kp, self.vp, self.attp = ptr(self.q), ptr(self.k), ptr(self.v), ptr(self.att)
         self.xp, self.hp, self.tmpp, self.routedp = ptr(self.x), ptr(self.h), ptr(self.tmp), ptr(self.routed)
@@ -101,6 +104,8 @@ class DecodePlan:
                 attn = _GQA(self, lib, a)
             elif type(a) is LatentAttention:
                 attn = _MLA(self, lib, a)
+            elif type(a) is GatedDeltaNet:
+                attn = _DeltaNet(self, lib, a, block.layer)
             else:
                 raise NotOnFastPath(f"layer {block.layer}: {type(a).__name__}")
             router, ffn = None, block.ffn
@@ -170,6 +175,8 @@ class DecodePlan:
             if isinstance(attn, _MLA):
                 attn_parts = dict(qkv=[], mla=_latent(attn, block.layer))
                 held.append(attn_parts["mla"])
+            elif isinstance(attn, _DeltaNet):
+                attn_parts = dict(qkv=[], dn=attn.c)
             else:
                 if len(attn.qkv) > 3 or any(prod.lin is None for prod, _, _ in attn.qkv):
                     raise NotOnFastPath(f"layer {block.layer}: q/k/v weights the one-call step does not take")
@@ -245,7 +252,7 @@ class DecodePlan:
         if self.model.training or cache.k[0].shape[0] != 1 \
                 or n + positions > min(cache.capacity, self.config.max_position):
             return False
-        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*cache.k, *cache.v)):
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*cache.k, *cache.v, *cache.state_tensors())):
             return False
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return False
@@ -299,7 +306,7 @@ class DecodePlan:
         cos, sin = rope_tables(c, torch.arange(pos, pos + 1)[None], x.dtype)
         if self.net is not None:
             logits = torch.empty(1, self.lm_head.O)
-            caches = [(ctypes.c_void_p * len(self.layers))(*(_ptr(t) for t in kv)) for kv in (cache.k, cache.v)]
+            caches = [(ctypes.c_void_p * len(self.layers))(*a) for a in cache.addresses()]
             lib.decode_step(ctypes.byref(self.net), xp, *caches, cache.capacity, pos, _ptr(cos), _ptr(sin),
                             _ptr(logits), threads)
             cache.length = pos + 1

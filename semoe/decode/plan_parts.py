@@ -13,6 +13,7 @@ from torch import nn
 
 from semoe.kernels import loader, torch_ops
 from semoe.model.attention import Attention, KVCache, LatentAttention, RMSNorm, apply_rope, unit_rms
+from semoe.model.linear_attention import GatedDeltaNet
 from semoe.model.compact_linear import CompactWeight, fp8_tile
 from semoe.decode.support import NotOnFastPath
 
@@ -101,13 +102,15 @@ class _Product:
 
 
 class _Norm:
-    """An `RMSNorm` of one row (or of `rows` rows of its width) by the kernel, in place or not."""
+    """An `RMSNorm` of one row (or of `rows` rows of its width) by the kernel, in place or not; a zero-centred
+    one (`plus_one`) by its weight plus one, made once (its scale in the module's float32)."""
 
     def __init__(self, lib: ctypes.CDLL, norm: RMSNorm) -> None:
         if norm.weight.dtype != torch.float32:
             raise NotOnFastPath(f"a norm weight of {norm.weight.dtype}")
-        self.weight, self.eps = norm.weight, norm.eps
-        wp, eps, D = norm.weight.data_ptr(), norm.eps, norm.weight.numel()
+        w = (norm.weight.detach() + 1).contiguous() if norm.plus_one else norm.weight
+        self.weight, self.eps = w, norm.eps
+        wp, eps, D = w.data_ptr(), norm.eps, w.numel()
         self.call = lambda x, out, rows=1: lib.rmsnorm_f32(x, wp, eps, out, rows, D)
 
 
@@ -118,14 +121,17 @@ class _GQA:
         c = a.config
         self.lib, self.layer = lib, a.layer
         projs = [a.qkv_proj] if a.qkv_proj is not None else [a.q_proj, a.k_proj, a.v_proj]
+        # with the output gate, the products land in plan.qg (each head's query, then its gate; k; v)
+        self.gated = a.gated
+        out = plan.qg if a.gated else plan.qkv
         self.qkv, start = [], 0
         for p in projs:
             prod = _Product(lib, p)
-            if start + prod.O > plan.qkv.numel():
-                raise NotOnFastPath(f"layer {a.layer}: q, k and v of more than {plan.qkv.numel()} outputs")
-            self.qkv.append((prod, plan.qkv[start:start + prod.O], _ptr(plan.qkv) + 4 * start))
+            if start + prod.O > out.numel():
+                raise NotOnFastPath(f"layer {a.layer}: q, k and v of more than {out.numel()} outputs")
+            self.qkv.append((prod, out[start:start + prod.O], _ptr(out) + 4 * start))
             start += prod.O
-        if start != plan.qkv.numel():
+        if start != out.numel():
             raise NotOnFastPath(f"layer {a.layer}: q, k and v of {start} outputs")
         self.qk_norm = c.qk_norm
         weighted = c.qk_norm not in ("none", "unit_after_rope")
@@ -146,6 +152,11 @@ class _GQA:
         H, G, Dh = c.num_heads, c.num_kv_heads, c.head_dim
         for prod, y, yp in self.qkv:
             prod(plan.h, y, threads, plan.hp, yp)
+        if self.gated:  # the module's split: each head's query, then its gate
+            q_H2D = plan.qg[:2 * H * Dh].view(H, 2, Dh)
+            plan.q.view(H, Dh).copy_(q_H2D[:, 0])
+            plan.gate.view(H, Dh).copy_(q_H2D[:, 1])
+            plan.qkv[H * Dh:].copy_(plan.qg[2 * H * Dh:])
         if self.norms is not None and self.qk_norm == "full":  # the module's order: norms, then clipping
             self.norms[0].call(plan.qp, plan.qp)
             self.norms[1].call(plan.kp, plan.kp)
@@ -175,6 +186,8 @@ class _GQA:
         self.lib.attend_decode_f32(plan.qp, plan.kp, plan.vp, _ptr(cos), _ptr(sin), _ptr(cache.k[self.layer]),
                                    _ptr(cache.v[self.layer]), H, G, Dh, R, cache.capacity, pos, window,
                                    self.scale, None if self.sinks is None else _ptr(self.sinks), plan.attp, threads)
+        if self.gated:
+            plan.att.mul_(torch.sigmoid(plan.gate))  # the module's out * sigmoid(gate)
         self.o_proj(plan.att, plan.tmp, threads, plan.attp, plan.tmpp)
 
 
@@ -300,3 +313,36 @@ def _latent(a: _MLA, layer: int) -> loader.LatentC:
                                     c.index_head_dim, int(c.index_rope_interleave))
     loader.sparse_attention(latent, c, a.index_c)
     return latent
+
+
+def _f32(t: torch.Tensor) -> torch.Tensor:
+    """A parameter as a contiguous float32 tensor (itself where it is one)."""
+    return t.detach().to(torch.float32).contiguous()
+
+
+class _DeltaNet:
+    """A `GatedDeltaNet` layer's step from the normed row h to the output product's tmp: one kernel call
+    (deltanet.c's `deltanet_step`, the one-call step's arithmetic) on its products, convolution, delta
+    rule and gated norm, the sequence's state (the cache's `states`) updated in place."""
+
+    def __init__(self, plan: "DecodePlan", lib: ctypes.CDLL, a: GatedDeltaNet, layer: int) -> None:
+        c = plan.config
+        self.lib, self.layer = lib, layer
+        names = ("in_proj_qkvz", "in_proj_ba") if a.layout == "qkvz" else \
+            ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+        self.ins = [_Product(lib, getattr(a, n), bias=False) for n in names]
+        if any(p.lin is None for p in self.ins):
+            raise NotOnFastPath(f"layer {layer}: Gated DeltaNet weights the kernels do not take")
+        self.o_proj = _Product(lib, a.out_proj)
+        if self.o_proj.lin is None:
+            raise NotOnFastPath(f"layer {layer}: an output weight the kernels do not take")
+        C, K = a.conv1d.weight.shape[0], a.conv1d.weight.shape[-1]
+        self.vectors = (_f32(a.conv1d.weight).reshape(C, K), _f32(a.dt_bias), _f32(a.A_log), _f32(a.norm.weight))
+        self.c = loader.deltanet(c, [p.lin for p in self.ins], *(_ptr(t) for t in self.vectors))
+        self.layer_c = loader.LayerC(o=self.o_proj.lin, dn=ctypes.pointer(self.c))
+
+    def __call__(self, plan: "DecodePlan", cache: KVCache, pos: int, cos: torch.Tensor, sin: torch.Tensor,
+                 threads: int) -> None:
+        st = cache.states[self.layer]
+        self.lib.deltanet_step(ctypes.byref(self.layer_c), plan.hp, _ptr(st.conv), _ptr(st.recurrent), pos,
+                               plan.tmpp, threads)

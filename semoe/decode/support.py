@@ -38,12 +38,6 @@ def plan_refusal(c) -> str | None:
     parts: list[str] = []  # every part of every architecture semoe loads is on the fast paths, but:
     if c.attention == "compressed":
         parts.append("compressed attention, hyper-connections, hash routing")
-    if c.linear_layers is not None:
-        parts.append("Gated DeltaNet linear attention")
-    if c.attn_output_gate:
-        parts.append("gated attention output")
-    if c.norm_plus_one:
-        parts.append("zero-centred norms")
     return f"{c.arch}'s " + ", ".join(parts) if parts else None
 
 

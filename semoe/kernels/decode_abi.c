@@ -26,7 +26,11 @@ int64_t semoe_abi_layout(const char *name, int64_t *offsets, int64_t cap, int64_
            OFF(Layer, n_qkv), OFF(Layer, window), OFF(Layer, qk_norm), OFF(Layer, q_norm), OFF(Layer, k_norm),
            OFF(Layer, norope), OFF(Layer, chunk), OFF(Layer, temp_scale), OFF(Layer, temp_floor), OFF(Layer, qk_eps),
            OFF(Layer, clip), OFF(Layer, sinks), OFF(Layer, qkv), OFF(Layer, o), OFF(Layer, mla), OFF(Layer, E),
-           OFF(Layer, router), OFF(Layer, correction), OFF(Layer, experts), OFF(Layer, shared), OFF(Layer, shared_gate))
+           OFF(Layer, router), OFF(Layer, correction), OFF(Layer, experts), OFF(Layer, shared), OFF(Layer, shared_gate),
+           OFF(Layer, dn), OFF(Layer, gate))
+    FIELDS(DeltaNet, OFF(DeltaNet, in), OFF(DeltaNet, n_in), OFF(DeltaNet, nk), OFF(DeltaNet, nv), OFF(DeltaNet, dk),
+           OFF(DeltaNet, dv), OFF(DeltaNet, K), OFF(DeltaNet, conv), OFF(DeltaNet, dt_bias), OFF(DeltaNet, A_log),
+           OFF(DeltaNet, norm), OFF(DeltaNet, eps))
     FIELDS(Net, OFF(Net, L), OFF(Net, D), OFF(Net, H), OFF(Net, G), OFF(Net, Dh), OFF(Net, R), OFF(Net, F), OFF(Net, E),
            OFF(Net, top_k), OFF(Net, norm_topk), OFF(Net, router), OFF(Net, sigmoid_scores), OFF(Net, n_group),
            OFF(Net, topk_group), OFF(Net, group_top2), OFF(Net, kv16), OFF(Net, rope_pairs), OFF(Net, halves), OFF(Net, routed_scale),

@@ -58,6 +58,22 @@ typedef struct {
     int64_t topk, Di;
 } Latent;
 
+/* Gated DeltaNet linear attention of a layer (Qwen3-Next, Qwen3.5-MoE; semoe/model/linear_attention.py).
+ * The input products `in`: n_in = 2, qkvz laid out per key-head group ([q dk | k dk | v per dv | z per dv],
+ * per = nv / nk) and ba ([b per | a per] a group); n_in = 4, qkv ([q | k | v] over all heads), z, b, a.
+ * The depthwise causal convolution conv (C, K) over q, k and v (C = 2 nk dk + nv dv channels), SiLU after;
+ * keys and queries unit length (1e-6 under the root), queries over sqrt(dk); per value head the delta rule
+ * with the decay exp(-exp(A_log) softplus(a + dt_bias)) and the write strength sigmoid(b); each head's
+ * output RMS-normed (eps), times norm (dv) and SiLU(z); the Layer's `o` projects it out. The layer's
+ * caches hold its state: kc the convolution's last K-1 inputs (C, K-1), vc each value head's state
+ * (nv, dk, dv), float32; a row at position 0 starts from zeros. */
+typedef struct {
+    Lin in[4];
+    int64_t n_in, nk, nv, dk, dv, K;
+    const float *conv, *dt_bias, *A_log, *norm;
+    float eps;
+} DeltaNet;
+
 typedef struct {
     const float *attn_norm, *ffn_norm;
     float attn_eps, ffn_eps;
@@ -80,6 +96,9 @@ typedef struct {
     const Expert *experts;
     const Expert *shared; /* NULL, or the shared expert, added to the routed experts' sum */
     Lin shared_gate; /* O = 1: the shared expert's output scaled by sigmoid(shared_gate h); O = 0: none */
+    const DeltaNet *dn; /* NULL, or the layer's token mixer in place of attention (its `o` the output product) */
+    int64_t gate; /* 1: q's product gives each head's query, then its output gate (Dh each); attention's
+                   * output times sigmoid(gate) before `o` (Qwen3-Next) */
 } Layer;
 
 typedef struct {

@@ -100,80 +100,6 @@ void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int
     }
 }
 
-/* the index of the largest of E values not yet in ids[0..k) and not masked (the lower index first among equals) */
-static int64_t best_of(const float *v, int64_t E, const int64_t *ids, int64_t k, const unsigned char *masked) {
-    int64_t best = -1;
-    for (int64_t e = 0; e < E; e++) {
-        int taken = masked && masked[e];
-        for (int64_t j = 0; j < k; j++) taken |= ids[j] == e;
-        if (!taken && (best < 0 || v[e] > v[best])) best = e;
-    }
-    return best;
-}
-
-static void softmax_inplace(float *p, int64_t n) {
-    float mx = -INFINITY, sum = 0.0f;
-    for (int64_t e = 0; e < n; e++) mx = fmaxf(mx, p[e]);
-    for (int64_t e = 0; e < n; e++) sum += (p[e] = expf(p[e] - mx));
-    for (int64_t e = 0; e < n; e++) p[e] = p[e] / sum;
-}
-
-/* The router's choice from its E logits p (overwritten; `choice`: E floats of room, `masked` E
- * bytes), as `semoe.model.routing` routes: top_k ids and their weights. Softmax then top-k (renormalised
- * with norm); top-k of the logits then softmax over them, or their sigmoids; or grouped: softmax or sigmoid scores,
- * chosen on scores + correction among the best topk_group of n_group groups, weighted by their
- * scores (renormalised with norm) times routed_scale. */
-void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids,
-                  float *w) {
-    const int64_t E = ly->E, K = net->top_k;
-    if (net->router == 3) { /* the top-k logits' sigmoids (they scale the experts' input: `experts`) */
-        for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(p, E, ids, k, NULL)];
-        for (int64_t k = 0; k < K; k++) w[k] = 1.0f / (1.0f + expf(-w[k]));
-        return;
-    }
-    if (net->router == 1) {
-        for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(p, E, ids, k, NULL)];
-        softmax_inplace(w, K);
-        return;
-    }
-    if (net->router == 0 || !net->sigmoid_scores)
-        softmax_inplace(p, E);
-    else
-        for (int64_t e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-p[e]));
-    const float *c = p;
-    unsigned char *m = NULL; /* the experts of the groups not kept */
-    if (net->router == 2) {
-        for (int64_t e = 0; e < E; e++) choice[e] = ly->correction ? p[e] + ly->correction[e] : p[e];
-        c = choice;
-        int64_t n = net->n_group, ge = E / n;
-        if (n > 1) {
-            float gs[256];
-            int64_t gids[256];
-            for (int64_t g = 0; g < n && g < 256; g++) {
-                int64_t a = best_of(c + g * ge, ge, NULL, 0, NULL), b = -1;
-                if (net->group_top2 && ge > 1) b = best_of(c + g * ge, ge, &a, 1, NULL);
-                gs[g] = c[g * ge + a] + (b >= 0 ? c[g * ge + b] : 0.0f);
-            }
-            for (int64_t t = 0; t < net->topk_group; t++) gids[t] = best_of(gs, n, gids, t, NULL);
-            m = masked;
-            for (int64_t g = 0; g < n; g++) {
-                int keep = 0;
-                for (int64_t t = 0; t < net->topk_group; t++) keep |= gids[t] == g;
-                for (int64_t e = g * ge; e < (g + 1) * ge; e++) m[e] = (unsigned char)!keep;
-            }
-        }
-    }
-    for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(c, E, ids, k, m)];
-    if (net->norm_topk) {
-        float sum = 0.0f;
-        for (int64_t k = 0; k < K; k++) sum += w[k];
-        if (net->router == 2) sum += 1e-20f;
-        for (int64_t k = 0; k < K; k++) w[k] = w[k] / sum;
-    }
-    if (net->router == 2)
-        for (int64_t k = 0; k < K; k++) w[k] = w[k] * net->routed_scale;
-}
-
 typedef struct { /* the step's buffers */
     float *h, *qkv, *qr, *att, *tmp, *p, *probs, *choice, *hg, *hu, *ys, *w, gate;
     float *hin, *ones; /* experts whose input the router's weights scale: their inputs (K, D), K ones */
@@ -186,6 +112,8 @@ typedef struct { /* the step's buffers */
     const float **yp;
     int64_t *ids;
     Acts a, *ax, *ah;
+    float *qg, *ag; /* a gated attention layer's products (q and its gate, k, v) and its gate */
+    DnBuf dn; /* Gated DeltaNet's, for one row */
     int oom; /* an allocation during the step failed: its results are not to be used */
 } Work;
 
@@ -292,6 +220,8 @@ static Work *work_new(const Net *net, int64_t S) {
     s->ids = malloc(sizeof(int64_t) * (size_t)Kmax);
     s->ax = malloc(sizeof(Acts) * (size_t)Kmax);
     s->ah = malloc(sizeof(Acts) * (size_t)Kmax);
+    s->qg = malloc(sizeof(float) * (size_t)((2 * H + 2 * G) * Dh));
+    s->ag = malloc(sizeof(float) * (size_t)(H * Dh));
     const Latent *m = NULL;
     for (int64_t l = 0; net->layers && l < net->L && !m; l++) m = net->layers[l].mla;
     int mla_ok = 1;
@@ -319,7 +249,7 @@ static Work *work_new(const Net *net, int64_t S) {
             mla_ok = mla_ok && s->iq && s->ik && s->iw && s->isc && s->isel && s->chosen;
         }
     }
-    if (!mla_ok || !s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice ||
+    if (!dn_buf_new(net, 1, &s->dn) || !s->qg || !s->ag || !mla_ok || !s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice ||
         !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w || !s->hin || !s->ones || !s->yp || !s->ids ||
         !s->ax || !s->ah) {
         work_free(s);
@@ -334,7 +264,8 @@ static void work_free(Work *s) {
     free(s->qa), free(s->qb), free(s->kv), free(s->qn), free(s->qrot), free(s->qlat), free(s->olat), free(s->attm);
     free(s->iq), free(s->ik), free(s->iw), free(s->isc), free(s->isel), free(s->chosen);
     free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->hin), free(s->ones), free(s->yp), free(s->ids);
-    free(s->ax), free(s->ah);
+    free(s->ax), free(s->ah), free(s->qg), free(s->ag);
+    dn_buf_free(&s->dn);
     free(s);
 }
 
@@ -382,9 +313,10 @@ static void gqa_attend(const Net *net, const Layer *ly, void *kc, void *vc, int6
                        const float *cos, const float *sin, Work *s) {
     const int64_t H = net->H, G = net->G, Dh = net->Dh, n = pos + 1;
     for (int64_t j = 0, off = 0; j < ly->n_qkv; off += ly->qkv[j].O, j++)
-        lin_product(&ly->qkv[j], s->h, 1, &s->a, s->qkv + off, &s->oom);
+        lin_product(&ly->qkv[j], s->h, 1, &s->a, (ly->gate ? s->qg : s->qkv) + off, &s->oom);
 #pragma omp single
     {
+        if (ly->gate) gate_unpack(H, G, Dh, s->qg, s->qkv, s->ag);
         const int64_t R = qkv_prepare(net, ly, s->qkv, cos, sin, pos);
         attend_rotate(s->qkv, s->qkv + H * Dh, s->qkv + (H + G) * Dh, cos, sin, kc, vc, H, G, Dh, R, S, pos, s->qr,
                       (int)net->kv16);
@@ -393,6 +325,10 @@ static void gqa_attend(const Net *net, const Layer *ly, void *kc, void *vc, int6
     for (int64_t h = 0; h < H; h++)
         attend_head(s->qr, kc, vc, H, G, Dh, S, first_seen(ly->window, ly->chunk, pos), n, net->scale,
                     ly->sinks, s->p, s->att, h, (int)net->kv16);
+    if (ly->gate) {
+#pragma omp single
+        gate_apply(s->att, s->ag, H * Dh);
+    }
     lin_product(&ly->o, s->att, 1, &s->a, s->tmp, &s->oom);
 }
 
@@ -488,7 +424,11 @@ static void layer_attend(const Net *net, int64_t l, float *x, void *kc, void *vc
     const Layer *ly = net->layers + l;
 #pragma omp single
     rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
-    if (ly->mla)
+    if (ly->dn) { /* the state in place of the caches: one row of one sequence */
+        const int64_t seg = 0;
+        void *kcs[1] = {kc}, *vcs[1] = {vc};
+        deltanet_rows(ly, s->h, 1, &seg, &pos, kcs, vcs, &s->dn, &s->a, s->tmp, &s->oom);
+    } else if (ly->mla)
         latent_attend(net, ly->mla, &ly->o, (float *)kc, (float *)vc, S, pos, cos, sin, s); /* float32 always */
     else
         gqa_attend(net, ly, kc, vc, S, pos, cos, sin, s);

@@ -30,6 +30,27 @@ void index_query(const Indexer *ix, int64_t R, float *iq, float *iw, const float
 int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin, int64_t pos);
 void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids, float *w);
 
+/* Gated DeltaNet's buffers for up to `rows` rows (deltanet.c), sized for the largest such layer of a Net */
+typedef struct {
+    float *raw, *braw, *mixed, *z, *bb, *aa, *o;
+    int64_t rows;
+} DnBuf;
+
+/* the buffers for `rows` rows of net's Gated DeltaNet layers (none where it has none); 0 where memory
+ * for them could not be had (dn_buf_free frees what was had, either way) */
+int dn_buf_new(const Net *net, int64_t rows, DnBuf *b);
+void dn_buf_free(DnBuf *b);
+/* layer ly's Gated DeltaNet (`DeltaNet`) on nr normed rows h (nr, D) into out (nr, D) by the team: row r of
+ * the sequence seg[r] at position pos[r] (0: its state starts from zeros), whose state is kc[seg[r]]
+ * (the convolution's) and vc[seg[r]] (the delta rule's), advanced row by row in order */
+void deltanet_rows(const Layer *ly, const float *h, int64_t nr, const int64_t *seg, const int64_t *pos,
+                   void *const *kc, void *const *vc, DnBuf *b, Acts *a, float *out, int *oom);
+/* q's product (2 H Dh: each head's query, then its gate) and k, v after it in qg, unpacked into qkv (q,
+ * k, v) and gate (H Dh): a gated attention layer's (`Layer.gate`) */
+void gate_unpack(int64_t H, int64_t G, int64_t Dh, const float *qg, float *qkv, float *gate);
+/* att (n) times sigmoid(gate), in place */
+void gate_apply(float *att, const float *gate, int64_t n);
+
 /* expert e's activation of its hidden unit j: SwiGLU's g[j] = silu(g[j]) * u[j] (g, u: the gate and up
  * outputs); where gate is gate_up (up.O = 0), into u[j]: SwiGLU of its halves g[j] and g[F + j]
  * (`Net.halves`), or gpt-oss's clamped one of g[2j] and g[2j + 1] with its bias (`Net.alpha`, `Net.limit`) */

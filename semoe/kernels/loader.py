@@ -68,12 +68,19 @@ def sparse_attention(latent: LatentC, config, indexer: IndexerC | None) -> None:
         latent.index = ctypes.pointer(indexer)
 
 
+class DeltaNetC(ctypes.Structure):
+    """decode_abi.h's `DeltaNet`: a layer's Gated DeltaNet linear attention (Qwen3-Next, Qwen3.5-MoE)."""
+    _fields_ = [("in_", Lin * 4), ("n_in", _I), ("nk", _I), ("nv", _I), ("dk", _I), ("dv", _I), ("K", _I),
+                ("conv", _P), ("dt_bias", _P), ("A_log", _P), ("norm", _P), ("eps", _F32)]
+
+
 class LayerC(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
                 ("window", _I), ("qk_norm", _I), ("q_norm", _P), ("k_norm", _P), ("norope", _I), ("chunk", _I),
                 ("temp_scale", _F32), ("temp_floor", _F32), ("qk_eps", _F32), ("clip", _F32),
                 ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("mla", ctypes.POINTER(LatentC)), ("E", _I), ("router", Lin), ("correction", _P),
-                ("experts", ctypes.POINTER(Expert)), ("shared", ctypes.POINTER(Expert)), ("shared_gate", Lin)]
+                ("experts", ctypes.POINTER(Expert)), ("shared", ctypes.POINTER(Expert)), ("shared_gate", Lin),
+                ("dn", ctypes.POINTER(DeltaNetC)), ("gate", _I)]
 
 
 class Net(ctypes.Structure):
@@ -114,6 +121,8 @@ class LayerParts:
     chunk: int = 0  # chunked local attention's chunk (0: none)
     temp_scale: float = 0.0
     temp_floor: float = 0.0
+    dn: DeltaNetC | None = None  # Gated DeltaNet in place of attention (kept alive by the caller)
+    gate: int = 0  # 1: q's product gives each head's query, then its output gate
 
 
 # decode_abi.h's `Layer.qk_norm` for `semoe.model.config.MoEConfig.qk_norm`, and `Net.router` for its router
@@ -134,7 +143,23 @@ def layer_parts(config, layer: int, **found) -> LayerParts:
                       qk_norm=QK_NORM[config.qk_norm] if gqa else 0,
                       qk_eps=config.rms_norm_eps if gqa and config.qk_norm != "none" else 0.0,
                       clip=(config.clip_qkv or 0.0) if gqa else 0.0, norope=int(norope), temp_scale=temp[0],
-                      temp_floor=temp[1], **found)
+                      temp_floor=temp[1], gate=int(bool(gqa and config.attn_output_gate and not config.is_linear(layer))),
+                      **found)
+
+
+def deltanet(config, ins: list[Lin], conv: int, dt_bias: int, A_log: int, norm: int) -> DeltaNetC:
+    """A layer's `DeltaNetC` as both front-ends make it: its input products (qkvz and ba, or qkv, z, b and
+    a, as `config.linear_layout` says), the addresses of its convolution's weight (C, K), dt_bias, A_log
+    and its norm's weight, float32; the shapes from the config."""
+    c = config
+    if len(ins) != (2 if c.linear_layout == "qkvz" else 4):
+        raise ValueError(f"{len(ins)} input products for the {c.linear_layout!r} layout")
+    d = DeltaNetC(n_in=len(ins), nk=c.linear_key_heads, nv=c.linear_value_heads, dk=c.linear_key_dim,
+                  dv=c.linear_value_dim, K=c.linear_conv_kernel, conv=conv, dt_bias=dt_bias, A_log=A_log, norm=norm,
+                  eps=c.rms_norm_eps)
+    for j, lin in enumerate(ins):
+        d.in_[j] = lin
+    return d
 ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2, "topk_sigmoid_input": 3}
 # prefill.c's and kernels.h's sizes, for what a prompt's pass allocates (`inference.torch_free.sequence_memory`):
 # the rows of a block (PREFILL_ROWS), the rows sharing a key's load (ROW_GROUP) and the expanded latent
@@ -156,6 +181,9 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
         lc.norope, lc.chunk, lc.temp_scale, lc.temp_floor = lp.norope, lp.chunk, lp.temp_scale, lp.temp_floor
         if lp.mla is not None:
             lc.mla = ctypes.pointer(lp.mla)
+        if lp.dn is not None:
+            lc.dn = ctypes.pointer(lp.dn)
+        lc.gate = lp.gate
         if lp.shared is not None:
             lc.shared = lp.shared
             if lp.shared_gate is not None:
@@ -175,7 +203,8 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
 
 
 # decode_abi.h's struct names -> their mirrors, which `check_layout` compares field by field
-STRUCTS = {"Lin": Lin, "Expert": Expert, "Indexer": IndexerC, "Latent": LatentC, "Layer": LayerC, "Net": Net}
+STRUCTS = {"Lin": Lin, "Expert": Expert, "Indexer": IndexerC, "Latent": LatentC, "DeltaNet": DeltaNetC,
+           "Layer": LayerC, "Net": Net}
 
 
 def check_layout(lib: ctypes.CDLL, path: str, structs: dict[str, type[ctypes.Structure]] = STRUCTS) -> None:
@@ -228,15 +257,18 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.prefill_head.argtypes = [_P, _P, _I, _P, _INT]
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
+    lib.deltanet_step.argtypes = [_P, _P, _P, _P, _I, _P, _INT]
     lib.prefill_expand_limit.argtypes = [_I]
     lib.prefill_expand_limit.restype = _I
+    lib.deltanet_chunk_min.argtypes = [_I]  # set (n > 0) the shortest run of rows the chunked form takes; the old
+    lib.deltanet_chunk_min.restype = _I
     for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_fp8, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads,
               lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_work_free, lib.prefill_norm):
         f.restype = None
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks
     for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,
               lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_experts, lib.decode_ffn_done,
-              lib.decode_head, lib.prefill_attend,
+              lib.decode_head, lib.prefill_attend, lib.deltanet_step,
               lib.prefill_head, lib.prefill_experts, lib.prefill_finish):
         f.restype = ctypes.c_int
         f.errcheck = _out_of_memory

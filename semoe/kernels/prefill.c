@@ -239,8 +239,11 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
     const int64_t E = ly->E > 0 ? ly->E : 1;
     int64_t Smax = 1, np = 0, starts[PREFILL_ROWS + 1];
     for (int64_t i = 0; i < nseg; i++) Smax = segs[3 * i] > Smax ? segs[3 * i] : Smax;
-    float *h = malloc(sizeof(float) * (size_t)(R * D)), *qkv = malloc(sizeof(float) * (size_t)(R * Q));
-    float *part = malloc(sizeof(float) * (size_t)(R * Q)), *att = malloc(sizeof(float) * (size_t)(R * A));
+    const int64_t Qg = Q + (ly->gate ? H * Dh : 0); /* a gated layer's row of products: q's gate too */
+    float *h = malloc(sizeof(float) * (size_t)(R * D)), *qkv = malloc(sizeof(float) * (size_t)(R * Qg));
+    float *part = malloc(sizeof(float) * (size_t)(R * Qg)), *att = malloc(sizeof(float) * (size_t)(R * A));
+    float *gate = ly->gate ? malloc(sizeof(float) * (size_t)(R * H * Dh)) : NULL;
+    DnBuf dn = {0};
     float *tmp = malloc(sizeof(float) * (size_t)(R * D)), *qr = malloc(sizeof(float) * (size_t)(R * H * Dh));
     float *p = malloc(sizeof(float) * (size_t)(threads * ROW_GROUP * Smax));
     float *probs = malloc(sizeof(float) * (size_t)(R * E)), *choice = malloc(sizeof(float) * (size_t)E);
@@ -248,7 +251,8 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
     unsigned char *masked = malloc((size_t)E);
     LatentRows lb = {0};
     Acts a;
-    int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked && seg);
+    int oom = !(h && qkv && part && att && tmp && qr && p && probs && choice && masked && seg) || (ly->gate && !gate);
+    oom = oom || (ly->dn && !dn_buf_new(net, R, &dn));
     for (int64_t i = 0, r = 0; !oom && i < nseg; i++)
         for (int64_t j = 0; j < segs[3 * i + 2] && r < T; j++, r++) seg[r] = i, pos[r] = segs[3 * i + 1] + j;
     /* the expanded form for one sequence's prompt alone; a decoding row attends in the absorbed form,
@@ -261,18 +265,26 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
         const int64_t nr = T - r0 < R ? T - r0 : R;
 #pragma omp single
         rmsnorm_f32(x + r0 * D, ly->attn_norm, ly->attn_eps, h, nr, D);
-        if (m)
+        if (ly->dn) /* the rows of each sequence in order from its state; the output product is the mixer's */
+            deltanet_rows(ly, h, nr, seg + r0, pos + r0, kc, vc, &dn, &a, tmp, &oom);
+        else if (m)
             latent_rows(net, m, h, nr, seg + r0, pos + r0, kc, vc, r0 == 0, segs[1] + T, cos + r0 * Rc, sin + r0 * Rc,
                         Rc, &lb, p, Smax, m->topk ? choices + r0 * m->topk : NULL, att, &a, &oom); /* float32 caches */
-        for (int64_t j = 0, off = 0; !m && j < ly->n_qkv; off += ly->qkv[j].O, j++) {
+        const int gqa = !m && !ly->dn;
+        for (int64_t j = 0, off = 0; gqa && j < ly->n_qkv; off += ly->qkv[j].O, j++) {
             lin_product(&ly->qkv[j], h, nr, &a, part, &oom);
 #pragma omp single
             for (int64_t m = 0; m < nr; m++)
-                memcpy(qkv + m * Q + off, part + m * ly->qkv[j].O, sizeof(float) * (size_t)ly->qkv[j].O);
+                memcpy(qkv + m * Qg + off, part + m * ly->qkv[j].O, sizeof(float) * (size_t)ly->qkv[j].O);
         }
-        if (!m && !oom) {
+        if (gqa && !oom) {
 #pragma omp single
             { /* every row's k and v into its caches before any row attends; the runs of a sequence's rows */
+                if (ly->gate) /* each row's q, k, v at the stride Q, its gate apart */
+                    for (int64_t r = 0; r < nr; r++) {
+                        memcpy(part, qkv + r * Qg, sizeof(float) * (size_t)Qg);
+                        gate_unpack(H, G, Dh, part, qkv + r * Q, gate + r * H * Dh);
+                    }
                 np = 0;
                 for (int64_t r = 0; r < nr; r++) {
                     float *row = qkv + r * Q;
@@ -294,8 +306,12 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
                                  starts[u / H + 1] - a0, ly->window, ly->chunk, net->scale, ly->sinks, pt,
                                  att + a0 * A, u % H, (int)net->kv16);
             }
+            if (ly->gate) {
+#pragma omp single
+                gate_apply(att, gate, nr * H * Dh);
+            }
         }
-        lin_product(&ly->o, att, nr, &a, tmp, &oom);
+        if (!ly->dn) lin_product(&ly->o, att, nr, &a, tmp, &oom);
 #pragma omp single
         {
             for (int64_t i = 0; i < nr * D; i++) x[r0 * D + i] = x[r0 * D + i] + tmp[i];
@@ -313,7 +329,8 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
         }
     }
     free(h), free(qkv), free(part), free(att), free(tmp), free(qr), free(p), free(probs), free(choice), free(masked);
-    free(seg);
+    free(seg), free(gate);
+    dn_buf_free(&dn);
     latent_rows_free(&lb);
     return oom ? -1 : 0;
 }

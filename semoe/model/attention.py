@@ -163,8 +163,17 @@ class KVCache:
                 kv[i] = bigger
 
     def addresses(self) -> tuple[list[int], list[int]]:
-        """The addresses of its layers' k and v (the compiled kernels' view of a batch of one)."""
-        return [k.data_ptr() for k in self.k], [v.data_ptr() for v in self.v]
+        """The addresses of its layers' k and v (the compiled kernels' view of a batch of one); a Gated
+        DeltaNet layer's are those of its state, the convolution's and the delta rule's."""
+        ks, vs = [k.data_ptr() for k in self.k], [v.data_ptr() for v in self.v]
+        for layer, s in enumerate(self.states or ()):
+            if isinstance(s, DeltaNetState):
+                ks[layer], vs[layer] = s.conv.data_ptr(), s.recurrent.data_ptr()
+        return ks, vs
+
+    def state_tensors(self) -> list[torch.Tensor]:
+        """The tensors of its Gated DeltaNet layers' states (what the kernels update in place)."""
+        return [t for s in self.states or () if isinstance(s, DeltaNetState) for t in (s.conv, s.recurrent)]
 
     def copy_from(self, src: "KVCache", n: int) -> None:
         """Take the first n positions of `src` (a sequence sharing this one's first n tokens): every

@@ -54,6 +54,11 @@ PREFILL_RTOL = 1e-5  # float32 sums in another order, through a few layers (meas
 KV16_RTOL = 1e-3  # a float16 KV cache's logits against a float32 one's, relative to the largest (measured: 4.1e-5)
 
 
+
+def _stacked(seq, i: int) -> np.ndarray:
+    """A sequence's keys (i = 0) or values (1), every layer's stacked."""
+    return np.stack([kv[i] for kv in seq.caches])
+
 def expert_bytes(store: str) -> int:
     return StoreReader.open(store).manifest.expert_bytes()
 
@@ -517,8 +522,9 @@ def _prefill_is_the_steps(store: str, cache_bytes: int | None = 0) -> None:
             want = b.step(TOKENS[-1])
             scale = np.abs(want).max()
             np.testing.assert_allclose(got, want, rtol=0, atol=PREFILL_RTOL * scale)
-            np.testing.assert_allclose(a.kc, b.kc, rtol=0, atol=PREFILL_RTOL * np.abs(b.kc).max())
-            np.testing.assert_allclose(a.vc, b.vc, rtol=0, atol=PREFILL_RTOL * np.abs(b.vc).max())
+            for i in (0, 1):
+                x, y = _stacked(a, i), _stacked(b, i)
+                np.testing.assert_allclose(x, y, rtol=0, atol=PREFILL_RTOL * np.abs(y).max())
             assert a.length == b.length == len(TOKENS)
         if cache_bytes == 0:
             assert lean.cache.misses - reads > 0  # token by token, the same cache reads again
@@ -692,10 +698,10 @@ def test_a_float16_kv_cache_holds_half_the_bytes_and_stays_near_float32(tmp_path
                 b.step(t, logits=False)
             stepped = b.step(TOKENS[-1])
             np.testing.assert_allclose(first, stepped, rtol=0, atol=PREFILL_RTOL * np.abs(stepped).max())
-            for x, y in ((a.kc, b.kc), (a.vc, b.vc)):
+            for x, y in ((_stacked(a, 0), _stacked(b, 0)), (_stacked(a, 1), _stacked(b, 1))):
                 np.testing.assert_allclose(x.astype(np.float32), y.astype(np.float32), rtol=0,
                                            atol=PREFILL_RTOL * np.abs(y.astype(np.float32)).max())
-            got[kv] = stepped.copy(), a.kc.copy(), a.vc.copy()
+            got[kv] = stepped.copy(), _stacked(a, 0).copy(), _stacked(a, 1).copy()
     (l32, k32, v32), (l16, k16, v16) = got["f32"], got["f16"]
     assert k16.dtype == v16.dtype == np.float16 and k16.nbytes * 2 == k32.nbytes
     assert np.array_equal(k16[0], k32[0].astype(np.float16)) and np.array_equal(v16[0], v32[0].astype(np.float16))

@@ -169,4 +169,4 @@ def test_gated_full_attention_equals_transformers():
         want, _ = theirs(x, (cos, sin), mask)
         got = ours(x, *rope_tables(c, pos, torch.float32), None)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
-    assert plan_refusal(c) == "gpt_moe's gated attention output, zero-centred norms"
+    assert plan_refusal(c) is None  # the fast paths take both (tests/semoe/model/test_qwen3_next.py)

@@ -10,6 +10,7 @@ paths differ in summation order only).
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -118,36 +119,87 @@ def test_packed_sequences_are_each_sequence_alone(hf):
 
 
 @pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
-def test_each_path_says_it_takes_the_modules_and_gives_their_tokens(checkpoints, family, capsys):
-    """No fast path takes linear attention yet, and each says so by name: the plan refuses, the engine's
-    decode path names the modules and why, resident and offloaded give the module path's tokens, the
-    torch-free runner refuses the store, `--lean` fails with one line, and `--cpu-cache` alone (which
-    picks the runner where it can) decodes in the engine."""
+def test_every_fast_path_takes_linear_attention_and_gives_the_modules_tokens(checkpoints, family, capsys):
+    """The plan takes Gated DeltaNet, the gated attention output and the zero-centred norms: the one-call
+    step (and its prompt pass), the kernel-by-kernel step, the engine resident and offloaded, the torch-free
+    runner (`--lean`, and `--cpu-cache` alone, which picks it) all give the modules' greedy tokens, each
+    path saying which it is; log-probs within ATOL."""
     hf, store = checkpoints(family)
     model = load_hf(str(hf))
-    arch = model.config.arch
-    want = generate(model, PROMPT, SamplingConfig(max_new_tokens=12))
-    with pytest.raises(NotOnFastPath, match=f"does not take {arch}'s Gated DeltaNet linear attention, "
-                                            "gated attention output, zero-centred norms"):
-        DecodePlan(model)
-    for config in (EngineConfig(), EngineConfig(cpu_cache_bytes=1)):
+    cfg = SamplingConfig(max_new_tokens=12)
+    want = generate(model, PROMPT, cfg, plan=None)
+    whole, kernels = DecodePlan(model), DecodePlan(model, whole=False)
+    assert whole.net is not None and kernels.net is None
+    for plan in (whole, kernels):
+        got = generate(model, PROMPT, cfg, plan=plan)
+        assert got.tokens == want.tokens
+        assert got.logprobs == pytest.approx(want.logprobs, abs=ATOL)
+    for config, path in ((EngineConfig(), "the whole step in one call"), (EngineConfig(cpu_cache_bytes=1),
+                                                                             "kernel by kernel")):
         engine = Engine.load(store, config)
         try:
-            assert "the model's modules on cpu" in engine.decode_path()
-            assert "Gated DeltaNet linear attention" in engine.decode_path()
-            got = engine.generate(PROMPT, SamplingConfig(max_new_tokens=12))
+            assert path in engine.decode_path()
+            got = engine.generate(PROMPT, cfg)
         finally:
             engine.close()
         assert got.tokens == want.tokens
         assert got.logprobs == pytest.approx(want.logprobs, abs=ATOL)
-    assert lean_refusal(store) == (f"it does not take {arch}'s Gated DeltaNet linear attention, gated attention "
-                                   "output, zero-centred norms")
+    assert lean_refusal(store) is None
     capsys.readouterr()  # what making the checkpoint printed
     args = ["generate", "--model", store, "--prompt-ids", ",".join(map(str, PROMPT)), "--max-new-tokens", "12",
             "--json"]
-    assert main([*args, "--lean"]) == 2
-    err = capsys.readouterr().err.strip()
-    assert "\n" not in err and "Gated DeltaNet linear attention" in err
-    assert main([*args, "--cpu-cache", "50%"]) == 0
-    out = capsys.readouterr()
-    assert "without torch" not in out.err and json.loads(out.out)["tokens"] == want.tokens
+    for flags in (["--lean"], ["--cpu-cache", "50%"]):
+        assert main([*args, *flags]) == 0
+        got = json.loads(capsys.readouterr().out)
+        assert "computed_while_reading" in got["stats"] and got["tokens"] == want.tokens  # the runner's stats
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "qwen3_5_moe"])
+def test_the_chunked_prompt_pass_equals_the_recurrence_and_the_modules(checkpoints, family):
+    """The kernels' prompt pass runs a sequence's consecutive rows in the chunked form (deltanet.c's
+    `head_chunk`); forced to the recurrence (`deltanet_chunk_min`), stepped token by token, or through the
+    modules (torch's chunked form), the logits and every linear layer's state after 100 positions (two
+    blocks of rows, the second from the first's state) agree within ATOL; so does a prompt continuing a
+    cache, and three sequences in one batch (each its own runs) against each alone."""
+    from semoe.kernels import torch_ops
+    model = load_hf(str(checkpoints(family)[0]))
+    c, lib, plan = model.config, torch_ops._lib(), DecodePlan(model)
+    tokens = [int(t) for t in torch.randint(0, c.vocab_size, (100,), generator=torch.Generator().manual_seed(3))]
+
+    def run(how):
+        k = KVCache.empty(c, 1, 110)
+        with torch.no_grad():
+            if how == "modules":
+                logits = model(torch.tensor([tokens]), k).logits[:, -1]
+            elif how == "steps":
+                for t in tokens:
+                    logits = plan.step(t, k)
+            elif how == "continued":
+                plan.prefill(tokens[:37], k)
+                logits = plan.prefill(tokens[37:], k)
+            else:
+                logits = plan.prefill(tokens, k)
+        return logits, k.state_tensors()
+
+    old = lib.deltanet_chunk_min(0)
+    try:
+        got = {how: run(how) for how in ("chunked", "continued", "steps", "modules")}
+        lib.deltanet_chunk_min(10 ** 9)
+        got["recurrence"] = run("chunked")
+    finally:
+        lib.deltanet_chunk_min(old)
+    want_logits, want_states = got.pop("modules")
+    for how, (logits, states) in got.items():
+        torch.testing.assert_close(logits, want_logits, atol=ATOL, rtol=0, msg=how)
+        for s, w in zip(states, want_states, strict=True):
+            torch.testing.assert_close(s, w, atol=ATOL, rtol=0, msg=how)
+    seqs = [tokens[:20], tokens[20:23], tokens[50:90]]
+    alone = []
+    for s in seqs:
+        k = KVCache.empty(c, 1, 50)
+        alone.append(plan.prefill(s, k))
+    caches = [KVCache.empty(c, 1, 50) for _ in seqs]
+    rows = list(itertools.accumulate(len(s) for s in seqs))
+    batch = plan.batch(sum(seqs, []), caches, [len(s) for s in seqs], [r - 1 for r in rows])
+    for i, want in enumerate(alone):
+        torch.testing.assert_close(batch[i:i + 1], want, atol=ATOL, rtol=0)
