@@ -54,6 +54,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "written, for grouped-query attention (every architecture but DeepSeek's latent one); auto "
                         "(default): f16 where a float32 cache for the prompt and --max-new-tokens would take more "
                         "than an eighth of the memory available (stderr says so), else f32")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="draft up to K tokens a step and verify them in one pass of K + 1 rows, greedy, in the "
+                        "torch-free runner (it implies --lean): a pass reads the "
+                        "union of its rows' experts once, where memory is short the step's cost. Drafts by lookup: "
+                        "the tokens that followed the latest earlier occurrence of the sequence's last 1-3 tokens, "
+                        "prompt included (text that repeats its context drafts right; other text drafts nothing). "
+                        "The tokens are greedy decoding's. Default 0: off")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -71,7 +78,14 @@ def parse_prompt_ids(text: str) -> list[int]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.speculative < 0:
+        raise UsageError(f"--speculative must be >= 0 (the tokens drafted a step), got {args.speculative}")
+    if args.speculative and (args.temperature is not None or args.top_p is not None):
+        raise UsageError("--speculative decodes greedily: drop --temperature and --top-p, or --speculative")
     if args.lean:
+        return run_lean(args)
+    if args.speculative:  # the engine decodes a token a step
+        print("semoe: --speculative decodes in the torch-free runner (as --lean)", file=sys.stderr, flush=True)
         return run_lean(args)
     said = lean_by_itself(args, sized_cache=True)
     if said is not None:
@@ -192,7 +206,8 @@ def run_lean(args: argparse.Namespace) -> int:
                 if done == layers:
                     bar.close()  # decoding follows: the bar goes
 
-            res = model.generate(prompt, sampling_config(args, model.stop_ids()), on_prompt_layer=layer_done)
+            res = model.generate(prompt, sampling_config(args, model.stop_ids()), on_prompt_layer=layer_done,
+                                 speculative=args.speculative)
     text = tok.decode(res.tokens) if tok is not None else ""
     if args.json:
         emit_json({"tokens": res.tokens, "text": text, "logprobs": res.logprobs, "ttft_s": res.ttft_s,
@@ -202,4 +217,8 @@ def run_lean(args: argparse.Namespace) -> int:
         print(f"[{len(res.tokens)} tokens, ttft {res.ttft_s * 1e3:.1f} ms, {res.decode_tok_s:.1f} tok/s, lean on cpu, "
               f"expert cache {res.stats['cache_bytes'] / 2**20:.0f} MiB, read {res.stats['ssd_bytes'] / 2**20:.1f} MiB, "
               f"peak RSS {res.stats['peak_rss_bytes'] / 2**20:.0f} MiB]", file=sys.stderr)
+        if args.speculative:
+            st = res.stats
+            print(f"[speculative: {st['passes']} passes, {st['accepted']} of {st['drafted']} drafted tokens kept]",
+                  file=sys.stderr)
     return 0

@@ -53,7 +53,8 @@ from typing import Callable
 
 import numpy as np
 
-from inference.torch_free import linear_layers
+from inference.torch_free import mixers
+from inference.torch_free import speculative as spec
 from inference.torch_free.prompt_prefill import prefill
 from inference.torch_free.expert_slots import ExpertSlots
 from inference.memory_guard import CPU_CACHE_AUTO, cpu_cache_size
@@ -62,7 +63,6 @@ from semoe.decode import loop
 from semoe.model import rope
 from semoe.decode.loop import SamplingConfig
 from semoe.decode.support import NotOnFastPath, one_call_refusal
-from semoe.model.config import LATENT_NORM_EPS
 from semoe.model.hf_names import hf_name, text_name
 from semoe.checkpoints.hf_config import store_model_config
 from semoe.checkpoints.tokenizer import Tokenizer, default_stop_ids, store_tokenizer
@@ -199,9 +199,9 @@ class LeanModel:
                 self.held.append(arr)
             o = f"layers.{lay}.attn.{'out_proj' if c.is_linear(lay) else 'o_proj'}"
             if c.is_linear(lay):
-                attn = dict(qkv=[], dn=linear_layers.deltanet(self, lay, dense))
+                attn = dict(qkv=[], dn=mixers.deltanet(self, lay, dense))
             elif c.attention == "mla":
-                attn = dict(qkv=[], mla=self._latent(lay, dense))
+                attn = dict(qkv=[], mla=mixers.latent(self, lay, dense))
             else:
                 qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
                 mapped = dense == "int8" and any(self._stored_int8(hf_name(c, f"{m}.weight")) for m in qkv)
@@ -262,32 +262,6 @@ class LeanModel:
         if why:
             named = why if c.arch in why else f"{why} ({c.arch})"
             raise NotOnFastPath(f"the lean runner does not take {named}; decode it with the engine (without --lean)")
-
-    def _latent(self, lay: int, dense: str) -> loader.LatentC:
-        """Layer `lay`'s latent attention as the engine's one-call step holds it (`semoe.decode.plan`):
-        its products dense as the others, kv_b read as float32 and split into its absorbed halves,
-        w_ukT (H, L, nope) and w_uv (H, dv, L)."""
-        c, pre = self.config, f"layers.{lay}.attn."
-        H, nope, L, dv = c.num_heads, c.qk_nope_head_dim, c.kv_lora_rank, c.v_head_dim
-        if c.q_lora_rank is None:
-            q_a, q_norm, q_b = loader.Lin(), None, self._linear([pre + "q_proj"], dense, bias=False)
-        else:
-            q_a, q_norm = self._linear([pre + "q_a_proj"], dense), self._vector(pre + "q_a_layernorm.weight")
-            q_b = self._linear([pre + "q_b_proj"], dense, bias=False)
-        kv_a, kv_norm = self._linear([pre + "kv_a_proj_with_mqa"], dense), self._vector(pre + "kv_a_layernorm.weight")
-        w_HdL = np.concatenate(list(self._rows(hf_name(c, pre + "kv_b_proj.weight")))).reshape(H, nope + dv, L)
-        w_ukT, w_uv = np.ascontiguousarray(w_HdL[:, :nope].transpose(0, 2, 1)), np.ascontiguousarray(w_HdL[:, nope:])
-        m = loader.LatentC(q_a, q_b, kv_a, q_norm, kv_norm, LATENT_NORM_EPS, rope.softmax_scale(c),
-                               w_ukT.ctypes.data, w_uv.ctypes.data, nope, L, dv, int(c.rope_interleave))
-        ix = None
-        if c.indexes(lay):  # DeepSeek sparse attention's indexer: its products dense as the others
-            ix = loader.IndexerC(*(self._linear([pre + f"indexer.{p}"], dense, bias=False)
-                                   for p in ("wq_b", "wk", "weights_proj")),
-                                 self._vector(pre + "indexer.k_norm.weight"), self._vector(pre + "indexer.k_norm.bias"),
-                                 c.index_heads, c.index_head_dim, int(c.index_rope_interleave))
-        loader.sparse_attention(m, c, ix)
-        self.held += [w_ukT, w_uv, m, ix]
-        return m
 
     def _vector(self, param: str, norm: bool = False) -> int:
         """A float32 copy of a 1-d parameter, held; its address. `norm`: a block's RMSNorm weight, which
@@ -518,19 +492,28 @@ class LeanModel:
         return LeanSequence(self, capacity)
 
     def generate(self, prompt: list[int], cfg: SamplingConfig, on_token: Callable[[int, float], None] | None = None,
-                 on_prompt_layer: Callable[[int, int], None] | None = None) -> LeanResult:
+                 on_prompt_layer: Callable[[int, int], None] | None = None, speculative: int = 0,
+                 draft: Callable[[list[int], int], list[int]] | None = None) -> LeanResult:
         """Decoding after `prompt` (its tokens through the model a layer at a time, `lean_prefill`), each
         token chosen as `cfg` says and handed to `on_token(id, logprob)`: the engine's loop
         (`semoe.decode.loop`), its draws from numpy's generator seeded with cfg.seed; `on_prompt_layer(done,
-        layers)` after each layer of the prompt's pass."""
+        layers)` after each layer of the prompt's pass. `speculative` k > 0: up to k tokens drafted a step
+        (`draft(tokens so far, n)`; default: `loop.prompt_lookup` over the prompt and them) and verified in
+        one pass (`inference.torch_free.speculative`), greedy; the stats then count passes and drafts."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
         cache = self.cache
         reads0, bytes0, overlapped0 = cache.misses, cache.read_bytes, self.computed_while_reading
         rng = np.random.default_rng(cfg.seed)
         with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
-            out = loop.run(functools.partial(prefill, seq, prompt, on_prompt_layer), seq.step,
-                           lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
+            first = functools.partial(prefill, seq, prompt, on_prompt_layer)
+            if speculative:
+                lookup = draft or (lambda tokens, n: loop.prompt_lookup(tokens, n, prompt))
+                out = loop.run_speculative(first, functools.partial(spec.verify, seq), functools.partial(spec.keep, seq),
+                                           lookup, speculative, lambda logits: loop.choose(logits, cfg, rng), cfg,
+                                           on_token)
+            else:
+                out = loop.run(first, seq.step, lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
         stats = {"expert_reads": cache.misses - reads0, "ssd_bytes": cache.read_bytes - bytes0,
                  "ssd_bytes_per_token": (cache.read_bytes - bytes0) / max(1, len(prompt) + len(out.tokens) - 1),
                  "cache_hits": cache.hits, "cache_misses": cache.misses, "cache_slots": cache.n,
@@ -538,6 +521,8 @@ class LeanModel:
                  "computed_while_reading": self.computed_while_reading - overlapped0,
                  "kv_cache": self.settings.kv_cache,
                  "peak_rss_bytes": peak_rss_bytes()}
+        if speculative:
+            stats.update(speculative=speculative, passes=out.passes, drafted=out.drafted, accepted=out.accepted)
         return LeanResult(out.tokens, out.logprobs, out.ttft_s, out.decode_tok_s, stats)
 
     def stop_ids(self) -> tuple[int, ...]:
@@ -568,10 +553,11 @@ class LeanSequence:
         if not 0 < capacity <= c.max_position:
             raise BadInputError(f"a sequence of {capacity} positions: the model takes 1 to {c.max_position}")
         self.model, self.capacity, self.length = model, capacity, 0
+        self.undo = None  # the last speculative pass's (`inference.torch_free.speculative.verify`)
         L, K = c.num_layers, max(c.top_k, 1)
         # the model's layout (`MoEConfig.kv_shapes`) of one sequence a layer, as the Net's kv16 says, or a
         # linear layer's state
-        self.caches = linear_layers.sequence_caches(c, capacity, np.float16 if model.settings.kv_cache == "f16"
+        self.caches = mixers.sequence_caches(c, capacity, np.float16 if model.settings.kv_cache == "f16"
                                                     else np.float32)
         self.x, self.logits = np.empty(c.hidden_size, np.float32), np.empty(model.head.O, np.float32)
         self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)

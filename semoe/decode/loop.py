@@ -112,3 +112,74 @@ def choose(logits_V: np.ndarray, cfg: SamplingConfig, rng: np.random.Generator) 
         token = int(min(np.searchsorted(np.cumsum(p), rng.random() * p.sum(), side="right"), len(p) - 1))
     m = float(logits_V.max())
     return token, float(logits_V[token]) - m - math.log(float(np.exp(logits_V - m).sum()))
+
+
+@dataclass
+class Speculated(Generated):
+    """`Generated` by speculative decoding: also the verification passes run, the tokens drafted and
+    those of them kept."""
+
+    passes: int = 0
+    drafted: int = 0
+    accepted: int = 0
+
+
+def run_speculative(first: Callable[[], Logits], verify: Callable[[list[int]], list[Logits]],
+                    keep: Callable[[int], None], draft: Callable[[list[int], int], list[int]], k: int,
+                    choose: Callable[[Logits], tuple[int, float]], cfg: SamplingConfig,
+                    on_token: Callable[[int, float], None] | None = None) -> Speculated:
+    """`run` with up to k tokens drafted a step and verified at once, greedy: `draft(tokens, n)` proposes up
+    to n tokens to follow `tokens` (the ones generated so far); `verify(rows)` runs the last chosen token and
+    the proposals at the sequence's next positions in one pass and gives each row's logits; `keep(n)` keeps
+    the first n of those positions (the rest are undone). Row j's token is chosen from its logits and
+    emitted; the pass stops at the first that differs from the proposal after it (the rows after were
+    computed on a token that is not the sequence's), so the tokens are `run`'s, in fewer passes where the
+    drafts are right."""
+    if not cfg.greedy:
+        raise ValueError("speculative decoding here is greedy: its drafts carry no probabilities to sample against")
+    if k < 1:
+        raise ValueError(f"k must be >= 1, got {k}")
+    t0 = time.perf_counter()
+    token, lp = choose(first())
+    out = Speculated([token], [lp], 0.0, 0.0)
+    if on_token is not None:
+        on_token(token, lp)
+    out.ttft_s = time.perf_counter() - t0
+    t_first = time.perf_counter()
+    done = cfg.max_new_tokens == 1 or token in cfg.stop_ids
+    while not done:
+        proposal = list(draft(out.tokens, min(k, cfg.max_new_tokens - len(out.tokens) - 1)))[:k]
+        rows = verify([token, *proposal])
+        out.passes += 1
+        out.drafted += len(proposal)
+        kept = 1
+        for j, logits in enumerate(rows):
+            token, lp = choose(logits)
+            out.tokens.append(token)
+            out.logprobs.append(lp)
+            if on_token is not None:
+                on_token(token, lp)
+            done = len(out.tokens) == cfg.max_new_tokens or token in cfg.stop_ids
+            if done or j == len(proposal) or token != proposal[j]:
+                break
+            kept += 1
+        out.accepted += kept - 1
+        keep(kept)
+    decode_s = time.perf_counter() - t_first
+    n = len(out.tokens)
+    out.decode_tok_s = (n - 1) / decode_s if n > 1 and decode_s > 0 else 0.0
+    return out
+
+
+def prompt_lookup(tokens: list[int], n: int, history: list[int] = (), longest: int = 3) -> list[int]:
+    """Up to n tokens drafted by lookup: the tokens that followed the latest earlier occurrence of the
+    sequence's last m tokens (m = `longest` down to 1; the sequence is `history`, the prompt, then
+    `tokens`); none where no suffix recurs. Text that repeats its context (code edits, quotes, summaries,
+    a model caught in a loop) drafts right; other text drafts nothing and costs nothing."""
+    seq = [*history, *tokens]
+    for m in range(min(longest, len(seq) - 1), 0, -1):
+        tail = seq[-m:]
+        for start in range(len(seq) - m - 1, -1, -1):
+            if seq[start:start + m] == tail:
+                return seq[start + m:start + m + n]
+    return []

@@ -1,0 +1,57 @@
+"""Speculative decoding on the torch-free runner: k drafted tokens verified in one pass of k + 1 rows.
+
+With memory short, a decoding step is bound by reading the experts it misses. The verification pass is
+the prompt pass (`semoe.decode.prompt_pass`, its experts read into the runner's cache as chosen): each
+layer's chosen experts are read once for all its rows, so k + 1 tokens cost the union of their experts,
+which is far less than k + 1 tokens' worth where consecutive tokens route alike (trained models), and
+about as much where they do not (random weights: the bench says which). The tokens are
+`semoe.decode.loop.run_speculative`'s: greedy decoding's, each row's argmax up to the first row that
+differs from its draft.
+
+`verify` runs the rows and keeps an undo record; `keep(n)` keeps the first n of its positions: attention's
+caches by the sequence's length alone (what is past it is written over), the linear layers' state
+(Qwen3-Next's, which holds every token at once) restored from before the pass and run over the kept
+tokens again. This module imports no torch.
+"""
+
+from __future__ import annotations
+
+from semoe.decode.prompt_pass import Target, packed, run, sequences
+
+import numpy as np
+
+from storage.errors import BadInputError
+
+
+def verify(seq, tokens: list[int]) -> np.ndarray:
+    """`tokens` through the model at the next positions of `seq` (an `inference.torch_free.runner.LeanSequence`)
+    in one pass; each row's logits (len(tokens), V). The sequence holds them until `keep` says otherwise."""
+    m, c, pos0, T = seq.model, seq.model.config, seq.length, len(tokens)
+    if not tokens or pos0 + T > seq.capacity:
+        raise BadInputError(f"{T} rows at position {pos0}: the sequence holds {seq.capacity}")
+    linear = [(k.copy(), v.copy()) for lay, (k, v) in enumerate(seq.caches) if c.is_linear(lay)]
+    seq.undo = (pos0, list(tokens), linear)
+    x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
+    logits = np.empty((T, m.head.O), np.float32)
+    packed(m.lib, seq._net, [seq.addresses], [seq.capacity], [pos0], [T], x, cos, sin, list(range(T)), logits,
+           threads=m.settings.threads, top_k=c.top_k, moe=frozenset(m._parts), reader=m, index_topk=c.index_topk or 0)
+    seq.length = pos0 + T
+    return logits
+
+
+def keep(seq, n: int) -> None:
+    """Keep the first n positions of the last `verify`'s rows (1 <= n <= its rows)."""
+    m, c = seq.model, seq.model.config
+    pos0, tokens, linear = seq.undo
+    if not 1 <= n <= len(tokens):
+        raise ValueError(f"keep {n} of {len(tokens)} rows")
+    seq.length = pos0 + n
+    if n == len(tokens) or not linear:
+        return
+    states = (kv for lay, kv in enumerate(seq.caches) if c.is_linear(lay))
+    for (k, v), (k0, v0) in zip(states, linear):
+        k[...], v[...] = k0, v0
+    x, cos, sin = m.inputs(tokens[:n], list(range(pos0, pos0 + n)))
+    kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [n])
+    run(Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m,
+               c.index_topk or 0), x, cos, sin)
