@@ -5,7 +5,7 @@ from __future__ import annotations
 
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
          "minimax_m2", "dots1", "kimi_k25", "ernie4_5_moe", "hunyuan_v1_moe", "llama4",
-         "deepseek_v32", "glm_moe_dsa")
+         "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe")
 # shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike
 WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64,
              intermediate_size_mlp=64)

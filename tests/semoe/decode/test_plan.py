@@ -62,6 +62,12 @@ def _steps(model: MoEGPT, plan: DecodePlan | None) -> tuple[torch.Tensor, int]:
     return torch.cat(out), planned
 
 
+def _held(cache: KVCache) -> list[torch.Tensor]:
+    """What a cache holds: every layer's k and v (of no elements for a linear layer) and the linear layers'
+    states (the convolution's and the delta rule's)."""
+    return [t for t in (*cache.k, *cache.v) if t.numel()] + cache.state_tensors()
+
+
 @pytest.fixture(scope="module")
 def stores(tmp_path_factory):
     """bits -> a store of the Mixtral-shaped model (32: float32; 8 and 4: its quantized experts)."""
@@ -401,7 +407,7 @@ def test_the_prompt_pass_is_the_plans_steps_for_every_architecture(arch_stores, 
     floats = prefill(model, torch.tensor([LONG]), caches[2])
     assert caches[0].length == caches[1].length == len(LONG)
     assert _relative(got, want) < WHOLE_ATOL
-    for a, b in zip(caches[0].k + caches[0].v, caches[1].k + caches[1].v):
+    for a, b in zip(_held(caches[0]), _held(caches[1]), strict=True):
         assert _relative(a, b) < WHOLE_ATOL
     if fmt == "f32":  # float32 throughout: the modules' path within ARCH_RTOL too
         assert _relative(got, floats) < ARCH_RTOL
@@ -453,7 +459,7 @@ def test_a_batch_of_sequences_is_each_sequence_alone_for_every_architecture(arch
             assert _relative(got[i], ref[0]) < WHOLE_ATOL, i
     for i, (a, b) in enumerate(zip(batched, alone)):
         assert a.length == b.length
-        for x, y in zip(a.k + a.v, b.k + b.v):
+        for x, y in zip(_held(a), _held(b), strict=True):
             assert _relative(x, y) < WHOLE_ATOL if i == 2 and c.attention == "mla" else torch.equal(x, y)
 
 
