@@ -40,8 +40,13 @@ report gives transformers' gap between its two best logits at that step (a near-
     python bench/bench_vs_llamacpp.py --workdir /path/qwen3 --arch qwen3_moe [--parts resident]
 
 --shape NAME=N,... changes that checkpoint's shape (hidden, layers, heads, kv_heads, head_dim,
-experts, top_k, expert_width, in each architecture's own config fields); a sweep of shapes is a
-WORKDIR each:
+experts, top_k, expert_width, positions, in each architecture's own config fields); a sweep of shapes
+is a WORKDIR each. A long context takes positions (ARCH_SHAPES: 4096) and --prompt-tokens; past 8192
+prompt tokens transformers' reference does not run (its eager attention holds every score):
+
+    python bench/bench_vs_llamacpp.py --workdir /path/q35-64k --arch qwen3_5_moe_text --shape positions=65600 \
+        --parts resident --resident-bits f32 --prompt-tokens 65536 --new-tokens 16 --repeats 1
+
 
     for s in head_dim=64,experts=64 head_dim=256,heads=4 experts=128,top_k=8,expert_width=256; do
       python bench/bench_vs_llamacpp.py --workdir /path/qwen3-$s --arch qwen3_moe --shape $s --parts resident
@@ -71,6 +76,7 @@ from peer_checkpoints import ARCH_SHAPES, SHAPE_FIELDS, parse_shape, prepare_arc
 
 # (our precision, our store in WORKDIR, llama.cpp's type: WORKDIR/llama-TYPE.gguf); mxfp4: a checkpoint that
 # ships MXFP4 experts (gpt-oss), its import and llama.cpp's conversion, both keeping them as they are
+TRANSFORMERS_PROMPT = 8192  # the longest prompt the transformers reference runs (its T x T scores per head)
 PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"),
          ("mxfp4", "store", "mxfp4"))
 MARGIN_MIB = 64  # left in SIZE beside our own memory and cache (--margin): the library code decoding runs
@@ -375,7 +381,10 @@ def resident(args: argparse.Namespace) -> dict:
                 print(f"resident {name} ({round_ + 1}/{args.repeats}) ...", file=sys.stderr)
                 runs.setdefault(name, []).append(_run(args, {"engine": engine, "path": path}))
     out = _medians(runs)
-    if args.arch:  # the reference tokens: one run (its speed is not what is compared)
+    if args.arch and args.prompt_tokens > TRANSFORMERS_PROMPT:
+        print(f"resident transformers-f32: not run for a prompt of {args.prompt_tokens} tokens (its eager attention "
+              f"holds the prompt's scores, {TRANSFORMERS_PROMPT} tokens at most here)", file=sys.stderr)
+    elif args.arch:  # the reference tokens: one run (its speed is not what is compared)
         print("resident transformers-f32 ...", file=sys.stderr)
         out["transformers-f32"] = _run(args, {"engine": "transformers", "path": os.path.join(args.workdir, "hf")})
         out["transformers-f32"]["decode_tok_s_runs"] = [out["transformers-f32"]["decode_tok_s"]]

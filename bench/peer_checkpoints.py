@@ -157,6 +157,7 @@ SHAPE_FIELDS = {
     "experts": (_EXPERTS, "n_routed_experts"),
     "top_k": ({"ernie4_5_moe": "moe_k", "hunyuan_v1_moe": "moe_topk"}, "num_experts_per_tok"),
     "expert_width": (_WIDTH, "moe_intermediate_size"),
+    "positions": ({}, "max_position_embeddings"),  # long-context runs (ARCH_SHAPES: 4096)
 }
 
 

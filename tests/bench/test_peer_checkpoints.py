@@ -44,6 +44,8 @@ def test_a_shape_lands_in_each_architectures_own_fields():
         pc.shaped_fields("dots1", {"kv_heads": 2})
     # the shared experts' width as llama.cpp's converter reads it equals transformers'
     assert ernie["intermediate_size"] // ernie["num_key_value_heads"] == 256 * ernie["moe_num_shared_experts"]
+    _, long = pc.shaped_fields("qwen3_next", pc.parse_shape("positions=65600"))  # a long-context checkpoint
+    assert long["max_position_embeddings"] == 65600
     _, mixtral = pc.shaped_fields("mixtral", shape)
     assert (mixtral["num_local_experts"], mixtral["intermediate_size"]) == (64, 256)
     # latent attention: as many key-value heads as heads (llama.cpp's converter splits kv_b by them)
