@@ -17,7 +17,7 @@ from helpers.procs import ROOT, child_env
 from semoe.kernels import variants
 
 KERNELS = os.path.join(ROOT, "semoe", "kernels")
-SOURCES = ("gemv.c", "gemv_fp4.c", "gemv_float.c", "attend.c", "decode_step.c", "decode_abi.c", "prefill.c")
+SOURCES = tuple(sorted(f for f in os.listdir(KERNELS) if f.endswith(".c")))  # every one is in setup.py's build
 TESTS = ("semoe/kernels/test_torch_ops.py", "semoe/decode/test_plan.py", "inference/torch_free/test_runner.py")
 
 
@@ -115,3 +115,16 @@ def test_the_install_builds_every_variant_of_this_machine(tmp_path):
     assert [line for line in res.stderr.splitlines() if line.startswith("semoe:")] == []
     want = sorted(v.module for v in variants.buildable())
     assert [f.split(".")[0] for f in _built(tmp_path)] == want
+
+
+def test_setup_builds_every_c_file_of_the_kernels():
+    """setup.py's source list is the folder's C files (a file left out links with missing symbols, which
+    `loader.load` reports only when the library is loaded)."""
+    import re
+
+    with open(os.path.join(ROOT, "setup.py"), encoding="utf-8") as f:
+        text = f.read()
+    listed = re.search(r"SOURCES = \[.*? for f in \((.*?)\)\]", text, re.S)
+    assert listed is not None, "setup.py's SOURCES list moved: update this test"
+    names = {f"{n}.c" for n in re.findall(r'"(\w+)"', listed.group(1))}
+    assert names == set(SOURCES)
