@@ -14,7 +14,9 @@ import sys
 
 # added tokens llama.cpp's converter looks up by name for an architecture (GLM's chat markers)
 _GLM_TOKENS = ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>", "<|observation|>")
-ARCH_SPECIAL_TOKENS = {"glm4_moe": _GLM_TOKENS, "glm_moe_dsa": _GLM_TOKENS}
+# Qwen3.5's tokenizer class (which AutoTokenizer picks by the model type) adds <|endoftext|> past the vocabulary
+# where the tokenizer lacks it, and llama.cpp's converter then finds an id past vocab_size
+ARCH_SPECIAL_TOKENS = {"glm4_moe": _GLM_TOKENS, "glm_moe_dsa": _GLM_TOKENS, "qwen3_5_moe_text": ("<|endoftext|>",)}
 # architectures whose converter reads only a sentencepiece tokenizer.model (`llama_peer.add_sentencepiece`)
 SENTENCEPIECE_ARCHS = ("ernie4_5_moe",)
 
