@@ -17,19 +17,25 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
     """Run `tokens` through the model at the next positions of `seq` (an `inference.torch_free.runner.LeanSequence`);
     the logits (V,) of the last (a view, valid until the next step). `on_layer(done, layers)` after each
     layer: a long prompt's progress."""
-    m, c, pos0, T = seq.model, seq.model.config, seq.length, len(tokens)
+    m, pos0, T = seq.model, seq.length, len(tokens)
     if not tokens:
         raise BadInputError("the prompt is empty: give at least one token")
     if pos0 + T > seq.capacity:
         raise BadInputError(f"a prompt of {T} tokens at position {pos0}: the sequence holds {seq.capacity}")
     if seq._work is None:
         raise BadInputError("the sequence is closed")
-    x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
-    kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [T])
-    target = Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m,
-                    c.index_topk or 0)
-    run(target, x, cos, sin, on_layer)
-    seq.length = pos0 + T
-    seq.x[:] = x[-1]
+    seq.x[:] = advance(seq, tokens, on_layer)[-1]
     m.lib.decode_head(seq._net, seq._work, seq._p[0], seq._p[1], m.settings.threads)
     return seq.logits
+
+
+def advance(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None = None) -> np.ndarray:
+    """`tokens` through every layer at the next positions of `seq`, without the head (the caller checked
+    that they fit); the residual stream after the last layer (T, D). The sequence advances by them."""
+    m, c, pos0, T = seq.model, seq.model.config, seq.length, len(tokens)
+    x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
+    kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [T])
+    run(Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m, c.index_topk or 0),
+        x, cos, sin, on_layer)
+    seq.length = pos0 + T
+    return x

@@ -213,12 +213,13 @@ class LeanModel:
                     sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
             parts.append(loader.layer_parts(
                 c, lay, attn_norm=self._vector(f"layers.{lay}.attn_norm.weight", norm=True),
-                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight", norm=True), o=self._linear([o], dense), experts=arr, ffn_width=F,
+                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight", norm=True), o=self._linear([o], dense),
+                experts=arr, ffn_width=F,
                 router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
-        self.net, self.layers = loader.build_net(c, parts, self._vector("norm.weight", norm=True), c.rms_norm_eps, self.head,
-                                                     kv16=config.kv_cache == "f16")
+        self.net, self.layers = loader.build_net(c, parts, self._vector("norm.weight", norm=True), c.rms_norm_eps,
+                                                 self.head, kv16=config.kv_cache == "f16")
         # the expert cache: every layer's experts present, of one layout
         for lay in moe_layers:
             missing = [e for e in range(E) if not m.has_chunk(lay, e)]
@@ -498,7 +499,7 @@ class LeanModel:
         token chosen as `cfg` says and handed to `on_token(id, logprob)`: the engine's loop
         (`semoe.decode.loop`), its draws from numpy's generator seeded with cfg.seed; `on_prompt_layer(done,
         layers)` after each layer of the prompt's pass. `speculative` k > 0: up to k tokens drafted a step
-        (`draft(tokens so far, n)`; default: `loop.prompt_lookup` over the prompt and them) and verified in
+        (`draft(tokens so far, n)`; default: `loop.PromptLookup` over the prompt and them) and verified in
         one pass (`inference.torch_free.speculative`), greedy; the stats then count passes and drafts."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
@@ -508,10 +509,10 @@ class LeanModel:
         with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
             first = functools.partial(prefill, seq, prompt, on_prompt_layer)
             if speculative:
-                lookup = draft or (lambda tokens, n: loop.prompt_lookup(tokens, n, prompt))
-                out = loop.run_speculative(first, functools.partial(spec.verify, seq), functools.partial(spec.keep, seq),
-                                           lookup, speculative, lambda logits: loop.choose(logits, cfg, rng), cfg,
-                                           on_token)
+                lookup = draft or loop.PromptLookup(prompt)
+                out = loop.run_speculative(first, functools.partial(spec.verify, seq),
+                                           functools.partial(spec.keep, seq), lookup, speculative,
+                                           lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
             else:
                 out = loop.run(first, seq.step, lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
         stats = {"expert_reads": cache.misses - reads0, "ssd_bytes": cache.read_bytes - bytes0,

@@ -16,19 +16,23 @@ tokens again. This module imports no torch.
 
 from __future__ import annotations
 
-from semoe.decode.prompt_pass import Target, packed, run, sequences
-
 import numpy as np
 
+from inference.torch_free.prompt_prefill import advance
+from semoe.decode.prompt_pass import packed
 from storage.errors import BadInputError
 
 
 def verify(seq, tokens: list[int]) -> np.ndarray:
     """`tokens` through the model at the next positions of `seq` (an `inference.torch_free.runner.LeanSequence`)
-    in one pass; each row's logits (len(tokens), V). The sequence holds them until `keep` says otherwise."""
+    in one pass; each row's logits (len(tokens), V). The sequence holds them until `keep` says otherwise.
+    One token (no draft) is a plain decoding step."""
     m, c, pos0, T = seq.model, seq.model.config, seq.length, len(tokens)
     if not tokens or pos0 + T > seq.capacity:
         raise BadInputError(f"{T} rows at position {pos0}: the sequence holds {seq.capacity}")
+    if T == 1:  # nothing to undo
+        seq.undo = (pos0, list(tokens), [])
+        return seq.step(tokens[0])[None]
     linear = [(k.copy(), v.copy()) for lay, (k, v) in enumerate(seq.caches) if c.is_linear(lay)]
     seq.undo = (pos0, list(tokens), linear)
     x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
@@ -41,7 +45,7 @@ def verify(seq, tokens: list[int]) -> np.ndarray:
 
 def keep(seq, n: int) -> None:
     """Keep the first n positions of the last `verify`'s rows (1 <= n <= its rows)."""
-    m, c = seq.model, seq.model.config
+    c = seq.model.config
     pos0, tokens, linear = seq.undo
     if not 1 <= n <= len(tokens):
         raise ValueError(f"keep {n} of {len(tokens)} rows")
@@ -51,7 +55,5 @@ def keep(seq, n: int) -> None:
     states = (kv for lay, kv in enumerate(seq.caches) if c.is_linear(lay))
     for (k, v), (k0, v0) in zip(states, linear):
         k[...], v[...] = k0, v0
-    x, cos, sin = m.inputs(tokens[:n], list(range(pos0, pos0 + n)))
-    kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [n])
-    run(Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m,
-               c.index_topk or 0), x, cos, sin)
+    seq.length = pos0
+    advance(seq, tokens[:n])

@@ -171,15 +171,39 @@ def run_speculative(first: Callable[[], Logits], verify: Callable[[list[int]], l
     return out
 
 
-def prompt_lookup(tokens: list[int], n: int, history: list[int] = (), longest: int = 3) -> list[int]:
-    """Up to n tokens drafted by lookup: the tokens that followed the latest earlier occurrence of the
-    sequence's last m tokens (m = `longest` down to 1; the sequence is `history`, the prompt, then
-    `tokens`); none where no suffix recurs. Text that repeats its context (code edits, quotes, summaries,
-    a model caught in a loop) drafts right; other text drafts nothing and costs nothing."""
-    seq = [*history, *tokens]
-    for m in range(min(longest, len(seq) - 1), 0, -1):
-        tail = seq[-m:]
-        for start in range(len(seq) - m - 1, -1, -1):
-            if seq[start:start + m] == tail:
+class PromptLookup:
+    """Drafts by lookup, `run_speculative`'s `draft`: up to n tokens that followed the latest earlier
+    occurrence of the sequence's last m tokens (m = `longest` down to 1; the sequence is `history`, the
+    prompt, then the tokens generated), none where no suffix recurs. Text that repeats its context (code
+    edits, quotes, summaries, a model caught in a loop) drafts right; other text drafts nothing and costs
+    nothing. Each m-gram's latest start is indexed as the sequence grows: a draft costs the same at any
+    length."""
+
+    def __init__(self, history: list[int] = (), longest: int = 3) -> None:
+        self.seq: list[int] = []
+        self.longest, self.seen = longest, 0
+        self.starts: dict[tuple[int, ...], int] = {}  # m-gram -> its latest start with a token after it
+        self._extend(history)
+
+    def _extend(self, tokens) -> None:
+        for t in tokens:
+            n = len(self.seq)  # the m-grams ending at n - 1 now have a token after them
+            for m in range(1, min(self.longest, n) + 1):
+                self.starts[tuple(self.seq[n - m:n])] = n - m
+            self.seq.append(t)
+
+    def __call__(self, tokens: list[int], n: int) -> list[int]:
+        """Up to n tokens to follow `tokens`, the generated ones so far (each call's extend the last's)."""
+        self._extend(tokens[self.seen:])
+        self.seen = len(tokens)
+        seq = self.seq
+        for m in range(min(self.longest, len(seq)), 0, -1):
+            start = self.starts.get(tuple(seq[len(seq) - m:]))
+            if start is not None:
                 return seq[start + m:start + m + n]
-    return []
+        return []
+
+
+def prompt_lookup(tokens: list[int], n: int, history: list[int] = (), longest: int = 3) -> list[int]:
+    """`PromptLookup`'s draft for `tokens` after `history`, made afresh."""
+    return PromptLookup(history, longest)(tokens, n)

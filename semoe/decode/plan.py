@@ -94,6 +94,7 @@ class DecodePlan:
         # a gated attention layer's products (each head's query then its gate, k, v) and its gate
         self.qg, self.gate = torch.empty((2 * H + 2 * G) * Dh), torch.empty(H * Dh)
         ptr = _ptr
+        self.qgp, self.gatep = ptr(self.qg), ptr(self.gate)
         self.qp, self.kp, self.vp, self.attp = ptr(self.q), ptr(self.k), ptr(self.v), ptr(self.att)
         self.xp, self.hp, self.tmpp, self.routedp = ptr(self.x), ptr(self.h), ptr(self.tmp), ptr(self.routed)
         self.chosen = torch.empty(0, dtype=torch.long)  # DeepSeek sparse attention's last choice in a step
@@ -252,7 +253,8 @@ class DecodePlan:
         if self.model.training or cache.k[0].shape[0] != 1 \
                 or n + positions > min(cache.capacity, self.config.max_position):
             return False
-        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in (*cache.k, *cache.v, *cache.state_tensors())):
+        held = (*cache.k, *cache.v, *cache.state_tensors())
+        if not all(t.dtype == torch.float32 and t.is_contiguous() for t in held):
             return False
         if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
             return False

@@ -152,11 +152,8 @@ class _GQA:
         H, G, Dh = c.num_heads, c.num_kv_heads, c.head_dim
         for prod, y, yp in self.qkv:
             prod(plan.h, y, threads, plan.hp, yp)
-        if self.gated:  # the module's split: each head's query, then its gate
-            q_H2D = plan.qg[:2 * H * Dh].view(H, 2, Dh)
-            plan.q.view(H, Dh).copy_(q_H2D[:, 0])
-            plan.gate.view(H, Dh).copy_(q_H2D[:, 1])
-            plan.qkv[H * Dh:].copy_(plan.qg[2 * H * Dh:])
+        if self.gated:  # each head's query, then its gate: the one-call step's unpacking
+            self.lib.gate_unpack(H, G, Dh, plan.qgp, plan.qp, plan.gatep)
         if self.norms is not None and self.qk_norm == "full":  # the module's order: norms, then clipping
             self.norms[0].call(plan.qp, plan.qp)
             self.norms[1].call(plan.kp, plan.kp)
@@ -187,7 +184,7 @@ class _GQA:
                                    _ptr(cache.v[self.layer]), H, G, Dh, R, cache.capacity, pos, window,
                                    self.scale, None if self.sinks is None else _ptr(self.sinks), plan.attp, threads)
         if self.gated:
-            plan.att.mul_(torch.sigmoid(plan.gate))  # the module's out * sigmoid(gate)
+            self.lib.gate_apply(plan.attp, plan.gatep, H * Dh)  # out * sigmoid(gate)
         self.o_proj(plan.att, plan.tmp, threads, plan.attp, plan.tmpp)
 
 
@@ -315,11 +312,6 @@ def _latent(a: _MLA, layer: int) -> loader.LatentC:
     return latent
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    """A parameter as a contiguous float32 tensor (itself where it is one)."""
-    return t.detach().to(torch.float32).contiguous()
-
-
 class _DeltaNet:
     """A `GatedDeltaNet` layer's step from the normed row h to the output product's tmp: one kernel call
     (deltanet.c's `deltanet_step`, the one-call step's arithmetic) on its products, convolution, delta
@@ -337,7 +329,8 @@ class _DeltaNet:
         if self.o_proj.lin is None:
             raise NotOnFastPath(f"layer {layer}: an output weight the kernels do not take")
         C, K = a.conv1d.weight.shape[0], a.conv1d.weight.shape[-1]
-        self.vectors = (_f32(a.conv1d.weight).reshape(C, K), _f32(a.dt_bias), _f32(a.A_log), _f32(a.norm.weight))
+        self.vectors = tuple(torch_ops._f32(t.detach()) for t in (a.conv1d.weight.reshape(C, K), a.dt_bias, a.A_log,
+                                                                   a.norm.weight))
         self.c = loader.deltanet(c, [p.lin for p in self.ins], *(_ptr(t) for t in self.vectors))
         self.layer_c = loader.LayerC(o=self.o_proj.lin, dn=ctypes.pointer(self.c))
 

@@ -249,9 +249,9 @@ static Work *work_new(const Net *net, int64_t S) {
             mla_ok = mla_ok && s->iq && s->ik && s->iw && s->isc && s->isel && s->chosen;
         }
     }
-    if (!dn_buf_new(net, 1, &s->dn) || !s->qg || !s->ag || !mla_ok || !s->h || !s->qkv || !s->qr || !s->att || !s->tmp || !s->p || !s->probs || !s->choice ||
-        !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w || !s->hin || !s->ones || !s->yp || !s->ids ||
-        !s->ax || !s->ah) {
+    if (!dn_buf_new(net, 1, &s->dn) || !s->qg || !s->ag || !mla_ok || !s->h || !s->qkv || !s->qr || !s->att ||
+        !s->tmp || !s->p || !s->probs || !s->choice || !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w ||
+        !s->hin || !s->ones || !s->yp || !s->ids || !s->ax || !s->ah) {
         work_free(s);
         return NULL;
     }

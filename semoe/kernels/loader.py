@@ -143,8 +143,8 @@ def layer_parts(config, layer: int, **found) -> LayerParts:
                       qk_norm=QK_NORM[config.qk_norm] if gqa else 0,
                       qk_eps=config.rms_norm_eps if gqa and config.qk_norm != "none" else 0.0,
                       clip=(config.clip_qkv or 0.0) if gqa else 0.0, norope=int(norope), temp_scale=temp[0],
-                      temp_floor=temp[1], gate=int(bool(gqa and config.attn_output_gate and not config.is_linear(layer))),
-                      **found)
+                      temp_floor=temp[1], **found,
+                      gate=int(bool(gqa and config.attn_output_gate and not config.is_linear(layer))))
 
 
 def deltanet(config, ins: list[Lin], conv: int, dt_bias: int, A_log: int, norm: int) -> DeltaNetC:
@@ -258,12 +258,15 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
     lib.deltanet_step.argtypes = [_P, _P, _P, _P, _I, _P, _INT]
+    lib.gate_unpack.argtypes = [_I, _I, _I, _P, _P, _P]
+    lib.gate_apply.argtypes = [_P, _P, _I]
     lib.prefill_expand_limit.argtypes = [_I]
     lib.prefill_expand_limit.restype = _I
     lib.deltanet_chunk_min.argtypes = [_I]  # set (n > 0) the shortest run of rows the chunked form takes; the old
     lib.deltanet_chunk_min.restype = _I
     for f in (lib.quantize_rows_q8, lib.gemv_bf16, lib.gemv_fp8, lib.gemv_f32, lib.gemv_f32_io, lib.gemv_f32_heads,
-              lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_work_free, lib.prefill_norm):
+              lib.rmsnorm_f32, lib.moe_combine_f32, lib.decode_work_free, lib.prefill_norm, lib.gate_unpack,
+              lib.gate_apply):
         f.restype = None
     # these allocate: they return 0, or -1 where memory could not be had, which every call checks
     for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,

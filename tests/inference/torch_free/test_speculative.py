@@ -13,7 +13,7 @@ from helpers.hf_models import make_hf_checkpoint
 
 from inference.torch_free.runner import LeanConfig, LeanModel
 from semoe.checkpoints.hf_convert import import_checkpoint
-from semoe.decode.loop import SamplingConfig, prompt_lookup
+from semoe.decode.loop import PromptLookup, SamplingConfig, prompt_lookup
 from tools.cli import main
 
 PROMPT = [3, 17, 5, 29, 11, 2, 40, 8, 19, 23]
@@ -33,6 +33,10 @@ def test_prompt_lookup_drafts_what_followed_the_latest_earlier_occurrence():
     assert prompt_lookup([5, 6], 2, history=[1, 2, 5, 6, 7, 8]) == [7, 8]  # the prompt counts
     assert prompt_lookup([7, 9, 7], 5) == [9, 7]  # no more than there is
     assert prompt_lookup([9], 2) == [] and prompt_lookup([1, 2, 3], 0) == []
+    lookup, tokens = PromptLookup([4, 1, 4, 2]), []  # kept across a generation's calls: the same drafts
+    for t in [4, 1, 4, 4, 2, 1, 4]:
+        tokens.append(t)
+        assert lookup(tokens, 2) == prompt_lookup(tokens, 2, history=[4, 1, 4, 2])
 
 
 @pytest.mark.parametrize("cache", [None, 1], ids=["resident", "least-cache"])

@@ -13,7 +13,8 @@ from helpers.hf_models import assert_bit_exact, load_hf_model, load_safetensors_
 from storage.errors import BadInputError
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
-from semoe.checkpoints.hf_convert import INDEX_FILE, check_supported, export_checkpoint, import_checkpoint, open_checkpoint
+from semoe.checkpoints.hf_convert import (INDEX_FILE, check_supported, export_checkpoint, import_checkpoint,
+                                         open_checkpoint)
 from semoe.model.hf_names import SUPPORTED_MODEL_TYPES
 from storage.safetensors_io import OutTensor, write_file
 from storage.store import Store
