@@ -32,7 +32,7 @@ def _variants_module():
 
 kv = _variants_module()
 SOURCES = [f"semoe/kernels/{f}.c" for f in ("gemv", "gemv_fp4", "gemv_float", "attend", "decode_step", "decode_abi",
-                                            "prefill", "route", "deltanet")]
+                                            "prefill", "route", "deltanet", "compressed")]
 DEPENDS = ["semoe/kernels/kernels.h", "semoe/kernels/decode_abi.h", "semoe/kernels/lin.h"]
 KERNELS = [Extension(f"semoe.kernels.{v.module}", sources=SOURCES, depends=DEPENDS, optional=True,
                      extra_compile_args=["-O3", "-fopenmp", *kv.cflags(v)], extra_link_args=["-fopenmp"])

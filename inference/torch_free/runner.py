@@ -62,7 +62,7 @@ from semoe.kernels import loader
 from semoe.decode import loop
 from semoe.model import rope
 from semoe.decode.loop import SamplingConfig
-from semoe.decode.support import NotOnFastPath, one_call_refusal
+from semoe.decode.support import NotOnFastPath, lean_refusal
 from semoe.model.hf_names import hf_name, text_name
 from semoe.checkpoints.hf_config import store_model_config
 from semoe.checkpoints.tokenizer import Tokenizer, default_stop_ids, store_tokenizer
@@ -259,7 +259,7 @@ class LeanModel:
     @staticmethod
     def _check(c) -> None:
         """Refuse, in one line, what the one-call step does not take (`semoe.decode.support`)."""
-        why = one_call_refusal(c)
+        why = lean_refusal(c)
         if why:
             named = why if c.arch in why else f"{why} ({c.arch})"
             raise NotOnFastPath(f"the lean runner does not take {named}; decode it with the engine (without --lean)")
@@ -583,7 +583,7 @@ class LeanSequence:
         m._embed(token, self.x)
         m.rope(pos, self.cos, self.sin)
         for lay, (kp, vp) in enumerate(self._kv):
-            lib.decode_attend(net, work, lay, xp, kp, vp, self.capacity, pos, cp, sp, idp, wp, T)
+            lib.decode_attend(net, work, lay, xp, kp, vp, self.capacity, pos, cp, sp, idp, wp, T, token)
             if lay in m._parts:
                 self._experts(lay)
             else:

@@ -50,10 +50,12 @@ from semoe.model.attention import Attention, KVCache, LatentAttention, rope_tabl
 from semoe.model.compact_linear import swiglu_operands
 from semoe.decode import prompt_pass
 from semoe.decode.plan_parts import _GQA, _MLA, _DeltaNet, _Norm, _Product, _latent, _ptr, _weight
-from semoe.decode.support import NotOnFastPath, one_call_refusal, plan_refusal
+from semoe.decode import plan_v4
+from semoe.decode.support import NotOnFastPath, one_call_refusal, plan_refusal, step_refusal
 from semoe.model.expert_layout import PackedExperts
 from semoe.model.linear_attention import GatedDeltaNet
-from semoe.model.experts import ClampedSwiGLU, ExpertWeights, FusedSwiGLU, ResidentExperts, SwiGLU
+from semoe.model.compressed_attention import CompressedAttention
+from semoe.model.experts import ClampedSwiGLU, ExpertWeights, FusedSwiGLU, LimitedSwiGLU, ResidentExperts, SwiGLU
 from semoe.model.moe_gpt import DenseFFN, MoEFeedForward, MoEGPT
 
 _Lin, _Expert, _Net = loader.Lin, loader.Expert, loader.Net
@@ -89,7 +91,8 @@ class DecodePlan:
         # the step's buffers, made once, and their addresses, taken once (a step takes a few hundred)
         self.qkv = torch.empty(H * Dh + 2 * G * Dh)
         self.q, self.k, self.v = self.qkv.split([H * Dh, G * Dh, G * Dh])
-        self.x, self.h, self.tmp, self.routed = torch.empty(D), torch.empty(D), torch.empty(D), torch.empty(D)
+        # x: the residual, or with hyper-connections its streams (`decode_step`'s x)
+        self.x, self.h, self.tmp, self.routed = torch.empty(D * c.hc_mult), torch.empty(D), torch.empty(D), torch.empty(D)
         self.att = torch.empty(H * Dh)
         # a gated attention layer's products (each head's query then its gate, k, v) and its gate
         self.qg, self.gate = torch.empty((2 * H + 2 * G) * Dh), torch.empty(H * Dh)
@@ -107,6 +110,8 @@ class DecodePlan:
                 attn = _MLA(self, lib, a)
             elif type(a) is GatedDeltaNet:
                 attn = _DeltaNet(self, lib, a, block.layer)
+            elif type(a) is CompressedAttention:
+                attn = a  # the one-call step's alone (`step_refusal`): its `Compressed` made in `_whole`
             else:
                 raise NotOnFastPath(f"layer {block.layer}: {type(a).__name__}")
             router, ffn = None, block.ffn
@@ -138,6 +143,8 @@ class DecodePlan:
                 self.net, self._net_held = self._whole(model)
             except NotOnFastPath as e:
                 self.whole_refusal = str(e)
+        if self.net is None and step_refusal(c) is not None:
+            raise NotOnFastPath(f"the decoding plan does not take {step_refusal(c)} ({self.whole_refusal})")
 
     def _whole(self, model: MoEGPT) -> tuple[_Net, list]:
         """decode_step.c's `Net` of the model, and what its pointers point into; NotOnFastPath where a
@@ -171,9 +178,16 @@ class DecodePlan:
         parts = []
         for lay, block in zip(self.layers, model.layers):
             attn = lay.attn
-            if attn.o_proj.lin is None:
+            v4 = {}
+            if isinstance(attn, CompressedAttention):  # its grouped output is inside `Compressed`
+                v4 = dict(v4=plan_v4.compressed(attn, held), hc_attn=plan_v4.hyper(block.hc_attn, held),
+                          hc_ffn=plan_v4.hyper(block.hc_ffn, held),
+                          tid2eid=plan_v4.hash_table(getattr(block.ffn, "router", None), held))
+            elif attn.o_proj.lin is None:
                 raise NotOnFastPath(f"layer {block.layer}: an output weight the one-call step does not take")
-            if isinstance(attn, _MLA):
+            if v4:
+                attn_parts = dict(qkv=[])
+            elif isinstance(attn, _MLA):
                 attn_parts = dict(qkv=[], mla=_latent(attn, block.layer))
                 held.append(attn_parts["mla"])
             elif isinstance(attn, _DeltaNet):
@@ -194,7 +208,7 @@ class DecodePlan:
             else:
                 provider = ffn.experts
                 mlp = getattr(provider, "mlp", None)
-                kinds = (SwiGLU, ClampedSwiGLU, FusedSwiGLU)
+                kinds = (SwiGLU, ClampedSwiGLU, FusedSwiGLU, LimitedSwiGLU)
                 if isinstance(provider, ResidentExperts) and isinstance(mlp, kinds):
                     ws = [w for _, w in provider.stream(ffn.layer, list(range(c.num_experts)), self.h[None])]
                 elif isinstance(provider, PackedExperts) and isinstance(mlp, kinds) \
@@ -222,18 +236,20 @@ class DecodePlan:
                         raise NotOnFastPath(f"layer {block.layer}: a shared expert's gate the kernels do not take")
                     shared_gate = gate.lin
                     held.append(gate)
-            if not isinstance(ffn, DenseFFN) and c.score_correction_bias:
+            if not isinstance(ffn, DenseFFN) and c.score_correction_bias and not ffn.router.hashed:
                 bias = ffn.router.e_score_correction_bias
                 if bias.dtype != torch.float32 or not bias.is_contiguous():
                     raise NotOnFastPath(f"layer {block.layer}: a router correction that is not contiguous float32")
                 correction = _ptr(bias)
             parts.append(loader.layer_parts(
                 c, block.layer, attn_norm=_ptr(lay.attn_norm.weight), ffn_norm=_ptr(lay.ffn_norm.weight),
-                o=attn.o_proj.lin, experts=array,
+                o=_Lin() if v4 else attn.o_proj.lin, experts=array,
                 ffn_width=experts[0].gate.O // (1 if experts[0].up.O else 2),
                 router=None if isinstance(ffn, DenseFFN) else router.lin, correction=correction, shared=shared,
-                shared_gate=shared_gate, **attn_parts))
-        net, layers = loader.build_net(c, parts, _ptr(self.norm.weight), self.norm.eps, self.lm_head.lin)
+                shared_gate=shared_gate, **attn_parts, **v4))
+        head = plan_v4.hyper(model.hc_head, held) if c.hc_mult > 1 else None
+        net, layers = loader.build_net(c, parts, _ptr(self.norm.weight), self.norm.eps, self.lm_head.lin,
+                                       hc_head=head)
         return net, [layers, *held]
 
     @classmethod
@@ -283,6 +299,15 @@ class DecodePlan:
         apply (`net` is None) or `takes` refuses a cache: the caller's modules run the step then."""
         if self.net is None or not ids or not all(self.takes(k, n) for k, n in zip(caches, counts)):
             return None
+        if self.config.attention == "compressed":  # no prompt pass takes it yet: the one-call step row after row
+            logits, at, want = torch.empty(len(rows), self.lm_head.O), 0, {r: i for i, r in enumerate(rows)}
+            for k, n in zip(caches, counts):
+                for j in range(at, at + n):
+                    out = self._step(ids[j], k)
+                    if j in want:
+                        logits[want[j]] = out[0]
+                at += n
+            return logits
         c, lib, net = self.config, self.lib, ctypes.byref(self.net)
         threads = torch.get_num_threads()
         starts = [k.length for k in caches]
@@ -300,17 +325,20 @@ class DecodePlan:
     @torch.no_grad()
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Logits (1, V) after `token`, the sequence's next position; the cache advances by one."""
+        return self._step(token, cache)
+
+    def _step(self, token: int, cache: KVCache) -> torch.Tensor:
         c, lib = self.config, self.lib
         threads = torch.get_num_threads()
         pos = cache.length
         x, xp, hp = self.x, self.xp, self.hp
-        x.copy_(self.model.embed(torch.tensor([[token]])).reshape(-1))
+        x[:c.hidden_size].copy_(self.model.embed(torch.tensor([[token]])).reshape(-1))
         cos, sin = rope_tables(c, torch.arange(pos, pos + 1)[None], x.dtype)
         if self.net is not None:
             logits = torch.empty(1, self.lm_head.O)
             caches = [(ctypes.c_void_p * len(self.layers))(*a) for a in cache.addresses()]
             lib.decode_step(ctypes.byref(self.net), xp, *caches, cache.capacity, pos, _ptr(cos), _ptr(sin),
-                            _ptr(logits), threads)
+                            _ptr(logits), threads, token)
             cache.length = pos + 1
             return logits
         for lay in self.layers:

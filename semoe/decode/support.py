@@ -5,9 +5,11 @@ There are two paths on CPU, both over semoe's compiled kernels (semoe/kernels):
 - the plan (`semoe.decode.plan.DecodePlan`), kernel call by kernel call with a little torch between
   them: every architecture the model implements (`ARCHITECTURES`) but the parts `plan_refusal`
   names, in float32 activations, with weights float32/bfloat16, int8/int4, FP8 or MXFP4;
-- the one-call step (`decode_step.c`), the whole step in one C call, and the torch-free runner
-  (`inference.torch_free.runner`), which calls the same C code in three parts: what `one_call_refusal` does not
-  name.
+- the one-call step (`decode_step.c`), the whole step in one C call: what `one_call_refusal` does not name
+  (where the plan's kernel-by-kernel step does not take a model, `step_refusal`, its experts must all be in
+  memory);
+- the torch-free runner (`inference.torch_free.runner`), which calls the same C code in three parts: what
+  `lean_refusal` does not name.
 
 This module imports no torch: the torch-free runner checks its models here too.
 """
@@ -34,22 +36,34 @@ class NotOnFastPath(BadInputError):
 def plan_refusal(c) -> str | None:
     """What in config `c` no fast path takes yet (neither the plan's kernel-by-kernel step, nor the
     one-call step, nor the torch-free runner), in a phrase naming the parts; None where they take it.
-    The modules run those models."""
-    parts: list[str] = []  # every part of every architecture semoe loads is on the fast paths, but:
+    The modules run those models. (DeepSeek-V4 the plan takes in the one-call step alone: `step_refusal`.)"""
+    return None  # every part of every architecture semoe loads is on a fast path
+
+
+def step_refusal(c) -> str | None:
+    """What in config `c` the plan's kernel-by-kernel step (offloaded experts) does not take, in a phrase."""
     if c.attention == "compressed":
-        parts.append("compressed attention, hyper-connections, hash routing")
-    return f"{c.arch}'s " + ", ".join(parts) if parts else None
+        return f"{c.arch}'s compressed attention and hyper-connections with experts offloaded"
+    return None
 
 
 def one_call_refusal(c) -> str | None:
-    """What in config `c` (a `semoe.model.config.MoEConfig`) the one-call step and the torch-free runner do
-    not take, in a phrase; None where they take it all."""
+    """What in config `c` (a `semoe.model.config.MoEConfig`) the one-call step does not take, in a phrase;
+    None where it takes it all."""
     why = plan_refusal(c)
     if why is not None:
         return why
-    if c.num_experts and c.router == "grouped" and c.router_scores not in ("softmax", "sigmoid"):
+    if c.num_experts and c.router == "grouped" and c.router_scores not in ("softmax", "sigmoid", "sqrtsoftplus"):
         return f"a router of {c.router_scores} scores"
     if c.num_experts and c.router == "grouped" and c.n_group > MAX_GROUPS:
         return f"a grouped router of {c.n_group} groups (at most {MAX_GROUPS})"
     return None
 
+
+def lean_refusal(c) -> str | None:
+    """What in config `c` the torch-free runner does not take (the one-call step's refusals, and more), in
+    a phrase; None where it takes it all."""
+    why = one_call_refusal(c)
+    if why is None and c.attention == "compressed":
+        why = f"{c.arch}'s compressed attention and hyper-connections"
+    return why

@@ -74,6 +74,46 @@ typedef struct {
     float eps;
 } DeltaNet;
 
+/* One of DeepSeek-V4's compressors (semoe/model/compressed_attention.py's `Compressor`): every m tokens make
+ * one entry of dim values, each dim the sum of the window's projections wkv under a softmax over its slots
+ * of the gates wgate plus ape (m, width); with overlap, each token projects 2 dim (width), the first half
+ * for the next window's entry, the second for its own, and an entry's softmax runs over 2m slots; the entry
+ * RMS-normed (norm) and rotated at its window's first position. */
+typedef struct {
+    Lin wkv, wgate;
+    const float *ape, *norm;
+    int64_t m, dim, overlap;
+} Compressor;
+
+/* DeepSeek-V4's attention of a layer: q by the low rank wq_a, its norm q_norm, wq_b (H Dh), each head
+ * RMS-normed without a weight; one key, also the value, by wkv, normed by kv_norm; the last 2 r dims of
+ * both rotated by interleaved pairs (inv_freq, times rope_scale); a query reads its last W positions' keys,
+ * and, where comp.m > 0, the compressed entries whose windows it has passed: all of them (HCA), or under
+ * the lightning indexer (topk > 0, CSA) the topk best by the sum over its Hi heads of the weights (iwp's,
+ * over sqrt(Hi)) times relu(q . k / sqrt(Di)), its queries of Di by iwq from the normed low rank and its
+ * keys from icomp (both rotated with index_inv_freq, index_scale); a learnt sink per head joins each
+ * softmax; the heads' output rotated back, then out in o_groups groups, each by its own wo_a[g] to a low
+ * rank, and wo_b. The layer's caches: kc its fixed state (the window's keys by position modulo W, then
+ * each compressor's tokens since its last entry and, with overlap, the first halves of its last full
+ * window: decode_step.c's `v4_state`), vc its entries, a row of Dh + Di (the indexer's key after the
+ * entry's) per m positions. */
+typedef struct {
+    Lin wq_a, wq_b, wkv, wo_b, iwq, iwp;
+    const Lin *wo_a;
+    const float *q_norm, *kv_norm, *sinks, *inv_freq, *index_inv_freq;
+    float eps, rope_scale, index_scale;
+    int64_t W, r, o_groups, Hi, Di, topk;
+    Compressor comp, icomp;
+} Compressed;
+
+/* A hyper-connection around a block (semoe/model/hyper_connections.py): fn ((2 + N) N, N D) over the N
+ * streams' unit-RMS row, then base and scale (3) to the pre, post and Sinkhorn-normalised comb weights;
+ * `Net.hc_head`'s fn is (N, N D), its scale one value. */
+typedef struct {
+    Lin fn;
+    const float *base, *scale;
+} Hyper;
+
 typedef struct {
     const float *attn_norm, *ffn_norm;
     float attn_eps, ffn_eps;
@@ -99,12 +139,15 @@ typedef struct {
     const DeltaNet *dn; /* NULL, or the layer's token mixer in place of attention (its `o` the output product) */
     int64_t gate; /* 1: q's product gives each head's query, then its output gate (Dh each); attention's
                    * output times sigmoid(gate) before `o` (Qwen3-Next) */
+    const Compressed *v4; /* NULL, or the layer's DeepSeek-V4 attention in place of attention */
+    Hyper hc_attn, hc_ffn; /* where `Net.hc` > 1: the hyper-connections around attention and the feed-forward */
+    const int64_t *tid2eid; /* NULL, or (vocabulary, top_k): the experts of each token id (hash routing) */
 } Layer;
 
 typedef struct {
     int64_t L, D, H, G, Dh, R, F, E, top_k, norm_topk; /* R: rotated dims a head; F, E: the most of any layer */
     /* the routers: 0 softmax then top-k, 1 top-k then softmax, 2 grouped (DeepSeek, GLM-4.5: softmax or
-     * sigmoid scores, the best topk_group of n_group groups by their best score or best two summed), 3 the
+     * sigmoid scores (sigmoid_scores 1; 2: sqrt(softplus), DeepSeek-V4), the best topk_group of n_group groups by their best score or best two summed), 3 the
      * top-k logits' sigmoids, which scale each chosen expert's input rather than its output (Llama-4) */
     int64_t router, sigmoid_scores, n_group, topk_group, group_top2;
     int64_t kv16; /* grouped-query attention's KV caches hold float16 (kernels.h's kv_get); else float32.
@@ -114,6 +157,10 @@ typedef struct {
                      * clamped pairs */
     float routed_scale; /* the chosen experts' weights times this (grouped) */
     float alpha, limit; /* clamped experts' act(g, u) = (clamp(u, +-limit) + 1) min(g, limit) sigmoid(alpha min(g, limit)) */
+    int64_t limited; /* SwiGLU experts' act(g, u) = silu(min(g, limit)) clamp(u, +-limit) (DeepSeek-V4) */
+    int64_t hc, hc_iters; /* residual streams (1: one, no hyper-connections) and Sinkhorn's rounds */
+    float hc_eps;
+    Hyper hc_head; /* the streams collapsed into one before the final norm */
     float scale, norm_eps;
     const float *norm;
     const Layer *layers;

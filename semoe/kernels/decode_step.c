@@ -114,6 +114,8 @@ typedef struct { /* the step's buffers */
     Acts a, *ax, *ah;
     float *qg, *ag; /* a gated attention layer's products (q and its gate, k, v) and its gate */
     DnBuf dn; /* Gated DeltaNet's, for one row */
+    V4Buf v4; /* DeepSeek-V4's attention and hyper-connections' */
+    int64_t token; /* the step's token id (hash routing) */
     int oom; /* an allocation during the step failed: its results are not to be used */
 } Work;
 
@@ -249,7 +251,7 @@ static Work *work_new(const Net *net, int64_t S) {
             mla_ok = mla_ok && s->iq && s->ik && s->iw && s->isc && s->isel && s->chosen;
         }
     }
-    if (!dn_buf_new(net, 1, &s->dn) || !s->qg || !s->ag || !mla_ok || !s->h || !s->qkv || !s->qr || !s->att ||
+    if (!v4_buf_new(net, S, &s->v4) || !dn_buf_new(net, 1, &s->dn) || !s->qg || !s->ag || !mla_ok || !s->h || !s->qkv || !s->qr || !s->att ||
         !s->tmp || !s->p || !s->probs || !s->choice || !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w ||
         !s->hin || !s->ones || !s->yp || !s->ids || !s->ax || !s->ah) {
         work_free(s);
@@ -266,6 +268,7 @@ static void work_free(Work *s) {
     free(s->hg), free(s->hu), free(s->ys), free(s->w), free(s->hin), free(s->ones), free(s->yp), free(s->ids);
     free(s->ax), free(s->ah), free(s->qg), free(s->ag);
     dn_buf_free(&s->dn);
+    v4_buf_free(&s->v4);
     free(s);
 }
 
@@ -420,11 +423,18 @@ static void latent_attend(const Net *net, const Latent *m, const Lin *o, float *
  * and, for an MoE layer, the router's choice into s->ids and s->w */
 static void layer_attend(const Net *net, int64_t l, float *x, void *kc, void *vc, int64_t S, int64_t pos,
                          const float *cos, const float *sin, Work *s) {
-    const int64_t D = net->D;
+    const int64_t D = net->D, hc = net->hc > 1;
     const Layer *ly = net->layers + l;
+    if (hc) { /* the streams: the embedding's copies before the first layer, collapsed into attention's input */
 #pragma omp single
-    rmsnorm_f32(x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
-    if (ly->dn) { /* the state in place of the caches: one row of one sequence */
+        for (int64_t n = 1; l == 0 && n < net->hc; n++) memcpy(x + n * D, x, sizeof(float) * (size_t)D);
+        hc_pre(net, &ly->hc_attn, x, &s->v4, &s->a, &s->oom);
+    }
+#pragma omp single
+    rmsnorm_f32(hc ? s->v4.col : x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
+    if (ly->v4)
+        v4_attend(net, ly, s->h, (float *)kc, (float *)vc, S, pos, &s->v4, &s->a, s->tmp, &s->oom);
+    else if (ly->dn) { /* the state in place of the caches: one row of one sequence */
         const int64_t seg = 0;
         void *kcs[1] = {kc}, *vcs[1] = {vc};
         deltanet_rows(ly, s->h, 1, &seg, &pos, kcs, vcs, &s->dn, &s->a, s->tmp, &s->oom);
@@ -433,14 +443,17 @@ static void layer_attend(const Net *net, int64_t l, float *x, void *kc, void *vc
     else
         gqa_attend(net, ly, kc, vc, S, pos, cos, sin, s);
 #pragma omp single
-    {
+    if (hc && !s->oom)
+        hc_merge(net, s->tmp, x, &s->v4);
+    else if (!hc)
         for (int64_t i = 0; i < D; i++) x[i] = x[i] + s->tmp[i];
-        rmsnorm_f32(x, ly->ffn_norm, ly->ffn_eps, s->h, 1, D);
-    }
+    if (hc) hc_pre(net, &ly->hc_ffn, x, &s->v4, &s->a, &s->oom);
+#pragma omp single
+    rmsnorm_f32(hc ? s->v4.col : x, ly->ffn_norm, ly->ffn_eps, s->h, 1, D);
     if (ly->E) {
         lin_product(&ly->router, s->h, 1, &s->a, s->probs, &s->oom);
 #pragma omp single
-        if (!s->oom) route(net, ly, s->probs, s->choice, s->masked, s->ids, s->w);
+        if (!s->oom) route(net, ly, s->probs, s->choice, s->masked, s->ids, s->w, s->token);
         else
             for (int64_t k = 0; k < net->top_k; k++) s->ids[k] = 0, s->w[k] = 0.0f; /* unused: the call fails */
     } else {
@@ -468,16 +481,26 @@ static void layer_ffn_part(const Net *net, int64_t l, const int64_t *ks, int64_t
  * expert's, by the team */
 static void layer_ffn_done(const Net *net, int64_t l, float *x, Work *s) {
     const Layer *ly = net->layers + l;
-    const int64_t K = ly->E ? net->top_k : 1;
-    experts_sum(K, s->w, x, net->D, s, ly->E && net->router == 3);
-    if (!ly->shared) return;
-    if (ly->shared_gate.O) lin_product(&ly->shared_gate, s->h, 1, &s->a, &s->gate, &s->oom);
+    const int64_t K = ly->E ? net->top_k : 1, hc = net->hc > 1;
+    float *y = hc ? s->v4.y : x; /* with hyper-connections the block's output, merged into the streams after */
+    if (hc) {
 #pragma omp single
-    {
-        s->gate = ly->shared_gate.O ? 1.0f / (1.0f + expf(-s->gate)) : 1.0f;
-        s->ex[0] = ly->shared;
+        memset(y, 0, sizeof(float) * (size_t)net->D);
     }
-    experts(net, 1, &s->gate, s->h, x, net->D, net->F, s, 0);
+    experts_sum(K, s->w, y, net->D, s, ly->E && net->router == 3);
+    if (ly->shared) {
+        if (ly->shared_gate.O) lin_product(&ly->shared_gate, s->h, 1, &s->a, &s->gate, &s->oom);
+#pragma omp single
+        {
+            s->gate = ly->shared_gate.O ? 1.0f / (1.0f + expf(-s->gate)) : 1.0f;
+            s->ex[0] = ly->shared;
+        }
+        experts(net, 1, &s->gate, s->h, y, net->D, net->F, s, 0);
+    }
+    if (hc) {
+#pragma omp single
+        if (!s->oom) hc_merge(net, y, x, &s->v4);
+    }
 }
 
 /* layer l's feed-forward on s->h, by the team: the chosen experts (layer_attend's) or the dense one,
@@ -489,19 +512,22 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
 
 /* the final norm and the output product into logits, by the team */
 static void head(const Net *net, float *x, float *logits, Work *s) {
+    if (net->hc > 1) hc_head(net, x, &s->v4, &s->a, &s->oom);
 #pragma omp single
-    rmsnorm_f32(x, net->norm, net->norm_eps, s->h, 1, net->D);
+    rmsnorm_f32(net->hc > 1 ? s->v4.col : x, net->norm, net->norm_eps, s->h, 1, net->D);
     lin_product(&net->head, s->h, 1, &s->a, logits, &s->oom);
 }
 
-/* One step at position `pos`: x (D) holds the token's embedding; kc, vc the L layers' caches (G, S,
- * Dh each), written at pos; cos, sin (Dh) the position's rotary tables; logits (V) out. Returns 0,
+/* One step at position `pos`: x (D) holds the token's embedding (x has room for N D, the residual's
+ * streams, where `Net.hc` = N > 1); kc, vc the L layers' caches (G, S, Dh each), written at pos; cos, sin
+ * (Dh) the position's rotary tables; logits (V) out; token: its id (hash routing). Returns 0,
  * or -1 where memory for the step's buffers could not be had (x, the caches and logits are then
  * not to be used). */
 int decode_step(const Net *net, float *x, void *const *kc, void *const *vc, int64_t S, int64_t pos,
-                const float *cos, const float *sin, float *logits, int threads) {
+                const float *cos, const float *sin, float *logits, int threads, int64_t token) {
     Work *s = work_new(net, S);
     if (!s) return -1;
+    s->token = token;
 #pragma omp parallel num_threads(threads)
     {
         for (int64_t l = 0; l < net->L; l++) {
@@ -526,8 +552,9 @@ Work *decode_work(const Net *net, int64_t S) { return work_new(net, S); }
 void decode_work_free(Work *s) { work_free(s); }
 
 int decode_attend(const Net *net, Work *s, int64_t l, float *x, void *kc, void *vc, int64_t S, int64_t pos,
-                  const float *cos, const float *sin, int64_t *ids, float *w, int threads) {
+                  const float *cos, const float *sin, int64_t *ids, float *w, int threads, int64_t token) {
     s->oom = 0;
+    s->token = token;
 #pragma omp parallel num_threads(threads)
     layer_attend(net, l, x, kc, vc, S, pos, cos, sin, s);
     const int64_t K = net->layers[l].E ? net->top_k : 1;

@@ -28,7 +28,8 @@ void lin_product(const Lin *l, const float *x, int64_t M, Acts *a, float *y, int
 void index_key(const Latent *m, int64_t R, const float *ik, const float *cos, const float *sin, float *k);
 void index_query(const Indexer *ix, int64_t R, float *iq, float *iw, const float *cos, const float *sin);
 int64_t qkv_prepare(const Net *net, const Layer *ly, float *qkv, const float *cos, const float *sin, int64_t pos);
-void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids, float *w);
+void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids, float *w,
+           int64_t token);
 
 /* Gated DeltaNet's buffers for up to `rows` rows (deltanet.c), sized for the largest such layer of a Net */
 typedef struct {
@@ -51,6 +52,33 @@ void gate_unpack(int64_t H, int64_t G, int64_t Dh, const float *qg, float *qkv, 
 /* att (n) times sigmoid(gate), in place */
 void gate_apply(float *att, const float *gate, int64_t n);
 
+/* DeepSeek-V4's buffers for one row (compressed.c), sized for the largest layer of a Net and a cache of S
+ * positions: attention's (qa .. chosen) and the hyper-connections' (hx .. comb; post and comb the last
+ * `hc_pre`'s weights, col its collapsed input, y a block's output) */
+typedef struct {
+    float *qa, *q, *kv, *ckv, *cg, *iq, *iw, *isc, *isel, *p, *z, *att, *tmp;
+    int32_t *chosen;
+    int64_t nchosen;
+    float *hx, *mix, *col, *y, *post, *comb;
+} V4Buf;
+
+/* the buffers for net and S positions (none where it has no such layer); 0 where memory could not be had
+ * (v4_buf_free frees what was had, either way) */
+int v4_buf_new(const Net *net, int64_t S, V4Buf *b);
+void v4_buf_free(V4Buf *b);
+/* floats of a layer's fixed state (its kc) */
+int64_t v4_fixed_floats(const Compressed *c, int64_t Dh);
+/* layer ly's DeepSeek-V4 attention of the normed row h at position pos into out (D), by the team: its
+ * state kc and entries ent (`Compressed`) advanced by the row; S the cache's positions */
+void v4_attend(const Net *net, const Layer *ly, const float *h, float *kc, float *ent, int64_t S, int64_t pos,
+               V4Buf *b, Acts *a, float *out, int *oom);
+/* the hyper-connection hy's weights from the N streams X (into b->post, b->comb) and the block's input
+ * (into b->col), by the team; hc_merge: X = post y + comb^T X (one thread); hc_head: the streams collapsed
+ * by `Net.hc_head` into b->col, by the team */
+void hc_pre(const Net *net, const Hyper *hy, const float *X, V4Buf *b, Acts *a, int *oom);
+void hc_merge(const Net *net, const float *y, float *X, V4Buf *b);
+void hc_head(const Net *net, const float *X, V4Buf *b, Acts *a, int *oom);
+
 /* expert e's activation of its hidden unit j: SwiGLU's g[j] = silu(g[j]) * u[j] (g, u: the gate and up
  * outputs); where gate is gate_up (up.O = 0), into u[j]: SwiGLU of its halves g[j] and g[F + j]
  * (`Net.halves`), or gpt-oss's clamped one of g[2j] and g[2j + 1] with its bias (`Net.alpha`, `Net.limit`) */
@@ -64,6 +92,9 @@ static inline void expert_act(const Net *net, const Expert *e, float *g, float *
         gv = fminf(gv, lim);
         uv = fminf(fmaxf(uv, -lim), lim);
         u[j] = (uv + 1.0f) * gv * (1.0f / (1.0f + expf(-(gv * net->alpha))));
+    } else if (net->limited) {
+        const float gv = fminf(g[j], net->limit);
+        g[j] = gv / (1.0f + expf(-gv)) * fminf(fmaxf(u[j], -net->limit), net->limit);
     } else {
         g[j] = g[j] / (1.0f + expf(-g[j])) * u[j];
     }

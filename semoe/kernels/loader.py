@@ -74,13 +74,43 @@ class DeltaNetC(ctypes.Structure):
                 ("conv", _P), ("dt_bias", _P), ("A_log", _P), ("norm", _P), ("eps", _F32)]
 
 
+class CompressorC(ctypes.Structure):
+    """decode_abi.h's `Compressor`: one of DeepSeek-V4's compressors of a layer."""
+    _fields_ = [("wkv", Lin), ("wgate", Lin), ("ape", _P), ("norm", _P), ("m", _I), ("dim", _I), ("overlap", _I)]
+
+
+class CompressedC(ctypes.Structure):
+    """decode_abi.h's `Compressed`: a layer's DeepSeek-V4 attention."""
+    _fields_ = [("wq_a", Lin), ("wq_b", Lin), ("wkv", Lin), ("wo_b", Lin), ("iwq", Lin), ("iwp", Lin),
+                ("wo_a", ctypes.POINTER(Lin)), ("q_norm", _P), ("kv_norm", _P), ("sinks", _P), ("inv_freq", _P),
+                ("index_inv_freq", _P), ("eps", _F32), ("rope_scale", _F32), ("index_scale", _F32), ("W", _I),
+                ("r", _I), ("o_groups", _I), ("Hi", _I), ("Di", _I), ("topk", _I), ("comp", CompressorC),
+                ("icomp", CompressorC)]
+
+
+def compressed_fixed(c: CompressedC, head_dim: int) -> int:
+    """Floats of a layer's fixed state (its cache's kc; compressed.c's `v4_fixed_floats`)."""
+    n = c.W * head_dim
+    for comp in (c.comp, c.icomp if c.topk else None):
+        if comp is not None and comp.m:
+            width = (2 if comp.overlap else 1) * comp.dim
+            n += 2 * comp.m * width + (2 * comp.m * comp.dim if comp.overlap else 0)
+    return n
+
+
+class HyperC(ctypes.Structure):
+    """decode_abi.h's `Hyper`: a hyper-connection's weights (DeepSeek-V4)."""
+    _fields_ = [("fn", Lin), ("base", _P), ("scale", _P)]
+
+
 class LayerC(ctypes.Structure):
     _fields_ = [("attn_norm", _P), ("ffn_norm", _P), ("attn_eps", _F32), ("ffn_eps", _F32), ("n_qkv", _I),
                 ("window", _I), ("qk_norm", _I), ("q_norm", _P), ("k_norm", _P), ("norope", _I), ("chunk", _I),
                 ("temp_scale", _F32), ("temp_floor", _F32), ("qk_eps", _F32), ("clip", _F32),
                 ("sinks", _P), ("qkv", Lin * 3), ("o", Lin), ("mla", ctypes.POINTER(LatentC)), ("E", _I), ("router", Lin), ("correction", _P),
                 ("experts", ctypes.POINTER(Expert)), ("shared", ctypes.POINTER(Expert)), ("shared_gate", Lin),
-                ("dn", ctypes.POINTER(DeltaNetC)), ("gate", _I)]
+                ("dn", ctypes.POINTER(DeltaNetC)), ("gate", _I), ("v4", ctypes.POINTER(CompressedC)),
+                ("hc_attn", HyperC), ("hc_ffn", HyperC), ("tid2eid", _P)]
 
 
 class Net(ctypes.Structure):
@@ -88,7 +118,8 @@ class Net(ctypes.Structure):
                 ("top_k", _I), ("norm_topk", _I), ("router", _I), ("sigmoid_scores", _I), ("n_group", _I),
                 ("topk_group", _I), ("group_top2", _I), ("kv16", _I), ("rope_pairs", _I), ("halves", _I), ("routed_scale", _F32),
                 ("alpha", _F32),
-                ("limit", _F32), ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
+                ("limit", _F32), ("limited", _I), ("hc", _I), ("hc_iters", _I), ("hc_eps", _F32), ("hc_head", HyperC),
+                ("scale", _F32), ("norm_eps", _F32), ("norm", _P),
                 ("layers", ctypes.POINTER(LayerC)), ("head", Lin)]
 
 
@@ -123,6 +154,10 @@ class LayerParts:
     temp_floor: float = 0.0
     dn: DeltaNetC | None = None  # Gated DeltaNet in place of attention (kept alive by the caller)
     gate: int = 0  # 1: q's product gives each head's query, then its output gate
+    v4: CompressedC | None = None  # DeepSeek-V4's attention in place of q/k/v (kept alive by the caller)
+    hc_attn: HyperC | None = None  # the hyper-connections around attention and the feed-forward
+    hc_ffn: HyperC | None = None
+    tid2eid: int | None = None  # the hash-routed layer's table (vocabulary, top_k) of int64
 
 
 # decode_abi.h's `Layer.qk_norm` for `semoe.model.config.MoEConfig.qk_norm`, and `Net.router` for its router
@@ -160,6 +195,7 @@ def deltanet(config, ins: list[Lin], conv: int, dt_bias: int, A_log: int, norm: 
     for j, lin in enumerate(ins):
         d.in_[j] = lin
     return d
+SCORES = {"sigmoid": 1, "sqrtsoftplus": 2}  # `Net.sigmoid_scores` of a grouped router's scores (else softmax)
 ROUTER = {"softmax_topk": 0, "topk_softmax": 1, "grouped": 2, "topk_sigmoid_input": 3}
 # prefill.c's and kernels.h's sizes, for what a prompt's pass allocates (`inference.torch_free.sequence_memory`):
 # the rows of a block (PREFILL_ROWS), the rows sharing a key's load (ROW_GROUP) and the expanded latent
@@ -168,10 +204,11 @@ PREFILL_ROWS, ROW_GROUP, EXPAND_LIMIT = 64, 4, 256 << 20
 
 
 def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head: Lin,
-              kv16: bool = False) -> tuple[Net, ctypes.Array]:
+              kv16: bool = False, hc_head: HyperC | None = None) -> tuple[Net, ctypes.Array]:
     """decode_step.c's `Net` of a model (`config`: its `semoe.model.config.ModelConfig`) over these layers,
     and the array of `LayerC` it points into (keep it while the Net is used): the one assembly both
-    front-ends share. `kv16`: grouped-query attention's KV caches hold float16."""
+    front-ends share. `kv16`: grouped-query attention's KV caches hold float16; `hc_head`: where the model has
+    hyper-connections, the one collapsing its streams before the norm."""
     arr = (LayerC * len(layers))()
     for lp, lc in zip(layers, arr):
         lc.attn_norm, lc.attn_eps, lc.ffn_norm, lc.ffn_eps = lp.attn_norm, lp.attn_eps, lp.ffn_norm, lp.ffn_eps
@@ -183,6 +220,11 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
             lc.mla = ctypes.pointer(lp.mla)
         if lp.dn is not None:
             lc.dn = ctypes.pointer(lp.dn)
+        if lp.v4 is not None:
+            lc.v4 = ctypes.pointer(lp.v4)
+        if lp.hc_attn is not None:
+            lc.hc_attn, lc.hc_ffn = lp.hc_attn, lp.hc_ffn
+        lc.tid2eid = lp.tid2eid
         lc.gate = lp.gate
         if lp.shared is not None:
             lc.shared = lp.shared
@@ -196,15 +238,17 @@ def build_net(config, layers: list[LayerParts], norm: int, norm_eps: float, head
     F = max(max(lp.ffn_width, lp.shared[0].gate.O if lp.shared is not None else 0) for lp in layers)
     E, Dh, c = max(lc.E for lc in arr), config.head_dim, config
     net = Net(len(layers), c.hidden_size, c.num_heads, c.num_kv_heads, Dh, c.rope_dim, F, E, max(c.top_k, 1),
-              int(bool(c.norm_topk_prob)), ROUTER[c.router], int(c.router_scores == "sigmoid"), c.n_group,
+              int(bool(c.norm_topk_prob)), ROUTER[c.router], SCORES.get(c.router_scores, 0), c.n_group,
               c.topk_group, int(c.group_score == "top2"), int(kv16), int(c.rope_interleave and c.attention == "gqa"),
-              int(c.expert_mlp == "fused_swiglu"), c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit, Dh ** -0.5, norm_eps, norm, arr, head)
+              int(c.expert_mlp == "fused_swiglu"), c.routed_scaling_factor, c.swiglu_alpha, c.swiglu_limit,
+              int(c.expert_mlp == "limited_swiglu"), c.hc_mult, c.hc_sinkhorn_iters, c.hc_eps,
+              hc_head if hc_head is not None else HyperC(), Dh ** -0.5, norm_eps, norm, arr, head)
     return net, arr
 
 
 # decode_abi.h's struct names -> their mirrors, which `check_layout` compares field by field
 STRUCTS = {"Lin": Lin, "Expert": Expert, "Indexer": IndexerC, "Latent": LatentC, "DeltaNet": DeltaNetC,
-           "Layer": LayerC, "Net": Net}
+           "Compressor": CompressorC, "Compressed": CompressedC, "Hyper": HyperC, "Layer": LayerC, "Net": Net}
 
 
 def check_layout(lib: ctypes.CDLL, path: str, structs: dict[str, type[ctypes.Structure]] = STRUCTS) -> None:
@@ -243,11 +287,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _P, _P, _I, _P, _P, _I, _P, _INT]
     lib.clamped_swiglu_q.argtypes = [_P, _I, _I, _I, _INT, _P, _P, _I, _P, _P, _P, _I, _P, _F32, _F32, _P, _INT]
     lib.moe_combine_f32.argtypes = [_P, _P, _P, _I, _I]
-    lib.decode_step.argtypes = [_P, _P, _P, _P, _I, _I, _P, _P, _P, _INT]
+    lib.decode_step.argtypes = [_P, _P, _P, _P, _I, _I, _P, _P, _P, _INT, _I]
     lib.decode_work.argtypes = [_P, _I]
     lib.decode_work.restype = _P
     lib.decode_work_free.argtypes = [_P]
-    lib.decode_attend.argtypes = [_P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _INT]
+    lib.decode_attend.argtypes = [_P, _P, _I, _P, _P, _P, _I, _I, _P, _P, _P, _P, _INT, _I]
     lib.decode_ffn.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_experts.argtypes = [_P, _P, _I, _P, _I, _INT]
     lib.decode_ffn_done.argtypes = [_P, _P, _I, _P, _INT]

@@ -323,7 +323,7 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
             int64_t *ir = ids + (r0 + r) * K;
             float *wr = w + (r0 + r) * K;
             if (ly->E)
-                route(net, ly, probs + r * ly->E, choice, masked, ir, wr);
+                route(net, ly, probs + r * ly->E, choice, masked, ir, wr, -1);
             else
                 ir[0] = 0, wr[0] = 1.0f;
         }

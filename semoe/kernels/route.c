@@ -23,10 +23,10 @@ static void softmax_inplace(float *p, int64_t n) {
 /* The router's choice from its E logits p (overwritten; `choice`: E floats of room, `masked` E
  * bytes), as `semoe.model.routing` routes: top_k ids and their weights. Softmax then top-k (renormalised
  * with norm); top-k of the logits then softmax over them, or their sigmoids; or grouped: softmax or sigmoid scores,
- * chosen on scores + correction among the best topk_group of n_group groups, weighted by their
- * scores (renormalised with norm) times routed_scale. */
+ * chosen on scores + correction among the best topk_group of n_group groups, or by `token`'s row of the
+ * layer's hash table, weighted by their scores (renormalised with norm) times routed_scale. */
 void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned char *masked, int64_t *ids,
-                  float *w) {
+                  float *w, int64_t token) {
     const int64_t E = ly->E, K = net->top_k;
     if (net->router == 3) { /* the top-k logits' sigmoids (they scale the experts' input: `experts`) */
         for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(p, E, ids, k, NULL)];
@@ -40,11 +40,15 @@ void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned ch
     }
     if (net->router == 0 || !net->sigmoid_scores)
         softmax_inplace(p, E);
+    else if (net->sigmoid_scores == 2) /* sqrt(softplus), softplus as torch's: x itself past 20 */
+        for (int64_t e = 0; e < E; e++) p[e] = sqrtf(p[e] > 20.0f ? p[e] : log1pf(expf(p[e])));
     else
         for (int64_t e = 0; e < E; e++) p[e] = 1.0f / (1.0f + expf(-p[e]));
     const float *c = p;
     unsigned char *m = NULL; /* the experts of the groups not kept */
-    if (net->router == 2) {
+    if (ly->tid2eid && token >= 0) /* hash routing: the token's experts from the table, weighed by their scores */
+        for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = ly->tid2eid[token * K + k]];
+    else if (net->router == 2) {
         for (int64_t e = 0; e < E; e++) choice[e] = ly->correction ? p[e] + ly->correction[e] : p[e];
         c = choice;
         int64_t n = net->n_group, ge = E / n;
@@ -65,7 +69,8 @@ void route(const Net *net, const Layer *ly, float *p, float *choice, unsigned ch
             }
         }
     }
-    for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(c, E, ids, k, m)];
+    if (!ly->tid2eid || token < 0)
+        for (int64_t k = 0; k < K; k++) w[k] = p[ids[k] = best_of(c, E, ids, k, m)];
     if (net->norm_topk) {
         float sum = 0.0f;
         for (int64_t k = 0; k < K; k++) sum += w[k];

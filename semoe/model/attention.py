@@ -25,6 +25,7 @@ from semoe.kernels import torch_ops
 from semoe.model import rope
 from semoe.model.rope import softmax_scale
 from semoe.model.compact_linear import CompactLinear, Linear, stacked_float_rows, stacked_rows
+from semoe.model.compressed_state import CompressedBuffers
 from semoe.model.config import LATENT_NORM_EPS, MoEConfig
 from semoe.model.linear_attention import DeltaNetState
 
@@ -114,13 +115,13 @@ class KVCache:
     for grouped-query attention; for latent attention the latent (B, 1, S_max, L) in `k` and the
     rotary key (B, 1, S_max, R) in `v`. A linear-attention layer caches no positions (its k and v hold
     no elements) and keeps its fixed-size state in `states[layer]` (None for the other layers), the
-    state after exactly `length` tokens; so does a DeepSeek-V4 layer, its `CompressedState`
-    (`semoe.model.compressed_attention`; None until its first token)."""
+    state after exactly `length` tokens; so does a DeepSeek-V4 layer, in `CompressedBuffers`
+    (`semoe.model.compressed_attention`)."""
 
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     length: int = 0
-    states: list | None = None  # of DeltaNetState, CompressedState or None
+    states: list | None = None  # of DeltaNetState, CompressedBuffers or None
 
     @classmethod
     def bytes_for(cls, config: MoEConfig, batch: int, max_len: int, dtype: torch.dtype) -> int:
@@ -134,7 +135,9 @@ class KVCache:
         if max_len > config.max_position:
             raise ValueError(f"max_len {max_len} exceeds the model's max_position {config.max_position}")
         shapes = [config.layer_kv_shapes(i, batch, max_len) for i in range(config.num_layers)]
-        states = [None] * config.num_layers if config.attention == "compressed" else None
+        states = None
+        if config.attention == "compressed":  # in the kernels' layout, which the modules read and write too
+            states = [CompressedBuffers.empty(config, i, batch, max_len, device) for i in range(config.num_layers)]
         if config.linear_layers is not None:  # zeros: the state before a sequence's first token
             conv, rec = config.linear_state_shapes(batch)
             states = [DeltaNetState(torch.zeros(conv, device=device, dtype=torch.float32),
@@ -161,19 +164,26 @@ class KVCache:
                 bigger = t.new_zeros(*t.shape[:2], max_len, t.shape[3])
                 bigger[:, :, :self.length] = t[:, :, :self.length]
                 kv[i] = bigger
+        for s in self.states or ():
+            if hasattr(s, "grow"):  # DeepSeek-V4's entries
+                s.grow(max_len)
 
     def addresses(self) -> tuple[list[int], list[int]]:
         """The addresses of its layers' k and v (the compiled kernels' view of a batch of one); a Gated
         DeltaNet layer's are those of its state, the convolution's and the delta rule's."""
         ks, vs = [k.data_ptr() for k in self.k], [v.data_ptr() for v in self.v]
-        for layer, s in enumerate(self.states or ()):
-            if isinstance(s, DeltaNetState):
-                ks[layer], vs[layer] = s.conv.data_ptr(), s.recurrent.data_ptr()
+        for layer, t in enumerate(self.state_tensors(by_layer=True)):
+            if t:
+                ks[layer], vs[layer] = (x.data_ptr() for x in t)
         return ks, vs
 
-    def state_tensors(self) -> list[torch.Tensor]:
-        """The tensors of its Gated DeltaNet layers' states (what the kernels update in place)."""
-        return [t for s in self.states or () if isinstance(s, DeltaNetState) for t in (s.conv, s.recurrent)]
+    def state_tensors(self, by_layer: bool = False) -> list:
+        """The tensors of its layers' own states (what the kernels update in place): a Gated DeltaNet
+        layer's convolution and delta-rule states, a DeepSeek-V4 layer's fixed state and entries; with
+        `by_layer`, a pair or () per layer."""
+        pairs = [((s.conv, s.recurrent) if isinstance(s, DeltaNetState) else
+                  (s.fixed, s.entries) if s is not None else ()) for s in self.states or ()]
+        return pairs if by_layer else [t for p in pairs for t in p]
 
     def copy_from(self, src: "KVCache", n: int) -> None:
         """Take the first n positions of `src` (a sequence sharing this one's first n tokens): every
@@ -188,6 +198,9 @@ class KVCache:
                 a[:, :, :n] = b[:, :, :n]
         if src.states is not None:
             self.states = [None if s is None else s.clone() for s in src.states]
+            for s in self.states:
+                if hasattr(s, "grow"):  # DeepSeek-V4's entries: room for this cache's positions
+                    s.grow(self.capacity)
         self.length = n
 
     def trimmed(self) -> "KVCache":

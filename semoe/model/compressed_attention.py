@@ -14,7 +14,8 @@ positions (itself included) and, on compressed layers, compressed entries of the
   projects two halves, the second for its own window's entry and the first for the next one's, and the
   softmax runs over both. A lightning indexer (`indexer`: its own compressor at `index_head_dim`, query
   heads from the query's low rank, `weights_proj`) scores the entries, sum over heads of weight x
-  ReLU(q . k), and the query reads only its `index_topk` best among those it has passed.
+  ReLU(q . k), and the query reads only its `index_topk` best among those it has passed (the earliest
+  among equal scores).
 
 Attention has a learnt sink per head (`attn_sink`); the output's rotated dims are rotated back at the
 query's position (the value carried the key's rotation), and the heads go out through the grouped
@@ -27,56 +28,16 @@ entry per m tokens, not per token. Shapes: B batch, T tokens, H heads, Dh head d
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from semoe.model import rope
 from semoe.model.attention import RMSNorm, grouped_output, unit_rms
 from semoe.model.compact_linear import Linear
+from semoe.model.compressed_state import Compression, CompressedState
 from semoe.model.config import MoEConfig
-
-
-@dataclass
-class Compression:
-    """One compressor's running state for a batch: its entries so far (B, n, D), the projections and gates
-    of the tokens since the last entry (B, r < m, width), and, for CSA, the first halves of the last full
-    window (B, m, D) that the next entry also reads (None before there is one)."""
-
-    entries: torch.Tensor
-    kv: torch.Tensor
-    gate: torch.Tensor
-    overlap_kv: torch.Tensor | None = None
-    overlap_gate: torch.Tensor | None = None
-
-    def clone(self) -> "Compression":
-        copy = lambda t: None if t is None else t.clone()  # noqa: E731
-        return Compression(self.entries.clone(), self.kv.clone(), self.gate.clone(), copy(self.overlap_kv),
-                           copy(self.overlap_gate))
-
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.entries, self.kv, self.gate, self.overlap_kv, self.overlap_gate)
-                   if t is not None)
-
-
-@dataclass
-class CompressedState:
-    """A DeepSeek-V4 layer's state for a batch after some tokens: the sliding window's last keys (B, <= W-1,
-    Dh), and its compressor's and indexer's `Compression` (None where the layer has none)."""
-
-    window: torch.Tensor
-    compressor: Compression | None = None
-    indexer: Compression | None = None
-
-    def clone(self) -> "CompressedState":
-        return CompressedState(self.window.clone(), *(None if c is None else c.clone()
-                                                      for c in (self.compressor, self.indexer)))
-
-    def nbytes(self) -> int:
-        return self.window.nbytes + sum(c.nbytes() for c in (self.compressor, self.indexer) if c is not None)
 
 
 def rotate_pairs(x: torch.Tensor, positions_T: torch.Tensor, inv_freq_r: torch.Tensor, scale: float,
@@ -167,8 +128,8 @@ class Indexer(nn.Module):
         passed_Tn = torch.arange(n, device=x_BTD.device)[None] < ((positions_T + 1) // self.compressor.rate)[:, None]
         score_BTn = score_BTn.masked_fill(~passed_Tn, float("-inf"))
         chosen = torch.zeros(B, T, n, dtype=torch.bool, device=x_BTD.device)
-        if n:
-            top = score_BTn.topk(min(self.topk, n), dim=-1).indices
+        if n:  # among equal scores (ReLU's zeros tie often) the earliest entries, as the kernels choose
+            top = score_BTn.sort(dim=-1, descending=True, stable=True).indices[..., :min(self.topk, n)]
             chosen.scatter_(-1, top, True)
         return chosen & passed_Tn
 

@@ -286,20 +286,21 @@ class MoEConfig:
         return self.layer_kinds[layer] if self.attention == "compressed" else None
 
     def compressed_state_bytes(self, batch: int, positions: int, itemsize: int) -> int:
-        """Bytes of DeepSeek-V4's per-sequence state after `positions` tokens, every layer: the sliding window's
-        last keys, each compressed entry (and under CSA its indexer's key), the tokens waiting to fill an
-        entry and CSA's overlap with the last full window (`semoe.model.compressed_attention.CompressedState`)."""
+        """Bytes of DeepSeek-V4's per-sequence state for `positions` tokens, every layer, as
+        `semoe.model.compressed_attention.CompressedBuffers` holds it: the sliding window's keys, each
+        compressor's tokens waiting to fill an entry and CSA's overlap with the last full window, and each
+        compressed entry (under CSA with its indexer's key)."""
         if self.attention != "compressed":
             return 0
         Dh, total = self.head_dim, 0
         for kind in self.layer_kinds:
-            total += min(positions, self.sliding_window - 1) * Dh
+            total += self.sliding_window * Dh
             if kind == "hca":
                 m = self.compress_rates[1]
-                total += positions // m * Dh + 2 * (m - 1) * Dh
+                total += positions // m * Dh + 2 * m * Dh
             elif kind == "csa":
                 m, Di = self.compress_rates[0], self.index_head_dim
-                total += positions // m * (Dh + Di) + 2 * (m - 1) * 2 * (Dh + Di) + 2 * m * (Dh + Di)
+                total += positions // m * (Dh + Di) + 6 * m * (Dh + Di)
         return batch * total * itemsize
 
     def is_linear(self, layer: int) -> bool:

@@ -24,6 +24,7 @@ from semoe.model.compact_linear import Linear, linear
 from semoe.model.config import MoEConfig
 from semoe.model.linear_attention import GatedDeltaNet
 from semoe.model.compressed_attention import CompressedAttention
+from semoe.model.compressed_state import CompressedBuffers
 from semoe.model.experts import ExpertProvider, ExpertWeights, ResidentExperts, clamped_silu_glu, swiglu
 from semoe.model.hyper_connections import HyperConnection, HyperHead
 from semoe.model.routing import (Routing, capacity_keep_mask, dispatch_order, expert_capacity, gather_rows,
@@ -301,8 +302,12 @@ class Block(nn.Module):
         for c, n in zip(cache, counts):
             if c.states is None:
                 raise ValueError(f"layer {self.layer}: a KV cache without per-layer states (made for another model)")
-            y, c.states[self.layer] = self._mix(x_BTD[:, s:s + n], c.states[self.layer] if c.length else None,
-                                                c.length)
+            held = c.states[self.layer]
+            if isinstance(held, CompressedBuffers):  # the kernels' layout: read and written as a CompressedState
+                y, state = self._mix(x_BTD[:, s:s + n], held.to_state(c.length) if c.length else None, c.length)
+                held.store(state, c.length, c.length + n)
+            else:
+                y, c.states[self.layer] = self._mix(x_BTD[:, s:s + n], held if c.length else None, c.length)
             outs.append(y)
             s += n
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)

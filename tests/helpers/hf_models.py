@@ -106,11 +106,13 @@ def tiny_config(arch: str, **over):
                                                      layer_types=["linear_attention"] * 3 + ["full_attention"])
     elif arch == "deepseek_v4":
         # every kind of layer: heavily compressed (one entry per 4 tokens), compressed sparse (an entry every 2
-        # tokens from 4, the indexer's top 2), the window of 4 alone; hash routing on the first two; two streams
+        # tokens from 4, the indexer's top 2), the window of 4 alone; hash routing on the first two; two streams.
+        # 16 indexer heads: with fewer, every head's ReLU is 0 for many entries (1 in 16 with 4 heads), whose
+        # equal scores any top-k may break either way; a trained model's 64 heads all at 0 does not happen
         rates = {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}
         cls, kw = transformers.DeepseekV4Config, dict(
             TINY, num_hidden_layers=4, head_dim=16, q_lora_rank=24, moe_intermediate_size=24, n_routed_experts=4,
-            num_experts_per_tok=2, o_groups=2, o_lora_rank=8, index_n_heads=4, index_head_dim=8, index_topk=2,
+            num_experts_per_tok=2, o_groups=2, o_lora_rank=8, index_n_heads=16, index_head_dim=8, index_topk=2,
             sliding_window=4, compress_rates=rates, hc_mult=2, partial_rotary_factor=0.25,
             layer_types=["heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention",
                          "compressed_sparse_attention"], mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"])

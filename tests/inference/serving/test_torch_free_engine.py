@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.arch_stores import CASES
+from helpers.arch_stores import LEAN_CASES as CASES
 from helpers.kernels import needs_kernels
 from inference.torch_free.runner import LeanConfig, LeanModel
 from inference.serving.torch_free_engine import LeanEngine
@@ -36,9 +36,9 @@ def _engine_rope(config):
 
 
 def _held(cache: KVCache) -> list[torch.Tensor]:
-    """What a cache holds: every layer's k and v (of no elements for a linear layer) and the linear layers'
-    states (the convolution's and the delta rule's)."""
-    return [t for t in (*cache.k, *cache.v) if t.numel()] + cache.state_tensors()
+    """What a cache holds: every layer's k and v (of no elements for a linear layer) and the layers' own
+    states (the convolution's and the delta rule's; DeepSeek-V4's window, pending tokens and entries)."""
+    return [t for t in (*cache.k, *cache.v, *cache.state_tensors()) if t.numel()]
 
 
 @pytest.mark.parametrize("arch, fmt", CASES, ids=[f"{a}-{f}" for a, f in CASES])

@@ -25,7 +25,7 @@ from semoe.model.attention import KVCache
 from semoe.checkpoints.model_io import load_store, save_store
 from semoe.model.config import MoEConfig
 from semoe.decode.plan import DecodePlan
-from semoe.decode.support import NotOnFastPath
+from semoe.decode.support import NotOnFastPath, step_refusal
 from semoe.decode.loop import SamplingConfig
 from semoe.decode.generate import decode_one_token, generate, prefill
 from semoe.model.moe_gpt import MoEGPT
@@ -63,9 +63,9 @@ def _steps(model: MoEGPT, plan: DecodePlan | None) -> tuple[torch.Tensor, int]:
 
 
 def _held(cache: KVCache) -> list[torch.Tensor]:
-    """What a cache holds: every layer's k and v (of no elements for a linear layer) and the linear layers'
-    states (the convolution's and the delta rule's)."""
-    return [t for t in (*cache.k, *cache.v) if t.numel()] + cache.state_tensors()
+    """What a cache holds: every layer's k and v (of no elements for a linear layer) and the layers' own
+    states (the convolution's and the delta rule's; DeepSeek-V4's window, pending tokens and entries)."""
+    return [t for t in (*cache.k, *cache.v, *cache.state_tensors()) if t.numel()]
 
 
 @pytest.fixture(scope="module")
@@ -370,7 +370,9 @@ def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
     assert plan is not None
     assert plan.net is not None, plan.whole_refusal  # FP8 and MXFP4 experts included, as stored
     want, _ = _steps(model, None)
-    for p in (plan, DecodePlan(model, whole=False)) if plan.net is not None else (plan,):
+    by_kernel = DecodePlan.build(model, whole=False)  # None where only the one-call step takes the model
+    assert (by_kernel is None) == (step_refusal(model.config) is not None)
+    for p in (plan, by_kernel) if by_kernel is not None else (plan,):
         got, planned = _steps(model, p)
         assert planned == len(TOKENS)
         if p.net is None:

@@ -242,6 +242,7 @@ BUDGETS = {
 @pytest.mark.parametrize("budget", list(BUDGETS))
 def test_offloaded_quantized_experts_give_the_resident_quantized_models_tokens(stores, arch, bits, budget):
     from inference.offload.expert_ring import OffloadedExperts
+    from semoe.decode.support import step_refusal
 
     path = stores(arch, bits)
     store = Store.open(path)
@@ -257,13 +258,19 @@ def test_offloaded_quantized_experts_give_the_resident_quantized_models_tokens(s
     engine = Engine.load(path, config)
     try:
         got = engine.generate(PROMPT, sampling)
+        on_modules = step_refusal(engine.model_config) is not None  # offloaded, only the modules take it
     finally:
         engine.close()
     # the same bytes through the same kernels: exactly the same tokens and log-probs, where the
     # resident model steps kernel by kernel as the offloaded one does; in one call (its routers'
     # softmax in C, not torch) within float32 rounding of log-probs of magnitude ~5: 1e-5
     assert got.tokens == want.tokens
-    if budget.startswith("hybrid"):
+    if one_call and on_modules:
+        # DeepSeek-V4 offloaded decodes on its modules (hybrid or not), whose prompt products multiply
+        # float activations where the one-call step's int4 and int8 products quantize them to int8 per
+        # block of 32: about 1e-3 of the activations, 3e-4 of a log-prob measured with int4; 2e-3
+        assert got.logprobs == pytest.approx(want.logprobs, rel=0, abs=2e-3)
+    elif budget.startswith("hybrid"):
         # the model's modules around the same expert kernels: float32 sums in other orders, 1e-4
         assert got.logprobs == pytest.approx(want.logprobs, rel=0, abs=1e-4)
     elif one_call:

@@ -26,7 +26,8 @@ from semoe.model.attention import KVCache
 
 ATOL = 1e-5
 SEQ = [(7 * i + 3) % 90 for i in range(23)]
-WHY = "deepseek_v4's compressed attention, hyper-connections, hash routing"
+WHY_STEP = "deepseek_v4's compressed attention and hyper-connections with experts offloaded"
+WHY_LEAN = "deepseek_v4's compressed attention and hyper-connections"
 
 
 @pytest.fixture(scope="module")
@@ -117,10 +118,11 @@ def test_a_sequence_in_uneven_pieces_gives_the_whole_sequences_logits(checkpoint
             parts.append(model(torch.tensor([SEQ[at:at + n]]), cache).logits[0])
             at += n
         torch.testing.assert_close(torch.cat(parts), full, atol=ATOL, rtol=0)
-        assert cache.states[1].compressor.entries.shape[1] == len(SEQ) // c.compress_rates[0]
-        assert cache.states[0].compressor.entries.shape[1] == len(SEQ) // c.compress_rates[1]
-        assert cache.states[2].window.shape[1] == c.sliding_window - 1
-        assert 0 < cache.state_bytes() <= KVCache.bytes_for(c, 1, len(SEQ), torch.float32)
+        states = [s.to_state(cache.length) for s in cache.states]
+        assert states[1].compressor.entries.shape[1] == len(SEQ) // c.compress_rates[0]
+        assert states[0].compressor.entries.shape[1] == len(SEQ) // c.compress_rates[1]
+        assert states[2].window.shape[1] == c.sliding_window - 1
+        assert cache.state_bytes() == KVCache.bytes_for(c, 1, len(SEQ), torch.float32)
         copy = KVCache.empty(c, 1, len(SEQ) + 1)
         copy.copy_from(cache, cache.length)
         trimmed = cache.trimmed()
@@ -132,19 +134,23 @@ def test_a_sequence_in_uneven_pieces_gives_the_whole_sequences_logits(checkpoint
         KVCache.empty(c, 1, 30).copy_from(cache, 10)
 
 
-def test_each_path_says_it_takes_the_modules_and_gives_their_tokens(checkpoint):
-    """The plan and the torch-free runner name what they do not take; resident and offloaded engines
-    decode on the modules, say so, and give the module path's tokens."""
+def test_each_path_says_which_it_takes_and_gives_the_module_paths_tokens(checkpoint):
+    """The one-call step takes the model (the plan kernel by kernel, and so offloaded experts, and the
+    torch-free runner name what they do not take): the resident engine decodes in one call, the offloaded
+    one on the modules, saying why; both give the module path's tokens, and log-probs within ATOL."""
     hf, store = checkpoint
     model = load_hf(str(hf))
-    want = generate(model, SEQ[:9], SamplingConfig(max_new_tokens=12))
-    with pytest.raises(NotOnFastPath, match=f"does not take {WHY}"):
-        DecodePlan(model)
-    assert lean_refusal(store) == f"it does not take {WHY}"
-    for config in (EngineConfig(), EngineConfig(cpu_cache_bytes=1)):
+    want = generate(model, SEQ[:9], SamplingConfig(max_new_tokens=12), plan=None)
+    assert DecodePlan(model).net is not None
+    with pytest.raises(NotOnFastPath, match=f"does not take {WHY_STEP}"):
+        DecodePlan(model, whole=False)
+    assert lean_refusal(store) == f"it does not take {WHY_LEAN}"
+    for config, path in ((EngineConfig(), "the whole step in one call"),
+                         (EngineConfig(cpu_cache_bytes=1), f"the model's modules on cpu")):
         engine = Engine.load(store, config)
         try:
-            assert "the model's modules on cpu" in engine.decode_path() and WHY in engine.decode_path()
+            assert path in engine.decode_path()
+            assert config.cpu_cache_bytes is None or WHY_STEP in engine.decode_path()
             got = engine.generate(SEQ[:9], SamplingConfig(max_new_tokens=12))
         finally:
             engine.close()

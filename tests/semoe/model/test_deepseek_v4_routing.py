@@ -49,7 +49,7 @@ def test_hash_routing_equals_transformers():
     torch.testing.assert_close(got.weights_TK, want_w, rtol=0, atol=1e-6)
 
 
-def test_unknown_scores_are_refused_and_the_fast_path_names_them():
+def test_unknown_scores_are_refused_and_the_fast_path_takes_sqrtsoftplus():
     from semoe.decode.support import one_call_refusal
     from semoe.model.config import MoEConfig
 
@@ -57,4 +57,4 @@ def test_unknown_scores_are_refused_and_the_fast_path_names_them():
         route_hashed(torch.randn(2, 4), torch.zeros(2, 1, dtype=torch.long), scores="relu", normalize=True)
     c = MoEConfig(vocab_size=64, hidden_size=32, num_layers=2, num_heads=4, num_kv_heads=2, ffn_size=64,
                   moe_ffn_size=32, num_experts=4, top_k=2, router="grouped", router_scores="sqrtsoftplus")
-    assert one_call_refusal(c) == "a router of sqrtsoftplus scores"
+    assert one_call_refusal(c) is None  # route.c computes sqrt(softplus) scores
