@@ -73,7 +73,7 @@ CONVERTER_REQUIREMENTS = ("numpy", "sentencepiece", "transformers", "protobuf", 
 CPU_CMAKE_ARGS = ("-DGGML_NATIVE=ON", "-DGGML_BLAS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                   "-DCMAKE_BUILD_TYPE=Release")
 CONVERT_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-QUANTIZE_TYPES = ("q4_0", "q8_0")
+QUANTIZE_TYPES = ("q4_0", "q8_0", "f32")  # f32: a quantized file's tensors widened (DeepSeek-V4's MXFP4 experts)
 # llama.cpp keeps its KV cache in f16 unless told otherwise; "f32" makes an f32 GGUF match transformers'
 # float32 logits to float rounding (the f16 cache alone moves them by about 3e-4 of their range)
 KV_TYPES = {"f16": 1, "f32": 0}  # name -> ggml_type
@@ -506,12 +506,13 @@ def _mtp_flags(hf_dir: str) -> list[str]:
 
 
 def quantize(src_gguf: str, out_gguf: str, qtype: str, env: PeerEnv | None = None, n_threads: int = 2) -> str:
-    """Quantizes a (preferably f32) GGUF to qtype with llama-quantize."""
+    """Quantizes a (preferably f32) GGUF to qtype with llama-quantize (its quantized tensors too: MXFP4 experts
+    are taken to the type from their values)."""
     if qtype not in QUANTIZE_TYPES:
         raise ValueError(f"qtype={qtype!r}: allowed are {QUANTIZE_TYPES}")
     env = env or ensure_env()
     part = out_gguf + ".part"
-    _check_call([env.quantize_bin, src_gguf, part, qtype.upper(), str(n_threads)],
+    _check_call([env.quantize_bin, "--allow-requantize", src_gguf, part, qtype.upper(), str(n_threads)],
                 f"quantizing {src_gguf} to {qtype}")
     os.replace(part, out_gguf)
     return out_gguf

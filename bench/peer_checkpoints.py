@@ -142,6 +142,17 @@ ARCH_SHAPES = {
     # text model the same with its linear projections apart
     "qwen3_next": ("Qwen3NextConfig", dict(_QWEN_NEXT)),
     "qwen3_5_moe_text": ("Qwen3_5MoeTextConfig", dict(_QWEN_NEXT)),
+    # DeepSeek-V4-Flash's parts at the size of the others: the release's rotary dims (64 of each head), window
+    # (128), compression rates (4, 128), indexer top-k (512) and key dims (128), four streams (llama.cpp's
+    # graph takes no other count), three hash-routed layers, HCA on the first two then CSA and HCA alternating
+    # (transformers' defaults); the experts MXFP4-exact (`peer_v4`)
+    "deepseek_v4": ("DeepseekV4Config", dict(_COMMON, **_MANY, num_key_value_heads=1, n_routed_experts=32,
+                                             n_shared_experts=1, head_dim=256, partial_rotary_factor=0.25,
+                                             q_lora_rank=512, o_groups=4, o_lora_rank=512, index_n_heads=16,
+                                             index_head_dim=128, index_topk=512, sliding_window=128,
+                                             hc_mult=4, routed_scaling_factor=1.5,
+                                             compress_rates={"compressed_sparse_attention": 4,
+                                                             "heavily_compressed_attention": 128})),
 }
 
 
@@ -230,6 +241,7 @@ def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None,
     import transformers
 
     import llama_peer as peer
+    import peer_v4
 
     hf = os.path.join(workdir, "hf")
     made = {"arch": arch, "shape": shape or {}}
@@ -253,6 +265,8 @@ def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None,
         print(f"making a {arch} float32 checkpoint of {nbytes / 2**30:.2f} GiB with transformers ...", file=sys.stderr)
         torch.manual_seed(0)
         model = transformers.AutoModelForCausalLM.from_config(config)
+        if arch == "deepseek_v4":  # llama.cpp's converter takes its experts as MXFP4 only: values it holds exactly
+            peer_v4.round_experts(model)
         model.save_pretrained(hf, max_shard_size="1GB")
         del model
     _tokenizer_and_stores(workdir, arch, tuple(b for b in (8, 4) if f"int{b}" in bits))
@@ -260,6 +274,16 @@ def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None,
     if arch in SENTENCEPIECE_ARCHS:
         peer.add_sentencepiece(hf, env)
     f32 = os.path.join(workdir, "llama-f32.gguf")
+    if not os.path.exists(f32) and arch == "deepseek_v4":
+        # the converter reads the release layout and writes MXFP4 experts; llama-quantize takes them to f32
+        release, mxfp4 = os.path.join(workdir, "release"), os.path.join(workdir, "llama-mxfp4.gguf")
+        if not os.path.exists(mxfp4):
+            print("writing the release layout and converting it with llama.cpp's converter ...", file=sys.stderr)
+            peer_v4.release_copy(hf, release)
+            peer.convert(release, mxfp4, "f32", env=env)
+            shutil.rmtree(release)
+        print("llama-quantize to f32 ...", file=sys.stderr)
+        peer.quantize(mxfp4, f32, "f32", env=env)
     if not os.path.exists(f32):
         print("converting it with llama.cpp's converter ...", file=sys.stderr)
         peer.convert(hf, f32, "f32", env=env)

@@ -24,6 +24,12 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
         raise BadInputError(f"a prompt of {T} tokens at position {pos0}: the sequence holds {seq.capacity}")
     if seq._work is None:
         raise BadInputError("the sequence is closed")
+    if m.config.attention == "compressed":  # no prompt pass takes DeepSeek-V4 yet: its steps, row after row
+        for t in tokens[:-1]:
+            seq.step(t, logits=False)
+        if on_layer:
+            on_layer(m.config.num_layers, m.config.num_layers)
+        return seq.step(tokens[-1])
     seq.x[:] = advance(seq, tokens, on_layer)[-1]
     m.lib.decode_head(seq._net, seq._work, seq._p[0], seq._p[1], m.settings.threads)
     return seq.logits

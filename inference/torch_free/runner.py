@@ -179,11 +179,12 @@ class LeanModel:
         parts = []
         for lay in range(L):
             shared = shared_gate = correction = None
+            hashed = c.hash_layers is not None and lay in c.hash_layers
             if lay in moe_layers:
                 arr = self.experts_of[lay] = (loader.Expert * E)()
                 router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=c.router_bias)
                 F = self._chunk_parts(lay, 0)[0][0][2] // (2 if self._fused else 1)
-                if c.score_correction_bias:
+                if c.score_correction_bias and not hashed:
                     correction = self._vector(f"layers.{lay}.ffn.router.e_score_correction_bias")
                 if c.shared_expert_size:  # dense weights, as the engine's (int8 beside compact experts)
                     shared = (loader.Expert * 1)(loader.Expert(*(
@@ -198,7 +199,9 @@ class LeanModel:
                 arr, router, F = (loader.Expert * 1)(ex), None, ex.gate.O
                 self.held.append(arr)
             o = f"layers.{lay}.attn.{'out_proj' if c.is_linear(lay) else 'o_proj'}"
-            if c.is_linear(lay):
+            if c.attention == "compressed":  # its grouped output inside `Compressed`
+                attn, o = dict(qkv=[], **mixers.compressed(self, lay, dense)), None
+            elif c.is_linear(lay):
                 attn = dict(qkv=[], dn=mixers.deltanet(self, lay, dense))
             elif c.attention == "mla":
                 attn = dict(qkv=[], mla=mixers.latent(self, lay, dense))
@@ -213,13 +216,15 @@ class LeanModel:
                     sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
             parts.append(loader.layer_parts(
                 c, lay, attn_norm=self._vector(f"layers.{lay}.attn_norm.weight", norm=True),
-                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight", norm=True), o=self._linear([o], dense),
+                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight", norm=True),
+                o=self._linear([o], dense) if o else loader.Lin(),
                 experts=arr, ffn_width=F,
                 router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn))
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
         self.net, self.layers = loader.build_net(c, parts, self._vector("norm.weight", norm=True), c.rms_norm_eps,
-                                                 self.head, kv16=config.kv_cache == "f16")
+                                                 self.head, kv16=config.kv_cache == "f16",
+                                                 hc_head=mixers.hyper(self, "hc_head.hc_") if c.hc_mult > 1 else None)
         # the expert cache: every layer's experts present, of one layout
         for lay in moe_layers:
             missing = [e for e in range(E) if not m.has_chunk(lay, e)]
@@ -503,6 +508,9 @@ class LeanModel:
         one pass (`inference.torch_free.speculative`), greedy; the stats then count passes and drafts."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
+        if speculative and self.config.attention == "compressed":
+            raise BadInputError(f"--speculative: the runner does not verify drafts of {self.config.arch}'s compressed "
+                                "attention yet (its window and entries are not rolled back); drop the flag")
         cache = self.cache
         reads0, bytes0, overlapped0 = cache.misses, cache.read_bytes, self.computed_while_reading
         rng = np.random.default_rng(cfg.seed)
@@ -549,7 +557,9 @@ class LeanSequence:
     `step(token)` runs the model on the next position and gives the logits (a view, valid until the
     next step); `close` frees the buffers."""
 
-    def __init__(self, model: LeanModel, capacity: int) -> None:
+    def __init__(self, model: LeanModel, capacity: int, caches: tuple[list[int], list[int]] | None = None) -> None:
+        """`caches`: the addresses of every layer's k and v held elsewhere (the server's `KVCache.addresses()`),
+        in place of this sequence's own."""
         c = model.config
         if not 0 < capacity <= c.max_position:
             raise BadInputError(f"a sequence of {capacity} positions: the model takes 1 to {c.max_position}")
@@ -557,15 +567,17 @@ class LeanSequence:
         self.undo = None  # the last speculative pass's (`inference.torch_free.speculative.verify`)
         L, K = c.num_layers, max(c.top_k, 1)
         # the model's layout (`MoEConfig.kv_shapes`) of one sequence a layer, as the Net's kv16 says, or a
-        # linear layer's state
-        self.caches = mixers.sequence_caches(c, capacity, np.float16 if model.settings.kv_cache == "f16"
-                                                    else np.float32)
-        self.x, self.logits = np.empty(c.hidden_size, np.float32), np.empty(model.head.O, np.float32)
+        # layer's own state
+        self.caches = [] if caches else mixers.sequence_caches(
+            c, capacity, np.float16 if model.settings.kv_cache == "f16" else np.float32)
+        # x: the residual, or with hyper-connections its streams
+        self.x, self.logits = np.empty(c.hidden_size * c.hc_mult, np.float32), np.empty(model.head.O, np.float32)
         self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)
         self.cos, self.sin = np.empty(c.rope_dim, np.float32), np.empty(c.rope_dim, np.float32)
         P = ctypes.c_void_p
         self._p = [P(a.ctypes.data) for a in (self.x, self.logits, self.ids, self.w, self.cos, self.sin)]
-        self._kv = [(P(k.ctypes.data), P(v.ctypes.data)) for k, v in self.caches]
+        self._kv = [(P(k.ctypes.data), P(v.ctypes.data)) for k, v in self.caches] if not caches else \
+            [(P(k), P(v)) for k, v in zip(*caches)]
         self.addresses = ([k.value for k, _ in self._kv], [v.value for _, v in self._kv])  # a pass's `sequences`
         self._net = ctypes.byref(model.net)
         self._work = model.lib.decode_work(self._net, capacity)
@@ -580,7 +592,7 @@ class LeanSequence:
             raise BadInputError("the sequence is closed")
         lib, net, work, T = m.lib, self._net, self._work, m.settings.threads
         xp, lp, idp, wp, cp, sp = self._p
-        m._embed(token, self.x)
+        m._embed(token, self.x[:m.config.hidden_size])
         m.rope(pos, self.cos, self.sin)
         for lay, (kp, vp) in enumerate(self._kv):
             lib.decode_attend(net, work, lay, xp, kp, vp, self.capacity, pos, cp, sp, idp, wp, T, token)

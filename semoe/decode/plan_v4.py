@@ -20,36 +20,26 @@ _Lin = loader.Lin
 
 
 def row_groups(w, groups: int, held: list) -> ctypes.Array:
-    """The kernels' operands of `groups` equal blocks of rows of weight w (O, I): float rows, int8, FP8 and
-    MXFP4 codes and scales are addressed where they lie; int4's scales, laid out group-major over all O
-    rows, are copied per block. NotOnFastPath where a block does not start on the layout's row blocks."""
+    """The kernels' operands of `groups` equal blocks of rows of weight w (O, I) (`loader.row_groups`); int4's
+    scales, laid out group-major over all O rows, copied per block. NotOnFastPath where a block does not
+    start on the layout's row blocks."""
     lin, parts = _weight(w)
     held.append(parts)
-    O, I, R = lin.O, lin.I, lin.O // groups
-    kind = lin.kind
+    O, R = lin.O, lin.O // groups
+    if lin.kind != loader.W_INT4:
+        try:
+            out = loader.row_groups(lin, groups)
+        except ValueError as e:
+            raise NotOnFastPath(f"a grouped output weight: {e}") from None
+        held.append(out)
+        return out
+    if R % 64:
+        raise NotOnFastPath(f"an int4 grouped output of {R} rows a group (blocks of 64)")
     out = (_Lin * groups)()
     for g in range(groups):
-        r0 = g * R
-        if kind in (loader.W_F32, loader.W_BF16):
-            size = 4 if kind == loader.W_F32 else 2
-            out[g] = _Lin(kind, R, I, 0, lin.w + r0 * I * size, None, None)
-        elif kind == loader.W_INT8:
-            out[g] = _Lin(kind, R, I, 0, lin.w + r0 * I, lin.s + r0 * 4, None)
-        elif kind == loader.W_FP8:
-            t = lin.g
-            if R % t:
-                raise NotOnFastPath(f"an FP8 grouped output of {R} rows a group in tiles of {t}")
-            out[g] = _Lin(kind, R, I, t, lin.w + r0 * I, lin.s + r0 // t * -(-I // t) * 4, None)
-        elif kind == loader.W_MXFP4:
-            out[g] = _Lin(kind, R, I, 0, lin.w + r0 * I // 2, lin.s + r0 * I // 32, None)
-        elif kind == loader.W_INT4:
-            if R % 64:
-                raise NotOnFastPath(f"an int4 grouped output of {R} rows a group (blocks of 64)")
-            scales = parts[1].view(-1, O, 2)[:, r0:r0 + R].contiguous()
-            held.append(scales)
-            out[g] = _Lin(kind, R, I, lin.g, lin.w + r0 * I // 2, _ptr(scales), None)
-        else:
-            raise NotOnFastPath(f"a grouped output weight of kind {kind}")
+        scales = parts[1].view(-1, O, 2)[:, g * R:(g + 1) * R].contiguous()
+        held.append(scales)
+        out[g] = _Lin(lin.kind, R, lin.I, lin.g, lin.w + g * R * lin.I // 2, _ptr(scales), None)
     held.append(out)
     return out
 

@@ -61,9 +61,6 @@ def one_call_refusal(c) -> str | None:
 
 
 def lean_refusal(c) -> str | None:
-    """What in config `c` the torch-free runner does not take (the one-call step's refusals, and more), in
-    a phrase; None where it takes it all."""
-    why = one_call_refusal(c)
-    if why is None and c.attention == "compressed":
-        why = f"{c.arch}'s compressed attention and hyper-connections"
-    return why
+    """What in config `c` the torch-free runner does not take (what the one-call step does not), in a phrase;
+    None where it takes it all."""
+    return one_call_refusal(c)

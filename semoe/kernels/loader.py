@@ -98,6 +98,28 @@ def compressed_fixed(c: CompressedC, head_dim: int) -> int:
     return n
 
 
+def lin_rows(lin: Lin, r0: int, n: int) -> Lin:
+    """Rows r0 .. r0 + n of a weight as a `Lin` over the same memory: float, int8, FP8 (r0 and n on its tiles)
+    and MXFP4 rows lie in row order. ValueError for int4, whose scales are laid out over all rows (per group of
+    inputs), and for FP8 rows off its tiles."""
+    k, I = lin.kind, lin.I
+    if k in (W_F32, W_BF16):
+        return Lin(k, n, I, 0, lin.w + r0 * I * (4 if k == W_F32 else 2), None, None)
+    if k == W_INT8:
+        return Lin(k, n, I, 0, lin.w + r0 * I, lin.s + r0 * 4, None)
+    if k == W_FP8 and r0 % lin.g == 0 and n % lin.g == 0:
+        return Lin(k, n, I, lin.g, lin.w + r0 * I, lin.s + r0 // lin.g * -(-I // lin.g) * 4, None)
+    if k == W_MXFP4:
+        return Lin(k, n, I, 0, lin.w + r0 * I // 2, lin.s + r0 * I // 32, None)
+    raise ValueError(f"rows {r0}..{r0 + n} of a weight of kind {k}")
+
+
+def row_groups(lin: Lin, groups: int) -> ctypes.Array:
+    """`groups` equal blocks of a weight's rows (`lin_rows`), as an array of Lin: DeepSeek-V4's grouped output."""
+    n = lin.O // groups
+    return (Lin * groups)(*(lin_rows(lin, g * n, n) for g in range(groups)))
+
+
 class HyperC(ctypes.Structure):
     """decode_abi.h's `Hyper`: a hyper-connection's weights (DeepSeek-V4)."""
     _fields_ = [("fn", Lin), ("base", _P), ("scale", _P)]

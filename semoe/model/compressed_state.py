@@ -64,18 +64,10 @@ class CompressedBuffers:
 
     @classmethod
     def empty(cls, c: MoEConfig, layer: int, batch: int, capacity: int, device=None) -> "CompressedBuffers":
-        kind, Dh, W = c.kind(layer), c.head_dim, c.sliding_window
-        comps = []  # (m, dim, overlap) of the layer's compressor and its indexer's
-        if kind != "sliding":
-            m = c.compress_rates[0 if kind == "csa" else 1]
-            comps.append((m, Dh, kind == "csa"))
-            if kind == "csa":
-                comps.append((m, c.index_head_dim, True))
-        fixed = W * Dh + sum(2 * m * (2 if o else 1) * d + (2 * m * d if o else 0) for m, d, o in comps)
+        fixed, row, comps = c.compressed_layout(layer)
         rows = capacity // comps[0][0] if comps else 0
-        row = Dh + (c.index_head_dim if kind == "csa" else 0)
         z = lambda *shape: torch.zeros(shape, device=device, dtype=torch.float32)  # noqa: E731
-        return cls(z(batch, fixed), z(batch, rows, row), (W, Dh, tuple(comps)))
+        return cls(z(batch, fixed), z(batch, rows, row), (c.sliding_window, c.head_dim, comps))
 
     def clone(self) -> "CompressedBuffers":
         return CompressedBuffers(self.fixed.clone(), self.entries.clone(), self.geometry)

@@ -285,6 +285,21 @@ class MoEConfig:
         """DeepSeek-V4's kind of `layer` (COMPRESSED_KINDS), None for other attentions."""
         return self.layer_kinds[layer] if self.attention == "compressed" else None
 
+    def compressed_layout(self, layer: int) -> tuple[int, int, tuple]:
+        """A DeepSeek-V4 layer's state in the kernels' layout (decode_abi.h's `Compressed`): the floats of
+        its fixed part (the window's keys, then each compressor's pending tokens and overlap), those of an
+        entry's row (its key and, under CSA, the indexer's), and each compressor's (m, dim, overlap), the
+        layer's then the indexer's; a row per m positions."""
+        kind, Dh, W = self.kind(layer), self.head_dim, self.sliding_window
+        comps: list[tuple[int, int, bool]] = []
+        if kind != "sliding":
+            m = self.compress_rates[0 if kind == "csa" else 1]
+            comps.append((m, Dh, kind == "csa"))
+            if kind == "csa":
+                comps.append((m, self.index_head_dim, True))
+        fixed = W * Dh + sum(2 * m * (2 if o else 1) * d + (2 * m * d if o else 0) for m, d, o in comps)
+        return fixed, Dh + (self.index_head_dim if kind == "csa" else 0), tuple(comps)
+
     def compressed_state_bytes(self, batch: int, positions: int, itemsize: int) -> int:
         """Bytes of DeepSeek-V4's per-sequence state for `positions` tokens, every layer, as
         `semoe.model.compressed_attention.CompressedBuffers` holds it: the sliding window's keys, each
@@ -292,15 +307,10 @@ class MoEConfig:
         compressed entry (under CSA with its indexer's key)."""
         if self.attention != "compressed":
             return 0
-        Dh, total = self.head_dim, 0
-        for kind in self.layer_kinds:
-            total += self.sliding_window * Dh
-            if kind == "hca":
-                m = self.compress_rates[1]
-                total += positions // m * Dh + 2 * m * Dh
-            elif kind == "csa":
-                m, Di = self.compress_rates[0], self.index_head_dim
-                total += positions // m * (Dh + Di) + 6 * m * (Dh + Di)
+        total = 0
+        for layer in range(self.num_layers):
+            fixed, row, comps = self.compressed_layout(layer)
+            total += fixed + (positions // comps[0][0] * row if comps else 0)
         return batch * total * itemsize
 
     def is_linear(self, layer: int) -> bool:

@@ -6,14 +6,12 @@ from __future__ import annotations
 ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss",
          "minimax_m2", "dots1", "kimi_k25", "ernie4_5_moe", "hunyuan_v1_moe", "llama4",
          "deepseek_v32", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe", "deepseek_v4")
-# what the torch-free runner takes (`semoe.decode.support.lean_refusal`): all but DeepSeek-V4
-LEAN_ARCHS = tuple(a for a in ARCHS if a != "deepseek_v4")
+
 # shapes int4's row blocks (64 outputs) and groups (32 inputs) take, for experts and dense weights alike (and
 # DeepSeek-V4's groups of its output projection)
 WIDER = dict(hidden_size=64, intermediate_size=64, moe_intermediate_size=64, shared_expert_intermediate_size=64,
              intermediate_size_mlp=64, o_lora_rank=64)
 CASES = [(a, f) for a in ARCHS for f in ("f32", "int8", "int4")] + [("deepseek_v3", "fp8"), ("gpt_oss", "mxfp4")]
-LEAN_CASES = [(a, f) for a, f in CASES if a in LEAN_ARCHS]
 
 
 def store_maker(tmp_path_factory):

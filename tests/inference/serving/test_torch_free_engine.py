@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from helpers.arch_stores import LEAN_CASES as CASES
+from helpers.arch_stores import CASES
 from helpers.kernels import needs_kernels
 from inference.torch_free.runner import LeanConfig, LeanModel
 from inference.serving.torch_free_engine import LeanEngine

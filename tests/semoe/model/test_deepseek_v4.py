@@ -16,6 +16,7 @@ from helpers.hf_models import make_hf_checkpoint
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
 from inference.placement import lean_refusal
+from inference.torch_free.runner import LeanConfig, LeanModel
 from semoe.checkpoints.hf_convert import import_checkpoint
 from semoe.checkpoints.model_io import load_hf
 from semoe.decode.generate import generate
@@ -23,11 +24,11 @@ from semoe.decode.loop import SamplingConfig
 from semoe.decode.plan import DecodePlan
 from semoe.decode.support import NotOnFastPath
 from semoe.model.attention import KVCache
+from storage.errors import BadInputError
 
 ATOL = 1e-5
 SEQ = [(7 * i + 3) % 90 for i in range(23)]
 WHY_STEP = "deepseek_v4's compressed attention and hyper-connections with experts offloaded"
-WHY_LEAN = "deepseek_v4's compressed attention and hyper-connections"
 
 
 @pytest.fixture(scope="module")
@@ -135,18 +136,19 @@ def test_a_sequence_in_uneven_pieces_gives_the_whole_sequences_logits(checkpoint
 
 
 def test_each_path_says_which_it_takes_and_gives_the_module_paths_tokens(checkpoint):
-    """The one-call step takes the model (the plan kernel by kernel, and so offloaded experts, and the
-    torch-free runner name what they do not take): the resident engine decodes in one call, the offloaded
-    one on the modules, saying why; both give the module path's tokens, and log-probs within ATOL."""
+    """The one-call step and the torch-free runner take the model (the plan kernel by kernel, and so the
+    engine's offloaded experts, name what they do not take): the resident engine decodes in one call, the
+    offloaded one on the modules, saying why, the runner resident and with its least cache; each gives the
+    module path's tokens, and log-probs within ATOL."""
     hf, store = checkpoint
     model = load_hf(str(hf))
     want = generate(model, SEQ[:9], SamplingConfig(max_new_tokens=12), plan=None)
     assert DecodePlan(model).net is not None
     with pytest.raises(NotOnFastPath, match=f"does not take {WHY_STEP}"):
         DecodePlan(model, whole=False)
-    assert lean_refusal(store) == f"it does not take {WHY_LEAN}"
+    assert lean_refusal(store) is None
     for config, path in ((EngineConfig(), "the whole step in one call"),
-                         (EngineConfig(cpu_cache_bytes=1), f"the model's modules on cpu")):
+                         (EngineConfig(cpu_cache_bytes=1), "the model's modules on cpu")):
         engine = Engine.load(store, config)
         try:
             assert path in engine.decode_path()
@@ -154,6 +156,12 @@ def test_each_path_says_which_it_takes_and_gives_the_module_paths_tokens(checkpo
             got = engine.generate(SEQ[:9], SamplingConfig(max_new_tokens=12))
         finally:
             engine.close()
+        assert got.tokens == want.tokens and got.logprobs == pytest.approx(want.logprobs, abs=ATOL)
+    for cache in (None, 0):
+        with LeanModel(store, LeanConfig(cache_bytes=cache, dense="float")) as lean:
+            got = lean.generate(SEQ[:9], SamplingConfig(max_new_tokens=12))
+            with pytest.raises(BadInputError, match="--speculative: the runner does not verify drafts of deepseek_v4"):
+                lean.generate(SEQ[:9], SamplingConfig(max_new_tokens=4), speculative=2)
         assert got.tokens == want.tokens and got.logprobs == pytest.approx(want.logprobs, abs=ATOL)
 
 
