@@ -18,7 +18,7 @@ import threading
 
 import torch
 
-from inference.torch_free.runner import LeanModel, LeanSequence
+from inference.torch_free.runner import LeanModel
 from semoe.model.attention import KVCache
 from semoe.decode import prompt_pass
 from semoe.decode.generate import check_prompt
@@ -54,35 +54,14 @@ class LeanEngine:
         next positions; each cache advances by them): the logits (len(rows), V) of `rows`. Callers
         serialise on `lock`."""
         m, c = self.lean, self.model_config
-        if c.attention == "compressed":
-            return self._rows_in_turn(ids, caches, counts, rows)
         starts = [k.length for k in caches]  # a step past a cache's capacity is refused before anything runs
         x, cos, sin = m.inputs(ids, [pos for p, n in zip(starts, counts) for pos in range(p, p + n)])
         logits = torch.empty(len(rows), m.head.O)
         prompt_pass.packed(m.lib, self._net, [k.addresses() for k in caches], [k.capacity for k in caches], starts,
                            counts, x, cos, sin, rows, logits.numpy(), threads=m.settings.threads, top_k=c.top_k,
-                           moe=self._moe, reader=m, index_topk=c.index_topk or 0)
+                           moe=self._moe, reader=m, index_topk=c.index_topk or 0, tokens=ids, streams=c.hc_mult)
         for k, p, n in zip(caches, starts, counts):
             k.length = p + n
-        return logits
-
-    def _rows_in_turn(self, ids: list[int], caches: list[KVCache], counts: list[int], rows: list[int]) -> torch.Tensor:
-        """`step` for a model no prompt pass takes yet (DeepSeek-V4): each sequence's rows one at a time, by the
-        runner's step over the sequence's cache."""
-        m = self.lean
-        for k, n in zip(caches, counts):
-            if k.length + n > k.capacity:
-                raise ValueError(f"KV cache of {k.capacity} positions cannot take {k.length + n}")
-        logits, want, at = torch.empty(len(rows), m.head.O), {r: i for i, r in enumerate(rows)}, 0
-        for k, n in zip(caches, counts):
-            with LeanSequence(m, k.capacity, k.addresses()) as seq:
-                seq.length = k.length
-                for j in range(at, at + n):
-                    out = seq.step(ids[j], logits=j in want)
-                    if j in want:
-                        logits[want[j]] = torch.from_numpy(out)
-                k.length = seq.length
-            at += n
         return logits
 
     def decode_path(self) -> str:

@@ -24,12 +24,6 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
         raise BadInputError(f"a prompt of {T} tokens at position {pos0}: the sequence holds {seq.capacity}")
     if seq._work is None:
         raise BadInputError("the sequence is closed")
-    if m.config.attention == "compressed":  # no prompt pass takes DeepSeek-V4 yet: its steps, row after row
-        for t in tokens[:-1]:
-            seq.step(t, logits=False)
-        if on_layer:
-            on_layer(m.config.num_layers, m.config.num_layers)
-        return seq.step(tokens[-1])
     seq.x[:] = advance(seq, tokens, on_layer)[-1]
     m.lib.decode_head(seq._net, seq._work, seq._p[0], seq._p[1], m.settings.threads)
     return seq.logits
@@ -37,11 +31,12 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
 
 def advance(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None = None) -> np.ndarray:
     """`tokens` through every layer at the next positions of `seq`, without the head (the caller checked
-    that they fit); the residual stream after the last layer (T, D). The sequence advances by them."""
+    that they fit); the residual stream after the last layer (T, D; with hyper-connections its streams, T
+    by N D). The sequence advances by them."""
     m, c, pos0, T = seq.model, seq.model.config, seq.length, len(tokens)
     x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
     kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [T])
-    run(Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m, c.index_topk or 0),
-        x, cos, sin, on_layer)
+    run(Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m, c.index_topk or 0,
+               np.array(tokens, np.int64), c.hc_mult), x, cos, sin, on_layer)
     seq.length = pos0 + T
     return x

@@ -483,13 +483,13 @@ class LeanModel:
         x[:] = row if item == 4 else bf16_to_f32(row)
 
     def inputs(self, tokens: list[int], positions: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """The prompt pass's inputs for rows of `tokens` at `positions`: their embeddings x (T, D) and
-        rotary tables cos, sin (T, rope_dim)."""
+        """The prompt pass's inputs for rows of `tokens` at `positions`: their embeddings x (T, D; with
+        hyper-connections (T, N D), the embedding first) and rotary tables cos, sin (T, rope_dim)."""
         c, T = self.config, len(tokens)
-        x = np.empty((T, c.hidden_size), np.float32)
+        x = np.empty((T, c.hidden_size * c.hc_mult), np.float32)  # with hyper-connections, room for the streams
         cos, sin = np.empty((T, c.rope_dim), np.float32), np.empty((T, c.rope_dim), np.float32)
         for t, (token, pos) in enumerate(zip(tokens, positions)):
-            self._embed(token, x[t])
+            self._embed(token, x[t, :c.hidden_size])
             self.rope(pos, cos[t], sin[t])
         return x, cos, sin
 
@@ -557,9 +557,7 @@ class LeanSequence:
     `step(token)` runs the model on the next position and gives the logits (a view, valid until the
     next step); `close` frees the buffers."""
 
-    def __init__(self, model: LeanModel, capacity: int, caches: tuple[list[int], list[int]] | None = None) -> None:
-        """`caches`: the addresses of every layer's k and v held elsewhere (the server's `KVCache.addresses()`),
-        in place of this sequence's own."""
+    def __init__(self, model: LeanModel, capacity: int) -> None:
         c = model.config
         if not 0 < capacity <= c.max_position:
             raise BadInputError(f"a sequence of {capacity} positions: the model takes 1 to {c.max_position}")
@@ -568,16 +566,15 @@ class LeanSequence:
         L, K = c.num_layers, max(c.top_k, 1)
         # the model's layout (`MoEConfig.kv_shapes`) of one sequence a layer, as the Net's kv16 says, or a
         # layer's own state
-        self.caches = [] if caches else mixers.sequence_caches(
-            c, capacity, np.float16 if model.settings.kv_cache == "f16" else np.float32)
+        self.caches = mixers.sequence_caches(c, capacity, np.float16 if model.settings.kv_cache == "f16"
+                                             else np.float32)
         # x: the residual, or with hyper-connections its streams
         self.x, self.logits = np.empty(c.hidden_size * c.hc_mult, np.float32), np.empty(model.head.O, np.float32)
         self.ids, self.w = np.empty(K, np.int64), np.empty(K, np.float32)
         self.cos, self.sin = np.empty(c.rope_dim, np.float32), np.empty(c.rope_dim, np.float32)
         P = ctypes.c_void_p
         self._p = [P(a.ctypes.data) for a in (self.x, self.logits, self.ids, self.w, self.cos, self.sin)]
-        self._kv = [(P(k.ctypes.data), P(v.ctypes.data)) for k, v in self.caches] if not caches else \
-            [(P(k), P(v)) for k, v in zip(*caches)]
+        self._kv = [(P(k.ctypes.data), P(v.ctypes.data)) for k, v in self.caches]
         self.addresses = ([k.value for k, _ in self._kv], [v.value for _, v in self._kv])  # a pass's `sequences`
         self._net = ctypes.byref(model.net)
         self._work = model.lib.decode_work(self._net, capacity)

@@ -299,25 +299,19 @@ class DecodePlan:
         apply (`net` is None) or `takes` refuses a cache: the caller's modules run the step then."""
         if self.net is None or not ids or not all(self.takes(k, n) for k, n in zip(caches, counts)):
             return None
-        if self.config.attention == "compressed":  # no prompt pass takes it yet: the one-call step row after row
-            logits, at, want = torch.empty(len(rows), self.lm_head.O), 0, {r: i for i, r in enumerate(rows)}
-            for k, n in zip(caches, counts):
-                for j in range(at, at + n):
-                    out = self._step(ids[j], k)
-                    if j in want:
-                        logits[want[j]] = out[0]
-                at += n
-            return logits
         c, lib, net = self.config, self.lib, ctypes.byref(self.net)
         threads = torch.get_num_threads()
         starts = [k.length for k in caches]
-        x = self.model.embed(torch.tensor([ids]))[0].contiguous()
+        x = self.model.embed(torch.tensor([ids]))[0]
+        if c.hc_mult > 1:  # room for the streams, each row's embedding first
+            x = torch.cat((x, x.new_zeros(len(ids), (c.hc_mult - 1) * c.hidden_size)), dim=1)
+        x = x.contiguous()
         pos = torch.cat([torch.arange(p, p + n) for p, n in zip(starts, counts)])
         cos, sin = (t[0].contiguous() for t in rope_tables(c, pos[None], x.dtype))
         logits = torch.empty(len(rows), self.lm_head.O)
         prompt_pass.packed(lib, net, [k.addresses() for k in caches], [k.capacity for k in caches], starts, counts,
                            x.numpy(), cos.numpy(), sin.numpy(), rows, logits.numpy(), threads=threads, top_k=c.top_k,
-                           moe=self._moe, index_topk=c.index_topk or 0)
+                           moe=self._moe, index_topk=c.index_topk or 0, tokens=ids, streams=c.hc_mult)
         for k, p, n in zip(caches, starts, counts):
             k.length = p + n
         return logits
@@ -325,9 +319,6 @@ class DecodePlan:
     @torch.no_grad()
     def step(self, token: int, cache: KVCache) -> torch.Tensor:
         """Logits (1, V) after `token`, the sequence's next position; the cache advances by one."""
-        return self._step(token, cache)
-
-    def _step(self, token: int, cache: KVCache) -> torch.Tensor:
         c, lib = self.config, self.lib
         threads = torch.get_num_threads()
         pos = cache.length

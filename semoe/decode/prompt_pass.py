@@ -55,6 +55,8 @@ class Target:
     moe: frozenset
     reader: object = None
     index_topk: int = 0  # DeepSeek sparse attention's positions a row reads (0: none)
+    tokens: np.ndarray | None = None  # the rows' token ids (int64), for a layer that routes by them (DeepSeek-V4)
+    streams: int = 1  # the residual's streams a row (DeepSeek-V4's hyper-connections: x is (T, streams * D))
 
 
 def sequences(caches: list[tuple[list[int], list[int]]], capacities: list[int], positions: list[int],
@@ -74,7 +76,8 @@ def sequences(caches: list[tuple[list[int], list[int]]], capacities: list[int], 
 def run(target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
         on_layer: Callable[[int, int], None] | None = None) -> None:
     """The T rows of target's sequences through every layer: x (T, D) float32, their embeddings, becomes
-    the residual stream after the last layer (the head's input); cos and sin (T, R) their rotary tables;
+    the residual stream after the last layer (the head's input; with hyper-connections x is (T, N D), each
+    row's embedding in its first D, and becomes its N streams); cos and sin (T, R) their rotary tables;
     their k and v written into their sequences' caches at their positions. `on_layer(done, layers)`
     after each layer."""
     if int(target.segs[:, 2].sum()) != len(x):
@@ -96,24 +99,25 @@ def run(target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
 def packed(lib: ctypes.CDLL, net: object, caches: list[tuple[list[int], list[int]]], capacities: list[int],
            starts: list[int], counts: list[int], x: np.ndarray, cos: np.ndarray, sin: np.ndarray, rows: list[int],
            logits: np.ndarray, *, threads: int, top_k: int, moe: frozenset, reader: object = None,
-           index_topk: int = 0) -> None:
+           index_topk: int = 0, tokens: list[int] | None = None, streams: int = 1) -> None:
     """A server's step: sequence i's `counts[i]` rows of x (their embeddings; cos and sin their rotary
     tables) at its cache's positions from `starts[i]` (`sequences`' caches and capacities) through every
-    layer (`run`), then the head over `rows` of the residual stream into logits (len(rows), V). The
-    engine's resident model (`DecodePlan.batch`) and the runner's cache (`inference.serving.torch_free_engine`, with
-    `reader`) step so."""
+    layer (`run`), then the head over `rows` of the residual stream into logits (len(rows), V). `tokens`:
+    the rows' ids (hash routing); `streams`: `run`'s. The engine's resident model (`DecodePlan.batch`) and the
+    runner's cache (`inference.serving.torch_free_engine`, with `reader`) step so."""
     kc, vc, segs = sequences(caches, capacities, starts, counts)
-    run(Target(lib, net, kc, vc, segs, threads, top_k, moe, reader, index_topk), x, cos, sin)
+    ids = None if tokens is None else np.array(tokens, np.int64)
+    run(Target(lib, net, kc, vc, segs, threads, top_k, moe, reader, index_topk, ids, streams), x, cos, sin)
     h = np.ascontiguousarray(x[rows])
     lib.prefill_head(net, _p(h), len(rows), _p(logits), threads)
 
 
 class _Pass:
-    """The prompt pass's buffers: the residual stream x (the caller's), its normed copy h and the
-    experts' sum s (T, D), the rotary tables (T, R), each position's choice ids and w (T, K)."""
+    """The prompt pass's buffers: the residual stream x (the caller's; with hyper-connections its streams), the
+    feed-forward's normed input h and the experts' sum s (T, D), the rotary tables (T, R), each position's choice ids and w (T, K)."""
 
     def __init__(self, target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> None:
-        T, D = x.shape
+        T, D = x.shape[0], x.shape[1] // target.streams
         K = max(target.top_k, 1)
         self.t, self.T, self.K = target, T, K
         self.x, self.cos, self.sin, self.R = x, cos, sin, cos.shape[1]
@@ -128,7 +132,8 @@ class _Pass:
         t, T, K = self.t, self.T, self.K
         rc = t.lib.prefill_attend(t.net, lay, _p(self.x), T, t.kc[lay], t.vc[lay], _p(t.segs), len(t.segs),
                                   _p(self.cos), _p(self.sin), self.R, _p(self.ids), _p(self.w), K,
-                                  None if self.choices is None else _p(self.choices), t.threads)
+                                  None if self.choices is None else _p(self.choices),
+                                  None if t.tokens is None else _p(t.tokens), _p(self.h), t.threads)
         if rc != 0:
             raise MemoryError(f"layer {lay}: the prompt pass's attention could not allocate its buffers for {T} rows")
 
@@ -138,7 +143,8 @@ class _Pass:
         t, T = self.t, self.T
         lib, net, threads = t.lib, t.net, t.threads
         x, h, s = _p(self.x), _p(self.h), _p(self.s)
-        lib.prefill_norm(net, lay, x, h, T)
+        if t.streams == 1:  # (with hyper-connections `attend` wrote the feed-forward's input)
+            lib.prefill_norm(net, lay, x, h, T)
         self.s.fill(0.0)
         if lay not in t.moe:  # a dense feed-forward: expert 0, weight 1, for every position
             lib.prefill_experts(net, lay, h, s, T, _p(self.dense_ids), _p(self.dense_w), _p(self.dense_ids), 1,

@@ -85,38 +85,42 @@ static void comp_push(const Compressor *c, const float *kv, const float *g, floa
             }
 }
 
-int v4_buf_new(const Net *net, int64_t S, V4Buf *b) {
+int v4_buf_new(const Net *net, int64_t S, int64_t rows, V4Buf *b) {
     memset(b, 0, sizeof(*b));
     const Compressed *c = NULL;
     for (int64_t l = 0; net->layers && l < net->L && !c; l++) c = net->layers[l].v4;
-    const int64_t N = net->hc > 1 ? net->hc : 0, D = net->D;
+    const int64_t N = net->hc > 1 ? net->hc : 0, D = net->D, M = rows;
+    b->rows = rows;
     if (!c && !N) return 1;
     int ok = 1;
 #define GET(f, n) ok = ok && ((b->f = malloc(sizeof(float) * (size_t)((n) > 0 ? (n) : 1))) != NULL)
     if (c) {
-        int64_t Hi = 0, Di = 0, width = 1, o = 1;
+        int64_t Hi = 0, Di = 0, width = 1, iwidth = 1, o = 1, qa = 1;
         for (int64_t l = 0; l < net->L; l++) {
             const Compressed *x = net->layers[l].v4;
             if (!x) continue;
             if (x->topk && x->Hi * x->Di > Hi * Di) Hi = x->Hi, Di = x->Di;
             if (x->comp.m && 2 * x->comp.dim > width) width = 2 * x->comp.dim;
-            if (x->topk && 2 * x->icomp.dim > width) width = 2 * x->icomp.dim;
+            if (x->topk && 2 * x->icomp.dim > iwidth) iwidth = 2 * x->icomp.dim;
             if (x->o_groups * x->wo_a[0].O > o) o = x->o_groups * x->wo_a[0].O;
+            if (x->wq_a.O > qa) qa = x->wq_a.O;
         }
-        GET(qa, c->wq_a.O), GET(q, net->H * net->Dh), GET(kv, net->Dh), GET(ckv, width), GET(cg, width);
-        GET(iq, Hi * Di), GET(iw, Hi), GET(isc, S), GET(isel, S), GET(p, net->H * (S + c->W)), GET(z, o);
-        GET(att, net->H * net->Dh), GET(tmp, width);
+        GET(qa, M * qa), GET(q, M * net->H * net->Dh), GET(kv, M * net->Dh), GET(ckv, M * width), GET(cg, M * width);
+        GET(ickv, M * iwidth), GET(icg, M * iwidth), GET(iq, M * Hi * Di), GET(iw, M * Hi), GET(isc, S), GET(isel, S);
+        GET(p, net->H * (S + c->W)), GET(z, M * o), GET(zg, M * o), GET(att, M * net->H * net->Dh), GET(grp, M * net->H * net->Dh);
+        GET(tmp, width > iwidth ? width : iwidth);
         ok = ok && ((b->chosen = malloc(sizeof(int32_t) * (size_t)(S > 0 ? S : 1))) != NULL);
     }
-    if (N) GET(hx, N * D), GET(mix, (2 + N) * N), GET(col, D), GET(y, D), GET(post, N), GET(comb, N * N);
+    if (N) GET(hx, M * N * D), GET(mix, M * (2 + N) * N), GET(col, M * D), GET(y, M * D), GET(post, M * N),
+        GET(comb, M * N * N);
 #undef GET
     return ok;
 }
 
 void v4_buf_free(V4Buf *b) {
-    free(b->qa), free(b->q), free(b->kv), free(b->ckv), free(b->cg), free(b->iq), free(b->iw), free(b->isc);
-    free(b->isel), free(b->p), free(b->z), free(b->att), free(b->tmp), free(b->chosen);
-    free(b->hx), free(b->mix), free(b->col), free(b->y), free(b->post), free(b->comb);
+    free(b->qa), free(b->q), free(b->kv), free(b->ckv), free(b->cg), free(b->ickv), free(b->icg), free(b->iq);
+    free(b->iw), free(b->isc), free(b->isel), free(b->p), free(b->z), free(b->zg), free(b->att), free(b->grp), free(b->tmp);
+    free(b->chosen), free(b->hx), free(b->mix), free(b->col), free(b->y), free(b->post), free(b->comb);
     memset(b, 0, sizeof(*b));
 }
 
@@ -149,55 +153,41 @@ static void v4_head(const float *q, const float *win, int64_t W, int64_t lo, int
     }
 }
 
-void v4_attend(const Net *net, const Layer *ly, const float *h, float *kc, float *ent, int64_t S, int64_t pos,
-               V4Buf *b, Acts *a, float *out, int *oom) {
-    const Compressed *c = ly->v4;
-    const int64_t H = net->H, Dh = net->Dh, r = c->r, Di = c->topk ? c->Di : 0, rs = Dh + Di;
-    lin_product(&c->wq_a, h, 1, a, b->qa, oom);
-#pragma omp single
-    rmsnorm_f32(b->qa, c->q_norm, c->eps, b->qa, 1, c->wq_a.O);
-    lin_product(&c->wq_b, b->qa, 1, a, b->q, oom);
-    lin_product(&c->wkv, h, 1, a, b->kv, oom);
-    if (c->topk) {
-        lin_product(&c->iwq, b->qa, 1, a, b->iq, oom);
-        lin_product(&c->iwp, h, 1, a, b->iw, oom);
-    }
+/* row r of v4_rows at position pos of its sequence (state kc, entries ent, S positions): its query and key
+ * prepared, the key and both compressors' tokens pushed, the entries it reads chosen, and each head's
+ * attention into b->att's row r rotated back, by the team */
+static void v4_row(const Net *net, const Compressed *c, int64_t r, float *kc, float *ent, int64_t S, int64_t pos,
+                   V4Buf *b, int *oom) {
+    const int64_t H = net->H, Dh = net->Dh, rr = c->r, Di = c->topk ? c->Di : 0, rs = Dh + Di;
+    float *q = b->q + r * H * Dh, *iq = b->iq + r * c->Hi * Di, *iw = b->iw + r * c->Hi, *att = b->att + r * H * Dh;
 #pragma omp single
     if (!*oom) {
         V4State st = v4_state(c, Dh, kc);
-        rmsnorm_f32(b->q, NULL, c->eps, b->q, H, Dh);
-        for (int64_t hh = 0; hh < H; hh++) rotate_tail(b->q + hh * Dh, Dh, r, c->inv_freq, c->rope_scale, pos, 0);
+        rmsnorm_f32(q, NULL, c->eps, q, H, Dh);
+        for (int64_t hh = 0; hh < H; hh++) rotate_tail(q + hh * Dh, Dh, rr, c->inv_freq, c->rope_scale, pos, 0);
         float *k = st.win + pos % c->W * Dh;
-        rmsnorm_f32(b->kv, c->kv_norm, c->eps, k, 1, Dh);
-        rotate_tail(k, Dh, r, c->inv_freq, c->rope_scale, pos, 0);
-        if (c->topk) {
-            for (int64_t hh = 0; hh < c->Hi; hh++)
-                rotate_tail(b->iq + hh * Di, Di, r, c->index_inv_freq, c->index_scale, pos, 0);
-            const float ws = (float)(1.0 / sqrt((double)c->Hi));
-            for (int64_t hh = 0; hh < c->Hi; hh++) b->iw[hh] = b->iw[hh] * ws;
+        rmsnorm_f32(b->kv + r * Dh, c->kv_norm, c->eps, k, 1, Dh);
+        rotate_tail(k, Dh, rr, c->inv_freq, c->rope_scale, pos, 0);
+        if (c->comp.m) { /* the token's projections into the compressors, each entry its window closes written */
+            const int64_t row = (pos + 1) / c->comp.m - 1, w = comp_width(&c->comp);
+            comp_push(&c->comp, b->ckv + r * w, b->cg + r * w, st.pkv, st.pg, st.okv, st.og,
+                      ent + (row > 0 ? row : 0) * rs, pos, rr, c->inv_freq, c->rope_scale, c->eps, b->tmp);
         }
-    }
-    /* the compressors: each token's projections (a product each, by the team), pushed in order */
-    const Compressor *cs[2] = {c->comp.m ? &c->comp : NULL, c->topk ? &c->icomp : NULL};
-    for (int i = 0; i < 2; i++) {
-        if (!cs[i]) continue;
-        lin_product(&cs[i]->wkv, h, 1, a, b->ckv, oom);
-        lin_product(&cs[i]->wgate, h, 1, a, b->cg, oom);
-#pragma omp single
-        if (!*oom) {
-            V4State st = v4_state(c, Dh, kc);
-            const int64_t row = (pos + 1) / cs[i]->m - 1; /* the entry this token closes, where it closes one */
-            float *e = ent + (row > 0 ? row : 0) * rs + (i ? Dh : 0);
-            comp_push(cs[i], b->ckv, b->cg, i ? st.ipkv : st.pkv, i ? st.ipg : st.pg, i ? st.iokv : st.okv,
-                      i ? st.iog : st.og, e, pos, r, i ? c->index_inv_freq : c->inv_freq,
-                      i ? c->index_scale : c->rope_scale, c->eps, b->tmp);
+        if (c->topk) {
+            const int64_t row = (pos + 1) / c->icomp.m - 1, w = comp_width(&c->icomp);
+            comp_push(&c->icomp, b->ickv + r * w, b->icg + r * w, st.ipkv, st.ipg, st.iokv, st.iog,
+                      ent + (row > 0 ? row : 0) * rs + Dh, pos, rr, c->index_inv_freq, c->index_scale, c->eps, b->tmp);
+            for (int64_t hh = 0; hh < c->Hi; hh++)
+                rotate_tail(iq + hh * Di, Di, rr, c->index_inv_freq, c->index_scale, pos, 0);
+            const float ws = (float)(1.0 / sqrt((double)c->Hi));
+            for (int64_t hh = 0; hh < c->Hi; hh++) iw[hh] = iw[hh] * ws;
         }
     }
     const int64_t n = c->comp.m ? (pos + 1) / c->comp.m : 0; /* the entries whose windows the query has passed */
     if (c->topk && n > c->topk && !*oom) {
         const float ds = index_dim_scale(Di);
 #pragma omp for schedule(static)
-        for (int64_t t = 0; t < n; t++) b->isc[t] = index_score(b->iq, b->iw, c->Hi, Di, ds, ent + t * rs + Dh);
+        for (int64_t t = 0; t < n; t++) b->isc[t] = index_score(iq, iw, c->Hi, Di, ds, ent + t * rs + Dh);
 #pragma omp single
         b->nchosen = choose_top(b->isc, n, c->topk, b->chosen, b->isel);
     } else {
@@ -207,25 +197,52 @@ void v4_attend(const Net *net, const Layer *ly, const float *h, float *kc, float
             b->nchosen = n;
         }
     }
-    const int64_t lo = pos + 1 > c->W ? pos + 1 - c->W : 0, room = S + c->W;
-    const int64_t heads = *oom ? 0 : H;
-    float *win = kc;
+    const int64_t lo = pos + 1 > c->W ? pos + 1 - c->W : 0, room = S + c->W, heads = *oom ? 0 : H;
 #pragma omp for schedule(static)
     for (int64_t hh = 0; hh < heads; hh++)
-        v4_head(b->q + hh * Dh, win, c->W, lo, pos, ent, rs, b->chosen, b->nchosen, Dh, c->sinks[hh], b->p + hh * room,
-                b->att + hh * Dh);
+        v4_head(q + hh * Dh, kc, c->W, lo, pos, ent, rs, b->chosen, b->nchosen, Dh, c->sinks[hh], b->p + hh * room,
+                att + hh * Dh);
 #pragma omp single
-    for (int64_t hh = 0; hh < heads; hh++) rotate_tail(b->att + hh * Dh, Dh, r, c->inv_freq, c->rope_scale, pos, 1);
-    const int64_t I = H * Dh / c->o_groups, R = c->wo_a[0].O;
-    for (int64_t g = 0; g < c->o_groups; g++) lin_product(&c->wo_a[g], b->att + g * I, 1, a, b->z + g * R, oom);
-    lin_product(&c->wo_b, b->z, 1, a, out, oom);
+    for (int64_t hh = 0; hh < heads; hh++) rotate_tail(att + hh * Dh, Dh, rr, c->inv_freq, c->rope_scale, pos, 1);
 }
 
-/* the unit-RMS row of the N streams X (N D) into b->hx, and fn's product of it into b->mix, by the team */
-static void hc_mixes(const Net *net, const Hyper *hy, const float *X, V4Buf *b, Acts *a, int *oom) {
+void v4_rows(const Net *net, const Layer *ly, const float *h, int64_t nr, const int64_t *seg, const int64_t *pos,
+             void *const *kc, void *const *vc, const int64_t *caps, V4Buf *b, Acts *a, float *out, int *oom) {
+    const Compressed *c = ly->v4;
+    const int64_t H = net->H, Dh = net->Dh;
+    lin_product(&c->wq_a, h, nr, a, b->qa, oom);
 #pragma omp single
-    rmsnorm_f32(X, NULL, net->norm_eps, b->hx, 1, net->hc * net->D);
-    lin_product(&hy->fn, b->hx, 1, a, b->mix, oom);
+    rmsnorm_f32(b->qa, c->q_norm, c->eps, b->qa, nr, c->wq_a.O);
+    lin_product(&c->wq_b, b->qa, nr, a, b->q, oom);
+    lin_product(&c->wkv, h, nr, a, b->kv, oom);
+    if (c->comp.m) {
+        lin_product(&c->comp.wkv, h, nr, a, b->ckv, oom);
+        lin_product(&c->comp.wgate, h, nr, a, b->cg, oom);
+    }
+    if (c->topk) {
+        lin_product(&c->icomp.wkv, h, nr, a, b->ickv, oom);
+        lin_product(&c->icomp.wgate, h, nr, a, b->icg, oom);
+        lin_product(&c->iwq, b->qa, nr, a, b->iq, oom);
+        lin_product(&c->iwp, h, nr, a, b->iw, oom);
+    }
+    for (int64_t r = 0; r < nr; r++) /* in order: a row reads the state the rows before it left */
+        v4_row(net, c, r, (float *)kc[seg[r]], (float *)vc[seg[r]], caps[seg[r]], pos[r], b, oom);
+    const int64_t I = H * Dh / c->o_groups, R = c->wo_a[0].O, GR = c->o_groups * R;
+    for (int64_t g = 0; g < c->o_groups; g++) {
+#pragma omp single
+        for (int64_t r = 0; r < nr; r++) memcpy(b->grp + r * I, b->att + r * H * Dh + g * I, sizeof(float) * (size_t)I);
+        lin_product(&c->wo_a[g], b->grp, nr, a, b->zg, oom); /* (nr, R) */
+#pragma omp single
+        for (int64_t r = 0; r < nr; r++) memcpy(b->z + r * GR + g * R, b->zg + r * R, sizeof(float) * (size_t)R);
+    }
+    lin_product(&c->wo_b, b->z, nr, a, out, oom);
+}
+
+void v4_attend(const Net *net, const Layer *ly, const float *h, float *kc, float *ent, int64_t S, int64_t pos,
+               V4Buf *b, Acts *a, float *out, int *oom) {
+    const int64_t seg = 0;
+    void *kcs[1] = {kc}, *vcs[1] = {ent};
+    v4_rows(net, ly, h, 1, &seg, &pos, kcs, vcs, &S, b, a, out, oom);
 }
 
 static float sigm(float x) { return 1.0f / (1.0f + expf(-x)); }
@@ -239,56 +256,62 @@ static void hc_collapse(const float *w, const float *X, int64_t N, int64_t D, fl
     }
 }
 
-void hc_pre(const Net *net, const Hyper *hy, const float *X, V4Buf *b, Acts *a, int *oom) {
-    const int64_t N = net->hc, D = net->D;
-    hc_mixes(net, hy, X, b, a, oom);
-#pragma omp single
-    if (!*oom) {
-        float *m = b->mix, pre[N], *post = b->post, *comb = b->comb;
-        const float eps = net->hc_eps, *base = hy->base, *sc = hy->scale;
-        for (int64_t i = 0; i < N; i++) {
-            pre[i] = sigm(m[i] * sc[0] + base[i]) + eps;
-            post[i] = 2.0f * sigm(m[N + i] * sc[1] + base[N + i]);
-        }
-        for (int64_t i = 0; i < N; i++) { /* each row's softmax, plus eps */
-            float *row = comb + i * N, mx = -INFINITY, sum = 0.0f;
-            for (int64_t j = 0; j < N; j++) mx = fmaxf(mx, row[j] = m[2 * N + i * N + j] * sc[2] + base[2 * N + i * N + j]);
-            for (int64_t j = 0; j < N; j++) sum += (row[j] = expf(row[j] - mx));
-            for (int64_t j = 0; j < N; j++) row[j] = row[j] / sum + eps;
-        }
-        for (int64_t it = 0; it < 2 * net->hc_iters - 1; it++) { /* columns, then rows and columns alternately */
-            const int cols = it % 2 == 0;
-            for (int64_t u = 0; u < N; u++) {
-                float sum = 0.0f;
-                for (int64_t v = 0; v < N; v++) sum += cols ? comb[v * N + u] : comb[u * N + v];
-                for (int64_t v = 0; v < N; v++) {
-                    float *e = cols ? comb + v * N + u : comb + u * N + v;
-                    *e = *e / (sum + eps);
-                }
+/* a hyper-connection's pre (N), post (N) and Sinkhorn-normalised comb (N N) from its mixes m */
+static void hc_weights(const Net *net, const Hyper *hy, const float *m, float *pre, float *post, float *comb) {
+    const int64_t N = net->hc;
+    const float eps = net->hc_eps, *base = hy->base, *sc = hy->scale;
+    for (int64_t i = 0; i < N; i++) {
+        pre[i] = sigm(m[i] * sc[0] + base[i]) + eps;
+        post[i] = 2.0f * sigm(m[N + i] * sc[1] + base[N + i]);
+    }
+    for (int64_t i = 0; i < N; i++) { /* each row's softmax, plus eps */
+        float *row = comb + i * N, mx = -INFINITY, sum = 0.0f;
+        for (int64_t j = 0; j < N; j++) mx = fmaxf(mx, row[j] = m[2 * N + i * N + j] * sc[2] + base[2 * N + i * N + j]);
+        for (int64_t j = 0; j < N; j++) sum += (row[j] = expf(row[j] - mx));
+        for (int64_t j = 0; j < N; j++) row[j] = row[j] / sum + eps;
+    }
+    for (int64_t it = 0; it < 2 * net->hc_iters - 1; it++) { /* columns, then rows and columns alternately */
+        const int cols = it % 2 == 0;
+        for (int64_t u = 0; u < N; u++) {
+            float sum = 0.0f;
+            for (int64_t v = 0; v < N; v++) sum += cols ? comb[v * N + u] : comb[u * N + v];
+            for (int64_t v = 0; v < N; v++) {
+                float *e = cols ? comb + v * N + u : comb + u * N + v;
+                *e = *e / (sum + eps);
             }
         }
-        hc_collapse(pre, X, N, D, b->col);
     }
 }
 
-void hc_merge(const Net *net, const float *y, float *X, V4Buf *b) {
-    const int64_t N = net->hc, D = net->D;
-    memcpy(b->hx, X, sizeof(float) * (size_t)(N * D));
-    for (int64_t j = 0; j < N; j++)
-        for (int64_t i = 0; i < D; i++) {
-            float acc = 0.0f;
-            for (int64_t n = 0; n < N; n++) acc += b->comb[n * N + j] * b->hx[n * D + i];
-            X[j * D + i] = b->post[j] * y[i] + acc;
-        }
+void hc_rows(const Net *net, const Hyper *hy, int head, const float *X, int64_t nr, V4Buf *b, Acts *a, int *oom) {
+    const int64_t N = net->hc, D = net->D, Mw = head ? N : (2 + N) * N;
+#pragma omp single
+    rmsnorm_f32(X, NULL, net->norm_eps, b->hx, nr, N * D);
+    lin_product(&hy->fn, b->hx, nr, a, b->mix, oom);
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < (*oom ? 0 : nr); r++) {
+        float pre[N];
+        const float *m = b->mix + r * Mw;
+        if (head)
+            for (int64_t n = 0; n < N; n++) pre[n] = sigm(m[n] * hy->scale[0] + hy->base[n]) + net->hc_eps;
+        else
+            hc_weights(net, hy, m, pre, b->post + r * N, b->comb + r * N * N);
+        hc_collapse(pre, X + r * N * D, N, D, b->col + r * D);
+    }
 }
 
-void hc_head(const Net *net, const float *X, V4Buf *b, Acts *a, int *oom) {
-    hc_mixes(net, &net->hc_head, X, b, a, oom);
-#pragma omp single
-    if (!*oom) {
-        float pre[net->hc];
-        for (int64_t n = 0; n < net->hc; n++)
-            pre[n] = sigm(b->mix[n] * net->hc_head.scale[0] + net->hc_head.base[n]) + net->hc_eps;
-        hc_collapse(pre, X, net->hc, net->D, b->col);
+void hc_merge_rows(const Net *net, const float *y, float *X, int64_t nr, V4Buf *b) {
+    const int64_t N = net->hc, D = net->D;
+#pragma omp for schedule(static)
+    for (int64_t r = 0; r < nr; r++) {
+        const float *post = b->post + r * N, *comb = b->comb + r * N * N, *yr = y + r * D;
+        float *Xr = X + r * N * D, *old = b->hx + r * N * D;
+        memcpy(old, Xr, sizeof(float) * (size_t)(N * D));
+        for (int64_t j = 0; j < N; j++)
+            for (int64_t i = 0; i < D; i++) {
+                float acc = 0.0f;
+                for (int64_t n = 0; n < N; n++) acc += comb[n * N + j] * old[n * D + i];
+                Xr[j * D + i] = post[j] * yr[i] + acc;
+            }
     }
 }

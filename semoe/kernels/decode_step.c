@@ -251,7 +251,7 @@ static Work *work_new(const Net *net, int64_t S) {
             mla_ok = mla_ok && s->iq && s->ik && s->iw && s->isc && s->isel && s->chosen;
         }
     }
-    if (!v4_buf_new(net, S, &s->v4) || !dn_buf_new(net, 1, &s->dn) || !s->qg || !s->ag || !mla_ok || !s->h || !s->qkv || !s->qr || !s->att ||
+    if (!v4_buf_new(net, S, 1, &s->v4) || !dn_buf_new(net, 1, &s->dn) || !s->qg || !s->ag || !mla_ok || !s->h || !s->qkv || !s->qr || !s->att ||
         !s->tmp || !s->p || !s->probs || !s->choice || !s->masked || !s->ex || !s->hg || !s->hu || !s->ys || !s->w ||
         !s->hin || !s->ones || !s->yp || !s->ids || !s->ax || !s->ah) {
         work_free(s);
@@ -428,7 +428,7 @@ static void layer_attend(const Net *net, int64_t l, float *x, void *kc, void *vc
     if (hc) { /* the streams: the embedding's copies before the first layer, collapsed into attention's input */
 #pragma omp single
         for (int64_t n = 1; l == 0 && n < net->hc; n++) memcpy(x + n * D, x, sizeof(float) * (size_t)D);
-        hc_pre(net, &ly->hc_attn, x, &s->v4, &s->a, &s->oom);
+        hc_rows(net, &ly->hc_attn, 0, x, 1, &s->v4, &s->a, &s->oom);
     }
 #pragma omp single
     rmsnorm_f32(hc ? s->v4.col : x, ly->attn_norm, ly->attn_eps, s->h, 1, D);
@@ -442,12 +442,13 @@ static void layer_attend(const Net *net, int64_t l, float *x, void *kc, void *vc
         latent_attend(net, ly->mla, &ly->o, (float *)kc, (float *)vc, S, pos, cos, sin, s); /* float32 always */
     else
         gqa_attend(net, ly, kc, vc, S, pos, cos, sin, s);
+    if (hc) {
+        hc_merge_rows(net, s->tmp, x, s->oom ? 0 : 1, &s->v4);
+        hc_rows(net, &ly->hc_ffn, 0, x, 1, &s->v4, &s->a, &s->oom);
+    } else {
 #pragma omp single
-    if (hc && !s->oom)
-        hc_merge(net, s->tmp, x, &s->v4);
-    else if (!hc)
         for (int64_t i = 0; i < D; i++) x[i] = x[i] + s->tmp[i];
-    if (hc) hc_pre(net, &ly->hc_ffn, x, &s->v4, &s->a, &s->oom);
+    }
 #pragma omp single
     rmsnorm_f32(hc ? s->v4.col : x, ly->ffn_norm, ly->ffn_eps, s->h, 1, D);
     if (ly->E) {
@@ -497,10 +498,7 @@ static void layer_ffn_done(const Net *net, int64_t l, float *x, Work *s) {
         }
         experts(net, 1, &s->gate, s->h, y, net->D, net->F, s, 0);
     }
-    if (hc) {
-#pragma omp single
-        if (!s->oom) hc_merge(net, y, x, &s->v4);
-    }
+    if (hc) hc_merge_rows(net, y, x, s->oom ? 0 : 1, &s->v4);
 }
 
 /* layer l's feed-forward on s->h, by the team: the chosen experts (layer_attend's) or the dense one,
@@ -512,7 +510,7 @@ static void layer_ffn(const Net *net, int64_t l, float *x, Work *s) {
 
 /* the final norm and the output product into logits, by the team */
 static void head(const Net *net, float *x, float *logits, Work *s) {
-    if (net->hc > 1) hc_head(net, x, &s->v4, &s->a, &s->oom);
+    if (net->hc > 1) hc_rows(net, &net->hc_head, 1, x, 1, &s->v4, &s->a, &s->oom);
 #pragma omp single
     rmsnorm_f32(net->hc > 1 ? s->v4.col : x, net->norm, net->norm_eps, s->h, 1, net->D);
     lin_product(&net->head, s->h, 1, &s->a, logits, &s->oom);

@@ -52,32 +52,34 @@ void gate_unpack(int64_t H, int64_t G, int64_t Dh, const float *qg, float *qkv, 
 /* att (n) times sigmoid(gate), in place */
 void gate_apply(float *att, const float *gate, int64_t n);
 
-/* DeepSeek-V4's buffers for one row (compressed.c), sized for the largest layer of a Net and a cache of S
- * positions: attention's (qa .. chosen) and the hyper-connections' (hx .. comb; post and comb the last
- * `hc_pre`'s weights, col its collapsed input, y a block's output) */
+/* DeepSeek-V4's buffers for up to `rows` rows (compressed.c), sized for the largest layer of a Net and a cache
+ * of S positions: attention's (qa .. chosen) and the hyper-connections' (hx .. comb: the last `hc_rows`'
+ * weights post and comb, col its collapsed inputs, y a block's outputs), a row's after another's */
 typedef struct {
-    float *qa, *q, *kv, *ckv, *cg, *iq, *iw, *isc, *isel, *p, *z, *att, *tmp;
+    float *qa, *q, *kv, *ckv, *cg, *ickv, *icg, *iq, *iw, *isc, *isel, *p, *z, *zg, *att, *grp, *tmp;
     int32_t *chosen;
-    int64_t nchosen;
+    int64_t nchosen, rows;
     float *hx, *mix, *col, *y, *post, *comb;
 } V4Buf;
 
-/* the buffers for net and S positions (none where it has no such layer); 0 where memory could not be had
- * (v4_buf_free frees what was had, either way) */
-int v4_buf_new(const Net *net, int64_t S, V4Buf *b);
+/* the buffers for net, S positions and `rows` rows (none where it has no such layer); 0 where memory could
+ * not be had (v4_buf_free frees what was had, either way) */
+int v4_buf_new(const Net *net, int64_t S, int64_t rows, V4Buf *b);
 void v4_buf_free(V4Buf *b);
 /* floats of a layer's fixed state (its kc) */
 int64_t v4_fixed_floats(const Compressed *c, int64_t Dh);
-/* layer ly's DeepSeek-V4 attention of the normed row h at position pos into out (D), by the team: its
- * state kc and entries ent (`Compressed`) advanced by the row; S the cache's positions */
+/* layer ly's DeepSeek-V4 attention of nr normed rows h (nr, D) into out (nr, D), by the team: row r of the
+ * sequence seg[r] at position pos[r], whose state is kc[seg[r]] and entries vc[seg[r]] (`Compressed`) for
+ * caps[seg[r]] positions, advanced row by row in order; v4_attend: one row of one sequence */
+void v4_rows(const Net *net, const Layer *ly, const float *h, int64_t nr, const int64_t *seg, const int64_t *pos,
+             void *const *kc, void *const *vc, const int64_t *caps, V4Buf *b, Acts *a, float *out, int *oom);
 void v4_attend(const Net *net, const Layer *ly, const float *h, float *kc, float *ent, int64_t S, int64_t pos,
                V4Buf *b, Acts *a, float *out, int *oom);
-/* the hyper-connection hy's weights from the N streams X (into b->post, b->comb) and the block's input
- * (into b->col), by the team; hc_merge: X = post y + comb^T X (one thread); hc_head: the streams collapsed
- * by `Net.hc_head` into b->col, by the team */
-void hc_pre(const Net *net, const Hyper *hy, const float *X, V4Buf *b, Acts *a, int *oom);
-void hc_merge(const Net *net, const float *y, float *X, V4Buf *b);
-void hc_head(const Net *net, const float *X, V4Buf *b, Acts *a, int *oom);
+/* the hyper-connection hy's weights for nr rows of streams X (nr, N D) into b->post (nr, N) and b->comb
+ * (nr, N, N), and the blocks' inputs into b->col (nr, D), by the team; `head`: `Net.hc_head`, its inputs
+ * alone. hc_merge_rows: X = post y + comb^T X for each row of y (nr, D), by the team */
+void hc_rows(const Net *net, const Hyper *hy, int head, const float *X, int64_t nr, V4Buf *b, Acts *a, int *oom);
+void hc_merge_rows(const Net *net, const float *y, float *X, int64_t nr, V4Buf *b);
 
 /* expert e's activation of its hidden unit j: SwiGLU's g[j] = silu(g[j]) * u[j] (g, u: the gate and up
  * outputs); where gate is gate_up (up.O = 0), into u[j]: SwiGLU of its halves g[j] and g[F + j]

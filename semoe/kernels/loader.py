@@ -319,7 +319,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_ffn_done.argtypes = [_P, _P, _I, _P, _INT]
     lib.decode_head.argtypes = [_P, _P, _P, _P, _INT]
     lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
-    lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _INT]
+    lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _INT]
     lib.prefill_head.argtypes = [_P, _P, _I, _P, _INT]
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]

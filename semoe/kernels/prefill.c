@@ -229,9 +229,64 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
  * and value). cos, sin: (T, Rc) the rows' rotary tables. choices: (T, topk) int32 under DeepSeek sparse
  * attention (each row's chosen positions, written by a layer with an indexer, read by the shared ones
  * after it), else NULL. Returns 0; -1 where memory was short (or choices is missing). */
+/* prefill_attend of a layer of a model with hyper-connections (DeepSeek-V4): x (T, N D) the rows' streams (before
+ * the first layer, each row's embedding in its first D); each block of rows collapsed into attention's input,
+ * its attention (`v4_rows`, each row from the state its sequence's rows before it left) merged back, then
+ * collapsed into the feed-forward's input hf (T, D), normed, and routed (by `tokens` where the layer hashes) */
+static int hc_prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *kc, void *const *vc,
+                             const int64_t *segs, int64_t nseg, const int64_t *tokens, int64_t *ids, float *w,
+                             int64_t K, float *hf, int threads) {
+    const Layer *ly = net->layers + l;
+    const int64_t D = net->D, N = net->hc, R = PREFILL_ROWS, E = ly->E > 0 ? ly->E : 1;
+    int64_t Smax = 1;
+    for (int64_t i = 0; i < nseg; i++) Smax = segs[3 * i] > Smax ? segs[3 * i] : Smax;
+    V4Buf b;
+    Acts a;
+    float *h = malloc(sizeof(float) * (size_t)(R * D)), *tmp = malloc(sizeof(float) * (size_t)(R * D));
+    float *probs = malloc(sizeof(float) * (size_t)(R * E)), *choice = malloc(sizeof(float) * (size_t)E);
+    unsigned char *masked = malloc((size_t)E);
+    int64_t *seg = malloc(sizeof(int64_t) * (size_t)(2 * T + 1)), *pos = seg + T;
+    int64_t *caps = malloc(sizeof(int64_t) * (size_t)(nseg + 1));
+    int oom = !v4_buf_new(net, Smax, R, &b) || !(h && tmp && probs && choice && masked && seg && caps && hf);
+    for (int64_t i = 0, r = 0; !oom && i < nseg; i++) {
+        caps[i] = segs[3 * i];
+        for (int64_t j = 0; j < segs[3 * i + 2] && r < T; j++, r++) seg[r] = i, pos[r] = segs[3 * i + 1] + j;
+    }
+    for (int64_t r = 0; l == 0 && !oom && r < T; r++) /* the streams: copies of the embedding */
+        for (int64_t n = 1; n < N; n++) memcpy(x + (r * N + n) * D, x + r * N * D, sizeof(float) * (size_t)D);
+#pragma omp parallel num_threads(threads)
+    for (int64_t r0 = 0; r0 < T && !oom; r0 += R) {
+        const int64_t nr = T - r0 < R ? T - r0 : R;
+        float *X = x + r0 * N * D;
+        hc_rows(net, &ly->hc_attn, 0, X, nr, &b, &a, &oom);
+#pragma omp single
+        rmsnorm_f32(b.col, ly->attn_norm, ly->attn_eps, h, nr, D);
+        v4_rows(net, ly, h, nr, seg + r0, pos + r0, kc, vc, caps, &b, &a, tmp, &oom);
+        hc_merge_rows(net, tmp, X, oom ? 0 : nr, &b);
+        hc_rows(net, &ly->hc_ffn, 0, X, nr, &b, &a, &oom);
+#pragma omp single
+        rmsnorm_f32(b.col, ly->ffn_norm, ly->ffn_eps, hf + r0 * D, nr, D);
+        if (ly->E) lin_product(&ly->router, hf + r0 * D, nr, &a, probs, &oom);
+#pragma omp single
+        for (int64_t r = 0; r < nr && !oom; r++) {
+            int64_t *ir = ids + (r0 + r) * K;
+            float *wr = w + (r0 + r) * K;
+            if (ly->E)
+                route(net, ly, probs + r * ly->E, choice, masked, ir, wr, tokens ? tokens[r0 + r] : -1);
+            else
+                ir[0] = 0, wr[0] = 1.0f;
+        }
+    }
+    free(h), free(tmp), free(probs), free(choice), free(masked), free(seg), free(caps);
+    v4_buf_free(&b);
+    return oom ? -1 : 0;
+}
+
 int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *kc, void *const *vc,
                    const int64_t *segs, int64_t nseg, const float *cos, const float *sin, int64_t Rc, int64_t *ids,
-                   float *w, int64_t K, int32_t *choices, int threads) {
+                   float *w, int64_t K, int32_t *choices, const int64_t *tokens, float *hf, int threads) {
+    if (net->hc > 1)
+        return hc_prefill_attend(net, l, x, T, kc, vc, segs, nseg, tokens, ids, w, K, hf, threads);
     const Layer *ly = net->layers + l;
     const Latent *m = ly->mla;
     const int64_t D = net->D, H = net->H, G = net->G, Dh = net->Dh, R = PREFILL_ROWS;
@@ -323,7 +378,7 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
             int64_t *ir = ids + (r0 + r) * K;
             float *wr = w + (r0 + r) * K;
             if (ly->E)
-                route(net, ly, probs + r * ly->E, choice, masked, ir, wr, -1);
+                route(net, ly, probs + r * ly->E, choice, masked, ir, wr, tokens ? tokens[r0 + r] : -1);
             else
                 ir[0] = 0, wr[0] = 1.0f;
         }
@@ -338,18 +393,21 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
 /* The final norm and the output product of n rows x (n, D) into logits (n, V), by the team: each row
  * as `decode_head` computes it. Returns 0; -1 where memory was short. */
 int prefill_head(const Net *net, const float *x, int64_t n, float *logits, int threads) {
-    const int64_t D = net->D;
+    const int64_t D = net->D, N = net->hc > 1 ? net->hc : 1;
     float *h = malloc(sizeof(float) * (size_t)(PREFILL_ROWS * D));
+    V4Buf b = {0};
     Acts a;
-    int oom = !h;
+    int oom = !h || (N > 1 && !v4_buf_new(net, 1, PREFILL_ROWS, &b));
 #pragma omp parallel num_threads(threads)
     for (int64_t r0 = 0; r0 < n && !oom; r0 += PREFILL_ROWS) {
         const int64_t nr = n - r0 < PREFILL_ROWS ? n - r0 : PREFILL_ROWS;
+        if (N > 1) hc_rows(net, &net->hc_head, 1, x + r0 * N * D, nr, &b, &a, &oom); /* the streams collapsed */
 #pragma omp single
-        rmsnorm_f32(x + r0 * D, net->norm, net->norm_eps, h, nr, D);
+        rmsnorm_f32(N > 1 ? b.col : x + r0 * D, net->norm, net->norm_eps, h, nr, D);
         lin_product(&net->head, h, nr, &a, logits + r0 * net->head.O, &oom);
     }
     free(h);
+    v4_buf_free(&b);
     return oom ? -1 : 0;
 }
 
@@ -412,11 +470,43 @@ int prefill_experts(const Net *net, int64_t l, const float *h, float *s, int64_t
     return rc;
 }
 
+/* prefill_finish with hyper-connections: the block's output s (the routed experts' sum, then the shared expert's
+ * added) merged into the streams x (T, N D) by the weights their collapse into h gave (made again from x) */
+static int hc_prefill_finish(const Net *net, const Layer *ly, float *x, const float *h, float *s, int64_t T,
+                             int threads) {
+    const int64_t D = net->D, N = net->hc;
+    Rows p;
+    V4Buf b;
+    int oom = !rows_new(net, 1, 1, &p) || !v4_buf_new(net, 1, PREFILL_ROWS, &b);
+#pragma omp parallel num_threads(threads)
+    for (int64_t r0 = 0; r0 < T && !oom && !p.oom; r0 += PREFILL_ROWS) {
+        const int64_t nr = T - r0 < PREFILL_ROWS ? T - r0 : PREFILL_ROWS;
+        if (ly->shared) { /* the shared expert, as decoding adds it after the routed sum */
+#pragma omp single
+            memcpy(p.hb, h + r0 * D, sizeof(float) * (size_t)(nr * D));
+            expert_rows(net, ly->shared, nr, &p);
+#pragma omp single
+            for (int64_t j = 0; j < nr && !p.oom; j++) {
+                const float *yj = p.yb + j * D, one = 1.0f;
+                moe_combine_f32(s + (r0 + j) * D, &yj, &one, 1, D);
+            }
+        }
+        hc_rows(net, &ly->hc_ffn, 0, x + r0 * N * D, nr, &b, &p.a, &oom);
+        hc_merge_rows(net, s + r0 * D, x + r0 * N * D, oom || p.oom ? 0 : nr, &b);
+    }
+    oom = oom || p.oom;
+    rows_free(&p);
+    v4_buf_free(&b);
+    return oom ? -1 : 0;
+}
+
 /* x (T, D) += s, then the layer's shared expert on h, times sigmoid(shared_gate h) where it has a
  * gate, as decoding adds it. 0, or -1 where memory was short. */
-int prefill_finish(const Net *net, int64_t l, float *x, const float *h, const float *s, int64_t T, int threads) {
+int prefill_finish(const Net *net, int64_t l, float *x, const float *h, float *s, int64_t T, int threads) {
     const Layer *ly = net->layers + l;
     const int64_t D = net->D;
+    if (net->hc > 1)
+        return hc_prefill_finish(net, ly, x, h, s, T, threads);
     for (int64_t i = 0; i < T * D; i++) x[i] = x[i] + s[i];
     if (!ly->shared) return 0;
     Rows p;
