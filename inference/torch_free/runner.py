@@ -508,9 +508,6 @@ class LeanModel:
         one pass (`inference.torch_free.speculative`), greedy; the stats then count passes and drafts."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
-        if speculative and self.config.attention == "compressed":
-            raise BadInputError(f"--speculative: the runner does not verify drafts of {self.config.arch}'s compressed "
-                                "attention yet (its window and entries are not rolled back); drop the flag")
         cache = self.cache
         reads0, bytes0, overlapped0 = cache.misses, cache.read_bytes, self.computed_while_reading
         rng = np.random.default_rng(cfg.seed)

@@ -9,9 +9,10 @@ about as much where they do not (random weights: the bench says which). The toke
 differs from its draft.
 
 `verify` runs the rows and keeps an undo record; `keep(n)` keeps the first n of its positions: attention's
-caches by the sequence's length alone (what is past it is written over), the linear layers' state
-(Qwen3-Next's, which holds every token at once) restored from before the pass and run over the kept
-tokens again. This module imports no torch.
+caches by the sequence's length alone (what is past it is written over), a state that holds every token
+at once restored from before the pass and run over the kept tokens again: the linear layers' (Qwen3-Next's)
+whole, DeepSeek-V4's fixed part (its window, its compressors' pending tokens; an entry a rejected row closed
+lies past the kept ones, written over when its window closes again). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -33,27 +34,30 @@ def verify(seq, tokens: list[int]) -> np.ndarray:
     if T == 1:  # nothing to undo
         seq.undo = (pos0, list(tokens), [])
         return seq.step(tokens[0])[None]
-    linear = [(k.copy(), v.copy()) for lay, (k, v) in enumerate(seq.caches) if c.is_linear(lay)]
-    seq.undo = (pos0, list(tokens), linear)
+    saved = [(lay, k.copy(), v.copy() if c.is_linear(lay) else None) for lay, (k, v) in enumerate(seq.caches)
+             if c.is_linear(lay) or c.attention == "compressed"]
+    seq.undo = (pos0, list(tokens), saved)
     x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
     logits = np.empty((T, m.head.O), np.float32)
     packed(m.lib, seq._net, [seq.addresses], [seq.capacity], [pos0], [T], x, cos, sin, list(range(T)), logits,
-           threads=m.settings.threads, top_k=c.top_k, moe=frozenset(m._parts), reader=m, index_topk=c.index_topk or 0)
+           threads=m.settings.threads, top_k=c.top_k, moe=frozenset(m._parts), reader=m, index_topk=c.index_topk or 0,
+           tokens=tokens, streams=c.hc_mult)
     seq.length = pos0 + T
     return logits
 
 
 def keep(seq, n: int) -> None:
     """Keep the first n positions of the last `verify`'s rows (1 <= n <= its rows)."""
-    c = seq.model.config
-    pos0, tokens, linear = seq.undo
+    pos0, tokens, saved = seq.undo
     if not 1 <= n <= len(tokens):
         raise ValueError(f"keep {n} of {len(tokens)} rows")
     seq.length = pos0 + n
-    if n == len(tokens) or not linear:
+    if n == len(tokens) or not saved:
         return
-    states = (kv for lay, kv in enumerate(seq.caches) if c.is_linear(lay))
-    for (k, v), (k0, v0) in zip(states, linear):
-        k[...], v[...] = k0, v0
+    for lay, k0, v0 in saved:
+        k, v = seq.caches[lay]
+        k[...] = k0
+        if v0 is not None:
+            v[...] = v0
     seq.length = pos0
     advance(seq, tokens[:n])

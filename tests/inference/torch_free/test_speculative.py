@@ -1,7 +1,7 @@
 """Speculative decoding on the torch-free runner (inference/torch_free/speculative.py, semoe.decode.loop's
 `run_speculative`): drafted tokens verified in one pass give greedy decoding's tokens exactly, whatever the
-drafts, on a model of attention layers and on one with Gated DeltaNet layers (whose state a rejection
-rolls back); with memory short a pass reads each expert its rows chose once. Log-probs within LOGPROB_ATOL:
+drafts, on a model of attention layers, on one with Gated DeltaNet layers and on DeepSeek-V4 (whose states
+a rejection rolls back); with memory short a pass reads each expert its rows chose once. Log-probs within LOGPROB_ATOL:
 a pass computes its rows as the prompt pass does, a step as decoding does (float32 rounding apart)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ NEW = 24
 LOGPROB_ATOL = 1e-4
 
 
-@pytest.fixture(scope="module", params=["mixtral", "qwen3_next"])
+@pytest.fixture(scope="module", params=["mixtral", "qwen3_next", "deepseek_v4"])
 def store(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(request.param)
     hf = make_hf_checkpoint(request.param, root / "hf", seed=7)
