@@ -229,6 +229,20 @@ static void latent_rows(const Net *net, const Latent *m, const float *h, int64_t
  * and value). cos, sin: (T, Rc) the rows' rotary tables. choices: (T, topk) int32 under DeepSeek sparse
  * attention (each row's chosen positions, written by a layer with an indexer, read by the shared ones
  * after it), else NULL. Returns 0; -1 where memory was short (or choices is missing). */
+/* rows r0 .. r0 + nr's choice of experts (ids, w: K a row) from their router logits probs (nr, E), by the
+ * token ids where the layer hashes; a dense layer's expert 0 of weight 1 */
+static void route_rows(const Net *net, const Layer *ly, float *probs, int64_t r0, int64_t nr, int64_t *ids, float *w,
+                       int64_t K, float *choice, unsigned char *masked, const int64_t *tokens) {
+    for (int64_t r = 0; r < nr; r++) {
+        int64_t *ir = ids + (r0 + r) * K;
+        float *wr = w + (r0 + r) * K;
+        if (ly->E)
+            route(net, ly, probs + r * ly->E, choice, masked, ir, wr, tokens ? tokens[r0 + r] : -1);
+        else
+            ir[0] = 0, wr[0] = 1.0f;
+    }
+}
+
 /* prefill_attend of a layer of a model with hyper-connections (DeepSeek-V4): x (T, N D) the rows' streams (before
  * the first layer, each row's embedding in its first D); each block of rows collapsed into attention's input,
  * its attention (`v4_rows`, each row from the state its sequence's rows before it left) merged back, then
@@ -268,14 +282,7 @@ static int hc_prefill_attend(const Net *net, int64_t l, float *x, int64_t T, voi
         rmsnorm_f32(b.col, ly->ffn_norm, ly->ffn_eps, hf + r0 * D, nr, D);
         if (ly->E) lin_product(&ly->router, hf + r0 * D, nr, &a, probs, &oom);
 #pragma omp single
-        for (int64_t r = 0; r < nr && !oom; r++) {
-            int64_t *ir = ids + (r0 + r) * K;
-            float *wr = w + (r0 + r) * K;
-            if (ly->E)
-                route(net, ly, probs + r * ly->E, choice, masked, ir, wr, tokens ? tokens[r0 + r] : -1);
-            else
-                ir[0] = 0, wr[0] = 1.0f;
-        }
+        if (!oom) route_rows(net, ly, probs, r0, nr, ids, w, K, choice, masked, tokens);
     }
     free(h), free(tmp), free(probs), free(choice), free(masked), free(seg), free(caps);
     v4_buf_free(&b);
@@ -374,14 +381,7 @@ int prefill_attend(const Net *net, int64_t l, float *x, int64_t T, void *const *
         }
         if (ly->E) lin_product(&ly->router, h, nr, &a, probs, &oom);
 #pragma omp single
-        for (int64_t r = 0; r < nr && !oom; r++) {
-            int64_t *ir = ids + (r0 + r) * K;
-            float *wr = w + (r0 + r) * K;
-            if (ly->E)
-                route(net, ly, probs + r * ly->E, choice, masked, ir, wr, tokens ? tokens[r0 + r] : -1);
-            else
-                ir[0] = 0, wr[0] = 1.0f;
-        }
+        if (!oom) route_rows(net, ly, probs, r0, nr, ids, w, K, choice, masked, tokens);
     }
     free(h), free(qkv), free(part), free(att), free(tmp), free(qr), free(p), free(probs), free(choice), free(masked);
     free(seg), free(gate);
