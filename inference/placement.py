@@ -170,7 +170,7 @@ def lean_refusal(path: str) -> str | None:
     if not is_store(path):
         return "it reads stores, not HuggingFace directories"
     from semoe.kernels import loader
-    from semoe.decode.support import lean_refusal
+    from semoe.decode.support import one_call_refusal
     from semoe.checkpoints.hf_config import store_model_config
 
     if loader.library() is None:
@@ -178,7 +178,7 @@ def lean_refusal(path: str) -> str | None:
     store = StoreReader.open(path)
     if not store.manifest.has_file("config.json"):
         return "the store holds no model (no config.json)"
-    why = lean_refusal(store_model_config(store))  # the model's parts first: what it is, then how it is stored
+    why = one_call_refusal(store_model_config(store))  # the model's parts first: what it is, then how it is stored
     if why is not None:
         return f"it does not take {why}"
     return next((why for t in store.manifest.tensors if (why := tensor_refusal(t))), None)

@@ -180,7 +180,7 @@ def support_table() -> str:
     the server's `--lean`) refuses for each one's config, and the aliases."""
     from helpers.hf_models import tiny_config
     from semoe.checkpoints.hf_config import from_hf_config
-    from semoe.decode.support import ARCHITECTURES, lean_refusal, plan_refusal
+    from semoe.decode.support import ARCHITECTURES, one_call_refusal, plan_refusal
     from semoe.model.config import ARCHITECTURES as MODEL_ARCHITECTURES
     from semoe.model.hf_names import ALIASES, SEMOE_MODEL_TYPE, SUPPORTED_MODEL_TYPES, TEXT_MODELS, model_type_of
 
@@ -193,7 +193,7 @@ def support_table() -> str:
         if arch == SEMOE_MODEL_TYPE:
             continue
         config = from_hf_config(tiny_config(arch).to_dict())
-        why, fast = lean_refusal(config), plan_refusal(config) if arch in ARCHITECTURES else "not listed"
+        why, fast = one_call_refusal(config), plan_refusal(config) if arch in ARCHITECTURES else "not listed"
         also = [f"`{a}`" for a, (_, to) in ALIASES.items() if to == arch]
         also += [f"`{m}` (its text model)" for m in TEXT_MODELS if model_type_of(tiny_config(m).to_dict()) == arch]
         name = f"`{arch}`" + (f" (and {', '.join(also)})" if also else "")

@@ -62,7 +62,7 @@ from semoe.kernels import loader
 from semoe.decode import loop
 from semoe.model import rope
 from semoe.decode.loop import SamplingConfig
-from semoe.decode.support import NotOnFastPath, lean_refusal
+from semoe.decode.support import NotOnFastPath, one_call_refusal
 from semoe.model.hf_names import hf_name, text_name
 from semoe.checkpoints.hf_config import store_model_config
 from semoe.checkpoints.tokenizer import Tokenizer, default_stop_ids, store_tokenizer
@@ -264,7 +264,7 @@ class LeanModel:
     @staticmethod
     def _check(c) -> None:
         """Refuse, in one line, what the one-call step does not take (`semoe.decode.support`)."""
-        why = lean_refusal(c)
+        why = one_call_refusal(c)
         if why:
             named = why if c.arch in why else f"{why} ({c.arch})"
             raise NotOnFastPath(f"the lean runner does not take {named}; decode it with the engine (without --lean)")

@@ -8,8 +8,8 @@ There are two paths on CPU, both over semoe's compiled kernels (semoe/kernels):
 - the one-call step (`decode_step.c`), the whole step in one C call: what `one_call_refusal` does not name
   (where the plan's kernel-by-kernel step does not take a model, `step_refusal`, its experts must all be in
   memory);
-- the torch-free runner (`inference.torch_free.runner`), which calls the same C code in three parts: what
-  `lean_refusal` does not name.
+- the torch-free runner (`inference.torch_free.runner`), which calls the same C code in three parts: the
+  same models.
 
 This module imports no torch: the torch-free runner checks its models here too.
 """
@@ -58,9 +58,3 @@ def one_call_refusal(c) -> str | None:
     if c.num_experts and c.router == "grouped" and c.n_group > MAX_GROUPS:
         return f"a grouped router of {c.n_group} groups (at most {MAX_GROUPS})"
     return None
-
-
-def lean_refusal(c) -> str | None:
-    """What in config `c` the torch-free runner does not take (what the one-call step does not), in a phrase;
-    None where it takes it all."""
-    return one_call_refusal(c)

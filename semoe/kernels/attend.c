@@ -43,6 +43,8 @@ static inline float dot_f32(const float *a, const float *b, int64_t n) {
     return dot_kv(a, b, 0, n, 0);
 }
 
+float dot_f32_n(const float *a, const float *b, int64_t n) { return dot_kv(a, b, 0, n, 0); }
+
 /* One decoding step of grouped-query attention for one sequence, float32: rotate the first R dims
  * of q (H heads) and k (G heads) by halves with the position's cos/sin (R each; the other Dh - R
  * dims pass through), write k and v at position `pos` of the layer's cache (G, S, Dh each), then

@@ -31,14 +31,6 @@ static V4State v4_state(const Compressed *c, int64_t Dh, float *kc) {
     return st;
 }
 
-int64_t v4_fixed_floats(const Compressed *c, int64_t Dh) {
-    int64_t n = c->W * Dh;
-    const Compressor *cs[2] = {&c->comp, c->topk ? &c->icomp : NULL};
-    for (int i = 0; i < 2; i++)
-        if (cs[i] && cs[i]->m) n += 2 * cs[i]->m * comp_width(cs[i]) + (cs[i]->overlap ? 2 * cs[i]->m * cs[i]->dim : 0);
-    return n;
-}
-
 /* the last 2 r of x's d values rotated by interleaved pairs at position pos (`rotate_pairs`), or back */
 static void rotate_tail(float *x, int64_t d, int64_t r, const float *inv_freq, float scale, int64_t pos, int inverse) {
     float *t = x + d - 2 * r;
@@ -124,17 +116,6 @@ void v4_buf_free(V4Buf *b) {
     memset(b, 0, sizeof(*b));
 }
 
-/* q . k over n values, in 8 partial sums added in a fixed order */
-static float dot8(const float *q, const float *k, int64_t n) {
-    float acc[8] = {0};
-    int64_t i = 0;
-    for (; i + 8 <= n; i += 8)
-        for (int j = 0; j < 8; j++) acc[j] += q[i + j] * k[i + j];
-    float s = ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
-    for (; i < n; i++) s += q[i] * k[i];
-    return s;
-}
-
 /* one head's attention: its query q (Dh) over the window's keys (positions lo..pos, by position modulo W)
  * and the entries idx[0..n) (rows of rs), with its sink, into out (Dh); p: room for the logits */
 static void v4_head(const float *q, const float *win, int64_t W, int64_t lo, int64_t pos, const float *ent, int64_t rs,
@@ -142,8 +123,8 @@ static void v4_head(const float *q, const float *win, int64_t W, int64_t lo, int
     const float sc = (float)(1.0 / sqrt((double)Dh));
     const int64_t nw = pos - lo + 1;
     float mx = sink;
-    for (int64_t t = 0; t < nw; t++) mx = fmaxf(mx, p[t] = dot8(q, win + (lo + t) % W * Dh, Dh) * sc);
-    for (int64_t j = 0; j < n; j++) mx = fmaxf(mx, p[nw + j] = dot8(q, ent + idx[j] * rs, Dh) * sc);
+    for (int64_t t = 0; t < nw; t++) mx = fmaxf(mx, p[t] = dot_f32_n(q, win + (lo + t) % W * Dh, Dh) * sc);
+    for (int64_t j = 0; j < n; j++) mx = fmaxf(mx, p[nw + j] = dot_f32_n(q, ent + idx[j] * rs, Dh) * sc);
     float sum = expf(sink - mx);
     for (int64_t t = 0; t < nw + n; t++) sum += (p[t] = expf(p[t] - mx));
     memset(out, 0, sizeof(float) * (size_t)Dh);

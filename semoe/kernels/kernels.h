@@ -190,6 +190,8 @@ void mla_head(const float *ql, const float *qr, const float *latents, const floa
 /* DeepSeek sparse attention's pieces (decode_abi.h's `Indexer`) */
 void layernorm_f32(const float *x, const float *w, const float *b, float eps, float *y, int64_t D);
 float index_score(const float *iq, const float *iw, int64_t Hi, int64_t Di, float ds, const float *k);
+/* q . k over n float32 values, as attention's kernels sum it (attend.c) */
+float dot_f32_n(const float *a, const float *b, int64_t n);
 /* the module's Di ** -0.5, rounded to float32 as torch rounds the scalar */
 static inline float index_dim_scale(int64_t Di) { return (float)(1.0 / sqrt((double)Di)); }
 int64_t choose_top(const float *sc, int64_t n, int64_t k, int32_t *idx, float *scratch);

@@ -66,8 +66,6 @@ typedef struct {
  * not be had (v4_buf_free frees what was had, either way) */
 int v4_buf_new(const Net *net, int64_t S, int64_t rows, V4Buf *b);
 void v4_buf_free(V4Buf *b);
-/* floats of a layer's fixed state (its kc) */
-int64_t v4_fixed_floats(const Compressed *c, int64_t Dh);
 /* layer ly's DeepSeek-V4 attention of nr normed rows h (nr, D) into out (nr, D), by the team: row r of the
  * sequence seg[r] at position pos[r], whose state is kc[seg[r]] and entries vc[seg[r]] (`Compressed`) for
  * caps[seg[r]] positions, advanced row by row in order; v4_attend: one row of one sequence */

@@ -88,16 +88,6 @@ class CompressedC(ctypes.Structure):
                 ("icomp", CompressorC)]
 
 
-def compressed_fixed(c: CompressedC, head_dim: int) -> int:
-    """Floats of a layer's fixed state (its cache's kc; compressed.c's `v4_fixed_floats`)."""
-    n = c.W * head_dim
-    for comp in (c.comp, c.icomp if c.topk else None):
-        if comp is not None and comp.m:
-            width = (2 if comp.overlap else 1) * comp.dim
-            n += 2 * comp.m * width + (2 * comp.m * comp.dim if comp.overlap else 0)
-    return n
-
-
 def lin_rows(lin: Lin, r0: int, n: int) -> Lin:
     """Rows r0 .. r0 + n of a weight as a `Lin` over the same memory: float, int8, FP8 (r0 and n on its tiles)
     and MXFP4 rows lie in row order. ValueError for int4, whose scales are laid out over all rows (per group of
