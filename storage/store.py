@@ -275,6 +275,7 @@ class Store(StoreReader):
             # what import changed: {"format", "to", "tensors"}; {"reason", "layers", "tensors", "bytes"}
             "dequantized": m.model.get("dequantized"),
             "skipped": m.model.get("skipped"),
+            "mtp": m.model.get("mtp"),  # the multi-token-prediction layers kept: {"layers", "tensors", "bytes"}
             # compact weights: {"format", "source", "tensors", ...} as recorded, and per scheme what they take
             "quantization": m.model.get("quantization"),
             "schemes": self.schemes(),

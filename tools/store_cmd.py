@@ -37,7 +37,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   "fused 3-D experts as in gpt-oss) get one chunk file per expert; the rest is "
                                   "dense. FP8 block-scale (DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints are kept "
                                   "as they ship (codes and scales, exported bit-exact; dense ones are dequantized "
-                                  "when a model loads); multi-token-prediction layers are skipped. "
+                                  "when a model loads); multi-token-prediction layers are kept for drafting "
+                                  "(--no-mtp leaves them out). "
                                   "Streams tensor by tensor; on failure nothing is left behind.")
     q.add_argument("hf_dir", metavar="HF_DIR", help="HuggingFace checkpoint directory")
     q.add_argument("store", metavar="STORE", help="new store directory (must be absent or empty)")
@@ -47,6 +48,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="store the experts' weights compact, as `semoe store quantize` does (lossy)")
     _add_group_size(q)
     _add_dense(q)
+    q.add_argument("--no-mtp", action="store_true",
+                   help="leave out the multi-token-prediction layers (DeepSeek-V3, GLM-4.5, Qwen3-Next...), which "
+                        "speculative decoding drafts with (`--speculative`); they take disk, not memory")
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(handler=cmd_import)
 
@@ -157,16 +161,18 @@ def cmd_import(args: argparse.Namespace) -> int:
     quant = QuantizeConfig(bits=8 if args.quantize == "int8" else 4, group_size=args.group_size,
                            dense=args.dense) if args.quantize else None
     _check_target(args.store)
-    ck = open_checkpoint(args.hf_dir, dtype=args.dtype)
+    mtp = not args.no_mtp
+    ck = open_checkpoint(args.hf_dir, dtype=args.dtype, mtp=mtp)
     total = sum(r.nbytes for r in ck.tensors.values())
     if quant is None:
         with byte_bar(total, "import") as bar:
-            store = import_checkpoint(args.hf_dir, args.store, dtype=args.dtype, progress=bar.update)
+            store = import_checkpoint(args.hf_dir, args.store, dtype=args.dtype, progress=bar.update, mtp=mtp)
     else:  # import beside the target, then quantize into it
         staging = tempfile.mkdtemp(prefix=".import-", dir=os.path.dirname(os.path.abspath(args.store)))
         try:
             with byte_bar(total, "import") as bar:
-                import_checkpoint(args.hf_dir, os.path.join(staging, "store"), dtype=args.dtype, progress=bar.update)
+                import_checkpoint(args.hf_dir, os.path.join(staging, "store"), dtype=args.dtype, progress=bar.update,
+                                  mtp=mtp)
             with byte_bar(total, "quantize") as bar:
                 _quantized(quantize_store(os.path.join(staging, "store"), args.store, quant, progress=bar.update))
         finally:
@@ -289,6 +295,9 @@ def _import_notes(info: dict) -> list[tuple[str, str]]:
     if s := info.get("skipped"):
         notes.append(("skipped", f"{s['reason']} {s['layers']} at import ({s['tensors']} tensors, "
                                  f"{format_size(s['bytes'])})"))
+    if k := info.get("mtp"):
+        notes.append(("mtp", f"multi-token prediction layers {k['layers']} kept for drafting ({k['tensors']} "
+                             f"tensors, {format_size(k['bytes'])})"))
     return notes
 
 

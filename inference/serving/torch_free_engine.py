@@ -39,7 +39,7 @@ class LeanEngine:
         self.model_config = model.config
         self.lock = threading.Lock()
         self._net = ctypes.byref(model.net)
-        self._moe = frozenset(model._parts)
+        self._moe = model.moe
 
     def new_cache(self, prompt: list[int], max_new_tokens: int) -> KVCache:
         """The KV cache of one sequence for `prompt` and up to `max_new_tokens` more."""

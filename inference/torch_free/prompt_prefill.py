@@ -24,7 +24,10 @@ def prefill(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
         raise BadInputError(f"a prompt of {T} tokens at position {pos0}: the sequence holds {seq.capacity}")
     if seq._work is None:
         raise BadInputError("the sequence is closed")
-    seq.x[:] = advance(seq, tokens, on_layer)[-1]
+    x = advance(seq, tokens, on_layer)
+    seq.x[:] = x[-1]
+    if seq.keep_rows:  # a drafter's input (`inference.torch_free.mtp`)
+        seq.rows = (pos0, x)
     m.lib.decode_head(seq._net, seq._work, seq._p[0], seq._p[1], m.settings.threads)
     return seq.logits
 
@@ -36,7 +39,7 @@ def advance(seq, tokens: list[int], on_layer: Callable[[int, int], None] | None 
     m, c, pos0, T = seq.model, seq.model.config, seq.length, len(tokens)
     x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
     kc, vc, segs = sequences([seq.addresses], [seq.capacity], [pos0], [T])
-    run(Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, frozenset(m._parts), m, c.index_topk or 0,
+    run(Target(m.lib, seq._net, kc, vc, segs, m.settings.threads, c.top_k, m.moe, m, c.index_topk or 0,
                np.array(tokens, np.int64), c.hc_mult), x, cos, sin, on_layer)
     seq.length = pos0 + T
     return x

@@ -53,7 +53,7 @@ from typing import Callable
 
 import numpy as np
 
-from inference.torch_free import mixers
+from inference.torch_free import mixers, mtp
 from inference.torch_free import speculative as spec
 from inference.torch_free.prompt_prefill import prefill
 from inference.torch_free.expert_slots import ExpertSlots
@@ -176,50 +176,8 @@ class LeanModel:
             dense = auto_dense(kinds, on_cpu=True)
         self.dense = dense
         self.experts_of: dict[int, ctypes.Array] = {}  # layer -> its experts, pointed at slots as chosen
-        parts = []
-        for lay in range(L):
-            shared = shared_gate = correction = None
-            hashed = c.hash_layers is not None and lay in c.hash_layers
-            if lay in moe_layers:
-                arr = self.experts_of[lay] = (loader.Expert * E)()
-                router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=c.router_bias)
-                F = self._chunk_parts(lay, 0)[0][0][2] // (2 if self._fused else 1)
-                if c.score_correction_bias and not hashed:
-                    correction = self._vector(f"layers.{lay}.ffn.router.e_score_correction_bias")
-                if c.shared_expert_size:  # dense weights, as the engine's (int8 beside compact experts)
-                    shared = (loader.Expert * 1)(loader.Expert(*(
-                        self._linear([f"layers.{lay}.ffn.shared.{p}_proj"], dense, bias=False)
-                        for p in ("gate", "up", "down"))))
-                    self.held.append(shared)
-                    if c.shared_expert_gate:  # a router-like row: float, as the engine keeps it
-                        shared_gate = self._linear([f"layers.{lay}.ffn.shared_gate"], "float", bias=False)
-            else:
-                ex = loader.Expert(*(self._linear([f"layers.{lay}.ffn.{p}_proj"], dense, bias=False)
-                                         for p in ("gate", "up", "down")))
-                arr, router, F = (loader.Expert * 1)(ex), None, ex.gate.O
-                self.held.append(arr)
-            o = f"layers.{lay}.attn.{'out_proj' if c.is_linear(lay) else 'o_proj'}"
-            if c.attention == "compressed":  # its grouped output inside `Compressed`
-                attn, o = dict(qkv=[], **mixers.compressed(self, lay, dense)), None
-            elif c.is_linear(lay):
-                attn = dict(qkv=[], dn=mixers.deltanet(self, lay, dense))
-            elif c.attention == "mla":
-                attn = dict(qkv=[], mla=mixers.latent(self, lay, dense))
-            else:
-                qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
-                mapped = dense == "int8" and any(self._stored_int8(hf_name(c, f"{m}.weight")) for m in qkv)
-                weighted = c.qk_norm not in ("none", "unit_after_rope")  # Llama-4's norms have no weights
-                attn = dict(
-                    qkv=[self._linear([m], dense) for m in qkv] if mapped else [self._linear(qkv, dense)],
-                    q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight", norm=True) if weighted else None,
-                    k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight", norm=True) if weighted else None,
-                    sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
-            parts.append(loader.layer_parts(
-                c, lay, attn_norm=self._vector(f"layers.{lay}.attn_norm.weight", norm=True),
-                ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight", norm=True),
-                o=self._linear([o], dense) if o else loader.Lin(),
-                experts=arr, ffn_width=F,
-                router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn))
+        self._moe_layers = set(moe_layers)
+        self.parts = parts = [self._layer(lay, dense) for lay in range(L)]  # (a drafting Net's too: `mtp`)
         head = "embed.weight" if c.tie_embeddings else "lm_head.weight"
         self.head = self._linear([head.removesuffix(".weight")], dense, bias=False, name=hf_name(c, head))
         self.net, self.layers = loader.build_net(c, parts, self._vector("norm.weight", norm=True), c.rms_norm_eps,
@@ -231,6 +189,8 @@ class LeanModel:
             if missing:
                 raise BadInputError(f"{path}: layer {lay} has no chunk for expert {missing[0]} (of {E})")
         self._parts = {lay: self._chunk_parts(lay, 0) for lay in moe_layers}
+        self._mtp = None  # its multi-token-prediction layer's Net, made when first drafted from (`drafter`)
+        self.moe = frozenset(lay for lay in moe_layers if lay < L)  # the model's MoE layers (past them: drafting's)
         for ch in chunks:
             if self._chunk_parts(ch.layer, ch.expert) != self._parts[ch.layer]:
                 raise NotOnFastPath(f"{path}: layer {ch.layer}'s expert {ch.expert} is laid out unlike its expert 0")
@@ -260,6 +220,53 @@ class LeanModel:
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
         self.cache = ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader, self._loaded)
         release_free_heap()  # what loading freed, given back: decoding may run with memory short
+
+    def _layer(self, lay: int, dense: str) -> loader.LayerParts:
+        """Layer `lay`'s parts as the Net takes them (a multi-token-prediction layer's too, past the last):
+        its weights read (products as `dense` says), its experts' array made (pointed at slots as chosen)."""
+        c, E = self.config, self.config.num_experts
+        shared = shared_gate = correction = None
+        hashed = c.hash_layers is not None and lay in c.hash_layers
+        if lay in self._moe_layers:
+            arr = self.experts_of[lay] = (loader.Expert * E)()
+            router = self._linear([f"layers.{lay}.ffn.router"], "float", bias=c.router_bias)
+            F = self._chunk_parts(lay, 0)[0][0][2] // (2 if self._fused else 1)
+            if c.score_correction_bias and not hashed:
+                correction = self._vector(f"layers.{lay}.ffn.router.e_score_correction_bias")
+            if c.shared_expert_size:  # dense weights, as the engine's (int8 beside compact experts)
+                shared = (loader.Expert * 1)(loader.Expert(*(
+                    self._linear([f"layers.{lay}.ffn.shared.{p}_proj"], dense, bias=False)
+                    for p in ("gate", "up", "down"))))
+                self.held.append(shared)
+                if c.shared_expert_gate:  # a router-like row: float, as the engine keeps it
+                    shared_gate = self._linear([f"layers.{lay}.ffn.shared_gate"], "float", bias=False)
+        else:
+            ex = loader.Expert(*(self._linear([f"layers.{lay}.ffn.{p}_proj"], dense, bias=False)
+                                     for p in ("gate", "up", "down")))
+            arr, router, F = (loader.Expert * 1)(ex), None, ex.gate.O
+            self.held.append(arr)
+        o = f"layers.{lay}.attn.{'out_proj' if c.is_linear(lay) else 'o_proj'}"
+        if c.attention == "compressed":  # its grouped output inside `Compressed`
+            attn, o = dict(qkv=[], **mixers.compressed(self, lay, dense)), None
+        elif c.is_linear(lay):
+            attn = dict(qkv=[], dn=mixers.deltanet(self, lay, dense))
+        elif c.attention == "mla":
+            attn = dict(qkv=[], mla=mixers.latent(self, lay, dense))
+        else:
+            qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
+            mapped = dense == "int8" and any(self._stored_int8(hf_name(c, f"{m}.weight")) for m in qkv)
+            weighted = c.qk_norm not in ("none", "unit_after_rope")  # Llama-4's norms have no weights
+            attn = dict(
+                qkv=[self._linear([m], dense) for m in qkv] if mapped else [self._linear(qkv, dense)],
+                q_norm=self._vector(f"layers.{lay}.attn.q_norm.weight", norm=True) if weighted else None,
+                k_norm=self._vector(f"layers.{lay}.attn.k_norm.weight", norm=True) if weighted else None,
+                sinks=self._vector(f"layers.{lay}.attn.sinks") if c.attention_sinks else None)
+        return loader.layer_parts(
+            c, lay, attn_norm=self._vector(f"layers.{lay}.attn_norm.weight", norm=True),
+            ffn_norm=self._vector(f"layers.{lay}.ffn_norm.weight", norm=True),
+            o=self._linear([o], dense) if o else loader.Lin(),
+            experts=arr, ffn_width=F,
+            router=router, correction=correction, shared=shared, shared_gate=shared_gate, **attn)
 
     @staticmethod
     def _check(c) -> None:
@@ -505,7 +512,8 @@ class LeanModel:
         (`semoe.decode.loop`), its draws from numpy's generator seeded with cfg.seed; `on_prompt_layer(done,
         layers)` after each layer of the prompt's pass. `speculative` k > 0: up to k tokens drafted a step
         (`draft(tokens so far, n)`; default: `loop.PromptLookup` over the prompt and them) and verified in
-        one pass (`inference.torch_free.speculative`), greedy; the stats then count passes and drafts."""
+        one pass (`inference.torch_free.speculative`), greedy; the stats then count passes and drafts.
+        `draft(tokens so far, n)`: by default `mtp.default_draft`'s."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
         cache = self.cache
@@ -514,7 +522,7 @@ class LeanModel:
         with self.sequence(len(prompt) + cfg.max_new_tokens) as seq:
             first = functools.partial(prefill, seq, prompt, on_prompt_layer)
             if speculative:
-                lookup = draft or loop.PromptLookup(prompt)
+                lookup = draft or mtp.default_draft(self, seq, prompt)
                 out = loop.run_speculative(first, functools.partial(spec.verify, seq),
                                            functools.partial(spec.keep, seq), lookup, speculative,
                                            lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
@@ -560,6 +568,8 @@ class LeanSequence:
             raise BadInputError(f"a sequence of {capacity} positions: the model takes 1 to {c.max_position}")
         self.model, self.capacity, self.length = model, capacity, 0
         self.undo = None  # the last speculative pass's (`inference.torch_free.speculative.verify`)
+        # with `keep_rows` (a drafter's), the last rows run: (first position, their residual rows)
+        self.keep_rows, self.rows = False, None
         L, K = c.num_layers, max(c.top_k, 1)
         # the model's layout (`MoEConfig.kv_shapes`) of one sequence a layer, as the Net's kv16 says, or a
         # layer's own state

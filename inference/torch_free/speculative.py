@@ -12,7 +12,9 @@ differs from its draft.
 caches by the sequence's length alone (what is past it is written over), a state that holds every token
 at once restored from before the pass and run over the kept tokens again: the linear layers' (Qwen3-Next's)
 whole, DeepSeek-V4's fixed part (its window, its compressors' pending tokens; an entry a rejected row closed
-lies past the kept ones, written over when its window closes again). This module imports no torch.
+lies past the kept ones, written over when its window closes again). Where the sequence keeps its rows
+(`keep_rows`: a multi-token-prediction drafter reads them, `inference.torch_free.mtp`), `seq.rows` is then the
+kept positions' residual rows. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -33,16 +35,21 @@ def verify(seq, tokens: list[int]) -> np.ndarray:
         raise BadInputError(f"{T} rows at position {pos0}: the sequence holds {seq.capacity}")
     if T == 1:  # nothing to undo
         seq.undo = (pos0, list(tokens), [])
-        return seq.step(tokens[0])[None]
+        logits = seq.step(tokens[0])[None]
+        if seq.keep_rows:
+            seq.rows = (pos0, seq.x[None].copy())
+        return logits
     saved = [(lay, k.copy(), v.copy() if c.is_linear(lay) else None) for lay, (k, v) in enumerate(seq.caches)
              if c.is_linear(lay) or c.attention == "compressed"]
     seq.undo = (pos0, list(tokens), saved)
     x, cos, sin = m.inputs(tokens, list(range(pos0, pos0 + T)))
     logits = np.empty((T, m.head.O), np.float32)
     packed(m.lib, seq._net, [seq.addresses], [seq.capacity], [pos0], [T], x, cos, sin, list(range(T)), logits,
-           threads=m.settings.threads, top_k=c.top_k, moe=frozenset(m._parts), reader=m, index_topk=c.index_topk or 0,
+           threads=m.settings.threads, top_k=c.top_k, moe=m.moe, reader=m, index_topk=c.index_topk or 0,
            tokens=tokens, streams=c.hc_mult)
     seq.length = pos0 + T
+    if seq.keep_rows:  # the residual rows, a drafter's input once `keep` says which stand
+        seq.rows = (pos0, x)
     return logits
 
 
@@ -52,6 +59,8 @@ def keep(seq, n: int) -> None:
     if not 1 <= n <= len(tokens):
         raise ValueError(f"keep {n} of {len(tokens)} rows")
     seq.length = pos0 + n
+    if seq.keep_rows and seq.rows is not None:
+        seq.rows = (pos0, seq.rows[1][:n])
     if n == len(tokens) or not saved:
         return
     for lay, k0, v0 in saved:
@@ -60,4 +69,6 @@ def keep(seq, n: int) -> None:
         if v0 is not None:
             v[...] = v0
     seq.length = pos0
-    advance(seq, tokens[:n])
+    x = advance(seq, tokens[:n])
+    if seq.keep_rows:
+        seq.rows = (pos0, x)

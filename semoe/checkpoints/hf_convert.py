@@ -13,8 +13,10 @@ codes and scales byte for byte, the codes' entries carrying a `storage.quant.Qua
 stay compact from SSD to compute and export gives back the original bytes. Loading such a store
 dequantizes its dense weights only. `open_checkpoint(dequantize=True)` reads them as plain tensors
 instead (loading a model straight from a checkpoint directory).
-Multi-token-prediction layers (DeepSeek-V3, GLM-4.5: layers past `num_hidden_layers`) are not part of
-the causal LM and are skipped.
+Multi-token-prediction layers (DeepSeek-V3/V3.2, GLM-4.5/5: layers past `num_hidden_layers`; Qwen3-Next's
+and Qwen3.5's `mtp.*`) are kept by default, for drafting (`inference.torch_free.mtp`): their experts are
+chunks of layer `num_hidden_layers` + i, their other tensors dense under their own names, and the
+manifest's `mtp` records them. `mtp=False` leaves them out (the manifest's `skipped` says so).
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class Checkpoint:
     quantization: dict | None = None  # {"format", "tensors", "source"} when they are kept compact
     quant: dict[str, dict] = field(default_factory=dict)
     skipped: dict | None = None  # {"reason", "layers", "tensors", "bytes"} for layers left out
+    mtp: dict | None = None  # {"layers", "tensors", "bytes"} of the multi-token-prediction layers kept
 
     @property
     def model_type(self) -> str:
@@ -139,11 +142,12 @@ def _with_quantization(config: dict) -> dict:
     return {**config, "quantization_config": text_config_of(config)["quantization_config"]}
 
 
-def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False) -> Checkpoint:
+def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False, mtp: bool = True) -> Checkpoint:
     """Read and check a checkpoint directory's headers; no tensor data is read.
 
     Quantized tensors are kept as stored, each codes tensor with its spec (logical dtype `dtype`;
-    "keep" gives bfloat16); with `dequantize`, read dequantized to that dtype instead.
+    "keep" gives bfloat16); with `dequantize`, read dequantized to that dtype instead. `mtp`: keep the
+    multi-token-prediction layers (else they are left out).
     """
     if not os.path.isdir(path):
         raise BadInputError(f"{path}: not a directory")
@@ -181,10 +185,10 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False)
         raise BadInputError(f"{path}: tensor embed.weight: DeepSeek-V4's release names (embed.weight, layers.N.attn...) "
                             "are not read yet, only those transformers writes (model.embed_tokens.weight, "
                             "model.layers.N.attn...): load it with transformers and save_pretrained a copy")
-    tensors, skipped = _skip_extra_layers(tensors, text_config_of(config), cfg_path)
+    tensors, extra = _extra_layers(tensors, text_config_of(config), cfg_path, keep=mtp)
     _say_kept_towers(os.path.abspath(path), tensors, config)
     ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side,
-                    skipped=skipped)
+                    skipped=None if mtp else extra, mtp=extra if mtp else None)
     scheme = quant_scheme(_with_quantization(config), cfg_path)
     if scheme is not None:
         to = cast_dtype(dtype) or torch.bfloat16
@@ -243,23 +247,40 @@ def _say_kept_towers(path: str, tensors: dict[str, TensorRef], config: dict) -> 
                     "the text model", config["model_type"], len(outside), ", ".join(tops))
 
 
-def _skip_extra_layers(tensors: dict[str, TensorRef], config: dict,
-                       source: str) -> tuple[dict[str, TensorRef], dict | None]:
-    """Leave out the multi-token-prediction layers past `num_hidden_layers`; any other layer past it is an error."""
+def mtp_count(config: dict) -> int:
+    """How many multi-token-prediction layers a (text) config declares: DeepSeek's and GLM's
+    `num_nextn_predict_layers`, MiniMax-M2's `num_mtp_modules` where `use_mtp`, Qwen3-Next's and Qwen3.5's
+    `mtp_num_hidden_layers`; 0 where none."""
+    return int(config.get("num_nextn_predict_layers") or (config.get("num_mtp_modules") if config.get("use_mtp")
+                                                          else 0) or config.get("mtp_num_hidden_layers") or 0)
+
+
+def tensor_layer(name: str, n: int) -> int:
+    """The layer a tensor belongs to (-1: none), where the model has `n` layers: the first layers.N of its
+    name, or for Qwen3-Next's and Qwen3.5's `mtp.*` (their multi-token-prediction module, named apart) n + its
+    own layer (n where it has none)."""
+    m = _LAYER_RE.match(name)
+    if name.startswith(_MTP_PREFIX):
+        return n + (int(m.group(1)) if m else 0)
+    return int(m.group(1)) if m else -1
+
+
+def _extra_layers(tensors: dict[str, TensorRef], config: dict, source: str,
+                  keep: bool) -> tuple[dict[str, TensorRef], dict | None]:
+    """The multi-token-prediction layers past `num_hidden_layers`: kept (`keep`) or left out, and what
+    they hold ({"layers", "tensors", "bytes"}, with "reason" where left out); any other layer past them is
+    an error."""
     n = config.get("num_hidden_layers")
     if not isinstance(n, int):
         return tensors, None
-    # DeepSeek-V3's count of them, MiniMax-M2's
-    mtp = config.get("num_nextn_predict_layers") or (config.get("num_mtp_modules") if config.get("use_mtp") else 0) or 0
+    mtp = mtp_count(config)
     kept: dict[str, TensorRef] = {}
     layers: set[int] = set()
     count = nbytes = 0
     for name, ref in tensors.items():
-        m = _LAYER_RE.match(name)
-        layer = int(m.group(1)) if m else -1
-        if name.startswith(_MTP_PREFIX):  # Qwen3-Next's module, under a name of its own: the layer after the last
-            layer = n
-            mtp = max(mtp, 1)
+        layer = tensor_layer(name, n)
+        if name.startswith(_MTP_PREFIX):
+            mtp = max(mtp, layer - n + 1)
         if layer < n:
             kept[name] = ref
             continue
@@ -269,10 +290,16 @@ def _skip_extra_layers(tensors: dict[str, TensorRef], config: dict,
         layers.add(layer)
         count += 1
         nbytes += ref.nbytes
+        if keep:
+            kept[name] = ref
     if not layers:
         return tensors, None
+    what = {"layers": sorted(layers), "tensors": count, "bytes": nbytes}
+    if keep:
+        log.info("keeping %d tensors of %s %s (drafting)", count, MTP_REASON, sorted(layers))
+        return kept, what
     log.info("skipping %d tensors of %s %s", count, MTP_REASON, sorted(layers))
-    return kept, {"reason": MTP_REASON, "layers": sorted(layers), "tensors": count, "bytes": nbytes}
+    return kept, {"reason": MTP_REASON, **what}
 
 
 def _weight_files(path: str) -> list[str]:
@@ -292,18 +319,19 @@ def _weight_files(path: str) -> list[str]:
 
 def _classify(ck: Checkpoint) -> None:
     experts: dict[int, dict[int, list[ExpertPart]]] = defaultdict(lambda: defaultdict(list))
+    text = text_config_of(ck.config)
+    n = text.get("num_hidden_layers") if isinstance(text.get("num_hidden_layers"), int) else 0
     for name, ref in ck.tensors.items():
         m = _EXPERT_RE.match(name)
         if m:
-            experts[int(m.group(1))][int(m.group(2))].append(ExpertPart(ref=ref, stacked=False))
+            experts[tensor_layer(name, n)][int(m.group(2))].append(ExpertPart(ref=ref, stacked=False))
             continue
         m = _FUSED_RE.match(name)
         if m and len(ref.shape) >= 2:
             for e in range(ref.shape[0]):
-                experts[int(m.group(1))][e].append(ExpertPart(ref=ref, stacked=True))
+                experts[tensor_layer(name, n)][e].append(ExpertPart(ref=ref, stacked=True))
             continue
         ck.dense.append(name)
-    text = text_config_of(ck.config)
     want = next((int(text[k]) for k in _NUM_EXPERT_KEYS if isinstance(text.get(k), int)), None)
     for layer, by_expert in experts.items():
         n = max(by_expert) + 1
@@ -344,13 +372,15 @@ def _cast(data: np.ndarray, ref_dtype: str, shape: tuple[int, ...], to: torch.dt
     return t.reshape(-1).view(torch.uint8).numpy(), dtype_name(to)
 
 
-def import_checkpoint(src: str, dst: str, *, dtype: str = "keep", progress: Progress | None = None) -> Store:
-    """Import a HuggingFace checkpoint into a new store at `dst` (absent or empty).
+def import_checkpoint(src: str, dst: str, *, dtype: str = "keep", progress: Progress | None = None,
+                      mtp: bool = True) -> Store:
+    """Import a HuggingFace checkpoint into a new store at `dst` (absent or empty); `mtp`: with its
+    multi-token-prediction layers (`open_checkpoint`'s).
 
     On any failure the target is removed again, so nothing half-written is left behind.
     """
     to = cast_dtype(dtype)
-    ck = open_checkpoint(src, dtype=dtype)
+    ck = open_checkpoint(src, dtype=dtype, mtp=mtp)
     created = not os.path.exists(dst)
     store = Store.create(dst)
     try:
@@ -440,6 +470,8 @@ def _model_info(ck: Checkpoint) -> dict:
         info["quantization"] = ck.quantization
     if ck.skipped:
         info["skipped"] = ck.skipped
+    if ck.mtp:
+        info["mtp"] = ck.mtp
     return info
 
 

@@ -74,19 +74,20 @@ def sequences(caches: list[tuple[list[int], list[int]]], capacities: list[int], 
 
 
 def run(target: Target, x: np.ndarray, cos: np.ndarray, sin: np.ndarray,
-        on_layer: Callable[[int, int], None] | None = None) -> None:
+        on_layer: Callable[[int, int], None] | None = None, layers: list[int] | None = None) -> None:
     """The T rows of target's sequences through every layer: x (T, D) float32, their embeddings, becomes
     the residual stream after the last layer (the head's input; with hyper-connections x is (T, N D), each
     row's embedding in its first D, and becomes its N streams); cos and sin (T, R) their rotary tables;
     their k and v written into their sequences' caches at their positions. `on_layer(done, layers)`
-    after each layer."""
+    after each layer. `layers`: these of the Net's alone (a multi-token-prediction layer past the model's), else
+    all in turn."""
     if int(target.segs[:, 2].sum()) != len(x):
         raise ValueError(f"{len(x)} rows for sequences of {target.segs[:, 2].tolist()}")
     p = _Pass(target, x, cos, sin)
     cache = None if target.reader is None else target.reader.cache
     ahead = None  # the next MoE layer's experts, read while this one computes
     try:
-        for lay in range(len(target.kc)):
+        for lay in range(len(target.kc)) if layers is None else layers:
             p.attend(lay)
             ahead = p.feed_forward(lay, ahead)
             if on_layer is not None:

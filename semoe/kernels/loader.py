@@ -311,6 +311,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.prefill_norm.argtypes = [_P, _I, _P, _P, _I]
     lib.prefill_attend.argtypes = [_P, _I, _P, _I, _P, _P, _P, _I, _P, _P, _I, _P, _P, _I, _P, _P, _P, _INT]
     lib.prefill_head.argtypes = [_P, _P, _I, _P, _INT]
+    lib.lin_rows.argtypes = [_P, _P, _I, _P, _INT]
     lib.prefill_experts.argtypes = [_P, _I, _P, _P, _I, _P, _P, _P, _I, _INT]
     lib.prefill_finish.argtypes = [_P, _I, _P, _P, _P, _I, _INT]
     lib.deltanet_step.argtypes = [_P, _P, _P, _P, _I, _P, _INT]
@@ -328,7 +329,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for f in (lib.gemv_i8, lib.gemv_i4, lib.gemv_mxfp4, lib.swiglu_q, lib.clamped_swiglu_q, lib.attend_decode_f32,
               lib.decode_step, lib.decode_attend, lib.decode_ffn, lib.decode_experts, lib.decode_ffn_done,
               lib.decode_head, lib.prefill_attend, lib.deltanet_step,
-              lib.prefill_head, lib.prefill_experts, lib.prefill_finish):
+              lib.prefill_head, lib.prefill_experts, lib.prefill_finish, lib.lin_rows):
         f.restype = ctypes.c_int
         f.errcheck = _out_of_memory
     lib.decode_work.errcheck = _no_work

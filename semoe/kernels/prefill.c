@@ -411,6 +411,16 @@ int prefill_head(const Net *net, const float *x, int64_t n, float *logits, int t
     return oom ? -1 : 0;
 }
 
+/* y (n, O) = one product `l` of n rows x (n, I), its bias added, by the team: the products' arithmetic
+ * outside a layer (a multi-token-prediction layer's input projection). Returns 0; -1 where memory was short. */
+int lin_rows(const Lin *l, const float *x, int64_t n, float *y, int threads) {
+    Acts a;
+    int oom = 0;
+#pragma omp parallel num_threads(threads)
+    lin_product(l, x, n, &a, y, &oom);
+    return oom ? -1 : 0;
+}
+
 static int rows_new(const Net *net, int64_t T, int64_t K, Rows *p) {
     const int64_t D = net->D, F = net->F, R = PREFILL_ROWS;
     memset(p, 0, sizeof(*p));

@@ -22,7 +22,7 @@ import torch
 
 from semoe.model.compact_linear import CompactWeight
 from semoe.model.config import MoEConfig
-from semoe.model.hf_names import moe_prefix, text_name
+from semoe.model.hf_names import layer_prefix, moe_prefix
 from semoe.model.experts import ExpertMLP, ExpertWeights, expert_mlp
 from storage.dtypes import torch_dtype
 from storage.keys import ExpertKey
@@ -73,8 +73,8 @@ def hf_expert_names(config: MoEConfig, layer: int, expert: int) -> tuple[str, ..
     """HuggingFace names of one expert's tensors, in its MLP variant's order (for a fused
     checkpoint layout, the names of the (E, ...) tensors that hold every expert of the layer)."""
     mlp = expert_mlp(config)
-    prefix = text_name(config, f"model.layers.{layer}.{moe_prefix(config)}.experts."
-                       + ("" if mlp.stacked else f"{expert}."))
+    prefix = (layer_prefix(config, layer) + f"{moe_prefix(config)}.experts."
+              + ("" if mlp.stacked else f"{expert}."))
     return mlp.names(config, prefix)
 
 

@@ -18,6 +18,7 @@ class _Arch(Protocol):  # the fields of `semoe.model.config.MoEConfig` the names
     shared_expert_gate: bool
     weights_prefix: str
     linear_layers: tuple[int, ...] | None
+    num_layers: int
 
 SUPPORTED_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe",
                          "gpt_oss", "minimax_m2", "dots1", "ernie4_5_moe", "hunyuan_v1_moe", "llama4_text",
@@ -110,7 +111,7 @@ def hf_name(config: _Arch, param: str) -> str:
         top = {"embed.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight"}.get(param, param)
         return text_name(config, top)
     layer, rest = m.group(1), m.group(2)
-    p = text_name(config, f"model.layers.{layer}.")
+    p = layer_prefix(config, int(layer))
     moe = moe_prefix(config)
     router = {"gpt_oss": "router", "llama4_text": "router", "hunyuan_v1_moe": "gate.wg"}.get(config.arch, "gate")
     dense = "feed_forward" if config.arch == "llama4_text" else "mlp"
@@ -132,3 +133,29 @@ def hf_name(config: _Arch, param: str) -> str:
         if re.match(pattern, rest):
             return p + re.sub(pattern, repl, rest)
     raise KeyError(param)
+
+
+# model types whose multi-token-prediction module is named apart (`mtp.fc`, `mtp.layers.0.*`), not as a layer
+# past the last (`model.layers.N.eh_proj`, `model.layers.N.self_attn.*`: DeepSeek's, GLM's)
+MTP_APART = ("qwen3_next", "qwen3_5_moe_text")
+MTP_PARTS = ("enorm", "hnorm", "eh_proj", "post_norm")  # its input's two norms, their projection, its output's norm
+
+
+def layer_prefix(config: _Arch, layer: int) -> str:
+    """What the HuggingFace names of layer `layer`'s tensors start with: `model.layers.N.` (inside a
+    multimodal checkpoint's text model), or a multi-token-prediction layer's own where it is named apart."""
+    if layer >= config.num_layers and config.arch in MTP_APART:
+        return f"mtp.layers.{layer - config.num_layers}."
+    return text_name(config, f"model.layers.{layer}.")
+
+
+def mtp_name(config: _Arch, layer: int, part: str) -> str:
+    """The HuggingFace name of one of `MTP_PARTS` of multi-token-prediction layer `layer` (num_layers + i):
+    DeepSeek's and GLM's `model.layers.N.{enorm,hnorm,eh_proj,shared_head.norm}.weight`, Qwen3-Next's and
+    Qwen3.5's `mtp.{pre_fc_norm_embedding,pre_fc_norm_hidden,fc,norm}.weight` (one such layer)."""
+    if part not in MTP_PARTS:
+        raise KeyError(part)
+    if config.arch in MTP_APART:
+        return "mtp." + {"enorm": "pre_fc_norm_embedding", "hnorm": "pre_fc_norm_hidden", "eh_proj": "fc",
+                         "post_norm": "norm"}[part] + ".weight"
+    return layer_prefix(config, layer) + {"post_norm": "shared_head.norm"}.get(part, part) + ".weight"

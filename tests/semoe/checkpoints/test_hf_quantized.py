@@ -84,14 +84,14 @@ def quant_of(store: Store, name: str) -> dict | None:
 
 
 @pytest.mark.parametrize("block", [(128, 128), (16, 16)])
-def test_fp8_import_keeps_every_weight_compact_and_skips_the_mtp_layer(dsv3_f32, tmp_path, block):
+def test_fp8_import_keeps_every_weight_compact_and_the_mtp_layer(dsv3_f32, tmp_path, block):
     written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", block)
     if block == (16, 16):  # edge blocks are exercised: some dimension is not a multiple of the block
         assert any(t.shape[0] % 16 or t.shape[1] % 16 for k, t in written.items() if FP8_QUANTIZED.match(k))
     store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
     got = stored(store)
-    # the expected store: every tensor byte for byte as the checkpoint ships it, nothing of layer 2
-    want = {name: t for name, t in written.items() if not name.startswith("model.layers.2.")}
+    # the expected store: every tensor byte for byte as the checkpoint ships it, the MTP layer's (2) too
+    want = written
     assert sorted(got) == sorted(want)
     for name in want:
         assert_bitwise_equal(got[name], want[name], name)
@@ -104,9 +104,9 @@ def test_fp8_import_keeps_every_weight_compact_and_skips_the_mtp_layer(dsv3_f32,
     info = store.describe()
     assert info["quantization"] == {"format": f"fp8-e4m3-block{block[0]}x{block[1]}", "source": "checkpoint",
                                     "tensors": len(fp8)}
-    assert info["skipped"] == {"reason": "multi-token prediction layers", "layers": [2], "tensors": len(mtp),
-                               "bytes": sum(t.nbytes for t in mtp.values())}
-    assert info["experts_per_layer"] == {"1": 4}
+    assert info["mtp"] == {"layers": [2], "tensors": len(mtp), "bytes": sum(t.nbytes for t in mtp.values())}
+    assert info["skipped"] is None
+    assert info["experts_per_layer"] == {"1": 4, "2": 4}  # the MTP layer's experts: chunks of layer 2
     assert info["schemes"]["fp8"]["tensors"] == len(fp8)
     # an expert is one contiguous read: its codes and their scales share its chunk
     chunk = store.manifest.chunk(1, 3)
@@ -146,13 +146,20 @@ def test_fp8_import_then_export_is_bit_exact(dsv3_f32, tmp_path):
     written = write_fp8_checkpoint(dsv3_f32, tmp_path / "fp8", (16, 16))
     store = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store"))
     assert export_checkpoint(store, str(tmp_path / "out")) == 0  # nothing dequantized: not lossy
-    # the shard holding only multi-token-prediction tensors is not written back
-    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == ["model-00001-of-00002.safetensors"]
-    got = load_safetensors_dir(tmp_path / "out")
-    want = {k: t for k, t in written.items() if not k.startswith("model.layers.2.")}
-    assert sorted(got) == sorted(want)
-    for name in want:
-        assert_bitwise_equal(got[name], want[name], name)
+    # both shards written back, the multi-token-prediction layer's (kept at import) too; without it
+    # (--no-mtp), the shard holding only its tensors is not
+    assert sorted(p.name for p in (tmp_path / "out").glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    without = import_checkpoint(str(tmp_path / "fp8"), str(tmp_path / "store-without"), mtp=False)
+    assert export_checkpoint(without, str(tmp_path / "out-without")) == 0
+    assert sorted(p.name for p in (tmp_path / "out-without").glob("*.safetensors")) == [
+        "model-00001-of-00002.safetensors"]
+    for out, want in ((tmp_path / "out", written),
+                      (tmp_path / "out-without", {k: t for k, t in written.items() if not k.startswith("model.layers.2.")})):
+        got = load_safetensors_dir(out)
+        assert sorted(got) == sorted(want)
+        for name in want:
+            assert_bitwise_equal(got[name], want[name], name)
     assert (tmp_path / "out" / "config.json").read_bytes() == (tmp_path / "fp8" / "config.json").read_bytes()
 
 
@@ -217,7 +224,11 @@ def test_store_info_says_what_import_kept(dsv3_f32, tmp_path, capsys):
     n_fp8 = sum(1 for k, t in written.items() if t.dtype == torch.float8_e4m3fn and ".layers.2." not in k)
     mtp = [t.nbytes for k, t in written.items() if k.startswith("model.layers.2.")]
     assert n_fp8 == 28 and len(mtp) == 53 and sum(mtp) == 44136  # so that the lines below can be read
-    assert main(["store", "import", str(tmp_path / "fp8"), str(tmp_path / "store")]) == 0
+    assert main(["store", "import", str(tmp_path / "fp8"), str(tmp_path / "kept")]) == 0
+    assert capsys.readouterr().out.splitlines()[1:] == [
+        "quantized: fp8-e4m3-block16x16 as the checkpoint ships it (49 tensors)",
+        "mtp: multi-token prediction layers [2] kept for drafting (53 tensors, 43.1 KiB)"]
+    assert main(["store", "import", "--no-mtp", str(tmp_path / "fp8"), str(tmp_path / "store")]) == 0
     assert capsys.readouterr().out.splitlines()[1:] == [
         "quantized: fp8-e4m3-block16x16 as the checkpoint ships it (28 tensors)",
         "skipped: multi-token prediction layers [2] at import (53 tensors, 43.1 KiB)"]

@@ -1,0 +1,143 @@
+"""Drafting with a checkpoint's multi-token-prediction layer (inference/torch_free/mtp.py): import keeps the
+layer (its experts as chunks of layer N), the runner's drafts are transformers' `MtpModel`'s (the layer
+over the model's hidden states of a prompt, then chained on its own output), and speculative decoding with
+them gives greedy decoding's tokens exactly, rejections included.
+
+Tolerances: the layer's logits within DRAFT_ATOL of transformers' (float32 throughout: 1e-7 measured, the
+bound leaves room for summation order); log-probs within LOGPROB_ATOL (a verification pass computes its
+rows as the prompt pass does, a step as decoding does)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers.mtp_checkpoints import MTP_ARCHS, make_mtp_checkpoint, mtp_oracle
+
+from inference.torch_free import mtp
+from inference.torch_free.prompt_prefill import prefill
+from inference.torch_free.runner import LeanConfig, LeanModel
+from semoe.checkpoints.hf_convert import import_checkpoint
+from semoe.decode.loop import PromptLookup, SamplingConfig
+from storage.errors import BadInputError
+from storage.store import Store
+
+PROMPT = [3, 7, 11, 2, 9, 4, 30, 12]
+DRAFT_ATOL = 1e-5
+LOGPROB_ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=MTP_ARCHS)
+def made(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    hf = make_mtp_checkpoint(request.param, root / "hf")
+    return hf, import_checkpoint(str(hf), str(root / "store"))
+
+
+def test_import_keeps_the_layer_its_experts_as_chunks_of_layer_n(made, tmp_path):
+    hf, store = made
+    n = store.manifest.model["num_layers"]
+    written = [k for k in store.manifest.model["hf"]["files"]["mtp.safetensors"]["tensors"]]
+    info = store.describe()
+    assert info["mtp"]["layers"] == [n] and info["mtp"]["tensors"] == len(written) and info["skipped"] is None
+    assert mtp.mtp_layers(store) == [n]
+    E = store.manifest.expert_layers()[n]  # the layer's experts, each one chunk, as the model's are
+    assert E == store.manifest.expert_layers()[n - 1]
+    assert all(".experts." in t.name and t.name in written for t in store.manifest.chunk_tensors(store.manifest.chunk(n, 0)))
+    left = import_checkpoint(str(hf), str(tmp_path / "without"), mtp=False).describe()
+    assert left["mtp"] is None and left["skipped"]["layers"] == [n] and n not in left["experts_per_layer"]
+
+
+def test_the_layers_drafts_are_transformers_mtp_models(made):
+    """The depth-1 pass over every prompt row (the model's normed hidden state at i, the token at i + 1),
+    then one chained row (the layer's normed output and the token it drafted): logits equal to
+    transformers' MtpModel run the same way, with its own cache."""
+    from transformers.cache_utils import MtpCache
+
+    hf, store = made
+    model, oracle = mtp_oracle(hf)
+    P = len(PROMPT)
+    with torch.no_grad():
+        out = model(torch.tensor([PROMPT]), output_hidden_states=True)
+        nxt = int(out.logits[0, -1].argmax())
+        cache = MtpCache(config=model.config.get_mtp_config())
+        hs = oracle.forward_layer(0, out.hidden_states[-1], torch.arange(1, P + 1)[None], cache,
+                                  input_ids=torch.tensor([PROMPT[1:] + [nxt]]))
+        want1 = oracle._project_to_logits(hs[:, -1:])[0, -1]
+        d1 = int(want1.argmax())
+        hs2 = oracle.forward_layer(0, hs[:, -1:], torch.tensor([[P + 1]]), cache, input_ids=torch.tensor([[d1]]))
+        want2 = oracle._project_to_logits(hs2)[0, -1]
+    with LeanModel(store.root, LeanConfig(cache_bytes=None, dense="float")) as lean, lean.sequence(32) as seq:
+        drafter = mtp.default_draft(lean, seq, PROMPT)
+        assert isinstance(drafter, mtp.Drafter)
+        assert int(np.argmax(prefill(seq, PROMPT))) == nxt
+        layer, (pos0, rows) = lean._mtp, seq.rows
+        assert pos0 == 0 and rows.shape == (P, lean.config.hidden_size)
+        hidden = mtp.rms(rows, layer.norm, lean.config.rms_norm_eps)
+        np.testing.assert_allclose(hidden, out.hidden_states[-1][0].numpy(), atol=DRAFT_ATOL)
+        got1, h1 = layer.rows(drafter.cache, 32, hidden, PROMPT[1:] + [nxt], 0)
+        np.testing.assert_allclose(got1, want1.numpy(), atol=DRAFT_ATOL)
+        np.testing.assert_allclose(h1, hs[0, -1].numpy(), atol=DRAFT_ATOL)
+        got2, _ = layer.rows(drafter.cache, 32, h1[None], [d1], P)
+        np.testing.assert_allclose(got2, want2.numpy(), atol=DRAFT_ATOL)
+        # the drafter itself: the same two tokens, from the rows the prompt left
+        seq.rows = (0, rows)
+        assert drafter([nxt], 2) == [d1, int(want2.argmax())]
+
+
+@pytest.mark.parametrize("cache", [None, 1], ids=["resident", "least-cache"])
+def test_speculative_decoding_with_the_layers_drafts_gives_greedy_tokens(made, cache):
+    """The default draft where the store has the layer is the layer's; whatever it drafts (random
+    weights: mostly wrong, so rows are rejected and undone), the tokens are plain greedy decoding's."""
+    _, store = made
+    cfg = SamplingConfig(max_new_tokens=20)
+    with LeanModel(store.root, LeanConfig(cache_bytes=cache)) as lean:
+        want = lean.generate(PROMPT, cfg)
+        for k in (1, 3):
+            got = lean.generate(PROMPT, cfg, speculative=k)
+            assert got.tokens == want.tokens, k
+            np.testing.assert_allclose(got.logprobs, want.logprobs, atol=LOGPROB_ATOL)
+            s = got.stats
+            # every pass drafted but the last (which has room for no more), and each kept draft saved a pass
+            assert s["drafted"] >= s["passes"] - 1 > 0 and 0 <= s["accepted"] <= s["drafted"]
+            assert s["passes"] <= len(want.tokens) - 1 - s["accepted"] + 1
+
+
+def test_no_layer_means_lookup_and_asking_for_one_says_so(tmp_path):
+    from helpers.hf_models import make_hf_checkpoint
+
+    store = import_checkpoint(str(make_hf_checkpoint("mixtral", tmp_path / "hf")), str(tmp_path / "store"))
+    with LeanModel(store.root, LeanConfig(cache_bytes=None)) as lean, lean.sequence(16) as seq:
+        assert isinstance(mtp.default_draft(lean, seq, PROMPT), PromptLookup)
+        with pytest.raises(BadInputError, match="holds no multi-token-prediction layer"):
+            mtp.MTP(lean)
+
+
+def test_the_engine_and_a_quantized_store_take_a_store_with_the_layer(made, tmp_path):
+    """The layer's chunks beside the model's change nothing for the engine (resident and offloaded: its
+    tokens are transformers' greedy ones) nor for `semoe store quantize`, whose int4 store keeps the layer
+    quantized and drafts with it, its speculative tokens plain decoding's."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+    from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
+
+    hf, store = made
+    model, _ = mtp_oracle(hf)
+    with torch.no_grad():
+        want = model.generate(torch.tensor([PROMPT]), max_new_tokens=8, do_sample=False)[0, len(PROMPT):].tolist()
+    cfg = SamplingConfig(max_new_tokens=8)
+    for config in (EngineConfig(), EngineConfig(cpu_cache_bytes=1)):
+        engine = Engine.load(store.root, config)
+        try:
+            assert engine.generate(PROMPT, cfg).tokens == want
+        finally:
+            engine.close()
+    quantize_store(store.root, str(tmp_path / "int8"), QuantizeConfig(bits=8))
+    q = Store.open(str(tmp_path / "int8"))
+    n = store.manifest.model["num_layers"]
+    assert q.describe()["mtp"] == store.describe()["mtp"]
+    assert any(t.quant for t in q.manifest.chunk_tensors(q.manifest.chunk(n, 0)))
+    with LeanModel(q.root, LeanConfig(cache_bytes=1)) as lean:
+        plain = lean.generate(PROMPT, SamplingConfig(max_new_tokens=16))
+        got = lean.generate(PROMPT, SamplingConfig(max_new_tokens=16), speculative=2)
+    assert got.tokens == plain.tokens and got.stats["drafted"] > 0
