@@ -54,13 +54,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "written, for grouped-query attention (every architecture but DeepSeek's latent one); auto "
                         "(default): f16 where a float32 cache for the prompt and --max-new-tokens would take more "
                         "than an eighth of the memory available (stderr says so), else f32")
-    p.add_argument("--speculative", type=int, default=0, metavar="K",
+    p.add_argument("--speculative", default="auto", metavar="K|auto",
                    help="draft up to K tokens a step and verify them in one pass of K + 1 rows, greedy, in the "
-                        "torch-free runner (it implies --lean): a pass reads the "
-                        "union of its rows' experts once, where memory is short the step's cost. Drafts by lookup: "
-                        "the tokens that followed the latest earlier occurrence of the sequence's last 1-3 tokens, "
-                        "prompt included (text that repeats its context drafts right; other text drafts nothing). "
-                        "The tokens are greedy decoding's. Default 0: off")
+                        "torch-free runner (it implies --lean): a pass reads the union of its rows' experts once, "
+                        "where memory is short the step's cost. Drafts with the checkpoint's own "
+                        "multi-token-prediction layer where the store holds one (DeepSeek-V3, GLM-4.5, Qwen3-Next, "
+                        "Qwen3.5), else by lookup: the tokens that followed the latest earlier occurrence of the "
+                        "sequence's last 1-3 tokens, prompt included. The tokens are greedy decoding's. 0: off. "
+                        "auto (default): K = 3 where the store holds such a layer, decoding is greedy and runs in "
+                        "the runner (--lean, or taken by itself with memory short), drafting only while it pays "
+                        "(passes with and without drafts timed in turns); off otherwise")
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -77,20 +80,51 @@ def parse_prompt_ids(text: str) -> list[int]:
     return ids
 
 
+AUTO_K = 3  # the tokens `--speculative auto` drafts a step
+
+
+def speculative_flag(args: argparse.Namespace) -> int | None:
+    """--speculative as K >= 0, or None for auto; UsageError names the flag on anything else."""
+    if args.speculative == "auto":
+        return None
+    try:
+        k = int(args.speculative)
+    except (TypeError, ValueError):
+        raise UsageError(f"--speculative must be auto or a count of tokens >= 0, got {args.speculative!r}") from None
+    if k < 0:
+        raise UsageError(f"--speculative must be >= 0 (the tokens drafted a step), got {k}")
+    return k
+
+
+def auto_speculative(args: argparse.Namespace) -> None:
+    """--speculative auto, where the runner decodes: K = AUTO_K, drafting while it pays (`args.paying`),
+    where the store holds a multi-token-prediction layer and decoding is greedy; else 0. Says so."""
+    from inference.torch_free.mtp import mtp_layers
+    from storage.reader import StoreReader
+
+    greedy = args.temperature is None and args.top_p is None
+    layers = mtp_layers(StoreReader.open(args.model)) if greedy else []
+    args.speculative, args.paying = (AUTO_K, True) if layers else (0, False)
+    if layers:
+        print(f"semoe: drafting {AUTO_K} tokens a step with the checkpoint's multi-token-prediction layer "
+              f"{layers[0]}, while it pays (--speculative 0: off)", file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
-    if args.speculative < 0:
-        raise UsageError(f"--speculative must be >= 0 (the tokens drafted a step), got {args.speculative}")
-    if args.speculative and (args.temperature is not None or args.top_p is not None):
+    k = speculative_flag(args)
+    args.paying = False
+    if k and (args.temperature is not None or args.top_p is not None):
         raise UsageError("--speculative decodes greedily: drop --temperature and --top-p, or --speculative")
     if args.lean:
         return run_lean(args)
-    if args.speculative:  # the engine decodes a token a step
+    if k:  # the engine decodes a token a step
         print("semoe: --speculative decodes in the torch-free runner (as --lean)", file=sys.stderr, flush=True)
         return run_lean(args)
     said = lean_by_itself(args, sized_cache=True)
     if said is not None:
         print(f"semoe: {said}", file=sys.stderr, flush=True)
         return run_lean(args)
+    args.speculative = 0
     from semoe.decode.profile import DecodeProfile, format_report, memory_read_gbps
     from semoe.decode.generate import check_prompt
     from semoe.evaluation.routing_trace import routing_trace
@@ -184,6 +218,9 @@ def run_lean(args: argparse.Namespace) -> int:
 
     check_sampling_flags(args)
     refuse_for_lean(args, "decodes in float32 on CPU, one sequence, evicting by next use, without profiles or traces")
+    if speculative_flag(args) is None:
+        auto_speculative(args)
+    args.speculative = int(args.speculative)
     store = StoreReader.open(args.model)  # the manifest, read once: for the cache's size and the model
     cache = lean_cache_bytes(args, store)
     c = store_model_config(store)
@@ -207,7 +244,7 @@ def run_lean(args: argparse.Namespace) -> int:
                     bar.close()  # decoding follows: the bar goes
 
             res = model.generate(prompt, sampling_config(args, model.stop_ids()), on_prompt_layer=layer_done,
-                                 speculative=args.speculative)
+                                 speculative=args.speculative, paying=getattr(args, "paying", False))
     text = tok.decode(res.tokens) if tok is not None else ""
     if args.json:
         emit_json({"tokens": res.tokens, "text": text, "logprobs": res.logprobs, "ttft_s": res.ttft_s,
@@ -219,6 +256,7 @@ def run_lean(args: argparse.Namespace) -> int:
               f"peak RSS {res.stats['peak_rss_bytes'] / 2**20:.0f} MiB]", file=sys.stderr)
         if args.speculative:
             st = res.stats
-            print(f"[speculative: {st['passes']} passes, {st['accepted']} of {st['drafted']} drafted tokens kept]",
-                  file=sys.stderr)
+            plain = f", {st['plain_passes']} of them plain (drafting did not pay)" if st["plain_passes"] else ""
+            print(f"[speculative: {st['passes']} passes{plain}, {st['accepted']} of {st['drafted']} drafted tokens "
+                  f"kept, drafted by {st['drafter']}]", file=sys.stderr)
     return 0

@@ -15,8 +15,9 @@ over that layer alone), its experts read into the runner's cache like the model'
 the model's row there is, so a rejected draft's rows are written over by the next pass, with nothing to undo.
 
 `Drafter` is `semoe.decode.loop.run_speculative`'s draft for one sequence: each call first runs the rows the
-model kept since the last (`LeanSequence.rows`) to bring the layer's cache level with them, the last of them
-drafting the first token, then chains. This module imports no torch.
+model kept since the last (`LeanSequence.rows`; those of calls that asked for no draft too, held until one
+does: `loop.Paying`'s plain passes) to bring the layer's cache level with them, the last of them drafting
+the first token, then chains. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -133,13 +134,20 @@ class Drafter:
         else:
             self.cache = (np.zeros(k, kv), np.zeros(v, kv))
         self.drafted = 0
+        self.pending: list[tuple[int, np.ndarray]] = []  # rows not run yet: (first position, rows), in order
 
     def __call__(self, generated: list[int], n: int) -> list[int]:
         seq, mtp = self.seq, self.mtp
-        if n < 1 or seq.rows is None:
+        if seq.rows is not None:  # the rows the model kept since the last call, run when next drafting
+            if self.pending and self.pending[-1][0] + len(self.pending[-1][1]) != seq.rows[0]:
+                self.pending.clear()  # not the rows after them (never so in a generation): start again here
+            self.pending.append(seq.rows)
+            seq.rows = None
+        if n < 1 or not self.pending:
             return []
-        pos0, rows = seq.rows
-        seq.rows = None
+        pos0 = self.pending[0][0]
+        rows = np.concatenate([r for _, r in self.pending]) if len(self.pending) > 1 else self.pending[0][1]
+        self.pending = []
         full = self.prompt + list(generated)  # full[p]: the token at position p (the last one not yet run)
         last = pos0 + len(rows)  # the position of the token the model chose last
         if last + n > seq.capacity or len(full) != last + 1:

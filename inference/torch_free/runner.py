@@ -506,14 +506,14 @@ class LeanModel:
 
     def generate(self, prompt: list[int], cfg: SamplingConfig, on_token: Callable[[int, float], None] | None = None,
                  on_prompt_layer: Callable[[int, int], None] | None = None, speculative: int = 0,
-                 draft: Callable[[list[int], int], list[int]] | None = None) -> LeanResult:
+                 draft: Callable[[list[int], int], list[int]] | None = None, paying: bool = False) -> LeanResult:
         """Decoding after `prompt` (its tokens through the model a layer at a time, `lean_prefill`), each
         token chosen as `cfg` says and handed to `on_token(id, logprob)`: the engine's loop
         (`semoe.decode.loop`), its draws from numpy's generator seeded with cfg.seed; `on_prompt_layer(done,
         layers)` after each layer of the prompt's pass. `speculative` k > 0: up to k tokens drafted a step
-        (`draft(tokens so far, n)`; default: `loop.PromptLookup` over the prompt and them) and verified in
-        one pass (`inference.torch_free.speculative`), greedy; the stats then count passes and drafts.
-        `draft(tokens so far, n)`: by default `mtp.default_draft`'s."""
+        (`draft(tokens so far, n)`; default `mtp.default_draft`'s) and verified in one pass
+        (`inference.torch_free.speculative`), greedy, drafting only while it pays with `paying` (`loop.Paying`);
+        the stats then count passes and drafts."""
         if not prompt:
             raise BadInputError("the prompt is empty: give at least one token")
         cache = self.cache
@@ -523,6 +523,7 @@ class LeanModel:
             first = functools.partial(prefill, seq, prompt, on_prompt_layer)
             if speculative:
                 lookup = draft or mtp.default_draft(self, seq, prompt)
+                lookup = loop.Paying(lookup) if paying else lookup
                 out = loop.run_speculative(first, functools.partial(spec.verify, seq),
                                            functools.partial(spec.keep, seq), lookup, speculative,
                                            lambda logits: loop.choose(logits, cfg, rng), cfg, on_token)
@@ -536,7 +537,9 @@ class LeanModel:
                  "kv_cache": self.settings.kv_cache,
                  "peak_rss_bytes": peak_rss_bytes()}
         if speculative:
-            stats.update(speculative=speculative, passes=out.passes, drafted=out.drafted, accepted=out.accepted)
+            stats.update(speculative=speculative, passes=out.passes, drafted=out.drafted, accepted=out.accepted,
+                         drafter=type(lookup.draft if paying else lookup).__name__, plain_passes=lookup.passes["plain"]
+                         if paying else 0)
         return LeanResult(out.tokens, out.logprobs, out.ttft_s, out.decode_tok_s, stats)
 
     def stop_ids(self) -> tuple[int, ...]:

@@ -207,3 +207,38 @@ class PromptLookup:
 def prompt_lookup(tokens: list[int], n: int, history: list[int] = (), longest: int = 3) -> list[int]:
     """`PromptLookup`'s draft for `tokens` after `history`, made afresh."""
     return PromptLookup(history, longest)(tokens, n)
+
+
+class Paying:
+    """`run_speculative`'s draft that drafts only while drafting pays: the passes with drafts and those
+    without (plain steps: the draft asked for none) are timed per token they emit, in turns (`probe`
+    passes of each, then `hold` passes of the faster, then again), so a drafter whose tokens are
+    seldom kept (or whose union of experts costs more than the passes it saves) costs the probes alone.
+    The wall time from one call to the next is the pass the call drafted for (its draft, its
+    verification, keeping); `draft(tokens, 0)` is still called on plain passes, so a drafter that must
+    see every row (`inference.torch_free.mtp.Drafter`) keeps up."""
+
+    def __init__(self, draft: Callable[[list[int], int], list[int]], probe: int = 4, hold: int = 32,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        self.draft, self.probe, self.hold, self.clock = draft, probe, hold, clock
+        self.plan = ["draft"] * probe + ["plain"] * probe  # the passes ahead, by kind
+        self.rate = {"draft": [0.0, 0], "plain": [0.0, 0]}  # this turn's seconds and tokens, by kind
+        self.last: tuple[str, float, int] | None = None  # the last call's kind, time and tokens so far
+        self.passes = {"draft": 0, "plain": 0}
+
+    def __call__(self, tokens: list[int], n: int) -> list[int]:
+        now = self.clock()
+        if self.last is not None:
+            kind, t0, n0 = self.last
+            self.rate[kind][0] += now - t0
+            self.rate[kind][1] += len(tokens) - n0
+        if not self.plan:  # a turn done: hold the faster, then probe both again
+            s = {k: sec / made if made else math.inf for k, (sec, made) in self.rate.items()}
+            best = "draft" if s["draft"] < s["plain"] else "plain"
+            self.plan = [best] * self.hold + ["draft"] * self.probe + ["plain"] * self.probe
+            self.rate = {"draft": [0.0, 0], "plain": [0.0, 0]}
+        kind = self.plan.pop(0)
+        self.passes[kind] += 1
+        out = self.draft(tokens, n if kind == "draft" else 0)
+        self.last = (kind, now, len(tokens))
+        return out

@@ -9,6 +9,8 @@ rows as the prompt pass does, a step as decoding does)."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -141,3 +143,45 @@ def test_the_engine_and_a_quantized_store_take_a_store_with_the_layer(made, tmp_
         plain = lean.generate(PROMPT, SamplingConfig(max_new_tokens=16))
         got = lean.generate(PROMPT, SamplingConfig(max_new_tokens=16), speculative=2)
     assert got.tokens == plain.tokens and got.stats["drafted"] > 0
+
+
+def test_paying_drafts_while_drafting_is_faster_a_token_and_probes_again():
+    """`loop.Paying` on a scripted clock: a pass costs 1 s; with drafts it emits `made` tokens, without one.
+    Where drafted passes emit 2 tokens, it keeps drafting through the hold; where they emit 1 (no draft
+    kept: slower a token, as a wider pass is), it holds plain passes, asking its drafter for none (but
+    calling it, so the drafter sees every row), and probes drafting again after the hold."""
+    from semoe.decode.loop import Paying
+
+    for made, held in ((2, "draft"), (1, "plain")):
+        t, asked, tokens = [0.0], [], [1]
+        paying = Paying(lambda toks, n: asked.append(n) or [0] * n, probe=2, hold=5, clock=lambda: t[0])
+        kinds = []
+        for _ in range(2 + 2 + 5 + 2 + 2):
+            drafts = paying(tokens, 3)
+            kinds.append("draft" if drafts else "plain")
+            t[0] += 1.0 if drafts else (0.9 if made == 2 else 0.5)  # a drafted pass is the wider one
+            tokens = tokens + [0] * (made if drafts else 1)
+        assert kinds == ["draft"] * 2 + ["plain"] * 2 + [held] * 5 + ["draft"] * 2 + ["plain"] * 2, made
+        assert len(asked) == len(kinds) and asked.count(0) == kinds.count("plain")
+
+
+def test_generate_drafts_with_the_layer_by_itself_where_it_runs_in_the_runner(made, capsys):
+    """`semoe generate --lean` on a store with the layer drafts with it by default, saying so; the tokens
+    are `--speculative 0`'s. Sampling turns it off (no line); --speculative K drafts with the layer too."""
+    from tools.cli import main
+
+    _, store = made
+    args = ["generate", "--model", store.root, "--lean", "--prompt-ids", ",".join(map(str, PROMPT)),
+            "--max-new-tokens", "24", "--ignore-eos", "--json"]
+    assert main([*args, "--speculative", "0"]) == 0
+    want = json.loads(capsys.readouterr().out)
+    assert "speculative" not in want["stats"]
+    assert main(args) == 0
+    out = capsys.readouterr()
+    got = json.loads(out.out)
+    assert got["tokens"] == want["tokens"] and got["stats"]["drafter"] == "Drafter"
+    assert got["stats"]["passes"] + got["stats"]["accepted"] == 23
+    assert "drafting 3 tokens a step with the checkpoint's multi-token-prediction layer" in out.err
+    assert main([*args, "--temperature", "0.8"]) == 0
+    out = capsys.readouterr()
+    assert "speculative" not in json.loads(out.out)["stats"] and "drafting" not in out.err

@@ -85,7 +85,8 @@ def test_generate_speculative_from_the_command_line(store, capsys):
     assert got["stats"]["passes"] + got["stats"]["accepted"] == 15
     assert "--speculative decodes in the torch-free runner" in out.err
     for bad, named in ((["--speculative", "2", "--temperature", "0.7"], "--speculative decodes greedily"),
-                       (["--speculative", "-1"], "--speculative must be >= 0")):
+                       (["--speculative", "-1"], "--speculative must be >= 0"),
+                       (["--speculative", "some"], "--speculative must be auto or a count")):
         assert main([*args, *bad]) == 2
         err = capsys.readouterr().err.strip()
         assert named in err and "\n" not in err
