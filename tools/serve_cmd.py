@@ -33,6 +33,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="requests decoding together (default 16); each step computes one token of each and reads "
                         "the union of their experts once per layer")
+    p.add_argument("--speculative", type=int, default=0, metavar="K",
+                   help="draft up to K tokens for each greedy decoding request a step, by lookup in its prompt and "
+                        "tokens (text that repeats its context drafts right), and verify them in that step's pass: "
+                        "a request gains a token for each draft kept, its tokens greedy decoding's. For models "
+                        "whose state is their attention caches (not Qwen3-Next's or DeepSeek-V4's). Default 0: off")
     p.add_argument("--max-batch-tokens", type=int, default=256, metavar="N",
                    help="rows of one step: a token per decoding request, then prompt tokens of new requests; a "
                         "longer prompt is prefilled over several steps (default 256, at least --max-batch)")
@@ -77,6 +82,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # the server's limits, checked once
         serve_config = ServeConfig(max_queue=args.max_queue, max_batch=args.max_batch,
                                    max_batch_tokens=args.max_batch_tokens, request_log=args.request_log,
+                                   speculative=args.speculative,
                                    kv_memory_bytes=parse_size(args.kv_memory, flag="--kv-memory")
                                    if args.kv_memory is not None else None,
                                    prefix_cache_bytes=None if args.prefix_cache is None else 0

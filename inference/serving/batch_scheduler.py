@@ -61,9 +61,16 @@ from inference.serving.serve_config import ServeConfig
 from inference.serving.incremental_text import TextAssembler
 from semoe.model.attention import KVCache
 from semoe.decode.generate import choose
+from semoe.decode.loop import PromptLookup
 from storage.process_memory import peak_rss_bytes
 
 log = logging.getLogger(__name__)
+
+
+def rolls_back(config) -> bool:
+    """Whether a sequence of this model (`MoEConfig`) rolls back to a position by its caches' length
+    alone: attention caches only (no linear layer's state, no compressed entries)."""
+    return config is not None and not config.linear_layers and config.attention != "compressed"
 
 
 class QueueFullError(Exception):
@@ -110,6 +117,7 @@ class _Running:
     tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     t_first: float | None = None
     t_last: float = 0.0
+    lookup: PromptLookup | None = None  # its drafts' source, made when it first drafts
 
 
 class BatchScheduler:
@@ -136,6 +144,12 @@ class BatchScheduler:
         self._cv = threading.Condition()
         self._closing = False
         self._busy_tokens = 0  # prompt and generated tokens since the scheduler was last idle
+        # tokens drafted a decoding row (`_drafts`), where every state rolls back by the caches' length
+        self.speculative = config.speculative if rolls_back(getattr(engine, "model_config", None)) else 0
+        if config.speculative and not self.speculative:
+            log.warning("--speculative %d: this model's state (linear attention or compressed entries) is not "
+                        "rolled back by its length; serving without drafts", config.speculative)
+        self.drafted = self.accepted = 0
         self._thread = threading.Thread(target=self._run, name="semoe-batch", daemon=True)
 
     # -- the server's side ----------------------------------------------------------------------
@@ -367,22 +381,23 @@ class BatchScheduler:
                 self._grow(r)
         if not self._running:
             return
-        parts: list[tuple[_Running, list[int], bool]] = []  # (request, its tokens this step, sampled)
+        parts: list[tuple[_Running, list[int], int]] = []  # (request, its tokens this step, the rows sampled)
         room = self.max_batch_tokens
         for r in self._running:  # decoding requests first: a long prompt never stalls them
             if not r.todo:
-                parts.append((r, [r.tokens[-1]], True))
-                room -= 1
+                drafts = self._drafts(r, room - 1)
+                parts.append((r, [r.tokens[-1], *drafts], 1 + len(drafts)))
+                room -= 1 + len(drafts)
         for r in self._running:
             if r.todo and room > 0:
                 n = min(len(r.todo), room)
-                parts.append((r, r.todo[:n], n == len(r.todo)))  # its last prompt row gives its first token
+                parts.append((r, r.todo[:n], int(n == len(r.todo))))  # its last prompt row gives its first token
                 del r.todo[:n]
                 room -= n
         self.metrics.batch.observe(len(parts))
         starts = [r.cache.length for r, _, _ in parts]
         try:
-            sampled = list(zip([r for r, _, s in parts if s], self._forward(parts)))
+            sampled = self._split(parts, self._forward(parts))
         except Exception as e:  # noqa: BLE001 - one request's failure is its own: each alone finds whose
             log.exception("a generation step of %d requests failed", len(parts))
             sampled = []
@@ -392,25 +407,62 @@ class BatchScheduler:
                     break
                 part[0].cache.length = start  # what the failed step wrote is written again
                 try:
-                    sampled += [(part[0], logits) for logits in self._forward([part])]
+                    sampled += self._split([part], self._forward([part]))
                 except Exception as alone:  # noqa: BLE001
                     log.warning("request %s fails alone too: %s", part[0].job.id, alone)
                     self._fail(part[0], alone)
-        for r, logits in sampled:
-            try:
-                self._emit(r, logits[None])
-            except Exception as e:  # noqa: BLE001 - its sampling's failure (a NaN, a parameter) is its own
-                self._fail(r, e)
+        for (r, tokens, n), logits in sampled:
+            base = r.cache.length - n  # a drafted row's: its cache before the step
+            if n > 1:  # drafted: its rows up to the first whose greedy token is not the draft after it
+                kept = 1
+                while kept < n and int(logits[kept - 1].argmax()) == tokens[kept]:
+                    kept += 1
+                self.drafted += n - 1
+                self.accepted += kept - 1
+                logits = logits[:kept]
+            for j, row in enumerate(logits):
+                if r not in self._running:
+                    break
+                if n > 1:  # the positions of the tokens it has emitted (the rows past are written over later)
+                    r.cache.length = base + j + 1
+                try:
+                    self._emit(r, row[None])
+                except Exception as e:  # noqa: BLE001 - its sampling's failure (a NaN, a parameter) is its own
+                    self._fail(r, e)
 
-    def _forward(self, parts: list[tuple[_Running, list[int], bool]]) -> torch.Tensor:
-        """The engine's packed forward of the requests' tokens: logits of the rows sampled."""
+    def _drafts(self, r: _Running, room: int) -> list[int]:
+        """Up to `speculative` tokens to follow r's, verified in r's next row's pass (the step's spare
+        `room` rows, r's cache and tokens allowing): by lookup in its prompt and its tokens
+        (`semoe.decode.loop.PromptLookup`), for a greedy request of a model whose state is its attention
+        caches alone (rolled back by their length); none otherwise."""
+        req = r.job.request
+        n = min(self.speculative, room, r.cache.capacity - r.cache.length - 1,
+                req.sampling.max_new_tokens - len(r.tokens) - 1)
+        if n < 1 or not req.sampling.greedy:
+            return []
+        if r.lookup is None:
+            r.lookup = PromptLookup(list(req.prompt_ids))
+        return r.lookup(r.tokens, n)[:n]
+
+    @staticmethod
+    def _split(parts: list[tuple[_Running, list[int], int]], logits: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
+        """Each part that sampled rows, with its rows of the step's logits."""
+        out, at = [], 0
+        for part in parts:
+            if part[2]:
+                out.append((part, logits[at:at + part[2]]))
+                at += part[2]
+        return out
+
+    def _forward(self, parts: list[tuple[_Running, list[int], int]]) -> torch.Tensor:
+        """The engine's packed forward of the requests' tokens: logits of the rows sampled (each part's last
+        `sampled` rows)."""
         ids, caches, counts, rows = [], [], [], []
         for r, tokens, sampled in parts:
             ids += tokens
             caches.append(r.cache)
             counts.append(len(tokens))
-            if sampled:
-                rows.append(len(ids) - 1)
+            rows += range(len(ids) - sampled, len(ids))
         with self.engine.lock:
             return self.engine.step(ids, caches, counts, rows)
 

@@ -17,7 +17,8 @@ class ServeConfig:
     `kv_memory_bytes` (None: no limit), each growing `kv_grow_tokens` positions at a time; finished
     requests' caches are kept for prompts that begin with their tokens within `prefix_cache_bytes` (None:
     the KV memory, shared with the running requests, which evict them, or PREFIX_CACHE_DEFAULT where it
-    has no limit; 0: none kept); `request_log`, a file that gets a JSON line per finished request."""
+    has no limit; 0: none kept); `request_log`, a file that gets a JSON line per finished request; `speculative`: tokens drafted a greedy
+    decoding row and verified in its step (`BatchScheduler._drafts`)."""
 
     max_queue: int = 64
     max_batch: int = 16
@@ -26,11 +27,12 @@ class ServeConfig:
     kv_grow_tokens: int = KV_GROW_TOKENS
     prefix_cache_bytes: int | None = None
     request_log: str | None = None
+    speculative: int = 0  # tokens drafted a greedy decoding row (by lookup), verified in its step
 
     def __post_init__(self) -> None:
         """ValueError naming the flag, for a value no server can run with."""
         for flag, v, least in (("--max-queue", self.max_queue, 0), ("--max-batch", self.max_batch, 1),
-                               ("--kv-grow-tokens", self.kv_grow_tokens, 1)):
+                               ("--kv-grow-tokens", self.kv_grow_tokens, 1), ("--speculative", self.speculative, 0)):
             if not isinstance(v, int) or isinstance(v, bool):
                 raise ValueError(f"{flag} must be an integer, got {v!r}")
             if v < least:
