@@ -33,11 +33,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="requests decoding together (default 16); each step computes one token of each and reads "
                         "the union of their experts once per layer")
-    p.add_argument("--speculative", type=int, default=0, metavar="K",
-                   help="draft up to K tokens for each greedy decoding request a step, by lookup in its prompt and "
-                        "tokens (text that repeats its context drafts right), and verify them in that step's pass: "
-                        "a request gains a token for each draft kept, its tokens greedy decoding's. For models "
-                        "whose state is their attention caches (not Qwen3-Next's or DeepSeek-V4's). Default 0: off")
+    p.add_argument("--speculative", default="auto", metavar="K|auto",
+                   help="draft up to K tokens for each greedy decoding request a step and verify them in that "
+                        "step's pass: with the checkpoint's own multi-token-prediction layer where the store holds "
+                        "one and the server runs through the compiled kernels (--lean, or taken by itself), else by "
+                        "lookup in the request's prompt and tokens. A request gains a token for each draft kept; "
+                        "its tokens are greedy decoding's. For models whose state is their attention caches (not "
+                        "Qwen3-Next's or DeepSeek-V4's). 0: off. auto (default): 3 where the layer drafts, only "
+                        "while drafting pays (steps with and without drafts timed in turns); off otherwise")
     p.add_argument("--max-batch-tokens", type=int, default=256, metavar="N",
                    help="rows of one step: a token per decoding request, then prompt tokens of new requests; a "
                         "longer prompt is prefilled over several steps (default 256, at least --max-batch)")
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # the server's limits, checked once
         serve_config = ServeConfig(max_queue=args.max_queue, max_batch=args.max_batch,
                                    max_batch_tokens=args.max_batch_tokens, request_log=args.request_log,
-                                   speculative=args.speculative,
+                                   speculative=0 if args.speculative == "auto" else _count(args.speculative),
                                    kv_memory_bytes=parse_size(args.kv_memory, flag="--kv-memory")
                                    if args.kv_memory is not None else None,
                                    prefix_cache_bytes=None if args.prefix_cache is None else 0
@@ -96,6 +99,8 @@ def run(args: argparse.Namespace) -> int:
         if said is not None:
             print(f"semoe: {said}", file=sys.stderr, flush=True)
         engine, serve_config = lean_engine(args, serve_config)
+        if args.speculative == "auto":
+            serve_config = _auto_speculative(engine, serve_config)
         template, mode, device, trace = load_chat_template(args.model), "offloaded, compiled kernels", "cpu", None
         print(f"semoe: decoding through {engine.decode_path()}", file=sys.stderr, flush=True)
     else:
@@ -148,6 +153,32 @@ def lean_engine(args: argparse.Namespace, serve_config: "ServeConfig"):  # noqa:
         model = LeanModel(store, LeanConfig(cache_bytes=cache, keep_bytes=keep, dense=args.dense, kv_cache="f32"),
                           progress=bar.update)
     return LeanEngine(model, name=os.path.basename(os.path.normpath(args.model))), serve_config
+
+
+AUTO_K = 3  # the tokens `--speculative auto` drafts a request a step
+
+
+def _count(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise UsageError(f"--speculative must be auto or a count of tokens >= 0, got {text!r}") from None
+
+
+def _auto_speculative(engine, serve_config: "ServeConfig") -> "ServeConfig":  # noqa: F821
+    """--speculative auto over the runner's engine: AUTO_K drafted tokens a step, while drafting pays, where the
+    store holds a multi-token-prediction layer and the model rolls back by its caches' length; off otherwise."""
+    from dataclasses import replace
+
+    from inference.serving.batch_scheduler import rolls_back
+    from inference.torch_free.mtp import mtp_layers
+
+    layers = mtp_layers(engine.lean.store)
+    if not layers or not rolls_back(engine.model_config) or engine.model_config.hc_mult > 1:
+        return serve_config
+    print(f"semoe: drafting {AUTO_K} tokens a step for greedy requests with the checkpoint's multi-token-prediction "
+          f"layer {layers[0]}, while it pays (--speculative 0: off)", file=sys.stderr, flush=True)
+    return replace(serve_config, speculative=AUTO_K, paying=True)
 
 
 def _interrupt(signum: int, frame: object) -> None:

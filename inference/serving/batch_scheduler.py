@@ -61,7 +61,7 @@ from inference.serving.serve_config import ServeConfig
 from inference.serving.incremental_text import TextAssembler
 from semoe.model.attention import KVCache
 from semoe.decode.generate import choose
-from semoe.decode.loop import PromptLookup
+from semoe.decode.loop import Paying, PromptLookup
 from storage.process_memory import peak_rss_bytes
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class _Running:
     tops: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     t_first: float | None = None
     t_last: float = 0.0
-    lookup: PromptLookup | None = None  # its drafts' source, made when it first drafts
+    lookup: object = None  # its drafts' source where it drafts (`BatchScheduler._drafter`)
 
 
 class BatchScheduler:
@@ -150,6 +150,9 @@ class BatchScheduler:
             log.warning("--speculative %d: this model's state (linear attention or compressed entries) is not "
                         "rolled back by its length; serving without drafts", config.speculative)
         self.drafted = self.accepted = 0
+        self.emitted = 0  # tokens emitted since start: what `paying` times steps by
+        self.paying = Paying(None) if config.paying and self.speculative else None
+        self._drafting = True  # whether this step drafts (`paying`'s turn)
         self._thread = threading.Thread(target=self._run, name="semoe-batch", daemon=True)
 
     # -- the server's side ----------------------------------------------------------------------
@@ -314,7 +317,7 @@ class BatchScheduler:
         self.metrics.kv_bytes.inc(need)
         return _Running(job=job, cache=cache, generator=torch.Generator().manual_seed(req.sampling.seed),
                         text=TextAssembler(tok.decode if tok is not None else (lambda ids: ""), req.stops),
-                        kv_bytes=need, todo=list(req.prompt_ids[reused:]))
+                        kv_bytes=need, todo=list(req.prompt_ids[reused:]), lookup=self._drafter(req))
 
     def _reuse(self, tokens: list[int], cache: KVCache) -> int:
         """Copy into `cache` the positions a kept prefix shares with `tokens` (`PrefixCache.lookup`); how many."""
@@ -383,6 +386,7 @@ class BatchScheduler:
             return
         parts: list[tuple[_Running, list[int], int]] = []  # (request, its tokens this step, the rows sampled)
         room = self.max_batch_tokens
+        self._drafting = self.paying.turn(self.emitted) if self.paying is not None else True
         for r in self._running:  # decoding requests first: a long prompt never stalls them
             if not r.todo:
                 drafts = self._drafts(r, room - 1)
@@ -398,9 +402,10 @@ class BatchScheduler:
         starts = [r.cache.length for r, _, _ in parts]
         try:
             sampled = self._split(parts, self._forward(parts))
+            feed = True
         except Exception as e:  # noqa: BLE001 - one request's failure is its own: each alone finds whose
             log.exception("a generation step of %d requests failed", len(parts))
-            sampled = []
+            sampled, feed = [], False  # the drafters miss this step's rows: they start again after it
             for part, start in zip(parts, starts):
                 if len(parts) == 1:
                     self._fail(part[0], e)
@@ -429,20 +434,38 @@ class BatchScheduler:
                     self._emit(r, row[None])
                 except Exception as e:  # noqa: BLE001 - its sampling's failure (a NaN, a parameter) is its own
                     self._fail(r, e)
+        if feed and self.speculative:
+            self._feed(parts, starts)
 
     def _drafts(self, r: _Running, room: int) -> list[int]:
         """Up to `speculative` tokens to follow r's, verified in r's next row's pass (the step's spare
-        `room` rows, r's cache and tokens allowing): by lookup in its prompt and its tokens
-        (`semoe.decode.loop.PromptLookup`), for a greedy request of a model whose state is its attention
-        caches alone (rolled back by their length); none otherwise."""
+        `room` rows, r's cache and tokens allowing), from its drafter (`_drafter`), for a greedy request
+        of a model whose state is its attention caches alone (rolled back by their length); none otherwise."""
         req = r.job.request
         n = min(self.speculative, room, r.cache.capacity - r.cache.length - 1,
                 req.sampling.max_new_tokens - len(r.tokens) - 1)
-        if n < 1 or not req.sampling.greedy:
+        if n < 1 or r.lookup is None or not self._drafting:
             return []
-        if r.lookup is None:
-            r.lookup = PromptLookup(list(req.prompt_ids))
         return r.lookup(r.tokens, n)[:n]
+
+    def _drafter(self, req: GenRequest):
+        """A greedy request's drafts' source where the server drafts: the engine's (the checkpoint's
+        multi-token-prediction layer, fed every row of the request's steps), else lookup in its prompt and
+        tokens (`semoe.decode.loop.PromptLookup`); None where it does not draft."""
+        if not self.speculative or not req.sampling.greedy:
+            return None
+        made = getattr(self.engine, "drafter", lambda *a: None)(list(req.prompt_ids),
+                                                                len(req.prompt_ids) + req.sampling.max_new_tokens)
+        return made if made is not None else PromptLookup(list(req.prompt_ids))
+
+    def _feed(self, parts: list[tuple[_Running, list[int], int]], starts: list[int]) -> None:
+        """Hand each request's rows of the step (the engine's `rows`) to its drafter where it reads them: a
+        drafted row's up to the tokens kept (its cache's length), the others' whole."""
+        rows, at = getattr(self.engine, "rows", None), 0
+        for (r, tokens, _), start in zip(parts, starts):
+            if rows is not None and hasattr(r.lookup, "feed") and r.cache is not None and r.cache.length > start:
+                r.lookup.feed(start, rows[at:at + min(len(tokens), r.cache.length - start)].copy())
+            at += len(tokens)
 
     @staticmethod
     def _split(parts: list[tuple[_Running, list[int], int]], logits: torch.Tensor) -> list[tuple[tuple, torch.Tensor]]:
@@ -490,6 +513,7 @@ class BatchScheduler:
         r.tokens.append(token)
         r.logprobs.append(logprob)
         self._busy_tokens += 1
+        self.emitted += 1
         delta = r.text.add(token)
         if req.stream:
             r.job.post(TokenEvent(token_id=token, logprob=logprob, text=delta, top=top))

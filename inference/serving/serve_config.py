@@ -27,7 +27,8 @@ class ServeConfig:
     kv_grow_tokens: int = KV_GROW_TOKENS
     prefix_cache_bytes: int | None = None
     request_log: str | None = None
-    speculative: int = 0  # tokens drafted a greedy decoding row (by lookup), verified in its step
+    speculative: int = 0  # tokens drafted a greedy decoding row, verified in its step
+    paying: bool = False  # draft only in steps while drafting pays (`semoe.decode.loop.Paying`)
 
     def __post_init__(self) -> None:
         """ValueError naming the flag, for a value no server can run with."""

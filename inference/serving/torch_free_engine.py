@@ -40,6 +40,8 @@ class LeanEngine:
         self.lock = threading.Lock()
         self._net = ctypes.byref(model.net)
         self._moe = model.moe
+        self.rows = None  # the last step's residual rows (T, D), kept where a drafter reads them (`drafter`)
+        self._drafting = False
 
     def new_cache(self, prompt: list[int], max_new_tokens: int) -> KVCache:
         """The KV cache of one sequence for `prompt` and up to `max_new_tokens` more."""
@@ -62,7 +64,23 @@ class LeanEngine:
                            moe=self._moe, reader=m, index_topk=c.index_topk or 0, tokens=ids, streams=c.hc_mult)
         for k, p, n in zip(caches, starts, counts):
             k.length = p + n
+        self.rows = x if self._drafting else None
         return logits
+
+    def drafter(self, prompt: list[int], positions: int):
+        """A request's draft (`BatchScheduler._drafts`) from the checkpoint's multi-token-prediction layer
+        (`inference.torch_free.mtp.Drafter`, its own cache of `positions`), fed the rows of each step
+        (`rows`, split by the scheduler); None where the store holds no such layer."""
+        from types import SimpleNamespace
+
+        from inference.torch_free import mtp
+
+        if not mtp.mtp_layers(self.lean.store) or self.model_config.hc_mult > 1:
+            return None
+        if self.lean._mtp is None:
+            self.lean._mtp = mtp.MTP(self.lean)
+        self._drafting = True
+        return mtp.Drafter(self.lean._mtp, SimpleNamespace(rows=None, capacity=positions, keep_rows=True), prompt)
 
     def decode_path(self) -> str:
         return (f"semoe's CPU kernels over the runner's expert cache ({self.lean.cache.n} slots, "

@@ -136,12 +136,19 @@ class Drafter:
         self.drafted = 0
         self.pending: list[tuple[int, np.ndarray]] = []  # rows not run yet: (first position, rows), in order
 
+    def feed(self, pos0: int, rows: np.ndarray) -> None:
+        """The model's residual rows (n, D) of positions pos0.., kept: run when next drafting. Rows that do
+        not follow the last fed (a server's request resumed, or after a step it did not see) start
+        again from them: the layer's cache then lacks the positions between, which costs drafts' quality,
+        not tokens."""
+        if self.pending and self.pending[-1][0] + len(self.pending[-1][1]) != pos0:
+            self.pending.clear()
+        self.pending.append((pos0, rows))
+
     def __call__(self, generated: list[int], n: int) -> list[int]:
         seq, mtp = self.seq, self.mtp
         if seq.rows is not None:  # the rows the model kept since the last call, run when next drafting
-            if self.pending and self.pending[-1][0] + len(self.pending[-1][1]) != seq.rows[0]:
-                self.pending.clear()  # not the rows after them (never so in a generation): start again here
-            self.pending.append(seq.rows)
+            self.feed(*seq.rows)
             seq.rows = None
         if n < 1 or not self.pending:
             return []

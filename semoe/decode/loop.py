@@ -216,9 +216,10 @@ class Paying:
     seldom kept (or whose union of experts costs more than the passes it saves) costs the probes alone.
     The wall time from one call to the next is the pass the call drafted for (its draft, its
     verification, keeping); `draft(tokens, 0)` is still called on plain passes, so a drafter that must
-    see every row (`inference.torch_free.mtp.Drafter`) keeps up."""
+    see every row (`inference.torch_free.mtp.Drafter`) keeps up. `turn` alone (no `draft`) decides a
+    server's steps, timed by the tokens all its requests emit."""
 
-    def __init__(self, draft: Callable[[list[int], int], list[int]], probe: int = 4, hold: int = 32,
+    def __init__(self, draft: Callable[[list[int], int], list[int]] | None, probe: int = 4, hold: int = 32,
                  clock: Callable[[], float] = time.perf_counter) -> None:
         self.draft, self.probe, self.hold, self.clock = draft, probe, hold, clock
         self.plan = ["draft"] * probe + ["plain"] * probe  # the passes ahead, by kind
@@ -226,19 +227,23 @@ class Paying:
         self.last: tuple[str, float, int] | None = None  # the last call's kind, time and tokens so far
         self.passes = {"draft": 0, "plain": 0}
 
-    def __call__(self, tokens: list[int], n: int) -> list[int]:
+    def turn(self, made: int) -> bool:
+        """Whether the pass about to run drafts; `made`: the tokens emitted so far (a server's, all its
+        requests'), the last pass's made the difference since the last call."""
         now = self.clock()
         if self.last is not None:
             kind, t0, n0 = self.last
             self.rate[kind][0] += now - t0
-            self.rate[kind][1] += len(tokens) - n0
+            self.rate[kind][1] += made - n0
         if not self.plan:  # a turn done: hold the faster, then probe both again
-            s = {k: sec / made if made else math.inf for k, (sec, made) in self.rate.items()}
+            s = {k: sec / got if got else math.inf for k, (sec, got) in self.rate.items()}
             best = "draft" if s["draft"] < s["plain"] else "plain"
             self.plan = [best] * self.hold + ["draft"] * self.probe + ["plain"] * self.probe
             self.rate = {"draft": [0.0, 0], "plain": [0.0, 0]}
         kind = self.plan.pop(0)
         self.passes[kind] += 1
-        out = self.draft(tokens, n if kind == "draft" else 0)
-        self.last = (kind, now, len(tokens))
-        return out
+        self.last = (kind, now, made)
+        return kind == "draft"
+
+    def __call__(self, tokens: list[int], n: int) -> list[int]:
+        return self.draft(tokens, n if self.turn(len(tokens)) else 0)
