@@ -8,6 +8,9 @@ page cache, O_DIRECT: the cache is all the memory the experts get); each run is 
 (an empty cache), plain and speculative interleaved, --repeats rounds, medians. Reported: tok/s, MiB read
 a token, the drafts kept, and the experts a pass reads against a token's (the union's growth: near k + 1
 where consecutive tokens route apart, as random routers do; trained models route consecutive tokens alike).
+Where the store holds the checkpoint's multi-token-prediction layer, two more runs interleave: drafting with
+it (k a pass: its own acceptance, which on random weights is that of a random layer) and `semoe generate`'s
+default (`--speculative auto`: the layer's drafts only while they pay).
 
     python bench/bench_speculative.py --store /path/store [--memory 33] [--k 3] [--acceptance 0.7]
 """
@@ -26,8 +29,9 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 
 
-def one(args: argparse.Namespace, k: int, reference: list[int] | None) -> dict:
-    """One generation in this process (the child's side): plain (k = 0) or speculative with the oracle."""
+def one(args: argparse.Namespace, k: int, reference: list[int] | None, mode: str = "oracle") -> dict:
+    """One generation in this process (the child's side): plain (k = 0), or speculative with the oracle's
+    drafts, the layer's (`mode` "mtp") or the layer's while they pay ("auto")."""
     import random
 
     from inference.torch_free.runner import LeanConfig, LeanModel
@@ -45,12 +49,13 @@ def one(args: argparse.Namespace, k: int, reference: list[int] | None) -> dict:
     prompt = [(7 * i + 3) % args.vocab for i in range(args.prompt_tokens)]
     with LeanModel(store, LeanConfig(cache_bytes=int(experts * args.memory / 100))) as lean:
         cfg = SamplingConfig(max_new_tokens=args.new_tokens)
-        res = lean.generate(prompt, cfg, speculative=k, draft=oracle if k else None)
+        res = lean.generate(prompt, cfg, speculative=k, draft=oracle if k and mode == "oracle" else None,
+                            paying=mode == "auto")
     return {"tokens": res.tokens, "tok_s": res.decode_tok_s, "stats": res.stats}
 
 
-def child(args: argparse.Namespace, k: int, reference: list[int] | None) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--store", args.store, "--child", str(k),
+def child(args: argparse.Namespace, k: int, reference: list[int] | None, mode: str = "oracle") -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--store", args.store, "--child", str(k), "--mode", mode,
            "--memory", str(args.memory), "--acceptance", str(args.acceptance), "--new-tokens", str(args.new_tokens),
            "--prompt-tokens", str(args.prompt_tokens), "--seed", str(args.seed), "--vocab", str(args.vocab)]
     out = subprocess.run(cmd, input=json.dumps(reference), capture_output=True, text=True, check=False)
@@ -72,16 +77,23 @@ def main() -> None:
     p.add_argument("--vocab", type=int, default=1000, help="token ids the prompt and wrong drafts take")
     p.add_argument("--json", action="store_true")
     p.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--mode", default="oracle", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child is not None:
-        print(json.dumps(one(args, args.child, json.loads(sys.stdin.read()))))
+        print(json.dumps(one(args, args.child, json.loads(sys.stdin.read()), args.mode)))
         return
-    runs: dict[str, list[dict]] = {"plain": [], "speculative": []}
+    from inference.torch_free.mtp import mtp_layers
+    from storage.reader import StoreReader
+
+    kinds = [("plain", 0, "oracle"), ("speculative", args.k, "oracle")]
+    if mtp_layers(StoreReader.open(args.store)):
+        kinds += [("mtp", args.k, "mtp"), ("auto", args.k, "auto")]
+    runs: dict[str, list[dict]] = {name: [] for name, _, _ in kinds}
     reference = None
     for r in range(args.repeats):
-        for name, k in (("plain", 0), ("speculative", args.k)):
+        for name, k, mode in kinds:
             print(f"{name} ({r + 1}/{args.repeats}) ...", file=sys.stderr, flush=True)
-            got = child(args, k, reference)
+            got = child(args, k, reference, mode)
             if reference is None:
                 reference = got["tokens"]
             if got["tokens"] != reference:
@@ -93,8 +105,10 @@ def main() -> None:
         report[name] = {"tok_s": statistics.median(r["tok_s"] for r in rs), "runs": [r["tok_s"] for r in rs],
                         "mib_per_token": statistics.median(s["ssd_bytes_per_token"] for s in st) / 2**20,
                         "expert_reads": statistics.median(s["expert_reads"] for s in st)}
-        if name == "speculative":
-            report[name].update(passes=st[0]["passes"], drafted=st[0]["drafted"], accepted=st[0]["accepted"])
+        if name != "plain":
+            report[name].update(passes=st[0]["passes"], drafted=st[0]["drafted"], accepted=st[0]["accepted"],
+                                plain_passes=st[0].get("plain_passes", 0),
+                                ratio=report[name]["tok_s"] / report["plain"]["tok_s"])
     plain, spec = report["plain"], report["speculative"]
     report["ratio"] = spec["tok_s"] / plain["tok_s"]
     report["tokens_per_pass"] = (args.new_tokens - 1) / spec["passes"]
@@ -104,10 +118,16 @@ def main() -> None:
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    for name in ("plain", "speculative"):
+    for name in runs:
         r = report[name]
         print(f"{name:12s} {r['tok_s']:7.2f} tok/s (runs {', '.join(f'{x:.2f}' for x in r['runs'])}) | "
               f"read {r['mib_per_token']:7.2f} MiB/tok | expert reads {r['expert_reads']:.0f}")
+    for name in ("mtp", "auto"):
+        if name in report:
+            r = report[name]
+            print(f"{name}: the checkpoint's layer drafting{' while it pays' if name == 'auto' else ''}: kept "
+                  f"{r['accepted']} of {r['drafted']} ({r['accepted'] / max(1, r['drafted']):.2f}), "
+                  f"{r['plain_passes']} plain passes of {r['passes']}; {r['ratio']:.2f}x plain tok/s")
     print(f"drafts kept {spec['accepted']} of {spec['drafted']} ({spec['accepted'] / max(1, spec['drafted']):.2f}), "
           f"{report['tokens_per_pass']:.2f} tokens a pass; a pass reads {report['reads_per_pass_over_token']:.2f}x "
           f"a token's experts")

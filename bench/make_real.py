@@ -9,7 +9,8 @@ generation_config.json) that `semoe store import` and llama.cpp's converter both
   128), experts in MXFP4 as shipped (blocks and e8m0 scales), everything else in bfloat16;
 - qwen3-30b-a3b: its config as published (48 layers, 128 experts of 768, top-8), all bfloat16;
 - qwen3.5-35b-a3b: Qwen3.5-35B-A3B's text model as a causal LM (40 layers, three Gated DeltaNet to one gated
-  attention, 256 experts of 512 and a shared one, top-8), all bfloat16;
+  attention, 256 experts of 512 and a shared one, top-8) and its multi-token-prediction layer (`mtp.*`: a
+  gated-attention layer with its MoE, the input norms and projection, the output norm), all bfloat16;
 - deepseek-v4-flash: DeepSeek-V4-Flash (43 layers of compressed attention beside a window of 128, 256
   experts of 2048 and a shared one, top-6, hash routing on the first three, four residual streams), all
   bfloat16, named as transformers writes it (llama.cpp's converter reads the release's own names).
@@ -93,7 +94,7 @@ QWEN3_5_35B_A3B = {
     "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25,
                         "mrope_interleaved": True, "mrope_section": [11, 11, 10]},
     "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 512, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 248320,
+    "torch_dtype": "bfloat16", "use_cache": True, "vocab_size": 248320, "mtp_num_hidden_layers": 1,
 }
 # DeepSeek-V4-Flash: compressed attention (HCA and CSA layers alternating after three HCA ones) beside a window
 # of 128, hash routing on its first three MoE layers, four hyper-connection streams, 256 experts of 2048, top-6.
@@ -207,6 +208,15 @@ def plan(c: dict) -> list[Planned]:
             out += _qwen_moe(c, p, E, std, out_std, shared=False)
     out += [Planned("model.norm.weight", (H,), "BF16", norm),
             Planned("lm_head.weight", (V, H), "BF16", ("normal", std))]
+    if qwen35 and c.get("mtp_num_hidden_layers"):  # its multi-token-prediction layer, named apart as released
+        full = {**c, "layer_types": ["full_attention"]}
+        out += [Planned(f"mtp.{n}.weight", (H,), "BF16", norm) for n in ("pre_fc_norm_embedding", "pre_fc_norm_hidden",
+                                                                          "norm")]
+        out += [Planned("mtp.fc.weight", (H, 2 * H), "BF16", ("normal", 1 / math.sqrt(2 * H))),
+                Planned("mtp.layers.0.input_layernorm.weight", (H,), "BF16", norm),
+                Planned("mtp.layers.0.post_attention_layernorm.weight", (H,), "BF16", norm)]
+        out += _qwen35_mixer(full, "mtp.layers.0.", 0, std, out_std) + _qwen_moe(c, "mtp.layers.0.", E, std, out_std,
+                                                                                 shared=True)
     return out
 
 

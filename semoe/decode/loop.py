@@ -212,8 +212,9 @@ def prompt_lookup(tokens: list[int], n: int, history: list[int] = (), longest: i
 class Paying:
     """`run_speculative`'s draft that drafts only while drafting pays: the passes with drafts and those
     without (plain steps: the draft asked for none) are timed per token they emit, in turns (`probe`
-    passes of each, then `hold` passes of the faster, then again), so a drafter whose tokens are
-    seldom kept (or whose union of experts costs more than the passes it saves) costs the probes alone.
+    passes of each, then `hold` passes of the faster, then again; held twice as long each turn the same
+    kind wins, up to 16 `hold`s), so a drafter whose tokens are seldom kept (or whose union of experts costs
+    more than the passes it saves) costs the probes alone, fewer and fewer.
     The wall time from one call to the next is the pass the call drafted for (its draft, its
     verification, keeping); `draft(tokens, 0)` is still called on plain passes, so a drafter that must
     see every row (`inference.torch_free.mtp.Drafter`) keeps up. `turn` alone (no `draft`) decides a
@@ -226,6 +227,7 @@ class Paying:
         self.rate = {"draft": [0.0, 0], "plain": [0.0, 0]}  # this turn's seconds and tokens, by kind
         self.last: tuple[str, float, int] | None = None  # the last call's kind, time and tokens so far
         self.passes = {"draft": 0, "plain": 0}
+        self.best, self.held = None, hold  # the last turn's faster kind, and how long it is held
 
     def turn(self, made: int) -> bool:
         """Whether the pass about to run drafts; `made`: the tokens emitted so far (a server's, all its
@@ -238,7 +240,11 @@ class Paying:
         if not self.plan:  # a turn done: hold the faster, then probe both again
             s = {k: sec / got if got else math.inf for k, (sec, got) in self.rate.items()}
             best = "draft" if s["draft"] < s["plain"] else "plain"
-            self.plan = [best] * self.hold + ["draft"] * self.probe + ["plain"] * self.probe
+            if best == self.best:  # the same again: probe half as often (up to 16 holds apart)
+                self.held = min(2 * self.held, 16 * self.hold)
+            else:
+                self.best, self.held = best, self.hold
+            self.plan = [best] * self.held + ["draft"] * self.probe + ["plain"] * self.probe
             self.rate = {"draft": [0.0, 0], "plain": [0.0, 0]}
         kind = self.plan.pop(0)
         self.passes[kind] += 1

@@ -142,3 +142,19 @@ def test_an_interrupted_write_leaves_nothing_behind(tmp_path, monkeypatch):
         make_real.write("qwen3-30b-a3b", str(tmp_path / "q"), layers=2, overrides=SMALL["qwen3-30b-a3b"],
                         shard_bytes=64 << 10, progress=False)
     assert os.listdir(tmp_path) == []
+
+
+def test_qwen35s_mtp_layer_is_written_as_released_and_drafts(tmp_path):
+    """Qwen3.5-35B-A3B ships a multi-token-prediction layer (`mtp.*`, which transformers' causal LM leaves
+    out): the store keeps it, its experts as layer N's chunks, and the runner drafts with it."""
+    from inference.torch_free.mtp import Drafter, default_draft, mtp_layers
+    from inference.torch_free.runner import LeanConfig, LeanModel
+    from semoe.checkpoints.hf_convert import import_checkpoint
+
+    path = make_real.write("qwen3.5-35b-a3b", str(tmp_path / "m"), layers=4, overrides=SMALL["qwen3.5-35b-a3b"],
+                           progress=False)
+    store = import_checkpoint(path, str(tmp_path / "store"))
+    assert mtp_layers(store) == [4] and store.manifest.expert_layers()[4] == 16
+    with LeanModel(store.root, LeanConfig(cache_bytes=None)) as lean, lean.sequence(32) as seq:
+        assert isinstance(default_draft(lean, seq, [5, 6, 7]), Drafter)
+        assert lean._mtp is not None and lean._mtp.proj.I == 2 * 64

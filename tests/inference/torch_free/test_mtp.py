@@ -185,3 +185,17 @@ def test_generate_drafts_with_the_layer_by_itself_where_it_runs_in_the_runner(ma
     assert main([*args, "--temperature", "0.8"]) == 0
     out = capsys.readouterr()
     assert "speculative" not in json.loads(out.out)["stats"] and "drafting" not in out.err
+
+
+def test_paying_probes_half_as_often_each_turn_the_same_kind_wins():
+    from semoe.decode.loop import Paying
+
+    t, tokens = [0.0], [1]
+    paying = Paying(lambda toks, n: [0] * n, probe=1, hold=2, clock=lambda: t[0])
+    kinds = []
+    for _ in range(1 + 1 + 2 + 2 + 4 + 2 + 8 + 2):
+        drafting = bool(paying(tokens, 2))
+        kinds.append("d" if drafting else "p")
+        t[0] += 1.0 if drafting else 0.5  # a drafted pass emits one token in twice the time: never pays
+        tokens = tokens + [0]
+    assert "".join(kinds) == "dp" + "pp" + "dp" + "pppp" + "dp" + "pppppppp" + "dp"
