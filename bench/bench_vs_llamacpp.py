@@ -68,6 +68,8 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
 
+from llama_peer import WARM_PROMPT  # noqa: E402  (the warm-up generation's prompt at most, both engines')
+
 # This process stays free of torch (the engines import it in their own processes): it lives through
 # every memory-limited run, and torch's 150 MiB and mapped code would come out of SIZE for both
 # engines, unevenly (llama.cpp's page cache felt it most: 2 tok/s instead of 18 at int4 50%).
@@ -115,8 +117,8 @@ def run_ours(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | st
 
         if first:
             cold = timed()
-        else:
-            engine.generate(prompt, SamplingConfig(max_new_tokens=4))
+        else:  # (on the prompt's first tokens: a long prompt is evaluated once, timed)
+            engine.generate(prompt[:WARM_PROMPT], SamplingConfig(max_new_tokens=4))
         out = timed()
         if first:
             out["first"] = cold
@@ -161,7 +163,7 @@ def run_lean(store: str, prompt: list[int], new_tokens: int, cpu_cache: int | No
         if first:
             cold = _lean_timed(model, prompt, new_tokens, uses, used, at_first)
         else:
-            model.generate(prompt, SamplingConfig(max_new_tokens=4))
+            model.generate(prompt[:WARM_PROMPT], SamplingConfig(max_new_tokens=4))
         out = _lean_timed(model, prompt, new_tokens, uses, used, at_first)
         return out if cold is None else {**out, "first": cold}
 
@@ -366,7 +368,12 @@ def _run(args: argparse.Namespace, spec: dict, check: bool = True) -> dict | Non
         if not check:
             return None
         raise SystemExit(f"{spec} failed")
-    return json.loads(res.stdout.strip().splitlines()[-1])
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    if "decode_tok_s" in got:  # each run's figures as it ends (a long run's survive the bench's end)
+        print(f"  {spec.get('engine')}: {got['decode_tok_s']:.2f} tok/s decoding, {got.get('ttft_s', 0):.1f} s to the "
+              f"first token, {got.get('read_bytes_per_token', 0) / 2**20:.2f} MiB read a token", file=sys.stderr,
+              flush=True)
+    return got
 
 
 def resident(args: argparse.Namespace) -> dict:
