@@ -99,11 +99,12 @@ def speculative_flag(args: argparse.Namespace) -> int | None:
 def auto_speculative(args: argparse.Namespace) -> None:
     """--speculative auto, where the runner decodes: K = AUTO_K, drafting while it pays (`args.paying`),
     where the store holds a multi-token-prediction layer and decoding is greedy; else 0. Says so."""
-    from inference.torch_free.mtp import mtp_layers
+    from inference.torch_free.mtp import mtp_layers, mtp_refusal
     from storage.reader import StoreReader
 
+    store = StoreReader.open(args.model)
     greedy = args.temperature is None and args.top_p is None
-    layers = mtp_layers(StoreReader.open(args.model)) if greedy else []
+    layers = mtp_layers(store) if greedy and mtp_refusal(store) is None else []
     args.speculative, args.paying = (AUTO_K, True) if layers else (0, False)
     if layers:
         print(f"semoe: drafting {AUTO_K} tokens a step with the checkpoint's multi-token-prediction layer "

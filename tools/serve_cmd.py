@@ -171,10 +171,10 @@ def _auto_speculative(engine, serve_config: "ServeConfig") -> "ServeConfig":  # 
     from dataclasses import replace
 
     from inference.serving.batch_scheduler import rolls_back
-    from inference.torch_free.mtp import mtp_layers
+    from inference.torch_free.mtp import mtp_layers, mtp_refusal
 
     layers = mtp_layers(engine.lean.store)
-    if not layers or not rolls_back(engine.model_config) or engine.model_config.hc_mult > 1:
+    if mtp_refusal(engine.lean.store) is not None or not rolls_back(engine.model_config):
         return serve_config
     print(f"semoe: drafting {AUTO_K} tokens a step for greedy requests with the checkpoint's multi-token-prediction "
           f"layer {layers[0]}, while it pays (--speculative 0: off)", file=sys.stderr, flush=True)

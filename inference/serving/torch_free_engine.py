@@ -75,7 +75,7 @@ class LeanEngine:
 
         from inference.torch_free import mtp
 
-        if not mtp.mtp_layers(self.lean.store) or self.model_config.hc_mult > 1:
+        if mtp.mtp_refusal(self.lean.store) is not None:
             return None
         if self.lean._mtp is None:
             self.lean._mtp = mtp.MTP(self.lean)

@@ -39,11 +39,29 @@ def mtp_layers(store) -> list[int]:
     return list((store.manifest.model.get("mtp") or {}).get("layers") or [])
 
 
+def mtp_refusal(store) -> str | None:
+    """Why the store's multi-token-prediction layer does not draft (None: it does): none is held, or its
+    model's kind or its tensors' names are not the ones `MTP` reads."""
+    from semoe.checkpoints.hf_config import store_model_config
+
+    layers = mtp_layers(store)
+    if not layers:
+        return "the store holds no multi-token-prediction layer"
+    c = store_model_config(store)
+    if c.hc_mult > 1 or c.attention == "compressed":
+        return f"{c.arch}'s multi-token-prediction layer (with hyper-connections) does not draft yet"
+    missing = [n for n in (mtp_name(c, layers[0], p) for p in ("enorm", "hnorm", "eh_proj", "post_norm"))
+               if not store.manifest.has_tensor(n)]
+    if missing:
+        return f"{c.arch}'s multi-token-prediction layer is not laid out as drafting reads it (no {missing[0]})"
+    return None
+
+
 def default_draft(model, seq, prompt: list[int]):
     """Speculative decoding's default draft for a runner's sequence `seq` (after `prompt`): the checkpoint's
-    own multi-token-prediction layer where the store holds one, else lookup in the prompt and the tokens
-    so far (`semoe.decode.loop.PromptLookup`)."""
-    if not mtp_layers(model.store):
+    own multi-token-prediction layer where it drafts (`mtp_refusal`), else lookup in the prompt and the
+    tokens so far (`semoe.decode.loop.PromptLookup`)."""
+    if mtp_refusal(model.store) is not None:
         return PromptLookup(prompt)
     if model._mtp is None:
         model._mtp = MTP(model)

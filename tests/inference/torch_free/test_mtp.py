@@ -199,3 +199,16 @@ def test_paying_probes_half_as_often_each_turn_the_same_kind_wins():
         t[0] += 1.0 if drafting else 0.5  # a drafted pass emits one token in twice the time: never pays
         tokens = tokens + [0]
     assert "".join(kinds) == "dp" + "pp" + "dp" + "pppp" + "dp" + "pppppppp" + "dp"
+
+
+def test_a_layer_drafting_does_not_read_falls_back_to_lookup_saying_why(made, monkeypatch):
+    """A store whose MTP layer lacks a part drafting reads (MiniMax-M2's modules are laid out otherwise)
+    drafts by lookup, and `--speculative auto` stays off there."""
+    _, store = made
+    with LeanModel(store.root, LeanConfig(cache_bytes=None)) as lean, lean.sequence(16) as seq:
+        assert mtp.mtp_refusal(lean.store) is None
+        real = lean.store.manifest.has_tensor
+        monkeypatch.setattr(lean.store.manifest, "has_tensor", lambda n, *a, **k: "eh_proj" not in n and
+                            "mtp.fc" not in n and real(n, *a, **k))
+        assert "not laid out as drafting reads it" in mtp.mtp_refusal(lean.store)
+        assert isinstance(mtp.default_draft(lean, seq, PROMPT), PromptLookup)
