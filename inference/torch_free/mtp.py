@@ -50,6 +50,8 @@ def mtp_refusal(store) -> str | None:
     c = store_model_config(store)
     if c.hc_mult > 1 or c.attention == "compressed":
         return f"{c.arch}'s multi-token-prediction layer (with hyper-connections) does not draft yet"
+    if c.index_topk:  # (its indexer's positions, or a shared one's from a layer the draft does not run)
+        return f"{c.arch}'s multi-token-prediction layer (DeepSeek sparse attention) does not draft yet"
     missing = [n for n in (mtp_name(c, layers[0], p) for p in ("enorm", "hnorm", "eh_proj", "post_norm"))
                if not store.manifest.has_tensor(n)]
     if missing:
