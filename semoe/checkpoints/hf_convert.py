@@ -14,9 +14,10 @@ stay compact from SSD to compute and export gives back the original bytes. Loadi
 dequantizes its dense weights only. `open_checkpoint(dequantize=True)` reads them as plain tensors
 instead (loading a model straight from a checkpoint directory).
 Multi-token-prediction layers (DeepSeek-V3/V3.2, GLM-4.5/5: layers past `num_hidden_layers`; Qwen3-Next's
-and Qwen3.5's `mtp.*`) are kept by default, for drafting (`inference.torch_free.mtp`): their experts are
-chunks of layer `num_hidden_layers` + i, their other tensors dense under their own names, and the
-manifest's `mtp` records them. `mtp=False` leaves them out (the manifest's `skipped` says so).
+and Qwen3.5's `mtp.*`: `MTP_KEPT`) are kept by default, for drafting (`inference.torch_free.mtp`): their
+experts are chunks of layer `num_hidden_layers` + i, their other tensors dense under their own names, and
+the manifest's `mtp` records them. `mtp=False` leaves them out, as other model types' (MiniMax-M2's,
+DeepSeek-V4's) are (the manifest's `skipped` says so).
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ _INDEXER_KEYS = ("index_topk", "index_n_heads", "index_head_dim")  # DeepSeek sp
 _DSA_TYPES = ("deepseek_v32", "glm_moe_dsa", "deepseek_v4")  # the model types that have one
 _LAYER_RE = re.compile(r"^(?:.*?\.)?layers\.(\d+)\.")  # the first layers.N of a name
 MTP_REASON = "multi-token prediction layers"
+# the model types whose multi-token-prediction layers import keeps (their layout known: a decoder layer of the
+# model's kind with its input norms and projection); MiniMax-M2's modules and DeepSeek-V4's are left out
+MTP_KEPT = ("deepseek_v3", "deepseek_v32", "glm4_moe", "glm_moe_dsa", "qwen3_next", "qwen3_5_moe_text")
 _MTP_PREFIX = "mtp."  # where Qwen3-Next and Qwen3.5 keep theirs
 _EXPERT_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward|ffn)\.experts\.(\d+)\.(.+)$")
 _FUSED_RE = re.compile(r"^.*\.layers\.(\d+)\.(?:block_sparse_moe|mlp|feed_forward|ffn)\.experts\.([A-Za-z0-9_]+)$")
@@ -185,6 +189,7 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False,
         raise BadInputError(f"{path}: tensor embed.weight: DeepSeek-V4's release names (embed.weight, layers.N.attn...) "
                             "are not read yet, only those transformers writes (model.embed_tokens.weight, "
                             "model.layers.N.attn...): load it with transformers and save_pretrained a copy")
+    mtp = mtp and model_type_of(config) in MTP_KEPT
     tensors, extra = _extra_layers(tensors, text_config_of(config), cfg_path, keep=mtp)
     _say_kept_towers(os.path.abspath(path), tensors, config)
     ck = Checkpoint(path=path, config=config, tensors=tensors, file_metadata=metadata, side_files=side,

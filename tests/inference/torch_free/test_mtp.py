@@ -212,3 +212,21 @@ def test_a_layer_drafting_does_not_read_falls_back_to_lookup_saying_why(made, mo
                             "mtp.fc" not in n and real(n, *a, **k))
         assert "not laid out as drafting reads it" in mtp.mtp_refusal(lean.store)
         assert isinstance(mtp.default_draft(lean, seq, PROMPT), PromptLookup)
+
+
+def test_model_types_whose_layout_drafting_does_not_read_leave_the_layer_out(tmp_path):
+    """MiniMax-M2's multi-token-prediction modules (layers past the last, `use_mtp`) are left out at import,
+    as before, the manifest's `skipped` saying so."""
+    import json as _json
+
+    from helpers.hf_models import make_hf_checkpoint
+    from safetensors.torch import save_file
+
+    hf = make_hf_checkpoint("minimax_m2", tmp_path / "hf")
+    cfg = _json.loads((hf / "config.json").read_text())
+    n = cfg["num_hidden_layers"]
+    cfg.update(use_mtp=True, num_mtp_modules=1)
+    (hf / "config.json").write_text(_json.dumps(cfg))
+    save_file({f"model.layers.{n}.enorm.weight": torch.ones(cfg["hidden_size"])}, str(hf / "extra.safetensors"))
+    info = import_checkpoint(str(hf), str(tmp_path / "store")).describe()
+    assert info["mtp"] is None and info["skipped"]["layers"] == [n] and info["skipped"]["tensors"] == 1
