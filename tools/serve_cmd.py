@@ -12,6 +12,7 @@ import signal
 import sys
 
 from tools.cli_output import UsageError
+from tools.generate_cmd import speculative_flag
 from tools.size_flags import parse_size
 from tools.engine_flags import (add_budget_flags, add_device_flags, add_routing_trace_flag, engine_config_from_args,
                                 lean_by_itself, load_engine, open_model, say_placement)
@@ -85,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # the server's limits, checked once
         serve_config = ServeConfig(max_queue=args.max_queue, max_batch=args.max_batch,
                                    max_batch_tokens=args.max_batch_tokens, request_log=args.request_log,
-                                   speculative=0 if args.speculative == "auto" else _count(args.speculative),
+                                   speculative=speculative_flag(args) or 0,
                                    kv_memory_bytes=parse_size(args.kv_memory, flag="--kv-memory")
                                    if args.kv_memory is not None else None,
                                    prefix_cache_bytes=None if args.prefix_cache is None else 0
@@ -155,16 +156,6 @@ def lean_engine(args: argparse.Namespace, serve_config: "ServeConfig"):  # noqa:
     return LeanEngine(model, name=os.path.basename(os.path.normpath(args.model))), serve_config
 
 
-AUTO_K = 3  # the tokens `--speculative auto` drafts a request a step
-
-
-def _count(text: str) -> int:
-    try:
-        return int(text)
-    except ValueError:
-        raise UsageError(f"--speculative must be auto or a count of tokens >= 0, got {text!r}") from None
-
-
 def _auto_speculative(engine, serve_config: "ServeConfig") -> "ServeConfig":  # noqa: F821
     """--speculative auto over the runner's engine: AUTO_K drafted tokens a step, while drafting pays, where the
     store holds a multi-token-prediction layer and the model rolls back by its caches' length; off otherwise."""
@@ -172,6 +163,7 @@ def _auto_speculative(engine, serve_config: "ServeConfig") -> "ServeConfig":  # 
 
     from inference.serving.batch_scheduler import rolls_back
     from inference.torch_free.mtp import mtp_layers, mtp_refusal
+    from tools.generate_cmd import AUTO_K
 
     layers = mtp_layers(engine.lean.store)
     if mtp_refusal(engine.lean.store) is not None or not rolls_back(engine.model_config):

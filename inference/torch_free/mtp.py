@@ -82,15 +82,10 @@ class MTP:
 
     def __init__(self, model) -> None:
         c, store = model.config, model.store
+        why = mtp_refusal(store)
+        if why:
+            raise (BadInputError if not mtp_layers(store) else NotOnFastPath)(f"{store.root}: {why}")
         layers = mtp_layers(store)
-        if not layers:
-            raise BadInputError(f"{store.root}: the store holds no multi-token-prediction layer (its checkpoint "
-                                f"ships none, or it was imported with --no-mtp)")
-        if c.hc_mult > 1:
-            raise NotOnFastPath(f"{store.root}: DeepSeek-V4's multi-token-prediction layer (with hyper-connections) "
-                                f"is not drafted from yet")
-        if c.is_linear(layers[0]) or c.attention == "compressed":
-            raise NotOnFastPath(f"{store.root}: a multi-token-prediction layer of {c.arch} without full attention")
         L = layers[0]
         self.model, self.layer = model, L
 
