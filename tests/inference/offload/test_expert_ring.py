@@ -187,8 +187,10 @@ def test_corrupt_expert_fails_the_request_and_names_the_tensor(tmp_path):
 def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
     """`semoe generate --cpu-cache SIZE` alone on CPU decodes in the torch-free runner with that cache
     (stderr says so); with an engine flag beside it, or another budget flag, the engine's offloaded
-    path. Every way gives the resident greedy tokens; the engine's logprobs are the resident engine's
-    bit for bit, the runner's within 1e-6 (it takes the log-softmax in float64, the engine in float32)."""
+    path. Every way gives the resident greedy tokens, and logprobs within 1e-6 of the resident engine's:
+    the runner takes the log-softmax in float64 (the engine in float32), and the offloaded engine runs
+    the prompt through the model's modules where the resident one runs the C prompt pass, so the first
+    logprob carries torch's matmul summation order, which differs by CPU (5e-7 on an AMD Zen 4)."""
     import json
     import subprocess
     import sys
@@ -209,7 +211,8 @@ def test_generate_cli_offloaded_json_has_stats_and_resident_tokens(tmp_path):
                   ["--device-memory", "1MiB"]):
         out, err = run(*flags)
         assert "without torch" not in err
-        assert out["tokens"] == resident["tokens"] and out["logprobs"] == resident["logprobs"]
+        assert out["tokens"] == resident["tokens"]
+        assert out["logprobs"] == pytest.approx(resident["logprobs"], rel=1e-6, abs=1e-6)
         assert sorted(out["stats"]) == sorted(["ring_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token",
                                                "device_copy_bytes_per_token", "ideal_bytes_per_token",
                                                "prefetch_precision", "prefetch_recall", "cpu_cache_bytes",
