@@ -32,7 +32,7 @@ def _variants_module():
 
 kv = _variants_module()
 SOURCES = [f"semoe/kernels/{f}.c" for f in ("gemv", "gemv_fp4", "gemv_float", "attend", "decode_step", "decode_abi",
-                                            "prefill", "route", "deltanet", "compressed")]
+                                            "prefill", "route", "deltanet", "compressed", "gemv_ggml")]
 DEPENDS = ["semoe/kernels/kernels.h", "semoe/kernels/decode_abi.h", "semoe/kernels/lin.h"]
 KERNELS = [Extension(f"semoe.kernels.{v.module}", sources=SOURCES, depends=DEPENDS, optional=True,
                      extra_compile_args=["-O3", "-fopenmp", *kv.cflags(v)], extra_link_args=["-fopenmp"])
@@ -110,12 +110,14 @@ setup(
         "uvicorn>=0.29",
         "prometheus_client>=0.20",
         "jinja2>=3.1",
+        "gguf>=0.17",  # reading llama.cpp's GGUF files (memory-mapped) and decoding their quantized blocks
+        "transformers>=5.24",  # a GGUF's tokenizer rebuilt from its metadata (and the tests' oracle)
+        "tokenizers>=0.20",  # HuggingFace tokenizer.json files
         "matplotlib>=3.7",  # the planner's memory-timeline plot
     ],
     extras_require={
         "test": [
             "pytest>=8.0",
-            "transformers>=4.45",
             "openai>=1.40",  # the official client against the server
             "zarr>=3.0",
             "setuptools>=64",  # the kernels' install tests run setup.py (venvs of Python 3.12+ have none)

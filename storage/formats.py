@@ -12,8 +12,12 @@ INT4_DEFAULT_GROUP = 128
 INT8_MAX = 127  # int8 codes lie in [-127, 127], one scale per output row
 
 
+# GGUF's quantized types the kernels compute on as stored (semoe/kernels/gemv_ggml.c): a GGUF file's
+# expert weights of these types are kept in the expert chunks block for block (storage.quant's `ggml`)
+GGML_KERNEL_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+
 # expert schemes beside which `--dense auto` takes int8 dense weights on CPU (`auto_dense`)
-INT8_DENSE_BESIDE = frozenset({"int8", "int4", "mxfp4"})
+INT8_DENSE_BESIDE = frozenset({"int8", "int4", "mxfp4", "ggml"})
 
 
 def auto_dense(expert_schemes: set[str] | frozenset[str], on_cpu: bool) -> str:

@@ -20,6 +20,8 @@ Schemes (shape legend: O out features, I in features, g group size, G groups per
   checkpoint ships them (`X.weight` beside `X.weight_scale_inv`).
 - `mxfp4`: gpt-oss's blocks (O, G, 16) uint8, two e2m1 values per byte, low nibble first, 32 per
   group, with e8m0 scales (O, G) uint8; as shipped (`X_blocks` beside `X_scales`), logical (I, O).
+- `ggml`: a GGUF file's quantized rows as it stores them (`ggml_type`: Q8_0, Q4_K, Q6_K, ...), uint8
+  (O, bytes of a row), each row's blocks carrying their own scales: no scales tensor (`scales` "").
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ import torch
 from storage.dequant import dequantize_fp8_blocks, dequantize_mxfp4
 from storage.dtypes import torch_dtype
 from storage.errors import BadInputError
-from storage.formats import INT4_GROUP_SIZES, INT8_MAX, QUANTIZE_ROWS
+from storage.formats import GGML_KERNEL_TYPES, INT4_GROUP_SIZES, INT8_MAX, QUANTIZE_ROWS
 
-SCHEMES = ("int8", "int4", "fp8", "mxfp4")
+SCHEMES = ("int8", "int4", "fp8", "mxfp4", "ggml")
 INT4_BLOCK_ROWS = 64  # rows per block of the CPU int4 kernel's packed layout
 INT4_LEVELS = 15
 INT4_OFFSET = 8  # the kernel computes (code - 8) * scale + zero
@@ -62,6 +64,7 @@ class QuantSpec:
     # export writes back, and the dtype the checkpoint stored the scales in
     packing: str | None = None
     packed_scales: str | None = None
+    ggml_type: str | None = None  # ggml: the GGUF type of the rows' blocks
 
     def __post_init__(self) -> None:
         if self.scheme not in SCHEMES:
@@ -72,6 +75,9 @@ class QuantSpec:
             raise BadInputError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size!r}")
         if self.scheme == "fp8" and (self.block is None or len(self.block) != 2):
             raise BadInputError(f"fp8 needs a block of 2 sizes, got {self.block!r}")
+        if self.scheme == "ggml" and (self.ggml_type not in GGML_KERNEL_TYPES or self.scales or self.transposed):
+            raise BadInputError(f"a ggml weight needs a type of {', '.join(GGML_KERNEL_TYPES)}, no scales tensor and "
+                                f"out-major rows, got {self.ggml_type!r}, scales {self.scales!r}")
 
     @property
     def out_in(self) -> tuple[int, int]:
@@ -226,9 +232,25 @@ def dequantize_out_in(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec
         w = ((q - INT4_OFFSET) * sz[..., 0].T[..., None] + sz[..., 1].T[..., None]).view(o, i)
     elif spec.scheme == "fp8":
         return dequantize_fp8_blocks(codes, scales, spec.block, dtype)
+    elif spec.scheme == "ggml":
+        w = dequantize_ggml(codes, spec.ggml_type).view(o, i)
     else:  # mxfp4: (O, G, 16) blocks -> (I, O) as gpt-oss lays out its experts
         return dequantize_mxfp4(codes.unsqueeze(0), scales.unsqueeze(0), torch.float32)[0].T.to(dtype)
     return w.to(dtype)
+
+
+def dequantize_ggml(rows: torch.Tensor, ggml_type: str) -> torch.Tensor:
+    """GGUF blocks (..., bytes of a row) as float32 (..., weights of a row), by the `gguf` package's own
+    dequantization (the reference the kernels are tested against)."""
+    import gguf
+
+    out = gguf.quants.dequantize(rows.contiguous().cpu().numpy(), gguf.GGMLQuantizationType[ggml_type])
+    return torch.from_numpy(out.astype("float32", copy=False)).to(rows.device)
+
+
+def has_scales(spec: QuantSpec | dict) -> bool:
+    """Whether a compact weight has a scales tensor beside its codes (every scheme but ggml's)."""
+    return bool(spec.scales if isinstance(spec, QuantSpec) else spec.get("scales"))
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, spec: QuantSpec,

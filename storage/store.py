@@ -36,7 +36,7 @@ from storage.chunk_io import ReadMode, write_file
 from storage.layout import array_of_chunk, chunk_layout, expert_array_rel, tensor_view, vdir, version_of
 from storage.manifest import KINDS, ChunkEntry, FileEntry, Manifest, TensorEntry
 from storage.reader import MANIFEST, StoreReader, load_manifest
-from storage.quant import QuantSpec, dequantize
+from storage.quant import QuantSpec, dequantize, has_scales
 
 log = logging.getLogger(__name__)
 
@@ -129,7 +129,8 @@ class Store(StoreReader):
         if e.quant is None or "scheme" not in e.quant:
             return self.read_tensor(name)
         spec = QuantSpec.from_json(e.quant)
-        return dequantize(self.read_tensor(name), self.read_tensor(spec.scales), spec)
+        codes = self.read_tensor(name)
+        return dequantize(codes, self.read_tensor(spec.scales) if has_scales(spec) else codes[:0], spec)
 
     def read_dense_rows(self, name: str, rows: int, *, mode: ReadMode = ReadMode.DROP) -> Iterator[torch.Tensor]:
         """A dense weight `rows` rows at a time (a new buffer each; the last may be shorter), for a
@@ -289,10 +290,10 @@ class Store(StoreReader):
             if t.kind != "weight" or not t.quant or "scheme" not in t.quant:
                 continue
             spec = QuantSpec.from_json(t.quant)
-            scales = m.tensor(spec.scales, stack_index=t.expert if t.stacked else None)
+            scales = m.tensor(spec.scales, stack_index=t.expert if t.stacked else None).bytes if has_scales(spec) else 0
             s = out.setdefault(spec.scheme, {"names": set(), "bytes": 0, "weights": 0})
             s["names"].add(t.name)
-            s["bytes"] += t.bytes + scales.bytes
+            s["bytes"] += t.bytes + scales
             s["weights"] += spec.numel
         return {k: {"tensors": len(s["names"]), "bytes": s["bytes"], "bits_per_weight": 8 * s["bytes"] / s["weights"]}
                 for k, s in sorted(out.items())}

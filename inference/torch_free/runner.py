@@ -78,7 +78,7 @@ DENSE_CHOICES = ("auto", "float", "int8")
 KV_CACHE_CHOICES = ("f32", "f16")
 # the kernels' weight kind of each way an expert's weights are stored (a quant scheme, or a float dtype)
 EXPERT_KINDS = {"F32": loader.W_F32, "BF16": loader.W_BF16, "int8": loader.W_INT8, "int4": loader.W_INT4,
-                "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8}
+                "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8, "ggml": loader.W_GGML}
 _IO_KIND = {"F32": loader.W_F32_IO, "BF16": loader.W_BF16_IO}  # float weights stored (I, O)
 # an expert's parts by the HuggingFace names' last part: SwiGLU's gate, up, down; gpt-oss's gate_up
 # and down (float, or MXFP4 blocks), then their biases; Llama-4's gate_up (its halves) and down
@@ -423,7 +423,7 @@ class LeanModel:
             # gpt-oss's and Llama-4's weights are (I, O): compact codes out-major all the same, float ones as stored
             if scheme not in EXPERT_KINDS or bool(q.get("transposed")) != (fused and bool(q)):
                 raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is {scheme}; the lean runner "
-                                    f"takes F32, BF16, int8, int4, FP8 and MXFP4")
+                                    f"takes F32, BF16, int8, int4, FP8, MXFP4 and GGUF's blocks")
             s = scales.get(t.name)
             if scheme == "fp8" and (len(set(q["block"])) != 1 or s is None or s.dtype != "F32"):
                 raise NotOnFastPath(f"{self.store.root}: expert weight {t.name} is fp8 with scales per {q['block']} "
@@ -432,7 +432,7 @@ class LeanModel:
                 (O, I), kind = (q["shape"][::-1] if fused else q["shape"]), EXPERT_KINDS[scheme]
             else:
                 (O, I), kind = (t.shape[::-1], _IO_KIND[scheme]) if fused else (t.shape, EXPERT_KINDS[scheme])
-            group = q.get("group_size") or 0 if scheme == "int4" else q["block"][0] if scheme == "fp8" else 0
+            group = loader.lin_group(q)
             out.append((kind, group, O, I, t.offset, s.offset if s else -1))
         biases = []
         if fused:

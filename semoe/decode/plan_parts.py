@@ -25,7 +25,7 @@ def _ptr(t: torch.Tensor) -> int:
 
 
 _KINDS = {torch.float32: loader.W_F32, torch.bfloat16: loader.W_BF16, "int8": loader.W_INT8,
-          "int4": loader.W_INT4, "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8}
+          "int4": loader.W_INT4, "mxfp4": loader.W_MXFP4, "fp8": loader.W_FP8, "ggml": loader.W_GGML}
 _IO_KINDS = {torch.float32: loader.W_F32_IO, torch.bfloat16: loader.W_BF16_IO}  # float weights (I, O)
 _Lin = loader.Lin
 
@@ -42,6 +42,9 @@ def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_
             raise NotOnFastPath(f"a {scheme} weight with the {w.kernel!r} kernel on {w.codes.device}")
         if scheme == "fp8" and not fp8_tile(w.spec):
             raise NotOnFastPath(f"an fp8 weight with scales per {w.spec.block} block: the kernel takes square tiles")
+        if scheme == "ggml":  # a GGUF file's rows of blocks, their scales inside
+            O, I = w.spec.shape
+            return _Lin(loader.W_GGML, O, I, loader.ggml_type_id(w.spec.ggml_type), _ptr(w.codes), None, None), (w.codes,)
         # kept: the kernel reads them every step (MXFP4's exponents as they are)
         held = (w.codes, w.scales if scheme == "mxfp4" else torch_ops._f32(w.scales))
         O, I = w.codes.shape[0], w.codes.shape[1] * {"int8": 1, "int4": 2, "mxfp4": 32, "fp8": 1}[scheme]

@@ -7,12 +7,13 @@
 
 #include <stdint.h>
 
-enum { W_F32 = 1, W_BF16 = 2, W_INT8 = 3, W_INT4 = 4, W_MXFP4 = 5, W_F32_IO = 6, W_BF16_IO = 7, W_FP8 = 8 }; /* Lin.kind */
+enum { W_F32 = 1, W_BF16 = 2, W_INT8 = 3, W_INT4 = 4, W_MXFP4 = 5, W_F32_IO = 6, W_BF16_IO = 7, W_FP8 = 8,
+       W_GGML = 9 }; /* Lin.kind */
 
 /* y (O) = W x (+ bias): W (O, I) float32, bfloat16, int8 codes with scales (O), int4 codes with
  * (scale, zero) pairs per group of g inputs, or MXFP4 blocks with their e8m0 exponents (uint8) in
  * place of scales (gemv.c's layouts), or FP8 (e4m3) codes with float32 scales per g x g block
- * (gemv_float.c's); or W^T laid out (I, O), in-major, float32 or bfloat16 (gpt-oss's float experts) */
+ * (gemv_float.c's), or GGUF's blocks of ggml type g, rows one after another (gemv_ggml.c's); or W^T laid out (I, O), in-major, float32 or bfloat16 (gpt-oss's float experts) */
 typedef struct {
     int64_t kind, O, I, g;
     const void *w;

@@ -17,7 +17,9 @@
  */
 #include "lin.h"
 
-int lin_quantized(const Lin *l) { return l->kind == W_INT8 || l->kind == W_INT4 || l->kind == W_MXFP4; }
+int lin_quantized(const Lin *l) {
+    return l->kind == W_INT8 || l->kind == W_INT4 || l->kind == W_MXFP4 || l->kind == W_GGML;
+}
 
 int64_t lin_blocks(const Lin *l) {
     switch (l->kind) {
@@ -39,6 +41,7 @@ void lin_block(const Lin *l, const float *x, int64_t M, const Acts *a, float *y,
         for (int64_t m = 0; m < M; m++) io_block(x + m * l->I, l->w, l->kind == W_BF16_IO, l->O, l->I, b, y + m * l->O);
         break;
     case W_FP8: fp8_block(x, (const uint8_t *)l->w, l->s, y, M, l->O, l->I, l->g, b); break;
+    case W_GGML: gg_block(l->g, (const uint8_t *)l->w, l->O, l->I, a, b, y); break;
     default: i4_block((const uint8_t *)l->w, l->s, l->O, a, b, y);
     }
 }
@@ -57,7 +60,8 @@ void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom) {
 void lin_acts_alloc(const Lin *l, int64_t M, Acts *a, int *oom) {
     memset(a, 0, sizeof(*a)); /* freed whether or not the allocation went through */
     if (!lin_quantized(l)) return;
-    *a = acts_alloc(M, l->I, l->kind == W_INT4 ? l->g : 0);
+    /* int4: the sums of its groups of inputs; GGUF's blocks: of each 32 (their offsets' and mins' share) */
+    *a = acts_alloc(M, l->I, l->kind == W_INT4 ? l->g : l->kind == W_GGML ? QB : 0);
     if (!acts_ok(a)) *oom = 1;
 }
 

@@ -154,6 +154,10 @@ void fp4_block(const uint8_t *w, const uint8_t *e, int64_t O, const Acts *a, int
  * (ceil(O/g), ceil(I/g)): ROWS rows, against float32 x (DeepSeek-V3's and Kimi-K2's experts) */
 void fp8_block(const float *x, const uint8_t *w, const float *s, float *y, int64_t M, int64_t O, int64_t I, int64_t g,
                int64_t b);
+/* GGUF's blocks of ggml type t (gemv_ggml.c): ROWS rows (`i8_blocks(O)` blocks) from x's codes and xsum (groups
+ * of QB) in a; gg_row_bytes: one row's bytes (0: a type not computed here, or I not whole blocks) */
+void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, int64_t b, float *y);
+int64_t gg_row_bytes(int64_t t, int64_t I);
 /* block b of y (O) = x (I) @ W for a float32 or bfloat16 (`bf16`) weight laid out (I, O), in-major:
  * IO_STRIP output columns, `io_blocks(O)` of them */
 #define IO_STRIP 1024

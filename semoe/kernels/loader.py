@@ -29,7 +29,7 @@ class KernelABIError(RuntimeError):
 
 
 # decode_abi.h's weight kinds (`Lin.kind`)
-W_F32, W_BF16, W_INT8, W_INT4, W_MXFP4, W_F32_IO, W_BF16_IO, W_FP8 = 1, 2, 3, 4, 5, 6, 7, 8
+W_F32, W_BF16, W_INT8, W_INT4, W_MXFP4, W_F32_IO, W_BF16_IO, W_FP8, W_GGML = 1, 2, 3, 4, 5, 6, 7, 8, 9
 
 
 class Lin(ctypes.Structure):
@@ -86,6 +86,21 @@ class CompressedC(ctypes.Structure):
                 ("index_inv_freq", _P), ("eps", _F32), ("rope_scale", _F32), ("index_scale", _F32), ("W", _I),
                 ("r", _I), ("o_groups", _I), ("Hi", _I), ("Di", _I), ("topk", _I), ("comp", CompressorC),
                 ("icomp", CompressorC)]
+
+
+def ggml_type_id(name: str) -> int:
+    """The ggml type number of a GGUF quantized type (Q4_K: 12): a `Lin` of kind W_GGML's `g`."""
+    import gguf
+
+    return int(gguf.GGMLQuantizationType[name])
+
+
+def lin_group(quant: dict) -> int:
+    """A `Lin`'s `g` for a compact weight's manifest `quant`: int4's group, FP8's tile side, ggml's type."""
+    scheme = quant.get("scheme")
+    if scheme == "int4":
+        return quant.get("group_size") or 0
+    return quant["block"][0] if scheme == "fp8" else ggml_type_id(quant["ggml_type"]) if scheme == "ggml" else 0
 
 
 def lin_rows(lin: Lin, r0: int, n: int) -> Lin:

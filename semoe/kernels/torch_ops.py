@@ -181,6 +181,25 @@ def gemv_mxfp4(x_MI: torch.Tensor, blocks_OG16: torch.Tensor, scales_OG: torch.T
     return y
 
 
+def gemv_ggml(x_MI: torch.Tensor, rows_OB: torch.Tensor, I: int, ggml_type: str) -> torch.Tensor:
+    """x @ W.T for a GGUF file's quantized rows as stored: W (O, I) of ggml type `ggml_type` (Q8_0, Q4_K, ...:
+    storage.formats' GGML_KERNEL_TYPES), rows_OB uint8 (O, bytes of a row), with x quantized as
+    `quantize_activations` does and each block's sums taken in integers (gemv_ggml.c); float32 (..., O)."""
+    import gguf
+
+    O = rows_OB.shape[0]
+    t = int(gguf.GGMLQuantizationType[ggml_type])
+    per, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]]
+    if rows_OB.dtype != torch.uint8 or rows_OB.dim() != 2 or I % per or rows_OB.shape[1] != I // per * nbytes:
+        raise ValueError(f"{ggml_type} rows (O, {I // per * nbytes}) uint8 for {I} inputs, got "
+                         f"{list(rows_OB.shape)} {rows_OB.dtype}")
+    x, y = _operands(x_MI, rows_OB, I, O)
+    lin = loader.Lin(loader.W_GGML, O, I, t, rows_OB.data_ptr(), None, None)
+    if _lib().lin_rows(ctypes.byref(lin), x.data_ptr(), x.numel() // I, y.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"no memory for the quantized activations of {x.numel() // I} rows of {I}")
+    return y
+
+
 def gemv_fp8(x_MI: torch.Tensor, codes_OI: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     """x @ W.T for FP8 (e4m3) codes (O, I) with scales per block x block tile (ceil(O/block),
     ceil(I/block)), computed as FP8: each tile's sum of code times x in float32, times its scale; x

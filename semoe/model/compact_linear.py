@@ -106,7 +106,7 @@ class CompactWeight:
         (int8 and int4 weights with a decoding step's few rows, MXFP4 ones with any number, on CPU,
         the kernels built); the reference kernel then computes the same arithmetic plainly."""
         scheme = self.spec.scheme
-        return scheme in ("int8", "int4", "mxfp4") and torch_ops.takes(x_MI, torch_ops.max_rows(scheme))
+        return scheme in ("int8", "int4", "mxfp4", "ggml") and torch_ops.takes(x_MI, torch_ops.max_rows(scheme))
 
     def linear(self, x_MI: torch.Tensor) -> torch.Tensor:
         """x @ W.T for the out-major W (O, I) the codes hold, in x's dtype."""
@@ -123,6 +123,8 @@ class CompactWeight:
                 y = torch_ops.gemv_i8(x_MI, self.codes, self.scales)
             elif self.spec.scheme == "mxfp4":  # stored out-major: (O, I/32, 16) blocks
                 y = torch_ops.gemv_mxfp4(x_MI, self.codes, self.scales)
+            elif self.spec.scheme == "ggml":  # a GGUF file's rows of blocks
+                y = torch_ops.gemv_ggml(x_MI, self.codes, self.spec.shape[1], self.spec.ggml_type)
             else:
                 y = torch_ops.gemv_i4(x_MI, self.codes, self.scales, self.spec.group_size)
             return y if y.dtype == x_MI.dtype else y.to(x_MI.dtype)

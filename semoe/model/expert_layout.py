@@ -27,7 +27,7 @@ from semoe.model.experts import ExpertMLP, ExpertWeights, expert_mlp
 from storage.dtypes import torch_dtype
 from storage.keys import ExpertKey
 from storage.manifest import Manifest
-from storage.quant import MXFP4_BLOCKS, QuantSpec
+from storage.quant import MXFP4_BLOCKS, QuantSpec, has_scales
 
 ALIGN = 64  # bytes between tensors placed in one buffer
 
@@ -97,6 +97,9 @@ def chunk_layout_of(manifest: Manifest, config: MoEConfig, layer: int, expert: i
             parts.append(Part((piece(codes),)))
             continue
         spec = QuantSpec.from_json(entry.quant)
+        if not has_scales(spec):  # GGUF's blocks: their scales inside
+            parts.append(Part((piece(codes),), spec))
+            continue
         if spec.scales not in by_name:
             raise KeyError(f"store {source}: expert chunk {chunk.file} lacks {spec.scales}, the scales of {codes}")
         parts.append(Part((piece(codes), piece(spec.scales)), spec))
@@ -154,7 +157,11 @@ def expert_weights(raw: torch.Tensor, layout: ExpertLayout, tensors: tuple[Tenso
     parts = []
     for part in layout.parts:
         views = [next(it).view(raw) for _ in part.tensors]
-        parts.append(views[0] if part.spec is None else CompactWeight(views[0], views[1], part.spec, kernel))
+        if part.spec is None:
+            parts.append(views[0])
+        else:  # GGUF's blocks hold their own scales: an empty tensor stands for the others'
+            scales = views[1] if len(views) > 1 else views[0][:0]
+            parts.append(CompactWeight(views[0], scales, part.spec, kernel))
     return ExpertWeights(tuple(parts), mlp)
 
 

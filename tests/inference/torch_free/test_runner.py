@@ -340,7 +340,7 @@ def test_a_store_it_cannot_read_as_stored_keeps_the_engine(tmp_path):
 
     expert = SimpleNamespace(kind="weight", group="expert", dtype="F16", quant=None, name="e")
     assert "F16" not in EXPERT_KINDS and tensor_refusal(expert) == (
-        "it reads experts stored F32, BF16, int8, int4, mxfp4, fp8, not F16 (e)")
+        "it reads experts stored F32, BF16, int8, int4, mxfp4, fp8, ggml, not F16 (e)")
     assert lean_refusal(str(hf)) == "it reads stores, not HuggingFace directories"
 
 

@@ -1,0 +1,338 @@
+/* Products on GGUF's quantized blocks as the file stores them (llama.cpp's ggml types), rows of the weight
+ * one after another, each row ceil(I / block) blocks: Q8_0, Q4_0, Q4_1, Q5_0, Q5_1 and IQ4_NL (32 weights a
+ * block, an IEEE half scale), Q4_K, Q5_K, Q6_K and IQ4_XS (256 a super-block, 6-bit or int8 sub-block scales),
+ * MXFP4 (32 a block, an e8m0 exponent).
+ *
+ * Each block of 32 weights is decoded to 32 signed integer codes c, a scale per half of 16 (the same for all
+ * types but Q6_K) and an offset o, so that weight j = s_h c_j + o. Against x quantized per 32 (`Acts`: codes
+ * q, scale dx, and dx sum(q) as `xsum`), the block's share of a row's product is
+ *     dx (s_0 sum_{j<16} c_j q_j + s_1 sum_{j>=16} c_j q_j) + o xsum,
+ * both sums taken exactly in integers. Rows are computed ROWS at a time, sharing the loads of x; every output
+ * row is summed by one thread in one order (kernels.h). */
+#include "kernels.h"
+#include "decode_abi.h"
+
+enum { GG_Q4_0 = 2, GG_Q4_1 = 3, GG_Q5_0 = 6, GG_Q5_1 = 7, GG_Q8_0 = 8, GG_Q4_K = 12, GG_Q5_K = 13, GG_Q6_K = 14,
+       GG_IQ4_NL = 20, GG_IQ4_XS = 23, GG_MXFP4 = 39 };
+
+static const int8_t IQ4_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+/* e2m1 values times two (llama.cpp's kvalues_mxfp4), the block scale then halved */
+static const int8_t FP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+static inline float half(const uint8_t *p) {
+    _Float16 h;
+    memcpy(&h, p, 2);
+    return (float)h;
+}
+
+/* weights per block (32, or 256 for the super-block types) and the bytes of one */
+static int64_t gg_block_weights(int64_t t) {
+    return t == GG_Q4_K || t == GG_Q5_K || t == GG_Q6_K || t == GG_IQ4_XS ? 256 : 32;
+}
+
+static int64_t gg_block_bytes(int64_t t) {
+    switch (t) {
+    case GG_Q4_0: return 18;
+    case GG_Q4_1: return 20;
+    case GG_Q5_0: return 22;
+    case GG_Q5_1: return 24;
+    case GG_Q8_0: return 34;
+    case GG_Q4_K: return 144;
+    case GG_Q5_K: return 176;
+    case GG_Q6_K: return 210;
+    case GG_IQ4_NL: return 18;
+    case GG_IQ4_XS: return 136;
+    case GG_MXFP4: return 17;
+    default: return 0;
+    }
+}
+
+/* bytes of one row of I weights of type t; 0 for a type not computed here or I not a whole number of blocks */
+int64_t gg_row_bytes(int64_t t, int64_t I) {
+    const int64_t n = gg_block_weights(t), b = gg_block_bytes(t);
+    return b == 0 || I % n ? 0 : I / n * b;
+}
+
+/* Q4_K's and Q5_K's 6-bit scale and min of sub-block j from their 12 bytes */
+static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
+    if (j < 4) {
+        *sc = q[j] & 63;
+        *m = q[j + 4] & 63;
+    } else {
+        *sc = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+        *m = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+    }
+}
+
+/* block k (32 weights) of a row: codes c, half scales s[2] and offset o */
+static void decode32(int64_t t, const uint8_t *row, int64_t k, int8_t *c, float *s, float *o) {
+    *o = 0.0f;
+    switch (t) {
+    case GG_Q8_0: {
+        const uint8_t *b = row + k * 34;
+        s[0] = s[1] = half(b);
+        memcpy(c, b + 2, 32);
+        return;
+    }
+    case GG_Q4_0:
+    case GG_Q4_1:
+    case GG_IQ4_NL:
+    case GG_MXFP4: {
+        const int64_t bytes = gg_block_bytes(t);
+        const uint8_t *b = row + k * bytes, *qs = b + bytes - 16;
+        for (int j = 0; j < 16; j++) {
+            const int lo = qs[j] & 0xF, hi = qs[j] >> 4;
+            if (t == GG_IQ4_NL) {
+                c[j] = IQ4_VALUES[lo];
+                c[j + 16] = IQ4_VALUES[hi];
+            } else if (t == GG_MXFP4) {
+                c[j] = FP4_VALUES[lo];
+                c[j + 16] = FP4_VALUES[hi];
+            } else {
+                c[j] = (int8_t)(t == GG_Q4_0 ? lo - 8 : lo);
+                c[j + 16] = (int8_t)(t == GG_Q4_0 ? hi - 8 : hi);
+            }
+        }
+        if (t == GG_MXFP4) { /* half of 2^(e - 127), the codes being twice the e2m1 values */
+            const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
+            float f;
+            memcpy(&f, &bits, 4);
+            s[0] = s[1] = f;
+        } else {
+            s[0] = s[1] = half(b);
+        }
+        if (t == GG_Q4_1) *o = half(b + 2);
+        return;
+    }
+    case GG_Q5_0:
+    case GG_Q5_1: {
+        const int64_t bytes = gg_block_bytes(t);
+        const uint8_t *b = row + k * bytes, *qh = b + bytes - 20, *qs = b + bytes - 16;
+        uint32_t h;
+        memcpy(&h, qh, 4);
+        const int off = t == GG_Q5_0 ? 16 : 0;
+        for (int j = 0; j < 16; j++) {
+            c[j] = (int8_t)(((qs[j] & 0xF) | (((h >> j) & 1) << 4)) - off);
+            c[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4)) - off);
+        }
+        s[0] = s[1] = half(b);
+        if (t == GG_Q5_1) *o = half(b + 2);
+        return;
+    }
+    case GG_Q4_K:
+    case GG_Q5_K: {
+        const int64_t bytes = gg_block_bytes(t);
+        const uint8_t *b = row + (k / 8) * bytes, *scales = b + 4;
+        const int j = (int)(k % 8);
+        int sc, m;
+        k_scale_min(j, scales, &sc, &m);
+        const float d = half(b), dmin = half(b + 2);
+        s[0] = s[1] = d * (float)sc;
+        *o = -dmin * (float)m;
+        const uint8_t *qs = b + (t == GG_Q4_K ? 16 : 48) + (j / 2) * 32;
+        const int shift = (j % 2) * 4;
+        if (t == GG_Q4_K) {
+            for (int l = 0; l < 32; l++) c[l] = (int8_t)((qs[l] >> shift) & 0xF);
+        } else {
+            const uint8_t *qh = b + 16;
+            for (int l = 0; l < 32; l++) c[l] = (int8_t)(((qs[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4));
+        }
+        return;
+    }
+    case GG_Q6_K: {
+        const uint8_t *b = row + (k / 8) * 210, *ql = b, *qh = b + 128;
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half(b + 208);
+        const int j = (int)(k % 8), n = j / 4, part = j % 4; /* 128-weight half n, its quarter part */
+        const uint8_t *l0 = ql + 64 * n + (part % 2) * 32, *h0 = qh + 32 * n;
+        const int lshift = (part / 2) * 4, hshift = part * 2;
+        for (int l = 0; l < 32; l++) c[l] = (int8_t)((((l0[l] >> lshift) & 0xF) | (((h0[l] >> hshift) & 3) << 4)) - 32);
+        s[0] = d * (float)sc[8 * n + 2 * part];
+        s[1] = d * (float)sc[8 * n + 2 * part + 1];
+        return;
+    }
+    case GG_IQ4_XS: {
+        const uint8_t *b = row + (k / 8) * 136;
+        const int j = (int)(k % 8);
+        uint16_t sh;
+        memcpy(&sh, b + 2, 2);
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
+        s[0] = s[1] = half(b) * (float)(ls - 32);
+        const uint8_t *qs = b + 8 + j * 16;
+        for (int l = 0; l < 16; l++) {
+            c[l] = IQ4_VALUES[qs[l] & 0xF];
+            c[l + 16] = IQ4_VALUES[qs[l] >> 4];
+        }
+        return;
+    }
+    default: memset(c, 0, 32); s[0] = s[1] = 0.0f;
+    }
+}
+
+#ifdef SEMOE_HAS_AVX2
+/* 32 bytes: byte j of b's low 16 (the low nibbles) for j < 16, then the high nibbles */
+static inline __m256i nibbles16(const uint8_t *b) {
+    const __m128i q = _mm_loadu_si128((const __m128i *)b), m = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(q, 4), m), _mm_and_si128(q, m));
+}
+
+/* 0x10 in byte j where bit j of the 32 bits at b is set (Q5_0's and Q5_1's fifth bits) */
+static inline __m256i fifth_bits(const uint8_t *b) {
+    uint32_t h;
+    memcpy(&h, b, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int)h),
+                                               _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL,
+                                                                 0x0101010101010101LL, 0));
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201LL);
+    return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(0x10));
+}
+
+/* `decode32` with vectors: block k's 32 codes in *c */
+static inline void decode32_v(int64_t t, const uint8_t *row, int64_t k, __m256i *c, float *s, float *o) {
+    *o = 0.0f;
+    switch (t) {
+    case GG_Q8_0: {
+        const uint8_t *b = row + k * 34;
+        s[0] = s[1] = half(b);
+        *c = _mm256_loadu_si256((const __m256i *)(b + 2));
+        return;
+    }
+    case GG_Q4_0:
+    case GG_Q4_1:
+    case GG_IQ4_NL: {
+        const int64_t bytes = gg_block_bytes(t);
+        const uint8_t *b = row + k * bytes;
+        const __m256i n = nibbles16(b + bytes - 16);
+        if (t == GG_IQ4_NL) {
+            const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+            *c = _mm256_shuffle_epi8(tab, n);
+        } else {
+            *c = t == GG_Q4_0 ? _mm256_sub_epi8(n, _mm256_set1_epi8(8)) : n;
+        }
+        s[0] = s[1] = half(b);
+        if (t == GG_Q4_1) *o = half(b + 2);
+        return;
+    }
+    case GG_MXFP4: {
+        const uint8_t *b = row + k * 17;
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_VALUES));
+        *c = _mm256_shuffle_epi8(tab, nibbles16(b + 1));
+        const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
+        float f;
+        memcpy(&f, &bits, 4);
+        s[0] = s[1] = f;
+        return;
+    }
+    case GG_Q5_0:
+    case GG_Q5_1: {
+        const int64_t bytes = gg_block_bytes(t);
+        const uint8_t *b = row + k * bytes;
+        __m256i v = _mm256_or_si256(nibbles16(b + bytes - 16), fifth_bits(b + bytes - 20));
+        *c = t == GG_Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
+        s[0] = s[1] = half(b);
+        if (t == GG_Q5_1) *o = half(b + 2);
+        return;
+    }
+    case GG_Q4_K:
+    case GG_Q5_K: {
+        const int64_t bytes = gg_block_bytes(t);
+        const uint8_t *b = row + (k / 8) * bytes;
+        const int j = (int)(k % 8);
+        int sc, m;
+        k_scale_min(j, b + 4, &sc, &m);
+        s[0] = s[1] = half(b) * (float)sc;
+        *o = -half(b + 2) * (float)m;
+        const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (t == GG_Q4_K ? 16 : 48) + (j / 2) * 32));
+        const __m256i lo4 = _mm256_set1_epi8(0x0F);
+        __m256i v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, lo4);
+        if (t == GG_Q5_K) {
+            const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
+            v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1)), 4));
+        }
+        *c = v;
+        return;
+    }
+    case GG_Q6_K: {
+        const uint8_t *b = row + (k / 8) * 210;
+        const int j = (int)(k % 8), n = j / 4, part = j % 4;
+        const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * n + (part % 2) * 32));
+        const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+        const __m256i lo = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * part), _mm256_set1_epi8(3));
+        *c = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
+        const int8_t *sc = (const int8_t *)(b + 192);
+        const float d = half(b + 208);
+        s[0] = d * (float)sc[8 * n + 2 * part];
+        s[1] = d * (float)sc[8 * n + 2 * part + 1];
+        return;
+    }
+    case GG_IQ4_XS: {
+        const uint8_t *b = row + (k / 8) * 136;
+        const int j = (int)(k % 8);
+        uint16_t sh;
+        memcpy(&sh, b + 2, 2);
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
+        s[0] = s[1] = half(b) * (float)(ls - 32);
+        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
+        *c = _mm256_shuffle_epi8(tab, nibbles16(b + 8 + j * 16));
+        return;
+    }
+    default: *c = _mm256_setzero_si256(); s[0] = s[1] = 0.0f;
+    }
+}
+#endif
+
+/* block b of y (M, O) = x @ W.T for W (O, I) of ggml type t (rows of row_bytes), x quantized in a (groups
+ * of 32: its xsum); x rows two at a time, each (row, x row) summed in vector lanes, then across them */
+void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, int64_t b, float *y) {
+    const int64_t r0 = b * ROWS, nr = (r0 + ROWS < O ? r0 + ROWS : O) - r0, nb = I / QB, rb = gg_row_bytes(t, I);
+    for (int64_t m0 = 0; m0 < a->M; m0 += 2) {
+        const int64_t mn = a->M - m0 < 2 ? a->M - m0 : 2;
+        float off[ROWS][2] = {{0}};
+#ifdef SEMOE_HAS_AVX2
+        __m256 acc[ROWS][2];
+        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+        for (int64_t k = 0; k < nb; k++) {
+            __m256i c[ROWS];
+            float s[ROWS][2], o[ROWS];
+            for (int64_t r = 0; r < nr; r++) {
+                _mm_prefetch((const char *)(w + (r0 + r) * rb + k * rb / nb) + PREFETCH, _MM_HINT_T0);
+                decode32_v(t, w + (r0 + r) * rb, k, &c[r], s[r], &o[r]);
+            }
+            for (int64_t m = 0; m < mn; m++) {
+                const int64_t mm = m0 + m;
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + mm * a->Ip + k * QB));
+                const float dx = a->d[mm * (a->Ip / QB) + k], xs = a->xsum[mm * a->groups + k];
+                for (int64_t r = 0; r < nr; r++) {
+                    const __m256 sv = _mm256_set_m128(_mm_set1_ps(s[r][1] * dx), _mm_set1_ps(s[r][0] * dx));
+                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_avx2(c[r], q)), sv, acc[r][m]);
+                    off[r][m] += o[r] * xs;
+                }
+            }
+        }
+        for (int64_t m = 0; m < mn; m++)
+            for (int64_t r = 0; r < nr; r++) y[(m0 + m) * O + r0 + r] = hsum8(acc[r][m]) + off[r][m];
+#else
+        float acc[ROWS][2] = {{0}};
+        int8_t c[ROWS][QB];
+        float s[ROWS][2], o[ROWS];
+        for (int64_t k = 0; k < nb; k++) {
+            for (int64_t r = 0; r < nr; r++) decode32(t, w + (r0 + r) * rb, k, c[r], s[r], &o[r]);
+            for (int64_t m = 0; m < mn; m++) {
+                const int64_t mm = m0 + m;
+                const int8_t *q = a->q + mm * a->Ip + k * QB;
+                const float dx = a->d[mm * (a->Ip / QB) + k], xs = a->xsum[mm * a->groups + k];
+                for (int64_t r = 0; r < nr; r++) {
+                    int32_t h0 = 0, h1 = 0;
+                    for (int j = 0; j < 16; j++) h0 += (int32_t)c[r][j] * q[j];
+                    for (int j = 16; j < 32; j++) h1 += (int32_t)c[r][j] * q[j];
+                    acc[r][m] += dx * (s[r][0] * (float)h0 + s[r][1] * (float)h1);
+                    off[r][m] += o[r] * xs;
+                }
+            }
+        }
+        for (int64_t m = 0; m < mn; m++)
+            for (int64_t r = 0; r < nr; r++) y[(m0 + m) * O + r0 + r] = acc[r][m] + off[r][m];
+#endif
+    }
+}

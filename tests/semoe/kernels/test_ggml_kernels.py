@@ -1,0 +1,64 @@
+"""The kernels on GGUF's quantized blocks as stored (gemv_ggml.c, `Lin` kind W_GGML) against the `gguf`
+package's own dequantization followed by a float64 product.
+
+Weights are random blocks of each type (random codes and sub-scales, half scales of plausible size). The
+kernels quantize x per 32 inputs (`torch_ops.quantize_activations`) and sum each block's products exactly in
+integers, then in float32: against x as they see it (`activations_as_seen`) the product agrees to 2e-5 of the
+output's scale (float32 sums of a few hundred block terms in another order than float64's); against x itself
+to 2e-2 (int8 activations: half a step of 1/127 of a block's largest value per input)."""
+
+from __future__ import annotations
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+
+from helpers.gguf_files import random_blocks
+from helpers.kernels import needs_kernels
+from semoe.kernels import loader, torch_ops
+
+pytestmark = needs_kernels
+
+TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
+
+
+def ggml_product(name: str, w: np.ndarray, O: int, I: int, x: torch.Tensor) -> torch.Tensor:
+    import gguf
+
+    lin = loader.Lin(loader.W_GGML, O, I, int(gguf.GGMLQuantizationType[name]), w.ctypes.data, None, None)
+    y = torch.empty(x.shape[0], O)
+    assert loader.library().lin_rows(ctypes.byref(lin), x.data_ptr(), x.shape[0], y.data_ptr(), 2) == 0
+    return y
+
+
+@pytest.mark.parametrize("name", TYPES)
+@pytest.mark.parametrize("O,I,M", [(37, 512, 1), (64, 256, 3), (5, 768, 9)])
+def test_products_on_blocks_equal_the_dequantized_weight_times_x(name, O, I, M):
+    import gguf
+
+    rng = np.random.default_rng(hash((name, O, I, M)) % 2**32)
+    w = np.ascontiguousarray(random_blocks(name, O, I, rng))
+    W = torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType[name]).astype(np.float64))
+    assert W.shape == (O, I)
+    x = torch.randn(M, I, generator=torch.Generator().manual_seed(O + I + M))
+    y = ggml_product(name, w, O, I, x).double()
+    seen = torch_ops.activations_as_seen(x).double() @ W.T
+    plain = x.double() @ W.T
+    assert float((y - seen).abs().max() / seen.abs().max()) < 2e-5
+    assert float((y - plain).abs().max() / plain.abs().max()) < 2e-2
+
+
+def test_row_bytes_follow_each_types_blocks():
+    import gguf
+
+    lib = loader.library()
+    lib.gg_row_bytes.restype = ctypes.c_int64
+    lib.gg_row_bytes.argtypes = [ctypes.c_int64, ctypes.c_int64]
+    for name in TYPES:
+        t = gguf.GGMLQuantizationType[name]
+        per, nbytes = gguf.GGML_QUANT_SIZES[t]
+        assert lib.gg_row_bytes(int(t), 4 * per) == 4 * nbytes
+        assert lib.gg_row_bytes(int(t), 4 * per + 32 * (per > 32)) == (0 if per > 32 else 4 * nbytes)
+    assert lib.gg_row_bytes(int(gguf.GGMLQuantizationType.Q2_K), 256) == 0  # not computed here
