@@ -24,7 +24,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "KV cache across windows): mean NLL and perplexity; with --reference, also the "
                                    "mean KL(reference || model) per token and how often both models' top token "
                                    "agree (llama.cpp's KLD statistics).")
-    p.add_argument("--model", required=True, metavar="PATH", help="HuggingFace directory or store")
+    p.add_argument("--model", required=True, metavar="PATH",
+                   help="store, HuggingFace directory, or .gguf file (imported into a store on first use)")
     p.add_argument("--data", metavar="PATH",
                    help="a text file, or a directory of *.txt/*.md/*.py files (default: the validation split of "
                         "the built-in corpus, the Python standard library's source)")
@@ -85,7 +86,12 @@ def run(args: argparse.Namespace) -> int:
     from inference.engine import Engine
     from semoe.evaluation.perplexity import EvalConfig, evaluate, model_logits
     from semoe.evaluation.routing_trace import routing_trace
+    from tools.gguf_store import gguf_store
     from tools.progress import count_bar
+
+    args.model = gguf_store(args.model)
+    if args.reference is not None:
+        args.reference = gguf_store(args.reference, "--reference")
 
     _check_args(args)
     config = engine_config_from_args(args)

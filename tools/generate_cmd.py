@@ -17,7 +17,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("generate", help="generate text from a MoE model",
                        description="Generate tokens from a HuggingFace MoE checkpoint directory or a store. "
                                    "Greedy by default; --temperature/--top-p/--seed sample instead.")
-    p.add_argument("--model", required=True, metavar="PATH", help="HuggingFace directory or store")
+    p.add_argument("--model", required=True, metavar="PATH",
+                   help="store, HuggingFace directory, or .gguf file (imported into a store on first use)")
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="prompt text (tokenized with the model's tokenizer)")
     src.add_argument("--prompt-ids", help="prompt as comma-separated token ids, e.g. 1,2,3")
@@ -112,6 +113,9 @@ def auto_speculative(args: argparse.Namespace) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from tools.gguf_store import gguf_store
+
+    args.model = gguf_store(args.model)
     k = speculative_flag(args)
     args.paying = False
     if k and (args.temperature is not None or args.top_p is not None):

@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "/v1/chat/completions, /v1/models, /health and /metrics. Running requests decode "
                                    "together, one batched forward a step (continuous batching); more wait in "
                                    "arrival order. Any offload budget keeps the experts in the store.")
-    p.add_argument("--model", required=True, metavar="PATH", help="HuggingFace directory or store")
+    p.add_argument("--model", required=True, metavar="PATH",
+                   help="store, HuggingFace directory, or .gguf file (imported into a store on first use)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     add_device_flags(p)
@@ -76,7 +77,9 @@ def run(args: argparse.Namespace) -> int:
     from inference.serving.serve_config import ServeConfig
     from inference.serving.http_server import serve
     from semoe.evaluation.routing_trace import routing_trace
+    from tools.gguf_store import gguf_store
 
+    args.model = gguf_store(args.model)
     if not 0 <= args.port <= 65535:
         raise UsageError(f"--port must be in 0..65535, got {args.port}")
     if args.request_log is not None:

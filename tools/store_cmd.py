@@ -38,9 +38,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                   "dense. FP8 block-scale (DeepSeek-V3) and MXFP4 (gpt-oss) checkpoints are kept "
                                   "as they ship (codes and scales, exported bit-exact; dense ones are dequantized "
                                   "when a model loads); multi-token-prediction layers are kept for drafting "
-                                  "(--no-mtp leaves them out). "
+                                  "(--no-mtp leaves them out). A GGUF file (llama.cpp's; one part of a split "
+                                  "file names the whole) imports as the directory it was converted from: "
+                                  "config and tokenizer from its metadata, F32/F16/BF16 tensors as stored, "
+                                  "quantized experts (Q8_0, Q4_K, Q6_K, IQ4_XS, ...) kept as their blocks, which "
+                                  "the kernels compute on, other quantized tensors decoded to bfloat16 "
+                                  "(--dtype float32: every tensor decoded, the file's values exactly). "
                                   "Streams tensor by tensor; on failure nothing is left behind.")
-    q.add_argument("hf_dir", metavar="HF_DIR", help="HuggingFace checkpoint directory")
+    q.add_argument("hf_dir", metavar="SOURCE", help="HuggingFace checkpoint directory, or a .gguf file")
     q.add_argument("store", metavar="STORE", help="new store directory (must be absent or empty)")
     q.add_argument("--dtype", choices=CAST_CHOICES, default="keep",
                    help="cast floating-point tensors (default: keep, bit-exact)")

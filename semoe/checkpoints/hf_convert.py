@@ -39,9 +39,10 @@ from storage import compressed_tensors
 from semoe.checkpoints.hf_config import from_hf_config
 from semoe.model.hf_names import ALIASES, SUPPORTED_MODEL_TYPES, TEXT_MODELS, model_type_of, text_config_of
 from storage.dequant import DequantizedRef, QuantScheme, pair_quantized, quant_scheme
-from storage.quant import QuantSpec, dequantize
+from storage.quant import QuantSpec, dequantize, has_scales
 from storage.dtypes import cast_dtype, dtype_name, torch_dtype
 from storage.durable import undo_create
+from storage.gguf_parts import is_gguf
 from storage.errors import BadInputError
 from storage.manifest import TensorEntry
 from storage.safetensors_io import OutTensor, TensorRef, read_header, write_file
@@ -103,6 +104,8 @@ class Checkpoint:
     quant: dict[str, dict] = field(default_factory=dict)
     skipped: dict | None = None  # {"reason", "layers", "tensors", "bytes"} for layers left out
     mtp: dict | None = None  # {"layers", "tensors", "bytes"} of the multi-token-prediction layers kept
+    side_data: dict[str, bytes] = field(default_factory=dict)  # side files made here (a GGUF's config, tokenizer)
+    source: dict | None = None  # {"format": "gguf", "file", "types"} where it is not a HuggingFace directory
 
     @property
     def model_type(self) -> str:
@@ -153,8 +156,10 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False,
     "keep" gives bfloat16); with `dequantize`, read dequantized to that dtype instead. `mtp`: keep the
     multi-token-prediction layers (else they are left out).
     """
+    if is_gguf(path):
+        return _gguf_checkpoint(path, dtype)
     if not os.path.isdir(path):
-        raise BadInputError(f"{path}: not a directory")
+        raise BadInputError(f"{path}: not a directory (a HuggingFace checkpoint) or a .gguf file")
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isfile(cfg_path):
         raise BadInputError(f"{cfg_path}: missing (a HuggingFace checkpoint needs its config.json)")
@@ -212,7 +217,19 @@ def open_checkpoint(path: str, *, dtype: str = "keep", dequantize: bool = False,
                 ck.quant = _quant_entries(paired, scheme, to)
             ck.quantization = {"format": scheme.name, "source": "checkpoint",
                                "tensors": sum("scheme" in q for q in ck.quant.values())}
-    _classify(ck)
+    classify(ck)
+    return ck
+
+
+def _gguf_checkpoint(path: str, dtype: str) -> Checkpoint:
+    """A GGUF file as the checkpoint it was converted from (`gguf_import.open_gguf`)."""
+    from semoe.checkpoints.gguf_import import HF_FILE, open_gguf
+
+    g = open_gguf(path, dtype=dtype, check=lambda config: check_supported(config, path))
+    ck = Checkpoint(path=path, config=g.config, tensors=g.tensors, file_metadata={HF_FILE: {"format": "pt"}},
+                    side_files=[], side_data=g.side_data, skipped=g.skipped, quant=g.quant, source=g.source,
+                    quantization={"format": "gguf", "source": "checkpoint", "tensors": len(g.quant)} if g.quant else None)
+    classify(ck)
     return ck
 
 
@@ -322,7 +339,8 @@ def _weight_files(path: str) -> list[str]:
     return files
 
 
-def _classify(ck: Checkpoint) -> None:
+def classify(ck: Checkpoint) -> None:
+    """Sort `ck.tensors` into its experts (layer -> expert -> parts, checked complete) and dense names."""
     experts: dict[int, dict[int, list[ExpertPart]]] = defaultdict(lambda: defaultdict(list))
     text = text_config_of(ck.config)
     n = text.get("num_hidden_layers") if isinstance(text.get("num_hidden_layers"), int) else 0
@@ -396,12 +414,14 @@ def import_checkpoint(src: str, dst: str, *, dtype: str = "keep", progress: Prog
                     continue
                 with open(os.path.join(src, name), "rb") as f:
                     w.put_file(name, f.read())
+            for name, data in ck.side_data.items():
+                w.put_file(name, data)
             for name in ck.dense:
                 ref = ck.tensors[name]
                 quant = ck.quant.get(name)
                 data, dt = _cast(ref.read(), ref.dtype, ref.shape, None if quant else to)
                 t = torch.from_numpy(data).view(torch_dtype(dt)).view(ref.shape)
-                w.put_dense(name, t, hf_file=os.path.basename(ref.path), quant=quant)
+                w.put_dense(name, t, hf_file=_hf_file(ref), quant=quant)
                 if progress:
                     progress(ref.nbytes)
             for layer, by_expert in ck.experts.items():
@@ -440,14 +460,19 @@ def _import_expert(w, layer: int, e: int, parts: list[ExpertPart], n: int, to: t
             buf[off:off + data.nbytes] = data
         view = torch.from_numpy(buf[off:off + dt.itemsize * int(np.prod(shape, dtype=np.int64))]).view(dt).view(shape)
         tensors.append(ExpertTensor(name=p.ref.name, tensor=view, stacked=p.stacked,
-                                    hf_file=os.path.basename(p.ref.path), quant=quant.get(p.ref.name)))
+                                    hf_file=_hf_file(p.ref), quant=quant.get(p.ref.name)))
     w.put_expert_chunk(layer, e, tensors, buf, offsets, num_experts=n)
+
+
+def _hf_file(ref: Ref) -> str:
+    """The safetensors file a tensor is written back to: its own, or the one a GGUF's tensors go to."""
+    return getattr(ref, "hf_file", None) or os.path.basename(ref.path)
 
 
 def _model_info(ck: Checkpoint) -> dict:
     order: dict[str, list[str]] = defaultdict(list)
     for name, ref in ck.tensors.items():
-        order[os.path.basename(ref.path)].append(name)
+        order[_hf_file(ref)].append(name)
     for names in order.values():
         names.sort(key=lambda k: ck.tensors[k].start)
     index_meta = {}
@@ -457,7 +482,7 @@ def _model_info(ck: Checkpoint) -> dict:
             index_meta = json.load(f).get("metadata", {}) or {}
     arch = ck.config.get("architectures") or [None]
     info = {
-        "source": "huggingface",
+        "source": "gguf" if ck.source else "huggingface",
         "architecture": arch[0],
         "model_type": ck.model_type,
         "num_layers": ck.config.get("num_hidden_layers"),
@@ -471,6 +496,8 @@ def _model_info(ck: Checkpoint) -> dict:
     }
     if ck.dequantized:
         info["dequantized"] = ck.dequantized
+    if ck.source:
+        info["gguf"] = ck.source
     if ck.quantization:
         info["quantization"] = ck.quantization
     if ck.skipped:
@@ -535,8 +562,9 @@ def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None =
 
 
 def _made_here(t: TensorEntry) -> bool:
-    """Codes of a weight quantized by `semoe store quantize` (not a checkpoint's own format)."""
-    return bool(t.quant) and t.quant.get("scheme") in ("int8", "int4") and not t.quant.get("packing")
+    """Codes of a weight quantized by `semoe store quantize`, or a GGUF file's blocks: dequantized on the way
+    out (not a HuggingFace checkpoint's own format)."""
+    return bool(t.quant) and t.quant.get("scheme") in ("int8", "int4", "ggml") and not t.quant.get("packing")
 
 
 def _out_tensors(store: Store, name: str, entries: list[TensorEntry], progress: Progress | None
@@ -570,7 +598,8 @@ def _out_tensor(store: Store, name: str, entries: list[TensorEntry], progress: P
         codes = store.read_tensor(name, "weight", stack_index=index)
         if spec is None:
             return codes
-        return dequantize(codes, store.read_tensor(spec.scales, "weight", stack_index=index), spec)
+        scales = store.read_tensor(spec.scales, "weight", stack_index=index) if has_scales(spec) else codes[:0]
+        return dequantize(codes, scales, spec)
 
     def data() -> np.ndarray:
         parts = [read(t) for t in entries]

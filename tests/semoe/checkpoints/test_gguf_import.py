@@ -1,0 +1,269 @@
+"""GGUF files (`semoe.checkpoints.gguf_import`): a file the `gguf` package writes as llama.cpp's converter lays
+it out (tests/helpers/gguf_files.py) imports to the store importing the HuggingFace directory gives: the same
+logits, exactly for F32/F16/BF16, and for quantized types each tensor the package's own dequantization of the
+file; the tokenizer and chat template rebuilt from the metadata; split files; bad files refused in one line
+with nothing written."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from helpers.gguf_files import CHAT_TEMPLATE, add_bpe_tokenizer, dequantized_state, gguf_tensors, write_gguf
+from helpers.hf_models import load_safetensors_dir, make_hf_checkpoint
+from helpers.procs import ROOT, child_env
+
+from semoe.checkpoints.hf_convert import import_checkpoint
+from semoe.checkpoints.model_io import load_model_tokenizer, load_store
+from storage.errors import BadInputError
+from storage.reader import StoreReader
+
+ARCHS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss")
+IDS = torch.tensor([[1, 5, 9, 33, 100, 200, 250, 17, 3, 64]])
+VOCAB = 300  # a byte-level BPE's 256 bytes, 3 specials and merges
+
+
+def _checkpoint(arch: str, root, **over):
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=64)
+    if arch not in ("mixtral", "olmoe", "gpt_oss"):
+        kw["moe_intermediate_size"] = 64
+    if arch == "qwen3_moe":
+        kw["mlp_only_layers"] = []  # llama.cpp's qwen3moe has no dense layers
+    hf = make_hf_checkpoint(arch, root / f"hf_{arch}", **{**kw, **over})
+    add_bpe_tokenizer(hf, VOCAB)
+    return hf
+
+
+def _logits(store_root: str) -> torch.Tensor:
+    with torch.no_grad():
+        return load_store(store_root)(IDS).logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_a_float32_gguf_gives_the_logits_of_its_huggingface_directory_exactly(tmp_path, arch):
+    hf = _checkpoint(arch, tmp_path)
+    gguf_file = write_gguf(hf, tmp_path / f"{arch}.gguf")
+    want = import_checkpoint(str(hf), str(tmp_path / "from_hf"))
+    got = import_checkpoint(str(gguf_file), str(tmp_path / "from_gguf"))
+    assert torch.equal(_logits(got.root), _logits(want.root))  # F32 stays F32, every layout undone exactly
+    info = StoreReader.open(got.root).manifest.model
+    assert info["source"] == "gguf" and info["gguf"]["types"] == ["F32"]
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "F16"), ("deepseek_v3", "BF16")])
+def test_half_precision_tensors_are_kept_as_stored(tmp_path, arch, qtype):
+    """The file's halves are stored as they are ("keep"), the converter's float32 norms as float32: each
+    tensor written back is the HuggingFace one rounded to the file's type, bit for bit."""
+    from semoe.checkpoints.hf_convert import export_checkpoint
+    from storage.store import Store
+
+    hf = _checkpoint(arch, tmp_path)
+    half = {"F16": torch.float16, "BF16": torch.bfloat16}[qtype]
+    got = import_checkpoint(str(write_gguf(hf, tmp_path / "m.gguf", qtype=qtype)), str(tmp_path / "from_gguf"))
+    export_checkpoint(Store.open(got.root), str(tmp_path / "back"))
+    back, want = load_safetensors_dir(tmp_path / "back"), load_safetensors_dir(hf)
+    assert sorted(back) == sorted(want)
+    kinds = set()
+    for name, t in back.items():
+        kinds.add(t.dtype)
+        ref = want[name].to(half) if t.dtype == half else want[name]
+        assert t.dtype in (half, torch.float32) and torch.equal(t, ref), name
+    assert kinds == {half, torch.float32}
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q8_0"), ("mixtral", "Q4_0"), ("olmoe", "Q4_1"),
+                                        ("deepseek_v3", "Q5_0"), ("glm4_moe", "Q5_1"), ("gpt_oss", "MXFP4")])
+def test_quantized_tensors_are_the_packages_dequantization(tmp_path, arch, qtype, capfd):
+    """Stored widened to float32, every tensor equals gguf.quants.dequantize of the file's, laid out again
+    (compared in GGUF's layout: the store's tensors written back through the test's own converter); the logits
+    stay near the float model's (within the quantization's error: 4 bits of 64 inputs, well under 0.5)."""
+    hf = _checkpoint(arch, tmp_path)
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf", qtype=qtype)
+    got = import_checkpoint(str(gguf_file), str(tmp_path / "from_gguf"), dtype="float32")
+    assert f"{qtype} tensors decoded and stored as F32" in capfd.readouterr().err
+    exported = tmp_path / "exported"
+    from semoe.checkpoints.hf_convert import export_checkpoint
+    from storage.store import Store
+
+    export_checkpoint(Store.open(got.root), str(exported))
+    import json
+
+    cfg = json.loads((hf / "config.json").read_text())
+    back = gguf_tensors(cfg["model_type"], cfg, load_safetensors_dir(exported))
+    ref = dequantized_state(gguf_file)
+    assert sorted(back) == sorted(ref)
+    for name, a in ref.items():
+        np.testing.assert_array_equal(back[name].reshape(a.shape), a, err_msg=name)  # bit for bit
+    want = import_checkpoint(str(hf), str(tmp_path / "from_hf"))
+    diff = (_logits(got.root) - _logits(want.root)).abs().max().item()
+    assert 0 < diff < 0.5
+
+
+def test_the_tokenizer_and_chat_template_come_from_the_metadata(tmp_path):
+    from semoe.checkpoints.hf_config import from_hf_config
+    from semoe.checkpoints.tokenizer import load_tokenizer
+
+    hf = _checkpoint("qwen3_moe", tmp_path)
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf")
+    store = import_checkpoint(str(gguf_file), str(tmp_path / "store"))
+    tok = load_model_tokenizer(store, from_hf_config(store.manifest.model["config"]))
+    want = load_tokenizer(str(hf))
+    text = "The quick brown fox, the lazy dog; def main(): return 0 -- héllo wörld 123"
+    assert tok.encode(text) == want.encode(text) and len(tok.encode(text)) > 10
+    assert tok.decode(tok.encode(text)) == text
+    assert (tok.bos_id, tok.eos_id) == (want.bos_id, want.eos_id) == (1, 2)
+    reader = StoreReader.open(store.root)
+    files = {f.name: reader.read_file(f.name) for f in reader.manifest.files}
+    assert CHAT_TEMPLATE.encode() in files.get("chat_template.jinja", b"") + files["tokenizer_config.json"]
+
+
+def test_a_split_file_imports_as_the_whole(tmp_path):
+    hf = _checkpoint("olmoe", tmp_path)
+    whole = import_checkpoint(str(write_gguf(hf, tmp_path / "whole.gguf")), str(tmp_path / "whole"))
+    first = write_gguf(hf, tmp_path / "m.gguf", split=7)
+    parts = sorted(p.name for p in tmp_path.glob("m-*.gguf"))
+    assert len(parts) > 2 and first.name == parts[0]
+    split = import_checkpoint(str(tmp_path / parts[1]), str(tmp_path / "split"))  # any part names the whole
+    assert torch.equal(_logits(split.root), _logits(whole.root))
+    os.remove(tmp_path / parts[-1])
+    with pytest.raises(BadInputError, match=f"{parts[-1]}: missing"):
+        import_checkpoint(str(first), str(tmp_path / "incomplete"))
+    assert not (tmp_path / "incomplete").exists()
+
+
+def test_bad_files_are_refused_in_one_line_and_nothing_is_written(tmp_path):
+    hf = _checkpoint("qwen3_moe", tmp_path)
+    good = write_gguf(hf, tmp_path / "m.gguf")
+    data = good.read_bytes()
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(data[:len(data) - 5000])
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"NOPE" + data[4:])
+    cases = [(cut, r"cut\.gguf: .*(truncated|not a readable GGUF)"), (garbage, r"garbage\.gguf: not a readable GGUF"),
+             (tmp_path / "absent.gguf", "no such file")]
+    for path, pattern in cases:
+        target = tmp_path / f"store_{path.stem}"
+        with pytest.raises(BadInputError, match=pattern):
+            import_checkpoint(str(path), str(target))
+        assert not target.exists()
+
+
+def test_unknown_architectures_and_types_are_named(tmp_path):
+    import gguf
+
+    w = gguf.GGUFWriter(str(tmp_path / "bert.gguf"), "bert")
+    w.add_tensor("token_embd.weight", np.zeros((4, 32), np.float32))
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    with pytest.raises(BadInputError, match=r"bert\.gguf: general\.architecture='bert' is not supported"):
+        import_checkpoint(str(tmp_path / "bert.gguf"), str(tmp_path / "s1"))
+    w = gguf.GGUFWriter(str(tmp_path / "odd.gguf"), "olmoe")  # one ternary tensor: not a type users' MoE files hold
+    w.add_tensor("token_embd.weight", gguf.quants.quantize(np.zeros((4, 256), np.float32), gguf.GGMLQuantizationType.TQ2_0),
+                 raw_dtype=gguf.GGMLQuantizationType.TQ2_0)
+    for step in (w.write_header_to_file, w.write_kv_data_to_file, w.write_tensors_to_file, w.close):
+        step()
+    with pytest.raises(BadInputError, match=r"odd\.gguf: tensor token_embd\.weight has type TQ2_0"):
+        import_checkpoint(str(tmp_path / "odd.gguf"), str(tmp_path / "s2"))
+    assert not (tmp_path / "s1").exists() and not (tmp_path / "s2").exists()
+
+
+@pytest.mark.slow  # a CLI run: CI runs it with -m slow
+def test_store_import_takes_a_gguf_file_on_the_command_line(tmp_path):
+    hf = _checkpoint("mixtral", tmp_path)
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf", qtype="Q8_0")
+    res = subprocess.run([sys.executable, "-m", "tools.cli", "store", "import", str(gguf_file), str(tmp_path / "s")],
+                         capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    assert res.returncode == 0, res.stderr
+    assert f"imported {gguf_file}" in res.stdout and "Q8_0 experts kept as stored" in res.stderr
+    bad = subprocess.run([sys.executable, "-m", "tools.cli", "store", "import", str(tmp_path / "x.gguf"),
+                          str(tmp_path / "t")], capture_output=True, text=True, env=child_env(), cwd=ROOT)
+    assert bad.returncode != 0 and "x.gguf: no such file" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
+
+
+@pytest.mark.slow  # CLI runs: CI runs it with -m slow
+def test_generate_takes_a_gguf_file_imported_on_first_use(tmp_path):
+    """`semoe generate --model FILE.gguf` imports it into a store under the cache on first use (saying where),
+    opens that store the next time, and decodes the tokens the HuggingFace directory's store gives."""
+    import json
+
+    hf = _checkpoint("qwen3_moe", tmp_path)
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf")
+    store = import_checkpoint(str(hf), str(tmp_path / "from_hf"))
+    env = child_env(SEMOE_CACHE_DIR=str(tmp_path / "cache"))
+
+    def run(model):
+        res = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "--model", model, "--prompt-ids",
+                              "1,5,9,33", "--max-new-tokens", "8", "--ignore-eos", "--json"],
+                             capture_output=True, text=True, env=env, cwd=ROOT)
+        assert res.returncode == 0, res.stderr
+        return json.loads(res.stdout)["tokens"], res.stderr
+
+    want, _ = run(store.root)
+    first, err = run(str(gguf_file))
+    made = [p for p in (tmp_path / "cache" / "gguf").iterdir()]
+    assert len(made) == 1 and made[0].name.startswith("m-") and f"importing it into {made[0]}" in err
+    again, err = run(str(gguf_file))
+    assert "imported from it on first use" in err and first == again == want
+
+
+WIDE = dict(hidden_size=256, intermediate_size=256)  # rows of whole super-blocks (256) for the K-quants
+
+
+@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q6_K"), ("deepseek_v3", "Q5_K"),
+                                        ("olmoe", "IQ4_XS"), ("glm4_moe", "Q8_0"), ("qwen2_moe", "Q4_0")])
+def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype, capfd):
+    """The default import keeps quantized experts block for block (scheme `ggml`); the kernels on them give
+    the logits of the same file widened to float32, within int8 activations' error (2e-2 of the logits'
+    scale), and the plain reference kernel (dequantize, x as the kernels see it) within 1e-4; the
+    torch-free runner's greedy tokens are the engine's, log-probs within 1e-4; export writes the
+    package's dequantization."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+    from inference.torch_free.runner import LeanConfig, LeanModel
+    from semoe.decode.loop import SamplingConfig
+
+    over = dict(WIDE, moe_intermediate_size=256) if arch not in ("mixtral", "olmoe") else dict(WIDE)
+    if arch == "deepseek_v3":
+        over.update(kv_lora_rank=32, q_lora_rank=64)
+    hf = _checkpoint(arch, tmp_path, **over)
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf", qtype=qtype)
+    kept = import_checkpoint(str(gguf_file), str(tmp_path / "kept"))
+    assert f"{qtype} experts kept as stored" in capfd.readouterr().err
+    experts = [t for t in StoreReader.open(kept.root).manifest.tensors if ".experts." in t.name]
+    assert experts and all(t.quant["scheme"] == "ggml" and t.quant["ggml_type"] == qtype and t.dtype == "U8"
+                           for t in experts)
+    wide = import_checkpoint(str(gguf_file), str(tmp_path / "wide"), dtype="float32")
+    with torch.no_grad():
+        got = load_store(kept.root, dense="float")(IDS).logits  # the dense weights as the file holds them
+        ref = load_store(kept.root, dense="float", kernel="reference")(IDS).logits
+        want = load_store(wide.root)(IDS).logits
+    scale = want.abs().max()
+    assert (got - ref).abs().max() / scale < 1e-4
+    # int8 activations' error, and where it tips a router's near tie, another expert: on average small
+    assert (got - want).abs().mean() / scale < 2e-2
+    engine = Engine.load(kept.root, EngineConfig())
+    try:
+        plain = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
+    finally:
+        engine.close()
+    with LeanModel(kept.root, LeanConfig(cache_bytes=None)) as lean:
+        free = lean.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
+    assert free.tokens == plain.tokens
+    np.testing.assert_allclose(free.logprobs, plain.logprobs, rtol=0, atol=1e-4)
+    from semoe.checkpoints.hf_convert import export_checkpoint
+    from storage.store import Store
+
+    export_checkpoint(Store.open(kept.root), str(tmp_path / "back"))
+    import json
+
+    cfg = json.loads((hf / "config.json").read_text())
+    back = gguf_tensors(cfg["model_type"], cfg, load_safetensors_dir(tmp_path / "back"))
+    for name, a in dequantized_state(gguf_file).items():
+        if "_exps" in name:  # the blocks as stored, dequantized on the way out: the package's values exactly
+            np.testing.assert_array_equal(back[name].reshape(a.shape), a, err_msg=name)
+        else:  # a quantized dense weight is widened to bfloat16 (8 bits of mantissa) at import
+            np.testing.assert_allclose(back[name].reshape(a.shape), a, rtol=2 ** -8, atol=0, err_msg=name)
