@@ -74,13 +74,14 @@ from llama_peer import WARM_PROMPT  # noqa: E402  (the warm-up generation's prom
 # every memory-limited run, and torch's 150 MiB and mapped code would come out of SIZE for both
 # engines, unevenly (llama.cpp's page cache felt it most: 2 tok/s instead of 18 at int4 50%).
 from bench_offload import drop_cache, prompt_ids  # noqa: E402
-from peer_checkpoints import ARCH_SHAPES, SHAPE_FIELDS, parse_shape, prepare_arch, prepare_wide  # noqa: E402
+from peer_checkpoints import (ARCH_SHAPES, GGUF_BITS, SHAPE_FIELDS, parse_shape, prepare_arch,  # noqa: E402
+                              prepare_wide)
 
 # (our precision, our store in WORKDIR, llama.cpp's type: WORKDIR/llama-TYPE.gguf); mxfp4: a checkpoint that
 # ships MXFP4 experts (gpt-oss), its import and llama.cpp's conversion, both keeping them as they are
 TRANSFORMERS_PROMPT = 8192  # the longest prompt the transformers reference runs (its T x T scores per head)
 PAIRS = (("f32", "store", "f32"), ("int8", "store-int8", "q8_0"), ("int4", "store-int4", "q4_0"),
-         ("mxfp4", "store", "mxfp4"))
+         ("mxfp4", "store", "mxfp4"), *((g, f"store-gguf-{g}", g) for g in GGUF_BITS))
 MARGIN_MIB = 64  # left in SIZE beside our own memory and cache (--margin): the library code decoding runs
 
 
@@ -586,6 +587,11 @@ def report(result: dict, as_json: bool) -> None:
                     _ratios(part, f"{bits}{suffix}", who, rows.get(f"{who}-{bits}{suffix}"),
                             rows.get(f"llama-{gguf}{suffix}"), gguf)
     res = result.get("resident", {})
+    for g in GGUF_BITS:  # the same file in both engines
+        if f"ours-{g}" in res and f"llama-{g}" in res:
+            a, b = res[f"ours-{g}"]["tokens"], res[f"llama-{g}"]["tokens"]
+            print(f"greedy tokens on llama-{g}.gguf, semoe against llama.cpp: the first {_agreement(a, b)} of "
+                  f"{len(a)} identical")
     if "ours-f32" in res and "llama-f32" in res:
         n = _agreement(res["ours-f32"]["tokens"], res["llama-f32"]["tokens"])
         print(f"greedy tokens at f32: the first {n} of {len(res['ours-f32']['tokens'])} identical")

@@ -17,6 +17,9 @@ _GLM_TOKENS = ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>",
 # Qwen3.5's tokenizer class (which AutoTokenizer picks by the model type) adds <|endoftext|> past the vocabulary
 # where the tokenizer lacks it, and llama.cpp's converter then finds an id past vocab_size
 ARCH_SPECIAL_TOKENS = {"glm4_moe": _GLM_TOKENS, "glm_moe_dsa": _GLM_TOKENS, "qwen3_5_moe_text": ("<|endoftext|>",)}
+# precisions that are a GGUF file both engines read (bench_gguf.py): llama-quantize's type, and semoe's import of
+# the same file (store-gguf-TYPE: its quantized experts kept as their blocks)
+GGUF_BITS = ("q4_k_m", "q8_0", "q6_k", "q5_k_m")
 # architectures whose converter reads only a sentencepiece tokenizer.model (`llama_peer.add_sentencepiece`)
 SENTENCEPIECE_ARCHS = ("ernie4_5_moe",)
 
@@ -287,8 +290,15 @@ def prepare_arch(workdir: str, arch: str, shape: dict[str, int] | None = None,
     if not os.path.exists(f32):
         print("converting it with llama.cpp's converter ...", file=sys.stderr)
         peer.convert(hf, f32, "f32", env=env)
-    for qtype in (q for b, q in (("int8", "q8_0"), ("int4", "q4_0")) if b in bits):
+    for qtype in (q for b, q in (("int8", "q8_0"), ("int4", "q4_0"), *((g, g) for g in GGUF_BITS)) if b in bits):
         gguf = os.path.join(workdir, f"llama-{qtype}.gguf")
         if not os.path.exists(gguf):
             print(f"llama-quantize to {qtype} ...", file=sys.stderr)
             peer.quantize(f32, gguf, qtype, env=env)
+    for qtype in (b for b in bits if b in GGUF_BITS):  # semoe's import of that very file
+        store = os.path.join(workdir, f"store-gguf-{qtype}")
+        if not os.path.exists(os.path.join(store, "manifest.json")):
+            from semoe.checkpoints.hf_convert import import_checkpoint
+
+            print(f"importing llama-{qtype}.gguf into a store ...", file=sys.stderr)
+            import_checkpoint(os.path.join(workdir, f"llama-{qtype}.gguf"), store)
