@@ -122,15 +122,16 @@ class _Source:
                                     f"{t.data_offset + int(t.n_bytes)} of {size})")
 
     def value(self, key: str, default=None, *, required: bool = True):
+        """Metadata `key`'s value; `default` where it is absent and not `required` (BadInputError otherwise)."""
         f = self.fields.get(key)
-        if f is None:
-            if default is None and required:
-                raise BadInputError(f"{self.path}: metadata key {key} is missing")
-            return default
-        v = f.contents()
-        return v
+        if f is not None:
+            return f.contents()
+        if default is None and required:
+            raise BadInputError(f"{self.path}: metadata key {key} is missing")
+        return default
 
     def arch_value(self, key: str, default=None, *, required: bool = True):
+        """`value` of the architecture's own key (`qwen3moe.block_count`)."""
         return self.value(f"{self.arch}.{key}", default, required=required)
 
     def has(self, name: str) -> bool:

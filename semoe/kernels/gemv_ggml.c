@@ -286,12 +286,6 @@ static inline void decode32_v(int64_t t, const uint8_t *row, int64_t k, __m256i 
 /* The AVX-512 VNNI build's products for Q4_K, Q6_K and Q8_0 (what Q4_K_M and Q8_0 files hold): 64 weights
  * an instruction (vpdpbusd, unsigned bytes times signed), each block's integer sums in its 8 lanes, the
  * lanes scaled by their block's (or half block's) weight scale times x's, one float multiply-add per 64. */
-static inline __m512i dot_signed64(__m512i c, __m512i x) { /* |c| times x with c's sign */
-    const __mmask64 neg = _mm512_movepi8_mask(c);
-    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_abs_epi8(c),
-                               _mm512_mask_sub_epi8(x, neg, _mm512_setzero_si512(), x));
-}
-
 static inline __m512i idx16(int a, int b, int c, int d) { /* four lanes each of a, b, c, d */
     return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
 }
@@ -312,84 +306,101 @@ static inline void k_scales8(const uint8_t *q, uint64_t *sc, uint64_t *mn) {
 
 static inline __m256 bytes8_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
 
-/* rows r0 .. r0 + nr of W times x row m into out[r]; 1 where type t is computed here */
+#define MX 2 /* rows of x that share each decoded block of weights */
+
+/* rows r0 .. r0 + nr of W times x rows m0 .. m0 + mn (mn <= MX) into out[r][m]; 1 where type t is computed here */
 static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t I, const Acts *a,
-                        int64_t m, float *out) {
+                        int64_t m0, int64_t mn, float out[ROWS][MX]) {
     if (t != GG_Q4_K && t != GG_Q6_K && t != GG_Q8_0) return 0;
-    const int8_t *xq = a->q + m * a->Ip;
-    const float *dx = a->d + m * (a->Ip / QB), *xs = a->xsum + m * a->groups;
-    __m512 acc[ROWS];
-    __m256 off[ROWS];
-    for (int r = 0; r < ROWS; r++) {
-        acc[r] = _mm512_setzero_ps();
-        off[r] = _mm256_setzero_ps();
-    }
+    const int64_t ip = a->Ip, nd = a->Ip / QB;
+    __m512 acc[ROWS][MX];
+    __m256 off[ROWS][MX];
+    for (int r = 0; r < ROWS; r++)
+        for (int m = 0; m < MX; m++) {
+            acc[r][m] = _mm512_setzero_ps();
+            off[r][m] = _mm256_setzero_ps();
+        }
     if (t == GG_Q8_0) {
         const int64_t nb = I / QB;
-        int64_t k = 0;
-        for (; k + 2 <= nb; k += 2) {
-            const __m512i x = _mm512_loadu_si512((const void *)(xq + k * QB));
+        for (int64_t k = 0; k < nb; k += 2) {
+            const int two = k + 1 < nb; /* an odd last block: its 32 codes in the low half, zeros above */
+            const __mmask64 keep = two ? ~0ULL : 0xFFFFFFFFULL;
+            __m512i x[MX];
+            for (int64_t m = 0; m < mn; m++) x[m] = _mm512_maskz_loadu_epi8(keep, a->q + (m0 + m) * ip + k * QB);
             for (int64_t r = 0; r < nr; r++) {
-                const uint8_t *b0 = w + (r0 + r) * rb + k * 34, *b1 = b0 + 34;
+                const uint8_t *b0 = w + (r0 + r) * rb + k * 34, *b1 = two ? b0 + 34 : b0;
                 _mm_prefetch((const char *)b0 + PREFETCH, _MM_HINT_T0);
                 _mm_prefetch((const char *)b0 + PREFETCH + 64, _MM_HINT_T0);
-                const __m512i c = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                                                     _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1);
-                const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(half(b0) * dx[k]), _mm256_set1_ps(half(b1) * dx[k + 1]), 1);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_signed64(c, x)), sv, acc[r]);
+                const __m512i c = _mm512_maskz_mov_epi8(keep, _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+                    _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1));
+                const __mmask64 neg = _mm512_movepi8_mask(c);
+                const __m512i ac = _mm512_abs_epi8(c);
+                const float d0 = half(b0), d1 = two ? half(b1) : 0.0f;
+                for (int64_t m = 0; m < mn; m++) {
+                    const float *dx = a->d + (m0 + m) * nd + k;
+                    const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(two ? d1 * dx[1] : 0.0f), 1);
+                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ac,
+                                                            _mm512_mask_sub_epi8(x[m], neg, _mm512_setzero_si512(), x[m]));
+                    acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sv, acc[r][m]);
+                }
             }
         }
-        for (; k < nb; k++) /* an odd last block: its 32 codes in the low half */
-            for (int64_t r = 0; r < nr; r++) {
-                const uint8_t *b0 = w + (r0 + r) * rb + k * 34;
-                const __m512i c = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2)));
-                const __m512i x = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(xq + k * QB)));
-                const __m512i lo = _mm512_maskz_mov_epi8(0xFFFFFFFFULL, c);
-                acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_signed64(lo, _mm512_maskz_mov_epi8(0xFFFFFFFFULL, x))),
-                                         _mm512_set1_ps(half(b0) * dx[k]), acc[r]);
-            }
     } else if (t == GG_Q4_K) {
         const __m512i lo4 = _mm512_set1_epi8(0x0F);
         for (int64_t sb = 0; sb < I / 256; sb++) {
-            __m512 p[ROWS];
+            __m256 ps[ROWS], pm[ROWS];
             for (int64_t r = 0; r < nr; r++) {
                 const uint8_t *b = w + (r0 + r) * rb + sb * 144;
                 for (int l = 0; l < 144 + 63; l += 64) _mm_prefetch((const char *)b + PREFETCH + l, _MM_HINT_T0);
-                uint64_t sc, mn;
-                k_scales8(b + 4, &sc, &mn);
-                p[r] = _mm512_castps256_ps512(_mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half(b)), bytes8_ps(sc)),
-                                                            _mm256_loadu_ps(dx + sb * 8)));
-                off[r] = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(b + 2)), bytes8_ps(mn)),
-                                          _mm256_loadu_ps(xs + sb * 8), off[r]);
+                uint64_t sc, mn8;
+                k_scales8(b + 4, &sc, &mn8);
+                ps[r] = _mm256_mul_ps(_mm256_set1_ps(half(b)), bytes8_ps(sc));
+                pm[r] = _mm256_mul_ps(_mm256_set1_ps(half(b + 2)), bytes8_ps(mn8));
+            }
+            __m512 p[ROWS][MX];
+            for (int64_t m = 0; m < mn; m++) {
+                const __m256 d8 = _mm256_loadu_ps(a->d + (m0 + m) * nd + sb * 8);
+                const __m256 x8 = _mm256_loadu_ps(a->xsum + (m0 + m) * a->groups + sb * 8);
+                for (int64_t r = 0; r < nr; r++) {
+                    p[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(ps[r], d8));
+                    off[r][m] = _mm256_fnmadd_ps(pm[r], x8, off[r][m]);
+                }
             }
             for (int i = 0; i < 4; i++) {
-                const __m512i x = _mm512_loadu_si512((const void *)(xq + sb * 256 + 64 * i));
+                __m512i x[MX];
+                for (int64_t m = 0; m < mn; m++) x[m] = _mm512_loadu_si512((const void *)(a->q + (m0 + m) * ip + sb * 256 + 64 * i));
                 const __m512i ix = idx16(2 * i, 2 * i, 2 * i + 1, 2 * i + 1);
                 for (int64_t r = 0; r < nr; r++) {
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(w + (r0 + r) * rb + sb * 144 + 16 + 32 * i));
                     const __m512i c = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), lo4);
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, x);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(ix, p[r]), acc[r]);
+                    for (int64_t m = 0; m < mn; m++) {
+                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, x[m]);
+                        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(ix, p[r][m]), acc[r][m]);
+                    }
                 }
             }
         }
     } else { /* Q6_K */
-        const __m512i lo4 = _mm512_set1_epi8(0x0F), two = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
+        const __m512i lo4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
         const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
         const __m512i sh23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
         for (int64_t sb = 0; sb < I / 256; sb++) {
-            __m512 p[ROWS];
-            const __m512 d16 = _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(dx + sb * 8)));
+            __m512 p[ROWS][MX];
             for (int64_t r = 0; r < nr; r++) {
                 const uint8_t *b = w + (r0 + r) * rb + sb * 210;
                 for (int l = 0; l < 210 + 63; l += 64) _mm_prefetch((const char *)b + PREFETCH + l, _MM_HINT_T0);
-                const __m512 sc = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))));
-                p[r] = _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(half(b + 208)), sc), d16);
+                const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
+                                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
+                for (int64_t m = 0; m < mn; m++)
+                    p[r][m] = _mm512_mul_ps(sc, _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(
+                                                                     _mm256_loadu_ps(a->d + (m0 + m) * nd + sb * 8))));
             }
-            for (int i = 0; i < 4; i++) { /* 64 weights: half n = i / 2, its quarters 2 (i % 2) and one more */
+            for (int i = 0; i < 4; i++) { /* 64 weights: half n = i / 2 of the super-block, its quarters 2 (i % 2), +1 */
                 const int n = i / 2, hi2 = i % 2;
-                const __m512i x = _mm512_loadu_si512((const void *)(xq + sb * 256 + 64 * i));
+                __m512i x[MX];
+                for (int64_t m = 0; m < mn; m++) x[m] = _mm512_loadu_si512((const void *)(a->q + (m0 + m) * ip + sb * 256 + 64 * i));
                 const __m512i ix = idx16(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3);
                 for (int64_t r = 0; r < nr; r++) {
                     const uint8_t *b = w + (r0 + r) * rb + sb * 210;
@@ -397,14 +408,21 @@ static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int
                     const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
                     const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
                     const __m512i lo = _mm512_and_si512(hi2 ? _mm512_srli_epi16(ql, 4) : ql, lo4);
-                    const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(h2, hi2 ? sh23 : sh01), two);
+                    const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(h2, hi2 ? sh23 : sh01), three);
                     const __m512i c = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hb, 4)), bias);
-                    acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot_signed64(c, x)), _mm512_permutexvar_ps(ix, p[r]), acc[r]);
+                    const __mmask64 neg = _mm512_movepi8_mask(c);
+                    const __m512i ac = _mm512_abs_epi8(c);
+                    for (int64_t m = 0; m < mn; m++) {
+                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ac,
+                                                                _mm512_mask_sub_epi8(x[m], neg, _mm512_setzero_si512(), x[m]));
+                        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(ix, p[r][m]), acc[r][m]);
+                    }
                 }
             }
         }
     }
-    for (int64_t r = 0; r < nr; r++) out[r] = _mm512_reduce_add_ps(acc[r]) + hsum8(off[r]);
+    for (int64_t r = 0; r < nr; r++)
+        for (int64_t m = 0; m < mn; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]) + hsum8(off[r][m]);
     return 1;
 }
 #endif
@@ -414,11 +432,13 @@ static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int
 void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, int64_t b, float *y) {
     const int64_t r0 = b * ROWS, nr = (r0 + ROWS < O ? r0 + ROWS : O) - r0, nb = I / QB, rb = gg_row_bytes(t, I);
 #ifdef SEMOE_VNNI
-    float out[ROWS];
+    float out[ROWS][MX];
     if (t == GG_Q4_K || t == GG_Q6_K || t == GG_Q8_0) {
-        for (int64_t m = 0; m < a->M; m++) {
-            gg_rows_vnni(t, w, rb, r0, nr, I, a, m, out);
-            for (int64_t r = 0; r < nr; r++) y[m * O + r0 + r] = out[r];
+        for (int64_t m0 = 0; m0 < a->M; m0 += MX) {
+            const int64_t mn = a->M - m0 < MX ? a->M - m0 : MX;
+            gg_rows_vnni(t, w, rb, r0, nr, I, a, m0, mn, out);
+            for (int64_t m = 0; m < mn; m++)
+                for (int64_t r = 0; r < nr; r++) y[(m0 + m) * O + r0 + r] = out[r][m];
         }
         return;
     }
