@@ -81,11 +81,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(handler=cmd_quantize)
 
-    q = ss.add_parser("export", help="export a store back to a HuggingFace directory",
+    q = ss.add_parser("export", help="export a store back to a HuggingFace directory, or as a GGUF file",
                       description="Write the store's weights as a HuggingFace directory that transformers loads, "
-                                  "with the original shard layout; bit-exact with the imported checkpoint.")
+                                  "with the original shard layout; bit-exact with the imported checkpoint. "
+                                  "--format gguf writes one GGUF file llama.cpp loads instead, laid out as its "
+                                  "converter lays out the checkpoint: float tensors in their dtype, experts "
+                                  "imported from a GGUF file as their blocks, byte for byte, other compact "
+                                  "weights dequantized; the tokenizer (byte-level BPE) and chat template in "
+                                  "its metadata.")
     q.add_argument("store", metavar="STORE")
-    q.add_argument("out_dir", metavar="OUT_DIR", help="output directory (must be absent or empty)")
+    q.add_argument("out_dir", metavar="OUT",
+                   help="output directory (must be absent or empty), or with --format gguf the file (absent)")
+    q.add_argument("--format", choices=("hf", "gguf"), default="hf",
+                   help="hf: a HuggingFace directory (default); gguf: one GGUF file")
     q.add_argument("--json", action="store_true")
     q.set_defaults(handler=cmd_export)
 
@@ -233,6 +241,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
     store = _open(args.store)
     total = sum(t.bytes for t in store.manifest.tensors if t.kind == "weight")
+    if args.format == "gguf":
+        from semoe.checkpoints.gguf_export import export_gguf
+
+        with byte_bar(total, "export") as bar:
+            n = export_gguf(store, args.out_dir, progress=bar.update)
+        if args.json:
+            emit_json({"store": store.root, "version": store.version, "out": os.path.abspath(args.out_dir),
+                       "tensors": n, "bytes": os.path.getsize(args.out_dir)})
+        else:
+            print(f"exported {store.root} (version {store.version}) -> {args.out_dir}: {n} tensors, "
+                  f"{format_size(os.path.getsize(args.out_dir))}")
+        return 0
     with byte_bar(total, "export") as bar:
         dequantized = export_checkpoint(store, args.out_dir, progress=bar.update)
     if dequantized:

@@ -561,6 +561,18 @@ def export_checkpoint(store: Store, out_dir: str, *, progress: Progress | None =
     return len({t.name for t in m.tensors if _made_here(t)})
 
 
+def hf_out_tensors(store: Store) -> dict[str, OutTensor]:
+    """Each tensor of the HuggingFace checkpoint `export_checkpoint` writes, by name (compact weights made
+    here or GGUF's blocks dequantized, a checkpoint's own formats as stored), its data read when asked."""
+    m = store.manifest
+    by_name: dict[str, list[TensorEntry]] = defaultdict(list)
+    folded = {t.name for t in m.tensors if _made_here(t) or (t.quant or {}).get("packing")}
+    for t in m.tensors:
+        if t.kind == "weight" and (t.quant or {}).get("scales_of") not in folded:
+            by_name[t.name].append(t)
+    return {name: _out_tensor(store, name, entries, None) for name, entries in by_name.items()}
+
+
 def _made_here(t: TensorEntry) -> bool:
     """Codes of a weight quantized by `semoe store quantize`, or a GGUF file's blocks: dequantized on the way
     out (not a HuggingFace checkpoint's own format)."""

@@ -1,33 +1,25 @@
-"""GGUF files of tiny HuggingFace checkpoints, written here with the `gguf` package as llama.cpp's converter
-lays them out (its names from the package's own `TensorNameMap`, experts stacked per layer, Mixtral's query
-and key rows permuted, DeepSeek's kv_b split into k_b and v_b, gpt-oss's gate and up separated), and a
-byte-level BPE tokenizer whose vocabulary the file carries."""
+"""GGUF files of tiny HuggingFace checkpoints, written with the `gguf` package in the exporter's layout
+(`semoe.checkpoints.gguf_export`: llama.cpp's converter's names from the package's own `TensorNameMap`,
+experts stacked per layer, Mixtral's query and key rows permuted, DeepSeek's kv_b split into k_b and v_b,
+gpt-oss's gate and up separated; that layout was checked against llama.cpp's own converter, tensor by
+tensor, with bench/bench_gguf.py --check-layout), and a byte-level BPE tokenizer the file carries."""
 
 from __future__ import annotations
 
 import json
 import pathlib
-import re
 
 import numpy as np
 import torch
 
 from helpers.hf_models import load_safetensors_dir
 
+from semoe.checkpoints import gguf_export
+
 TOKENIZER_TEXT = ("the cat sat on the mat and the dog ran to the big red house; one two three four five six "
                   "seven eight nine ten. The quick brown fox jumps over the lazy dog! def main(): return 0\n") * 8
 SPECIAL = ("<unk>", "<s>", "</s>")
 CHAT_TEMPLATE = "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}</s>{% endfor %}assistant:"
-
-
-def _arch(model_type: str):
-    import gguf
-
-    A = gguf.MODEL_ARCH
-    return {"mixtral": (A.LLAMA, "llama"), "qwen2_moe": (A.QWEN2MOE, "qwen2moe"), "qwen3_moe": (A.QWEN3MOE, "qwen3moe"),
-            "olmoe": (A.OLMOE, "olmoe"), "deepseek_v2": (A.DEEPSEEK2, "deepseek2"),
-            "deepseek_v3": (A.DEEPSEEK2, "deepseek2"), "glm4_moe": (A.GLM4_MOE, "glm4moe"),
-            "gpt_oss": (A.GPT_OSS, "gpt-oss")}[model_type]
 
 
 def bpe_tokenizer(vocab_size: int):
@@ -52,142 +44,11 @@ def add_bpe_tokenizer(hf_dir: pathlib.Path, vocab_size: int) -> None:
          "add_bos_token": False, "chat_template": CHAT_TEMPLATE}))
 
 
-def _metadata(w, model_type: str, cfg: dict) -> None:
-    rope = cfg.get("rope_parameters") or {}
-    heads = cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    nextn = cfg.get("num_nextn_predict_layers", 0) if model_type == "glm4_moe" else 0
-    w.add_block_count(cfg["num_hidden_layers"] + nextn)
-    w.add_context_length(cfg["max_position_embeddings"])
-    w.add_embedding_length(cfg["hidden_size"])
-    w.add_feed_forward_length(cfg["intermediate_size"])
-    w.add_head_count(heads)
-    w.add_head_count_kv(1 if model_type.startswith("deepseek") else cfg["num_key_value_heads"])
-    w.add_rope_freq_base(rope.get("rope_theta", 10000.0))
-    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
-    w.add_expert_count(cfg.get("num_local_experts") or cfg.get("num_experts") or cfg["n_routed_experts"])
-    w.add_expert_used_count(cfg["num_experts_per_tok"])
-    w.add_vocab_size(cfg["vocab_size"])
-    if rope.get("rope_type") == "yarn":
-        w.add_rope_scaling_type(__import__("gguf").RopeScalingType.YARN)
-        w.add_rope_scaling_factor(rope["factor"])
-        w.add_rope_scaling_orig_ctx_len(rope["original_max_position_embeddings"])
-        w.add_rope_scaling_yarn_beta_fast(rope["beta_fast"])
-        w.add_rope_scaling_yarn_beta_slow(rope["beta_slow"])
-        if model_type.startswith("deepseek"):
-            w.add_rope_scaling_yarn_log_mul(0.1 * rope["mscale_all_dim"])
-    if model_type in ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "glm4_moe", "gpt_oss"):
-        w.add_expert_feed_forward_length(cfg.get("moe_intermediate_size") or cfg["intermediate_size"])
-    if model_type == "qwen2_moe":
-        w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
-    if model_type in ("qwen3_moe", "glm4_moe", "gpt_oss"):
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
-    if model_type == "gpt_oss":
-        w.add_sliding_window(cfg["sliding_window"])
-    if model_type.startswith("deepseek") or model_type == "glm4_moe":
-        w.add_expert_shared_count(cfg["n_shared_experts"])
-        w.add_leading_dense_block_count(cfg["first_k_dense_replace"])
-        w.add_expert_group_count(cfg["n_group"])
-        w.add_expert_group_used_count(cfg["topk_group"])
-        w.add_expert_weights_scale(cfg["routed_scaling_factor"])
-        w.add_expert_weights_norm(cfg["norm_topk_prob"])
-    if model_type == "glm4_moe":
-        w.add_rope_dimension_count(int(head_dim * (cfg.get("partial_rotary_factor") or rope["partial_rotary_factor"])))
-        w.add_nextn_predict_layers(nextn)
-    if model_type.startswith("deepseek"):
-        rd = cfg["qk_rope_head_dim"]
-        w.add_rope_dimension_count(rd)
-        w.add_kv_lora_rank(cfg["kv_lora_rank"])
-        if cfg.get("q_lora_rank"):
-            w.add_q_lora_rank(cfg["q_lora_rank"])
-        w.add_key_length(cfg["kv_lora_rank"] + rd)
-        w.add_value_length(cfg["kv_lora_rank"])
-        w.add_key_length_mla(cfg["qk_nope_head_dim"] + rd)
-        w.add_value_length_mla(cfg["v_head_dim"])
-
-
-def _tokenizer(w, tok, chat_template: str | None) -> None:
-    data = json.loads(tok.to_str())
-    vocab = data["model"]["vocab"]
-    tokens = sorted(vocab, key=vocab.get)
-    merges = [" ".join(m) if isinstance(m, list) else m for m in data["model"]["merges"]]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([3 if t in SPECIAL else 1 for t in tokens])  # 3: control, 1: normal
-    w.add_token_merges(merges)
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_unk_token_id(0)
-    w.add_add_bos_token(False)
-    if chat_template:
-        w.add_chat_template(chat_template)
-
-
-def _permute(w: np.ndarray, heads: int) -> np.ndarray:
-    """The converter's permutation of a llama query or key projection (halves into adjacent pairs)."""
-    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _layer(hf: str) -> str:
-    return re.search(r"layers\.(\d+)\.", hf).group(1)
-
-
 def gguf_tensors(model_type: str, cfg: dict, state: dict[str, torch.Tensor]) -> dict[str, np.ndarray]:
-    """llama.cpp's tensors (names and float32 values) of a HuggingFace state dict."""
-    import gguf
-
-    arch, _ = _arch(model_type)
-    layers = cfg["num_hidden_layers"]
-    names = gguf.TensorNameMap(arch, layers + 1)
-    out: dict[str, np.ndarray] = {}
-    experts: dict[tuple[str, str], dict[int, np.ndarray]] = {}
-
-    def put(hf: str, a: np.ndarray) -> None:
-        base, _, suffix = hf.rpartition(".")
-        if suffix not in ("weight", "bias"):
-            base, suffix = hf, "weight"
-        g = names.get_name(base)
-        assert g is not None, f"no GGUF name for {hf}"
-        out[f"{g}.{suffix}"] = a
-
-    for hf, t in state.items():
-        a = t.float().numpy()
-        m = re.match(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$", hf)
-        if m:
-            experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = a
-        elif model_type == "mixtral" and re.search(r"self_attn\.[qk]_proj\.weight$", hf):
-            heads = cfg["num_attention_heads"] if ".q_proj" in hf else cfg["num_key_value_heads"]
-            put(hf, _permute(a, heads))
-        elif model_type == "deepseek_v3" and hf.endswith("kv_b_proj.weight"):
-            h, nope, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
-            kv = a.reshape(h, nope + dv, -1)
-            i = _layer(hf)
-            out[f"blk.{i}.attn_k_b.weight"] = np.ascontiguousarray(kv[:, :nope].swapaxes(1, 2))
-            out[f"blk.{i}.attn_v_b.weight"] = np.ascontiguousarray(kv[:, nope:])
-        elif model_type == "gpt_oss" and ".experts." in hf:
-            i = _layer(hf)
-            if hf.endswith("gate_up_proj"):
-                out[f"blk.{i}.ffn_gate_exps.weight"] = np.ascontiguousarray(a[:, :, 0::2].swapaxes(1, 2))
-                out[f"blk.{i}.ffn_up_exps.weight"] = np.ascontiguousarray(a[:, :, 1::2].swapaxes(1, 2))
-            elif hf.endswith("gate_up_proj_bias"):
-                out[f"blk.{i}.ffn_gate_exps.bias"] = np.ascontiguousarray(a[:, 0::2])
-                out[f"blk.{i}.ffn_up_exps.bias"] = np.ascontiguousarray(a[:, 1::2])
-            elif hf.endswith("down_proj"):
-                out[f"blk.{i}.ffn_down_exps.weight"] = np.ascontiguousarray(a.swapaxes(1, 2))
-            else:
-                out[f"blk.{i}.ffn_down_exps.bias"] = a
-        elif hf.endswith("gate.e_score_correction_bias"):
-            out[f"blk.{_layer(hf)}.exp_probs_b.bias"] = a
-        elif hf.endswith("self_attn.sinks"):
-            i = _layer(hf)
-            out[f"blk.{i}.attn_sinks.weight"] = a
-        else:
-            put(hf, a)
-    for (prefix, role), by_e in experts.items():
-        put(f"{prefix}.{role}.weight", np.stack([by_e[e] for e in sorted(by_e)]))
-    return out
+    """llama.cpp's tensors (names and float32 values) of a HuggingFace state dict, laid out by the exporter
+    (`gguf_export.plan`: the converter's names, stacking, permutations and splits)."""
+    return {o.name: np.ascontiguousarray(o.make(*(state[n].float().numpy() for n in o.sources)))
+            for o in gguf_export.plan(model_type, cfg, list(state))}
 
 
 def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
@@ -226,27 +87,25 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, *, qtype: str = "F32", s
     not the weights), the rest float32; `split` > 0: that many tensors a file, written as
     NAME-0000k-of-0000N.gguf beside `out` (the first's path is returned)."""
     import gguf
-    from tokenizers import Tokenizer
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     model_type = cfg["model_type"]
-    _, arch_name = _arch(model_type)
+    arch_name = gguf_export.ARCHS[model_type][1]
     tensors = gguf_tensors(model_type, cfg, load_safetensors_dir(hf_dir))
+    files = {n: (hf_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
     kind = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[kind][0]
     items = sorted(tensors.items())
     chunks = [items[i:i + split] for i in range(0, len(items), split)] if split else [items]
     paths = [out] if not split else [out.with_name(f"{out.stem}-{k + 1:05d}-of-{len(chunks):05d}.gguf")
                                      for k in range(len(chunks))]
-    tok = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
-    template = json.loads((hf_dir / "tokenizer_config.json").read_text()).get("chat_template")
     rng = np.random.default_rng(0)
     for k, (path, chunk) in enumerate(zip(paths, chunks)):
         w = gguf.GGUFWriter(str(path), arch_name)
         if k == 0:
             w.add_name("tiny " + model_type)
-            _metadata(w, model_type, cfg)
-            _tokenizer(w, tok, template)
+            gguf_export.metadata(w, model_type, cfg)
+            gguf_export.tokenizer(w, files, cfg["vocab_size"])
         if split:
             w.add_uint16("split.no", k)
             w.add_uint16("split.count", len(chunks))

@@ -267,3 +267,43 @@ def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype,
             np.testing.assert_array_equal(back[name].reshape(a.shape), a, err_msg=name)
         else:  # a quantized dense weight is widened to bfloat16 (8 bits of mantissa) at import
             np.testing.assert_allclose(back[name].reshape(a.shape), a, rtol=2 ** -8, atol=0, err_msg=name)
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "deepseek_v3", "gpt_oss"])
+def test_export_as_gguf_imports_back_to_the_same_logits(tmp_path, arch):
+    """A store imported from HuggingFace, exported as GGUF (`gguf_export`) and imported again: the same
+    logits, exactly (F32 throughout); the file's tokenizer is the store's."""
+    from semoe.checkpoints.gguf_export import export_gguf
+
+    hf = _checkpoint(arch, tmp_path)
+    store = import_checkpoint(str(hf), str(tmp_path / "store"))
+    out = tmp_path / "out.gguf"
+    n = export_gguf(store, str(out))
+    again = import_checkpoint(str(out), str(tmp_path / "again"))
+    assert n > 10 and torch.equal(_logits(again.root), _logits(store.root))
+    from semoe.checkpoints.hf_config import from_hf_config
+
+    text = "the quick brown fox jumps over the lazy dog"
+    toks = [load_model_tokenizer(s, from_hf_config(s.manifest.model["config"])).encode(text) for s in (store, again)]
+    assert toks[0] == toks[1] and len(toks[0]) > 3
+    with pytest.raises(BadInputError, match="exists"):
+        export_gguf(store, str(out))
+
+
+def test_export_writes_kept_blocks_back_byte_for_byte(tmp_path):
+    import gguf
+
+    from semoe.checkpoints.gguf_export import export_gguf
+
+    hf = _checkpoint("qwen3_moe", tmp_path, **dict(WIDE, moe_intermediate_size=256))
+    src = write_gguf(hf, tmp_path / "m.gguf", qtype="Q4_K")
+    store = import_checkpoint(str(src), str(tmp_path / "kept"))
+    out = tmp_path / "out.gguf"
+    export_gguf(store, str(out))
+    a = {t.name: t for t in gguf.GGUFReader(str(src)).tensors}
+    b = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
+    exps = [n for n in a if "_exps" in n]
+    assert exps and sorted(a) == sorted(b)
+    for name in exps:
+        assert b[name].tensor_type == gguf.GGMLQuantizationType.Q4_K
+        assert np.array_equal(np.asarray(a[name].data), np.asarray(b[name].data)), name
