@@ -5,31 +5,23 @@ Why: where memory is shorter than the model, every byte a process holds besides 
 is expert data it must read again. torch's runtime alone holds about 0.15 GiB of anonymous memory
 once imported (its operator tables and Python modules), which no eviction gives back: on the 3 GB
 bench model that is half of the memory at 4-bit and 50%, and more than all of it at 4-bit and 25%.
-This runner decodes with the same kernels as the engine's one-call step (semoe/kernels/
-decode_step.c, in parts: `decode_attend`, then the chosen experts, `decode_ffn` (or, where some are
-cached and others are being read, `decode_experts` of the cached ones meanwhile, of the rest once
-read, and `decode_ffn_done`); `decode_head`),
-over buffers of its own (numpy, ctypes), and imports no torch, so that memory goes to the cache.
+This runner decodes with the same kernels as the engine's one-call step (semoe/kernels/decode_step.c, in
+parts: `decode_attend`, then the chosen experts, `decode_ffn` (or, where some are cached and others are
+being read, `decode_experts` of the cached ones meanwhile, of the rest once read, and `decode_ffn_done`);
+`decode_head`), over buffers of its own (numpy, ctypes), and imports no torch, so that memory goes to the cache.
 
 What it holds: the dense weights (attention, routers, norms, lm_head), float32 or bfloat16 as
 stored (FP8 ones dequantized to bfloat16, as the engine loads them), or int8 (`dense="auto"`: beside
-compact experts, `storage.formats.auto_dense`): stored so, mapped from the store's files, or quantized here; the
-token embedding stays on storage, one row read per token; the experts' chunks, as stored (float32,
-bfloat16, int8, int4, FP8 or MXFP4 codes, each computed as it is), in `cache_bytes` of
-slots, evicted by the engine's next-use policy, missing ones read with O_DIRECT (a chunk's pieces
-in parallel) and checked against the manifest's crc32c.
+compact experts, `storage.formats.auto_dense`): stored so, mapped from the store's files, or quantized here
+(GGUF's blocks mapped as stored, whatever `dense` but "float"); the token embedding stays on storage, one
+row read per token; the experts' chunks, as stored (float32, bfloat16, int8, int4, FP8, MXFP4 or GGUF's
+blocks, each computed as it is), in `cache_bytes` of slots, evicted by the engine's next-use policy,
+missing ones read with O_DIRECT (a chunk's pieces in parallel) and checked against the manifest's crc32c.
 
-What it takes: the models the one-call step takes (`DecodePlan`'s whole step): grouped-query
-attention, with q/k norms (over all heads, or per head before or after the rotation, with or without
-weights), clipping, sinks, partial or interleaved rotary, layers without rotary (with Llama-4's temperature),
-sliding windows, chunked local attention, YaRN and Llama-3's scaling; softmax-top-k, top-k-then-softmax,
-grouped and Llama-4's input-scaling routers over SwiGLU experts, with or without a shared expert, or
-dense SwiGLU layers, gpt-oss's clamped experts with their biases (float ones multiplied in-major as
-stored, MXFP4 ones as MXFP4) and Llama-4's experts of one gate_up (I, O); DeepSeek's
-latent attention in the absorbed form (kv_b read as float32 and split into its halves at load):
-every architecture semoe loads (`semoe.decode.support.ARCHITECTURES`); one sequence,
-greedy or sampled. Anything else is refused with one line naming it
-(`NotOnFastPath`); the engine (`inference.engine`) runs every model.
+What it takes: the models the one-call step takes (`DecodePlan`'s whole step: every architecture semoe
+loads, `semoe.decode.support.ARCHITECTURES`, with the parts its table lists); one sequence, greedy or
+sampled. Anything else is refused with one line naming it (`NotOnFastPath`); the engine
+(`inference.engine`) runs every model.
 
 It is a front-end of the same core as the engine: the store is read through `storage.reader`
 (the torch-free part of `storage.store.Store`), experts are cached in `storage.cache.ExpertCache`
@@ -38,9 +30,8 @@ keyed by `ExpertKey`, what it takes is `semoe.decode.support`'s table, its `Net`
 engine's (`semoe.decode.loop`). What stays here is what only a process without torch needs: reading
 the weights into numpy, the slots, the rotary tables, the sequence's buffers.
 
-Its logits are the one-call step's: the same kernels on the same weights, except the rotary tables
-(numpy's cos/sin against torch's, to float32 rounding) and the prompt, which goes through the step
-token by token rather than as one batch.
+Its logits are the one-call step's: the same kernels on the same weights, but for the rotary tables (numpy's
+cos/sin against torch's, to float32 rounding) and the prompt, which runs token by token, not as one batch.
 """
 
 from __future__ import annotations
@@ -253,8 +244,8 @@ class LeanModel:
         elif c.attention == "mla":
             attn = dict(qkv=[], mla=mixers.latent(self, lay, dense))
         else:
-            qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored int8 (mapped)
-            mapped = dense == "int8" and any(self._stored_int8(hf_name(c, f"{m}.weight")) for m in qkv)
+            qkv = [f"layers.{lay}.attn.{p}_proj" for p in "qkv"]  # three products where stored compact (mapped)
+            mapped = dense != "float" and any(self._stored_compact(hf_name(c, f"{m}.weight")) for m in qkv)
             weighted = c.qk_norm not in ("none", "unit_after_rope")  # Llama-4's norms have no weights
             attn = dict(
                 qkv=[self._linear([m], dense) for m in qkv] if mapped else [self._linear(qkv, dense)],
@@ -321,16 +312,19 @@ class LeanModel:
     def _stored_int8(self, name: str) -> bool:
         return int8_rows_spec(self._tensor(name).quant)
 
-    def _mapped(self, name: str) -> np.ndarray:
-        """A stored int8 dense weight's codes mapped read-only from the store's file, checked against
-        its crc32c first (read through once, not kept). The page cache holds them while memory allows
-        and gives them back under pressure, to be read again as used (as llama.cpp maps its weights):
-        they take no anonymous memory, and decoding goes on, slower, where memory cannot hold them."""
+    def _stored_compact(self, name: str) -> bool:  # int8 codes, or GGUF's blocks: mapped as they are
+        return self._stored_int8(name) or (self._tensor(name).quant or {}).get("scheme") == "ggml"
+
+    def _mapped(self, name: str, dtype: type = np.int8) -> np.ndarray:
+        """A stored int8 dense weight's codes (or GGUF's rows of blocks: `dtype` uint8) mapped read-only from
+        the store's file, checked against its crc32c first (read through once, not kept). The page cache holds
+        them while memory allows and gives them back under pressure, to be read again as used (as llama.cpp
+        maps its weights): no anonymous memory, and decoding goes on, slower, where memory cannot hold them."""
         t = self._tensor(name)
         for raw in self.store.dense_row_bytes(name, QUANTIZE_ROWS):
             self._progress(raw.nbytes)
         self.mapped_bytes += t.bytes
-        return np.memmap(self.store.path(t.file), np.int8, "r", t.offset, tuple(t.shape))
+        return np.memmap(self.store.path(t.file), dtype, "r", t.offset, tuple(t.shape))
 
     def _scales(self, name: str) -> np.ndarray:
         """A compact dense weight's float32 scales, read whole."""
@@ -365,11 +359,17 @@ class LeanModel:
         c = self.config
         names = [name] if name else [hf_name(c, f"{m}.weight") for m in modules]
         entries = [self._tensor(n) for n in names]
-        I = entries[0].shape[1]
-        if any(t.shape[1] != I for t in entries):
+        blocks = {(t.quant or {}).get("ggml_type") for t in entries}  # GGUF's rows of blocks, as stored
+        shapes = [t.quant["shape"] if None not in blocks else t.shape for t in entries]
+        I, O = shapes[0][1], sum(s[0] for s in shapes)
+        if any(s[1] != I for s in shapes):
             raise NotOnFastPath(f"{names}: products of different input sizes")
-        O = sum(t.shape[0] for t in entries)
-        if dense == "int8":
+        if dense != "float" and len(blocks) == 1 and None not in blocks:
+            rows = [self._mapped(n, np.uint8) for n in names]
+            rows = rows[0] if len(rows) == 1 else np.concatenate(rows)
+            self.held.append(rows)
+            lin = loader.Lin(loader.W_GGML, O, I, loader.lin_group(entries[0].quant), rows.ctypes.data, None, None)
+        elif dense == "int8":
             if len(names) == 1 and self._stored_int8(names[0]):  # stored int8: mapped where they are
                 codes, scales = self._mapped(names[0]), self._scales(entries[0].quant["scales"])
             elif any(self._stored_int8(n) for n in names):

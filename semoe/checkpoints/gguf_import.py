@@ -210,9 +210,33 @@ class _Layout:
         self.refs[hf] = GGUFRef(name=hf, dtype=dt, shape=tuple(shape), path=src.path, start=src.offset(names[0]),
                                 make=make, stacked=stacked)
 
-    def same(self, hf: str, name: str, shape: tuple[int, ...] | None = None) -> None:
+    def same(self, hf: str, name: str, shape: tuple[int, ...] | None = None,
+             rows: Callable[[np.ndarray], np.ndarray] | None = None) -> None:
+        """HF tensor `hf` as GGUF tensor `name` (of `shape` where given); a quantized matrix of a type the
+        kernels take kept as its blocks, its rows reordered by `rows` where given (else it is decoded, and
+        `rows` applied to its values)."""
         want = shape or self.src.shape(name)
-        self.add(hf, [name], want, lambda a: a.reshape(want))
+        if self._keep(hf, name, want, rows):
+            return
+        self.add(hf, [name], want, (lambda a: rows(a.reshape(want))) if rows else (lambda a: a.reshape(want)))
+
+    def _keep(self, hf: str, name: str, shape: tuple[int, ...], rows=None) -> bool:
+        """Keep a quantized matrix as its rows of blocks (the embedding aside: it is looked up, not multiplied)."""
+        kind = self.src.kind(name)
+        if self.to is not None or kind not in GGML_KERNEL_TYPES or len(shape) != 2 or hf.endswith("embed_tokens.weight"):
+            return False
+        src = self.src
+        self.used.add(name)
+        self.quant[hf] = QuantSpec(scheme="ggml", ggml_type=kind, dtype="F32", shape=shape, scales="").to_json()
+        data = src.tensors[name][0].data
+
+        def make(i0: int, i1: int) -> np.ndarray:
+            a = np.asarray(data).reshape(shape[0], -1)
+            return rows(a) if rows else a
+
+        self.refs[hf] = GGUFRef(name=hf, dtype="U8", shape=(shape[0], int(np.asarray(data).shape[-1])), path=src.path,
+                                start=src.offset(name), make=make)
+        return True
 
     def experts(self, prefix: str, name: str, role: str) -> None:
         """Per-expert tensors `prefix.{e}.{role}.weight` from the stacked GGUF `name` (E, O, I)."""
@@ -395,7 +419,7 @@ def _tensors(src: _Source, config: dict, layers: int, to: str | None) -> _Layout
                 shape = src.shape(g)
                 if arch == "llama" and stem in ("attn_q", "attn_k"):
                     count = heads if stem == "attn_q" else kv_heads
-                    out.add(h + f"self_attn.{_ATTN[stem]}.{suffix}", [g], shape, lambda a, c=count: _unpermute(a, c))
+                    out.same(h + f"self_attn.{_ATTN[stem]}.{suffix}", g, rows=lambda a, c=count: _unpermute(a, c))
                 else:
                     out.same(h + f"self_attn.{_ATTN[stem]}.{suffix}", g)
             elif stem == "attn_sinks":
@@ -550,7 +574,7 @@ def open_gguf(path: str, *, dtype: str = "keep", check: Callable[[dict], None] |
     kept = sorted({q["ggml_type"] for q in layout.quant.values()})
     wide = sorted(layout.widened)
     if (kept or wide) and _say_once(path, "decoded"):
-        said = [f"{', '.join(kept)} experts kept as stored (the kernels compute on the blocks)"] if kept else []
+        said = [f"{', '.join(kept)} weights kept as their blocks (the kernels compute on them)"] if kept else []
         if wide:
             said.append(f"{', '.join(wide)} tensors {'also ' if kept else ''}decoded and stored as "
                         f"{dtype_name(to) if to is not None else 'BF16'}")

@@ -28,6 +28,7 @@ from storage.dtypes import torch_dtype
 from storage.process_memory import release_free_heap
 from storage.formats import int8_rows_spec
 from storage.formats import QUANTIZE_ROWS
+from storage.quant import QuantSpec
 from semoe.checkpoints.hf_convert import ExpertPart, open_checkpoint
 from storage.reader import is_store
 from storage.store import ExpertTensor, Store
@@ -242,7 +243,12 @@ def _load_store(store: Store, *, device: torch.device | str, dtype: torch.dtype,
                 return None
             return store.read_tensor(key_of(name)), store.read_tensor(spec["scales"])
 
-        compact_dense_linears(model, scheme, kernel=kernel, weight_rows=weight_rows, stored_int8=stored_int8)
+        def stored_blocks(name: str) -> tuple[torch.Tensor, QuantSpec] | None:
+            spec = store.manifest.tensor(present(key_of(name))).quant or {}
+            return (store.read_tensor(key_of(name)), QuantSpec.from_json(spec)) if spec.get("scheme") == "ggml" else None
+
+        compact_dense_linears(model, scheme, kernel=kernel, weight_rows=weight_rows, stored_int8=stored_int8,
+                              stored_blocks=stored_blocks)
     _load(model, dense_tensor, expert, path, adopt=True)
     if compact:
         for ffn in model.moe_layers():

@@ -88,6 +88,9 @@ class _Product:
             self._call = lambda x, y, t: lib.gemv_i4(x, wp, sp, y, 1, O, I, g, t)
         elif kind == _KINDS["fp8"]:
             self._call = lambda x, y, t: lib.gemv_fp8(x, wp, sp, y, 1, O, I, g, t)
+        elif kind == _KINDS["ggml"]:  # the bias added below, as the others'
+            bare = ctypes.byref(_Lin(kind, O, I, g, wp, None, None))
+            self._call = lambda x, y, t: lib.lin_rows(bare, x, 1, y, t)
         else:
             fn = lib.gemv_f32 if kind == _KINDS[torch.float32] else lib.gemv_bf16
             self._call = lambda x, y, t: fn(x, wp, y, 1, O, I, t)

@@ -286,15 +286,15 @@ def stacked_rows(linears: list[CompactLinear]) -> CompactLinear | None:
     kernel call and one quantization of x instead of one each; every row's arithmetic unchanged, so
     the same bits), or None where their schemes, groups, dtypes, kernels, inputs or biases differ."""
     first = linears[0].weight
-    same = {(w.spec.scheme, w.spec.group_size, w.spec.dtype, w.kernel, w.shape[1], w.codes.device)
+    same = {(w.spec.scheme, w.spec.group_size, w.spec.ggml_type, w.spec.dtype, w.kernel, w.shape[1], w.codes.device)
             for w in (lin.weight for lin in linears)}
     biases = [lin.bias for lin in linears]
-    if len(same) != 1 or first.spec.scheme not in ("int8", "int4") or len({b is None for b in biases}) != 1:
+    if len(same) != 1 or first.spec.scheme not in ("int8", "int4", "ggml") or len({b is None for b in biases}) != 1:
         return None
     codes = torch.cat([lin.weight.codes for lin in linears])  # int4's 64-row blocks stay whole: O is a multiple
-    scales = torch.cat([lin.weight.scales for lin in linears], dim=0 if first.spec.scheme == "int8" else 1)
+    scales = torch.cat([lin.weight.scales for lin in linears], dim=1 if first.spec.scheme == "int4" else 0)
     spec = QuantSpec(scheme=first.spec.scheme, dtype=first.spec.dtype, shape=(codes.shape[0], first.shape[1]),
-                     scales="", group_size=first.spec.group_size)
+                     scales="", group_size=first.spec.group_size, ggml_type=first.spec.ggml_type)
     bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
     return CompactLinear(CompactWeight(codes, scales.contiguous(), spec, first.kernel), bias)
 
@@ -360,7 +360,8 @@ def dense_linear_names(model: nn.Module) -> list[str]:
 def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str = "auto",
                           group_size: int = INT4_DEFAULT_GROUP,
                           weight_rows: Callable[[str], Iterable[torch.Tensor]] | None = None,
-                          stored_int8: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None] | None = None
+                          stored_int8: Callable[[str], tuple[torch.Tensor, torch.Tensor] | None] | None = None,
+                          stored_blocks: Callable[[str], tuple[torch.Tensor, QuantSpec] | None] | None = None
                           ) -> None:
     """Replace the model's dense `nn.Linear` layers (attention, lm_head, dense and shared
     feed-forwards) by `CompactLinear`s of `scheme`, quantized here; the routers and the token
@@ -375,12 +376,24 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
     weights are never in memory whole); the layer's own weight by default. `stored_int8(name)`: the
     named layer's int8 codes and scales where a store holds them so (`semoe store quantize`: what
     this function would make of the float weight), taken as they are where this function would
-    make int8, else None."""
+    make int8, else None. `stored_blocks(name)`: the named layer's rows of GGUF blocks and their spec where
+    a store holds them so (imported from a GGUF file), taken as they are whatever `scheme` is, else None."""
     if scheme not in ("int8", "int4"):
         raise ValueError(f"dense weights can be quantized to int8 or int4, not {scheme!r}")
     for name in dense_linear_names(model):
         mod = model.get_submodule(name)
         w = mod.weight.detach()
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        blocks = stored_blocks(name) if stored_blocks is not None else None
+        if blocks is not None:
+            rows, spec = blocks
+            if tuple(spec.shape) != tuple(w.shape):
+                raise BadInputError(f"{name}: {spec.ggml_type} rows of shape {list(spec.shape)} stored for a weight of "
+                                    f"shape {list(w.shape)}")
+            rows = rows.to(w.device)
+            setattr(parent, attr, CompactLinear(CompactWeight(rows, rows[:0], spec, kernel), mod.bias))
+            continue
         choices = [("int8", None)]
         if scheme == "int4" and name != "lm_head":  # the largest group up to group_size dividing the inputs
             g = max((s for s in INT4_GROUP_SIZES if s <= group_size and w.shape[1] % s == 0), default=group_size)
@@ -399,8 +412,6 @@ def compact_dense_linears(model: nn.Module, scheme: str = "int8", *, kernel: str
             rows = [w] if weight_rows is None else weight_rows(name)
             codes, scales = quantize_blocks(rows, tuple(w.shape), w.dtype, this, group_size=g)
         spec = QuantSpec(scheme=this, dtype=dtype_name(w.dtype), shape=tuple(w.shape), scales="", group_size=g)
-        parent_name, _, attr = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, attr, CompactLinear(CompactWeight(codes.to(w.device), scales.to(w.device), spec, kernel),
                                             mod.bias))
 

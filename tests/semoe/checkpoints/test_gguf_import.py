@@ -178,7 +178,7 @@ def test_store_import_takes_a_gguf_file_on_the_command_line(tmp_path):
     res = subprocess.run([sys.executable, "-m", "tools.cli", "store", "import", str(gguf_file), str(tmp_path / "s")],
                          capture_output=True, text=True, env=child_env(), cwd=ROOT)
     assert res.returncode == 0, res.stderr
-    assert f"imported {gguf_file}" in res.stdout and "Q8_0 experts kept as stored" in res.stderr
+    assert f"imported {gguf_file}" in res.stdout and "Q8_0 weights kept as their blocks" in res.stderr
     bad = subprocess.run([sys.executable, "-m", "tools.cli", "store", "import", str(tmp_path / "x.gguf"),
                           str(tmp_path / "t")], capture_output=True, text=True, env=child_env(), cwd=ROOT)
     assert bad.returncode != 0 and "x.gguf: no such file" in bad.stderr and len(bad.stderr.strip().splitlines()) == 1
@@ -232,10 +232,14 @@ def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype,
     hf = _checkpoint(arch, tmp_path, **over)
     gguf_file = write_gguf(hf, tmp_path / "m.gguf", qtype=qtype)
     kept = import_checkpoint(str(gguf_file), str(tmp_path / "kept"))
-    assert f"{qtype} experts kept as stored" in capfd.readouterr().err
-    experts = [t for t in StoreReader.open(kept.root).manifest.tensors if ".experts." in t.name]
+    assert f"{qtype} weights kept as their blocks" in capfd.readouterr().err
+    tensors = StoreReader.open(kept.root).manifest.tensors
+    experts = [t for t in tensors if ".experts." in t.name]
     assert experts and all(t.quant["scheme"] == "ggml" and t.quant["ggml_type"] == qtype and t.dtype == "U8"
                            for t in experts)
+    if qtype in ("Q8_0", "Q4_0"):  # the writer quantized the dense matrices too: kept as blocks as well
+        outs = [t for t in tensors if t.name.endswith("self_attn.o_proj.weight")]
+        assert outs and all((t.quant or {}).get("ggml_type") == qtype for t in outs)
     wide = import_checkpoint(str(gguf_file), str(tmp_path / "wide"), dtype="float32")
     with torch.no_grad():
         got = load_store(kept.root, dense="float")(IDS).logits  # the dense weights as the file holds them
