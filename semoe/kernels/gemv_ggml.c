@@ -64,105 +64,100 @@ static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
-/* block k (32 weights) of a row: codes c, half scales s[2] and offset o */
-static void decode32(int64_t t, const uint8_t *row, int64_t k, int8_t *c, float *s, float *o) {
+/* the bytes of block k's block (a super-block for the K types and IQ4_XS) in a row of type t */
+static inline const uint8_t *block_of(int64_t t, const uint8_t *row, int64_t k) {
+    const int64_t per = gg_block_weights(t) / QB;
+    return row + (k / per) * gg_block_bytes(t);
+}
+
+/* block k (32 weights) of a row: its half scales s[2] and offset o (weight j = s[j / 16] c_j + o) */
+static void block_scales(int64_t t, const uint8_t *row, int64_t k, float *s, float *o) {
+    const uint8_t *b = block_of(t, row, k);
+    const int j = (int)(k % 8);
     *o = 0.0f;
     switch (t) {
-    case GG_Q8_0: {
-        const uint8_t *b = row + k * 34;
-        s[0] = s[1] = half(b);
-        memcpy(c, b + 2, 32);
+    case GG_MXFP4: { /* half of 2^(e - 127), the codes being twice the e2m1 values */
+        const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
+        float f;
+        memcpy(&f, &bits, 4);
+        s[0] = s[1] = f;
         return;
     }
+    case GG_Q4_K:
+    case GG_Q5_K: {
+        int sc, m;
+        k_scale_min(j, b + 4, &sc, &m);
+        s[0] = s[1] = half(b) * (float)sc;
+        *o = -half(b + 2) * (float)m;
+        return;
+    }
+    case GG_Q6_K: {
+        const int8_t *sc = (const int8_t *)(b + 192);
+        s[0] = half(b + 208) * (float)sc[2 * j];
+        s[1] = half(b + 208) * (float)sc[2 * j + 1];
+        return;
+    }
+    case GG_IQ4_XS: {
+        uint16_t sh;
+        memcpy(&sh, b + 2, 2);
+        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
+        s[0] = s[1] = half(b) * (float)(ls - 32);
+        return;
+    }
+    default: /* one half scale a block, Q4_1's and Q5_1's min after it */
+        s[0] = s[1] = half(b);
+        if (t == GG_Q4_1 || t == GG_Q5_1) *o = half(b + 2);
+    }
+}
+
+/* block k (32 weights) of a row: codes c, half scales s[2] and offset o */
+static void decode32(int64_t t, const uint8_t *row, int64_t k, int8_t *c, float *s, float *o) {
+    const uint8_t *b = block_of(t, row, k);
+    const int j = (int)(k % 8);
+    block_scales(t, row, k, s, o);
+    switch (t) {
+    case GG_Q8_0: memcpy(c, b + 2, 32); return;
     case GG_Q4_0:
     case GG_Q4_1:
     case GG_IQ4_NL:
-    case GG_MXFP4: {
-        const int64_t bytes = gg_block_bytes(t);
-        const uint8_t *b = row + k * bytes, *qs = b + bytes - 16;
-        for (int j = 0; j < 16; j++) {
-            const int lo = qs[j] & 0xF, hi = qs[j] >> 4;
-            if (t == GG_IQ4_NL) {
-                c[j] = IQ4_VALUES[lo];
-                c[j + 16] = IQ4_VALUES[hi];
-            } else if (t == GG_MXFP4) {
-                c[j] = FP4_VALUES[lo];
-                c[j + 16] = FP4_VALUES[hi];
-            } else {
-                c[j] = (int8_t)(t == GG_Q4_0 ? lo - 8 : lo);
-                c[j + 16] = (int8_t)(t == GG_Q4_0 ? hi - 8 : hi);
-            }
+    case GG_MXFP4:
+    case GG_IQ4_XS: {
+        const uint8_t *qs = t == GG_IQ4_XS ? b + 8 + j * 16 : b + gg_block_bytes(t) - 16;
+        const int8_t *tab = t == GG_MXFP4 ? FP4_VALUES : IQ4_VALUES;
+        for (int l = 0; l < 16; l++) {
+            const int lo = qs[l] & 0xF, hi = qs[l] >> 4;
+            const int lut = t == GG_IQ4_NL || t == GG_MXFP4 || t == GG_IQ4_XS;
+            c[l] = (int8_t)(lut ? tab[lo] : t == GG_Q4_0 ? lo - 8 : lo);
+            c[l + 16] = (int8_t)(lut ? tab[hi] : t == GG_Q4_0 ? hi - 8 : hi);
         }
-        if (t == GG_MXFP4) { /* half of 2^(e - 127), the codes being twice the e2m1 values */
-            const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
-            float f;
-            memcpy(&f, &bits, 4);
-            s[0] = s[1] = f;
-        } else {
-            s[0] = s[1] = half(b);
-        }
-        if (t == GG_Q4_1) *o = half(b + 2);
         return;
     }
     case GG_Q5_0:
     case GG_Q5_1: {
         const int64_t bytes = gg_block_bytes(t);
-        const uint8_t *b = row + k * bytes, *qh = b + bytes - 20, *qs = b + bytes - 16;
+        const uint8_t *qh = b + bytes - 20, *qs = b + bytes - 16;
         uint32_t h;
         memcpy(&h, qh, 4);
         const int off = t == GG_Q5_0 ? 16 : 0;
-        for (int j = 0; j < 16; j++) {
-            c[j] = (int8_t)(((qs[j] & 0xF) | (((h >> j) & 1) << 4)) - off);
-            c[j + 16] = (int8_t)(((qs[j] >> 4) | (((h >> (j + 16)) & 1) << 4)) - off);
+        for (int l = 0; l < 16; l++) {
+            c[l] = (int8_t)(((qs[l] & 0xF) | (((h >> l) & 1) << 4)) - off);
+            c[l + 16] = (int8_t)(((qs[l] >> 4) | (((h >> (l + 16)) & 1) << 4)) - off);
         }
-        s[0] = s[1] = half(b);
-        if (t == GG_Q5_1) *o = half(b + 2);
         return;
     }
     case GG_Q4_K:
     case GG_Q5_K: {
-        const int64_t bytes = gg_block_bytes(t);
-        const uint8_t *b = row + (k / 8) * bytes, *scales = b + 4;
-        const int j = (int)(k % 8);
-        int sc, m;
-        k_scale_min(j, scales, &sc, &m);
-        const float d = half(b), dmin = half(b + 2);
-        s[0] = s[1] = d * (float)sc;
-        *o = -dmin * (float)m;
         const uint8_t *qs = b + (t == GG_Q4_K ? 16 : 48) + (j / 2) * 32;
         const int shift = (j % 2) * 4;
-        if (t == GG_Q4_K) {
-            for (int l = 0; l < 32; l++) c[l] = (int8_t)((qs[l] >> shift) & 0xF);
-        } else {
-            const uint8_t *qh = b + 16;
-            for (int l = 0; l < 32; l++) c[l] = (int8_t)(((qs[l] >> shift) & 0xF) | (((qh[l] >> j) & 1) << 4));
-        }
+        for (int l = 0; l < 32; l++)
+            c[l] = (int8_t)(((qs[l] >> shift) & 0xF) | (t == GG_Q5_K ? ((b[16 + l] >> j) & 1) << 4 : 0));
         return;
     }
     case GG_Q6_K: {
-        const uint8_t *b = row + (k / 8) * 210, *ql = b, *qh = b + 128;
-        const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = half(b + 208);
-        const int j = (int)(k % 8), n = j / 4, part = j % 4; /* 128-weight half n, its quarter part */
-        const uint8_t *l0 = ql + 64 * n + (part % 2) * 32, *h0 = qh + 32 * n;
+        const int n = j / 4, part = j % 4; /* 128-weight half n, its quarter part */
+        const uint8_t *l0 = b + 64 * n + (part % 2) * 32, *h0 = b + 128 + 32 * n;
         const int lshift = (part / 2) * 4, hshift = part * 2;
         for (int l = 0; l < 32; l++) c[l] = (int8_t)((((l0[l] >> lshift) & 0xF) | (((h0[l] >> hshift) & 3) << 4)) - 32);
-        s[0] = d * (float)sc[8 * n + 2 * part];
-        s[1] = d * (float)sc[8 * n + 2 * part + 1];
-        return;
-    }
-    case GG_IQ4_XS: {
-        const uint8_t *b = row + (k / 8) * 136;
-        const int j = (int)(k % 8);
-        uint16_t sh;
-        memcpy(&sh, b + 2, 2);
-        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
-        s[0] = s[1] = half(b) * (float)(ls - 32);
-        const uint8_t *qs = b + 8 + j * 16;
-        for (int l = 0; l < 16; l++) {
-            c[l] = IQ4_VALUES[qs[l] & 0xF];
-            c[l + 16] = IQ4_VALUES[qs[l] >> 4];
-        }
         return;
     }
     default: memset(c, 0, 32); s[0] = s[1] = 0.0f;
@@ -189,62 +184,36 @@ static inline __m256i fifth_bits(const uint8_t *b) {
 
 /* `decode32` with vectors: block k's 32 codes in *c */
 static inline void decode32_v(int64_t t, const uint8_t *row, int64_t k, __m256i *c, float *s, float *o) {
-    *o = 0.0f;
+    const uint8_t *b = block_of(t, row, k);
+    const int j = (int)(k % 8);
+    block_scales(t, row, k, s, o);
     switch (t) {
-    case GG_Q8_0: {
-        const uint8_t *b = row + k * 34;
-        s[0] = s[1] = half(b);
-        *c = _mm256_loadu_si256((const __m256i *)(b + 2));
-        return;
-    }
+    case GG_Q8_0: *c = _mm256_loadu_si256((const __m256i *)(b + 2)); return;
     case GG_Q4_0:
-    case GG_Q4_1:
-    case GG_IQ4_NL: {
-        const int64_t bytes = gg_block_bytes(t);
-        const uint8_t *b = row + k * bytes;
-        const __m256i n = nibbles16(b + bytes - 16);
-        if (t == GG_IQ4_NL) {
-            const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
-            *c = _mm256_shuffle_epi8(tab, n);
-        } else {
-            *c = t == GG_Q4_0 ? _mm256_sub_epi8(n, _mm256_set1_epi8(8)) : n;
-        }
-        s[0] = s[1] = half(b);
-        if (t == GG_Q4_1) *o = half(b + 2);
+    case GG_Q4_1: {
+        const __m256i n = nibbles16(b + gg_block_bytes(t) - 16);
+        *c = t == GG_Q4_0 ? _mm256_sub_epi8(n, _mm256_set1_epi8(8)) : n;
         return;
     }
-    case GG_MXFP4: {
-        const uint8_t *b = row + k * 17;
-        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)FP4_VALUES));
-        *c = _mm256_shuffle_epi8(tab, nibbles16(b + 1));
-        const uint32_t bits = b[0] < 2 ? 0x00200000u << b[0] : (uint32_t)(b[0] - 1) << 23;
-        float f;
-        memcpy(&f, &bits, 4);
-        s[0] = s[1] = f;
+    case GG_IQ4_NL:
+    case GG_MXFP4:
+    case GG_IQ4_XS: {
+        const __m256i tab = _mm256_broadcastsi128_si256(
+            _mm_loadu_si128((const __m128i *)(t == GG_MXFP4 ? FP4_VALUES : IQ4_VALUES)));
+        *c = _mm256_shuffle_epi8(tab, nibbles16(t == GG_IQ4_XS ? b + 8 + j * 16 : b + gg_block_bytes(t) - 16));
         return;
     }
     case GG_Q5_0:
     case GG_Q5_1: {
         const int64_t bytes = gg_block_bytes(t);
-        const uint8_t *b = row + k * bytes;
-        __m256i v = _mm256_or_si256(nibbles16(b + bytes - 16), fifth_bits(b + bytes - 20));
+        const __m256i v = _mm256_or_si256(nibbles16(b + bytes - 16), fifth_bits(b + bytes - 20));
         *c = t == GG_Q5_0 ? _mm256_sub_epi8(v, _mm256_set1_epi8(16)) : v;
-        s[0] = s[1] = half(b);
-        if (t == GG_Q5_1) *o = half(b + 2);
         return;
     }
     case GG_Q4_K:
     case GG_Q5_K: {
-        const int64_t bytes = gg_block_bytes(t);
-        const uint8_t *b = row + (k / 8) * bytes;
-        const int j = (int)(k % 8);
-        int sc, m;
-        k_scale_min(j, b + 4, &sc, &m);
-        s[0] = s[1] = half(b) * (float)sc;
-        *o = -half(b + 2) * (float)m;
         const __m256i q = _mm256_loadu_si256((const __m256i *)(b + (t == GG_Q4_K ? 16 : 48) + (j / 2) * 32));
-        const __m256i lo4 = _mm256_set1_epi8(0x0F);
-        __m256i v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, lo4);
+        __m256i v = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(q, 4) : q, _mm256_set1_epi8(0x0F));
         if (t == GG_Q5_K) {
             const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 16));
             v = _mm256_or_si256(v, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(h, j), _mm256_set1_epi8(1)), 4));
@@ -253,28 +222,12 @@ static inline void decode32_v(int64_t t, const uint8_t *row, int64_t k, __m256i 
         return;
     }
     case GG_Q6_K: {
-        const uint8_t *b = row + (k / 8) * 210;
-        const int j = (int)(k % 8), n = j / 4, part = j % 4;
+        const int n = j / 4, part = j % 4;
         const __m256i l = _mm256_loadu_si256((const __m256i *)(b + 64 * n + (part % 2) * 32));
         const __m256i h = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
         const __m256i lo = _mm256_and_si256(part / 2 ? _mm256_srli_epi16(l, 4) : l, _mm256_set1_epi8(0x0F));
         const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(h, 2 * part), _mm256_set1_epi8(3));
         *c = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16(hi, 4)), _mm256_set1_epi8(32));
-        const int8_t *sc = (const int8_t *)(b + 192);
-        const float d = half(b + 208);
-        s[0] = d * (float)sc[8 * n + 2 * part];
-        s[1] = d * (float)sc[8 * n + 2 * part + 1];
-        return;
-    }
-    case GG_IQ4_XS: {
-        const uint8_t *b = row + (k / 8) * 136;
-        const int j = (int)(k % 8);
-        uint16_t sh;
-        memcpy(&sh, b + 2, 2);
-        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
-        s[0] = s[1] = half(b) * (float)(ls - 32);
-        const __m256i tab = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)IQ4_VALUES));
-        *c = _mm256_shuffle_epi8(tab, nibbles16(b + 8 + j * 16));
         return;
     }
     default: *c = _mm256_setzero_si256(); s[0] = s[1] = 0.0f;

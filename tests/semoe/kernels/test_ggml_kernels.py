@@ -24,18 +24,27 @@ pytestmark = needs_kernels
 TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", "MXFP4")
 
 
-def ggml_product(name: str, w: np.ndarray, O: int, I: int, x: torch.Tensor) -> torch.Tensor:
+def _builds() -> dict[str, str]:
+    """Every installed build this CPU runs (portable, avx2, avx512-vnni: each its own decoders)."""
+    from semoe.kernels import variants
+
+    have = loader.installed()
+    return {v.name: have[v.name] for v in variants.runnable(variants.cpu_flags()) if v.name in have}
+
+
+def ggml_product(name: str, w: np.ndarray, O: int, I: int, x: torch.Tensor, lib=None) -> torch.Tensor:
     import gguf
 
     lin = loader.Lin(loader.W_GGML, O, I, int(gguf.GGMLQuantizationType[name]), w.ctypes.data, None, None)
     y = torch.empty(x.shape[0], O)
-    assert loader.library().lin_rows(ctypes.byref(lin), x.data_ptr(), x.shape[0], y.data_ptr(), 2) == 0
+    assert (lib or loader.library()).lin_rows(ctypes.byref(lin), x.data_ptr(), x.shape[0], y.data_ptr(), 2) == 0
     return y
 
 
+@pytest.mark.parametrize("build", sorted(_builds()))
 @pytest.mark.parametrize("name", TYPES)
 @pytest.mark.parametrize("O,I,M", [(37, 512, 1), (64, 256, 3), (5, 768, 9)])
-def test_products_on_blocks_equal_the_dequantized_weight_times_x(name, O, I, M):
+def test_products_on_blocks_equal_the_dequantized_weight_times_x(build, name, O, I, M):
     import gguf
 
     rng = np.random.default_rng(hash((name, O, I, M)) % 2**32)
@@ -43,7 +52,7 @@ def test_products_on_blocks_equal_the_dequantized_weight_times_x(name, O, I, M):
     W = torch.from_numpy(gguf.quants.dequantize(w, gguf.GGMLQuantizationType[name]).astype(np.float64))
     assert W.shape == (O, I)
     x = torch.randn(M, I, generator=torch.Generator().manual_seed(O + I + M))
-    y = ggml_product(name, w, O, I, x).double()
+    y = ggml_product(name, w, O, I, x, loader.load(_builds()[build])).double()
     seen = torch_ops.activations_as_seen(x).double() @ W.T
     plain = x.double() @ W.T
     assert float((y - seen).abs().max() / seen.abs().max()) < 2e-5
