@@ -468,10 +468,46 @@ def _kv_b(out: _Layout, k_b: str, v_b: str, hf: str) -> None:
             lambda k, v: np.concatenate([k.swapaxes(1, 2), v], axis=1).reshape(heads * (nope + dv), lat))
 
 
+def _fp4_blocks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """GGUF's MXFP4 rows (..., G 17-byte blocks: an e8m0 exponent, then element j in the low nibble of byte j
+    and element j + 16 in its high one) as gpt-oss's checkpoint holds them: blocks (..., G, 16), element 2i in
+    the low nibble of byte i and 2i + 1 in its high one, and the exponents (..., G). The same codes and scales."""
+    b = rows.reshape(*rows.shape[:-1], -1, 17)
+    q = b[..., 1:]
+    vals = np.concatenate([q & 0x0F, q >> 4], axis=-1)  # (..., G, 32) e2m1 codes in order
+    return (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8), np.ascontiguousarray(b[..., 0])
+
+
+def _gpt_oss_mxfp4(out: _Layout, h: str, name: str, parts: list[str]) -> None:
+    """gpt-oss's experts kept as MXFP4 (semoe's `mxfp4`, as the checkpoint ships them) from GGUF's MXFP4 rows:
+    `name`_blocks and `name`_scales, (E, O, G, 16) and (E, O, G), gate_up's rows interleaving gate and up."""
+    src = out.src
+    E, O, I = src.shape(parts[0])
+    O *= len(parts)
+    for n in parts:
+        out.used.add(n)
+
+    def rows(i0: int, i1: int) -> np.ndarray:  # (experts, O, bytes of a row), gate and up interleaved
+        r = [np.asarray(src.tensors[n][0].data[i0:i1]) for n in parts]
+        return r[0] if len(r) == 1 else np.stack(r, axis=2).reshape(i1 - i0, O, -1)
+
+    blocks, scales = f"{h}mlp.experts.{name}_blocks", f"{h}mlp.experts.{name}_scales"
+    out.refs[blocks] = GGUFRef(name=blocks, dtype="U8", shape=(E, O, I // 32, 16), path=src.path,
+                               start=src.offset(parts[0]), make=lambda i0, i1: _fp4_blocks(rows(i0, i1))[0], stacked=True)
+    out.refs[scales] = GGUFRef(name=scales, dtype="U8", shape=(E, O, I // 32), path=src.path,
+                               start=src.offset(parts[0]) + 1, make=lambda i0, i1: _fp4_blocks(rows(i0, i1))[1],
+                               stacked=True)
+    out.quant[blocks] = QuantSpec(scheme="mxfp4", dtype="BF16", shape=(I, O), scales=scales, transposed=True).to_json()
+    out.quant[scales] = {"scales_of": blocks}
+
+
 def _gpt_oss_experts(out: _Layout, b: str, h: str, suffix: str) -> None:
     """gpt-oss's gate_up_proj (E, D, 2F) (its bias (E, 2F)): gate j and up j at 2j and 2j + 1."""
     gate, up = b + f"ffn_gate_exps.{suffix}", b + f"ffn_up_exps.{suffix}"
     shape = out.src.shape(gate)  # (E, F, D), or (E, F) for the bias
+    if suffix == "weight" and out.to is None and {out.src.kind(gate), out.src.kind(up)} == {"MXFP4"}:
+        _gpt_oss_mxfp4(out, h, "gate_up_proj", [gate, up])
+        return
 
     def fuse(g: np.ndarray, u: np.ndarray) -> np.ndarray:
         both = np.stack([g, u], axis=2).reshape(g.shape[0], 2 * g.shape[1], *g.shape[2:])  # (E, 2F, ...)
@@ -484,6 +520,9 @@ def _gpt_oss_experts(out: _Layout, b: str, h: str, suffix: str) -> None:
 
 def _gpt_oss_down(out: _Layout, g: str, h: str, suffix: str) -> None:
     shape = out.src.shape(g)  # (E, D, F), or (E, D) for the bias
+    if suffix == "weight" and out.to is None and out.src.kind(g) == "MXFP4":
+        _gpt_oss_mxfp4(out, h, "down_proj", [g])
+        return
     if suffix == "weight":
         out.add(h + "mlp.experts.down_proj", [g], (shape[0], shape[2], shape[1]), lambda a: a.swapaxes(1, 2),
                 stacked=True)
@@ -571,7 +610,7 @@ def open_gguf(path: str, *, dtype: str = "keep", check: Callable[[dict], None] |
     to = cast_dtype(dtype)
     layout = _tensors(src, config, layers, dtype_name(to) if to is not None else None)
     refs = layout.refs
-    kept = sorted({q["ggml_type"] for q in layout.quant.values()})
+    kept = sorted({q.get("ggml_type") or "MXFP4" for q in layout.quant.values() if "scheme" in q})
     wide = sorted(layout.widened)
     if (kept or wide) and _say_once(path, "decoded"):
         said = [f"{', '.join(kept)} weights kept as their blocks (the kernels compute on them)"] if kept else []

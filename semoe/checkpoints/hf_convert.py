@@ -228,7 +228,7 @@ def _gguf_checkpoint(path: str, dtype: str) -> Checkpoint:
     g = open_gguf(path, dtype=dtype, check=lambda config: check_supported(config, path))
     ck = Checkpoint(path=path, config=g.config, tensors=g.tensors, file_metadata={HF_FILE: {"format": "pt"}},
                     side_files=[], side_data=g.side_data, skipped=g.skipped, quant=g.quant, source=g.source,
-                    quantization={"format": "gguf", "source": "checkpoint", "tensors": len(g.quant)} if g.quant else None)
+                    quantization={"format": "gguf", "source": "checkpoint", "tensors": sum("scheme" in q for q in g.quant.values())} if g.quant else None)
     classify(ck)
     return ck
 
