@@ -344,3 +344,45 @@ def test_gpt_oss_mxfp4_experts_are_kept_as_its_checkpoints_mxfp4(tmp_path):
         free = lean.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
     assert free.tokens == plain.tokens
     np.testing.assert_allclose(free.logprobs, plain.logprobs, rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow  # starts a server process
+def test_serve_takes_a_gguf_file_and_answers_as_generate_does(tmp_path):
+    """`semoe serve --model FILE.gguf`: imported into the cache on first use, served from its blocks; a greedy
+    completion's tokens are those `semoe generate` gives on the same file."""
+    import json
+    import re
+    import signal
+    import urllib.request
+
+    hf = _checkpoint("qwen3_moe", tmp_path, **dict(WIDE, moe_intermediate_size=256))
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf", qtype="Q4_K")
+    env = child_env(SEMOE_CACHE_DIR=str(tmp_path / "cache"))
+    gen = subprocess.run([sys.executable, "-m", "tools.cli", "generate", "--model", str(gguf_file), "--prompt-ids",
+                          "1,5,9,33", "--max-new-tokens", "8", "--ignore-eos", "--json"],
+                         capture_output=True, text=True, env=env, cwd=ROOT)
+    assert gen.returncode == 0, gen.stderr
+    want = json.loads(gen.stdout)["tokens"]
+    proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--model", str(gguf_file), "--port", "0"],
+                            stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+    try:
+        lines = []
+        while not lines or "serving" not in lines[-1]:
+            line = proc.stderr.readline()
+            assert line, f"semoe serve exited {proc.wait()}: {''.join(lines)}"
+            lines.append(line)
+        assert any("imported from it on first use" in line for line in lines)
+        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", lines[-1]).group(1))
+        body = json.dumps({"prompt": [1, 5, 9, 33], "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=120) as r:
+            out = json.loads(r.read())
+        assert out["choices"][0]["token_ids"] == want
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
