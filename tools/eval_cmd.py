@@ -38,7 +38,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_device_flags(p)
     p.add_argument("--json", action="store_true",
                    help='print {"model", "reference", "tokens", "mean_nll", "perplexity", "kl_divergence", '
-                        '"top_token_agreement", "seq_len", "windows"} on stdout')
+                        '"kl_median", "kl_p99", "kl_p99_9", "top_token_agreement", "seq_len", "windows"} on stdout')
     add_routing_trace_flag(p)
     add_budget_flags(p)
     p.set_defaults(handler=run)
@@ -123,7 +123,9 @@ def run(args: argparse.Namespace) -> int:
             e.close()
     out = {"model": args.model, "reference": args.reference, "tokens": result.tokens, "mean_nll": result.mean_nll,
            "perplexity": result.perplexity, "kl_divergence": result.kl_divergence,
-           "top_token_agreement": result.top_token_agreement, "seq_len": result.seq_len, "windows": result.windows}
+           "top_token_agreement": result.top_token_agreement, "seq_len": result.seq_len, "windows": result.windows,
+           "kl_median": result.kl_quantile(0.5), "kl_p99": result.kl_quantile(0.99),
+           "kl_p99_9": result.kl_quantile(0.999)}
     if args.json:
         emit_json(out)
         return 0
@@ -132,6 +134,8 @@ def run(args: argparse.Namespace) -> int:
     print(f"perplexity  {result.perplexity:.4f}")
     if args.reference is not None:
         print(f"KL(reference || model)  {result.kl_divergence:.6f} nats per token  (reference {args.reference})")
+        print(f"KL per token: median {result.kl_quantile(0.5):.6f}, 99th percentile {result.kl_quantile(0.99):.6f}, "
+              f"99.9th {result.kl_quantile(0.999):.6f}")
         print(f"top-token agreement     {100 * result.top_token_agreement:.2f}%")
     where = "offloaded" if config.offloaded else "resident"
     print(f"[{where} on {config.device}]", file=sys.stderr)

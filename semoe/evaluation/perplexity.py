@@ -18,8 +18,9 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from semoe.model.moe_gpt import MoEGPT
@@ -53,6 +54,7 @@ class EvalResult:
     nll_sum: float  # nats
     kl_sum: float | None = None  # nats; None without a reference
     agree: int | None = None  # positions whose argmax token matches the reference's
+    kl_tokens: list[float] = field(default_factory=list)  # each position's KL, nats (its tail: `kl_quantile`)
 
     @property
     def mean_nll(self) -> float:
@@ -71,6 +73,13 @@ class EvalResult:
     def kl_divergence(self) -> float | None:
         """Mean KL(reference || model) per position, in nats (llama.cpp's KLD); None without a reference."""
         return None if self.kl_sum is None else self.kl_sum / self.tokens
+
+    def kl_quantile(self, q: float) -> float | None:
+        """The q-quantile (0..1) of the positions' KL(reference || model), in nats (llama.cpp reports the
+        median, 99th and 99.9th percentiles); None without a reference."""
+        if self.kl_sum is None or not self.kl_tokens:
+            return None
+        return float(np.quantile(np.asarray(self.kl_tokens, dtype=np.float64), q))
 
     @property
     def top_token_agreement(self) -> float | None:
@@ -148,7 +157,7 @@ def evaluate(ids_N: torch.Tensor, logits_fn: LogitsFn, *, config: EvalConfig, re
     bounds = window_bounds(len(ids_N), config.seq_len, config.max_tokens)
     if not bounds:
         raise ValueError(f"need at least 2 tokens to score one, got {len(ids_N)}")
-    nll_sum, kl_sum, agree = 0.0, 0.0, 0
+    nll_sum, kl_sum, agree, kl_tokens = 0.0, 0.0, 0, []
     for start, stop in bounds:
         inputs_1T = ids_N[start:stop][None]
         targets_T = ids_N[start + 1:stop + 1]
@@ -160,13 +169,15 @@ def evaluate(ids_N: torch.Tensor, logits_fn: LogitsFn, *, config: EvalConfig, re
             if ref_TV.shape != logits_TV.shape:
                 raise ValueError(f"reference logits {tuple(ref_TV.shape)} do not match the model's "
                                  f"{tuple(logits_TV.shape)}")
-            kl_sum += kl_divergence(ref_TV, logits_TV).double().sum().item()
+            kl_T = kl_divergence(ref_TV, logits_TV).double()
+            kl_sum += kl_T.sum().item()
+            kl_tokens += kl_T.cpu().tolist()
             agree += int(top_token_agreement(ref_TV, logits_TV).sum())
         if on_window is not None:
             on_window(stop - start)
     tokens = bounds[-1][1]
     result = EvalResult(tokens=tokens, windows=len(bounds), seq_len=config.seq_len, nll_sum=nll_sum,
                         kl_sum=kl_sum if reference_fn is not None else None,
-                        agree=agree if reference_fn is not None else None)
+                        agree=agree if reference_fn is not None else None, kl_tokens=kl_tokens)
     log.info("evaluated %d tokens in %d windows: mean NLL %.4f", tokens, len(bounds), result.mean_nll)
     return result

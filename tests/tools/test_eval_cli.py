@@ -52,14 +52,14 @@ def test_eval_json_is_finite_and_the_same_model_as_reference_agrees(capsys, stor
     out = eval_json(capsys, "--model", store, "--data", text, "--seq-len", "32", "--max-tokens", "200",
                     "--reference", store)
     assert sorted(out) == sorted(["model", "reference", "tokens", "mean_nll", "perplexity", "kl_divergence",
-                                  "top_token_agreement", "seq_len", "windows"])
+                                  "kl_median", "kl_p99", "kl_p99_9", "top_token_agreement", "seq_len", "windows"])
     assert (out["tokens"], out["windows"], out["seq_len"]) == (200, 7, 32)
     assert math.isfinite(out["mean_nll"]) and out["mean_nll"] > 0
     assert out["perplexity"] == pytest.approx(math.exp(out["mean_nll"]))
-    assert abs(out["kl_divergence"]) < 1e-6 and out["top_token_agreement"] == 1.0
+    assert abs(out["kl_divergence"]) < 1e-6 and out["top_token_agreement"] == 1.0 and abs(out["kl_p99_9"]) < 1e-6
     alone = eval_json(capsys, "--model", store, "--data", text, "--seq-len", "32", "--max-tokens", "200")
     assert alone["mean_nll"] == out["mean_nll"]
-    assert alone["kl_divergence"] is None and alone["top_token_agreement"] is None
+    assert alone["kl_divergence"] is None and alone["top_token_agreement"] is None and alone["kl_p99_9"] is None
 
 
 def test_eval_text_output_and_the_default_validation_text(capsys, store):

@@ -82,6 +82,10 @@ def test_against_a_reference():
     want_agree = (other_VV[ids_N[:32]].argmax(-1) == table_VV[ids_N[:32]].argmax(-1)).float().mean().item()
     assert diff.kl_divergence == pytest.approx(want_kl, rel=1e-5) and diff.kl_divergence > 0
     assert diff.top_token_agreement == pytest.approx(want_agree)
+    per_token = kl_divergence(other_VV[ids_N[:32]], table_VV[ids_N[:32]]).double()
+    for q in (0.5, 0.99, 0.999):  # the tail llama.cpp reports, over every scored position
+        assert diff.kl_quantile(q) == pytest.approx(torch.quantile(per_token, q).item(), rel=1e-5)
+    assert same.kl_quantile(0.999) < 1e-6 and diff.kl_quantile(0.999) > diff.kl_quantile(0.5)
 
 
 def test_gather_tokens_puts_eos_after_each_non_empty_document_and_stops_at_the_limit():
