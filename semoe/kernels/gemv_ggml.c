@@ -267,11 +267,11 @@ static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int
     if (t != GG_Q4_K && t != GG_Q6_K && t != GG_Q8_0) return 0;
     const int64_t ip = a->Ip, nd = a->Ip / QB;
     __m512 acc[ROWS][MX];
-    __m256 off[ROWS][MX];
+    __m256 off[ROWS][MX], acc8[ROWS][MX];
     for (int r = 0; r < ROWS; r++)
         for (int m = 0; m < MX; m++) {
             acc[r][m] = _mm512_setzero_ps();
-            off[r][m] = _mm256_setzero_ps();
+            off[r][m] = acc8[r][m] = _mm256_setzero_ps();
         }
     if (t == GG_Q8_0) {
         const int64_t nb = I / QB;
@@ -282,8 +282,8 @@ static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int
             for (int64_t m = 0; m < mn; m++) x[m] = _mm512_maskz_loadu_epi8(keep, a->q + (m0 + m) * ip + k * QB);
             for (int64_t r = 0; r < nr; r++) {
                 const uint8_t *b0 = w + (r0 + r) * rb + k * 34, *b1 = two ? b0 + 34 : b0;
-                _mm_prefetch((const char *)b0 + PREFETCH, _MM_HINT_T0);
-                _mm_prefetch((const char *)b0 + PREFETCH + 64, _MM_HINT_T0);
+                _mm_prefetch((const char *)b0 + ROWS * rb, _MM_HINT_T0);
+                _mm_prefetch((const char *)b0 + ROWS * rb + 64, _MM_HINT_T0);
                 const __m512i c = _mm512_maskz_mov_epi8(keep, _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
                     _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1));
@@ -299,37 +299,41 @@ static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int
                 }
             }
         }
-    } else if (t == GG_Q4_K) {
-        const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    } else if (t == GG_Q4_K) { /* 256 bits a sub-block: its scale a broadcast, no lane shuffles */
+        const __m256i lo4 = _mm256_set1_epi8(0x0F);
         for (int64_t sb = 0; sb < I / 256; sb++) {
             __m256 ps[ROWS], pm[ROWS];
             for (int64_t r = 0; r < nr; r++) {
                 const uint8_t *b = w + (r0 + r) * rb + sb * 144;
-                for (int l = 0; l < 144 + 63; l += 64) _mm_prefetch((const char *)b + PREFETCH + l, _MM_HINT_T0);
+                for (int l = 0; l < 144 + 63; l += 64) _mm_prefetch((const char *)b + ROWS * rb + l, _MM_HINT_T0);
                 uint64_t sc, mn8;
                 k_scales8(b + 4, &sc, &mn8);
                 ps[r] = _mm256_mul_ps(_mm256_set1_ps(half(b)), bytes8_ps(sc));
                 pm[r] = _mm256_mul_ps(_mm256_set1_ps(half(b + 2)), bytes8_ps(mn8));
             }
-            __m512 p[ROWS][MX];
+            float pf[ROWS][MX][8];
             for (int64_t m = 0; m < mn; m++) {
                 const __m256 d8 = _mm256_loadu_ps(a->d + (m0 + m) * nd + sb * 8);
                 const __m256 x8 = _mm256_loadu_ps(a->xsum + (m0 + m) * a->groups + sb * 8);
                 for (int64_t r = 0; r < nr; r++) {
-                    p[r][m] = _mm512_castps256_ps512(_mm256_mul_ps(ps[r], d8));
+                    _mm256_storeu_ps(pf[r][m], _mm256_mul_ps(ps[r], d8));
                     off[r][m] = _mm256_fnmadd_ps(pm[r], x8, off[r][m]);
                 }
             }
             for (int i = 0; i < 4; i++) {
-                __m512i x[MX];
-                for (int64_t m = 0; m < mn; m++) x[m] = _mm512_loadu_si512((const void *)(a->q + (m0 + m) * ip + sb * 256 + 64 * i));
-                const __m512i ix = idx16(2 * i, 2 * i, 2 * i + 1, 2 * i + 1);
+                __m256i x0[MX], x1[MX];
+                for (int64_t m = 0; m < mn; m++) {
+                    x0[m] = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + m) * ip + sb * 256 + 64 * i));
+                    x1[m] = _mm256_loadu_si256((const __m256i *)(a->q + (m0 + m) * ip + sb * 256 + 64 * i + 32));
+                }
                 for (int64_t r = 0; r < nr; r++) {
                     const __m256i q = _mm256_loadu_si256((const __m256i *)(w + (r0 + r) * rb + sb * 144 + 16 + 32 * i));
-                    const __m512i c = _mm512_and_si512(_mm512_inserti64x4(_mm512_castsi256_si512(q), _mm256_srli_epi16(q, 4), 1), lo4);
+                    const __m256i lo = _mm256_and_si256(q, lo4), hi = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
                     for (int64_t m = 0; m < mn; m++) {
-                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), c, x[m]);
-                        acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(ix, p[r][m]), acc[r][m]);
+                        const __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, x0[m]);
+                        const __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), hi, x1[m]);
+                        acc8[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(pf[r][m][2 * i]), acc8[r][m]);
+                        acc8[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(pf[r][m][2 * i + 1]), acc8[r][m]);
                     }
                 }
             }
@@ -343,7 +347,7 @@ static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int
             __m512 p[ROWS][MX];
             for (int64_t r = 0; r < nr; r++) {
                 const uint8_t *b = w + (r0 + r) * rb + sb * 210;
-                for (int l = 0; l < 210 + 63; l += 64) _mm_prefetch((const char *)b + PREFETCH + l, _MM_HINT_T0);
+                for (int l = 0; l < 210 + 63; l += 64) _mm_prefetch((const char *)b + ROWS * rb + l, _MM_HINT_T0);
                 const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
                                                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
                 for (int64_t m = 0; m < mn; m++)
@@ -375,7 +379,8 @@ static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int
         }
     }
     for (int64_t r = 0; r < nr; r++)
-        for (int64_t m = 0; m < mn; m++) out[r][m] = _mm512_reduce_add_ps(acc[r][m]) + hsum8(off[r][m]);
+        for (int64_t m = 0; m < mn; m++)
+            out[r][m] = _mm512_reduce_add_ps(acc[r][m]) + hsum8(acc8[r][m]) + hsum8(off[r][m]);
     return 1;
 }
 #endif
