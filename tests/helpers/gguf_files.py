@@ -1,8 +1,8 @@
 """GGUF files of tiny HuggingFace checkpoints, written with the `gguf` package in the exporter's layout
 (`semoe.checkpoints.gguf_export`: llama.cpp's converter's names from the package's own `TensorNameMap`,
 experts stacked per layer, Mixtral's query and key rows permuted, DeepSeek's kv_b split into k_b and v_b,
-gpt-oss's gate and up separated; that layout was checked against llama.cpp's own converter, tensor by
-tensor, with bench/bench_gguf.py --check-layout), and a byte-level BPE tokenizer the file carries."""
+gpt-oss's gate and up separated; that layout was checked against llama.cpp's own converter in the bench
+environment: docs/benchmarks.md, "GGUF files"), and a byte-level BPE tokenizer the file carries."""
 
 from __future__ import annotations
 
