@@ -54,7 +54,7 @@ def _permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def plan(model_type: str, cfg: dict, names: list[str], raw: set[str] = frozenset()) -> list[OutTensor]:
     """The file's tensors made from the HuggingFace tensors `names` of a `model_type` checkpoint; `raw`: the
-    expert tensors kept as GGUF blocks (stacked as they are)."""
+    tensors kept as GGUF blocks (stacked, or their rows reordered, as they are)."""
     import gguf
 
     if model_type not in ARCHS:
@@ -80,7 +80,7 @@ def plan(model_type: str, cfg: dict, names: list[str], raw: set[str] = frozenset
             experts.setdefault((m.group(1), m.group(3)), {})[int(m.group(2))] = hf
         elif model_type == "mixtral" and re.search(r"self_attn\.[qk]_proj\.weight$", hf):
             heads = cfg["num_attention_heads"] if ".q_proj" in hf else cfg["num_key_value_heads"]
-            out.append(OutTensor(name=mapped(hf), sources=[hf], make=lambda a, h=heads: _permute(a, h)))
+            out.append(OutTensor(name=mapped(hf), sources=[hf], make=lambda a, h=heads: _permute(a, h), raw=hf in raw))
         elif model_type.startswith("deepseek") and hf.endswith("kv_b_proj.weight"):
             h, nope, dv = cfg["num_attention_heads"], cfg["qk_nope_head_dim"], cfg["v_head_dim"]
             i = _layer(hf)
@@ -108,7 +108,7 @@ def plan(model_type: str, cfg: dict, names: list[str], raw: set[str] = frozenset
         elif hf.endswith("self_attn.sinks"):
             out.append(OutTensor(name=f"blk.{_layer(hf)}.attn_sinks.weight", sources=[hf], make=lambda a: a))
         else:
-            out.append(OutTensor(name=mapped(hf), sources=[hf], make=lambda a: a))
+            out.append(OutTensor(name=mapped(hf), sources=[hf], make=lambda a: a, raw=hf in raw))
     for (prefix, role), by_e in experts.items():
         srcs = [by_e[e] for e in sorted(by_e)]
         kept = {s in raw for s in srcs}
@@ -255,9 +255,9 @@ def export_gguf(store, out_path: str, *, progress: Callable[[int], None] | None 
         return t.float().numpy()
 
     def made(o: OutTensor) -> tuple[np.ndarray, str]:
-        if o.raw:
+        if o.raw:  # rows of blocks: stacked, or their rows reordered, as they are
             spec = QuantSpec.from_json(next(t.quant for t in m.tensors if t.name == o.sources[0]))
-            return np.stack([store.read_tensor(n).numpy() for n in o.sources]), spec.ggml_type
+            return np.ascontiguousarray(o.make(*(store.read_tensor(n).numpy() for n in o.sources))), spec.ggml_type
         return _raw(o.make(*(values(n) for n in o.sources)), torch_dtype(outs[o.sources[0]].dtype))
 
     part = f"{out_path}.part"

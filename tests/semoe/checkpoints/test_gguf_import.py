@@ -294,22 +294,27 @@ def test_export_as_gguf_imports_back_to_the_same_logits(tmp_path, arch):
         export_gguf(store, str(out))
 
 
-def test_export_writes_kept_blocks_back_byte_for_byte(tmp_path):
+@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0")])
+def test_export_writes_kept_blocks_back_byte_for_byte(tmp_path, arch, qtype):
+    """Every quantized tensor kept as blocks goes back to the file as it came (Mixtral's permuted q/k rows
+    reordered twice); the token embedding, decoded at import, comes back as floats."""
     import gguf
 
     from semoe.checkpoints.gguf_export import export_gguf
 
-    hf = _checkpoint("qwen3_moe", tmp_path, **dict(WIDE, moe_intermediate_size=256))
-    src = write_gguf(hf, tmp_path / "m.gguf", qtype="Q4_K")
+    over = dict(WIDE, moe_intermediate_size=256) if arch == "qwen3_moe" else {}
+    hf = _checkpoint(arch, tmp_path, **over)
+    src = write_gguf(hf, tmp_path / "m.gguf", qtype=qtype)
     store = import_checkpoint(str(src), str(tmp_path / "kept"))
     out = tmp_path / "out.gguf"
     export_gguf(store, str(out))
     a = {t.name: t for t in gguf.GGUFReader(str(src)).tensors}
     b = {t.name: t for t in gguf.GGUFReader(str(out)).tensors}
-    exps = [n for n in a if "_exps" in n]
-    assert exps and sorted(a) == sorted(b)
-    for name in exps:
-        assert b[name].tensor_type == gguf.GGMLQuantizationType.Q4_K
+    kept = [n for n in a if a[n].tensor_type.name == qtype and n != "token_embd.weight"]
+    assert any("_exps" in n for n in kept) and sorted(a) == sorted(b)
+    assert qtype != "Q8_0" or "blk.0.attn_q.weight" in kept
+    for name in kept:
+        assert b[name].tensor_type == a[name].tensor_type
         assert np.array_equal(np.asarray(a[name].data), np.asarray(b[name].data)), name
 
 
