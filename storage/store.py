@@ -277,6 +277,7 @@ class Store(StoreReader):
             "dequantized": m.model.get("dequantized"),
             "skipped": m.model.get("skipped"),
             "mtp": m.model.get("mtp"),  # the multi-token-prediction layers kept: {"layers", "tensors", "bytes"}
+            "gguf": m.model.get("gguf"),  # imported from a GGUF file: {"format", "file", "types"}
             # compact weights: {"format", "source", "tensors", ...} as recorded, and per scheme what they take
             "quantization": m.model.get("quantization"),
             "schemes": self.schemes(),

@@ -312,10 +312,13 @@ def cmd_info(args: argparse.Namespace) -> int:
 def _import_notes(info: dict) -> list[tuple[str, str]]:
     """What the import changed or kept (dequantized or compact weights, skipped layers), as (label, text)."""
     notes = []
+    if g := info.get("gguf"):
+        notes.append(("source", f"GGUF file {g['file']} ({', '.join(g['types'])} tensors)"))
     if d := info.get("dequantized"):
         notes.append(("dequantized", f"at import from {d['format']} to {d['to']} ({d['tensors']} tensors)"))
     if q := info.get("quantization"):
-        how = "as the checkpoint ships it" if q.get("source") == "checkpoint" else "by semoe store quantize"
+        how = ("as the file ships it" if q["format"] == "gguf" else "as the checkpoint ships it") \
+            if q.get("source") == "checkpoint" else "by semoe store quantize"
         notes.append(("quantized", f"{q['format']} {how} ({q['tensors']} tensors)"))
     if s := info.get("skipped"):
         notes.append(("skipped", f"{s['reason']} {s['layers']} at import ({s['tensors']} tensors, "
