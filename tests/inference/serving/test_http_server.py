@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import re
 import signal
 import subprocess
 import sys
@@ -27,7 +26,7 @@ from inference.serving.http_server import bind_socket, create_app
 from inference.serving.incremental_text import TextAssembler
 from semoe.decode.loop import SamplingConfig
 from helpers.kernels import needs_kernels
-from helpers.procs import ROOT, child_env
+from helpers.procs import ROOT, child_env, serving_port
 
 MAX_POSITION = 128  # of the tiny checkpoints
 CHAT_TEMPLATE = ("{{ bos_token }}{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {{ eos_token }} "
@@ -1211,13 +1210,8 @@ def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, 
                              "--request-log", str(log_path)],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
-        lines = []
-        while not lines or "serving" not in lines[-1]:
-            line = proc.stderr.readline()
-            assert line, f"semoe serve exited {proc.wait()}: {''.join(lines)}"
-            lines.append(line)
+        port, lines = serving_port(proc)
         assert "offloaded on cpu" in lines[-1]
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", lines[-1]).group(1))
         assert any(tmp.glob("semoe-store-*"))  # the directory was imported into a temporary store
         status, out = post(port, "/v1/completions", {"prompt": [1, 5, 9, 14], "max_tokens": 10})
         assert status == 200 and out["choices"][0]["token_ids"] == direct(reference, [1, 5, 9, 14], 10).tokens

@@ -15,7 +15,7 @@ import pytest
 import torch
 from helpers.gguf_files import CHAT_TEMPLATE, add_bpe_tokenizer, dequantized_state, gguf_tensors, write_gguf
 from helpers.hf_models import load_safetensors_dir, make_hf_checkpoint
-from helpers.procs import ROOT, child_env
+from helpers.procs import ROOT, child_env, serving_port
 
 from semoe.checkpoints.hf_convert import import_checkpoint
 from semoe.checkpoints.model_io import load_model_tokenizer, load_store
@@ -210,7 +210,26 @@ def test_generate_takes_a_gguf_file_imported_on_first_use(tmp_path):
     assert "imported from it on first use" in err and first == again == want
 
 
-WIDE = dict(hidden_size=256, intermediate_size=256)  # rows of whole super-blocks (256) for the K-quants
+WIDE = dict(hidden_size=256, intermediate_size=256)
+
+
+def _runner_gives_the_engines_tokens(store: str) -> None:
+    """The torch-free runner's 8 greedy tokens are the engine's, log-probs within 1e-4 (the same kernels,
+    the rotary tables numpy's against torch's)."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+    from inference.torch_free.runner import LeanConfig, LeanModel
+    from semoe.decode.loop import SamplingConfig
+
+    engine = Engine.load(store, EngineConfig())
+    try:
+        plain = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
+    finally:
+        engine.close()
+    with LeanModel(store, LeanConfig(cache_bytes=None)) as lean:
+        free = lean.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
+    assert free.tokens == plain.tokens
+    np.testing.assert_allclose(free.logprobs, plain.logprobs, rtol=0, atol=1e-4)  # rows of whole super-blocks (256) for the K-quants
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q6_K"), ("deepseek_v3", "Q5_K"),
@@ -221,11 +240,6 @@ def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype,
     scale), and the plain reference kernel (dequantize, x as the kernels see it) within 1e-4; the
     torch-free runner's greedy tokens are the engine's, log-probs within 1e-4; export writes the
     package's dequantization."""
-    from inference.engine import Engine
-    from inference.engine_config import EngineConfig
-    from inference.torch_free.runner import LeanConfig, LeanModel
-    from semoe.decode.loop import SamplingConfig
-
     over = dict(WIDE, moe_intermediate_size=256) if arch not in ("mixtral", "olmoe") else dict(WIDE)
     if arch == "deepseek_v3":
         over.update(kv_lora_rank=32, q_lora_rank=64)
@@ -249,15 +263,7 @@ def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype,
     assert (got - ref).abs().max() / scale < 1e-4
     # int8 activations' error, and where it tips a router's near tie, another expert: on average small
     assert (got - want).abs().mean() / scale < 2e-2
-    engine = Engine.load(kept.root, EngineConfig())
-    try:
-        plain = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
-    finally:
-        engine.close()
-    with LeanModel(kept.root, LeanConfig(cache_bytes=None)) as lean:
-        free = lean.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
-    assert free.tokens == plain.tokens
-    np.testing.assert_allclose(free.logprobs, plain.logprobs, rtol=0, atol=1e-4)
+    _runner_gives_the_engines_tokens(kept.root)
     from semoe.checkpoints.hf_convert import export_checkpoint
     from storage.store import Store
 
@@ -323,11 +329,6 @@ def test_gpt_oss_mxfp4_experts_are_kept_as_its_checkpoints_mxfp4(tmp_path):
     gate and up interleaved), the same codes repacked: the MXFP4 kernels compute on them, the reference
     kernel within 1e-4 of the logits' scale, the file widened to float32 on average within int8
     activations' error; the torch-free runner's greedy tokens are the engine's."""
-    from inference.engine import Engine
-    from inference.engine_config import EngineConfig
-    from inference.torch_free.runner import LeanConfig, LeanModel
-    from semoe.decode.loop import SamplingConfig
-
     hf = _checkpoint("gpt_oss", tmp_path)
     gguf_file = write_gguf(hf, tmp_path / "m.gguf", qtype="MXFP4")
     kept = import_checkpoint(str(gguf_file), str(tmp_path / "kept"))
@@ -340,15 +341,7 @@ def test_gpt_oss_mxfp4_experts_are_kept_as_its_checkpoints_mxfp4(tmp_path):
         want = load_store(wide.root)(IDS).logits
     scale = want.abs().max()
     assert (got - ref).abs().max() / scale < 1e-4 and (got - want).abs().mean() / scale < 2e-2
-    engine = Engine.load(kept.root, EngineConfig())
-    try:
-        plain = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
-    finally:
-        engine.close()
-    with LeanModel(kept.root, LeanConfig(cache_bytes=None)) as lean:
-        free = lean.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
-    assert free.tokens == plain.tokens
-    np.testing.assert_allclose(free.logprobs, plain.logprobs, rtol=0, atol=1e-4)
+    _runner_gives_the_engines_tokens(kept.root)
 
 
 @pytest.mark.slow  # starts a server process
@@ -356,7 +349,6 @@ def test_serve_takes_a_gguf_file_and_answers_as_generate_does(tmp_path):
     """`semoe serve --model FILE.gguf`: imported into the cache on first use, served from its blocks; a greedy
     completion's tokens are those `semoe generate` gives on the same file."""
     import json
-    import re
     import signal
     import urllib.request
 
@@ -371,13 +363,8 @@ def test_serve_takes_a_gguf_file_and_answers_as_generate_does(tmp_path):
     proc = subprocess.Popen([sys.executable, "-m", "tools.cli", "serve", "--model", str(gguf_file), "--port", "0"],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
     try:
-        lines = []
-        while not lines or "serving" not in lines[-1]:
-            line = proc.stderr.readline()
-            assert line, f"semoe serve exited {proc.wait()}: {''.join(lines)}"
-            lines.append(line)
+        port, lines = serving_port(proc)
         assert any("imported from it on first use" in line for line in lines)
-        port = int(re.search(r"http://127\.0\.0\.1:(\d+)/v1", lines[-1]).group(1))
         body = json.dumps({"prompt": [1, 5, 9, 33], "max_tokens": 8, "temperature": 0, "ignore_eos": True}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
