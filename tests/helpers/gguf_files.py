@@ -80,18 +80,26 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
     return b.reshape(rows, -1)
 
 
-def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, *, qtype: str = "F32", split: int = 0) -> pathlib.Path:
+def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, *, qtype: str = "F32", split: int = 0,
+               whole_kv_b: bool = False) -> pathlib.Path:
     """`hf_dir` (a tiny checkpoint with `add_bpe_tokenizer`'s tokenizer) as a GGUF file at `out`: matrices of
     two or more dimensions whose rows fit `qtype`'s blocks in `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, MXFP4: what the package quantizes; K-quants and IQ4: random blocks of the type, `random_blocks`,
     not the weights), the rest float32; `split` > 0: that many tensors a file, written as
-    NAME-0000k-of-0000N.gguf beside `out` (the first's path is returned)."""
+    NAME-0000k-of-0000N.gguf beside `out` (the first's path is returned). `whole_kv_b`: DeepSeek's kv_b_proj as
+    older converters wrote it, one `attn_kv_b` as the checkpoint holds it, not split into `attn_k_b` and `attn_v_b`."""
     import gguf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
     model_type = cfg["model_type"]
     arch_name = gguf_export.ARCHS[model_type][1]
-    tensors = gguf_tensors(model_type, cfg, load_safetensors_dir(hf_dir))
+    state = load_safetensors_dir(hf_dir)
+    tensors = gguf_tensors(model_type, cfg, state)
+    if whole_kv_b:
+        for name in [n for n in state if n.endswith("self_attn.kv_b_proj.weight")]:
+            i = name.split("layers.")[1].split(".")[0]
+            del tensors[f"blk.{i}.attn_k_b.weight"], tensors[f"blk.{i}.attn_v_b.weight"]
+            tensors[f"blk.{i}.attn_kv_b.weight"] = state[name].float().numpy()
     files = {n: (hf_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
     kind = gguf.GGMLQuantizationType[qtype]
     block = gguf.GGML_QUANT_SIZES[kind][0]

@@ -54,6 +54,20 @@ def test_a_float32_gguf_gives_the_logits_of_its_huggingface_directory_exactly(tm
     assert info["source"] == "gguf" and info["gguf"]["types"] == ["F32"]
 
 
+def test_deepseeks_older_layout_with_one_kv_b_imports_the_same(tmp_path):
+    """Files from older converters hold DeepSeek's kv_b_proj whole (`attn_kv_b`), newer ones split (`attn_k_b`,
+    `attn_v_b`): both give the HuggingFace directory's logits, exactly."""
+    hf = _checkpoint("deepseek_v2", tmp_path)
+    want = _logits(import_checkpoint(str(hf), str(tmp_path / "from_hf")).root)
+    for whole in (True, False):
+        path = write_gguf(hf, tmp_path / f"m{whole}.gguf", whole_kv_b=whole)
+        import gguf
+
+        names = {t.name for t in gguf.GGUFReader(str(path)).tensors}
+        assert ("blk.0.attn_kv_b.weight" in names) == whole and ("blk.0.attn_k_b.weight" in names) != whole
+        assert torch.equal(_logits(import_checkpoint(str(path), str(tmp_path / f"s{whole}")).root), want)
+
+
 @pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "F16"), ("deepseek_v3", "BF16")])
 def test_half_precision_tensors_are_kept_as_stored(tmp_path, arch, qtype):
     """The file's halves are stored as they are ("keep"), the converter's float32 norms as float32: each
