@@ -173,6 +173,16 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor, dtype: torch.dt
     return out.view(e, r, g * 2 * b).transpose(1, 2).contiguous()
 
 
+def whole_slices(name: str, nbytes: int, lead: int, offset: int, n: int) -> tuple[int, int]:
+    """The slices [i0, i1) of a tensor's leading dimension (`lead` of them in its `nbytes`) that bytes
+    [offset, offset + n) cover: a tensor made as it is read is read in whole slices only."""
+    step = nbytes // lead
+    if offset % step or n % step or offset + n > nbytes:
+        raise ValueError(f"tensor {name}: a read of a tensor made as it is read covers whole slices of {step} bytes, "
+                         f"got bytes {offset}..{offset + n}")
+    return offset // step, (offset + n) // step
+
+
 @dataclass(kw_only=True, frozen=True)
 class DequantizedRef:
     """A tensor a checkpoint stores quantized, read as plain `dtype`: the fields and reads of a TensorRef.
@@ -203,11 +213,7 @@ class DequantizedRef:
         """Dequantize the bytes [offset, offset + nbytes) of the plain tensor into `out`."""
         n = self.nbytes - offset if nbytes is None else nbytes
         lead = self.shape[0] if len(self.shape) >= 3 else 1
-        step = self.nbytes // lead
-        if offset % step or n % step or offset + n > self.nbytes:
-            raise ValueError(f"tensor {self.name}: a dequantized read must cover whole slices of {step} bytes, "
-                             f"got bytes {offset}..{offset + n}")
-        i0, i1 = offset // step, (offset + n) // step
+        i0, i1 = whole_slices(self.name, self.nbytes, lead, offset, n)
         values, scales = (_read_rows(p, i0, i1, lead) for p in self.parts)
         to = torch_dtype(self.dtype)
         if self.scheme.method == "fp8":

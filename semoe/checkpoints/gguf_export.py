@@ -254,11 +254,23 @@ def export_gguf(store, out_path: str, *, progress: Callable[[int], None] | None 
         t = torch.from_numpy(o.data().copy()).view(torch_dtype(o.dtype)).view(o.shape)
         return t.float().numpy()
 
-    def made(o: OutTensor) -> tuple[np.ndarray, str]:
+    quant = {t.name: t.quant for t in m.tensors if t.quant}
+
+    def kind(o: OutTensor) -> str:  # the file's type of the tensor
+        if o.raw:
+            return QuantSpec.from_json(quant[o.sources[0]]).ggml_type
+        return _FLOAT_TYPES.get(torch_dtype(outs[o.sources[0]].dtype), "F32")
+
+    def made(o: OutTensor) -> np.ndarray:
         if o.raw:  # rows of blocks: stacked, or their rows reordered, as they are
-            spec = QuantSpec.from_json(next(t.quant for t in m.tensors if t.name == o.sources[0]))
-            return np.ascontiguousarray(o.make(*(store.read_tensor(n).numpy() for n in o.sources))), spec.ggml_type
-        return _raw(o.make(*(values(n) for n in o.sources)), torch_dtype(outs[o.sources[0]].dtype))
+            return np.ascontiguousarray(o.make(*(store.read_tensor(n).numpy() for n in o.sources)))
+        return _raw(o.make(*(values(n) for n in o.sources)), torch_dtype(outs[o.sources[0]].dtype))[0]
+
+    def byte_shape(o: OutTensor) -> tuple[int, ...]:  # from the sources' shapes alone: nothing read
+        if o.raw:
+            return o.make(*(np.broadcast_to(np.uint8(0), tuple(m.tensor(n).shape)) for n in o.sources)).shape
+        shape = o.make(*(np.broadcast_to(np.float32(0), tuple(outs[n].shape)) for n in o.sources)).shape
+        return (*shape[:-1], shape[-1] * (4 if kind(o) == "F32" else 2))
 
     part = f"{out_path}.part"
     w = gguf.GGUFWriter(part, ARCHS[model_type][1])
@@ -266,16 +278,15 @@ def export_gguf(store, out_path: str, *, progress: Callable[[int], None] | None 
         w.add_name(os.path.basename(os.path.normpath(store.root)))
         metadata(w, model_type, cfg)
         tokenizer(w, {f.name: store.read_file(f.name) for f in m.files}, cfg["vocab_size"])
-        for o in tensors:  # a first pass for the shapes, one tensor in memory at a time
-            data, kind = made(o)
-            w.add_tensor_info(o.name, data.shape, np.dtype(np.uint8), data.nbytes,
-                              raw_dtype=gguf.GGMLQuantizationType[kind])
-            del data
+        for o in tensors:  # the header first: each tensor's shape from its sources' shapes
+            shape = byte_shape(o)
+            w.add_tensor_info(o.name, shape, np.dtype(np.uint8), int(np.prod(shape, dtype=np.int64)),
+                              raw_dtype=gguf.GGMLQuantizationType[kind(o)])
         w.write_header_to_file()
         w.write_kv_data_to_file()
         w.write_ti_data_to_file()
-        for o in tensors:
-            data, _ = made(o)
+        for o in tensors:  # then the data, one tensor in memory at a time
+            data = made(o)
             w.write_tensor_data(data)
             if progress:
                 progress(data.nbytes)

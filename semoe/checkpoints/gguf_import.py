@@ -33,6 +33,7 @@ import numpy as np
 import torch
 
 from storage.dtypes import cast_dtype, dtype_name, torch_dtype
+from storage.dequant import whole_slices
 from storage.errors import BadInputError
 from storage.formats import GGML_KERNEL_TYPES
 from storage.gguf_parts import split_parts
@@ -67,12 +68,7 @@ class GGUFRef:
 
     def read_into(self, out: memoryview, *, offset: int = 0, nbytes: int | None = None) -> None:
         n = self.nbytes - offset if nbytes is None else nbytes
-        lead = self.shape[0] if self.stacked else 1
-        step = self.nbytes // lead
-        if offset % step or n % step or offset + n > self.nbytes:
-            raise ValueError(f"tensor {self.name}: a read of a GGUF tensor covers whole slices of {step} bytes, "
-                             f"got bytes {offset}..{offset + n}")
-        i0, i1 = offset // step, (offset + n) // step
+        i0, i1 = whole_slices(self.name, self.nbytes, self.shape[0] if self.stacked else 1, offset, n)
         try:
             data = np.ascontiguousarray(self.make(i0, i1))
         except (ValueError, IndexError, OSError) as e:  # a memory map past a truncated file's end, bad blocks

@@ -13,6 +13,7 @@ library was compiled, and declares every entry point.
 from __future__ import annotations
 
 import ctypes
+import functools
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -88,11 +89,20 @@ class CompressedC(ctypes.Structure):
                 ("icomp", CompressorC)]
 
 
+@functools.cache
 def ggml_type_id(name: str) -> int:
     """The ggml type number of a GGUF quantized type (Q4_K: 12): a `Lin` of kind W_GGML's `g`."""
     import gguf
 
     return int(gguf.GGMLQuantizationType[name])
+
+
+@functools.cache
+def ggml_block(name: str) -> tuple[int, int]:
+    """(weights, bytes) of one block of a GGUF quantized type (Q4_K: 256 weights in 144 bytes)."""
+    import gguf
+
+    return tuple(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]])
 
 
 def lin_group(quant: dict) -> int:

@@ -185,11 +185,8 @@ def gemv_ggml(x_MI: torch.Tensor, rows_OB: torch.Tensor, I: int, ggml_type: str)
     """x @ W.T for a GGUF file's quantized rows as stored: W (O, I) of ggml type `ggml_type` (Q8_0, Q4_K, ...:
     storage.formats' GGML_KERNEL_TYPES), rows_OB uint8 (O, bytes of a row), with x quantized as
     `quantize_activations` does and each block's sums taken in integers (gemv_ggml.c); float32 (..., O)."""
-    import gguf
-
     O = rows_OB.shape[0]
-    t = int(gguf.GGMLQuantizationType[ggml_type])
-    per, nbytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]]
+    t, (per, nbytes) = loader.ggml_type_id(ggml_type), loader.ggml_block(ggml_type)
     if rows_OB.dtype != torch.uint8 or rows_OB.dim() != 2 or I % per or rows_OB.shape[1] != I // per * nbytes:
         raise ValueError(f"{ggml_type} rows (O, {I // per * nbytes}) uint8 for {I} inputs, got "
                          f"{list(rows_OB.shape)} {rows_OB.dtype}")
