@@ -78,6 +78,20 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--bits", type=int, required=True, metavar="8|4", help="8: int8; 4: int4")
     _add_group_size(q)
     _add_dense(q)
+    q.add_argument("--kquant", action="store_true",
+                   help="with --bits 4: semoe's 4-bit mix in GGUF's k-quant blocks, fitted by semoe's own search: "
+                        "experts Q4_K; attention, dense and shared feed-forwards, lm_head and token embedding "
+                        "stepped up to Q8_0 or Q6_K, in the order that buys the most, within --target-bits. The "
+                        "kernels compute on the blocks; `store export --format gguf` writes them as they are")
+    q.add_argument("--target-bits", type=float, default=4.9, metavar="B",
+                   help="--kquant: bits a weight the whole stays within (default 4.9, about Q4_K_M's on MoE models; "
+                        "4.5 keeps every weight Q4_K)")
+    q.add_argument("--calibrate", metavar="FILE",
+                   help="with --kquant: a text file (or directory of .txt/.md/.py files) the float model reads "
+                        "first; each weight's fit then weighs its input columns by their mean squared "
+                        "activation there, as llama.cpp's importance matrix does")
+    q.add_argument("--calibrate-tokens", type=int, default=8192, metavar="N",
+                   help="tokens of --calibrate's text read at most, in windows of 512 (default 8192)")
     q.add_argument("--json", action="store_true", help="print a JSON summary on stdout")
     q.set_defaults(handler=cmd_quantize)
 
@@ -206,10 +220,24 @@ def cmd_import(args: argparse.Namespace) -> int:
 def cmd_quantize(args: argparse.Namespace) -> int:
     from semoe.checkpoints.quantize_store import QuantizeConfig, quantize_store
 
-    cfg = QuantizeConfig(bits=args.bits, group_size=args.group_size, dense=args.dense)
+    cfg = QuantizeConfig(bits=args.bits, group_size=args.group_size, dense=args.dense, kquant=args.kquant,
+                         target_bits=args.target_bits)
     _check_target(args.out)
     source = _open(args.store)
     total = sum(t.bytes for t in source.manifest.tensors if t.kind == "weight")
+    if args.calibrate is not None:
+        from semoe.evaluation.calibrate import collect_importance
+        from tools.progress import count_bar
+
+        if not args.kquant:
+            raise BadInputError("--calibrate weighs the fit of --kquant's blocks; add --kquant")
+        if not os.path.exists(args.calibrate):
+            raise BadInputError(f"--calibrate {args.calibrate}: no such file or directory")
+        if args.calibrate_tokens < 2:
+            raise BadInputError(f"--calibrate-tokens must be at least 2, got {args.calibrate_tokens}")
+        ids = _calibration_ids(source, args.calibrate, args.calibrate_tokens)
+        with count_bar(len(ids), "calibrate", "tok") as bar:
+            cfg.importance = collect_importance(args.store, ids, progress=bar.update)
     with byte_bar(total, "quantize") as bar:
         report = quantize_store(args.store, args.out, cfg, progress=bar.update)
     _quantized(report)
@@ -219,9 +247,26 @@ def cmd_quantize(args: argparse.Namespace) -> int:
     print(f"quantized {source.root} -> {args.out}: {report.quantized} expert weights in {report.scheme}, expert "
           f"bytes {format_size(report.bytes_before)} -> {format_size(report.bytes_after)} "
           f"({report.bytes_after / max(report.bytes_before, 1):.3f}x)"
-          + (f"; {report.dense_quantized} dense weights in int8, {format_size(report.dense_bytes_before)} -> "
+          + (f"; {report.dense_quantized} dense weights in {'GGUF blocks' if args.kquant else 'int8'}, "
+             f"{format_size(report.dense_bytes_before)} -> "
              f"{format_size(report.dense_bytes_after)}" if report.dense_quantized else ""))
     return 0
+
+
+def _calibration_ids(source, text: str, limit: int) -> list[int]:
+    """--calibrate's text (a file, or a directory's *.txt/*.md/*.py files) as the store's tokenizer reads it."""
+    from semoe.checkpoints.hf_config import store_model_config
+    from semoe.checkpoints.model_io import load_model_tokenizer
+    from semoe.evaluation.perplexity import gather_tokens
+    from semoe.train.data import eval_documents
+
+    tok = load_model_tokenizer(source, store_model_config(source, source.root))
+    if tok is None:
+        raise BadInputError(f"{source.root}: no tokenizer (tokenizer.json) to read --calibrate's text with")
+    ids = gather_tokens(eval_documents(text), tok.encode, eos_id=tok.eos_id, limit=limit)
+    if len(ids) < 2:
+        raise BadInputError(f"--calibrate {text}: {len(ids)} token(s); need some text to calibrate on")
+    return ids
 
 
 def _quantized(report) -> None:

@@ -47,6 +47,7 @@ import numpy as np
 from inference.torch_free import mixers, mtp
 from inference.torch_free import speculative as spec
 from inference.torch_free.prompt_prefill import prefill
+from inference.torch_free.embedding_rows import EmbeddingRows
 from inference.torch_free.expert_slots import ExpertSlots
 from inference.memory_guard import CPU_CACHE_AUTO, cpu_cache_size
 from semoe.kernels import loader
@@ -204,10 +205,7 @@ class LeanModel:
         self.inv_freq, self.rope_scale = rope.inv_freq(c)
         # the embedding stays on storage: one row a token
         emb = self._tensor(hf_name(c, "embed.weight"))
-        if emb.dtype not in ("F32", "BF16") or emb.quant:
-            raise NotOnFastPath(f"{path}: the token embedding is {emb.dtype}; the lean runner reads F32 or BF16")
-        self._emb = emb
-        self._emb_fd = os.open(store.path(emb.file), os.O_RDONLY)
+        self._emb = EmbeddingRows(path, emb, store.path(emb.file))
         self.reader = ChunkReader(ChunkReaderConfig(mode=config.read_mode, threads=config.read_threads))
         self.cache = ExpertSlots(store, max(slots, 1), self.slot_bytes, self.reader, self._loaded)
         release_free_heap()  # what loading freed, given back: decoding may run with memory short
@@ -480,14 +478,7 @@ class LeanModel:
         rope.cos_sin(pos, self.inv_freq, self.rope_scale, cos, sin)
 
     def _embed(self, token: int, x: np.ndarray) -> None:
-        e = self._emb
-        V, D = e.shape
-        if not 0 <= token < V:
-            raise BadInputError(f"token id {token} is outside the vocabulary (0..{V - 1})")
-        item = 4 if e.dtype == "F32" else 2
-        raw = os.pread(self._emb_fd, D * item, e.offset + token * D * item)
-        row = np.frombuffer(raw, np.float32 if item == 4 else np.uint16)
-        x[:] = row if item == 4 else bf16_to_f32(row)
+        self._emb.read(token, x)
 
     def inputs(self, tokens: list[int], positions: list[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The prompt pass's inputs for rows of `tokens` at `positions`: their embeddings x (T, D; with
@@ -548,7 +539,7 @@ class LeanModel:
 
     def close(self) -> None:
         self.reader.close()
-        os.close(self._emb_fd)
+        self._emb.close()
         self.cache.view.release()
         self.experts_of.clear()
         self.held.clear()

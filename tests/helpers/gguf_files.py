@@ -144,3 +144,22 @@ def dequantized_state(path: pathlib.Path) -> dict[str, np.ndarray]:
 
     r = gguf.GGUFReader(str(path))
     return {t.name: gguf.quants.dequantize(np.asarray(t.data), t.tensor_type).astype(np.float32) for t in r.tensors}
+
+
+def runner_gives_the_engines_tokens(store: str) -> None:
+    """The torch-free runner's 8 greedy tokens are the engine's, log-probs within 1e-4 (the same kernels,
+    the rotary tables numpy's against torch's)."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+    from inference.torch_free.runner import LeanConfig, LeanModel
+    from semoe.decode.loop import SamplingConfig
+
+    engine = Engine.load(store, EngineConfig())
+    try:
+        plain = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
+    finally:
+        engine.close()
+    with LeanModel(store, LeanConfig(cache_bytes=None)) as lean:
+        free = lean.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
+    assert free.tokens == plain.tokens
+    np.testing.assert_allclose(free.logprobs, plain.logprobs, rtol=0, atol=1e-4)

@@ -13,7 +13,8 @@ import sys
 import numpy as np
 import pytest
 import torch
-from helpers.gguf_files import CHAT_TEMPLATE, add_bpe_tokenizer, dequantized_state, gguf_tensors, write_gguf
+from helpers.gguf_files import (CHAT_TEMPLATE, add_bpe_tokenizer, dequantized_state, gguf_tensors,
+                                runner_gives_the_engines_tokens, write_gguf)
 from helpers.hf_models import load_safetensors_dir, make_hf_checkpoint
 from helpers.procs import ROOT, child_env, serving_port
 
@@ -224,26 +225,7 @@ def test_generate_takes_a_gguf_file_imported_on_first_use(tmp_path):
     assert "imported from it on first use" in err and first == again == want
 
 
-WIDE = dict(hidden_size=256, intermediate_size=256)
-
-
-def _runner_gives_the_engines_tokens(store: str) -> None:
-    """The torch-free runner's 8 greedy tokens are the engine's, log-probs within 1e-4 (the same kernels,
-    the rotary tables numpy's against torch's)."""
-    from inference.engine import Engine
-    from inference.engine_config import EngineConfig
-    from inference.torch_free.runner import LeanConfig, LeanModel
-    from semoe.decode.loop import SamplingConfig
-
-    engine = Engine.load(store, EngineConfig())
-    try:
-        plain = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
-    finally:
-        engine.close()
-    with LeanModel(store, LeanConfig(cache_bytes=None)) as lean:
-        free = lean.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
-    assert free.tokens == plain.tokens
-    np.testing.assert_allclose(free.logprobs, plain.logprobs, rtol=0, atol=1e-4)  # rows of whole super-blocks (256) for the K-quants
+WIDE = dict(hidden_size=256, intermediate_size=256)  # rows of whole super-blocks (256) for the K-quants
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q6_K"), ("deepseek_v3", "Q5_K"),
@@ -277,7 +259,7 @@ def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype,
     assert (got - ref).abs().max() / scale < 1e-4
     # int8 activations' error, and where it tips a router's near tie, another expert: on average small
     assert (got - want).abs().mean() / scale < 2e-2
-    _runner_gives_the_engines_tokens(kept.root)
+    runner_gives_the_engines_tokens(kept.root)
     from semoe.checkpoints.hf_convert import export_checkpoint
     from storage.store import Store
 
@@ -355,7 +337,7 @@ def test_gpt_oss_mxfp4_experts_are_kept_as_its_checkpoints_mxfp4(tmp_path):
         want = load_store(wide.root)(IDS).logits
     scale = want.abs().max()
     assert (got - ref).abs().max() / scale < 1e-4 and (got - want).abs().mean() / scale < 2e-2
-    _runner_gives_the_engines_tokens(kept.root)
+    runner_gives_the_engines_tokens(kept.root)
 
 
 @pytest.mark.slow  # starts a server process
