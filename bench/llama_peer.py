@@ -275,6 +275,24 @@ def ensure_server(env: PeerEnv, jobs: int = 2) -> str:
     return binary
 
 
+def imatrix(src_gguf: str, text_file: str, out: str, env: PeerEnv | None = None, n_threads: int = 2,
+            ctx: int = 512, chunks: int | None = None, jobs: int = 2) -> str:
+    """llama.cpp's importance matrix of a GGUF over a text file (llama-imatrix, built once beside
+    llama-quantize in build/quantize/), in windows of `ctx` tokens; at most `chunks` of them."""
+    env = env or ensure_env()
+    binary = os.path.join(os.path.dirname(env.quantize_bin), "llama-imatrix")
+    if not os.path.exists(binary):
+        log = os.path.join(env.env_dir, "build.log")
+        _progress(f"building llama-imatrix beside llama-quantize (log: {log})")
+        _run(["cmake", "--build", os.path.dirname(os.path.dirname(env.quantize_bin)), "--target", "llama-imatrix",
+              f"-j{jobs}"], log)
+    part = out + ".part.gguf"  # the tool writes GGUF when the name says so
+    _check_call([binary, "-m", src_gguf, "-f", text_file, "-o", part, "-c", str(ctx), "-t", str(n_threads),
+                 "--no-ppl", *(["--chunks", str(chunks)] if chunks else [])], f"llama-imatrix on {src_gguf}")
+    os.replace(part, out)
+    return out
+
+
 # DeepSeek-V3.2's converter asserts its tokenizer adds a BOS; transformers 5 drops tokenizer_config's
 # add_bos_token wherever a tokenizer.json is given, so no checkpoint passes it (the bench prompts are ids)
 _DSV32_BOS = ('assert getattr(tokenizer, "add_bos_token", False), "Change value of add_bos_token to true in '
@@ -506,15 +524,17 @@ def _mtp_flags(hf_dir: str) -> list[str]:
     return [] if any(n.startswith("mtp.") for n in names) else ["--no-mtp"]
 
 
-def quantize(src_gguf: str, out_gguf: str, qtype: str, env: PeerEnv | None = None, n_threads: int = 2) -> str:
+def quantize(src_gguf: str, out_gguf: str, qtype: str, env: PeerEnv | None = None, n_threads: int = 2,
+             imatrix_file: str | None = None) -> str:
     """Quantizes a (preferably f32) GGUF to qtype with llama-quantize (its quantized tensors too: MXFP4 experts
-    are taken to the type from their values)."""
+    are taken to the type from their values); `imatrix_file`: llama-imatrix's importance matrix to weigh
+    the fit with."""
     if qtype not in QUANTIZE_TYPES:
         raise ValueError(f"qtype={qtype!r}: allowed are {QUANTIZE_TYPES}")
     env = env or ensure_env()
     part = out_gguf + ".part"
-    _check_call([env.quantize_bin, "--allow-requantize", src_gguf, part, qtype.upper(), str(n_threads)],
-                f"quantizing {src_gguf} to {qtype}")
+    _check_call([env.quantize_bin, "--allow-requantize", *(["--imatrix", imatrix_file] if imatrix_file else []),
+                 src_gguf, part, qtype.upper(), str(n_threads)], f"quantizing {src_gguf} to {qtype}")
     os.replace(part, out_gguf)
     return out_gguf
 
