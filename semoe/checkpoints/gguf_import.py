@@ -217,9 +217,10 @@ class _Layout:
         self.add(hf, [name], want, (lambda a: rows(a.reshape(want))) if rows else (lambda a: a.reshape(want)))
 
     def _keep(self, hf: str, name: str, shape: tuple[int, ...], rows=None) -> bool:
-        """Keep a quantized matrix as its rows of blocks (the embedding aside: it is looked up, not multiplied)."""
+        """Keep a quantized matrix as its rows of blocks (the token embedding too: its rows are decoded as they
+        are looked up, `StoredEmbedding`, or once where a resident model loads it)."""
         kind = self.src.kind(name)
-        if self.to is not None or kind not in GGML_KERNEL_TYPES or len(shape) != 2 or hf.endswith("embed_tokens.weight"):
+        if self.to is not None or kind not in GGML_KERNEL_TYPES or len(shape) != 2:
             return False
         src = self.src
         self.used.add(name)

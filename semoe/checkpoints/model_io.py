@@ -28,7 +28,7 @@ from storage.dtypes import torch_dtype
 from storage.process_memory import release_free_heap
 from storage.formats import int8_rows_spec
 from storage.formats import QUANTIZE_ROWS
-from storage.quant import QuantSpec
+from storage.quant import QuantSpec, dequantize_ggml
 from semoe.checkpoints.hf_convert import ExpertPart, open_checkpoint
 from storage.reader import is_store
 from storage.store import ExpertTensor, Store
@@ -274,10 +274,12 @@ class StoredEmbedding(nn.Module):
     `weight` is an empty (0, hidden) tensor that says the dtype and device."""
 
     def __init__(self, file: str, offset: int, shape: tuple[int, int], stored: torch.dtype, dtype: torch.dtype,
-                 device: torch.device | str) -> None:
+                 device: torch.device | str, ggml_type: str | None = None, row_bytes: int | None = None) -> None:
         super().__init__()
         self.file, self.offset, self.shape, self.stored = file, offset, tuple(shape), stored
-        self.row_bytes = shape[1] * torch.empty((), dtype=stored).element_size()
+        # GGUF's blocks (an imported file's, `store quantize --kquant`'s): each row decoded as read
+        self.ggml_type = ggml_type
+        self.row_bytes = row_bytes or shape[1] * torch.empty((), dtype=stored).element_size()
         self.register_buffer("weight", torch.empty(0, shape[1], dtype=dtype, device=device), persistent=False)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
@@ -297,7 +299,10 @@ class StoredEmbedding(nn.Module):
         finally:
             os.close(fd)
         device = self.weight.device
-        table = torch.as_tensor(rows, device=device).view(self.stored)  # no copy on CPU
+        if self.ggml_type is not None:
+            table = dequantize_ggml(torch.from_numpy(rows), self.ggml_type).to(device)
+        else:
+            table = torch.as_tensor(rows, device=device).view(self.stored)  # no copy on CPU
         index = torch.tensor([rows_of[t] for t in wanted], dtype=torch.long, device=device)
         return table.to(self.weight.dtype)[index].view(*ids.shape, self.shape[1])
 
@@ -309,6 +314,10 @@ def stored_embedding(store: Store, config: MoEConfig, dtype: torch.dtype, device
     if config.tie_embeddings or not store.manifest.has_tensor(key):
         return None
     e = store.manifest.tensor(key)
+    if (e.quant or {}).get("scheme") == "ggml":
+        q = e.quant
+        return StoredEmbedding(store.path(e.file), e.offset, tuple(q["shape"]), torch.uint8, dtype, device,
+                               ggml_type=q["ggml_type"], row_bytes=e.shape[1])
     if e.quant is not None or len(e.shape) != 2:
         return None
     return StoredEmbedding(store.path(e.file), e.offset, tuple(e.shape), torch_dtype(e.dtype), dtype, device)

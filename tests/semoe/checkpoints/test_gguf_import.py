@@ -233,7 +233,7 @@ WIDE = dict(hidden_size=256, intermediate_size=256)  # rows of whole super-block
 def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype, capfd):
     """The default import keeps quantized experts block for block (scheme `ggml`); the kernels on them give
     the logits of the same file widened to float32, within int8 activations' error (2e-2 of the logits'
-    scale), and the plain reference kernel (dequantize, x as the kernels see it) within 1e-4; the
+    scale), and the plain reference kernel (dequantize, x as the kernels see it) within 3e-4; the
     torch-free runner's greedy tokens are the engine's, log-probs within 1e-4; export writes the
     package's dequantization."""
     over = dict(WIDE, moe_intermediate_size=256) if arch not in ("mixtral", "olmoe") else dict(WIDE)
@@ -256,7 +256,9 @@ def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype,
         ref = load_store(kept.root, dense="float", kernel="reference")(IDS).logits
         want = load_store(wide.root)(IDS).logits
     scale = want.abs().max()
-    assert (got - ref).abs().max() / scale < 1e-4
+    # float sums in another order, and where one of them puts an activation on the other side of an int8
+    # rounding, a code apart: 3e-4 of the scale
+    assert (got - ref).abs().max() / scale < 3e-4
     # int8 activations' error, and where it tips a router's near tie, another expert: on average small
     assert (got - want).abs().mean() / scale < 2e-2
     runner_gives_the_engines_tokens(kept.root)

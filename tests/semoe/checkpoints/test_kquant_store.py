@@ -209,3 +209,30 @@ def test_in_out_experts_are_refused(tmp_path):
     with pytest.raises(BadInputError, match=r"\(in, out\)"):
         quantize_store(store.root, str(tmp_path / "k4"), QuantizeConfig(bits=4, kquant=True))
     assert not (tmp_path / "k4").exists() or not os.listdir(tmp_path / "k4")
+
+
+def test_offloaded_model_reads_its_embedding_rows_from_their_blocks(tmp_path):
+    """Offloaded, the embedding stays in the store as Q6_K (or the mix's) blocks and each looked-up row is
+    decoded as read: the same greedy tokens as the resident model, which decodes the table once, and
+    log-probs within 1e-4 (the same values; offloaded decoding runs kernel by kernel, resident in one
+    call, summing in another order)."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+    from semoe.checkpoints.model_io import StoredEmbedding
+    from semoe.decode.loop import SamplingConfig
+
+    src = _store(tmp_path)
+    out = str(tmp_path / "k4")
+    quantize_store(src.root, out, QuantizeConfig(bits=4, kquant=True))
+    runs = {}
+    for name, cfg in (("resident", EngineConfig()), ("offloaded", EngineConfig(cpu_cache_bytes=1 << 20))):
+        engine = Engine.load(out, cfg)
+        try:
+            if name == "offloaded":
+                emb = engine.model.embed
+                assert isinstance(emb, StoredEmbedding) and emb.ggml_type in ("Q4_K", "Q6_K", "Q8_0")
+            runs[name] = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
+        finally:
+            engine.close()
+    assert runs["offloaded"].tokens == runs["resident"].tokens
+    np.testing.assert_allclose(runs["offloaded"].logprobs, runs["resident"].logprobs, rtol=0, atol=1e-4)
