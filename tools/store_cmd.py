@@ -365,6 +365,10 @@ def _import_notes(info: dict) -> list[tuple[str, str]]:
         how = ("as the file ships it" if q["format"] == "gguf" else "as the checkpoint ships it") \
             if q.get("source") == "checkpoint" else "by semoe store quantize"
         notes.append(("quantized", f"{q['format']} {how} ({q['tensors']} tensors)"))
+        if mix := q.get("mix"):  # --kquant's types, and its calibration
+            cal = q.get("calibration")
+            notes.append(("mix", ", ".join(f"{k} {t}" for k, t in mix.items()) + f" within {q['target_bits']} bits a "
+                          f"weight" + (f"; calibrated on {cal['tokens']} tokens" if cal else "")))
     if s := info.get("skipped"):
         notes.append(("skipped", f"{s['reason']} {s['layers']} at import ({s['tensors']} tensors, "
                                  f"{format_size(s['bytes'])})"))

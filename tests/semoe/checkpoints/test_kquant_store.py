@@ -201,6 +201,10 @@ def test_the_command_line_refuses_in_one_line_and_writes_nothing(tmp_path):
                        cwd=ROOT, env=child_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["scheme"] == "k4-imatrix"
+    info = subprocess.run([sys.executable, "-m", "tools.cli", "store", "info", str(out)], cwd=ROOT, env=child_env(),
+                          capture_output=True, text=True).stdout
+    mix = next(line for line in info.splitlines() if line.startswith("mix"))
+    assert "expert Q4_K" in mix and "within 4.9 bits" in mix and "calibrated on 200 tokens" in mix
 
 
 def test_in_out_experts_are_refused(tmp_path):
