@@ -11,7 +11,8 @@ medians of --repeats rounds run in turn:
     limited    decode tok/s with a balloon leaving SIZE of the model's bytes (--memory, default 33: a third),
                both engines cold (the page cache dropped before each process)
 
-and reports, for each file, the greedy tokens' agreement between the two engines. Random weights route and
+and reports, for each file, the greedy tokens' agreement between the two engines and, where they part,
+llama.cpp's own logits there: its two best apart, and semoe's pick below its pick. Random weights route and
 rank tokens unlike trained ones: greedy tokens of a random model sit on near-ties, so their agreement says
 little beyond the first difference.
 

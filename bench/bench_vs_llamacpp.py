@@ -533,6 +533,28 @@ def _ratios(part: str, what: str, who: str, ours: dict | None, peer: dict | None
                   f"llama.cpp {b['ttft_s']:.2f} s: {who} / llama.cpp = {b['ttft_s'] / a['ttft_s']:.2f}x prompt tok/s")
 
 
+def first_differences(args, res: dict) -> dict:
+    """For each GGUF file both engines ran where their greedy tokens part: llama.cpp's own logits at that
+    position (the prompt and its tokens so far, teacher-forced), its two best apart, and how far below its
+    pick semoe's pick lies there."""
+    import llama_peer as peer
+
+    out = {}
+    prompt = prompt_ids(args.prompt_tokens)
+    for g in GGUF_BITS:
+        ours, theirs = res.get(f"ours-{g}"), res.get(f"llama-{g}")
+        if not (ours and theirs):
+            continue
+        n = _agreement(ours["tokens"], theirs["tokens"])
+        if n == min(len(ours["tokens"]), len(theirs["tokens"])):
+            continue
+        row = peer.logits(os.path.join(args.workdir, f"llama-{g}.gguf"), prompt + theirs["tokens"][:n])[-1]
+        top = sorted(row.tolist(), reverse=True)
+        out[g] = {"at": n, "llama_top2_gap": top[0] - top[1],
+                  "semoe_pick_below_llama_pick": float(row[theirs["tokens"][n]] - row[ours["tokens"][n]])}
+    return out
+
+
 def report(result: dict, as_json: bool) -> None:
     if as_json:
         print(json.dumps(result, indent=1))
@@ -590,8 +612,13 @@ def report(result: dict, as_json: bool) -> None:
     for g in GGUF_BITS:  # the same file in both engines
         if f"ours-{g}" in res and f"llama-{g}" in res:
             a, b = res[f"ours-{g}"]["tokens"], res[f"llama-{g}"]["tokens"]
-            print(f"greedy tokens on llama-{g}.gguf, semoe against llama.cpp: the first {_agreement(a, b)} of "
-                  f"{len(a)} identical")
+            line = f"greedy tokens on llama-{g}.gguf, semoe against llama.cpp: the first {_agreement(a, b)} of " \
+                f"{len(a)} identical"
+            d = result.get("first_differences", {}).get(g)
+            if d:
+                line += (f"; there llama.cpp's two best logits are {d['llama_top2_gap']:.2e} apart and semoe's pick "
+                         f"{d['semoe_pick_below_llama_pick']:.2e} below llama.cpp's, in llama.cpp's own logits")
+            print(line)
     if "ours-f32" in res and "llama-f32" in res:
         n = _agreement(res["ours-f32"]["tokens"], res["llama-f32"]["tokens"])
         print(f"greedy tokens at f32: the first {n} of {len(res['ours-f32']['tokens'])} identical")
@@ -697,6 +724,7 @@ def main() -> int:
     parts = args.parts.split(",")
     if "resident" in parts:
         result["resident"] = resident(args)
+        result["first_differences"] = first_differences(args, result["resident"])
     if "limited" in parts:
         result["limited"] = limited(args)
     report(result, args.json)
