@@ -261,9 +261,12 @@ static inline __m256 bytes8_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cv
 
 #define MX 2 /* rows of x that share each decoded block of weights */
 
-/* rows r0 .. r0 + nr of W times x rows m0 .. m0 + mn (mn <= MX) into out[r][m]; 1 where type t is computed here */
-static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t I, const Acts *a,
-                        int64_t m0, int64_t mn, float out[ROWS][MX]) {
+/* rows r0 .. r0 + nr of W times x rows m0 .. m0 + mn (mn <= MX) into out[r][m]; 1 where type t is computed here.
+ * Inlined into `gg_rows_vnni` with nr and mn constant for the common cases, so that its loops over rows and x
+ * rows unroll and the accumulators stay in registers (with runtime bounds they live on the stack) */
+static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const uint8_t *w, int64_t rb, int64_t r0,
+                                                              int64_t nr, int64_t I, const Acts *a, int64_t m0,
+                                                              int64_t mn, float out[ROWS][MX]) {
     if (t != GG_Q4_K && t != GG_Q6_K && t != GG_Q8_0) return 0;
     const int64_t ip = a->Ip, nd = a->Ip / QB;
     __m512 acc[ROWS][MX];
@@ -383,7 +386,85 @@ static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int
             out[r][m] = _mm512_reduce_add_ps(acc[r][m]) + hsum8(acc8[r][m]) + hsum8(off[r][m]);
     return 1;
 }
+
+static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t I, const Acts *a,
+                        int64_t m0, int64_t mn, float out[ROWS][MX]) {
+    if (nr == ROWS && mn == 1) return gg_rows_body(t, w, rb, r0, ROWS, I, a, m0, 1, out); /* decoding */
+    if (nr == ROWS && mn == MX) return gg_rows_body(t, w, rb, r0, ROWS, I, a, m0, MX, out); /* a prompt's rows */
+    return gg_rows_body(t, w, rb, r0, nr, I, a, m0, mn, out);
+}
 #endif
+
+/* x rows m0 .. m0 + mn (mn <= 2) of block rows r0 .. r0 + nr into y: every type on the AVX2 (or scalar) path.
+ * Inlined by `gg_rows` with the type, nr and mn constant for the common cases: the block decoder's switch
+ * folds to the one type and the loops unroll, the accumulators staying in registers */
+static inline __attribute__((always_inline)) void gg_rows_body2(int64_t t, const uint8_t *w, int64_t rb, int64_t r0,
+                                                                int64_t nr, int64_t nb, const Acts *a, int64_t m0,
+                                                                int64_t mn, int64_t O, float *y) {
+    float off[ROWS][2] = {{0}};
+#ifdef SEMOE_HAS_AVX2
+    __m256 acc[ROWS][2];
+    for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < nb; k++) {
+        __m256i c[ROWS];
+        float s[ROWS][2], o[ROWS];
+        for (int64_t r = 0; r < nr; r++) {
+            _mm_prefetch((const char *)(w + (r0 + r) * rb + k * rb / nb) + PREFETCH, _MM_HINT_T0);
+            decode32_v(t, w + (r0 + r) * rb, k, &c[r], s[r], &o[r]);
+        }
+        for (int64_t m = 0; m < mn; m++) {
+            const int64_t mm = m0 + m;
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + mm * a->Ip + k * QB));
+            const float dx = a->d[mm * (a->Ip / QB) + k], xs = a->xsum[mm * a->groups + k];
+            for (int64_t r = 0; r < nr; r++) {
+                const __m256 sv = _mm256_set_m128(_mm_set1_ps(s[r][1] * dx), _mm_set1_ps(s[r][0] * dx));
+                acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_avx2(c[r], q)), sv, acc[r][m]);
+                off[r][m] += o[r] * xs;
+            }
+        }
+    }
+    for (int64_t m = 0; m < mn; m++)
+        for (int64_t r = 0; r < nr; r++) y[(m0 + m) * O + r0 + r] = hsum8(acc[r][m]) + off[r][m];
+#else
+    float acc[ROWS][2] = {{0}};
+    int8_t c[ROWS][QB];
+    float s[ROWS][2], o[ROWS];
+    for (int64_t k = 0; k < nb; k++) {
+        for (int64_t r = 0; r < nr; r++) decode32(t, w + (r0 + r) * rb, k, c[r], s[r], &o[r]);
+        for (int64_t m = 0; m < mn; m++) {
+            const int64_t mm = m0 + m;
+            const int8_t *q = a->q + mm * a->Ip + k * QB;
+            const float dx = a->d[mm * (a->Ip / QB) + k], xs = a->xsum[mm * a->groups + k];
+            for (int64_t r = 0; r < nr; r++) {
+                int32_t h0 = 0, h1 = 0;
+                for (int j = 0; j < 16; j++) h0 += (int32_t)c[r][j] * q[j];
+                for (int j = 16; j < 32; j++) h1 += (int32_t)c[r][j] * q[j];
+                acc[r][m] += dx * (s[r][0] * (float)h0 + s[r][1] * (float)h1);
+                off[r][m] += o[r] * xs;
+            }
+        }
+    }
+    for (int64_t m = 0; m < mn; m++)
+        for (int64_t r = 0; r < nr; r++) y[(m0 + m) * O + r0 + r] = acc[r][m] + off[r][m];
+#endif
+}
+
+#define GG_ROWS_OF(T)                                                                                         \
+    case T:                                                                                                   \
+        if (nr == ROWS && mn == 1) gg_rows_body2(T, w, rb, r0, ROWS, nb, a, m0, 1, O, y);                    \
+        else if (nr == ROWS && mn == 2) gg_rows_body2(T, w, rb, r0, ROWS, nb, a, m0, 2, O, y);               \
+        else gg_rows_body2(T, w, rb, r0, nr, nb, a, m0, mn, O, y);                                             \
+        return;
+
+static void gg_rows(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t nb, const Acts *a,
+                    int64_t m0, int64_t mn, int64_t O, float *y) {
+    switch (t) {
+        GG_ROWS_OF(GG_Q4_0) GG_ROWS_OF(GG_Q4_1) GG_ROWS_OF(GG_Q5_0) GG_ROWS_OF(GG_Q5_1) GG_ROWS_OF(GG_Q8_0)
+        GG_ROWS_OF(GG_Q4_K) GG_ROWS_OF(GG_Q5_K) GG_ROWS_OF(GG_Q6_K) GG_ROWS_OF(GG_IQ4_NL) GG_ROWS_OF(GG_IQ4_XS)
+        GG_ROWS_OF(GG_MXFP4)
+    default: gg_rows_body2(t, w, rb, r0, nr, nb, a, m0, mn, O, y);
+    }
+}
 
 /* block b of y (M, O) = x @ W.T for W (O, I) of ggml type t (rows of row_bytes), x quantized in a (groups
  * of 32: its xsum); x rows two at a time, each (row, x row) summed in vector lanes, then across them */
@@ -401,53 +482,5 @@ void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, 
         return;
     }
 #endif
-    for (int64_t m0 = 0; m0 < a->M; m0 += 2) {
-        const int64_t mn = a->M - m0 < 2 ? a->M - m0 : 2;
-        float off[ROWS][2] = {{0}};
-#ifdef SEMOE_HAS_AVX2
-        __m256 acc[ROWS][2];
-        for (int r = 0; r < ROWS; r++) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-        for (int64_t k = 0; k < nb; k++) {
-            __m256i c[ROWS];
-            float s[ROWS][2], o[ROWS];
-            for (int64_t r = 0; r < nr; r++) {
-                _mm_prefetch((const char *)(w + (r0 + r) * rb + k * rb / nb) + PREFETCH, _MM_HINT_T0);
-                decode32_v(t, w + (r0 + r) * rb, k, &c[r], s[r], &o[r]);
-            }
-            for (int64_t m = 0; m < mn; m++) {
-                const int64_t mm = m0 + m;
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(a->q + mm * a->Ip + k * QB));
-                const float dx = a->d[mm * (a->Ip / QB) + k], xs = a->xsum[mm * a->groups + k];
-                for (int64_t r = 0; r < nr; r++) {
-                    const __m256 sv = _mm256_set_m128(_mm_set1_ps(s[r][1] * dx), _mm_set1_ps(s[r][0] * dx));
-                    acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot32_avx2(c[r], q)), sv, acc[r][m]);
-                    off[r][m] += o[r] * xs;
-                }
-            }
-        }
-        for (int64_t m = 0; m < mn; m++)
-            for (int64_t r = 0; r < nr; r++) y[(m0 + m) * O + r0 + r] = hsum8(acc[r][m]) + off[r][m];
-#else
-        float acc[ROWS][2] = {{0}};
-        int8_t c[ROWS][QB];
-        float s[ROWS][2], o[ROWS];
-        for (int64_t k = 0; k < nb; k++) {
-            for (int64_t r = 0; r < nr; r++) decode32(t, w + (r0 + r) * rb, k, c[r], s[r], &o[r]);
-            for (int64_t m = 0; m < mn; m++) {
-                const int64_t mm = m0 + m;
-                const int8_t *q = a->q + mm * a->Ip + k * QB;
-                const float dx = a->d[mm * (a->Ip / QB) + k], xs = a->xsum[mm * a->groups + k];
-                for (int64_t r = 0; r < nr; r++) {
-                    int32_t h0 = 0, h1 = 0;
-                    for (int j = 0; j < 16; j++) h0 += (int32_t)c[r][j] * q[j];
-                    for (int j = 16; j < 32; j++) h1 += (int32_t)c[r][j] * q[j];
-                    acc[r][m] += dx * (s[r][0] * (float)h0 + s[r][1] * (float)h1);
-                    off[r][m] += o[r] * xs;
-                }
-            }
-        }
-        for (int64_t m = 0; m < mn; m++)
-            for (int64_t r = 0; r < nr; r++) y[(m0 + m) * O + r0 + r] = acc[r][m] + off[r][m];
-#endif
-    }
+    for (int64_t m0 = 0; m0 < a->M; m0 += 2) gg_rows(t, w, rb, r0, nr, nb, a, m0, a->M - m0 < 2 ? a->M - m0 : 2, O, y);
 }
