@@ -281,8 +281,13 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
         for (int64_t k = 0; k < nb; k += 2) {
             const int two = k + 1 < nb; /* an odd last block: its 32 codes in the low half, zeros above */
             const __mmask64 keep = two ? ~0ULL : 0xFFFFFFFFULL;
-            __m512i x[MX];
-            for (int64_t m = 0; m < mn; m++) x[m] = _mm512_maskz_loadu_epi8(keep, a->q + (m0 + m) * ip + k * QB);
+            /* the codes made unsigned (+128), the 128 taken back from x's sums of 4 (shared by the rows) */
+            __m512i x[MX], bx[MX];
+            for (int64_t m = 0; m < mn; m++) {
+                x[m] = _mm512_maskz_loadu_epi8(keep, a->q + (m0 + m) * ip + k * QB);
+                bx[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
+                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x[m]), 7));
+            }
             for (int64_t r = 0; r < nr; r++) {
                 const uint8_t *b0 = w + (r0 + r) * rb + k * 34, *b1 = two ? b0 + 34 : b0;
                 _mm_prefetch((const char *)b0 + ROWS * rb, _MM_HINT_T0);
@@ -290,14 +295,12 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
                 const __m512i c = _mm512_maskz_mov_epi8(keep, _mm512_inserti64x4(
                     _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
                     _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1));
-                const __mmask64 neg = _mm512_movepi8_mask(c);
-                const __m512i ac = _mm512_abs_epi8(c);
+                const __m512i cu = _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80));
                 const float d0 = half(b0), d1 = two ? half(b1) : 0.0f;
                 for (int64_t m = 0; m < mn; m++) {
                     const float *dx = a->d + (m0 + m) * nd + k;
                     const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(d0 * dx[0]), _mm256_set1_ps(two ? d1 * dx[1] : 0.0f), 1);
-                    const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ac,
-                                                            _mm512_mask_sub_epi8(x[m], neg, _mm512_setzero_si512(), x[m]));
+                    const __m512i dot = _mm512_dpbusd_epi32(bx[m], cu, x[m]); /* sum c x, exactly */
                     acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sv, acc[r][m]);
                 }
             }
@@ -342,7 +345,8 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
             }
         }
     } else { /* Q6_K */
-        const __m512i lo4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), bias = _mm512_set1_epi8(32);
+        /* the codes unsigned (0..63), their bias of 32 taken from each x-row's sums of 4 (shared by the rows) */
+        const __m512i lo4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), ones = _mm512_set1_epi8(1);
         const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
         const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
         const __m512i sh23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
@@ -359,8 +363,12 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
             }
             for (int i = 0; i < 4; i++) { /* 64 weights: half n = i / 2 of the super-block, its quarters 2 (i % 2), +1 */
                 const int n = i / 2, hi2 = i % 2;
-                __m512i x[MX];
-                for (int64_t m = 0; m < mn; m++) x[m] = _mm512_loadu_si512((const void *)(a->q + (m0 + m) * ip + sb * 256 + 64 * i));
+                __m512i x[MX], bx[MX];
+                for (int64_t m = 0; m < mn; m++) {
+                    x[m] = _mm512_loadu_si512((const void *)(a->q + (m0 + m) * ip + sb * 256 + 64 * i));
+                    bx[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
+                                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, x[m]), 5));
+                }
                 const __m512i ix = idx16(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3);
                 for (int64_t r = 0; r < nr; r++) {
                     const uint8_t *b = w + (r0 + r) * rb + sb * 210;
@@ -369,12 +377,9 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
                     const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
                     const __m512i lo = _mm512_and_si512(hi2 ? _mm512_srli_epi16(ql, 4) : ql, lo4);
                     const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(h2, hi2 ? sh23 : sh01), three);
-                    const __m512i c = _mm512_sub_epi8(_mm512_or_si512(lo, _mm512_slli_epi16(hb, 4)), bias);
-                    const __mmask64 neg = _mm512_movepi8_mask(c);
-                    const __m512i ac = _mm512_abs_epi8(c);
+                    const __m512i c = _mm512_or_si512(lo, _mm512_slli_epi16(hb, 4));
                     for (int64_t m = 0; m < mn; m++) {
-                        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), ac,
-                                                                _mm512_mask_sub_epi8(x[m], neg, _mm512_setzero_si512(), x[m]));
+                        const __m512i dot = _mm512_dpbusd_epi32(bx[m], c, x[m]); /* sum (c - 32) x, exactly */
                         acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(ix, p[r][m]), acc[r][m]);
                     }
                 }
