@@ -535,8 +535,8 @@ def _ratios(part: str, what: str, who: str, ours: dict | None, peer: dict | None
 
 def first_differences(args, res: dict) -> dict:
     """For each GGUF file both engines ran where their greedy tokens part: llama.cpp's own logits at that
-    position (the prompt and its tokens so far, teacher-forced), its two best apart, and how far below its
-    pick semoe's pick lies there."""
+    position (the prompt and its tokens so far, read at once), its two best apart, and semoe's pick's logit
+    less that of llama.cpp's decoding's pick (positive: llama.cpp read at once prefers semoe's)."""
     import llama_peer as peer
 
     out = {}
@@ -551,7 +551,7 @@ def first_differences(args, res: dict) -> dict:
         row = peer.logits(os.path.join(args.workdir, f"llama-{g}.gguf"), prompt + theirs["tokens"][:n])[-1]
         top = sorted(row.tolist(), reverse=True)
         out[g] = {"at": n, "llama_top2_gap": top[0] - top[1],
-                  "semoe_pick_below_llama_pick": float(row[theirs["tokens"][n]] - row[ours["tokens"][n]])}
+                  "semoe_pick_minus_llama_pick": float(row[ours["tokens"][n]] - row[theirs["tokens"][n]])}
     return out
 
 
@@ -616,8 +616,9 @@ def report(result: dict, as_json: bool) -> None:
                 f"{len(a)} identical"
             d = result.get("first_differences", {}).get(g)
             if d:
-                line += (f"; there llama.cpp's two best logits are {d['llama_top2_gap']:.2e} apart and semoe's pick "
-                         f"{d['semoe_pick_below_llama_pick']:.2e} below llama.cpp's, in llama.cpp's own logits")
+                line += (f"; there, in llama.cpp's logits with the prompt and tokens read at once, its two best are "
+                         f"{d['llama_top2_gap']:.2e} apart and semoe's pick scores {d['semoe_pick_minus_llama_pick']:+.2e} "
+                         f"against the pick of its decoding")
             print(line)
     if "ours-f32" in res and "llama-f32" in res:
         n = _agreement(res["ours-f32"]["tokens"], res["llama-f32"]["tokens"])
