@@ -88,6 +88,12 @@ def _eval(gguf_file: str, reference: str, workdir: str, max_tokens: int, greedy:
         if greedy:
             out["tokens"] = json.loads(_semoe("generate", "--model", store, "--prompt-ids", ",".join(map(str, PROMPT)),
                                               "--max-new-tokens", str(greedy), "--greedy", "--json"))["tokens"]
+            import torch
+
+            from semoe.checkpoints.model_io import load_store
+
+            with torch.no_grad():  # the prompt's logits, teacher-forced, to set beside llama.cpp's on the file
+                out["logits"] = load_store(store)(torch.tensor([PROMPT])).logits[0].numpy()
         return out
     finally:
         shutil.rmtree(store, ignore_errors=True)
@@ -145,7 +151,9 @@ def run_arch(root: str, arch: str, calib_tokens: int, max_tokens: int, real_laye
         r = _eval(path, ref, workdir, max_tokens, greedy=16 if ours else 0)
         row = {"arch": name, "file": label, "bytes": os.path.getsize(path), "kl": r["kl_divergence"],
                "kl_p99_9": r["kl_p99_9"], "ppl": r["perplexity"], "top1": r["top_token_agreement"]}
-        if ours:  # llama.cpp on semoe's file: its greedy tokens against semoe's on the same file
+        if ours:  # llama.cpp on semoe's file: its logits and greedy tokens against semoe's on the same file
+            row["llama_logits_max_diff"] = float(abs(peer.logits(path, PROMPT, env=env) - r["logits"]).max())
+            row["logits_scale"] = float(abs(r["logits"]).max())
             theirs = peer.greedy_decode(path, PROMPT, 16, env=env)[0]
             row["greedy_same_as_llama"] = sum(1 for _ in zip(theirs, r["tokens"]) if _[0] == _[1])
             row["greedy_first_difference"] = next((i for i, (a, b) in enumerate(zip(theirs, r["tokens"])) if a != b),
