@@ -101,14 +101,19 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workdir", required=True)
     ap.add_argument("--arch", default=",".join(ARCHS))
-    ap.add_argument("--shape", default="hidden=256,layers=2,experts=4,expert_width=256",
+    ap.add_argument("--shape", default="hidden=256,layers=2,experts=8,expert_width=256",
                     help="peer_checkpoints' --shape for every architecture (default %(default)s)")
     ap.add_argument("--types", default="q4_k_m,q8_0,q6_k", help="llama-quantize's types (default %(default)s)")
     args = ap.parse_args()
     shape = parse_shape(args.shape)
     fails = 0
     for arch in args.arch.split(","):
-        r = check_arch(args.workdir, arch, shape, args.types.split(","))
+        try:
+            r = check_arch(args.workdir, arch, shape, args.types.split(","))
+        except Exception as e:  # the next architecture still runs; this one counts as failed
+            print(json.dumps({"arch": arch, "error": f"{type(e).__name__}: {e}"}), flush=True)
+            fails += 1
+            continue
         print(json.dumps(r), flush=True)
         fails += r["f32_max_diff"] != 0 or any(r[t]["tensors_differing"] for t in args.types.split(","))
     return 1 if fails else 0
