@@ -30,6 +30,9 @@ ARCHS = {"mixtral": ("LLAMA", "llama"), "qwen2_moe": ("QWEN2MOE", "qwen2moe"), "
          "olmoe": ("OLMOE", "olmoe"), "deepseek_v2": ("DEEPSEEK2", "deepseek2"), "deepseek_v3": ("DEEPSEEK2", "deepseek2"),
          "glm4_moe": ("GLM4_MOE", "glm4moe"), "gpt_oss": ("GPT_OSS", "gpt-oss")}
 _FLOAT_TYPES = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}
+# tensors written float32 whatever the store's dtype, as llama.cpp's converter writes them (with every 1-D one):
+# norms, routers and biases, which llama.cpp's CPU ops take in float32 only
+_F32_ALWAYS = ("_norm.weight", "ffn_gate_inp.weight", ".bias")
 
 
 @dataclass(kw_only=True)
@@ -214,9 +217,8 @@ def tokenizer(w, files: dict[str, bytes], vocab_size: int) -> None:
         special.add_to_gguf(w)
 
 
-def _raw(a: np.ndarray, dtype: torch.dtype) -> tuple[np.ndarray, str]:
-    """A float array (float32, or bfloat16's bits as uint16) as bytes of the file's type for `dtype`."""
-    kind = _FLOAT_TYPES.get(dtype, "F32")
+def _raw(a: np.ndarray, kind: str) -> tuple[np.ndarray, str]:
+    """A float array (float32, or bfloat16's bits as uint16) as bytes of the file's type `kind` (F32, F16, BF16)."""
     if kind == "F32":
         a = np.ascontiguousarray(a, dtype=np.float32)
     elif kind == "F16":
@@ -259,12 +261,14 @@ def export_gguf(store, out_path: str, *, progress: Callable[[int], None] | None 
     def kind(o: OutTensor) -> str:  # the file's type of the tensor
         if o.raw:
             return QuantSpec.from_json(quant[o.sources[0]]).ggml_type
+        if len(outs[o.sources[0]].shape) <= 1 or o.name.endswith(_F32_ALWAYS):
+            return "F32"  # as llama.cpp's converter writes them: its CPU ops take no half-precision norms
         return _FLOAT_TYPES.get(torch_dtype(outs[o.sources[0]].dtype), "F32")
 
     def made(o: OutTensor) -> np.ndarray:
         if o.raw:  # rows of blocks: stacked, or their rows reordered, as they are
             return np.ascontiguousarray(o.make(*(store.read_tensor(n).numpy() for n in o.sources)))
-        return _raw(o.make(*(values(n) for n in o.sources)), torch_dtype(outs[o.sources[0]].dtype))[0]
+        return _raw(o.make(*(values(n) for n in o.sources)), kind(o))[0]
 
     def byte_shape(o: OutTensor) -> tuple[int, ...]:  # from the sources' shapes alone: nothing read
         if o.raw:

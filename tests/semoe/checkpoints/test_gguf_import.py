@@ -376,3 +376,23 @@ def test_serve_takes_a_gguf_file_and_answers_as_generate_does(tmp_path):
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+def test_a_bfloat16_store_exports_its_norms_routers_and_biases_in_float32(tmp_path):
+    """llama.cpp's CPU ops take norms (and its converter writes routers and biases) in float32 only: a
+    bfloat16 store's export widens those, exactly, and keeps its matrices bfloat16; imported back, the
+    same logits."""
+    import gguf
+
+    from semoe.checkpoints.gguf_export import export_gguf
+
+    hf = _checkpoint("qwen2_moe", tmp_path)
+    store = import_checkpoint(str(hf), str(tmp_path / "bf16"), dtype="bfloat16")
+    out = tmp_path / "out.gguf"
+    export_gguf(store, str(out))
+    types = {t.name: t.tensor_type.name for t in gguf.GGUFReader(str(out)).tensors}
+    narrow = [n for n in types if n.endswith(("_norm.weight", "ffn_gate_inp.weight", ".bias"))]
+    assert narrow and all(types[n] == "F32" for n in narrow)
+    assert types["blk.0.attn_q.weight"] == "BF16" and types["blk.0.ffn_down_exps.weight"] == "BF16"
+    again = import_checkpoint(str(out), str(tmp_path / "again"))
+    assert torch.equal(_logits(again.root), _logits(store.root))
