@@ -9,7 +9,7 @@ import sys
 import tempfile
 
 from storage.errors import BadInputError
-from storage.formats import CAST_CHOICES, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES
+from storage.formats import CAST_CHOICES, INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, KQUANT_TARGET_BITS
 from tools.cli_output import emit_json
 from tools.size_flags import format_size
 from tools.progress import byte_bar
@@ -83,9 +83,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "experts Q4_K; attention, dense and shared feed-forwards, lm_head and token embedding "
                         "stepped up to Q8_0 or Q6_K, in the order that buys the most, within --target-bits. The "
                         "kernels compute on the blocks; `store export --format gguf` writes them as they are")
-    q.add_argument("--target-bits", type=float, default=4.9, metavar="B",
-                   help="--kquant: bits a weight the whole stays within (default 4.9, about Q4_K_M's on MoE models; "
-                        "4.5 keeps every weight Q4_K)")
+    q.add_argument("--target-bits", type=float, default=KQUANT_TARGET_BITS, metavar="B",
+                   help=f"--kquant: bits a weight the whole stays within (default {KQUANT_TARGET_BITS}, about "
+                        f"Q4_K_M's on MoE models; 4.5 keeps every weight Q4_K)")
     q.add_argument("--calibrate", metavar="FILE",
                    help="with --kquant: a text file (or directory of .txt/.md/.py files) the float model reads "
                         "first; each weight's fit then weighs its input columns by their mean squared "

@@ -34,7 +34,7 @@ from storage.dtypes import dtype_name, torch_dtype
 from storage.durable import undo_create
 from storage.errors import BadInputError
 from storage import kquants
-from storage.formats import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, QUANTIZE_ROWS
+from storage.formats import INT4_DEFAULT_GROUP, INT4_GROUP_SIZES, KQUANT_TARGET_BITS, QUANTIZE_ROWS
 from storage.quant import QuantShapeError, QuantSpec, check_fits, quantize, quantize_blocks, scales_name
 from storage.store import ExpertTensor, Store, iter_expert_chunks
 
@@ -51,7 +51,6 @@ Progress = Callable[[int], None]
 KQUANT_KINDS = ("expert", "dense", "lm_head", "embedding")
 KQUANT_LADDER = (("dense", "Q6_K"), ("embedding", "Q6_K"), ("lm_head", "Q6_K"), ("dense", "Q8_0"),
                  ("embedding", "Q8_0"), ("lm_head", "Q8_0"))
-KQUANT_TARGET_BITS = 4.9
 
 
 def kquant_mix(weights: dict[str, int], target_bits: float = KQUANT_TARGET_BITS) -> dict[str, str]:
