@@ -17,6 +17,7 @@ rank tokens unlike trained ones: greedy tokens of a random model sit on near-tie
 little beyond the first difference.
 
     python bench/bench_gguf.py --workdir /path/qwen3 --arch qwen3_moe [--types q4_k_m,q8_0] [--parts resident]
+    python bench/bench_gguf.py --workdir /path/qwen3 --arch qwen3_moe --parts limited --lean --defaults
 """
 
 from __future__ import annotations
@@ -40,12 +41,19 @@ def main() -> int:
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lean", action="store_true",
+                    help="in the limited part, run semoe's torch-free decoder (`semoe generate --lean`): at a third "
+                         "of a small file the engine's own torch runtime does not fit")
+    ap.add_argument("--defaults", action="store_true",
+                    help="in the limited part, also run `semoe generate` with no flag, as a user would")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     cmd = [sys.executable, os.path.join(HERE, "bench_vs_llamacpp.py"), "--workdir", args.workdir, "--arch", args.arch,
            "--shape", args.shape, "--parts", args.parts, "--resident-bits", args.types, "--limited-bits", args.types,
            "--memory", args.memory, "--prompt-tokens", str(args.prompt_tokens), "--new-tokens", str(args.new_tokens),
-           "--repeats", str(args.repeats), "--cold", *(["--json"] if args.json else [])]
+           "--repeats", str(args.repeats), "--cold",
+           *(["--lean"] if args.lean else []), *(["--defaults"] if args.defaults else []),
+           *(["--json"] if args.json else [])]
     return subprocess.run(cmd).returncode
 
 

@@ -141,8 +141,8 @@ def gpu_present() -> bool:
 
 def tensor_refusal(t) -> str | None:
     """Why the torch-free runner would not read a store's tensor (`t`, a `storage.manifest.TensorEntry`)
-    as stored, in a phrase; None where it would: float32, bfloat16, FP8 or int8 dense weights (and a hash
-    router's int64 table), and
+    as stored, in a phrase; None where it would: float32, bfloat16, FP8, int8 or GGUF-block dense weights (and
+    a hash router's int64 table), and
     experts stored as its kernels take them (`EXPERT_KINDS`), FP8 with scales per square tile only."""
     from inference.torch_free.runner import EXPERT_KINDS
 
@@ -152,8 +152,9 @@ def tensor_refusal(t) -> str | None:
     if t.group != "expert":
         if t.dtype == "I64" and not scheme and t.name.endswith(".tid2eid"):  # DeepSeek-V4's hash table
             return None
-        if not (scheme == "fp8" or int8_rows_spec(t.quant)) and (scheme or t.dtype not in ("F32", "BF16")):
-            return f"it reads dense weights stored F32, BF16, FP8 or int8, not {scheme or t.dtype} ({t.name})"
+        if not (scheme in ("fp8", "ggml") or int8_rows_spec(t.quant)) and (scheme or t.dtype not in ("F32", "BF16")):
+            return (f"it reads dense weights stored F32, BF16, FP8, int8 or GGUF blocks, not {scheme or t.dtype} "
+                    f"({t.name})")
         return None
     scales = "scales_of" in (t.quant or {})  # a compact weight's scales, read with its codes
     if not scales and (scheme or t.dtype) not in EXPERT_KINDS:

@@ -148,8 +148,10 @@ def dequantized_state(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 def runner_gives_the_engines_tokens(store: str) -> None:
     """The torch-free runner's 8 greedy tokens are the engine's, log-probs within 1e-4 (the same kernels,
-    the rotary tables numpy's against torch's)."""
+    the rotary tables numpy's against torch's); and `semoe generate`'s own choice, asked before the runner
+    loads, does not refuse it the store (with memory short it then takes the runner, not the engine)."""
     from inference.engine import Engine
+    from inference.placement import lean_refusal
     from inference.engine_config import EngineConfig
     from inference.torch_free.runner import LeanConfig, LeanModel
     from semoe.decode.loop import SamplingConfig
@@ -159,6 +161,7 @@ def runner_gives_the_engines_tokens(store: str) -> None:
         plain = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
     finally:
         engine.close()
+    assert lean_refusal(store) is None
     with LeanModel(store, LeanConfig(cache_bytes=None)) as lean:
         free = lean.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
     assert free.tokens == plain.tokens

@@ -328,7 +328,7 @@ def test_a_store_it_cannot_read_as_stored_keeps_the_engine(tmp_path):
     assert lean_refusal(str(tmp_path / "store")) is None
     import_checkpoint(str(hf), str(tmp_path / "store-f16"), dtype="float16")
     why = lean_refusal(str(tmp_path / "store-f16"))
-    assert why is not None and why.startswith("it reads dense weights stored F32, BF16, FP8 or int8, not F16")
+    assert why is not None and why.startswith("it reads dense weights stored F32, BF16, FP8, int8 or GGUF blocks, not F16")
     with pytest.raises(NotOnFastPath, match="F16"):
         LeanModel(str(tmp_path / "store-f16"), LeanConfig(cache_bytes=0))
     # experts alone in float16 (dense weights it takes): refused by the expert rule, as the runner's
