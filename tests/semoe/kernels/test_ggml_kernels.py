@@ -59,6 +59,15 @@ def test_products_on_blocks_equal_the_dequantized_weight_times_x(build, name, O,
     assert float((y - plain).abs().max() / plain.abs().max()) < 2e-2
 
 
+@pytest.mark.parametrize("build", sorted(_builds()))
+@pytest.mark.parametrize("name", [t for t in TYPES if not t.endswith("_K") and t != "IQ4_XS"])
+@pytest.mark.parametrize("M", [1, 2])
+def test_rows_of_an_odd_number_of_blocks(build, name, M):
+    """Rows of 3 blocks of 32: the kernels that take two blocks a step (Q8_0's decoding row, read as one
+    stream) end on a half step; the same tolerance as above."""
+    test_products_on_blocks_equal_the_dequantized_weight_times_x(build, name, 6, 96, M)
+
+
 def test_row_bytes_follow_each_types_blocks():
     import gguf
 
