@@ -130,6 +130,11 @@ typedef struct {
     int8_t *qp;
     int16_t *c16;
     float *dp;
+    /* `acts_gg`'s, for GGUF blocks on the AVX-512 VNNI build and a prompt's rows (GG_TILE_MIN or more): each
+     * pair of rows' codes plus 128 (unsigned), their 4-byte groups interleaved (row 2p's, then 2p + 1's), and
+     * the pair's scales and sums per 32 side by side; NULL otherwise (the kernel then takes rows in pairs) */
+    uint8_t *gu;
+    float *gd, *gs;
 } Acts;
 
 /* acts_alloc's buffers may be NULL where memory is short: acts_ok says whether all three are there
@@ -140,6 +145,7 @@ void acts_fill(Acts *a, const float *x);
 void acts_fill_row(Acts *a, const float *x, int64_t m); /* row m of x alone: rows may be filled in parallel */
 void acts_free(Acts *a);
 void acts_fp4(Acts *a); /* after acts_fill: the MXFP4 kernel's layout of the rows (qp, c16, dp) */
+void acts_gg(Acts *a);  /* after acts_fill: the GGUF tile kernel's layout of the rows (gu, gd, gs) */
 
 /* block b of y (M, O) = x @ W.T: ROWS rows for int8, float32 and bfloat16 weights (`i8_blocks(O)`
  * blocks), I4_BLOCK rows for int4 (O / I4_BLOCK blocks); the integer ones read x from `a` */

@@ -5,7 +5,9 @@ Weights are random blocks of each type (random codes and sub-scales, half scales
 kernels quantize x per 32 inputs (`torch_ops.quantize_activations`) and sum each block's products exactly in
 integers, then in float32: against x as they see it (`activations_as_seen`) the product agrees to 2e-5 of the
 output's scale (float32 sums of a few hundred block terms in another order than float64's); against x itself
-to 2e-2 (int8 activations: half a step of 1/127 of a block's largest value per input)."""
+to 2e-2 (int8 activations: half a step of 1/127 of a block's largest value per input). The shapes take each
+path: one row (decoding: each row read as a stream), rows in pairs (3), and the tile kernel of the AVX-512 build
+(8 or more rows; 48 or more for Q4_K), with partial blocks of rows and an odd last row."""
 
 from __future__ import annotations
 
@@ -43,7 +45,7 @@ def ggml_product(name: str, w: np.ndarray, O: int, I: int, x: torch.Tensor, lib=
 
 @pytest.mark.parametrize("build", sorted(_builds()))
 @pytest.mark.parametrize("name", TYPES)
-@pytest.mark.parametrize("O,I,M", [(37, 512, 1), (64, 256, 3), (5, 768, 9)])
+@pytest.mark.parametrize("O,I,M", [(37, 512, 1), (64, 256, 3), (5, 768, 9), (37, 512, 16), (6, 256, 49)])
 def test_products_on_blocks_equal_the_dequantized_weight_times_x(build, name, O, I, M):
     import gguf
 
