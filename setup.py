@@ -32,8 +32,10 @@ def _variants_module():
 
 kv = _variants_module()
 SOURCES = [f"semoe/kernels/{f}.c" for f in ("gemv", "gemv_fp4", "gemv_float", "attend", "decode_step", "decode_abi",
-                                            "prefill", "route", "deltanet", "compressed", "gemv_ggml")]
-DEPENDS = ["semoe/kernels/kernels.h", "semoe/kernels/decode_abi.h", "semoe/kernels/lin.h"]
+                                            "prefill", "route", "deltanet", "compressed", "gemv_ggml",
+                                            "gemv_ggml_tile")]
+DEPENDS = ["semoe/kernels/kernels.h", "semoe/kernels/decode_abi.h", "semoe/kernels/lin.h",
+           "semoe/kernels/ggml_blocks.h"]
 KERNELS = [Extension(f"semoe.kernels.{v.module}", sources=SOURCES, depends=DEPENDS, optional=True,
                      extra_compile_args=["-O3", "-fopenmp", *kv.cflags(v)], extra_link_args=["-fopenmp"])
            for v in kv.buildable()]

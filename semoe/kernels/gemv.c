@@ -194,12 +194,8 @@ void acts_free(Acts *a) {
     free(a->q);
     free(a->d);
     free(a->xsum);
-    free(a->qp);
-    free(a->gu);
-    free(a->gd);
-    free(a->gs);
-    free(a->c16);
-    free(a->dp);
+    void *bufs[] = {a->qp, a->c16, a->dp, a->gu, a->gd, a->gs}; /* the kernels' layouts of the rows */
+    for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) free(bufs[i]);
 }
 
 #ifdef SEMOE_AVX2
