@@ -100,7 +100,7 @@ static inline __attribute__((always_inline)) void gg_tile_body(int64_t t, int ha
 }
 
 void gg_tile_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t I, const Acts *a,
-                         int64_t O, float *y) {
+                  int64_t O, float *y) {
     if (t == GG_Q6_K) gg_tile_body(t, 2, 0, w, rb, r0, nr, I, a, O, y);
     else if (t == GG_Q4_K || t == GG_Q5_K || t == GG_Q4_1 || t == GG_Q5_1) gg_tile_body(t, 1, 1, w, rb, r0, nr, I, a, O, y);
     else gg_tile_body(t, 1, 0, w, rb, r0, nr, I, a, O, y);
