@@ -51,5 +51,7 @@ def itemsize(name: str) -> int:
         return ITEMSIZE[name]
     except KeyError:
         raise BadInputError(f"unsupported dtype {name!r}; supported: {', '.join(ITEMSIZE)}") from None
+
+
 # `store quantize --kquant`: the bits a weight its mix stays within by default (Q4_K_M averages some 4.9 on MoE models)
 KQUANT_TARGET_BITS = 4.9

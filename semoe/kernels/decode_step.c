@@ -53,7 +53,7 @@ void lin_acts(const Lin *l, const float *x, int64_t M, Acts *a, int *oom) {
     lin_acts_alloc(l, M, a, oom);
     if (lin_quantized(l) && !*oom) acts_fill(a, x);
     if (l->kind == W_MXFP4 && !*oom) acts_fp4(a);
-    if (l->kind == W_GGML && !*oom) acts_gg(a);
+    if (l->kind == W_GGML && !*oom) acts_gg(a, l->g);
 }
 
 /* lin_acts in three parts for a team: the buffers (by one thread), the rows (split over the threads)
@@ -83,7 +83,7 @@ void lin_acts_team(const Lin *l, const float *x, int64_t M, Acts *a, int *oom) {
     }
     if (l->kind == W_GGML && !*oom) {
 #pragma omp single
-        acts_gg(a);
+        acts_gg(a, l->g);
     }
 }
 

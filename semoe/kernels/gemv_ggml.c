@@ -361,7 +361,7 @@ void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, 
     const int64_t r0 = b * ROWS, nr = (r0 + ROWS < O ? r0 + ROWS : O) - r0, nb = I / QB, rb = gg_row_bytes(t, I);
 #ifdef SEMOE_VNNI
     float out[ROWS][MX];
-    if (a->gu && (t != GG_Q4_K || a->M >= GG_TILE_MIN_Q4_K)) {
+    if (a->gu) { /* `acts_gg` laid the rows out: the tile takes them */
         gg_tile_vnni(t, w, rb, r0, nr, I, a, O, y);
         return;
     }

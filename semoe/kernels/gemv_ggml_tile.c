@@ -107,11 +107,12 @@ void gg_tile_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t n
 }
 #endif
 
-/* x's rows for `gg_tile_vnni` where there are GG_TILE_MIN or more (the AVX-512 VNNI build; elsewhere, or where
- * memory for them is short, nothing: the kernels take the rows in pairs) */
-void acts_gg(Acts *a) {
+/* x's rows for `gg_tile_vnni` against weights of type t where there are GG_TILE_MIN or more (GG_TILE_MIN_Q4_K
+ * for Q4_K); the one place that decides: where this leaves them NULL (fewer rows, another build, memory short)
+ * the kernels take the rows in pairs */
+void acts_gg(Acts *a, int64_t t) {
 #ifdef SEMOE_VNNI
-    if (a->M < GG_TILE_MIN || a->groups * QB != a->I) return;
+    if (a->M < (t == GG_Q4_K ? GG_TILE_MIN_Q4_K : GG_TILE_MIN) || a->groups * QB != a->I) return;
     const int64_t P = (a->M + 1) / 2, ip = a->Ip, nd = a->Ip / QB, nb = a->I / QB;
     a->gu = malloc((size_t)(P * 2 * ip));
     a->gd = malloc(sizeof(float) * (size_t)(P * 2 * nb));
@@ -139,6 +140,6 @@ void acts_gg(Acts *a) {
         }
     }
 #else
-    (void)a;
+    (void)a, (void)t;
 #endif
 }

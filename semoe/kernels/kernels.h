@@ -145,7 +145,7 @@ void acts_fill(Acts *a, const float *x);
 void acts_fill_row(Acts *a, const float *x, int64_t m); /* row m of x alone: rows may be filled in parallel */
 void acts_free(Acts *a);
 void acts_fp4(Acts *a); /* after acts_fill: the MXFP4 kernel's layout of the rows (qp, c16, dp) */
-void acts_gg(Acts *a);  /* after acts_fill: the GGUF tile kernel's layout of the rows (gu, gd, gs) */
+void acts_gg(Acts *a, int64_t t); /* after acts_fill: the GGUF tile kernel's layout of the rows (gu, gd, gs) */
 
 /* block b of y (M, O) = x @ W.T: ROWS rows for int8, float32 and bfloat16 weights (`i8_blocks(O)`
  * blocks), I4_BLOCK rows for int4 (O / I4_BLOCK blocks); the integer ones read x from `a` */
