@@ -21,7 +21,8 @@ Schemes (shape legend: O out features, I in features, g group size, G groups per
 - `mxfp4`: gpt-oss's blocks (O, G, 16) uint8, two e2m1 values per byte, low nibble first, 32 per
   group, with e8m0 scales (O, G) uint8; as shipped (`X_blocks` beside `X_scales`), logical (I, O).
 - `ggml`: a GGUF file's quantized rows as it stores them (`ggml_type`: Q8_0, Q4_K, Q6_K, ...), uint8
-  (O, bytes of a row), each row's blocks carrying their own scales: no scales tensor (`scales` "").
+  (O, bytes of a row), each row's blocks carrying their own scales: no scales tensor (`scales` "");
+  `transposed` where the logical weight is (I, O) (gpt-oss's experts: rows are outputs all the same).
 """
 
 from __future__ import annotations
@@ -75,9 +76,9 @@ class QuantSpec:
             raise BadInputError(f"int4 group size must be one of {INT4_GROUP_SIZES}, got {self.group_size!r}")
         if self.scheme == "fp8" and (self.block is None or len(self.block) != 2):
             raise BadInputError(f"fp8 needs a block of 2 sizes, got {self.block!r}")
-        if self.scheme == "ggml" and (self.ggml_type not in GGML_KERNEL_TYPES or self.scales or self.transposed):
-            raise BadInputError(f"a ggml weight needs a type of {', '.join(GGML_KERNEL_TYPES)}, no scales tensor and "
-                                f"out-major rows, got {self.ggml_type!r}, scales {self.scales!r}")
+        if self.scheme == "ggml" and (self.ggml_type not in GGML_KERNEL_TYPES or self.scales):
+            raise BadInputError(f"a ggml weight needs a type of {', '.join(GGML_KERNEL_TYPES)} and no scales tensor, "
+                                f"got {self.ggml_type!r}, scales {self.scales!r}")
 
     @property
     def out_in(self) -> tuple[int, int]:

@@ -91,6 +91,15 @@ def plan(model_type: str, cfg: dict, names: list[str], raw: set[str] = frozenset
                                  make=lambda a: a.reshape(h, nope + dv, -1)[:, :nope].swapaxes(1, 2)))
             out.append(OutTensor(name=f"blk.{i}.attn_v_b.weight", sources=[hf],
                                  make=lambda a: a.reshape(h, nope + dv, -1)[:, nope:]))
+        elif model_type == "gpt_oss" and ".experts." in hf and hf in raw:  # rows of blocks (E, O, bytes of a row)
+            i = _layer(hf)
+            if hf.endswith("gate_up_proj"):  # gate j's row and up j's at 2j and 2j + 1
+                out.append(OutTensor(name=f"blk.{i}.ffn_gate_exps.weight", sources=[hf], raw=True,
+                                     make=lambda a: a[:, 0::2]))
+                out.append(OutTensor(name=f"blk.{i}.ffn_up_exps.weight", sources=[hf], raw=True,
+                                     make=lambda a: a[:, 1::2]))
+            else:
+                out.append(OutTensor(name=f"blk.{i}.ffn_down_exps.weight", sources=[hf], raw=True, make=lambda a: a))
         elif model_type == "gpt_oss" and ".experts." in hf:
             i = _layer(hf)
             if hf.endswith("gate_up_proj"):  # (E, D, 2F): gate j and up j at 2j and 2j + 1
@@ -265,14 +274,28 @@ def export_gguf(store, out_path: str, *, progress: Callable[[int], None] | None 
             return "F32"  # as llama.cpp's converter writes them: its CPU ops take no half-precision norms
         return _FLOAT_TYPES.get(torch_dtype(outs[o.sources[0]].dtype), "F32")
 
+    stacks = {}  # a fused tensor's slices (gpt-oss's experts), by name: their entries in expert order
+    for t in m.tensors:
+        if t.stacked and t.name in raw:
+            stacks.setdefault(t.name, []).append(t)
+
+    def raw_shape(n: str) -> tuple[int, ...]:
+        return (len(stacks[n]), *stacks[n][0].shape) if n in stacks else tuple(m.tensor(n).shape)
+
+    def raw_rows(n: str) -> np.ndarray:
+        if n not in stacks:
+            return store.read_tensor(n).numpy()
+        return np.stack([store.read_tensor(n, stack_index=t.expert).numpy()
+                         for t in sorted(stacks[n], key=lambda t: t.expert)])
+
     def made(o: OutTensor) -> np.ndarray:
         if o.raw:  # rows of blocks: stacked, or their rows reordered, as they are
-            return np.ascontiguousarray(o.make(*(store.read_tensor(n).numpy() for n in o.sources)))
+            return np.ascontiguousarray(o.make(*(raw_rows(n) for n in o.sources)))
         return _raw(o.make(*(values(n) for n in o.sources)), kind(o))[0]
 
     def byte_shape(o: OutTensor) -> tuple[int, ...]:  # from the sources' shapes alone: nothing read
         if o.raw:
-            return o.make(*(np.broadcast_to(np.uint8(0), tuple(m.tensor(n).shape)) for n in o.sources)).shape
+            return o.make(*(np.broadcast_to(np.uint8(0), raw_shape(n)) for n in o.sources)).shape
         shape = o.make(*(np.broadcast_to(np.float32(0), tuple(outs[n].shape)) for n in o.sources)).shape
         return (*shape[:-1], shape[-1] * (4 if kind(o) == "F32" else 2))
 

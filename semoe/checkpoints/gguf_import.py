@@ -13,9 +13,12 @@ file's alignment honoured) and gives what importing the HuggingFace directory it
 - the tokenizer and chat template, rebuilt from `tokenizer.ggml.*` by transformers' own GGUF tokenizer
   converter and saved as the files `AutoTokenizer` loads.
 
-F32, F16 and BF16 tensors are kept as stored (exact). Quantized ones (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1,
-Q2_K..Q6_K, IQ4_NL, IQ4_XS, MXFP4, ...) are decoded by `gguf.quants.dequantize` and stored widened:
-bfloat16 by default, float32 with `dtype="float32"` (the file's values exactly); one stderr line says so.
+F32, F16 and BF16 tensors are kept as stored (exact). Quantized matrices of a type the kernels take
+(`GGML_KERNEL_TYPES`) are kept as their rows of blocks (scheme `ggml`; the token embedding too; gpt-oss's
+experts too, their rows the outputs, gate's and up's interleaved), gpt-oss's MXFP4 experts as the
+checkpoint's own MXFP4. The rest (Q2_K, Q3_K, DeepSeek's `k_b`/`v_b`) are decoded by `gguf.quants.dequantize`
+and stored widened: bfloat16 by default, float32 with `dtype="float32"` (every tensor widened: the file's
+values exactly); one stderr line says what was kept and what decoded.
 Multi-token-prediction layers (GLM's `nextn`) are left out, with one line.
 """
 
@@ -498,12 +501,41 @@ def _gpt_oss_mxfp4(out: _Layout, h: str, name: str, parts: list[str]) -> None:
     out.quant[scales] = {"scales_of": blocks}
 
 
+def _gpt_oss_rows(out: _Layout, h: str, name: str, parts: list[str]) -> bool:
+    """gpt-oss's experts of one type the kernels take kept as their rows of blocks (scheme `ggml`, the logical
+    (I, O) weight transposed: rows are outputs): `name` (E, O, bytes of a row), gate_up's rows interleaving
+    gate and up as the checkpoint's outputs do; False (nothing done) where the parts' types differ or the
+    import widens."""
+    src = out.src
+    kinds = {src.kind(n) for n in parts}
+    if out.to is not None or len(kinds) != 1 or next(iter(kinds)) not in GGML_KERNEL_TYPES:
+        return False
+    E, O, I = src.shape(parts[0])
+    O *= len(parts)
+    for n in parts:
+        out.used.add(n)
+
+    def rows(i0: int, i1: int) -> np.ndarray:  # (experts, O, bytes of a row), gate and up interleaved
+        r = [np.asarray(src.tensors[n][0].data[i0:i1]) for n in parts]
+        return r[0] if len(r) == 1 else np.stack(r, axis=2).reshape(i1 - i0, O, -1)
+
+    hf = f"{h}mlp.experts.{name}"
+    width = int(np.asarray(src.tensors[parts[0]][0].data[:1]).shape[-1])
+    out.refs[hf] = GGUFRef(name=hf, dtype="U8", shape=(E, O, width), path=src.path, start=src.offset(parts[0]),
+                           make=rows, stacked=True)
+    out.quant[hf] = QuantSpec(scheme="ggml", ggml_type=next(iter(kinds)), dtype="F32", shape=(I, O), scales="",
+                              transposed=True).to_json()
+    return True
+
+
 def _gpt_oss_experts(out: _Layout, b: str, h: str, suffix: str) -> None:
     """gpt-oss's gate_up_proj (E, D, 2F) (its bias (E, 2F)): gate j and up j at 2j and 2j + 1."""
     gate, up = b + f"ffn_gate_exps.{suffix}", b + f"ffn_up_exps.{suffix}"
     shape = out.src.shape(gate)  # (E, F, D), or (E, F) for the bias
     if suffix == "weight" and out.to is None and {out.src.kind(gate), out.src.kind(up)} == {"MXFP4"}:
         _gpt_oss_mxfp4(out, h, "gate_up_proj", [gate, up])
+        return
+    if suffix == "weight" and _gpt_oss_rows(out, h, "gate_up_proj", [gate, up]):
         return
 
     def fuse(g: np.ndarray, u: np.ndarray) -> np.ndarray:
@@ -519,6 +551,8 @@ def _gpt_oss_down(out: _Layout, g: str, h: str, suffix: str) -> None:
     shape = out.src.shape(g)  # (E, D, F), or (E, D) for the bias
     if suffix == "weight" and out.to is None and out.src.kind(g) == "MXFP4":
         _gpt_oss_mxfp4(out, h, "down_proj", [g])
+        return
+    if suffix == "weight" and _gpt_oss_rows(out, h, "down_proj", [g]):
         return
     if suffix == "weight":
         out.add(h + "mlp.experts.down_proj", [g], (shape[0], shape[2], shape[1]), lambda a: a.swapaxes(1, 2),

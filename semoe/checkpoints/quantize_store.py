@@ -12,8 +12,9 @@ A quantized store is for inference: export dequantizes it (lossy) and training d
 `--kquant` (`QuantizeConfig.kquant`) is semoe's own 4-bit instead: GGUF's blocks (`storage.kquants`), fitted by
 semoe's search and, with `--calibrate`, weighed by an importance matrix (`semoe.evaluation.calibrate`). Experts
 take Q4_K; the dense linear weights, the lm_head and the token embedding start there too and step up
-`KQUANT_LADDER` within `target_bits` a weight (`kquant_mix`). The kernels compute on the blocks as stored,
-and `store export --format gguf` writes them as they are.
+`KQUANT_LADDER` within `target_bits` a weight (`kquant_mix`). (In, out) experts (gpt-oss's) are cut into
+rows of outputs all the same, as llama.cpp's converter lays them out. The kernels compute on the blocks as
+stored, and `store export --format gguf` writes them as they are.
 """
 
 from __future__ import annotations
@@ -132,10 +133,14 @@ class QuantizeReport:
                 "kept": self.kept}
 
 
-def _ggml(t: torch.Tensor, name: str, ggml_type: str, importance: torch.Tensor | None, kept: dict[str, str]
-          ) -> tuple[torch.Tensor, dict] | None:
+def _ggml(t: torch.Tensor, name: str, ggml_type: str, importance: torch.Tensor | None, kept: dict[str, str],
+          transposed: bool = False) -> tuple[torch.Tensor, dict] | None:
     """An (O, I) float weight as GGUF blocks of `ggml_type` fitted by `storage.kquants` (codes, quant), or
-    None where its rows do not cut into whole blocks (listed in `kept`)."""
+    None where its rows do not cut into whole blocks (listed in `kept`). `transposed`: `t` is the (I, O)
+    weight of an (in, out) expert (gpt-oss, Llama-4), made out-major rows all the same."""
+    logical = tuple(t.shape)
+    if transposed:
+        t = t.T.contiguous()
     if not kquants.fits(ggml_type, tuple(t.shape)) and kquants.fits("Q8_0", tuple(t.shape)):
         ggml_type = "Q8_0"  # rows that do not cut into super-blocks of 256: blocks of 32
     if not kquants.fits(ggml_type, tuple(t.shape)):
@@ -146,7 +151,8 @@ def _ggml(t: torch.Tensor, name: str, ggml_type: str, importance: torch.Tensor |
         raise BadInputError(f"{name}: calibration gave {list(importance.shape)} column importances for a weight "
                             f"of shape {list(t.shape)}")
     codes = kquants.quantize_rows(t, ggml_type, importance)
-    spec = QuantSpec(scheme="ggml", dtype=dtype_name(t.dtype), shape=tuple(t.shape), scales="", ggml_type=ggml_type)
+    spec = QuantSpec(scheme="ggml", dtype=dtype_name(t.dtype), shape=logical, scales="", ggml_type=ggml_type,
+                     transposed=transposed)
     return codes, spec.to_json()
 
 
@@ -161,7 +167,7 @@ def quantize_expert(tensors: dict[str, torch.Tensor], stacked: dict[str, bool], 
     for name, t in tensors.items():
         q = None
         if t.dim() == 2 and t.dtype.is_floating_point and cfg.kquant:
-            got = _ggml(t, name, ggml_type, importance(name) if importance else None, kept)
+            got = _ggml(t, name, ggml_type, importance(name) if importance else None, kept, in_out)
             if got is not None:
                 out.append(ExpertTensor(name=name, tensor=got[0], stacked=stacked[name], quant=got[1]))
                 continue
@@ -264,9 +270,6 @@ def quantize_store(src: str, dst: str, cfg: QuantizeConfig, *, progress: Progres
         raise BadInputError(f"{src}: its experts are already quantized ({was}); quantize a float store")
     mlp = expert_mlp(config)
     in_out = mlp.in_out
-    if cfg.kquant and in_out:
-        raise BadInputError(f"{src}: its experts are laid out (in, out) ({config.arch}); GGUF's blocks run along "
-                            f"out-major rows: quantize it with --bits 4 (or keep its MXFP4)")
     dense_names = dense_int8_names(config) if cfg.dense == "int8" else set()
     kinds = _kquant_kinds(config, dense_names) if cfg.kquant else {}
     parts = mlp.names(config, "")

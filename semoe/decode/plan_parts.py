@@ -43,7 +43,7 @@ def _weight(w: torch.Tensor | CompactWeight, *, in_out: bool = False) -> tuple[_
         if scheme == "fp8" and not fp8_tile(w.spec):
             raise NotOnFastPath(f"an fp8 weight with scales per {w.spec.block} block: the kernel takes square tiles")
         if scheme == "ggml":  # a GGUF file's rows of blocks, their scales inside
-            O, I = w.spec.shape
+            O, I = w.spec.out_in
             return _Lin(loader.W_GGML, O, I, loader.ggml_type_id(w.spec.ggml_type), _ptr(w.codes), None, None), (w.codes,)
         # kept: the kernel reads them every step (MXFP4's exponents as they are)
         held = (w.codes, w.scales if scheme == "mxfp4" else torch_ops._f32(w.scales))

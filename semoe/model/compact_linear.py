@@ -124,7 +124,7 @@ class CompactWeight:
             elif self.spec.scheme == "mxfp4":  # stored out-major: (O, I/32, 16) blocks
                 y = torch_ops.gemv_mxfp4(x_MI, self.codes, self.scales)
             elif self.spec.scheme == "ggml":  # a GGUF file's rows of blocks
-                y = torch_ops.gemv_ggml(x_MI, self.codes, self.spec.shape[1], self.spec.ggml_type)
+                y = torch_ops.gemv_ggml(x_MI, self.codes, self.spec.out_in[1], self.spec.ggml_type)
             else:
                 y = torch_ops.gemv_i4(x_MI, self.codes, self.scales, self.spec.group_size)
             return y if y.dtype == x_MI.dtype else y.to(x_MI.dtype)

@@ -82,8 +82,8 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, *, qtype: str = "F32", split: int = 0,
                whole_kv_b: bool = False) -> pathlib.Path:
-    """`hf_dir` (a tiny checkpoint with `add_bpe_tokenizer`'s tokenizer) as a GGUF file at `out`: matrices of
-    two or more dimensions whose rows fit `qtype`'s blocks in `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+    """`hf_dir` (a tiny checkpoint with `add_bpe_tokenizer`'s tokenizer) as a GGUF file at `out`: weight matrices
+    of two or more dimensions whose rows fit `qtype`'s blocks in `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, MXFP4: what the package quantizes; K-quants and IQ4: random blocks of the type, `random_blocks`,
     not the weights), the rest float32; `split` > 0: that many tensors a file, written as
     NAME-0000k-of-0000N.gguf beside `out` (the first's path is returned). `whole_kv_b`: DeepSeek's kv_b_proj as
@@ -119,7 +119,8 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, *, qtype: str = "F32", s
             w.add_uint16("split.count", len(chunks))
             w.add_int32("split.tensors.count", len(items))
         for name, a in chunk:
-            if a.ndim >= 2 and qtype != "F32" and a.shape[-1] % block == 0 and "ffn_gate_inp" not in name:
+            if a.ndim >= 2 and qtype != "F32" and a.shape[-1] % block == 0 and "ffn_gate_inp" not in name \
+                    and name.endswith(".weight"):  # biases (gpt-oss's experts' are 2-D) stay float, as llama-quantize's
                 if qtype.endswith("_K") or qtype.startswith("IQ"):
                     if "_exps" not in name:  # only the experts: random blocks elsewhere would swamp the model
                         w.add_tensor(name, np.ascontiguousarray(a, dtype=np.float32))
@@ -147,7 +148,8 @@ def dequantized_state(path: pathlib.Path) -> dict[str, np.ndarray]:
 
 
 def runner_gives_the_engines_tokens(store: str) -> None:
-    """The torch-free runner's 8 greedy tokens are the engine's, log-probs within 1e-4 (the same kernels,
+    """The engine decodes in one call of the kernels; the torch-free runner's 8 greedy tokens are the engine's,
+    log-probs within 1e-4 (the same kernels,
     the rotary tables numpy's against torch's); and `semoe generate`'s own choice, asked before the runner
     loads, does not refuse it the store (with memory short it then takes the runner, not the engine)."""
     from inference.engine import Engine
@@ -158,6 +160,7 @@ def runner_gives_the_engines_tokens(store: str) -> None:
 
     engine = Engine.load(store, EngineConfig())
     try:
+        assert engine.decode_path() == "semoe's CPU kernels, the whole step in one call"
         plain = engine.generate([1, 5, 9, 33, 100], SamplingConfig(max_new_tokens=8))
     finally:
         engine.close()

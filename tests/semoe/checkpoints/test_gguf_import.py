@@ -229,14 +229,15 @@ WIDE = dict(hidden_size=256, intermediate_size=256)  # rows of whole super-block
 
 
 @pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q6_K"), ("deepseek_v3", "Q5_K"),
-                                        ("olmoe", "IQ4_XS"), ("glm4_moe", "Q8_0"), ("qwen2_moe", "Q4_0")])
+                                        ("olmoe", "IQ4_XS"), ("glm4_moe", "Q8_0"), ("qwen2_moe", "Q4_0"),
+                                        ("gpt_oss", "Q4_K"), ("gpt_oss", "Q8_0")])
 def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype, capfd):
     """The default import keeps quantized experts block for block (scheme `ggml`); the kernels on them give
     the logits of the same file widened to float32, within int8 activations' error (2e-2 of the logits'
     scale), and the plain reference kernel (dequantize, x as the kernels see it) within 3e-4; the
     torch-free runner's greedy tokens are the engine's, log-probs within 1e-4; export writes the
     package's dequantization."""
-    over = dict(WIDE, moe_intermediate_size=256) if arch not in ("mixtral", "olmoe") else dict(WIDE)
+    over = dict(WIDE, moe_intermediate_size=256) if arch not in ("mixtral", "olmoe", "gpt_oss") else dict(WIDE)
     if arch == "deepseek_v3":
         over.update(kv_lora_rank=32, q_lora_rank=64)
     hf = _checkpoint(arch, tmp_path, **over)
@@ -244,7 +245,7 @@ def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype,
     kept = import_checkpoint(str(gguf_file), str(tmp_path / "kept"))
     assert f"{qtype} weights kept as their blocks" in capfd.readouterr().err
     tensors = StoreReader.open(kept.root).manifest.tensors
-    experts = [t for t in tensors if ".experts." in t.name]
+    experts = [t for t in tensors if ".experts." in t.name and not t.name.endswith("_bias")]  # gpt-oss's: float
     assert experts and all(t.quant["scheme"] == "ggml" and t.quant["ggml_type"] == qtype and t.dtype == "U8"
                            for t in experts)
     if qtype in ("Q8_0", "Q4_0"):  # the writer quantized the dense matrices too: kept as blocks as well
@@ -271,9 +272,9 @@ def test_expert_blocks_are_kept_as_stored_and_computed_on(tmp_path, arch, qtype,
     cfg = json.loads((hf / "config.json").read_text())
     back = gguf_tensors(cfg["model_type"], cfg, load_safetensors_dir(tmp_path / "back"))
     for name, a in dequantized_state(gguf_file).items():
-        if "_exps" in name:  # the blocks as stored, dequantized on the way out: the package's values exactly
+        if "_exps.weight" in name:  # the blocks as stored, dequantized on the way out: the package's values exactly
             np.testing.assert_array_equal(back[name].reshape(a.shape), a, err_msg=name)
-        else:  # a quantized dense weight is widened to bfloat16 (8 bits of mantissa) at import
+        else:  # a quantized dense weight (gpt-oss's float expert biases too) is widened to bfloat16 at import
             np.testing.assert_allclose(back[name].reshape(a.shape), a, rtol=2 ** -8, atol=0, err_msg=name)
 
 
@@ -298,7 +299,7 @@ def test_export_as_gguf_imports_back_to_the_same_logits(tmp_path, arch):
         export_gguf(store, str(out))
 
 
-@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0")])
+@pytest.mark.parametrize("arch,qtype", [("qwen3_moe", "Q4_K"), ("mixtral", "Q8_0"), ("gpt_oss", "Q6_K")])
 def test_export_writes_kept_blocks_back_byte_for_byte(tmp_path, arch, qtype):
     """Every quantized tensor kept as blocks goes back to the file as it came (Mixtral's permuted q/k rows
     reordered twice); the token embedding, decoded at import, comes back as floats."""
@@ -306,7 +307,7 @@ def test_export_writes_kept_blocks_back_byte_for_byte(tmp_path, arch, qtype):
 
     from semoe.checkpoints.gguf_export import export_gguf
 
-    over = dict(WIDE, moe_intermediate_size=256) if arch == "qwen3_moe" else {}
+    over = dict(WIDE, moe_intermediate_size=256) if arch == "qwen3_moe" else dict(WIDE) if arch == "gpt_oss" else {}
     hf = _checkpoint(arch, tmp_path, **over)
     src = write_gguf(hf, tmp_path / "m.gguf", qtype=qtype)
     store = import_checkpoint(str(src), str(tmp_path / "kept"))
