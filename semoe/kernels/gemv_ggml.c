@@ -8,7 +8,8 @@
  * q, scale dx, and dx sum(q) as `xsum`), the block's share of a row's product is
  *     dx (s_0 sum_{j<16} c_j q_j + s_1 sum_{j>=16} c_j q_j) + o xsum,
  * both sums taken exactly in integers. Rows are computed ROWS at a time, sharing the loads of x (the AVX-512
- * build decodes Q4_K, Q6_K and Q8_0 one row at a time instead, each read as one stream: `gg_row1_vnni`);
+ * build decodes Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS one row at a time instead, each read as one stream:
+ * `gg_row1_vnni`);
  * every output row is summed by one thread in one order (kernels.h). */
 #include "kernels.h"
 #include "decode_abi.h"
@@ -185,8 +186,8 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
 #define GG_STREAM_AHEAD PREFETCH
 #endif
 
-/* One row of Q4_K, Q6_K or Q8_0 blocks (wr) against x row m: decoding's product. The row is read as one
- * sequential stream, a fixed distance prefetched ahead, one row after another, as the int8 kernel reads
+/* One row of Q4_K, Q5_K, Q6_K, Q8_0 or IQ4_XS blocks (wr) against x row m: decoding's product. The row is
+ * read as one sequential stream, a fixed distance prefetched ahead, one row after another, as the int8 kernel reads
  * its rows: four rows side by side (`gg_rows_body`, which shares each load of x between them) held 14-17
  * GB/s from memory on two threads of an AVX-512 EPYC, where the int8 kernel's one stream held 28. Two
  * accumulators each, so that the multiply-adds' latency does not bound a single row. */
@@ -214,12 +215,14 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
     }
-    if (t == GG_Q4_K) {
-        const __m256i lo4 = _mm256_set1_epi8(0x0F);
+    if (t == GG_Q4_K || t == GG_Q5_K) { /* Q5_K: Q4_K's with each code's fifth bit from the 32 bytes after the mins */
+        const int five = t == GG_Q5_K;
+        const int64_t bb = five ? 176 : 144, qs = five ? 48 : 16;
+        const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
         __m256 f0 = _mm256_setzero_ps(), f1 = f0, off = f0;
         for (int64_t sb = 0; sb < I / 256; sb++) {
-            const uint8_t *b = wr + sb * 144;
-            for (int l = 0; l < 192; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
+            const uint8_t *b = wr + sb * bb;
+            for (int l = 0; l < bb + 48; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
             uint64_t sc, mn8;
             k_scales8(b + 4, &sc, &mn8);
             float pf[8];
@@ -227,18 +230,55 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
                                                _mm256_loadu_ps(xd + sb * 8)));
             off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(b + 2)), bytes8_ps(mn8)),
                                    _mm256_loadu_ps(a->xsum + m * a->groups + sb * 8), off);
+            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
             for (int i = 0; i < 4; i++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + 16 + 32 * i));
+                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + qs + 32 * i));
                 const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + sb * 256 + 64 * i));
                 const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + sb * 256 + 64 * i + 32));
-                const __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_and_si256(q, lo4), x0);
-                const __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(),
-                                                       _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4), x1);
+                __m256i c0 = _mm256_and_si256(q, lo4), c1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+                if (five) { /* bit 2i of byte l: sub-block 2i's weight l; bit 2i + 1: sub-block 2i + 1's */
+                    c0 = _mm256_or_si256(c0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
+                    c1 = _mm256_or_si256(c1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
+                }
+                const __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c0, x0);
+                const __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c1, x1);
                 f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(pf[2 * i]), f0);
                 f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(pf[2 * i + 1]), f1);
             }
         }
         return hsum8(_mm256_add_ps(_mm256_add_ps(f0, f1), off));
+    }
+    if (t == GG_IQ4_XS) { /* a pair of sub-blocks a step: values plus 128 by a byte shuffle, 128 sum(x) taken away */
+        uint8_t tab[16];
+        for (int l = 0; l < 16; l++) tab[l] = (uint8_t)(IQ4_VALUES[l] + 128);
+        const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab));
+        const __m512i lo4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+        const __m512i sh = _mm512_set_epi32(0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0,
+                                            0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0);
+        __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+        for (int64_t sb = 0; sb < I / 256; sb++) {
+            const uint8_t *b = wr + sb * 136;
+            for (int l = 0; l < 136 + 48; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
+            uint16_t hs;
+            memcpy(&hs, b + 2, 2);
+            float ls[8];
+            for (int j = 0; j < 8; j++)
+                ls[j] = (float)((((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((hs >> (2 * j)) & 3) << 4)) - 32);
+            const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(
+                _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_loadu_ps(ls)), _mm256_loadu_ps(xd + sb * 8)));
+            for (int i = 0; i < 4; i++) { /* sub-blocks 2i, 2i + 1: 16 bytes each, low nibbles weights 0-15 */
+                const __m512i q = _mm512_inserti64x4(
+                    _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 8 + 32 * i)))),
+                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 24 + 32 * i))), 1);
+                const __m512i c = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(q, sh), lo4));
+                const __m512i x = _mm512_loadu_si512((const void *)(xq + sb * 256 + 64 * i));
+                const __m512i bx = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
+                                                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, x), 7));
+                f[i & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(bx, c, x)),
+                                           _mm512_permutexvar_ps(idx16(2 * i, 2 * i, 2 * i + 1, 2 * i + 1), p), f[i & 1]);
+            }
+        }
+        return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
     }
     /* Q6_K: gg_rows_body's, one row */
     const __m512i lo4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), ones = _mm512_set1_epi8(1);
@@ -274,7 +314,7 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
 static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t I, const Acts *a,
                         int64_t m0, int64_t mn, float out[ROWS][MX]) {
     if (mn == 1) { /* decoding */
-        if (t != GG_Q4_K && t != GG_Q6_K && t != GG_Q8_0) return 0;
+        if (t != GG_Q4_K && t != GG_Q5_K && t != GG_Q6_K && t != GG_Q8_0 && t != GG_IQ4_XS) return 0;
         for (int64_t r = 0; r < nr; r++) out[r][0] = gg_row1_vnni(t, w + (r0 + r) * rb, I, a, m0);
         return 1;
     }
@@ -365,7 +405,7 @@ void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, 
         gg_tile_vnni(t, w, rb, r0, nr, I, a, O, y);
         return;
     }
-    if (t == GG_Q4_K || t == GG_Q6_K || t == GG_Q8_0) {
+    if (t == GG_Q4_K || t == GG_Q6_K || t == GG_Q8_0 || (a->M == 1 && (t == GG_Q5_K || t == GG_IQ4_XS))) {
         for (int64_t m0 = 0; m0 < a->M; m0 += MX) {
             const int64_t mn = a->M - m0 < MX ? a->M - m0 : MX;
             gg_rows_vnni(t, w, rb, r0, nr, I, a, m0, mn, out);
