@@ -314,7 +314,7 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
 static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t I, const Acts *a,
                         int64_t m0, int64_t mn, float out[ROWS][MX]) {
     if (mn == 1) { /* decoding */
-        if (t != GG_Q4_K && t != GG_Q5_K && t != GG_Q6_K && t != GG_Q8_0 && t != GG_IQ4_XS) return 0;
+        if (t != GG_Q4_K && t != GG_Q6_K && t != GG_Q8_0) return 0;
         for (int64_t r = 0; r < nr; r++) out[r][0] = gg_row1_vnni(t, w + (r0 + r) * rb, I, a, m0);
         return 1;
     }
@@ -405,7 +405,12 @@ void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, 
         gg_tile_vnni(t, w, rb, r0, nr, I, a, O, y);
         return;
     }
-    if (t == GG_Q4_K || t == GG_Q6_K || t == GG_Q8_0 || (a->M == 1 && (t == GG_Q5_K || t == GG_IQ4_XS))) {
+    if (t == GG_Q5_K || t == GG_IQ4_XS) { /* no pairs path on this build: a few rows of x each stream the rows */
+        for (int64_t m = 0; m < a->M; m++)
+            for (int64_t r = 0; r < nr; r++) y[m * O + r0 + r] = gg_row1_vnni(t, w + (r0 + r) * rb, I, a, m);
+        return;
+    }
+    if (t == GG_Q4_K || t == GG_Q6_K || t == GG_Q8_0) {
         for (int64_t m0 = 0; m0 < a->M; m0 += MX) {
             const int64_t mn = a->M - m0 < MX ? a->M - m0 : MX;
             gg_rows_vnni(t, w, rb, r0, nr, I, a, m0, mn, out);
