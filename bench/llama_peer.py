@@ -73,8 +73,9 @@ CONVERTER_REQUIREMENTS = ("numpy", "sentencepiece", "transformers", "protobuf", 
 CPU_CMAKE_ARGS = ("-DGGML_NATIVE=ON", "-DGGML_BLAS=OFF", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                   "-DCMAKE_BUILD_TYPE=Release")
 CONVERT_OUTTYPES = ("f32", "f16", "bf16", "q8_0")
-# f32: a quantized file's tensors widened (DeepSeek-V4's MXFP4 experts); q4_k_m, q5_k_m, q6_k: files users download
-QUANTIZE_TYPES = ("q4_0", "q8_0", "f32", "q4_k_m", "q5_k_m", "q6_k")
+# f32: a quantized file's tensors widened (DeepSeek-V4's MXFP4 experts); q4_k_m, q5_k_m, q6_k, iq4_xs: files users
+# download
+QUANTIZE_TYPES = ("q4_0", "q8_0", "f32", "q4_k_m", "q5_k_m", "q6_k", "iq4_xs")
 # llama.cpp keeps its KV cache in f16 unless told otherwise; "f32" makes an f32 GGUF match transformers'
 # float32 logits to float rounding (the f16 cache alone moves them by about 3e-4 of their range)
 KV_TYPES = {"f16": 1, "f32": 0}  # name -> ggml_type

@@ -19,7 +19,7 @@ _GLM_TOKENS = ("[gMASK]", "<sop>", "<|endoftext|>", "<|user|>", "<|assistant|>",
 ARCH_SPECIAL_TOKENS = {"glm4_moe": _GLM_TOKENS, "glm_moe_dsa": _GLM_TOKENS, "qwen3_5_moe_text": ("<|endoftext|>",)}
 # precisions that are a GGUF file both engines read (bench_gguf.py): llama-quantize's type, and semoe's import of
 # the same file (store-gguf-TYPE: its quantized experts kept as their blocks)
-GGUF_BITS = ("q4_k_m", "q8_0", "q6_k", "q5_k_m")
+GGUF_BITS = ("q4_k_m", "q8_0", "q6_k", "q5_k_m", "iq4_xs")
 # architectures whose converter reads only a sentencepiece tokenizer.model (`llama_peer.add_sentencepiece`)
 SENTENCEPIECE_ARCHS = ("ernie4_5_moe",)
 
