@@ -145,7 +145,7 @@ def _ggml(t: torch.Tensor, name: str, ggml_type: str, importance: torch.Tensor |
         ggml_type = "Q8_0"  # rows that do not cut into super-blocks of 256: blocks of 32
     if not kquants.fits(ggml_type, tuple(t.shape)):
         kept[name] = (f"{ggml_type} takes rows of a multiple of {kquants.BLOCK_WEIGHTS[ggml_type]} weights, "
-                      f"shape {list(t.shape)}")
+                      f"shape {list(logical)}")
         return None
     if importance is not None and importance.shape != (t.shape[1],):
         raise BadInputError(f"{name}: calibration gave {list(importance.shape)} column importances for a weight "
