@@ -28,13 +28,13 @@ import json
 import os
 import re
 import sys
-import tempfile
 from dataclasses import dataclass
 from typing import Callable
 
 import numpy as np
 import torch
 
+from semoe.checkpoints.tokenizer import gguf_tokenizer_files
 from storage.dtypes import cast_dtype, dtype_name, torch_dtype
 from storage.dequant import whole_slices
 from storage.errors import BadInputError
@@ -561,47 +561,6 @@ def _gpt_oss_down(out: _Layout, g: str, h: str, suffix: str) -> None:
         out.add(h + "mlp.experts.down_proj_bias", [g], shape, lambda a: a, stacked=True)
 
 
-# -- the tokenizer -------------------------------------------------------------------------------------
-
-
-def tokenizer_files(path: str) -> dict[str, bytes]:
-    """The tokenizer files (tokenizer.json, tokenizer_config.json, a chat template) `AutoTokenizer` loads,
-    rebuilt from the GGUF's `tokenizer.ggml.*` by transformers' converter; {} where it has none."""
-    from transformers import PreTrainedTokenizerFast
-    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
-
-    try:
-        arch, tokens, tok_config = get_gguf_tokenizer(path)
-    except KeyError:
-        return {}
-    if not tokens.get("tokens"):
-        return {}
-    try:
-        backend, extra = convert_gguf_tokenizer(arch, tokens)
-    except (KeyError, ValueError, TypeError) as e:
-        raise BadInputError(f"{path}: its tokenizer (tokenizer.ggml.model="
-                            f"{tokens.get('tokenizer_type')!r}) cannot be rebuilt ({e})") from None
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in tok_config.items() if v is not None},
-                                  **extra)
-    with tempfile.TemporaryDirectory() as d:
-        tok.save_pretrained(d)
-        out = {}
-        for name in sorted(os.listdir(d)):
-            with open(os.path.join(d, name), "rb") as f:
-                out[name] = f.read()
-    # the builders add their family's defaults (GPT-2's <|endoftext|>) past the file's vocabulary: not the model's
-    data = json.loads(out["tokenizer.json"])
-    n = len(tokens["tokens"])
-    gone = {a["content"] for a in data.get("added_tokens", []) if a["id"] >= n}
-    if gone:
-        data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n]
-        out["tokenizer.json"] = json.dumps(data, ensure_ascii=False).encode()
-        cfg = json.loads(out["tokenizer_config.json"])
-        cfg = {k: v for k, v in cfg.items() if not (isinstance(v, str) and v in gone)}
-        out["tokenizer_config.json"] = json.dumps(cfg, indent=2, ensure_ascii=False).encode()
-    return out
-
-
 # -- the checkpoint ------------------------------------------------------------------------------------
 
 
@@ -659,7 +618,7 @@ def open_gguf(path: str, *, dtype: str = "keep", check: Callable[[dict], None] |
         if _say_once(path, "mtp"):
             print(f"semoe: {os.path.basename(path)}: multi-token prediction layer(s) {extra} left out "
                   "(not read from GGUF files yet)", file=sys.stderr)
-    side = {"config.json": (json.dumps(config, indent=2) + "\n").encode(), **tokenizer_files(path)}
+    side = {"config.json": (json.dumps(config, indent=2) + "\n").encode(), **gguf_tokenizer_files(path)}
     return GGUFModel(config=config, tensors=refs, side_data=side, quant=layout.quant, skipped=skipped,
                      source={"format": "gguf", "file": os.path.basename(path),
                              "types": sorted({src.kind(n) for n in src.tensors})})

@@ -3,6 +3,7 @@
 Both implement `Tokenizer`. `encode` never adds special tokens unless asked (`add_bos`, `add_eos`);
 `add_bos_default` / `add_eos_default` say what HuggingFace's `tokenizer(text)` would add, so a prompt
 can be encoded exactly as transformers does with `encode(text, add_bos=t.add_bos_default, ...)`.
+`gguf_tokenizer_files` rebuilds a GGUF file's tokenizer (`tokenizer.ggml.*`) as the files transformers loads.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import abc
 import json
 import logging
 import os
+import tempfile
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -254,3 +256,41 @@ def default_stop_ids(config_eos: int | Sequence[int] | None, tokenizer: Tokenize
         eos = tokenizer.eos_id
     ids = eos if isinstance(eos, (list, tuple)) else [eos]
     return tuple(int(i) for i in ids if i is not None)
+
+
+def gguf_tokenizer_files(path: str) -> dict[str, bytes]:
+    """The tokenizer files (tokenizer.json, tokenizer_config.json, a chat template) `AutoTokenizer` loads,
+    rebuilt from the GGUF's `tokenizer.ggml.*` by transformers' converter; {} where it has none."""
+    from transformers import PreTrainedTokenizerFast
+    from transformers.integrations.gguf import convert_gguf_tokenizer, get_gguf_tokenizer
+
+    try:
+        arch, tokens, tok_config = get_gguf_tokenizer(path)
+    except KeyError:
+        return {}
+    if not tokens.get("tokens"):
+        return {}
+    try:
+        backend, extra = convert_gguf_tokenizer(arch, tokens)
+    except (KeyError, ValueError, TypeError) as e:
+        raise BadInputError(f"{path}: its tokenizer (tokenizer.ggml.model="
+                            f"{tokens.get('tokenizer_type')!r}) cannot be rebuilt ({e})") from None
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, **{k: v for k, v in tok_config.items() if v is not None},
+                                  **extra)
+    with tempfile.TemporaryDirectory() as d:
+        tok.save_pretrained(d)
+        out = {}
+        for name in sorted(os.listdir(d)):
+            with open(os.path.join(d, name), "rb") as f:
+                out[name] = f.read()
+    # the builders add their family's defaults (GPT-2's <|endoftext|>) past the file's vocabulary: not the model's
+    data = json.loads(out["tokenizer.json"])
+    n = len(tokens["tokens"])
+    gone = {a["content"] for a in data.get("added_tokens", []) if a["id"] >= n}
+    if gone:
+        data["added_tokens"] = [a for a in data["added_tokens"] if a["id"] < n]
+        out["tokenizer.json"] = json.dumps(data, ensure_ascii=False).encode()
+        cfg = json.loads(out["tokenizer_config.json"])
+        cfg = {k: v for k, v in cfg.items() if not (isinstance(v, str) and v in gone)}
+        out["tokenizer_config.json"] = json.dumps(cfg, indent=2, ensure_ascii=False).encode()
+    return out
