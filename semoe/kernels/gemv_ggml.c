@@ -186,6 +186,11 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
 #define GG_STREAM_AHEAD PREFETCH
 #endif
 
+/* minus the sum of each four of x's 64 codes (16 lanes): times a code's zero, what unsigned codes' sums give back */
+static inline __m512i x_sums(__m512i x) {
+    return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x));
+}
+
 /* One row of Q4_K, Q5_K, Q6_K, Q8_0 or IQ4_XS blocks (wr) against x row m: decoding's product. The row is
  * read as one sequential stream, a fixed distance prefetched ahead, one row after another, as the int8 kernel reads
  * its rows: four rows side by side (`gg_rows_body`, which shares each load of x between them) held 14-17
@@ -203,8 +208,7 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
             const uint8_t *b0 = wr + k * 34, *b1 = two ? b0 + 34 : b0;
             _mm_prefetch((const char *)b0 + GG_STREAM_AHEAD, _MM_HINT_T0);
             const __m512i x = _mm512_maskz_loadu_epi8(keep, xq + k * QB);
-            const __m512i bx = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
-                                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x), 7));
+            const __m512i bx = _mm512_slli_epi32(x_sums(x), 7);
             const __m512i c = _mm512_maskz_mov_epi8(keep, _mm512_inserti64x4(
                 _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
                 _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1));
@@ -280,11 +284,11 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
     }
-    /* Q6_K: gg_rows_body's, one row */
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), ones = _mm512_set1_epi8(1);
+    /* Q6_K: gg_rows_body's, one row; each quarter's two high bits put at bits 4-5 by one shift a step */
+    const __m512i lo4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
     const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-    const __m512i sh23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    const __m512i sl01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
+    const __m512i sr23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t sb = 0; sb < I / 256; sb++) {
         const uint8_t *b = wr + sb * 210;
@@ -296,14 +300,13 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
         for (int i = 0; i < 4; i++) {
             const int n = i / 2, hi2 = i % 2;
             const __m512i x = _mm512_loadu_si512((const void *)(xq + sb * 256 + 64 * i));
-            const __m512i bx = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
-                                                    _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, x), 5));
+            const __m512i bx = _mm512_slli_epi32(x_sums(x), 5);
             const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
             const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
             const __m512i lo = _mm512_and_si512(hi2 ? _mm512_srli_epi16(ql, 4) : ql, lo4);
-            const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(h2, hi2 ? sh23 : sh01), three);
-            const __m512i dot = _mm512_dpbusd_epi32(bx, _mm512_or_si512(lo, _mm512_slli_epi16(hb, 4)), x);
+            const __m512i hb = _mm512_and_si512(hi2 ? _mm512_srlv_epi16(h2, sr23) : _mm512_sllv_epi16(h2, sl01), m30);
+            const __m512i dot = _mm512_dpbusd_epi32(bx, _mm512_or_si512(lo, hb), x);
             f[hi2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
                                      _mm512_permutexvar_ps(idx16(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3), p), f[hi2]);
         }
