@@ -478,18 +478,28 @@ def _fp4_blocks(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return (vals[..., 0::2] | (vals[..., 1::2] << 4)).astype(np.uint8), np.ascontiguousarray(b[..., 0])
 
 
-def _gpt_oss_mxfp4(out: _Layout, h: str, name: str, parts: list[str]) -> None:
-    """gpt-oss's experts kept as MXFP4 (semoe's `mxfp4`, as the checkpoint ships them) from GGUF's MXFP4 rows:
-    `name`_blocks and `name`_scales, (E, O, G, 16) and (E, O, G), gate_up's rows interleaving gate and up."""
+def _expert_rows(out: _Layout, parts: list[str]) -> tuple[int, int, int, Callable[[int, int], np.ndarray]]:
+    """gpt-oss's stacked GGUF experts `parts` (gate and up, or down alone), marked used: E, O (gate's and up's
+    together), I, and rows(i0, i1), experts [i0, i1) as (experts, O, bytes of a row), gate's and up's rows
+    interleaved as the checkpoint's `gate_up_proj` interleaves its outputs."""
     src = out.src
     E, O, I = src.shape(parts[0])
     O *= len(parts)
     for n in parts:
         out.used.add(n)
 
-    def rows(i0: int, i1: int) -> np.ndarray:  # (experts, O, bytes of a row), gate and up interleaved
+    def rows(i0: int, i1: int) -> np.ndarray:
         r = [np.asarray(src.tensors[n][0].data[i0:i1]) for n in parts]
         return r[0] if len(r) == 1 else np.stack(r, axis=2).reshape(i1 - i0, O, -1)
+
+    return E, O, I, rows
+
+
+def _gpt_oss_mxfp4(out: _Layout, h: str, name: str, parts: list[str]) -> None:
+    """gpt-oss's experts kept as MXFP4 (semoe's `mxfp4`, as the checkpoint ships them) from GGUF's MXFP4 rows:
+    `name`_blocks and `name`_scales, (E, O, G, 16) and (E, O, G), gate_up's rows interleaving gate and up."""
+    src = out.src
+    E, O, I, rows = _expert_rows(out, parts)
 
     blocks, scales = f"{h}mlp.experts.{name}_blocks", f"{h}mlp.experts.{name}_scales"
     out.refs[blocks] = GGUFRef(name=blocks, dtype="U8", shape=(E, O, I // 32, 16), path=src.path,
@@ -510,14 +520,7 @@ def _gpt_oss_rows(out: _Layout, h: str, name: str, parts: list[str]) -> bool:
     kinds = {src.kind(n) for n in parts}
     if out.to is not None or len(kinds) != 1 or next(iter(kinds)) not in GGML_KERNEL_TYPES:
         return False
-    E, O, I = src.shape(parts[0])
-    O *= len(parts)
-    for n in parts:
-        out.used.add(n)
-
-    def rows(i0: int, i1: int) -> np.ndarray:  # (experts, O, bytes of a row), gate and up interleaved
-        r = [np.asarray(src.tensors[n][0].data[i0:i1]) for n in parts]
-        return r[0] if len(r) == 1 else np.stack(r, axis=2).reshape(i1 - i0, O, -1)
+    E, O, I, rows = _expert_rows(out, parts)
 
     hf = f"{h}mlp.experts.{name}"
     width = int(np.asarray(src.tensors[parts[0]][0].data[:1]).shape[-1])
