@@ -24,13 +24,47 @@ int64_t gg_row_bytes(int64_t t, int64_t I) {
 
 
 #ifdef SEMOE_VNNI
-/* The AVX-512 VNNI build's products for Q4_K, Q6_K and Q8_0 (what Q4_K_M and Q8_0 files hold): 64 weights
+/* The AVX-512 VNNI build's products for Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS (what Q4_K_M, Q5_K_M, Q8_0 and
+ * IQ4_XS files hold): 64 weights
  * an instruction (vpdpbusd, unsigned bytes times signed), each block's integer sums in its 8 lanes, the
  * lanes scaled by their block's (or half block's) weight scale times x's, one float multiply-add per 64. */
 static inline __m512i idx16(int a, int b, int c, int d) { /* four lanes each of a, b, c, d */
     return _mm512_set_epi32(d, d, d, d, c, c, c, c, b, b, b, b, a, a, a, a);
 }
+/* minus the sum of each four of x's 64 codes (16 lanes): times a code's zero, what unsigned codes' sums give back */
+static inline __attribute__((always_inline)) __m512i x_sums(__m512i x) {
+    return _mm512_sub_epi32(_mm512_setzero_si512(),
+                            _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x));
+}
 
+/* Q8_0's blocks b0 and b1 (b1's codes zero where keep masks them): their 64 codes plus 128, unsigned */
+static inline __attribute__((always_inline)) __m512i q8_pair(const uint8_t *b0, const uint8_t *b1, __mmask64 keep) {
+    const __m512i c = _mm512_maskz_mov_epi8(keep, _mm512_inserti64x4(
+        _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
+        _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1));
+    return _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80));
+}
+
+/* Q6_K super-block b's 64 unsigned codes (0..63, zero 32) of step i: half i / 2, its quarters 2 (i % 2) and
+ * 2 (i % 2) + 1, each quarter's two high bits put at bits 4-5 by one shift */
+static inline __attribute__((always_inline)) __m512i q6k_codes(const uint8_t *b, int i) {
+    const int n = i / 2, hi2 = i % 2;
+    const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
+    const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
+    const __m512i lo = _mm512_and_si512(hi2 ? _mm512_srli_epi16(ql, 4) : ql, _mm512_set1_epi8(0x0F));
+    const __m512i hb = hi2 ? _mm512_srlv_epi16(h2, _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1))
+                           : _mm512_sllv_epi16(h2, _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1));
+    return _mm512_or_si512(lo, _mm512_and_si512(hb, _mm512_set1_epi8(0x30)));
+}
+
+/* Q6_K super-block b's sixteen scales times x's (each x block's scale for its two sub-blocks of 16) */
+static inline __attribute__((always_inline)) __m512 q6k_scales(const uint8_t *b, const float *xd8) {
+    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m128i s8 = _mm_loadu_si128((const __m128i *)(b + 192));
+    const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(half(b + 208)), _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(s8)));
+    return _mm512_mul_ps(sc, _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(xd8))));
+}
 /* Q4_K's and Q5_K's eight 6-bit scales (into the low 8 bytes of *sc) and mins (*mn) from their 12 bytes,
  * four at a time in 32-bit words (`k_scale_min`'s) */
 static inline void k_scales8(const uint8_t *q, uint64_t *sc, uint64_t *mn) {
@@ -73,17 +107,13 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
             __m512i x[MX], bx[MX];
             for (int64_t m = 0; m < mn; m++) {
                 x[m] = _mm512_maskz_loadu_epi8(keep, a->q + (m0 + m) * ip + k * QB);
-                bx[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
-                                             _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x[m]), 7));
+                bx[m] = _mm512_slli_epi32(x_sums(x[m]), 7);
             }
             for (int64_t r = 0; r < nr; r++) {
                 const uint8_t *b0 = w + (r0 + r) * rb + k * 34, *b1 = two ? b0 + 34 : b0;
                 _mm_prefetch((const char *)b0 + ROWS * rb, _MM_HINT_T0);
                 _mm_prefetch((const char *)b0 + ROWS * rb + 64, _MM_HINT_T0);
-                const __m512i c = _mm512_maskz_mov_epi8(keep, _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                    _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1));
-                const __m512i cu = _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80));
+                const __m512i cu = q8_pair(b0, b1, keep);
                 const float d0 = half(b0), d1 = two ? half(b1) : 0.0f;
                 for (int64_t m = 0; m < mn; m++) {
                     const float *dx = a->d + (m0 + m) * nd + k;
@@ -132,40 +162,23 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
                 }
             }
         }
-    } else { /* Q6_K */
-        /* the codes unsigned (0..63), their bias of 32 taken from each x-row's sums of 4 (shared by the rows) */
-        const __m512i lo4 = _mm512_set1_epi8(0x0F), three = _mm512_set1_epi8(3), ones = _mm512_set1_epi8(1);
-        const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-        const __m512i sh01 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
-        const __m512i sh23 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(6), 1);
+    } else { /* Q6_K: the codes unsigned (0..63), their bias of 32 taken from each x-row's sums of 4 (shared by the rows) */
         for (int64_t sb = 0; sb < I / 256; sb++) {
             __m512 p[ROWS][MX];
             for (int64_t r = 0; r < nr; r++) {
                 const uint8_t *b = w + (r0 + r) * rb + sb * 210;
                 for (int l = 0; l < 210 + 63; l += 64) _mm_prefetch((const char *)b + ROWS * rb + l, _MM_HINT_T0);
-                const __m512 sc = _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
-                                                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192)))));
-                for (int64_t m = 0; m < mn; m++)
-                    p[r][m] = _mm512_mul_ps(sc, _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(
-                                                                     _mm256_loadu_ps(a->d + (m0 + m) * nd + sb * 8))));
+                for (int64_t m = 0; m < mn; m++) p[r][m] = q6k_scales(b, a->d + (m0 + m) * nd + sb * 8);
             }
-            for (int i = 0; i < 4; i++) { /* 64 weights: half n = i / 2 of the super-block, its quarters 2 (i % 2), +1 */
-                const int n = i / 2, hi2 = i % 2;
+            for (int i = 0; i < 4; i++) { /* 64 weights: half i / 2 of the super-block, its quarters 2 (i % 2), +1 */
                 __m512i x[MX], bx[MX];
                 for (int64_t m = 0; m < mn; m++) {
                     x[m] = _mm512_loadu_si512((const void *)(a->q + (m0 + m) * ip + sb * 256 + 64 * i));
-                    bx[m] = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
-                                                 _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, x[m]), 5));
+                    bx[m] = _mm512_slli_epi32(x_sums(x[m]), 5);
                 }
                 const __m512i ix = idx16(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3);
                 for (int64_t r = 0; r < nr; r++) {
-                    const uint8_t *b = w + (r0 + r) * rb + sb * 210;
-                    const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
-                    const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-                    const __m512i lo = _mm512_and_si512(hi2 ? _mm512_srli_epi16(ql, 4) : ql, lo4);
-                    const __m512i hb = _mm512_and_si512(_mm512_srlv_epi16(h2, hi2 ? sh23 : sh01), three);
-                    const __m512i c = _mm512_or_si512(lo, _mm512_slli_epi16(hb, 4));
+                    const __m512i c = q6k_codes(w + (r0 + r) * rb + sb * 210, i);
                     for (int64_t m = 0; m < mn; m++) {
                         const __m512i dot = _mm512_dpbusd_epi32(bx[m], c, x[m]); /* sum (c - 32) x, exactly */
                         acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(ix, p[r][m]), acc[r][m]);
@@ -185,12 +198,6 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
 #ifndef GG_STREAM_AHEAD
 #define GG_STREAM_AHEAD PREFETCH
 #endif
-
-/* minus the sum of each four of x's 64 codes (16 lanes): times a code's zero, what unsigned codes' sums give back */
-static inline __m512i x_sums(__m512i x) {
-    return _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_dpbusd_epi32(_mm512_setzero_si512(), _mm512_set1_epi8(1), x));
-}
-
 /* One row of Q4_K, Q5_K, Q6_K, Q8_0 or IQ4_XS blocks (wr) against x row m: decoding's product. The row is
  * read as one sequential stream, a fixed distance prefetched ahead, one row after another, as the int8 kernel reads
  * its rows: four rows side by side (`gg_rows_body`, which shares each load of x between them) held 14-17
@@ -209,12 +216,9 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
             _mm_prefetch((const char *)b0 + GG_STREAM_AHEAD, _MM_HINT_T0);
             const __m512i x = _mm512_maskz_loadu_epi8(keep, xq + k * QB);
             const __m512i bx = _mm512_slli_epi32(x_sums(x), 7);
-            const __m512i c = _mm512_maskz_mov_epi8(keep, _mm512_inserti64x4(
-                _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(b0 + 2))),
-                _mm256_loadu_si256((const __m256i *)(b1 + 2)), 1));
             const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(half(b0) * xd[k]),
                                                  _mm256_set1_ps(two ? half(b1) * xd[k + 1] : 0.0f), 1);
-            const __m512i dot = _mm512_dpbusd_epi32(bx, _mm512_xor_si512(c, _mm512_set1_epi8((char)0x80)), x);
+            const __m512i dot = _mm512_dpbusd_epi32(bx, q8_pair(b0, b1, keep), x);
             f[(k >> 1) & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sv, f[(k >> 1) & 1]);
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
@@ -256,18 +260,15 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
         uint8_t tab[16];
         for (int l = 0; l < 16; l++) tab[l] = (uint8_t)(IQ4_VALUES[l] + 128);
         const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab));
-        const __m512i lo4 = _mm512_set1_epi8(0x0F), ones = _mm512_set1_epi8(1);
+        const __m512i lo4 = _mm512_set1_epi8(0x0F);
         const __m512i sh = _mm512_set_epi32(0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0,
                                             0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0);
         __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         for (int64_t sb = 0; sb < I / 256; sb++) {
             const uint8_t *b = wr + sb * 136;
             for (int l = 0; l < 136 + 48; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
-            uint16_t hs;
-            memcpy(&hs, b + 2, 2);
             float ls[8];
-            for (int j = 0; j < 8; j++)
-                ls[j] = (float)((((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((hs >> (2 * j)) & 3) << 4)) - 32);
+            for (int j = 0; j < 8; j++) ls[j] = (float)iq4xs_scale(b, j);
             const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(
                 _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_loadu_ps(ls)), _mm256_loadu_ps(xd + sb * 8)));
             for (int i = 0; i < 4; i++) { /* sub-blocks 2i, 2i + 1: 16 bytes each, low nibbles weights 0-15 */
@@ -276,39 +277,24 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
                     _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 24 + 32 * i))), 1);
                 const __m512i c = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(q, sh), lo4));
                 const __m512i x = _mm512_loadu_si512((const void *)(xq + sb * 256 + 64 * i));
-                const __m512i bx = _mm512_sub_epi32(_mm512_setzero_si512(), _mm512_slli_epi32(
-                                                        _mm512_dpbusd_epi32(_mm512_setzero_si512(), ones, x), 7));
+                const __m512i bx = _mm512_slli_epi32(x_sums(x), 7);
                 f[i & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(bx, c, x)),
                                            _mm512_permutexvar_ps(idx16(2 * i, 2 * i, 2 * i + 1, 2 * i + 1), p), f[i & 1]);
             }
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
     }
-    /* Q6_K: gg_rows_body's, one row; each quarter's two high bits put at bits 4-5 by one shift a step */
-    const __m512i lo4 = _mm512_set1_epi8(0x0F), m30 = _mm512_set1_epi8(0x30);
-    const __m512i dup = _mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
-    const __m512i sl01 = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
-    const __m512i sr23 = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
+    /* Q6_K: gg_rows_body's, one row */
     __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t sb = 0; sb < I / 256; sb++) {
         const uint8_t *b = wr + sb * 210;
         for (int l = 0; l < 256; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
-        const __m512 p = _mm512_mul_ps(
-            _mm512_mul_ps(_mm512_set1_ps(half(b + 208)),
-                          _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(b + 192))))),
-            _mm512_permutexvar_ps(dup, _mm512_castps256_ps512(_mm256_loadu_ps(xd + sb * 8))));
+        const __m512 p = q6k_scales(b, xd + sb * 8);
         for (int i = 0; i < 4; i++) {
-            const int n = i / 2, hi2 = i % 2;
             const __m512i x = _mm512_loadu_si512((const void *)(xq + sb * 256 + 64 * i));
-            const __m512i bx = _mm512_slli_epi32(x_sums(x), 5);
-            const __m512i ql = _mm512_loadu_si512((const void *)(b + 64 * n));
-            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * n));
-            const __m512i h2 = _mm512_inserti64x4(_mm512_castsi256_si512(qh), qh, 1);
-            const __m512i lo = _mm512_and_si512(hi2 ? _mm512_srli_epi16(ql, 4) : ql, lo4);
-            const __m512i hb = _mm512_and_si512(hi2 ? _mm512_srlv_epi16(h2, sr23) : _mm512_sllv_epi16(h2, sl01), m30);
-            const __m512i dot = _mm512_dpbusd_epi32(bx, _mm512_or_si512(lo, hb), x);
-            f[hi2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
-                                     _mm512_permutexvar_ps(idx16(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3), p), f[hi2]);
+            const __m512i dot = _mm512_dpbusd_epi32(_mm512_slli_epi32(x_sums(x), 5), q6k_codes(b, i), x);
+            f[i % 2] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot),
+                                       _mm512_permutexvar_ps(idx16(4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3), p), f[i % 2]);
         }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));

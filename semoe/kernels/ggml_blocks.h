@@ -54,6 +54,13 @@ static inline void k_scale_min(int j, const uint8_t *q, int *sc, int *m) {
     }
 }
 
+/* IQ4_XS's signed 6-bit scale of sub-block j of super-block b: 4 bits from its 4 bytes, 2 from its 16 bits */
+static inline int iq4xs_scale(const uint8_t *b, int j) {
+    uint16_t sh;
+    memcpy(&sh, b + 2, 2);
+    return (((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4)) - 32;
+}
+
 /* the bytes of block k's block (a super-block for the K types and IQ4_XS) in a row of type t */
 static inline const uint8_t *block_of(int64_t t, const uint8_t *row, int64_t k) {
     const int64_t per = gg_block_weights(t) / QB;
@@ -87,13 +94,9 @@ static inline void block_scales(int64_t t, const uint8_t *row, int64_t k, float 
         s[1] = half(b + 208) * (float)sc[2 * j + 1];
         return;
     }
-    case GG_IQ4_XS: {
-        uint16_t sh;
-        memcpy(&sh, b + 2, 2);
-        const int ls = ((b[4 + j / 2] >> (4 * (j % 2))) & 0xF) | (((sh >> (2 * j)) & 3) << 4);
-        s[0] = s[1] = half(b) * (float)(ls - 32);
+    case GG_IQ4_XS:
+        s[0] = s[1] = half(b) * (float)iq4xs_scale(b, j);
         return;
-    }
     default: /* one half scale a block, Q4_1's and Q5_1's min after it */
         s[0] = s[1] = half(b);
         if (t == GG_Q4_1 || t == GG_Q5_1) *o = half(b + 2);
