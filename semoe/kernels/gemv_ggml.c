@@ -198,6 +198,44 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
 #ifndef GG_STREAM_AHEAD
 #define GG_STREAM_AHEAD PREFETCH
 #endif
+/* One row of Q4_K (five 0) or Q5_K (five 1: each code's fifth bit from the 32 bytes after the mins) against x
+ * row m, inlined with `five` a constant so that Q4_K's loop carries none of Q5_K's work */
+static inline __attribute__((always_inline)) float k45_row(const int five, const uint8_t *wr, int64_t I, const Acts *a,
+                                                           int64_t m) {
+    const int8_t *xq = a->q + m * a->Ip;
+    const float *xd = a->d + m * (a->Ip / QB);
+    const int64_t bb = five ? 176 : 144, qs = five ? 48 : 16;
+    const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
+    __m256 f0 = _mm256_setzero_ps(), f1 = f0, off = f0;
+    for (int64_t sb = 0; sb < I / 256; sb++) {
+        const uint8_t *b = wr + sb * bb;
+        for (int l = 0; l < bb + 48; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
+        uint64_t sc, mn8;
+        k_scales8(b + 4, &sc, &mn8);
+        float pf[8];
+        _mm256_storeu_ps(pf, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half(b)), bytes8_ps(sc)),
+                                           _mm256_loadu_ps(xd + sb * 8)));
+        off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(b + 2)), bytes8_ps(mn8)),
+                               _mm256_loadu_ps(a->xsum + m * a->groups + sb * 8), off);
+        const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        for (int i = 0; i < 4; i++) {
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(b + qs + 32 * i));
+            const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + sb * 256 + 64 * i));
+            const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + sb * 256 + 64 * i + 32));
+            __m256i c0 = _mm256_and_si256(q, lo4), c1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
+            if (five) { /* bit 2i of byte l: sub-block 2i's weight l; bit 2i + 1: sub-block 2i + 1's */
+                c0 = _mm256_or_si256(c0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
+                c1 = _mm256_or_si256(c1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
+            }
+            const __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c0, x0);
+            const __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c1, x1);
+            f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(pf[2 * i]), f0);
+            f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(pf[2 * i + 1]), f1);
+        }
+    }
+    return hsum8(_mm256_add_ps(_mm256_add_ps(f0, f1), off));
+}
+
 /* One row of Q4_K, Q5_K, Q6_K, Q8_0 or IQ4_XS blocks (wr) against x row m: decoding's product. The row is
  * read as one sequential stream, a fixed distance prefetched ahead, one row after another, as the int8 kernel reads
  * its rows: four rows side by side (`gg_rows_body`, which shares each load of x between them) held 14-17
@@ -223,39 +261,8 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
     }
-    if (t == GG_Q4_K || t == GG_Q5_K) { /* Q5_K: Q4_K's with each code's fifth bit from the 32 bytes after the mins */
-        const int five = t == GG_Q5_K;
-        const int64_t bb = five ? 176 : 144, qs = five ? 48 : 16;
-        const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-        __m256 f0 = _mm256_setzero_ps(), f1 = f0, off = f0;
-        for (int64_t sb = 0; sb < I / 256; sb++) {
-            const uint8_t *b = wr + sb * bb;
-            for (int l = 0; l < bb + 48; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
-            uint64_t sc, mn8;
-            k_scales8(b + 4, &sc, &mn8);
-            float pf[8];
-            _mm256_storeu_ps(pf, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half(b)), bytes8_ps(sc)),
-                                               _mm256_loadu_ps(xd + sb * 8)));
-            off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(b + 2)), bytes8_ps(mn8)),
-                                   _mm256_loadu_ps(a->xsum + m * a->groups + sb * 8), off);
-            const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
-            for (int i = 0; i < 4; i++) {
-                const __m256i q = _mm256_loadu_si256((const __m256i *)(b + qs + 32 * i));
-                const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + sb * 256 + 64 * i));
-                const __m256i x1 = _mm256_loadu_si256((const __m256i *)(xq + sb * 256 + 64 * i + 32));
-                __m256i c0 = _mm256_and_si256(q, lo4), c1 = _mm256_and_si256(_mm256_srli_epi16(q, 4), lo4);
-                if (five) { /* bit 2i of byte l: sub-block 2i's weight l; bit 2i + 1: sub-block 2i + 1's */
-                    c0 = _mm256_or_si256(c0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
-                    c1 = _mm256_or_si256(c1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
-                }
-                const __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c0, x0);
-                const __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c1, x1);
-                f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(pf[2 * i]), f0);
-                f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(pf[2 * i + 1]), f1);
-            }
-        }
-        return hsum8(_mm256_add_ps(_mm256_add_ps(f0, f1), off));
-    }
+    if (t == GG_Q4_K) return k45_row(0, wr, I, a, m); /* each with its own constants folded in */
+    if (t == GG_Q5_K) return k45_row(1, wr, I, a, m);
     if (t == GG_IQ4_XS) { /* a pair of sub-blocks a step: values plus 128 by a byte shuffle, 128 sum(x) taken away */
         uint8_t tab[16];
         for (int l = 0; l < 16; l++) tab[l] = (uint8_t)(IQ4_VALUES[l] + 128);
