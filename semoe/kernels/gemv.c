@@ -162,7 +162,7 @@ static inline void i8_rows(const int8_t *w, int64_t I, int64_t Ip, int n, const 
 }
 
 Acts acts_alloc(int64_t M, int64_t I, int64_t g) {
-    Acts a = {M, I, padded(I), g, g ? I / g : 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    Acts a = {M, I, padded(I), g, g ? I / g : 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
     a.q = malloc((size_t)(M * a.Ip));
     a.d = malloc(sizeof(float) * (size_t)(M * a.Ip / QB));
     a.xsum = malloc(sizeof(float) * (size_t)(M * (a.groups ? a.groups : 1)));
@@ -194,7 +194,7 @@ void acts_free(Acts *a) {
     free(a->q);
     free(a->d);
     free(a->xsum);
-    void *bufs[] = {a->qp, a->c16, a->dp, a->gu, a->gd, a->gs}; /* the kernels' layouts of the rows */
+    void *bufs[] = {a->qp, a->c16, a->dp, a->gu, a->gd, a->gs, a->gn, a->gb}; /* the kernels' layouts of the rows */
     for (size_t i = 0; i < sizeof(bufs) / sizeof(bufs[0]); i++) free(bufs[i]);
 }
 

@@ -8,9 +8,9 @@
  * q, scale dx, and dx sum(q) as `xsum`), the block's share of a row's product is
  *     dx (s_0 sum_{j<16} c_j q_j + s_1 sum_{j>=16} c_j q_j) + o xsum,
  * both sums taken exactly in integers. Rows are computed ROWS at a time, sharing the loads of x (the AVX-512
- * build decodes Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS one row at a time instead, each read as one stream:
- * `gg_row1_vnni`);
- * every output row is summed by one thread in one order (kernels.h). */
+ * build decodes one row at a time instead, each read as one stream: `gg_row1_vnni` for Q4_K, Q5_K, Q6_K and
+ * Q8_0, `g32_row` for the other blocks of 32, `iq4xs_row`); every output row is summed by one thread in one
+ * order (kernels.h). */
 #include "kernels.h"
 #include "decode_abi.h"
 
@@ -24,8 +24,8 @@ int64_t gg_row_bytes(int64_t t, int64_t I) {
 
 
 #ifdef SEMOE_VNNI
-/* The AVX-512 VNNI build's products for Q4_K, Q5_K, Q6_K, Q8_0 and IQ4_XS (what Q4_K_M, Q5_K_M, Q8_0 and
- * IQ4_XS files hold): 64 weights
+/* The AVX-512 VNNI build's products for Q4_K, Q5_K, Q6_K and Q8_0 (what Q4_K_M, Q5_K_M and Q8_0 files
+ * hold): 64 weights
  * an instruction (vpdpbusd, unsigned bytes times signed), each block's integer sums in its 8 lanes, the
  * lanes scaled by their block's (or half block's) weight scale times x's, one float multiply-add per 64. */
 static inline __m512i idx16(int a, int b, int c, int d) { /* four lanes each of a, b, c, d */
@@ -77,6 +77,20 @@ static inline void k_scales8(const uint8_t *q, uint64_t *sc, uint64_t *mn) {
     const uint32_t m47 = ((w2 >> 4) & 0x0F0F0F0Fu) | ((w1 >> 2) & 0x30303030u);
     *sc = (uint64_t)s03 | (uint64_t)s47 << 32;
     *mn = (uint64_t)m03 | (uint64_t)m47 << 32;
+}
+
+/* IQ4_XS super-block b's eight signed 6-bit scales (`iq4xs_scale`'s), each byte's bits picked by one multishift
+ * from b's 4 bytes of low bits (4 a scale, from bit 0) and 16 of high bits (2 a scale, from bit 32) */
+static inline __m256 iq4xs_scales8(const uint8_t *b) {
+    uint32_t lo;
+    uint16_t hi;
+    memcpy(&lo, b + 4, 4);
+    memcpy(&hi, b + 2, 2);
+    const __m128i v = _mm_cvtsi64_si128((long long)((uint64_t)lo | (uint64_t)hi << 32));
+    const __m128i l4 = _mm_and_si128(_mm_multishift_epi64_epi8(_mm_set1_epi64x(0x1C1814100C080400LL), v), _mm_set1_epi8(0x0F));
+    const __m128i h2 = _mm_and_si128(_mm_multishift_epi64_epi8(_mm_set1_epi64x(0x2E2C2A2826242220LL), v), _mm_set1_epi8(3));
+    const __m128i s = _mm_sub_epi8(_mm_or_si128(l4, _mm_slli_epi16(h2, 4)), _mm_set1_epi8(32));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(s));
 }
 
 static inline __m256 bytes8_ps(uint64_t v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)v))); }
@@ -236,7 +250,7 @@ static inline __attribute__((always_inline)) float k45_row(const int five, const
     return hsum8(_mm256_add_ps(_mm256_add_ps(f0, f1), off));
 }
 
-/* One row of Q4_K, Q5_K, Q6_K, Q8_0 or IQ4_XS blocks (wr) against x row m: decoding's product. The row is
+/* One row of Q4_K, Q5_K, Q6_K or Q8_0 blocks (wr) against x row m: decoding's product. The row is
  * read as one sequential stream, a fixed distance prefetched ahead, one row after another, as the int8 kernel reads
  * its rows: four rows side by side (`gg_rows_body`, which shares each load of x between them) held 14-17
  * GB/s from memory on two threads of an AVX-512 EPYC, where the int8 kernel's one stream held 28. Two
@@ -248,7 +262,7 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
         __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
         const int64_t nb = I / QB;
         for (int64_t k = 0; k < nb; k += 2) {
-            const int two = k + 1 < nb;
+            const int two = k + 1 < nb, acc = (k >> 1) & 1;
             const __mmask64 keep = two ? ~0ULL : 0xFFFFFFFFULL;
             const uint8_t *b0 = wr + k * 34, *b1 = two ? b0 + 34 : b0;
             _mm_prefetch((const char *)b0 + GG_STREAM_AHEAD, _MM_HINT_T0);
@@ -257,40 +271,13 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
             const __m512 sv = _mm512_insertf32x8(_mm512_set1_ps(half(b0) * xd[k]),
                                                  _mm256_set1_ps(two ? half(b1) * xd[k + 1] : 0.0f), 1);
             const __m512i dot = _mm512_dpbusd_epi32(bx, q8_pair(b0, b1, keep), x);
-            f[(k >> 1) & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sv, f[(k >> 1) & 1]);
+            if (acc) f[1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sv, f[1]); /* each in a register */
+            else f[0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), sv, f[0]);
         }
         return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
     }
     if (t == GG_Q4_K) return k45_row(0, wr, I, a, m); /* each with its own constants folded in */
     if (t == GG_Q5_K) return k45_row(1, wr, I, a, m);
-    if (t == GG_IQ4_XS) { /* a pair of sub-blocks a step: values plus 128 by a byte shuffle, 128 sum(x) taken away */
-        uint8_t tab[16];
-        for (int l = 0; l < 16; l++) tab[l] = (uint8_t)(IQ4_VALUES[l] + 128);
-        const __m512i lut = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)tab));
-        const __m512i lo4 = _mm512_set1_epi8(0x0F);
-        const __m512i sh = _mm512_set_epi32(0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0,
-                                            0x40004, 0x40004, 0x40004, 0x40004, 0, 0, 0, 0);
-        __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
-        for (int64_t sb = 0; sb < I / 256; sb++) {
-            const uint8_t *b = wr + sb * 136;
-            for (int l = 0; l < 136 + 48; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
-            float ls[8];
-            for (int j = 0; j < 8; j++) ls[j] = (float)iq4xs_scale(b, j);
-            const __m512 p = _mm512_castps256_ps512(_mm256_mul_ps(
-                _mm256_mul_ps(_mm256_set1_ps(half(b)), _mm256_loadu_ps(ls)), _mm256_loadu_ps(xd + sb * 8)));
-            for (int i = 0; i < 4; i++) { /* sub-blocks 2i, 2i + 1: 16 bytes each, low nibbles weights 0-15 */
-                const __m512i q = _mm512_inserti64x4(
-                    _mm512_castsi256_si512(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 8 + 32 * i)))),
-                    _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(b + 24 + 32 * i))), 1);
-                const __m512i c = _mm512_shuffle_epi8(lut, _mm512_and_si512(_mm512_srlv_epi16(q, sh), lo4));
-                const __m512i x = _mm512_loadu_si512((const void *)(xq + sb * 256 + 64 * i));
-                const __m512i bx = _mm512_slli_epi32(x_sums(x), 7);
-                f[i & 1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(bx, c, x)),
-                                           _mm512_permutexvar_ps(idx16(2 * i, 2 * i, 2 * i + 1, 2 * i + 1), p), f[i & 1]);
-            }
-        }
-        return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
-    }
     /* Q6_K: gg_rows_body's, one row */
     __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
     for (int64_t sb = 0; sb < I / 256; sb++) {
@@ -305,6 +292,167 @@ static float gg_row1_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a
         }
     }
     return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
+}
+
+/* Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL and MXFP4 (blocks of 32 of B bytes: a scale, Q4_1's and Q5_1's min, Q5's 32
+ * fifth bits, then 16 bytes of nibbles): one row as one stream, four blocks a step. One byte permute
+ * (vpermt2b) gathers the four blocks' 64 bytes of nibbles, so that lanes 16i .. 16i + 15 hold block i's weights
+ * 0-15 (the low nibbles) or 16-31 (the high), x's 128 codes permuted to match; another gathers the four scales.
+ * Codes are unsigned (IQ4_NL's and MXFP4's table values plus 128, that 128 taken back from x's sums of 4 in
+ * integers); the others' zero (8 or 16 times the scale) or min times x's block sums in float, as `decode32`'s
+ * offset. A last step of fewer than four blocks reads through masks. */
+#define W4(base, l) ((uint32_t)((base) + 4 * (l)) * 0x01010101u + 0x03020100u) /* bytes base + 4l .. + 3 */
+static inline __attribute__((always_inline)) __m512i blocks16(int B, int off) { /* block i's 16 bytes at off */
+    return _mm512_set_epi32(W4(3 * B + off, 3), W4(3 * B + off, 2), W4(3 * B + off, 1), W4(3 * B + off, 0),
+                            W4(2 * B + off, 3), W4(2 * B + off, 2), W4(2 * B + off, 1), W4(2 * B + off, 0),
+                            W4(B + off, 3), W4(B + off, 2), W4(B + off, 1), W4(B + off, 0),
+                            W4(off, 3), W4(off, 2), W4(off, 1), W4(off, 0));
+}
+/* block i's byte off for its bytes 0-7 (lanes 16i ..), byte off + 1 for 8-15 */
+static inline __attribute__((always_inline)) __m512i hbytes16(int B, int off) {
+    const int h[4] = {off * 0x01010101, (off + 1) * 0x01010101, (B + off) * 0x01010101, (B + off + 1) * 0x01010101};
+    const int g[4] = {(2 * B + off) * 0x01010101, (2 * B + off + 1) * 0x01010101, (3 * B + off) * 0x01010101,
+                      (3 * B + off + 1) * 0x01010101};
+    return _mm512_set_epi32(g[3], g[3], g[2], g[2], g[1], g[1], g[0], g[0], h[3], h[3], h[2], h[2], h[1], h[1], h[0], h[0]);
+}
+/* IQ4_NL's and MXFP4's code values plus 128 (unsigned) */
+static const uint8_t IQ4_U[16] = {1, 24, 45, 63, 79, 93, 106, 118, 129, 141, 153, 166, 181, 197, 217, 241};
+static const uint8_t FP4_U[16] = {128, 129, 130, 131, 132, 134, 136, 140, 128, 127, 126, 125, 124, 122, 120, 116};
+
+static inline __attribute__((always_inline)) void g32_x(const int8_t *xq, const int8_t *xn, const int64_t n, __m512i *xl, __m512i *xh) {
+    if (xn) { /* x in this order already (`acts_gg`): inputs 0-15 of the n blocks, then 16-31 */
+        const __mmask64 h = n == 4 ? ~0ULL : (1ULL << (16 * n)) - 1;
+        *xl = _mm512_maskz_loadu_epi8(h, xn);
+        *xh = _mm512_maskz_loadu_epi8(h, xn + 16 * n);
+    } else {
+        const int64_t xb = 32 * n;
+        const __mmask64 x0 = xb >= 64 ? ~0ULL : (1ULL << xb) - 1, x1 = xb >= 128 ? ~0ULL : xb > 64 ? (1ULL << (xb - 64)) - 1 : 0;
+        const __m512i xa = _mm512_maskz_loadu_epi8(x0, xq), xc = _mm512_maskz_loadu_epi8(x1, xq + 64);
+        *xl = _mm512_permutex2var_epi8(xa, blocks16(32, 0), xc);
+        *xh = _mm512_permutex2var_epi8(xa, blocks16(32, 16), xc);
+    }
+}
+
+/* the integer sums of four blocks' codes cl (inputs 0-15), ch (16-31) with x's; a table's (IQ4_NL's, IQ4_XS's,
+ * MXFP4's) nibbles looked up into their values plus 128, that 128 times x's sums taken away (xb: `acts_gg`'s) */
+static inline __attribute__((always_inline)) __m512i g32_dot(const uint8_t *table, __m512i cl, __m512i ch, __m512i xl, __m512i xh,
+                                                             const int32_t *xb) {
+    __m512i acc = _mm512_setzero_si512();
+    if (table) {
+        const __m512i vals = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table));
+        cl = _mm512_shuffle_epi8(vals, cl);
+        ch = _mm512_shuffle_epi8(vals, ch);
+        acc = xb ? _mm512_loadu_si512((const void *)xb) : _mm512_slli_epi32(_mm512_add_epi32(x_sums(xl), x_sums(xh)), 7);
+    }
+    return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc, cl, xl), ch, xh);
+}
+
+/* f plus the sums times their block's scale sx (block i's in lanes 4i .. 4i + 3) */
+static inline __attribute__((always_inline)) __m512 g32_scale(__m512i dot, __m128 sx, __m512 f) {
+    const __m512i spread = _mm512_set_epi32(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_permutexvar_ps(spread, _mm512_castps128_ps512(sx)), f);
+}
+
+/* blocks k .. k + n - 1 (n <= 4) of a row of type t against x row m's codes xq, scales xd and block sums xs: the
+ * integer sums scaled into f, the offsets' share into *off */
+static inline __attribute__((always_inline)) void g32_step(const int t, const uint8_t *b, const int8_t *xq,
+                                                           const int8_t *xn, const int32_t *xb, const float *xd,
+                                                           const float *xs, const int64_t n, __m512 *f, __m128 *off) {
+    const int B = (int)gg_block_bytes(t), lut = t == GG_IQ4_NL || t == GG_MXFP4, five = t == GG_Q5_0 || t == GG_Q5_1;
+    const int qh = t == GG_Q5_0 ? 2 : 4; /* Q5's fifth bits: byte 16i + l of the low (high) half takes bit l % 8 of
+                                          * block i's byte qh + l / 8 (qh + 2 + l / 8) */
+    const int64_t bytes = n * B;
+    const __mmask64 w0 = bytes >= 64 ? ~0ULL : (1ULL << bytes) - 1, w1 = bytes > 64 ? (1ULL << (bytes - 64)) - 1 : 0;
+    const __mmask8 s4 = (__mmask8)((1u << n) - 1);
+    _mm_prefetch((const char *)b + GG_STREAM_AHEAD, _MM_HINT_T0);
+    _mm_prefetch((const char *)b + GG_STREAM_AHEAD + 63, _MM_HINT_T0);
+    const __m512i v0 = _mm512_maskz_loadu_epi8(w0, b), v1 = _mm512_maskz_loadu_epi8(w1, b + 64);
+    __m512i xl, xh;
+    g32_x(xq, xn, n, &xl, &xh);
+    const __m512i q = _mm512_permutex2var_epi8(v0, blocks16(B, B - 16), v1), lo4 = _mm512_set1_epi8(0x0F);
+    __m512i cl = _mm512_and_si512(q, lo4), ch = _mm512_and_si512(_mm512_srli_epi16(q, 4), lo4);
+    if (five) {
+        const __m512i bit = _mm512_set1_epi64(0x8040201008040201LL), hl = hbytes16(B, qh), hh = hbytes16(B, qh + 2);
+        cl = _mm512_mask_add_epi8(cl, _mm512_test_epi8_mask(_mm512_permutex2var_epi8(v0, hl, v1), bit), cl, _mm512_set1_epi8(16));
+        ch = _mm512_mask_add_epi8(ch, _mm512_test_epi8_mask(_mm512_permutex2var_epi8(v0, hh, v1), bit), ch, _mm512_set1_epi8(16));
+    }
+    const __m512i dot = g32_dot(t == GG_MXFP4 ? FP4_U : t == GG_IQ4_NL ? IQ4_U : NULL, cl, ch, xl, xh, xb);
+    __m128 d;
+    if (t == GG_MXFP4) { /* half of 2^(e - 127) */
+        const __m512i eidx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, (3 * B) << 24 | (2 * B) << 16 | B << 8);
+        const __m128i e = _mm_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_permutexvar_epi8(eidx, v0)));
+        d = _mm_scalef_ps(_mm_set1_ps(1.0f), _mm_cvtepi32_ps(_mm_sub_epi32(e, _mm_set1_epi32(128))));
+    } else { /* the four scales' bytes (and Q4_1's, Q5_1's mins', 2 on) in the low 8 (16) bytes */
+        const __m512i sidx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+                                              (3 * B + 3) << 24 | (3 * B + 2) << 16 | (2 * B + 3) << 8 | (2 * B + 2),
+                                              (B + 3) << 24 | (B + 2) << 16 | 3 << 8 | 2,
+                                              (3 * B + 1) << 24 | (3 * B) << 16 | (2 * B + 1) << 8 | (2 * B),
+                                              (B + 1) << 24 | B << 16 | 1 << 8 | 0);
+        const __m128i sm = _mm512_castsi512_si128(_mm512_permutex2var_epi8(v0, sidx, v1));
+        d = _mm_cvtph_ps(sm);
+        const __m128 x4 = _mm_maskz_loadu_ps(s4, xs);
+        if (t == GG_Q4_1 || t == GG_Q5_1) *off = _mm_fmadd_ps(_mm_cvtph_ps(_mm_srli_si128(sm, 8)), x4, *off);
+        else if (!lut) *off = _mm_fmadd_ps(d, x4, *off); /* times the zero, -8 or -16, by `g32_row` */
+    }
+    *f = g32_scale(dot, _mm_mul_ps(d, _mm_maskz_loadu_ps(s4, xd)), *f);
+}
+
+static inline __attribute__((always_inline)) float g32_row(const int t, const uint8_t *wr, int64_t I, const Acts *a,
+                                                           int64_t m) {
+    const int64_t B = gg_block_bytes(t), nb = I / QB, n4 = nb / 4 * 4;
+    const int8_t *xq = a->q + m * a->Ip;
+    const float *xd = a->d + m * (a->Ip / QB), *xs = a->xsum + m * a->groups;
+    __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m128 off = _mm_setzero_ps();
+    const int8_t *xn = a->gn ? a->gn + m * a->Ip : NULL;
+    const int32_t *xb = a->gb ? a->gb + m * a->Ip / 8 : NULL;
+#define G32_AT(k) xq + (k) * QB, xn ? xn + (k) * QB : NULL, xb ? xb + (k) * 4 : NULL, xd + (k), xs + (k)
+    int64_t k = 0;
+    for (; k + 8 <= n4; k += 8) { /* two steps, each its own accumulator (indexed by k, they would live on the stack) */
+        g32_step(t, wr + k * B, G32_AT(k), 4, &f[0], &off);
+        g32_step(t, wr + (k + 4) * B, G32_AT(k + 4), 4, &f[1], &off);
+    }
+    if (k < n4) g32_step(t, wr + k * B, G32_AT(k), 4, &f[0], &off);
+    if (n4 < nb) g32_step(t, wr + n4 * B, G32_AT(n4), nb - n4, &f[0], &off);
+#undef G32_AT
+    const float zero = t == GG_Q4_0 ? -8.0f : t == GG_Q5_0 ? -16.0f : 1.0f;
+    return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1])) + zero * _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(off, off), off));
+}
+
+/* IQ4_XS: its super-block's 8 blocks of 32 have IQ4_NL's nibbles, 16 bytes each, so that each half's 64 bytes
+ * are `g32_step`'s four blocks as they lie; the 8 scales from one multishift */
+static float iq4xs_row(const uint8_t *wr, int64_t I, const Acts *a, int64_t m) {
+    const int8_t *xq = a->q + m * a->Ip, *xn = a->gn ? a->gn + m * a->Ip : NULL;
+    const int32_t *xb = a->gb ? a->gb + m * a->Ip / 8 : NULL;
+    const float *xd = a->d + m * (a->Ip / QB);
+    const __m512i lo4 = _mm512_set1_epi8(0x0F);
+    __m512 f[2] = {_mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (int64_t sb = 0; sb < I / 256; sb++) {
+        const uint8_t *b = wr + sb * 136;
+        for (int l = 0; l < 136 + 48; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
+        const __m256 p = _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half(b)), iq4xs_scales8(b)), _mm256_loadu_ps(xd + sb * 8));
+        for (int h = 0; h < 2; h++) {
+            __m512i xl, xh;
+            g32_x(xq + sb * 256 + 128 * h, xn ? xn + sb * 256 + 128 * h : NULL, 4, &xl, &xh);
+            const __m512i q = _mm512_loadu_si512((const void *)(b + 8 + 64 * h));
+            const __m512i dot = g32_dot(IQ4_U, _mm512_and_si512(q, lo4), _mm512_and_si512(_mm512_srli_epi16(q, 4), lo4), xl, xh,
+                                        xb ? xb + sb * 32 + 16 * h : NULL);
+            f[h] = g32_scale(dot, h ? _mm256_extractf128_ps(p, 1) : _mm256_castps256_ps128(p), f[h]);
+        }
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1]));
+}
+
+static float g32_row_vnni(int64_t t, const uint8_t *wr, int64_t I, const Acts *a, int64_t m) {
+    switch (t) { /* each type with its constants folded in */
+    case GG_Q4_0: return g32_row(GG_Q4_0, wr, I, a, m);
+    case GG_Q4_1: return g32_row(GG_Q4_1, wr, I, a, m);
+    case GG_Q5_0: return g32_row(GG_Q5_0, wr, I, a, m);
+    case GG_Q5_1: return g32_row(GG_Q5_1, wr, I, a, m);
+    case GG_IQ4_NL: return g32_row(GG_IQ4_NL, wr, I, a, m);
+    case GG_IQ4_XS: return iq4xs_row(wr, I, a, m);
+    default: return g32_row(GG_MXFP4, wr, I, a, m);
+    }
 }
 
 static int gg_rows_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t nr, int64_t I, const Acts *a,
@@ -401,9 +549,14 @@ void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, 
         gg_tile_vnni(t, w, rb, r0, nr, I, a, O, y);
         return;
     }
-    if (t == GG_Q5_K || t == GG_IQ4_XS) { /* no pairs path on this build: a few rows of x each stream the rows */
+    if (t == GG_Q5_K) { /* no pairs path on this build: a few rows of x each stream the rows */
         for (int64_t m = 0; m < a->M; m++)
             for (int64_t r = 0; r < nr; r++) y[m * O + r0 + r] = gg_row1_vnni(t, w + (r0 + r) * rb, I, a, m);
+        return;
+    }
+    if (t != GG_Q4_K && t != GG_Q6_K && t != GG_Q8_0) { /* the blocks of 32 */
+        for (int64_t m = 0; m < a->M; m++)
+            for (int64_t r = 0; r < nr; r++) y[m * O + r0 + r] = g32_row_vnni(t, w + (r0 + r) * rb, I, a, m);
         return;
     }
     if (t == GG_Q4_K || t == GG_Q6_K || t == GG_Q8_0) {

@@ -112,7 +112,32 @@ void gg_tile_vnni(int64_t t, const uint8_t *w, int64_t rb, int64_t r0, int64_t n
  * the kernels take the rows in pairs */
 void acts_gg(Acts *a, int64_t t) {
 #ifdef SEMOE_VNNI
-    if (a->M < (t == GG_Q4_K ? GG_TILE_MIN_Q4_K : GG_TILE_MIN) || a->groups * QB != a->I) return;
+    if (a->groups * QB != a->I) return;
+    if (a->M == 1 && ((gg_block_weights(t) == QB && t != GG_Q8_0) || t == GG_IQ4_XS)) { /* decoding: `g32_x`'s order */
+        const int64_t ip = a->Ip, nb = a->I / QB, lut = t == GG_IQ4_NL || t == GG_IQ4_XS || t == GG_MXFP4;
+        if (!(a->gn = malloc((size_t)(a->M * ip)))) return;
+        if (lut && !(a->gb = malloc(sizeof(int32_t) * (size_t)(a->M * ip / 8 + 16)))) {
+            free(a->gn);
+            a->gn = NULL;
+            return;
+        }
+        for (int64_t m = 0; m < a->M; m++)
+            for (int64_t k = 0; k < nb; k += 4) {
+                const int64_t n = nb - k < 4 ? nb - k : 4;
+                int8_t *g = a->gn + m * ip + k * QB;
+                for (int64_t i = 0; i < n; i++) {
+                    memcpy(g + 16 * i, a->q + m * ip + (k + i) * QB, 16);
+                    memcpy(g + 16 * (n + i), a->q + m * ip + (k + i) * QB + 16, 16);
+                }
+                for (int64_t j = 0; lut && j < 16; j++) { /* lane j: codes 4j .. 4j + 3 of both halves */
+                    int32_t s = 0;
+                    for (int64_t l = 4 * j; l < 4 * j + 4 && l < 16 * n; l++) s += g[l] + g[16 * n + l];
+                    a->gb[m * ip / 8 + k / 4 * 16 + j] = -128 * s;
+                }
+            }
+        return;
+    }
+    if (a->M < (t == GG_Q4_K ? GG_TILE_MIN_Q4_K : GG_TILE_MIN)) return;
     const int64_t P = (a->M + 1) / 2, ip = a->Ip, nd = a->Ip / QB, nb = a->I / QB;
     a->gu = malloc((size_t)(P * 2 * ip));
     a->gd = malloc(sizeof(float) * (size_t)(P * 2 * nb));

@@ -135,6 +135,13 @@ typedef struct {
      * the pair's scales and sums per 32 side by side; NULL otherwise (the kernel then takes rows in pairs) */
     uint8_t *gu;
     float *gd, *gs;
+    /* `acts_gg`'s, for the AVX-512 VNNI build's products on nibbles (Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL, IQ4_XS,
+     * MXFP4) and one row (decoding): its codes in the order those kernels take them, each four blocks' inputs
+     * 0-15 then 16-31 (`g32_x`), and for the types with a table of values (IQ4_NL, IQ4_XS, MXFP4) -128 times
+     * the sums of each lane's 8 codes (`g32_dot`); NULL otherwise (a few rows of a prompt, or memory short: the
+     * kernels then permute and sum x themselves) */
+    int8_t *gn;
+    int32_t *gb;
 } Acts;
 
 /* acts_alloc's buffers may be NULL where memory is short: acts_ok says whether all three are there

@@ -81,13 +81,14 @@ def random_blocks(name: str, rows: int, cols: int, rng: np.random.Generator) -> 
 
 
 def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, *, qtype: str = "F32", split: int = 0,
-               whole_kv_b: bool = False) -> pathlib.Path:
+               whole_kv_b: bool = False, types: dict[str, str] | None = None) -> pathlib.Path:
     """`hf_dir` (a tiny checkpoint with `add_bpe_tokenizer`'s tokenizer) as a GGUF file at `out`: weight matrices
     of two or more dimensions whose rows fit `qtype`'s blocks in `qtype` (F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
     Q5_1, MXFP4: what the package quantizes; K-quants and IQ4: random blocks of the type, `random_blocks`,
     not the weights), the rest float32; `split` > 0: that many tensors a file, written as
     NAME-0000k-of-0000N.gguf beside `out` (the first's path is returned). `whole_kv_b`: DeepSeek's kv_b_proj as
-    older converters wrote it, one `attn_kv_b` as the checkpoint holds it, not split into `attn_k_b` and `attn_v_b`."""
+    older converters wrote it, one `attn_kv_b` as the checkpoint holds it, not split into `attn_k_b` and `attn_v_b`.
+    `types`: another type for the tensors whose name holds a key (`{"ffn_up_exps": "Q4_0"}`), as mixes write."""
     import gguf
 
     cfg = json.loads((hf_dir / "config.json").read_text())
@@ -101,13 +102,12 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, *, qtype: str = "F32", s
             del tensors[f"blk.{i}.attn_k_b.weight"], tensors[f"blk.{i}.attn_v_b.weight"]
             tensors[f"blk.{i}.attn_kv_b.weight"] = state[name].float().numpy()
     files = {n: (hf_dir / n).read_bytes() for n in ("tokenizer.json", "tokenizer_config.json")}
-    kind = gguf.GGMLQuantizationType[qtype]
-    block = gguf.GGML_QUANT_SIZES[kind][0]
     items = sorted(tensors.items())
     chunks = [items[i:i + split] for i in range(0, len(items), split)] if split else [items]
     paths = [out] if not split else [out.with_name(f"{out.stem}-{k + 1:05d}-of-{len(chunks):05d}.gguf")
                                      for k in range(len(chunks))]
     rng = np.random.default_rng(0)
+    default = qtype
     for k, (path, chunk) in enumerate(zip(paths, chunks)):
         w = gguf.GGUFWriter(str(path), arch_name)
         if k == 0:
@@ -119,6 +119,9 @@ def write_gguf(hf_dir: pathlib.Path, out: pathlib.Path, *, qtype: str = "F32", s
             w.add_uint16("split.count", len(chunks))
             w.add_int32("split.tensors.count", len(items))
         for name, a in chunk:
+            qtype = next((t for key, t in (types or {}).items() if key in name), default)
+            kind = gguf.GGMLQuantizationType[qtype]
+            block = gguf.GGML_QUANT_SIZES[kind][0]
             if a.ndim >= 2 and qtype != "F32" and a.shape[-1] % block == 0 and "ffn_gate_inp" not in name \
                     and name.endswith(".weight"):  # biases (gpt-oss's experts' are 2-D) stay float, as llama-quantize's
                 if qtype.endswith("_K") or qtype.startswith("IQ"):

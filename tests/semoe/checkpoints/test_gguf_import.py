@@ -397,3 +397,29 @@ def test_a_bfloat16_store_exports_its_norms_routers_and_biases_in_float32(tmp_pa
     assert types["blk.0.attn_q.weight"] == "BF16" and types["blk.0.ffn_down_exps.weight"] == "BF16"
     again = import_checkpoint(str(out), str(tmp_path / "again"))
     assert torch.equal(_logits(again.root), _logits(store.root))
+
+
+@pytest.mark.parametrize("gate,up", [("Q4_K", "IQ4_NL"), ("MXFP4", "Q5_1")])
+def test_experts_whose_gate_and_up_differ_in_type_are_computed_on_both(tmp_path, gate, up):
+    """Mixes may give an expert's gate and up projections different types: both are kept as their blocks
+    and computed on (a product at a time: the whole step in one call takes one kind for both), within the
+    plain reference kernel's 3e-4 of the logits' scale, as above."""
+    from inference.engine import Engine
+    from inference.engine_config import EngineConfig
+
+    hf = _checkpoint("qwen3_moe", tmp_path, **dict(WIDE, moe_intermediate_size=256))
+    gguf_file = write_gguf(hf, tmp_path / "m.gguf", qtype=gate, types={"ffn_up_exps": up})
+    kept = import_checkpoint(str(gguf_file), str(tmp_path / "kept"))
+    tensors = StoreReader.open(kept.root).manifest.tensors
+    for proj, want in (("gate_proj", gate), ("up_proj", up)):
+        mine = [t for t in tensors if ".experts." in t.name and proj in t.name]
+        assert mine and all(t.quant["ggml_type"] == want for t in mine)
+    with torch.no_grad():
+        got = load_store(kept.root, dense="float")(IDS).logits
+        ref = load_store(kept.root, dense="float", kernel="reference")(IDS).logits
+    assert (got - ref).abs().max() / ref.abs().max() < 3e-4
+    engine = Engine.load(kept.root, EngineConfig())
+    try:
+        assert "kernel by kernel" in engine.decode_path()
+    finally:
+        engine.close()

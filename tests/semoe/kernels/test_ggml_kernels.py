@@ -68,10 +68,12 @@ def test_products_on_blocks_equal_the_dequantized_weight_times_x(build, name, O,
 @pytest.mark.parametrize("build", sorted(_builds()))
 @pytest.mark.parametrize("name", [t for t in TYPES if not t.endswith("_K") and t != "IQ4_XS"])
 @pytest.mark.parametrize("M", [1, 2])
-def test_rows_of_an_odd_number_of_blocks(build, name, M):
-    """Rows of 3 blocks of 32: the kernels that take two blocks a step (Q8_0's decoding row, read as one
-    stream) end on a half step; the same tolerance as above."""
-    test_products_on_blocks_equal_the_dequantized_weight_times_x(build, name, 6, 96, M)
+@pytest.mark.parametrize("I", [64, 96, 160])
+def test_rows_of_an_odd_number_of_blocks(build, name, M, I):
+    """Rows of 2, 3 and 5 blocks of 32: the kernels that take two or four blocks a step (Q8_0's decoding row,
+    and the other blocks of 32 on the AVX-512 build, read as one stream) end on a part of a step, read through
+    masks; the same tolerance as above."""
+    test_products_on_blocks_equal_the_dequantized_weight_times_x(build, name, 6, I, M)
 
 
 def test_row_bytes_follow_each_types_blocks():
