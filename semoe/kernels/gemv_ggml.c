@@ -378,10 +378,11 @@ static inline __attribute__((always_inline)) void g32_step(const int t, const ui
     }
     const __m512i dot = g32_dot(t == GG_MXFP4 ? FP4_U : t == GG_IQ4_NL ? IQ4_U : NULL, cl, ch, xl, xh, xb);
     __m128 d;
-    if (t == GG_MXFP4) { /* half of 2^(e - 127) */
-        const __m512i eidx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, (3 * B) << 24 | (2 * B) << 16 | B << 8);
-        const __m128i e = _mm_cvtepu8_epi32(_mm512_castsi512_si128(_mm512_permutexvar_epi8(eidx, v0)));
-        d = _mm_scalef_ps(_mm_set1_ps(1.0f), _mm_cvtepi32_ps(_mm_sub_epi32(e, _mm_set1_epi32(128))));
+    if (t == GG_MXFP4) { /* 2^(e - 127): e put at the top byte of each lane (the rest masked to 0), shifted to the
+                          * exponent's bits (the half, as FP4_VALUES are doubled, by `g32_row`); e = 0, 2^-127 as
+                          * the format has it, is taken as 0 (its weights 3e-38 at most) */
+        const __m512i eidx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 3 * B << 24, 2 * B << 24, B << 24, 0);
+        d = _mm_castsi128_ps(_mm_srli_epi32(_mm512_castsi512_si128(_mm512_maskz_permutexvar_epi8(0x8888, eidx, v0)), 1));
     } else { /* the four scales' bytes (and Q4_1's, Q5_1's mins', 2 on) in the low 8 (16) bytes */
         const __m512i sidx = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
                                               (3 * B + 3) << 24 | (3 * B + 2) << 16 | (2 * B + 3) << 8 | (2 * B + 2),
@@ -416,7 +417,8 @@ static inline __attribute__((always_inline)) float g32_row(const int t, const ui
     if (n4 < nb) g32_step(t, wr + n4 * B, G32_AT(n4), nb - n4, &f[0], &off);
 #undef G32_AT
     const float zero = t == GG_Q4_0 ? -8.0f : t == GG_Q5_0 ? -16.0f : 1.0f;
-    return _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1])) + zero * _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(off, off), off));
+    return (t == GG_MXFP4 ? 0.5f : 1.0f) * _mm512_reduce_add_ps(_mm512_add_ps(f[0], f[1])) +
+           zero * _mm_cvtss_f32(_mm_hadd_ps(_mm_hadd_ps(off, off), off));
 }
 
 /* IQ4_XS: its super-block's 8 blocks of 32 have IQ4_NL's nibbles, 16 bytes each, so that each half's 64 bytes
