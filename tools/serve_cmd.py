@@ -22,7 +22,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     """Register `semoe serve`."""
     p = sub.add_parser("serve", help="serve a model over an OpenAI-compatible HTTP API",
                        description="Serve a HuggingFace MoE checkpoint directory or a store on /v1/completions, "
-                                   "/v1/chat/completions, /v1/models, /health and /metrics. Running requests decode "
+                                   "/v1/chat/completions, /v1/models, /health, /ready and /metrics. Running requests decode "
                                    "together, one batched forward a step (continuous batching); more wait in "
                                    "arrival order. Any offload budget keeps the experts in the store.")
     p.add_argument("--model", required=True, metavar="PATH",
@@ -31,7 +31,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000; 0: any free port)")
     add_device_flags(p)
     p.add_argument("--max-queue", type=int, default=64, metavar="N",
-                   help="requests that may wait for a place in the batch; more get HTTP 503 (default 64)")
+                   help="requests that may wait for a place in the batch; more get HTTP 503 with Retry-After "
+                        "(default 64)")
     p.add_argument("--max-batch", type=int, default=16, metavar="N",
                    help="requests decoding together (default 16); each step computes one token of each and reads "
                         "the union of their experts once per layer")
@@ -58,6 +59,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "again (512MiB, 0: off). Default: shared with --kv-memory, whose running requests evict "
                         "them first, or 1GiB where --kv-memory is not given. /metrics counts hits, reused tokens "
                         "and evictions")
+    p.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C: take no new requests (/ready answers 503), give the queued and "
+                        "running ones this long to finish, then end the rest with HTTP 503 \"the server is "
+                        "stopping\", close the store and exit 0 (default 30)")
     p.add_argument("--request-log", metavar="FILE",
                    help="append one JSON line per finished request (or choice of one) to FILE: id, choice, status (stop, length, cancelled, "
                         "error), prompt and generated tokens, time to first token, mean inter-token latency, "
@@ -89,6 +94,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # the server's limits, checked once
         serve_config = ServeConfig(max_queue=args.max_queue, max_batch=args.max_batch,
                                    max_batch_tokens=args.max_batch_tokens, request_log=args.request_log,
+                                   shutdown_timeout=args.shutdown_timeout,
                                    speculative=speculative_flag(args) or 0,
                                    kv_memory_bytes=parse_size(args.kv_memory, flag="--kv-memory")
                                    if args.kv_memory is not None else None,

@@ -77,6 +77,10 @@ class QueueFullError(Exception):
     """More requests are waiting than the server admits."""
 
 
+class ServerStoppingError(Exception):
+    """The server is stopping (`BatchScheduler.drain`): it takes no new requests."""
+
+
 class KVMemoryError(ValueError):
     """A request whose KV cache can never fit the server's KV memory."""
 
@@ -143,6 +147,7 @@ class BatchScheduler:
         self._preempted: list[_Running] = []  # waiting for room to go on, ahead of `_pending`
         self._cv = threading.Condition()
         self._closing = False
+        self._draining = False  # `drain`: no new requests; the queued and running ones go on
         self._busy_tokens = 0  # prompt and generated tokens since the scheduler was last idle
         # tokens drafted a decoding row (`_drafts`), where every state rolls back by the caches' length
         self.speculative = config.speculative if rolls_back(getattr(engine, "model_config", None)) else 0
@@ -185,8 +190,8 @@ class BatchScheduler:
                 raise KVMemoryError(f"a request's KV cache ({self.kv_bytes_of(job.request)} bytes) exceeds the KV "
                                     f"memory limit of {self.kv_memory_bytes} bytes: queue it as `sized` returns it")
         with self._cv:
-            if self._closing:
-                raise QueueFullError("the server is shutting down")
+            if self._closing or self._draining:
+                raise ServerStoppingError("the server is stopping: it takes no new requests")
             if len(self._pending) + len(jobs) > self.max_queue:
                 raise QueueFullError(f"the request queue is full ({len(self._pending)} waiting"
                                      + (f", {len(jobs)} choices asked" if len(jobs) > 1 else "") + "); retry later")
@@ -211,18 +216,46 @@ class BatchScheduler:
         """Jobs queued, not yet admitted."""
         return len(self._pending)
 
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """Answer waiting jobs with an error, end the running ones at the next step, join the thread."""
+    def drain(self) -> None:
+        """Take no new requests (`submit` raises ServerStoppingError); the queued and running ones go on."""
         with self._cv:
-            self._closing = True
-            for job in [*(r.job for r in self._preempted), *self._pending]:
+            self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        """Whether `drain` (or `stop`) was called."""
+        return self._draining or self._closing
+
+    @property
+    def busy(self) -> int:
+        """Jobs queued, waiting to go on, or running."""
+        with self._cv:
+            return len(self._pending) + len(self._preempted) + len(self._running)
+
+    def end_all(self, message: str) -> int:
+        """End every queued and running job now with `message`, HTTP 503 where its answer has not begun
+        (the running ones leave the batch at the next step); how many there were."""
+        with self._cv:
+            now = time.perf_counter()
+            waiting = [*(r.job for r in self._preempted), *self._pending]
+            jobs = [j for j in [*waiting, *(r.job for r in self._running)] if not j.cancelled.is_set()]
+            for job in jobs:
                 job.cancelled.set()
-                job.post(ErrorEvent(message="the server is shutting down"))
+                job.post(ErrorEvent(message=message, status=503))
+            for job in waiting:
+                self.metrics.cancelled.inc()
+                self._record(job, "cancelled", [], None, now)
             self._pending.clear()
             self._preempted.clear()
             self.metrics.queue_depth.set(0)
-            for r in list(self._running):
-                r.job.cancelled.set()
+            self._cv.notify()
+        return len(jobs)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End every job with an error (`end_all`), join the thread."""
+        self.end_all("the server is stopping")
+        with self._cv:
+            self._closing = True
             self._cv.notify()
         self._thread.join(timeout_s)
         if self._thread.is_alive():

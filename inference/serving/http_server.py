@@ -1,5 +1,5 @@
 """An OpenAI-compatible HTTP server for one `Engine`: /v1/completions, /v1/chat/completions,
-/v1/models, /health and /metrics.
+/v1/models, /health (live), /ready (taking requests) and /metrics.
 
 Requests are checked on the event loop, then queued for the batch scheduler's thread
 (`inference.serving.batch_scheduler`), which decodes every running request together, one packed forward a step.
@@ -17,6 +17,7 @@ import contextlib
 import json
 import logging
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -32,13 +33,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from inference.chat_template import ChatTemplate
 from inference.serving.openai_protocol import APIError, GenRequest, Reply, choice, parse_chat, parse_completion, sse
 from inference.serving.scheduler_events import DoneEvent, ErrorEvent, TokenEvent
-from inference.serving.batch_scheduler import BatchScheduler, Job, KVMemoryError, QueueFullError
+from inference.serving.batch_scheduler import BatchScheduler, Job, KVMemoryError, QueueFullError, ServerStoppingError
 from inference.serving.serve_config import ServeConfig
 
 log = logging.getLogger(__name__)
 
 _DISCONNECT_POLL_S = 0.5  # how often a request waiting for the engine checks whether its client left
-_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics")
+RETRY_AFTER_S = 1  # what a request refused for a full queue is told to wait (`Retry-After`)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 # Engine offload stats exported as gauges `semoe_offload_<key>` (absent for resident engines).
 OFFLOAD_STATS = ("ring_hit_rate", "cpu_hit_rate", "ssd_bytes_per_token", "device_copy_bytes_per_token",
@@ -303,8 +305,11 @@ def create_app(engine, config: ServeConfig | None = None, *, chat_template: Chat
                 for i in range(req.n)]  # the log names the answer's id
         try:
             worker.submit(*jobs)
-        except QueueFullError as e:
-            raise APIError(str(e), status=503, type="server_overloaded") from None
+        except QueueFullError as e:  # back-pressure: come back soon
+            raise APIError(str(e), status=503, type="server_overloaded",
+                           headers={"Retry-After": str(RETRY_AFTER_S)}) from None
+        except ServerStoppingError as e:
+            raise APIError(str(e), status=503, type="server_stopping") from None
         answer = _Answer(jobs, worker)
         if req.stream:
             first = await answer.next(request)
@@ -312,7 +317,7 @@ def create_app(engine, config: ServeConfig | None = None, *, chat_template: Chat
                 return Response(status_code=499)  # nobody reads it; the status only reaches the metrics
             if isinstance(first[1], ErrorEvent):
                 answer.cancel()
-                raise APIError(first[1].message, status=500, type="server_error")
+                raise _failed(first[1])
             return StreamingResponse(_stream(answer, first, reply), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})
         done: dict[int, DoneEvent] = {}
@@ -322,7 +327,7 @@ def create_app(engine, config: ServeConfig | None = None, *, chat_template: Chat
                 return Response(status_code=499)
             if isinstance(event[1], ErrorEvent):
                 answer.cancel()
-                raise APIError(event[1].message, status=500, type="server_error")
+                raise _failed(event[1])
             done[event[0]] = event[1]
         return JSONResponse(reply.full([done[i] for i in range(req.n)]))
 
@@ -349,14 +354,25 @@ def create_app(engine, config: ServeConfig | None = None, *, chat_template: Chat
         return card
 
     @app.get("/health")
-    async def health() -> dict:
-        return {"status": "ok", "model": engine.name, "queue_depth": worker.waiting}
+    async def health() -> dict:  # the process answers: live, draining or not
+        return {"status": "ok", "model": engine.name, "queue_depth": worker.waiting, "draining": worker.draining}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:  # the model is loaded and the server takes requests
+        if worker.draining:
+            return JSONResponse({"status": "draining", "model": engine.name}, status_code=503)
+        return JSONResponse({"status": "ready", "model": engine.name})
 
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+def _failed(event: ErrorEvent) -> APIError:
+    """The error answer of a generation that failed (500) or that the server's stopping ended (503)."""
+    return APIError(event.message, status=event.status, type="server_error" if event.status == 500 else "server_stopping")
 
 
 async def _stream(answer: _Answer, first: tuple[int, TokenEvent | DoneEvent | ErrorEvent], reply: Reply
@@ -406,17 +422,49 @@ def url_of(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server that stops gracefully on the first SIGTERM or SIGINT: no new requests (new connections are
+    refused, requests on open ones get 503 and /ready says "draining"), the queued and running ones go on for
+    `timeout_s` (`--shutdown-timeout`), then those left end with a 503 that says the server is stopping; uvicorn
+    then closes the connections and the app's lifespan stops the scheduler. A second SIGINT exits at once."""
+
+    def __init__(self, config: uvicorn.Config, worker: BatchScheduler, timeout_s: float) -> None:
+        super().__init__(config)
+        self.worker, self.timeout_s = worker, timeout_s
+        self.deadline: threading.Timer | None = None
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.deadline is None:
+            self.worker.drain()
+            busy = self.worker.busy
+            log.warning("stopping: %d request(s) in flight get up to %g s to finish", busy, self.timeout_s)
+            message = f"the server is stopping: this request did not finish within --shutdown-timeout ({self.timeout_s:g} s)"
+            self.deadline = threading.Timer(self.timeout_s, self._end, args=(message,))
+            self.deadline.daemon = True
+            self.deadline.start()
+        super().handle_exit(sig, frame)
+
+    def _end(self, message: str) -> None:
+        if ended := self.worker.end_all(message):
+            log.warning("stopping: %d request(s) ended unfinished", ended)
+
+
 def serve(engine, host: str = "127.0.0.1", port: int = 8000, config: ServeConfig | None = None, *,
           chat_template: ChatTemplate | None = None, on_ready: Callable[[str], None] | None = None) -> None:
-    """Serve `engine` within `config` until interrupted (Ctrl-C shuts down gracefully); `on_ready(url)`
+    """Serve `engine` within `config` until interrupted (SIGTERM or Ctrl-C: `DrainingServer`); `on_ready(url)`
     once bound."""
+    config = config or ServeConfig()
     sock = bind_socket(host, port)
     app = create_app(engine, config, chat_template=chat_template)
-    server = uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
-                            timeout_graceful_shutdown=5)
+    # uvicorn's own limit only backs ours up: by then the scheduler has ended what was left
+    server = DrainingServer(uvicorn.Config(app, log_level=logging.getLogger().getEffectiveLevel(), access_log=False,
+                                           timeout_graceful_shutdown=int(config.shutdown_timeout) + 5),
+                            app.state.worker, config.shutdown_timeout)
     if on_ready is not None:
         on_ready(url_of(sock))
     try:
-        uvicorn.Server(server).run(sockets=[sock])
+        server.run(sockets=[sock])
     finally:
+        if server.deadline is not None:
+            server.deadline.cancel()
         sock.close()

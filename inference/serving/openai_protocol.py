@@ -54,14 +54,14 @@ class APIError(Exception):
     """A request that fails, answered as OpenAI does: `{"error": {message, type, param}}`."""
 
     def __init__(self, message: str, *, status: int = 400, param: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
-        self.message, self.status, self.param, self.type = message, status, param, type
+        self.message, self.status, self.param, self.type, self.headers = message, status, param, type, headers
 
     def response(self) -> JSONResponse:
         """The JSON error response."""
         return JSONResponse({"error": {"message": self.message, "type": self.type, "param": self.param,
-                                       "code": None}}, status_code=self.status)
+                                       "code": None}}, status_code=self.status, headers=self.headers)
 
 
 @dataclass(kw_only=True)

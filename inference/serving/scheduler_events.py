@@ -31,6 +31,7 @@ class DoneEvent:
 
 @dataclass(kw_only=True)
 class ErrorEvent:
-    """Generation raised; the message goes to this request's client only."""
+    """Generation raised, or the server is stopping; the message goes to this request's client only."""
 
     message: str
+    status: int = 500  # the answer's HTTP status where it has not begun: 503 when the server is stopping

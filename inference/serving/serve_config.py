@@ -18,7 +18,8 @@ class ServeConfig:
     requests' caches are kept for prompts that begin with their tokens within `prefix_cache_bytes` (None:
     the KV memory, shared with the running requests, which evict them, or PREFIX_CACHE_DEFAULT where it
     has no limit; 0: none kept); `request_log`, a file that gets a JSON line per finished request; `speculative`: tokens drafted a greedy
-    decoding row and verified in its step (`BatchScheduler._drafts`)."""
+    decoding row and verified in its step (`BatchScheduler._drafts`); `shutdown_timeout`: seconds the requests in
+    flight get to finish on SIGTERM (`http_server.DrainingServer`)."""
 
     max_queue: int = 64
     max_batch: int = 16
@@ -29,6 +30,7 @@ class ServeConfig:
     request_log: str | None = None
     speculative: int = 0  # tokens drafted a greedy decoding row, verified in its step
     paying: bool = False  # draft only in steps while drafting pays (`semoe.decode.loop.Paying`)
+    shutdown_timeout: float = 30.0  # seconds the requests in flight get to finish once the server is told to stop
 
     def __post_init__(self) -> None:
         """ValueError naming the flag, for a value no server can run with."""
@@ -41,6 +43,9 @@ class ServeConfig:
         if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < self.max_batch:
             raise ValueError(f"--max-batch-tokens must be >= --max-batch ({self.max_batch}), "
                              f"got {self.max_batch_tokens!r}")
+        if isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float)) \
+                or not 0 <= self.shutdown_timeout < float("inf"):
+            raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
         if self.kv_memory_bytes is not None and self.kv_memory_bytes < 1:
             raise ValueError(f"--kv-memory must be at least 1 byte, got {self.kv_memory_bytes}")
         if self.prefix_cache_bytes is not None and self.prefix_cache_bytes < 0:

@@ -22,7 +22,7 @@ from inference.chat_template import FALLBACK_TEMPLATE, ChatTemplate, ChatTemplat
 from inference.engine import Engine
 from inference.engine_config import EngineConfig
 from inference.serving.serve_config import ServeConfig
-from inference.serving.http_server import bind_socket, create_app
+from inference.serving.http_server import DrainingServer, bind_socket, create_app
 from inference.serving.incremental_text import TextAssembler
 from semoe.decode.loop import SamplingConfig
 from helpers.kernels import needs_kernels
@@ -666,7 +666,9 @@ def test_no_tokenizer_rejects_text(scripted):
 
 def test_health_models_and_metrics(served, engine):
     status, health = request(served.port, "GET", "/health")
-    assert status == 200 and health["status"] == "ok"
+    assert status == 200 and health["status"] == "ok" and health["draining"] is False
+    status, ready = request(served.port, "GET", "/ready")
+    assert status == 200 and ready["status"] == "ready"
     status, models = request(served.port, "GET", "/v1/models")
     assert status == 200 and models["object"] == "list" and [m["id"] for m in models["data"]] == [engine.name]
     status, card = request(served.port, "GET", f"/v1/models/{engine.name}")
@@ -750,8 +752,14 @@ def test_queue_full_gets_503(scripted):
     waiting = threading.Thread(target=client, args=("waiting",))
     waiting.start()
     wait_for(lambda: request(scripted.port, "GET", "/health")[1]["queue_depth"] == 1, "the second request to queue")
-    status, out = post(scripted.port, "/v1/completions", body)
-    assert status == 503 and "queue is full" in out["error"]["message"]
+    conn = http.client.HTTPConnection("127.0.0.1", scripted.port, timeout=30)
+    conn.request("POST", "/v1/completions", body=json.dumps(body), headers={"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = json.loads(resp.read())
+    conn.close()
+    # back-pressure that says so: 503 at once, with when to come back, not a time-out
+    assert resp.status == 503 and "queue is full" in out["error"]["message"]
+    assert out["error"]["type"] == "server_overloaded" and int(resp.getheader("Retry-After")) >= 1
     status, _ = post(scripted.port, "/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]})
     assert status == 400  # checked before queueing
     eng.gate.set()
@@ -760,6 +768,66 @@ def test_queue_full_gets_503(scripted):
     assert results["running"][0] == results["waiting"][0] == 200
     assert results["running"][1]["choices"][0]["token_ids"] == results["waiting"][1]["choices"][0]["token_ids"]
     assert requests_total(metrics(scripted.port), "/v1/completions", 503) == 1
+
+
+def test_stopping_lets_requests_finish_within_the_deadline_and_ends_the_rest_with_503(engine):
+    """SIGTERM's path: draining first (/ready and new requests on an open connection say so), then
+    `DrainingServer.handle_exit` as the signal handler calls it: a request that can finish within
+    --shutdown-timeout does, with its tokens; one that cannot gets 503 naming the stop, streamed or not (its
+    status line gone out, in the stream); the server then exits by itself."""
+    eng = ScriptedEngine(engine)
+    eng.token_delay_s = 0.05  # a step: 3 tokens take 0.15 s, 100 take 5 s
+    app = create_app(eng, ServeConfig(max_batch=4, shutdown_timeout=1.5))
+    sock = bind_socket("127.0.0.1", 0)
+    port = sock.getsockname()[1]
+    server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"),
+                            app.state.worker, 1.5)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    wait_for(lambda: server.started, "the server to start")
+    results: dict[str, object] = {}
+    short, long = {"prompt": [3, 4], "max_tokens": 3}, {"prompt": [3, 5], "max_tokens": 100}
+
+    def client(name: str, body: dict) -> None:
+        results[name] = stream(port, "/v1/completions", body) if body.get("stream") else post(
+            port, "/v1/completions", body)
+
+    kept = http.client.HTTPConnection("127.0.0.1", port, timeout=30)  # open before the stop: it may still ask
+    kept.request("GET", "/ready")
+    resp = kept.getresponse()
+    assert resp.status == 200 and json.loads(resp.read())["status"] == "ready"
+    eng.gate.clear()
+    eng.started.clear()
+    threads = [threading.Thread(target=client, args=args) for args in
+               (("short", short), ("long", long), ("long stream", {**long, "stream": True}))]
+    for t in threads:
+        t.start()
+    assert eng.started.wait(10)
+    wait_for(lambda: app.state.worker.busy == 3, "three requests in flight")
+    app.state.worker.drain()  # handle_exit's first act, here before uvicorn starts closing idle connections
+    kept.request("GET", "/ready")
+    resp = kept.getresponse()
+    assert resp.status == 503 and json.loads(resp.read())["status"] == "draining"
+    kept.request("POST", "/v1/completions", body=json.dumps(short), headers={"Content-Type": "application/json"})
+    resp = kept.getresponse()
+    out = json.loads(resp.read())
+    assert resp.status == 503 and out["error"]["type"] == "server_stopping", out
+    kept.close()
+    server.handle_exit(signal.SIGTERM, None)
+    eng.gate.set()
+    for t in threads:
+        t.join(30)
+    thread.join(30)
+    sock.close()
+    assert not thread.is_alive()  # uvicorn stopped by itself once the requests were answered
+    status, out = results["short"]
+    assert status == 200 and len(out["choices"][0]["token_ids"]) == 3
+    status, out = results["long"]
+    assert status == 503 and "the server is stopping" in out["error"]["message"]
+    assert out["error"]["type"] == "server_stopping"
+    events = results["long stream"]  # its status line went out with the first token: the error ends the stream
+    assert any("the server is stopping" in e["error"]["message"] for e in events if isinstance(e, dict) and "error" in e)
+    assert app.state.worker.busy == 0
 
 
 def test_the_kv_memory_budget_queues_requests_and_refuses_one_that_never_fits(engine):
@@ -1231,6 +1299,40 @@ def test_serve_command_offloaded_stops_cleanly_on_sigterm(model_dir, reference, 
             proc.kill()
             proc.wait()
         proc.stderr.close()
+
+
+@pytest.mark.slow  # starts processes
+def test_sigterm_with_a_stream_in_flight_finishes_it_exits_0_and_the_store_verifies(model_dir, reference, tmp_path):
+    """`semoe serve` on a store, a streaming request in flight (its first token read) when SIGTERM comes: the
+    request completes with its tokens, the process exits 0 saying it stopped, and `semoe store verify` passes."""
+    from semoe.checkpoints.hf_convert import import_checkpoint
+
+    store = import_checkpoint(str(model_dir), str(tmp_path / "store")).root
+    proc = subprocess.Popen([sys.executable, "-c", _SERVE, "serve", "--model", store, "--port", "0",
+                             "--shutdown-timeout", "60"], stderr=subprocess.PIPE, text=True, env=child_env(), cwd=ROOT)
+    try:
+        port, _ = serving_port(proc)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        conn.request("POST", "/v1/completions", body=json.dumps({"prompt": [1, 5, 9, 14], "max_tokens": 100,
+                                                                  "stream": True}),
+                     headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")  # the first token is out
+        proc.send_signal(signal.SIGTERM)
+        rest = resp.read().decode()
+        conn.close()
+        assert rest.rstrip().endswith("data: [DONE]") and '"error"' not in rest
+        assert proc.wait(60) == 0
+        err = proc.stderr.read()
+        assert "stopping" in err and "stopped" in err
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stderr.close()
+    res = subprocess.run([sys.executable, "-m", "tools.cli", "store", "verify", store], capture_output=True, text=True,
+                         env=child_env(), cwd=ROOT)
+    assert res.returncode == 0, res.stdout + res.stderr
 
 
 def test_serve_reads_a_store_once_and_builds_its_limits_once(model_dir, tmp_path, monkeypatch):
