@@ -47,6 +47,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batch-tokens", type=int, default=256, metavar="N",
                    help="rows of one step: a token per decoding request, then prompt tokens of new requests; a "
                         "longer prompt is prefilled over several steps (default 256, at least --max-batch)")
+    p.add_argument("--prefill-chunk", default="auto", metavar="N|auto",
+                   help="prompt rows a step takes while other requests decode, so that their next token never waits "
+                        "behind more than one chunk; a step with no decoding request takes prompts up to "
+                        "--max-batch-tokens. auto (default): as many as keep that step within about twice a "
+                        "decoding-only step, timed as the server runs (64 until then, at least 8)")
     p.add_argument("--kv-memory", metavar="SIZE",
                    help="memory for the running requests' KV caches together (512MiB, 2GiB; default: no limit). "
                         "A request's cache holds its prompt and 256 more positions at first and grows by 256 as it "
@@ -94,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     try:  # the server's limits, checked once
         serve_config = ServeConfig(max_queue=args.max_queue, max_batch=args.max_batch,
                                    max_batch_tokens=args.max_batch_tokens, request_log=args.request_log,
-                                   shutdown_timeout=args.shutdown_timeout,
+                                   shutdown_timeout=args.shutdown_timeout, prefill_chunk=_prefill_chunk(args),
                                    speculative=speculative_flag(args) or 0,
                                    kv_memory_bytes=parse_size(args.kv_memory, flag="--kv-memory")
                                    if args.kv_memory is not None else None,
@@ -135,6 +140,16 @@ def run(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, previous)
         engine.close()
     return 0
+
+
+def _prefill_chunk(args: argparse.Namespace) -> int | None:
+    """--prefill-chunk: None for auto, else its integer (ServeConfig checks the range)."""
+    if str(args.prefill_chunk).strip().lower() == "auto":
+        return None
+    try:
+        return int(args.prefill_chunk)
+    except ValueError:
+        raise UsageError(f"--prefill-chunk must be auto or an integer >= 1, got {args.prefill_chunk!r}") from None
 
 
 def lean_engine(args: argparse.Namespace, serve_config: "ServeConfig"):  # noqa: F821

@@ -73,6 +73,21 @@ def rolls_back(config) -> bool:
     return config is not None and not config.linear_layers and config.attention != "compressed"
 
 
+PREFILL_STALL = 2.0  # a step with prompt rows beside decoding ones takes about this many decoding-only steps
+PREFILL_FIRST = 64  # prompt rows beside decoding ones before the steps have been timed
+PREFILL_LEAST = 8  # and at least these, so that a prompt always moves on
+EMA = 0.2  # weight of the newest step in the steps' timings
+
+
+def prefill_room(decode_s: float | None, row_s: float | None, stall: float = PREFILL_STALL) -> int:
+    """Prompt rows a step takes beside decoding rows (chunked prefill): those that keep the step within `stall`
+    times a decoding-only step (`decode_s` seconds), each prompt row adding `row_s`; PREFILL_FIRST before
+    either is known, at least PREFILL_LEAST."""
+    if not decode_s or not row_s:
+        return PREFILL_FIRST
+    return max(PREFILL_LEAST, int((stall - 1) * decode_s / row_s))
+
+
 class QueueFullError(Exception):
     """More requests are waiting than the server admits."""
 
@@ -158,6 +173,9 @@ class BatchScheduler:
         self.emitted = 0  # tokens emitted since start: what `paying` times steps by
         self.paying = Paying(None) if config.paying and self.speculative else None
         self._drafting = True  # whether this step drafts (`paying`'s turn)
+        # chunked prefill (`prefill_room`): a decoding-only step's seconds and what a prompt row adds, as timed
+        self._decode_s: float | None = None
+        self._row_s: float | None = None
         self._thread = threading.Thread(target=self._run, name="semoe-batch", daemon=True)
 
     # -- the server's side ----------------------------------------------------------------------
@@ -425,6 +443,10 @@ class BatchScheduler:
                 drafts = self._drafts(r, room - 1)
                 parts.append((r, [r.tokens[-1], *drafts], 1 + len(drafts)))
                 room -= 1 + len(drafts)
+        decoding = self.max_batch_tokens - room  # rows
+        if decoding:  # prompts get a chunk that keeps the decoding rows' step short; alone, the whole budget
+            chunk = self.config.prefill_chunk or prefill_room(self._decode_s, self._row_s)
+            room = min(room, chunk)
         for r in self._running:
             if r.todo and room > 0:
                 n = min(len(r.todo), room)
@@ -434,7 +456,9 @@ class BatchScheduler:
         self.metrics.batch.observe(len(parts))
         starts = [r.cache.length for r, _, _ in parts]
         try:
+            t0 = time.perf_counter()
             sampled = self._split(parts, self._forward(parts))
+            self._time_step(time.perf_counter() - t0, decoding, sum(len(t) for _, t, _ in parts) - decoding)
             feed = True
         except Exception as e:  # noqa: BLE001 - one request's failure is its own: each alone finds whose
             log.exception("a generation step of %d requests failed", len(parts))
@@ -521,6 +545,16 @@ class BatchScheduler:
             rows += range(len(ids) - sampled, len(ids))
         with self.engine.lock:
             return self.engine.step(ids, caches, counts, rows)
+
+    def _time_step(self, seconds: float, decoding: int, prompt: int) -> None:
+        """Fold a step's time into the decoding-only step's and a prompt row's (`prefill_room`)."""
+        ema = lambda old, new: new if old is None else (1 - EMA) * old + EMA * new  # noqa: E731
+        if not prompt:
+            self._decode_s = ema(self._decode_s, seconds)
+        elif not decoding:
+            self._row_s = ema(self._row_s, seconds / prompt)
+        elif self._decode_s is not None:
+            self._row_s = ema(self._row_s, max(seconds - self._decode_s, 0.0) / prompt)
 
     def _fail(self, r: _Running, e: BaseException) -> None:
         """End r with an error naming e; the others go on."""

@@ -19,7 +19,9 @@ class ServeConfig:
     the KV memory, shared with the running requests, which evict them, or PREFIX_CACHE_DEFAULT where it
     has no limit; 0: none kept); `request_log`, a file that gets a JSON line per finished request; `speculative`: tokens drafted a greedy
     decoding row and verified in its step (`BatchScheduler._drafts`); `shutdown_timeout`: seconds the requests in
-    flight get to finish on SIGTERM (`http_server.DrainingServer`)."""
+    flight get to finish on SIGTERM (`http_server.DrainingServer`); `prefill_chunk`: prompt rows a step takes beside
+    decoding rows (None: as many as keep that step within twice a decoding-only step, as timed:
+    `batch_scheduler.prefill_room`)."""
 
     max_queue: int = 64
     max_batch: int = 16
@@ -31,6 +33,7 @@ class ServeConfig:
     speculative: int = 0  # tokens drafted a greedy decoding row, verified in its step
     paying: bool = False  # draft only in steps while drafting pays (`semoe.decode.loop.Paying`)
     shutdown_timeout: float = 30.0  # seconds the requests in flight get to finish once the server is told to stop
+    prefill_chunk: int | None = None  # prompt rows a step takes beside decoding rows; None: timed (`prefill_room`)
 
     def __post_init__(self) -> None:
         """ValueError naming the flag, for a value no server can run with."""
@@ -43,6 +46,9 @@ class ServeConfig:
         if not isinstance(self.max_batch_tokens, int) or self.max_batch_tokens < self.max_batch:
             raise ValueError(f"--max-batch-tokens must be >= --max-batch ({self.max_batch}), "
                              f"got {self.max_batch_tokens!r}")
+        if self.prefill_chunk is not None and (not isinstance(self.prefill_chunk, int) or isinstance(self.prefill_chunk, bool)
+                                               or self.prefill_chunk < 1):
+            raise ValueError(f"--prefill-chunk must be auto or an integer >= 1, got {self.prefill_chunk!r}")
         if isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float)) \
                 or not 0 <= self.shutdown_timeout < float("inf"):
             raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")

@@ -75,6 +75,7 @@ class ScriptedEngine:
         self.gate.set()
         self.started = threading.Event()
         self.token_delay_s = 0.0
+        self.counts: list[list[int]] = []  # each step's rows a request
         # id(cache) -> (the cache, its first prompt token computed, its prompt's length)
         self._prompts: dict[int, tuple[weakref.ref, int, int]] = {}
 
@@ -88,6 +89,7 @@ class ScriptedEngine:
         return self._engine.storage_read_bytes()
 
     def step(self, ids, caches, counts, rows):
+        self.counts.append(list(counts))
         self.started.set()
         if not self.gate.wait(20):
             raise TimeoutError("gate never opened")
@@ -337,6 +339,54 @@ def test_requests_joining_mid_stream_decode_together_and_get_their_own_tokens(en
         assert m[("semoe_requests_running", ())] == 0 and m[("semoe_kv_cache_bytes", ())] == 0
     finally:
         server.close()
+
+
+def test_chunked_prefill_gives_a_whole_prompts_tokens_and_decoding_waits_one_chunk(engine, reference):
+    """A 90-token prompt arriving while another request decodes is prefilled 8 rows a step (--prefill-chunk 8)
+    beside the decoding row, which every step carries; both get the greedy tokens they get alone, the prompt
+    prefilled whole (log-probs within 1e-4, as above). With nothing decoding, a prompt goes in whole."""
+    eng = ScriptedEngine(engine)
+    eng.token_delay_s = 0.01
+    server = LiveServer(create_app(eng, ServeConfig(max_batch=4, max_batch_tokens=128, prefill_chunk=8)))
+    try:
+        long_prompt = [(5 * i) % 30 + 2 for i in range(90)]
+        cases = {"decoding": ([2, 9, 4, 11], 60), "long prompt": (long_prompt, 12)}
+        results: dict[str, dict] = {}
+
+        def client(name: str) -> None:
+            ids, n = cases[name]
+            results[name] = post(server.port, "/v1/completions", {"prompt": ids, "max_tokens": n, "logprobs": 0})
+
+        first = threading.Thread(target=client, args=("decoding",))
+        first.start()
+        wait_for(lambda: len(eng.counts) >= 5, "the first request to decode a few tokens")
+        second = threading.Thread(target=client, args=("long prompt",))
+        second.start()
+        first.join(60)
+        second.join(60)
+        for name, (ids, n) in cases.items():
+            status, out = results[name]
+            want = reference.generate(ids, SamplingConfig(max_new_tokens=n))
+            assert status == 200 and out["choices"][0]["token_ids"] == want.tokens, name
+            assert out["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(want.logprobs, abs=1e-4), name
+        chunks = [c[1] for c in eng.counts if len(c) == 2 and c[0] == 1]  # beside the decoding row
+        assert sum(chunks) + sum(c[0] for c in eng.counts if len(c) == 1 and c[0] > 1) >= 90
+        assert len(chunks) >= 11 and max(chunks) == 8  # 90 rows, 8 a step, the decoding row in each
+        eng.counts.clear()
+        other = [(7 * i) % 29 + 3 for i in range(90)]  # no kept prefix begins it: computed whole
+        assert post(server.port, "/v1/completions", {"prompt": other, "max_tokens": 1})[0] == 200
+        assert eng.counts[0] == [90]  # nothing decoding: the prompt in one step
+    finally:
+        server.close()
+
+
+def test_prefill_room_keeps_a_step_within_twice_a_decoding_step():
+    from inference.serving.batch_scheduler import PREFILL_FIRST, PREFILL_LEAST, prefill_room
+
+    assert prefill_room(None, None) == prefill_room(0.1, None) == PREFILL_FIRST  # not timed yet
+    assert prefill_room(0.150, 0.004) == 37  # 150 ms more at 4 ms a row
+    assert prefill_room(0.150, 0.004, stall=3.0) == 75
+    assert prefill_room(0.010, 0.004) == PREFILL_LEAST  # a prompt always moves on
 
 
 def test_batched_requests_over_offloaded_experts_get_the_resident_tokens(model_dir, reference):
@@ -1106,10 +1156,16 @@ def test_client_disconnect_mid_stream_does_not_wedge(scripted):
         resp = conn.getresponse()
         assert resp.status == 200
         assert resp.readline().startswith(b"data: ")
+        steps = len(eng.counts)
         conn.sock.close()  # leave mid-stream
         conn.close()
         wait_for(lambda: metrics(scripted.port).get(("semoe_cancelled_requests_total", ()), 0.0) == cancelled + 1,
                  "the abandoned generation to stop", timeout_s=5)
+        # its sequence freed within a step of the server finding it gone: the step in flight when it left, the
+        # one whose token found no reader, and none after (of 100 tokens' steps)
+        assert len(eng.counts) - steps <= 3, len(eng.counts) - steps
+        m = metrics(scripted.port)
+        assert m[("semoe_requests_running", ())] == 0 and m[("semoe_kv_cache_bytes", ())] == 0
     finally:
         eng.token_delay_s = 0.0
     events = stream(scripted.port, "/v1/completions", {"prompt": [3, 4], "max_tokens": 4})
