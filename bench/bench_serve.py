@@ -32,6 +32,15 @@ peak RSS beside tok/s.
     python bench/bench_serve.py --workdir DIR --store store-int4 --gguf llama-q4_0.gguf --parts limited \
         --memory 33 --clients 1,32 --rounds 1
 
+The stall part (--parts stall) is the case chunked prefill is for: --stall-clients clients stream --stall-tokens
+greedy tokens each from `semoe serve` with no flag, while a prompt of --stall-prompt tokens arrives every
+--stall-every seconds. A gap between two of a client's tokens is "quiet" where no prompt was in flight during it;
+the report gives the quiet gaps' p50, the others' p99 and their ratio (the goal: at most 2.5), and the prompts'
+latency. The same run serves them again with --prefill-chunk set to --max-batch-tokens, a step taking a prompt
+whole beside the decoding rows as before chunked prefill.
+
+    python bench/bench_serve.py --workdir DIR --parts stall
+
 In the same run: transformers generating one request at a time (the floor: what serving without a
 batching engine gives), and llama.cpp's llama-server (built once from bench/llama_peer.py's sources,
 or --llama-server PATH) on the same checkpoint as bench_quant.py converted it (--gguf, f32 for the
@@ -150,7 +159,7 @@ def _one_request(port: int, prompt: list[int], new_tokens: int) -> dict:
     if not stamps:
         raise RuntimeError("the stream held no tokens")
     return {"tokens": len(stamps), "ttft": stamps[0] - t0, "gaps": [b - a for a, b in itertools.pairwise(stamps)],
-            "ids": ids}
+            "ids": ids, "stamps": stamps}
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -241,6 +250,53 @@ def prefix_reuse(args: argparse.Namespace, store: str) -> dict:
     return {"system_tokens": args.system_tokens, "first_ttft_s": first["ttft"], "next_turn_ttft_s": second["ttft"],
             "fresh_ttft_s": fresh["ttft"], "reused_tokens": reused,
             "next_turn_prompt_tokens": len(system + turn + first["ids"] + again)}
+
+
+def stall(args: argparse.Namespace, store: str) -> list[dict]:
+    """Streaming clients while long prompts arrive (the module's docstring), chunked (the default) and whole."""
+    import random
+
+    rng = random.Random(11)
+    out = []
+    for name, flags in (("auto", []), ("whole", ["--prefill-chunk", "256"])):
+        cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}", *flags]
+        with Server(cmd, "/health", os.path.join(args.logs, f"semoe-stall-{name}.log")) as srv:
+            _one_request(srv.port, _prompt(998, 0), 4)  # warm-up
+            print(f"semoe, {args.stall_clients} streams while {args.stall_prompt}-token prompts arrive, "
+                  f"--prefill-chunk {name} ...", file=sys.stderr)
+            streams: list[dict] = []
+            prompts: list[tuple[float, float]] = []  # (sent, answered)
+            done = threading.Event()
+
+            def client(i: int) -> None:
+                streams.append(_one_request(srv.port, _prompt(i, 7), args.stall_tokens))
+
+            def prompter() -> None:
+                while not done.wait(args.stall_every):
+                    t0 = time.perf_counter()
+                    _one_request(srv.port, [rng.randrange(3, SHAPE["vocab_size"]) for _ in range(args.stall_prompt)], 1)
+                    prompts.append((t0, time.perf_counter()))
+
+            threads = [threading.Thread(target=client, args=(i,)) for i in range(args.stall_clients)]
+            feeder = threading.Thread(target=prompter)
+            for t in [*threads, feeder]:
+                t.start()
+            for t in threads:
+                t.join()
+            done.set()
+            feeder.join()
+        quiet, busy = [], []
+        for s in streams:
+            for a, b in itertools.pairwise(s["stamps"]):
+                (busy if any(p0 < b and a < p1 for p0, p1 in prompts) else quiet).append(b - a)
+        q50, b99 = _pct(quiet, 0.5), _pct(busy, 0.99)
+        out.append({"prefill_chunk": name, "quiet_gap_p50_s": q50, "busy_gap_p99_s": b99, "ratio": b99 / q50,
+                    "prompts": len(prompts), "prompt_latency_p50_s": _pct([b - a for a, b in prompts], 0.5),
+                    "quiet_gaps": len(quiet), "busy_gaps": len(busy)})
+        print(f"  quiet gaps p50 {q50 * 1e3:.0f} ms, gaps with a prompt in flight p99 {b99 * 1e3:.0f} ms "
+              f"({b99 / q50:.2f}x); {len(prompts)} prompts, each answered in "
+              f"{out[-1]['prompt_latency_p50_s']:.2f} s (p50)", file=sys.stderr)
+    return out
 
 
 def llama_server(args: argparse.Namespace, clients: list[int]) -> list[dict]:
@@ -372,6 +428,10 @@ def report(result: dict, as_json: bool) -> None:
         print(line)
     for line in result["ratios"]:
         print(line)
+    for s in result.get("stall", []):
+        print(f"streams while prompts arrive, --prefill-chunk {s['prefill_chunk']}: quiet gaps p50 "
+              f"{s['quiet_gap_p50_s'] * 1e3:.0f} ms, with a prompt in flight p99 {s['busy_gap_p99_s'] * 1e3:.0f} ms "
+              f"({s['ratio']:.2f}x); prompts answered in {s['prompt_latency_p50_s']:.2f} s (p50 of {s['prompts']})")
     p = result.get("prefix")
     if p:
         print(f"prefix reuse, a {p['system_tokens']}-token system prompt: first turn {p['first_ttft_s']:.2f} s to "
@@ -421,15 +481,20 @@ def main() -> int:
     ap.add_argument("--parts", default="load,prefix",
                     help="load: the closed-loop clients against each cache and llama-server; prefix: a chat's "
                          "next turn reusing its system prompt's KV (default both); limited: both servers with "
-                         "--memory of the model's bytes available (a balloon holds the rest)")
+                         "--memory of the model's bytes available (a balloon holds the rest); stall: streams while "
+                         "long prompts arrive, chunked prefill against whole")
     ap.add_argument("--memory", default="33", help="the limited part's memory available, percent of the store's "
                                                    "bytes (default 33)")
     ap.add_argument("--system-tokens", type=int, default=1024, help="the prefix part's system prompt (default 1024)")
+    ap.add_argument("--stall-clients", type=int, default=8, help="the stall part's streaming clients (default 8)")
+    ap.add_argument("--stall-tokens", type=int, default=96, help="tokens each of them streams (default 96)")
+    ap.add_argument("--stall-prompt", type=int, default=300, help="the arriving prompts' tokens (default 300)")
+    ap.add_argument("--stall-every", type=float, default=1.5, help="seconds between arriving prompts (default 1.5)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     parts = set(args.parts.split(","))
-    if parts - {"load", "prefix", "limited"}:
-        raise SystemExit(f"--parts takes load, prefix and limited, got {args.parts!r}")
+    if parts - {"load", "prefix", "limited", "stall"}:
+        raise SystemExit(f"--parts takes load, prefix, limited and stall, got {args.parts!r}")
     args.memory = [int(m) for m in args.memory.split(",")]
     clients = [int(c) for c in args.clients.split(",")]
     caches = [int(c) for c in args.cache.split(",")]
@@ -449,14 +514,15 @@ def main() -> int:
     os.makedirs(args.logs, exist_ok=True)
     # the limited part first: the balloon needs this process free of torch (raw_disk_rate imports it)
     short = limited(args, store, clients) if "limited" in parts else []
+    stalls = {"stall": stall(args, store)} if "stall" in parts else {}
     if "load" not in parts:
-        report({"points": short, "ratios": ratios(short),
+        report({"points": short, "ratios": ratios(short), **stalls,
                 **({"prefix": prefix_reuse(args, store)} if "prefix" in parts else {})}, args.json)
         return 0
     # the floor where the HuggingFace checkpoint is there (a real-size workdir may keep only its store)
     floor = transformers_floor(args)["tok_s"] if os.path.isdir(os.path.join(args.workdir, "hf")) and not args.no_floor \
         else None
-    result = {"raw_disk_bytes_s": raw_disk_rate(store), "transformers_tok_s": floor}
+    result = {"raw_disk_bytes_s": raw_disk_rate(store), "transformers_tok_s": floor, **stalls}
     points = short
     for cache in sorted(caches, reverse=True):
         points += ours(args, store, cache, clients)
