@@ -209,7 +209,8 @@ def ours(args: argparse.Namespace, store: str, cache: int, clients: list[int]) -
     # steps on the compiled kernels), as a user runs it; below, the offload engine's CPU cache
     cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}",
            *([] if cache == 100 else ["--cpu-cache", f"{cache}%"]), "--max-batch", str(max(clients)),
-           "--max-batch-tokens", str(max(256, max(clients) * 2)), "--max-queue", str(max(64, max(clients)))]
+           "--max-batch-tokens", str(max(256, max(clients) * 2)), "--max-queue", str(max(64, max(clients))),
+           *args.serve_flags.split()]
     drop_cache(store)
     out = []
     with Server(cmd, "/health", os.path.join(args.logs, f"semoe-{cache}.log")) as srv:
@@ -490,6 +491,8 @@ def main() -> int:
     ap.add_argument("--stall-tokens", type=int, default=96, help="tokens each of them streams (default 96)")
     ap.add_argument("--stall-prompt", type=int, default=300, help="the arriving prompts' tokens (default 300)")
     ap.add_argument("--stall-every", type=float, default=1.5, help="seconds between arriving prompts (default 1.5)")
+    ap.add_argument("--serve-flags", default="", help="more flags for `semoe serve` in the load part, one string "
+                                                     "(\"--prefill-chunk 256\")")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     parts = set(args.parts.split(","))

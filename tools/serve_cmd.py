@@ -50,7 +50,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prefill-chunk", default="auto", metavar="N|auto",
                    help="prompt rows a step takes while other requests decode, so that their next token never waits "
                         "behind more than one chunk; a step with no decoding request takes prompts up to "
-                        "--max-batch-tokens. auto (default): as many as keep that step within about twice a "
+                        "--max-batch-tokens. auto (default): as many as keep that step within about 1.75 times a "
                         "decoding-only step, timed as the server runs (64 until then, at least 8)")
     p.add_argument("--kv-memory", metavar="SIZE",
                    help="memory for the running requests' KV caches together (512MiB, 2GiB; default: no limit). "

@@ -73,19 +73,46 @@ def rolls_back(config) -> bool:
     return config is not None and not config.linear_layers and config.attention != "compressed"
 
 
-PREFILL_STALL = 2.0  # a step with prompt rows beside decoding ones takes about this many decoding-only steps
+PREFILL_STALL = 1.75  # a step with prompt rows beside decoding ones takes about this many decoding-only steps
 PREFILL_FIRST = 64  # prompt rows beside decoding ones before the steps have been timed
 PREFILL_LEAST = 8  # and at least these, so that a prompt always moves on
-EMA = 0.2  # weight of the newest step in the steps' timings
+EMA = 0.05  # weight of the newest step in the steps' timings
 
 
-def prefill_room(decode_s: float | None, row_s: float | None, stall: float = PREFILL_STALL) -> int:
-    """Prompt rows a step takes beside decoding rows (chunked prefill): those that keep the step within `stall`
-    times a decoding-only step (`decode_s` seconds), each prompt row adding `row_s`; PREFILL_FIRST before
-    either is known, at least PREFILL_LEAST."""
-    if not decode_s or not row_s:
+class StepTimes:
+    """A step's seconds as a line in its rows, t = fixed + per_row x rows, fitted by least squares over the
+    steps timed, the older ones weighing less (EMA): the fixed part is what any step reads (the weights, the
+    experts of a layer's union), the per-row part its rows' compute, a prompt's row or a decoding one's."""
+
+    def __init__(self) -> None:
+        self.w = self.n = self.t = self.nn = self.nt = 0.0
+
+    def add(self, rows: int, seconds: float) -> None:
+        keep = 1 - EMA
+        self.w, self.n, self.t = keep * self.w + 1, keep * self.n + rows, keep * self.t + seconds
+        self.nn, self.nt = keep * self.nn + rows * rows, keep * self.nt + rows * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds a row); None until steps of different sizes say it (or where they say a row
+        costs nothing)."""
+        if self.w < 2:
+            return None
+        mn, mt = self.n / self.w, self.t / self.w
+        var = self.nn / self.w - mn * mn
+        if var < 1.0:  # rows hardly varied: no slope to read
+            return None
+        per_row = (self.nt / self.w - mn * mt) / var
+        return (max(mt - per_row * mn, 0.0), per_row) if per_row > 0 else None
+
+
+def prefill_room(fit: tuple[float, float] | None, decoding: int, stall: float = PREFILL_STALL) -> int:
+    """Prompt rows a step takes beside `decoding` rows (chunked prefill): those that keep the step within
+    `stall` times a step of the decoding rows alone, by `StepTimes.fit`; PREFILL_FIRST before the steps say,
+    at least PREFILL_LEAST."""
+    if fit is None:
         return PREFILL_FIRST
-    return max(PREFILL_LEAST, int((stall - 1) * decode_s / row_s))
+    fixed, per_row = fit
+    return max(PREFILL_LEAST, int((stall - 1) * (fixed + per_row * decoding) / per_row))
 
 
 class QueueFullError(Exception):
@@ -173,9 +200,7 @@ class BatchScheduler:
         self.emitted = 0  # tokens emitted since start: what `paying` times steps by
         self.paying = Paying(None) if config.paying and self.speculative else None
         self._drafting = True  # whether this step drafts (`paying`'s turn)
-        # chunked prefill (`prefill_room`): a decoding-only step's seconds and what a prompt row adds, as timed
-        self._decode_s: float | None = None
-        self._row_s: float | None = None
+        self._times = StepTimes()  # chunked prefill's (`prefill_room`)
         self._thread = threading.Thread(target=self._run, name="semoe-batch", daemon=True)
 
     # -- the server's side ----------------------------------------------------------------------
@@ -445,7 +470,7 @@ class BatchScheduler:
                 room -= 1 + len(drafts)
         decoding = self.max_batch_tokens - room  # rows
         if decoding:  # prompts get a chunk that keeps the decoding rows' step short; alone, the whole budget
-            chunk = self.config.prefill_chunk or prefill_room(self._decode_s, self._row_s)
+            chunk = self.config.prefill_chunk or prefill_room(self._times.fit(), decoding)
             room = min(room, chunk)
         for r in self._running:
             if r.todo and room > 0:
@@ -458,7 +483,7 @@ class BatchScheduler:
         try:
             t0 = time.perf_counter()
             sampled = self._split(parts, self._forward(parts))
-            self._time_step(time.perf_counter() - t0, decoding, sum(len(t) for _, t, _ in parts) - decoding)
+            self._times.add(sum(len(t) for _, t, _ in parts), time.perf_counter() - t0)
             feed = True
         except Exception as e:  # noqa: BLE001 - one request's failure is its own: each alone finds whose
             log.exception("a generation step of %d requests failed", len(parts))
@@ -545,16 +570,6 @@ class BatchScheduler:
             rows += range(len(ids) - sampled, len(ids))
         with self.engine.lock:
             return self.engine.step(ids, caches, counts, rows)
-
-    def _time_step(self, seconds: float, decoding: int, prompt: int) -> None:
-        """Fold a step's time into the decoding-only step's and a prompt row's (`prefill_room`)."""
-        ema = lambda old, new: new if old is None else (1 - EMA) * old + EMA * new  # noqa: E731
-        if not prompt:
-            self._decode_s = ema(self._decode_s, seconds)
-        elif not decoding:
-            self._row_s = ema(self._row_s, seconds / prompt)
-        elif self._decode_s is not None:
-            self._row_s = ema(self._row_s, max(seconds - self._decode_s, 0.0) / prompt)
 
     def _fail(self, r: _Running, e: BaseException) -> None:
         """End r with an error naming e; the others go on."""

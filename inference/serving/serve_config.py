@@ -20,7 +20,7 @@ class ServeConfig:
     has no limit; 0: none kept); `request_log`, a file that gets a JSON line per finished request; `speculative`: tokens drafted a greedy
     decoding row and verified in its step (`BatchScheduler._drafts`); `shutdown_timeout`: seconds the requests in
     flight get to finish on SIGTERM (`http_server.DrainingServer`); `prefill_chunk`: prompt rows a step takes beside
-    decoding rows (None: as many as keep that step within twice a decoding-only step, as timed:
+    decoding rows (None: as many as keep that step within 1.75 times a decoding-only step, as timed:
     `batch_scheduler.prefill_room`)."""
 
     max_queue: int = 64

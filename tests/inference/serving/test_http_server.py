@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import random
 import signal
 import subprocess
 import sys
@@ -381,12 +382,24 @@ def test_chunked_prefill_gives_a_whole_prompts_tokens_and_decoding_waits_one_chu
 
 
 def test_prefill_room_keeps_a_step_within_twice_a_decoding_step():
-    from inference.serving.batch_scheduler import PREFILL_FIRST, PREFILL_LEAST, prefill_room
+    """Steps timed as 120 ms plus 3 ms a row (with 1% noise) give that line back; the chunk beside 32
+    decoding rows is what keeps the step within `stall` times theirs."""
+    from inference.serving.batch_scheduler import PREFILL_FIRST, PREFILL_LEAST, StepTimes, prefill_room
 
-    assert prefill_room(None, None) == prefill_room(0.1, None) == PREFILL_FIRST  # not timed yet
-    assert prefill_room(0.150, 0.004) == 37  # 150 ms more at 4 ms a row
-    assert prefill_room(0.150, 0.004, stall=3.0) == 75
-    assert prefill_room(0.010, 0.004) == PREFILL_LEAST  # a prompt always moves on
+    times = StepTimes()
+    assert prefill_room(times.fit(), 32) == PREFILL_FIRST  # not timed yet
+    for i in range(10):
+        times.add(8, 0.144)
+    assert times.fit() is None  # one size of step: no slope
+    rng = random.Random(0)
+    for i in range(300):
+        rows = rng.randrange(1, 80)
+        times.add(rows, (0.120 + 0.003 * rows) * rng.uniform(0.99, 1.01))
+    fixed, per_row = times.fit()
+    assert fixed == pytest.approx(0.120, rel=0.05) and per_row == pytest.approx(0.003, rel=0.05)
+    assert prefill_room(times.fit(), 32, stall=2.0) == pytest.approx((0.120 + 0.003 * 32) / 0.003, rel=0.05)  # 72
+    assert prefill_room((0.120, 0.003), 32, stall=1.5) == 36
+    assert prefill_room((0.001, 0.003), 1) == PREFILL_LEAST  # a prompt always moves on
 
 
 def test_batched_requests_over_offloaded_experts_get_the_resident_tokens(model_dir, reference):
