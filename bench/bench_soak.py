@@ -244,6 +244,7 @@ def main() -> int:
     ap.add_argument("--request-timeout", type=float, default=300, help="seconds a request may take (default 300)")
     ap.add_argument("--sample", type=float, default=0.2, help="share of greedy completions checked alone")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--serve-flags", default="", help="more flags for `semoe serve`, one string (\"--prefix-cache 0\")")
     ap.add_argument("--json", default="", help="also write the report to this file")
     args = ap.parse_args()
     store = os.path.join(args.workdir, args.store)
@@ -256,7 +257,7 @@ def main() -> int:
     logs = os.path.join(args.workdir, "serve-logs")
     os.makedirs(logs, exist_ok=True)
     cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}",
-           "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue)]
+           "--max-batch", str(args.max_batch), "--max-queue", str(args.max_queue), *args.serve_flags.split()]
     with Server(cmd, "/ready", os.path.join(logs, "semoe-soak.log")) as srv:
         probe = http.client.HTTPConnection("127.0.0.1", srv.port, timeout=60)
         probe.request("POST", "/v1/chat/completions", body=json.dumps(
