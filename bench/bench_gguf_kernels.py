@@ -2,8 +2,10 @@
 
 Each type's product (`torch_ops.gemv_ggml`: one row of x, decoding's case) runs over `--copies` different weights in turn,
 so that none stays in the CPU's cache, and so does the int8 kernel on the same shape; rounds are interleaved
-(every type, then again), and each figure is the median over rounds of the best of three passes. Prints GB/s of
-each type's own bytes and its ratio to the int8 kernel's GB/s:
+(every type, then again), and each figure is the median over rounds of the best of three passes. The int8 kernel
+runs again right before each type, and a type's ratio is the median of its rounds' ratios to that run: this VM's
+speed drifts by more than 10% over seconds, which pairing cancels. Prints GB/s of each type's own bytes and
+its ratio to the int8 kernel's GB/s:
 
     python bench/bench_gguf_kernels.py [--types Q4_K,Q8_0] [--shapes 1536x1024,1024x768] [--rounds 5]
 
@@ -66,18 +68,28 @@ def main() -> int:
             ws = [base.clone() for _ in range(args.copies)]
             fn = (lambda x, I, name: lambda w: torch_ops.gemv_ggml(x, w, I, name))(x, I, name)
             cases[(name, O, I)] = (fn, ws, base.numel())
-    gbs: dict[tuple, list[float]] = {k: [] for k in cases}
-    for r in range(args.rounds):
-        for key, (fn, ws, nbytes) in cases.items():
+    def measure(key) -> float:
+        fn, ws, nbytes = cases[key]
+        for w in ws:
+            fn(w)
+        best = float("inf")
+        for _ in range(3):
+            t = time.perf_counter()
             for w in ws:
                 fn(w)
-            best = float("inf")
-            for _ in range(3):
-                t = time.perf_counter()
-                for w in ws:
-                    fn(w)
-                best = min(best, (time.perf_counter() - t) / len(ws))
-            gbs[key].append(nbytes / best / 1e9)
+            best = min(best, (time.perf_counter() - t) / len(ws))
+        return nbytes / best / 1e9
+
+    gbs: dict[tuple, list[float]] = {k: [] for k in cases}
+    ratio: dict[tuple, list[float]] = {k: [] for k in cases}
+    for r in range(args.rounds):
+        for key in cases:
+            if key[0] == "int8":
+                continue
+            base = measure(("int8", *key[1:]))  # right before the type, so that the machine's drift cancels
+            gbs[("int8", *key[1:])].append(base)
+            gbs[key].append(measure(key))
+            ratio[key].append(gbs[key][-1] / base)
         print(f"round {r + 1} of {args.rounds} done", file=sys.stderr, flush=True)
     report = {}
     for O, I in shapes:
@@ -86,9 +98,9 @@ def main() -> int:
         cells = []
         for name in types:
             if (name, O, I) in gbs:
-                v = statistics.median(gbs[(name, O, I)])
-                row[name] = {"gbs": round(v, 2), "vs_int8": round(v / base, 3)}
-                cells.append(f"{name} {v:.1f} ({v / base:.2f}x)")
+                v, q = statistics.median(gbs[(name, O, I)]), statistics.median(ratio[(name, O, I)])
+                row[name] = {"gbs": round(v, 2), "vs_int8": round(q, 3)}
+                cells.append(f"{name} {v:.1f} ({q:.2f}x)")
         report[f"{O}x{I}"] = row
         print(f"{O}x{I}: int8 {base:.1f} GB/s | " + " ".join(cells), flush=True)
     if args.json:

@@ -63,6 +63,7 @@ void lin_acts_alloc(const Lin *l, int64_t M, Acts *a, int *oom) {
     if (!lin_quantized(l)) return;
     /* int4: the sums of its groups of inputs; GGUF's blocks: of each 32 (their offsets' and mins' share) */
     *a = acts_alloc(M, l->I, l->kind == W_INT4 ? l->g : l->kind == W_GGML ? QB : 0);
+    if (l->kind == W_GGML) a->kb = gg_x_block(l->g);
     if (!acts_ok(a)) *oom = 1;
 }
 

@@ -162,7 +162,7 @@ static inline void i8_rows(const int8_t *w, int64_t I, int64_t Ip, int n, const 
 }
 
 Acts acts_alloc(int64_t M, int64_t I, int64_t g) {
-    Acts a = {M, I, padded(I), g, g ? I / g : 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL};
+    Acts a = {M, I, padded(I), g, g ? I / g : 0, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, NULL, QB};
     a.q = malloc((size_t)(M * a.Ip));
     a.d = malloc(sizeof(float) * (size_t)(M * a.Ip / QB));
     a.xsum = malloc(sizeof(float) * (size_t)(M * (a.groups ? a.groups : 1)));
@@ -174,7 +174,8 @@ int acts_ok(const Acts *a) {
 }
 
 void acts_fill_row(Acts *a, const float *x, int64_t m) {
-    q8_row(x + m * a->I, a->I, a->Ip, a->q + m * a->Ip, a->d + m * (a->Ip / QB));
+    if (a->kb > QB && a->I % a->kb == 0) q8_row_wide(x + m * a->I, a->I, a->Ip, a->kb, a->q + m * a->Ip, a->d + m * (a->Ip / QB));
+    else q8_row(x + m * a->I, a->I, a->Ip, a->q + m * a->Ip, a->d + m * (a->Ip / QB));
     for (int64_t gi = 0; gi < a->groups; gi++) {
         float s = 0.0f;
         for (int64_t kb = gi * a->g; kb < (gi + 1) * a->g; kb += QB) {

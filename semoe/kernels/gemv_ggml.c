@@ -16,6 +16,26 @@
 
 #include "ggml_blocks.h"
 
+/* x's quantization for type t: one scale per 256 inputs for the super-block types (ggml's q8_K, whose
+ * sub-blocks' integer sums are then scaled in integers), per 32 for the others (q8_0) */
+int64_t gg_x_block(int64_t t) { return gg_block_weights(t); }
+
+/* q8_row with one scale per kb inputs (I a multiple of kb, kb of QB), given for each block of QB within them */
+void q8_row_wide(const float *xr, int64_t I, int64_t Ip, int64_t kb, int8_t *q, float *d) {
+    memset(q, 0, (size_t)Ip);
+    for (int64_t k0 = 0; k0 < I; k0 += kb) {
+        float amax = 0.0f;
+        for (int64_t k = k0; k < k0 + kb; k++) amax = fmaxf(amax, fabsf(xr[k]));
+        const float db = amax / 127.0f, id = db != 0.0f ? 1.0f / db : 0.0f;
+        for (int64_t k = k0; k < k0 + kb; k++) {
+            const float v = nearbyintf(xr[k] * id);
+            q[k] = (int8_t)(v > 127.0f ? 127.0f : v < -127.0f ? -127.0f : v);
+        }
+        for (int64_t b = k0 / QB; b < (k0 + kb) / QB; b++) d[b] = db;
+    }
+    for (int64_t b = I / QB; b < Ip / QB; b++) d[b] = 0.0f;
+}
+
 /* bytes of one row of I weights of type t; 0 for a type not computed here or I not a whole number of blocks */
 int64_t gg_row_bytes(int64_t t, int64_t I) {
     const int64_t n = gg_block_weights(t), b = gg_block_bytes(t);
@@ -213,25 +233,27 @@ static inline __attribute__((always_inline)) int gg_rows_body(int64_t t, const u
 #define GG_STREAM_AHEAD PREFETCH
 #endif
 /* One row of Q4_K (five 0) or Q5_K (five 1: each code's fifth bit from the 32 bytes after the mins) against x
- * row m, inlined with `five` a constant so that Q4_K's loop carries none of Q5_K's work */
+ * row m, inlined with `five` a constant so that Q4_K's loop carries none of Q5_K's work. x has one scale per
+ * super-block (Acts.kb 256), so a super-block's sum is an integer: each sub-block's codes times x in pairs
+ * (vpmaddubsw, at most 2 * 31 * 127), those pairs times the sub-block's 6-bit scale and summed (vpdpwssd), one
+ * float multiply-add a super-block; the mins' share from x's sums per 32, in float */
 static inline __attribute__((always_inline)) float k45_row(const int five, const uint8_t *wr, int64_t I, const Acts *a,
                                                            int64_t m) {
     const int8_t *xq = a->q + m * a->Ip;
     const float *xd = a->d + m * (a->Ip / QB);
     const int64_t bb = five ? 176 : 144, qs = five ? 48 : 16;
     const __m256i lo4 = _mm256_set1_epi8(0x0F), one = _mm256_set1_epi8(1);
-    __m256 f0 = _mm256_setzero_ps(), f1 = f0, off = f0;
+    __m256 f = _mm256_setzero_ps(), off = f;
     for (int64_t sb = 0; sb < I / 256; sb++) {
         const uint8_t *b = wr + sb * bb;
         for (int l = 0; l < bb + 48; l += 64) _mm_prefetch((const char *)b + GG_STREAM_AHEAD + l, _MM_HINT_T0);
         uint64_t sc, mn8;
         k_scales8(b + 4, &sc, &mn8);
-        float pf[8];
-        _mm256_storeu_ps(pf, _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(half(b)), bytes8_ps(sc)),
-                                           _mm256_loadu_ps(xd + sb * 8)));
+        const __m256i s16 = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_cvtsi64_si128((long long)sc)));
         off = _mm256_fnmadd_ps(_mm256_mul_ps(_mm256_set1_ps(half(b + 2)), bytes8_ps(mn8)),
                                _mm256_loadu_ps(a->xsum + m * a->groups + sb * 8), off);
         const __m256i qh = five ? _mm256_loadu_si256((const __m256i *)(b + 16)) : _mm256_setzero_si256();
+        __m256i acc[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()};
         for (int i = 0; i < 4; i++) {
             const __m256i q = _mm256_loadu_si256((const __m256i *)(b + qs + 32 * i));
             const __m256i x0 = _mm256_loadu_si256((const __m256i *)(xq + sb * 256 + 64 * i));
@@ -241,13 +263,14 @@ static inline __attribute__((always_inline)) float k45_row(const int five, const
                 c0 = _mm256_or_si256(c0, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i), one), 4));
                 c1 = _mm256_or_si256(c1, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2 * i + 1), one), 4));
             }
-            const __m256i d0 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c0, x0);
-            const __m256i d1 = _mm256_dpbusd_epi32(_mm256_setzero_si256(), c1, x1);
-            f0 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d0), _mm256_set1_ps(pf[2 * i]), f0);
-            f1 = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d1), _mm256_set1_ps(pf[2 * i + 1]), f1);
+            const __m256i s0 = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)((4 * i + 1) << 8 | 4 * i)));
+            const __m256i s1 = _mm256_shuffle_epi8(s16, _mm256_set1_epi16((short)((4 * i + 3) << 8 | (4 * i + 2))));
+            acc[0] = _mm256_dpwssd_epi32(acc[0], _mm256_maddubs_epi16(c0, x0), s0);
+            acc[1] = _mm256_dpwssd_epi32(acc[1], _mm256_maddubs_epi16(c1, x1), s1);
         }
+        f = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(acc[0], acc[1])), _mm256_set1_ps(half(b) * xd[sb * 8]), f);
     }
-    return hsum8(_mm256_add_ps(_mm256_add_ps(f0, f1), off));
+    return hsum8(_mm256_add_ps(f, off));
 }
 
 /* One row of Q4_K, Q5_K, Q6_K or Q8_0 blocks (wr) against x row m: decoding's product. The row is

@@ -142,6 +142,9 @@ typedef struct {
      * kernels then permute and sum x themselves) */
     int8_t *gn;
     int32_t *gb;
+    /* inputs that share one scale: QB, or 256 (GGUF's super-block types, as ggml's q8_K: `acts_alloc`'s QB,
+     * `lin_acts_alloc` sets it before the rows are filled), d still given per QB, the same for each 8 */
+    int64_t kb;
 } Acts;
 
 /* acts_alloc's buffers may be NULL where memory is short: acts_ok says whether all three are there
@@ -171,6 +174,9 @@ void fp8_block(const float *x, const uint8_t *w, const float *s, float *y, int64
  * of QB) in a; gg_row_bytes: one row's bytes (0: a type not computed here, or I not whole blocks) */
 void gg_block(int64_t t, const uint8_t *w, int64_t O, int64_t I, const Acts *a, int64_t b, float *y);
 int64_t gg_row_bytes(int64_t t, int64_t I);
+int64_t gg_x_block(int64_t t); /* the inputs each scale of x covers for type t (Acts.kb) */
+/* x's row quantized as acts_fill_row does, one scale per kb inputs (a multiple of QB dividing I) */
+void q8_row_wide(const float *xr, int64_t I, int64_t Ip, int64_t kb, int8_t *q, float *d);
 /* block b of y (O) = x (I) @ W for a float32 or bfloat16 (`bf16`) weight laid out (I, O), in-major:
  * IO_STRIP output columns, `io_blocks(O)` of them */
 #define IO_STRIP 1024

@@ -89,17 +89,27 @@ def isa() -> str | None:
 ACTIVATION_BLOCK = 32  # inputs per activation scale
 
 
-def quantize_activations(x_MI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_activations(x_MI: torch.Tensor, block: int = ACTIVATION_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
     """The kernels' quantization of x (..., I), in torch: int8 codes (..., I) and float32 scales
-    (..., ceil(I / 32)) per block of 32 inputs, d = amax / 127, code = rint(x * (1 / d))."""
+    (..., ceil(I / 32)) per block of 32 inputs, d = amax / 127, code = rint(x * (1 / d)). With `block` 256
+    (GGUF's super-block types, `activation_block`; I a multiple of it) each 256 inputs share the amax of all of
+    them, the scale given for each of their blocks of 32."""
     x = x_MI.to(torch.float32)
     I = x.shape[-1]
-    pad = -I % ACTIVATION_BLOCK
-    xb = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, ACTIVATION_BLOCK))
+    if block != ACTIVATION_BLOCK and I % block:
+        block = ACTIVATION_BLOCK  # as the kernels: per 32 where the inputs are not whole blocks of it
+    pad = -I % block
+    xb = torch.nn.functional.pad(x, (0, pad)).unflatten(-1, (-1, block))
     d = xb.abs().amax(-1) / 127.0
     inv = torch.where(d != 0, 1.0 / d, torch.zeros_like(d))
     q = torch.round(xb * inv.unsqueeze(-1)).clamp_(-127, 127).to(torch.int8)
-    return q.flatten(-2)[..., :I], d
+    return q.flatten(-2)[..., :I], d.repeat_interleave(block // ACTIVATION_BLOCK, -1)
+
+
+def activation_block(ggml_type: str | None = None) -> int:
+    """The inputs that share one scale of x in the kernels' products: 256 for GGUF's super-block types (Q4_K,
+    Q5_K, Q6_K, IQ4_XS, as ggml's q8_K), 32 otherwise."""
+    return 256 if ggml_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else ACTIVATION_BLOCK
 
 
 def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
@@ -109,9 +119,10 @@ def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
     return (xb * d.unsqueeze(-1)).flatten(-2)[..., :I]
 
 
-def activations_as_seen(x_MI: torch.Tensor) -> torch.Tensor:
-    """x after the kernels' quantization, float32: what a reference multiplies to get their result."""
-    return dequantize_activations(*quantize_activations(x_MI))
+def activations_as_seen(x_MI: torch.Tensor, block: int = ACTIVATION_BLOCK) -> torch.Tensor:
+    """x after the kernels' quantization (per `block` inputs: `activation_block`), float32: what a reference
+    multiplies to get their result."""
+    return dequantize_activations(*quantize_activations(x_MI, block))
 
 
 def quantize_activations_compiled(x_MI: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -184,7 +195,8 @@ def gemv_mxfp4(x_MI: torch.Tensor, blocks_OG16: torch.Tensor, scales_OG: torch.T
 def gemv_ggml(x_MI: torch.Tensor, rows_OB: torch.Tensor, I: int, ggml_type: str) -> torch.Tensor:
     """x @ W.T for a GGUF file's quantized rows as stored: W (O, I) of ggml type `ggml_type` (Q8_0, Q4_K, ...:
     storage.formats' GGML_KERNEL_TYPES), rows_OB uint8 (O, bytes of a row), with x quantized as
-    `quantize_activations` does and each block's sums taken in integers (gemv_ggml.c); float32 (..., O)."""
+    `quantize_activations` does (per 256 inputs for the super-block types: `activation_block`) and each block's sums
+    taken in integers (gemv_ggml.c); float32 (..., O)."""
     O = rows_OB.shape[0]
     t, (per, nbytes) = loader.ggml_type_id(ggml_type), loader.ggml_block(ggml_type)
     if rows_OB.dtype != torch.uint8 or rows_OB.dim() != 2 or I % per or rows_OB.shape[1] != I // per * nbytes:

@@ -115,7 +115,8 @@ class CompactWeight:
             w_OI = dequantize_out_in(self.codes, self.scales, self.spec, as_dtype)
             x = x_MI.to(torch.float32)
             if self.quantizes_activations(x_MI):
-                x = torch_ops.activations_as_seen(x)  # the arithmetic the decode kernels define
+                # the arithmetic the decode kernels define
+                x = torch_ops.activations_as_seen(x, torch_ops.activation_block(self.spec.ggml_type))
             return F.linear(x, w_OI.to(torch.float32)).to(x_MI.dtype)
         packed = self.kernel == "auto" and x_MI.device.type == "cpu"
         if packed and self.quantizes_activations(x_MI):

@@ -2,8 +2,8 @@
 package's own dequantization followed by a float64 product.
 
 Weights are random blocks of each type (random codes and sub-scales, half scales of plausible size). The
-kernels quantize x per 32 inputs (`torch_ops.quantize_activations`) and sum each block's products exactly in
-integers, then in float32. Both bounds are of the terms' scale (the largest of |x| |W|^T), since an output
+kernels quantize x per 32 inputs, per 256 for the super-block types (`torch_ops.quantize_activations`,
+`activation_block`), and sum each block's products exactly in integers, then in float32. Both bounds are of the terms' scale (the largest of |x| |W|^T), since an output
 that cancels out is no more exact than its terms: against x as they see it (`activations_as_seen`) 1e-6
 (float32 sums of a few hundred block terms in another order than float64's: 4e-8 at most over 40 seeds of the
 small shapes); against x itself 1e-2 (int8 activations, half a step of 1/127 of a block's largest value per
@@ -58,7 +58,7 @@ def test_products_on_blocks_equal_the_dequantized_weight_times_x(build, name, O,
     assert W.shape == (O, I)
     x = torch.randn(M, I, generator=torch.Generator().manual_seed(O + I + M))
     y = ggml_product(name, w, O, I, x, loader.load(_builds()[build])).double()
-    xs = torch_ops.activations_as_seen(x).double()
+    xs = torch_ops.activations_as_seen(x, torch_ops.activation_block(name)).double()
     # float32's rounding, and int8 activations' error, go with the size of the terms summed, not of their sum:
     # an output that cancels out (rows of 3 blocks, Q4_1's mins) is held to its terms' scale
     assert float((y - xs @ W.T).abs().max() / (xs.abs() @ W.abs().T).max()) < 1e-6
