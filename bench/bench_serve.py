@@ -32,6 +32,11 @@ peak RSS beside tok/s.
     python bench/bench_serve.py --workdir DIR --store store-int4 --gguf llama-q4_0.gguf --parts limited \
         --memory 33 --clients 1,32 --rounds 1
 
+With the load part in the same run (--parts limited,load --cache 100), each of semoe's limited points gets its
+bound as above: min(tok/s at 100% with B clients, the raw rate / the bytes it read from storage a token).
+
+    python bench/bench_serve.py --workdir DIR --parts limited,load --cache 100 --clients 1,8,32 --no-peer
+
 The stall part (--parts stall) is the case chunked prefill is for: --stall-clients clients stream --stall-tokens
 greedy tokens each from `semoe serve` with no flag, while a prompt of --stall-prompt tokens arrives every
 --stall-every seconds. A gap between two of a client's tokens is "quiet" where no prompt was in flight during it;
@@ -529,10 +534,16 @@ def main() -> int:
     points = short
     for cache in sorted(caches, reverse=True):
         points += ours(args, store, cache, clients)
-    full = {p["clients"]: p for p in points if p["cache_pct"] == 100}
+    full = {p["clients"]: p for p in points if p["cache_pct"] == 100 and "memory_pct" not in p}
     for p in points:
-        if p["cache_pct"] < 100 and p["clients"] in full and p["storage_bytes_per_token"] > 0:
+        if p["clients"] not in full or p["engine"] != "semoe":
+            continue
+        if p["cache_pct"] < 100 and p["storage_bytes_per_token"] > 0:
             p["bound_tok_s"] = min(full[p["clients"]]["tok_s"], result["raw_disk_bytes_s"] / p["storage_bytes_per_token"])
+        elif "memory_pct" in p:  # the limited part: the bytes it read from storage (/proc/PID/io) at the disk's rate
+            p["bound_tok_s"] = min(full[p["clients"]]["tok_s"],
+                                   result["raw_disk_bytes_s"] / p["read_bytes_per_token"] if p["read_bytes_per_token"]
+                                   else float("inf"))
     if not args.no_peer:
         points += llama_server(args, clients)
     result["points"] = points

@@ -15,7 +15,8 @@ bounded in tokens (at most 32 new) and in time (--request-timeout), drawn from t
 The first --warm-minutes (5) are the warm-up phase, then steady, and the bursts are a phase of their own. The
 report gives:
 - requests by kind and outcome (5xx that the request did not cause are the failures);
-- the server's RSS over time, and its growth after the warm-up (goal: at most 5%);
+- the server's RSS over time, and its growth after the warm-up (goal: at most 5%); the same less the KV bytes the
+  prefix cache keeps (/metrics), which fills up to its bound (`--prefix-cache`, 1 GiB by default) by design;
 - the KV bytes, running requests and queue still held at the end, from /metrics (goal: 0);
 - latency percentiles per phase (time to the first token and between tokens of streams, whole latency of
   the rest);
@@ -270,18 +271,25 @@ def main() -> int:
         threads.append(threading.Thread(target=soak.burst, args=(until,)))
         for t in threads:
             t.start()
-        rss: list[tuple[float, int]] = []
+        rss: list[tuple[float, int, float]] = []  # (seconds, RSS, the prefix cache's kept KV bytes)
         while any(t.is_alive() for t in threads):
-            rss.append((time.monotonic() - soak.t0, rss_bytes(srv.proc.pid)))
-            print(f"{rss[-1][0] / 60:5.1f} min: RSS {rss[-1][1] / 2**30:.2f} GiB, {sum(soak.outcomes.values())} "
-                  f"requests", file=sys.stderr, flush=True)
+            try:
+                kept = gauges(srv.port).get("semoe_prefix_cache_bytes", 0.0)
+            except OSError:
+                kept = rss[-1][2] if rss else 0.0
+            rss.append((time.monotonic() - soak.t0, rss_bytes(srv.proc.pid), kept))
+            print(f"{rss[-1][0] / 60:5.1f} min: RSS {rss[-1][1] / 2**30:.2f} GiB (prefix cache {kept / 2**30:.2f}), "
+                  f"{sum(soak.outcomes.values())} requests", file=sys.stderr, flush=True)
             time.sleep(10)
         time.sleep(2)  # a step for the last cancelled ones to leave
         held = gauges(srv.port)
         alone = [(body, tokens, json.loads(_post(srv.port, body))["choices"][0]["token_ids"])
                  for body, tokens in soak.greedy]
-    base = [b for t, b in rss if t >= args.warm_minutes * 60]
+    base = [b for t, b, _ in rss if t >= args.warm_minutes * 60]
     growth = (max(base) / base[0] - 1) if len(base) > 1 else 0.0
+    # the same less the KV the prefix cache keeps, which fills up to its bound (--prefix-cache) by design
+    net = [b - k for t, b, k in rss if t >= args.warm_minutes * 60]
+    net_growth = (max(net) / net[0] - 1) if len(net) > 1 else 0.0
     fails = {k: v for k, v in soak.outcomes.items() if k[1][0] == "5" and not k[1].startswith("503 overloaded")
              or k[1] in ("4xx not naming the field", "200 to a bad request", "timeout", "error in the stream",
                          "connection error")
@@ -291,7 +299,8 @@ def main() -> int:
         "minutes": args.minutes, "requests": sum(soak.outcomes.values()),
         "outcomes": {f"{k} {o}": n for (k, o), n in sorted(soak.outcomes.items())},
         "failures": {f"{k} {o}": n for (k, o), n in sorted(fails.items())}, "problems": soak.problems,
-        "rss_gib": [(round(t / 60, 2), round(b / 2**30, 3)) for t, b in rss], "rss_growth_after_warmup": growth,
+        "rss_gib": [(round(t / 60, 2), round(b / 2**30, 3), round(k / 2**30, 3)) for t, b, k in rss],
+        "rss_growth_after_warmup": growth, "rss_less_prefix_cache_growth_after_warmup": net_growth,
         "held_at_end": {k: held.get(k) for k in ("semoe_kv_cache_bytes", "semoe_requests_running", "semoe_queue_depth")},
         "latency": {ph: {k: {"p50": _pct(v, 0.5), "p99": _pct(v, 0.99), "n": len(v)} for k, v in d.items()}
                     for ph, d in soak.lat.items()},
@@ -309,6 +318,7 @@ def main() -> int:
         "no 5xx the request did not cause, every bad request a 4xx naming its field": not fails,
         "nothing held at the end": all(not v for v in report["held_at_end"].values()),
         f"RSS growth after the warm-up {growth * 100:.1f}% <= 5%": growth <= 0.05,
+        f"RSS less the prefix cache's kept KV, growth after the warm-up {net_growth * 100:.1f}% <= 5%": net_growth <= 0.05,
         f"greedy answers as alone: {same} of {len(alone)}": same == len(alone),
     }
     for goal, held_ in goals.items():
