@@ -49,7 +49,9 @@ whole beside the decoding rows as before chunked prefill.
 In the same run: transformers generating one request at a time (the floor: what serving without a
 batching engine gives), and llama.cpp's llama-server (built once from bench/llama_peer.py's sources,
 or --llama-server PATH) on the same checkpoint as bench_quant.py converted it (--gguf, f32 for the
-float32 store), with --parallel N slots for N clients.
+float32 store), with --parallel N slots for N clients. With every expert cached both servers stay up and warm,
+and at each client count their loads run in turn (--pairs times each, medians), so that this machine's drift
+hits both alike.
 On 2 cores, nothing else should run meanwhile.
 
     python bench/bench_serve.py --workdir /path/of/bench_quant [--clients 1,8,32,64] [--cache 100,25]
@@ -214,7 +216,7 @@ def ours(args: argparse.Namespace, store: str, cache: int, clients: list[int]) -
     # steps on the compiled kernels), as a user runs it; below, the offload engine's CPU cache
     cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}",
            *([] if cache == 100 else ["--cpu-cache", f"{cache}%"]), "--max-batch", str(max(clients)),
-           "--max-batch-tokens", str(max(256, max(clients) * 2)), "--max-queue", str(max(64, max(clients))),
+           "--max-queue", str(max(64, max(clients))),
            *args.serve_flags.split()]
     drop_cache(store)
     out = []
@@ -264,7 +266,7 @@ def stall(args: argparse.Namespace, store: str) -> list[dict]:
 
     rng = random.Random(11)
     out = []
-    for name, flags in (("auto", []), ("whole", ["--prefill-chunk", "256"])):
+    for name, flags in (("auto", []), ("whole", ["--prefill-chunk", "2048"])):
         cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}", *flags]
         with Server(cmd, "/health", os.path.join(args.logs, f"semoe-stall-{name}.log")) as srv:
             _one_request(srv.port, _prompt(998, 0), 4)  # warm-up
@@ -305,12 +307,54 @@ def stall(args: argparse.Namespace, store: str) -> list[dict]:
     return out
 
 
+def _llama_cmd(args: argparse.Namespace, n: int) -> list[str]:
+    return [args.llama_server, "-m", args.gguf, "--port", "{port}", "--host", "127.0.0.1", "-t", "2",
+            "--parallel", str(n), "-c", str(n * (PROMPT_TOKENS + args.new_tokens + 8)), "--no-warmup"]
+
+
+def _median_point(runs: list[dict]) -> dict:
+    """Each figure's median over `runs` of one engine and client count (the first run's other fields)."""
+    import statistics
+
+    out = dict(runs[0])
+    for k, v in runs[0].items():
+        if isinstance(v, float):
+            out[k] = statistics.median(r[k] for r in runs)
+    out["runs_tok_s"] = [round(r["tok_s"], 2) for r in runs]
+    return out
+
+
+def side_by_side(args: argparse.Namespace, store: str, clients: list[int]) -> list[dict]:
+    """Every expert cached, semoe and llama-server both up and warm, their loads in turn at each client count
+    (--pairs times: semoe, llama-server, semoe, ...), so that the machine's drift hits both; medians."""
+    cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}", "--max-batch",
+           str(max(clients)), "--max-queue", str(max(64, max(clients))), *args.serve_flags.split()]
+    drop_cache(store)
+    out = []
+    with Server(cmd, "/health", os.path.join(args.logs, "semoe-100.log")) as ours_srv:
+        _one_request(ours_srv.port, _prompt(999, 0), 4)  # warm-up
+        for n in clients:
+            with Server(_llama_cmd(args, n), "/health", os.path.join(args.logs, f"llama-server-{n}.log")) as peer:
+                _one_request(peer.port, _prompt(999, 0), 4)
+                runs: dict[str, list[dict]] = {"semoe": [], "llama-server": []}
+                for i in range(args.pairs):
+                    for engine, srv in (("semoe", ours_srv), ("llama-server", peer)):
+                        print(f"{engine}, every expert cached, {n} clients ({i + 1} of {args.pairs}) ...",
+                              file=sys.stderr)
+                        io0, own0 = srv.read_bytes(), _storage_counter(srv.port) if engine == "semoe" else 0.0
+                        r = load(srv.port, n, args.new_tokens, args.rounds)
+                        r["read_bytes_per_token"] = (srv.read_bytes() - io0) / r["tokens"]
+                        if engine == "semoe":
+                            r["storage_bytes_per_token"] = (_storage_counter(srv.port) - own0) / r["tokens"]
+                        runs[engine].append({"engine": engine, "cache_pct": 100, **r})
+                out += [_median_point(runs["semoe"]), _median_point(runs["llama-server"])]
+    return out
+
+
 def llama_server(args: argparse.Namespace, clients: list[int]) -> list[dict]:
     out = []
     for n in clients:
-        cmd = [args.llama_server, "-m", args.gguf, "--port", "{port}", "--host", "127.0.0.1", "-t", "2",
-               "--parallel", str(n), "-c", str(n * (PROMPT_TOKENS + args.new_tokens + 8)), "--no-warmup"]
-        with Server(cmd, "/health", os.path.join(args.logs, f"llama-server-{n}.log")) as srv:
+        with Server(_llama_cmd(args, n), "/health", os.path.join(args.logs, f"llama-server-{n}.log")) as srv:
             _one_request(srv.port, _prompt(999, 0), 4)
             print(f"llama-server, {n} clients ...", file=sys.stderr)
             out.append({"engine": "llama-server", "cache_pct": 100, **load(srv.port, n, args.new_tokens, args.rounds)})
@@ -337,8 +381,7 @@ def limited(args: argparse.Namespace, store: str, clients: list[int]) -> list[di
     for share in args.memory:
         size = total * share // 100
         servers = [("semoe", [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}",
-                              "--max-batch", str(max(clients)), "--max-batch-tokens", str(max(256, max(clients) * 2)),
-                              "--max-queue", str(max(64, max(clients)))])]
+                              "--max-batch", str(max(clients)), "--max-queue", str(max(64, max(clients)))])]
         if not args.no_peer:
             servers.append(("llama-server", [args.llama_server, "-m", args.gguf, "--port", "{port}", "--host",
                                              "127.0.0.1", "-t", "2", "--parallel", str(max(clients)), "-c",
@@ -476,6 +519,9 @@ def main() -> int:
     ap.add_argument("--cache", default="100,25", help="CPU cache sizes, percent of the expert bytes")
     ap.add_argument("--new-tokens", type=int, default=32, help="tokens each request generates")
     ap.add_argument("--rounds", type=int, default=2, help="requests each client sends, one after the other")
+    ap.add_argument("--pairs", type=int, default=1,
+                    help="with every expert cached and llama-server: how many times each engine's load runs at a "
+                         "client count, in turn with the other's; each figure is the median (default 1)")
     ap.add_argument("--gguf", default="llama-f32.gguf",
                     help="llama-server's checkpoint, in WORKDIR (default: bench_quant.py's llama-f32.gguf)")
     ap.add_argument("--llama-server", help="llama.cpp's llama-server binary (default: built once from the sources "
@@ -532,8 +578,9 @@ def main() -> int:
         else None
     result = {"raw_disk_bytes_s": raw_disk_rate(store), "transformers_tok_s": floor, **stalls}
     points = short
+    paired = not args.no_peer and 100 in caches  # every expert cached: both engines up, their loads in turn
     for cache in sorted(caches, reverse=True):
-        points += ours(args, store, cache, clients)
+        points += side_by_side(args, store, clients) if paired and cache == 100 else ours(args, store, cache, clients)
     full = {p["clients"]: p for p in points if p["cache_pct"] == 100 and "memory_pct" not in p}
     for p in points:
         if p["clients"] not in full or p["engine"] != "semoe":
@@ -544,7 +591,7 @@ def main() -> int:
             p["bound_tok_s"] = min(full[p["clients"]]["tok_s"],
                                    result["raw_disk_bytes_s"] / p["read_bytes_per_token"] if p["read_bytes_per_token"]
                                    else float("inf"))
-    if not args.no_peer:
+    if not args.no_peer and not paired:
         points += llama_server(args, clients)
     result["points"] = points
     result["ratios"] = ratios(points)

@@ -105,6 +105,13 @@ class StepTimes:
         return (max(mt - per_row * mn, 0.0), per_row) if per_row > 0 else None
 
 
+def prefill_stall(starting: int, decoding: int) -> float:
+    """The decoding-only steps a step may take with the prompts of `starting` requests beside `decoding` ones:
+    PREFILL_STALL, times how many times the starting outnumber the decoding. Each decoding one waits the extra
+    once, each starting one gets its first token sooner: many starting beside few go in nearly whole."""
+    return PREFILL_STALL * max(1.0, starting / max(decoding, 1))
+
+
 def prefill_room(fit: tuple[float, float] | None, decoding: int, stall: float = PREFILL_STALL) -> int:
     """Prompt rows a step takes beside `decoding` rows (chunked prefill): those that keep the step within
     `stall` times a step of the decoding rows alone, by `StepTimes.fit`; PREFILL_FIRST before the steps say,
@@ -470,7 +477,9 @@ class BatchScheduler:
                 room -= 1 + len(drafts)
         decoding = self.max_batch_tokens - room  # rows
         if decoding:  # prompts get a chunk that keeps the decoding rows' step short; alone, the whole budget
-            chunk = self.config.prefill_chunk or prefill_room(self._times.fit(), decoding)
+            starting = sum(1 for r in self._running if r.todo)
+            chunk = self.config.prefill_chunk or prefill_room(self._times.fit(), decoding,
+                                                              prefill_stall(starting, len(parts)))
             room = min(room, chunk)
         for r in self._running:
             if r.todo and room > 0:

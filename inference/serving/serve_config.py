@@ -20,12 +20,12 @@ class ServeConfig:
     has no limit; 0: none kept); `request_log`, a file that gets a JSON line per finished request; `speculative`: tokens drafted a greedy
     decoding row and verified in its step (`BatchScheduler._drafts`); `shutdown_timeout`: seconds the requests in
     flight get to finish on SIGTERM (`http_server.DrainingServer`); `prefill_chunk`: prompt rows a step takes beside
-    decoding rows (None: as many as keep that step within 1.75 times a decoding-only step, as timed:
-    `batch_scheduler.prefill_room`)."""
+    decoding rows (None: as many as keep that step within 1.75 times a decoding-only step, as timed, the 1.75
+    multiplied by how many times more requests start than decode: `batch_scheduler.prefill_room`, `prefill_stall`)."""
 
     max_queue: int = 64
     max_batch: int = 16
-    max_batch_tokens: int = 256
+    max_batch_tokens: int = 2048
     kv_memory_bytes: int | None = None
     kv_grow_tokens: int = KV_GROW_TOKENS
     prefix_cache_bytes: int | None = None

@@ -402,6 +402,20 @@ def test_prefill_room_keeps_a_step_within_twice_a_decoding_step():
     assert prefill_room((0.001, 0.003), 1) == PREFILL_LEAST  # a prompt always moves on
 
 
+def test_prefill_stall_grows_with_the_requests_starting_beside_those_decoding():
+    """A stream beside one new prompt keeps the 1.75; clients that sent their next requests together (28
+    starting beside 4 decoding) get a step 7 times as long, so that their prompts go in almost whole."""
+    from inference.serving.batch_scheduler import PREFILL_STALL, prefill_room, prefill_stall
+
+    assert prefill_stall(1, 8) == PREFILL_STALL
+    assert prefill_stall(8, 8) == PREFILL_STALL
+    assert prefill_stall(28, 4) == pytest.approx(7 * PREFILL_STALL)
+    assert prefill_stall(3, 0) == pytest.approx(3 * PREFILL_STALL)  # never a division by zero
+    # 120 ms a step plus 3 ms a row, 4 decoding rows: 33 prompt rows beside one starting request, 28 x 16 beside 28
+    assert prefill_room((0.120, 0.003), 4, prefill_stall(1, 4)) == 33
+    assert prefill_room((0.120, 0.003), 4, prefill_stall(28, 4)) >= 28 * 16
+
+
 def test_batched_requests_over_offloaded_experts_get_the_resident_tokens(model_dir, reference):
     """Continuous batching over the offload ring: each MoE layer streams the union of the batch's
     experts through two slots behind a quarter-size CPU cache; four concurrent requests (a step of at
