@@ -56,6 +56,7 @@ import torch
 
 from inference.serving.scheduler_events import DoneEvent, ErrorEvent, TokenEvent
 from inference.serving.openai_protocol import GenRequest
+from inference.serving.prefill_policy import StepTimes, prefill_room, prefill_stall
 from inference.serving.prefix_cache import PrefixCache
 from inference.serving.serve_config import ServeConfig
 from inference.serving.incremental_text import TextAssembler
@@ -71,55 +72,6 @@ def rolls_back(config) -> bool:
     """Whether a sequence of this model (`MoEConfig`) rolls back to a position by its caches' length
     alone: attention caches only (no linear layer's state, no compressed entries)."""
     return config is not None and not config.linear_layers and config.attention != "compressed"
-
-
-PREFILL_STALL = 1.75  # a step with prompt rows beside decoding ones takes about this many decoding-only steps
-PREFILL_FIRST = 64  # prompt rows beside decoding ones before the steps have been timed
-PREFILL_LEAST = 8  # and at least these, so that a prompt always moves on
-EMA = 0.05  # weight of the newest step in the steps' timings
-
-
-class StepTimes:
-    """A step's seconds as a line in its rows, t = fixed + per_row x rows, fitted by least squares over the
-    steps timed, the older ones weighing less (EMA): the fixed part is what any step reads (the weights, the
-    experts of a layer's union), the per-row part its rows' compute, a prompt's row or a decoding one's."""
-
-    def __init__(self) -> None:
-        self.w = self.n = self.t = self.nn = self.nt = 0.0
-
-    def add(self, rows: int, seconds: float) -> None:
-        keep = 1 - EMA
-        self.w, self.n, self.t = keep * self.w + 1, keep * self.n + rows, keep * self.t + seconds
-        self.nn, self.nt = keep * self.nn + rows * rows, keep * self.nt + rows * seconds
-
-    def fit(self) -> tuple[float, float] | None:
-        """(fixed seconds, seconds a row); None until steps of different sizes say it (or where they say a row
-        costs nothing)."""
-        if self.w < 2:
-            return None
-        mn, mt = self.n / self.w, self.t / self.w
-        var = self.nn / self.w - mn * mn
-        if var < 1.0:  # rows hardly varied: no slope to read
-            return None
-        per_row = (self.nt / self.w - mn * mt) / var
-        return (max(mt - per_row * mn, 0.0), per_row) if per_row > 0 else None
-
-
-def prefill_stall(starting: int, decoding: int) -> float:
-    """The decoding-only steps a step may take with the prompts of `starting` requests beside `decoding` ones:
-    PREFILL_STALL, times how many times the starting outnumber the decoding. Each decoding one waits the extra
-    once, each starting one gets its first token sooner: many starting beside few go in nearly whole."""
-    return PREFILL_STALL * max(1.0, starting / max(decoding, 1))
-
-
-def prefill_room(fit: tuple[float, float] | None, decoding: int, stall: float = PREFILL_STALL) -> int:
-    """Prompt rows a step takes beside `decoding` rows (chunked prefill): those that keep the step within
-    `stall` times a step of the decoding rows alone, by `StepTimes.fit`; PREFILL_FIRST before the steps say,
-    at least PREFILL_LEAST."""
-    if fit is None:
-        return PREFILL_FIRST
-    fixed, per_row = fit
-    return max(PREFILL_LEAST, int((stall - 1) * (fixed + per_row * decoding) / per_row))
 
 
 class QueueFullError(Exception):
@@ -144,6 +96,7 @@ class Job:
     index: int = 0  # which of the answer's choices
     events: asyncio.Queue = field(default_factory=asyncio.Queue)
     cancelled: threading.Event = field(default_factory=threading.Event)
+    stopped: bool = False  # cancelled by the server stopping (`end_all`), not by its client
     arrived: float = field(default_factory=time.perf_counter)
 
     def post(self, event: TokenEvent | DoneEvent | ErrorEvent) -> None:
@@ -290,11 +243,11 @@ class BatchScheduler:
             waiting = [*(r.job for r in self._preempted), *self._pending]
             jobs = [j for j in [*waiting, *(r.job for r in self._running)] if not j.cancelled.is_set()]
             for job in jobs:
+                job.stopped = True
                 job.cancelled.set()
                 job.post(ErrorEvent(message=message, status=503))
             for job in waiting:
-                self.metrics.cancelled.inc()
-                self._record(job, "cancelled", [], None, now)
+                self._record(job, "stopped", [], None, now)
             self._pending.clear()
             self._preempted.clear()
             self.metrics.queue_depth.set(0)
@@ -363,8 +316,7 @@ class BatchScheduler:
         reserved = sum(r.kv_bytes for r in self._running)
         for r in [r for r in self._preempted if r.job.cancelled.is_set() or self._closing]:
             self._preempted.remove(r)
-            self.metrics.cancelled.inc()
-            self._record(r.job, "cancelled", r.tokens, r.t_first, time.perf_counter())
+            self._record(r.job, self._left(r.job), r.tokens, r.t_first, time.perf_counter())
         while (self._preempted or self._pending) and not self._closing \
                 and len(self._running) + len(resumed) + len(taken) < self.max_batch:
             if self._preempted:
@@ -459,9 +411,10 @@ class BatchScheduler:
     def _step(self) -> None:
         """One packed forward over the running requests, and a token for each one it completes."""
         for r in [r for r in self._running if r.job.cancelled.is_set() or self._closing]:
-            self.metrics.cancelled.inc()
-            log.info("client left: generation stopped after %d tokens", len(r.tokens))
-            self._end(r, "cancelled")
+            status = self._left(r.job)
+            log.info("%s: generation stopped after %d tokens",
+                     "client left" if status == "cancelled" else "the server is stopping", len(r.tokens))
+            self._end(r, status)
         for r in list(self._running):  # oldest first: a full cache grows, or the newest make room
             if r in self._running and not r.todo and r.cache.length >= r.cache.capacity:
                 self._grow(r)
@@ -612,6 +565,14 @@ class BatchScheduler:
             self._end(r, "stop")
         elif len(r.tokens) == req.sampling.max_new_tokens:
             self._end(r, "length")
+
+    def _left(self, job: Job) -> str:
+        """A cancelled job's status: "stopped" where the server stopping ended it, else "cancelled" (its client
+        left, counted in semoe_cancelled_requests)."""
+        if job.stopped or self._closing:
+            return "stopped"
+        self.metrics.cancelled.inc()
+        return "cancelled"
 
     def _end(self, r: _Running, status: str) -> None:
         """Take r out of the batch, keep its cache's positions for later prompts that begin with its

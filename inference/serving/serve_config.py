@@ -21,7 +21,7 @@ class ServeConfig:
     decoding row and verified in its step (`BatchScheduler._drafts`); `shutdown_timeout`: seconds the requests in
     flight get to finish on SIGTERM (`http_server.DrainingServer`); `prefill_chunk`: prompt rows a step takes beside
     decoding rows (None: as many as keep that step within 1.75 times a decoding-only step, as timed, the 1.75
-    multiplied by how many times more requests start than decode: `batch_scheduler.prefill_room`, `prefill_stall`)."""
+    multiplied by how many times more requests start than decode: `prefill_policy.prefill_room`, `prefill_stall`)."""
 
     max_queue: int = 64
     max_batch: int = 16

@@ -384,7 +384,7 @@ def test_chunked_prefill_gives_a_whole_prompts_tokens_and_decoding_waits_one_chu
 def test_prefill_room_keeps_a_step_within_twice_a_decoding_step():
     """Steps timed as 120 ms plus 3 ms a row (with 1% noise) give that line back; the chunk beside 32
     decoding rows is what keeps the step within `stall` times theirs."""
-    from inference.serving.batch_scheduler import PREFILL_FIRST, PREFILL_LEAST, StepTimes, prefill_room
+    from inference.serving.prefill_policy import PREFILL_FIRST, PREFILL_LEAST, StepTimes, prefill_room
 
     times = StepTimes()
     assert prefill_room(times.fit(), 32) == PREFILL_FIRST  # not timed yet
@@ -405,7 +405,7 @@ def test_prefill_room_keeps_a_step_within_twice_a_decoding_step():
 def test_prefill_stall_grows_with_the_requests_starting_beside_those_decoding():
     """A stream beside one new prompt keeps the 1.75; clients that sent their next requests together (28
     starting beside 4 decoding) get a step 7 times as long, so that their prompts go in almost whole."""
-    from inference.serving.batch_scheduler import PREFILL_STALL, prefill_room, prefill_stall
+    from inference.serving.prefill_policy import PREFILL_STALL, prefill_room, prefill_stall
 
     assert prefill_stall(1, 8) == PREFILL_STALL
     assert prefill_stall(8, 8) == PREFILL_STALL
@@ -847,14 +847,16 @@ def test_queue_full_gets_503(scripted):
     assert requests_total(metrics(scripted.port), "/v1/completions", 503) == 1
 
 
-def test_stopping_lets_requests_finish_within_the_deadline_and_ends_the_rest_with_503(engine):
+def test_stopping_lets_requests_finish_within_the_deadline_and_ends_the_rest_with_503(engine, tmp_path):
     """SIGTERM's path: draining first (/ready and new requests on an open connection say so), then
     `DrainingServer.handle_exit` as the signal handler calls it: a request that can finish within
     --shutdown-timeout does, with its tokens; one that cannot gets 503 naming the stop, streamed or not (its
-    status line gone out, in the stream); the server then exits by itself."""
+    status line gone out, in the stream); the server then exits by itself. The request log says "stopped" for
+    those, and no client is counted as having left."""
     eng = ScriptedEngine(engine)
     eng.token_delay_s = 0.05  # a step: 3 tokens take 0.15 s, 100 take 5 s
-    app = create_app(eng, ServeConfig(max_batch=4, shutdown_timeout=1.5))
+    log_path = tmp_path / "requests.jsonl"
+    app = create_app(eng, ServeConfig(max_batch=4, shutdown_timeout=1.5, request_log=str(log_path)))
     sock = bind_socket("127.0.0.1", 0)
     port = sock.getsockname()[1]
     server = DrainingServer(uvicorn.Config(app, log_level="warning", access_log=False, lifespan="on"),
@@ -905,6 +907,10 @@ def test_stopping_lets_requests_finish_within_the_deadline_and_ends_the_rest_wit
     events = results["long stream"]  # its status line went out with the first token: the error ends the stream
     assert any("the server is stopping" in e["error"]["message"] for e in events if isinstance(e, dict) and "error" in e)
     assert app.state.worker.busy == 0
+    assert sorted(json.loads(line)["status"] for line in log_path.read_text().splitlines()) == [
+        "length", "stopped", "stopped"]
+    counted = {m.name: m.value for m in app.state.worker.metrics.cancelled.collect()[0].samples}
+    assert counted["semoe_cancelled_requests_total"] == 0
 
 
 def test_the_kv_memory_budget_queues_requests_and_refuses_one_that_never_fits(engine):
