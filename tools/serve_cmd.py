@@ -44,10 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "its tokens are greedy decoding's. For models whose state is their attention caches (not "
                         "Qwen3-Next's or DeepSeek-V4's). 0: off. auto (default): 3 where the layer drafts, only "
                         "while drafting pays (steps with and without drafts timed in turns); off otherwise")
-    p.add_argument("--max-batch-tokens", type=int, default=2048, metavar="N",
+    p.add_argument("--max-batch-tokens", type=int, default=256, metavar="N",
                    help="rows of one step: a token per decoding request, then prompt tokens of new requests; a "
-                        "longer prompt is prefilled over several steps (default 2048, as llama-server's and vLLM's "
-                        "batch; at least --max-batch)")
+                        "longer prompt is prefilled over several steps (default 256, at least --max-batch)")
     p.add_argument("--prefill-chunk", default="auto", metavar="N|auto",
                    help="prompt rows a step takes while other requests decode, so that their next token never waits "
                         "behind more than one chunk; a step with no decoding request takes prompts up to "

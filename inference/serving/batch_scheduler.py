@@ -316,7 +316,7 @@ class BatchScheduler:
         reserved = sum(r.kv_bytes for r in self._running)
         for r in [r for r in self._preempted if r.job.cancelled.is_set() or self._closing]:
             self._preempted.remove(r)
-            self._record(r.job, self._left(r.job), r.tokens, r.t_first, time.perf_counter())
+            self._record(r.job, self._cancelled_as(r.job), r.tokens, r.t_first, time.perf_counter())
         while (self._preempted or self._pending) and not self._closing \
                 and len(self._running) + len(resumed) + len(taken) < self.max_batch:
             if self._preempted:
@@ -411,7 +411,7 @@ class BatchScheduler:
     def _step(self) -> None:
         """One packed forward over the running requests, and a token for each one it completes."""
         for r in [r for r in self._running if r.job.cancelled.is_set() or self._closing]:
-            status = self._left(r.job)
+            status = self._cancelled_as(r.job)
             log.info("%s: generation stopped after %d tokens",
                      "client left" if status == "cancelled" else "the server is stopping", len(r.tokens))
             self._end(r, status)
@@ -566,9 +566,9 @@ class BatchScheduler:
         elif len(r.tokens) == req.sampling.max_new_tokens:
             self._end(r, "length")
 
-    def _left(self, job: Job) -> str:
+    def _cancelled_as(self, job: Job) -> str:
         """A cancelled job's status: "stopped" where the server stopping ended it, else "cancelled" (its client
-        left, counted in semoe_cancelled_requests)."""
+        left), which this counts in semoe_cancelled_requests."""
         if job.stopped or self._closing:
             return "stopped"
         self.metrics.cancelled.inc()

@@ -25,7 +25,7 @@ class ServeConfig:
 
     max_queue: int = 64
     max_batch: int = 16
-    max_batch_tokens: int = 2048
+    max_batch_tokens: int = 256
     kv_memory_bytes: int | None = None
     kv_grow_tokens: int = KV_GROW_TOKENS
     prefix_cache_bytes: int | None = None
