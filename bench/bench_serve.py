@@ -211,24 +211,34 @@ def _storage_counter(port: int) -> float:
     return 0.0
 
 
-def ours(args: argparse.Namespace, store: str, cache: int, clients: list[int]) -> list[dict]:
+def _semoe_cmd(args: argparse.Namespace, store: str, cache: int, clients: list[int]) -> list[str]:
     # 100%: no budget flag, the server's own choice (every expert resident where the model fits, its
     # steps on the compiled kernels), as a user runs it; below, the offload engine's CPU cache
-    cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}",
-           *([] if cache == 100 else ["--cpu-cache", f"{cache}%"]), "--max-batch", str(max(clients)),
-           "--max-queue", str(max(64, max(clients))),
-           *args.serve_flags.split()]
+    return [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}",
+            *([] if cache == 100 else ["--cpu-cache", f"{cache}%"]), "--max-batch", str(max(clients)),
+            "--max-queue", str(max(64, max(clients))), *args.serve_flags.split()]
+
+
+def _measured(args: argparse.Namespace, srv: Server, engine: str, cache: int, n: int) -> dict:
+    """One closed-loop load of n clients on srv, with the bytes it read from storage a token (/proc/PID/io, and
+    semoe's own counter)."""
+    io0, own0 = srv.read_bytes(), _storage_counter(srv.port) if engine == "semoe" else 0.0
+    r = load(srv.port, n, args.new_tokens, args.rounds)
+    r["read_bytes_per_token"] = (srv.read_bytes() - io0) / r["tokens"]
+    if engine == "semoe":
+        r["storage_bytes_per_token"] = (_storage_counter(srv.port) - own0) / r["tokens"]
+    return {"engine": engine, "cache_pct": cache, **r}
+
+
+def ours(args: argparse.Namespace, store: str, cache: int, clients: list[int]) -> list[dict]:
     drop_cache(store)
     out = []
+    cmd = _semoe_cmd(args, store, cache, clients)
     with Server(cmd, "/health", os.path.join(args.logs, f"semoe-{cache}.log")) as srv:
         _one_request(srv.port, _prompt(999, 0), 4)  # warm-up
         for n in clients:
             print(f"semoe, {cache}% cache, {n} clients ...", file=sys.stderr)
-            io0, own0 = srv.read_bytes(), _storage_counter(srv.port)
-            r = load(srv.port, n, args.new_tokens, args.rounds)
-            r["read_bytes_per_token"] = (srv.read_bytes() - io0) / r["tokens"]
-            r["storage_bytes_per_token"] = (_storage_counter(srv.port) - own0) / r["tokens"]
-            out.append({"engine": "semoe", "cache_pct": cache, **r})
+            out.append(_measured(args, srv, "semoe", cache, n))
     return out
 
 
@@ -266,7 +276,7 @@ def stall(args: argparse.Namespace, store: str) -> list[dict]:
 
     rng = random.Random(11)
     out = []
-    for name, flags in (("auto", []), ("whole", ["--prefill-chunk", "2048"])):
+    for name, flags in (("auto", []), ("whole", ["--prefill-chunk", "256"])):
         cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}", *flags]
         with Server(cmd, "/health", os.path.join(args.logs, f"semoe-stall-{name}.log")) as srv:
             _one_request(srv.port, _prompt(998, 0), 4)  # warm-up
@@ -327,11 +337,10 @@ def _median_point(runs: list[dict]) -> dict:
 def side_by_side(args: argparse.Namespace, store: str, clients: list[int]) -> list[dict]:
     """Every expert cached, semoe and llama-server both up and warm, their loads in turn at each client count
     (--pairs times: semoe, llama-server, semoe, ...), so that the machine's drift hits both; medians."""
-    cmd = [sys.executable, "-m", "tools.cli", "serve", "--model", store, "--port", "{port}", "--max-batch",
-           str(max(clients)), "--max-queue", str(max(64, max(clients))), *args.serve_flags.split()]
     drop_cache(store)
     out = []
-    with Server(cmd, "/health", os.path.join(args.logs, "semoe-100.log")) as ours_srv:
+    with Server(_semoe_cmd(args, store, 100, clients), "/health",
+                os.path.join(args.logs, "semoe-100.log")) as ours_srv:
         _one_request(ours_srv.port, _prompt(999, 0), 4)  # warm-up
         for n in clients:
             with Server(_llama_cmd(args, n), "/health", os.path.join(args.logs, f"llama-server-{n}.log")) as peer:
@@ -341,12 +350,7 @@ def side_by_side(args: argparse.Namespace, store: str, clients: list[int]) -> li
                     for engine, srv in (("semoe", ours_srv), ("llama-server", peer)):
                         print(f"{engine}, every expert cached, {n} clients ({i + 1} of {args.pairs}) ...",
                               file=sys.stderr)
-                        io0, own0 = srv.read_bytes(), _storage_counter(srv.port) if engine == "semoe" else 0.0
-                        r = load(srv.port, n, args.new_tokens, args.rounds)
-                        r["read_bytes_per_token"] = (srv.read_bytes() - io0) / r["tokens"]
-                        if engine == "semoe":
-                            r["storage_bytes_per_token"] = (_storage_counter(srv.port) - own0) / r["tokens"]
-                        runs[engine].append({"engine": engine, "cache_pct": 100, **r})
+                        runs[engine].append(_measured(args, srv, engine, 100, n))
                 out += [_median_point(runs["semoe"]), _median_point(runs["llama-server"])]
     return out
 
@@ -580,7 +584,8 @@ def main() -> int:
     points = short
     paired = not args.no_peer and 100 in caches  # every expert cached: both engines up, their loads in turn
     for cache in sorted(caches, reverse=True):
-        points += side_by_side(args, store, clients) if paired and cache == 100 else ours(args, store, cache, clients)
+        points += (side_by_side(args, store, clients) if paired and cache == 100
+                   else ours(args, store, cache, clients))
     full = {p["clients"]: p for p in points if p["cache_pct"] == 100 and "memory_pct" not in p}
     for p in points:
         if p["clients"] not in full or p["engine"] != "semoe":

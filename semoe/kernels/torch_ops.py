@@ -107,9 +107,9 @@ def quantize_activations(x_MI: torch.Tensor, block: int = ACTIVATION_BLOCK) -> t
 
 
 def activation_block(ggml_type: str | None = None) -> int:
-    """The inputs that share one scale of x in the kernels' products: 256 for GGUF's super-block types (Q4_K,
-    Q5_K, Q6_K, IQ4_XS, as ggml's q8_K), 32 otherwise."""
-    return 256 if ggml_type in ("Q4_K", "Q5_K", "Q6_K", "IQ4_XS") else ACTIVATION_BLOCK
+    """The inputs that share one scale of x in the kernels' products: a GGUF type's block (256 for the
+    super-block types Q4_K, Q5_K, Q6_K and IQ4_XS, as ggml's q8_K; gemv_ggml.c's `gg_x_block`), 32 otherwise."""
+    return loader.ggml_block(ggml_type)[0] if ggml_type else ACTIVATION_BLOCK
 
 
 def dequantize_activations(q: torch.Tensor, d: torch.Tensor) -> torch.Tensor:
